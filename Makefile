@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv and installs what it needs on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU-only machines get the CPU build of torch; see README for CUDA.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q "torch==2.13.0" || \
+	  $(BIN)/pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu ; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check elasticep tests bench examples
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check elasticep tests bench examples
+
+clean:
+	rm -rf $(VENV)
