@@ -1,0 +1,1 @@
+"""Small process and logging helpers shared by every layer (imports nothing else)."""

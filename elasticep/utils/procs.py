@@ -1,0 +1,64 @@
+"""Child-process hygiene: die with the parent, and kill only what we started.
+
+Linux only: `PR_SET_PDEATHSIG` makes the kernel signal a child when the thread that
+spawned it exits, so workers never outlive a killed front-end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent_pid: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits.
+
+    Args:
+        expected_parent_pid: if given and the parent already changed (we were
+            re-parented before the call), exit at once instead of lingering.
+        sig: the signal to receive on parent death.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except OSError:  # not Linux/glibc: best effort only
+        return
+    if expected_parent_pid is not None and os.getppid() != expected_parent_pid:
+        os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def kill_pids(pids: list[int], timeout_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s`` seconds, the given pids only.
+
+    Stopped (SIGSTOPped) processes get SIGCONT so they can act on SIGTERM.
+    """
+    live = [p for p in pids if pid_alive(p)]
+    for p in live:
+        for s in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.kill(p, s)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in live):
+        time.sleep(0.05)
+    for p in live:
+        if pid_alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
