@@ -1,0 +1,107 @@
+"""Read tensors by name from a safetensors checkpoint (single file or sharded index).
+
+Tensors are read one key at a time (``safe_open`` + ``get_tensor`` / ``get_slice``), so
+peak memory stays near what the caller keeps. Every failure is a one-line ValueError
+that names the problem and the supported families.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from elasticep.models.config import unsupported
+
+
+class CheckpointReader:
+    """Name -> tensor access over ``model_dir``'s ``*.safetensors``.
+
+    Use as a context manager; shard files are opened lazily and closed on exit.
+
+    Raises:
+        ValueError: no safetensors files, a missing tensor, or a wrong shape.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.key_to_file = {k: self.model_dir / f for k, f in weight_map.items()}
+        else:
+            files = sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                raise unsupported(f"no *.safetensors files in {self.model_dir}")
+            self.key_to_file = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as handle:
+                    for k in handle.keys():
+                        self.key_to_file[k] = f
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every opened shard."""
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def has(self, key: str) -> bool:
+        """True when the checkpoint holds ``key``."""
+        return key in self.key_to_file
+
+    def _handle(self, key: str) -> Any:
+        if key not in self.key_to_file:
+            raise unsupported(f"missing tensor {key!r} in checkpoint {self.model_dir}")
+        path = self.key_to_file[key]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt").__enter__()
+        return self._handles[path]
+
+    def get(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Read ``key``, check it is ``shape`` and convert it to ``dtype`` on ``device``."""
+        tensor = self._handle(key).get_tensor(key)
+        _check_shape(key, tuple(tensor.shape), shape)
+        return tensor.to(device=device, dtype=dtype)
+
+    def get_row(
+        self,
+        key: str,
+        row: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Read only ``key[row]`` of a stacked tensor (fused expert layout)."""
+        sl = self._handle(key).get_slice(key)
+        full = tuple(sl.get_shape())
+        _check_shape(key, full[1:], shape)
+        if not 0 <= row < full[0]:
+            raise unsupported(f"tensor {key!r} has {full[0]} experts, expert {row} requested")
+        return sl[row].to(device=device, dtype=dtype)
+
+    def get_optional(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor | None:
+        """Like :meth:`get`, but None when the key is absent."""
+        return self.get(key, shape, dtype, device) if self.has(key) else None
+
+
+def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if got != want:
+        raise unsupported(f"tensor {key!r} has shape {list(got)}, expected {list(want)}")

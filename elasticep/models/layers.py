@@ -1,0 +1,112 @@
+"""Functional building blocks shared by the MoE families: RMSNorm, RoPE, paged attention.
+
+All functions are stateless; weights are passed in. Numerics follow the transformers
+implementations of qwen3_moe / qwen2_moe / mixtral (RMSNorm in float32, RoPE tables in
+float32 cast to the model dtype, softmax attention via SDPA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one forward pass sit, per sequence.
+
+    The batch is flat: sequence ``i`` owns tokens ``[query_starts[i], query_starts[i+1])``
+    of the ``T`` input tokens, which are the last ``query_lens[i]`` of its
+    ``context_lens[i]`` tokens.
+
+    Attributes:
+        query_starts: ``[B+1]`` python ints, cumulative query lengths.
+        context_lens: ``[B]`` python ints, tokens in the sequence after this step.
+        slot_mapping: ``[T]`` int64, the flat KV-cache slot each new token writes.
+        gather_slots: per sequence ``[context_lens[i]]`` int64, the KV-cache slots to read.
+    """
+
+    query_starts: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor
+    gather_slots: list[torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 and cast back like transformers."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default RoPE tables for ``positions [T]`` -> cos, sin ``[T, head_dim]`` in ``dtype``."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by the half-split convention (cos/sin ``[T, D]``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over each sequence's cached + new keys.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (RoPE already applied to q, k).
+        kv_cache: ``(k_cache, v_cache)`` each ``[num_slots, Hkv, D]``, or None when
+            every sequence is a full prefill (then k, v are used directly).
+        meta: token placement, see :class:`AttentionMetadata`.
+        scale: softmax scale, ``head_dim ** -0.5``.
+
+    Returns:
+        ``[T, Hq * D]`` in q's dtype.
+
+    KV writes go to ``meta.slot_mapping`` and rewrite the same slots on a redo, so a
+    step can be repeated after a failure without corrupting the cache.
+    """
+    if kv_cache is not None:
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    n_rep = q.shape[1] // k.shape[1]
+    outs = []
+    for i, ctx in enumerate(meta.context_lens):
+        s, e = meta.query_starts[i], meta.query_starts[i + 1]
+        n = e - s
+        if kv_cache is None:
+            ks, vs = k[s:e], v[s:e]
+        else:
+            ks = k_cache.index_select(0, meta.gather_slots[i])
+            vs = v_cache.index_select(0, meta.gather_slots[i])
+        qh = q[s:e].transpose(0, 1)  # [Hq, n, D]
+        kh = ks.transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, ctx, D]
+        vh = vs.transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        if n == ctx:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1).reshape(n, -1))
+    return torch.cat(outs, dim=0)

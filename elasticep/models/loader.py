@@ -1,0 +1,210 @@
+"""Per-rank loader: all non-expert weights plus only the experts a placement assigns.
+
+The placement is ``slot_to_logical [L, S]`` (int64): the logical expert each of this
+rank's S physical slots holds, per decoder layer. The default is the identity (every
+expert, S = E). Expert tensors are read one expert at a time into preallocated slot
+tensors, so peak memory stays near the size of what the rank keeps.
+
+On-disk expert layouts understood, per MoE layer (first match wins):
+- per expert: ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (qwen) or
+  ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (mixtral: w1 gate, w3 up, w2 down);
+- fused: ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``
+  (transformers 5 module layout).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from elasticep.models.checkpoint import CheckpointReader
+from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
+from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
+from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
+from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
+
+
+def _moe_prefixes(cfg: MoEModelConfig, layer: int) -> list[str]:
+    base = f"model.layers.{layer}"
+    if cfg.model_type == "mixtral":
+        return [f"{base}.block_sparse_moe", f"{base}.mlp"]
+    return [f"{base}.mlp"]
+
+
+def _expert_keys(cfg: MoEModelConfig, reader: CheckpointReader, layer: int) -> tuple[str, str]:
+    """Return (kind, prefix): kind is "fused" or "per_expert" for this layer's experts."""
+    for prefix in _moe_prefixes(cfg, layer):
+        if reader.has(f"{prefix}.experts.gate_up_proj"):
+            return "fused", prefix
+        for name in ("gate_proj", "w1"):
+            if reader.has(f"{prefix}.experts.0.{name}.weight"):
+                return "per_expert", prefix
+    raise unsupported(f"missing expert tensors for layer {layer} under {_moe_prefixes(cfg, layer)}")
+
+
+def load_expert_into_slot(
+    reader: CheckpointReader,
+    cfg: MoEModelConfig,
+    slots: ExpertSlots,
+    layer: int,
+    slot: int,
+    logical_expert: int,
+) -> None:
+    """Read logical expert ``logical_expert`` of ``layer`` into physical ``slot``.
+
+    Used at load time and to reload an orphaned expert after a rank dies. Updates
+    ``slots.slot_to_logical[layer, slot]``; callers with a cached map must refresh it
+    (e.g. :meth:`LocalExpertExecutor.refresh`).
+
+    Raises:
+        ValueError: missing tensor, wrong shape, or an expert id out of range.
+    """
+    if not 0 <= logical_expert < cfg.num_experts:
+        raise ValueError(f"logical expert {logical_expert} out of range [0, {cfg.num_experts})")
+    w13, w2 = slots.w13[layer], slots.w2[layer]
+    if w13 is None or w2 is None:
+        raise ValueError(f"layer {layer} is not an MoE layer")
+    hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    dtype, device = w13.dtype, w13.device
+    kind, prefix = _expert_keys(cfg, reader, layer)
+    if kind == "fused":
+        w13[slot].copy_(
+            reader.get_row(f"{prefix}.experts.gate_up_proj", logical_expert, (2 * inter, hid), dtype, device)
+        )
+        w2[slot].copy_(
+            reader.get_row(f"{prefix}.experts.down_proj", logical_expert, (hid, inter), dtype, device)
+        )
+    else:
+        names = ("w1", "w3", "w2") if reader.has(f"{prefix}.experts.0.w1.weight") else (
+            "gate_proj", "up_proj", "down_proj")
+        p = f"{prefix}.experts.{logical_expert}"
+        w13[slot, :inter].copy_(reader.get(f"{p}.{names[0]}.weight", (inter, hid), dtype, device))
+        w13[slot, inter:].copy_(reader.get(f"{p}.{names[1]}.weight", (inter, hid), dtype, device))
+        w2[slot].copy_(reader.get(f"{p}.{names[2]}.weight", (hid, inter), dtype, device))
+    slots.slot_to_logical[layer, slot] = logical_expert
+
+
+def _dense(reader: CheckpointReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
+    return DenseMLPWeights(
+        gate=reader.get(f"{p}.gate_proj.weight", (inter, hid), dt, dev),
+        up=reader.get(f"{p}.up_proj.weight", (inter, hid), dt, dev),
+        down=reader.get(f"{p}.down_proj.weight", (hid, inter), dt, dev),
+    )
+
+
+def _layer(reader: CheckpointReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:
+    hid, d = cfg.hidden_size, cfg.head_dim
+    qd, kvd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+
+    def bias(name: str, n: int, on: bool) -> torch.Tensor | None:
+        return reader.get(f"{a}.{name}.bias", (n,), dt, dev) if on else None
+
+    attn = AttentionWeights(
+        q=reader.get(f"{a}.q_proj.weight", (qd, hid), dt, dev),
+        k=reader.get(f"{a}.k_proj.weight", (kvd, hid), dt, dev),
+        v=reader.get(f"{a}.v_proj.weight", (kvd, hid), dt, dev),
+        o=reader.get(f"{a}.o_proj.weight", (hid, qd), dt, dev),
+        q_bias=bias("q_proj", qd, cfg.qkv_bias),
+        k_bias=bias("k_proj", kvd, cfg.qkv_bias),
+        v_bias=bias("v_proj", kvd, cfg.qkv_bias),
+        o_bias=bias("o_proj", hid, cfg.o_bias),
+        q_norm=reader.get(f"{a}.q_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
+        k_norm=reader.get(f"{a}.k_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
+    )
+    moe = mlp = None
+    if cfg.moe_layers[i]:
+        _, prefix = _expert_keys(cfg, reader, i)
+        moe = MoEBlockWeights(router=reader.get(f"{prefix}.gate.weight", (cfg.num_experts, hid), dt, dev))
+        if cfg.shared_expert_intermediate_size > 0:
+            moe.shared = _dense(reader, f"{p}.mlp.shared_expert", hid, cfg.shared_expert_intermediate_size, dt, dev)
+            moe.shared_gate = reader.get_optional(f"{p}.mlp.shared_expert_gate.weight", (1, hid), dt, dev)
+    else:
+        mlp = _dense(reader, f"{p}.mlp", hid, cfg.intermediate_size, dt, dev)
+    return DecoderLayerWeights(
+        input_norm=reader.get(f"{p}.input_layernorm.weight", (hid,), dt, dev),
+        post_attn_norm=reader.get(f"{p}.post_attention_layernorm.weight", (hid,), dt, dev),
+        attn=attn,
+        moe=moe,
+        mlp=mlp,
+    )
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    slot_to_logical: torch.Tensor | None = None,
+    progress: bool = True,
+) -> MoECausalLM:
+    """Load a checkpoint for one rank.
+
+    Args:
+        model_dir: directory with ``config.json`` and ``*.safetensors``.
+        dtype: weight/activation dtype (float32 or bfloat16).
+        device: "cpu" or "cuda".
+        slot_to_logical: ``[L, S]`` int64 placement; None = all E experts in order.
+        progress: show a tqdm bar on stderr.
+
+    Returns:
+        A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the
+        loaded slots (replace ``model.executor`` for expert parallelism).
+
+    Raises:
+        ValueError: unsupported family, missing tensor, wrong shape or bad placement.
+    """
+    cfg = load_model_config(model_dir)
+    n_layers, hid, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.moe_intermediate_size
+    if slot_to_logical is None:
+        slot_to_logical = torch.arange(cfg.num_experts).repeat(n_layers, 1)
+    slot_to_logical = torch.as_tensor(slot_to_logical, dtype=torch.long).clone()
+    if slot_to_logical.dim() != 2 or slot_to_logical.shape[0] != n_layers:
+        raise ValueError(f"slot_to_logical must be [{n_layers}, S], got {list(slot_to_logical.shape)}")
+    if slot_to_logical.numel() and not bool(
+        ((slot_to_logical >= 0) & (slot_to_logical < cfg.num_experts)).all()
+    ):
+        raise ValueError(f"slot_to_logical holds ids outside [0, {cfg.num_experts})")
+    num_slots = slot_to_logical.shape[1]
+    slots = ExpertSlots(
+        w13=[torch.empty(num_slots, 2 * inter, hid, dtype=dtype, device=device) if m else None
+             for m in cfg.moe_layers],
+        w2=[torch.empty(num_slots, hid, inter, dtype=dtype, device=device) if m else None
+            for m in cfg.moe_layers],
+        slot_to_logical=slot_to_logical,
+    )
+    with CheckpointReader(model_dir) as reader:
+        embed = reader.get("model.embed_tokens.weight", (cfg.vocab_size, hid), dtype, device)
+        layers = []
+        bar = tqdm(range(n_layers), desc=f"loading {Path(model_dir).name}", unit="layer",
+                   file=sys.stderr, disable=not progress)
+        for i in bar:
+            layers.append(_layer(reader, cfg, i, dtype, device))
+            if cfg.moe_layers[i]:
+                for s in range(num_slots):
+                    load_expert_into_slot(reader, cfg, slots, i, s, int(slot_to_logical[i, s]))
+        final_norm = reader.get("model.norm.weight", (hid,), dtype, device)
+        if reader.has("lm_head.weight") or not cfg.tie_word_embeddings:
+            lm_head = reader.get("lm_head.weight", (cfg.vocab_size, hid), dtype, device)
+        else:
+            lm_head = embed
+    executor = LocalExpertExecutor(slots, cfg.num_experts)
+    return MoECausalLM(cfg, embed, layers, final_norm, lm_head, slots, executor)
+
+
+def reload_expert(
+    model: MoECausalLM, model_dir: str | Path, layer: int, slot: int, logical_expert: int
+) -> None:
+    """Reload one expert of ``model`` from its checkpoint into ``slot`` (orphan reload).
+
+    Refreshes the model's executor map when it has one (``refresh()``).
+    """
+    with CheckpointReader(model_dir) as reader:
+        load_expert_into_slot(reader, model.config, model.experts, layer, slot, logical_expert)
+    refresh = getattr(model.executor, "refresh", None)
+    if callable(refresh):
+        refresh()

@@ -1,0 +1,160 @@
+"""Our forward pass for the qwen3_moe / qwen2_moe / mixtral decoder families.
+
+Weights are plain tensors in small dataclasses (no nn.Module) so that the loader can
+fill exactly what a rank keeps; routed experts live in an
+:class:`~elasticep.moe.local_executor.ExpertSlots` behind an executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from elasticep.models.config import MoEModelConfig
+from elasticep.models.layers import (
+    AttentionMetadata,
+    apply_rope,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+)
+from elasticep.models.moe_block import (
+    DenseMLPWeights,
+    ExpertExecutor,
+    MoEBlockWeights,
+    dense_mlp,
+    moe_block,
+)
+from elasticep.moe.local_executor import ExpertSlots
+
+
+@dataclass
+class AttentionWeights:
+    """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One decoder layer: norms ``[H]``, attention, and either a MoE block or a dense MLP."""
+
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    attn: AttentionWeights
+    moe: MoEBlockWeights | None
+    mlp: DenseMLPWeights | None
+
+
+class MoECausalLM:
+    """A loaded MoE causal LM; call :meth:`forward` with a flat batch of tokens.
+
+    Args:
+        config: parsed model config.
+        embed: ``[V, H]``; final_norm ``[H]``; lm_head ``[V, H]`` (may alias ``embed``).
+        layers: per decoder layer weights.
+        experts: this rank's routed expert slots.
+        executor: the expert executor the MoE blocks call (swap it for EP).
+    """
+
+    def __init__(
+        self,
+        config: MoEModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        experts: ExpertSlots,
+        executor: ExpertExecutor,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.experts = experts
+        self.executor = executor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's activation/weight dtype."""
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed.device
+
+    def _attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        c, w = self.config, self.layers[i].attn
+        t = x.shape[0]
+        q = F.linear(x, w.q, w.q_bias).view(t, c.num_attention_heads, c.head_dim)
+        k = F.linear(x, w.k, w.k_bias).view(t, c.num_key_value_heads, c.head_dim)
+        v = F.linear(x, w.v, w.v_bias).view(t, c.num_key_value_heads, c.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
+        return F.linear(o, w.o, w.o_bias)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder on a flat batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 absolute positions.
+            meta: per-sequence placement of the T tokens.
+            kv_caches: per layer ``(k, v)`` each ``[num_slots, Hkv, D]``; None = no cache
+                (every sequence must then be a full prefill).
+            logits_indices: ``[N]`` rows of the T tokens to project to logits; None = all.
+
+        Returns:
+            ``[N, V]`` float32 logits.
+        """
+        c = self.config
+        h = self.embed[input_ids]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
+        for i, layer in enumerate(self.layers):
+            cache = kv_caches[i] if kv_caches is not None else None
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            h = h + self._attention(i, x, cos, sin, cache, meta)
+            x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
+            if layer.moe is not None:
+                mlp_out = moe_block(
+                    i, x, layer.moe, self.executor, c.num_experts_per_tok, c.norm_topk_prob
+                )
+            else:
+                mlp_out = dense_mlp(x, layer.mlp)
+            h = h + mlp_out
+        if logits_indices is not None:
+            h = h[logits_indices]
+        h = rms_norm(h, self.final_norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

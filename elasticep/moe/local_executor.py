@@ -1,0 +1,128 @@
+"""Single-rank expert executor: run routed tokens through the experts in local slots.
+
+Implements the executor contract of docs/ARCHITECTURE.md ("MoE layer"):
+
+    out = executor(layer_idx, hidden_states, topk_ids, topk_weights)
+
+Expert weights live in *physical slots*; :class:`ExpertSlots` holds, per decoder layer,
+``w13 [S, 2*I, H]`` (gate rows then up rows), ``w2 [S, H, I]`` and the row
+``slot_to_logical[layer] [S]``. The EP executor reuses the same container and
+:func:`run_slots` for its local compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ExpertSlots:
+    """Expert weights of one rank, by physical slot.
+
+    Attributes:
+        w13: per decoder layer, ``[S, 2*I, H]`` (model dtype) or None for a dense layer.
+        w2: per decoder layer, ``[S, H, I]`` or None for a dense layer.
+        slot_to_logical: ``[L, S]`` int64, the logical expert each local slot holds.
+            Rows of dense layers are ignored. Mutable: orphan reload rewrites a slot.
+    """
+
+    w13: list[torch.Tensor | None]
+    w2: list[torch.Tensor | None]
+    slot_to_logical: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        """S, the number of physical slots per layer on this rank."""
+        return int(self.slot_to_logical.shape[1])
+
+
+def run_slots(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    hidden_states: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted sum of SwiGLU experts over local slots.
+
+    Args:
+        w13: ``[S, 2*I, H]`` gate rows then up rows.
+        w2: ``[S, H, I]``.
+        hidden_states: ``[T, H]`` model dtype.
+        slot_ids: ``[T, k]`` int64 local slot per (token, choice), in ``[0, S)``.
+        weights: ``[T, k]`` float32 combine weights.
+
+    Returns:
+        ``[T, H]`` model dtype: ``sum_j weights[t, j] * expert_{slot_ids[t, j]}(h_t)``.
+    """
+    out = torch.zeros_like(hidden_states)
+    if hidden_states.shape[0] == 0:
+        return out
+    flat_slots = slot_ids.reshape(-1)
+    # Group (token, choice) pairs by slot once, so each expert runs one matmul.
+    order = torch.argsort(flat_slots, stable=True)
+    counts = torch.bincount(flat_slots, minlength=w13.shape[0]).tolist()
+    k = slot_ids.shape[1]
+    token_of = order // k
+    flat_w = weights.reshape(-1)[order]
+    start = 0
+    for slot, n in enumerate(counts):
+        if n == 0:
+            continue
+        idx = token_of[start : start + n]
+        x = hidden_states[idx]
+        gate, up = F.linear(x, w13[slot]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[slot])
+        y = y * flat_w[start : start + n, None].to(y.dtype)
+        out.index_add_(0, idx, y)
+        start += n
+    return out
+
+
+class LocalExpertExecutor:
+    """The single-rank executor: every routed logical expert must have a local slot.
+
+    Args:
+        slots: this rank's expert weights.
+        num_logical_experts: E, the router's output width.
+
+    Raises:
+        ValueError: from :meth:`__call__` when a token routes to an expert no slot holds.
+    """
+
+    def __init__(self, slots: ExpertSlots, num_logical_experts: int) -> None:
+        self.slots = slots
+        self.num_logical_experts = num_logical_experts
+        self._logical_to_slot: torch.Tensor | None = None
+
+    def refresh(self) -> None:
+        """Rebuild the logical -> slot map after ``slots.slot_to_logical`` changed."""
+        s2l = self.slots.slot_to_logical
+        num_layers, num_slots = s2l.shape
+        l2s = torch.full((num_layers, self.num_logical_experts), -1, dtype=torch.long)
+        # The first slot that holds a logical expert serves it (replicas are for EP).
+        for slot in reversed(range(num_slots)):
+            l2s[torch.arange(num_layers), s2l[:, slot].cpu()] = slot
+        self._logical_to_slot = l2s
+
+    def __call__(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Apply the routed experts of ``layer_idx``; shapes as in :func:`run_slots`."""
+        if self._logical_to_slot is None:
+            self.refresh()
+        table = self._logical_to_slot[layer_idx].to(topk_ids.device)
+        slot_ids = table[topk_ids]
+        if bool((slot_ids < 0).any()):
+            missing = sorted(set(topk_ids[slot_ids < 0].tolist()))
+            raise ValueError(f"layer {layer_idx}: logical experts {missing} have no local slot")
+        return run_slots(
+            self.slots.w13[layer_idx], self.slots.w2[layer_idx], hidden_states, slot_ids, topk_weights
+        )
