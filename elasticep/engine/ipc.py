@@ -1,0 +1,324 @@
+"""pyzmq transport between the HTTP front-end and the worker ranks.
+
+Topology (the front-end binds, workers connect, so a relaunched rank just reconnects)::
+
+    front-end ROUTER  <-- DEALER (identity = rank)  worker   requests, aborts; hello
+    front-end PULL    <-- PUSH                       worker   batches of TokenOutput
+
+A worker says :class:`WorkerHello` over its DEALER: once the ROUTER has received a
+message from an identity it can route to it, so "hello received" means "sendable".
+A relaunched rank reuses its identity; ``ROUTER_HANDOVER`` lets the new connection
+take the identity over from a dead one that the ROUTER has not noticed yet.
+
+Messages are pickled dataclasses. Pickle is acceptable here because both ends are
+processes of one deployment on a private port; never expose these ports publicly.
+
+The front-end side is asyncio (it lives in the HTTP server's event loop); the worker
+side is synchronous (it lives in a plain step loop). Every call is non-blocking or
+takes a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+# Messages the front-end sends to one rank.
+RankMessage = GenerateRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker rank announces itself (at start, after a relaunch, or a new epoch)."""
+
+    rank: int
+    epoch: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    """Tokens of one committed step of one rank, published in index order per request."""
+
+    rank: int
+    epoch: int
+    outputs: tuple[TokenOutput, ...]
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A rank refused or failed one request (for example: it does not fit the KV cache)."""
+
+    rank: int
+    request_id: str
+    message: str
+
+
+# Messages a worker sends to the front-end.
+WorkerMessage = WorkerHello | OutputBatch | RequestError
+
+
+@dataclass(frozen=True)
+class IpcEndpoints:
+    """The two addresses a worker connects to, e.g. ``tcp://127.0.0.1:5555``."""
+
+    request_addr: str
+    output_addr: str
+
+
+class IpcError(RuntimeError):
+    """Base class of transport errors."""
+
+
+class RankUnreachableError(IpcError):
+    """The front-end has no live connection to the rank, or its queue is full."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank} unreachable: {reason}")
+        self.rank = rank
+
+
+class FrontendUnreachableError(IpcError):
+    """A worker could not hand its outputs to the front-end within the send timeout."""
+
+
+def _identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def _rank_of(identity: bytes) -> int | None:
+    text = identity.decode(errors="replace")
+    if not text.startswith("rank-"):
+        return None
+    try:
+        return int(text[5:])
+    except ValueError:
+        return None
+
+
+def _loads(frame: bytes) -> object | None:
+    """Unpickle one frame; a corrupt frame is logged and dropped, never raised."""
+    try:
+        return pickle.loads(frame)
+    except Exception as exc:  # noqa: BLE001 - any garbage on the wire must not kill the loop
+        logger.warning("dropping undecodable ipc frame (%d bytes): %r", len(frame), exc)
+        return None
+
+
+class FrontendChannel:
+    """Front-end side: a ROUTER for requests and a PULL for outputs, bound on ``host``.
+
+    Use it from one asyncio event loop only (zmq sockets are not thread-safe).
+
+    Args:
+        host: interface to bind; ports are chosen by the OS (no hard-coded ports).
+        request_port: 0 for a random free port, else a fixed one.
+        output_port: 0 for a random free port, else a fixed one.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", request_port: int = 0, output_port: int = 0):
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        # Raise EHOSTUNREACH instead of silently dropping messages to unknown ranks.
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self.endpoints = IpcEndpoints(
+            request_addr=self._bind(self._router, host, request_port),
+            output_addr=self._bind(self._pull, host, output_port),
+        )
+        # Async shadows of the two sockets, made on first poll inside the running loop;
+        # the plain sockets do the (non-blocking) sends and receives.
+        self._poller: zmq.asyncio.Poller | None = None
+        self._shadows: list[zmq.asyncio.Socket] = []
+        # rank -> latest hello; a relaunched rank overwrites its entry.
+        self.connected: dict[int, WorkerHello] = {}
+        self._closed = False
+        logger.info("front-end ipc bound: requests %s, outputs %s",
+                    self.endpoints.request_addr, self.endpoints.output_addr)
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, host: str, port: int) -> str:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+
+    def send(self, rank: int, message: RankMessage) -> None:
+        """Queue ``message`` for ``rank`` without blocking.
+
+        Raises:
+            RankUnreachableError: the rank never said hello, its connection is gone,
+                or its send queue is full.
+        """
+        frames = [_identity(rank), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
+        try:
+            self._router.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise RankUnreachableError(rank, exc.strerror) from exc
+            raise
+
+    async def poll(self, timeout_s: float) -> list[WorkerMessage]:
+        """Wait up to ``timeout_s`` seconds for worker messages and return all that arrived.
+
+        Hellos also update :attr:`connected`. Returns an empty list on timeout.
+        """
+        if self._closed:
+            raise IpcError("front-end channel is closed")
+        if self._poller is None:
+            self._poller = zmq.asyncio.Poller()
+            self._shadows = [zmq.asyncio.Socket.from_socket(s) for s in (self._router, self._pull)]
+            for shadow in self._shadows:
+                self._poller.register(shadow, zmq.POLLIN)
+        # Drain first: zmq wakeups are edge-triggered, so messages that arrived while we
+        # were busy would otherwise wait for the next edge.
+        messages = self._drain_router() + self._drain(self._pull)
+        if messages:
+            return messages
+        await self._poller.poll(timeout=max(0, int(timeout_s * 1000)))
+        return self._drain_router() + self._drain(self._pull)
+
+    def _drain_router(self) -> list[WorkerMessage]:
+        out: list[WorkerMessage] = []
+        while True:
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            rank = _rank_of(frames[0])
+            msg = _loads(frames[-1])
+            if not isinstance(msg, WorkerHello) or msg.rank != rank:
+                logger.warning("ignoring unexpected message on request socket from %r",
+                               frames[0])
+                continue
+            if msg.rank in self.connected and self.connected[msg.rank].pid != msg.pid:
+                logger.info("rank %d reconnected (pid %d -> %d, epoch %d)", msg.rank,
+                            self.connected[msg.rank].pid, msg.pid, msg.epoch)
+            elif msg.rank not in self.connected:
+                logger.info("rank %d connected (pid %d, epoch %d)", msg.rank, msg.pid,
+                            msg.epoch)
+            self.connected[msg.rank] = msg
+            out.append(msg)
+
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> list[WorkerMessage]:
+        out: list[WorkerMessage] = []
+        while True:
+            try:
+                frame = sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = _loads(frame)
+            if isinstance(msg, OutputBatch | RequestError):
+                out.append(msg)
+            elif msg is not None:
+                logger.warning("ignoring unexpected %s on output socket", type(msg).__name__)
+
+    def close(self) -> None:
+        """Close both sockets and the context; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for shadow in self._shadows:
+            shadow.close(linger=0)
+        self._router.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+class WorkerChannel:
+    """Worker side: a DEALER (identity = rank) for requests and a PUSH for outputs.
+
+    Args:
+        endpoints: the front-end's addresses.
+        rank: global rank slot; it is the DEALER identity, kept across relaunches.
+        epoch: membership epoch to tag outputs with; update :attr:`epoch` as it changes.
+        send_timeout_s: how long :meth:`send_outputs` may block on a full queue (seconds).
+    """
+
+    def __init__(self, endpoints: IpcEndpoints, rank: int, epoch: int = 0,
+                 send_timeout_s: float = 5.0):
+        self.rank = rank
+        self.epoch = epoch
+        self._ctx = zmq.Context()
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(endpoints.request_addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        # Let the last outputs flush on a clean close, but never hang an exit for long.
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.connect(endpoints.output_addr)
+        self._poller = zmq.Poller()
+        self._poller.register(self._dealer, zmq.POLLIN)
+
+    def hello(self) -> None:
+        """Announce this rank (pid, epoch) to the front-end; call at start and after relaunch.
+
+        Raises:
+            FrontendUnreachableError: the hello could not be queued.
+        """
+        msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid())
+        try:
+            self._dealer.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise FrontendUnreachableError(f"rank {self.rank}: hello not queued") from exc
+
+    def poll(self, timeout_s: float) -> list[RankMessage]:
+        """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
+        out: list[RankMessage] = []
+        if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
+            return out
+        while True:
+            try:
+                frame = self._dealer.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = _loads(frame)
+            if isinstance(msg, GenerateRequest | AbortRequest):
+                out.append(msg)
+            elif msg is not None:
+                logger.warning("rank %d epoch %d: ignoring unexpected %s", self.rank,
+                               self.epoch, type(msg).__name__)
+
+    def send_outputs(self, outputs: Sequence[TokenOutput]) -> None:
+        """Publish one committed step's tokens, tagged with this rank and epoch.
+
+        Raises:
+            FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
+        """
+        if not outputs:
+            return
+        self._push_msg(OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
+
+    def send_error(self, request_id: str, message: str) -> None:
+        """Tell the front-end that this rank cannot serve ``request_id``."""
+        self._push_msg(RequestError(rank=self.rank, request_id=request_id, message=message))
+
+    def _push_msg(self, msg: WorkerMessage) -> None:
+        try:
+            self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        except zmq.Again as exc:
+            raise FrontendUnreachableError(
+                f"rank {self.rank} epoch {self.epoch}: output queue full") from exc
+
+    def close(self) -> None:
+        """Close the sockets (outputs get up to 1 s to flush)."""
+        self._dealer.close(linger=0)
+        self._push.close()
+        self._ctx.term()
