@@ -1,0 +1,208 @@
+"""Single-process engine: add requests, step, collect tokens.
+
+A step is split so the multi-rank engine can redo it after a rank dies:
+
+    batch = engine.schedule()          # plan; allocates KV blocks, no token state changes
+    tokens = engine.execute(batch)     # forward + sample; pure except idempotent KV writes
+    outputs = engine.commit(batch, tokens)   # append tokens, finish, free; the only mutation
+
+``step()`` is those three in a row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from elasticep.engine.kv_cache import BlockManager
+from elasticep.engine.model_runner import ModelRunner
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
+from elasticep.engine.sampler import sample_batch
+from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
+from elasticep.engine.sequence import Sequence, SequenceStatus
+from elasticep.models.model import MoECausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits.
+
+    Attributes:
+        max_total_tokens: KV-cache capacity in tokens (rounded up to whole blocks).
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences in one step.
+        max_batch_tokens: per-step token budget for admitting prefills.
+    """
+
+    max_total_tokens: int = 8192
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 4096
+
+
+class LLMEngine:
+    """Continuous-batching engine over one :class:`MoECausalLM`.
+
+    Args:
+        model: the loaded model (any executor).
+        config: engine limits.
+        detokenize: ids -> text, needed only for ``stop`` strings.
+    """
+
+    def __init__(
+        self,
+        model: MoECausalLM,
+        config: EngineConfig | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        num_blocks = -(-self.config.max_total_tokens // self.config.block_size)
+        self.blocks = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batch_tokens)
+        self.runner = ModelRunner(model, num_blocks, self.config.block_size)
+        self.detokenize = detokenize
+        self.eos_ids = set(model.config.eos_token_ids)
+        # a sequence may never outgrow the context or the whole cache
+        self.max_seq_len = min(model.config.max_position_embeddings, self.blocks.capacity_tokens)
+        self._arrival = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        config: EngineConfig | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        progress: bool = True,
+    ) -> LLMEngine:
+        """Load ``model_dir`` with every expert local and wrap it in an engine."""
+        from elasticep.models.loader import load_model
+
+        model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        return cls(model, config, detokenize)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        """Queue a request (a resumed one carries its ``output_token_ids``).
+
+        Raises:
+            ValueError: bad sampling params, duplicate id, empty prompt, or a prompt (plus
+                resumed tokens) longer than the context or the whole KV cache.
+        """
+        req.params.validate()
+        if req.request_id in self._seqs:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        n = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt")
+        if n >= self.max_seq_len:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt of {n} tokens does not fit: context "
+                f"{self.model.config.max_position_embeddings}, KV cache {self.blocks.capacity_tokens} tokens"
+            )
+        seq = Sequence.from_request(req, next(self._arrival))
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; True if it was known."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan the next step (see module doc)."""
+        return self.scheduler.schedule()
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Forward + sample one token per scheduled sequence; mutates no request state."""
+        if not batch.items:
+            return []
+        logits = self.runner.forward(batch)
+        seqs = [it.seq for it in batch.items]
+        return sample_batch(
+            logits,
+            [s.params for s in seqs],
+            [s.request_id for s in seqs],
+            [len(s.output_token_ids) for s in seqs],
+        )
+
+    def commit(self, batch: ScheduledBatch, tokens: Seq[int]) -> list[TokenOutput]:
+        """Append sampled tokens, finish sequences that are done and return their outputs."""
+        outputs = []
+        for it, tok in zip(batch.items, tokens, strict=True):
+            seq = it.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between execute and commit
+            seq.num_cached_tokens = it.end
+            seq.output_token_ids.append(int(tok))
+            reason = self._finish_reason(seq, int(tok))
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in self.eos_ids and not p.ignore_eos:
+            return "stop"
+        if p.stop and self.detokenize is not None:
+            text = self.detokenize(seq.output_token_ids)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+    def step(self) -> list[TokenOutput]:
+        """schedule -> execute -> commit; returns the tokens generated this step."""
+        batch = self.schedule()
+        return self.commit(batch, self.execute(batch))
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion as one batch; return generated ids in input order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        prefix = f"gen{next(self._arrival)}-"
+        results: dict[str, list[int]] = {f"{prefix}{i}": [] for i in range(len(prompts))}
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(GenerateRequest(f"{prefix}{i}", tuple(prompt), p))
+        while any(rid in self._seqs for rid in results):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].append(out.token_id)
+        return [results[f"{prefix}{i}"] for i in range(len(prompts))]
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits ``[n, V]`` for every position of ``token_ids``, computed through
+        the paged cache with temporary blocks (perplexity, tests)."""
+        seq = Sequence("__score__", list(token_ids), [], SamplingParams(), -1)
+        if not self.blocks.can_grow(seq.block_table, len(token_ids)):
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the free KV cache")
+        self.blocks.grow(seq.block_table, len(token_ids))
+        try:
+            batch = ScheduledBatch((ScheduledSeq(seq, 0, len(token_ids)),))
+            return self.runner.forward(batch, all_logits=True)
+        finally:
+            self.blocks.free(seq.block_table)

@@ -1,0 +1,124 @@
+"""Continuous-batching scheduler over a paged KV cache (pure bookkeeping, no tensors).
+
+Every step, running sequences each get one decode token and waiting sequences are
+admitted (FIFO) while KV blocks, the sequence limit and the token budget allow. When a
+running sequence cannot grow, the newest running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed from prompt +
+generated tokens. A full cache therefore delays requests and never fails them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from elasticep.engine.kv_cache import BlockManager
+from elasticep.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens ``[start, end)`` of it."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """The work of one step; re-executable until committed (a redo after a failure)."""
+
+    items: tuple[ScheduledSeq, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass processes."""
+        return sum(it.end - it.start for it in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    """Decides which sequences run each step.
+
+    Args:
+        blocks: the KV block manager.
+        max_num_seqs: most sequences in one step.
+        max_batch_tokens: token budget per step for admitting prefills (the first
+            admitted prefill may exceed it, so long prompts are never starved).
+    """
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new or resumed sequence."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Drop a sequence wherever it is and free its blocks; None if unknown."""
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished, free its blocks and take it out of the queues."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan one step: grow running sequences, preempting the newest on shortage, then admit."""
+        items: list[ScheduledSeq] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.blocks.can_grow(seq.block_table, seq.num_tokens):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.grow(seq.block_table, seq.num_tokens)
+                items.append(ScheduledSeq(seq, seq.num_cached_tokens, seq.num_tokens))
+        budget = self.max_batch_tokens - sum(it.end - it.start for it in items)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = seq.num_tokens
+            if not self.blocks.can_grow(seq.block_table, need):
+                break
+            if need > budget and items:
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.block_table, need)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            items.append(ScheduledSeq(seq, seq.num_cached_tokens, need))
+            budget -= need
+        return ScheduledBatch(tuple(items))

@@ -1,0 +1,70 @@
+"""Mutable per-request state inside one engine: tokens, KV blocks, status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from elasticep.engine.request import GenerateRequest, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: queued, in the running batch, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's live state.
+
+    Attributes:
+        request_id: the request's id (also keys the sampler RNG).
+        prompt_token_ids: prompt tokens.
+        output_token_ids: generated tokens so far (a resumed request starts non-empty).
+        params: sampling settings.
+        arrival: admission order; higher = newer (preempted first).
+        block_table: KV-cache block ids, in order.
+        num_cached_tokens: how many leading tokens have their K/V in the cache.
+        num_resumed_outputs: outputs that came with the request (not re-published).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_resumed_outputs: int = 0
+    finish_reason: str | None = None
+
+    @classmethod
+    def from_request(cls, req: GenerateRequest, arrival: int) -> Sequence:
+        """Build the state of a new (or resumed) request."""
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            params=req.params,
+            arrival=arrival,
+            num_resumed_outputs=len(req.output_token_ids),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose K/V the next forward must compute (1 when decoding)."""
+        return self.num_tokens - self.num_cached_tokens
