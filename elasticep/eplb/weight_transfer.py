@@ -1,0 +1,130 @@
+"""Move expert weights between ranks after a placement change.
+
+Every calling rank derives the same load list with :func:`plan_expert_loads`, so the
+exchange needs no negotiation: per layer, one ``all_to_all_single`` whose split sizes
+every rank already knows (ranks that neither send nor receive get zero splits, which
+is also what an elastic group gives its holes). Local copies and checkpoint reloads
+(orphans) need no communication. All ``all_to_all_single`` calls use the weights'
+dtype on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from elasticep.eplb.elastic import ExpertLoad, plan_expert_loads
+from elasticep.eplb.placement import Placement
+
+# (layer, logical expert) -> (w13 [2*I, H], w2 [H, I]), read from the checkpoint.
+CheckpointLoader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def move_expert_weights(
+    old: Placement,
+    new: Placement,
+    rank: int,
+    w13: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    load_fn: CheckpointLoader | None = None,
+    source_ranks: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[ExpertLoad]]:
+    """Lay this rank's expert weights out for ``new``, fetching what it lacks.
+
+    Every live member of ``group`` must call this with the same placements.
+
+    Args:
+        old: the placement ``w13``/``w2`` are laid out in.
+        new: the target placement.
+        rank: this rank (its index in ``group``).
+        w13: per MoE layer, [S_old, 2*I, H] (S_old may be 0 on a newcomer; only the
+            trailing dims and dtype are read there).
+        w2: per MoE layer, [S_old, H, I].
+        group: the EP process group (Gloo or elastic); None is the default group.
+        load_fn: reads an expert from the checkpoint; needed when this rank receives an
+            orphan (no live rank holds it).
+        source_ranks: [max_ep_size] bool, ranks that may send (default: active in both);
+            for a scale-down pass ``old.active_ranks`` so leaving ranks still send.
+
+    Returns:
+        new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
+            stale data (never routed to).
+        new_w2: per layer [new.slots_per_rank, H, I].
+        loads: the whole plan (for logging: how many were moved or reloaded).
+
+    Raises:
+        ValueError: on mismatched lists, or an orphan for this rank without ``load_fn``.
+    """
+    L = new.num_layers
+    if len(w13) != L or len(w2) != L:
+        raise ValueError(f"need weights for {L} MoE layers, got {len(w13)} / {len(w2)}")
+    loads = plan_expert_loads(old, new, source_ranks)
+    if load_fn is None and any(x.rank == rank and x.source_rank is None for x in loads):
+        raise ValueError(f"rank {rank} must reload an orphan but has no checkpoint loader")
+    S_old, S = old.slots_per_rank, new.slots_per_rank
+    world = new.max_ep_size
+    by_layer: list[list[ExpertLoad]] = [[] for _ in range(L)]
+    for x in loads:
+        by_layer[x.layer].append(x)
+    out13, out2 = [], []
+    for layer in range(L):
+        a, b = w13[layer], w2[layer]
+        n13, n2 = a.shape[1] * a.shape[2], b.shape[1] * b.shape[2]
+        new_a = a.new_zeros(S, *a.shape[1:])
+        new_b = b.new_zeros(S, *b.shape[1:])
+        if new.active_ranks[rank] and old.active_ranks[rank]:
+            # Start from the old local layout: slots in place stay, others are overwritten.
+            keep = min(S_old, a.shape[0])
+            new_a[:keep], new_b[:keep] = a[:keep], b[:keep]
+        send = [x for x in by_layer[layer] if x.source_rank == rank and x.rank != rank]
+        recv = [x for x in by_layer[layer] if x.rank == rank and x.source_rank not in (None, rank)]
+        for x in by_layer[layer]:
+            if x.rank != rank:
+                continue
+            if x.source_rank == rank:
+                new_a[x.local_slot], new_b[x.local_slot] = a[x.source_local_slot], b[x.source_local_slot]
+            elif x.source_rank is None:
+                ca, cb = load_fn(layer, x.logical_expert)
+                new_a[x.local_slot].copy_(ca)
+                new_b[x.local_slot].copy_(cb)
+        if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
+            _exchange(a, b, new_a, new_b, send, recv, n13, n2, world, group)
+        out13.append(new_a)
+        out2.append(new_b)
+    return out13, out2, loads
+
+
+def _exchange(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    new_a: torch.Tensor,
+    new_b: torch.Tensor,
+    send: list[ExpertLoad],
+    recv: list[ExpertLoad],
+    n13: int,
+    n2: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """One all_to_all_single carrying whole experts (w13 then w2, flattened)."""
+    per = n13 + n2
+    send.sort(key=lambda x: (x.rank, x.local_slot))  # the receiver's order
+    recv.sort(key=lambda x: (x.source_rank, x.local_slot))
+    in_splits = [0] * world
+    out_splits = [0] * world
+    rows = []
+    for x in send:
+        in_splits[x.rank] += per
+        rows.append(torch.cat([a[x.source_local_slot].flatten(), b[x.source_local_slot].flatten()]))
+    for x in recv:
+        out_splits[x.source_rank] += per
+    inp = torch.cat(rows) if rows else a.new_zeros(0)
+    out = a.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    for i, x in enumerate(recv):
+        chunk = out[i * per : (i + 1) * per]
+        new_a[x.local_slot] = chunk[:n13].view(new_a.shape[1:])
+        new_b[x.local_slot] = chunk[n13:].view(new_b.shape[1:])
