@@ -26,8 +26,8 @@ def move_expert_weights(
     old: Placement,
     new: Placement,
     rank: int,
-    w13: list[torch.Tensor],
-    w2: list[torch.Tensor],
+    w13: list[torch.Tensor | None],
+    w2: list[torch.Tensor | None],
     group: dist.ProcessGroup | None,
     load_fn: CheckpointLoader | None = None,
     source_ranks: torch.Tensor | None = None,
@@ -40,9 +40,10 @@ def move_expert_weights(
         old: the placement ``w13``/``w2`` are laid out in.
         new: the target placement.
         rank: this rank (its index in ``group``).
-        w13: per MoE layer, [S_old, 2*I, H] (S_old may be 0 on a newcomer; only the
-            trailing dims and dtype are read there).
-        w2: per MoE layer, [S_old, H, I].
+        w13: per layer, [S_old, 2*I, H] (S_old may be 0 on a newcomer; only the
+            trailing dims and dtype are read there), or None for a dense layer, which is
+            skipped (it must be None on every rank).
+        w2: per layer, [S_old, H, I] or None.
         group: the EP process group (Gloo or elastic); None is the default group.
         load_fn: reads an expert from the checkpoint; needed when this rank receives an
             orphan (no live rank holds it).
@@ -53,7 +54,7 @@ def move_expert_weights(
         new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
             stale data (never routed to).
         new_w2: per layer [new.slots_per_rank, H, I].
-        loads: the whole plan (for logging: how many were moved or reloaded).
+        loads: the whole plan over the MoE layers (for logging: moved or reloaded).
 
     Raises:
         ValueError: on mismatched lists, or an orphan for this rank without ``load_fn``.
@@ -61,7 +62,7 @@ def move_expert_weights(
     L = new.num_layers
     if len(w13) != L or len(w2) != L:
         raise ValueError(f"need weights for {L} MoE layers, got {len(w13)} / {len(w2)}")
-    loads = plan_expert_loads(old, new, source_ranks)
+    loads = [x for x in plan_expert_loads(old, new, source_ranks) if w13[x.layer] is not None]
     if load_fn is None and any(x.rank == rank and x.source_rank is None for x in loads):
         raise ValueError(f"rank {rank} must reload an orphan but has no checkpoint loader")
     S_old, S = old.slots_per_rank, new.slots_per_rank
@@ -69,9 +70,14 @@ def move_expert_weights(
     by_layer: list[list[ExpertLoad]] = [[] for _ in range(L)]
     for x in loads:
         by_layer[x.layer].append(x)
-    out13, out2 = [], []
+    out13: list[torch.Tensor | None] = []
+    out2: list[torch.Tensor | None] = []
     for layer in range(L):
         a, b = w13[layer], w2[layer]
+        if a is None or b is None:
+            out13.append(None)
+            out2.append(None)
+            continue
         n13, n2 = a.shape[1] * a.shape[2], b.shape[1] * b.shape[2]
         new_a = a.new_zeros(S, *a.shape[1:])
         new_b = b.new_zeros(S, *b.shape[1:])

@@ -1,0 +1,186 @@
+"""The expert-parallel executor: dispatch, run local slots, combine.
+
+Implements the executor contract of docs/ARCHITECTURE.md ("MoE layer"):
+
+    out = executor(layer_idx, hidden_states, topk_ids, topk_weights)
+
+over any torch.distributed group (plain Gloo, or the elastic group whose ``size()`` is
+``max_ep_size`` with holes). Every active rank must call it for every MoE layer of
+every step, with T = 0 when it has no tokens, because it still hosts experts.
+Placement layers are decoder layers; the weights of dense layers are None.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from elasticep.eplb.elastic import ExpertLoad
+from elasticep.eplb.metadata import ExpertLocationMetadata
+from elasticep.eplb.placement import Placement
+from elasticep.eplb.weight_transfer import CheckpointLoader, move_expert_weights
+from elasticep.moe.dispatch import (
+    DispatchAlgorithm,
+    choose_physical_slots,
+    combine_pairs,
+    dispatch_pairs,
+)
+
+
+def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP of each row's own slot, unweighted.
+
+    Args:
+        w13: [S, 2*I, H] gate rows then up rows.
+        w2: [S, H, I].
+        rows: [N, H] model dtype.
+        local_slots: [N] int64 in [0, S).
+
+    Returns:
+        [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` per row.
+    """
+    out = torch.empty_like(rows)
+    if rows.shape[0] == 0:
+        return out
+    order = torch.argsort(local_slots, stable=True)
+    counts = torch.bincount(local_slots, minlength=w13.shape[0]).tolist()
+    start = 0
+    for slot, n in enumerate(counts):
+        if n == 0:
+            continue
+        idx = order[start : start + n]
+        gate, up = F.linear(rows[idx], w13[slot]).chunk(2, dim=-1)
+        out[idx] = F.linear(F.silu(gate) * up, w2[slot])
+        start += n
+    return out
+
+
+class EPMoEExecutor:
+    """Expert executor over an EP group: holds this rank's slots and the metadata.
+
+    Args:
+        metadata: expert locations for this rank (``metadata.ep_rank`` is this rank's
+            index in ``group``).
+        w13: per decoder layer, [slots_per_rank, 2*I, H] in model dtype, or None for a
+            dense layer; slot j holds expert ``metadata.placement.local(rank)[layer, j]``.
+        w2: per decoder layer, [slots_per_rank, H, I] or None.
+        group: the EP process group (a Gloo or elastic CPU group).
+        dispatch_algorithm: ``"static"`` (nearest replica) or ``"dynamic"`` (spread).
+
+    Raises:
+        ValueError: if the weights do not match the placement.
+    """
+
+    def __init__(
+        self,
+        metadata: ExpertLocationMetadata,
+        w13: list[torch.Tensor | None],
+        w2: list[torch.Tensor | None],
+        group: dist.ProcessGroup | None,
+        dispatch_algorithm: DispatchAlgorithm = "static",
+    ) -> None:
+        if dispatch_algorithm not in ("static", "dynamic"):
+            raise ValueError(f"unknown dispatch algorithm {dispatch_algorithm!r}")
+        self.group = group
+        self.dispatch_algorithm = dispatch_algorithm
+        self.set_placement(metadata, w13, w2)
+
+    @property
+    def rank(self) -> int:
+        return self.metadata.ep_rank
+
+    @property
+    def placement(self) -> Placement:
+        return self.metadata.placement
+
+    def slot_to_logical(self) -> torch.Tensor:
+        """[L, slots_per_rank] int64, the expert in each local slot (EMPTY = E)."""
+        return self.placement.local(self.rank)
+
+    def set_placement(
+        self, metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None]
+    ) -> None:
+        """Swap in new metadata and matching local weights (after a placement change).
+
+        Raises:
+            ValueError: if the lists or slot counts do not match the placement.
+        """
+        L, S = metadata.num_layers, metadata.num_local_physical_experts
+        if len(w13) != L or len(w2) != L:
+            raise ValueError(f"need {L} layers of weights, got {len(w13)} / {len(w2)}")
+        for layer, (a, b) in enumerate(zip(w13, w2, strict=True)):
+            if (a is None) != (b is None):
+                raise ValueError(f"layer {layer}: w13 and w2 must both be set or both None")
+            if a is not None and (a.shape[0] != S or b.shape[0] != S):
+                raise ValueError(f"layer {layer}: {a.shape[0]} / {b.shape[0]} local slots, want {S}")
+        self.metadata, self.w13, self.w2 = metadata, list(w13), list(w2)
+
+    def apply_placement(
+        self,
+        new: Placement,
+        load_fn: CheckpointLoader | None = None,
+        source_ranks: torch.Tensor | None = None,
+    ) -> list[ExpertLoad]:
+        """Move to ``new``: fetch weights from peers or the checkpoint, then swap metadata.
+
+        Collective: every live member of the group calls it with the same ``new``.
+
+        Args:
+            new: the target placement (from repair / scale / rebalance).
+            load_fn: checkpoint reader for orphans this rank must host.
+            source_ranks: ranks that may send, see :func:`move_expert_weights`.
+
+        Returns:
+            The load plan that was carried out.
+        """
+        w13, w2, loads = move_expert_weights(
+            self.placement, new, self.rank, self.w13, self.w2, self.group, load_fn, source_ranks
+        )
+        device = self.metadata.physical_to_logical_map.device
+        self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
+        return loads
+
+    def __call__(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Route ``hidden_states`` through the experts of all ranks.
+
+        Args:
+            layer_idx: decoder layer index (an MoE layer).
+            hidden_states: [T, H] model dtype (CPU).
+            topk_ids: [T, k] int64 logical expert ids.
+            topk_weights: [T, k] float32 combine weights.
+
+        Returns:
+            [T, H] in the dtype of ``hidden_states``:
+            ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(h_t)``.
+
+        Raises:
+            ValueError: on mismatched shapes, a dense layer, or out-of-range ids.
+        """
+        w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
+        if w13 is None or w2 is None:
+            raise ValueError(f"layer {layer_idx} has no experts")
+        T, k = topk_ids.shape
+        if hidden_states.shape[0] != T or topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"shapes: hidden {tuple(hidden_states.shape)}, ids {tuple(topk_ids.shape)}, "
+                f"weights {tuple(topk_weights.shape)}"
+            )
+        E = self.metadata.num_logical_experts
+        if T and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
+            raise ValueError(f"topk_ids outside [0, {E})")
+        slots = choose_physical_slots(self.metadata, layer_idx, topk_ids, self.dispatch_algorithm)
+        rows, local, state = dispatch_pairs(
+            hidden_states, slots, self.metadata.num_local_physical_experts, self.metadata.max_ep_size, self.group
+        )
+        expert_out = run_expert_rows(w13, w2, rows, local)
+        pairs = combine_pairs(expert_out, state, T * k, self.group)
+        # Weighted sum in fp32, like the dense reference, then back to the model dtype.
+        out = (pairs.view(T, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+        return out.to(hidden_states.dtype)
