@@ -182,5 +182,5 @@ class EPMoEExecutor:
         expert_out = run_expert_rows(w13, w2, rows, local)
         pairs = combine_pairs(expert_out, state, T * k, self.group)
         # Weighted sum in fp32, like the dense reference, then back to the model dtype.
-        out = (pairs.view(T, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+        out = (pairs.view(T, k, hidden_states.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1)
         return out.to(hidden_states.dtype)
