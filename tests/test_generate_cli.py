@@ -1,0 +1,50 @@
+"""`elasticep generate` smoke tests through a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Question: Janet has 3 apples and buys 2 more. How many apples does she have?\nAnswer:"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=REPO)
+
+
+def test_generate_prompt_and_prompts_file(tmp_path):
+    from transformers import AutoTokenizer
+
+    from elasticep.engine.llm_engine import LLMEngine
+    from elasticep.engine.request import SamplingParams
+
+    model = REPO / "models" / "tiny-qwen3-moe"  # also the default --model
+    tok = AutoTokenizer.from_pretrained(model)
+    expected = LLMEngine.from_pretrained(model, progress=False).generate(
+        [tok(PROMPT).input_ids], SamplingParams(max_tokens=12)
+    )[0]
+
+    single = _cli("--prompt", PROMPT, "--max-tokens", "12")
+    assert single.returncode == 0, single.stderr
+    assert single.stdout == tok.decode(expected) + "\n"  # completion text only
+    assert "loading" in single.stderr  # progress goes to stderr
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in [PROMPT, "ROMEO:", "Question: 1+1?\nAnswer:"]))
+    batch = _cli("--prompts-file", str(prompts), "--max-tokens", "12", "--model", str(model))
+    assert batch.returncode == 0, batch.stderr
+    rows = [json.loads(line) for line in batch.stdout.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["token_ids"] == expected and rows[0]["text"] == tok.decode(expected)
+    assert all(len(r["token_ids"]) == 12 for r in rows)
+
+    bad = _cli("--prompt", "x" * 3000, "--max-tokens", "4", "--max-total-tokens", "64")
+    assert bad.returncode == 2 and "does not fit" in bad.stderr and bad.stdout == ""
