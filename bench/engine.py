@@ -1,0 +1,86 @@
+"""Throughput of our engine (N concurrent requests) vs transformers `generate` run one
+request at a time on the same checkpoint, in the same run. Prints one JSON line.
+
+Usage: python bench/engine.py [--model DIR] [--num-requests 8] [--max-tokens 64]
+       [--dtype float32|bfloat16] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.request import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    data = REPO / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+    if data.is_file():
+        with open(data) as f:
+            qs = [json.loads(next(f))["question"] for _ in range(n)]
+    else:  # the product does not need ../shared
+        qs = [f"Tom has {i + 2} apples and buys {i + 3} more. How many apples?" for i in range(n)]
+    return [tok(f"Question: {q}\nAnswer:").input_ids for q in qs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "models" / "tiny-qwen3-moe"))
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, args.dtype)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = _prompts(tok, args.num_requests)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+
+    engine = LLMEngine.from_pretrained(args.model, dtype=dtype, device=args.device, progress=False)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    ours_s = time.perf_counter() - t0
+    ours_tokens = sum(len(o) for o in outs)
+
+    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    with torch.no_grad():
+        warm = torch.tensor([prompts[0]], device=args.device)
+        ref.generate(warm, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        ref_tokens = 0
+        for p in prompts:
+            ids = torch.tensor([p], device=args.device)
+            out = ref.generate(ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                               do_sample=False)
+            ref_tokens += out.shape[1] - len(p)
+        ref_s = time.perf_counter() - t0
+
+    ours_tps, ref_tps = ours_tokens / ours_s, ref_tokens / ref_s
+    print(json.dumps({
+        "bench": "engine",
+        "model": Path(args.model).name,
+        "device": args.device,
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "ours_tokens_per_s": round(ours_tps, 1),
+        "transformers_sequential_tokens_per_s": round(ref_tps, 1),
+        "ratio": round(ours_tps / ref_tps, 2),
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
