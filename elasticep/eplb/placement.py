@@ -37,7 +37,7 @@ def initial_slots_per_rank(num_logical_experts: int, num_redundant: int, initial
     return math.ceil((num_logical_experts + num_redundant) / initial_ep_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Placement:
     """Which logical expert every physical slot holds, for all MoE layers.
 
@@ -71,6 +71,19 @@ class Placement:
         dead = ~self.slot_rank_active()
         if bool((self.phy2log[:, dead] != self.empty).any()):
             raise ValueError("a slot of an inactive rank holds an expert")
+
+    def __eq__(self, other: object) -> bool:
+        """Value equality (the tensors compared elementwise)."""
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (
+            self.num_logical_experts == other.num_logical_experts
+            and self.slots_per_rank == other.slots_per_rank
+            and torch.equal(self.active_ranks, other.active_ranks)
+            and torch.equal(self.phy2log, other.phy2log)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors inside: not hashable
 
     # ---------------------------------------------------------------- shape
     @property

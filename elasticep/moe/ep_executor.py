@@ -69,7 +69,8 @@ class EPMoEExecutor:
         dispatch_algorithm: ``"static"`` (nearest replica) or ``"dynamic"`` (spread).
 
     Raises:
-        ValueError: if the weights do not match the placement.
+        ValueError: if the weights do not match the placement, or the group's size is
+            not ``max_ep_size``.
     """
 
     def __init__(
@@ -82,6 +83,11 @@ class EPMoEExecutor:
     ) -> None:
         if dispatch_algorithm not in ("static", "dynamic"):
             raise ValueError(f"unknown dispatch algorithm {dispatch_algorithm!r}")
+        # Splits are indexed by rank id, so the group must span all rank ids (an
+        # elastic group reports size() == max_ep_size and marks holes inactive).
+        size = dist.get_world_size(group) if dist.is_initialized() else None
+        if size is not None and size != metadata.max_ep_size:
+            raise ValueError(f"group size {size} != max_ep_size {metadata.max_ep_size}")
         self.group = group
         self.dispatch_algorithm = dispatch_algorithm
         self.set_placement(metadata, w13, w2)
