@@ -1,0 +1,76 @@
+"""The ep_size=1 worker loop: an :class:`LLMEngine` served over the ipc worker channel.
+
+Each iteration takes every request and abort that arrived, runs one engine step if
+anything is unfinished, and publishes that step's tokens. With nothing to do it blocks
+in ``poll`` for at most ``idle_poll_s`` so a stop request is noticed quickly. The
+multi-rank elastic worker makes the same ipc calls around its lockstep step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from elasticep.engine.ipc import WorkerChannel
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepEngine(Protocol):
+    """What the loop needs from an engine (``LLMEngine`` satisfies it)."""
+
+    def add_request(self, req: GenerateRequest) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[TokenOutput]: ...
+
+
+def apply_messages(engine: StepEngine, channel: WorkerChannel,
+                   messages: list[GenerateRequest | AbortRequest]) -> None:
+    """Hand received requests/aborts to the engine; refusals go back as RequestError."""
+    for msg in messages:
+        if isinstance(msg, AbortRequest):
+            engine.abort(msg.request_id)
+            continue
+        # A resubmitted request may still be known here if the front-end moved it
+        # between two ranks and back; the newest copy wins.
+        engine.abort(msg.request_id)
+        try:
+            engine.add_request(msg)
+        except ValueError as exc:
+            logger.warning("rank %d epoch %d: refusing request %s: %s", channel.rank,
+                           channel.epoch, msg.request_id, exc)
+            channel.send_error(msg.request_id, str(exc))
+
+
+def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
+                      stop_event: threading.Event, idle_poll_s: float = 0.05) -> None:
+    """Serve ``engine`` on ``channel`` until ``stop_event`` is set.
+
+    Args:
+        engine: a single-process engine.
+        channel: the connected worker side of the ipc transport (not closed here).
+        rank: this worker's rank, for logs (the channel carries it on the wire).
+        stop_event: set it to make the loop return after the current step.
+        idle_poll_s: longest wait for a message while idle (seconds).
+
+    Raises:
+        FrontendUnreachableError: outputs could not be handed to the front-end.
+    """
+    channel.hello()
+    logger.info("rank %d epoch %d: engine worker serving", rank, channel.epoch)
+    steps = 0
+    while not stop_event.is_set():
+        busy = engine.has_unfinished()
+        apply_messages(engine, channel, channel.poll(0.0 if busy else idle_poll_s))
+        if not engine.has_unfinished():
+            continue
+        channel.send_outputs(engine.step())
+        steps += 1
+    logger.info("rank %d epoch %d: engine worker stopped after %d steps", rank,
+                channel.epoch, steps)

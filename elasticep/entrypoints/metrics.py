@@ -1,0 +1,55 @@
+"""Prometheus metrics of the front-end; every name starts with ``elasticep_``.
+
+Each :class:`FrontendMetrics` owns its registry, so several servers (tests) can live in
+one process without clashing on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Stream gaps after a failure are expected between ~10 ms and a few seconds.
+_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class FrontendMetrics:
+    """All front-end metrics, registered in a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("elasticep_requests", "Finished HTTP generation requests",
+                                ["endpoint", "outcome"], registry=r)
+        self.requests_running = Gauge("elasticep_requests_running",
+                                      "Generation requests in flight", registry=r)
+        self.prompt_tokens = Counter("elasticep_prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.generation_tokens = Counter("elasticep_generation_tokens",
+                                         "Generated tokens delivered to clients", registry=r)
+        self.epoch = Gauge("elasticep_epoch", "Membership epoch", registry=r)
+        self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
+                                  registry=r)
+        self.rank_failures = Counter("elasticep_rank_failures",
+                                     "Ranks seen entering state failed", registry=r)
+        self.rank_recoveries = Counter("elasticep_rank_recoveries",
+                                       "Failed ranks seen healthy again", registry=r)
+        self.resubmitted_requests = Counter("elasticep_resubmitted_requests",
+                                            "Requests moved to another rank", registry=r)
+        self.interruption_seconds = Histogram(
+            "elasticep_interruption_seconds",
+            "Longest token gap a moved request saw across its move (seconds)",
+            buckets=_GAP_BUCKETS, registry=r)
+        self.time_to_first_token_seconds = Histogram(
+            "elasticep_time_to_first_token_seconds", "Time to first token (seconds)",
+            registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,273 @@
+"""OpenAI-compatible request/response models (completions and chat completions).
+
+Requests are strict: an unknown field is a 400, and so is a known OpenAI field whose
+non-default value we do not implement (``n > 1``, ``logprobs``, penalties, ...), so a
+client never silently gets something other than what it asked for. Errors use the
+OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from elasticep.engine.request import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered to the client as OpenAI error JSON with an HTTP status.
+
+    Args:
+        status: HTTP status code (4xx for client mistakes).
+        message: human readable explanation.
+        type: OpenAI error type, e.g. "invalid_request_error".
+        param: the offending request field, if any.
+        code: short machine readable code, if any.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body to send."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints; unsupported ones accept only their default."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables it")
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+
+    # field -> the only value we implement; anything else is a 400 naming the field
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                    "logit_bias": None}
+
+    def check_supported(self) -> None:
+        """Reject known OpenAI options we do not implement.
+
+        Raises:
+            OpenAIError: 400 naming the first unsupported field.
+        """
+        for name, default in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value != default and value not in ({}, ()):
+                raise OpenAIError(400, f"{name}={value!r} is not supported (only "
+                                  f"{default!r})", param=name)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine sampling params with the resolved ``max_tokens``.
+
+        Raises:
+            OpenAIError: 400 when a value is out of the engine's range.
+        """
+        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+                                stop=self.stop_strings(), ignore_eos=self.ignore_eos)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+        return params
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt`` is text or token ids (one prompt only)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None,
+                    "best_of": None, "suffix": None}
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, unwrapped from a one-element batch.
+
+        Raises:
+            OpenAIError: 400 for an empty prompt or a batch of several prompts.
+        """
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "only one prompt per request is supported",
+                                  param="prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        return prompt
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ScaleRequest(_Strict):
+    """POST /scale_elastic_ep."""
+
+    new_ep_size: int
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+    """How many tokens to generate; None means "the rest of the context".
+
+    Raises:
+        OpenAIError: 400 when prompt + max_tokens does not fit ``max_model_len`` tokens.
+    """
+    if prompt_len >= max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
+                          f"tokens, but the prompt has {prompt_len} tokens.",
+                          param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
+                          f"tokens. However, you requested {prompt_len + requested} tokens "
+                          f"({prompt_len} in the prompt, {requested} for the completion).",
+                          param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+# ---- responses ------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (with ``usage`` None) one SSE chunk of one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style id such as ``cmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix seconds, for the ``created`` fields."""
+    return int(time.time())

@@ -1,0 +1,273 @@
+"""End-to-end: the real `openai` client against the real HTTP server and a real engine
+worker (ep_size=1, in-process thread) on the demo model; plus a worker-less server for
+the paths that need no tokens (no chat template, no healthy rank, scale errors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from elasticep.engine.ipc import FrontendChannel, WorkerChannel
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.request import SamplingParams
+from elasticep.engine.serve_loop import run_engine_worker
+from elasticep.entrypoints.http_server import create_server
+from elasticep.entrypoints.membership import ConnectedWorkers, ScaleInProgressError
+
+pytestmark = pytest.mark.timeout(90)
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+API_KEY = "sk-test-elasticep"
+NAME = "tiny"
+MAX_TOKENS = 10
+PROMPTS = ["The quick brown fox", "Tom has 3 apples and buys 4 more. How many"]
+CHAT = [{"role": "user", "content": "How many legs does a cat have?"}]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def make_chat_model(dst: Path) -> Path:
+    """The demo model plus a chat template (weights are symlinked, not copied)."""
+    dst.mkdir()
+    for f in DEMO.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """Server with a chat-template model, an api key and one engine worker thread."""
+    model_dir = make_chat_model(tmp_path_factory.mktemp("m") / "tiny-chat")
+    engine = LLMEngine.from_pretrained(model_dir, progress=False,
+                                       config=EngineConfig(max_total_tokens=1024))
+    channel = FrontendChannel()
+    server, frontend = create_server(model_dir, channel, ConnectedWorkers(lambda: channel.connected),
+                                     served_model_name=NAME, api_key=API_KEY)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts.append(tokenizer.encode(chat_text, add_special_tokens=False))
+    refs = engine.generate(prompts, [greedy] * len(prompts))  # before the worker owns it
+    ref_texts = [tokenizer.decode(r, skip_special_tokens=True) for r in refs]
+
+    stop = threading.Event()
+
+    def work() -> None:
+        wc = WorkerChannel(channel.endpoints, rank=0)
+        try:
+            run_engine_worker(engine, wc, 0, stop)
+        finally:
+            wc.close()
+
+    worker = threading.Thread(target=work, name="engine-worker", daemon=True)
+    worker.start()
+    server.start()
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                        timeout=30)
+    wait_for(lambda: http.get("/health").status_code == 200, 20, "a healthy rank")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                           timeout=60)
+    yield {"server": server, "frontend": frontend, "http": http, "client": client,
+           "refs": refs, "ref_texts": ref_texts, "engine": engine}
+    server.stop()
+    stop.set()
+    worker.join(10)
+    channel.close()
+
+
+def test_greedy_completion_equals_engine_output(live):
+    assert all(len(t) > 5 for t in live["ref_texts"])  # a real comparison, not "" == ""
+    for i, prompt in enumerate(PROMPTS):
+        res = live["client"].completions.create(model=NAME, prompt=prompt,
+                                                max_tokens=MAX_TOKENS, temperature=0)
+        assert res.choices[0].text == live["ref_texts"][i]
+        assert res.usage.completion_tokens == len(live["refs"][i])
+        assert res.choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_sends_one_chunk_per_token(live):
+    stream = live["client"].completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == len(live["refs"][0]) == chunks[-1].usage.completion_tokens
+    assert "".join(c.choices[0].text for c in token_chunks) == live["ref_texts"][0]
+    assert token_chunks[-1].choices[0].finish_reason is not None
+
+
+def test_chat_completion_with_template(live):
+    res = live["client"].chat.completions.create(model=NAME, messages=CHAT,
+                                                 max_tokens=MAX_TOKENS, temperature=0)
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == live["ref_texts"][-1]
+    chunks = list(live["client"].chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert len(chunks) == len(live["refs"][-1])
+    assert "".join(c.choices[0].delta.content for c in chunks) == live["ref_texts"][-1]
+
+
+def test_stop_string_cuts_text(live):
+    ref = live["ref_texts"][1]
+    stop = ref[len(ref) // 2:len(ref) // 2 + 2]
+    res = live["client"].completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                            temperature=0, stop=[stop])
+    assert res.choices[0].text == ref[:ref.index(stop)]
+    assert res.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_streams(live):
+    def run(prompt: str) -> tuple[int, int]:
+        chunks = list(live["client"].completions.create(
+            model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        return sum(bool(c.choices) for c in chunks), chunks[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(3) as pool:
+        for n_chunks, n_tokens in pool.map(run, PROMPTS + PROMPTS[:1]):
+            assert n_chunks == n_tokens > 0
+
+
+def test_client_disconnect_aborts_request(live):
+    http = live["http"]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 500, "stream": True,
+            "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        got: list[str] = []
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                got.append(line)
+            if len(got) == 2:
+                break
+    wait_for(lambda: http.get("/health").json()["running_requests"] == 0, 10,
+             "the aborted request to leave the tracker")
+    wait_for(lambda: not live["engine"].has_unfinished(), 10, "the worker to drop it")
+    res = live["client"].completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2)
+    assert res.usage.completion_tokens >= 1
+
+
+BAD_BODIES = [
+    ('{"model": "tiny", "prompt": "hi"', "Invalid JSON"),
+    ({"model": NAME, "prompt": "hi", "bogus": 1}, "bogus"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"model": NAME, "prompt": "hi", "temperature": 7}, "temperature"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, "n=2"),
+    ({"model": NAME, "prompt": "hi " * 1100}, "context length"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 5000}, "context length"),
+    ({"model": NAME, "prompt": [1, 2, 99999]}, "token ids"),
+    ({"model": NAME, "prompt": ""}, "empty"),
+    ([1, 2, 3], None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(live):
+    http = live["http"]
+    for body, needle in BAD_BODIES:
+        kw = {"content": body, "headers": {"Content-Type": "application/json"}} \
+            if isinstance(body, str) else {"json": body}
+        resp = http.post("/v1/completions", **kw)
+        assert resp.status_code == 400, (body, resp.text)
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        if needle:
+            assert needle in err["message"], err
+    resp = http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    resp = http.post("/v1/chat/completions", json={"model": NAME, "messages": []})
+    assert resp.status_code == 400
+    assert http.get("/nowhere").status_code == 404
+    res = live["client"].completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2)
+    assert res.usage.completion_tokens >= 1
+
+
+def test_api_key_is_required_everywhere(live):
+    url = live["server"].url
+    for path in ("/health", "/v1/models", "/metrics", "/elastic_ep_status"):
+        assert httpx.get(url + path).status_code == 401
+        bad = httpx.get(url + path, headers={"Authorization": "Bearer wrong"})
+        assert bad.status_code == 401 and "error" in bad.json()
+    bad_client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.completions.create(model=NAME, prompt="hi", max_tokens=1)
+    assert [m.id for m in live["client"].models.list()] == [NAME]
+
+
+def test_metrics_status_and_scale_endpoints(live):
+    http = live["http"]
+    text = http.get("/metrics").text
+    for name in ("elasticep_requests_total", "elasticep_generation_tokens_total",
+                 "elasticep_prompt_tokens_total", "elasticep_epoch", "elasticep_active_ranks",
+                 "elasticep_rank_failures_total", "elasticep_rank_recoveries_total",
+                 "elasticep_interruption_seconds_bucket"):
+        assert f"\n{name}" in text, name
+    assert "elasticep_active_ranks 1.0" in text
+    status = http.get("/elastic_ep_status").json()
+    assert set(status) == {"epoch", "ep_size", "max_ep_size", "scale_phase", "ranks"}
+    assert status["ranks"] == [{"rank": 0, "state": "healthy", "pid": status["ranks"][0]["pid"],
+                                "node": 0, "running_requests": 0}]
+    health = http.get("/health").json()
+    assert health["degraded"] is False and health["status"] == "ok"
+    assert http.post("/scale_elastic_ep", json={"new_ep_size": 4}).status_code == 400
+    assert http.post("/scale_elastic_ep", json={"new_ep_size": 1}).status_code == 400
+    assert http.post("/scale_elastic_ep", json={"size": 1}).status_code == 400
+
+
+class FakeMembership:
+    """A deployment where every rank is down and a scale-up is underway."""
+
+    def status(self) -> dict:
+        return {"epoch": 3, "ep_size": 2, "max_ep_size": 4, "scale_phase": "admitting",
+                "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
+                          {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]}
+
+    def scale(self, new_ep_size: int) -> dict:
+        raise ScaleInProgressError("already scaling to 4")
+
+
+def test_workerless_server_answers_chat_400_health_503_scale_409():
+    channel = FrontendChannel()
+    server, _ = create_server(DEMO, channel, FakeMembership(), served_model_name=NAME)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
+        with pytest.raises(openai.InternalServerError):  # 503: nothing can serve
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["degraded"] is True
+        status = httpx.get(server.url + "/elastic_ep_status").json()
+        assert status["epoch"] == 3 and status["ranks"][1]["running_requests"] == 0
+        scale = httpx.post(server.url + "/scale_elastic_ep", json={"new_ep_size": 3})
+        assert scale.status_code == 409 and "already scaling" in scale.json()["error"]["message"]
+        assert httpx.post(server.url + "/scale_elastic_ep",
+                          json={"new_ep_size": 5}).status_code == 400
+        assert "elasticep_rank_failures_total 1.0" in httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+        channel.close()
