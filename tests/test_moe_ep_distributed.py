@@ -70,6 +70,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         initial_placement,
         rebalance_placement,
         repair_placement,
+        scale_down_placement,
         scale_up_placement,
     )
     from elasticep.moe.ep_executor import EPMoEExecutor
@@ -79,14 +80,17 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     results: dict[str, object] = {}
 
-    def run(name, ex):
+    def run(name, ex, dtype=torch.float32):
         n = T if bool(ex.placement.active_ranks[rank]) else 0  # a hole has no tokens
         hidden, ids, w = _tokens(rank, n)
-        results[name] = [ex(layer, hidden, ids, w) for layer in MOE_LAYERS]
+        results[name] = [ex(layer, hidden.to(dtype), ids, w) for layer in MOE_LAYERS]
 
-    def fresh(placement, algo):
+    def fresh(placement, algo, dtype=torch.float32):
         meta = ExpertLocationMetadata.from_placement(placement, rank)
-        return EPMoEExecutor(meta, *_local_weights(placement, rank), group=None, dispatch_algorithm=algo)
+        a, b = _local_weights(placement, rank)
+        a = [None if x is None else x.to(dtype) for x in a]
+        b = [None if x is None else x.to(dtype) for x in b]
+        return EPMoEExecutor(meta, a, b, group=None, dispatch_algorithm=algo)
 
     p0 = initial_placement(LAYERS, E, 0, WORLD)
     p4 = initial_placement(LAYERS, E, 4, WORLD)
@@ -97,6 +101,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     run("r4_dynamic", fresh(p4, "dynamic"))
     run("hole_r4_static", fresh(repair_placement(p4, hole), "static"))
     run("hole_r4_dynamic", fresh(repair_placement(p4, hole), "dynamic"))
+    run("bf16_r4_dynamic", fresh(p4, "dynamic", torch.bfloat16), torch.bfloat16)
 
     # Weights move through apply_placement: orphan reload, scale-up from peers, rebalance.
     ex = fresh(p0, "static")
@@ -111,6 +116,10 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     ex.dispatch_algorithm = "dynamic"
     ex.apply_placement(rebalance_placement(skew, ex.placement))
     run("rebalanced", ex)
+    # Planned scale-down: rank 3 drains; it is still alive, so peers copy from it.
+    loads = ex.apply_placement(scale_down_placement(ex.placement, [3]), source_ranks=ex.placement.active_ranks)
+    results["scale_down_sources"] = [x.source_rank for x in loads]
+    run("scaled_down", ex)
 
     # Broadcast from a healthy non-zero rank; the others hold nothing.
     src_meta = ExpertLocationMetadata.from_placement(ex.placement, rank) if rank == 1 else None
@@ -141,23 +150,27 @@ def outputs(tmp_path_factory):
     return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD)]
 
 
-SCENARIOS = [
-    "r0_static", "r0_dynamic", "r4_static", "r4_dynamic", "hole_r4_static",
-    "hole_r4_dynamic", "repaired_r0", "scaled_up", "rebalanced",
-]
+# scenario -> the rank that is a hole (inactive, no tokens) in it, if any.
+SCENARIOS = {
+    "r0_static": None, "r0_dynamic": None, "r4_static": None, "r4_dynamic": None,
+    "hole_r4_static": 2, "hole_r4_dynamic": 2, "bf16_r4_dynamic": None, "repaired_r0": 2,
+    "scaled_up": None, "rebalanced": None, "scaled_down": 3,
+}
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ep_matches_dense_reference(outputs, name):
-    hole = name.startswith("hole") or name == "repaired_r0"
+    bf16 = name.startswith("bf16")
     for rank in range(WORLD):
         got = outputs[rank][name]
-        if hole and rank == 2:
+        if rank == SCENARIOS[name]:
             assert all(o.shape == (0, H) for o in got)
             continue
         hidden, ids, w = _tokens(rank)
         for layer, out in zip(MOE_LAYERS, got, strict=True):
-            torch.testing.assert_close(out, _reference(layer, hidden, ids, w), rtol=1e-5, atol=1e-5)
+            assert out.dtype == (torch.bfloat16 if bf16 else torch.float32)
+            tol = 5e-2 if bf16 else 1e-5
+            torch.testing.assert_close(out.float(), _reference(layer, hidden, ids, w), rtol=tol, atol=tol)
 
 
 def test_repair_without_redundancy_reloads_orphans_and_grows(outputs):
@@ -170,6 +183,11 @@ def test_repair_without_redundancy_reloads_orphans_and_grows(outputs):
 def test_scale_up_copies_from_peers(outputs):
     sources = outputs[0]["scale_up_sources"]
     assert sources and all(s is not None for s in sources)
+
+
+def test_scale_down_copies_from_leaving_rank(outputs):
+    sources = outputs[0]["scale_down_sources"]
+    assert sources and 3 in sources and None not in sources
 
 
 def test_broadcast_from_healthy_rank(outputs):
