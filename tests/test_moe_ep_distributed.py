@@ -65,6 +65,8 @@ def _checkpoint(layer: int, expert: int):
 
 def _worker(rank: int, port: int, outdir: str) -> None:
     from elasticep.eplb import (
+        EPLBConfig,
+        EPLBManager,
         ExpertLocationMetadata,
         broadcast_global_expert_location_metadata,
         initial_placement,
@@ -120,6 +122,14 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     loads = ex.apply_placement(scale_down_placement(ex.placement, [3]), source_ranks=ex.placement.active_ranks)
     results["scale_down_sources"] = [x.source_rank for x in loads]
     run("scaled_down", ex)
+
+    # EPLB: each rank counts its own tokens; summed over the group, all agree.
+    mgr = EPLBManager(LAYERS, E, EPLBConfig(enabled=True, rebalance_num_iterations=1), rank=rank)
+    _, ids, _ = _tokens(rank)
+    for layer in MOE_LAYERS:
+        mgr.record(layer, ids)
+    assert mgr.step()
+    results["eplb"] = mgr.rebalance(p4, sync=True).placement.phy2log
 
     # Broadcast from a healthy non-zero rank; the others hold nothing.
     src_meta = ExpertLocationMetadata.from_placement(ex.placement, rank) if rank == 1 else None
@@ -188,6 +198,11 @@ def test_scale_up_copies_from_peers(outputs):
 def test_scale_down_copies_from_leaving_rank(outputs):
     sources = outputs[0]["scale_down_sources"]
     assert sources and 3 in sources and None not in sources
+
+
+def test_eplb_rebalance_agrees_across_ranks(outputs):
+    ref = outputs[0]["eplb"]
+    assert all(torch.equal(outputs[r]["eplb"], ref) for r in range(WORLD))
 
 
 def test_broadcast_from_healthy_rank(outputs):

@@ -1,9 +1,13 @@
 """EPLBManager: count routed tokens over a sliding window and rebalance periodically.
 
 The manager decides; it moves no weight itself. A step loop calls :meth:`record` from
-each MoE layer, :meth:`step` once per step, and when that returns True calls
-:meth:`rebalance` and then applies the new placement (the EP executor's
-``apply_placement`` moves the weights with :func:`move_expert_weights`).
+each MoE layer, :meth:`step` once per step, and when that returns True (on every rank at
+the same step, since ranks step in lockstep) calls ``rebalance(placement, sync=True)``,
+which sums the ranks' windows so all compute the same placement, and then applies it:
+
+    res = manager.rebalance(executor.placement, sync=True, group=executor.group)
+    executor.apply_placement(res.placement)  # moves weights (move_expert_weights)
+
 Imbalance is ``max-rank load / mean-rank load`` over live ranks, assuming an expert's
 tokens split evenly over its replicas.
 """
@@ -14,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from elasticep.eplb.placement import Placement
 from elasticep.eplb.rebalance import rebalance_placement
@@ -135,17 +140,29 @@ class EPLBManager:
         if epoch is not None:
             self.epoch = epoch
 
-    def rebalance(self, placement: Placement, active_ranks: torch.Tensor | None = None) -> RebalanceResult:
+    def rebalance(
+        self,
+        placement: Placement,
+        active_ranks: torch.Tensor | None = None,
+        sync: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> RebalanceResult:
         """Compute a balanced placement from the window's counts and log the imbalance.
 
         Args:
             placement: the current placement.
             active_ranks: [max_ep_size] bool, default ``placement.active_ranks``.
+            sync: sum the counts over ``group`` first (collective: every live member
+                calls this at the same step), so every rank sees the global load and
+                derives the same placement. Without it, only this rank's counts.
+            group: the EP group for ``sync`` (None: the default group).
 
         Returns:
             The new placement with the imbalance before and after (mean over layers).
         """
         counts = self.window_counts()
+        if sync:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         new = rebalance_placement(counts, placement, active_ranks)
         before = float(compute_imbalance(counts, placement).mean())
         after = float(compute_imbalance(counts, new).mean())
