@@ -1,1 +1,84 @@
-"""distributed layer."""
+"""Fault-tolerant elastic process groups (the "elastic" torch.distributed backend).
+
+Importing this package registers the backend "elastic". Membership lives in a
+coordinator process (`start_coordinator`); each group runs its ops on a real inner
+ProcessGroupGloo per epoch. Nothing else from elasticep is imported here.
+
+Engine-facing semantics (WORLD created with on_failure="raise")
+----------------------------------------------------------------
+* Every collective on a group takes a sequence number; all members issue the same ops
+  in the same order, so seq k is "the same op" everywhere. send/recv take none.
+* When members die the coordinator commits a failure decision from the survivors'
+  reports: r = lowest op some survivor has not completed, M = highest op some survivor
+  completed (normally M <= r). For each survivor, at its current op (or at its next op
+  call if it is idle):
+    - seq <= M and every op r..M is fetchable (all_reduce, broadcast, all_gather,
+      all_gather_into_tensor, reduce_scatter_tensor, barrier): the op returns the result
+      a survivor kept (the full, pre-failure result). So a step's final "commit"
+      all_reduce that some survivor already returned is returned on all survivors.
+    - seq == M + 1 (completed by nobody): on_failure="complete" re-runs it over the
+      survivors (broadcast only if its root survived); on_failure="raise", or an op
+      that cannot be redone (all_to_all_single, and broadcast from a dead root), raises
+      `RankFailureError(dead_ranks, epoch)`.
+    - if some op in r..M is not fetchable (e.g. an all_to_all_single another survivor
+      finished), every survivor raises at its current op.
+  A survivor raises at most once per failure decision. After raising, every survivor's
+  next op has seq M + 2, i.e. sequence numbers are aligned and that op runs on the new
+  epoch's inner group. No survivor ever returns a result another survivor raised at,
+  except the non-fetchable case above, where every survivor raises within the step.
+* `get_current_epoch(group)` / `get_active_ranks(group)` / `has_pending_change(group)`
+  read local state (no collective, no I/O).
+* Admission: survivors call `recover_ranks(group, ranks)` (the first call triggers it,
+  later calls are no-ops); ops in flight finish in the old epoch and ops from the
+  boundary `max(started) + 1` run in the new one, where the joiner's `join_group`
+  starts. If all survivors call it at the same step boundary, the next op is the first
+  op of the joiner. `deactivate_ranks` works the same way; the removed rank's next op
+  raises `RankRemovedError`.
+* A rank declared failed while alive (frozen past the heartbeat timeout) raises
+  `RankEvictedError` from its next call and never returns a result after resuming
+  (its lease is re-confirmed with the coordinator before completing an op).
+* Layout: `size()` == max group size; inactive slots get zero splits in
+  all_to_all_single (their data is skipped, their output rows are zero) and zero-filled
+  entries in all_gather.
+"""
+
+import torch.distributed as _dist
+
+from .api import (
+    BackendOptions,
+    _create_backend,
+    deactivate_ranks,
+    get_active_ranks,
+    get_current_epoch,
+    get_peer_state,
+    get_pending_requests,
+    get_slot_states,
+    has_pending_change,
+    init_process_group,
+    join_group,
+    recover_ranks,
+)
+from .client import CoordinatorClient
+from .coordinator import Coordinator, start_coordinator
+from .errors import (
+    CoordinatorLostError,
+    ElasticError,
+    EpochChangedError,
+    RankEvictedError,
+    RankFailureError,
+    RankRemovedError,
+)
+from .process_group import ElasticProcessGroup
+
+if "elastic" not in _dist.Backend.backend_list:
+    _dist.Backend.register_backend("elastic", _create_backend, extended_api=True,
+                                   devices=["cpu"])
+
+__all__ = [
+    "BackendOptions", "Coordinator", "CoordinatorClient", "CoordinatorLostError",
+    "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
+    "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
+    "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",
+    "has_pending_change", "init_process_group", "join_group", "recover_ranks",
+    "start_coordinator",
+]

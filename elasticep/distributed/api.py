@@ -1,0 +1,204 @@
+"""Mooncake-style public API of the elastic backend (see the package docstring).
+
+Process-wide state: one control connection (`RankControl`) and one client of the
+coordinator's TCPStore, created by `init_process_group`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .control import RankControl
+from .process_group import ElasticProcessGroup
+from .protocol import parse_address
+from .state import GroupState
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("ELASTICEP_DIST_TIMEOUT_S", "60"))
+_ctl: RankControl | None = None
+_store: dist.Store | None = None
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class BackendOptions:
+    """Options of an elastic group (pass as `pg_options=` to new_group).
+
+    Args:
+        active_ranks: caller-owned int32 tensor [max_group_size]; its initial nonzero
+            entries are the initially active slots, and the backend keeps it equal to
+            the committed active mask. None: all `len(ranks)` slots active.
+        is_extension: this rank joins an existing group (call `join_group` next).
+        max_group_size: capacity in slots (default len(ranks)); slots past len(ranks)
+            map to the global ranks following max(ranks).
+        on_failure: "complete" (finish reductions/barrier/broadcast over survivors) or
+            "raise" (RankFailureError unless a survivor already completed the op).
+        unique_name: stable group name shared by all members (default: torch's name).
+    """
+
+    active_ranks: torch.Tensor | None = None
+    is_extension: bool = False
+    max_group_size: int | None = None
+    on_failure: str = "complete"
+    unique_name: str | None = None
+
+    def __init__(self, active_ranks: torch.Tensor | None = None, is_extension: bool = False,
+                 max_group_size: int | None = None, *, on_failure: str = "complete",
+                 unique_name: str | None = None) -> None:
+        if on_failure not in ("complete", "raise"):
+            raise ValueError(f"on_failure must be 'complete' or 'raise', got {on_failure!r}")
+        if active_ranks is not None and active_ranks.dtype != torch.int32:
+            raise ValueError("active_ranks must be an int32 tensor")
+        self.active_ranks, self.is_extension = active_ranks, is_extension
+        self.max_group_size, self.on_failure, self.unique_name = (
+            max_group_size, on_failure, unique_name)
+
+
+def init_process_group(coordinator: str, rank: int, world_size: int, *,
+                       max_world_size: int | None = None, is_extension: bool = False,
+                       timeout_s: float = DEFAULT_TIMEOUT_S,
+                       on_failure: str = "complete") -> ElasticProcessGroup:
+    """Connect to the coordinator and make the "elastic" WORLD group the default group.
+
+    Args:
+        coordinator: ``"host:port"`` of the coordinator.
+        rank: global slot of this process, in [0, max_world_size).
+        world_size: number of initially active slots (0..world_size-1).
+        max_world_size: capacity of WORLD (default world_size); `size()` reports it.
+        is_extension: this process (re)joins an existing deployment; call
+            `join_group(WORLD)` when ready to be admitted.
+        timeout_s: bound of every blocking call (seconds).
+        on_failure: failure mode of WORLD ("complete" or "raise").
+    Returns:
+        The default group (also available as torch.distributed.group.WORLD).
+    Raises:
+        ValueError: refused by the coordinator (slot already active, bad rank, ...).
+        TimeoutError: coordinator unreachable.
+    """
+    global _ctl, _store, _timeout_s
+    mws = max_world_size or world_size
+    _timeout_s = timeout_s
+    _ctl = RankControl(coordinator, rank, world_size, mws, is_extension, timeout_s)
+    host, _ = parse_address(coordinator)
+    _store = dist.TCPStore(host, _ctl.store_port, is_master=False,
+                           timeout=timedelta(seconds=timeout_s))
+    mask = torch.zeros(mws, dtype=torch.int32)
+    mask[:world_size] = 1
+    opts = BackendOptions(mask, is_extension, mws, on_failure=on_failure, unique_name="world")
+    dist.init_process_group("elastic", store=_store, rank=rank, world_size=mws,
+                            pg_options=opts, timeout=timedelta(seconds=timeout_s))
+    return dist.distributed_c10d._get_default_group()
+
+
+def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGroup:
+    """torch.distributed backend creator (extended API) for "elastic"."""
+    if _ctl is None or _store is None:
+        raise RuntimeError("call elasticep.distributed.init_process_group before new_group")
+    options = options or BackendOptions()
+    # The default group reports no ranks: it is the identity over its size.
+    ranks = list(dopts.global_ranks_in_group) or list(range(dopts.group_size))
+    given = len(ranks) if dopts.global_ranks_in_group else options.max_group_size or len(ranks)
+    size = options.max_group_size or len(ranks)
+    ranks += [max(ranks) + 1 + i for i in range(size - len(ranks))]
+    mask = options.active_ranks
+    if mask is None:
+        mask = torch.zeros(size, dtype=torch.int32)
+        mask[:given] = 1
+    if mask.numel() != size:
+        raise ValueError(f"active_ranks has {mask.numel()} entries, group size is {size}")
+    name = options.unique_name or str(dopts.group_id)
+    active = [i for i in range(size) if int(mask[i]) != 0]
+    reg = _ctl.request({"t": "register", "group": name, "global_ranks": ranks,
+                        "active": active, "on_failure": options.on_failure,
+                        "is_extension": options.is_extension})
+    gs = GroupState(_ctl, _store, name, reg["slot"], ranks, reg, mask, _timeout_s,
+                    joining=options.is_extension)
+    _ctl.groups[name] = gs
+    return ElasticProcessGroup(gs, reg["slot"], size)
+
+
+def _gs(group) -> GroupState:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ElasticProcessGroup):
+        raise ValueError(f"{pg!r} is not an elastic group")
+    return pg.gs
+
+
+def get_active_ranks(group=None) -> torch.Tensor:
+    """int32 tensor [max_group_size]: 1 for slots active in the committed epoch. No I/O."""
+    return _gs(group).mask
+
+
+def get_current_epoch(group=None) -> int:
+    """The group's latest committed epoch (cheap, no collective, no I/O)."""
+    return _gs(group).epoch
+
+
+def has_pending_change(group=None) -> bool:
+    """True if a transition is announced, or a failure decision awaits this rank's next op."""
+    gs = _gs(group)
+    return gs.pending is not None or gs.failure is not None
+
+
+def get_peer_state(group, ranks: list[int]) -> list[bool]:
+    """True where the slot is alive and ready to be admitted, or active. Non-blocking."""
+    st = _gs(group).states
+    return [st[r] in ("ready", "healthy", "draining") for r in ranks]
+
+
+def get_slot_states(group=None) -> list[str]:
+    """Per-slot state strings (failed|joining|ready|healthy|draining|removed). No I/O."""
+    return list(_gs(group).states)
+
+
+def get_pending_requests(group=None) -> dict[str, list[int]]:
+    """Supervisor requests not applied yet: {"admit": [...], "remove": [...]}. No I/O."""
+    return {k: list(v) for k, v in _gs(group).requests.items()}
+
+
+def recover_ranks(group, ranks: list[int], timeout_s: float | None = None) -> list[int]:
+    """Admit the given ready slots into the next epoch; returns the slots admitted.
+
+    Every active member calls it with the same list (possibly at different steps): the
+    first call starts the transition, ops with seq < boundary finish in the old epoch,
+    and every member (and the joiner) runs ops >= boundary in the new one. Blocks until
+    the admission is committed. Slots not ready are skipped.
+
+    Raises:
+        TimeoutError: not committed within timeout_s; RankEvictedError.
+    """
+    gs = _gs(group)
+    admitting = gs.ctl.request({"t": "recover", "group": gs.name, "ranks": list(ranks)})[
+        "admitting"]
+    gs.wait_until(lambda: all(r in gs.active or gs.states[r] == "failed" for r in admitting),
+                  timeout_s or _timeout_s, f"admission of {admitting}")
+    return [r for r in admitting if r in gs.active]
+
+
+def join_group(group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Extension rank: announce readiness and block until admitted.
+
+    Raises:
+        TimeoutError: not admitted within timeout_s.
+    """
+    gs = _gs(group)
+    gs.ctl.request({"t": "ready", "group": gs.name})
+    gs.join(timeout_s)
+
+
+def deactivate_ranks(group, ranks: list[int], timeout_s: float | None = None) -> None:
+    """Planned removal at an op boundary (like recover_ranks); removed ranks then get
+    RankRemovedError from their next op at/after the boundary.
+
+    Raises:
+        TimeoutError: not committed within timeout_s.
+    """
+    gs = _gs(group)
+    removing = gs.ctl.request({"t": "deactivate", "group": gs.name, "ranks": list(ranks)})[
+        "removing"]
+    gs.wait_until(lambda: all(r not in gs.active for r in removing), timeout_s or _timeout_s,
+                  f"removal of {removing}")

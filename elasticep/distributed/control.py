@@ -1,0 +1,140 @@
+"""Rank side of the control plane: one connection per process to the coordinator.
+
+A reader thread dispatches pushes (announce, commit, peer, evicted) to the per-group
+`GroupState`s and answers announcements with reports at once, so even a rank whose
+main thread is busy or idle takes part in every transition. A heartbeat thread sends
+``hb`` every interval; `lease_fresh` tells whether an ack arrived recently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from .errors import CoordinatorLostError, RankEvictedError
+from .protocol import Connection, connect
+
+log = logging.getLogger(__name__)
+
+
+class RankControl:
+    """The process-wide control connection of global rank `rank`.
+
+    Raises (constructor):
+        ValueError: the coordinator refused the hello (e.g. the slot is already active).
+        TimeoutError: no answer within timeout_s.
+    """
+
+    def __init__(self, address: str, rank: int, world_size: int, max_world_size: int,
+                 is_extension: bool, timeout_s: float) -> None:
+        self.address, self.rank, self.timeout_s = address, rank, timeout_s
+        self.conn: Connection = connect(address, timeout_s)
+        self.groups: dict[str, Any] = {}
+        self.evicted: str | None = None
+        self.lost = False
+        self.last_ack = time.monotonic()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"elastic-ctl-r{rank}")
+        self._reader.start()
+        hello = self.request({"t": "hello", "rank": rank, "pid": os.getpid(),
+                              "world_size": world_size, "max_world_size": max_world_size,
+                              "is_extension": is_extension})
+        self.store_port: int = hello["store_port"]
+        self.hb_interval_s: float = hello["hb_interval_s"]
+        threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
+
+    # ------------------------------------------------------------------ requests
+    def request(self, msg: dict, timeout_s: float | None = None) -> dict:
+        """Send a request and wait for its reply.
+
+        Raises:
+            ValueError: the coordinator answered ok=False (its reason is the message).
+            TimeoutError: no reply within timeout_s.
+            CoordinatorLostError: the connection broke.
+        """
+        rid = next(self._ids)
+        ev, box = threading.Event(), []
+        with self._lock:
+            self._replies[rid] = (ev, box)
+        if not self.conn.send({**msg, "id": rid}):
+            raise CoordinatorLostError(f"rank {self.rank}: coordinator connection is closed")
+        if not ev.wait(timeout_s or self.timeout_s):
+            with self._lock:
+                self._replies.pop(rid, None)
+            raise TimeoutError(f"rank {self.rank}: no reply to {msg['t']!r} from coordinator")
+        reply = box[0]
+        if reply is None:
+            if self.evicted:
+                raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
+            raise CoordinatorLostError(f"rank {self.rank}: coordinator connection lost")
+        if not reply.get("ok"):
+            raise ValueError(reply.get("error", "refused by coordinator"))
+        return reply
+
+    def send(self, msg: dict) -> None:
+        self.conn.send(msg)
+
+    def lease_fresh(self) -> bool:
+        """True if a heartbeat ack arrived within 3 intervals (cheap, no I/O)."""
+        return time.monotonic() - self.last_ack < 3 * self.hb_interval_s + 0.05
+
+    def confirm_membership(self) -> None:
+        """Round-trip to the coordinator; raises RankEvictedError if we were evicted."""
+        if self.evicted:
+            raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
+        try:
+            self.request({"t": "ping"}, timeout_s=min(self.timeout_s, 5.0))
+        except (CoordinatorLostError, TimeoutError) as e:
+            raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
+        if self.evicted:
+            raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
+
+    # ------------------------------------------------------------------ threads
+    def _hb_loop(self) -> None:
+        while not self.lost:
+            if not self.conn.send({"t": "hb"}):
+                return
+            time.sleep(self.hb_interval_s)
+
+    def _read_loop(self) -> None:
+        while True:
+            msg = self.conn.recv()
+            if msg is None:
+                break
+            t = msg["t"]
+            if t == "hb_ack":
+                self.last_ack = time.monotonic()
+            elif t == "reply":
+                self.last_ack = time.monotonic()
+                with self._lock:
+                    waiter = self._replies.pop(msg.get("id"), None)
+                if waiter is not None:
+                    waiter[1].append(msg)
+                    waiter[0].set()
+            elif t == "evicted":
+                self.evicted = msg.get("reason", "evicted")
+                log.warning("rank %d: evicted by coordinator (%s)", self.rank, self.evicted)
+            else:
+                gs = self.groups.get(msg.get("group"))
+                if gs is not None:
+                    try:
+                        gs.on_push(msg)
+                    except Exception:  # keep the control plane alive whatever happens
+                        log.exception("rank %d: error handling %s", self.rank, t)
+        self.lost = True
+        if self.evicted is None:
+            self.evicted = "control connection to the coordinator closed"
+        with self._lock:
+            waiters, self._replies = list(self._replies.values()), {}
+        for ev, box in waiters:
+            box.append(None)
+            ev.set()
+        for gs in list(self.groups.values()):
+            gs.on_lost()

@@ -1,0 +1,357 @@
+"""The coordinator: single source of truth for membership, living outside every rank.
+
+It hosts the rendezvous TCPStore, keeps one control connection per rank (EOF there means
+death within milliseconds), checks heartbeats (a frozen rank is evicted after
+`hb_timeout_s`), runs epoch transitions per group (announce -> collect reports ->
+`membership.decide` -> commit) and answers supervisors (`CoordinatorClient`).
+
+Start it with `start_coordinator()` (in-process threads; fine for tests and the launcher)
+or as its own process: ``python -m elasticep.distributed.coordinator --host H --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .membership import ACTIVE_STATES, Report, decide
+from .protocol import Connection
+from .registry import Group, Transition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Proc:
+    rank: int
+    pid: int
+    conn: Connection
+    alive: bool = True
+    last_hb: float = field(default_factory=time.monotonic)
+    groups: set[str] = field(default_factory=set)
+
+
+class Coordinator:
+    """Membership server. Use `start_coordinator`; `.address` is ``"host:port"``.
+
+    Args:
+        host: interface to bind (loopback by default).
+        port: control port (0 picks a free one). The store port is always picked freely.
+        hb_interval_s: heartbeat period ranks are told to use (seconds).
+        hb_timeout_s: an active rank silent this long is evicted (seconds).
+        join_hb_timeout_s: the same for joining/ready ranks that are loading weights.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
+                 hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0) -> None:
+        self.hb_interval_s = hb_interval_s
+        self.hb_timeout_s = hb_timeout_s
+        self.join_hb_timeout_s = join_hb_timeout_s
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._lsock = socket.create_server((host, port))
+        self.address = f"{host}:{self._lsock.getsockname()[1]}"
+        self._lock = threading.RLock()
+        self._procs: dict[int, _Proc] = {}
+        self._groups: dict[str, Group] = {}
+        self._max_world_size: int | None = None
+        self._closed = False
+        for target in (self._accept_loop, self._monitor_loop):
+            threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
+        log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        """Stop serving: close the listener and every connection (ranks see EOF)."""
+        with self._lock:
+            self._closed = True
+            procs = list(self._procs.values())
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        for p in procs:
+            p.conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(Connection(sock),), daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        proc: _Proc | None = None
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            try:
+                with self._lock:
+                    out = self._handle(conn, proc, msg)
+                if isinstance(out, _Proc):
+                    proc = out
+            except Exception as e:  # a bad request must not kill the server
+                log.exception("coordinator: error handling %s", msg.get("t"))
+                conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": str(e)})
+        conn.close()
+        if proc is not None:
+            with self._lock:
+                self._proc_dead(proc, "control connection closed")
+
+    def _monitor_loop(self) -> None:
+        while not self._closed:
+            time.sleep(min(self.hb_interval_s, self.hb_timeout_s) / 2)
+            now = time.monotonic()
+            with self._lock:
+                for p in list(self._procs.values()):
+                    if not p.alive:
+                        continue
+                    active = any(self._groups[g].is_active_rank(p.rank) for g in p.groups)
+                    limit = self.hb_timeout_s if active else self.join_hb_timeout_s
+                    if now - p.last_hb > limit:
+                        log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
+                                    now - p.last_hb)
+                        p.conn.send({"t": "evicted", "reason": "heartbeat timeout"})
+                        p.conn.close()
+                        self._proc_dead(p, "heartbeat timeout")
+
+    # ------------------------------------------------------------------ requests
+    def _handle(self, conn: Connection, proc: _Proc | None, msg: dict):
+        t = msg["t"]
+        if t == "hb":
+            if proc is not None:
+                proc.last_hb = time.monotonic()
+                conn.send({"t": "hb_ack"})
+            return None
+        if t == "hello":
+            return self._hello(conn, msg)
+        handler = {
+            "register": self._register, "ready": self._ready, "recover": self._recover,
+            "deactivate": self._deactivate, "report": self._report, "ping": self._ping,
+            "status": self._status, "report_death": self._report_death,
+            "request_admission": self._request_admission,
+            "request_deactivation": self._request_deactivation,
+        }[t]
+        reply = handler(proc, msg)
+        if reply is not None and "id" in msg:
+            conn.send({"t": "reply", "id": msg["id"], "ok": True, **reply})
+        return None
+
+    def _hello(self, conn: Connection, msg: dict):
+        if msg.get("role") == "supervisor":
+            conn.send({"t": "reply", "id": msg.get("id"), "ok": True})
+            return None
+        rank, mws = msg["rank"], msg["max_world_size"]
+        err = None
+        if self._max_world_size is None:
+            self._max_world_size = mws
+        if mws != self._max_world_size:
+            err = f"max_world_size {mws} != coordinator's {self._max_world_size}"
+        elif not 0 <= rank < mws:
+            err = f"rank {rank} outside [0, {mws})"
+        elif rank in self._procs and self._procs[rank].alive:
+            err = f"slot {rank} is already held by live pid {self._procs[rank].pid}"
+        elif msg["is_extension"] and any(g.is_active_rank(rank) for g in self._groups.values()):
+            err = f"slot {rank} is already active; a joiner can only take a failed/free slot"
+        if err:
+            conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": err})
+            return None
+        proc = _Proc(rank=rank, pid=msg["pid"], conn=conn)
+        self._procs[rank] = proc
+        conn.send({"t": "reply", "id": msg.get("id"), "ok": True, "store_port": self.store.port,
+                   "hb_interval_s": self.hb_interval_s})
+        log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
+                 msg["is_extension"])
+        return proc
+
+    def _register(self, proc: _Proc, msg: dict) -> dict:
+        name = msg["group"]
+        g = self._groups.get(name)
+        if g is None:
+            if msg["is_extension"]:
+                raise ValueError(f"group {name!r} does not exist; an extension rank can only "
+                                 "join an existing group")
+            dead = {r for r, p in self._procs.items() if not p.alive}
+            g = Group.create(name, msg["global_ranks"], msg["active"], msg["on_failure"], dead)
+            self._groups[name] = g
+        slot = g.slot_of(proc.rank)
+        if msg["is_extension"]:
+            if g.states[slot] in ACTIVE_STATES:
+                raise ValueError(f"slot {slot} of group {name!r} is already active "
+                                 f"(epoch {g.epoch}); refusing joiner pid {proc.pid}")
+            g.states[slot] = "joining"
+        proc.groups.add(name)
+        self._push_peer(g)
+        return {"epoch": g.epoch, "active": sorted(g.active), "states": g.states,
+                "on_failure": g.on_failure, "slot": slot}
+
+    def _ready(self, proc: _Proc, msg: dict) -> dict:
+        g = self._groups[msg["group"]]
+        slot = g.slot_of(proc.rank)
+        if g.states[slot] not in ("joining", "ready"):
+            raise ValueError(f"slot {slot} is {g.states[slot]!r}, not joining")
+        g.states[slot] = "ready"
+        self._push_peer(g)
+        return {}
+
+    def _recover(self, proc: _Proc, msg: dict) -> dict:
+        g = self._groups[msg["group"]]
+        admit = [r for r in msg["ranks"] if g.states[r] == "ready"]
+        g.pending_admit.update(admit)
+        self._maybe_start(g)
+        return {"admitting": admit}
+
+    def _deactivate(self, proc: _Proc, msg: dict) -> dict:
+        g = self._groups[msg["group"]]
+        remove = [r for r in msg["ranks"] if r in g.active]
+        for r in remove:
+            g.states[r] = "draining"
+        g.pending_remove.update(remove)
+        self._maybe_start(g)
+        return {"removing": remove}
+
+    def _report(self, proc: _Proc, msg: dict) -> None:
+        g = self._groups[msg["group"]]
+        tr = g.transition
+        if tr is None or tr.epoch != msg["epoch"]:
+            return None  # a report for a superseded announcement
+        slot = g.slot_of(proc.rank)
+        tr.reports[slot] = Report(msg["last"], msg["started"], frozenset(msg["fetchable"]))
+        self._maybe_commit(g)
+        return None
+
+    def _ping(self, proc: _Proc, msg: dict) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------ supervisor
+    def _status(self, proc, msg: dict) -> dict:
+        return {
+            "max_world_size": self._max_world_size,
+            "ranks": {str(r): {"pid": p.pid, "alive": p.alive} for r, p in self._procs.items()},
+            "groups": {n: g.status() for n, g in self._groups.items()},
+        }
+
+    def _report_death(self, proc, msg: dict) -> dict:
+        p = self._procs.get(msg["rank"])
+        if p is not None and p.alive and (msg.get("pid") in (None, p.pid)):
+            p.conn.close()
+            self._proc_dead(p, "reported dead by supervisor")
+        return {}
+
+    def _request_admission(self, proc, msg: dict) -> dict:
+        g = self._groups[msg["group"]]
+        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg["ranks"]))
+        self._push_peer(g)
+        return {}
+
+    def _request_deactivation(self, proc, msg: dict) -> dict:
+        g = self._groups[msg["group"]]
+        for r in msg["ranks"]:
+            if g.states[r] == "healthy":
+                g.states[r] = "draining"
+        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg["ranks"]))
+        self._push_peer(g)
+        return {}
+
+    # ------------------------------------------------------------------ transitions
+    def _proc_dead(self, proc: _Proc, why: str) -> None:
+        if not proc.alive:
+            return
+        proc.alive = False
+        log.warning("coordinator: rank %d (pid %d) dead: %s", proc.rank, proc.pid, why)
+        for name in proc.groups:
+            g = self._groups[name]
+            slot = g.slot_of(proc.rank)
+            if slot in g.active or (g.transition and slot in g.transition.new_active):
+                g.pending_dead.add(slot)
+            g.states[slot] = "failed"
+            g.pending_admit.discard(slot)
+            self._maybe_start(g)
+            self._push_peer(g)
+
+    def _maybe_start(self, g: Group) -> None:
+        tr = g.transition
+        if tr is not None:
+            if g.pending_dead - tr.dead:
+                self._announce(g, tr.restart(g))
+            return
+        tr = Transition.begin(g)
+        if tr is not None:
+            self._announce(g, tr)
+
+    def _announce(self, g: Group, tr: Transition) -> None:
+        g.transition = tr
+        tr.waiting = {s for s in g.active if self._alive_slot(g, s)}
+        log.info("coordinator: group %s announce epoch %d kind=%s active=%s dead=%s",
+                 g.name, tr.epoch, tr.kind, sorted(tr.new_active), sorted(tr.dead))
+        for s in tr.waiting:
+            self._procs[g.ranks[s]].conn.send({"t": "announce", "group": g.name,
+                                               "epoch": tr.epoch})
+        self._maybe_commit(g)
+
+    def _maybe_commit(self, g: Group) -> None:
+        tr = g.transition
+        if tr is None or not tr.waiting <= set(tr.reports):
+            return
+        d = decide(tr.kind, tr.epoch, tr.new_active, tr.dead, tr.reports)
+        g.commit(tr)
+        log.info("coordinator: group %s commit epoch %d %s", g.name, d.epoch, d.to_dict())
+        msg = {"t": "commit", "group": g.name, "decision": d.to_dict(), "states": g.states}
+        for p in self._procs.values():
+            if p.alive and g.name in p.groups:
+                p.conn.send(msg)
+        self._maybe_start(g)
+
+    def _alive_slot(self, g: Group, slot: int) -> bool:
+        p = self._procs.get(g.ranks[slot])
+        return p is not None and p.alive
+
+    def _push_peer(self, g: Group) -> None:
+        msg = {"t": "peer", "group": g.name, "states": g.states, "requests": g.requests}
+        for p in self._procs.values():
+            if p.alive and g.name in p.groups:
+                p.conn.send(msg)
+
+
+def start_coordinator(host: str = "127.0.0.1", port: int = 0, **kwargs) -> Coordinator:
+    """Start a coordinator on background threads of this process.
+
+    Args:
+        host, port: control endpoint; port 0 picks a free port.
+        **kwargs: hb_interval_s, hb_timeout_s, join_hb_timeout_s (seconds).
+    Returns:
+        The running `Coordinator`; pass `.address` to ranks and supervisors.
+    """
+    return Coordinator(host, port, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: run a coordinator until SIGTERM/SIGINT; prints its address on stdout."""
+    ap = argparse.ArgumentParser(description="ElasticEP membership coordinator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--hb-interval-s", type=float, default=0.2)
+    ap.add_argument("--hb-timeout-s", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    c = start_coordinator(args.host, args.port, hb_interval_s=args.hb_interval_s,
+                          hb_timeout_s=args.hb_timeout_s)
+    print(c.address, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    c.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Typed errors of the elastic backend.
+
+Hierarchy::
+
+    ElasticError(RuntimeError)
+      EpochChangedError          membership changed under an op; redo the step
+        RankFailureError         ... because ranks died (dead_ranks, epoch)
+      RankEvictedError           this process is no longer a member (frozen too long)
+        RankRemovedError         ... because deactivate_ranks removed it (planned)
+      CoordinatorLostError       the control connection to the coordinator broke
+"""
+
+from __future__ import annotations
+
+
+class ElasticError(RuntimeError):
+    """Base class of every error raised by elasticep.distributed."""
+
+
+class EpochChangedError(ElasticError):
+    """The group moved to a new epoch and the current op cannot be completed consistently.
+
+    Attributes:
+        epoch: the new epoch (int).
+    """
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+
+
+class RankFailureError(EpochChangedError):
+    """Ranks died during (or before) this op; the survivors all raise it from the same op.
+
+    Attributes:
+        dead_ranks: group ranks (slots) declared failed by the transition, sorted.
+        epoch: the epoch the survivors now run in.
+    """
+
+    def __init__(self, dead_ranks: list[int], epoch: int, group: str = "") -> None:
+        super().__init__(
+            f"ranks {sorted(dead_ranks)} of group {group!r} failed; now at epoch {epoch}", epoch
+        )
+        self.dead_ranks = sorted(dead_ranks)
+
+
+class RankEvictedError(ElasticError):
+    """This process was declared failed (e.g. frozen past the heartbeat timeout) or removed.
+
+    Its slot may already be relaunched; it must exit and never use its results.
+    """
+
+
+class RankRemovedError(RankEvictedError):
+    """This rank was removed by a planned `deactivate_ranks`; its next op raises this."""
+
+
+class CoordinatorLostError(ElasticError):
+    """The control connection to the coordinator broke (coordinator gone)."""

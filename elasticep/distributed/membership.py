@@ -1,0 +1,159 @@
+"""Pure membership decisions: slot states and epoch transitions (no sockets, no torch).
+
+A *transition* moves a group from epoch e to e' > e. The coordinator announces it, each
+old member reports its op progress (`Report`), and `decide` turns the reports into one
+`Decision` that every member applies identically.
+
+Two kinds of transition:
+
+* ``"change"`` (admission / planned removal, nobody died): the old inner group still
+  works, so ops in flight finish on it. The boundary is ``B = max(started) + 1``; ops with
+  seq < B run in the old epoch, ops >= B in the new one (the joiner starts at B).
+* ``"failure"`` (some member died): ``r = min(last) + 1`` is the lowest op some survivor
+  has not completed and ``M = max(last)`` the highest op some survivor completed
+  (normally M <= r). Ops r..M are *fetched* from a donor's kept result when every one of
+  them is fetchable (identical on all ranks: all_reduce, broadcast, all_gather, barrier).
+  Op M+1 is the *pivot*: nobody completed it, so it is redone in the new epoch
+  (on_failure="complete" and a redoable op) or raised. If some op in r..M is not
+  fetchable (all_to_all_single, reduce_scatter, ...) every survivor raises at its current
+  op. After a raise every survivor continues at seq ``M + 2`` (`Decision.base`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SLOT_STATES = ("failed", "joining", "ready", "healthy", "draining", "removed")
+ACTIVE_STATES = ("healthy", "draining")
+
+# Allowed slot state changes; anything else is a bug or a refused request.
+_ALLOWED = {
+    "failed": {"joining", "ready", "failed"},
+    "removed": {"joining", "ready", "removed"},
+    "joining": {"ready", "failed", "healthy"},
+    "ready": {"healthy", "failed"},
+    "healthy": {"failed", "draining", "removed"},
+    "draining": {"failed", "removed", "healthy"},
+}
+
+
+def next_slot_state(state: str, new: str) -> str:
+    """Validate a slot state change.
+
+    Raises:
+        ValueError: the change is not allowed (e.g. a joiner for a healthy slot).
+    """
+    if new not in _ALLOWED.get(state, ()):
+        raise ValueError(f"slot cannot go from {state!r} to {new!r}")
+    return new
+
+
+@dataclass(frozen=True)
+class Report:
+    """One old member's progress, frozen at the announcement.
+
+    last: seq of its last completed op (-1 if none); started: seq of the op in flight,
+    or ``last`` when idle; fetchable: seqs whose result it kept and can hand to others.
+    """
+
+    last: int
+    started: int
+    fetchable: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one transition; sent to members as a dict (`to_dict`)."""
+
+    kind: str  # "failure" | "change"
+    epoch: int
+    active: tuple[int, ...]  # group slots active in `epoch`, sorted
+    dead: tuple[int, ...] = ()
+    resume: int = 0  # failure: lowest op some survivor has not completed
+    last: int = -1  # failure: highest op some survivor completed (M)
+    donors: dict[int, int] = field(default_factory=dict)  # seq -> slot holding its result
+    fetchable: bool = True  # failure: every op resume..last can be fetched
+    boundary: int = 0  # first seq that runs on this epoch's inner group
+
+    @property
+    def base(self) -> int:
+        """Seq every survivor continues at after raising (failure transitions)."""
+        return self.last + 2
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "epoch": self.epoch, "active": list(self.active),
+            "dead": list(self.dead), "resume": self.resume, "last": self.last,
+            "donors": {str(k): v for k, v in self.donors.items()},
+            "fetchable": self.fetchable, "boundary": self.boundary,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> Decision:
+        return Decision(
+            kind=d["kind"], epoch=d["epoch"], active=tuple(d["active"]), dead=tuple(d["dead"]),
+            resume=d["resume"], last=d["last"],
+            donors={int(k): v for k, v in d["donors"].items()},
+            fetchable=d["fetchable"], boundary=d["boundary"],
+        )
+
+
+def decide(
+    kind: str, epoch: int, active: set[int], dead: set[int], reports: dict[int, Report]
+) -> Decision:
+    """Turn the survivors' reports into the transition's decision.
+
+    Args:
+        kind: "failure" if any old member died, else "change".
+        epoch: the new epoch.
+        active: slots active in the new epoch.
+        dead: slots that died (failure only).
+        reports: slot -> Report for every old member that is still alive (may be empty
+            when no old member survives; then the joiners start at seq 0).
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    act = tuple(sorted(active))
+    if not reports:
+        return Decision(kind=kind, epoch=epoch, active=act, dead=tuple(sorted(dead)))
+    if kind == "change":
+        boundary = max(r.started for r in reports.values()) + 1
+        return Decision(kind="change", epoch=epoch, active=act, boundary=boundary,
+                        last=boundary - 1, resume=boundary)
+    if kind != "failure":
+        raise ValueError(f"unknown transition kind {kind!r}")
+    resume = min(r.last for r in reports.values()) + 1
+    last = max(r.last for r in reports.values())
+    donors: dict[int, int] = {}
+    fetchable = True
+    for seq in range(resume, last + 1):
+        holders = sorted(s for s, r in reports.items() if r.last >= seq and seq in r.fetchable)
+        if not holders:
+            fetchable = False
+            donors.clear()
+            break
+        donors[seq] = holders[0]
+    return Decision(kind="failure", epoch=epoch, active=act, dead=tuple(sorted(dead)),
+                    resume=resume, last=last, donors=donors, fetchable=fetchable,
+                    boundary=last + 1)
+
+
+def local_action(decision: Decision, seq: int, op_fetchable: bool, op_redoable: bool,
+                 on_failure: str) -> str:
+    """What a survivor does with its op `seq` under an unapplied failure decision.
+
+    Returns one of "fetch" (take the donor's kept result), "run" (execute on the new
+    epoch), "raise" (raise RankFailureError and continue at `decision.base`), or "done"
+    (the decision no longer concerns ops >= seq).
+    """
+    if seq > decision.last + 1:
+        return "done"
+    if not decision.fetchable:
+        return "raise"
+    if seq <= decision.last:
+        return "fetch" if op_fetchable else "raise"
+    # seq == last + 1: the pivot, completed by nobody.
+    if on_failure == "complete" and op_redoable:
+        return "run"
+    return "raise"

@@ -1,0 +1,238 @@
+"""Collective ops as small objects the consistency loop (`GroupState.run`) can execute.
+
+Each op works on private buffers: an abandoned inner op may still write into its
+buffers after the caller moved on, so user tensors are only written in `apply`, after
+the op has completed consistently. In-place inputs are therefore copied first.
+
+Dtype emulation (Gloo lacks AVG, and bool/fp16/bf16 reductions are not reliable):
+fp16/bf16 reduce in fp32 and round once; bool reduces as int32 (SUM/MAX = any,
+MIN/PRODUCT = all); AVG = SUM / number of active ranks (integer dtypes: floor
+division). Byte-moving ops view fp16/bf16 as int16 and bool as uint8.
+
+Op attributes: `kind` (name), `fetchable` (the result is identical on every rank, so a
+survivor that missed the op can take a donor's kept result), `redoable(active)` (it can
+be re-run over the survivors in on_failure="complete" mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_REDUCE = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
+_BYTE_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
+
+
+def reduce_name(op) -> str:
+    """Name of a ReduceOp / RedOpType. Raises ValueError for unsupported ops."""
+    for name in _REDUCE:
+        if op == getattr(dist.ReduceOp, name):
+            return name
+    raise ValueError(f"unsupported reduce op {op}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    v = _BYTE_VIEW.get(t.dtype)
+    return t.view(v) if v is not None else t
+
+
+def _prep_reduce(t: torch.Tensor, name: str):
+    """Return (buffer, gloo ReduceOp, dtype to cast back to)."""
+    if t.dtype == torch.bool:
+        if name == "AVG":
+            raise ValueError("AVG is undefined for bool tensors")
+        op = dist.ReduceOp.MAX if name in ("SUM", "MAX") else dist.ReduceOp.MIN
+        return t.to(torch.int32), op, torch.bool
+    gop = dist.ReduceOp.SUM if name == "AVG" else getattr(dist.ReduceOp, name)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.to(torch.float32), gop, t.dtype
+    return t.detach().clone(), gop, t.dtype
+
+
+def _finish_reduce(buf: torch.Tensor, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if name == "AVG":
+        buf = buf / n if buf.is_floating_point() else torch.div(buf, n, rounding_mode="floor")
+    return buf.to(dtype) if dtype != buf.dtype or dtype == torch.bool else buf
+
+
+def reduce_work(pg, t: torch.Tensor, name: str, n: int):
+    """Start an all_reduce of a copy of t on inner group pg; returns (work, finalize)."""
+    buf, gop, dtype = _prep_reduce(t, name)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = gop
+    work = pg.allreduce([buf], opts)
+    return work, lambda: _finish_reduce(buf, name, n, dtype)
+
+
+class AllReduce:
+    kind, fetchable = "all_reduce", True
+
+    def __init__(self, tensor: torch.Tensor, op) -> None:
+        self.tensor, self.name = tensor, reduce_name(op)
+        _prep_reduce(tensor[:0], self.name)  # validate dtype/op before any I/O
+
+    def redoable(self, active) -> bool:
+        return True
+
+    def start(self, pg, active):
+        work, fin = reduce_work(pg, self.tensor, self.name, len(active))
+        return work, lambda: [fin()]
+
+    def apply(self, result) -> None:
+        self.tensor.copy_(result[0])
+
+
+class ReduceScatter:
+    """reduce_scatter_tensor: input [max_size * n, ...] -> output [n, ...] of our slot.
+
+    Implemented as an all_reduce of the whole input, which makes it fetchable.
+    """
+
+    kind, fetchable = "reduce_scatter", True
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, op, slot: int, size: int):
+        if input.shape[0] != output.shape[0] * size:
+            raise ValueError(f"reduce_scatter input dim0 {input.shape[0]} != "
+                             f"{size} x output dim0 {output.shape[0]}")
+        self.output, self.input, self.name, self.slot = output, input, reduce_name(op), slot
+
+    def redoable(self, active) -> bool:
+        return True
+
+    def start(self, pg, active):
+        work, fin = reduce_work(pg, self.input, self.name, len(active))
+        return work, lambda: [fin()]
+
+    def apply(self, result) -> None:
+        n = self.output.shape[0]
+        self.output.copy_(result[0][self.slot * n:(self.slot + 1) * n])
+
+
+class Broadcast:
+    kind, fetchable = "broadcast", True
+
+    def __init__(self, tensor: torch.Tensor, root: int, slot: int) -> None:
+        self.tensor, self.root, self.slot = tensor, root, slot
+
+    def redoable(self, active) -> bool:
+        return self.root in active  # a dead source cannot be replaced
+
+    def start(self, pg, active):
+        if self.root not in active:
+            raise ValueError(f"broadcast root {self.root} is not active (active={list(active)})")
+        buf = self.tensor.detach().clone()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = active.index(self.root)
+        work = pg.broadcast([_bytes(buf)], opts)
+        return work, lambda: [buf]
+
+    def apply(self, result) -> None:
+        if self.slot != self.root:
+            self.tensor.copy_(result[0])
+
+
+class AllGather:
+    """all_gather into a list of max_size tensors; inactive slots are zero-filled."""
+
+    kind, fetchable = "all_gather", True
+
+    def __init__(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
+        self.outputs, self.input = outputs, input
+
+    def redoable(self, active) -> bool:
+        return True
+
+    def start(self, pg, active):
+        bufs = [torch.empty_like(self.input) for _ in active]
+        work = pg.allgather([[_bytes(b) for b in bufs]], [_bytes(self.input.detach().clone())])
+
+        def finalize():
+            full = [torch.zeros_like(self.input) for _ in self.outputs]
+            for s, b in zip(active, bufs, strict=True):
+                full[s] = b
+            return full
+
+        return work, finalize
+
+    def apply(self, result) -> None:
+        for o, r in zip(self.outputs, result, strict=True):
+            o.copy_(r)
+
+
+class AllGatherInto(AllGather):
+    """all_gather_into_tensor: output [max_size * n, ...]; inactive chunks zero."""
+
+    kind = "all_gather_into_tensor"
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+        if output.shape[0] != input.shape[0] * size:
+            raise ValueError(f"all_gather output dim0 {output.shape[0]} != {size} x "
+                             f"{input.shape[0]}")
+        super().__init__(list(output.chunk(size)), input)
+
+
+class Barrier:
+    kind, fetchable = "barrier", True
+
+    def redoable(self, active) -> bool:
+        return True
+
+    def start(self, pg, active):
+        return pg.allreduce([torch.zeros(1)]), lambda: []
+
+    def apply(self, result) -> None:
+        pass
+
+
+class AllToAll:
+    """all_to_all_single with per-slot splits over max_size slots (never fetch/redo).
+
+    Inactive slots must get zero splits; without explicit splits dim0 is divided evenly
+    over max_size slots and inactive slots' chunks are skipped (their output rows zero).
+    """
+
+    kind, fetchable = "all_to_all_single", False
+
+    def __init__(self, output, input, out_splits, in_splits, size: int) -> None:
+        self.output, self.input, self.size = output, input, size
+        if not out_splits:
+            out_splits = [output.shape[0] // size] * size
+        if not in_splits:
+            in_splits = [input.shape[0] // size] * size
+        if len(out_splits) != size or len(in_splits) != size:
+            raise ValueError(f"all_to_all_single needs {size} splits (max group size)")
+        if sum(out_splits) != output.shape[0] or sum(in_splits) != input.shape[0]:
+            raise ValueError("all_to_all_single split sizes do not add up to dim0")
+        self.out_splits, self.in_splits = list(out_splits), list(in_splits)
+
+    def redoable(self, active) -> bool:
+        return False
+
+    def _offsets(self, splits):
+        offs, o = [], 0
+        for s in splits:
+            offs.append(o)
+            o += s
+        return offs
+
+    def start(self, pg, active):
+        ioff = self._offsets(self.in_splits)
+        ooff = self._offsets(self.out_splits)
+        inp = torch.cat([self.input[ioff[s]:ioff[s] + self.in_splits[s]] for s in active])
+        osz = [self.out_splits[s] for s in active]
+        out = self.output.new_empty((sum(osz), *self.output.shape[1:]))
+        work = pg.alltoall_base(_bytes(out), _bytes(inp.contiguous()), osz,
+                                [self.in_splits[s] for s in active], dist.AllToAllOptions())
+
+        def finalize():
+            full = torch.zeros_like(self.output)
+            o = 0
+            for s, n in zip(active, osz, strict=True):
+                full[ooff[s]:ooff[s] + n] = out[o:o + n]
+                o += n
+            return [full]
+
+        return work, finalize
+
+    def apply(self, result) -> None:
+        self.output.copy_(result[0])

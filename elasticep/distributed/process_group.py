@@ -1,0 +1,133 @@
+"""`ElasticProcessGroup`: the Python ProcessGroup torch.distributed dispatches to.
+
+Every method turns its arguments into an `ops` object and hands it to the group's
+`GroupState.run`, which runs it on the current epoch's inner ProcessGroupGloo and keeps
+it consistent across epoch changes. Ops are synchronous: the returned Work is already
+complete. Both torch 2.11 names (alltoall_base, _allgather_base, _reduce_scatter_base)
+and 2.13 names (all_to_all_single, all_gather_single, reduce_scatter_single) exist.
+
+Ranks are group slots: `size()` is the group's capacity (max_group_size) and
+`get_active_ranks` marks the holes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .state import GroupState
+
+
+class _DoneWork(dist.Work):
+    """A Work that is already complete (ops run synchronously)."""
+
+    def __init__(self, result=None) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _reduce_op(opts):
+    return getattr(opts, "reduceOp", opts) if opts is not None else dist.ReduceOp.SUM
+
+
+class ElasticProcessGroup(dist.ProcessGroup):
+    """A fault-tolerant group of `size` slots; see the package docstring for semantics."""
+
+    def __init__(self, gs: GroupState, slot: int, size: int) -> None:
+        super().__init__(slot, size)
+        self.gs, self._slot, self._size = gs, slot, size
+
+    # identity ---------------------------------------------------------------
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._slot
+
+    def getBackendName(self) -> str:
+        return "elastic"
+
+    def name(self) -> str:
+        return "elastic"
+
+    # collectives ------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        for t in tensors:
+            self.gs.run(ops.AllReduce(t, _reduce_op(opts)))
+        return _DoneWork(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        for t in tensors:
+            self.gs.run(ops.Broadcast(t, root, self._slot))
+        return _DoneWork(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            self.gs.run(ops.AllGather(outs, inp))
+        return _DoneWork(output_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        self.gs.run(ops.AllGatherInto(output, input, self._size))
+        return _DoneWork(output)
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        self.gs.run(ops.ReduceScatter(output, input, _reduce_op(opts), self._slot, self._size))
+        return _DoneWork(output)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        for out, ins in zip(output_tensors, input_tensors, strict=True):
+            self.reduce_scatter_single(out, torch.cat(ins), opts)
+        return _DoneWork(output_tensors)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        self.gs.run(ops.AllToAll(output, input, list(output_split_sizes),
+                                 list(input_split_sizes), self._size))
+        return _DoneWork(output)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        self.gs.run(ops.Barrier())
+        return _DoneWork()
+
+    # point to point (no sequence number; any membership change raises) ------
+    def send(self, tensors, dst: int, tag: int = 0):
+        for t in tensors:
+            buf = ops._bytes(t.detach().clone())
+            self.gs.p2p(lambda pg, active, b=buf: pg.send([b], _peer(active, dst), tag))
+        return _DoneWork()
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        for t in tensors:
+            buf = torch.empty_like(t)
+            self.gs.p2p(lambda pg, active, b=buf: pg.recv([ops._bytes(b)], _peer(active, src),
+                                                            tag))
+            t.copy_(buf)
+        return _DoneWork()
+
+
+def _peer(active, slot: int) -> int:
+    if slot not in active:
+        raise ValueError(f"peer slot {slot} is not active (active={list(active)})")
+    return active.index(slot)

@@ -1,0 +1,129 @@
+"""Coordinator-side records of a group and of its transition in progress (plain data).
+
+These hold no sockets: the coordinator mutates them under its lock and
+`membership.decide` turns a finished transition into a decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .membership import ACTIVE_STATES, Report
+
+
+@dataclass
+class Transition:
+    """One epoch change in flight for a group.
+
+    old_active: slots active in the committed epoch (they report); new_active: slots
+    active once committed; dead/admitted/removed: why it changes.
+    """
+
+    epoch: int
+    kind: str
+    old_active: set[int]
+    new_active: set[int]
+    dead: set[int] = field(default_factory=set)
+    admitted: set[int] = field(default_factory=set)
+    removed: set[int] = field(default_factory=set)
+    waiting: set[int] = field(default_factory=set)
+    reports: dict[int, Report] = field(default_factory=dict)
+
+    @staticmethod
+    def begin(g: Group) -> Transition | None:
+        """Start the next transition from the group's pending work, or None if idle.
+
+        Deaths go first; admissions/removals wait for a later, death-free transition.
+        """
+        dead = g.pending_dead & g.active
+        g.pending_dead -= g.pending_dead - g.active  # deaths of non-members need no epoch
+        if dead:
+            g.max_epoch += 1
+            return Transition(g.max_epoch, "failure", set(g.active), g.active - dead, dead=dead)
+        admit = {s for s in g.pending_admit if g.states[s] == "ready"}
+        remove = g.pending_remove & g.active
+        g.pending_admit -= admit
+        g.pending_remove -= remove
+        if not admit and not remove:
+            return None
+        g.max_epoch += 1
+        return Transition(g.max_epoch, "change", set(g.active), (g.active | admit) - remove,
+                          admitted=admit, removed=remove)
+
+    def restart(self, g: Group) -> Transition:
+        """Fold deaths that happened mid-transition into a new announcement (new epoch)."""
+        newly = g.pending_dead - self.dead
+        self.admitted -= newly
+        g.pending_dead -= newly - self.old_active
+        self.dead |= newly & self.old_active
+        if self.dead and self.kind == "change":
+            # Admission/removal waits until the failure is handled.
+            g.pending_admit |= self.admitted
+            g.pending_remove |= self.removed
+            self.admitted, self.removed, self.kind = set(), set(), "failure"
+        self.new_active = ((self.old_active | self.admitted) - self.removed) - self.dead
+        g.max_epoch += 1
+        self.epoch = g.max_epoch
+        self.reports = {}
+        return self
+
+
+@dataclass
+class Group:
+    """Membership of one elastic group.
+
+    ranks: global rank of each slot (len == max group size); states: slot states
+    (membership.SLOT_STATES; never-used capacity is "removed"); active: committed active
+    slots of `epoch`.
+    """
+
+    name: str
+    ranks: list[int]
+    states: list[str]
+    on_failure: str
+    epoch: int = 0
+    max_epoch: int = 0
+    active: set[int] = field(default_factory=set)
+    transition: Transition | None = None
+    pending_dead: set[int] = field(default_factory=set)
+    pending_admit: set[int] = field(default_factory=set)
+    pending_remove: set[int] = field(default_factory=set)
+    requests: dict[str, list[int]] = field(default_factory=lambda: {"admit": [], "remove": []})
+
+    @staticmethod
+    def create(name: str, ranks: list[int], active: list[int], on_failure: str,
+               dead_global: set[int]) -> Group:
+        states = ["removed"] * len(ranks)
+        for s in active:
+            states[s] = "failed" if ranks[s] in dead_global else "healthy"
+        g = Group(name, list(ranks), states, on_failure)
+        g.active = {s for s, st in enumerate(states) if st == "healthy"}
+        return g
+
+    def slot_of(self, global_rank: int) -> int:
+        """Slot of a global rank. Raises ValueError if it is not in the group."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"rank {global_rank} is not in group {self.name!r}") from None
+
+    def is_active_rank(self, global_rank: int) -> bool:
+        return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES
+
+    def commit(self, tr: Transition) -> None:
+        """Apply a finished transition to the committed membership."""
+        self.epoch, self.active = tr.epoch, set(tr.new_active)
+        for s in tr.admitted:
+            self.states[s] = "healthy"
+        for s in tr.removed:
+            self.states[s] = "removed"
+        self.pending_dead -= tr.dead
+        for key, done in (("admit", tr.admitted), ("remove", tr.removed)):
+            self.requests[key] = [r for r in self.requests[key] if r not in done]
+        self.transition = None
+
+    def status(self) -> dict:
+        return {"epoch": self.epoch, "active": sorted(self.active), "states": list(self.states),
+                "ranks": list(self.ranks), "on_failure": self.on_failure,
+                "requests": self.requests,
+                "transition": None if self.transition is None else self.transition.epoch}

@@ -1,0 +1,348 @@
+"""Rank-side state of one elastic group: sequence numbers, kept results, epochs.
+
+Consistency protocol (see `membership` for the decision itself):
+
+* Every collective takes the next sequence number ``seq``. Its inner op runs on the
+  inner Gloo group of the epoch that covers ``seq`` (`_epoch_for`).
+* While an announced transition is not committed, the main thread neither starts an op
+  nor marks one completed, so the report sent by the control thread stays true.
+* A failure decision committed after an op started makes that op re-evaluate:
+  its inner work is abandoned (the inner group is reaped later) and `local_action`
+  says fetch / run / raise.
+* Completed ops of fetchable kinds keep their result (last `KEEP` ops) so that a
+  survivor that missed the op can take it from a donor through the store.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import RankEvictedError, RankFailureError, RankRemovedError
+from .membership import Decision, local_action
+from .reaper import reap
+
+log = logging.getLogger(__name__)
+KEEP = 4
+SLICE = timedelta(milliseconds=50)
+
+
+class _Superseded(Exception):
+    """A newer failure decision arrived; re-evaluate the op."""
+
+
+class GroupState:
+    """Per-group state shared by the main thread and the control thread.
+
+    Args:
+        ctl: the process's RankControl; store: client of the coordinator's TCPStore.
+        name: the group's unique name; slot: this rank's slot; ranks: global rank per slot.
+        reg: the coordinator's registration reply (epoch, active, states, on_failure).
+        mask: caller-owned int32 tensor [max_group_size] kept equal to the active mask.
+        timeout_s: bound of every blocking wait (seconds).
+    """
+
+    def __init__(self, ctl, store, name: str, slot: int, ranks: list[int], reg: dict,
+                 mask: torch.Tensor, timeout_s: float, joining: bool) -> None:
+        self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
+        self.on_failure: str = reg["on_failure"]
+        self.timeout_s = timeout_s
+        self.cond = threading.Condition()
+        self.epoch: int = reg["epoch"]
+        self.active: tuple[int, ...] = tuple(reg["active"])
+        self.states: list[str] = list(reg["states"])
+        self.requests: dict = {"admit": [], "remove": []}
+        self.mask = mask
+        self._set_mask()
+        self.next_seq, self.last, self.started = 0, -1, -1
+        self.kept: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self.pending: int | None = None
+        self.failure: Decision | None = None
+        self.failure_gen = 0
+        self.removed_at: int | None = None
+        self.declared_dead = False
+        self.joined = not joining
+        self.epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, self.epoch, self.active)]
+        self._inner: dict[int, _Inner] = {}
+        if self.joined and slot in self.active:
+            self._inner_for(self.epoch, self.active)
+
+    # ------------------------------------------------------------------ control thread
+    def on_push(self, msg: dict) -> None:
+        t = msg["t"]
+        if t == "announce":
+            with self.cond:
+                self.pending = msg["epoch"]
+                report = {"t": "report", "group": self.name, "epoch": msg["epoch"],
+                          "last": self.last, "started": self.started,
+                          "fetchable": list(self.kept)}
+            self.ctl.send(report)
+        elif t == "commit":
+            self._on_commit(Decision.from_dict(msg["decision"]), msg["states"])
+        elif t == "peer":
+            with self.cond:
+                self.states, self.requests = list(msg["states"]), msg["requests"]
+                self.cond.notify_all()
+
+    def _on_commit(self, d: Decision, states: list[str]) -> None:
+        publish = []
+        with self.cond:
+            was_member = self.joined and self.slot in self.active
+            if self.pending is not None and self.pending <= d.epoch:
+                self.pending = None
+            self.epoch, self.active, self.states = d.epoch, d.active, list(states)
+            self._set_mask()
+            if d.kind == "failure":
+                if self.slot in d.dead:
+                    self.declared_dead = True
+                self.failure = d
+                self.failure_gen += 1
+                publish = [(s, self.kept[s]) for s, donor in d.donors.items()
+                           if donor == self.slot and s in self.kept]
+            elif was_member and self.slot not in d.active:
+                self.removed_at = d.boundary
+            elif not was_member and self.slot in d.active and not self.joined:
+                self.joined = True
+                self.next_seq, self.last, self.started = d.boundary, d.boundary - 1, d.boundary - 1
+            self.epochs.append((d.boundary, d.epoch, d.active))
+            self.cond.notify_all()
+        log.info("epoch %d rank %d group %s: commit %s active=%s", d.epoch, self.slot,
+                 self.name, d.kind, list(d.active))
+        for seq, result in publish:
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            self.store.set(self._kept_key(d.epoch, seq), buf.getvalue())
+        if self.joined and self.slot in d.active:
+            self._inner_for(d.epoch, d.active)
+
+    def on_lost(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ main thread
+    def run(self, op) -> None:
+        """Execute one collective `op` (an `ops.Op`) consistently; see module docstring.
+
+        Raises:
+            RankFailureError: ranks died and this op cannot be completed consistently.
+            RankEvictedError / RankRemovedError: this rank is no longer a member.
+            TimeoutError: no progress within timeout_s.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self.cond:
+                self._wait_quiet(deadline)
+                seq = self.next_seq
+                if self.removed_at is not None and seq >= self.removed_at:
+                    raise RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
+                action, d = "run", self.failure
+                if d is not None:
+                    action = local_action(d, seq, op.fetchable, op.redoable(self._epoch_for(
+                        seq)[1]), self.on_failure)
+                    if action in ("done", "run"):
+                        self.failure, action = None, "run"
+                    elif action == "raise":
+                        self.failure = None
+                        self.next_seq, self.last, self.started = d.base, d.base - 1, d.base - 1
+                        self.kept.clear()
+                        log.warning("epoch %d rank %d group %s: op %d (%s) raises", d.epoch,
+                                    self.slot, self.name, seq, op.kind)
+                        raise RankFailureError(list(d.dead), d.epoch, self.name)
+                self.started = seq
+                gen = self.failure_gen
+                epoch, active = self._epoch_for(seq)
+            try:
+                if action == "fetch":
+                    result = self._fetch(d.epoch, seq, gen, deadline)
+                else:
+                    self._reap_below(epoch)
+                    inner = self._inner_for(epoch, active).get(self, gen, deadline)
+                    work, finalize = op.start(inner.pg, active)
+                    inner.last_work = work
+                    self._wait_work(work, gen, deadline)
+                    result = finalize()
+            except _Superseded:
+                continue
+            with self.cond:
+                self._wait_quiet(deadline)
+                if self.failure_gen != gen:
+                    continue  # the decision counted this op as not completed
+                if not self.ctl.lease_fresh():
+                    self.ctl.confirm_membership()
+                self.last, self.next_seq = seq, seq + 1
+                if op.fetchable:
+                    self.kept[seq] = [t.clone() for t in result] if action == "run" else result
+                    while len(self.kept) > KEEP:
+                        self.kept.popitem(last=False)
+            op.apply(result)
+            return
+
+    def p2p(self, start) -> None:
+        """Run a send/recv (no sequence number); any membership change raises."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            self._wait_quiet(deadline)
+            if self.failure is not None:
+                raise RankFailureError(list(self.failure.dead), self.failure.epoch, self.name)
+            gen = self.failure_gen
+            epoch, active = self._epoch_for(self.next_seq)
+        try:
+            inner = self._inner_for(epoch, active).get(self, gen, deadline)
+            inner.last_work = start(inner.pg, active)
+            self._wait_work(inner.last_work, gen, deadline)
+        except _Superseded:
+            d = self.failure
+            raise RankFailureError(list(d.dead) if d else [], self.epoch, self.name) from None
+
+    def join(self, timeout_s: float) -> None:
+        """Block until this (extension) rank is admitted. Raises TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not self.joined:
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.slot}: not admitted to {self.name!r} "
+                                       f"within {timeout_s}s (epoch {self.epoch})")
+                self.cond.wait(min(left, 0.05))
+
+    def wait_until(self, pred, timeout_s: float, what: str) -> None:
+        """Block until pred() (evaluated under the lock) holds. Raises TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not pred():
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.slot} group {self.name!r}: {what} did not "
+                                       f"happen within {timeout_s}s (epoch {self.epoch})")
+                self.cond.wait(min(left, 0.05))
+
+    # ------------------------------------------------------------------ helpers
+    def _check_alive(self) -> None:
+        if self.declared_dead or self.ctl.evicted:
+            raise RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
+                                   f"({self.ctl.evicted or 'declared failed'}); epoch {self.epoch}")
+
+    def _wait_quiet(self, deadline: float) -> None:
+        """Wait (lock held) until no transition is pending. Raises on eviction/timeout."""
+        while True:
+            self._check_alive()
+            if self.pending is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank {self.slot} group {self.name!r}: epoch "
+                                   f"{self.pending} not committed in time")
+            self.cond.wait(min(left, 0.05))
+
+    def _epoch_for(self, seq: int) -> tuple[int, tuple[int, ...]]:
+        best = max((e for e in self.epochs if e[0] <= seq), key=lambda e: e[1],
+                   default=self.epochs[0])
+        return best[1], best[2]
+
+    def _wait_work(self, work, gen: int, deadline: float) -> None:
+        while True:
+            try:
+                work.wait(SLICE)
+                return
+            except Exception:
+                errored = work.is_completed()
+            with self.cond:
+                self._check_alive()
+                if self.failure_gen != gen:
+                    raise _Superseded
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.slot} group {self.name!r}: op timed out "
+                                   f"(epoch {self.epoch})")
+            if errored:  # the inner group broke: wait for the coordinator's decision
+                with self.cond:
+                    self.cond.wait(0.05)
+
+    def _fetch(self, epoch: int, seq: int, gen: int, deadline: float) -> list[torch.Tensor]:
+        key = self._kept_key(epoch, seq)
+        while True:
+            try:
+                self.store.wait([key], SLICE)
+                break
+            except Exception:
+                pass
+            with self.cond:
+                self._check_alive()
+                if self.failure_gen != gen:
+                    raise _Superseded
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.slot}: kept result of op {seq} never arrived")
+        return torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
+
+    def _kept_key(self, epoch: int, seq: int) -> str:
+        return f"elastic/{self.name}/e{epoch}/kept/{seq}"
+
+    def _inner_for(self, epoch: int, active: tuple[int, ...]) -> _Inner:
+        with self.cond:
+            inner = self._inner.get(epoch)
+            if inner is None:
+                inner = _Inner(self, epoch, active)
+                self._inner[epoch] = inner
+            return inner
+
+    def _reap_below(self, epoch: int) -> None:
+        """Hand inner groups older than `epoch` (no longer used by this rank) to the reaper."""
+        with self.cond:
+            old = [self._inner.pop(e) for e in list(self._inner) if e < epoch]
+        for inner in old:
+            reap(inner)
+
+    def _set_mask(self) -> None:
+        m = torch.zeros(self.mask.numel(), dtype=self.mask.dtype)
+        m[list(self.active)] = 1
+        self.mask.copy_(m)
+
+
+class _Inner:
+    """The inner ProcessGroupGloo of one epoch, built on a background thread."""
+
+    def __init__(self, gs: GroupState, epoch: int, active: tuple[int, ...]) -> None:
+        self.epoch, self.pg, self.error = epoch, None, None
+        self.last_work = None
+        self.ready = threading.Event()
+        prefix = f"elastic/{gs.name}/e{epoch}/"
+        rank, size = active.index(gs.slot), len(active)
+        timeout = timedelta(seconds=gs.timeout_s)
+
+        def build() -> None:
+            try:
+                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, gs.store), rank, size,
+                                                timeout)
+            except Exception as e:  # a member died during rendezvous; a new epoch follows
+                self.error = e
+            self.ready.set()
+
+        threading.Thread(target=build, daemon=True, name=f"elastic-inner-{gs.name}-e{epoch}"
+                         ).start()
+
+    def get(self, gs: GroupState, gen: int, deadline: float):
+        while not self.ready.wait(0.05):
+            with gs.cond:
+                gs._check_alive()
+                if gs.failure_gen != gen:
+                    raise _Superseded
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inner group of epoch {self.epoch} not built in time")
+        if self.pg is None:
+            with gs.cond:
+                while gs.failure_gen == gen:
+                    gs._check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"inner group of epoch {self.epoch} failed: "
+                                           f"{self.error}")
+                    gs.cond.wait(0.05)
+            raise _Superseded
+        return self
