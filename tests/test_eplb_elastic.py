@@ -10,6 +10,7 @@ import torch
 from elasticep.eplb.elastic import (
     plan_expert_loads,
     reconcile_placement,
+    repair_and_plan,
     repair_placement,
     scale_down_placement,
     scale_up_placement,
@@ -17,6 +18,7 @@ from elasticep.eplb.elastic import (
 from elasticep.eplb.manager import compute_imbalance
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
+from elasticep.eplb.weight_transfer import move_expert_weights
 
 
 def _assert_sound(p: Placement) -> None:
@@ -166,3 +168,15 @@ def test_rebalance_lowers_skewed_imbalance():
 def test_plan_identity_is_empty():
     p = initial_placement(2, 8, 4, 4)
     assert plan_expert_loads(p, p) == []
+
+
+def test_repair_and_plan_and_missing_checkpoint_loader():
+    p = initial_placement(2, 8, 0, 4)
+    mask = torch.tensor([True, True, False, True])
+    q, loads = repair_and_plan(p, mask)
+    assert q == repair_placement(p, mask) and loads == plan_expert_loads(p, q)
+    target = loads[0].rank
+    w13 = [torch.zeros(2, 4, 3)] * 2
+    w2 = [torch.zeros(2, 3, 2)] * 2
+    with pytest.raises(ValueError, match="checkpoint"):  # raised before any collective
+        move_expert_weights(p, q, target, w13, w2, group=None, load_fn=None)

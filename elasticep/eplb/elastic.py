@@ -11,7 +11,8 @@ Repair after a failure (:func:`repair_placement`), for each layer:
      rank that received the fewest orphans so far, then the lowest rank and slot;
   3. if (a) and (b) cannot hold every orphan (R = 0, say), every rank first grows by
      ``ceil(shortfall / live ranks)`` empty local slots, so no expert is ever dropped.
-Which weights must then be fetched is :func:`plan_expert_loads`.
+Which weights must then be fetched is :func:`plan_expert_loads` (both at once:
+:func:`repair_and_plan`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,16 @@ def repair_placement(placement: Placement, active_ranks: torch.Tensor) -> Placem
         grid = grown
     _place_orphans(grid, mask, E)
     return Placement(grid.view(grid.shape[0], -1), E, grid.shape[2], mask.clone())
+
+
+def repair_and_plan(placement: Placement, active_ranks: torch.Tensor) -> tuple[Placement, list[ExpertLoad]]:
+    """:func:`repair_placement` plus the loads it needs (orphans: ``source_rank`` None).
+
+    Pure: every survivor calls it with the same (placement, membership) and gets the
+    same placement and the same load list, with no messages.
+    """
+    new = repair_placement(placement, active_ranks)
+    return new, plan_expert_loads(placement, new)
 
 
 def scale_down_placement(placement: Placement, leaving_ranks: list[int]) -> Placement:
