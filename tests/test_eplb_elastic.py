@@ -180,3 +180,20 @@ def test_repair_and_plan_and_missing_checkpoint_loader():
     w2 = [torch.zeros(2, 3, 2)] * 2
     with pytest.raises(ValueError, match="checkpoint"):  # raised before any collective
         move_expert_weights(p, q, target, w13, w2, group=None, load_fn=None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rebalance_and_scale_up_keep_replicas_on_distinct_ranks(seed):
+    rnd = random.Random(seed)
+    E, N = rnd.choice([8, 16]), rnd.choice([2, 3, 4])
+    p = initial_placement(2, E, rnd.choice([0, E // 2, E]), N, max_ep_size=N + 2)
+    weight = torch.rand(2, E, generator=torch.Generator().manual_seed(seed)) ** 4 * 1000
+    q = rebalance_placement(weight, p)
+    _assert_sound(q)
+    assert _distinct_per_rank(q)
+    grown = scale_up_placement(q, torch.ones(N + 2, dtype=torch.bool), weight)
+    _assert_sound(grown)
+    assert _distinct_per_rank(grown)
+    assert plan_expert_loads(q, grown, None) and all(
+        x.rank >= N and x.source_rank is not None for x in plan_expert_loads(q, grown)
+    )
