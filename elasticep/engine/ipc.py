@@ -143,7 +143,8 @@ class FrontendChannel:
         # the plain sockets do the (non-blocking) sends and receives.
         self._poller: zmq.asyncio.Poller | None = None
         self._shadows: list[zmq.asyncio.Socket] = []
-        # rank -> latest hello; a relaunched rank overwrites its entry.
+        # rank -> latest hello; a relaunched rank overwrites its entry. Replaced, never
+        # mutated, so readers on other threads always see a consistent dict.
         self.connected: dict[int, WorkerHello] = {}
         self._closed = False
         logger.info("front-end ipc bound: requests %s, outputs %s",
@@ -211,7 +212,8 @@ class FrontendChannel:
             elif msg.rank not in self.connected:
                 logger.info("rank %d connected (pid %d, epoch %d)", msg.rank, msg.pid,
                             msg.epoch)
-            self.connected[msg.rank] = msg
+            # Copy-on-write: other threads may read `connected` (membership stand-ins).
+            self.connected = {**self.connected, msg.rank: msg}
             out.append(msg)
 
     @staticmethod

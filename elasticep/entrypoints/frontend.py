@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elasticep.engine.ipc import FrontendChannel, OutputBatch, RankUnreachableError, RequestError
+from elasticep.engine.ipc import (
+    FrontendChannel,
+    OutputBatch,
+    RankUnreachableError,
+    RequestError,
+    WorkerMessage,
+)
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.entrypoints.incremental_text import Decode
 from elasticep.entrypoints.membership import MembershipSource
@@ -142,7 +148,11 @@ class Frontend:
             logger.warning("epoch %s: membership snapshot failed: %r",
                            self._status.get("epoch"), exc)
             return
-        self._apply_status(status)
+        try:
+            self._apply_status(status)
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.error("epoch %s: malformed membership snapshot %r: %r",
+                         self._status.get("epoch"), status, exc)
 
     def _apply_status(self, status: dict[str, Any]) -> None:
         self._status = status
@@ -196,13 +206,21 @@ class Frontend:
                 await asyncio.sleep(self.config.output_poll_s)
                 continue
             for msg in messages:
-                if isinstance(msg, OutputBatch):
-                    self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
-                elif isinstance(msg, RequestError):
-                    self.tracker.on_error(msg.rank, msg.request_id, msg.message)
-                else:  # a (re)connected worker: it may make a healthy rank routable
-                    self._unreachable.discard(msg.rank)
-                    self._wake_membership.set()
+                try:
+                    self._handle(msg)
+                except Exception:  # noqa: BLE001 - one bad message must not stall all streams
+                    logger.exception("epoch %s: failed to handle %s from rank %s",
+                                     self._status.get("epoch"), type(msg).__name__,
+                                     getattr(msg, "rank", "?"))
+
+    def _handle(self, msg: WorkerMessage) -> None:
+        if isinstance(msg, OutputBatch):
+            self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
+        elif isinstance(msg, RequestError):
+            self.tracker.on_error(msg.rank, msg.request_id, msg.message)
+        else:  # a (re)connected worker: it may make a healthy rank routable
+            self._unreachable.discard(msg.rank)
+            self._wake_membership.set()
 
     def _dispatch(self, sends: list[Send]) -> None:
         """Send the tracker's commands; a rank we cannot reach loses its requests."""

@@ -75,8 +75,8 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
 
     # field -> the only value we implement; anything else is a 400 naming the field
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                    "logit_bias": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
 
     def check_supported(self) -> None:
         """Reject known OpenAI options we do not implement.
@@ -124,8 +124,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None,
-                    "best_of": None, "suffix": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        **_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None, "best_of": None,
+        "suffix": None}
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, unwrapped from a one-element batch.
@@ -169,7 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        **_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

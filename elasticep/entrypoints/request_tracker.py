@@ -189,11 +189,7 @@ class RequestTracker:
         Ranks missing from ``states`` count as removed. Returns aborts for the old ranks
         that may still be alive (anything but "failed") followed by the resubmissions.
         """
-        old_states, self._states = self._states, dict(states)
-        for rank in sorted(set(old_states) | set(self._states)):
-            if old_states.get(rank) != self._states.get(rank):
-                logger.info("rank %d: %s -> %s", rank, old_states.get(rank, "unknown"),
-                            self._states.get(rank, "removed"))
+        self._states = dict(states)
         sends: list[Send] = []
         for req in self._requests.values():
             if req.rank is not None and self._states.get(req.rank) == HEALTHY:

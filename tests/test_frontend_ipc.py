@@ -1,0 +1,161 @@
+"""The pyzmq transport and the ep_size=1 worker loop, with a fake engine (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import zmq
+
+from elasticep.engine.ipc import (
+    FrontendChannel,
+    OutputBatch,
+    RankUnreachableError,
+    RequestError,
+    WorkerChannel,
+    WorkerHello,
+)
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.engine.serve_loop import run_engine_worker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def collect(channel: FrontendChannel, n: int, timeout_s: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"got only {got}"
+        got += await channel.poll(0.1)
+    return got
+
+
+def wait_poll(worker: WorkerChannel, n: int, timeout_s: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"got only {got}"
+        got += worker.poll(0.1)
+    return got
+
+
+def test_round_trip_unreachable_and_relaunch():
+    async def main() -> None:
+        fe = FrontendChannel()
+        try:
+            with pytest.raises(RankUnreachableError):
+                fe.send(3, AbortRequest("x"))
+            w = WorkerChannel(fe.endpoints, rank=3, epoch=7)
+            w.hello()
+            [hello] = await collect(fe, 1)
+            assert isinstance(hello, WorkerHello) and hello.epoch == 7 and 3 in fe.connected
+            req = GenerateRequest("r", (1, 2), output_token_ids=(5,))
+            fe.send(3, req)
+            fe.send(3, AbortRequest("r"))
+            assert wait_poll(w, 2) == [req, AbortRequest("r")]
+            w.send_outputs([TokenOutput("r", 1, 9)])
+            w.send_outputs([])  # nothing to send: no message
+            w.send_error("q", "too long")
+            got = await collect(fe, 2)
+            assert got == [OutputBatch(3, 7, (TokenOutput("r", 1, 9),)),
+                           RequestError(3, "q", "too long")]
+            w.close()
+            # a relaunched rank reuses its identity and gets the next messages
+            w2 = WorkerChannel(fe.endpoints, rank=3, epoch=8)
+            w2.hello()
+            await collect(fe, 1)
+            assert fe.connected[3].epoch == 8
+            fe.send(3, AbortRequest("again"))
+            assert wait_poll(w2, 1) == [AbortRequest("again")]
+            w2.close()
+        finally:
+            fe.close()
+
+    asyncio.run(main())
+
+
+def test_garbage_frames_are_dropped_and_polls_time_out():
+    async def main() -> None:
+        fe = FrontendChannel()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(fe.endpoints.output_addr)
+        try:
+            push.send(b"not a pickle")
+            push.send(b"\x80\x05K\x01.")  # a pickled int: wrong type
+            t0 = time.monotonic()
+            messages = await fe.poll(0.3)
+            messages += await fe.poll(0.1)
+            assert messages == []  # both dropped, nothing raised
+            assert time.monotonic() - t0 < 2
+        finally:
+            push.close(linger=0)
+            ctx.term()
+            fe.close()
+
+    asyncio.run(main())
+
+
+class FakeEngine:
+    """Emits token 7 per step per request; refuses prompts longer than 3 tokens."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if len(req.prompt_token_ids) > 3:
+            raise ValueError("prompt too long")
+        self.running[req.request_id] = len(req.output_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        return self.running.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[TokenOutput]:
+        outs = []
+        for rid, i in list(self.running.items()):
+            done = i + 1 >= 3
+            outs.append(TokenOutput(rid, i, 7, "length" if done else None))
+            self.running[rid] = i + 1
+            if done:
+                del self.running[rid]
+        return outs
+
+
+def test_engine_worker_loop_serves_requests_errors_and_resumes():
+    async def main() -> None:
+        fe = FrontendChannel()
+        stop = threading.Event()
+        engine = FakeEngine()
+
+        def work() -> None:
+            w = WorkerChannel(fe.endpoints, rank=0)
+            try:
+                run_engine_worker(engine, w, 0, stop, idle_poll_s=0.02)
+            finally:
+                w.close()
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        try:
+            await collect(fe, 1)  # hello
+            fe.send(0, GenerateRequest("ok", (1,), output_token_ids=(7,)))  # resumed at index 1
+            fe.send(0, GenerateRequest("big", (1, 2, 3, 4)))
+            got = await collect(fe, 3)
+            tokens = [o for m in got if isinstance(m, OutputBatch) for o in m.outputs]
+            errors = [m for m in got if isinstance(m, RequestError)]
+            while len(tokens) < 2:
+                tokens += [o for m in await collect(fe, 1) for o in m.outputs]
+            assert [(o.index, o.finish_reason) for o in tokens] == [(1, None), (2, "length")]
+            assert errors == [RequestError(0, "big", "prompt too long")]
+        finally:
+            stop.set()
+            thread.join(5)
+            fe.close()
+        assert not thread.is_alive()
+
+    asyncio.run(main())
