@@ -87,7 +87,8 @@ def _place_orphans(grid: torch.Tensor, mask: torch.Tensor, E: int) -> None:
                     if best_key is None or key < best_key:
                         best, best_key = (r, j, held), key
             if best is None:
-                raise ValueError(f"layer {layer}: no slot left for orphan expert {e}")  # grown before
+                # repair_placement grows the slots first, so this is a bug, not bad input.
+                raise RuntimeError(f"layer {layer}: no slot left for orphan expert {e}")
             r, j, held = best
             if held != E:
                 count[held] -= 1
