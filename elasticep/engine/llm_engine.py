@@ -72,7 +72,11 @@ class LLMEngine:
         self.detokenize = detokenize
         self.eos_ids = set(model.config.eos_token_ids)
         # a sequence may never outgrow the context or the whole cache
-        self.max_seq_len = min(model.config.max_position_embeddings, self.blocks.capacity_tokens)
+        # (and never past a sliding window, where our full attention would differ)
+        limits = [model.config.max_position_embeddings, self.blocks.capacity_tokens]
+        if model.config.attention_window:
+            limits.append(model.config.attention_window)
+        self.max_seq_len = min(limits)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
 
@@ -109,7 +113,8 @@ class LLMEngine:
         if n >= self.max_seq_len:
             raise ValueError(
                 f"request {req.request_id!r}: prompt of {n} tokens does not fit: context "
-                f"{self.model.config.max_position_embeddings}, KV cache {self.blocks.capacity_tokens} tokens"
+                f"{self.model.config.max_position_embeddings}, KV cache {self.blocks.capacity_tokens} "
+                f"tokens, longest sequence {self.max_seq_len}"
             )
         seq = Sequence.from_request(req, next(self._arrival))
         self._seqs[req.request_id] = seq

@@ -35,6 +35,8 @@ class MoEModelConfig:
         qkv_bias / o_bias: biases on the q/k/v and o projections.
         norm_topk_prob: renormalise the top-k softmax weights to sum to 1.
         eos_token_ids: token ids that end generation.
+        attention_window: sliding-window size, or None. We implement full attention only,
+            so the engine caps sequences at this length (where the two agree).
     """
 
     model_type: str
@@ -59,6 +61,7 @@ class MoEModelConfig:
     moe_layers: tuple[bool, ...]
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    attention_window: int | None = None
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -113,8 +116,9 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
     num_experts = int(_first(cfg, raw, "num_experts", "num_local_experts", default=0))
     if num_experts <= 0:
         raise unsupported(f"{path} declares no experts (num_experts / num_local_experts)")
-    if _first(cfg, raw, "use_sliding_window", default=False):
-        raise unsupported("sliding-window attention is not supported")
+    window = None
+    if model_type == "mixtral" or _first(cfg, raw, "use_sliding_window", default=False):
+        window = _first(cfg, raw, "sliding_window", default=None) or None
     act = _first(cfg, raw, "hidden_act", default="silu")
     if act != "silu":
         raise unsupported(f"hidden_act {act!r} is not supported, only 'silu'")
@@ -164,4 +168,5 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
         moe_layers=moe_layers,
         tie_word_embeddings=bool(_first(cfg, raw, "tie_word_embeddings", default=False)),
         eos_token_ids=tuple(int(e) for e in eos_ids),
+        attention_window=int(window) if window else None,
     )
