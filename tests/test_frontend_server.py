@@ -21,6 +21,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.engine.serve_loop import run_engine_worker
 from elasticep.entrypoints.http_server import create_server
+from elasticep.entrypoints.incremental_text import IncrementalText
 from elasticep.entrypoints.membership import ConnectedWorkers, ScaleInProgressError
 
 pytestmark = pytest.mark.timeout(90)
@@ -169,6 +170,24 @@ def test_client_disconnect_aborts_request(live):
     wait_for(lambda: not live["engine"].has_unfinished(), 10, "the worker to drop it")
     res = live["client"].completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2)
     assert res.usage.completion_tokens >= 1
+
+
+def test_non_streaming_client_disconnect_aborts_request(live):
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        live["http"].post("/v1/completions", json=body, timeout=0.5)
+    wait_for(lambda: live["http"].get("/health").json()["running_requests"] == 0, 10,
+             "the abandoned request to be aborted")
+    wait_for(lambda: not live["engine"].has_unfinished(), 10, "the worker to drop it")
+
+
+def test_incremental_detokenization_matches_full_decode():
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    for text in ["héllo wörld, naïve café", "数学 题目 🙂 ok", "a\n\n  b\tc ---> 3.14"]:
+        ids = tok.encode(text)
+        inc = IncrementalText(lambda t: tok.decode(t, skip_special_tokens=True))
+        streamed = "".join(inc.push(i) for i in ids) + inc.finish()
+        assert streamed == tok.decode(ids, skip_special_tokens=True)
 
 
 BAD_BODIES = [
