@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fault-tolerant elastic expert-parallel inference for MoE models.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
