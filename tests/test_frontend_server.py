@@ -222,6 +222,8 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(live):
     assert http.get("/nowhere").status_code == 404
     res = live["client"].completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2)
     assert res.usage.completion_tokens >= 1
+    metrics = http.get("/metrics").text
+    assert 'elasticep_requests_total{endpoint="/v1/completions",outcome="rejected"}' in metrics
 
 
 def test_api_key_is_required_everywhere(live):

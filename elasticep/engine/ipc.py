@@ -164,14 +164,17 @@ class FrontendChannel:
         Raises:
             RankUnreachableError: the rank never said hello, its connection is gone,
                 or its send queue is full.
+            IpcError: the channel is closed or the socket failed.
         """
+        if self._closed:
+            raise IpcError("front-end channel is closed")
         frames = [_identity(rank), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
         try:
             self._router.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise RankUnreachableError(rank, exc.strerror) from exc
-            raise
+            raise IpcError(f"send to rank {rank} failed: {exc}") from exc
 
     async def poll(self, timeout_s: float) -> list[WorkerMessage]:
         """Wait up to ``timeout_s`` seconds for worker messages and return all that arrived.

@@ -25,6 +25,7 @@ from typing import Any
 
 from elasticep.engine.ipc import (
     FrontendChannel,
+    IpcError,
     OutputBatch,
     RankUnreachableError,
     RequestError,
@@ -233,6 +234,10 @@ class Frontend:
                     logger.warning("epoch %s: %s; moving its requests",
                                    self._status.get("epoch"), exc)
                     lost.add(send.rank)
+            except IpcError as exc:  # closed channel during shutdown
+                logger.warning("epoch %s: dropping %s for rank %d: %s",
+                               self._status.get("epoch"), type(send.message).__name__,
+                               send.rank, exc)
         if lost:
             self._unreachable |= lost
             self._apply_status(self._status)

@@ -115,12 +115,19 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
+    def count_rejected(request: Request, status: int) -> None:
+        # only routed paths: a label per arbitrary 404 path would grow without bound
+        if 400 <= status < 500 and status != 499 and request.scope.get("route") is not None:
+            frontend.metrics.requests.labels(request.url.path, "rejected").inc()
+
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        count_rejected(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_rejected(request, 400)
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
