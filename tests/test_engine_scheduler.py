@@ -101,3 +101,17 @@ def test_redo_step_before_commit_is_identical(reference):
         for o in eng.commit(batch, again):
             got[o.request_id].append(o.token_id)
     assert [got[f"r{i}"] for i in range(3)] == reference[:3]
+
+
+def test_empty_batch_still_runs_every_moe_layer():
+    eng = LLMEngine.from_pretrained(MODEL, config=EngineConfig(forward_empty_batches=True), progress=False)
+    calls = []
+    inner = eng.model.executor
+
+    def spy(layer, h, ids, w):
+        calls.append((layer, h.shape[0]))
+        return inner(layer, h, ids, w)
+
+    eng.model.executor = spy
+    assert eng.step() == [] and not eng.has_unfinished()
+    assert calls == [(i, 0) for i in eng.model.config.moe_layer_ids]

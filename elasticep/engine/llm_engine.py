@@ -40,12 +40,15 @@ class EngineConfig:
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one step.
         max_batch_tokens: per-step token budget for admitting prefills.
+        forward_empty_batches: run the model even with nothing scheduled (T = 0), as an
+            idle rank must under expert parallelism so every MoE layer's dispatch lines up.
     """
 
     max_total_tokens: int = 8192
     block_size: int = 16
     max_num_seqs: int = 64
     max_batch_tokens: int = 4096
+    forward_empty_batches: bool = False
 
 
 class LLMEngine:
@@ -101,8 +104,9 @@ class LLMEngine:
         """Queue a request (a resumed one carries its ``output_token_ids``).
 
         Raises:
-            ValueError: bad sampling params, duplicate id, empty prompt, or a prompt (plus
-                resumed tokens) longer than the context or the whole KV cache.
+            ValueError: bad sampling params, duplicate id, empty prompt, a resumed request
+                that is already complete, or a prompt (plus resumed tokens) longer than the
+                context, the sliding window or the whole KV cache.
         """
         req.params.validate()
         if req.request_id in self._seqs:
@@ -110,6 +114,11 @@ class LLMEngine:
         n = len(req.prompt_token_ids) + len(req.output_token_ids)
         if not req.prompt_token_ids:
             raise ValueError(f"request {req.request_id!r} has an empty prompt")
+        if len(req.output_token_ids) >= req.params.max_tokens:
+            raise ValueError(
+                f"request {req.request_id!r} already has {len(req.output_token_ids)} of "
+                f"max_tokens={req.params.max_tokens} tokens"
+            )
         if n >= self.max_seq_len:
             raise ValueError(
                 f"request {req.request_id!r}: prompt of {n} tokens does not fit: context "
@@ -138,7 +147,7 @@ class LLMEngine:
 
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Forward + sample one token per scheduled sequence; mutates no request state."""
-        if not batch.items:
+        if not batch.items and not self.config.forward_empty_batches:
             return []
         logits = self.runner.forward(batch)
         seqs = [it.seq for it in batch.items]

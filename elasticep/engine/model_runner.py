@@ -35,6 +35,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Build ``(input_ids [T], positions [T], meta, last_token_rows [B])`` for ``batch``."""
         dev = self.model.device
+        if not batch.items:  # an idle EP rank still runs every layer (empty dispatch)
+            empty = torch.zeros(0, dtype=torch.long, device=dev)
+            return empty, empty, AttentionMetadata([0], [], empty, []), empty
         ids: list[int] = []
         starts = [0]
         slot_parts, gather, ctx_lens = [], [], []

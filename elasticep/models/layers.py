@@ -89,6 +89,8 @@ def paged_attention(
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
     n_rep = q.shape[1] // k.shape[1]
+    if not meta.context_lens:  # empty step of an idle EP rank
+        return q.new_zeros(0, q.shape[1] * q.shape[2])
     outs = []
     for i, ctx in enumerate(meta.context_lens):
         s, e = meta.query_starts[i], meta.query_starts[i + 1]

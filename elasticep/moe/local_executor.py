@@ -106,7 +106,8 @@ class LocalExpertExecutor:
         # The first slot that holds a logical expert serves it (replicas are for EP).
         for slot in reversed(range(num_slots)):
             l2s[torch.arange(num_layers), s2l[:, slot].cpu()] = slot
-        self._logical_to_slot = l2s
+        weights = next((w for w in self.slots.w13 if w is not None), None)
+        self._logical_to_slot = l2s.to(weights.device) if weights is not None else l2s
 
     def __call__(
         self,
@@ -118,7 +119,7 @@ class LocalExpertExecutor:
         """Apply the routed experts of ``layer_idx``; shapes as in :func:`run_slots`."""
         if self._logical_to_slot is None:
             self.refresh()
-        table = self._logical_to_slot[layer_idx].to(topk_ids.device)
+        table = self._logical_to_slot[layer_idx]
         slot_ids = table[topk_ids]
         if bool((slot_ids < 0).any()):
             missing = sorted(set(topk_ids[slot_ids < 0].tolist()))
