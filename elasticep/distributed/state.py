@@ -80,8 +80,13 @@ class GroupState:
         if t == "announce":
             with self.cond:
                 self.pending = msg["epoch"]
+                started = self.started
+                if self.failure is not None:
+                    # Ops up to the pivot belong to the unapplied failure decision, so a
+                    # change boundary must lie after it (the raise case jumps to base).
+                    started = max(started, self.failure.last + 1)
                 report = {"t": "report", "group": self.name, "epoch": msg["epoch"],
-                          "last": self.last, "started": self.started,
+                          "last": self.last, "started": started,
                           "fetchable": list(self.kept)}
             self.ctl.send(report)
         elif t == "commit":

@@ -1,0 +1,60 @@
+"""Pure membership decisions: transitions, resume points, donors, local actions."""
+
+import pytest
+
+from elasticep.distributed.membership import Report, decide, local_action, next_slot_state
+from elasticep.distributed.registry import Group, Transition
+
+
+def test_failure_all_at_same_op_pivots():
+    d = decide("failure", 1, {0, 1, 3}, {2}, {s: Report(9, 10) for s in (0, 1, 3)})
+    assert (d.resume, d.last, d.boundary, d.base) == (10, 9, 10, 11)
+    assert local_action(d, 10, True, True, "complete") == "run"
+    assert local_action(d, 10, True, True, "raise") == "raise"
+    assert local_action(d, 10, False, False, "complete") == "raise"  # all_to_all
+
+
+def test_failure_one_survivor_completed_commit_op_is_fetched():
+    reports = {0: Report(10, 10, frozenset({9, 10})), 1: Report(9, 10, frozenset({9}))}
+    d = decide("failure", 2, {0, 1}, {2}, reports)
+    assert (d.resume, d.last, d.donors) == (10, 10, {10: 0})
+    # the rank still in op 10 takes rank 0's result, even in raise mode
+    assert local_action(d, 10, True, True, "raise") == "fetch"
+    # op 11 is the pivot for everyone
+    assert local_action(d, 11, True, True, "raise") == "raise"
+    assert d.base == 12
+
+
+def test_failure_after_unfetchable_op_raises_everywhere():
+    reports = {0: Report(10, 11), 1: Report(9, 10)}  # op 10 was an all_to_all
+    d = decide("failure", 2, {0, 1}, {3}, reports)
+    assert not d.fetchable
+    assert local_action(d, 10, False, False, "complete") == "raise"
+    assert local_action(d, 11, True, True, "complete") == "raise"
+    assert d.base == 12
+
+
+def test_change_boundary_after_ops_in_flight():
+    d = decide("change", 3, {0, 1, 2}, set(), {0: Report(4, 5), 1: Report(5, 5)})
+    assert d.boundary == 6 and d.kind == "change"
+
+
+def test_transition_defers_admission_behind_failure():
+    g = Group.create("w", [0, 1, 2, 3], [0, 1, 2], "complete", set())
+    g.states[3] = "ready"
+    g.pending_admit = {3}
+    tr = Transition.begin(g)
+    assert tr.kind == "change" and tr.new_active == {0, 1, 2, 3}
+    g.pending_dead.add(1)
+    tr = tr.restart(g)
+    assert tr.kind == "failure" and tr.new_active == {0, 2} and g.pending_admit == {3}
+    g.commit(tr)
+    assert g.active == {0, 2}
+    tr2 = Transition.begin(g)
+    assert tr2.kind == "change" and tr2.new_active == {0, 2, 3}
+
+
+def test_joiner_for_active_slot_is_refused():
+    with pytest.raises(ValueError):
+        next_slot_state("healthy", "joining")
+    assert next_slot_state("failed", "joining") == "joining"
