@@ -2,13 +2,14 @@
 request at a time on the same checkpoint, in the same run. Prints one JSON line.
 
 Usage: python bench/engine.py [--model DIR] [--num-requests 8] [--max-tokens 64]
-       [--dtype float32|bfloat16] [--device cpu|cuda]
+       [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved A/B runs; medians reported")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,26 +49,33 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     engine = LLMEngine.from_pretrained(args.model, dtype=dtype, device=args.device, progress=False)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    ours_s = time.perf_counter() - t0
-    ours_tokens = sum(len(o) for o in outs)
-
     ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    with torch.no_grad():
-        warm = torch.tensor([prompts[0]], device=args.device)
-        ref.generate(warm, max_new_tokens=4, do_sample=False)
+
+    def run_ours() -> float:
         t0 = time.perf_counter()
-        ref_tokens = 0
-        for p in prompts:
+        outs = engine.generate(prompts, params)
+        return sum(len(o) for o in outs) / (time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def run_ref() -> float:
+        t0, n = time.perf_counter(), 0
+        for p in prompts:  # one request at a time, as a plain transformers user would
             ids = torch.tensor([p], device=args.device)
             out = ref.generate(ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
                                do_sample=False)
-            ref_tokens += out.shape[1] - len(p)
-        ref_s = time.perf_counter() - t0
+            n += out.shape[1] - len(p)
+        return n / (time.perf_counter() - t0)
 
-    ours_tps, ref_tps = ours_tokens / ours_s, ref_tokens / ref_s
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up both
+    with torch.no_grad():
+        ref.generate(torch.tensor([prompts[0]], device=args.device), max_new_tokens=4, do_sample=False)
+    # interleave A/B runs so machine noise hits both alike; report medians
+    ours_runs, ref_runs = [], []
+    for _ in range(args.repeats):
+        ours_runs.append(run_ours())
+        ref_runs.append(run_ref())
+
+    ours_tps, ref_tps = statistics.median(ours_runs), statistics.median(ref_runs)
     print(json.dumps({
         "bench": "engine",
         "model": Path(args.model).name,
@@ -78,6 +87,7 @@ def main() -> None:
         "ours_tokens_per_s": round(ours_tps, 1),
         "transformers_sequential_tokens_per_s": round(ref_tps, 1),
         "ratio": round(ours_tps / ref_tps, 2),
+        "repeats": args.repeats,
     }))
     sys.stdout.flush()
 
