@@ -9,6 +9,7 @@ Pipe (never a shared Queue: a SIGKILLed writer would leave its lock held) as
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 
@@ -43,18 +44,231 @@ def main(rank, addr, ws, mws, ext, scenario, conn, args):
         os._exit(0)  # skip interpreter teardown of Gloo threads
 
 
-def allreduce_loop(rank, addr, ws, mws, ext, q, iters=100000, duration_s=6.0):
-    """all_reduce(rank + 1) in a loop; reports (seq, sum, time, epoch) per iteration."""
+def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False):
+    """all_reduce(rank + 1) in a loop; reports ("sum", (i, sum, time, epoch, mask)).
+
+    With idle_group, an extra group that never runs an op reports its epoch and mask at
+    the end. An ElasticError is reported as ("raised", name) and ends the loop.
+    """
     _init(rank, addr, ws, mws, ext)
+    idle = None
+    if idle_group:
+        idle = dist.new_group(list(range(ws)), backend="elastic",
+                              pg_options=ed.BackendOptions(unique_name="idle"))
     q.put((rank, "ready", os.getpid()))
     t_end = time.monotonic() + duration_s
     i = 0
-    while i < iters and time.monotonic() < t_end:
+    try:
+        while time.monotonic() < t_end:
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t)
+            q.put((rank, "sum", (i, float(t.item()), time.time(), ed.get_current_epoch(),
+                                 ed.get_active_ranks().tolist())))
+            i += 1
+            time.sleep(0.002)
+    except ed.ElasticError as e:
+        q.put((rank, "raised", (type(e).__name__, time.time())))
+        return
+    q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist())))
+    if idle is not None:
+        q.put((rank, "idle", (ed.get_current_epoch(idle), ed.get_active_ranks(idle).tolist())))
+
+
+def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_recover=None,
+              die_in_join=False, on_failure="complete"):
+    """Lockstep steps: a header all_reduce agrees on admitting `watch` slots, then a data
+    all_reduce(rank + 1). A joiner (ext) joins first and enters at the header.
+
+    Reports ("sum", (i, sum, epoch, mask)), ("pause", seconds from recover_ranks to the
+    next data result), ("joined", time).
+    """
+    _init(rank, addr, ws, mws, ext, on_failure)
+    if ext:
+        if die_in_join:
+            threading.Timer(0.05, os._exit, (3,)).start()
+        ed.join_group(timeout_s=20.0)
+        q.put((rank, "joined", time.time()))
+    q.put((rank, "ready", os.getpid()))
+    t_end = time.monotonic() + duration_s
+    i, t_rec = 0, None
+    while time.monotonic() < t_end:
+        states = ed.get_slot_states()
+        h = torch.tensor([1.0 if any(states[s] == "ready" for s in watch) else 0.0])
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        if h.item() > 0:
+            if rank == die_in_recover:
+                threading.Timer(0.003, os._exit, (3,)).start()
+            t_rec = time.monotonic()
+            admitted = ed.recover_ranks(None, list(watch))
+            q.put((rank, "recovered", admitted))
+            continue  # the joiner's first op is the next header
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
-        q.put((rank, "sum", (i, float(t.item()), time.time(), ed.get_current_epoch(),
+        if t_rec is not None:
+            q.put((rank, "pause", time.monotonic() - t_rec))
+            t_rec = None
+        q.put((rank, "sum", (i, float(t.item()), ed.get_current_epoch(),
                              ed.get_active_ranks().tolist())))
         i += 1
         time.sleep(0.002)
-    q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist())))
-    time.sleep(0.5)
+    q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist(),
+                          dist.get_world_size())))
+
+
+def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
+    """The engine's step shape on a raise-mode WORLD: header all_reduce, all_to_all_single
+    (counts, then uneven data), commit all_reduce. A RankFailureError redoes the step.
+
+    Reports ("commit", (step, commit_value, epoch)) and ("raised", (step, op)).
+    """
+    _init(rank, addr, ws, mws, ext, "raise")
+    q.put((rank, "ready", os.getpid()))
+    t_end = time.monotonic() + duration_s
+    step = 0
+    while time.monotonic() < t_end:
+        op = "header"
+        try:
+            h = torch.tensor([float(step)])
+            dist.all_reduce(h, op=dist.ReduceOp.MAX)
+            mask = ed.get_active_ranks().tolist()
+            op = "a2a"
+            send = torch.tensor([(rank + d + step) % 3 if mask[d] else 0 for d in range(mws)])
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, [1] * mws, [1] * mws)
+            data = torch.full((int(send.sum()), 2), float(rank))
+            out = torch.empty((int(recv.sum()), 2))
+            dist.all_to_all_single(out, data, recv.tolist(), send.tolist())
+            op = "commit"
+            c = torch.tensor([out.sum().item() + 1000.0 * step])
+            dist.all_reduce(c)
+        except ed.RankFailureError:
+            q.put((rank, "raised", (step, op)))
+            continue
+        q.put((rank, "commit", (step, float(c.item()), ed.get_current_epoch())))
+        step += 1
+    q.put((rank, "done", ed.get_current_epoch()))
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
+          torch.int64, torch.bool]
+OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
+
+
+def make_input(rank: int, dtype: torch.dtype, n: int, salt: int = 0) -> torch.Tensor:
+    """Deterministic per-rank input; floats in [0.5, 1.5) keep PRODUCT well-conditioned."""
+    g = torch.Generator().manual_seed(1000 * rank + 17 * n + salt)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    return torch.randint(-4, 5, (n,), generator=g, dtype=dtype)
+
+
+def reference_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Single-process reference of all_reduce over inputs xs (same emulation contract)."""
+    dtype = xs[0].dtype
+    if dtype == torch.bool:
+        st = torch.stack(xs)
+        return st.any(0) if op in ("SUM", "MAX") else st.all(0)
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    st = torch.stack([x.to(wide) for x in xs])
+    r = {"SUM": st.sum(0), "AVG": st.sum(0), "MAX": st.max(0).values,
+         "MIN": st.min(0).values, "PRODUCT": st.prod(0)}[op]
+    if op == "AVG":
+        r = r / len(xs) if dtype.is_floating_point else torch.div(r, len(xs),
+                                                                  rounding_mode="floor")
+    return r.to(dtype)
+
+
+def _check(bad: list, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    try:
+        if got.dtype in (torch.bfloat16, torch.float16):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    except AssertionError as e:
+        bad.append(f"{name}: {str(e)[:200]}")
+
+
+def collectives(rank, addr, ws, mws, ext, q, leaver=None):
+    """Every op and dtype against a reference; then `leaver` exits and the survivors check
+    the hole rules (zero splits in all_to_all_single, zero-fill in all_gather)."""
+    _init(rank, addr, ws, mws, ext)
+    bad: list[str] = []
+    ranks = list(range(ws))
+    for phase in ("full", "holes"):
+        if phase == "holes":
+            dist.barrier()
+            if rank == leaver:
+                os._exit(0)
+            deadline = time.monotonic() + 15
+            while ed.get_active_ranks()[leaver] != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ranks = [r for r in ranks if r != leaver]
+        mask = ed.get_active_ranks().tolist()
+        for dtype in DTYPES:
+            for op in OPS:
+                x = make_input(rank, dtype, 5)
+                if dtype == torch.bool and op == "AVG":
+                    try:
+                        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+                        bad.append("bool AVG did not raise")
+                    except ValueError:
+                        pass
+                    continue
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+                _check(bad, f"{phase} all_reduce {dtype} {op}", x,
+                       reference_reduce([make_input(r, dtype, 5) for r in ranks], op))
+            # broadcast from the last active rank (never rank 0 by default)
+            root = ranks[-1]
+            b = make_input(rank, dtype, 3, 1)
+            dist.broadcast(b, src=root)
+            _check(bad, f"{phase} broadcast {dtype}", b, make_input(root, dtype, 3, 1))
+            # all_gather (list) and all_gather_into_tensor: zero-fill inactive slots
+            outs = [torch.ones(2, dtype=dtype) for _ in range(mws)]
+            dist.all_gather(outs, make_input(rank, dtype, 2, 2))
+            want = [make_input(r, dtype, 2, 2) if mask[r] else torch.zeros(2, dtype=dtype)
+                    for r in range(mws)]
+            for r in range(mws):
+                _check(bad, f"{phase} all_gather {dtype} slot {r}", outs[r], want[r])
+            big = torch.ones(2 * mws, dtype=dtype)
+            dist.all_gather_into_tensor(big, make_input(rank, dtype, 2, 2))
+            _check(bad, f"{phase} all_gather_into_tensor {dtype}", big, torch.cat(want))
+            # reduce_scatter_tensor (SUM)
+            if dtype != torch.bool:
+                rs = torch.empty(2, dtype=dtype)
+                dist.reduce_scatter_tensor(rs, make_input(rank, dtype, 2 * mws, 3))
+                full = reference_reduce([make_input(r, dtype, 2 * mws, 3) for r in ranks],
+                                        "SUM")
+                _check(bad, f"{phase} reduce_scatter {dtype}", rs, full[2 * rank:2 * rank + 2])
+            # all_to_all_single with uneven splits; inactive slots get zero splits
+            def split(src, dst, mask=mask):
+                return 0 if not (mask[src] and mask[dst]) else (src + 2 * dst) % 4
+            in_s = [split(rank, d) for d in range(mws)]
+            out_s = [split(s_, rank) for s_ in range(mws)]
+            inp = make_input(rank, dtype, sum(in_s) * 3, 4).reshape(-1, 3)
+            out = torch.ones((sum(out_s), 3), dtype=dtype)
+            dist.all_to_all_single(out, inp, out_s, in_s)
+            exp = []
+            for s_ in range(mws):
+                if not out_s[s_]:
+                    continue
+                src_in = make_input(s_, dtype, sum(split(s_, d) for d in range(mws)) * 3,
+                                    4).reshape(-1, 3)
+                off = sum(split(s_, d) for d in range(rank))
+                exp.append(src_in[off:off + out_s[s_]])
+            if exp:
+                _check(bad, f"{phase} all_to_all_single {dtype}", out, torch.cat(exp))
+        dist.barrier()
+        # send / recv ring among active ranks
+        nxt, prv = ranks[(ranks.index(rank) + 1) % len(ranks)], ranks[ranks.index(rank) - 1]
+        buf = torch.zeros(4, dtype=torch.bfloat16)
+        if ranks.index(rank) % 2 == 0:
+            dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
+            dist.recv(buf, prv)
+        else:
+            dist.recv(buf, prv)
+            dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
+        _check(bad, f"{phase} send/recv", buf, make_input(prv, torch.bfloat16, 4, 5))
+        q.put((rank, phase, (bad[:], mask, dist.get_world_size())))
+

@@ -7,7 +7,7 @@ the op has completed consistently. In-place inputs are therefore copied first.
 Dtype emulation (Gloo lacks AVG, and bool/fp16/bf16 reductions are not reliable):
 fp16/bf16 reduce in fp32 and round once; bool reduces as int32 (SUM/MAX = any,
 MIN/PRODUCT = all); AVG = SUM / number of active ranks (integer dtypes: floor
-division). Byte-moving ops view fp16/bf16 as int16 and bool as uint8.
+division). Byte-moving ops view fp16/bf16/bool as uint8 rows (dim0 kept).
 
 Op attributes: `kind` (name), `fetchable` (the result is identical on every rank, so a
 survivor that missed the op can take a donor's kept result), `redoable(active)` (it can
@@ -16,11 +16,13 @@ be re-run over the survivors in on_failure="complete" mode).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 _REDUCE = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
-_BYTE_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
+_BYTE_VIEW = (torch.bfloat16, torch.float16, torch.bool)
 
 
 def reduce_name(op) -> str:
@@ -32,8 +34,11 @@ def reduce_name(op) -> str:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    v = _BYTE_VIEW.get(t.dtype)
-    return t.view(v) if v is not None else t
+    """View a contiguous tensor Gloo may not move natively as uint8 rows (dim0 kept)."""
+    if t.dtype not in _BYTE_VIEW:
+        return t
+    rows = t.shape[0] if t.dim() else 1
+    return t.reshape(rows, math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def _prep_reduce(t: torch.Tensor, name: str):
