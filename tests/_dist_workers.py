@@ -59,12 +59,15 @@ def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False
     t_end = time.monotonic() + duration_s
     i = 0
     try:
-        while time.monotonic() < t_end:
-            t = torch.tensor([float(rank + 1)])
+        while True:
+            # element 1 is a stop vote, so every survivor stops after the same op
+            t = torch.tensor([float(rank + 1), float(time.monotonic() > t_end)])
             dist.all_reduce(t)
-            q.put((rank, "sum", (i, float(t.item()), time.time(), ed.get_current_epoch(),
+            q.put((rank, "sum", (i, float(t[0]), time.time(), ed.get_current_epoch(),
                                  ed.get_active_ranks().tolist())))
             i += 1
+            if t[1] > 0:
+                break
             time.sleep(0.002)
     except ed.ElasticError as e:
         q.put((rank, "raised", (type(e).__name__, time.time())))
@@ -72,6 +75,7 @@ def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False
     q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist())))
     if idle is not None:
         q.put((rank, "idle", (ed.get_current_epoch(idle), ed.get_active_ranks(idle).tolist())))
+    time.sleep(1.5)  # let the others report before this exit changes membership
 
 
 def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_recover=None,
@@ -91,7 +95,7 @@ def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_reco
     q.put((rank, "ready", os.getpid()))
     t_end = time.monotonic() + duration_s
     i, t_rec = 0, None
-    while time.monotonic() < t_end:
+    while True:
         states = ed.get_slot_states()
         h = torch.tensor([1.0 if any(states[s] == "ready" for s in watch) else 0.0])
         dist.all_reduce(h, op=dist.ReduceOp.MAX)
@@ -102,17 +106,20 @@ def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_reco
             admitted = ed.recover_ranks(None, list(watch))
             q.put((rank, "recovered", admitted))
             continue  # the joiner's first op is the next header
-        t = torch.tensor([float(rank + 1)])
+        t = torch.tensor([float(rank + 1), float(time.monotonic() > t_end)])
         dist.all_reduce(t)
         if t_rec is not None:
             q.put((rank, "pause", time.monotonic() - t_rec))
             t_rec = None
-        q.put((rank, "sum", (i, float(t.item()), ed.get_current_epoch(),
+        q.put((rank, "sum", (i, float(t[0]), ed.get_current_epoch(),
                              ed.get_active_ranks().tolist())))
         i += 1
+        if t[1] > 0:
+            break
         time.sleep(0.002)
     q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist(),
                           dist.get_world_size())))
+    time.sleep(1.5)
 
 
 def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
@@ -125,7 +132,7 @@ def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
     q.put((rank, "ready", os.getpid()))
     t_end = time.monotonic() + duration_s
     step = 0
-    while time.monotonic() < t_end:
+    while True:
         op = "header"
         try:
             h = torch.tensor([float(step)])
@@ -139,14 +146,18 @@ def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
             out = torch.empty((int(recv.sum()), 2))
             dist.all_to_all_single(out, data, recv.tolist(), send.tolist())
             op = "commit"
-            c = torch.tensor([out.sum().item() + 1000.0 * step])
+            c = torch.tensor([out.sum().item() + 1000.0 * step,
+                              float(time.monotonic() > t_end)])
             dist.all_reduce(c)
         except ed.RankFailureError:
             q.put((rank, "raised", (step, op)))
             continue
-        q.put((rank, "commit", (step, float(c.item()), ed.get_current_epoch())))
+        q.put((rank, "commit", (step, float(c[0]), ed.get_current_epoch())))
         step += 1
+        if c[1] > 0:
+            break
     q.put((rank, "done", ed.get_current_epoch()))
+    time.sleep(1.5)
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,

@@ -1,0 +1,140 @@
+"""Failure handling of the elastic backend: killed ranks (rank 0 too), a frozen rank,
+a double failure, an idle group, and the engine's raise-mode step shape.
+
+Each test runs 4 worker processes (forkserver) against an in-process coordinator with
+short heartbeats; timings are printed (the latency targets are measured in bench/).
+"""
+
+import random
+import signal
+import time
+
+import pytest
+from _dist_harness import Cluster
+
+import elasticep.distributed as ed
+
+HB = {"hb_interval_s": 0.05, "hb_timeout_s": 0.6}
+
+
+@pytest.fixture
+def cluster():
+    coord = ed.start_coordinator(**HB)
+    cl = Cluster(coord.address)
+    yield cl
+    cl.close()
+    coord.close()
+
+
+def _sums(cl, rank):
+    return cl.of(rank, "sum")
+
+
+def _wait_sums(cl, n):
+    cl.wait_for(lambda m: sum(x[1] == "sum" for x in m) >= n, 30, f"{n} sums")
+
+
+def _check_agreement(cl, survivors, full, reduced, t_kill):
+    """Every survivor's op i has the same sum; sums go full -> reduced exactly once."""
+    by_rank = {r: {s[0]: s[1] for s in _sums(cl, r)} for r in survivors}
+    common = set.intersection(*(set(d) for d in by_rank.values()))
+    for i in common:
+        assert len({by_rank[r][i] for r in survivors}) == 1, f"op {i} disagrees"
+    for r in survivors:
+        vals = [s[1] for s in _sums(cl, r)]
+        assert set(vals) <= {full, reduced}
+        first = vals.index(reduced)
+        assert all(v == full for v in vals[:first]) and all(v == reduced for v in vals[first:])
+    # kill-to-result: the first result each survivor returned after the kill
+    lat = max(min(s[2] for s in _sums(cl, r) if s[2] > t_kill) - t_kill for r in survivors)
+    return lat
+
+
+def _run_kill(cl, victim, idle_group=False):
+    for r in range(4):
+        cl.start(r, "allreduce_loop", 4, duration_s=2.5, idle_group=idle_group)
+    _wait_sums(cl, 60)
+    time.sleep(random.uniform(0, 0.02))
+    t_kill = cl.kill(victim)
+    survivors = [r for r in range(4) if r != victim]
+    cl.wait_for(lambda m: all(cl.of(r, "done") for r in survivors), 30, "survivors done")
+    for r in survivors:
+        epoch, mask = cl.of(r, "done")[0]
+        assert epoch >= 1 and mask == [0 if s == victim else 1 for s in range(4)]
+    return survivors, t_kill
+
+
+@pytest.mark.timeout(60)
+def test_killed_rank_2_survivors_agree(cluster):
+    survivors, t_kill = _run_kill(cluster, 2)
+    lat = _check_agreement(cluster, survivors, 10.0, 7.0, t_kill)
+    print(f"kill-to-result rank 2: {lat * 1e3:.1f} ms")
+    assert lat < 20.0  # generous hang bound; the 1 s target is measured by bench/
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_killed_and_idle_group_notices(cluster):
+    survivors, t_kill = _run_kill(cluster, 0, idle_group=True)
+    lat = _check_agreement(cluster, survivors, 10.0, 9.0, t_kill)
+    print(f"kill-to-result rank 0: {lat * 1e3:.1f} ms")
+    assert lat < 20.0
+    cluster.wait_for(lambda m: all(cluster.of(r, "idle") for r in survivors), 10, "idle")
+    for r in survivors:  # a group with no op in flight moved on too
+        epoch, mask = cluster.of(r, "idle")[0]
+        assert epoch >= 1 and mask == [0, 1, 1, 1]
+
+
+@pytest.mark.timeout(60)
+def test_frozen_rank_is_evicted_and_never_returns_a_wrong_result(cluster):
+    for r in range(4):
+        cluster.start(r, "allreduce_loop", 4, duration_s=3.0)
+    _wait_sums(cluster, 60)
+    t_stop = cluster.kill(1, signal.SIGSTOP)
+    cluster.wait_for(lambda m: all(any(s[1] == 8.0 for s in _sums(cluster, r))
+                                   for r in (0, 2, 3)), 20, "survivors continue")
+    t_ret = max(min(s[2] for s in _sums(cluster, r) if s[1] == 8.0) for r in (0, 2, 3))
+    print(f"freeze-to-return: {(t_ret - t_stop) * 1e3:.1f} ms")
+    cluster.kill(1, signal.SIGCONT)
+    cluster.wait_for(lambda m: cluster.of(1, "raised"), 20, "rank 1 raises")
+    assert cluster.of(1, "raised")[0][0] == "RankEvictedError"
+    assert all(s[1] == 10.0 for s in _sums(cluster, 1))  # never a wrong result
+    cluster.wait_for(lambda m: all(cluster.of(r, "done") for r in (0, 2, 3)), 20, "done")
+    _check_agreement(cluster, [0, 2, 3], 10.0, 8.0, t_stop)
+
+
+@pytest.mark.timeout(60)
+def test_double_failure_50ms_apart(cluster):
+    for r in range(4):
+        cluster.start(r, "allreduce_loop", 4, duration_s=2.5)
+    _wait_sums(cluster, 60)
+    t_kill = cluster.kill(2)
+    time.sleep(0.05)
+    cluster.kill(3)
+    cluster.wait_for(lambda m: all(cluster.of(r, "done") for r in (0, 1)), 30, "done")
+    by_rank = {r: {s[0]: s[1] for s in _sums(cluster, r)} for r in (0, 1)}
+    for i in set(by_rank[0]) & set(by_rank[1]):
+        assert by_rank[0][i] == by_rank[1][i]
+    for r in (0, 1):
+        vals = [s[1] for s in _sums(cluster, r) if s[2] > t_kill]
+        assert set(vals) <= {10.0, 7.0, 3.0} and vals[-1] == 3.0
+        assert cluster.of(r, "done")[0][1] == [1, 1, 0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_raise_mode_steps_commit_identically(cluster):
+    """on_failure="raise": survivors raise in the same step and commit the same steps."""
+    for r in range(4):
+        cluster.start(r, "engine_steps", 4, duration_s=2.5)
+    cluster.wait_for(lambda m: sum(x[1] == "commit" for x in m) >= 40, 30, "commits")
+    time.sleep(random.uniform(0, 0.01))
+    cluster.kill(1)
+    survivors = (0, 2, 3)
+    cluster.wait_for(lambda m: all(cluster.of(r, "done") for r in survivors), 30, "done")
+    commits = {r: cluster.of(r, "commit") for r in survivors}
+    n = min(len(c) for c in commits.values())
+    for r in survivors:
+        assert [c[:2] for c in commits[r][:n]] == [c[:2] for c in commits[0][:n]]
+        assert [c[0] for c in commits[r]] == list(range(len(commits[r])))
+    raised = {r: [x[0] for x in cluster.of(r, "raised")] for r in survivors}
+    assert len({tuple(v) for v in raised.values()}) == 1, raised  # same steps raised
+    assert commits[0][-1][2] >= 1  # committed steps continue in the new epoch
