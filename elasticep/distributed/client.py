@@ -28,7 +28,8 @@ class CoordinatorClient:
         self.conn = connect(address, timeout_s)
         self.conn.sock.settimeout(timeout_s)
         self._ids = itertools.count(1)
-        self._call({"t": "hello", "role": "supervisor"})
+        # port of the coordinator's rendezvous TCPStore (on the coordinator's host)
+        self.store_port: int = int(self._call({"t": "hello", "role": "supervisor"})["store_port"])
 
     def _call(self, msg: dict) -> dict:
         rid = next(self._ids)

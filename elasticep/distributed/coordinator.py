@@ -147,7 +147,9 @@ class Coordinator:
 
     def _hello(self, conn: Connection, msg: dict):
         if msg.get("role") == "supervisor":
-            conn.send({"t": "reply", "id": msg.get("id"), "ok": True})
+            # The store port lets a supervisor (`elasticep join`) read the published config.
+            conn.send({"t": "reply", "id": msg.get("id"), "ok": True,
+                       "store_port": self.store.port})
             return None
         rank, mws = msg["rank"], msg["max_world_size"]
         err = None
@@ -272,7 +274,8 @@ class Coordinator:
             slot = g.slot_of(proc.rank)
             if slot in g.active or (g.transition and slot in g.transition.new_active):
                 g.pending_dead.add(slot)
-            g.states[slot] = "failed"
+            if g.states[slot] != "removed":  # a rank removed on purpose stays removed
+                g.states[slot] = "failed"
             g.pending_admit.discard(slot)
             self._maybe_start(g)
             self._push_peer(g)
