@@ -29,6 +29,10 @@ class DeploymentConfig:
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
+        max_num_seqs: most sequences in one step of one rank.
+        num_threads: torch intra-op threads per rank.
+        store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain Gloo
+            baseline (elastic_ep_backend="none") rendezvouses there directly.
     """
 
     model: str
@@ -45,6 +49,9 @@ class DeploymentConfig:
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
     heartbeat_timeout_s: float = 2.0
+    max_num_seqs: int = 64
+    num_threads: int = 1
+    store_addr: str = ""
 
     def to_json(self) -> str:
         """Serialise for the coordinator store."""

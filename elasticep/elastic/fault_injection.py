@@ -1,0 +1,104 @@
+"""Test-only fault injection: a rank SIGKILLs itself at a given step.
+
+Spec (``ELASTICEP_FAULT`` environment variable, or ``WorkerConfig.fault``)::
+
+    kill:rank=2:step=10            # rank 2 dies before the forward of its step 10
+    kill:rank=2:step=10:layer=3    # ... inside step 10, when MoE layer 3 is entered
+                                   #     (mid-dispatch for the other ranks)
+
+Several specs may be joined with ``,``. A step is one working lockstep step (idle
+iterations with no work anywhere are not counted); every rank counts the same steps,
+so "step 10" names the same moment everywhere. The kill is a real ``SIGKILL`` of the
+process itself, so nothing is flushed or closed: exactly what a crash looks like to
+the survivors. A relaunched rank restarts its count at 0 but only fires a spec whose
+rank and step it reaches again; the deployment never passes the spec to relaunches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "ELASTICEP_FAULT"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``)."""
+
+    rank: int
+    step: int
+    layer: int | None = None
+
+
+def parse_faults(text: str | None) -> list[FaultSpec]:
+    """Parse ``"kill:rank=R:step=S[:layer=L]"`` specs joined by commas.
+
+    Returns:
+        The specs, in order; empty for None or "".
+
+    Raises:
+        ValueError: on an unknown action, a missing or non-integer field.
+    """
+    specs = []
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        action, *fields = part.split(":")
+        if action != "kill":
+            raise ValueError(f"fault spec {part!r}: only 'kill' is supported")
+        kv = {}
+        for f in fields:
+            key, sep, value = f.partition("=")
+            if not sep or key not in ("rank", "step", "layer"):
+                raise ValueError(f"fault spec {part!r}: bad field {f!r}")
+            try:
+                kv[key] = int(value)
+            except ValueError:
+                raise ValueError(f"fault spec {part!r}: {key} must be an integer") from None
+        if "rank" not in kv or "step" not in kv:
+            raise ValueError(f"fault spec {part!r}: needs rank= and step=")
+        specs.append(FaultSpec(kv["rank"], kv["step"], kv.get("layer")))
+    return specs
+
+
+class FaultInjector:
+    """Fires this rank's faults. Call :meth:`at_step` before each step's forward and
+    :meth:`at_layer` when a MoE layer is entered.
+
+    Args:
+        rank: this process's rank; specs for other ranks are ignored.
+        specs: parsed specs (see :func:`parse_faults`).
+    """
+
+    def __init__(self, rank: int, specs: list[FaultSpec]) -> None:
+        self.rank = rank
+        self.specs = [s for s in specs if s.rank == rank]
+        self.step = -1
+
+    @classmethod
+    def from_config(cls, rank: int, fault: str | None) -> FaultInjector:
+        """Specs from ``fault`` (the worker config) plus ``$ELASTICEP_FAULT``."""
+        return cls(rank, parse_faults(fault) + parse_faults(os.environ.get(ENV_VAR)))
+
+    def at_step(self, step: int) -> None:
+        """Enter working step ``step``; dies here if a spec without a layer matches."""
+        self.step = step
+        if any(s.step == step and s.layer is None for s in self.specs):
+            self._die(f"step {step}")
+
+    def at_layer(self, layer: int) -> None:
+        """Enter MoE layer ``layer`` of the current step; dies if a spec matches."""
+        if any(s.step == self.step and s.layer == layer for s in self.specs):
+            self._die(f"step {self.step} layer {layer}")
+
+    def _die(self, where: str) -> None:
+        logger.warning("fault injection: rank %d SIGKILLs itself at %s", self.rank, where)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,148 @@
+"""Placement changes the whole EP group agrees on: repair, admission, drain, rebalance.
+
+Every change follows one pattern, so a failure in the middle never leaves ranks with
+different placements:
+
+1. agree on the membership with one all_reduce (MIN of the active masks: a rank that
+   any survivor saw die is out for everyone);
+2. compute the target placement, a pure function of (agreed mask, current placement)
+   from :mod:`elasticep.eplb`, identical on every rank with no messages;
+3. fetch weights (peers over ``all_to_all_single``, orphans from the checkpoint) into
+   new tensors, leaving the executor untouched;
+4. a "commit" all_reduce, then swap the executor to the new placement.
+
+If a rank dies before the commit, every survivor raises (the exchange cannot be
+redone), none has swapped, and the caller runs the change again on the new membership.
+If the commit completed anywhere, the elastic group hands its result to every
+survivor, so all of them swap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elasticep.eplb import (
+    ExpertLocationMetadata,
+    Placement,
+    broadcast_global_expert_location_metadata,
+    move_expert_weights,
+    reconcile_placement,
+    scale_down_placement,
+)
+from elasticep.eplb.weight_transfer import CheckpointLoader
+from elasticep.moe.ep_executor import EPMoEExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChangeReport:
+    """What one placement change did (for logs, metrics and bench/ep.py).
+
+    Attributes:
+        changed: the placement differs from the old one.
+        peer_copies: expert slots filled from another rank.
+        reloads: expert slots filled from the checkpoint (orphans) by this rank.
+        seconds: wall time of steps 1-4.
+        slots_per_rank: after the change.
+    """
+
+    changed: bool
+    peer_copies: int
+    reloads: int
+    seconds: float
+    slots_per_rank: int
+
+
+def agree_active_mask(local_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """MIN over ranks of the local active masks.
+
+    Args:
+        local_mask: [max_ep_size] int/bool, this rank's view (1 = active).
+        group: the EP group.
+
+    Returns:
+        [max_ep_size] bool, identical on every rank that returns.
+    """
+    m = local_mask.to(torch.int64).clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MIN, group=group)
+    return m.to(torch.bool)
+
+
+def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup | None,
+                     load_fn: CheckpointLoader | None,
+                     source_ranks: torch.Tensor | None = None) -> ChangeReport:
+    """Steps 3-4: fetch weights for ``new``, commit all_reduce, swap. Collective.
+
+    Raises:
+        EpochChangedError (and subclasses): membership changed before the commit; the
+            executor is unchanged.
+    """
+    t0 = time.perf_counter()
+    old = ep.placement
+    w13, w2, loads = move_expert_weights(old, new, ep.rank, ep.w13, ep.w2, group, load_fn,
+                                         source_ranks)
+    flag = torch.ones(1, dtype=torch.int64)
+    dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
+    device = ep.metadata.physical_to_logical_map.device
+    ep.set_placement(ExpertLocationMetadata.from_placement(new, ep.rank, device), w13, w2)
+    mine = [x for x in loads if x.rank == ep.rank]
+    return ChangeReport(
+        changed=new != old,
+        peer_copies=sum(x.source_rank not in (None, ep.rank) for x in mine),
+        reloads=sum(x.source_rank is None for x in mine),
+        seconds=time.perf_counter() - t0,
+        slots_per_rank=new.slots_per_rank,
+    )
+
+
+def reconcile(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGroup | None,
+              load_fn: CheckpointLoader | None) -> ChangeReport:
+    """After a failure (or any membership change): agree on the mask, repair, commit.
+
+    Ranks that left lose their slots (orphans re-homed, reloaded from the checkpoint);
+    ranks that joined get replicas. Collective over the survivors.
+    """
+    mask = agree_active_mask(local_mask, group)
+    new = reconcile_placement(ep.placement, mask)
+    return commit_placement(ep, new, group, load_fn)
+
+
+def admit(ep: EPMoEExecutor, has_placement: bool, group: dist.ProcessGroup | None,
+          local_mask: torch.Tensor, load_fn: CheckpointLoader | None) -> ChangeReport:
+    """First ops after an admission, run by survivors and joiners alike. Collective.
+
+    The survivors' placement is broadcast from the lowest rank that holds one (never a
+    joiner; not rank 0 unless it is that rank), so joiners learn it; joiners size their
+    (empty) slots to it; then the group reconciles onto the new mask, which copies
+    replicas to the joiners from peers.
+
+    Args:
+        has_placement: False on a joiner (its executor's placement is a stand-in).
+    """
+    holders = torch.zeros(ep.placement.max_ep_size, dtype=torch.int64)
+    holders[ep.rank] = int(has_placement)
+    dist.all_reduce(holders, group=group)
+    src = int(torch.nonzero(holders).flatten()[0])
+    meta = broadcast_global_expert_location_metadata(
+        ep.metadata if has_placement else None, src, group, ep.rank,
+        ep.metadata.physical_to_logical_map.device)
+    if not has_placement:
+        S = meta.num_local_physical_experts
+        ep.set_placement(meta, [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in ep.w13],
+                         [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in ep.w2])
+    logger.info("placement broadcast from rank %d", src)
+    return reconcile(ep, local_mask, group, load_fn)
+
+
+def drain(ep: EPMoEExecutor, leaving: list[int], group: dist.ProcessGroup | None) -> ChangeReport:
+    """Planned removal: move experts off ``leaving`` (they still send), commit. Collective
+    over every active rank, the leaving ones included; call ``deactivate_ranks`` after."""
+    old = ep.placement
+    new = scale_down_placement(old, leaving)
+    return commit_placement(ep, new, group, None, source_ranks=old.active_ranks)

@@ -1,0 +1,116 @@
+"""One rank's model: non-expert weights, its local expert slots, and the EP executor.
+
+The model's MoE blocks call ``model.executor``; here that is a :class:`HookedExecutor`
+around the rank's :class:`EPMoEExecutor` (dispatch/combine over the WORLD group), so
+the step loop can observe each MoE layer (fault injection, EPLB counts) without the
+models layer knowing about either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elasticep.eplb import ExpertLocationMetadata, Placement
+from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
+from elasticep.models.checkpoint import CheckpointReader
+from elasticep.moe.ep_executor import EPMoEExecutor
+from elasticep.moe.local_executor import ExpertSlots
+
+# hook(layer_idx, topk_ids [T, k] int64) called before each MoE layer's dispatch
+LayerHook = Callable[[int, torch.Tensor], None]
+
+
+class CheckpointExperts:
+    """``load_fn(layer, expert) -> (w13 [2*I, H], w2 [H, I])`` read from the checkpoint.
+
+    The reader stays open for the worker's life (safetensors maps files lazily), so an
+    orphan reload after a failure pays no index parsing.
+
+    Args:
+        model: the rank's model (for its config, dtype and device).
+        model_dir: the checkpoint directory.
+    """
+
+    def __init__(self, model: MoECausalLM, model_dir: str | Path) -> None:
+        self.config = model.config
+        self.dtype, self.device = model.dtype, model.device
+        self.reader = CheckpointReader(model_dir)
+        self.num_loaded = 0
+
+    def __call__(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        n = c.num_hidden_layers
+        slots = ExpertSlots(
+            w13=[torch.empty(1, 2 * c.moe_intermediate_size, c.hidden_size, dtype=self.dtype,
+                             device=self.device) if i == layer else None for i in range(n)],
+            w2=[torch.empty(1, c.hidden_size, c.moe_intermediate_size, dtype=self.dtype,
+                            device=self.device) if i == layer else None for i in range(n)],
+            slot_to_logical=torch.zeros(n, 1, dtype=torch.long),
+        )
+        load_expert_into_slot(self.reader, c, slots, layer, 0, expert)
+        self.num_loaded += 1
+        return slots.w13[layer][0], slots.w2[layer][0]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class HookedExecutor:
+    """The executor contract (docs/ARCHITECTURE.md) with hooks run before each layer.
+
+    Args:
+        inner: the EP executor doing the work.
+        hooks: called as ``hook(layer_idx, topk_ids)`` before the dispatch.
+    """
+
+    def __init__(self, inner: EPMoEExecutor, hooks: list[LayerHook] | None = None) -> None:
+        self.inner = inner
+        self.hooks = list(hooks or [])
+
+    def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        for hook in self.hooks:
+            hook(layer_idx, topk_ids)
+        return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
+
+
+def load_rank_model(model_dir: str | Path, placement: Placement, rank: int,
+                    group: dist.ProcessGroup | None, dtype: torch.dtype,
+                    dispatch_algorithm: str, device: str = "cpu", with_experts: bool = True
+                    ) -> tuple[MoECausalLM, EPMoEExecutor, HookedExecutor]:
+    """Load this rank's share of the model and plug an EP executor into it.
+
+    Args:
+        model_dir: HF checkpoint directory.
+        placement: the current placement; this rank loads ``placement.local(rank)``.
+        rank: this rank (global slot id).
+        group: the EP group (``size() == placement.max_ep_size``).
+        dtype: model dtype.
+        dispatch_algorithm: "static" or "dynamic".
+        device: where the weights live.
+        with_experts: False on a joiner: it loads no expert and gets zero-filled slots
+            under a stand-in ``placement``, both replaced once it is admitted
+            (:func:`elasticep.elastic.placement_sync.admit`).
+
+    Returns:
+        (model, ep_executor, hooked) with ``model.executor is hooked``.
+
+    Raises:
+        ValueError: bad checkpoint or placement.
+    """
+    local = placement.local(rank) if with_experts else placement.local(rank)[:, :0]
+    model = load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
+    w13, w2 = model.experts.w13, model.experts.w2
+    if not with_experts:
+        S = placement.slots_per_rank
+        w13 = [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in w13]
+        w2 = [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in w2]
+    meta = ExpertLocationMetadata.from_placement(placement, rank, device)
+    ep = EPMoEExecutor(meta, w13, w2, group, dispatch_algorithm=dispatch_algorithm)
+    hooked = HookedExecutor(ep)
+    model.executor = hooked
+    return model, ep, hooked

@@ -1,0 +1,237 @@
+"""The lockstep step loop of one EP rank, and its redo after a failure.
+
+Every active rank runs the same sequence of collectives on the WORLD group, idle ranks
+included (they run every MoE layer's dispatch with 0 tokens). One iteration:
+
+1. take requests/aborts from the front-end (only when no batch is pending, so a batch
+   being redone keeps its sequences and KV blocks);
+2. header all_reduce (SUM, int64 ``[1 + 2*M]``): total unfinished work, and per slot
+   how many ranks saw an admission / removal request for it (>0 = agreed), so every
+   rank calls ``recover_ranks`` / ``deactivate_ranks`` at the same step boundary;
+3. no work anywhere: wait for a message for a few ms (keeps idle CPU low) and loop;
+4. schedule (once: the ScheduledBatch is kept until committed), execute (forward with
+   dispatch/combine, sample), commit all_reduce, ``engine.commit``, publish tokens.
+
+Tokens are published only after the commit collective, which the elastic group
+returns on every survivor once any survivor completed it: a redone step never
+streams a token twice. On ``EpochChangedError`` anywhere in 2-4 the step is
+abandoned, the placement is reconciled to the new membership
+(:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2, re-executing
+the kept batch (KV writes are idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import elasticep.distributed as ed
+from elasticep.elastic import placement_sync
+from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.log_context import RankContext
+from elasticep.engine.ipc import WorkerChannel
+from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.scheduler import ScheduledBatch
+from elasticep.engine.serve_loop import apply_messages
+from elasticep.eplb import EPLBManager
+from elasticep.eplb.weight_transfer import CheckpointLoader
+from elasticep.moe.ep_executor import EPMoEExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class RankRemoved(Exception):  # noqa: N818 - a clean exit, not an error
+    """This rank was drained and deactivated by a planned scale-down."""
+
+
+@dataclass
+class LoopStats:
+    """Counters of one rank's loop (logged at exit; read by tests and bench)."""
+
+    steps: int = 0
+    redos: int = 0
+    recoveries: int = 0
+    reloads: int = 0
+    peer_copies: int = 0
+    recovery_seconds: list[float] = field(default_factory=list)
+
+
+class LockstepLoop:
+    """Runs one rank's steps in lockstep with the other active ranks.
+
+    Args:
+        engine: the rank's engine (``forward_empty_batches=True``).
+        ep: the rank's EP executor (placement and expert weights).
+        channel: connected worker channel to the front-end.
+        group: the WORLD group (elastic, or plain Gloo when ``elastic`` is False).
+        rank: this rank.
+        elastic: the group is the fault-tolerant elastic backend.
+        load_fn: checkpoint reader for orphan reloads.
+        faults: fault injector (tests).
+        log_ctx: updated with the epoch on every change.
+        eplb: optional EPLB manager (``--enable-eplb``).
+        idle_wait_s: longest wait for a message when no rank has work (seconds).
+    """
+
+    def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
+                 group: dist.ProcessGroup | None, rank: int, elastic: bool,
+                 load_fn: CheckpointLoader | None, faults: FaultInjector,
+                 log_ctx: RankContext, eplb: EPLBManager | None = None,
+                 idle_wait_s: float = 0.005) -> None:
+        self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
+        self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
+        self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
+        self.M = ep.placement.max_ep_size
+        self.pending: ScheduledBatch | None = None
+        self.stats = LoopStats()
+
+    # ------------------------------------------------------------------ membership view
+    def _epoch(self) -> int:
+        return ed.get_current_epoch(self.group) if self.elastic else 0
+
+    def _local_mask(self) -> torch.Tensor:
+        if not self.elastic:
+            return torch.ones(self.M, dtype=torch.bool)
+        return ed.get_active_ranks(self.group).to(torch.bool)
+
+    def _set_epoch(self) -> None:
+        epoch = self._epoch()
+        self.log_ctx.epoch = epoch
+        self.channel.epoch = epoch
+
+    def _requests(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M] int64 admission / removal votes of this rank (from the coordinator's push)."""
+        admit = torch.zeros(self.M, dtype=torch.int64)
+        remove = torch.zeros(self.M, dtype=torch.int64)
+        if self.elastic:
+            req = ed.get_pending_requests(self.group)
+            states = ed.get_slot_states(self.group)
+            for r in req.get("admit", []):
+                if states[r] == "ready":
+                    admit[r] = 1
+            active = self._local_mask()
+            for r in req.get("remove", []):
+                if bool(active[r]):
+                    remove[r] = 1
+        return admit, remove
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Serve until the process is killed, removed, or the coordinator is lost.
+
+        Raises:
+            RankRemoved: after a planned removal of this rank (a clean exit).
+            RankEvictedError, CoordinatorLostError: this rank must exit.
+        """
+        self._set_epoch()
+        while True:
+            try:
+                self._iteration()
+            except ed.RankEvictedError:
+                raise
+            except ed.EpochChangedError as exc:
+                self._recover(exc)
+
+    def _iteration(self) -> None:
+        if self.pending is None:
+            apply_messages(self.engine, self.channel, self.channel.poll(0.0))
+        local_work = int(self.engine.has_unfinished() or self.pending is not None)
+        admit, remove = self._requests()
+        header = torch.cat([torch.tensor([local_work], dtype=torch.int64), admit, remove])
+        dist.all_reduce(header, group=self.group)
+        agreed_admit = [r for r in range(self.M) if int(header[1 + r]) > 0]
+        agreed_remove = [r for r in range(self.M) if int(header[1 + self.M + r]) > 0]
+        if agreed_admit:
+            self._admit(agreed_admit)
+            return
+        if agreed_remove:
+            self._remove(agreed_remove)
+            return
+        if int(header[0]) == 0:
+            # Nobody has work: wait for a request (bounded, so membership is seen soon).
+            apply_messages(self.engine, self.channel, self.channel.poll(self.idle_wait_s))
+            return
+        if self.pending is None:
+            self.pending = self.engine.schedule()
+        step = self.stats.steps
+        self.faults.at_step(step)
+        tokens = self.engine.execute(self.pending)
+        commit = torch.tensor([step], dtype=torch.int64)
+        dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
+        outputs = self.engine.commit(self.pending, tokens)
+        self.pending = None
+        self.stats.steps += 1
+        self.channel.send_outputs(outputs)
+        if self.eplb is not None and self.eplb.step():
+            result = self.eplb.rebalance(self.ep.placement, sync=True, group=self.group)
+            placement_sync.commit_placement(self.ep, result.placement, self.group, self.load_fn)
+
+    # ------------------------------------------------------------------ changes
+    def _recover(self, exc: ed.EpochChangedError) -> None:
+        """Survivors: reconcile the placement to the new membership; retried on new failures."""
+        t0 = time.perf_counter()
+        self.stats.redos += int(self.pending is not None)
+        while True:
+            self._set_epoch()
+            logger.warning("step %d abandoned (%s); reconciling placement over ranks %s",
+                           self.stats.steps, exc, self._local_mask().nonzero().flatten().tolist())
+            try:
+                report = placement_sync.reconcile(self.ep, self._local_mask(), self.group,
+                                                  self.load_fn)
+                break
+            except ed.RankEvictedError:
+                raise
+            except ed.EpochChangedError as again:
+                exc = again
+        self._after_change(report, time.perf_counter() - t0)
+
+    def _after_change(self, report: placement_sync.ChangeReport, seconds: float) -> None:
+        self._set_epoch()
+        self.stats.recoveries += 1
+        self.stats.reloads += report.reloads
+        self.stats.peer_copies += report.peer_copies
+        self.stats.recovery_seconds.append(seconds)
+        if self.eplb is not None:
+            self.eplb.reset_generator(self._epoch())
+        logger.info("placement reconciled in %.3fs: %d checkpoint reloads, %d peer copies, "
+                    "%d slots per rank, active %s; %s", seconds, report.reloads,
+                    report.peer_copies, report.slots_per_rank,
+                    self.ep.placement.live_ranks(),
+                    "redoing the pending step" if self.pending is not None else "no step pending")
+
+    def _admit(self, ranks: list[int]) -> None:
+        t0 = time.perf_counter()
+        admitted = ed.recover_ranks(self.group, ranks)
+        self._set_epoch()
+        logger.info("admitted ranks %s (asked %s)", admitted, ranks)
+        if not admitted:
+            return
+        report = placement_sync.admit(self.ep, True, self.group, self._local_mask(), self.load_fn)
+        self._after_change(report, time.perf_counter() - t0)
+
+    def _remove(self, ranks: list[int]) -> None:
+        t0 = time.perf_counter()
+        logger.info("draining ranks %s", ranks)
+        report = placement_sync.drain(self.ep, ranks, self.group)
+        ed.deactivate_ranks(self.group, ranks)
+        if self.rank in ranks:
+            raise RankRemoved(f"rank {self.rank} removed by a planned scale-down")
+        self._after_change(report, time.perf_counter() - t0)
+
+
+def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
+                     load_fn: CheckpointLoader | None,
+                     timeout_s: float) -> placement_sync.ChangeReport:
+    """Joiner side of an admission: block in ``join_group``, then run the same first ops
+    as the survivors (:func:`placement_sync.admit`).
+
+    Raises:
+        TimeoutError: not admitted within ``timeout_s``.
+    """
+    ed.join_group(group, timeout_s=timeout_s)
+    mask = ed.get_active_ranks(group).to(torch.bool)
+    return placement_sync.admit(ep, False, group, mask, load_fn)

@@ -1,0 +1,162 @@
+"""The worker process of one EP rank: ``python -m elasticep.elastic.worker --config-json JSON``.
+
+``JSON`` is :meth:`WorkerConfig.to_json`. The worker:
+
+1. dies with its parent (the launcher) and logs with rank and epoch on every line;
+2. joins the WORLD group: the elastic backend with ``on_failure="raise"`` through the
+   coordinator, or plain Gloo over the coordinator's TCPStore for the baseline
+   (``elastic_ep_backend="none"``, no fault tolerance);
+3. loads the model with only its local expert slots of the launch placement
+   (``slots_per_rank = ceil((E + R) / ep_size)``, capacity ``max_ep_size``) and plugs an
+   :class:`~elasticep.moe.ep_executor.EPMoEExecutor` over WORLD into it; a joiner
+   (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
+   ``join_group`` until the survivors admit it, then receives the placement and its
+   experts from peers;
+4. says hello to the front-end and runs :class:`~elasticep.elastic.step_loop.LockstepLoop`.
+
+Exit codes: 0 after a planned removal, 3 when the coordinator is lost or this rank was
+evicted, 1 on any other error. Fault injection: see :mod:`elasticep.elastic.fault_injection`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import elasticep.distributed as ed
+from elasticep.distributed.api import DEFAULT_TIMEOUT_S
+from elasticep.elastic.config import WorkerConfig
+from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.log_context import RankContext, setup_worker_logging
+from elasticep.elastic.rank_model import CheckpointExperts, load_rank_model
+from elasticep.elastic.step_loop import LockstepLoop, RankRemoved, join_as_new_rank
+from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
+from elasticep.models import load_model_config
+from elasticep.utils.procs import die_with_parent
+
+logger = logging.getLogger("elasticep.worker")
+
+EXIT_REMOVED, EXIT_ERROR, EXIT_LOST = 0, 1, 3
+
+
+def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
+    """Step 2: the WORLD group (``size() == max_ep_size`` for the elastic backend).
+
+    Raises:
+        ValueError: the coordinator refused this rank; TimeoutError: unreachable.
+    """
+    d = cfg.deployment
+    if d.elastic_ep_backend == "elastic":
+        return ed.init_process_group(
+            cfg.coordinator, cfg.rank, d.ep_size, max_world_size=d.max_ep_size,
+            is_extension=cfg.join_mode is not None, on_failure="raise")
+    if d.elastic_ep_backend != "none":
+        raise ValueError(f"unknown elastic_ep_backend {d.elastic_ep_backend!r}")
+    if cfg.join_mode is not None:
+        raise ValueError("the plain Gloo baseline cannot take joiners")
+    host, _, port = d.store_addr.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo-baseline", store),
+                            rank=cfg.rank, world_size=d.ep_size,
+                            timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return dist.distributed_c10d._get_default_group()
+
+
+def build_loop(cfg: WorkerConfig, group: dist.ProcessGroup, log_ctx: RankContext) -> LockstepLoop:
+    """Steps 3-4 up to the loop: model, executor, engine, (join), channel."""
+    d = cfg.deployment
+    elastic = d.elastic_ep_backend == "elastic"
+    mcfg = load_model_config(d.model)
+    max_ep = d.max_ep_size if elastic else d.ep_size
+    # The launch placement; a joiner uses it only as a stand-in until admitted.
+    placement = initial_placement(mcfg.num_hidden_layers, mcfg.num_experts,
+                                  d.ep_num_redundant_experts, d.ep_size, max_ep)
+    joining = cfg.join_mode is not None
+    model, ep, hooked = load_rank_model(d.model, placement, cfg.rank, group,
+                                        getattr(torch, d.dtype), d.ep_dispatch_algorithm,
+                                        d.device, with_experts=not joining)
+    load_fn = CheckpointExperts(model, d.model)
+    faults = FaultInjector.from_config(cfg.rank, cfg.fault)
+    hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
+    eplb = None
+    if d.enable_eplb:
+        eplb = EPLBManager(mcfg.num_hidden_layers, mcfg.num_experts,
+                           EPLBConfig(True, d.eplb_rebalance_num_iterations), rank=cfg.rank)
+        hooked.hooks.append(eplb.record)
+    engine = LLMEngine(model, EngineConfig(max_total_tokens=d.max_total_tokens,
+                                           max_num_seqs=d.max_num_seqs,
+                                           forward_empty_batches=True))
+    logger.info("model loaded: %d local slots per layer, placement %s",
+                placement.slots_per_rank, "pending admission" if joining else "launch")
+    if joining:
+        logger.info("waiting for admission (%s)", cfg.join_mode)
+        report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10)
+        log_ctx.epoch = ed.get_current_epoch(group)
+        logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
+                    report.peer_copies, report.reloads, report.seconds)
+    channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
+                            cfg.rank, log_ctx.epoch)
+    channel.hello()
+    return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
+                        log_ctx, eplb)
+
+
+def run_worker(cfg: WorkerConfig) -> int:
+    """Run one rank until it is removed, evicted, or loses the coordinator; returns the exit code."""
+    log_ctx = setup_worker_logging(cfg.rank)
+    torch.set_num_threads(cfg.deployment.num_threads)
+    logger.info("worker pid %d starting (join_mode=%s, backend=%s)", os.getpid(), cfg.join_mode,
+                cfg.deployment.elastic_ep_backend)
+    loop = None
+    try:
+        group = init_world(cfg)
+        loop = build_loop(cfg, group, log_ctx)
+        loop.run()
+        return EXIT_ERROR  # run() only returns by raising
+    except RankRemoved as exc:
+        logger.info("%s; exiting cleanly", exc)
+        return EXIT_REMOVED
+    except (ed.CoordinatorLostError, ed.RankEvictedError) as exc:
+        logger.error("stopping: %s: %s", type(exc).__name__, exc)
+        return EXIT_LOST
+    except Exception:  # noqa: BLE001 - report every failure with rank and epoch, then exit
+        logger.error("worker failed:\n%s", traceback.format_exc())
+        return EXIT_ERROR
+    finally:
+        if loop is not None:
+            s = loop.stats
+            logger.info("exit after %d steps, %d recoveries, %d redone steps, %d reloads",
+                        s.steps, s.recoveries, s.redos, s.reloads)
+            loop.channel.close()
+        for h in logging.getLogger().handlers:
+            h.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry: parse ``--config-json`` and run; exits with the worker's code.
+
+    ``os._exit`` skips interpreter teardown, which can hang on Gloo threads of a group
+    whose peers are gone.
+    """
+    ap = argparse.ArgumentParser(description="ElasticEP worker rank")
+    ap.add_argument("--config-json", required=True, help="WorkerConfig.to_json()")
+    args = ap.parse_args(argv)
+    cfg = WorkerConfig.from_json(args.config_json)
+    die_with_parent()
+    code = run_worker(cfg)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

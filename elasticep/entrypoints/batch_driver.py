@@ -1,0 +1,165 @@
+"""Synchronous batch generation on a multi-rank deployment (``generate --ep-size N``).
+
+The driver is a front-end without HTTP: it owns a :class:`FrontendChannel`, a
+:class:`~elasticep.elastic.deployment.LocalDeployment` (which is the
+``MembershipSource``) and a :class:`Frontend` on a private asyncio loop. Requests are
+spread over the healthy ranks (one data-parallel replica per rank) by the tracker; when
+membership reports a rank failed, its requests are resumed on survivors as prompt +
+generated tokens, so the caller sees complete outputs.
+
+    driver = BatchDriver.launch(DeploymentConfig(model=..., ep_size=4, ...), tok.decode)
+    outs = driver.generate([ids0, ids1, ...], SamplingParams(max_tokens=32))
+    driver.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from elasticep.elastic.config import DeploymentConfig
+from elasticep.elastic.deployment import LocalDeployment
+from elasticep.engine.ipc import FrontendChannel
+from elasticep.engine.request import SamplingParams
+from elasticep.entrypoints.frontend import Frontend, FrontendConfig
+from elasticep.entrypoints.incremental_text import Decode
+from elasticep.entrypoints.request_tracker import RequestEvent
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result.
+
+    Attributes:
+        token_ids: generated ids (EOS included when generation stopped on it).
+        text: streamed text (stop strings cut).
+        finish_reason: "stop", "length" or "abort".
+        error: set when the request failed.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+class BatchDriver:
+    """Runs batches of prompts on a deployment and waits for every completion.
+
+    Args:
+        deployment: a started deployment whose front-end addresses are ``channel``'s.
+        channel: the bound front-end channel.
+        decode: token ids -> text (the tokenizer's decode).
+        config: front-end timing.
+    """
+
+    def __init__(self, deployment: LocalDeployment, channel: FrontendChannel, decode: Decode,
+                 config: FrontendConfig | None = None) -> None:
+        self.deployment = deployment
+        self.channel = channel
+        self.loop = asyncio.new_event_loop()
+        self.frontend = Frontend(channel, deployment, decode,
+                                 config=config or FrontendConfig(membership_poll_s=0.05))
+        self._ids = 0
+        self.loop.run_until_complete(self.frontend.start())
+
+    @classmethod
+    def launch(cls, config: DeploymentConfig, decode: Decode, *, fault: str | None = None,
+               log_dir: str | None = None, env: dict[str, str] | None = None,
+               ready_timeout_s: float = 180.0) -> BatchDriver:
+        """Bind a channel, start the deployment with its addresses, wait until every
+        launch rank is healthy and connected.
+
+        Raises:
+            TimeoutError / RuntimeError: the ranks did not come up.
+        """
+        channel = FrontendChannel(host="127.0.0.1")
+        config = replace(config, frontend_request_addr=channel.endpoints.request_addr,
+                         frontend_output_addr=channel.endpoints.output_addr)
+        dep = LocalDeployment(config, fault=fault, env=env, log_dir=log_dir)
+        try:
+            dep.start()
+            dep.wait_healthy(timeout_s=ready_timeout_s)
+            driver = cls(dep, channel, decode)
+            driver.wait_routable(range(config.ep_size), ready_timeout_s)
+        except BaseException:
+            dep.stop()
+            channel.close()
+            raise
+        return driver
+
+    def wait_routable(self, ranks: Sequence[int] | range, timeout_s: float = 60.0) -> None:
+        """Block until the front-end may route to every rank in ``ranks``.
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        want = set(ranks)
+
+        async def wait() -> None:
+            deadline = time.monotonic() + timeout_s
+            while not want <= set(self.frontend.tracker.healthy_ranks()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(want)} not routable after {timeout_s}s "
+                                       f"(routable: {self.frontend.tracker.healthy_ranks()})")
+                await self.frontend.refresh_membership()
+                await asyncio.sleep(0.05)
+
+        self.loop.run_until_complete(wait())
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 timeout_s: float = 600.0,
+                 on_event: Callable[[int, RequestEvent], None] | None = None) -> list[Completion]:
+        """Run every prompt to completion, spread over the healthy ranks.
+
+        Args:
+            prompts: token ids per prompt.
+            params: sampling settings shared by all prompts.
+            timeout_s: bound of the whole batch (seconds).
+            on_event: called on the driver's loop with (prompt index, event), e.g. to
+                inject a failure after some tokens.
+
+        Returns:
+            Completions in input order.
+
+        Raises:
+            TimeoutError: the batch did not finish in time.
+            NoRankAvailableError: no healthy rank.
+        """
+        async def one(i: int, ids: Sequence[int]) -> Completion:
+            self._ids += 1
+            stream = self.frontend.submit(f"batch-{self._ids}-{i}", list(ids), params)
+            tokens: list[int] = []
+            text, finish, error = "", None, None
+            async with contextlib.aclosing(stream):
+                async for ev in stream:
+                    if on_event is not None:
+                        on_event(i, ev)
+                    tokens.extend(ev.token_ids)
+                    text += ev.text
+                    finish, error = ev.finish_reason, ev.error
+            return Completion(tokens, text, finish, error)
+
+        async def run() -> list[Completion]:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), timeout_s)
+
+        return self.loop.run_until_complete(run())
+
+    def close(self) -> None:
+        """Stop the front-end tasks, the deployment (by pid) and the channel."""
+        try:
+            self.loop.run_until_complete(self.frontend.stop())
+            self.loop.close()
+        finally:
+            self.deployment.stop()
+            self.channel.close()
+
+    def __enter__(self) -> BatchDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
