@@ -1,0 +1,97 @@
+"""Pure statistics over token timestamps, and the tokens/s timeline plot.
+
+Every time is ``time.monotonic()`` seconds; windows are half-open ``[t0, t1)``. A *gap*
+is the time between two consecutive tokens of one request (time to first token is not
+a gap: it includes the prompt's prefill).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+from elasticep.harness.load import RequestRecord
+
+Event = tuple[float, str]
+
+
+def gaps(records: Iterable[RequestRecord]) -> list[tuple[float, float]]:
+    """Every (start, end) between consecutive tokens of the same request."""
+    out = []
+    for r in records:
+        out.extend(zip(r.token_times, r.token_times[1:], strict=False))
+    return out
+
+
+def max_gap_overlapping(records: Iterable[RequestRecord], t0: float, t1: float) -> float:
+    """Longest gap that overlaps ``[t0, t1]`` (the interruption across an event);
+    0.0 if none does."""
+    return max((b - a for a, b in gaps(records) if a < t1 and b > t0), default=0.0)
+
+
+def median_gap_within(records: Iterable[RequestRecord], t0: float, t1: float) -> float | None:
+    """Median gap lying wholly inside ``[t0, t1]``; None if there is none."""
+    inside = [b - a for a, b in gaps(records) if a >= t0 and b <= t1]
+    return statistics.median(inside) if inside else None
+
+
+def tokens_per_s(records: Iterable[RequestRecord], t0: float, t1: float) -> float | None:
+    """Tokens (of every request) that arrived in ``[t0, t1)``, per second; None for an
+    empty window."""
+    if t1 <= t0:
+        return None
+    n = sum(t0 <= t < t1 for r in records for t in r.token_times)
+    return n / (t1 - t0)
+
+
+def throughput_series(records: list[RequestRecord], t0: float, t1: float,
+                      bin_s: float) -> tuple[list[float], list[float]]:
+    """Tokens/s in consecutive ``bin_s``-second bins from ``t0`` to ``t1``.
+
+    Returns:
+        (bin start times relative to ``t0`` in seconds, tokens/s of each bin).
+    """
+    n_bins = max(1, int((t1 - t0) / bin_s))
+    counts = [0] * n_bins
+    for r in records:
+        for t in r.token_times:
+            i = int((t - t0) / bin_s)
+            if 0 <= i < n_bins:
+                counts[i] += 1
+    return [i * bin_s for i in range(n_bins)], [c / bin_s for c in counts]
+
+
+def plot_timeline(records: list[RequestRecord], events: list[Event], t0: float, t1: float,
+                  path: str, title: str, bin_s: float = 0.25) -> None:
+    """Write a PNG: tokens/s over time, each event a labelled vertical line.
+
+    Args:
+        records: the requests of the run.
+        events: (monotonic time, label) pairs.
+        t0, t1: the plotted window (x axis is seconds since ``t0``).
+        path: output PNG file.
+        title: plot title.
+        bin_s: throughput bin width in seconds.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    xs, ys = throughput_series(records, t0, t1, bin_s)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.2)
+    top = max(ys, default=1.0) or 1.0
+    for i, (t, label) in enumerate(sorted(events)):
+        ax.axvline(t - t0, color="tab:red", linestyle="--", linewidth=0.9)
+        ax.text(t - t0, top * (0.97 - 0.08 * (i % 4)), f" {label}", color="tab:red",
+                fontsize=8, va="top")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"tokens/s (bins of {bin_s:g} s)")
+    ax.set_title(title)
+    ax.set_xlim(0, t1 - t0)
+    ax.set_ylim(0, top * 1.05)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
