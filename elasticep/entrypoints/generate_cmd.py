@@ -39,13 +39,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    # --ep-size / --ep-num-redundant-experts are added by the multi-rank launcher.
+    ep = p.add_argument_group("expert parallelism (--ep-size > 1 launches CPU ranks)")
+    ep.add_argument("--ep-size", type=int, default=1,
+                    help="ranks; each hosts a share of the experts and serves its prompts")
+    ep.add_argument("--max-ep-size", type=int, default=None, help="rank capacity (default --ep-size)")
+    ep.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                    help="R extra physical expert slots over all ranks")
+    ep.add_argument("--ep-dispatch-algorithm", choices=["static", "dynamic"], default="static")
+    ep.add_argument("--elastic-ep-backend", choices=["elastic", "none"], default="elastic",
+                    help="elastic: survive rank failures; none: plain Gloo (baseline)")
+    ep.add_argument("--enable-eplb", action="store_true")
+    ep.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000)
+    ep.add_argument("--fault", default=None,
+                    help="fault injection (tests): e.g. kill:rank=2:step=10[:layer=3]; "
+                         "the ELASTICEP_FAULT environment variable works too")
     return p
 
 
 def _trim_stop(text: str, stops: list[str]) -> str:
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     return text[:cut] if cut >= 0 else text
+
+
+def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode) -> list[list[int]]:
+    """Launch ``--ep-size`` CPU ranks, spread the prompts over them, return generated ids.
+
+    Raises:
+        RuntimeError: a request failed (its message names the rank and the reason).
+    """
+    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.entrypoints.batch_driver import BatchDriver
+
+    cfg = DeploymentConfig(
+        model=args.model, dtype=args.dtype, device=args.device, ep_size=args.ep_size,
+        max_ep_size=args.max_ep_size or args.ep_size,
+        ep_num_redundant_experts=args.ep_num_redundant_experts,
+        ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
+        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
+        elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    with BatchDriver.launch(cfg, decode, fault=args.fault) as driver:
+        outs = driver.generate(ids, params)
+    failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outs) if o.error]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return [o.token_ids for o in outs]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,20 +111,25 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
         )
         params.validate()
-        engine = LLMEngine.from_pretrained(
-            args.model,
-            dtype=getattr(torch, args.dtype),
-            device=args.device,
-            config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs),
-            detokenize=tok.decode,
-        )
         ids = [tok(p).input_ids for p in prompts]
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
-        outs = engine.generate(ids, params)
-    except (ValueError, OSError) as exc:
+        if args.ep_size > 1:
+            outs = _generate_ep(args, ids, params, tok.decode)
+        else:
+            engine = LLMEngine.from_pretrained(
+                args.model,
+                dtype=getattr(torch, args.dtype),
+                device=args.device,
+                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs),
+                detokenize=tok.decode,
+            )
+            outs = engine.generate(ids, params)
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    eos = set(engine.model.config.eos_token_ids)
+    from elasticep.models import load_model_config
+
+    eos = set(load_model_config(args.model).eos_token_ids)
     for i, out in enumerate(outs):
         text_ids = out[:-1] if out and out[-1] in eos else out
         text = _trim_stop(tok.decode(text_ids), list(args.stop))
