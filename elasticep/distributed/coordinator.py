@@ -190,6 +190,9 @@ class Coordinator:
                 raise ValueError(f"slot {slot} of group {name!r} is already active "
                                  f"(epoch {g.epoch}); refusing joiner pid {proc.pid}")
             g.states[slot] = "joining"
+        elif slot not in g.active and g.states[slot] != "healthy":
+            raise ValueError(f"slot {slot} of group {name!r} is {g.states[slot]!r} at epoch "
+                             f"{g.epoch}; a relaunched rank must use is_extension=True")
         proc.groups.add(name)
         self._push_peer(g)
         return {"epoch": g.epoch, "active": sorted(g.active), "states": g.states,

@@ -183,7 +183,7 @@ class GroupState:
                     self.ctl.confirm_membership()
                 self.last, self.next_seq = seq, seq + 1
                 if op.fetchable:
-                    self.kept[seq] = [t.clone() for t in result] if action == "run" else result
+                    self.kept[seq] = result  # private buffers: no copy needed
                     while len(self.kept) > KEEP:
                         self.kept.popitem(last=False)
             op.apply(result)

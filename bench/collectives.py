@@ -1,0 +1,206 @@
+"""Benchmark of the elastic backend against raw ProcessGroupGloo (4 ranks, one JSON line).
+
+Measures, in one run:
+* latency of all_reduce at 4 B and 1 MiB and all_to_all_single at 1 MiB, ours vs a raw
+  ProcessGroupGloo over the same ranks; A and B rounds are interleaved and the medians
+  of per-op latencies are reported with their ratio (target <= 1.2);
+* kill-to-return: SIGKILL of one rank in an all_reduce loop -> every survivor's pending
+  call has returned (target <= 1 s);
+* freeze-to-return: SIGSTOP of one rank -> survivors return (target <= 3 s, bounded by
+  the heartbeat timeout);
+* rejoin pause: from the survivors' recover_ranks call to their next all_reduce result.
+
+Run: ``python bench/collectives.py [--rounds 6 --iters 30]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+import elasticep.distributed as ed
+
+N = 4
+
+
+def _init(rank, addr, ext=False, ws=N):
+    # One intra-op thread per rank: N ranks share the cores, and oversubscribed OpenMP
+    # copies would dominate every number here (raw Gloo does no torch copies).
+    torch.set_num_threads(1)
+    ed.init_process_group(addr, rank, ws, max_world_size=N, is_extension=ext, timeout_s=30)
+
+
+def latency_worker(rank, addr, conn, rounds, iters):
+    _init(rank, addr)
+    store = dist.TCPStore(addr.split(":")[0], ed.api._ctl.store_port, is_master=False)
+    raw = dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), rank, N,
+                                timedelta(seconds=30))
+    small = torch.ones(1)
+    big = torch.ones(256 * 1024)  # 1 MiB fp32
+    a2a_in = torch.ones(256 * 1024)
+    a2a_out = torch.empty_like(a2a_in)
+    cases = {
+        "all_reduce_4B": (lambda: raw.allreduce([small]).wait(), lambda: dist.all_reduce(small)),
+        "all_reduce_1MiB": (lambda: raw.allreduce([big]).wait(), lambda: dist.all_reduce(big)),
+        "all_to_all_single_1MiB": (
+            lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], dist.AllToAllOptions()).wait(),
+            lambda: dist.all_to_all_single(a2a_out, a2a_in)),
+    }
+    out = {}
+    for name, (raw_fn, ours_fn) in cases.items():
+        times = {"raw": [], "ours": []}
+        for rnd in range(rounds):
+            order = ("raw", "ours") if rnd % 2 == 0 else ("ours", "raw")
+            for mode in order:
+                fn = raw_fn if mode == "raw" else ours_fn
+                raw.allreduce([torch.zeros(1)]).wait()  # line the ranks up
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[mode].append(time.perf_counter() - t0)
+        out[name] = {m: statistics.median(v) for m, v in times.items()}
+    conn.send(("lat", out))
+    raw.allreduce([torch.zeros(1)]).wait()
+    time.sleep(1.0)
+    os._exit(0)
+
+
+def loop_worker(rank, addr, conn, duration_s, watch, ext):
+    """Header all_reduce (agree on admitting `watch`), then a data all_reduce."""
+    _init(rank, addr, ext)
+    if ext:
+        ed.join_group(timeout_s=30)
+    t_end = time.monotonic() + duration_s
+    t_rec = None
+    while True:
+        st = ed.get_slot_states()
+        h = torch.tensor([1.0 if any(st[s] == "ready" for s in watch) else 0.0])
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        if h.item() > 0:
+            t_rec = time.monotonic()
+            ed.recover_ranks(None, list(watch))
+            continue
+        t = torch.tensor([1.0, float(time.monotonic() > t_end)])
+        dist.all_reduce(t)
+        conn.send(("op", time.time(), float(t[0])))
+        if t_rec is not None:
+            conn.send(("pause", time.monotonic() - t_rec))
+            t_rec = None
+        if t[1] > 0:
+            break
+        time.sleep(0.001)
+    conn.send(("done",))
+    time.sleep(1.0)
+    os._exit(0)
+
+
+class _Procs:
+    def __init__(self, ctx, addr):
+        self.ctx, self.addr, self.procs, self.conns, self.msgs = ctx, addr, {}, {}, []
+
+    def start(self, rank, target, *args):
+        r, w = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(target=target, args=(rank, self.addr, w, *args))
+        p.start()
+        w.close()
+        self.procs[rank], self.conns[r] = p, rank
+
+    def poll(self, until, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            for r in wait(list(self.conns), 0.05):
+                try:
+                    self.msgs.append((self.conns[r], *r.recv()))
+                except (EOFError, OSError):
+                    del self.conns[r]
+        if not until():
+            raise TimeoutError("benchmark phase did not finish")
+
+    def of(self, rank, kind):
+        return [m[2:] for m in self.msgs if m[0] == rank and m[1] == kind]
+
+    def close(self):
+        for p in self.procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+
+
+def _failure_phase(ctx, sig, victim=2):
+    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    ps = _Procs(ctx, coord.address)
+    try:
+        for r in range(N):
+            ps.start(r, loop_worker, 4.0 if sig == signal.SIGKILL else 6.0, [], False)
+        ps.poll(lambda: sum(m[1] == "op" for m in ps.msgs) >= 100)
+        t_sig = time.time()
+        os.kill(ps.procs[victim].pid, sig)
+        survivors = [r for r in range(N) if r != victim]
+        ps.poll(lambda: all(any(o[0] > t_sig for o in ps.of(r, "op")) for r in survivors))
+        return max(min(o[0] for o in ps.of(r, "op") if o[0] > t_sig) for r in survivors) - t_sig
+    finally:
+        ps.close()
+        coord.close()
+
+
+def _rejoin_phase(ctx):
+    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    ps = _Procs(ctx, coord.address)
+    try:
+        for r in range(N):
+            ps.start(r, loop_worker, 5.0, [2], False)
+        ps.poll(lambda: sum(m[1] == "op" for m in ps.msgs) >= 40)
+        os.kill(ps.procs[2].pid, signal.SIGKILL)
+        ps.procs[2].join(5)
+        del ps.procs[2]
+        time.sleep(0.5)
+        ps.start(2, loop_worker, 60.0, [2], True)
+        ps.poll(lambda: all(ps.of(r, "pause") for r in (0, 1, 3)))
+        return max(ps.of(r, "pause")[0][0] for r in (0, 1, 3))
+    finally:
+        ps.close()
+        coord.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "elasticep.distributed"])
+    coord = ed.start_coordinator()
+    ps = _Procs(ctx, coord.address)
+    try:
+        for r in range(N):
+            ps.start(r, latency_worker, args.rounds, args.iters)
+        ps.poll(lambda: len(ps.of(0, "lat")) == 1, timeout=300)
+        lat = ps.of(0, "lat")[0][0]
+    finally:
+        ps.close()
+        coord.close()
+    result = {"ranks": N, "torch": torch.__version__}
+    for name, v in lat.items():
+        result[name] = {"raw_us": round(v["raw"] * 1e6, 1), "ours_us": round(v["ours"] * 1e6, 1),
+                        "ratio": round(v["ours"] / v["raw"], 3)}
+    result["kill_to_return_s"] = round(_failure_phase(ctx, signal.SIGKILL), 4)
+    result["freeze_to_return_s"] = round(_failure_phase(ctx, signal.SIGSTOP), 4)
+    result["rejoin_pause_s"] = round(_rejoin_phase(ctx), 4)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()
