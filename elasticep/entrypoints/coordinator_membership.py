@@ -1,0 +1,191 @@
+"""The front-end's :class:`MembershipSource` backed by the coordinator.
+
+The coordinator knows slot states, pids and epochs; this adapter turns its snapshot into
+the ``/elastic_ep_status`` shape and turns ``POST /scale_elastic_ep`` into admission or
+deactivation requests. The *target* size (``ep_size``) lives here: the coordinator only
+knows which slots are active, not which size the operator asked for.
+
+Scale phases (derived, never stored elsewhere):
+
+* ``waiting_for_joiners``: scale-up asked, some new slot has no ready joiner yet;
+* ``admitting``: every new slot is ready or healthy, some are not admitted yet;
+* ``draining``: scale-down asked, some leaving slot is still active;
+* ``idle``: otherwise (a failed rank inside the target is degraded, not a scale).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from elasticep.distributed import CoordinatorClient
+from elasticep.entrypoints.membership import ScaleInProgressError
+
+logger = logging.getLogger(__name__)
+
+WORLD = "world"
+
+
+def scale_phase(states: list[str], up: set[int], down: set[int]) -> str:
+    """The scale phase of a membership snapshot (pure).
+
+    Args:
+        states: slot state per slot (``membership.SLOT_STATES``).
+        up: slots a scale-up is bringing in.
+        down: slots a scale-down is taking out.
+    """
+    if any(states[s] not in ("ready", "healthy") for s in up):
+        return "waiting_for_joiners"
+    if any(states[s] != "healthy" for s in up):
+        return "admitting"
+    if any(states[s] in ("healthy", "draining") for s in down):
+        return "draining"
+    return "idle"
+
+
+def status_from_snapshot(snap: dict[str, Any], ep_size: int, max_ep_size: int, phase: str,
+                         node_of: Callable[[int], int]) -> dict[str, Any]:
+    """Turn ``CoordinatorClient.status()`` into the ``/elastic_ep_status`` shape (pure).
+
+    Before the first worker registers there is no WORLD group yet: the first ``ep_size``
+    slots are reported ``joining`` (they are loading) and the rest ``removed``.
+    """
+    world = snap.get("groups", {}).get(WORLD)
+    procs = snap.get("ranks", {})
+    if world is None:
+        states = ["joining"] * ep_size + ["removed"] * (max_ep_size - ep_size)
+        epoch = 0
+    else:
+        states = list(world["states"])
+        epoch = int(world["epoch"])
+    ranks = []
+    for slot, state in enumerate(states):
+        rank = slot if world is None else int(world["ranks"][slot])
+        proc = procs.get(str(rank))
+        ranks.append({"rank": rank, "state": state,
+                      "pid": None if proc is None else int(proc["pid"]),
+                      "node": node_of(rank)})
+    return {"epoch": epoch, "ep_size": ep_size, "max_ep_size": max_ep_size,
+            "scale_phase": phase, "ranks": ranks}
+
+
+class CoordinatorMembership:
+    """:class:`MembershipSource` over a :class:`CoordinatorClient`.
+
+    Thread-safe: the front-end calls ``status`` and ``scale`` from worker threads.
+
+    Args:
+        address: the coordinator's ``"host:port"``.
+        ep_size: the initial target number of ranks.
+        max_ep_size: capacity (slots ``[0, max_ep_size)``).
+        node_of: rank -> node index, for the status (default: every rank on node 0).
+        timeout_s: bound of each coordinator call (seconds).
+    """
+
+    def __init__(self, address: str, ep_size: int, max_ep_size: int,
+                 node_of: Callable[[int], int] | None = None, timeout_s: float = 5.0) -> None:
+        self._address = address
+        self._timeout_s = timeout_s
+        self._client: CoordinatorClient | None = None
+        self._lock = threading.Lock()
+        self.ep_size = ep_size
+        self.max_ep_size = max_ep_size
+        self._node_of = node_of or (lambda _rank: 0)
+        self._up: set[int] = set()
+        self._down: set[int] = set()
+
+    # ---- coordinator access --------------------------------------------------------
+    def _call(self, fn: Callable[[CoordinatorClient], Any]) -> Any:
+        """Run ``fn`` on a (re)connected client; the connection is rebuilt after errors.
+
+        Raises:
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+            ValueError: the coordinator refused the request.
+        """
+        if self._client is None:
+            self._client = CoordinatorClient(self._address, self._timeout_s)
+        try:
+            return fn(self._client)
+        except (ConnectionError, TimeoutError, OSError):
+            self._client.close()
+            self._client = None
+            raise
+
+    def snapshot(self) -> dict[str, Any]:
+        """The coordinator's raw status (see ``CoordinatorClient.status``)."""
+        with self._lock:
+            return self._call(lambda c: c.status())
+
+    def _states(self, snap: dict[str, Any]) -> list[str]:
+        world = snap.get("groups", {}).get(WORLD)
+        if world is None:
+            return ["joining"] * self.ep_size + ["removed"] * (self.max_ep_size - self.ep_size)
+        return list(world["states"])
+
+    def _phase(self, states: list[str]) -> str:
+        phase = scale_phase(states, self._up, self._down)
+        if phase == "idle" and (self._up or self._down):
+            logger.info("scale to ep_size %d finished", self.ep_size)
+            self._up, self._down = set(), set()
+        return phase
+
+    # ---- MembershipSource ----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The ``/elastic_ep_status`` body (without ``running_requests``).
+
+        Raises:
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+        """
+        with self._lock:
+            snap = self._call(lambda c: c.status())
+            phase = self._phase(self._states(snap))
+            return status_from_snapshot(snap, self.ep_size, self.max_ep_size, phase,
+                                        self._node_of)
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Grow to ``new_ep_size`` (admit joiners of slots ``[ep_size, new)``) or shrink
+        (drain and remove the highest active slots). Returns at once.
+
+        Raises:
+            ScaleInProgressError: a scale is still running.
+            ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+        """
+        if not 1 <= new_ep_size <= self.max_ep_size:
+            raise ValueError(f"new_ep_size must be in [1, {self.max_ep_size}], "
+                             f"got {new_ep_size}")
+        with self._lock:
+            snap = self._call(lambda c: c.status())
+            states = self._states(snap)
+            phase = self._phase(states)
+            if phase != "idle":
+                raise ScaleInProgressError(
+                    f"a scale to ep_size {self.ep_size} is in progress ({phase})")
+            old = self.ep_size
+            if new_ep_size > old:
+                slots = list(range(old, new_ep_size))
+                self._call(lambda c: c.request_admission(slots))
+                self._up = set(slots)
+            elif new_ep_size < old:
+                slots = [s for s in range(new_ep_size, self.max_ep_size)
+                         if states[s] in ("healthy", "draining")]
+                if slots:
+                    self._call(lambda c: c.request_deactivation(slots))
+                self._down = set(slots)
+            else:
+                slots = []
+            self.ep_size = new_ep_size
+            epoch = snap.get("groups", {}).get(WORLD, {}).get("epoch", 0)
+            logger.info("epoch %s: scale ep_size %d -> %d, slots %s", epoch, old,
+                        new_ep_size, slots)
+            return {"old_ep_size": old, "slots": slots,
+                    "scale_phase": scale_phase(states, self._up, self._down)}
+
+    def close(self) -> None:
+        """Close the coordinator connection."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

@@ -1,0 +1,192 @@
+"""`elasticep serve` flags (named as in SGLang) and their validation.
+
+Validation is pure apart from reading the model's ``config.json``: it turns parsed flags
+into a frozen :class:`ServeSettings` or raises :class:`UsageError`, which the command
+prints as one line and exits with status 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from elasticep.distributed.protocol import parse_address
+from elasticep.elastic.config import DeploymentConfig
+from elasticep.entrypoints.generate_cmd import default_model_dir
+from elasticep.models.config import SUPPORTED_FAMILIES
+
+DTYPES = ("float32", "bfloat16")
+
+
+class UsageError(ValueError):
+    """A bad flag or flag combination; printed as one line, exit status 2."""
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every ``serve`` flag to ``p``."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
+                   help="HF checkpoint directory (qwen3_moe, qwen2_moe or mixtral); "
+                        "default: the embedded demo model")
+    m.add_argument("--dtype", choices=DTYPES, default="float32", help="weight/activation dtype")
+    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank (rank r uses GPU r mod #GPUs)")
+    m.add_argument("--max-total-tokens", type=int, default=8192,
+                   help="KV-cache capacity per rank, in tokens (default: %(default)s)")
+    e = p.add_argument_group("expert parallelism")
+    e.add_argument("--ep-size", type=int, default=1, help="number of ranks to start")
+    e.add_argument("--max-ep-size", type=int, default=None,
+                   help="capacity reserved for scale-up (default: --ep-size)")
+    e.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                   help="extra physical expert slots (replicas) over all ranks")
+    e.add_argument("--ep-dispatch-algorithm", choices=("static", "dynamic"), default="static",
+                   help="replica choice: static = nearest, dynamic = spread")
+    e.add_argument("--enable-eplb", action="store_true",
+                   help="rebalance experts from measured load")
+    e.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000,
+                   help="steps between EPLB rebalances")
+    e.add_argument("--elastic-ep-backend", choices=("elastic", "none"), default="elastic",
+                   help="elastic: survive rank failures; none: plain groups (baseline, "
+                        "a rank failure stops the deployment)")
+    f = p.add_argument_group("fault tolerance")
+    f.add_argument("--restart-failed-ranks", action="store_true",
+                   help="relaunch a rank of this node that crashed (never one removed "
+                        "by a scale-down)")
+    f.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="seconds without heartbeat before a frozen rank is evicted")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="interface of the OpenAI API")
+    h.add_argument("--port", type=int, default=30000, help="port of the OpenAI API (0: any)")
+    h.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint")
+    n = p.add_argument_group("multi-node")
+    n.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    n.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; node 0 runs the coordinator and the API")
+    n.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Validated ``serve`` settings.
+
+    Attributes:
+        deployment: what every rank shares (front-end addresses filled in later).
+        host, port, api_key: the HTTP server.
+        nnodes, node_rank: this node's place; ranks are split evenly over nodes.
+        coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
+            any free port) and where other nodes find it.
+        restart_failed_ranks: relaunch crashed local ranks.
+        warnings: non-fatal remarks to print.
+    """
+
+    deployment: DeploymentConfig
+    host: str
+    port: int
+    api_key: str | None
+    nnodes: int
+    node_rank: int
+    coordinator_host: str
+    coordinator_port: int
+    restart_failed_ranks: bool
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The initial ranks this node launches (an even share of ``ep_size``)."""
+        per_node = self.deployment.ep_size // self.nnodes
+        return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
+
+
+def check_model_dir(model: str) -> str:
+    """Resolve a checkpoint directory and check its family.
+
+    Raises:
+        UsageError: missing directory/config.json, or an unsupported ``model_type``.
+    """
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {model}: no such model directory (config.json not found)")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--model {model}: unreadable config.json ({exc})") from None
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
+                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+    return str(path.resolve())
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def validate(args: argparse.Namespace) -> ServeSettings:
+    """Check flags and combinations; build the settings.
+
+    Raises:
+        UsageError: with a one-line message naming the flag.
+    """
+    max_ep = args.max_ep_size if args.max_ep_size is not None else args.ep_size
+    checks = [
+        (args.ep_size >= 1, f"--ep-size must be >= 1, got {args.ep_size}"),
+        (max_ep >= args.ep_size,
+         f"--max-ep-size ({max_ep}) must be >= --ep-size ({args.ep_size})"),
+        (args.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
+        (args.eplb_rebalance_num_iterations >= 1, "--eplb-rebalance-num-iterations must be >= 1"),
+        (args.max_total_tokens >= 16, "--max-total-tokens must be >= 16"),
+        (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
+        (0 <= args.port <= 65535, f"--port {args.port} is not a TCP port"),
+        (args.nnodes >= 1, "--nnodes must be >= 1"),
+        (0 <= args.node_rank < args.nnodes,
+         f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
+        (args.ep_size % args.nnodes == 0,
+         f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
+        (args.nnodes == 1 or args.dist_init_addr,
+         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
+        (args.elastic_ep_backend == "elastic" or max_ep == args.ep_size,
+         "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+        (args.elastic_ep_backend == "elastic" or not args.restart_failed_ranks,
+         "--elastic-ep-backend none cannot take back a failed rank: drop "
+         "--restart-failed-ranks"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but this torch build sees no CUDA device "
+                             "(see README: installing the CUDA build of torch)")
+    model = check_model_dir(args.model)
+    coord_host, coord_port = "127.0.0.1", 0
+    if args.dist_init_addr:
+        try:
+            coord_host, coord_port = parse_address(args.dist_init_addr)
+        except ValueError:
+            raise UsageError(f"--dist-init-addr must be HOST:PORT, got "
+                             f"{args.dist_init_addr!r}") from None
+    warnings = []
+    if not _is_loopback(args.host) and not args.api_key:
+        warnings.append(f"--host {args.host} exposes the API without --api-key; anyone "
+                        "who can reach it may use it")
+    deployment = DeploymentConfig(
+        model=model, dtype=args.dtype, device=args.device, ep_size=args.ep_size,
+        max_ep_size=max_ep, ep_num_redundant_experts=args.ep_num_redundant_experts,
+        ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
+        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
+        elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
+        heartbeat_timeout_s=args.heartbeat_timeout)
+    return ServeSettings(
+        deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
+        nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
+        coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
+        warnings=tuple(warnings))

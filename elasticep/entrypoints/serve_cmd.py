@@ -1,0 +1,212 @@
+"""`elasticep serve`: one command that starts a whole elastic EP deployment.
+
+Node 0 (the default) runs, in this process, the coordinator (membership, rendezvous
+store) and the HTTP front-end (OpenAI API), and launches its share of worker ranks as
+child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT) only launch
+their ranks against node 0's coordinator. A progress bar shows ranks loading; then one
+"ready" line with the URL goes to stdout. Ctrl-C / SIGTERM stops every process this
+command started; workers also die with it through PR_SET_PDEATHSIG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from elasticep.entrypoints.serve_args import (
+    ServeSettings,
+    UsageError,
+    add_serve_arguments,
+    validate,
+)
+
+logger = logging.getLogger("elasticep.serve")
+
+EXAMPLES = """\
+examples:
+  elasticep serve --ep-size 4                       # the embedded demo model on 4 ranks
+  elasticep serve --model /ckpt/Qwen3-30B-A3B --ep-size 4 --max-ep-size 6 \\
+      --ep-num-redundant-experts 16 --restart-failed-ranks --device cuda --dtype bfloat16
+  # two nodes, two ranks each (node 0 also serves the API):
+  elasticep serve --ep-size 4 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:29400
+  elasticep serve --ep-size 4 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:29400
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``serve`` subcommand."""
+    p = subparsers.add_parser(
+        "serve", help="serve a MoE model over an OpenAI API with elastic expert parallelism",
+        description=__doc__.split("\n\n")[1], epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--log-dir", default=None,
+                   help="where worker logs go (default: a new temporary directory)")
+    return p
+
+
+def setup_logging() -> None:
+    """Serve's own logs go to stderr (stdout carries only the ready line)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(levelname)s %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate flags, then run node 0 or another node until stopped; returns the exit code."""
+    setup_logging()
+    try:
+        settings = validate(args)
+    except UsageError as exc:
+        print(f"elasticep serve: error: {exc}", file=sys.stderr)
+        return 2
+    for warning in settings.warnings:
+        print(f"elasticep serve: warning: {warning}", file=sys.stderr)
+    from elasticep.entrypoints.supervisor import stop_on_signals
+
+    stop = stop_on_signals()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
+    try:
+        if settings.node_rank == 0:
+            return _serve_head(settings, args, stop, log_dir)
+        return _serve_node(settings, stop, log_dir)
+    except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
+        print(f"elasticep serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
+                log_dir: Path) -> int:
+    """Node 0: coordinator + front-end + local ranks; returns when stopped."""
+    from elasticep.distributed import start_coordinator
+    from elasticep.engine.ipc import FrontendChannel
+    from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
+    from elasticep.entrypoints.http_server import create_server
+    from elasticep.entrypoints.launcher import NodeDirectory, RankLauncher, publish_config
+    from elasticep.entrypoints.supervisor import supervise
+
+    dep = settings.deployment
+    coordinator = start_coordinator(settings.coordinator_host, settings.coordinator_port,
+                                    hb_timeout_s=dep.heartbeat_timeout_s)
+    # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
+    channel = FrontendChannel(host=settings.coordinator_host)
+    launcher = membership = server = None
+    try:
+        dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
+                      frontend_output_addr=channel.endpoints.output_addr,
+                      store_addr=f"{settings.coordinator_host}:{coordinator.store.port}")
+        publish_config(coordinator.store, dep)
+        nodes = NodeDirectory(coordinator.store)
+        launcher = RankLauncher(coordinator.address, dep, 0, nodes, log_dir)
+        membership = CoordinatorMembership(coordinator.address, dep.ep_size, dep.max_ep_size,
+                                           nodes.node_of)
+        name = args.served_model_name or Path(dep.model).name
+        server, _frontend = create_server(
+            dep.model, channel, membership, served_model_name=name, api_key=settings.api_key,
+            host=settings.host, port=settings.port, max_total_tokens=dep.max_total_tokens)
+        logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
+                    coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
+        for rank in settings.local_ranks:
+            launcher.spawn(rank)
+        server.start()
+        if not _wait_ready(membership, channel, launcher, dep.ep_size, stop):
+            return 0 if stop.is_set() else 1
+        print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
+              f"{dep.max_ep_size}, coordinator {coordinator.address})", flush=True)
+        supervise(launcher, stop, restart=settings.restart_failed_ranks)
+        return 0
+    finally:
+        logger.info("stopping: HTTP server, workers, coordinator")
+        if server is not None:
+            server.stop()
+        if launcher is not None:
+            launcher.stop()
+        if membership is not None:
+            membership.close()
+        coordinator.close()
+        channel.close()
+
+
+def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Event) -> bool:
+    """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
+    and connected to the front-end with the same pid).
+
+    Returns:
+        True when ready; False if stopped or a local rank died while loading.
+    """
+    from tqdm import tqdm
+
+    with tqdm(total=ep_size, desc="loading ranks", unit="rank", file=sys.stderr,
+              mininterval=0.5, dynamic_ncols=True) as bar:
+        while not stop.wait(0.1):
+            if not launcher.exits.empty():
+                ex = launcher.exits.get()
+                bar.close()
+                print(f"elasticep serve: error: rank {ex.rank} exited with {ex.code} while "
+                      f"loading; its log ends with:\n{launcher.log_tail(ex.rank)}",
+                      file=sys.stderr)
+                return False
+            try:
+                status = membership.status()
+            except (ConnectionError, TimeoutError, OSError):
+                continue
+            connected = channel.connected
+            ready = sum(r["state"] == "healthy" and r["rank"] in connected
+                        and connected[r["rank"]].pid == r["pid"] for r in status["ranks"])
+            if ready != bar.n:
+                bar.update(ready - bar.n)
+            if ready >= ep_size:
+                time.sleep(0.1)  # let the front-end's membership watcher route to them
+                return True
+    return False
+
+
+def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
+    """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
+    from elasticep.entrypoints.launcher import NodeDirectory, RankLauncher, fetch_config
+    from elasticep.entrypoints.supervisor import supervise
+
+    address = f"{settings.coordinator_host}:{settings.coordinator_port}"
+    store = _connect_with_retry(address, stop, timeout_s=120.0)
+    if store is None:
+        return 0
+    dep = fetch_config(store)
+    per_node = dep.ep_size // settings.nnodes
+    ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
+    launcher = RankLauncher(address, dep, settings.node_rank, NodeDirectory(store), log_dir)
+    try:
+        for rank in ranks:
+            launcher.spawn(rank)
+        print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
+              f"{address}", flush=True)
+        supervise(launcher, stop, restart=settings.restart_failed_ranks, until_all_exited=True)
+        return 0
+    finally:
+        launcher.stop()
+
+
+def _connect_with_retry(address: str, stop: threading.Event, timeout_s: float):
+    """Open the coordinator's store, retrying while node 0 is still starting.
+
+    Raises:
+        TimeoutError: not reachable within ``timeout_s`` seconds.
+    """
+    from elasticep.entrypoints.launcher import open_store
+
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        try:
+            return open_store(address)
+        except (ConnectionError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator {address} unreachable: {exc}") from exc
+            logger.info("waiting for the coordinator at %s", address)
+            stop.wait(1.0)
+    return None

@@ -1,0 +1,131 @@
+"""The foreground loop of `serve` and `join`: watch this node's ranks until told to stop.
+
+It applies the restart policy of ``--restart-failed-ranks``:
+
+* a rank that exits with status 0 was removed on purpose (planned scale-down): never
+  restarted, nor is any slot the coordinator marks ``removed``;
+* any other exit (crash, SIGKILL, evicted) is relaunched in join mode ``recover``, at most
+  ``max_restarts`` times per rank;
+* a rank the coordinator evicted while its process is still alive (frozen) is killed
+  first, so the relaunch does not race a zombie of itself.
+
+Without the flag, exits are only logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+from collections import Counter
+
+from elasticep.entrypoints.coordinator_membership import WORLD
+from elasticep.entrypoints.launcher import RankExit, RankLauncher
+
+logger = logging.getLogger(__name__)
+
+EXIT_REMOVED = 0  # the worker's status after a planned removal
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT (Ctrl-C) or SIGTERM; call from the main thread."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _world(launcher: RankLauncher) -> tuple[int, dict[int, str], dict[int, int]]:
+    """(epoch, rank -> state, rank -> pid) from the coordinator."""
+    snap = launcher.coordinator_status()
+    world = snap["groups"].get(WORLD)
+    pids = {int(r): int(p["pid"]) for r, p in snap["ranks"].items()}
+    if world is None:
+        return 0, {}, pids
+    states = {int(world["ranks"][s]): st for s, st in enumerate(world["states"])}
+    return int(world["epoch"]), states, pids
+
+
+def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
+              until_all_exited: bool = False, max_restarts: int = 5,
+              poll_s: float = 0.2) -> list[RankExit]:
+    """Watch ``launcher``'s ranks until ``stop`` is set.
+
+    Args:
+        launcher: this node's launcher.
+        stop: set by a signal handler (or by the caller) to return.
+        restart: relaunch crashed ranks (see module doc).
+        until_all_exited: also return once no started worker is alive (``join``, and
+            nodes other than 0: their ranks exit when the coordinator is gone).
+        max_restarts: relaunches per rank before giving up on it.
+        poll_s: loop period (seconds).
+
+    Returns:
+        Every exit seen, in order.
+    """
+    restarts: Counter[int] = Counter()
+    seen: list[RankExit] = []
+    while not stop.wait(poll_s):
+        try:
+            epoch, states, coord_pids = _world(launcher)
+        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+            logger.warning("node %d: coordinator unreachable (%s)", launcher.node, exc)
+            epoch, states, coord_pids = -1, {}, {}
+        while True:
+            try:
+                ex = launcher.exits.get_nowait()
+            except queue.Empty:
+                break
+            seen.append(ex)
+            _on_exit(launcher, ex, epoch, states, restart, restarts, max_restarts)
+        if restart:
+            _kill_frozen(launcher, epoch, states, coord_pids)
+        if until_all_exited and not launcher.pids() and launcher.exits.empty():
+            break
+    return seen
+
+
+def _on_exit(launcher: RankLauncher, ex: RankExit, epoch: int, states: dict[int, str],
+             restart: bool, restarts: Counter[int], max_restarts: int) -> None:
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == "removed":
+        logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
+                    ex.pid)
+        return
+    if not restart:
+        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with "
+                       "`elasticep join --elastic-ep-join-mode recover --ranks %d`", epoch,
+                       ex.rank, ex.pid, ex.code, ex.rank)
+        return
+    if epoch < 0:
+        logger.warning("rank %d exited with %d, but the coordinator is gone: not "
+                       "relaunching", ex.rank, ex.code)
+        return
+    if restarts[ex.rank] >= max_restarts:
+        logger.error("epoch %d: rank %d crashed %d times; not relaunching it again", epoch,
+                     ex.rank, restarts[ex.rank])
+        return
+    restarts[ex.rank] += 1
+    logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunching (restart %d)",
+                   epoch, ex.rank, ex.pid, ex.code, restarts[ex.rank])
+    launcher.spawn(ex.rank, "recover")
+    try:
+        launcher.request_admission([ex.rank])
+    except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+        logger.warning("epoch %d: could not request admission of rank %d: %s", epoch,
+                       ex.rank, exc)
+
+
+def _kill_frozen(launcher: RankLauncher, epoch: int, states: dict[int, str],
+                 coord_pids: dict[int, int]) -> None:
+    """Kill our workers the coordinator evicted but that are still alive (frozen)."""
+    for rank, pid in launcher.pids().items():
+        if states.get(rank) == "failed" and coord_pids.get(rank) == pid:
+            logger.warning("epoch %d: rank %d (pid %d) was evicted but is alive; killing it",
+                           epoch, rank, pid)
+            launcher.kill(rank)
