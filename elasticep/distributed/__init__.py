@@ -59,7 +59,6 @@ from .api import (
     recover_ranks,
 )
 from .client import CoordinatorClient
-from .coordinator import Coordinator, start_coordinator
 from .errors import (
     CoordinatorLostError,
     ElasticError,
@@ -69,6 +68,16 @@ from .errors import (
     RankRemovedError,
 )
 from .process_group import ElasticProcessGroup
+
+
+def __getattr__(name: str):
+    # Lazy, so `python -m elasticep.distributed.coordinator` does not import it twice.
+    if name in ("Coordinator", "start_coordinator"):
+        from . import coordinator
+
+        return getattr(coordinator, name)
+    raise AttributeError(name)
+
 
 if "elastic" not in _dist.Backend.backend_list:
     _dist.Backend.register_backend("elastic", _create_backend, extended_api=True,
