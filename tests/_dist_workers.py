@@ -283,3 +283,35 @@ def collectives(rank, addr, ws, mws, ext, q, leaver=None):
         _check(bad, f"{phase} send/recv", buf, make_input(prv, torch.bfloat16, 4, 5))
         q.put((rank, phase, (bad[:], mask, dist.get_world_size())))
 
+
+
+def removal_loop(rank, addr, ws, mws, ext, q, duration_s=30.0):
+    """Data all_reduce loop whose header agrees on supervisor removal requests; the ranks
+    then call deactivate_ranks at the same step boundary. Reports ("sum", (i, sum)),
+    ("removed", step) and ("raised", name)."""
+    _init(rank, addr, ws, mws, ext)
+    q.put((rank, "ready", os.getpid()))
+    t_end = time.monotonic() + duration_s
+    i = 0
+    try:
+        while True:
+            req = ed.get_pending_requests()["remove"]
+            h = torch.zeros(mws)
+            h[req] = 1.0
+            dist.all_reduce(h, op=dist.ReduceOp.MAX)
+            if h.sum() > 0:
+                ed.deactivate_ranks(None, [s for s in range(mws) if h[s] > 0])
+                q.put((rank, "removed", i))
+                continue
+            t = torch.tensor([float(rank + 1), float(time.monotonic() > t_end)])
+            dist.all_reduce(t)
+            q.put((rank, "sum", (i, float(t[0]), ed.get_active_ranks().tolist())))
+            i += 1
+            if t[1] > 0:
+                break
+            time.sleep(0.005)
+    except ed.ElasticError as e:
+        q.put((rank, "raised", type(e).__name__))
+        return
+    q.put((rank, "done", ed.get_active_ranks().tolist()))
+    time.sleep(1.5)
