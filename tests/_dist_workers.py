@@ -122,11 +122,12 @@ def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_reco
     time.sleep(1.5)
 
 
-def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
+def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0, hold=None):
     """The engine's step shape on a raise-mode WORLD: header all_reduce, all_to_all_single
     (counts, then uneven data), commit all_reduce. A RankFailureError redoes the step.
 
-    Reports ("commit", (step, commit_value, epoch)) and ("raised", (step, op)).
+    Reports ("commit", (step, commit_value, epoch)) and ("raised", (step, op)). With
+    hold=(rank, step) that rank finishes that step's commit op 1 s late.
     """
     _init(rank, addr, ws, mws, ext, "raise")
     q.put((rank, "ready", os.getpid()))
@@ -146,6 +147,9 @@ def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0):
             out = torch.empty((int(recv.sum()), 2))
             dist.all_to_all_single(out, data, recv.tolist(), send.tolist())
             op = "commit"
+            if hold is not None and (rank, step) == tuple(hold):
+                ed.api._gs(None)._test_hold_s = 1.0  # finish this commit op late
+                q.put((rank, "holding", step))
             c = torch.tensor([out.sum().item() + 1000.0 * step,
                               float(time.monotonic() > t_end)])
             dist.all_reduce(c)

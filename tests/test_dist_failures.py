@@ -138,3 +138,24 @@ def test_raise_mode_steps_commit_identically(cluster):
     raised = {r: [x[0] for x in cluster.of(r, "raised")] for r in survivors}
     assert len({tuple(v) for v in raised.values()}) == 1, raised  # same steps raised
     assert commits[0][-1][2] >= 1  # committed steps continue in the new epoch
+
+
+@pytest.mark.timeout(60)
+def test_commit_completed_by_some_survivors_is_fetched_not_raised(cluster):
+    """Rank 2 finishes step 30's commit all_reduce late; rank 3 dies meanwhile. Ranks 0
+    and 1 already returned that commit, so rank 2 must return the same (kept) result
+    instead of raising; everyone raises at the next step's header and redoes it."""
+    for r in range(4):
+        cluster.start(r, "engine_steps", 4, duration_s=3.0, hold=(2, 30))
+    cluster.wait_for(lambda m: cluster.of(2, "holding"), 30, "rank 2 holding")
+    cluster.wait_for(lambda m: all(any(c[0] == 30 for c in cluster.of(r, "commit"))
+                                   for r in (0, 1)), 10, "ranks 0, 1 commit step 30")
+    cluster.kill(3)
+    survivors = (0, 1, 2)
+    cluster.wait_for(lambda m: all(cluster.of(r, "done") for r in survivors), 30, "done")
+    commits = {r: {c[0]: c[1] for c in cluster.of(r, "commit")} for r in survivors}
+    assert commits[0][30] == commits[1][30] == commits[2][30]
+    assert all(x[0] != 30 for r in survivors for x in cluster.of(r, "raised"))
+    raised = {r: [x for x in cluster.of(r, "raised")] for r in survivors}
+    assert raised[0] == raised[1] == raised[2] == [(31, "header")]
+    assert commits[0] == commits[1] == commits[2]

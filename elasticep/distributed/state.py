@@ -71,6 +71,9 @@ class GroupState:
         self.joined = not joining
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, self.epoch, self.active)]
         self._inner: dict[int, _Inner] = {}
+        # Tests set this to delay marking the next completed op, so that other survivors
+        # finish it first (exercises the fetch-from-donor path deterministically).
+        self._test_hold_s = 0.0
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -173,6 +176,9 @@ class GroupState:
                     inner.last_work = work
                     self._wait_work(work, gen, deadline)
                     result = finalize()
+                    if self._test_hold_s:  # failure injection: finish late, once
+                        time.sleep(self._test_hold_s)
+                        self._test_hold_s = 0.0
             except _Superseded:
                 continue
             with self.cond:
