@@ -37,6 +37,18 @@ Engine-facing semantics (WORLD created with on_failure="raise")
 * A rank declared failed while alive (frozen past the heartbeat timeout) raises
   `RankEvictedError` from its next call and never returns a result after resuming
   (its lease is re-confirmed with the coordinator before completing an op).
+* Other outcomes: `TimeoutError` when an op makes no progress for `timeout_s` (the
+  group is then unusable); `CoordinatorLostError` when the coordinator is gone.
+  send/recv carry no sequence number and raise `RankFailureError` on any membership
+  change (a pending failure decision stays for the next collective). Ops run
+  synchronously; with async_op=True the returned Work is already complete.
+* Supervisor side (launcher / front-end): `CoordinatorClient(address)` with `status()`
+  (epoch, per-slot states, pids), `report_death(rank, pid)` (waitpid), and
+  `request_admission` / `request_deactivation`, which ranks read with
+  `get_pending_requests(group)` and apply at an agreed step boundary.
+* Performance: ranks sharing cores should `torch.set_num_threads(cores // ranks)`;
+  each op copies its input once and its result back once (abandoned inner ops may
+  still write their buffers, so user tensors are never handed to Gloo).
 * Layout: `size()` == max group size; inactive slots get zero splits in
   all_to_all_single (their data is skipped, their output rows are zero) and zero-filled
   entries in all_gather.
