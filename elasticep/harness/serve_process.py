@@ -99,13 +99,14 @@ class ServeProcess:
     @classmethod
     def start(cls, serve_args: list[str], ready_timeout_s: float = 300.0,
               log_dir: str | None = None) -> ServeProcess:
-        """Start ``elasticep serve`` on free 127.0.0.1 ports; wait until every initial
-        rank is healthy.
+        """Start ``elasticep serve`` on free 127.0.0.1 ports; wait for its ``ready:`` line
+        (every initial rank is healthy and connected to the front-end).
 
         Args:
             serve_args: extra serve flags (``--ep-size 4`` ...); never --port/--host.
             ready_timeout_s: bound on start-up (model load on every rank), seconds.
-            log_dir: where serve.log goes (default: a fresh temp dir).
+            log_dir: where serve.log and the workers' ``rank<r>.log`` go (default: a
+                fresh temp dir).
 
         Raises:
             RuntimeError: serve exited during start-up (the log tail is in the message).
@@ -116,16 +117,22 @@ class ServeProcess:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 cli_command("serve", "--host", "127.0.0.1", "--port", str(port),
-                            "--dist-init-addr", coordinator, *serve_args),
+                            "--dist-init-addr", coordinator, "--log-dir", str(log_path.parent),
+                            *serve_args),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # our terminal's Ctrl-C must not reach it
         serve = cls(proc, f"http://127.0.0.1:{port}", coordinator, log_path)
         try:
-            serve.wait_for(all_healthy, ready_timeout_s, "serve to become ready", poll_s=0.5)
+            serve.wait_for(lambda st: all_healthy(st) and serve.printed_ready(),
+                           ready_timeout_s, "serve's ready line", poll_s=0.5)
         except BaseException:
             serve.stop(timeout_s=10)
             raise
         return serve
+
+    def printed_ready(self) -> bool:
+        """True once serve printed its ``ready:`` line."""
+        return any(line.startswith("ready:") for line in self.tail(1 << 20).splitlines())
 
     # ---- HTTP --------------------------------------------------------------------
     def status(self) -> Status:
@@ -196,7 +203,8 @@ class ServeProcess:
         """Start ``elasticep join --dist-init-addr COORDINATOR ARGS`` (log next to serve's)."""
         log_path = self.log_path.with_name(f"{tag}{len(self.joins)}.log")
         with open(log_path, "w") as log:
-            p = subprocess.Popen(cli_command("join", "--dist-init-addr", self.coordinator, *args),
+            p = subprocess.Popen(cli_command("join", "--dist-init-addr", self.coordinator,
+                                             "--log-dir", str(self.log_path.parent), *args),
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         p.log_path = log_path  # type: ignore[attr-defined]

@@ -62,7 +62,8 @@ def throughput_series(records: list[RequestRecord], t0: float, t1: float,
 
 
 def plot_timeline(records: list[RequestRecord], events: list[Event], t0: float, t1: float,
-                  path: str, title: str, bin_s: float = 0.25) -> None:
+                  path: str, title: str, bin_s: float = 0.5,
+                  windows: dict[str, tuple[float, float]] | None = None) -> None:
     """Write a PNG: tokens/s over time, each event a labelled vertical line.
 
     Args:
@@ -72,6 +73,7 @@ def plot_timeline(records: list[RequestRecord], events: list[Event], t0: float, 
         path: output PNG file.
         title: plot title.
         bin_s: throughput bin width in seconds.
+        windows: name -> (start, end) measurement windows, shaded and labelled.
     """
     import matplotlib
 
@@ -82,6 +84,9 @@ def plot_timeline(records: list[RequestRecord], events: list[Event], t0: float, 
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.2)
     top = max(ys, default=1.0) or 1.0
+    for i, (name, (a, b)) in enumerate(sorted((windows or {}).items(), key=lambda kv: kv[1])):
+        ax.axvspan(a - t0, b - t0, color=f"C{i + 2}", alpha=0.12)
+        ax.text((a + b) / 2 - t0, top * 0.04, name, ha="center", fontsize=8, color=f"C{i + 2}")
     for i, (t, label) in enumerate(sorted(events)):
         ax.axvline(t - t0, color="tab:red", linestyle="--", linewidth=0.9)
         ax.text(t - t0, top * (0.97 - 0.08 * (i % 4)), f" {label}", color="tab:red",

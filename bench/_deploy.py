@@ -1,0 +1,179 @@
+"""What the serving benches share: deployment flags, and a :class:`Run` that starts
+`elasticep serve`, computes the fault-free reference, keeps a steady streaming load,
+records event times and windows, and stops everything (bounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from typing import Any
+
+from elasticep.harness import timeline
+from elasticep.harness.load import (
+    Outcomes,
+    RequestRecord,
+    SteadyLoad,
+    gsm8k_prompts,
+    make_client,
+    outcomes,
+    run_batch,
+)
+from elasticep.harness.serve_process import ServeProcess
+from elasticep.harness.status_watch import StatusWatch
+
+REQUEST_TIMEOUT_S = 120.0  # per request: a hang becomes a client error, never a stuck bench
+
+
+def add_deploy_arguments(ap: argparse.ArgumentParser) -> None:
+    """Flags of the deployment and of the load, shared by every serving bench."""
+    ap.add_argument("--ep-size", type=int, default=4)
+    ap.add_argument("--ep-num-redundant-experts", type=int, default=16)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None,
+                    help="seconds (default: serve's default)")
+    ap.add_argument("--concurrency", type=int, default=8, help="streams kept in flight")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--num-prompts", type=int, default=16, help="GSM8K prompts cycled over")
+    ap.add_argument("--warmup-s", type=float, default=3.0, help="load before measuring, s")
+    ap.add_argument("--healthy-s", type=float, default=8.0, help="healthy window, seconds")
+    ap.add_argument("--plot", default=None, help="write the tokens/s timeline PNG here")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra flag passed to serve verbatim (repeatable)")
+
+
+def deployment_args(args: argparse.Namespace) -> list[str]:
+    """`elasticep serve` flags from the parsed bench flags."""
+    out = ["--ep-size", str(args.ep_size), "--ep-num-redundant-experts",
+           str(args.ep_num_redundant_experts), "--device", args.device]
+    if args.model:
+        out += ["--model", args.model]
+    if args.heartbeat_timeout is not None:
+        out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
+    return out + list(args.serve_arg)
+
+
+def machine() -> str:
+    """One line naming the machine: CPU model, cores, and the GPU if torch sees one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+class Run:
+    """One deployment under a steady load (a context manager that stops everything).
+
+    Attributes:
+        serve, watch: the deployment and its coordinator watch.
+        reference: prompt index -> fault-free greedy text.
+        events: (time, label) marks for the plot.
+        windows: name -> (t0, t1) measurement windows.
+        t_event: the first disruptive action; t_settled: when the coordinator committed
+            its result; pause_from / t_admitted: the window pause_s is measured over
+            (a join or scale request until the new membership is committed).
+        pids: rank -> worker pid signalled.
+        extra: scenario-specific JSON keys.
+        records, orphans: filled by :meth:`finish`.
+    """
+
+    def __init__(self, args: argparse.Namespace, serve_args: list[str]) -> None:
+        self.args = args
+        self.events: list[tuple[float, str]] = []
+        self.windows: dict[str, tuple[float, float]] = {}
+        self.t_event: float | None = None
+        self.t_settled: float | None = None
+        self.pause_from: float | None = None
+        self.t_admitted: float | None = None
+        self.pids: dict[int, int] = {}
+        self.extra: dict[str, Any] = {}
+        self.records: list[RequestRecord] = []
+        self.orphans: list[int] = []
+        self.load: SteadyLoad | None = None
+        self.watch: StatusWatch | None = None
+        self.serve = ServeProcess.start(serve_args)
+        try:
+            self.watch = StatusWatch(self.serve.coordinator)
+            self.client = make_client(self.serve.url, REQUEST_TIMEOUT_S)
+            self.model = self.serve.model_name()
+            self.prompts = gsm8k_prompts(args.num_prompts)
+            self.reference = self._reference()
+            self.t0 = time.monotonic()
+            self.load = SteadyLoad(self.client, self.model, self.prompts, args.concurrency,
+                                   args.max_tokens)
+        except BaseException:
+            self.finish()
+            raise
+
+    def _reference(self) -> dict[int, str]:
+        """Fault-free greedy text of every prompt, ``concurrency`` at a time.
+
+        Raises:
+            RuntimeError: a reference request failed.
+        """
+        texts: dict[int, str] = {}
+        k = self.args.concurrency
+        for lo in range(0, len(self.prompts), k):
+            recs = run_batch(self.client, self.model, self.prompts[lo:lo + k],
+                             self.args.max_tokens, REQUEST_TIMEOUT_S)
+            for r in recs:
+                if not r.complete(self.args.max_tokens):
+                    raise RuntimeError(f"fault-free reference request failed: {r}")
+                texts[lo + r.prompt_idx] = r.text
+        return texts
+
+    def mark(self, label: str, at: float | None = None) -> float:
+        """Add a plot event at ``at`` (default now); returns its time."""
+        t = time.monotonic() if at is None else at
+        self.events.append((t, label))
+        return t
+
+    def window(self, name: str, start: float, length_s: float) -> None:
+        """Record window ``name`` = [start, start + length_s]; sleep until it ends."""
+        self.windows[name] = (start, start + length_s)
+        time.sleep(max(0.0, start + length_s - time.monotonic()))
+
+    def healthy_phase(self) -> None:
+        """Warm up, then measure the healthy window."""
+        self.window("healthy", self.t0 + self.args.warmup_s, self.args.healthy_s)
+
+    def finish(self) -> None:
+        """Stop the load (in-flight requests finish), the watch and serve. Idempotent."""
+        if self.load is not None:
+            self.mark("load stopped")
+            self.records = self.load.stop(REQUEST_TIMEOUT_S + 10)
+            self.load = None
+        if self.watch is not None:
+            self.watch.stop()
+        if self.serve.proc.poll() is None:
+            self.orphans = self.serve.stop()
+
+    def outcomes(self) -> Outcomes:
+        """Errors, silent losses and mismatches of every load request."""
+        return outcomes(self.records, self.reference, self.args.max_tokens)
+
+    def plot(self, path: str, title: str) -> None:
+        """The tokens/s timeline PNG with the events."""
+        t1 = max((r.end for r in self.records), default=time.monotonic())
+        timeline.plot_timeline(self.records, self.events, self.t0, t1, path, title,
+                               windows=self.windows)
+
+    def meta(self) -> dict[str, Any]:
+        """JSON keys describing the setup."""
+        a = self.args
+        return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
+                "device": a.device, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+                "orphans": self.orphans, "machine": machine()}
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()

@@ -1,0 +1,206 @@
+"""What an outage costs: one fault scenario against a real `elasticep serve` under a
+steady streaming load. Prints one JSON line; optionally writes a tokens/s timeline PNG.
+
+Usage: python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|
+       scale-down|double-kill [--ep-size 4] [--device cpu|cuda] [--concurrency 8]
+       [--max-tokens 64] [--plot timeline.png]
+
+Timeline of one run (monotonic seconds):
+  start serve -> fault-free reference pass (every prompt once) -> steady load of
+  ``--concurrency`` greedy streams -> healthy window -> the event -> degraded window
+  (a rank is out) and/or after window (recovered / rescaled) -> stop load, stop serve.
+
+JSON keys (seconds, tokens/s): interruption_s (longest gap between consecutive tokens
+of any request overlapping [event, event handled + 1 s]), p50_gap_s (healthy window),
+failed_requests (client errors + streams cut short without an error),
+tokens_per_s_healthy / _degraded / _after (null where the scenario has no such phase),
+pause_s (rejoin / scale: longest gap from the join or scale request until the new
+membership is committed + 0.5 s), outputs_identical (every completed request's greedy
+text equals the reference pass's), detect_s (event -> the coordinator's new epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _deploy import Run, add_deploy_arguments, deployment_args  # noqa: E402
+
+from elasticep.harness import timeline  # noqa: E402
+from elasticep.utils.procs import pid_alive  # noqa: E402
+
+SCENARIOS = ("kill", "freeze", "kill-rank0", "rejoin", "scale-up", "scale-down", "double-kill")
+SETTLE_S = 1.0  # after the new epoch: redo + resubmission before "degraded" is steady
+SIGNAL_NAMES = {signal.SIGKILL: "SIGKILL", signal.SIGSTOP: "SIGSTOP"}
+
+
+def _active(*ranks: int):
+    return lambda s: all(r in s.active for r in ranks)
+
+
+def fault(run: Run, victims: list[int], sig: int, gap_s: float) -> float:
+    """Signal each victim's worker (``gap_s`` apart); wait until the coordinator dropped
+    them all. Sets ``t_event`` and ``t_settled``; returns the settle time.
+
+    Raises:
+        TimeoutError: the membership did not drop them within 30 s.
+    """
+    e0 = run.watch.latest().epoch
+    for i, r in enumerate(victims):
+        if i:
+            time.sleep(gap_s)
+        run.pids[r] = run.serve.signal_rank(r, sig)
+        t = run.mark(f"{SIGNAL_NAMES[sig]} rank {r}")
+        run.t_event = run.t_event or t
+    snap = run.watch.wait_for(lambda s: s.epoch > e0 and not any(r in s.active for r in victims),
+                              30, f"ranks {victims} out of the membership")
+    run.t_settled = run.mark(f"epoch {snap.epoch}: {victims} out", at=snap.t)
+    return snap.t
+
+
+def resume_frozen(run: Run, rank: int, bound_s: float = 15.0) -> None:
+    """SIGCONT an evicted frozen rank; record whether it then exits by itself."""
+    pid = run.pids[rank]
+    os.kill(pid, signal.SIGCONT)
+    run.mark(f"SIGCONT rank {rank}")
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.1)
+    run.extra["frozen_rank_exited_after_resume"] = not pid_alive(pid)
+
+
+def join(run: Run, join_args: list[str], ranks: list[int], scale_to: int | None) -> float:
+    """`elasticep join`; for a scale, POST /scale_elastic_ep once the joiners are ready.
+    Waits until ``ranks`` are active; returns that time. Sets ``pause_from``.
+
+    Raises:
+        TimeoutError: joiners not ready / not admitted within 300 s.
+        RuntimeError: the scale request was refused.
+    """
+    t_join = run.mark("join started")
+    run.serve.join(*join_args)
+    run.pause_from = t_join
+    if scale_to is not None:
+        snap = run.watch.wait_for(lambda s: all(s.states[r] == "ready" for r in ranks), 300,
+                                  f"joiners {ranks} ready")
+        run.windows["join"] = (t_join, run.mark("joiners ready", at=snap.t))
+        code, body = run.serve.scale(scale_to)
+        run.pause_from = run.mark(f"POST scale {scale_to}")
+        run.t_event = run.t_event or run.pause_from
+        if code != 200:
+            raise RuntimeError(f"POST /scale_elastic_ep {scale_to} -> {code} {body}")
+    snap = run.watch.wait_for(_active(*ranks), 300, f"ranks {ranks} admitted")
+    if scale_to is None:
+        run.windows["join"] = (t_join, snap.t)
+    run.mark(f"epoch {snap.epoch}: {ranks} in", at=snap.t)
+    run.t_admitted = snap.t
+    run.t_settled = run.t_settled or snap.t
+    return snap.t
+
+
+def scale_down(run: Run, ep_size: int) -> float:
+    """POST /scale_elastic_ep ep_size-1; wait until the highest rank is removed."""
+    leaving = ep_size - 1
+    code, body = run.serve.scale(leaving)
+    run.t_event = run.pause_from = run.mark(f"POST scale {leaving}")
+    if code != 200:
+        raise RuntimeError(f"POST /scale_elastic_ep {leaving} -> {code} {body}")
+    snap = run.watch.wait_for(lambda s: s.states[leaving] == "removed", 120,
+                              f"rank {leaving} removed")
+    run.t_settled = run.t_admitted = run.mark(f"epoch {snap.epoch}: rank {leaving} removed",
+                                              at=snap.t)
+    return snap.t
+
+
+def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
+    """Run the event of scenario ``name``; fills the run's marks and windows."""
+    a = run.args
+    if name in ("kill", "kill-rank0", "freeze", "double-kill", "rejoin"):
+        victims = {"kill-rank0": [0], "double-kill": [victim, (victim + 1) % ep_size]}.get(
+            name, [victim])
+        sig = signal.SIGSTOP if name == "freeze" else signal.SIGKILL
+        t = fault(run, victims, sig, gap_s=0.1)
+        run.window("degraded", t + SETTLE_S, a.degraded_s)
+        if name == "freeze":
+            resume_frozen(run, victim)
+        if name == "rejoin":
+            t = join(run, ["--elastic-ep-join-mode", "recover", "--ranks", str(victim)],
+                     [victim], None)
+            run.window("after", t + SETTLE_S, a.after_s)
+    elif name == "scale-up":
+        t = join(run, ["--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
+                       str(ep_size), "--nranks", "2"], [ep_size, ep_size + 1], ep_size + 2)
+        run.window("after", t + SETTLE_S, a.after_s)
+    elif name == "scale-down":
+        run.window("after", scale_down(run, ep_size) + SETTLE_S, a.after_s)
+    else:
+        raise ValueError(f"unknown scenario {name!r}")
+
+
+def report(run: Run, name: str) -> dict:
+    """The JSON line of a finished run."""
+    recs, w = run.records, run.windows
+    oc = run.outcomes()
+
+    def tps(window: str) -> float | None:
+        return _r(timeline.tokens_per_s(recs, *w[window]), 1) if window in w else None
+
+    out = {
+        "bench": "failover", "scenario": name,
+        "interruption_s": _r(timeline.max_gap_overlapping(recs, run.t_event,
+                                                          run.t_settled + 1.0)),
+        "p50_gap_s": _r(timeline.median_gap_within(recs, *w["healthy"])),
+        "failed_requests": len(oc.errors) + oc.silent_losses,
+        "tokens_per_s_healthy": tps("healthy"),
+        "tokens_per_s_degraded": tps("degraded"),
+        "tokens_per_s_after": tps("after"),
+        "pause_s": None if run.pause_from is None else _r(
+            timeline.max_gap_overlapping(recs, run.pause_from, run.t_admitted + 0.5)),
+        "outputs_identical": oc.outputs_identical,
+        "detect_s": _r(run.t_settled - run.t_event),
+        "requests": oc.total, "completed": oc.completed, "mismatched": len(oc.mismatched),
+        "epochs": [s.epoch for s in run.watch.history],
+    }
+    if "join" in w:
+        out["join_s"] = _r(w["join"][1] - w["join"][0])
+        out["tokens_per_s_during_join"] = tps("join")
+    if oc.errors:
+        out["first_error"] = oc.errors[0][:300]
+    return {**out, **run.extra, **run.meta()}
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", choices=SCENARIOS, required=True)
+    ap.add_argument("--victim", type=int, default=2,
+                    help="rank to kill / freeze / rejoin (kill-rank0 always takes rank 0)")
+    ap.add_argument("--degraded-s", type=float, default=8.0, help="degraded window, seconds")
+    ap.add_argument("--after-s", type=float, default=8.0, help="after window, seconds")
+    add_deploy_arguments(ap)
+    args = ap.parse_args()
+    extra = ["--max-ep-size", str(args.ep_size + 2)] if args.scenario == "scale-up" else []
+    with Run(args, deployment_args(args) + extra) as run:
+        run.healthy_phase()
+        scenario(run, args.scenario, args.ep_size, args.victim)
+        run.finish()
+        line = report(run, args.scenario)
+        if args.plot:
+            run.plot(args.plot, f"{args.scenario}: EP{args.ep_size}, "
+                                f"{args.concurrency} streams, {args.device}")
+    print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
