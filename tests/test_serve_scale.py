@@ -1,0 +1,145 @@
+"""`elasticep serve` end to end: EP4 -> EP6 -> EP5 under load, then failures after it.
+
+One deployment for the module (EP4, capacity 6, 16 redundant slots, and
+``--restart-failed-ranks``). Tests run in file order.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from _serve_harness import Burst, prompts, signal_pid, start_serve, stream
+
+from elasticep.utils.procs import pid_alive
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+N_STREAMS = 8
+MAX_TOKENS = 24
+PROMPTS = prompts(N_STREAMS)
+
+
+@pytest.fixture(scope="module")
+def serve():
+    s = start_serve("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
+                    "--heartbeat-timeout", "1.0", "--max-total-tokens", "2048",
+                    "--restart-failed-ranks")
+    yield s
+    s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(serve):
+    """Fault-free greedy texts at EP4, computed once."""
+    results = Burst(serve.client, PROMPTS, MAX_TOKENS).results()
+    assert [r.error for r in results] == [None] * N_STREAMS
+    return [r.text for r in results]
+
+
+class Load:
+    """Streaming clients that run until stopped; every request must succeed."""
+
+    def __init__(self, serve, n_clients: int = 3) -> None:
+        self.done, self.errors = 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(serve, i), daemon=True)
+                         for i in range(n_clients)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, serve, i: int) -> None:
+        client = serve.client
+        while not self._stop.is_set():
+            r = stream(client, PROMPTS[i % len(PROMPTS)], 16)
+            if r.error is not None:
+                self.errors.append(r.error)
+            self.done += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def _states(st: dict) -> dict[int, str]:
+    return {r["rank"]: r["state"] for r in st["ranks"]}
+
+
+def _healthy(st: dict) -> list[int]:
+    return [r for r, s in _states(st).items() if s == "healthy"]
+
+
+def test_scale_up_then_down_under_load(serve, reference):
+    load = Load(serve)
+    try:
+        # Ask first: the scale waits for its joiners (they take seconds to start), and a
+        # second change is refused meanwhile.
+        reply = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 6}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert serve.status()["scale_phase"] == "waiting_for_joiners"
+        busy = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 5}, timeout=30)
+        assert busy.status_code == 409, busy.text
+        join = serve.join("--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
+                          "4", "--nranks", "2")
+        st = serve.wait_for(lambda s: _healthy(s) == [0, 1, 2, 3, 4, 5]
+                            and s["scale_phase"] == "idle", 120, "EP6")
+        assert st["ep_size"] == 6
+        time.sleep(1.0)  # new ranks take requests once their workers said hello
+        seen: list[str] = []
+
+        def removed(s: dict) -> bool:
+            state = _states(s)[5]
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            return state == "removed" and s["scale_phase"] == "idle"
+
+        reply = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 5}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        st = serve.wait_for(removed, 120, "rank 5 removed", poll_s=0.02)
+        assert st["ep_size"] == 5 and _healthy(st) == [0, 1, 2, 3, 4]
+        assert "draining" in seen or seen[0] == "removed", seen
+        assert join.poll() is None, "join keeps supervising rank 4"
+    finally:
+        load.stop()
+    assert load.errors == [] and load.done > 0
+
+
+def test_kill_after_scale_is_survived_and_restarted(serve, reference):
+    victim = serve.rank(1)
+    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
+    burst.wait_tokens(N_STREAMS * 4)
+    signal_pid(victim["pid"], signal.SIGKILL)
+    results = burst.results()
+    assert [r.error for r in results] == [None] * N_STREAMS
+    assert [r.text for r in results] == reference
+    # --restart-failed-ranks relaunches serve's own crashed rank...
+    st = serve.wait_for(lambda s: serve.rank(1)["state"] == "healthy"
+                        and serve.rank(1)["pid"] != victim["pid"], 120, "rank 1 restarted")
+    # ... and never the rank removed on purpose.
+    assert _states(st)[5] == "removed"
+    assert not pid_alive(victim["pid"])
+
+
+def test_kill_a_scaled_in_rank(serve, reference):
+    victim = serve.rank(4)
+    assert victim["state"] == "healthy"
+    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
+    burst.wait_tokens(N_STREAMS * 4)
+    signal_pid(victim["pid"], signal.SIGKILL)
+    results = burst.results()
+    assert [r.error for r in results] == [None] * N_STREAMS
+    assert [r.text for r in results] == reference
+    serve.wait_for(lambda s: serve.rank(4)["state"] == "failed", 10, "rank 4 failed")
+
+
+def test_sigint_stops_every_process(serve):
+    pids = serve.seen_pids | {r["pid"] for r in serve.status()["ranks"] if r["pid"]}
+    assert serve.stop(timeout_s=30) == 0, serve.tail()
+    deadline = time.monotonic() + 15
+    while any(pid_alive(p) for p in pids) or any(j.poll() is None for j in serve.joins):
+        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
+        time.sleep(0.1)
