@@ -1,0 +1,179 @@
+"""`serve` / `join` flag handling and the coordinator-backed membership, without workers."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.coordinator_membership import (
+    CoordinatorMembership,
+    scale_phase,
+    status_from_snapshot,
+)
+from elasticep.entrypoints.join_cmd import JoinError, check_slots, parse_mode_and_ranks
+from elasticep.entrypoints.membership import ScaleInProgressError
+from elasticep.entrypoints.serve_args import UsageError, validate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _serve(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _join(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["join", "--dist-init-addr", "127.0.0.1:1", *argv])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ep-size", "4", "--max-ep-size", "2"], "--max-ep-size"),
+    (["--nnodes", "2", "--node-rank", "2", "--ep-size", "4", "--dist-init-addr", "h:1"],
+     "--node-rank"),
+    (["--ep-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of --nnodes"),
+    (["--nnodes", "2", "--ep-size", "2"], "--dist-init-addr"),
+    (["--model", "/nonexistent/model"], "no such model directory"),
+    (["--dist-init-addr", "nohost"], "HOST:PORT"),
+    (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
+])
+def test_bad_serve_flags_name_the_flag(argv, words):
+    with pytest.raises(UsageError, match=words.replace("-", r"\-")):
+        validate(_serve(*argv))
+
+
+def test_unsupported_family_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UsageError, match="unsupported model family 'llama'"):
+        validate(_serve("--model", str(tmp_path)))
+
+
+def test_valid_flags_build_the_deployment_and_warn_on_open_host():
+    s = validate(_serve("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts",
+                        "16", "--host", "0.0.0.0", "--nnodes", "2", "--node-rank", "1",
+                        "--dist-init-addr", "10.0.0.1:29400"))
+    assert (s.deployment.ep_size, s.deployment.max_ep_size) == (4, 6)
+    assert s.deployment.ep_num_redundant_experts == 16
+    assert s.local_ranks == [2, 3]
+    assert (s.coordinator_host, s.coordinator_port) == ("10.0.0.1", 29400)
+    assert any("--api-key" in w for w in s.warnings)
+
+
+def test_bad_flags_exit_2_with_one_line_and_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "serve",
+                        "--ep-size", "4", "--max-ep-size", "3"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines == ["elasticep serve: error: --max-ep-size (3) must be >= --ep-size (4)"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--elastic-ep-join-mode", "recover", "--ranks", "2"], ("recover", [2])),
+    (["--elastic-ep-rejoin", "--ranks", "0"], ("recover", [0])),
+    (["--elastic-ep-join-mode", "scale", "--ranks", "4,5"], ("scale", [4, 5])),
+    (["--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset", "4", "--nranks", "2"],
+     ("scale", [4, 5])),
+])
+def test_join_ranks(argv, expected):
+    assert parse_mode_and_ranks(_join(*argv)) == expected
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ranks", "2"],
+    ["--elastic-ep-rejoin", "--elastic-ep-join-mode", "scale", "--ranks", "2"],
+    ["--elastic-ep-join-mode", "scale", "--ranks", "4", "--nranks", "2"],
+    ["--elastic-ep-join-mode", "scale", "--ranks", "4,x"],
+    ["--elastic-ep-join-mode", "scale", "--ranks", "4,4"],
+])
+def test_join_bad_flags(argv):
+    with pytest.raises(JoinError):
+        parse_mode_and_ranks(_join(*argv))
+
+
+def _snapshot(states: list[str], pids: dict[int, int] | None = None, epoch: int = 3) -> dict:
+    return {"max_world_size": len(states),
+            "ranks": {str(r): {"pid": p, "alive": True} for r, p in (pids or {}).items()},
+            "groups": {"world": {"epoch": epoch, "active": [], "states": states,
+                                 "ranks": list(range(len(states))), "requests": {}}}}
+
+
+def test_join_refuses_occupied_or_wrong_mode_slots():
+    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"], {0: 11})
+    check_slots("recover", [1], 6, snap)
+    check_slots("scale", [4, 5], 6, snap)
+    with pytest.raises(JoinError, match="rank 0 is healthy \\(pid 11\\)"):
+        check_slots("recover", [0], 6, snap)
+    with pytest.raises(JoinError, match="use --elastic-ep-join-mode scale"):
+        check_slots("recover", [4], 6, snap)
+    with pytest.raises(JoinError, match="--elastic-ep-join-mode recover"):
+        check_slots("scale", [1], 6, snap)
+    with pytest.raises(JoinError, match="outside the capacity"):
+        check_slots("scale", [6], 6, snap)
+
+
+def test_scale_phase():
+    s = ["healthy"] * 4 + ["joining", "ready"]
+    assert scale_phase(s, {4, 5}, set()) == "waiting_for_joiners"
+    assert scale_phase(["healthy"] * 4 + ["ready", "ready"], {4, 5}, set()) == "admitting"
+    assert scale_phase(["healthy"] * 6, {4, 5}, set()) == "idle"
+    assert scale_phase(["healthy"] * 5 + ["draining"], set(), {5}) == "draining"
+    assert scale_phase(["healthy"] * 5 + ["removed"], set(), {5}) == "idle"
+    assert scale_phase(["failed"] + ["healthy"] * 3, set(), set()) == "idle"
+
+
+def test_status_shape():
+    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"],
+                     {0: 10, 1: 11, 2: 12, 3: 13})
+    st = status_from_snapshot(snap, 4, 6, "idle", lambda r: r // 2)
+    assert st["epoch"] == 3 and st["ep_size"] == 4 and st["max_ep_size"] == 6
+    assert st["ranks"][1] == {"rank": 1, "state": "failed", "pid": 11, "node": 0}
+    assert st["ranks"][5] == {"rank": 5, "state": "removed", "pid": None, "node": 2}
+    empty = status_from_snapshot({"ranks": {}, "groups": {}}, 2, 3, "idle", lambda r: 0)
+    assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "removed"]
+
+
+class FakeClient:
+    """Stands in for CoordinatorClient: a fixed snapshot and the requests it got."""
+
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def status(self) -> dict:
+        return _snapshot(self.states)
+
+    def request_admission(self, ranks: list[int]) -> None:
+        self.calls.append(("admit", list(ranks)))
+
+    def request_deactivation(self, ranks: list[int]) -> None:
+        self.calls.append(("remove", list(ranks)))
+
+    def close(self) -> None:
+        pass
+
+
+def test_membership_scale_up_down_and_409():
+    client = FakeClient(["healthy"] * 4 + ["removed"] * 2)
+    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
+    m._client = client
+    assert m.scale(6)["slots"] == [4, 5]
+    assert client.calls == [("admit", [4, 5])]
+    assert m.status()["scale_phase"] == "waiting_for_joiners"
+    with pytest.raises(ScaleInProgressError):
+        m.scale(5)
+    client.states = ["healthy"] * 4 + ["ready"] * 2
+    assert m.status()["scale_phase"] == "admitting"
+    client.states = ["healthy"] * 6
+    assert m.status() | {"ranks": None} == {"epoch": 3, "ep_size": 6, "max_ep_size": 6,
+                                             "scale_phase": "idle", "ranks": None}
+    m.scale(4)
+    assert client.calls[-1] == ("remove", [4, 5])
+    client.states = ["healthy"] * 4 + ["draining"] * 2
+    assert m.status()["scale_phase"] == "draining"
+    client.states = ["healthy"] * 4 + ["removed"] * 2
+    assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 4
+    with pytest.raises(ValueError):
+        m.scale(7)
