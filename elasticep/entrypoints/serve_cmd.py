@@ -105,16 +105,16 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
         publish_config(coordinator.store, dep)
         nodes = NodeDirectory(coordinator.store)
         launcher = RankLauncher(coordinator.address, dep, 0, nodes, log_dir)
+        logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
+                    coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
+        for rank in settings.local_ranks:  # first: they load while the front-end starts
+            launcher.spawn(rank)
         membership = CoordinatorMembership(coordinator.address, dep.ep_size, dep.max_ep_size,
                                            nodes.node_of)
         name = args.served_model_name or Path(dep.model).name
         server, _frontend = create_server(
             dep.model, channel, membership, served_model_name=name, api_key=settings.api_key,
             host=settings.host, port=settings.port, max_total_tokens=dep.max_total_tokens)
-        logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
-                    coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
-        for rank in settings.local_ranks:
-            launcher.spawn(rank)
         server.start()
         if not _wait_ready(membership, channel, launcher, dep.ep_size, stop):
             return 0 if stop.is_set() else 1
