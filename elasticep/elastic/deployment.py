@@ -104,11 +104,13 @@ class LocalDeployment:
         with self._lock:
             self._stopping = True
             pids = [p.pid for p in self.procs.values() if p.poll() is None]
-        kill_pids(pids, timeout_s)
+        # Coordinator first: the workers then see a lost coordinator, not a cascade of
+        # failures and repairs, while they are being killed.
         if self._client is not None:
             self._client.close()
         if self.coordinator is not None:
             self.coordinator.close()
+        kill_pids(pids, timeout_s)
         self._spawner.shutdown(wait=True)
         for f in self._logs:
             f.close()

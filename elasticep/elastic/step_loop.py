@@ -74,17 +74,20 @@ class LockstepLoop:
         faults: fault injector (tests).
         log_ctx: updated with the epoch on every change.
         eplb: optional EPLB manager (``--enable-eplb``).
-        idle_wait_s: longest wait for a message when no rank has work (seconds).
+        idle_wait_s: first wait for a message when no rank has work (seconds); it
+            doubles per idle iteration up to ``max_idle_wait_s``.
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
                  group: dist.ProcessGroup | None, rank: int, elastic: bool,
                  load_fn: CheckpointLoader | None, faults: FaultInjector,
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
-                 idle_wait_s: float = 0.005) -> None:
+                 idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
         self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
+        self.max_idle_wait_s = max_idle_wait_s
+        self._idle_wait = idle_wait_s
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
@@ -152,9 +155,12 @@ class LockstepLoop:
             self._remove(agreed_remove)
             return
         if int(header[0]) == 0:
-            # Nobody has work: wait for a request (bounded, so membership is seen soon).
-            apply_messages(self.engine, self.channel, self.channel.poll(self.idle_wait_s))
+            # Nobody has work: wait for a request, backing off while idle so idle ranks
+            # cost little CPU; bounded, so membership changes are seen soon.
+            self._idle_wait = min(self.max_idle_wait_s, self._idle_wait * 2)
+            apply_messages(self.engine, self.channel, self.channel.poll(self._idle_wait))
             return
+        self._idle_wait = self.idle_wait_s
         if self.pending is None:
             self.pending = self.engine.schedule()
         step = self.stats.steps
