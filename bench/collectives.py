@@ -85,11 +85,12 @@ def loop_worker(rank, addr, conn, duration_s, watch, ext):
     t_rec = None
     while True:
         st = ed.get_slot_states()
-        h = torch.tensor([1.0 if any(st[s] == "ready" for s in watch) else 0.0])
-        dist.all_reduce(h, op=dist.ReduceOp.MAX)
-        if h.item() > 0:
+        h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(N)])
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)  # agree on exactly which slots to admit
+        agreed = [s for s in watch if h[s] > 0]
+        if agreed:
             t_rec = time.monotonic()
-            ed.recover_ranks(None, list(watch))
+            ed.recover_ranks(None, agreed)
             continue
         t = torch.tensor([1.0, float(time.monotonic() > t_end)])
         dist.all_reduce(t)

@@ -97,13 +97,14 @@ def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_reco
     i, t_rec = 0, None
     while True:
         states = ed.get_slot_states()
-        h = torch.tensor([1.0 if any(states[s] == "ready" for s in watch) else 0.0])
-        dist.all_reduce(h, op=dist.ReduceOp.MAX)
-        if h.item() > 0:
+        h = torch.tensor([1.0 if states[s] == "ready" else 0.0 for s in range(mws)])
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)  # agree on exactly which slots to admit
+        agreed = [s for s in watch if h[s] > 0]
+        if agreed:
             if rank == die_in_recover:
                 threading.Timer(0.003, os._exit, (3,)).start()
             t_rec = time.monotonic()
-            admitted = ed.recover_ranks(None, list(watch))
+            admitted = ed.recover_ranks(None, agreed)
             q.put((rank, "recovered", admitted))
             continue  # the joiner's first op is the next header
         t = torch.tensor([float(rank + 1), float(time.monotonic() > t_end)])

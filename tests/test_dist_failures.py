@@ -14,7 +14,7 @@ from _dist_harness import Cluster
 
 import elasticep.distributed as ed
 
-HB = {"hb_interval_s": 0.05, "hb_timeout_s": 0.6}
+HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for freezes
 
 
 @pytest.fixture

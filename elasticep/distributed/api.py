@@ -166,7 +166,10 @@ def recover_ranks(group, ranks: list[int], timeout_s: float | None = None) -> li
     Every active member calls it with the same list (possibly at different steps): the
     first call starts the transition, ops with seq < boundary finish in the old epoch,
     and every member (and the joiner) runs ops >= boundary in the new one. Blocks until
-    the admission is committed. Slots not ready are skipped.
+    every listed slot that is ready (or already admitted) is active or has failed;
+    slots still joining are skipped. Engine recipe: MAX-all_reduce a per-slot "ready"
+    mask in the step header, then all call recover_ranks with exactly that list at the
+    same step boundary; the joiner's first op is the next op.
 
     Raises:
         TimeoutError: not committed within timeout_s; RankEvictedError.

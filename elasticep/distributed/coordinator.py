@@ -212,7 +212,10 @@ class Coordinator:
         admit = [r for r in msg["ranks"] if g.states[r] == "ready"]
         g.pending_admit.update(admit)
         self._maybe_start(g)
-        return {"admitting": admit}
+        # Every caller waits for the same set: listed slots that are ready or were
+        # admitted by an earlier caller (so all callers return at the same boundary).
+        waiting = [r for r in msg["ranks"] if g.states[r] in ("ready", "healthy", "draining")]
+        return {"admitting": waiting}
 
     def _deactivate(self, proc: _Proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]

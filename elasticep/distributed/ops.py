@@ -25,8 +25,15 @@ _REDUCE = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
 _BYTE_VIEW = (torch.bfloat16, torch.float16, torch.bool)
 
 
+_VALID = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
+          torch.int64, torch.bool, torch.int8, torch.uint8}
+
+
 def reduce_name(op) -> str:
     """Name of a ReduceOp / RedOpType. Raises ValueError for unsupported ops."""
+    name = getattr(getattr(op, "op", op), "name", None)  # fast path: RedOpType.name
+    if name in _REDUCE:
+        return name
     for name in _REDUCE:
         if op == getattr(dist.ReduceOp, name):
             return name
@@ -74,7 +81,11 @@ class AllReduce:
 
     def __init__(self, tensor: torch.Tensor, op) -> None:
         self.tensor, self.name = tensor, reduce_name(op)
-        _prep_reduce(tensor[:0], self.name)  # validate dtype/op before any I/O
+        # validate before any I/O, so a bad call never desynchronises the ranks
+        if tensor.dtype not in _VALID:
+            raise ValueError(f"unsupported dtype {tensor.dtype}")
+        if tensor.dtype == torch.bool and self.name == "AVG":
+            raise ValueError("AVG is undefined for bool tensors")
 
     def redoable(self, active) -> bool:
         return True
@@ -221,13 +232,20 @@ class AllToAll:
         return offs
 
     def start(self, pg, active):
+        osz = [self.out_splits[s] for s in active]
+        isz = [self.in_splits[s] for s in active]
+        out = self.output.new_empty((sum(osz), *self.output.shape[1:]))
+        if len(active) == self.size:
+            # No holes: Gloo only reads the input, so it is used as is; the private
+            # output is the result (an abandoned op may still write into it).
+            work = pg.alltoall_base(_bytes(out), _bytes(self.input.contiguous()), osz, isz,
+                                    dist.AllToAllOptions())
+            return work, lambda: [out]
         ioff = self._offsets(self.in_splits)
         ooff = self._offsets(self.out_splits)
         inp = torch.cat([self.input[ioff[s]:ioff[s] + self.in_splits[s]] for s in active])
-        osz = [self.out_splits[s] for s in active]
-        out = self.output.new_empty((sum(osz), *self.output.shape[1:]))
-        work = pg.alltoall_base(_bytes(out), _bytes(inp.contiguous()), osz,
-                                [self.in_splits[s] for s in active], dist.AllToAllOptions())
+        work = pg.alltoall_base(_bytes(out), _bytes(inp.contiguous()), osz, isz,
+                                dist.AllToAllOptions())
 
         def finalize():
             full = torch.zeros_like(self.output)
