@@ -129,8 +129,6 @@ class RankControl:
                     except Exception:  # keep the control plane alive whatever happens
                         log.exception("rank %d: error handling %s", self.rank, t)
         self.lost = True
-        if self.evicted is None:
-            self.evicted = "control connection to the coordinator closed"
         with self._lock:
             waiters, self._replies = list(self._replies.values()), {}
         for ev, box in waiters:

@@ -250,6 +250,7 @@ class Coordinator:
     def _report_death(self, proc, msg: dict) -> dict:
         p = self._procs.get(msg["rank"])
         if p is not None and p.alive and (msg.get("pid") in (None, p.pid)):
+            p.conn.send({"t": "evicted", "reason": "reported dead by supervisor"})
             p.conn.close()
             self._proc_dead(p, "reported dead by supervisor")
         return {}

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import RankEvictedError, RankFailureError, RankRemovedError
+from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
 from .membership import Decision, local_action
 from .reaper import reap
 
@@ -241,6 +241,9 @@ class GroupState:
         if self.declared_dead or self.ctl.evicted:
             raise RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
                                    f"({self.ctl.evicted or 'declared failed'}); epoch {self.epoch}")
+        if self.ctl.lost:
+            raise CoordinatorLostError(f"rank {self.slot} of {self.name!r}: control connection "
+                                       f"to the coordinator closed; epoch {self.epoch}")
 
     def _wait_quiet(self, deadline: float) -> None:
         """Wait (lock held) until no transition is pending. Raises on eviction/timeout."""
