@@ -90,6 +90,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
     from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
     from elasticep.entrypoints.http_server import create_server
     from elasticep.entrypoints.launcher import NodeDirectory, RankLauncher, publish_config
+    from elasticep.entrypoints.membership import ConnectedWorkers
     from elasticep.entrypoints.supervisor import supervise
 
     dep = settings.deployment
@@ -109,8 +110,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
                     coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
         for rank in settings.local_ranks:  # first: they load while the front-end starts
             launcher.spawn(rank)
-        membership = CoordinatorMembership(coordinator.address, dep.ep_size, dep.max_ep_size,
-                                           nodes.node_of)
+        if dep.elastic_ep_backend == "elastic":
+            membership = CoordinatorMembership(coordinator.address, dep.ep_size,
+                                               dep.max_ep_size, nodes.node_of)
+        else:  # plain Gloo ranks never register with the coordinator: hellos are all we see
+            membership = ConnectedWorkers(lambda: channel.connected, dep.ep_size)
         name = args.served_model_name or Path(dep.model).name
         server, _frontend = create_server(
             dep.model, channel, membership, served_model_name=name, api_key=settings.api_key,
@@ -128,7 +132,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             server.stop()
         if launcher is not None:
             launcher.stop()
-        if membership is not None:
+        if isinstance(membership, CoordinatorMembership):
             membership.close()
         coordinator.close()
         channel.close()
