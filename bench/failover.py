@@ -52,7 +52,7 @@ def fault(run: Run, victims: list[int], sig: int, gap_s: float) -> float:
     Raises:
         TimeoutError: the membership did not drop them within 30 s.
     """
-    e0 = run.watch.latest().epoch
+    e0, t_first = run.watch.latest().epoch, time.monotonic()
     for i, r in enumerate(victims):
         if i:
             time.sleep(gap_s)
@@ -60,7 +60,7 @@ def fault(run: Run, victims: list[int], sig: int, gap_s: float) -> float:
         t = run.mark(f"{SIGNAL_NAMES[sig]} rank {r}")
         run.t_event = run.t_event or t
     snap = run.watch.wait_for(lambda s: s.epoch > e0 and not any(r in s.active for r in victims),
-                              30, f"ranks {victims} out of the membership")
+                              30, f"ranks {victims} out of the membership", after=t_first)
     run.t_settled = run.mark(f"epoch {snap.epoch}: {victims} out", at=snap.t)
     return snap.t
 
@@ -89,14 +89,15 @@ def join(run: Run, join_args: list[str], ranks: list[int], scale_to: int | None)
     run.pause_from = t_join
     if scale_to is not None:
         snap = run.watch.wait_for(lambda s: all(s.states[r] == "ready" for r in ranks), 300,
-                                  f"joiners {ranks} ready")
+                                  f"joiners {ranks} ready", after=t_join)
         run.windows["join"] = (t_join, run.mark("joiners ready", at=snap.t))
         code, body = run.serve.scale(scale_to)
         run.pause_from = run.mark(f"POST scale {scale_to}")
         run.t_event = run.t_event or run.pause_from
         if code != 200:
             raise RuntimeError(f"POST /scale_elastic_ep {scale_to} -> {code} {body}")
-    snap = run.watch.wait_for(_active(*ranks), 300, f"ranks {ranks} admitted")
+    snap = run.watch.wait_for(_active(*ranks), 300, f"ranks {ranks} admitted",
+                              after=run.pause_from)
     if scale_to is None:
         run.windows["join"] = (t_join, snap.t)
     run.mark(f"epoch {snap.epoch}: {ranks} in", at=snap.t)
@@ -113,7 +114,7 @@ def scale_down(run: Run, ep_size: int) -> float:
     if code != 200:
         raise RuntimeError(f"POST /scale_elastic_ep {leaving} -> {code} {body}")
     snap = run.watch.wait_for(lambda s: s.states[leaving] == "removed", 120,
-                              f"rank {leaving} removed")
+                              f"rank {leaving} removed", after=run.t_event)
     run.t_settled = run.t_admitted = run.mark(f"epoch {snap.epoch}: rank {leaving} removed",
                                               at=snap.t)
     return snap.t
