@@ -67,11 +67,17 @@ def _finish_reduce(buf: torch.Tensor, name: str, n: int, dtype: torch.dtype) -> 
     return buf.to(dtype) if dtype != buf.dtype or dtype == torch.bool else buf
 
 
+_OPTS: dict = {}  # AllreduceOptions per Gloo op (c10d copies them into each work)
+
+
 def reduce_work(pg, t: torch.Tensor, name: str, n: int):
     """Start an all_reduce of a copy of t on inner group pg; returns (work, finalize)."""
     buf, gop, dtype = _prep_reduce(t, name)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = gop
+    opts = _OPTS.get(gop.op if hasattr(gop, "op") else gop)
+    if opts is None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = gop
+        _OPTS[gop.op if hasattr(gop, "op") else gop] = opts
     work = pg.allreduce([buf], opts)
     return work, lambda: _finish_reduce(buf, name, n, dtype)
 

@@ -74,6 +74,7 @@ class GroupState:
         # Tests set this to delay marking the next completed op, so that other survivors
         # finish it first (exercises the fetch-from-donor path deterministically).
         self._test_hold_s = 0.0
+        self._used_epoch = self.epoch
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -170,8 +171,12 @@ class GroupState:
                 if action == "fetch":
                     result = self._fetch(d.epoch, seq, gen, deadline)
                 else:
-                    self._reap_below(epoch)
-                    inner = self._inner_for(epoch, active).get(self, gen, deadline)
+                    if epoch != self._used_epoch:  # first op of a new epoch on this rank
+                        self._reap_below(epoch)
+                        self._used_epoch = epoch
+                    inner = self._inner.get(epoch)  # fast path: built and ready
+                    if inner is None or not inner.ready.is_set() or inner.pg is None:
+                        inner = self._inner_for(epoch, active).get(self, gen, deadline)
                     work, finalize = op.start(inner.pg, active)
                     inner.last_work = work
                     self._wait_work(work, gen, deadline)
