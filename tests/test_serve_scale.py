@@ -26,7 +26,7 @@ PROMPTS = prompts(N_STREAMS)
 @pytest.fixture(scope="module")
 def serve():
     s = start_serve("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
-                    "--heartbeat-timeout", "1.0", "--max-total-tokens", "2048",
+                    "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
                     "--restart-failed-ranks")
     yield s
     s.cleanup()
