@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,22 @@ def healthy_ranks(status: Status) -> list[int]:
 def all_healthy(status: Status) -> bool:
     """True when exactly ``ep_size`` ranks are healthy and no scale is running."""
     return len(healthy_ranks(status)) == status["ep_size"] and status["scale_phase"] == "idle"
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """One `elasticep join` process: ``proc``, its output file, the caller's tag."""
+
+    proc: subprocess.Popen
+    log_path: Path
+    tag: str
+
+    def output(self) -> str:
+        """What it printed so far (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
 
 class ServeProcess:
@@ -199,7 +216,7 @@ class ServeProcess:
         os.kill(pid, sig)
         return pid
 
-    def join(self, *args: str, tag: str = "join") -> subprocess.Popen:
+    def join(self, *args: str, tag: str = "join") -> Joiner:
         """Start ``elasticep join --dist-init-addr COORDINATOR ARGS`` (log next to serve's)."""
         log_path = self.log_path.with_name(f"{tag}{len(self.joins)}.log")
         with open(log_path, "w") as log:
@@ -207,10 +224,9 @@ class ServeProcess:
                                              "--log-dir", str(self.log_path.parent), *args),
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-        p.log_path = log_path  # type: ignore[attr-defined]
         self.joins.append(p)
         self.seen_pids.add(p.pid)
-        return p
+        return Joiner(p, log_path, tag)
 
     def note_descendants(self) -> set[int]:
         """Record (and return) the live descendants of serve and of every join."""

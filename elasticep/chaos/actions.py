@@ -1,0 +1,232 @@
+"""Carry out one fault of a schedule against a live deployment, and restore the
+deployment to its healthy baseline afterwards.
+
+Each action returns the invariant violations it saw itself (one line each); a bounded
+wait that runs out raises :class:`TimeoutError`, which the runner records as a
+violation (the deployment hung). Only pids read from ``/elastic_ep_status`` or started
+here (joins and their descendants) are signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elasticep.chaos.schedule import Fault
+from elasticep.harness.serve_process import ServeProcess, Status, descendant_pids
+from elasticep.harness.status_watch import StatusWatch
+from elasticep.utils.procs import pid_alive
+
+DETECT_BOUND_S = 15.0  # a killed rank must leave the membership within this
+JOIN_BOUND_S = 240.0  # a joiner loads the model on a shared 2-core machine
+
+
+@dataclass
+class Target:
+    """The deployment under test.
+
+    Attributes:
+        serve, watch: the deployment and its coordinator watch.
+        ep_size: the baseline number of healthy ranks (slots 0..ep_size-1).
+        heartbeat_timeout_s: the deployment's heartbeat timeout.
+        notes: remarks that are not violations (a refused scale, an early admission).
+    """
+
+    serve: ServeProcess
+    watch: StatusWatch
+    ep_size: int
+    heartbeat_timeout_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def state(self, rank: int, status: Status | None = None) -> str:
+        return self.serve.rank_state(rank, status)["state"]
+
+    def kill(self, rank: int) -> int:
+        """SIGKILL ``rank``'s worker; returns its pid."""
+        return self.serve.signal_rank(rank, signal.SIGKILL)
+
+    def wait_out(self, ranks: tuple[int, ...], since: float, bound_s: float = DETECT_BOUND_S
+                 ) -> None:
+        """Wait until the coordinator committed an epoch without ``ranks``."""
+        self.watch.wait_for(lambda s: not set(ranks) & set(s.active), bound_s,
+                            f"ranks {list(ranks)} out of the membership", after=since)
+
+
+def kill(t: Target, f: Fault) -> list[str]:
+    since = time.monotonic()
+    t.kill(f.ranks[0])
+    t.wait_out(f.ranks, since)
+    return []
+
+
+def double_kill(t: Target, f: Fault) -> list[str]:
+    since = time.monotonic()
+    t.kill(f.ranks[0])
+    time.sleep(f.param_s)
+    t.kill(f.ranks[1])
+    t.wait_out(f.ranks, since)
+    return []
+
+
+def kill_during_recovery(t: Target, f: Fault) -> list[str]:
+    first, second = f.ranks
+    since = time.monotonic()
+    t.kill(first)
+    # recovery starts when the coordinator marks the death; strike right then
+    t.watch.wait_for(lambda s: s.states[first] != "healthy", DETECT_BOUND_S,
+                     f"rank {first} marked failed", after=since)
+    time.sleep(f.param_s)
+    t.kill(second)
+    t.wait_out(f.ranks, since)
+    return []
+
+
+def freeze(t: Target, f: Fault) -> list[str]:
+    rank = f.ranks[0]
+    since = time.monotonic()
+    pid = t.serve.signal_rank(rank, signal.SIGSTOP)
+    time.sleep(f.param_s)
+    evicted = rank not in t.watch.latest().active
+    if f.param_s > t.heartbeat_timeout_s * 1.5 and not evicted:
+        t.wait_out(f.ranks, since)  # eviction is due: it must come
+        evicted = True
+    _signal(pid, signal.SIGCONT)
+    if evicted:  # an evicted worker learns it on resume and must exit by itself
+        deadline = time.monotonic() + 15.0
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pid_alive(pid):
+            t.notes.append(f"evicted rank {rank} (pid {pid}) still alive 15 s after SIGCONT")
+    return []
+
+
+def joiner_dies(t: Target, f: Fault) -> list[str]:
+    rank = f.ranks[0]
+    since = time.monotonic()
+    t.kill(rank)
+    t.wait_out(f.ranks, since)
+    join = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank),
+                        tag="joiner-dies")
+    deadline = time.monotonic() + 30.0
+    while not descendant_pids(join.proc.pid):
+        if join.proc.poll() is not None or time.monotonic() > deadline:
+            return [f"joiner-dies: join for rank {rank} started no worker (exit "
+                    f"{join.proc.poll()}): {join.output()[-300:]!r}"]
+        time.sleep(0.05)
+    time.sleep(f.param_s)
+    workers = descendant_pids(join.proc.pid)
+    t.serve.seen_pids.update(workers)
+    for pid in workers:  # the joining rank itself dies, then its supervisor
+        _signal(pid, signal.SIGKILL)
+    join.proc.kill()
+    join.proc.wait(10)
+    # the slot must fall back to failed (ready to be relaunched), never stay in limbo
+    t.serve.wait_for(lambda st: t.state(rank, st) == "failed", 30.0,
+                     f"rank {rank} back to failed after its joiner died")
+    return []
+
+
+def scale_while_failing(t: Target, f: Fault) -> list[str]:
+    victim, slot = f.ranks[0], t.ep_size
+    t.serve.join("--elastic-ep-join-mode", "scale", "--ranks", str(slot), tag=f"scale{slot}-")
+    t.serve.wait_for(lambda st: t.state(slot, st) == "ready", JOIN_BOUND_S,
+                     f"scale joiner of slot {slot} ready", poll_s=0.2)
+    since = time.monotonic()
+    t.kill(victim)
+    time.sleep(f.param_s)
+    code, body = t.serve.scale(t.ep_size + 1)
+    message = str(body.get("error", {}).get("message", "")) if isinstance(body, dict) else ""
+    if code in (400, 409) and message:
+        t.notes.append(f"scale while rank {victim} failing refused clearly: {code} {message}")
+    elif code != 200:
+        return [f"scale while rank {victim} failing: POST -> {code} {body}"]
+    t.wait_out((victim,), since)
+    if code == 200:
+        t.watch.wait_for(lambda s: slot in s.active, JOIN_BOUND_S, f"slot {slot} admitted",
+                         after=since)
+    return []
+
+
+def occupied_join(t: Target, f: Fault) -> list[str]:
+    rank = f.ranks[0]
+    before = t.serve.rank_state(rank)
+    if before["state"] != "healthy":
+        t.notes.append(f"occupied-join skipped: rank {rank} is {before['state']}")
+        return []
+    join = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank),
+                        tag="occupied")
+    try:
+        code = join.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        join.proc.kill()
+        return [f"join for occupied rank {rank} neither refused nor exited within 60 s"]
+    text = join.output()
+    after = t.serve.rank_state(rank)
+    out = []
+    if code == 0 or "error" not in text or f"rank {rank}" not in text:
+        out.append(f"join for occupied rank {rank}: exit {code}, no clear error: {text[-300:]!r}")
+    if after["pid"] != before["pid"] or after["state"] != "healthy":
+        out.append(f"join for occupied rank {rank} disturbed it: {before} -> {after}")
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # already gone: what we wanted
+
+
+ACTIONS: dict[str, Callable[[Target, Fault], list[str]]] = {
+    "kill": kill, "freeze": freeze, "double-kill": double_kill,
+    "kill-during-recovery": kill_during_recovery, "joiner-dies": joiner_dies,
+    "scale-while-failing": scale_while_failing, "occupied-join": occupied_join,
+}
+
+
+def restore(t: Target) -> None:
+    """Bring the deployment back to slots 0..ep_size-1 healthy, nothing else active,
+    scale phase idle: relaunch failed slots with `join recover`, then scale back down.
+
+    Raises:
+        TimeoutError: a bounded wait ran out (the deployment could not be restored).
+        RuntimeError: serve exited, or a scale request was refused.
+    """
+    base = range(t.ep_size)
+    # joins in flight (joining/ready) settle first: admitted, or failed
+    st = t.serve.wait_for(lambda s: all(t.state(r, s) in ("healthy", "failed") for r in base),
+                          JOIN_BOUND_S, "baseline slots to settle", poll_s=0.2)
+    failed = [r for r in base if t.state(r, st) == "failed"]
+    if failed:
+        t.serve.join("--elastic-ep-join-mode", "recover", "--ranks",
+                     ",".join(map(str, failed)), tag="restore")
+    st = t.serve.wait_for(lambda s: all(t.state(r, s) == "healthy" for r in base), JOIN_BOUND_S,
+                          f"ranks {failed} relaunched", poll_s=0.2)
+    _end_unadmitted_scale_joiners(t, st)
+    if st["ep_size"] != t.ep_size or any(r["state"] in ("healthy", "draining")
+                                         for r in st["ranks"] if r["rank"] >= t.ep_size):
+        t.serve.wait_for(lambda s: s["scale_phase"] == "idle", JOIN_BOUND_S,
+                         "a running scale to finish", poll_s=0.2)
+        code, body = t.serve.scale(t.ep_size)
+        if code != 200:
+            raise RuntimeError(f"restore: POST /scale_elastic_ep {t.ep_size} -> {code} {body}")
+    t.serve.wait_for(lambda s: s["scale_phase"] == "idle" and s["ep_size"] == t.ep_size
+                     and [r["rank"] for r in s["ranks"] if r["state"] == "healthy"] == list(base),
+                     JOIN_BOUND_S, "baseline restored", poll_s=0.2)
+
+
+def _end_unadmitted_scale_joiners(t: Target, status: Status) -> None:
+    """SIGTERM our scale joiners whose slot was never admitted (a refused scale), so the
+    slot is free for the next trial."""
+    for rank in range(t.ep_size, len(status["ranks"])):
+        if t.state(rank, status) in ("ready", "joining"):
+            for p in t.serve.joins:
+                if p.poll() is None and f"--ranks {rank}" in " ".join(map(str, p.args)):
+                    p.terminate()
+                    p.wait(15)
+            t.serve.wait_for(lambda s, r=rank: t.state(r, s) in ("removed", "failed"), 30.0,
+                             f"unadmitted slot {rank} freed")
