@@ -94,6 +94,13 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
     return dist.distributed_c10d._get_default_group()
 
 
+def _new_store() -> dist.Store:
+    """A fresh client connection to the coordinator's TCPStore."""
+    host, _ = parse_address(_ctl.address)
+    return dist.TCPStore(host, _ctl.store_port, is_master=False,
+                         timeout=timedelta(seconds=_timeout_s))
+
+
 def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGroup:
     """torch.distributed backend creator (extended API) for "elastic"."""
     if _ctl is None or _store is None:
@@ -116,7 +123,7 @@ def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGrou
                         "active": active, "on_failure": options.on_failure,
                         "is_extension": options.is_extension})
     gs = GroupState(_ctl, _store, name, reg["slot"], ranks, reg, mask, _timeout_s,
-                    joining=options.is_extension)
+                    joining=options.is_extension, new_store=_new_store)
     _ctl.groups[name] = gs
     return ElasticProcessGroup(gs, reg["slot"], size)
 

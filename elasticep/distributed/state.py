@@ -42,7 +42,8 @@ class GroupState:
     """Per-group state shared by the main thread and the control thread.
 
     Args:
-        ctl: the process's RankControl; store: client of the coordinator's TCPStore.
+        ctl: the process's RankControl; store: client of the coordinator's TCPStore;
+        new_store: makes another client of it (one per inner-group rendezvous).
         name: the group's unique name; slot: this rank's slot; ranks: global rank per slot.
         reg: the coordinator's registration reply (epoch, active, states, on_failure).
         mask: caller-owned int32 tensor [max_group_size] kept equal to the active mask.
@@ -50,8 +51,9 @@ class GroupState:
     """
 
     def __init__(self, ctl, store, name: str, slot: int, ranks: list[int], reg: dict,
-                 mask: torch.Tensor, timeout_s: float, joining: bool) -> None:
+                 mask: torch.Tensor, timeout_s: float, joining: bool, new_store) -> None:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
+        self.new_store = new_store
         self.on_failure: str = reg["on_failure"]
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
@@ -108,7 +110,8 @@ class GroupState:
                 self.pending = None
             self.epoch, self.active, self.states = d.epoch, d.active, list(states)
             self._set_mask()
-            if d.kind == "failure":
+            if d.kind == "failure" and was_member:
+                # (A relaunched process for a dead slot is not a member: never evict it.)
                 if self.slot in d.dead:
                     self.declared_dead = True
                 self.failure = d
@@ -338,7 +341,10 @@ class _Inner:
 
         def build() -> None:
             try:
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, gs.store), rank, size,
+                # A store client of its own: TCPStore clients serialise requests, and a
+                # rendezvous blocked on a dead member must not stall the next epoch's.
+                store = gs.new_store()
+                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                                 timeout)
             except Exception as e:  # a member died during rendezvous; a new epoch follows
                 self.error = e
