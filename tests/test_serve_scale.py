@@ -136,6 +136,19 @@ def test_kill_a_scaled_in_rank(serve, reference):
     serve.wait_for(lambda s: serve.rank(4)["state"] == "failed", 10, "rank 4 failed")
 
 
+def test_frozen_rank_is_killed_and_restarted(serve):
+    """--restart-failed-ranks: a SIGSTOPped rank is evicted, its frozen process killed
+    (never resumed into the deployment) and its slot relaunched."""
+    victim = serve.rank(2)
+    signal_pid(victim["pid"], signal.SIGSTOP)
+    serve.wait_for(lambda s: serve.rank(2)["state"] != "healthy", 30, "rank 2 evicted")
+    serve.wait_for(lambda s: serve.rank(2)["state"] == "healthy"
+                   and serve.rank(2)["pid"] != victim["pid"], 120, "rank 2 relaunched")
+    assert not pid_alive(victim["pid"])
+    ok = stream(serve.client, PROMPTS[0], MAX_TOKENS)
+    assert ok.error is None
+
+
 def test_killed_serve_leaves_no_orphans(serve):
     """SIGKILL on serve itself: its workers die with it (PR_SET_PDEATHSIG); the joined
     ranks lose the coordinator and exit, and so does their `join`."""
