@@ -122,14 +122,17 @@ class Serve:
             p.wait(5)
 
 
-def start_serve(*args: str, timeout_s: float = 180.0) -> Serve:
-    """Start ``elasticep serve --port P --dist-init-addr 127.0.0.1:Q ARGS``; wait for the
-    ready line on stdout.
+def start_serve(*args: str, coord: str | None = None, timeout_s: float = 180.0) -> Serve:
+    """Start ``elasticep serve --port P --dist-init-addr COORD ARGS``; wait for the ready
+    line on stdout.
+
+    Args:
+        coord: the coordinator's ``host:port`` (default: a free loopback port).
 
     Raises:
         AssertionError: serve exited or printed no ready line in ``timeout_s`` seconds.
     """
-    port, coord = free_port(), f"127.0.0.1:{free_port()}"
+    port, coord = free_port(), coord or f"127.0.0.1:{free_port()}"
     log_path = Path(tempfile.mkdtemp(prefix="elasticep-serve-")) / "serve.log"
     stderr = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(cli("serve", "--port", str(port), "--dist-init-addr", coord, *args),

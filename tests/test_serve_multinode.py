@@ -1,0 +1,57 @@
+"""Two `elasticep serve` nodes on one machine over 127.0.0.1: node 0 runs the coordinator,
+the API and ranks 0-1; node 1 only launches ranks 2-3 with the settings of node 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+from _serve_harness import Burst, cli, free_port, prompts, signal_pid, start_serve
+
+from elasticep.utils.procs import pid_alive
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+PROMPTS = prompts(4)
+
+
+def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
+    coord = f"127.0.0.1:{free_port()}"
+    node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115
+    # node 1 first: it waits for the coordinator that node 0 is about to bind
+    node1 = subprocess.Popen(cli("serve", "--ep-size", "4", "--nnodes", "2", "--node-rank", "1",
+                                 "--dist-init-addr", coord, "--heartbeat-timeout", "3.0"),
+                             stdout=node1_log, stderr=subprocess.STDOUT, start_new_session=True)
+    serve = None
+    try:
+        serve = start_serve("--ep-size", "4", "--nnodes", "2", "--node-rank", "0",
+                            "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
+                            coord=coord)
+        st = serve.status()
+        assert [(r["rank"], r["node"], r["state"]) for r in st["ranks"]] == [
+            (0, 0, "healthy"), (1, 0, "healthy"), (2, 1, "healthy"), (3, 1, "healthy")]
+        reference = [r.text for r in Burst(serve.client, PROMPTS, 16).results()]
+        victim = serve.rank(3)
+        burst = Burst(serve.client, PROMPTS, 16)
+        burst.wait_tokens(8)
+        signal_pid(victim["pid"], signal.SIGKILL)
+        results = burst.results()
+        assert [r.error for r in results] == [None] * len(PROMPTS)
+        assert [r.text for r in results] == reference
+        serve.wait_for(lambda s: serve.rank(3)["state"] == "failed", 10, "rank 3 failed")
+        pids = serve.seen_pids
+        assert serve.stop(timeout_s=30) == 0
+        # node 1's ranks lose the coordinator and exit; then node 1 exits too
+        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
+            time.sleep(0.1)
+    finally:
+        if serve is not None:
+            serve.cleanup()
+        if node1.poll() is None:
+            node1.send_signal(signal.SIGINT)
+            node1.wait(30)
