@@ -177,3 +177,71 @@ def test_membership_scale_up_down_and_409():
     assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 4
     with pytest.raises(ValueError):
         m.scale(7)
+
+
+class FakeLauncher:
+    """What `supervise` uses of RankLauncher, with a scripted coordinator view."""
+
+    node = 0
+
+    def __init__(self, states: dict[int, str], pids: dict[int, int]) -> None:
+        import queue
+
+        self.exits: queue.Queue = queue.Queue()
+        self.states, self.live = states, pids
+        self.spawned: list[tuple[int, str | None]] = []
+        self.admitted: list[list[int]] = []
+        self.killed: list[int] = []
+
+    def coordinator_status(self) -> dict:
+        return {"ranks": {str(r): {"pid": p, "alive": True} for r, p in self.live.items()},
+                "groups": {"world": {"epoch": 5, "ranks": sorted(self.states),
+                                     "states": [self.states[r] for r in sorted(self.states)]}}}
+
+    def pids(self) -> dict[int, int]:
+        return dict(self.live)
+
+    def spawn(self, rank: int, join_mode: str | None = None) -> int:
+        self.spawned.append((rank, join_mode))
+        return 1000 + rank
+
+    def request_admission(self, ranks: list[int]) -> None:
+        self.admitted.append(ranks)
+
+    def kill(self, rank: int) -> None:
+        self.killed.append(rank)
+        self.live.pop(rank)
+
+
+def _supervise_once(launcher, restart: bool) -> None:
+    import threading
+
+    from elasticep.entrypoints.supervisor import supervise
+
+    stop = threading.Event()
+    timer = threading.Timer(0.15, stop.set)
+    timer.start()
+    supervise(launcher, stop, restart=restart, poll_s=0.05)
+    timer.join()
+
+
+def test_restart_policy_relaunches_crashes_only():
+    from elasticep.entrypoints.launcher import RankExit
+
+    launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "removed"},
+                            {0: 10, 2: 12})
+    launcher.exits.put(RankExit(1, 11, -9))  # crashed: relaunched and admitted
+    launcher.exits.put(RankExit(3, 13, 0))   # removed on purpose: never relaunched
+    _supervise_once(launcher, restart=True)
+    assert launcher.spawned == [(1, "recover")] and launcher.admitted == [[1]]
+
+    launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10})
+    launcher.exits.put(RankExit(1, 11, -9))
+    _supervise_once(launcher, restart=False)  # without the flag: only logged
+    assert launcher.spawned == []
+
+
+def test_restart_policy_kills_an_evicted_frozen_worker():
+    launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10, 1: 11})
+    _supervise_once(launcher, restart=True)
+    assert launcher.killed == [1]
