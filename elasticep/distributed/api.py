@@ -124,7 +124,7 @@ def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGrou
                         "is_extension": options.is_extension})
     gs = GroupState(_ctl, _store, name, reg["slot"], ranks, reg, mask, _timeout_s,
                     joining=options.is_extension, new_store=_new_store)
-    _ctl.groups[name] = gs
+    _ctl.attach(name, gs, reg["epoch"])
     return ElasticProcessGroup(gs, reg["slot"], size)
 
 

@@ -34,6 +34,7 @@ class RankControl:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.conn: Connection = connect(address, timeout_s)
         self.groups: dict[str, Any] = {}
+        self._early: dict[str, list[dict]] = {}
         self.evicted: str | None = None
         self.lost = False
         self.last_ack = time.monotonic()
@@ -77,6 +78,17 @@ class RankControl:
         if not reply.get("ok"):
             raise ValueError(reply.get("error", "refused by coordinator"))
         return reply
+
+    def attach(self, name: str, gs, epoch: int) -> None:
+        """Route pushes for group `name` to `gs`, replaying those that arrived between the
+        registration reply (which reflected `epoch`) and now."""
+        with self._lock:
+            early = self._early.pop(name, [])
+            self.groups[name] = gs
+        for msg in early:
+            e = msg.get("epoch", msg.get("decision", {}).get("epoch", epoch + 1))
+            if msg["t"] == "peer" or e > epoch:
+                gs.on_push(msg)
 
     def send(self, msg: dict) -> None:
         self.conn.send(msg)
@@ -122,7 +134,10 @@ class RankControl:
                 self.evicted = msg.get("reason", "evicted")
                 log.warning("rank %d: evicted by coordinator (%s)", self.rank, self.evicted)
             else:
-                gs = self.groups.get(msg.get("group"))
+                with self._lock:
+                    gs = self.groups.get(msg.get("group"))
+                    if gs is None:  # registered but not attached yet: keep for `attach`
+                        self._early.setdefault(msg.get("group"), []).append(msg)
                 if gs is not None:
                     try:
                         gs.on_push(msg)
