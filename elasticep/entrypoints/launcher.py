@@ -159,8 +159,11 @@ class RankLauncher:
         env = {k: v for k, v in os.environ.items() if k != "ELASTICEP_FAULT"}
         self.nodes.forget(rank)
         self.nodes.set(rank, self.node)
+        # Own session: a terminal's Ctrl-C reaches only serve/join, which then stops the
+        # workers in order (a worker interrupted mid-collective would only log noise).
         proc = self._spawner.submit(subprocess.Popen, cmd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT).result()
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True).result()
         with self._lock:
             self._procs[rank] = proc
         threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
