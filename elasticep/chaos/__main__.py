@@ -11,6 +11,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import logging
+import signal
 import sys
 import time
 
@@ -53,8 +56,16 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         max_tokens=a.max_tokens, kinds=kinds, max_faults=a.max_faults)
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the runner's cleanup
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s chaos %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the deployment on SIGTERM too
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     t0 = time.monotonic()
     results = run(cfg, emit=lambda line: print(line, flush=True))
     bad = sum(bool(r.violations) for r in results)

@@ -9,6 +9,7 @@ here (joins and their descendants) are signalled.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from elasticep.chaos.schedule import Fault
 from elasticep.harness.serve_process import ServeProcess, Status, descendant_pids
 from elasticep.harness.status_watch import StatusWatch
 from elasticep.utils.procs import pid_alive
+
+logger = logging.getLogger(__name__)
 
 DETECT_BOUND_S = 15.0  # a killed rank must leave the membership within this
 JOIN_BOUND_S = 240.0  # a joiner loads the model on a shared 2-core machine
@@ -47,7 +50,9 @@ class Target:
 
     def kill(self, rank: int) -> int:
         """SIGKILL ``rank``'s worker; returns its pid."""
-        return self.serve.signal_rank(rank, signal.SIGKILL)
+        pid = self.serve.signal_rank(rank, signal.SIGKILL)
+        logger.info("SIGKILL rank %d (pid %d)", rank, pid)
+        return pid
 
     def wait_out(self, ranks: tuple[int, ...], since: float, bound_s: float = DETECT_BOUND_S
                  ) -> None:
@@ -197,10 +202,12 @@ def restore(t: Target) -> None:
         RuntimeError: serve exited, or a scale request was refused.
     """
     base = range(t.ep_size)
+    logger.info("restore: waiting for slots %s to settle", list(base))
     # joins in flight (joining/ready) settle first: admitted, or failed
     st = t.serve.wait_for(lambda s: all(t.state(r, s) in ("healthy", "failed") for r in base),
-                          JOIN_BOUND_S, "baseline slots to settle", poll_s=0.2)
+                          60.0, "baseline slots to settle", poll_s=0.2)
     failed = [r for r in base if t.state(r, st) == "failed"]
+    logger.info("restore: relaunching %s", failed)
     if failed:
         t.serve.join("--elastic-ep-join-mode", "recover", "--ranks",
                      ",".join(map(str, failed)), tag="restore")
@@ -211,6 +218,7 @@ def restore(t: Target) -> None:
                                          for r in st["ranks"] if r["rank"] >= t.ep_size):
         t.serve.wait_for(lambda s: s["scale_phase"] == "idle", JOIN_BOUND_S,
                          "a running scale to finish", poll_s=0.2)
+        logger.info("restore: scaling back to %d", t.ep_size)
         code, body = t.serve.scale(t.ep_size)
         if code != 200:
             raise RuntimeError(f"restore: POST /scale_elastic_ep {t.ep_size} -> {code} {body}")

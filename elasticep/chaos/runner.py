@@ -9,6 +9,7 @@ records a violation and the next trial gets a fresh deployment.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from elasticep.harness.load import SteadyLoad, gsm8k_prompts, make_client, run_b
 from elasticep.harness.serve_process import ServeProcess, healthy_ranks
 from elasticep.harness.status_watch import StatusWatch
 from elasticep.utils.procs import pid_alive
+
+logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 90.0  # a request with no answer by then is a hang
 
@@ -122,6 +125,7 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
         time.sleep(1.0)  # every stream is mid-answer when the first fault hits
         for f in schedule.faults:
             time.sleep(f.at_s)
+            logger.info("trial %d: %s", trial, f.describe())
             dep.sample_pids()
             try:
                 res.violations += ACTIONS[f.kind](dep.target, f)
@@ -135,6 +139,7 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
             usable = False
         time.sleep(cfg.settle_s)
     finally:
+        logger.info("trial %d: stopping the load", trial)
         try:
             records = load.stop(REQUEST_TIMEOUT_S + 10)
         except TimeoutError as exc:

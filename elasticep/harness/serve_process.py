@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from elasticep.utils.procs import kill_pids, pid_alive
+from elasticep.utils.procs import die_with_parent, kill_pids, pid_alive
 
 Status = dict[str, Any]
 
@@ -62,6 +62,12 @@ def descendant_pids(root: int) -> set[int]:
                 out.add(child)
                 todo.append(child)
     return out
+
+
+def _stop_with_us() -> None:
+    # if this driver dies (even SIGKILL), serve/join get SIGTERM and stop their own
+    # workers, so a killed bench or chaos run leaves no deployment behind
+    die_with_parent(sig=signal.SIGTERM)
 
 
 def healthy_ranks(status: Status) -> list[int]:
@@ -137,7 +143,8 @@ class ServeProcess:
                             "--dist-init-addr", coordinator, "--log-dir", str(log_path.parent),
                             *serve_args),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)  # our terminal's Ctrl-C must not reach it
+                start_new_session=True,  # our terminal's Ctrl-C must not reach it
+                preexec_fn=_stop_with_us)
         serve = cls(proc, f"http://127.0.0.1:{port}", coordinator, log_path)
         try:
             serve.wait_for(lambda st: all_healthy(st) and serve.printed_ready(),
@@ -223,7 +230,7 @@ class ServeProcess:
             p = subprocess.Popen(cli_command("join", "--dist-init-addr", self.coordinator,
                                              "--log-dir", str(self.log_path.parent), *args),
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=_stop_with_us)
         self.joins.append(p)
         self.seen_pids.add(p.pid)
         return Joiner(p, log_path, tag)

@@ -1,0 +1,67 @@
+"""The chaos suite, short: two seeded trials against one real EP4 deployment.
+
+Seed 6 with these kinds gives: trial 0 kills rank 3 under load and relaunches it with
+`elasticep join ... recover` (restore); trial 1 kills rank 2 and, while survivors
+recover, rank 0. The pure parts (schedules, invariant checks) are tested without a
+deployment. The 50-trial run is `python -m elasticep.chaos --trials 50 --seed 1`.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticep.chaos import invariants
+from elasticep.chaos.schedule import KINDS, Schedule, make_schedule
+from elasticep.harness.load import RequestRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["--trials", "2", "--seed", "6", "--max-tokens", "24", "--concurrency", "4",
+         "--kinds", "kill,freeze,double-kill,kill-during-recovery,occupied-join"]
+
+
+def test_schedules_are_seeded_and_round_trip():
+    for trial in range(30):
+        s = make_schedule(5, trial, 4, 2.0)
+        assert s == make_schedule(5, trial, 4, 2.0)
+        assert Schedule.parse(s.describe()) == s
+        assert len(s.victims()) <= 2  # two ranks always survive
+        assert {f.kind for f in s.faults} <= set(KINDS)
+    victims = {r for t in range(60) for r in make_schedule(1, t, 4, 2.0).victims()}
+    assert 0 in victims  # rank 0 is fair game
+    with pytest.raises(ValueError, match="bad fault"):
+        Schedule.parse("explode:ranks=1:at=1:p=0")
+
+
+def test_invariant_checks_flag_hangs_losses_and_wrong_text():
+    ref = {0: "abc", 1: "xyz"}
+    ok = RequestRecord(0, 0.0, [1.0, 2.0], "abc", "length")
+    cut = RequestRecord(1, 0.0, [1.0], "x", None)
+    wrong = RequestRecord(1, 0.0, [1.0, 2.0], "xyq", "length")
+    hang = RequestRecord(0, 0.0, [], "", None, "APITimeoutError('Request timed out.')")
+    clear = RequestRecord(0, 0.0, [], "", None, "InternalServerError('Error code: 503')")
+    bad, errors = invariants.check_requests([ok, cut, wrong, hang, clear], ref, 2)
+    assert len(bad) == 3 and len(errors) == 1
+    views = {1: {0: {(0, 1, 3)}, 1: {(0, 1, 3)}}, 2: {0: {(0, 3)}, 3: {(0, 1, 3)}}}
+    assert invariants.check_membership(views, {1: (0, 1, 3)}, range(1, 2)) == []
+    assert invariants.check_membership(views, {1: (0, 1)}, range(1, 2))
+    assert "disagree" in invariants.check_membership(views, {}, range(2, 3))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(270)
+def test_two_chaos_trials_keep_every_invariant():
+    proc = subprocess.Popen([sys.executable, "-m", "elasticep.chaos", *SHORT], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=210)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the runner stops its deployment on the way out
+        out, err = proc.communicate(timeout=45)
+        pytest.fail(f"chaos run took over 210 s:\n{out}\n{err[-3000:]}")
+    assert proc.returncode == 0, out + err[-3000:]
+    assert "2 trials, 0 with violations" in out, out
