@@ -31,3 +31,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Every failover scenario, the elastic-vs-none overhead and a 5-trial chaos run, then
+# docs/results.md with the numbers, the machine and the plots (about 20-30 min on 2 cores).
+.PHONY: results
+results: $(STAMP)
+	$(BIN)/python bench/results.py

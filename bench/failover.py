@@ -167,7 +167,7 @@ def report(run: Run, name: str) -> dict:
         "outputs_identical": oc.outputs_identical,
         "detect_s": _r(run.t_settled - run.t_event),
         "requests": oc.total, "completed": oc.completed, "mismatched": len(oc.mismatched),
-        "epochs": [s.epoch for s in run.watch.history],
+        "epochs": sorted({s.epoch for s in run.watch.history}),
     }
     if "join" in w:
         out["join_s"] = _r(w["join"][1] - w["join"][0])

@@ -1,0 +1,155 @@
+"""Regenerate docs/results.md: every failover scenario, the overhead A/B and a chaos run,
+each as its own subprocess, then one page with the JSON lines, a table against the
+targets and the timeline plots (docs/results/*.png).
+
+Usage: python bench/results.py [--scenarios kill,rejoin,...] [--chaos-trials 5]
+       [--skip-overhead] [--device cpu|cuda]        (or: make results)
+
+A run that fails is reported as failed on the page, with the end of its stderr; the
+others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _deploy import machine  # noqa: E402
+from failover import SCENARIOS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "results.md"
+PLOTS = REPO / "docs" / "results"
+BOUND_S = 600  # one bench run; the page records a timeout as a failure
+
+# scenario -> (JSON key, target as text, predicate) of the issue's targets
+TARGETS = {
+    "kill": ("interruption_s", "<= 1.0 s", lambda v: v <= 1.0),
+    "kill-rank0": ("interruption_s", "<= 1.0 s", lambda v: v <= 1.0),
+    "double-kill": ("interruption_s", "<= 1.0 s (two kills)", lambda v: v <= 1.0),
+    "freeze": ("interruption_s", "<= 3.0 s", lambda v: v <= 3.0),
+    "rejoin": ("pause_s", "<= 0.5 s", lambda v: v <= 0.5),
+    "scale-up": ("pause_s", "<= 1.0 s", lambda v: v <= 1.0),
+    "scale-down": ("pause_s", "(no target)", lambda v: True),
+}
+
+
+def run_json(cmd: list[str]) -> tuple[dict | None, str]:
+    """Run one bench; returns (its last JSON line or None, stderr tail / failure)."""
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {BOUND_S} s"
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return None, f"exit {p.returncode}: {p.stderr[-1500:]}"
+    return json.loads(lines[-1]), ""
+
+
+def scenario_row(name: str, r: dict | None, why: str) -> str:
+    """One markdown table row for a failover scenario."""
+    if r is None:
+        return f"| {name} | FAILED: {why.splitlines()[-1][:120] if why else '?'} |||||||"
+    key, target, ok = TARGETS[name]
+    v = r.get(key)
+    verdict = "" if v is None else (" (met)" if ok(v) else " (missed)")
+    ratio = (r["tokens_per_s_degraded"] / r["tokens_per_s_healthy"]
+             if r.get("tokens_per_s_degraded") and r.get("tokens_per_s_healthy") else None)
+    return (f"| {name} | {key} = {v} s, target {target}{verdict} | {r['p50_gap_s']} | "
+            f"{r['failed_requests']} | {r['tokens_per_s_healthy']} / "
+            f"{r['tokens_per_s_degraded']} / {r['tokens_per_s_after']} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} | {r['outputs_identical']} | "
+            f"{r.get('detect_s')} |")
+
+
+def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | None, str] | None,
+           chaos: tuple[int, str] | None, device: str) -> str:
+    """The whole page."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        "# Measured results",
+        "",
+        f"Taken {now} at commit `{commit}` on: {machine()}, device `{device}`.",
+        "Regenerate with `make results` (= `.venv/bin/python bench/results.py`).",
+        "",
+        "Caveat: the machine is small and shared; timings vary run to run with whatever",
+        "else runs. Each scenario is one run of `bench/failover.py` (EP4, demo model,",
+        "16 redundant expert slots, 8 concurrent greedy streams of 64 tokens).",
+        "",
+        "## Failover (`bench/failover.py --scenario S`)",
+        "",
+        "| scenario | headline | p50 gap (s) | failed requests | tokens/s healthy / "
+        "degraded / after | degraded / healthy | outputs identical | detect (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    out += [scenario_row(name, *failover[name]) for name in failover]
+    out += ["", "Definitions are in the docstring of `bench/failover.py`. Plots (tokens/s in "
+            "0.5 s bins; dashed lines are events, shaded spans the measured windows):", ""]
+    out += [f"![{name}](results/{name}.png)" for name, (r, _) in failover.items() if r]
+    out += ["", "Raw JSON lines:", "", "```"]
+    out += [json.dumps(r) if r else f"{name}: FAILED {why}" for name, (r, why) in failover.items()]
+    out += ["```", ""]
+    if overhead is not None:
+        r, why = overhead
+        out += ["## Steady-state overhead (`bench/overhead.py`)", ""]
+        if r is None:
+            out += [f"FAILED: {why}", ""]
+        else:
+            noise = max(r["spread_elastic"], r["spread_none"])
+            out += [f"elastic / none = **{r['ratio']}** (medians {r['tokens_per_s_elastic']} vs "
+                    f"{r['tokens_per_s_none']} tokens/s over {r['repeats']} interleaved pairs; "
+                    f"spread up to {noise:.1%}, so a difference below that is noise). Target "
+                    ">= 0.99.", "", "```", json.dumps(r), "```", ""]
+    if chaos is not None:
+        rc, text = chaos
+        out += ["## Chaos (`python -m elasticep.chaos`)", "",
+                f"Exit status {rc} ({'no violation' if rc == 0 else 'VIOLATIONS'}).", "", "```",
+                text.strip(), "```", ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--chaos-trials", type=int, default=5, help="0: skip the chaos run")
+    ap.add_argument("--chaos-seed", type=int, default=1)
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = ap.parse_args()
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    failover = {}
+    for name in args.scenarios.split(","):
+        failover[name] = run_json([py, "bench/failover.py", "--scenario", name, "--device",
+                                   args.device, "--plot", str(PLOTS / f"{name}.png")])
+        print(f"{name}: {failover[name][0] or failover[name][1]}", flush=True)
+    overhead = None
+    if not args.skip_overhead:
+        overhead = run_json([py, "bench/overhead.py", "--device", args.device])
+        print(f"overhead: {overhead[0] or overhead[1]}", flush=True)
+    chaos = None
+    if args.chaos_trials:
+        cmd = [py, "-m", "elasticep.chaos", "--trials", str(args.chaos_trials), "--seed",
+               str(args.chaos_seed), "--device", args.device]
+        try:
+            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                               timeout=BOUND_S * args.chaos_trials)
+            chaos = (p.returncode, p.stdout)
+        except subprocess.TimeoutExpired as exc:
+            chaos = (-1, f"{exc.stdout or ''}\ntimed out after {exc.timeout:.0f} s")
+        print(chaos[1], flush=True)
+    DOC.write_text(render(failover, overhead, chaos, args.device))
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
