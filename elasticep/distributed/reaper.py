@@ -19,7 +19,7 @@ _MAX_HOLD_S = 600.0
 
 
 def reap(inner) -> None:
-    """Hand an `_Inner` (with `.pg` and `.last_work`) to the reaper thread."""
+    """Hand an `_Inner` (with `reapable()` and `close()`) to the reaper thread."""
     global _thread
     with _started:
         if _thread is None:
@@ -38,9 +38,8 @@ def _loop() -> None:
         now = time.monotonic()
         keep = []
         for t0, inner in held:
-            w = inner.last_work
-            if (w is None or w.is_completed()) or now - t0 > _MAX_HOLD_S:
-                inner.pg = None  # the destructor runs here, never on a caller thread
+            if inner.reapable() or now - t0 > _MAX_HOLD_S:
+                inner.close()  # destructors (and NCCL aborts) run here, never on a caller thread
             else:
                 keep.append((t0, inner))
         held = keep

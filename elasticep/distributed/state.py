@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
 from .membership import Decision, local_action
+from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
 from .reaper import reap
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class GroupState:
         # finish it first (exercises the fetch-from-donor path deterministically).
         self._test_hold_s = 0.0
         self._used_epoch = self.epoch
+        # Set by the first CUDA op: from then on every epoch's inner group also builds
+        # its NCCL communicator as soon as the epoch commits (overlapping the decision).
+        self.cuda_device: torch.device | None = None
+        self.nccl_comms: dict[int, NcclComm] = {}  # epoch -> comm (released ones kept for timings)
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -115,6 +120,11 @@ class GroupState:
                 if self.slot in d.dead:
                     self.declared_dead = True
                 self.failure = d
+                # A survivor's NCCL kernel with a dead peer never ends: abort it now, off
+                # this thread, while the next epoch's communicator is being built.
+                for e, inner in self._inner.items():
+                    if e < d.epoch and inner.nccl is not None and not inner.nccl.idle():
+                        inner.nccl.abort_async()
                 self.failure_gen += 1
                 publish = [(s, self.kept[s]) for s, donor in d.donors.items()
                            if donor == self.slot and s in self.kept]
@@ -129,7 +139,8 @@ class GroupState:
                  self.name, d.kind, list(d.active))
         for seq, result in publish:
             buf = io.BytesIO()
-            torch.save(result, buf)
+            # CPU copies: a CUDA tensor would load onto the donor's device index.
+            torch.save([t.cpu() for t in result], buf)
             self.store.set(self._kept_key(d.epoch, seq), buf.getvalue())
         if self.joined and self.slot in d.active:
             self._inner_for(d.epoch, d.active)
@@ -180,9 +191,17 @@ class GroupState:
                     inner = self._inner.get(epoch)  # fast path: built and ready
                     if inner is None or not inner.ready.is_set() or inner.pg is None:
                         inner = self._inner_for(epoch, active).get(self, gen, deadline)
-                    work, finalize = op.start(inner.pg, active)
-                    inner.last_work = work
-                    self._wait_work(work, gen, deadline)
+                    dev = cuda_device_of(op)
+                    if dev is None:
+                        work, finalize = op.start(inner.pg, active)
+                        inner.last_work = work
+                        self._wait_work(work, gen, deadline)
+                    else:
+                        comm = inner.cuda(self, dev, gen, deadline)
+                        work, finalize = op.start(comm.pg, active)
+                        comm.last_work = work
+                        wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
+                                       f"rank {self.slot} group {self.name!r} op {seq}")
                     result = finalize()
                     if self._test_hold_s:  # failure injection: finish late, once
                         time.sleep(self._test_hold_s)
@@ -270,6 +289,18 @@ class GroupState:
                    default=self.epochs[0])
         return best[1], best[2]
 
+    def _check_gen(self, gen: int) -> None:
+        """Raise if this rank left the group or a newer failure decision arrived."""
+        with self.cond:
+            self._check_alive()
+            if self.failure_gen != gen:
+                raise _Superseded
+
+    def nccl_timings(self) -> dict[int, dict]:
+        """Per epoch: seconds to build + warm its NCCL comm, and to abort it (None: not)."""
+        return {e: {"built_s": c.built_s, "abort_s": c.abort_s, "aborted": c.aborted}
+                for e, c in sorted(self.nccl_comms.items())}
+
     def _wait_work(self, work, gen: int, deadline: float) -> None:
         while True:
             try:
@@ -329,15 +360,21 @@ class GroupState:
 
 
 class _Inner:
-    """The inner ProcessGroupGloo of one epoch, built on a background thread."""
+    """The inner groups of one epoch: a ProcessGroupGloo, built on a background thread,
+    and (for CUDA tensors) an `NcclComm`, built on first use or, once the group has
+    seen a CUDA op, as soon as the epoch commits."""
 
     def __init__(self, gs: GroupState, epoch: int, active: tuple[int, ...]) -> None:
         self.epoch, self.pg, self.error = epoch, None, None
         self.last_work = None
+        self.nccl: NcclComm | None = None
         self.ready = threading.Event()
         prefix = f"elastic/{gs.name}/e{epoch}/"
+        self._prefix, self._active = prefix, active
         rank, size = active.index(gs.slot), len(active)
         timeout = timedelta(seconds=gs.timeout_s)
+        if gs.cuda_device is not None:
+            self._start_nccl(gs, gs.cuda_device)
 
         def build() -> None:
             try:
@@ -371,3 +408,53 @@ class _Inner:
                     gs.cond.wait(0.05)
             raise _Superseded
         return self
+
+    def _start_nccl(self, gs: GroupState, device: torch.device) -> NcclComm:
+        self.nccl = NcclComm(gs.new_store, self._prefix + "nccl/", self._active.index(gs.slot),
+                             len(self._active), device, gs.timeout_s)
+        gs.nccl_comms[self.epoch] = self.nccl
+        return self.nccl
+
+    def cuda(self, gs: GroupState, device: torch.device, gen: int, deadline: float) -> NcclComm:
+        """This epoch's NCCL communicator, ready (built on first use).
+
+        Raises:
+            _Superseded: a newer failure decision arrived while waiting.
+            ValueError: the group's CUDA ops moved to another device.
+            TimeoutError: not built by `deadline`.
+        """
+        comm = self.nccl
+        if comm is not None and comm.ready.is_set() and comm.pg is not None:
+            if comm.device != device:
+                raise ValueError(f"group {gs.name!r}: CUDA ops on {device}, communicator on "
+                                 f"{comm.device}")
+            return comm
+        with gs.cond:
+            if gs.cuda_device is None:
+                gs.cuda_device = device
+            comm = self.nccl or self._start_nccl(gs, device)
+        while not comm.ready.wait(0.002):
+            gs._check_gen(gen)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nccl communicator of epoch {self.epoch} not built in time")
+        if comm.pg is None or comm.error is not None:
+            with gs.cond:  # a member died during rendezvous: wait for the new epoch
+                while gs.failure_gen == gen:
+                    gs._check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"nccl communicator of epoch {self.epoch} failed: "
+                                           f"{comm.error}")
+                    gs.cond.wait(0.05)
+            raise _Superseded
+        return comm
+
+    def reapable(self) -> bool:
+        """True once no op of this epoch can still be running (or its comm is aborted)."""
+        w = self.last_work
+        return (w is None or w.is_completed()) and (self.nccl is None or self.nccl.idle())
+
+    def close(self) -> None:
+        """Release both inner groups (reaper thread only: may block)."""
+        if self.nccl is not None:
+            self.nccl.close()
+        self.pg = None

@@ -1,0 +1,213 @@
+"""NCCL inner communicators for CUDA tensors of an elastic group (one per epoch).
+
+An elastic group runs each collective on the inner group of the op's epoch. CPU
+tensors use that epoch's ProcessGroupGloo (`state._Inner`); CUDA tensors use the
+`NcclComm` this module builds next to it, over the same active slots and a store
+prefix of its own, so a communicator is never shared by two epochs.
+
+Failure handling, and why it looks like this:
+
+* A survivor's NCCL kernel never finishes once a peer is SIGKILLed, and blocking
+  ``work.wait()`` (or a timeout in it) would either hang or let the NCCL watchdog tear
+  the process down. So ops are waited on by polling ``work.is_completed()`` (a CUDA
+  event query, no host-device sync), checking between polls whether the coordinator
+  announced a new epoch; detection therefore stays with the control connection.
+* The abandoned communicator is aborted (``ncclCommAbort`` through
+  ``ProcessGroupNCCL.abort``), which kills its hung kernel, on a thread of its own as
+  soon as the failure decision commits; the next epoch's communicator is built and
+  warmed concurrently. An aborted communicator is dropped, never reused.
+* ``shrink_group`` (ncclCommShrink) works on groups torch.distributed registered, not
+  on these per-epoch raw ProcessGroupNCCL objects, so every epoch gets a fresh
+  communicator; in steady state that costs nothing, and at a change it overlaps the
+  coordinator's decision (about 0.03 s for a 1-rank group on an H200).
+
+Environment (set as defaults, before any communicator exists): NVLink multicast off
+(``NCCL_NVLS_ENABLE=0``; the lent GPU hosts require it), and the torch NCCL watchdog
+neither tears the process down on an error nor kills it when stuck, because a dead
+peer is this module's business (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
+``TORCH_NCCL_ENABLE_MONITORING=0``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"),
+               ("TORCH_NCCL_ENABLE_MONITORING", "0")):
+    os.environ.setdefault(_k, _v)
+
+log = logging.getLogger(__name__)
+
+# Poll cadence of an op's completion: spin (GIL released) for the first SPIN_S, since a
+# healthy NVLink collective finishes in tens of microseconds, then nap NAP_S per poll.
+SPIN_S = 0.02
+NAP_S = 0.0005
+ABORT_WAIT_S = 10.0
+
+
+def cuda_device_of(op) -> torch.device | None:
+    """The CUDA device of an `ops` object's data, or None for a CPU op.
+
+    Ops keep their data in ``tensor`` (all_reduce, broadcast) or ``input`` (the rest);
+    barrier has neither and stays on Gloo.
+    """
+    for name in ("tensor", "input"):
+        t = getattr(op, name, None)
+        if isinstance(t, torch.Tensor):
+            return t.device if t.is_cuda else None
+    return None
+
+
+class NcclComm:
+    """The ProcessGroupNCCL of one epoch, created and warmed up on a background thread.
+
+    Args:
+        new_store: makes a fresh client of the coordinator's TCPStore (the rendezvous
+            of a communicator must not queue behind another epoch's on one client).
+        prefix: store prefix unique to (group, epoch).
+        rank, size: this rank's index among the epoch's active slots, and their count.
+        device: the CUDA device this rank's ops use.
+        timeout_s: bound of the rendezvous and of the warm-up (seconds).
+
+    Attributes:
+        built_s: seconds from the start of the build to the end of the warm-up, or None.
+        abort_s: seconds ``abort()`` took, or None if never aborted.
+    """
+
+    def __init__(self, new_store: Callable[[], dist.Store], prefix: str, rank: int,
+                 size: int, device: torch.device, timeout_s: float) -> None:
+        self.prefix, self.device, self.timeout_s = prefix, device, timeout_s
+        self.pg: dist.ProcessGroupNCCL | None = None
+        self.error: BaseException | None = None
+        self.last_work = None
+        self.built_s: float | None = None
+        self.abort_s: float | None = None
+        self.ready = threading.Event()
+        self._aborted = threading.Event()
+        self._lock = threading.Lock()
+        self._abort_thread: threading.Thread | None = None
+        threading.Thread(target=self._build, args=(new_store, rank, size), daemon=True,
+                         name=f"elastic-nccl-{prefix}").start()
+
+    def _build(self, new_store, rank: int, size: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=self.timeout_s)
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(self.prefix, new_store()), rank, size,
+                                       opts)
+            with self._lock:
+                if self._aborted.is_set():  # reaped before it was ever used
+                    _abort_pg(pg)
+                    raise RuntimeError("aborted while building")
+                self.pg = pg
+            # The communicator itself is created lazily by the first collective: run a
+            # tiny one here so that the first real op of the epoch does not pay for it.
+            with torch.cuda.device(self.device):
+                x = torch.ones(1, device=self.device)
+                work = pg.allreduce([x])
+                deadline = time.monotonic() + self.timeout_s
+                while not work.is_completed():
+                    if self._aborted.is_set() or time.monotonic() > deadline:
+                        raise RuntimeError("warm-up did not complete (a member is gone)")
+                    time.sleep(NAP_S)
+                work.wait()
+            self.built_s = time.perf_counter() - t0
+        except BaseException as e:  # a member died during rendezvous: a new epoch follows
+            self.error = e
+            log.info("nccl comm %s not built: %s", self.prefix, e)
+        self.ready.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def idle(self) -> bool:
+        """True if no op of this communicator can still be running on the GPU."""
+        w = self.last_work
+        return self.aborted or w is None or w.is_completed()
+
+    def abort_async(self) -> None:
+        """Start aborting this communicator on a thread of its own (idempotent)."""
+        with self._lock:
+            if self._aborted.is_set():
+                return
+            self._aborted.set()
+            pg = self.pg
+        if pg is None:
+            return
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            _abort_pg(pg)
+            self.abort_s = time.perf_counter() - t0
+            log.info("nccl comm %s aborted in %.3fs", self.prefix, self.abort_s)
+
+        self._abort_thread = threading.Thread(target=run, daemon=True,
+                                              name=f"elastic-nccl-abort-{self.prefix}")
+        self._abort_thread.start()
+
+    def wait_aborted(self, timeout_s: float = ABORT_WAIT_S) -> None:
+        """Block until a started abort finished, at most timeout_s (then log and go on)."""
+        t = self._abort_thread
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():
+                log.warning("nccl comm %s: abort still running after %.1fs", self.prefix,
+                            timeout_s)
+
+    def close(self) -> None:
+        """Release the communicator (abort: the only teardown that needs no peer)."""
+        self.abort_async()
+        self.wait_aborted()
+        self.pg = None
+
+
+def _abort_pg(pg) -> None:
+    try:
+        pg.abort()
+    except Exception as e:  # already torn down by the watchdog, or never initialised
+        log.info("nccl abort: %s", e)
+
+
+def wait_cuda_work(work, check: Callable[[], None], deadline: float, what: str) -> None:
+    """Wait for an NCCL `work` without ever blocking inside a dead kernel.
+
+    Polls ``work.is_completed()``; between polls `check()` may raise (a new epoch, an
+    eviction) to abandon the op. When it completes, ``work.wait()`` makes the caller's
+    current stream wait for the NCCL stream (no host block).
+
+    Raises:
+        TimeoutError: not completed by `deadline` (time.monotonic()).
+        whatever `check` raises.
+    """
+    start = time.monotonic()
+    while True:
+        if work.is_completed():
+            try:
+                work.wait()
+                return
+            except Exception as e:  # the communicator broke: wait for the decision
+                log.info("%s: nccl work failed (%s); waiting for the new epoch", what, e)
+                while True:
+                    check()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{what}: nccl op failed and no new epoch "
+                                           f"came: {e}") from e
+                    time.sleep(0.01)
+        now = time.monotonic()
+        if now - start < SPIN_S:
+            time.sleep(0)  # let the control thread run; a healthy op ends in microseconds
+            continue
+        check()
+        if now > deadline:
+            raise TimeoutError(f"{what}: nccl op timed out")
+        time.sleep(NAP_S)
