@@ -59,7 +59,8 @@ class Load:
     completed: int = 0
     errors: list[str] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    max_gap: tuple[float, float] = (0.0, 0.0)  # (gap seconds, time it ended)
+    max_gap: tuple[float, float] = (0.0, 0.0)  # (seconds between two tokens, when it ended)
+    max_ttft: float = 0.0  # longest wait for a first token (queueing included), seconds
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -70,7 +71,7 @@ class Load:
             i += n_workers
             with self.lock:
                 self.sent += 1
-            last = time.monotonic()
+            start, last = time.monotonic(), None
             try:
                 for _ in self.client.completions.create(
                         model=self.model, prompt=f"Question: {question}\nAnswer:",
@@ -78,7 +79,9 @@ class Load:
                     now = time.monotonic()
                     with self.lock:
                         self.token_times.append(now)
-                        if now - last > self.max_gap[0]:
+                        if last is None:
+                            self.max_ttft = max(self.max_ttft, now - start)
+                        elif now - last > self.max_gap[0]:
                             self.max_gap = (now - last, now)
                     last = now
                 with self.lock:
@@ -244,7 +247,8 @@ def report(demo: Demo, load: Load, phases: list[tuple[float, float, str]]) -> No
           f"errors {len(load.errors)}")
     gap, at = load.max_gap
     print(f"longest gap between two tokens of one stream: {gap:.2f} s "
-          f"(ended at t={at - demo.t0:.1f} s)")
+          f"(ended at t={at - demo.t0:.1f} s); longest wait for a first token: "
+          f"{load.max_ttft:.2f} s")
     for t0, t1, name in phases:
         if t1 > t0:
             print(f"tokens/s {name:<13}: {load.tokens_between(t0, t1) / (t1 - t0):7.1f}")
