@@ -16,7 +16,9 @@ failed_requests (client errors + streams cut short without an error),
 tokens_per_s_healthy / _degraded / _after (null where the scenario has no such phase),
 pause_s (rejoin / scale: longest gap from the join or scale request until the new
 membership is committed + 0.5 s), outputs_identical (every completed request's greedy
-text equals the reference pass's), detect_s (event -> the coordinator's new epoch).
+text equals the reference pass's), detect_s (fault -> the coordinator's epoch without
+the victim), admit_s (scale request or join start -> the new membership committed),
+join_s (join start -> joiners ready / admitted).
 """
 
 from __future__ import annotations
@@ -165,10 +167,13 @@ def report(run: Run, name: str) -> dict:
         "pause_s": None if run.pause_from is None else _r(
             timeline.max_gap_overlapping(recs, run.pause_from, run.t_admitted + 0.5)),
         "outputs_identical": oc.outputs_identical,
-        "detect_s": _r(run.t_settled - run.t_event),
         "requests": oc.total, "completed": oc.completed, "mismatched": len(oc.mismatched),
         "epochs": sorted({s.epoch for s in run.watch.history}),
     }
+    if name in ("scale-up", "scale-down"):
+        out["admit_s"] = _r(run.t_admitted - run.t_event)
+    else:
+        out["detect_s"] = _r(run.t_settled - run.t_event)
     if "join" in w:
         out["join_s"] = _r(w["join"][1] - w["join"][0])
         out["tokens_per_s_during_join"] = tps("join")

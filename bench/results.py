@@ -65,7 +65,7 @@ def scenario_row(name: str, r: dict | None, why: str) -> str:
             f"{r['failed_requests']} | {r['tokens_per_s_healthy']} / "
             f"{r['tokens_per_s_degraded']} / {r['tokens_per_s_after']} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {r['outputs_identical']} | "
-            f"{r.get('detect_s')} |")
+            f"{r.get('detect_s', r.get('admit_s'))} |")
 
 
 def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | None, str] | None,
@@ -84,10 +84,20 @@ def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | 
         "else runs. Each scenario is one run of `bench/failover.py` (EP4, demo model,",
         "16 redundant expert slots, 8 concurrent greedy streams of 64 tokens).",
         "",
+        "Single commands:",
+        "",
+        "```",
+        ".venv/bin/python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|"
+        "scale-down|double-kill --plot out.png",
+        ".venv/bin/python bench/overhead.py --repeats 5",
+        ".venv/bin/python -m elasticep.chaos --trials 50 --seed 1     # the long chaos run",
+        ".venv/bin/pytest -q tests/test_chaos_short.py                # 2 trials, CI",
+        "```",
+        "",
         "## Failover (`bench/failover.py --scenario S`)",
         "",
         "| scenario | headline | p50 gap (s) | failed requests | tokens/s healthy / "
-        "degraded / after | degraded / healthy | outputs identical | detect (s) |",
+        "degraded / after | degraded / healthy | outputs identical | detect or admit (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     out += [scenario_row(name, *failover[name]) for name in failover]
