@@ -94,8 +94,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
     from elasticep.entrypoints.supervisor import supervise
 
     dep = settings.deployment
-    coordinator = start_coordinator(settings.coordinator_host, settings.coordinator_port,
-                                    hb_timeout_s=dep.heartbeat_timeout_s)
+    where = f"{settings.coordinator_host}:{settings.coordinator_port}"
+    try:
+        coordinator = start_coordinator(settings.coordinator_host, settings.coordinator_port,
+                                        hb_timeout_s=dep.heartbeat_timeout_s)
+    except OSError as exc:
+        raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
+                      f"{exc.strerror or exc}") from exc
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
     launcher = membership = server = None
@@ -116,9 +121,14 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
         else:  # plain Gloo ranks never register with the coordinator: hellos are all we see
             membership = ConnectedWorkers(lambda: channel.connected, dep.ep_size)
         name = args.served_model_name or Path(dep.model).name
-        server, _frontend = create_server(
-            dep.model, channel, membership, served_model_name=name, api_key=settings.api_key,
-            host=settings.host, port=settings.port, max_total_tokens=dep.max_total_tokens)
+        try:
+            server, _frontend = create_server(
+                dep.model, channel, membership, served_model_name=name,
+                api_key=settings.api_key, host=settings.host, port=settings.port,
+                max_total_tokens=dep.max_total_tokens)
+        except OSError as exc:
+            raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
+                          f"{exc.strerror or exc}") from exc
         server.start()
         if not _wait_ready(membership, channel, launcher, dep.ep_size, stop):
             return 0 if stop.is_set() else 1
