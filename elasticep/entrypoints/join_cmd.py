@@ -2,11 +2,11 @@
 
 Two modes (flags named as in SGLang):
 
-* ``recover`` (alias ``--elastic-ep-rejoin``): relaunch failed slots. An evicted worker of
-  that slot that is still alive on this machine (frozen) is killed first. The new rank
-  loads, goes failed -> joining -> ready and is admitted at a step boundary (-> healthy).
-* ``scale``: start ranks in free capacity (``--max-ep-size``); they wait in ``ready``
-  until ``POST /scale_elastic_ep {"new_ep_size": K}`` admits them.
+* recover (alias --elastic-ep-rejoin): relaunch failed slots. An evicted worker of that
+  slot that is still alive on this machine (frozen) is killed first. The new rank loads,
+  goes failed -> joining -> ready and is admitted at a step boundary (-> healthy).
+* scale: start ranks in free capacity (serve --max-ep-size); they wait in "ready" until
+  POST /scale_elastic_ep {"new_ep_size": K} admits them.
 
 Everything else (model, dtype, device, EP settings, front-end addresses) comes from the
 coordinator. The command stays in the foreground; Ctrl-C stops the ranks it started.
@@ -29,7 +29,8 @@ examples:
   elasticep join --dist-init-addr 127.0.0.1:29400 --elastic-ep-rejoin --ranks 2
   elasticep join --dist-init-addr 127.0.0.1:29400 --elastic-ep-join-mode scale \\
       --elastic-ep-join-rank-offset 4 --nranks 2        # or: --ranks 4,5
-  curl -X POST localhost:30000/scale_elastic_ep -d '{"new_ep_size": 6}'
+  curl -X POST localhost:30000/scale_elastic_ep -H 'Content-Type: application/json' \\
+      -d '{"new_ep_size": 6}'
 """
 
 # slot states a joiner may take, per mode
