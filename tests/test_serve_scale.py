@@ -149,6 +149,26 @@ def test_frozen_rank_is_killed_and_restarted(serve):
     assert ok.error is None
 
 
+def test_scale_down_of_a_serve_rank_is_never_restarted(serve):
+    """Rank 3 is serve's own child, and serve runs with --restart-failed-ranks: once a
+    scale-down removed it on purpose, it stays removed."""
+    victim = serve.rank(3)
+    assert victim["state"] == "healthy"
+    reply = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 3}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    serve.wait_for(lambda s: serve.rank(3)["state"] == "removed"
+                   and s["scale_phase"] == "idle", 60, "rank 3 removed")
+    deadline = time.monotonic() + 10
+    while pid_alive(victim["pid"]):
+        assert time.monotonic() < deadline, "the removed worker did not exit"
+        time.sleep(0.1)
+    time.sleep(1.5)  # several supervisor periods: no relaunch may happen
+    after = serve.rank(3)
+    assert after["state"] == "removed" and after["pid"] == victim["pid"], after
+    ok = stream(serve.client, PROMPTS[0], MAX_TOKENS)
+    assert ok.error is None
+
+
 def test_killed_serve_leaves_no_orphans(serve):
     """SIGKILL on serve itself: its workers die with it (PR_SET_PDEATHSIG); the joined
     ranks lose the coordinator and exit, and so does their `join`."""
