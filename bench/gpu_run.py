@@ -1,0 +1,486 @@
+"""One lease on a 2-GPU machine: check, benchmark and write every GPU result.
+
+Sections (each runs even if an earlier one failed; its error is recorded instead):
+
+* ``env``: torch / CUDA / NCCL versions, GPUs, ``shrink_group``, and which of the
+  serve path's pure-python dependencies import.
+* ``nccl``: 2 ranks (one per GPU) on the "elastic" backend: all_reduce (fp32, bf16)
+  and all_to_all_single results; the EP2 padded exchange + grouped GEMM over the
+  elastic group against a single-rank fp32 reference; latency of all_to_all_single
+  8 MiB and all_reduce (4 B, 8 MiB), ours vs a raw ProcessGroupNCCL over the same
+  GPUs (interleaved rounds, medians of per-op host latency including
+  ``cuda.synchronize``); MoE-layer step throughput with the exchange over ``elastic``
+  against raw NCCL (the ``none`` baseline), interleaved.
+* ``kill``: 2 ranks loop a CPU header all_reduce + a GPU all_reduce; rank 1 is
+  SIGKILLed; the survivor's interruption, the old communicator's abort time and the
+  new one's build time; then rank 1 is relaunched and the survivor's rejoin pause.
+* ``kernels``: grouped GEMM SwiGLU vs fp32 reference, and its time vs the
+  sorted-matmul fallback.
+* ``generate``: greedy tokens of 8 GSM8K prompts, ``--device cuda`` vs cpu (EP1, and
+  an EP2 attempt).
+
+Run: ``NCCL_NVLS_ENABLE=0 python bench/gpu_run.py --out DIR`` (``--cpu`` dry-runs the
+multi-process sections on Gloo/CPU to check the script). Writes DIR/gpu_results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import elasticep.distributed as ed  # noqa: E402
+from elasticep.moe.cuda_experts import grouped_swiglu  # noqa: E402
+from elasticep.moe.ep_executor import run_expert_rows  # noqa: E402
+from elasticep.moe.local_executor import run_slots  # noqa: E402
+from elasticep.moe.padded_exchange import (  # noqa: E402
+    exchange_over,
+    padded_combine,
+    padded_dispatch,
+    pair_capacity,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPS = ("fastapi", "uvicorn", "zmq", "prometheus_client", "openai", "safetensors",
+        "tokenizers", "tqdm", "transformers", "httpx")
+
+
+def _dev(rank: int, cuda: bool) -> torch.device:
+    if cuda:
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _raw_group(rank: int, addr: str, cuda: bool, tag: str):
+    store = dist.TCPStore(addr.split(":")[0], ed.api._ctl.store_port, is_master=False,
+                          timeout=timedelta(seconds=60))
+    pre = dist.PrefixStore(f"bench/raw/{tag}/", store)
+    if cuda:
+        return dist.ProcessGroupNCCL(pre, rank, 2)
+    return dist.ProcessGroupGloo(pre, rank, 2, timedelta(seconds=60))
+
+
+# --------------------------------------------------------------------------- nccl
+def _moe_problem(dev, dtype, G=2, S=64, H=2048, inter=768, k=8, T=128, seed=0):
+    """Random EP problem, identical on every rank (same seed, same device type)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = (torch.randn(G * S, 2 * inter, H, generator=g, device=dev) * 0.02).to(dtype)
+    w2 = (torch.randn(G * S, H, inter, generator=g, device=dev) * 0.02).to(dtype)
+    hidden = [torch.randn(T, H, generator=g, device=dev).to(dtype) for _ in range(G)]
+    slots = [torch.argsort(torch.rand(T, G * S, generator=g, device=dev), dim=1)[:, :k]
+             for _ in range(G)]
+    weights = [torch.rand(T, k, generator=g, device=dev) for _ in range(G)]
+    return dict(w13=w13, w2=w2, hidden=hidden, slots=slots, weights=weights, S=S, k=k, T=T)
+
+
+def _moe_layer(p, rank, dev, exchange, w13, w2, hidden, slots, weights):
+    S, k, T = p["S"], p["k"], p["T"]
+    cap = pair_capacity(T, k, S)
+    rows, tags, plan = padded_dispatch(hidden, slots, S, 2, cap, exchange)
+    pairs = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, exchange)
+    return (pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+
+
+def nccl_worker(rank, addr, conn, cuda, rounds, iters):
+    try:
+        dev = _dev(rank, cuda)
+        ed.init_process_group(addr, rank, 2, timeout_s=60)
+        res = {}
+        # correctness through the elastic group
+        x = torch.full((1 << 20,), float(rank + 1), device=dev)
+        dist.all_reduce(x)
+        res["all_reduce_fp32_ok"] = bool((x == 3).all())
+        xb = torch.full((4096,), float(rank + 1), device=dev, dtype=torch.bfloat16)
+        dist.all_reduce(xb)
+        res["all_reduce_bf16_ok"] = bool((xb == 3).all())
+        inp = torch.arange(8, device=dev, dtype=torch.float32) + 100 * rank
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp)
+        want = torch.cat([torch.arange(4) + 4 * rank, torch.arange(4) + 4 * rank + 100])
+        res["all_to_all_ok"] = bool((out.cpu() == want).all())
+        # EP2 padded exchange + grouped GEMM over the elastic group vs fp32 reference
+        dtype = torch.bfloat16
+        p = _moe_problem(dev, dtype) if cuda else _moe_problem(dev, dtype, S=4, H=64,
+                                                                   inter=32, k=2, T=8)
+        S = p["S"]
+        w13 = p["w13"][rank * S:(rank + 1) * S].to(dev)
+        w2 = p["w2"][rank * S:(rank + 1) * S].to(dev)
+        args = (p["hidden"][rank].to(dev), p["slots"][rank].to(dev), p["weights"][rank].to(dev))
+        got = _moe_layer(p, rank, dev, exchange_over(None), w13, w2, *args)
+        ref = run_slots(p["w13"].float().to(dev), p["w2"].float().to(dev),
+                        p["hidden"][rank].float().to(dev), p["slots"][rank].to(dev),
+                        p["weights"][rank].to(dev))
+        res["ep2_moe_rel_err_bf16"] = float((got - ref).norm() / ref.norm())
+        # latency: ours vs raw
+        raw = _raw_group(rank, addr, cuda, "lat")
+        a2a_in = torch.randn(2 << 20, device=dev)  # 8 MiB fp32
+        a2a_out = torch.empty_like(a2a_in)
+        big = torch.randn(2 << 20, device=dev)
+        small = torch.ones(1, device=dev)
+        opts = dist.AllToAllOptions()
+        cases = {
+            "all_to_all_single_8MiB": (
+                lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
+                lambda: dist.all_to_all_single(a2a_out, a2a_in)),
+            "all_reduce_8MiB": (lambda: raw.allreduce([big]).wait(),
+                                lambda: dist.all_reduce(big)),
+            "all_reduce_4B": (lambda: raw.allreduce([small]).wait(),
+                              lambda: dist.all_reduce(small)),
+        }
+        line = torch.zeros(1, device=dev)
+        lat = {}
+        for name, (raw_fn, ours_fn) in cases.items():
+            times = {"raw": [], "ours": []}
+            for _ in range(3):  # warm-up both
+                raw_fn(), ours_fn()
+            for rnd in range(rounds):
+                for mode in (("raw", "ours") if rnd % 2 == 0 else ("ours", "raw")):
+                    fn = raw_fn if mode == "raw" else ours_fn
+                    raw.allreduce([line]).wait()
+                    _sync(cuda)
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        fn()
+                        _sync(cuda)
+                        times[mode].append(time.perf_counter() - t0)
+            r, o = statistics.median(times["raw"]), statistics.median(times["ours"])
+            lat[name] = {"raw_us": round(r * 1e6, 1), "ours_us": round(o * 1e6, 1),
+                         "ratio": round(o / r, 3),
+                         "raw_p90_us": round(sorted(times["raw"])[int(.9 * len(times["raw"]))]
+                                             * 1e6, 1),
+                         "ours_p90_us": round(sorted(times["ours"])[int(.9 * len(times["ours"]))]
+                                              * 1e6, 1)}
+        res["latency"] = lat
+        # MoE-layer steps (4 layers, T tokens per rank): exchange over elastic vs raw
+        raw_ex = _raw_exchange(raw)
+        steps = {"none": [], "elastic": []}
+        for rnd in range(rounds):
+            for mode in (("none", "elastic") if rnd % 2 == 0 else ("elastic", "none")):
+                ex = raw_ex if mode == "none" else exchange_over(None)
+                raw.allreduce([line]).wait()
+                _sync(cuda)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    for _layer in range(4):
+                        _moe_layer(p, rank, dev, ex, w13, w2, *args)
+                _sync(cuda)
+                steps[mode].append((time.perf_counter() - t0) / iters)
+        n, e = statistics.median(steps["none"]), statistics.median(steps["elastic"])
+        res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4, "none_ms": round(n * 1e3, 3),
+                           "elastic_ms": round(e * 1e3, 3),
+                           "tokens_per_s_none": round(2 * p["T"] / n, 1),
+                           "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
+                           "elastic_over_none": round(n / e, 4)}
+        res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
+        conn.send(("res", rank, res))
+        raw.allreduce([line]).wait()
+        _sync(cuda)
+    except BaseException:
+        conn.send(("error", rank, traceback.format_exc()))
+    time.sleep(1.0)
+    os._exit(0)
+
+
+def _raw_exchange(raw):
+    opts = dist.AllToAllOptions()
+
+    def run(out, inp):
+        raw.alltoall_base(out, inp, [], [], opts).wait()
+
+    return run
+
+
+# --------------------------------------------------------------------------- kill
+def kill_worker(rank, addr, conn, cuda, ext, stop_file):
+    """CPU header all_reduce (agree on admitting ready slots), then a GPU all_reduce."""
+    try:
+        dev = _dev(rank, cuda)
+        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="complete",
+                              is_extension=ext)
+        if ext:
+            ed.join_group(timeout_s=60)
+        data = torch.ones(256 * 1024, device=dev)  # 1 MiB
+        times, pause, t_rec, n = [], None, None, 0
+        while True:
+            st = ed.get_slot_states()
+            h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(2)]
+                             + [float(os.path.exists(stop_file))])
+            dist.all_reduce(h, op=dist.ReduceOp.MAX)
+            if h[2] > 0:
+                break
+            agreed = [s for s in range(2) if h[s] > 0]
+            if agreed:
+                t_rec = time.monotonic()
+                ed.recover_ranks(None, agreed)
+                continue
+            x = data.clone()
+            dist.all_reduce(x)
+            times.append(time.time())
+            if t_rec is not None:
+                pause, t_rec = time.monotonic() - t_rec, None
+            n += 1
+            if n == 200:
+                conn.send(("started", rank, None))
+        gs = ed.api._gs(None)
+        conn.send(("res", rank, {"times": times, "rejoin_pause_s": pause,
+                                 "nccl_timings": gs.nccl_timings(), "epoch": gs.epoch}))
+    except BaseException:
+        conn.send(("error", rank, traceback.format_exc()))
+    time.sleep(1.0)
+    os._exit(0)
+
+
+class _Procs:
+    def __init__(self, ctx, addr):
+        self.ctx, self.addr, self.procs, self.conns, self.msgs = ctx, addr, {}, {}, []
+
+    def start(self, rank, target, *args):
+        r, w = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(target=target, args=(rank, self.addr, w, *args))
+        p.start()
+        w.close()
+        self.procs[rank], self.conns[r] = p, rank
+
+    def poll(self, until, timeout):
+        deadline = time.monotonic() + timeout
+        while not until():
+            errs = [m for m in self.msgs if m[0] == "error"]
+            if errs:
+                raise RuntimeError(f"worker failed: {errs}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("phase did not finish in time")
+            for r in wait(list(self.conns), 0.05):
+                try:
+                    self.msgs.append(r.recv())
+                except (EOFError, OSError):
+                    del self.conns[r]
+
+    def got(self, kind, rank):
+        return [m[2] for m in self.msgs if m[0] == kind and m[1] == rank]
+
+    def close(self):
+        for p in self.procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+
+
+def section_nccl(ctx, cuda, quick):
+    coord = ed.start_coordinator()
+    ps = _Procs(ctx, coord.address)
+    try:
+        rounds, iters = (2, 5) if quick else (8, 50)
+        for r in range(2):
+            ps.start(r, nccl_worker, cuda, rounds, iters)
+        ps.poll(lambda: all(ps.got("res", r) for r in range(2)), 300)
+        return {f"rank{r}": ps.got("res", r)[0] for r in range(2)}
+    finally:
+        ps.close()
+        coord.close()
+
+
+def section_kill(ctx, cuda, quick):
+    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    ps = _Procs(ctx, coord.address)
+    stop = f"/tmp/gpu_run_stop_{os.getpid()}"
+    if os.path.exists(stop):
+        os.unlink(stop)
+    try:
+        for r in range(2):
+            ps.start(r, kill_worker, cuda, False, stop)
+        ps.poll(lambda: ps.got("started", 0) and ps.got("started", 1), 120)
+        time.sleep(1.0)
+        t_kill = time.time()
+        os.kill(ps.procs[1].pid, signal.SIGKILL)
+        ps.procs[1].join(5)
+        del ps.procs[1]
+        time.sleep(3.0)  # survivor alone
+        t_relaunch = time.time()
+        ps.start(1, kill_worker, cuda, True, stop)
+        ps.poll(lambda: len(ps.got("started", 1)) >= 2, 120)  # the relaunched one
+        time.sleep(1.0)
+        Path(stop).touch()
+        ps.poll(lambda: ps.got("res", 0) and ps.got("res", 1), 60)
+        s = ps.got("res", 0)[0]
+        times = s["times"]
+        after = [t for t in times if t > t_kill]
+        before = [t for t in times if t <= t_kill]
+        alone = [t for t in after if t < t_relaunch]
+        out = {
+            "interruption_s": round(after[0] - t_kill, 4) if after else None,
+            "gap_around_kill_s": round(after[0] - before[-1], 4) if after and before else None,
+            "survivor_ops_alone": len(alone),
+            "rejoin_pause_s": s["rejoin_pause_s"],
+            "final_epoch": s["epoch"],
+            "survivor_nccl_timings": s["nccl_timings"],
+            "joiner_nccl_timings": ps.got("res", 1)[0]["nccl_timings"],
+        }
+        timings = s["nccl_timings"]
+        epochs = sorted(timings)
+        if len(epochs) >= 2:
+            out["nccl_teardown_s"] = timings[epochs[0]]["abort_s"]
+            out["nccl_rebuild_s"] = timings[epochs[1]]["built_s"]
+        return out
+    finally:
+        if os.path.exists(stop):
+            os.unlink(stop)
+        ps.close()
+        coord.close()
+
+
+# --------------------------------------------------------------------------- single process
+def section_env():
+    out = {"torch": torch.__version__, "python": sys.version.split()[0],
+           "cuda_available": torch.cuda.is_available(),
+           "gpus": torch.cuda.device_count(),
+           "shrink_group": hasattr(dist, "shrink_group"),
+           "grouped_mm": hasattr(torch, "_grouped_mm"),
+           "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
+    if torch.cuda.is_available():
+        out["gpu_name"] = torch.cuda.get_device_name(0)
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    deps = {}
+    for m in DEPS:
+        try:
+            mod = importlib.import_module(m)
+            deps[m] = getattr(mod, "__version__", "ok")
+        except Exception as e:
+            deps[m] = f"MISSING: {type(e).__name__}: {e}"
+    out["deps"] = deps
+    return out
+
+
+def _time_cuda(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def section_kernels():
+    dev = torch.device("cuda", 0)
+    out = {}
+    for T in (16, 128, 1024):
+        g = torch.Generator().manual_seed(T)
+        S, H, inter, k = 64, 2048, 768, 8
+        w13 = (torch.randn(S, 2 * inter, H, generator=g) * 0.02).to(dev, torch.bfloat16)
+        w2 = (torch.randn(S, H, inter, generator=g) * 0.02).to(dev, torch.bfloat16)
+        n = T * k
+        rows = torch.randn(n, H, generator=g).to(dev, torch.bfloat16)
+        tags = torch.randint(0, S + 1, (n,), generator=g).to(dev, torch.int32)  # 0 = padding
+        y = grouped_swiglu(w13, w2, rows, tags, use_grouped=True)
+        valid = tags > 0
+        ref = torch.zeros(n, H, device=dev)
+        ref[valid] = run_expert_rows(w13.float(), w2.float(), rows[valid].float(),
+                                     tags[valid].long() - 1)
+        err = float((y.float() - ref).norm() / ref.norm())
+        pad_zero = bool((y[~valid] == 0).all())
+        case = (w13, w2, rows, tags)
+        t_g = _time_cuda(lambda c=case: grouped_swiglu(*c, use_grouped=True), 20)
+        t_f = _time_cuda(lambda c=case: grouped_swiglu(*c, use_grouped=False), 10)
+        flops = 2 * int(valid.sum()) * H * 3 * inter
+        out[f"rows_{n}"] = {"rel_err_vs_fp32": round(err, 5), "padding_rows_zero": pad_zero,
+                            "grouped_ms": round(t_g, 4), "sorted_matmul_fallback_ms": round(t_f, 4),
+                            "grouped_tflops": round(flops / t_g / 1e9, 1)}
+    return out
+
+
+def section_generate(tmp: Path, quick: bool):
+    lines = (ROOT / "data/gsm8k/test_head64.jsonl").read_text().splitlines()[:8]
+    pf = tmp / "prompts8.jsonl"
+    pf.write_text("".join(json.dumps({"prompt": json.loads(s)["question"]}) + "\n"
+                          for s in lines))
+    ntok = 8 if quick else 32
+    runs = {"cpu_ep1": ["--device", "cpu"], "cuda_ep1": ["--device", "cuda"],
+            "cpu_ep2": ["--device", "cpu", "--ep-size", "2"],
+            "cuda_ep2": ["--device", "cuda", "--ep-size", "2"]}
+    toks, out = {}, {}
+    for name, extra in runs.items():
+        cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--prompts-file", str(pf),
+               "--max-tokens", str(ntok), *extra]
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
+            wall = round(time.monotonic() - t0, 2)
+            if p.returncode == 0:
+                toks[name] = [json.loads(s)["token_ids"] for s in p.stdout.splitlines() if s]
+                out[name] = {"ok": True, "wall_s": wall}
+            else:
+                out[name] = {"ok": False, "rc": p.returncode, "stderr_tail": p.stderr[-1500:]}
+        except subprocess.TimeoutExpired as e:
+            out[name] = {"ok": False, "timeout": True,
+                         "stderr_tail": (e.stderr or b"")[-1500:].decode(errors="replace")
+                         if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}
+    ref = toks.get("cpu_ep1")
+    for name, t in toks.items():
+        if ref is None or name == "cpu_ep1":
+            continue
+        agree = []
+        for a, b in zip(ref, t, strict=False):
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                        min(len(a), len(b)))
+            agree.append(same)
+        out[name]["identical_prefix_vs_cpu_ep1"] = agree
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run"))
+    ap.add_argument("--cpu", action="store_true", help="dry run of nccl/kill on Gloo")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="env,nccl,kill,kernels,generate")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = not args.cpu
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "elasticep.distributed"])
+    results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    sections = {"env": section_env, "nccl": lambda: section_nccl(ctx, cuda, args.quick),
+                "kill": lambda: section_kill(ctx, cuda, args.quick),
+                "kernels": section_kernels,
+                "generate": lambda: section_generate(out_dir, args.quick)}
+    for name in args.only.split(","):
+        t0 = time.monotonic()
+        try:
+            results[name] = sections[name]()
+        except BaseException as e:
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        results.setdefault("section_s", {})[name] = round(time.monotonic() - t0, 1)
+        (out_dir / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"== {name} ({results['section_s'][name]} s)", flush=True)
+        print(json.dumps(results[name], default=str)[:3000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
