@@ -223,13 +223,16 @@ def run(args: argparse.Namespace) -> int:
         lost = [r["rank"] for r in demo.status()["ranks"] if r["state"] != "healthy"]
     except (RuntimeError, httpx.HTTPError, openai.OpenAIError, OSError) as exc:
         print(f"demo failed: {exc}\n  logs: {demo.logs}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # serve and join run in their own sessions: stop them here
+        print("demo interrupted; stopping what it started", file=sys.stderr)
+        return 130
+    finally:
         if load is not None:
             load.stop.set()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        demo.stop_all()
-        return 1
-    left = demo.stop_all()
+        left = demo.stop_all()
     report(demo, load, [(demo.t0, t_fail, "EP4 healthy"), (t_fail, t_back, "EP3 degraded"),
                         (t_back, t_ep6, "EP4 again"), (t_ep6, t_end, "EP6")])
     print(f"processes left after Ctrl-C: {len(left)}")
@@ -256,7 +259,15 @@ def report(demo: Demo, load: Load, phases: list[tuple[float, float, str]]) -> No
         print(f"  error: {err}")
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> int:
+    # Explicit handlers: a background job may inherit SIGINT ignored, and SIGTERM must
+    # clean up too (serve and join run in their own sessions and would be left behind).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
