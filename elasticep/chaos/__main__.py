@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s chaos %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the deployment on SIGTERM too
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     t0 = time.monotonic()
