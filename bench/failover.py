@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -36,15 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _deploy import Run, add_deploy_arguments, deployment_args  # noqa: E402
 
 from elasticep.harness import timeline  # noqa: E402
-from elasticep.utils.procs import pid_alive  # noqa: E402
+from elasticep.harness.faults import resume, signal_ranks, wait_in, wait_out  # noqa: E402
 
 SCENARIOS = ("kill", "freeze", "kill-rank0", "rejoin", "scale-up", "scale-down", "double-kill")
 SETTLE_S = 1.0  # after the new epoch: redo + resubmission before "degraded" is steady
-SIGNAL_NAMES = {signal.SIGKILL: "SIGKILL", signal.SIGSTOP: "SIGSTOP"}
-
-
-def _active(*ranks: int):
-    return lambda s: all(r in s.active for r in ranks)
 
 
 def fault(run: Run, victims: list[int], sig: int, gap_s: float) -> float:
@@ -54,28 +48,20 @@ def fault(run: Run, victims: list[int], sig: int, gap_s: float) -> float:
     Raises:
         TimeoutError: the membership did not drop them within 30 s.
     """
-    e0, t_first = run.watch.latest().epoch, time.monotonic()
-    for i, r in enumerate(victims):
-        if i:
-            time.sleep(gap_s)
-        run.pids[r] = run.serve.signal_rank(r, sig)
-        t = run.mark(f"{SIGNAL_NAMES[sig]} rank {r}")
+    since = time.monotonic()
+    for t, rank, pid in signal_ranks(run.serve, victims, sig, gap_s):
+        run.pids[rank] = pid
+        run.mark(f"{signal.Signals(sig).name} rank {rank}", at=t)
         run.t_event = run.t_event or t
-    snap = run.watch.wait_for(lambda s: s.epoch > e0 and not any(r in s.active for r in victims),
-                              30, f"ranks {victims} out of the membership", after=t_first)
+    snap = wait_out(run.watch, victims, since)
     run.t_settled = run.mark(f"epoch {snap.epoch}: {victims} out", at=snap.t)
     return snap.t
 
 
 def resume_frozen(run: Run, rank: int, bound_s: float = 15.0) -> None:
     """SIGCONT an evicted frozen rank; record whether it then exits by itself."""
-    pid = run.pids[rank]
-    os.kill(pid, signal.SIGCONT)
     run.mark(f"SIGCONT rank {rank}")
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.1)
-    run.extra["frozen_rank_exited_after_resume"] = not pid_alive(pid)
+    run.extra["frozen_rank_exited_after_resume"] = resume(run.pids[rank], bound_s)
 
 
 def join(run: Run, join_args: list[str], ranks: list[int], scale_to: int | None) -> float:
@@ -98,8 +84,7 @@ def join(run: Run, join_args: list[str], ranks: list[int], scale_to: int | None)
         run.t_event = run.t_event or run.pause_from
         if code != 200:
             raise RuntimeError(f"POST /scale_elastic_ep {scale_to} -> {code} {body}")
-    snap = run.watch.wait_for(_active(*ranks), 300, f"ranks {ranks} admitted",
-                              after=run.pause_from)
+    snap = wait_in(run.watch, ranks, run.pause_from, 300)
     if scale_to is None:
         run.windows["join"] = (t_join, snap.t)
     run.mark(f"epoch {snap.epoch}: {ranks} in", at=snap.t)

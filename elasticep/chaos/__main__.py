@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s chaos %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the deployment on SIGTERM too
+    for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (&)
+        signal.signal(sig, _interrupt)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     t0 = time.monotonic()
     results = run(cfg, emit=lambda line: print(line, flush=True))

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elasticep.chaos.schedule import Fault
+from elasticep.harness.faults import resume, signal_ranks, wait_in, wait_out
 from elasticep.harness.serve_process import ServeProcess, Status, descendant_pids
 from elasticep.harness.status_watch import StatusWatch
-from elasticep.utils.procs import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +48,13 @@ class Target:
     def state(self, rank: int, status: Status | None = None) -> str:
         return self.serve.rank_state(rank, status)["state"]
 
-    def kill(self, rank: int) -> int:
-        """SIGKILL ``rank``'s worker; returns its pid."""
-        pid = self.serve.signal_rank(rank, signal.SIGKILL)
-        logger.info("SIGKILL rank %d (pid %d)", rank, pid)
-        return pid
+    def kill(self, *ranks: int, gap_s: float = 0.0) -> None:
+        """SIGKILL the ranks' workers, ``gap_s`` seconds apart."""
+        signal_ranks(self.serve, ranks, signal.SIGKILL, gap_s)
 
-    def wait_out(self, ranks: tuple[int, ...], since: float, bound_s: float = DETECT_BOUND_S
-                 ) -> None:
+    def wait_out(self, ranks: tuple[int, ...], since: float) -> None:
         """Wait until the coordinator committed an epoch without ``ranks``."""
-        self.watch.wait_for(lambda s: not set(ranks) & set(s.active), bound_s,
-                            f"ranks {list(ranks)} out of the membership", after=since)
+        wait_out(self.watch, ranks, since, DETECT_BOUND_S)
 
 
 def kill(t: Target, f: Fault) -> list[str]:
@@ -70,9 +66,7 @@ def kill(t: Target, f: Fault) -> list[str]:
 
 def double_kill(t: Target, f: Fault) -> list[str]:
     since = time.monotonic()
-    t.kill(f.ranks[0])
-    time.sleep(f.param_s)
-    t.kill(f.ranks[1])
+    t.kill(*f.ranks, gap_s=f.param_s)
     t.wait_out(f.ranks, since)
     return []
 
@@ -93,19 +87,15 @@ def kill_during_recovery(t: Target, f: Fault) -> list[str]:
 def freeze(t: Target, f: Fault) -> list[str]:
     rank = f.ranks[0]
     since = time.monotonic()
-    pid = t.serve.signal_rank(rank, signal.SIGSTOP)
+    (_, _, pid), = signal_ranks(t.serve, [rank], signal.SIGSTOP)
     time.sleep(f.param_s)
     evicted = rank not in t.watch.latest().active
     if f.param_s > t.heartbeat_timeout_s * 1.5 and not evicted:
         t.wait_out(f.ranks, since)  # eviction is due: it must come
         evicted = True
-    _signal(pid, signal.SIGCONT)
-    if evicted:  # an evicted worker learns it on resume and must exit by itself
-        deadline = time.monotonic() + 15.0
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid_alive(pid):
-            t.notes.append(f"evicted rank {rank} (pid {pid}) still alive 15 s after SIGCONT")
+    # an evicted worker learns it on resume and must exit by itself
+    if not resume(pid, 15.0 if evicted else 0.0) and evicted:
+        t.notes.append(f"evicted rank {rank} (pid {pid}) still alive 15 s after SIGCONT")
     return []
 
 
@@ -151,8 +141,7 @@ def scale_while_failing(t: Target, f: Fault) -> list[str]:
         return [f"scale while rank {victim} failing: POST -> {code} {body}"]
     t.wait_out((victim,), since)
     if code == 200:
-        t.watch.wait_for(lambda s: slot in s.active, JOIN_BOUND_S, f"slot {slot} admitted",
-                         after=since)
+        wait_in(t.watch, [slot], since, JOIN_BOUND_S)
     return []
 
 
@@ -195,24 +184,29 @@ ACTIONS: dict[str, Callable[[Target, Fault], list[str]]] = {
 
 def restore(t: Target) -> None:
     """Bring the deployment back to slots 0..ep_size-1 healthy, nothing else active,
-    scale phase idle: relaunch failed slots with `join recover`, then scale back down.
+    scale phase idle: relaunch failed slots with `join recover` (again if a joiner
+    exits before its slot is healthy), then scale back down.
 
     Raises:
         TimeoutError: a bounded wait ran out (the deployment could not be restored).
         RuntimeError: serve exited, or a scale request was refused.
     """
     base = range(t.ep_size)
-    logger.info("restore: waiting for slots %s to settle", list(base))
-    # joins in flight (joining/ready) settle first: admitted, or failed
-    st = t.serve.wait_for(lambda s: all(t.state(r, s) in ("healthy", "failed") for r in base),
-                          60.0, "baseline slots to settle", poll_s=0.2)
-    failed = [r for r in base if t.state(r, st) == "failed"]
-    logger.info("restore: relaunching %s", failed)
-    if failed:
-        t.serve.join("--elastic-ep-join-mode", "recover", "--ranks",
-                     ",".join(map(str, failed)), tag="restore")
-    st = t.serve.wait_for(lambda s: all(t.state(r, s) == "healthy" for r in base), JOIN_BOUND_S,
-                          f"ranks {failed} relaunched", poll_s=0.2)
+    joiners: dict[int, subprocess.Popen] = {}
+
+    def relaunch_failed(st: Status) -> bool:
+        # decide on a status that has caught up with the coordinator: the front-end's
+        # view may lag it by one poll
+        if st["epoch"] < t.watch.latest().epoch:
+            return False
+        for r in base:
+            if t.state(r, st) == "failed" and (r not in joiners or joiners[r].poll() is not None):
+                logger.info("restore: relaunching rank %d", r)
+                joiners[r] = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks",
+                                          str(r), tag="restore").proc
+        return all(t.state(r, st) == "healthy" for r in base)
+
+    st = t.serve.wait_for(relaunch_failed, JOIN_BOUND_S, "failed slots relaunched", poll_s=0.2)
     _end_unadmitted_scale_joiners(t, st)
     if st["ep_size"] != t.ep_size or any(r["state"] in ("healthy", "draining")
                                          for r in st["ranks"] if r["rank"] >= t.ep_size):
