@@ -78,39 +78,48 @@ class HookedExecutor:
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
 
 
-def load_rank_model(model_dir: str | Path, placement: Placement, rank: int,
-                    group: dist.ProcessGroup | None, dtype: torch.dtype,
-                    dispatch_algorithm: str, device: str = "cpu", with_experts: bool = True
-                    ) -> tuple[MoECausalLM, EPMoEExecutor, HookedExecutor]:
-    """Load this rank's share of the model and plug an EP executor into it.
+def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
+                      dtype: torch.dtype, device: str = "cpu",
+                      with_experts: bool = True) -> MoECausalLM:
+    """Load this rank's share of the model: every non-expert weight plus its local slots.
+
+    Needs no process group, so a worker loads before it joins the group (a long load
+    then owes the coordinator no heartbeats).
 
     Args:
         model_dir: HF checkpoint directory.
         placement: the current placement; this rank loads ``placement.local(rank)``.
         rank: this rank (global slot id).
-        group: the EP group (``size() == placement.max_ep_size``).
         dtype: model dtype.
-        dispatch_algorithm: "static" or "dynamic".
         device: where the weights live.
-        with_experts: False on a joiner: it loads no expert and gets zero-filled slots
-            under a stand-in ``placement``, both replaced once it is admitted
-            (:func:`elasticep.elastic.placement_sync.admit`).
-
-    Returns:
-        (model, ep_executor, hooked) with ``model.executor is hooked``.
+        with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
 
     Raises:
         ValueError: bad checkpoint or placement.
     """
     local = placement.local(rank) if with_experts else placement.local(rank)[:, :0]
-    model = load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
+    return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
+
+
+def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,
+                       group: dist.ProcessGroup | None, dispatch_algorithm: str
+                       ) -> tuple[EPMoEExecutor, HookedExecutor]:
+    """Plug an EP executor over ``group`` into ``model`` (``model.executor`` = the hooked one).
+
+    A model loaded without experts (a joiner) gets zero-filled slots under the stand-in
+    ``placement``; both are replaced once it is admitted
+    (:func:`elasticep.elastic.placement_sync.admit`).
+
+    Raises:
+        ValueError: the group's size is not ``placement.max_ep_size``.
+    """
     w13, w2 = model.experts.w13, model.experts.w2
-    if not with_experts:
-        S = placement.slots_per_rank
+    S = placement.slots_per_rank
+    if model.experts.num_slots != S:
         w13 = [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in w13]
         w2 = [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in w2]
-    meta = ExpertLocationMetadata.from_placement(placement, rank, device)
+    meta = ExpertLocationMetadata.from_placement(placement, rank, model.device)
     ep = EPMoEExecutor(meta, w13, w2, group, dispatch_algorithm=dispatch_algorithm)
     hooked = HookedExecutor(ep)
     model.executor = hooked
-    return model, ep, hooked
+    return ep, hooked

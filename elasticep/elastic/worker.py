@@ -3,12 +3,12 @@
 ``JSON`` is :meth:`WorkerConfig.to_json`. The worker:
 
 1. dies with its parent (the launcher) and logs with rank and epoch on every line;
-2. joins the WORLD group: the elastic backend with ``on_failure="raise"`` through the
+2. loads the model with only its local expert slots of the launch placement
+   (``slots_per_rank = ceil((E + R) / ep_size)``, capacity ``max_ep_size``);
+3. joins the WORLD group (the elastic backend with ``on_failure="raise"`` through the
    coordinator, or plain Gloo over the coordinator's TCPStore for the baseline
-   (``elastic_ep_backend="none"``, no fault tolerance);
-3. loads the model with only its local expert slots of the launch placement
-   (``slots_per_rank = ceil((E + R) / ep_size)``, capacity ``max_ep_size``) and plugs an
-   :class:`~elasticep.moe.ep_executor.EPMoEExecutor` over WORLD into it; a joiner
+   ``elastic_ep_backend="none"``, no fault tolerance) and plugs an
+   :class:`~elasticep.moe.ep_executor.EPMoEExecutor` over WORLD into the model; a joiner
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its
    experts from peers;
@@ -35,7 +35,7 @@ from elasticep.distributed.api import DEFAULT_TIMEOUT_S
 from elasticep.elastic.config import WorkerConfig
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
-from elasticep.elastic.rank_model import CheckpointExperts, load_rank_model
+from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
 from elasticep.elastic.step_loop import LockstepLoop, RankRemoved, join_as_new_rank
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
@@ -72,8 +72,9 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()
 
 
-def build_loop(cfg: WorkerConfig, group: dist.ProcessGroup, log_ctx: RankContext) -> LockstepLoop:
-    """Steps 3-4 up to the loop: model, executor, engine, (join), channel."""
+def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
+    """Steps 2-4 up to the loop: weights (before joining the group, so a long load owes
+    the coordinator no heartbeats), WORLD, executor, engine, admission, channel."""
     d = cfg.deployment
     elastic = d.elastic_ep_backend == "elastic"
     mcfg = load_model_config(d.model)
@@ -82,9 +83,12 @@ def build_loop(cfg: WorkerConfig, group: dist.ProcessGroup, log_ctx: RankContext
     placement = initial_placement(mcfg.num_hidden_layers, mcfg.num_experts,
                                   d.ep_num_redundant_experts, d.ep_size, max_ep)
     joining = cfg.join_mode is not None
-    model, ep, hooked = load_rank_model(d.model, placement, cfg.rank, group,
-                                        getattr(torch, d.dtype), d.ep_dispatch_algorithm,
-                                        d.device, with_experts=not joining)
+    model = load_rank_weights(d.model, placement, cfg.rank, getattr(torch, d.dtype), d.device,
+                              with_experts=not joining)
+    logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
+                "joiner: experts come from peers" if joining else "launch placement")
+    group = init_world(cfg)
+    ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
     load_fn = CheckpointExperts(model, d.model)
     faults = FaultInjector.from_config(cfg.rank, cfg.fault)
     hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
@@ -96,8 +100,6 @@ def build_loop(cfg: WorkerConfig, group: dist.ProcessGroup, log_ctx: RankContext
     engine = LLMEngine(model, EngineConfig(max_total_tokens=d.max_total_tokens,
                                            max_num_seqs=d.max_num_seqs,
                                            forward_empty_batches=True))
-    logger.info("model loaded: %d local slots per layer, placement %s",
-                placement.slots_per_rank, "pending admission" if joining else "launch")
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
         report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10)
@@ -119,8 +121,7 @@ def run_worker(cfg: WorkerConfig) -> int:
                 cfg.deployment.elastic_ep_backend)
     loop = None
     try:
-        group = init_world(cfg)
-        loop = build_loop(cfg, group, log_ctx)
+        loop = build_loop(cfg, log_ctx)
         loop.run()
         return EXIT_ERROR  # run() only returns by raising
     except RankRemoved as exc:

@@ -1,0 +1,35 @@
+"""`elasticep generate --ep-size 2` as a user runs it: same output format and tokens as
+--ep-size 1. Uses the plain Gloo baseline (--elastic-ep-backend none), so that path is
+covered too; the elastic backend is covered by the other test_ep_* modules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _ep_helpers import MODEL, REPO, reference, tokenizer
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_generate_ep2_matches_reference(tmp_path):
+    ref, _ = reference()
+    from _ep_helpers import prompts
+
+    texts = [tokenizer().decode(list(p)) for p in prompts()[:3]]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(MODEL),
+           "--prompts-file", str(f), "--max-tokens", "8", "--ep-size", "2",
+           "--ep-num-redundant-experts", "2", "--elastic-ep-backend", "none"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    eos = 0  # the demo model's eos_token_id
+    for r, want in zip(rows, ref, strict=False):
+        got = r["token_ids"]
+        assert got == want[: len(got)] and (len(got) == 8 or got[-1] == eos)
+        assert r["text"] == tokenizer().decode([t for t in got if t != eos])
