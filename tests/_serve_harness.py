@@ -81,15 +81,26 @@ class Serve:
         return next(r for r in self.status()["ranks"] if r["rank"] == rank)
 
     def wait_for(self, pred, timeout_s: float, what: str, poll_s: float = 0.05) -> dict:
-        """Poll the status until ``pred(status)``; returns it. AssertionError on timeout."""
+        """Poll the status until ``pred(status)``; returns it.
+
+        Raises:
+            AssertionError: timeout, or serve or a started `join` exited meanwhile.
+        """
         deadline = time.monotonic() + timeout_s
+        live_joins = [j for j in self.joins if j.poll() is None]
         while True:
             st = self.status()
             if pred(st):
                 return st
             assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
             assert self.proc.poll() is None, f"serve exited: {self.tail()}"
+            for j in live_joins:
+                assert j.poll() is None, f"join exited with {j.returncode}: {self.join_log(j)}"
             time.sleep(poll_s)
+
+    def join_log(self, join: subprocess.Popen) -> str:
+        path = self.log_path.with_suffix(f".join{self.joins.index(join)}.log")
+        return path.read_text()[-3000:]
 
     def join(self, *args: str) -> subprocess.Popen:
         """Start ``elasticep join --dist-init-addr <coordinator> ARGS``."""
