@@ -80,14 +80,18 @@ class Serve:
     def rank(self, rank: int) -> dict:
         return next(r for r in self.status()["ranks"] if r["rank"] == rank)
 
-    def wait_for(self, pred, timeout_s: float, what: str, poll_s: float = 0.05) -> dict:
+    def wait_for(self, pred, timeout_s: float, what: str, poll_s: float = 0.05,
+                 watch: tuple[subprocess.Popen, ...] = ()) -> dict:
         """Poll the status until ``pred(status)``; returns it.
 
+        Args:
+            watch: `join` processes that must stay alive meanwhile.
+
         Raises:
-            AssertionError: timeout, or serve or a started `join` exited meanwhile.
+            AssertionError: timeout, or serve or a watched `join` exited meanwhile.
         """
         deadline = time.monotonic() + timeout_s
-        live_joins = [j for j in self.joins if j.poll() is None]
+        live_joins = [j for j in watch if j.poll() is None]
         while True:
             st = self.status()
             if pred(st):

@@ -68,7 +68,7 @@ def _rejoin(serve, rank: int) -> None:
             seen.append(state)
         return state == "healthy" and _all_healthy(st)
 
-    serve.wait_for(back, 120, f"rank {rank} to rejoin", poll_s=0.02)
+    serve.wait_for(back, 120, f"rank {rank} to rejoin", poll_s=0.02, watch=(join,))
     assert join.poll() is None, "join must stay in the foreground supervising its rank"
     assert seen[0] == "failed" and "joining" in seen and seen[-1] == "healthy", seen
 

@@ -86,7 +86,7 @@ def test_scale_up_then_down_under_load(serve, reference):
         join = serve.join("--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
                           "4", "--nranks", "2")
         st = serve.wait_for(lambda s: _healthy(s) == [0, 1, 2, 3, 4, 5]
-                            and s["scale_phase"] == "idle", 120, "EP6")
+                            and s["scale_phase"] == "idle", 120, "EP6", watch=(join,))
         assert st["ep_size"] == 6
         time.sleep(1.0)  # new ranks take requests once their workers said hello
         seen: list[str] = []
