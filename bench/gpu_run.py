@@ -211,6 +211,98 @@ def _raw_exchange(raw):
     return run
 
 
+# --------------------------------------------------------------------------- diag
+def _median_us(fn, cuda, iters, line, raw):
+    raw.allreduce([line]).wait()
+    _sync(cuda)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(cuda)
+        ts.append(time.perf_counter() - t0)
+    return round(statistics.median(ts) * 1e6, 1)
+
+
+def diag_worker(rank, addr, conn, cuda, rounds, iters):
+    """Where the per-op overhead goes: waiting variants on raw NCCL, ours per mode."""
+    import cProfile
+    import io
+    import pstats
+
+    from elasticep.distributed import nccl_inner
+    try:
+        dev = _dev(rank, cuda)
+        ed.init_process_group(addr, rank, 2, timeout_s=60)
+        raw = _raw_group(rank, addr, cuda, "diag")
+        a_in = torch.randn(2 << 20, device=dev)
+        a_out = torch.empty_like(a_in)
+        big = torch.randn(2 << 20, device=dev)
+        line = torch.zeros(1, device=dev)
+        opts = dist.AllToAllOptions()
+
+        def spin(work, yld):
+            while not work.is_completed():
+                if yld:
+                    time.sleep(0)
+            work.wait()
+
+        def mode(async_, yld):
+            nccl_inner.ASYNC_UNFETCHABLE, nccl_inner.YIELD = async_, yld
+
+        variants = {
+            "raw_a2a_wait": lambda: raw.alltoall_base(a_out, a_in, [], [], opts).wait(),
+            "raw_a2a_spin": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts), False),
+            "raw_a2a_spin_yield": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts),
+                                               True),
+            "ours_a2a_async": lambda: (mode(True, True), dist.all_to_all_single(a_out, a_in)),
+            "ours_a2a_hostwait_yield": lambda: (mode(False, True),
+                                                dist.all_to_all_single(a_out, a_in)),
+            "ours_a2a_hostwait_spin": lambda: (mode(False, False),
+                                               dist.all_to_all_single(a_out, a_in)),
+            "raw_ar8M_wait": lambda: raw.allreduce([big]).wait(),
+            "ours_ar8M_yield": lambda: (mode(True, True), dist.all_reduce(big)),
+            "ours_ar8M_spin": lambda: (mode(True, False), dist.all_reduce(big)),
+        }
+        res = {k: [] for k in variants}
+        for fn in variants.values():
+            fn()
+        for _ in range(rounds):
+            for k, fn in variants.items():
+                res[k].append(_median_us(fn, cuda, iters, line, raw))
+        out = {k: statistics.median(v) for k, v in res.items()}
+        mode(True, True)
+        pr = cProfile.Profile()
+        raw.allreduce([line]).wait()
+        pr.enable()
+        for _ in range(300):
+            dist.all_reduce(big)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
+        out["profile_all_reduce_8MiB_x300"] = buf.getvalue()[-2500:]
+        conn.send(("res", rank, out))
+        raw.allreduce([line]).wait()
+        _sync(cuda)
+    except BaseException:
+        conn.send(("error", rank, traceback.format_exc()))
+    time.sleep(1.0)
+    os._exit(0)
+
+
+def section_diag(ctx, cuda, quick):
+    coord = ed.start_coordinator()
+    ps = _Procs(ctx, coord.address)
+    try:
+        for r in range(2):
+            ps.start(r, diag_worker, cuda, 3 if quick else 6, 10 if quick else 40)
+        ps.poll(lambda: all(ps.got("res", r) for r in range(2)), 300)
+        return {f"rank{r}": ps.got("res", r)[0] for r in range(2)}
+    finally:
+        ps.close()
+        coord.close()
+
+
 # --------------------------------------------------------------------------- kill
 def kill_worker(rank, addr, conn, cuda, ext, stop_file):
     """CPU header all_reduce (agree on admitting ready slots), then a GPU all_reduce."""
@@ -221,7 +313,8 @@ def kill_worker(rank, addr, conn, cuda, ext, stop_file):
         if ext:
             ed.join_group(timeout_s=60)
         data = torch.ones(256 * 1024, device=dev)  # 1 MiB
-        times, pause, t_rec, n = [], None, None, 0
+        a2a_out = torch.empty_like(data)
+        times, pause, t_rec, n, raised = [], None, None, 0, 0
         while True:
             st = ed.get_slot_states()
             h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(2)]
@@ -235,7 +328,12 @@ def kill_worker(rank, addr, conn, cuda, ext, stop_file):
                 ed.recover_ranks(None, agreed)
                 continue
             x = data.clone()
-            dist.all_reduce(x)
+            try:  # a stream-ordered all_to_all (the EP dispatch), then a host-waited sum
+                dist.all_to_all_single(a2a_out, x)
+                dist.all_reduce(x)
+            except ed.RankFailureError:  # the a2a cannot be redone: the "step" is redone
+                raised += 1
+                continue
             times.append(time.time())
             if t_rec is not None:
                 pause, t_rec = time.monotonic() - t_rec, None
@@ -243,7 +341,7 @@ def kill_worker(rank, addr, conn, cuda, ext, stop_file):
             if n == 200:
                 conn.send(("started", rank, None))
         gs = ed.api._gs(None)
-        conn.send(("res", rank, {"times": times, "rejoin_pause_s": pause,
+        conn.send(("res", rank, {"times": times, "rejoin_pause_s": pause, "raised": raised,
                                  "nccl_timings": gs.nccl_timings(), "epoch": gs.epoch}))
     except BaseException:
         conn.send(("error", rank, traceback.format_exc()))
@@ -331,6 +429,7 @@ def section_kill(ctx, cuda, quick):
             "interruption_s": round(after[0] - t_kill, 4) if after else None,
             "gap_around_kill_s": round(after[0] - before[-1], 4) if after and before else None,
             "survivor_ops_alone": len(alone),
+            "survivor_steps_raised": s["raised"],
             "rejoin_pause_s": s["rejoin_pause_s"],
             "final_epoch": s["epoch"],
             "survivor_nccl_timings": s["nccl_timings"],
@@ -420,16 +519,20 @@ def section_generate(tmp: Path, quick: bool):
     pf.write_text("".join(json.dumps({"prompt": json.loads(s)["question"]}) + "\n"
                           for s in lines))
     ntok = 8 if quick else 32
-    runs = {"cpu_ep1": ["--device", "cpu"], "cuda_ep1": ["--device", "cuda"],
-            "cpu_ep2": ["--device", "cpu", "--ep-size", "2"],
-            "cuda_ep2": ["--device", "cuda", "--ep-size", "2"]}
+    runs = {"cpu_ep1": (["--device", "cpu"], 150), "cuda_ep1": (["--device", "cuda"], 150),
+            "cuda_ep1_bf16": (["--device", "cuda", "--dtype", "bfloat16"], 150),
+            "cpu_ep2": (["--device", "cpu", "--ep-size", "2"], 150),
+            "cuda_ep2": (["--device", "cuda", "--ep-size", "2"], 45)}
+    if os.environ.get("GPU_RUN_SKIP"):
+        for name in os.environ["GPU_RUN_SKIP"].split(","):
+            runs.pop(name, None)
     toks, out = {}, {}
-    for name, extra in runs.items():
+    for name, (extra, limit) in runs.items():
         cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--prompts-file", str(pf),
                "--max-tokens", str(ntok), *extra]
         t0 = time.monotonic()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
             wall = round(time.monotonic() - t0, 2)
             if p.returncode == 0:
                 toks[name] = [json.loads(s)["token_ids"] for s in p.stdout.splitlines() if s]
@@ -437,9 +540,10 @@ def section_generate(tmp: Path, quick: bool):
             else:
                 out[name] = {"ok": False, "rc": p.returncode, "stderr_tail": p.stderr[-1500:]}
         except subprocess.TimeoutExpired as e:
-            out[name] = {"ok": False, "timeout": True,
-                         "stderr_tail": (e.stderr or b"")[-1500:].decode(errors="replace")
-                         if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+            first = err.find("Traceback")
+            out[name] = {"ok": False, "timeout": True, "stderr_tail": err[-1200:],
+                         "first_traceback": err[first:first + 2500] if first >= 0 else None}
     ref = toks.get("cpu_ep1")
     for name, t in toks.items():
         if ref is None or name == "cpu_ep1":
@@ -458,7 +562,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run"))
     ap.add_argument("--cpu", action="store_true", help="dry run of nccl/kill on Gloo")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="env,nccl,kill,kernels,generate")
+    ap.add_argument("--only", default="env,nccl,diag,kill,kernels,generate")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -467,6 +571,7 @@ def main() -> None:
     ctx.set_forkserver_preload(["torch", "elasticep.distributed"])
     results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sections = {"env": section_env, "nccl": lambda: section_nccl(ctx, cuda, args.quick),
+                "diag": lambda: section_diag(ctx, cuda, args.quick),
                 "kill": lambda: section_kill(ctx, cuda, args.quick),
                 "kernels": section_kernels,
                 "generate": lambda: section_generate(out_dir, args.quick)}

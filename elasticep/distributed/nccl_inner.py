@@ -46,11 +46,21 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0
 
 log = logging.getLogger(__name__)
 
-# Poll cadence of an op's completion: spin (GIL released) for the first SPIN_S, since a
-# healthy NVLink collective finishes in tens of microseconds, then nap NAP_S per poll.
+# Poll cadence of an op's completion: spin for the first SPIN_S, since a healthy NVLink
+# collective finishes in tens of microseconds, then nap NAP_S per poll. YIELD: release
+# the GIL between spins (sleep(0)) so the control thread is never starved.
 SPIN_S = 0.02
 NAP_S = 0.0005
+YIELD = True
 ABORT_WAIT_S = 10.0
+# Ops whose result is never fetched by another survivor (all_to_all_single) are
+# stream-ordered instead of host-waited: the caller's stream waits for the NCCL work and
+# the host returns at once. If a peer dies meanwhile, the op's output is garbage, but
+# the group's next host-waited op (and every EP step ends with one) raises, and the
+# communicator is aborted on the failure commit, which also releases the waiting stream.
+# The consistency protocol stays sound because such ops are never fetched or redone:
+# counting one as completed only makes every survivor raise (see the package docstring).
+ASYNC_UNFETCHABLE = os.environ.get("ELASTICEP_NCCL_ASYNC_UNFETCHABLE", "1") == "1"
 
 
 def cuda_device_of(op) -> torch.device | None:
@@ -205,7 +215,8 @@ def wait_cuda_work(work, check: Callable[[], None], deadline: float, what: str) 
                     time.sleep(0.01)
         now = time.monotonic()
         if now - start < SPIN_S:
-            time.sleep(0)  # let the control thread run; a healthy op ends in microseconds
+            if YIELD:
+                time.sleep(0)  # let the control thread run; a healthy op ends in microseconds
             continue
         check()
         if now > deadline:

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import nccl_inner
 from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
 from .membership import Decision, local_action
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
@@ -200,8 +201,11 @@ class GroupState:
                         comm = inner.cuda(self, dev, gen, deadline)
                         work, finalize = op.start(comm.pg, active)
                         comm.last_work = work
-                        wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
-                                       f"rank {self.slot} group {self.name!r} op {seq}")
+                        if not op.fetchable and nccl_inner.ASYNC_UNFETCHABLE:
+                            work.wait()  # stream-ordered: no host wait (see nccl_inner)
+                        else:
+                            wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
+                                           f"rank {self.slot} group {self.name!r} op {seq}")
                     result = finalize()
                     if self._test_hold_s:  # failure injection: finish late, once
                         time.sleep(self._test_hold_s)
