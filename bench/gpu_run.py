@@ -139,7 +139,12 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
         big = torch.randn(2 << 20, device=dev)
         small = torch.ones(1, device=dev)
         opts = dist.AllToAllOptions()
+        h_in = torch.randn(16 << 20, device=dev)  # 64 MiB fp32: the fixed overhead's share
+        h_out = torch.empty_like(h_in)
         cases = {
+            "all_to_all_single_64MiB": (
+                lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
+                lambda: dist.all_to_all_single(h_out, h_in)),
             "all_to_all_single_8MiB": (
                 lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
                 lambda: dist.all_to_all_single(a2a_out, a2a_in)),

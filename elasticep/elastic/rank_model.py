@@ -17,6 +17,7 @@ import torch.distributed as dist
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
 from elasticep.models.checkpoint import CheckpointReader
+from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.local_executor import ExpertSlots
 
@@ -98,6 +99,9 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
         ValueError: bad checkpoint or placement.
     """
     local = placement.local(rank) if with_experts else placement.local(rank)[:, :0]
+    if device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one GPU)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
     return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
 
 
@@ -119,7 +123,7 @@ def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,
         w13 = [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in w13]
         w2 = [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in w2]
     meta = ExpertLocationMetadata.from_placement(placement, rank, model.device)
-    ep = EPMoEExecutor(meta, w13, w2, group, dispatch_algorithm=dispatch_algorithm)
+    ep = make_ep_executor(meta, w13, w2, group, dispatch_algorithm=dispatch_algorithm)
     hooked = HookedExecutor(ep)
     model.executor = hooked
     return ep, hooked
