@@ -527,7 +527,8 @@ def section_generate(tmp: Path, quick: bool):
     runs = {"cpu_ep1": (["--device", "cpu"], 150), "cuda_ep1": (["--device", "cuda"], 150),
             "cuda_ep1_bf16": (["--device", "cuda", "--dtype", "bfloat16"], 150),
             "cpu_ep2": (["--device", "cpu", "--ep-size", "2"], 150),
-            "cuda_ep2": (["--device", "cuda", "--ep-size", "2"], 45)}
+            "cuda_ep2": (["--device", "cuda", "--ep-size", "2"], 90),
+            "cuda_ep2_bf16": (["--device", "cuda", "--ep-size", "2", "--dtype", "bfloat16"], 90)}
     if os.environ.get("GPU_RUN_SKIP"):
         for name in os.environ["GPU_RUN_SKIP"].split(","):
             runs.pop(name, None)
