@@ -65,9 +65,15 @@ class ChaosConfig:
                 str(self.heartbeat_timeout_s), "--device", self.device]
 
     def reproducer(self, schedule: Schedule, trial: int) -> str:
-        return (f"python -m elasticep.chaos --trials 1 --ep-size {self.ep_size} "
-                f"--heartbeat-timeout {self.heartbeat_timeout_s} --device {self.device} "
-                f"--schedule '{schedule.describe()}'   # seed {self.seed} trial {trial}")
+        """One line: replay this trial's schedule alone; the comment gives the command
+        that replays the whole sequence (earlier trials shaped the deployment's state)."""
+        common = (f"--ep-size {self.ep_size} --heartbeat-timeout {self.heartbeat_timeout_s} "
+                  f"--device {self.device} --kinds {','.join(self.kinds)} "
+                  f"--max-faults {self.max_faults}")
+        return (f"python -m elasticep.chaos --trials 1 {common} --schedule "
+                f"'{schedule.describe()}'   # in sequence: python -m elasticep.chaos "
+                f"--seed {self.seed} --first-trial {self.first_trial} "
+                f"--trials {trial - self.first_trial + 1} {common}")
 
 
 @dataclass
