@@ -205,8 +205,15 @@ def run(args: argparse.Namespace) -> int:
         demo.join("--elastic-ep-join-mode", "recover", "--ranks", "2")
         demo.join("--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset", "4",
                   "--nranks", "2")
-        demo.wait(lambda s: s["ranks"][2]["state"] == "healthy", "rank 2 healthy")
-        t_back = demo.event("rank 2 rejoined (failed -> joining -> healthy)")
+        seen = ["failed"]
+
+        def back(st: dict) -> bool:
+            if st["ranks"][2]["state"] != seen[-1]:
+                seen.append(st["ranks"][2]["state"])
+            return seen[-1] == "healthy"
+
+        demo.wait(back, "rank 2 healthy")
+        t_back = demo.event(f"rank 2 rejoined ({' -> '.join(seen)})")
         time.sleep(args.phase_s / 2)
         demo.wait(lambda s: all(r["state"] == "ready" for r in s["ranks"][4:6]),
                   "ranks 4,5 ready")
