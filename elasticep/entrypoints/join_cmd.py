@@ -3,8 +3,9 @@
 Two modes (flags named as in SGLang):
 
 * recover (alias --elastic-ep-rejoin): relaunch failed slots. An evicted worker of that
-  slot that is still alive on this machine (frozen) is killed first. The new rank loads,
-  goes failed -> joining -> ready and is admitted at a step boundary (-> healthy).
+  slot that is still alive on this machine (frozen) is killed first. The new rank loads
+  (the slot still shows failed), registers (joining), reports ready, and is admitted at a
+  step boundary (healthy).
 * scale: start ranks in free capacity (serve --max-ep-size); they wait in "ready" until
   POST /scale_elastic_ep {"new_ep_size": K} admits them.
 
