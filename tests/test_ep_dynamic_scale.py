@@ -1,6 +1,7 @@
-"""EP4 with dynamic dispatch, then a scale-up to 5 ranks and a planned scale-down back.
+"""EP4 with dynamic dispatch and online EPLB, then a scale-up to 5 ranks and back down.
 
-One deployment (capacity 5): the healthy batch must equal EP1; a new rank joins (join
+One deployment (capacity 5, ``--enable-eplb`` every 8 steps, so experts move between
+ranks during every batch): the healthy batch must equal EP1; a new rank joins (join
 mode "scale"), receives replicas from peers and takes requests; then it is drained
 (experts moved off it, requests moved to the others) and exits cleanly (code 0).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference
+from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,13 +20,14 @@ pytestmark = pytest.mark.timeout(240)
 def driver(tmp_path_factory):
     reference()
     d = launch(tmp_path_factory, ep_num_redundant_experts=16, ep_dispatch_algorithm="dynamic",
-               max_ep_size=5)
+               max_ep_size=5, enable_eplb=True, eplb_rebalance_num_iterations=8)
     yield d
     d.close()
 
 
 def test_healthy_dynamic_matches_ep1(driver):
-    assert_matches_reference(generated(driver), "EP4 R=16 dynamic")
+    assert_matches_reference(generated(driver), "EP4 R=16 dynamic + EPLB")
+    assert "eplb rebalance: imbalance" in worker_log(driver)
 
 
 def test_scale_up_then_down(driver):
