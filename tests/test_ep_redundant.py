@@ -11,7 +11,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, kill_after, launch, reference, worker_log
+from _ep_helpers import (
+    assert_matches_reference,
+    generated,
+    kill_after,
+    launch,
+    reference,
+    worker_log,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
