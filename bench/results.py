@@ -4,6 +4,10 @@ targets and the timeline plots (docs/results/*.png).
 
 Usage: python bench/results.py [--scenarios kill,rejoin,...] [--chaos-trials 5]
        [--skip-overhead] [--device cpu|cuda]        (or: make results)
+       python bench/results.py --rerun kill,freeze  # redo some parts, keep the rest
+
+Every part's result is also kept in docs/results/results.json, which ``--rerun`` reads
+(part names: the scenarios, "overhead", "chaos").
 
 A run that fails is reported as failed on the page, with the end of its stderr; the
 others still run.
@@ -26,6 +30,7 @@ from failover import SCENARIOS  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "results.md"
 PLOTS = REPO / "docs" / "results"
+SAVED = PLOTS / "results.json"
 BOUND_S = 600  # one bench run; the page records a timeout as a failure
 
 # scenario -> (JSON key, target as text, predicate) of the targets
@@ -132,21 +137,29 @@ def main() -> int:
     ap.add_argument("--chaos-trials", type=int, default=5, help="0: skip the chaos run")
     ap.add_argument("--chaos-seed", type=int, default=1)
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--rerun", default=None,
+                    help="only these parts (comma-separated); the others come from "
+                         "docs/results/results.json")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
     PLOTS.mkdir(parents=True, exist_ok=True)
+    saved = json.loads(SAVED.read_text()) if args.rerun and SAVED.exists() else {}
+    todo = set(args.rerun.split(",")) if args.rerun else None
     py = sys.executable
-    failover = {}
+    failover = {k: tuple(v) for k, v in saved.get("failover", {}).items()}
     for name in args.scenarios.split(","):
-        failover[name] = run_json([py, "bench/failover.py", "--scenario", name, "--device",
-                                   args.device, "--plot", str(PLOTS / f"{name}.png")])
-        print(f"{name}: {failover[name][0] or failover[name][1]}", flush=True)
-    overhead = None
-    if not args.skip_overhead:
+        if todo is None or name in todo:
+            failover[name] = run_json([py, "bench/failover.py", "--scenario", name,
+                                       "--device", args.device, "--plot",
+                                       str(PLOTS / f"{name}.png")])
+            print(f"{name}: {json.dumps(failover[name][0]) or failover[name][1]}", flush=True)
+    failover = {n: failover[n] for n in SCENARIOS if n in failover}
+    overhead = tuple(saved["overhead"]) if saved.get("overhead") else None
+    if not args.skip_overhead and (todo is None or "overhead" in todo):
         overhead = run_json([py, "bench/overhead.py", "--device", args.device])
-        print(f"overhead: {overhead[0] or overhead[1]}", flush=True)
-    chaos = None
-    if args.chaos_trials:
+        print(f"overhead: {json.dumps(overhead[0]) or overhead[1]}", flush=True)
+    chaos = tuple(saved["chaos"]) if saved.get("chaos") else None
+    if args.chaos_trials and (todo is None or "chaos" in todo):
         cmd = [py, "-m", "elasticep.chaos", "--trials", str(args.chaos_trials), "--seed",
                str(args.chaos_seed), "--device", args.device]
         try:
@@ -156,6 +169,8 @@ def main() -> int:
         except subprocess.TimeoutExpired as exc:
             chaos = (-1, f"{exc.stdout or ''}\ntimed out after {exc.timeout:.0f} s")
         print(chaos[1], flush=True)
+    SAVED.write_text(json.dumps({"failover": failover, "overhead": overhead, "chaos": chaos},
+                                indent=1))
     DOC.write_text(render(failover, overhead, chaos, args.device))
     print(f"wrote {DOC}")
     return 0

@@ -154,8 +154,13 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
     res.requests = len(records)
     bad, res.clear_errors = invariants.check_requests(records, reference, cfg.max_tokens)
     res.violations += bad
+    # the logs hold the views even when the deployment broke
+    e1 = dep.watch.latest().epoch
+    res.violations += invariants.check_membership(
+        invariants.worker_views(dep.serve.log_path.parent),
+        invariants.coordinator_commits(dep.serve.log_path), range(e0, e1 + 1))
     if usable:
-        res.violations += _membership_agrees(dep, e0)
+        res.violations += _status_agrees(dep)
         current = dep.sample_pids()
         stale = sorted(p for p in dep.worker_pids - current if pid_alive(p))
         if stale:
@@ -165,19 +170,14 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
     return res, usable
 
 
-def _membership_agrees(dep: Deployment, e0: int) -> list[str]:
-    """Worker views vs coordinator commits for this trial's epochs, and
-    /elastic_ep_status vs the coordinator now that the membership is stable."""
-    e1 = dep.watch.latest().epoch
-    views = invariants.worker_views(dep.serve.log_path.parent)
-    commits = invariants.coordinator_commits(dep.serve.log_path)
-    out = invariants.check_membership(views, commits, range(e0, e1 + 1))
+def _status_agrees(dep: Deployment) -> list[str]:
+    """/elastic_ep_status vs the coordinator, now that the membership is stable."""
     for _ in range(20):  # the two reads race a commit: retry a moment later
         status, snap = dep.serve.status(), dep.watch.latest()
         if sorted(healthy_ranks(status)) == sorted(snap.active) and status["epoch"] == snap.epoch:
-            return out
+            return []
         time.sleep(0.25)
-    return out + [f"/elastic_ep_status (epoch {status['epoch']}, healthy "
+    return [f"/elastic_ep_status (epoch {status['epoch']}, healthy "
                   f"{healthy_ranks(status)}) disagrees with the coordinator ({snap})"]
 
 
