@@ -309,8 +309,10 @@ def section_diag(ctx, cuda, quick):
 
 
 # --------------------------------------------------------------------------- kill
-def kill_worker(rank, addr, conn, cuda, ext, stop_file):
-    """CPU header all_reduce (agree on admitting ready slots), then a GPU all_reduce."""
+def kill_worker(rank, addr, conn, cuda, ext, stop_file, die_at=None):
+    """CPU header all_reduce (agree on admitting ready slots), then a GPU all_to_all and
+    a GPU all_reduce. die_at=n: SIGKILL itself right after the n-th header, so the
+    survivor is caught with its (stream-ordered) all_to_all in flight."""
     try:
         dev = _dev(rank, cuda)
         ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="complete",
@@ -327,6 +329,10 @@ def kill_worker(rank, addr, conn, cuda, ext, stop_file):
             dist.all_reduce(h, op=dist.ReduceOp.MAX)
             if h[2] > 0:
                 break
+            if die_at is not None and n == die_at:
+                conn.send(("dying", rank, time.time()))
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGKILL)
             agreed = [s for s in range(2) if h[s] > 0]
             if agreed:
                 t_rec = time.monotonic()
@@ -403,7 +409,7 @@ def section_nccl(ctx, cuda, quick):
         coord.close()
 
 
-def section_kill(ctx, cuda, quick):
+def section_kill(ctx, cuda, quick, in_a2a=False):
     coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
     ps = _Procs(ctx, coord.address)
     stop = f"/tmp/gpu_run_stop_{os.getpid()}"
@@ -411,11 +417,15 @@ def section_kill(ctx, cuda, quick):
         os.unlink(stop)
     try:
         for r in range(2):
-            ps.start(r, kill_worker, cuda, False, stop)
+            ps.start(r, kill_worker, cuda, False, stop, 300 if in_a2a and r == 1 else None)
         ps.poll(lambda: ps.got("started", 0) and ps.got("started", 1), 120)
-        time.sleep(1.0)
-        t_kill = time.time()
-        os.kill(ps.procs[1].pid, signal.SIGKILL)
+        if in_a2a:
+            ps.poll(lambda: ps.got("dying", 1), 120)
+            t_kill = ps.got("dying", 1)[0] + 0.05
+        else:
+            time.sleep(1.0)
+            t_kill = time.time()
+            os.kill(ps.procs[1].pid, signal.SIGKILL)
         ps.procs[1].join(5)
         del ps.procs[1]
         time.sleep(3.0)  # survivor alone
@@ -568,7 +578,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run"))
     ap.add_argument("--cpu", action="store_true", help="dry run of nccl/kill on Gloo")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="env,nccl,diag,kill,kernels,generate")
+    ap.add_argument("--only", default="env,nccl,diag,kill,kill_in_a2a,kernels,generate")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -579,6 +589,7 @@ def main() -> None:
     sections = {"env": section_env, "nccl": lambda: section_nccl(ctx, cuda, args.quick),
                 "diag": lambda: section_diag(ctx, cuda, args.quick),
                 "kill": lambda: section_kill(ctx, cuda, args.quick),
+                "kill_in_a2a": lambda: section_kill(ctx, cuda, args.quick, in_a2a=True),
                 "kernels": section_kernels,
                 "generate": lambda: section_generate(out_dir, args.quick)}
     for name in args.only.split(","):
