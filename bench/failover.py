@@ -1,5 +1,7 @@
-"""What an outage costs: one fault scenario against a real `elasticep serve` under a
-steady streaming load. Prints one JSON line; optionally writes a tokens/s timeline PNG.
+"""What an outage costs: one fault scenario against a real `elasticep serve` deployment.
+
+It runs under a steady streaming load, prints one JSON line and optionally writes a
+tokens/s timeline PNG.
 
 Usage: python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|
        scale-down|double-kill [--ep-size 4] [--device cpu|cuda] [--concurrency 8]

@@ -1,6 +1,7 @@
-"""What elasticity costs with no fault: steady-state tokens/s of `serve
---elastic-ep-backend elastic` against `none` (plain groups), same model and load, one run.
-Prints one JSON line.
+"""What elasticity costs with no fault: tokens/s of backend elastic against none.
+
+Steady-state tokens/s of `serve --elastic-ep-backend elastic` against `none` (plain
+groups), same model and load, one run. Prints one JSON line.
 
 Usage: python bench/overhead.py [--ep-size 4] [--repeats 5] [--window-s 8]
        [--concurrency 8] [--max-tokens 64] [--device cpu|cuda]
