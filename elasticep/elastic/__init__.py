@@ -1,1 +1,13 @@
-"""elastic layer."""
+"""elastic layer: the lockstep multi-rank worker and its failure / rejoin / scale flows.
+
+- ``config``: DeploymentConfig / WorkerConfig.
+- ``worker``: ``python -m elasticep.elastic.worker --config-json JSON``, one rank.
+- ``step_loop``: LockstepLoop (header, schedule, execute, commit, redo on failure).
+- ``placement_sync``: agreed placement changes (repair, admit, drain, rebalance).
+- ``rank_model``: a rank's weights, its EP executor, the checkpoint expert reader.
+- ``deployment``: LocalDeployment (coordinator + supervised worker processes).
+- ``fault_injection``: ``ELASTICEP_FAULT=kill:rank=R:step=S[:layer=L]``.
+- ``log_context``: rank and epoch on every worker log line.
+
+See docs/ELASTIC.md.
+"""
