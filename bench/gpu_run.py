@@ -11,9 +11,12 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
   GPUs (interleaved rounds, medians of per-op host latency including
   ``cuda.synchronize``); MoE-layer step throughput with the exchange over ``elastic``
   against raw NCCL (the ``none`` baseline), interleaved.
-* ``kill``: 2 ranks loop a CPU header all_reduce + a GPU all_reduce; rank 1 is
+* ``kill``: 2 ranks loop a CPU header all_reduce, a GPU all_to_all and all_reduce; rank 1 is
   SIGKILLed; the survivor's interruption, the old communicator's abort time and the
-  new one's build time; then rank 1 is relaunched and the survivor's rejoin pause.
+  new one's build time; then rank 1 is relaunched and the survivor's rejoin pause
+  (on_failure="complete": every op host-waited). ``kill_in_a2a``: the same under
+  on_failure="raise" (stream-ordered all_to_all), rank 1 killing itself right after a
+  header so the survivor's all_to_all is in flight without it.
 * ``kernels``: grouped GEMM SwiGLU vs fp32 reference, and its time vs the
   sorted-matmul fallback.
 * ``generate``: greedy tokens of 8 GSM8K prompts, ``--device cuda`` vs cpu (EP1, and
@@ -105,7 +108,8 @@ def _moe_layer(p, rank, dev, exchange, w13, w2, hidden, slots, weights):
 def nccl_worker(rank, addr, conn, cuda, rounds, iters):
     try:
         dev = _dev(rank, cuda)
-        ed.init_process_group(addr, rank, 2, timeout_s=60)
+        # on_failure="raise", like the EP engine's WORLD (stream-ordered all_to_all)
+        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
         res = {}
         # correctness through the elastic group
         x = torch.full((1 << 20,), float(rank + 1), device=dev)
@@ -238,7 +242,7 @@ def diag_worker(rank, addr, conn, cuda, rounds, iters):
     from elasticep.distributed import nccl_inner
     try:
         dev = _dev(rank, cuda)
-        ed.init_process_group(addr, rank, 2, timeout_s=60)
+        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
         raw = _raw_group(rank, addr, cuda, "diag")
         a_in = torch.randn(2 << 20, device=dev)
         a_out = torch.empty_like(a_in)
@@ -309,13 +313,13 @@ def section_diag(ctx, cuda, quick):
 
 
 # --------------------------------------------------------------------------- kill
-def kill_worker(rank, addr, conn, cuda, ext, stop_file, die_at=None):
+def kill_worker(rank, addr, conn, cuda, ext, stop_file, die_at=None, on_failure="complete"):
     """CPU header all_reduce (agree on admitting ready slots), then a GPU all_to_all and
     a GPU all_reduce. die_at=n: SIGKILL itself right after the n-th header, so the
     survivor is caught with its (stream-ordered) all_to_all in flight."""
     try:
         dev = _dev(rank, cuda)
-        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="complete",
+        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure=on_failure,
                               is_extension=ext)
         if ext:
             ed.join_group(timeout_s=60)
@@ -417,7 +421,8 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
         os.unlink(stop)
     try:
         for r in range(2):
-            ps.start(r, kill_worker, cuda, False, stop, 300 if in_a2a and r == 1 else None)
+            ps.start(r, kill_worker, cuda, False, stop, 300 if in_a2a and r == 1 else None,
+                     "raise" if in_a2a else "complete")
         ps.poll(lambda: ps.got("started", 0) and ps.got("started", 1), 120)
         if in_a2a:
             ps.poll(lambda: ps.got("dying", 1), 120)
@@ -430,7 +435,7 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
         del ps.procs[1]
         time.sleep(3.0)  # survivor alone
         t_relaunch = time.time()
-        ps.start(1, kill_worker, cuda, True, stop)
+        ps.start(1, kill_worker, cuda, True, stop, None, "raise" if in_a2a else "complete")
         ps.poll(lambda: len(ps.got("started", 1)) >= 2, 120)  # the relaunched one
         time.sleep(1.0)
         Path(stop).touch()

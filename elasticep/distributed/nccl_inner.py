@@ -55,13 +55,16 @@ SPIN_S = 0.02
 NAP_S = 0.0005
 YIELD = False
 ABORT_WAIT_S = 10.0
-# Ops whose result is never fetched by another survivor (all_to_all_single) are
-# stream-ordered instead of host-waited: the caller's stream waits for the NCCL work and
-# the host returns at once. If a peer dies meanwhile, the op's output is garbage, but
-# the group's next host-waited op (and every EP step ends with one) raises, and the
-# communicator is aborted on the failure commit, which also releases the waiting stream.
-# The consistency protocol stays sound because such ops are never fetched or redone:
-# counting one as completed only makes every survivor raise (see the package docstring).
+# In groups with on_failure="raise" (the EP data path), ops whose result is never
+# fetched by another survivor (all_to_all_single) are stream-ordered instead of
+# host-waited: the caller's stream waits for the NCCL work and the host returns at once,
+# counting the op as completed. Why that stays sound: if a peer died before taking
+# part, the op's output is garbage, but the group's next host-waited op cannot complete
+# either (it queues behind the dead op on the same NCCL stream), so it is at or below
+# the decision's pivot and every survivor raises there ("raise" never redoes a pivot,
+# and an unfetchable op inside r..M makes everyone raise); the failure commit aborts
+# the communicator, which also releases the waiting stream. Under on_failure="complete"
+# the pivot would be redone and the garbage kept, so those groups host-wait every op.
 ASYNC_UNFETCHABLE = os.environ.get("ELASTICEP_NCCL_ASYNC_UNFETCHABLE", "1") == "1"
 
 

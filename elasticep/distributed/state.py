@@ -201,7 +201,8 @@ class GroupState:
                         comm = inner.cuda(self, dev, gen, deadline)
                         work, finalize = op.start(comm.pg, active)
                         comm.last_work = work
-                        if not op.fetchable and nccl_inner.ASYNC_UNFETCHABLE:
+                        if (not op.fetchable and self.on_failure == "raise"
+                                and nccl_inner.ASYNC_UNFETCHABLE):
                             work.wait()  # stream-ordered: no host wait (see nccl_inner)
                         else:
                             wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
