@@ -135,6 +135,17 @@ def test_status_shape():
     assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "removed"]
 
 
+def test_status_shows_loading_workers_as_joining():
+    """Workers load before they register: a launched, unregistered worker is joining."""
+    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"],
+                     {0: 10, 1: 11, 2: 12})  # rank 3 has not registered yet
+    launched = {1: 21, 3: 13, 4: 24, 0: 10}.get
+    st = status_from_snapshot(snap, 4, 6, "idle", lambda r: 0, launched)
+    assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
+        ("healthy", 10), ("joining", 21), ("healthy", 12), ("joining", 13), ("joining", 24),
+        ("removed", None)]
+
+
 class FakeClient:
     """Stands in for CoordinatorClient: a fixed snapshot and the requests it got."""
 

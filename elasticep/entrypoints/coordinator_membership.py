@@ -46,11 +46,17 @@ def scale_phase(states: list[str], up: set[int], down: set[int]) -> str:
 
 
 def status_from_snapshot(snap: dict[str, Any], ep_size: int, max_ep_size: int, phase: str,
-                         node_of: Callable[[int], int]) -> dict[str, Any]:
+                         node_of: Callable[[int], int],
+                         launched_pid: Callable[[int], int | None] = lambda _r: None,
+                         ) -> dict[str, Any]:
     """Turn ``CoordinatorClient.status()`` into the ``/elastic_ep_status`` shape (pure).
 
     Before the first worker registers there is no WORLD group yet: the first ``ep_size``
-    slots are reported ``joining`` (they are loading) and the rest ``removed``.
+    slots are reported ``joining`` (they are loading) and the rest ``removed``. A slot
+    that is ``failed``, ``removed`` or not registered yet, for which a launcher started a
+    worker that has not registered (``launched_pid`` differs from the registered pid), is
+    reported ``joining`` with the new pid: workers load their weights before they
+    register, and the group lists a launch cohort as healthy from its first member on.
     """
     world = snap.get("groups", {}).get(WORLD)
     procs = snap.get("ranks", {})
@@ -64,9 +70,12 @@ def status_from_snapshot(snap: dict[str, Any], ep_size: int, max_ep_size: int, p
     for slot, state in enumerate(states):
         rank = slot if world is None else int(world["ranks"][slot])
         proc = procs.get(str(rank))
-        ranks.append({"rank": rank, "state": state,
-                      "pid": None if proc is None else int(proc["pid"]),
-                      "node": node_of(rank)})
+        pid = None if proc is None else int(proc["pid"])
+        if state in ("failed", "removed") or proc is None:  # None: never registered yet
+            new_pid = launched_pid(rank)
+            if new_pid is not None and new_pid != pid:
+                state, pid = "joining", new_pid
+        ranks.append({"rank": rank, "state": state, "pid": pid, "node": node_of(rank)})
     return {"epoch": epoch, "ep_size": ep_size, "max_ep_size": max_ep_size,
             "scale_phase": phase, "ranks": ranks}
 
@@ -81,11 +90,15 @@ class CoordinatorMembership:
         ep_size: the initial target number of ranks.
         max_ep_size: capacity (slots ``[0, max_ep_size)``).
         node_of: rank -> node index, for the status (default: every rank on node 0).
+        launched_pid: rank -> pid of a started worker that has not exited (see
+            :func:`status_from_snapshot`); default: none known.
         timeout_s: bound of each coordinator call (seconds).
     """
 
     def __init__(self, address: str, ep_size: int, max_ep_size: int,
-                 node_of: Callable[[int], int] | None = None, timeout_s: float = 5.0) -> None:
+                 node_of: Callable[[int], int] | None = None,
+                 launched_pid: Callable[[int], int | None] | None = None,
+                 timeout_s: float = 5.0) -> None:
         self._address = address
         self._timeout_s = timeout_s
         self._client: CoordinatorClient | None = None
@@ -93,6 +106,7 @@ class CoordinatorMembership:
         self.ep_size = ep_size
         self.max_ep_size = max_ep_size
         self._node_of = node_of or (lambda _rank: 0)
+        self._launched_pid = launched_pid or (lambda _rank: None)
         self._up: set[int] = set()
         self._down: set[int] = set()
 
@@ -142,7 +156,7 @@ class CoordinatorMembership:
             snap = self._call(lambda c: c.status())
             phase = self._phase(self._states(snap))
             return status_from_snapshot(snap, self.ep_size, self.max_ep_size, phase,
-                                        self._node_of)
+                                        self._node_of, self._launched_pid)
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Grow to ``new_ep_size`` (admit joiners of slots ``[ep_size, new)``) or shrink

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from elasticep.distributed import CoordinatorClient
     from elasticep.entrypoints.launcher import (
-        NodeDirectory,
+        RankDirectory,
         RankLauncher,
         fetch_config,
         kill_stale_worker,
@@ -169,14 +169,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep join: error: coordinator {args.dist_init_addr}: {exc}",
               file=sys.stderr)
         return 1
-    nodes = NodeDirectory(store)
+    directory = RankDirectory(store)
     if mode == "recover":
         for r in ranks:
             old_pid = snapshot.get("ranks", {}).get(str(r), {}).get("pid")
-            if nodes.node_of(r) == args.node_rank:
+            if directory.node_of(r) == args.node_rank:
                 kill_stale_worker(old_pid, r)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
-    launcher = RankLauncher(args.dist_init_addr, config, args.node_rank, nodes, log_dir)
+    launcher = RankLauncher(args.dist_init_addr, config, args.node_rank, directory, log_dir)
     try:
         for r in ranks:
             launcher.spawn(r, mode)

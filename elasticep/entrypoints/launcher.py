@@ -4,7 +4,8 @@
 
 * reads the deployment's :class:`DeploymentConfig` from the coordinator's store (so a
   joiner needs only the coordinator address), or publishes it (node 0);
-* records which node each rank runs on (store key ``elasticep/node/<rank>``);
+* records which node each rank runs on and the pid of a worker still loading (store keys
+  ``elasticep/node/<rank>``, ``elasticep/launch/<rank>``);
 * starts each rank as ``python -m elasticep.elastic.worker --config-json ...`` from one
   long-lived spawner thread (a worker's ``PR_SET_PDEATHSIG`` fires when the *thread* that
   spawned it exits);
@@ -40,6 +41,7 @@ from elasticep.utils.procs import kill_pids, pid_alive
 logger = logging.getLogger(__name__)
 
 NODE_KEY = "elasticep/node/{rank}"
+LAUNCH_KEY = "elasticep/launch/{rank}"
 WORKER_MODULE = "elasticep.elastic.worker"
 
 
@@ -76,37 +78,59 @@ def fetch_config(store: dist.Store, timeout_s: float = 60.0) -> DeploymentConfig
     return DeploymentConfig.from_json(store.get(CONFIG_KEY).decode())
 
 
-class NodeDirectory:
-    """rank -> node index, kept in the store; cached because it is read every 50 ms.
+class RankDirectory:
+    """What launchers record per rank in the store: its node, and the pid of a worker
+    started for it that has not exited (a joiner loads its weights before it registers
+    with the coordinator, so this is how a loading joiner shows up). Node lookups are
+    cached: they are read every 50 ms.
 
     Args:
-        store: a store client (thread-safe use is serialised here).
+        store: a store client (use from several threads is serialised here).
     """
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._cache: dict[int, int] = {}
+        self._nodes: dict[int, int] = {}
 
-    def set(self, rank: int, node: int) -> None:
+    def record_launch(self, rank: int, node: int, pid: int) -> None:
+        """A launcher on ``node`` started worker ``pid`` for ``rank``."""
         with self._lock:
             self._store.set(NODE_KEY.format(rank=rank), str(node))
-            self._cache[rank] = node
+            self._store.set(LAUNCH_KEY.format(rank=rank), str(pid))
+            self._nodes[rank] = node
 
-    def forget(self, rank: int) -> None:
-        """Drop a cached entry (the slot was relaunched, maybe on another node)."""
+    def clear_launch(self, rank: int, pid: int) -> None:
+        """Worker ``pid`` of ``rank`` exited (the key is cleared only if it still holds it)."""
         with self._lock:
-            self._cache.pop(rank, None)
+            self._store.compare_set(LAUNCH_KEY.format(rank=rank), str(pid), "")
 
     def node_of(self, rank: int) -> int:
         """Node of ``rank``; 0 if no launcher recorded it."""
         with self._lock:
-            if rank not in self._cache:
+            if rank not in self._nodes:
                 key = NODE_KEY.format(rank=rank)
                 if not self._store.check([key]):
                     return 0
-                self._cache[rank] = int(self._store.get(key).decode())
-            return self._cache[rank]
+                self._nodes[rank] = int(self._store.get(key).decode())
+            return self._nodes[rank]
+
+    def launched_pid(self, rank: int, local_node: int | None = None) -> int | None:
+        """Pid of the last worker started for ``rank`` that has not exited, or None.
+
+        Args:
+            local_node: this machine's node; a recorded pid of this node that is not alive
+                is ignored (its launcher was killed before it could clear the key).
+        """
+        key = LAUNCH_KEY.format(rank=rank)
+        with self._lock:
+            text = self._store.get(key).decode() if self._store.check([key]) else ""
+        if not text:
+            return None
+        pid = int(text)
+        if local_node is not None and self.node_of(rank) == local_node and not pid_alive(pid):
+            return None
+        return pid
 
 
 @dataclass(frozen=True)
@@ -125,16 +149,16 @@ class RankLauncher:
         coordinator: ``"host:port"`` of the coordinator.
         config: the deployment's shared settings.
         node: this node's index (for the status' ``node`` field).
-        nodes: where to record the rank -> node mapping.
+        directory: where to record each launch (node, pid).
         log_dir: worker ``r``'s output goes to ``log_dir/rank<r>.log`` (appended).
     """
 
     def __init__(self, coordinator: str, config: DeploymentConfig, node: int,
-                 nodes: NodeDirectory, log_dir: Path) -> None:
+                 directory: RankDirectory, log_dir: Path) -> None:
         self.coordinator = coordinator
         self.config = config
         self.node = node
-        self.nodes = nodes
+        self.directory = directory
         self.log_dir = log_dir
         self.exits: queue.Queue[RankExit] = queue.Queue()
         self._procs: dict[int, subprocess.Popen] = {}
@@ -157,13 +181,12 @@ class RankLauncher:
         log = open(self.log_dir / f"rank{rank}.log", "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         env = {k: v for k, v in os.environ.items() if k != "ELASTICEP_FAULT"}
-        self.nodes.forget(rank)
-        self.nodes.set(rank, self.node)
         # Own session: a terminal's Ctrl-C reaches only serve/join, which then stops the
         # workers in order (a worker interrupted mid-collective would only log noise).
         proc = self._spawner.submit(subprocess.Popen, cmd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True).result()
+        self.directory.record_launch(rank, self.node, proc.pid)
         with self._lock:
             self._procs[rank] = proc
         threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
@@ -174,6 +197,10 @@ class RankLauncher:
 
     def _wait_child(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        try:
+            self.directory.clear_launch(rank, proc.pid)
+        except (RuntimeError, OSError) as exc:  # the store went away with the coordinator
+            logger.debug("node %d: could not clear rank %d's launch: %s", self.node, rank, exc)
         with self._lock:
             stopping = self._stopping
         if stopping:

@@ -89,7 +89,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
     from elasticep.engine.ipc import FrontendChannel
     from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
     from elasticep.entrypoints.http_server import create_server
-    from elasticep.entrypoints.launcher import NodeDirectory, RankLauncher, publish_config
+    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, publish_config
     from elasticep.entrypoints.membership import ConnectedWorkers
     from elasticep.entrypoints.supervisor import supervise
 
@@ -109,15 +109,16 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
                       frontend_output_addr=channel.endpoints.output_addr,
                       store_addr=f"{settings.coordinator_host}:{coordinator.store.port}")
         publish_config(coordinator.store, dep)
-        nodes = NodeDirectory(coordinator.store)
-        launcher = RankLauncher(coordinator.address, dep, 0, nodes, log_dir)
+        directory = RankDirectory(coordinator.store)
+        launcher = RankLauncher(coordinator.address, dep, 0, directory, log_dir)
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
         for rank in settings.local_ranks:  # first: they load while the front-end starts
             launcher.spawn(rank)
         if dep.elastic_ep_backend == "elastic":
-            membership = CoordinatorMembership(coordinator.address, dep.ep_size,
-                                               dep.max_ep_size, nodes.node_of)
+            membership = CoordinatorMembership(
+                coordinator.address, dep.ep_size, dep.max_ep_size, directory.node_of,
+                lambda rank: directory.launched_pid(rank, local_node=0))
         else:  # plain Gloo ranks never register with the coordinator: hellos are all we see
             membership = ConnectedWorkers(lambda: channel.connected, dep.ep_size)
         name = args.served_model_name or Path(dep.model).name
@@ -184,7 +185,7 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
 
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
-    from elasticep.entrypoints.launcher import NodeDirectory, RankLauncher, fetch_config
+    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, fetch_config
     from elasticep.entrypoints.supervisor import supervise
 
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
@@ -194,7 +195,7 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
     dep = fetch_config(store)
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
-    launcher = RankLauncher(address, dep, settings.node_rank, NodeDirectory(store), log_dir)
+    launcher = RankLauncher(address, dep, settings.node_rank, RankDirectory(store), log_dir)
     try:
         for rank in ranks:
             launcher.spawn(rank)
