@@ -2,7 +2,9 @@
 
 Importing this package registers the backend "elastic". Membership lives in a
 coordinator process (`start_coordinator`); each group runs its ops on a real inner
-ProcessGroupGloo per epoch. Nothing else from elasticep is imported here.
+ProcessGroupGloo per epoch, and CUDA tensors on an inner ProcessGroupNCCL of the same
+epoch (`nccl_inner`: polled waits, abort on a failure commit, a fresh communicator per
+epoch). Nothing else from elasticep is imported here.
 
 Engine-facing semantics (WORLD created with on_failure="raise")
 ----------------------------------------------------------------
@@ -41,7 +43,10 @@ Engine-facing semantics (WORLD created with on_failure="raise")
   group is then unusable); `CoordinatorLostError` when the coordinator is gone.
   send/recv carry no sequence number and raise `RankFailureError` on any membership
   change (a pending failure decision stays for the next collective). Ops run
-  synchronously; with async_op=True the returned Work is already complete.
+  synchronously; with async_op=True the returned Work is already complete. Exception:
+  a CUDA all_to_all_single in an on_failure="raise" group is stream-ordered (the host
+  returns once it is enqueued; the caller's stream waits for it), see `nccl_inner`.
+  send/recv of CUDA tensors are not supported (they would reach Gloo).
 * Supervisor side (launcher / front-end): `CoordinatorClient(address)` with `status()`
   (epoch, per-slot states, pids), `report_death(rank, pid)` (waitpid), and
   `request_admission` / `request_deactivation`, which ranks read with

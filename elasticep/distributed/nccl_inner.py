@@ -59,9 +59,9 @@ ABORT_WAIT_S = 10.0
 # fetched by another survivor (all_to_all_single) are stream-ordered instead of
 # host-waited: the caller's stream waits for the NCCL work and the host returns at once,
 # counting the op as completed. Why that stays sound: if a peer died before taking
-# part, the op's output is garbage, but the group's next host-waited op cannot complete
-# either (it queues behind the dead op on the same NCCL stream), so it is at or below
-# the decision's pivot and every survivor raises there ("raise" never redoes a pivot,
+# part, the op's output is garbage, but the group's next collective of any kind cannot
+# complete either (the dead rank never joins it; on the GPU it also queues behind the
+# dead op), so it is at or below the decision's pivot and every survivor raises there ("raise" never redoes a pivot,
 # and an unfetchable op inside r..M makes everyone raise); the failure commit aborts
 # the communicator, which also releases the waiting stream. Under on_failure="complete"
 # the pivot would be redone and the garbage kept, so those groups host-wait every op.
