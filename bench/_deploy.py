@@ -170,7 +170,8 @@ class Run:
         a = self.args
         return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
                 "device": a.device, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-                "orphans": self.orphans, "machine": machine()}
+                "orphans": self.orphans, "machine": machine(),
+                "load_avg_1m": round(os.getloadavg()[0], 1)}
 
     def __enter__(self) -> Run:
         return self

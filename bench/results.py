@@ -5,6 +5,7 @@ targets and the timeline plots (docs/results/*.png).
 Usage: python bench/results.py [--scenarios kill,rejoin,...] [--chaos-trials 5]
        [--skip-overhead] [--device cpu|cuda]        (or: make results)
        python bench/results.py --rerun kill,freeze  # redo some parts, keep the rest
+       python bench/results.py --rerun none         # only redraw the page
 
 Every part's result is also kept in docs/results/results.json, which ``--rerun`` reads
 (part names: the scenarios, "overhead", "chaos").
@@ -41,7 +42,7 @@ TARGETS = {
     "freeze": ("interruption_s", "<= 3.0 s", lambda v: v <= 3.0),
     "rejoin": ("pause_s", "<= 0.5 s", lambda v: v <= 0.5),
     "scale-up": ("pause_s", "<= 1.0 s", lambda v: v <= 1.0),
-    "scale-down": ("pause_s", "(no target)", lambda v: True),
+    "scale-down": ("pause_s", "", None),
 }
 
 
@@ -63,12 +64,16 @@ def scenario_row(name: str, r: dict | None, why: str) -> str:
         return f"| {name} | FAILED: {why.splitlines()[-1][:120] if why else '?'} |||||||"
     key, target, ok = TARGETS[name]
     v = r.get(key)
-    verdict = "" if v is None else (" (met)" if ok(v) else " (missed)")
+    verdict = "" if v is None or ok is None else (" (met)" if ok(v) else " (missed)")
+    target = f", target {target}" if target else " (no target)"
     ratio = (r["tokens_per_s_degraded"] / r["tokens_per_s_healthy"]
              if r.get("tokens_per_s_degraded") and r.get("tokens_per_s_healthy") else None)
-    return (f"| {name} | {key} = {v} s, target {target}{verdict} | {r['p50_gap_s']} | "
-            f"{r['failed_requests']} | {r['tokens_per_s_healthy']} / "
-            f"{r['tokens_per_s_degraded']} / {r['tokens_per_s_after']} | "
+    def show(x: object) -> str:
+        return "-" if x is None else str(x)
+
+    return (f"| {name} | {key} = {v} s{target}{verdict} | {r['p50_gap_s']} | "
+            f"{r['failed_requests']} | {show(r['tokens_per_s_healthy'])} / "
+            f"{show(r['tokens_per_s_degraded'])} / {show(r['tokens_per_s_after'])} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {r['outputs_identical']} | "
             f"{r.get('detect_s', r.get('admit_s'))} |")
 
