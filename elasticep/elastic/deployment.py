@@ -14,32 +14,27 @@ Used by ``generate --ep-size N`` and by ``serve``::
 
 The coordinator runs on threads of this process, outside every worker, so any rank
 (rank 0 included) may die. Workers are fresh interpreters (``sys.executable -m
-elasticep.elastic.worker``, never fork). One waiter thread per worker blocks in
-``Popen.wait`` and reports the death to the coordinator at once (milliseconds), before
-the control connection's EOF or the heartbeat timeout would. Popen runs on one
-long-lived spawner thread: a worker's ``PR_SET_PDEATHSIG`` fires when the *thread* that
-spawned it exits, so spawning from a short-lived thread would kill the worker.
+elasticep.elastic.worker``, never fork), started and watched by
+:class:`~elasticep.elastic.launcher.WorkerLauncher`, which reports each death to the
+coordinator at once (milliseconds), before the control connection's EOF or the heartbeat
+timeout would.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import replace
-from typing import IO, Any
+from typing import Any
 
-from elasticep.distributed import CoordinatorClient, start_coordinator
-from elasticep.elastic.config import DeploymentConfig, WorkerConfig
-from elasticep.utils.procs import kill_pids
+from elasticep.distributed import start_coordinator
+from elasticep.elastic.config import DeploymentConfig
+from elasticep.elastic.launcher import CONFIG_KEY, WorkerLauncher, publish_config
+
+__all__ = ["CONFIG_KEY", "LocalDeployment"]
 
 logger = logging.getLogger(__name__)
-
-CONFIG_KEY = "elasticep/deployment_config"
 
 
 class LocalDeployment:
@@ -66,13 +61,7 @@ class LocalDeployment:
         self.log_dir = log_dir
         self.hb_interval_s = hb_interval_s
         self.coordinator = None
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.exit_codes: dict[int, list[int]] = {}
-        self._client: CoordinatorClient | None = None
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ep-spawn")
-        self._logs: list[IO] = []
+        self.workers: WorkerLauncher | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -84,13 +73,24 @@ class LocalDeployment:
                                              hb_timeout_s=self.config.heartbeat_timeout_s)
         host = self.coordinator.address.rpartition(":")[0]
         self.config = replace(self.config, store_addr=f"{host}:{self.coordinator.store.port}")
-        self.coordinator.store.set(CONFIG_KEY, self.config.to_json())
-        self._client = CoordinatorClient(self.coordinator.address)
+        publish_config(self.coordinator.store, self.config)
+        self.workers = WorkerLauncher(self.coordinator.address, self.config,
+                                      log_dir=self.log_dir, env=self.env)
         logger.info("deployment: coordinator %s, launching %d ranks (capacity %d, backend %s)",
                     self.coordinator.address, self.config.ep_size, self.config.max_ep_size,
                     self.config.elastic_ep_backend)
         for rank in range(self.config.ep_size):
-            self._spawn(rank, None, self.fault)
+            self.workers.spawn(rank, None, self.fault)
+
+    @property
+    def procs(self) -> dict[int, subprocess.Popen]:
+        """rank -> the latest process started for it."""
+        return {} if self.workers is None else self.workers.procs
+
+    @property
+    def exit_codes(self) -> dict[int, list[int]]:
+        """rank -> exit codes of its processes so far, oldest first."""
+        return {} if self.workers is None else self.workers.exit_codes
 
     @property
     def address(self) -> str:
@@ -101,19 +101,14 @@ class LocalDeployment:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Kill every worker this deployment started (by pid), then the coordinator."""
-        with self._lock:
-            self._stopping = True
-            pids = [p.pid for p in self.procs.values() if p.poll() is None]
         # Coordinator first: the workers then see a lost coordinator, not a cascade of
         # failures and repairs, while they are being killed.
-        if self._client is not None:
-            self._client.close()
+        if self.workers is not None:
+            self.workers.detach()
         if self.coordinator is not None:
             self.coordinator.close()
-        kill_pids(pids, timeout_s)
-        self._spawner.shutdown(wait=True)
-        for f in self._logs:
-            f.close()
+        if self.workers is not None:
+            self.workers.stop(timeout_s)
 
     def __enter__(self) -> LocalDeployment:
         self.start()
@@ -123,41 +118,6 @@ class LocalDeployment:
         self.stop()
 
     # ------------------------------------------------------------------ workers
-    def _spawn(self, rank: int, join_mode: str | None, fault: str | None) -> subprocess.Popen:
-        wc = WorkerConfig(self.config, rank, self.address, join_mode=join_mode, fault=fault)
-        cmd = [sys.executable, "-m", "elasticep.elastic.worker", "--config-json", wc.to_json()]
-        env = {**os.environ, **self.env}
-        if fault is None:
-            env.pop("ELASTICEP_FAULT", None)  # a relaunch must not crash again
-        stderr = None
-        if self.log_dir is not None:
-            os.makedirs(self.log_dir, exist_ok=True)
-            stderr = open(os.path.join(self.log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
-            self._logs.append(stderr)
-        proc = self._spawner.submit(subprocess.Popen, cmd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=stderr, stderr=stderr).result()
-        with self._lock:
-            self.procs[rank] = proc
-        threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
-                         name=f"ep-wait-r{rank}").start()
-        logger.info("deployment: rank %d started (pid %d, join_mode=%s)", rank, proc.pid, join_mode)
-        return proc
-
-    def _wait_child(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        with self._lock:
-            self.exit_codes.setdefault(rank, []).append(code)
-            stopping = self._stopping
-            client = self._client
-        if stopping or client is None:
-            return
-        logger.warning("deployment: rank %d (pid %d) exited with %d", rank, proc.pid, code)
-        try:
-            with self._lock:  # one request at a time on the client's connection
-                client.report_death(rank, pid=proc.pid)
-        except (ValueError, OSError, TimeoutError) as exc:
-            logger.warning("deployment: could not report rank %d's death: %s", rank, exc)
-
     def relaunch(self, rank: int) -> subprocess.Popen:
         """Start a fresh worker for a failed slot (join mode "recover") and ask the ranks
         to admit it once it is ready. A still-running old process is killed first.
@@ -167,13 +127,13 @@ class LocalDeployment:
         """
         if not 0 <= rank < self.config.max_ep_size:
             raise ValueError(f"rank {rank} outside [0, {self.config.max_ep_size})")
-        old = self.procs.get(rank)
-        if old is not None and old.poll() is None:
-            kill_pids([old.pid])
+        workers = self._started()
+        old = workers.kill(rank, timeout_s=5.0)
+        if old is not None:
             old.wait(5)
-        proc = self._spawn(rank, "recover", None)
+        workers.spawn(rank, "recover")
         self._call("request_admission", [rank])
-        return proc
+        return self.procs[rank]
 
     def add_ranks(self, count: int) -> list[int]:
         """Scale up: start ``count`` new ranks in free slots (join mode "scale").
@@ -191,14 +151,13 @@ class LocalDeployment:
             raise ValueError(f"only {len(free)} free slots (max_ep_size {self.config.max_ep_size})")
         slots = free[:count]
         for r in slots:
-            self._spawn(r, "scale", None)
+            self._started().spawn(r, "scale")
         self._call("request_admission", slots)
         return slots
 
     def _exited(self, rank: int) -> bool:
         """No live process of ours holds ``rank``."""
-        proc = self.procs.get(rank)
-        return proc is None or proc.poll() is not None
+        return self.workers is None or self.workers.exited(rank)
 
     def request_removal(self, ranks: list[int]) -> None:
         """Planned scale-down: the ranks drain their experts and leave at a step boundary."""
@@ -223,11 +182,13 @@ class LocalDeployment:
         return {"removing": leaving}
 
     # ------------------------------------------------------------------ status
-    def _call(self, method: str, *args: Any) -> Any:
-        if self._client is None:
+    def _started(self) -> WorkerLauncher:
+        if self.workers is None:
             raise RuntimeError("deployment not started")
-        with self._lock:
-            return getattr(self._client, method)(*args)
+        return self.workers
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._started().call(method, *args)
 
     def coordinator_status(self) -> dict[str, Any]:
         """The coordinator's raw snapshot (:meth:`CoordinatorClient.status`)."""
@@ -246,8 +207,7 @@ class LocalDeployment:
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of the latest process started for it."""
-        with self._lock:
-            return {r: p.pid for r, p in self.procs.items()}
+        return {} if self.workers is None else self.workers.pids(live_only=False)
 
     def status(self) -> dict[str, Any]:
         """Membership in the front-end's ``MembershipSource`` shape::
