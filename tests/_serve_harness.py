@@ -229,3 +229,22 @@ class Burst:
 def signal_pid(pid: int, sig: int) -> None:
     """Signal one rank's worker pid (read from /elastic_ep_status)."""
     os.kill(pid, sig)
+
+
+def reference_results(serve: Serve, texts: list[str], max_tokens: int) -> list[StreamResult]:
+    """One fault-free burst of greedy streams; every stream must succeed."""
+    results = Burst(serve.client, texts, max_tokens).results()
+    assert [r.error for r in results] == [None] * len(texts)
+    return results
+
+
+def fault_midstream(serve: Serve, texts: list[str], max_tokens: int, reference: list[str],
+                    pid: int, sig: int) -> None:
+    """Run one stream per text and send ``sig`` to worker ``pid`` once they are partway
+    (4 tokens per stream); every stream must still succeed with its ``reference`` text."""
+    burst = Burst(serve.client, texts, max_tokens)
+    burst.wait_tokens(len(texts) * 4)
+    signal_pid(pid, sig)
+    results = burst.results()
+    assert [r.error for r in results] == [None] * len(texts)
+    assert [r.text for r in results] == reference

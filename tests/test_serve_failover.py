@@ -12,7 +12,16 @@ import time
 
 import httpx
 import pytest
-from _serve_harness import Burst, client_model, prompts, signal_pid, start_serve, stream
+from _serve_harness import (
+    Burst,
+    client_model,
+    fault_midstream,
+    prompts,
+    reference_results,
+    signal_pid,
+    start_serve,
+    stream,
+)
 
 from elasticep.utils.procs import pid_alive
 
@@ -34,8 +43,7 @@ def serve():
 @pytest.fixture(scope="module")
 def reference(serve):
     """Fault-free greedy texts, computed once on the healthy deployment."""
-    results = Burst(serve.client, PROMPTS, MAX_TOKENS).results()
-    assert [r.error for r in results] == [None] * N_STREAMS
+    results = reference_results(serve, PROMPTS, MAX_TOKENS)
     assert all(r.chunks == MAX_TOKENS for r in results), [r.chunks for r in results]
     return [r.text for r in results]
 
@@ -48,12 +56,7 @@ def _fault_midstream(serve, reference, rank: int, sig: int) -> dict:
     """Run 8 streams, signal ``rank``'s worker when they are partway; check the texts."""
     victim = serve.rank(rank)
     assert victim["state"] == "healthy"
-    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
-    burst.wait_tokens(N_STREAMS * 4)
-    signal_pid(victim["pid"], sig)
-    results = burst.results()
-    assert [r.error for r in results] == [None] * N_STREAMS
-    assert [r.text for r in results] == reference
+    fault_midstream(serve, PROMPTS, MAX_TOKENS, reference, victim["pid"], sig)
     return victim
 
 

@@ -12,7 +12,14 @@ import time
 
 import httpx
 import pytest
-from _serve_harness import Burst, prompts, signal_pid, start_serve, stream
+from _serve_harness import (
+    fault_midstream,
+    prompts,
+    reference_results,
+    signal_pid,
+    start_serve,
+    stream,
+)
 
 from elasticep.utils.procs import pid_alive
 
@@ -35,9 +42,7 @@ def serve():
 @pytest.fixture(scope="module")
 def reference(serve):
     """Fault-free greedy texts at EP4, computed once."""
-    results = Burst(serve.client, PROMPTS, MAX_TOKENS).results()
-    assert [r.error for r in results] == [None] * N_STREAMS
-    return [r.text for r in results]
+    return [r.text for r in reference_results(serve, PROMPTS, MAX_TOKENS)]
 
 
 class Load:
@@ -110,12 +115,7 @@ def test_scale_up_then_down_under_load(serve, reference):
 
 def test_kill_after_scale_is_survived_and_restarted(serve, reference):
     victim = serve.rank(1)
-    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
-    burst.wait_tokens(N_STREAMS * 4)
-    signal_pid(victim["pid"], signal.SIGKILL)
-    results = burst.results()
-    assert [r.error for r in results] == [None] * N_STREAMS
-    assert [r.text for r in results] == reference
+    fault_midstream(serve, PROMPTS, MAX_TOKENS, reference, victim["pid"], signal.SIGKILL)
     # --restart-failed-ranks relaunches serve's own crashed rank...
     st = serve.wait_for(lambda s: serve.rank(1)["state"] == "healthy"
                         and serve.rank(1)["pid"] != victim["pid"], 120, "rank 1 restarted")
@@ -127,12 +127,7 @@ def test_kill_after_scale_is_survived_and_restarted(serve, reference):
 def test_kill_a_scaled_in_rank(serve, reference):
     victim = serve.rank(4)
     assert victim["state"] == "healthy"
-    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
-    burst.wait_tokens(N_STREAMS * 4)
-    signal_pid(victim["pid"], signal.SIGKILL)
-    results = burst.results()
-    assert [r.error for r in results] == [None] * N_STREAMS
-    assert [r.text for r in results] == reference
+    fault_midstream(serve, PROMPTS, MAX_TOKENS, reference, victim["pid"], signal.SIGKILL)
     serve.wait_for(lambda s: serve.rank(4)["state"] == "failed", 10, "rank 4 failed")
 
 

@@ -115,6 +115,22 @@ def _loads(frame: bytes) -> object | None:
         return None
 
 
+def _recv_ready(sock: zmq.Socket, kinds: tuple[type, ...], where: str) -> list:
+    """Every message already queued on ``sock`` (never blocks) that is one of ``kinds``;
+    anything else is logged (prefixed with ``where``) and dropped."""
+    out: list = []
+    while True:
+        try:
+            frame = sock.recv(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        msg = _loads(frame)
+        if isinstance(msg, kinds):
+            out.append(msg)
+        elif msg is not None:
+            logger.warning("%s: ignoring unexpected %s", where, type(msg).__name__)
+
+
 class FrontendChannel:
     """Front-end side: a ROUTER for requests and a PULL for outputs, bound on ``host``.
 
@@ -190,11 +206,14 @@ class FrontendChannel:
                 self._poller.register(shadow, zmq.POLLIN)
         # Drain first: zmq wakeups are edge-triggered, so messages that arrived while we
         # were busy would otherwise wait for the next edge.
-        messages = self._drain_router() + self._drain(self._pull)
+        messages = self._drain_router() + self._drain_outputs()
         if messages:
             return messages
         await self._poller.poll(timeout=max(0, int(timeout_s * 1000)))
-        return self._drain_router() + self._drain(self._pull)
+        return self._drain_router() + self._drain_outputs()
+
+    def _drain_outputs(self) -> list[WorkerMessage]:
+        return _recv_ready(self._pull, (OutputBatch, RequestError), "output socket")
 
     def _drain_router(self) -> list[WorkerMessage]:
         out: list[WorkerMessage] = []
@@ -218,20 +237,6 @@ class FrontendChannel:
             # Copy-on-write: other threads may read `connected` (membership stand-ins).
             self.connected = {**self.connected, msg.rank: msg}
             out.append(msg)
-
-    @staticmethod
-    def _drain(sock: zmq.Socket) -> list[WorkerMessage]:
-        out: list[WorkerMessage] = []
-        while True:
-            try:
-                frame = sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            msg = _loads(frame)
-            if isinstance(msg, OutputBatch | RequestError):
-                out.append(msg)
-            elif msg is not None:
-                logger.warning("ignoring unexpected %s on output socket", type(msg).__name__)
 
     def close(self) -> None:
         """Close both sockets and the context; idempotent."""
@@ -286,20 +291,10 @@ class WorkerChannel:
 
     def poll(self, timeout_s: float) -> list[RankMessage]:
         """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
-        out: list[RankMessage] = []
         if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
-            return out
-        while True:
-            try:
-                frame = self._dealer.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            msg = _loads(frame)
-            if isinstance(msg, GenerateRequest | AbortRequest):
-                out.append(msg)
-            elif msg is not None:
-                logger.warning("rank %d epoch %d: ignoring unexpected %s", self.rank,
-                               self.epoch, type(msg).__name__)
+            return []
+        return _recv_ready(self._dealer, (GenerateRequest, AbortRequest),
+                           f"rank {self.rank} epoch {self.epoch}")
 
     def send_outputs(self, outputs: Sequence[TokenOutput]) -> None:
         """Publish one committed step's tokens, tagged with this rank and epoch.

@@ -210,20 +210,30 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """Fields every choice shares (one choice per request: ``n`` is 1)."""
+
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion, or (with ``usage`` None) one SSE chunk of one."""
+class _Response(BaseModel):
+    """Fields every response and stream chunk shares."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    """A whole completion, or (with ``usage`` None) one SSE chunk of one."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -233,34 +243,22 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int = 0
+class ChatStreamChoice(_Choice):
     delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
 

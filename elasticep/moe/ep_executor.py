@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from elasticep.eplb.elastic import ExpertLoad
 from elasticep.eplb.metadata import ExpertLocationMetadata
@@ -26,6 +25,7 @@ from elasticep.moe.dispatch import (
     combine_pairs,
     dispatch_pairs,
 )
+from elasticep.moe.local_executor import slot_groups, swiglu_expert
 
 
 def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
@@ -43,16 +43,8 @@ def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, loc
     out = torch.empty_like(rows)
     if rows.shape[0] == 0:
         return out
-    order = torch.argsort(local_slots, stable=True)
-    counts = torch.bincount(local_slots, minlength=w13.shape[0]).tolist()
-    start = 0
-    for slot, n in enumerate(counts):
-        if n == 0:
-            continue
-        idx = order[start : start + n]
-        gate, up = F.linear(rows[idx], w13[slot]).chunk(2, dim=-1)
-        out[idx] = F.linear(F.silu(gate) * up, w2[slot])
-        start += n
+    for slot, idx in slot_groups(local_slots, w13.shape[0]):
+        out[idx] = swiglu_expert(w13[slot], w2[slot], rows[idx])
     return out
 
 

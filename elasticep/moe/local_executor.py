@@ -6,12 +6,13 @@ Implements the executor contract of docs/ARCHITECTURE.md ("MoE layer"):
 
 Expert weights live in *physical slots*; :class:`ExpertSlots` holds, per decoder layer,
 ``w13 [S, 2*I, H]`` (gate rows then up rows), ``w2 [S, H, I]`` and the row
-``slot_to_logical[layer] [S]``. The EP executor reuses the same container and
-:func:`run_slots` for its local compute.
+``slot_to_logical[layer] [S]``. The EP executor reuses :func:`slot_groups` and
+:func:`swiglu_expert` for its local compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,41 @@ class ExpertSlots:
         return int(self.slot_to_logical.shape[1])
 
 
+def slot_groups(slot_ids: torch.Tensor, num_slots: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Group entries by slot, so that each expert runs one matmul.
+
+    Args:
+        slot_ids: ``[N]`` int64 in ``[0, num_slots)``.
+        num_slots: S.
+
+    Yields:
+        ``(slot, idx)`` for each slot with entries, in slot order; ``idx`` ``[n]`` int64
+        are the positions of that slot's entries in ``slot_ids``, ascending.
+    """
+    order = torch.argsort(slot_ids, stable=True)
+    counts = torch.bincount(slot_ids, minlength=num_slots).tolist()
+    start = 0
+    for slot, n in enumerate(counts):
+        if n:
+            yield slot, order[start : start + n]
+        start += n
+
+
+def swiglu_expert(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert: ``w2 @ (silu(gate x) * (up x))``.
+
+    Args:
+        w13: ``[2*I, H]`` gate rows then up rows.
+        w2: ``[H, I]``.
+        x: ``[N, H]`` model dtype.
+
+    Returns:
+        ``[N, H]`` model dtype.
+    """
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
 def run_slots(
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -61,24 +97,12 @@ def run_slots(
     out = torch.zeros_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    flat_slots = slot_ids.reshape(-1)
-    # Group (token, choice) pairs by slot once, so each expert runs one matmul.
-    order = torch.argsort(flat_slots, stable=True)
-    counts = torch.bincount(flat_slots, minlength=w13.shape[0]).tolist()
     k = slot_ids.shape[1]
-    token_of = order // k
-    flat_w = weights.reshape(-1)[order]
-    start = 0
-    for slot, n in enumerate(counts):
-        if n == 0:
-            continue
-        idx = token_of[start : start + n]
-        x = hidden_states[idx]
-        gate, up = F.linear(x, w13[slot]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[slot])
-        y = y * flat_w[start : start + n, None].to(y.dtype)
-        out.index_add_(0, idx, y)
-        start += n
+    flat_w = weights.reshape(-1)
+    for slot, pairs in slot_groups(slot_ids.reshape(-1), w13.shape[0]):
+        idx = pairs // k  # the token of each (token, choice) pair
+        y = swiglu_expert(w13[slot], w2[slot], hidden_states[idx])
+        out.index_add_(0, idx, y * flat_w[pairs, None].to(y.dtype))
     return out
 
 
