@@ -54,6 +54,26 @@ def test_transition_defers_admission_behind_failure():
     assert tr2.kind == "change" and tr2.new_active == {0, 2, 3}
 
 
+def test_late_removal_vote_does_not_undo_a_later_readmission():
+    # scale-down of slot 4: one member's deactivate call lands while the removal runs
+    g = Group.create("w", [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], "complete", set())
+    g.pending_remove = {4}
+    tr = Transition.begin(g)
+    assert tr.kind == "change" and tr.new_active == {0, 1, 2, 3}
+    g.pending_remove.add(4)  # the late member's vote
+    g.commit(tr)
+    assert g.states[4] == "removed" and not g.pending_remove
+    # a new joiner for slot 4 is admitted, and nothing removes it again
+    g.states[4] = "ready"
+    g.pending_admit = {4}
+    tr = Transition.begin(g)
+    assert tr.new_active == {0, 1, 2, 3, 4}
+    g.pending_admit.add(4)  # a late recover_ranks vote
+    g.commit(tr)
+    assert g.states[4] == "healthy"
+    assert Transition.begin(g) is None
+
+
 def test_joiner_for_active_slot_is_refused():
     with pytest.raises(ValueError):
         next_slot_state("healthy", "joining")

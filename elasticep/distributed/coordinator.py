@@ -258,6 +258,8 @@ class Coordinator:
     def _request_admission(self, proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]
         g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg["ranks"]))
+        # the newest intent for a slot wins over an older, unapplied removal
+        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg["ranks"]]
         self._push_peer(g)
         return {}
 
@@ -267,6 +269,7 @@ class Coordinator:
             if g.states[r] == "healthy":
                 g.states[r] = "draining"
         g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg["ranks"]))
+        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg["ranks"]]
         self._push_peer(g)
         return {}
 
@@ -314,7 +317,11 @@ class Coordinator:
         d = decide(tr.kind, tr.epoch, tr.new_active, tr.dead, tr.reports)
         g.commit(tr)
         log.info("coordinator: group %s commit epoch %d %s", g.name, d.epoch, d.to_dict())
-        msg = {"t": "commit", "group": g.name, "decision": d.to_dict(), "states": g.states}
+        # Requests travel with the commit: a rank must not act again on a removal or
+        # admission that this commit just applied (a later re-admission of the slot
+        # would otherwise be undone by the stale request).
+        msg = {"t": "commit", "group": g.name, "decision": d.to_dict(), "states": g.states,
+               "requests": g.requests}
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)

@@ -118,6 +118,11 @@ class Group:
         for s in tr.removed:
             self.states[s] = "removed"
         self.pending_dead -= tr.dead
+        # Members call deactivate_ranks/recover_ranks at different steps, so a late
+        # caller can re-queue a change this transition already applies; left queued, it
+        # would fire again when the slot is next re-admitted (or removed).
+        self.pending_remove -= tr.removed
+        self.pending_admit -= tr.admitted
         for key, done in (("admit", tr.admitted), ("remove", tr.removed)):
             self.requests[key] = [r for r in self.requests[key] if r not in done]
         self.transition = None

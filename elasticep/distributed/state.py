@@ -102,6 +102,9 @@ class GroupState:
                           "fetchable": list(self.kept)}
             self.ctl.send(report)
         elif t == "commit":
+            if "requests" in msg:
+                with self.cond:
+                    self.requests = msg["requests"]
             self._on_commit(Decision.from_dict(msg["decision"]), msg["states"])
         elif t == "peer":
             with self.cond:
