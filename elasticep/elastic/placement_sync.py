@@ -27,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 from elasticep.eplb import (
-    ExpertLocationMetadata,
     Placement,
     broadcast_global_expert_location_metadata,
-    move_expert_weights,
     reconcile_placement,
     scale_down_placement,
 )
@@ -79,18 +77,25 @@ def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup
                      source_ranks: torch.Tensor | None = None) -> ChangeReport:
     """Steps 3-4: fetch weights for ``new``, commit all_reduce, swap. Collective.
 
+    The only caller of :meth:`EPMoEExecutor.apply_placement` in the serving path: it
+    supplies the commit point that the executor leaves to its caller.
+
+    Args:
+        group: the EP group, which carries the commit; it must be the executor's
+            (``ep.group``), which carries the weight exchange.
+
     Raises:
         EpochChangedError (and subclasses): membership changed before the commit; the
             executor is unchanged.
     """
     t0 = time.perf_counter()
     old = ep.placement
-    w13, w2, loads = move_expert_weights(old, new, ep.rank, ep.w13, ep.w2, group, load_fn,
-                                         source_ranks)
-    flag = torch.ones(1, dtype=torch.int64)
-    dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
-    device = ep.metadata.physical_to_logical_map.device
-    ep.set_placement(ExpertLocationMetadata.from_placement(new, ep.rank, device), w13, w2)
+
+    def commit() -> None:
+        flag = torch.ones(1, dtype=torch.int64)
+        dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
+
+    loads = ep.apply_placement(new, load_fn, source_ranks, commit=commit)
     mine = [x for x in loads if x.rank == ep.rank]
     return ChangeReport(
         changed=new != old,

@@ -12,6 +12,8 @@ Placement layers are decoder layers; the weights of dense layers are None.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -119,15 +121,25 @@ class EPMoEExecutor:
         new: Placement,
         load_fn: CheckpointLoader | None = None,
         source_ranks: torch.Tensor | None = None,
+        commit: Callable[[], None] | None = None,
     ) -> list[ExpertLoad]:
         """Move to ``new``: fetch weights from peers or the checkpoint, then swap metadata.
 
         Collective: every live member of the group calls it with the same ``new``.
 
+        Without ``commit`` the swap follows this rank's fetch at once, with no point at
+        which the ranks agree that every fetch completed: a rank that dies mid-exchange
+        can leave some survivors swapped and others not. That is safe only where no rank
+        can fail (single-process use, tests on a plain group). On an elastic group, pass a
+        commit collective, or go through
+        :func:`elasticep.elastic.placement_sync.commit_placement`, which does.
+
         Args:
             new: the target placement (from repair / scale / rebalance).
             load_fn: checkpoint reader for orphans this rank must host.
             source_ranks: ranks that may send, see :func:`move_expert_weights`.
+            commit: called after every weight of this rank arrived and before the swap
+                (e.g. a commit all_reduce); if it raises, the executor is unchanged.
 
         Returns:
             The load plan that was carried out.
@@ -135,6 +147,8 @@ class EPMoEExecutor:
         w13, w2, loads = move_expert_weights(
             self.placement, new, self.rank, self.w13, self.w2, self.group, load_fn, source_ranks
         )
+        if commit is not None:
+            commit()
         device = self.metadata.physical_to_logical_map.device
         self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
         return loads
