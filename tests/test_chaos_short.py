@@ -31,6 +31,10 @@ def test_schedules_are_seeded_and_round_trip():
         assert Schedule.parse(s.describe()) == s
         assert len(s.victims()) <= 2  # two ranks always survive
         assert {f.kind for f in s.faults} <= set(KINDS)
+    # one reserved slot: never two scale-ups in one trial (seed 1, trial 14 drew two)
+    for trial in range(200):
+        kinds = [f.kind for f in make_schedule(1, trial, 4, 2.0).faults]
+        assert kinds.count("scale-while-failing") <= 1, (trial, kinds)
     victims = {r for t in range(60) for r in make_schedule(1, t, 4, 2.0).victims()}
     assert 0 in victims  # rank 0 is fair game
     with pytest.raises(ValueError, match="bad fault"):

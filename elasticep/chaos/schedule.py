@@ -145,4 +145,7 @@ def make_schedule(seed: int, trial: int, ep_size: int, heartbeat_timeout_s: floa
         if kind != "occupied-join":
             used |= set(ranks)
             budget -= len(ranks)
+        if kind == "scale-while-failing":
+            # the deployment reserves one free slot, so a trial can scale up only once
+            usable.remove(kind)
     return Schedule(tuple(faults))
