@@ -18,7 +18,7 @@ import torch
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"

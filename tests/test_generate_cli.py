@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Question: Janet has 3 apples and buys 2 more. How many apples does she have?\nAnswer:"

@@ -22,7 +22,7 @@ from elasticep.engine.sequence import Sequence
 from elasticep.models import load_model, reload_expert
 from elasticep.models.checkpoint import CheckpointReader
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
