@@ -407,15 +407,19 @@ class _Inner:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inner group of epoch {self.epoch} not built in time")
         if self.pg is None:
-            with gs.cond:
-                while gs.failure_gen == gen:
-                    gs._check_alive()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"inner group of epoch {self.epoch} failed: "
-                                           f"{self.error}")
-                    gs.cond.wait(0.05)
-            raise _Superseded
+            self._await_next_failure(gs, gen, deadline, f"inner group failed: {self.error}")
         return self
+
+    def _await_next_failure(self, gs: GroupState, gen: int, deadline: float, why: str) -> None:
+        """A member died during rendezvous: block until the failure decision that replaces
+        this epoch arrives, then raise _Superseded (TimeoutError past ``deadline``)."""
+        with gs.cond:
+            while gs.failure_gen == gen:
+                gs._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"epoch {self.epoch}: {why}")
+                gs.cond.wait(0.05)
+        raise _Superseded
 
     def _start_nccl(self, gs: GroupState, device: torch.device) -> NcclComm:
         self.nccl = NcclComm(gs.new_store, self._prefix + "nccl/", self._active.index(gs.slot),
@@ -446,14 +450,8 @@ class _Inner:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nccl communicator of epoch {self.epoch} not built in time")
         if comm.pg is None or comm.error is not None:
-            with gs.cond:  # a member died during rendezvous: wait for the new epoch
-                while gs.failure_gen == gen:
-                    gs._check_alive()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"nccl communicator of epoch {self.epoch} failed: "
-                                           f"{comm.error}")
-                    gs.cond.wait(0.05)
-            raise _Superseded
+            self._await_next_failure(gs, gen, deadline,
+                                     f"nccl communicator failed: {comm.error}")
         return comm
 
     def reapable(self) -> bool:
