@@ -136,68 +136,78 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                         p["hidden"][rank].float().to(dev), p["slots"][rank].to(dev),
                         p["weights"][rank].to(dev))
         res["ep2_moe_rel_err_bf16"] = float((got - ref).norm() / ref.norm())
-        # latency: ours vs raw
+        # uneven splits through the elastic group; the second call takes the fast path
+        fast = []
+        for _ in range(2):
+            inp = torch.arange(4, device=dev, dtype=torch.float32) + 100 * rank
+            insz, outsz = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+            out = torch.empty(sum(outsz), device=dev)
+            dist.all_to_all_single(out, inp, outsz, insz)
+            want = [0., 100., 101.] if rank == 0 else [1., 2., 3., 102., 103.]
+            res["all_to_all_uneven_ok"] = out.cpu().tolist() == want
+            fast.append(ed.api._gs(None)._fast is not None)
+        res["fast_path_after_first_op"] = fast
+        # latency: ours vs raw NCCL, called directly and through torch.distributed
         raw = _raw_group(rank, addr, cuda, "lat")
+        try:
+            reg = dist.new_group([0, 1], backend="nccl" if cuda else "gloo")
+        except Exception as e:  # record why; the direct baseline still runs
+            res["registered_group_error"] = repr(e)
+            reg = None
         a2a_in = torch.randn(2 << 20, device=dev)  # 8 MiB fp32
         a2a_out = torch.empty_like(a2a_in)
+        h_in = torch.randn(16 << 20, device=dev)  # 64 MiB fp32: the fixed overhead's share
+        h_out = torch.empty_like(h_in)
         big = torch.randn(2 << 20, device=dev)
         small = torch.ones(1, device=dev)
         opts = dist.AllToAllOptions()
-        h_in = torch.randn(16 << 20, device=dev)  # 64 MiB fp32: the fixed overhead's share
-        h_out = torch.empty_like(h_in)
         cases = {
-            "all_to_all_single_64MiB": (
-                lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
-                lambda: dist.all_to_all_single(h_out, h_in)),
-            "all_to_all_single_8MiB": (
-                lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
-                lambda: dist.all_to_all_single(a2a_out, a2a_in)),
-            "all_reduce_8MiB": (lambda: raw.allreduce([big]).wait(),
-                                lambda: dist.all_reduce(big)),
-            "all_reduce_4B": (lambda: raw.allreduce([small]).wait(),
-                              lambda: dist.all_reduce(small)),
+            "all_to_all_single_8MiB": {
+                "raw": lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
+                "raw_dist": lambda: dist.all_to_all_single(a2a_out, a2a_in, group=reg),
+                "ours": lambda: dist.all_to_all_single(a2a_out, a2a_in)},
+            "all_to_all_single_64MiB": {
+                "raw": lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
+                "raw_dist": lambda: dist.all_to_all_single(h_out, h_in, group=reg),
+                "ours": lambda: dist.all_to_all_single(h_out, h_in)},
+            "all_reduce_8MiB": {"raw": lambda: raw.allreduce([big]).wait(),
+                                "raw_dist": lambda: dist.all_reduce(big, group=reg),
+                                "ours": lambda: dist.all_reduce(big)},
+            "all_reduce_4B": {"raw": lambda: raw.allreduce([small]).wait(),
+                              "raw_dist": lambda: dist.all_reduce(small, group=reg),
+                              "ours": lambda: dist.all_reduce(small)},
         }
         line = torch.zeros(1, device=dev)
         lat = {}
-        for name, (raw_fn, ours_fn) in cases.items():
-            times = {"raw": [], "ours": []}
-            for _ in range(3):  # warm-up both
-                raw_fn(), ours_fn()
-            for rnd in range(rounds):
-                for mode in (("raw", "ours") if rnd % 2 == 0 else ("ours", "raw")):
-                    fn = raw_fn if mode == "raw" else ours_fn
-                    raw.allreduce([line]).wait()
-                    _sync(cuda)
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        fn()
-                        _sync(cuda)
-                        times[mode].append(time.perf_counter() - t0)
-            r, o = statistics.median(times["raw"]), statistics.median(times["ours"])
-            lat[name] = {"raw_us": round(r * 1e6, 1), "ours_us": round(o * 1e6, 1),
-                         "ratio": round(o / r, 3),
-                         "raw_p90_us": round(sorted(times["raw"])[int(.9 * len(times["raw"]))]
-                                             * 1e6, 1),
-                         "ours_p90_us": round(sorted(times["ours"])[int(.9 * len(times["ours"]))]
-                                              * 1e6, 1)}
+        for name, fns in cases.items():
+            if reg is None:
+                fns.pop("raw_dist")
+            row = {}
+            for pipelined in (False, True):
+                med = _interleaved_medians(fns, cuda, rounds, iters, line, raw, pipelined)
+                tag = "pipelined_" if pipelined else ""
+                for mode, v in med.items():
+                    row[f"{tag}{mode}_us"] = round(v * 1e6, 1)
+                for base in ("raw", "raw_dist"):
+                    if base in med:
+                        row[f"{tag}ours_over_{base}"] = round(med["ours"] / med[base], 3)
+            lat[name] = row
         res["latency"] = lat
-        # MoE-layer steps (4 layers, T tokens per rank): exchange over elastic vs raw
-        raw_ex = _raw_exchange(raw)
-        steps = {"none": [], "elastic": []}
-        for rnd in range(rounds):
-            for mode in (("none", "elastic") if rnd % 2 == 0 else ("elastic", "none")):
-                ex = raw_ex if mode == "none" else exchange_over(None)
-                raw.allreduce([line]).wait()
-                _sync(cuda)
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    for _layer in range(4):
-                        _moe_layer(p, rank, dev, ex, w13, w2, *args)
-                _sync(cuda)
-                steps[mode].append((time.perf_counter() - t0) / iters)
-        n, e = statistics.median(steps["none"]), statistics.median(steps["elastic"])
-        res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4, "none_ms": round(n * 1e3, 3),
-                           "elastic_ms": round(e * 1e3, 3),
+        # MoE-layer steps (4 layers, T tokens per rank): the same code, exchanging over
+        # the elastic WORLD or over a plain NCCL group (the `none` baseline)
+        base_ex = exchange_over(reg) if reg is not None else _raw_exchange(raw)
+
+        def steps(ex):
+            for _layer in range(4):
+                _moe_layer(p, rank, dev, ex, w13, w2, *args)
+
+        med = _interleaved_medians({"none": lambda: steps(base_ex),
+                                    "elastic": lambda: steps(exchange_over(None))},
+                                   cuda, rounds, iters, line, raw, pipelined=True)
+        n, e = med["none"], med["elastic"]
+        res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4,
+                           "none_group": "registered NCCL" if reg is not None else "raw NCCL",
+                           "none_ms": round(n * 1e3, 3), "elastic_ms": round(e * 1e3, 3),
                            "tokens_per_s_none": round(2 * p["T"] / n, 1),
                            "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
                            "elastic_over_none": round(n / e, 4)}
@@ -221,16 +231,40 @@ def _raw_exchange(raw):
 
 
 # --------------------------------------------------------------------------- diag
-def _median_us(fn, cuda, iters, line, raw):
-    raw.allreduce([line]).wait()
+def _interleaved_medians(fns, cuda, rounds, iters, line, raw, pipelined=False):
+    """Median seconds per call of each of `fns`, over `rounds` rounds whose order of
+    modes alternates. Per-op (default): every call is followed by a device sync, so a
+    host overhead adds in full. Pipelined: `iters` calls, then one sync (throughput)."""
+    for fn in fns.values():  # warm-up (lazy communicators, caches)
+        fn(), fn()
+    times = {m: [] for m in fns}
+    order = list(fns)
+    for rnd in range(rounds):
+        for mode in (order if rnd % 2 == 0 else order[::-1]):
+            times[mode].extend(_time_calls(fns[mode], cuda, iters, line, raw, pipelined))
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def _time_calls(fn, cuda, iters, line, raw, pipelined=False):
+    raw.allreduce([line]).wait()  # line the ranks up
     _sync(cuda)
+    if pipelined:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(cuda)
+        return [(time.perf_counter() - t0) / iters]
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         _sync(cuda)
         ts.append(time.perf_counter() - t0)
-    return round(statistics.median(ts) * 1e6, 1)
+    return ts
+
+
+def _median_us(fn, cuda, iters, line, raw):
+    return round(statistics.median(_time_calls(fn, cuda, iters, line, raw)) * 1e6, 1)
 
 
 def diag_worker(rank, addr, conn, cuda, rounds, iters):

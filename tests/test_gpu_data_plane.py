@@ -61,5 +61,8 @@ def test_two_gpu_nccl_epochs(tmp_path):
     for r in ("rank0", "rank1"):
         assert res["nccl"][r]["all_reduce_fp32_ok"] and res["nccl"][r]["all_to_all_ok"]
         assert res["nccl"][r]["ep2_moe_rel_err_bf16"] < 1e-2
+        # the steady-state all_to_all takes the fast path from the second call on
+        assert res["nccl"][r]["all_to_all_uneven_ok"]
+        assert res["nccl"][r]["fast_path_after_first_op"][1]
     assert res["kill"]["interruption_s"] is not None and res["kill"]["interruption_s"] < 5
     assert res["kill"]["rejoin_pause_s"] is not None

@@ -1,9 +1,11 @@
 """`ElasticProcessGroup`: the Python ProcessGroup torch.distributed dispatches to.
 
 Every method turns its arguments into an `ops` object and hands it to the group's
-`GroupState.run`, which runs it on the current epoch's inner ProcessGroupGloo and keeps
-it consistent across epoch changes. Ops are synchronous: the returned Work is already
-complete. Both torch 2.11 names (alltoall_base, _allgather_base, _reduce_scatter_base)
+`GroupState.run`, which runs it on the current epoch's inner group (Gloo for CPU
+tensors, NCCL for CUDA ones) and keeps it consistent across epoch changes. Ops are
+synchronous: the returned Work is already complete, except a steady-state CUDA
+all_to_all_single in an on_failure="raise" group, which returns the NCCL Work
+(`GroupState.fast_all_to_all`). Both torch 2.11 names (alltoall_base, _allgather_base, _reduce_scatter_base)
 and 2.13 names (all_to_all_single, all_gather_single, reduce_scatter_single) exist.
 
 Ranks are group slots: `size()` is the group's capacity (max_group_size) and
@@ -101,6 +103,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
+        work = self.gs.fast_all_to_all(output, input, output_split_sizes, input_split_sizes)
+        if work is not None:  # steady state on CUDA: the NCCL work itself
+            return work
         self.gs.run(ops.AllToAll(output, input, list(output_split_sizes),
                                  list(input_split_sizes), self._size))
         return _DoneWork(output)

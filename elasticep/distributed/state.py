@@ -34,6 +34,9 @@ from .reaper import reap
 log = logging.getLogger(__name__)
 KEEP = 4
 SLICE = timedelta(milliseconds=50)
+_A2A_OPTS = dist.AllToAllOptions()
+_FAST_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                          torch.int32, torch.int64, torch.uint8, torch.int8})
 
 
 class _Superseded(Exception):
@@ -83,6 +86,9 @@ class GroupState:
         # its NCCL communicator as soon as the epoch commits (overlapping the decision).
         self.cuda_device: torch.device | None = None
         self.nccl_comms: dict[int, NcclComm] = {}  # epoch -> comm (released ones kept for timings)
+        # The communicator stream-ordered all_to_alls may use without `run`'s bookkeeping
+        # (see `fast_all_to_all`); any announce or commit clears it.
+        self._fast: NcclComm | None = None
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -91,7 +97,7 @@ class GroupState:
         t = msg["t"]
         if t == "announce":
             with self.cond:
-                self.pending = msg["epoch"]
+                self.pending, self._fast = msg["epoch"], None
                 started = self.started
                 if self.failure is not None:
                     # Ops up to the pivot belong to the unapplied failure decision, so a
@@ -117,6 +123,7 @@ class GroupState:
             was_member = self.joined and self.slot in self.active
             if self.pending is not None and self.pending <= d.epoch:
                 self.pending = None
+            self._fast = None
             self.epoch, self.active, self.states = d.epoch, d.active, list(states)
             self._set_mask()
             if d.kind == "failure" and was_member:
@@ -185,6 +192,7 @@ class GroupState:
                 self.started = seq
                 gen = self.failure_gen
                 epoch, active = self._epoch_for(seq)
+            dev = comm = None
             try:
                 if action == "fetch":
                     result = self._fetch(d.epoch, seq, gen, deadline)
@@ -204,8 +212,7 @@ class GroupState:
                         comm = inner.cuda(self, dev, gen, deadline)
                         work, finalize = op.start(comm.pg, active)
                         comm.last_work = work
-                        if (not op.fetchable and self.on_failure == "raise"
-                                and nccl_inner.ASYNC_UNFETCHABLE):
+                        if self._stream_ordered(op):
                             work.wait()  # stream-ordered: no host wait (see nccl_inner)
                         else:
                             wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
@@ -223,12 +230,52 @@ class GroupState:
                 if not self.ctl.lease_fresh():
                     self.ctl.confirm_membership()
                 self.last, self.next_seq = seq, seq + 1
+                if (dev is not None and action == "run" and epoch == self.epoch
+                        and len(active) == len(self.ranks) and self._stream_ordered(op)):
+                    self._fast = comm
                 if op.fetchable:
                     self.kept[seq] = result  # private buffers: no copy needed
                     while len(self.kept) > KEEP:
                         self.kept.popitem(last=False)
             op.apply(result)
             return
+
+    def fast_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                        out_splits: list[int], in_splits: list[int]):
+        """Launch a stream-ordered CUDA all_to_all_single with none of `run`'s per-op
+        Python work, when that is sound; else return None (the caller uses `run`).
+
+        Sound when the last op already ran stream-ordered on the NCCL communicator of
+        the current epoch with every slot active, and no transition was announced or
+        committed since (either clears the cache under the lock this takes too). The op
+        still takes its sequence number, so the consistency protocol sees it exactly as
+        it sees a stream-ordered op of `run`: started and completed at launch.
+
+        Args:
+            output, input: contiguous CUDA tensors of one dtype on the group's device;
+                dim0 split over the slots (``out_splits``/``in_splits``: rows per slot,
+                or empty for even splits).
+        Returns:
+            The NCCL Work (its ``wait()`` orders the caller's stream after the op), or None.
+        """
+        comm = self._fast
+        if (comm is None or output.dtype not in _FAST_DTYPES or input.dtype != output.dtype
+                or output.device != comm.device or not self.ctl.lease_fresh()
+                or not (output.is_contiguous() and input.is_contiguous())):
+            return None
+        with self.cond:
+            if self._fast is not comm or self.ctl.evicted or self.ctl.lost:
+                return None
+            seq = self.started = self.next_seq
+            work = comm.pg.alltoall_base(output, input, out_splits, in_splits, _A2A_OPTS)
+            comm.last_work = work
+            self.last, self.next_seq = seq, seq + 1
+        return work
+
+    def _stream_ordered(self, op) -> bool:
+        """True if a CUDA `op` is waited on by the caller's stream, not the host."""
+        return (not op.fetchable and self.on_failure == "raise"
+                and nccl_inner.ASYNC_UNFETCHABLE)
 
     def p2p(self, start) -> None:
         """Run a send/recv (no sequence number); any membership change raises."""
