@@ -5,12 +5,14 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
 * ``env``: torch / CUDA / NCCL versions, GPUs, ``shrink_group``, and which of the
   serve path's pure-python dependencies import.
 * ``nccl``: 2 ranks (one per GPU) on the "elastic" backend: all_reduce (fp32, bf16)
-  and all_to_all_single results; the EP2 padded exchange + grouped GEMM over the
-  elastic group against a single-rank fp32 reference; latency of all_to_all_single
-  8 MiB and all_reduce (4 B, 8 MiB), ours vs a raw ProcessGroupNCCL over the same
-  GPUs (interleaved rounds, medians of per-op host latency including
-  ``cuda.synchronize``); MoE-layer step throughput with the exchange over ``elastic``
-  against raw NCCL (the ``none`` baseline), interleaved.
+  and all_to_all_single results (even and uneven splits; whether the steady-state
+  fast path is taken); the EP2 padded exchange + grouped GEMM over the elastic group
+  against a single-rank fp32 reference; latency of all_to_all_single (8, 64 MiB) and
+  all_reduce (4 B, 8 MiB), ours against plain NCCL called directly (``raw``) and
+  through torch.distributed on a registered NCCL group (``raw_dist``, the same call
+  ours takes), interleaved rounds, medians per op with a ``cuda.synchronize`` after
+  each (latency) and over back-to-back ops (pipelined); MoE-layer step throughput with
+  the exchange over ``elastic`` against the registered NCCL group (``none``).
 * ``kill``: 2 ranks loop a CPU header all_reduce, a GPU all_to_all and all_reduce; rank 1 is
   SIGKILLed; the survivor's interruption, the old communicator's abort time and the
   new one's build time; then rank 1 is relaunched and the survivor's rejoin pause
@@ -19,8 +21,10 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
   header so the survivor's all_to_all is in flight without it.
 * ``kernels``: grouped GEMM SwiGLU vs fp32 reference, and its time vs the
   sorted-matmul fallback.
-* ``generate``: greedy tokens of 8 GSM8K prompts, ``--device cuda`` vs cpu (EP1, and
-  an EP2 attempt).
+* ``generate``: greedy tokens of 8 GSM8K prompts, ``--device cuda`` vs cpu (EP1, EP2).
+* ``serve``: ``elasticep serve --device cuda --ep-size 2`` under a streaming load:
+  tokens/s of backend elastic against none (``bench/overhead.py``), then a kill of
+  rank 1 and its relaunch (``bench/failover.py --scenario rejoin``).
 
 Run: ``NCCL_NVLS_ENABLE=0 python bench/gpu_run.py --out DIR`` (``--cpu`` dry-runs the
 multi-process sections on Gloo/CPU to check the script). Writes DIR/gpu_results.json.
@@ -612,12 +616,45 @@ def section_generate(tmp: Path, quick: bool):
     return out
 
 
+def _bench_json(script: str, args: list[str], limit_s: float) -> dict:
+    """Run ``bench/<script> args`` and return its last JSON line (or why there is none)."""
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+        return {"ok": False, "timeout_s": limit_s, "stderr_tail": err[-2000:]}
+    lines = [s for s in p.stdout.splitlines() if s.startswith("{")]
+    out = {"ok": p.returncode == 0 and bool(lines), "rc": p.returncode,
+           "wall_s": round(time.monotonic() - t0, 1), "cmd": " ".join(cmd[1:])}
+    if lines:
+        out["result"] = json.loads(lines[-1])
+    if not out["ok"]:
+        out["stderr_tail"] = p.stderr[-2500:]
+    return out
+
+
+def section_serve(out_dir: Path, quick: bool):
+    """`elasticep serve --device cuda --ep-size 2` under a steady streaming load: tokens/s
+    of the elastic backend against none (bench/overhead.py), and a kill of rank 1
+    followed by its relaunch (bench/failover.py --scenario rejoin)."""
+    common = ["--device", "cuda", "--ep-size", "2", "--concurrency", "16"]
+    ab = ["--repeats", "1" if quick else "3", "--window-s", "3" if quick else "6"]
+    return {
+        "overhead": _bench_json("overhead.py", [*common, *ab], 300),
+        "rejoin": _bench_json("failover.py", [*common, "--scenario", "rejoin", "--victim", "1",
+                                              "--plot", str(out_dir / "gpu_rejoin.png")], 240),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run"))
     ap.add_argument("--cpu", action="store_true", help="dry run of nccl/kill on Gloo")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="env,nccl,diag,kill,kill_in_a2a,kernels,generate")
+    ap.add_argument("--only", default="env,nccl,kill,kill_in_a2a,kernels,generate,serve",
+                    help="comma-separated sections (also: diag, where the per-op time goes)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -630,7 +667,8 @@ def main() -> None:
                 "kill": lambda: section_kill(ctx, cuda, args.quick),
                 "kill_in_a2a": lambda: section_kill(ctx, cuda, args.quick, in_a2a=True),
                 "kernels": section_kernels,
-                "generate": lambda: section_generate(out_dir, args.quick)}
+                "generate": lambda: section_generate(out_dir, args.quick),
+                "serve": lambda: section_serve(out_dir, args.quick)}
     for name in args.only.split(","):
         t0 = time.monotonic()
         try:
