@@ -16,10 +16,14 @@ Failure handling, and why it looks like this:
   ``ProcessGroupNCCL.abort``), which kills its hung kernel, on a thread of its own as
   soon as the failure decision commits; the next epoch's communicator is built and
   warmed concurrently. An aborted communicator is dropped, never reused.
-* ``shrink_group`` (ncclCommShrink) works on groups torch.distributed registered, not
-  on these per-epoch raw ProcessGroupNCCL objects, so every epoch gets a fresh
-  communicator; in steady state that costs nothing, and at a change it overlaps the
-  coordinator's decision (about 0.03 s for a 1-rank group on an H200).
+* When an epoch only removes members (a failure or a planned removal) and every
+  remaining member still holds the previous epoch's communicator, the new one is that
+  communicator shrunk (``ncclCommShrink`` with the abort flag, through the backend's
+  ``shrink``, which ``torch.distributed.shrink_group`` also calls; it takes no store
+  bootstrap, and aborts the parent's hung kernels itself). The members agree on this
+  through the store first, because a shrink and a fresh rendezvous never meet; where
+  any member lacks the parent, or the torch/NCCL build has no shrink, or the shrink
+  fails, every member builds a fresh communicator instead.
 
 Environment (set as defaults, before any communicator exists): NVLink multicast off
 (``NCCL_NVLS_ENABLE=0``; the lent GPU hosts require it), and the torch NCCL watchdog
@@ -55,6 +59,8 @@ SPIN_S = 0.02
 NAP_S = 0.0005
 YIELD = False
 ABORT_WAIT_S = 10.0
+SHRINK = os.environ.get("ELASTICEP_NCCL_SHRINK", "1") == "1"
+SHRINK_TIMEOUT_S = 5.0
 # In groups with on_failure="raise" (the EP data path), ops whose result is never
 # fetched by another survivor (all_to_all_single) are stream-ordered instead of
 # host-waited: the caller's stream waits for the NCCL work and the host returns at once,
@@ -91,16 +97,26 @@ class NcclComm:
         rank, size: this rank's index among the epoch's active slots, and their count.
         device: the CUDA device this rank's ops use.
         timeout_s: bound of the rendezvous and of the warm-up (seconds).
+        parent: the previous epoch's communicator, to shrink (see module docstring),
+            with ``excluded``: the parent's ranks that are not members any more.
 
     Attributes:
         built_s: seconds from the start of the build to the end of the warm-up, or None.
         abort_s: seconds ``abort()`` took, or None if never aborted.
+        how: "shrink" or "init" once built.
     """
 
     def __init__(self, new_store: Callable[[], dist.Store], prefix: str, rank: int,
-                 size: int, device: torch.device, timeout_s: float) -> None:
+                 size: int, device: torch.device, timeout_s: float,
+                 parent: NcclComm | None = None, excluded: list[int] | None = None) -> None:
         self.prefix, self.device, self.timeout_s = prefix, device, timeout_s
         self.pg: dist.ProcessGroupNCCL | None = None
+        self.how: str | None = None
+        # True while a child is being shrunk from this communicator: the reaper must
+        # not close it meanwhile (a newer failure still aborts it, failing the shrink).
+        self.shrinking = False
+        if parent is not None:
+            parent.shrinking = True
         self.error: BaseException | None = None
         self.last_work = None
         self.built_s: float | None = None
@@ -109,16 +125,22 @@ class NcclComm:
         self._aborted = threading.Event()
         self._lock = threading.Lock()
         self._abort_thread: threading.Thread | None = None
-        threading.Thread(target=self._build, args=(new_store, rank, size), daemon=True,
-                         name=f"elastic-nccl-{prefix}").start()
+        threading.Thread(target=self._build, args=(new_store, rank, size, parent, excluded),
+                         daemon=True, name=f"elastic-nccl-{prefix}").start()
 
-    def _build(self, new_store, rank: int, size: int) -> None:
+    def _build(self, new_store, rank: int, size: int, parent: NcclComm | None,
+               excluded: list[int] | None) -> None:
         t0 = time.perf_counter()
         try:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timedelta(seconds=self.timeout_s)
-            pg = dist.ProcessGroupNCCL(dist.PrefixStore(self.prefix, new_store()), rank, size,
-                                       opts)
+            store = dist.PrefixStore(self.prefix, new_store())
+            pg = None
+            if parent is not None:
+                pg = self._shrink(store, rank, size, parent, excluded or [])
+            if pg is None:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timedelta(seconds=self.timeout_s)
+                pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+                self.how = "init"
             with self._lock:
                 if self._aborted.is_set():  # reaped before it was ever used
                     _abort_pg(pg)
@@ -138,8 +160,51 @@ class NcclComm:
             self.built_s = time.perf_counter() - t0
         except BaseException as e:  # a member died during rendezvous: a new epoch follows
             self.error = e
+            if parent is not None and parent.shrinking:  # failed before the shrink began
+                parent.shrinking = False
+                parent.abort_async()
             log.info("nccl comm %s not built: %s", self.prefix, e)
         self.ready.set()
+
+    def _shrink(self, store: dist.Store, rank: int, size: int, parent: NcclComm,
+                excluded: list[int]):
+        """The parent shrunk to this epoch's members, or None (then all members init).
+
+        Every member first publishes whether it can shrink and reads the others', so
+        all take the same road. The parent is aborted afterwards either way.
+        """
+        pg = parent.pg
+        try:
+            can = (SHRINK and parent.ready.is_set() and pg is not None and not parent.aborted
+                   and bool(getattr(pg, "supports_shrinking", False)))
+            store.set(f"shrink/{rank}", b"1" if can else b"0")
+            keys = [f"shrink/{r}" for r in range(size)]
+            store.wait(keys, timedelta(seconds=self.timeout_s))
+            if not all(store.get(k) == b"1" for k in keys):
+                return None
+            box: dict = {}
+
+            def run() -> None:
+                try:
+                    box["pg"] = pg.shrink(sorted(excluded), dist.distributed_c10d.SHRINK_ABORT,
+                                          None)
+                except Exception as e:
+                    box["error"] = e
+
+            t = threading.Thread(target=run, daemon=True, name=f"elastic-shrink-{self.prefix}")
+            t.start()
+            t.join(SHRINK_TIMEOUT_S)
+            if "pg" not in box:
+                # A member whose shrink succeeded cannot follow this one to a fresh
+                # rendezvous; its ops then time out (timeout_s), as with a dead member.
+                log.warning("nccl comm %s: shrink %s; fresh communicator", self.prefix,
+                            box.get("error", f"not done in {SHRINK_TIMEOUT_S}s"))
+                return None
+            self.how = "shrink"
+            return box["pg"]
+        finally:  # the parent's hung kernels must be released whatever happened
+            parent.shrinking = False
+            parent.abort_async()
 
     @property
     def aborted(self) -> bool:
@@ -148,6 +213,8 @@ class NcclComm:
     def idle(self) -> bool:
         """True if no op of this communicator can still be running on the GPU."""
         w = self.last_work
+        if self.shrinking and not self.aborted:
+            return False
         return self.aborted or w is None or w.is_completed()
 
     def abort_async(self) -> None:

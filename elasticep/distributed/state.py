@@ -89,6 +89,8 @@ class GroupState:
         # The communicator stream-ordered all_to_alls may use without `run`'s bookkeeping
         # (see `fast_all_to_all`); any announce or commit clears it.
         self._fast: NcclComm | None = None
+        # epoch -> (previous epoch's communicator, its ranks that left): to shrink
+        self._shrink_from: dict[int, tuple[NcclComm, list[int]]] = {}
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -126,15 +128,18 @@ class GroupState:
             self._fast = None
             self.epoch, self.active, self.states = d.epoch, d.active, list(states)
             self._set_mask()
+            parent = self._shrink_parent(d) if was_member and self.slot in d.active else None
             if d.kind == "failure" and was_member:
                 # (A relaunched process for a dead slot is not a member: never evict it.)
                 if self.slot in d.dead:
                     self.declared_dead = True
                 self.failure = d
                 # A survivor's NCCL kernel with a dead peer never ends: abort it now, off
-                # this thread, while the next epoch's communicator is being built.
+                # this thread, while the next epoch's communicator is being built (the
+                # one the next epoch shrinks, if any, is aborted by that shrink).
                 for e, inner in self._inner.items():
-                    if e < d.epoch and inner.nccl is not None and not inner.nccl.idle():
+                    if (e < d.epoch and inner.nccl is not None and inner.nccl is not parent
+                            and not inner.nccl.idle()):
                         inner.nccl.abort_async()
                 self.failure_gen += 1
                 publish = [(s, self.kept[s]) for s, donor in d.donors.items()
@@ -352,8 +357,10 @@ class GroupState:
                 raise _Superseded
 
     def nccl_timings(self) -> dict[int, dict]:
-        """Per epoch: seconds to build + warm its NCCL comm, and to abort it (None: not)."""
-        return {e: {"built_s": c.built_s, "abort_s": c.abort_s, "aborted": c.aborted}
+        """Per epoch: seconds to build + warm its NCCL comm, and to abort it (None: not),
+        and how it was built ("shrink" of the previous epoch's, or "init")."""
+        return {e: {"built_s": c.built_s, "abort_s": c.abort_s, "aborted": c.aborted,
+                    "how": c.how}
                 for e, c in sorted(self.nccl_comms.items())}
 
     def _wait_work(self, work, gen: int, deadline: float) -> None:
@@ -401,6 +408,17 @@ class GroupState:
                 self._inner[epoch] = inner
             return inner
 
+    def _shrink_parent(self, d: Decision) -> NcclComm | None:
+        """The newest earlier epoch's communicator if `d` only removes members (lock held);
+        recorded so that `d`'s epoch shrinks it instead of building a fresh one."""
+        prev = max((e for e in self._inner if e < d.epoch), default=None)
+        inner = self._inner.get(prev) if prev is not None else None
+        if inner is None or inner.nccl is None or not set(d.active) < set(inner.active):
+            return None
+        self._shrink_from[d.epoch] = (inner.nccl, [i for i, s in enumerate(inner.active)
+                                                   if s not in d.active])
+        return inner.nccl
+
     def _reap_below(self, epoch: int) -> None:
         """Hand inner groups older than `epoch` (no longer used by this rank) to the reaper."""
         with self.cond:
@@ -421,11 +439,12 @@ class _Inner:
 
     def __init__(self, gs: GroupState, epoch: int, active: tuple[int, ...]) -> None:
         self.epoch, self.pg, self.error = epoch, None, None
+        self.active = active
         self.last_work = None
         self.nccl: NcclComm | None = None
         self.ready = threading.Event()
         prefix = f"elastic/{gs.name}/e{epoch}/"
-        self._prefix, self._active = prefix, active
+        self._prefix = prefix
         rank, size = active.index(gs.slot), len(active)
         timeout = timedelta(seconds=gs.timeout_s)
         if gs.cuda_device is not None:
@@ -469,8 +488,9 @@ class _Inner:
         raise _Superseded
 
     def _start_nccl(self, gs: GroupState, device: torch.device) -> NcclComm:
-        self.nccl = NcclComm(gs.new_store, self._prefix + "nccl/", self._active.index(gs.slot),
-                             len(self._active), device, gs.timeout_s)
+        parent, excluded = gs._shrink_from.pop(self.epoch, (None, None))
+        self.nccl = NcclComm(gs.new_store, self._prefix + "nccl/", self.active.index(gs.slot),
+                             len(self.active), device, gs.timeout_s, parent, excluded)
         gs.nccl_comms[self.epoch] = self.nccl
         return self.nccl
 
