@@ -24,15 +24,16 @@ class DeploymentConfig:
         ep_dispatch_algorithm: "static" (nearest replica) or "dynamic" (spread).
         enable_eplb: rebalance experts from measured load.
         eplb_rebalance_num_iterations: steps between rebalances.
-        elastic_ep_backend: "elastic" (fault tolerant) or "none" (plain Gloo baseline).
+        elastic_ep_backend: "elastic" (fault tolerant) or "none" (baseline: plain
+            torch.distributed groups, Gloo on CPU, NCCL for CUDA tensors).
         max_total_tokens: KV-cache capacity per rank, in tokens.
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
         max_num_seqs: most sequences in one step of one rank.
         num_threads: torch intra-op threads per rank.
-        store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain Gloo
-            baseline (elastic_ep_backend="none") rendezvouses there directly.
+        store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
+            baseline group (elastic_ep_backend="none") rendezvouses there directly.
     """
 
     model: str

@@ -3,14 +3,21 @@
 Every active rank runs the same sequence of collectives on the WORLD group, idle ranks
 included (they run every MoE layer's dispatch with 0 tokens). One iteration:
 
-1. take requests/aborts from the front-end (only when no batch is pending, so a batch
-   being redone keeps its sequences and KV blocks);
-2. header all_reduce (SUM, int64 ``[1 + 2*M]``): total unfinished work, and per slot
-   how many ranks saw an admission / removal request for it (>0 = agreed), so every
-   rank calls ``recover_ranks`` / ``deactivate_ranks`` at the same step boundary;
+1. when no batch is pending: take requests/aborts from the front-end and, if this rank
+   has work, schedule (once: the ScheduledBatch is kept until committed, so a batch
+   being redone, or one scheduled before an admission / removal, keeps its sequences
+   and KV blocks);
+2. header all_reduce (SUM, int64 ``[1 + 3*M]``, :func:`step_header` /
+   :func:`parse_header`): total unfinished work; per slot how many ranks saw an
+   admission / removal request for it (>0 = agreed), so every rank calls
+   ``recover_ranks`` / ``deactivate_ranks`` at the same step boundary; per slot the
+   tokens that rank's pending batch has (each rank writes only its own slot), so every
+   rank knows the step's largest batch;
 3. no work anywhere: wait for a message for a few ms (keeps idle CPU low) and loop;
-4. schedule (once: the ScheduledBatch is kept until committed), execute (forward with
-   dispatch/combine, sample), commit all_reduce, ``engine.commit``, publish tokens.
+4. execute (forward with dispatch/combine, sample) with a CUDA executor's
+   ``step_max_tokens`` set to that agreed maximum, so every rank sizes every MoE
+   layer's exchange alike without a per-layer collective (an idle rank forwards an
+   empty batch under the same bound); commit all_reduce, ``engine.commit``, publish.
 
 Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +69,77 @@ class LoopStats:
     recovery_seconds: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepHeader:
+    """The agreed (summed) step header.
+
+    Attributes:
+        work: ranks with unfinished work (0 = the whole group is idle).
+        admit: slots some rank asked to admit.
+        remove: slots some rank asked to remove.
+        tokens: [M] scheduled tokens of each slot's rank (0 for idle or absent ranks).
+    """
+
+    work: int
+    admit: list[int]
+    remove: list[int]
+    tokens: list[int]
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens any rank forwards this step (the exchange capacity bound)."""
+        return max(self.tokens, default=0)
+
+
+def step_header(local_work: int, admit: torch.Tensor, remove: torch.Tensor, rank: int,
+                num_tokens: int) -> torch.Tensor:
+    """This rank's contribution to the header all_reduce (SUM).
+
+    Args:
+        local_work: 1 when this rank has unfinished work or a pending batch, else 0.
+        admit, remove: [M] int64 votes of this rank.
+        rank: this rank's slot (< M).
+        num_tokens: tokens of this rank's pending batch (0 without one).
+
+    Returns:
+        [1 + 3*M] int64: ``[local_work, admit, remove, tokens]`` with ``tokens`` zero
+        except ``num_tokens`` at ``rank``.
+    """
+    M = admit.numel()
+    if not 0 <= rank < M:
+        raise ValueError(f"rank {rank} outside the {M} slots")
+    tokens = torch.zeros(M, dtype=torch.int64)
+    tokens[rank] = num_tokens
+    return torch.cat([torch.tensor([local_work], dtype=torch.int64), admit.to(torch.int64),
+                      remove.to(torch.int64), tokens])
+
+
+def parse_header(header: torch.Tensor, M: int) -> StepHeader:
+    """Read the summed header of :func:`step_header` (``[1 + 3*M]``)."""
+    if header.numel() != 1 + 3 * M:
+        raise ValueError(f"header of {header.numel()} entries, want {1 + 3 * M}")
+    h = header.tolist()
+    return StepHeader(work=h[0],
+                      admit=[r for r in range(M) if h[1 + r] > 0],
+                      remove=[r for r in range(M) if h[1 + M + r] > 0],
+                      tokens=h[1 + 2 * M:])
+
+
+@contextmanager
+def agreed_max_tokens(ep: EPMoEExecutor, max_tokens: int) -> Iterator[None]:
+    """Set the executor's per-step token bound (an executor with ``step_max_tokens``,
+    i.e. the CUDA one) for the body, then restore it; other executors are untouched."""
+    if not hasattr(ep, "step_max_tokens"):
+        yield
+        return
+    before = ep.step_max_tokens
+    ep.step_max_tokens = max_tokens
+    try:
+        yield
+    finally:
+        ep.step_max_tokens = before
+
+
 class LockstepLoop:
     """Runs one rank's steps in lockstep with the other active ranks.
 
@@ -67,7 +147,8 @@ class LockstepLoop:
         engine: the rank's engine (``forward_empty_batches=True``).
         ep: the rank's EP executor (placement and expert weights).
         channel: connected worker channel to the front-end.
-        group: the WORLD group (elastic, or plain Gloo when ``elastic`` is False).
+        group: the WORLD group (elastic, or the plain baseline group when ``elastic``
+            is False).
         rank: this rank.
         elastic: the group is the fault-tolerant elastic backend.
         load_fn: checkpoint reader for orphan reloads.
@@ -142,30 +223,34 @@ class LockstepLoop:
     def _iteration(self) -> None:
         if self.pending is None:
             apply_messages(self.engine, self.channel, self.channel.poll(0.0))
+            if self.engine.has_unfinished():
+                self.pending = self.engine.schedule()
         local_work = int(self.engine.has_unfinished() or self.pending is not None)
         admit, remove = self._requests()
-        header = torch.cat([torch.tensor([local_work], dtype=torch.int64), admit, remove])
+        num_tokens = self.pending.num_tokens if self.pending is not None else 0
+        header = step_header(local_work, admit, remove, self.rank, num_tokens)
         dist.all_reduce(header, group=self.group)
-        agreed_admit = [r for r in range(self.M) if int(header[1 + r]) > 0]
-        agreed_remove = [r for r in range(self.M) if int(header[1 + self.M + r]) > 0]
-        if agreed_admit:
-            self._admit(agreed_admit)
+        h = parse_header(header, self.M)
+        # An admission / removal returns with the pending batch kept for a later step.
+        if h.admit:
+            self._admit(h.admit)
             return
-        if agreed_remove:
-            self._remove(agreed_remove)
+        if h.remove:
+            self._remove(h.remove)
             return
-        if int(header[0]) == 0:
+        if h.work == 0:
             # Nobody has work: wait for a request, backing off while idle so idle ranks
             # cost little CPU; bounded, so membership changes are seen soon.
             self._idle_wait = min(self.max_idle_wait_s, self._idle_wait * 2)
             apply_messages(self.engine, self.channel, self.channel.poll(self._idle_wait))
             return
         self._idle_wait = self.idle_wait_s
-        if self.pending is None:
+        if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
         step = self.stats.steps
         self.faults.at_step(step)
-        tokens = self.engine.execute(self.pending)
+        with agreed_max_tokens(self.ep, h.max_tokens):
+            tokens = self.engine.execute(self.pending)
         commit = torch.tensor([step], dtype=torch.int64)
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
         outputs = self.engine.commit(self.pending, tokens)

@@ -6,9 +6,12 @@
 2. loads the model with only its local expert slots of the launch placement
    (``slots_per_rank = ceil((E + R) / ep_size)``, capacity ``max_ep_size``);
 3. joins the WORLD group (the elastic backend with ``on_failure="raise"`` through the
-   coordinator, or plain Gloo over the coordinator's TCPStore for the baseline
-   ``elastic_ep_backend="none"``, no fault tolerance) and plugs an
-   :class:`~elasticep.moe.ep_executor.EPMoEExecutor` over WORLD into the model; a joiner
+   coordinator, or, for the baseline ``elastic_ep_backend="none"`` with no fault
+   tolerance, a plain torch.distributed group over the coordinator's TCPStore: Gloo on
+   CPU, ``"cpu:gloo,cuda:nccl"`` on CUDA so the MoE all_to_alls of CUDA tensors run on
+   NCCL and the step loop's CPU collectives on Gloo) and plugs the EP executor of the
+   weights' device (:func:`~elasticep.moe.cuda_experts.make_ep_executor`) over WORLD
+   into the model; a joiner
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its
    experts from peers;
@@ -62,14 +65,31 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     if d.elastic_ep_backend != "none":
         raise ValueError(f"unknown elastic_ep_backend {d.elastic_ep_backend!r}")
     if cfg.join_mode is not None:
-        raise ValueError("the plain Gloo baseline cannot take joiners")
+        raise ValueError("the plain baseline group cannot take joiners")
     host, _, port = d.store_addr.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo-baseline", store),
+    dist.init_process_group(baseline_backend(d.device, cfg.rank),
+                            store=dist.PrefixStore("gloo-baseline", store),
                             rank=cfg.rank, world_size=d.ep_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
     return dist.distributed_c10d._get_default_group()
+
+
+def baseline_backend(device: str, rank: int) -> str:
+    """The torch backend string of the plain baseline group for ``device``.
+
+    CPU: ``"gloo"``. CUDA: ``"cpu:gloo,cuda:nccl"``, so CPU tensors (the step loop's
+    header and commit) go to Gloo and CUDA tensors (the EP dispatch/combine) to NCCL.
+    No ``device_id``: NCCL makes its communicator lazily on the current device, which
+    is set here to the rank's GPU (the one :func:`load_rank_weights` picked), with
+    ``NCCL_NVLS_ENABLE=0`` unless set (as the elastic backend's NCCL groups do).
+    """
+    if not device.startswith("cuda"):
+        return "gloo"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
+    return "cpu:gloo,cuda:nccl"
 
 
 def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:

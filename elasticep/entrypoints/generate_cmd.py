@@ -47,7 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="R extra physical expert slots over all ranks")
     ep.add_argument("--ep-dispatch-algorithm", choices=["static", "dynamic"], default="static")
     ep.add_argument("--elastic-ep-backend", choices=["elastic", "none"], default="elastic",
-                    help="elastic: survive rank failures; none: plain Gloo (baseline)")
+                    help="elastic: survive rank failures; none: plain torch.distributed "
+                         "groups (Gloo on CPU, NCCL for CUDA tensors), no fault tolerance")
     ep.add_argument("--enable-eplb", action="store_true")
     ep.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000)
     ep.add_argument("--fault", default=None,

@@ -50,8 +50,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000,
                    help="steps between EPLB rebalances")
     e.add_argument("--elastic-ep-backend", choices=("elastic", "none"), default="elastic",
-                   help="elastic: survive rank failures; none: plain groups (baseline, "
-                        "a rank failure stops the deployment)")
+                   help="elastic: survive rank failures; none: plain torch.distributed groups "
+                        "(Gloo on CPU, NCCL for CUDA tensors), no fault tolerance (a rank "
+                        "failure stops the deployment)")
     f = p.add_argument_group("fault tolerance")
     f.add_argument("--restart-failed-ranks", action="store_true",
                    help="relaunch a rank of this node that crashed (never one removed "

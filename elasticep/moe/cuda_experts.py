@@ -81,10 +81,12 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     Args:
         max_tokens: the most tokens any rank passes in one call; sets the exchange
             capacity (:func:`pair_capacity`). Every rank of the group must use the
-            same value (set :attr:`step_max_tokens` to a step's agreed maximum for
-            smaller buffers). None: the ranks agree on it at every call with a MAX
-            all_reduce of a CPU int over the group (a host round trip on the CPU
-            side of the group, still no device sync).
+            same value in every call of a step. The serving step loop sets
+            :attr:`step_max_tokens` to the step's agreed maximum (from its header
+            all_reduce) around each forward, so no call pays a collective for it.
+            None: the ranks agree on it at every call with a MAX all_reduce of a CPU
+            int over the group (a host round trip on the CPU side of the group, still
+            no device sync).
 
     Raises:
         ValueError (from ``__call__``): more tokens than ``step_max_tokens``.
@@ -128,7 +130,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
                                            self._exchange)
         pairs = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, self._exchange)
-        out = (pairs.view(T, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+        # An explicit H: view(0, k, -1) is ambiguous for an idle rank's T = 0.
+        out = (pairs.view(T, k, hidden_states.shape[1]).float()
+               * topk_weights.float().unsqueeze(-1)).sum(1)
         return out.to(hidden_states.dtype)
 
 
@@ -136,6 +140,7 @@ def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | 
                      w2: list[torch.Tensor | None], group: dist.ProcessGroup | None,
                      dispatch_algorithm: str = "static") -> EPMoEExecutor:
     """The EP executor for where the metadata lives: CUDA -> :class:`CudaEPMoEExecutor`
-    (capacity agreed per call), else the CPU :class:`EPMoEExecutor`. Raises as they do."""
+    (capacity agreed per call unless ``step_max_tokens`` is set), else the CPU
+    :class:`EPMoEExecutor`. Raises as they do."""
     cls = CudaEPMoEExecutor if metadata.physical_to_logical_map.is_cuda else EPMoEExecutor
     return cls(metadata, w13, w2, group, dispatch_algorithm=dispatch_algorithm)
