@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,18 +20,14 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
+from elasticep.harness.serve_process import cli_command as cli
+from elasticep.harness.serve_process import free_port
 from elasticep.utils.procs import kill_pids, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "gsm8k" / "test_head64.jsonl"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int, chars: int = 110) -> list[str]:
@@ -43,9 +37,11 @@ def prompts(n: int, chars: int = 110) -> list[str]:
     return [json.loads(line)["question"][:chars] for line in lines]
 
 
-def cli(*args: str) -> list[str]:
-    """Command line running ``elasticep ARGS`` with this interpreter."""
-    return [sys.executable, "-m", "elasticep.entrypoints.cli", *args]
+# The burst the failover and scale modules stream through one deployment: 8 concurrent
+# greedy streams of 24 tokens each (a 2-core budget).
+N_STREAMS = 8
+MAX_TOKENS = 24
+PROMPTS = prompts(N_STREAMS)
 
 
 @dataclass
@@ -165,6 +161,22 @@ def start_serve(*args: str, coord: str | None = None, timeout_s: float = 180.0) 
         time.sleep(0.1)
     serve.status()
     return serve
+
+
+def serve_fixture(*args: str):
+    """A module-scoped ``serve`` fixture: one ``start_serve(*args)`` deployment shared by
+    every test of the module, cleaned up (:meth:`Serve.cleanup`) after the last one.
+
+    Use as ``serve = serve_fixture("--ep-size", "4", ...)`` at module level.
+    """
+
+    @pytest.fixture(scope="module", name="serve")
+    def _serve():
+        s = start_serve(*args)
+        yield s
+        s.cleanup()
+
+    return _serve
 
 
 def stream(client: openai.OpenAI, prompt: str, max_tokens: int,

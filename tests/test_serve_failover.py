@@ -13,13 +13,15 @@ import time
 import httpx
 import pytest
 from _serve_harness import (
+    MAX_TOKENS,
+    N_STREAMS,
+    PROMPTS,
     Burst,
     client_model,
     fault_midstream,
-    prompts,
     reference_results,
+    serve_fixture,
     signal_pid,
-    start_serve,
     stream,
 )
 
@@ -27,17 +29,8 @@ from elasticep.utils.procs import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-N_STREAMS = 8
-MAX_TOKENS = 24
-PROMPTS = prompts(N_STREAMS)
-
-
-@pytest.fixture(scope="module")
-def serve():
-    s = start_serve("--ep-size", "4", "--ep-num-redundant-experts", "4",
-                    "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048")
-    yield s
-    s.cleanup()
+serve = serve_fixture("--ep-size", "4", "--ep-num-redundant-experts", "4",
+                      "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048")
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,12 @@ import time
 import httpx
 import pytest
 from _serve_harness import (
+    MAX_TOKENS,
+    PROMPTS,
     fault_midstream,
-    prompts,
     reference_results,
+    serve_fixture,
     signal_pid,
-    start_serve,
     stream,
 )
 
@@ -25,18 +26,9 @@ from elasticep.utils.procs import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-N_STREAMS = 8
-MAX_TOKENS = 24
-PROMPTS = prompts(N_STREAMS)
-
-
-@pytest.fixture(scope="module")
-def serve():
-    s = start_serve("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
-                    "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
-                    "--restart-failed-ranks")
-    yield s
-    s.cleanup()
+serve = serve_fixture("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
+                      "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
+                      "--restart-failed-ranks")
 
 
 @pytest.fixture(scope="module")
