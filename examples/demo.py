@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,20 +30,11 @@ from pathlib import Path
 import httpx
 import openai
 
+from elasticep.harness.serve_process import cli_command, free_port
 from elasticep.utils.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "data" / "gsm8k" / "test_head64.jsonl"  # GSM8K test items, MIT licence
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def elasticep(*args: str) -> list[str]:
-    return [sys.executable, "-m", "elasticep.entrypoints.cli", *args]
 
 
 @dataclass
@@ -109,9 +99,9 @@ class Demo:
 
     # ---- processes ---------------------------------------------------------------------
     def start_serve(self) -> None:
-        cmd = elasticep("serve", "--ep-size", "4", "--ep-num-redundant-experts", "16",
-                        "--max-ep-size", "6", "--port", str(self.port),
-                        "--dist-init-addr", self.coord, "--heartbeat-timeout", "1.0")
+        cmd = cli_command("serve", "--ep-size", "4", "--ep-num-redundant-experts", "16",
+                          "--max-ep-size", "6", "--port", str(self.port),
+                          "--dist-init-addr", self.coord, "--heartbeat-timeout", "1.0")
         print(f"$ elasticep {' '.join(cmd[3:])}\n  (logs in {self.logs})", flush=True)
         serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                  stderr=open(self.logs / "serve.log", "w"),  # noqa: SIM115
@@ -127,7 +117,7 @@ class Demo:
         name = f"join{len(self.procs)}.log"
         print(f"$ elasticep join --dist-init-addr {self.coord} {' '.join(args)}", flush=True)
         self.procs.append(subprocess.Popen(
-            elasticep("join", "--dist-init-addr", self.coord, *args),
+            cli_command("join", "--dist-init-addr", self.coord, *args),
             stdout=open(self.logs / name, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             start_new_session=True))
 
