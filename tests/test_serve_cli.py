@@ -146,6 +146,18 @@ def test_status_shows_loading_workers_as_joining():
         ("removed", None)]
 
 
+def test_status_registered_joiner_stays_joining():
+    """The window between a joiner's process registration and its group registration:
+    the slot is still "failed" but its (new, alive) process is known: joining, not failed.
+    A dead registered process in a failed slot stays failed."""
+    snap = _snapshot(["healthy", "failed", "failed", "healthy"], {0: 10, 1: 21, 2: 12, 3: 13})
+    snap["ranks"]["2"]["alive"] = False
+    launched = {0: 10, 1: 21, 3: 13}.get
+    st = status_from_snapshot(snap, 4, 4, "idle", lambda r: 0, launched)
+    assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
+        ("healthy", 10), ("joining", 21), ("failed", 12), ("healthy", 13)]
+
+
 class FakeClient:
     """Stands in for CoordinatorClient: a fixed snapshot and the requests it got."""
 
