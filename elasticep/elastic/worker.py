@@ -70,7 +70,7 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
     dist.init_process_group(baseline_backend(d.device, cfg.rank),
-                            store=dist.PrefixStore("gloo-baseline", store),
+                            store=dist.PrefixStore("plain-baseline", store),
                             rank=cfg.rank, world_size=d.ep_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
     return dist.distributed_c10d._get_default_group()

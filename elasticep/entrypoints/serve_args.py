@@ -33,8 +33,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the embedded demo model")
     m.add_argument("--dtype", choices=DTYPES, default="float32", help="weight/activation dtype")
     m.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where weights and compute live (cuda: not yet verified with "
-                        "the elastic backend, whose data path is Gloo)")
+                   help="where weights and compute live (cuda: one GPU per rank; the "
+                        "expert exchange runs over NCCL, control traffic over Gloo)")
     m.add_argument("--max-total-tokens", type=int, default=8192,
                    help="KV-cache capacity per rank, in tokens (default: %(default)s)")
     e = p.add_argument_group("expert parallelism")
