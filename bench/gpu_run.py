@@ -12,7 +12,9 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
   through torch.distributed on a registered NCCL group (``raw_dist``, the same call
   ours takes), interleaved rounds, medians per op with a ``cuda.synchronize`` after
   each (latency) and over back-to-back ops (pipelined); MoE-layer step throughput with
-  the exchange over ``elastic`` against the registered NCCL group (``none``).
+  the exchange of the EP executor (``exchange_over``) over ``elastic`` against the same
+  over the registered NCCL group (``none``), and over ``elastic`` through
+  torch.distributed's all_to_all_single (``elastic_via_dist``).
 * ``kill``: 2 ranks loop a CPU header all_reduce, a GPU all_to_all and all_reduce; rank 1 is
   SIGKILLed; the survivor's interruption, the old communicator's abort time and the
   new one's build time; then rank 1 is relaunched and the survivor's rejoin pause
@@ -169,11 +171,13 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
             "all_to_all_single_8MiB": {
                 "raw": lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
                 "raw_dist": lambda: dist.all_to_all_single(a2a_out, a2a_in, group=reg),
-                "ours": lambda: dist.all_to_all_single(a2a_out, a2a_in)},
+                "ours": lambda: dist.all_to_all_single(a2a_out, a2a_in),
+                "ours_direct": lambda: ed.all_to_all_single(a2a_out, a2a_in)},
             "all_to_all_single_64MiB": {
                 "raw": lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
                 "raw_dist": lambda: dist.all_to_all_single(h_out, h_in, group=reg),
-                "ours": lambda: dist.all_to_all_single(h_out, h_in)},
+                "ours": lambda: dist.all_to_all_single(h_out, h_in),
+                "ours_direct": lambda: ed.all_to_all_single(h_out, h_in)},
             "all_reduce_8MiB": {"raw": lambda: raw.allreduce([big]).wait(),
                                 "raw_dist": lambda: dist.all_reduce(big, group=reg),
                                 "ours": lambda: dist.all_reduce(big)},
@@ -192,9 +196,10 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                 tag = "pipelined_" if pipelined else ""
                 for mode, v in med.items():
                     row[f"{tag}{mode}_us"] = round(v * 1e6, 1)
-                for base in ("raw", "raw_dist"):
-                    if base in med:
-                        row[f"{tag}ours_over_{base}"] = round(med["ours"] / med[base], 3)
+                for ours in ("ours", "ours_direct"):
+                    for base in ("raw", "raw_dist"):
+                        if ours in med and base in med:
+                            row[f"{tag}{ours}_over_{base}"] = round(med[ours] / med[base], 3)
             lat[name] = row
         res["latency"] = lat
         # MoE-layer steps (4 layers, T tokens per rank): the same code, exchanging over
@@ -205,8 +210,12 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
             for _layer in range(4):
                 _moe_layer(p, rank, dev, ex, w13, w2, *args)
 
+        def via_dist(out, inp):
+            dist.all_to_all_single(out, inp)
+
         med = _interleaved_medians({"none": lambda: steps(base_ex),
-                                    "elastic": lambda: steps(exchange_over(None))},
+                                    "elastic": lambda: steps(exchange_over(None)),
+                                    "elastic_via_dist": lambda: steps(via_dist)},
                                    cuda, rounds, iters, line, raw, pipelined=True)
         n, e = med["none"], med["elastic"]
         res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4,
@@ -214,7 +223,9 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                            "none_ms": round(n * 1e3, 3), "elastic_ms": round(e * 1e3, 3),
                            "tokens_per_s_none": round(2 * p["T"] / n, 1),
                            "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
-                           "elastic_over_none": round(n / e, 4)}
+                           "elastic_over_none": round(n / e, 4),
+                           "elastic_via_dist_ms": round(med["elastic_via_dist"] * 1e3, 3),
+                           "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4)}
         res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
         conn.send(("res", rank, res))
         raw.allreduce([line]).wait()

@@ -3,8 +3,9 @@
 Importing this package registers the backend "elastic". Membership lives in a
 coordinator process (`start_coordinator`); each group runs its ops on a real inner
 ProcessGroupGloo per epoch, and CUDA tensors on an inner ProcessGroupNCCL of the same
-epoch (`nccl_inner`: polled waits, abort on a failure commit, a fresh communicator per
-epoch). Nothing else from elasticep is imported here.
+epoch (`nccl_inner`: polled waits, abort on a failure commit, the previous
+communicator shrunk or a fresh one per epoch). `all_to_all_single` is the data path's
+entry that skips torch.distributed's dispatch in steady state. Nothing else from elasticep is imported here.
 
 Engine-facing semantics (WORLD created with on_failure="raise")
 ----------------------------------------------------------------
@@ -64,6 +65,7 @@ import torch.distributed as _dist
 from .api import (
     BackendOptions,
     _create_backend,
+    all_to_all_single,
     deactivate_ranks,
     get_active_ranks,
     get_current_epoch,
@@ -101,7 +103,7 @@ if "elastic" not in _dist.Backend.backend_list:
                                    devices=["cpu"])
 
 __all__ = [
-    "BackendOptions", "Coordinator", "CoordinatorClient", "CoordinatorLostError",
+    "BackendOptions", "Coordinator", "all_to_all_single", "CoordinatorClient", "CoordinatorLostError",
     "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
     "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import elasticep.distributed as ed
+
 # Row blocks are rounded to this many rows (keeps each block 16-byte aligned for any
 # dtype and the grouped GEMM's inputs aligned).
 ROW_ALIGN = 8
@@ -124,10 +126,12 @@ def unpack(returned: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
 
 
 def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
-    """An :data:`Exchange` doing one even-split ``all_to_all_single`` over `group`."""
+    """An :data:`Exchange` doing one even-split ``all_to_all_single`` over `group`
+    (:func:`elasticep.distributed.all_to_all_single`: for an elastic group in steady
+    state it skips torch.distributed's dispatch; any other group goes through it)."""
 
     def run(out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_to_all_single(out, inp, group=group)
+        ed.all_to_all_single(out, inp, group=group)
 
     return run
 
