@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    ep = p.add_argument_group("expert parallelism (--ep-size > 1 launches CPU ranks)")
+    ep = p.add_argument_group("expert parallelism (--ep-size > 1 launches one worker process per rank)")
     ep.add_argument("--ep-size", type=int, default=1,
                     help="ranks; each hosts a share of the experts and serves its prompts")
     ep.add_argument("--max-ep-size", type=int, default=None, help="rank capacity (default --ep-size)")
@@ -63,7 +63,8 @@ def _trim_stop(text: str, stops: list[str]) -> str:
 
 
 def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode) -> list[list[int]]:
-    """Launch ``--ep-size`` CPU ranks, spread the prompts over them, return generated ids.
+    """Launch ``--ep-size`` rank processes (one GPU each with --device cuda), spread the
+    prompts over them, return generated ids.
 
     Raises:
         RuntimeError: a request failed (its message names the rank and the reason).
