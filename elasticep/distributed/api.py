@@ -156,7 +156,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     Raises:
         as ``torch.distributed.all_to_all_single`` on `group` (RankFailureError etc.).
     """
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else dist.GroupMember.WORLD
     if isinstance(pg, ElasticProcessGroup):
         work = pg.gs.fast_all_to_all(output, input, output_split_sizes or [],
                                      input_split_sizes or [])

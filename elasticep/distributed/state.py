@@ -263,18 +263,22 @@ class GroupState:
         Returns:
             The NCCL Work (its ``wait()`` orders the caller's stream after the op), or None.
         """
+        # Every check here is a C-level call or an attribute read: this runs per op.
         comm = self._fast
         if (comm is None or output.dtype not in _FAST_DTYPES or input.dtype != output.dtype
-                or output.device != comm.device or not self.ctl.lease_fresh()
+                or output.get_device() != comm.device.index or not self.ctl.lease_fresh()
                 or not (output.is_contiguous() and input.is_contiguous())):
             return None
-        with self.cond:
+        self.cond.acquire()
+        try:
             if self._fast is not comm or self.ctl.evicted or self.ctl.lost:
                 return None
             seq = self.started = self.next_seq
             work = comm.pg.alltoall_base(output, input, out_splits, in_splits, _A2A_OPTS)
             comm.last_work = work
             self.last, self.next_seq = seq, seq + 1
+        finally:
+            self.cond.release()
         return work
 
     def _stream_ordered(self, op) -> bool:

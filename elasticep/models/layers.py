@@ -91,6 +91,8 @@ def paged_attention(
     n_rep = q.shape[1] // k.shape[1]
     if not meta.context_lens:  # empty step of an idle EP rank
         return q.new_zeros(0, q.shape[1] * q.shape[2])
+    if kv_cache is not None and len(meta.context_lens) == q.shape[0] > 1:
+        return _decode_attention(q, kv_cache, meta, scale, n_rep)
     outs = []
     for i, ctx in enumerate(meta.context_lens):
         s, e = meta.query_starts[i], meta.query_starts[i + 1]
@@ -112,3 +114,25 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1).reshape(n, -1))
     return torch.cat(outs, dim=0)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata, scale: float, n_rep: int) -> torch.Tensor:
+    """A decode step (one new token per sequence, ``q [B, Hq, D]``) as one batched SDPA.
+
+    Each sequence's cached keys are gathered into ``[B, L, Hkv, D]`` with ``L`` the
+    longest context; the padding is masked out. A per-sequence loop would launch a
+    handful of kernels per sequence per layer, which bounds a GPU decode step by the
+    host, not the device.
+    """
+    k_cache, v_cache = kv_cache
+    B = q.shape[0]
+    slots = torch.nn.utils.rnn.pad_sequence(meta.gather_slots, batch_first=True)  # [B, L]
+    L = slots.shape[1]
+    lens = torch.tensor(meta.context_lens, device=q.device)
+    valid = torch.arange(L, device=q.device)[None, :] < lens[:, None]  # [B, L]
+    kh = k_cache[slots].transpose(1, 2).repeat_interleave(n_rep, dim=1)  # [B, Hq, L, D]
+    vh = v_cache[slots].transpose(1, 2).repeat_interleave(n_rep, dim=1)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=valid[:, None, None, :],
+                                       scale=scale)  # [B, Hq, 1, D]
+    return o.reshape(B, -1)
