@@ -650,8 +650,8 @@ def section_serve(out_dir: Path, quick: bool):
     """`elasticep serve --device cuda --ep-size 2` under a steady streaming load: tokens/s
     of the elastic backend against none (bench/overhead.py), and a kill of rank 1
     followed by its relaunch (bench/failover.py --scenario rejoin)."""
-    common = ["--device", "cuda", "--ep-size", "2", "--concurrency", "16"]
-    ab = ["--repeats", "1" if quick else "3", "--window-s", "3" if quick else "6"]
+    common = ["--device", "cuda", "--ep-size", "2", "--concurrency", "32"]
+    ab = ["--repeats", "1" if quick else "4", "--window-s", "3" if quick else "8"]
     return {
         "overhead": _bench_json("overhead.py", [*common, *ab], 300),
         "rejoin": _bench_json("failover.py", [*common, "--scenario", "rejoin", "--victim", "1",
