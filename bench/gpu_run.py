@@ -185,6 +185,14 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                               "raw_dist": lambda: dist.all_reduce(small, group=reg),
                               "ours": lambda: dist.all_reduce(small)},
         }
+        cap = pair_capacity(p["T"], p["k"], p["S"])  # the MoE exchange's own sizes
+        m_in = torch.randn(2 * cap, 2048, device=dev).to(torch.bfloat16)
+        m_out = torch.empty_like(m_in)
+        cases["all_to_all_single_moe_rows"] = {
+            "raw": lambda: raw.alltoall_base(m_out, m_in, [], [], opts).wait(),
+            "raw_dist": lambda: dist.all_to_all_single(m_out, m_in, group=reg),
+            "ours": lambda: dist.all_to_all_single(m_out, m_in),
+            "ours_direct": lambda: ed.all_to_all_single(m_out, m_in)}
         line = torch.zeros(1, device=dev)
         lat = {}
         for name, fns in cases.items():
@@ -213,9 +221,12 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
         def via_dist(out, inp):
             dist.all_to_all_single(out, inp)
 
+        gs = ed.api._gs(None)
+        before = dict(gs.counters)
         med = _interleaved_medians({"none": lambda: steps(base_ex),
                                     "elastic": lambda: steps(exchange_over(None)),
-                                    "elastic_via_dist": lambda: steps(via_dist)},
+                                    "elastic_via_dist": lambda: steps(via_dist),
+                                    "none_direct": lambda: steps(_raw_exchange(raw))},
                                    cuda, rounds, iters, line, raw, pipelined=True)
         n, e = med["none"], med["elastic"]
         res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4,
@@ -225,7 +236,10 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                            "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
                            "elastic_over_none": round(n / e, 4),
                            "elastic_via_dist_ms": round(med["elastic_via_dist"] * 1e3, 3),
-                           "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4)}
+                           "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4),
+                           "none_direct_ms": round(med["none_direct"] * 1e3, 3),
+                           "elastic_op_routes": {k: v - before[k]
+                                                 for k, v in gs.counters.items()}}
         res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
         conn.send(("res", rank, res))
         raw.allreduce([line]).wait()

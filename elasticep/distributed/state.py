@@ -89,6 +89,9 @@ class GroupState:
         # The communicator stream-ordered all_to_alls may use without `run`'s bookkeeping
         # (see `fast_all_to_all`); any announce or commit clears it.
         self._fast: NcclComm | None = None
+        # ops by route, for benchmarks and logs: fast (fast_all_to_all launched it),
+        # run (went through `run`), lease_confirms (a coordinator round trip in `run`)
+        self.counters = {"fast": 0, "run": 0, "lease_confirms": 0}
         # epoch -> (previous epoch's communicator, its ranks that left): to shrink
         self._shrink_from: dict[int, tuple[NcclComm, list[int]]] = {}
         if self.joined and slot in self.active:
@@ -175,6 +178,7 @@ class GroupState:
             TimeoutError: no progress within timeout_s.
         """
         deadline = time.monotonic() + self.timeout_s
+        self.counters["run"] += 1
         while True:
             with self.cond:
                 self._wait_quiet(deadline)
@@ -233,6 +237,7 @@ class GroupState:
                 if self.failure_gen != gen:
                     continue  # the decision counted this op as not completed
                 if not self.ctl.lease_fresh():
+                    self.counters["lease_confirms"] += 1
                     self.ctl.confirm_membership()
                 self.last, self.next_seq = seq, seq + 1
                 if (dev is not None and action == "run" and epoch == self.epoch
@@ -277,6 +282,7 @@ class GroupState:
             work = comm.pg.alltoall_base(output, input, out_splits, in_splits, _A2A_OPTS)
             comm.last_work = work
             self.last, self.next_seq = seq, seq + 1
+            self.counters["fast"] += 1
         finally:
             self.cond.release()
         return work
