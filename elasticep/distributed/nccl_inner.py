@@ -1,9 +1,9 @@
 """NCCL inner communicators for CUDA tensors of an elastic group (one per epoch).
 
 An elastic group runs each collective on the inner group of the op's epoch. CPU
-tensors use that epoch's ProcessGroupGloo (`state._Inner`); CUDA tensors use the
-`NcclComm` this module builds next to it, over the same active slots and a store
-prefix of its own, so a communicator is never shared by two epochs.
+tensors use that epoch's ProcessGroupGloo (`epoch_groups.EpochGroups`); CUDA tensors
+use the `NcclComm` this module builds next to it, over the same active slots and a
+store prefix of its own, so a communicator is never shared by two epochs.
 
 Failure handling, and why it looks like this:
 

@@ -19,7 +19,7 @@ _MAX_HOLD_S = 600.0
 
 
 def reap(inner) -> None:
-    """Hand an `_Inner` (with `reapable()` and `close()`) to the reaper thread."""
+    """Hand an `EpochGroups` (with `reapable()` and `close()`) to the reaper thread."""
     global _thread
     with _started:
         if _thread is None:

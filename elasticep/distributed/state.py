@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import nccl_inner
+from .epoch_groups import EpochGroups, Superseded
 from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
 from .membership import Decision, local_action
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
@@ -37,10 +38,6 @@ SLICE = timedelta(milliseconds=50)
 _A2A_OPTS = dist.AllToAllOptions()
 _FAST_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64,
                           torch.int32, torch.int64, torch.uint8, torch.int8})
-
-
-class _Superseded(Exception):
-    """A newer failure decision arrived; re-evaluate the op."""
 
 
 class GroupState:
@@ -77,7 +74,7 @@ class GroupState:
         self.declared_dead = False
         self.joined = not joining
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, self.epoch, self.active)]
-        self._inner: dict[int, _Inner] = {}
+        self._inner: dict[int, EpochGroups] = {}
         # Tests set this to delay marking the next completed op, so that other survivors
         # finish it first (exercises the fetch-from-donor path deterministically).
         self._test_hold_s = 0.0
@@ -230,7 +227,7 @@ class GroupState:
                     if self._test_hold_s:  # failure injection: finish late, once
                         time.sleep(self._test_hold_s)
                         self._test_hold_s = 0.0
-            except _Superseded:
+            except Superseded:
                 continue
             with self.cond:
                 self._wait_quiet(deadline)
@@ -305,21 +302,13 @@ class GroupState:
             inner = self._inner_for(epoch, active).get(self, gen, deadline)
             inner.last_work = start(inner.pg, active)
             self._wait_work(inner.last_work, gen, deadline)
-        except _Superseded:
+        except Superseded:
             d = self.failure
             raise RankFailureError(list(d.dead) if d else [], self.epoch, self.name) from None
 
     def join(self, timeout_s: float) -> None:
         """Block until this (extension) rank is admitted. Raises TimeoutError."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while not self.joined:
-                self._check_alive()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"rank {self.slot}: not admitted to {self.name!r} "
-                                       f"within {timeout_s}s (epoch {self.epoch})")
-                self.cond.wait(min(left, 0.05))
+        self.wait_until(lambda: self.joined, timeout_s, "admission of this joiner")
 
     def wait_until(self, pred, timeout_s: float, what: str) -> None:
         """Block until pred() (evaluated under the lock) holds. Raises TimeoutError."""
@@ -364,7 +353,7 @@ class GroupState:
         with self.cond:
             self._check_alive()
             if self.failure_gen != gen:
-                raise _Superseded
+                raise Superseded
 
     def nccl_timings(self) -> dict[int, dict]:
         """Per epoch: seconds to build + warm its NCCL comm, and to abort it (None: not),
@@ -383,7 +372,7 @@ class GroupState:
             with self.cond:
                 self._check_alive()
                 if self.failure_gen != gen:
-                    raise _Superseded
+                    raise Superseded
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.slot} group {self.name!r}: op timed out "
                                    f"(epoch {self.epoch})")
@@ -402,7 +391,7 @@ class GroupState:
             with self.cond:
                 self._check_alive()
                 if self.failure_gen != gen:
-                    raise _Superseded
+                    raise Superseded
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.slot}: kept result of op {seq} never arrived")
         return torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
@@ -410,11 +399,11 @@ class GroupState:
     def _kept_key(self, epoch: int, seq: int) -> str:
         return f"elastic/{self.name}/e{epoch}/kept/{seq}"
 
-    def _inner_for(self, epoch: int, active: tuple[int, ...]) -> _Inner:
+    def _inner_for(self, epoch: int, active: tuple[int, ...]) -> EpochGroups:
         with self.cond:
             inner = self._inner.get(epoch)
             if inner is None:
-                inner = _Inner(self, epoch, active)
+                inner = EpochGroups(self, epoch, active)
                 self._inner[epoch] = inner
             return inner
 
@@ -440,104 +429,3 @@ class GroupState:
         m = torch.zeros(self.mask.numel(), dtype=self.mask.dtype)
         m[list(self.active)] = 1
         self.mask.copy_(m)
-
-
-class _Inner:
-    """The inner groups of one epoch: a ProcessGroupGloo, built on a background thread,
-    and (for CUDA tensors) an `NcclComm`, built on first use or, once the group has
-    seen a CUDA op, as soon as the epoch commits."""
-
-    def __init__(self, gs: GroupState, epoch: int, active: tuple[int, ...]) -> None:
-        self.epoch, self.pg, self.error = epoch, None, None
-        self.active = active
-        self.last_work = None
-        self.nccl: NcclComm | None = None
-        self.ready = threading.Event()
-        prefix = f"elastic/{gs.name}/e{epoch}/"
-        self._prefix = prefix
-        rank, size = active.index(gs.slot), len(active)
-        timeout = timedelta(seconds=gs.timeout_s)
-        if gs.cuda_device is not None:
-            self._start_nccl(gs, gs.cuda_device)
-
-        def build() -> None:
-            try:
-                # A store client of its own: TCPStore clients serialise requests, and a
-                # rendezvous blocked on a dead member must not stall the next epoch's.
-                store = gs.new_store()
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
-                                                timeout)
-            except Exception as e:  # a member died during rendezvous; a new epoch follows
-                self.error = e
-            self.ready.set()
-
-        threading.Thread(target=build, daemon=True, name=f"elastic-inner-{gs.name}-e{epoch}"
-                         ).start()
-
-    def get(self, gs: GroupState, gen: int, deadline: float):
-        while not self.ready.wait(0.05):
-            with gs.cond:
-                gs._check_alive()
-                if gs.failure_gen != gen:
-                    raise _Superseded
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"inner group of epoch {self.epoch} not built in time")
-        if self.pg is None:
-            self._await_next_failure(gs, gen, deadline, f"inner group failed: {self.error}")
-        return self
-
-    def _await_next_failure(self, gs: GroupState, gen: int, deadline: float, why: str) -> None:
-        """A member died during rendezvous: block until the failure decision that replaces
-        this epoch arrives, then raise _Superseded (TimeoutError past ``deadline``)."""
-        with gs.cond:
-            while gs.failure_gen == gen:
-                gs._check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"epoch {self.epoch}: {why}")
-                gs.cond.wait(0.05)
-        raise _Superseded
-
-    def _start_nccl(self, gs: GroupState, device: torch.device) -> NcclComm:
-        parent, excluded = gs._shrink_from.pop(self.epoch, (None, None))
-        self.nccl = NcclComm(gs.new_store, self._prefix + "nccl/", self.active.index(gs.slot),
-                             len(self.active), device, gs.timeout_s, parent, excluded)
-        gs.nccl_comms[self.epoch] = self.nccl
-        return self.nccl
-
-    def cuda(self, gs: GroupState, device: torch.device, gen: int, deadline: float) -> NcclComm:
-        """This epoch's NCCL communicator, ready (built on first use).
-
-        Raises:
-            _Superseded: a newer failure decision arrived while waiting.
-            ValueError: the group's CUDA ops moved to another device.
-            TimeoutError: not built by `deadline`.
-        """
-        comm = self.nccl
-        if comm is not None and comm.ready.is_set() and comm.pg is not None:
-            if comm.device != device:
-                raise ValueError(f"group {gs.name!r}: CUDA ops on {device}, communicator on "
-                                 f"{comm.device}")
-            return comm
-        with gs.cond:
-            if gs.cuda_device is None:
-                gs.cuda_device = device
-            comm = self.nccl or self._start_nccl(gs, device)
-        while not comm.ready.wait(0.002):
-            gs._check_gen(gen)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nccl communicator of epoch {self.epoch} not built in time")
-        if comm.pg is None or comm.error is not None:
-            self._await_next_failure(gs, gen, deadline,
-                                     f"nccl communicator failed: {comm.error}")
-        return comm
-
-    def reapable(self) -> bool:
-        """True once no op of this epoch can still be running (or its comm is aborted)."""
-        w = self.last_work
-        return (w is None or w.is_completed()) and (self.nccl is None or self.nccl.idle())
-
-    def close(self) -> None:
-        """Release both inner groups (reaper thread only: may block)."""
-        if self.nccl is not None:
-            self.nccl.close()
-        self.pg = None
