@@ -21,15 +21,20 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from datetime import timedelta
-from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _procs import Procs  # noqa: E402
 
 N = 4
 
@@ -106,48 +111,15 @@ def loop_worker(rank, addr, conn, duration_s, watch, ext):
     os._exit(0)
 
 
-class _Procs:
-    def __init__(self, ctx, addr):
-        self.ctx, self.addr, self.procs, self.conns, self.msgs = ctx, addr, {}, {}, []
-
-    def start(self, rank, target, *args):
-        r, w = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=target, args=(rank, self.addr, w, *args))
-        p.start()
-        w.close()
-        self.procs[rank], self.conns[r] = p, rank
-
-    def poll(self, until, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while not until() and time.monotonic() < deadline:
-            for r in wait(list(self.conns), 0.05):
-                try:
-                    self.msgs.append((self.conns[r], *r.recv()))
-                except (EOFError, OSError):
-                    del self.conns[r]
-        if not until():
-            raise TimeoutError("benchmark phase did not finish")
-
-    def of(self, rank, kind):
-        return [m[2:] for m in self.msgs if m[0] == rank and m[1] == kind]
-
-    def close(self):
-        for p in self.procs.values():
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
-
-
 def _failure_phase(ctx, sig, victim=2):
     coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
-    ps = _Procs(ctx, coord.address)
+    ps = Procs(ctx, coord.address)
     try:
         for r in range(N):
             ps.start(r, loop_worker, 4.0 if sig == signal.SIGKILL else 6.0, [], False)
-        ps.poll(lambda: sum(m[1] == "op" for m in ps.msgs) >= 100)
+        ps.poll(lambda: ps.count("op") >= 100)
         t_sig = time.time()
-        os.kill(ps.procs[victim].pid, sig)
+        ps.kill(victim, sig)
         survivors = [r for r in range(N) if r != victim]
         ps.poll(lambda: all(any(o[0] > t_sig for o in ps.of(r, "op")) for r in survivors))
         return max(min(o[0] for o in ps.of(r, "op") if o[0] > t_sig) for r in survivors) - t_sig
@@ -158,14 +130,13 @@ def _failure_phase(ctx, sig, victim=2):
 
 def _rejoin_phase(ctx):
     coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
-    ps = _Procs(ctx, coord.address)
+    ps = Procs(ctx, coord.address)
     try:
         for r in range(N):
             ps.start(r, loop_worker, 5.0, [2], False)
-        ps.poll(lambda: sum(m[1] == "op" for m in ps.msgs) >= 40)
-        os.kill(ps.procs[2].pid, signal.SIGKILL)
-        ps.procs[2].join(5)
-        del ps.procs[2]
+        ps.poll(lambda: ps.count("op") >= 40)
+        ps.kill(2)
+        ps.reap(2)
         time.sleep(0.5)
         ps.start(2, loop_worker, 60.0, [2], True)
         ps.poll(lambda: all(ps.of(r, "pause") for r in (0, 1, 3)))
@@ -183,7 +154,7 @@ def main() -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "elasticep.distributed"])
     coord = ed.start_coordinator()
-    ps = _Procs(ctx, coord.address)
+    ps = Procs(ctx, coord.address)
     try:
         for r in range(N):
             ps.start(r, latency_worker, args.rounds, args.iters)

@@ -46,7 +46,6 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -63,6 +62,9 @@ from elasticep.moe.padded_exchange import (  # noqa: E402
     padded_dispatch,
     pair_capacity,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import Procs, worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPS = ("fastapi", "uvicorn", "zmq", "prometheus_client", "openai", "safetensors",
@@ -111,143 +113,139 @@ def _moe_layer(p, rank, dev, exchange, w13, w2, hidden, slots, weights):
     return (pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)
 
 
+@worker
 def nccl_worker(rank, addr, conn, cuda, rounds, iters):
+    dev = _dev(rank, cuda)
+    # on_failure="raise", like the EP engine's WORLD (stream-ordered all_to_all)
+    ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
+    res = {}
+    # correctness through the elastic group
+    x = torch.full((1 << 20,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    res["all_reduce_fp32_ok"] = bool((x == 3).all())
+    xb = torch.full((4096,), float(rank + 1), device=dev, dtype=torch.bfloat16)
+    dist.all_reduce(xb)
+    res["all_reduce_bf16_ok"] = bool((xb == 3).all())
+    inp = torch.arange(8, device=dev, dtype=torch.float32) + 100 * rank
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp)
+    want = torch.cat([torch.arange(4) + 4 * rank, torch.arange(4) + 4 * rank + 100])
+    res["all_to_all_ok"] = bool((out.cpu() == want).all())
+    # EP2 padded exchange + grouped GEMM over the elastic group vs fp32 reference
+    dtype = torch.bfloat16
+    p = _moe_problem(dev, dtype) if cuda else _moe_problem(dev, dtype, S=4, H=64,
+                                                               inter=32, k=2, T=8)
+    S = p["S"]
+    w13 = p["w13"][rank * S:(rank + 1) * S].to(dev)
+    w2 = p["w2"][rank * S:(rank + 1) * S].to(dev)
+    args = (p["hidden"][rank].to(dev), p["slots"][rank].to(dev), p["weights"][rank].to(dev))
+    got = _moe_layer(p, rank, dev, exchange_over(None), w13, w2, *args)
+    ref = run_slots(p["w13"].float().to(dev), p["w2"].float().to(dev),
+                    p["hidden"][rank].float().to(dev), p["slots"][rank].to(dev),
+                    p["weights"][rank].to(dev))
+    res["ep2_moe_rel_err_bf16"] = float((got - ref).norm() / ref.norm())
+    # uneven splits through the elastic group; the second call takes the fast path
+    fast = []
+    for _ in range(2):
+        inp = torch.arange(4, device=dev, dtype=torch.float32) + 100 * rank
+        insz, outsz = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+        out = torch.empty(sum(outsz), device=dev)
+        dist.all_to_all_single(out, inp, outsz, insz)
+        want = [0., 100., 101.] if rank == 0 else [1., 2., 3., 102., 103.]
+        res["all_to_all_uneven_ok"] = out.cpu().tolist() == want
+        fast.append(ed.api._gs(None)._fast is not None)
+    res["fast_path_after_first_op"] = fast
+    # latency: ours vs raw NCCL, called directly and through torch.distributed
+    raw = _raw_group(rank, addr, cuda, "lat")
     try:
-        dev = _dev(rank, cuda)
-        # on_failure="raise", like the EP engine's WORLD (stream-ordered all_to_all)
-        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
-        res = {}
-        # correctness through the elastic group
-        x = torch.full((1 << 20,), float(rank + 1), device=dev)
-        dist.all_reduce(x)
-        res["all_reduce_fp32_ok"] = bool((x == 3).all())
-        xb = torch.full((4096,), float(rank + 1), device=dev, dtype=torch.bfloat16)
-        dist.all_reduce(xb)
-        res["all_reduce_bf16_ok"] = bool((xb == 3).all())
-        inp = torch.arange(8, device=dev, dtype=torch.float32) + 100 * rank
-        out = torch.empty_like(inp)
+        reg = dist.new_group([0, 1], backend="nccl" if cuda else "gloo")
+    except Exception as e:  # record why; the direct baseline still runs
+        res["registered_group_error"] = repr(e)
+        reg = None
+    a2a_in = torch.randn(2 << 20, device=dev)  # 8 MiB fp32
+    a2a_out = torch.empty_like(a2a_in)
+    h_in = torch.randn(16 << 20, device=dev)  # 64 MiB fp32: the fixed overhead's share
+    h_out = torch.empty_like(h_in)
+    big = torch.randn(2 << 20, device=dev)
+    small = torch.ones(1, device=dev)
+    opts = dist.AllToAllOptions()
+    cases = {
+        "all_to_all_single_8MiB": {
+            "raw": lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
+            "raw_dist": lambda: dist.all_to_all_single(a2a_out, a2a_in, group=reg),
+            "ours": lambda: dist.all_to_all_single(a2a_out, a2a_in),
+            "ours_direct": lambda: ed.all_to_all_single(a2a_out, a2a_in)},
+        "all_to_all_single_64MiB": {
+            "raw": lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
+            "raw_dist": lambda: dist.all_to_all_single(h_out, h_in, group=reg),
+            "ours": lambda: dist.all_to_all_single(h_out, h_in),
+            "ours_direct": lambda: ed.all_to_all_single(h_out, h_in)},
+        "all_reduce_8MiB": {"raw": lambda: raw.allreduce([big]).wait(),
+                            "raw_dist": lambda: dist.all_reduce(big, group=reg),
+                            "ours": lambda: dist.all_reduce(big)},
+        "all_reduce_4B": {"raw": lambda: raw.allreduce([small]).wait(),
+                          "raw_dist": lambda: dist.all_reduce(small, group=reg),
+                          "ours": lambda: dist.all_reduce(small)},
+    }
+    cap = pair_capacity(p["T"], p["k"], p["S"])  # the MoE exchange's own sizes
+    m_in = torch.randn(2 * cap, 2048, device=dev).to(torch.bfloat16)
+    m_out = torch.empty_like(m_in)
+    cases["all_to_all_single_moe_rows"] = {
+        "raw": lambda: raw.alltoall_base(m_out, m_in, [], [], opts).wait(),
+        "raw_dist": lambda: dist.all_to_all_single(m_out, m_in, group=reg),
+        "ours": lambda: dist.all_to_all_single(m_out, m_in),
+        "ours_direct": lambda: ed.all_to_all_single(m_out, m_in)}
+    line = torch.zeros(1, device=dev)
+    lat = {}
+    for name, fns in cases.items():
+        if reg is None:
+            fns.pop("raw_dist")
+        row = {}
+        for pipelined in (False, True):
+            med = _interleaved_medians(fns, cuda, rounds, iters, line, raw, pipelined)
+            tag = "pipelined_" if pipelined else ""
+            for mode, v in med.items():
+                row[f"{tag}{mode}_us"] = round(v * 1e6, 1)
+            for ours in ("ours", "ours_direct"):
+                for base in ("raw", "raw_dist"):
+                    if ours in med and base in med:
+                        row[f"{tag}{ours}_over_{base}"] = round(med[ours] / med[base], 3)
+        lat[name] = row
+    res["latency"] = lat
+    # MoE-layer steps (4 layers, T tokens per rank): the same code, exchanging over
+    # the elastic WORLD or over a plain NCCL group (the `none` baseline)
+    base_ex = exchange_over(reg) if reg is not None else _raw_exchange(raw)
+
+    def steps(ex):
+        for _layer in range(4):
+            _moe_layer(p, rank, dev, ex, w13, w2, *args)
+
+    def via_dist(out, inp):
         dist.all_to_all_single(out, inp)
-        want = torch.cat([torch.arange(4) + 4 * rank, torch.arange(4) + 4 * rank + 100])
-        res["all_to_all_ok"] = bool((out.cpu() == want).all())
-        # EP2 padded exchange + grouped GEMM over the elastic group vs fp32 reference
-        dtype = torch.bfloat16
-        p = _moe_problem(dev, dtype) if cuda else _moe_problem(dev, dtype, S=4, H=64,
-                                                                   inter=32, k=2, T=8)
-        S = p["S"]
-        w13 = p["w13"][rank * S:(rank + 1) * S].to(dev)
-        w2 = p["w2"][rank * S:(rank + 1) * S].to(dev)
-        args = (p["hidden"][rank].to(dev), p["slots"][rank].to(dev), p["weights"][rank].to(dev))
-        got = _moe_layer(p, rank, dev, exchange_over(None), w13, w2, *args)
-        ref = run_slots(p["w13"].float().to(dev), p["w2"].float().to(dev),
-                        p["hidden"][rank].float().to(dev), p["slots"][rank].to(dev),
-                        p["weights"][rank].to(dev))
-        res["ep2_moe_rel_err_bf16"] = float((got - ref).norm() / ref.norm())
-        # uneven splits through the elastic group; the second call takes the fast path
-        fast = []
-        for _ in range(2):
-            inp = torch.arange(4, device=dev, dtype=torch.float32) + 100 * rank
-            insz, outsz = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
-            out = torch.empty(sum(outsz), device=dev)
-            dist.all_to_all_single(out, inp, outsz, insz)
-            want = [0., 100., 101.] if rank == 0 else [1., 2., 3., 102., 103.]
-            res["all_to_all_uneven_ok"] = out.cpu().tolist() == want
-            fast.append(ed.api._gs(None)._fast is not None)
-        res["fast_path_after_first_op"] = fast
-        # latency: ours vs raw NCCL, called directly and through torch.distributed
-        raw = _raw_group(rank, addr, cuda, "lat")
-        try:
-            reg = dist.new_group([0, 1], backend="nccl" if cuda else "gloo")
-        except Exception as e:  # record why; the direct baseline still runs
-            res["registered_group_error"] = repr(e)
-            reg = None
-        a2a_in = torch.randn(2 << 20, device=dev)  # 8 MiB fp32
-        a2a_out = torch.empty_like(a2a_in)
-        h_in = torch.randn(16 << 20, device=dev)  # 64 MiB fp32: the fixed overhead's share
-        h_out = torch.empty_like(h_in)
-        big = torch.randn(2 << 20, device=dev)
-        small = torch.ones(1, device=dev)
-        opts = dist.AllToAllOptions()
-        cases = {
-            "all_to_all_single_8MiB": {
-                "raw": lambda: raw.alltoall_base(a2a_out, a2a_in, [], [], opts).wait(),
-                "raw_dist": lambda: dist.all_to_all_single(a2a_out, a2a_in, group=reg),
-                "ours": lambda: dist.all_to_all_single(a2a_out, a2a_in),
-                "ours_direct": lambda: ed.all_to_all_single(a2a_out, a2a_in)},
-            "all_to_all_single_64MiB": {
-                "raw": lambda: raw.alltoall_base(h_out, h_in, [], [], opts).wait(),
-                "raw_dist": lambda: dist.all_to_all_single(h_out, h_in, group=reg),
-                "ours": lambda: dist.all_to_all_single(h_out, h_in),
-                "ours_direct": lambda: ed.all_to_all_single(h_out, h_in)},
-            "all_reduce_8MiB": {"raw": lambda: raw.allreduce([big]).wait(),
-                                "raw_dist": lambda: dist.all_reduce(big, group=reg),
-                                "ours": lambda: dist.all_reduce(big)},
-            "all_reduce_4B": {"raw": lambda: raw.allreduce([small]).wait(),
-                              "raw_dist": lambda: dist.all_reduce(small, group=reg),
-                              "ours": lambda: dist.all_reduce(small)},
-        }
-        cap = pair_capacity(p["T"], p["k"], p["S"])  # the MoE exchange's own sizes
-        m_in = torch.randn(2 * cap, 2048, device=dev).to(torch.bfloat16)
-        m_out = torch.empty_like(m_in)
-        cases["all_to_all_single_moe_rows"] = {
-            "raw": lambda: raw.alltoall_base(m_out, m_in, [], [], opts).wait(),
-            "raw_dist": lambda: dist.all_to_all_single(m_out, m_in, group=reg),
-            "ours": lambda: dist.all_to_all_single(m_out, m_in),
-            "ours_direct": lambda: ed.all_to_all_single(m_out, m_in)}
-        line = torch.zeros(1, device=dev)
-        lat = {}
-        for name, fns in cases.items():
-            if reg is None:
-                fns.pop("raw_dist")
-            row = {}
-            for pipelined in (False, True):
-                med = _interleaved_medians(fns, cuda, rounds, iters, line, raw, pipelined)
-                tag = "pipelined_" if pipelined else ""
-                for mode, v in med.items():
-                    row[f"{tag}{mode}_us"] = round(v * 1e6, 1)
-                for ours in ("ours", "ours_direct"):
-                    for base in ("raw", "raw_dist"):
-                        if ours in med and base in med:
-                            row[f"{tag}{ours}_over_{base}"] = round(med[ours] / med[base], 3)
-            lat[name] = row
-        res["latency"] = lat
-        # MoE-layer steps (4 layers, T tokens per rank): the same code, exchanging over
-        # the elastic WORLD or over a plain NCCL group (the `none` baseline)
-        base_ex = exchange_over(reg) if reg is not None else _raw_exchange(raw)
 
-        def steps(ex):
-            for _layer in range(4):
-                _moe_layer(p, rank, dev, ex, w13, w2, *args)
-
-        def via_dist(out, inp):
-            dist.all_to_all_single(out, inp)
-
-        gs = ed.api._gs(None)
-        before = dict(gs.counters)
-        med = _interleaved_medians({"none": lambda: steps(base_ex),
-                                    "elastic": lambda: steps(exchange_over(None)),
-                                    "elastic_via_dist": lambda: steps(via_dist),
-                                    "none_direct": lambda: steps(_raw_exchange(raw))},
-                                   cuda, rounds, iters, line, raw, pipelined=True)
-        n, e = med["none"], med["elastic"]
-        res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4,
-                           "none_group": "registered NCCL" if reg is not None else "raw NCCL",
-                           "none_ms": round(n * 1e3, 3), "elastic_ms": round(e * 1e3, 3),
-                           "tokens_per_s_none": round(2 * p["T"] / n, 1),
-                           "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
-                           "elastic_over_none": round(n / e, 4),
-                           "elastic_via_dist_ms": round(med["elastic_via_dist"] * 1e3, 3),
-                           "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4),
-                           "none_direct_ms": round(med["none_direct"] * 1e3, 3),
-                           "elastic_op_routes": {k: v - before[k]
-                                                 for k, v in gs.counters.items()}}
-        res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
-        conn.send(("res", rank, res))
-        raw.allreduce([line]).wait()
-        _sync(cuda)
-    except BaseException:
-        conn.send(("error", rank, traceback.format_exc()))
-    time.sleep(1.0)
-    os._exit(0)
+    gs = ed.api._gs(None)
+    before = dict(gs.counters)
+    med = _interleaved_medians({"none": lambda: steps(base_ex),
+                                "elastic": lambda: steps(exchange_over(None)),
+                                "elastic_via_dist": lambda: steps(via_dist),
+                                "none_direct": lambda: steps(_raw_exchange(raw))},
+                               cuda, rounds, iters, line, raw, pipelined=True)
+    n, e = med["none"], med["elastic"]
+    res["moe_step"] = {"tokens_per_rank": p["T"], "layers": 4,
+                       "none_group": "registered NCCL" if reg is not None else "raw NCCL",
+                       "none_ms": round(n * 1e3, 3), "elastic_ms": round(e * 1e3, 3),
+                       "tokens_per_s_none": round(2 * p["T"] / n, 1),
+                       "tokens_per_s_elastic": round(2 * p["T"] / e, 1),
+                       "elastic_over_none": round(n / e, 4),
+                       "elastic_via_dist_ms": round(med["elastic_via_dist"] * 1e3, 3),
+                       "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4),
+                       "none_direct_ms": round(med["none_direct"] * 1e3, 3),
+                       "elastic_op_routes": {k: v - before[k]
+                                             for k, v in gs.counters.items()}}
+    res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
+    conn.send(("res", res))
+    raw.allreduce([line]).wait()
+    _sync(cuda)
 
 
 def _raw_exchange(raw):
@@ -296,6 +294,7 @@ def _median_us(fn, cuda, iters, line, raw):
     return round(statistics.median(_time_calls(fn, cuda, iters, line, raw)) * 1e6, 1)
 
 
+@worker
 def diag_worker(rank, addr, conn, cuda, rounds, iters):
     """Where the per-op overhead goes: waiting variants on raw NCCL, ours per mode."""
     import cProfile
@@ -303,182 +302,133 @@ def diag_worker(rank, addr, conn, cuda, rounds, iters):
     import pstats
 
     from elasticep.distributed import nccl_inner
-    try:
-        dev = _dev(rank, cuda)
-        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
-        raw = _raw_group(rank, addr, cuda, "diag")
-        a_in = torch.randn(2 << 20, device=dev)
-        a_out = torch.empty_like(a_in)
-        big = torch.randn(2 << 20, device=dev)
-        line = torch.zeros(1, device=dev)
-        opts = dist.AllToAllOptions()
+    dev = _dev(rank, cuda)
+    ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure="raise")
+    raw = _raw_group(rank, addr, cuda, "diag")
+    a_in = torch.randn(2 << 20, device=dev)
+    a_out = torch.empty_like(a_in)
+    big = torch.randn(2 << 20, device=dev)
+    line = torch.zeros(1, device=dev)
+    opts = dist.AllToAllOptions()
 
-        def spin(work, yld):
-            while not work.is_completed():
-                if yld:
-                    time.sleep(0)
-            work.wait()
+    def spin(work, yld):
+        while not work.is_completed():
+            if yld:
+                time.sleep(0)
+        work.wait()
 
-        def mode(async_, yld):
-            nccl_inner.ASYNC_UNFETCHABLE, nccl_inner.YIELD = async_, yld
+    def mode(async_, yld):
+        nccl_inner.ASYNC_UNFETCHABLE, nccl_inner.YIELD = async_, yld
 
-        variants = {
-            "raw_a2a_wait": lambda: raw.alltoall_base(a_out, a_in, [], [], opts).wait(),
-            "raw_a2a_spin": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts), False),
-            "raw_a2a_spin_yield": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts),
-                                               True),
-            "ours_a2a_async": lambda: (mode(True, True), dist.all_to_all_single(a_out, a_in)),
-            "ours_a2a_hostwait_yield": lambda: (mode(False, True),
-                                                dist.all_to_all_single(a_out, a_in)),
-            "ours_a2a_hostwait_spin": lambda: (mode(False, False),
-                                               dist.all_to_all_single(a_out, a_in)),
-            "raw_ar8M_wait": lambda: raw.allreduce([big]).wait(),
-            "ours_ar8M_yield": lambda: (mode(True, True), dist.all_reduce(big)),
-            "ours_ar8M_spin": lambda: (mode(True, False), dist.all_reduce(big)),
-        }
-        res = {k: [] for k in variants}
-        for fn in variants.values():
-            fn()
-        for _ in range(rounds):
-            for k, fn in variants.items():
-                res[k].append(_median_us(fn, cuda, iters, line, raw))
-        out = {k: statistics.median(v) for k, v in res.items()}
-        mode(True, True)
-        pr = cProfile.Profile()
-        raw.allreduce([line]).wait()
-        pr.enable()
-        for _ in range(300):
-            dist.all_reduce(big)
-        pr.disable()
-        buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
-        out["profile_all_reduce_8MiB_x300"] = buf.getvalue()[-2500:]
-        conn.send(("res", rank, out))
-        raw.allreduce([line]).wait()
-        _sync(cuda)
-    except BaseException:
-        conn.send(("error", rank, traceback.format_exc()))
-    time.sleep(1.0)
-    os._exit(0)
+    variants = {
+        "raw_a2a_wait": lambda: raw.alltoall_base(a_out, a_in, [], [], opts).wait(),
+        "raw_a2a_spin": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts), False),
+        "raw_a2a_spin_yield": lambda: spin(raw.alltoall_base(a_out, a_in, [], [], opts),
+                                           True),
+        "ours_a2a_async": lambda: (mode(True, True), dist.all_to_all_single(a_out, a_in)),
+        "ours_a2a_hostwait_yield": lambda: (mode(False, True),
+                                            dist.all_to_all_single(a_out, a_in)),
+        "ours_a2a_hostwait_spin": lambda: (mode(False, False),
+                                           dist.all_to_all_single(a_out, a_in)),
+        "raw_ar8M_wait": lambda: raw.allreduce([big]).wait(),
+        "ours_ar8M_yield": lambda: (mode(True, True), dist.all_reduce(big)),
+        "ours_ar8M_spin": lambda: (mode(True, False), dist.all_reduce(big)),
+    }
+    res = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            res[k].append(_median_us(fn, cuda, iters, line, raw))
+    out = {k: statistics.median(v) for k, v in res.items()}
+    mode(True, True)
+    pr = cProfile.Profile()
+    raw.allreduce([line]).wait()
+    pr.enable()
+    for _ in range(300):
+        dist.all_reduce(big)
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
+    out["profile_all_reduce_8MiB_x300"] = buf.getvalue()[-2500:]
+    conn.send(("res", out))
+    raw.allreduce([line]).wait()
+    _sync(cuda)
 
 
-def section_diag(ctx, cuda, quick):
+def _two_ranks(ctx, target, *args, timeout_s=300):
+    """Run `target` on ranks 0 and 1 of a fresh coordinator; each rank's "res" message."""
     coord = ed.start_coordinator()
-    ps = _Procs(ctx, coord.address)
+    ps = Procs(ctx, coord.address)
     try:
         for r in range(2):
-            ps.start(r, diag_worker, cuda, 3 if quick else 6, 10 if quick else 40)
-        ps.poll(lambda: all(ps.got("res", r) for r in range(2)), 300)
-        return {f"rank{r}": ps.got("res", r)[0] for r in range(2)}
+            ps.start(r, target, *args)
+        ps.poll(lambda: all(ps.got(r, "res") for r in range(2)), timeout_s)
+        return {f"rank{r}": ps.got(r, "res")[0] for r in range(2)}
     finally:
         ps.close()
         coord.close()
 
 
+def section_diag(ctx, cuda, quick):
+    return _two_ranks(ctx, diag_worker, cuda, *((3, 10) if quick else (6, 40)))
+
+
 # --------------------------------------------------------------------------- kill
+@worker
 def kill_worker(rank, addr, conn, cuda, ext, stop_file, die_at=None, on_failure="complete"):
     """CPU header all_reduce (agree on admitting ready slots), then a GPU all_to_all and
     a GPU all_reduce. die_at=n: SIGKILL itself right after the n-th header, so the
     survivor is caught with its (stream-ordered) all_to_all in flight."""
-    try:
-        dev = _dev(rank, cuda)
-        ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure=on_failure,
-                              is_extension=ext)
-        if ext:
-            ed.join_group(timeout_s=60)
-        data = torch.ones(256 * 1024, device=dev)  # 1 MiB
-        a2a_out = torch.empty_like(data)
-        times, pause, t_rec, n, raised = [], None, None, 0, 0
-        while True:
-            st = ed.get_slot_states()
-            h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(2)]
-                             + [float(os.path.exists(stop_file))])
-            dist.all_reduce(h, op=dist.ReduceOp.MAX)
-            if h[2] > 0:
-                break
-            if die_at is not None and n == die_at:
-                conn.send(("dying", rank, time.time()))
-                time.sleep(0.05)
-                os.kill(os.getpid(), signal.SIGKILL)
-            agreed = [s for s in range(2) if h[s] > 0]
-            if agreed:
-                t_rec = time.monotonic()
-                ed.recover_ranks(None, agreed)
-                continue
-            x = data.clone()
-            try:  # a stream-ordered all_to_all (the EP dispatch), then a host-waited sum
-                dist.all_to_all_single(a2a_out, x)
-                dist.all_reduce(x)
-            except ed.RankFailureError:  # the a2a cannot be redone: the "step" is redone
-                raised += 1
-                continue
-            times.append(time.time())
-            if t_rec is not None:
-                pause, t_rec = time.monotonic() - t_rec, None
-            n += 1
-            if n == 200:
-                conn.send(("started", rank, None))
-        gs = ed.api._gs(None)
-        conn.send(("res", rank, {"times": times, "rejoin_pause_s": pause, "raised": raised,
-                                 "nccl_timings": gs.nccl_timings(), "epoch": gs.epoch}))
-    except BaseException:
-        conn.send(("error", rank, traceback.format_exc()))
-    time.sleep(1.0)
-    os._exit(0)
-
-
-class _Procs:
-    def __init__(self, ctx, addr):
-        self.ctx, self.addr, self.procs, self.conns, self.msgs = ctx, addr, {}, {}, []
-
-    def start(self, rank, target, *args):
-        r, w = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=target, args=(rank, self.addr, w, *args))
-        p.start()
-        w.close()
-        self.procs[rank], self.conns[r] = p, rank
-
-    def poll(self, until, timeout):
-        deadline = time.monotonic() + timeout
-        while not until():
-            errs = [m for m in self.msgs if m[0] == "error"]
-            if errs:
-                raise RuntimeError(f"worker failed: {errs}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("phase did not finish in time")
-            for r in wait(list(self.conns), 0.05):
-                try:
-                    self.msgs.append(r.recv())
-                except (EOFError, OSError):
-                    del self.conns[r]
-
-    def got(self, kind, rank):
-        return [m[2] for m in self.msgs if m[0] == kind and m[1] == rank]
-
-    def close(self):
-        for p in self.procs.values():
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
+    dev = _dev(rank, cuda)
+    ed.init_process_group(addr, rank, 2, timeout_s=60, on_failure=on_failure,
+                          is_extension=ext)
+    if ext:
+        ed.join_group(timeout_s=60)
+    data = torch.ones(256 * 1024, device=dev)  # 1 MiB
+    a2a_out = torch.empty_like(data)
+    times, pause, t_rec, n, raised = [], None, None, 0, 0
+    while True:
+        st = ed.get_slot_states()
+        h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(2)]
+                         + [float(os.path.exists(stop_file))])
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        if h[2] > 0:
+            break
+        if die_at is not None and n == die_at:
+            conn.send(("dying", time.time()))
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        agreed = [s for s in range(2) if h[s] > 0]
+        if agreed:
+            t_rec = time.monotonic()
+            ed.recover_ranks(None, agreed)
+            continue
+        x = data.clone()
+        try:  # a stream-ordered all_to_all (the EP dispatch), then a host-waited sum
+            dist.all_to_all_single(a2a_out, x)
+            dist.all_reduce(x)
+        except ed.RankFailureError:  # the a2a cannot be redone: the "step" is redone
+            raised += 1
+            continue
+        times.append(time.time())
+        if t_rec is not None:
+            pause, t_rec = time.monotonic() - t_rec, None
+        n += 1
+        if n == 200:
+            conn.send(("started", None))
+    gs = ed.api._gs(None)
+    conn.send(("res", {"times": times, "rejoin_pause_s": pause, "raised": raised,
+                       "nccl_timings": gs.nccl_timings(), "epoch": gs.epoch}))
 
 
 def section_nccl(ctx, cuda, quick):
-    coord = ed.start_coordinator()
-    ps = _Procs(ctx, coord.address)
-    try:
-        rounds, iters = (2, 5) if quick else (8, 50)
-        for r in range(2):
-            ps.start(r, nccl_worker, cuda, rounds, iters)
-        ps.poll(lambda: all(ps.got("res", r) for r in range(2)), 300)
-        return {f"rank{r}": ps.got("res", r)[0] for r in range(2)}
-    finally:
-        ps.close()
-        coord.close()
+    return _two_ranks(ctx, nccl_worker, cuda, *((2, 5) if quick else (8, 50)))
 
 
 def section_kill(ctx, cuda, quick, in_a2a=False):
     coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
-    ps = _Procs(ctx, coord.address)
+    ps = Procs(ctx, coord.address)
     stop = f"/tmp/gpu_run_stop_{os.getpid()}"
     if os.path.exists(stop):
         os.unlink(stop)
@@ -486,24 +436,23 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
         for r in range(2):
             ps.start(r, kill_worker, cuda, False, stop, 300 if in_a2a and r == 1 else None,
                      "raise" if in_a2a else "complete")
-        ps.poll(lambda: ps.got("started", 0) and ps.got("started", 1), 120)
+        ps.poll(lambda: ps.got(0, "started") and ps.got(1, "started"), 120)
         if in_a2a:
-            ps.poll(lambda: ps.got("dying", 1), 120)
-            t_kill = ps.got("dying", 1)[0] + 0.05
+            ps.poll(lambda: ps.got(1, "dying"), 120)
+            t_kill = ps.got(1, "dying")[0] + 0.05
         else:
             time.sleep(1.0)
             t_kill = time.time()
-            os.kill(ps.procs[1].pid, signal.SIGKILL)
-        ps.procs[1].join(5)
-        del ps.procs[1]
+            ps.kill(1)
+        ps.reap(1)
         time.sleep(3.0)  # survivor alone
         t_relaunch = time.time()
         ps.start(1, kill_worker, cuda, True, stop, None, "raise" if in_a2a else "complete")
-        ps.poll(lambda: len(ps.got("started", 1)) >= 2, 120)  # the relaunched one
+        ps.poll(lambda: len(ps.got(1, "started")) >= 2, 120)  # the relaunched one
         time.sleep(1.0)
         Path(stop).touch()
-        ps.poll(lambda: ps.got("res", 0) and ps.got("res", 1), 60)
-        s = ps.got("res", 0)[0]
+        ps.poll(lambda: ps.got(0, "res") and ps.got(1, "res"), 60)
+        s = ps.got(0, "res")[0]
         times = s["times"]
         after = [t for t in times if t > t_kill]
         before = [t for t in times if t <= t_kill]
@@ -516,7 +465,7 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
             "rejoin_pause_s": s["rejoin_pause_s"],
             "final_epoch": s["epoch"],
             "survivor_nccl_timings": s["nccl_timings"],
-            "joiner_nccl_timings": ps.got("res", 1)[0]["nccl_timings"],
+            "joiner_nccl_timings": ps.got(1, "res")[0]["nccl_timings"],
         }
         timings = s["nccl_timings"]
         epochs = sorted(timings)
