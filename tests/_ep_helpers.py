@@ -127,3 +127,55 @@ def generated(driver, **kwargs) -> list[list[int]]:
     outs = driver.generate([list(p) for p in prompts()], GREEDY, timeout_s=120, **kwargs)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs]
+
+
+def init_gloo_rank(rank: int, port: int, world: int) -> None:
+    """In a spawned rank of :func:`run_gloo_ranks`: one intra-op thread, then a Gloo
+    WORLD over the parent's TCPStore."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+
+
+def finish_gloo_rank(results: dict, rank: int, outdir: str) -> None:
+    """Save a rank's results for :func:`run_gloo_ranks` and leave the group together."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_gloo_ranks(worker, world: int, outdir: str, hang_bound_s: float) -> list:
+    """Run ``worker(rank, store_port, outdir)`` on ``world`` spawned processes (the
+    TCPStore's master is here); every one must exit 0 within ``hang_bound_s`` (those
+    still alive are killed by pid). Returns each rank's saved results."""
+    import os
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from elasticep.utils.procs import kill_pids
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
+                          wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, store.port, outdir), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(hang_bound_s)
+        codes = [p.exitcode for p in procs]
+    finally:
+        kill_pids([p.pid for p in procs if p.is_alive()])
+    assert codes == [0] * world, f"worker exit codes {codes}"
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]

@@ -6,14 +6,10 @@ test then checks one scenario's saved outputs.
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ep_helpers import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 
 WORLD, E, H, INTER, K, LAYERS, T = 4, 8, 16, 8, 2, 3, 6  # decoder layer 0 is dense
 MOE_LAYERS = (1, 2)
@@ -77,9 +73,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     )
     from elasticep.moe.ep_executor import EPMoEExecutor
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    init_gloo_rank(rank, port, WORLD)
     results: dict[str, object] = {}
 
     def run(name, ex, dtype=torch.float32):
@@ -135,29 +129,12 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     src_meta = ExpertLocationMetadata.from_placement(ex.placement, rank) if rank == 1 else None
     got = broadcast_global_expert_location_metadata(src_meta, 1, None, rank)
     results["bcast"] = (got.physical_to_logical_map_cpu, got.ep_rank, ex.placement.phy2log)
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_gloo_rank(results, rank, outdir)
 
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    from elasticep.utils.procs import kill_pids
-
-    outdir = str(tmp_path_factory.mktemp("ep"))
-    store = dist.TCPStore("127.0.0.1", 0, world_size=WORLD + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, store.port, outdir), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(HANG_BOUND_S)
-        codes = [p.exitcode for p in procs]
-    finally:
-        kill_pids([p.pid for p in procs if p.is_alive()])
-    assert codes == [0] * WORLD, f"worker exit codes {codes}"
-    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_gloo_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("ep")), HANG_BOUND_S)
 
 
 # scenario -> the rank that is a hole (inactive, no tokens) in it, if any.

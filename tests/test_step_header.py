@@ -13,14 +13,12 @@ uses that bound instead of a per-layer all_reduce.
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ep_helpers import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
@@ -178,10 +176,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     from elasticep.moe.cuda_experts import CudaEPMoEExecutor
     from elasticep.moe.ep_executor import EPMoEExecutor
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    init_gloo_rank(rank, port, WORLD)
     placement = initial_placement(LAYERS, E, 2, WORLD)  # 3 slots per rank, 2 replicas
     meta = ExpertLocationMetadata.from_placement(placement, rank)
     w13, w2 = _weights()
@@ -224,31 +219,12 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         except ValueError as exc:
             results["too_many"] = str(exc)
     dist.all_reduce = real_all_reduce
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_gloo_rank(results, rank, outdir)
 
 
 @pytest.fixture(scope="module")
 def cuda_executor_outputs(tmp_path_factory):
-    from elasticep.utils.procs import kill_pids
-
-    outdir = str(tmp_path_factory.mktemp("cudaep"))
-    store = dist.TCPStore("127.0.0.1", 0, world_size=WORLD + 1, is_master=True,
-                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, store.port, outdir), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(HANG_BOUND_S)
-        codes = [p.exitcode for p in procs]
-    finally:
-        kill_pids([p.pid for p in procs if p.is_alive()])
-    assert codes == [0] * WORLD, f"worker exit codes {codes}"
-    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_gloo_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("cudaep")), HANG_BOUND_S)
 
 
 @pytest.mark.parametrize("algo", ["static", "dynamic"])
