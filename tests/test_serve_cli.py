@@ -150,12 +150,16 @@ def test_status_registered_joiner_stays_joining():
     """The window between a joiner's process registration and its group registration:
     the slot is still "failed" but its (new, alive) process is known: joining, not failed.
     A dead registered process in a failed slot stays failed."""
-    snap = _snapshot(["healthy", "failed", "failed", "healthy"], {0: 10, 1: 21, 2: 12, 3: 13})
+    snap = _snapshot(["healthy", "failed", "failed", "removed"], {0: 10, 1: 21, 2: 12, 3: 13})
     snap["ranks"]["2"]["alive"] = False
+    for r in (0, 2, 3):
+        snap["ranks"][str(r)]["groups"] = ["world"]
+    snap["ranks"]["1"]["groups"] = []
+    # rank 3: a member being scaled away (still alive, still in the group) stays removed
     launched = {0: 10, 1: 21, 3: 13}.get
     st = status_from_snapshot(snap, 4, 4, "idle", lambda r: 0, launched)
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
-        ("healthy", 10), ("joining", 21), ("failed", 12), ("healthy", 13)]
+        ("healthy", 10), ("joining", 21), ("failed", 12), ("removed", 13)]
 
 
 class FakeClient:

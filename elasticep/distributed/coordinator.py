@@ -243,7 +243,8 @@ class Coordinator:
     def _status(self, proc, msg: dict) -> dict:
         return {
             "max_world_size": self._max_world_size,
-            "ranks": {str(r): {"pid": p.pid, "alive": p.alive} for r, p in self._procs.items()},
+            "ranks": {str(r): {"pid": p.pid, "alive": p.alive, "groups": sorted(p.groups)}
+                      for r, p in self._procs.items()},
             "groups": {n: g.status() for n, g in self._groups.items()},
         }
 

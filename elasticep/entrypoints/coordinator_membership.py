@@ -55,8 +55,8 @@ def status_from_snapshot(snap: dict[str, Any], ep_size: int, max_ep_size: int, p
     slots are reported ``joining`` (they are loading) and the rest ``removed``. A slot
     that is ``failed``, ``removed`` or not registered yet, for which a launcher started a
     worker that has not registered (``launched_pid`` differs from the registered pid) or
-    has registered its process but not joined the group yet (same pid, alive), is
-    reported ``joining`` with the new pid: workers load their weights before they
+    has registered its process but not its group slot yet (same pid, alive, in no
+    group), is reported ``joining`` with the new pid: workers load their weights before they
     register, and the group lists a launch cohort as healthy from its first member on.
     """
     world = snap.get("groups", {}).get(WORLD)
@@ -74,10 +74,12 @@ def status_from_snapshot(snap: dict[str, Any], ep_size: int, max_ep_size: int, p
         pid = None if proc is None else int(proc["pid"])
         if state in ("failed", "removed") or proc is None:  # None: never registered yet
             new_pid = launched_pid(rank)
-            # A launched worker whose control connection registered, but which has not
-            # joined the group yet, is still alive in a failed/removed slot: joining too.
+            # A launched worker whose process registered but whose group slot did not
+            # yet (alive, in no group) is joining too. A member being scaled away is
+            # also alive in a removed slot, but it is in the group: it stays removed.
             registered_joiner = (proc is not None and new_pid == pid
-                                 and bool(proc.get("alive", False)))
+                                 and bool(proc.get("alive", False))
+                                 and WORLD not in proc.get("groups", ()))
             if new_pid is not None and (new_pid != pid or registered_joiner):
                 state, pid = "joining", new_pid
         ranks.append({"rank": rank, "state": state, "pid": pid, "node": node_of(rank)})
