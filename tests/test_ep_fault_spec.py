@@ -13,10 +13,12 @@ def test_parse_specs():
     assert parse_faults("kill:rank=0:step=3:layer=1, kill:rank=1:step=5") == [
         FaultSpec(0, 3, 1), FaultSpec(1, 5)]
     assert parse_faults(None) == [] and parse_faults("") == []
+    assert parse_faults("kill:rank=3:admit=1") == [FaultSpec(3, None, None, 1)]
 
 
 @pytest.mark.parametrize("bad", ["stop:rank=1:step=2", "kill:rank=1", "kill:rank=x:step=1",
-                                 "kill:rank=1:step=2:when=3", "kill:rank1:step=2"])
+                                 "kill:rank=1:step=2:when=3", "kill:rank1:step=2",
+                                 "kill:rank=1:step=2:admit=1", "kill:rank=1:layer=2:admit=1"])
 def test_bad_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         parse_faults(bad)
@@ -33,6 +35,18 @@ def test_injector_fires_only_its_rank_step_and_layer(monkeypatch):
         for layer in range(6):
             inj.at_layer(layer)
     assert fired == ["step 4 layer 3", "step 7"]
+
+
+def test_injector_fires_at_its_admission(monkeypatch):
+    fired = []
+    inj = FaultInjector.from_config(3, "kill:rank=3:admit=2")
+    monkeypatch.setattr(inj, "_die", fired.append)
+    for step in range(4):
+        inj.at_step(step)
+    inj.at_admit()
+    assert fired == []
+    inj.at_admit()
+    assert fired == ["admission 2"]
 
 
 def test_worker_config_round_trip():

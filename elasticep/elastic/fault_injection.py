@@ -5,6 +5,9 @@ Spec (``ELASTICEP_FAULT`` environment variable, or ``WorkerConfig.fault``)::
     kill:rank=2:step=10            # rank 2 dies before the forward of its step 10
     kill:rank=2:step=10:layer=3    # ... inside step 10, when MoE layer 3 is entered
                                    #     (mid-dispatch for the other ranks)
+    kill:rank=2:admit=1            # rank 2 dies in the 1st admission it takes part in
+                                   #     as a survivor, after the placement is shared
+                                   #     and before the joiners' experts arrive
 
 Several specs may be joined with ``,``. A step is one working lockstep step (idle
 iterations with no work anywhere are not counted); every rank counts the same steps,
@@ -28,15 +31,18 @@ ENV_VAR = "ELASTICEP_FAULT"
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``)."""
+    """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``), or in
+    its ``admit``-th admission (then ``step`` is None)."""
 
     rank: int
-    step: int
+    step: int | None
     layer: int | None = None
+    admit: int | None = None
 
 
 def parse_faults(text: str | None) -> list[FaultSpec]:
-    """Parse ``"kill:rank=R:step=S[:layer=L]"`` specs joined by commas.
+    """Parse ``"kill:rank=R:step=S[:layer=L]"`` / ``"kill:rank=R:admit=N"`` specs joined
+    by commas.
 
     Returns:
         The specs, in order; empty for None or "".
@@ -55,21 +61,23 @@ def parse_faults(text: str | None) -> list[FaultSpec]:
         kv = {}
         for f in fields:
             key, sep, value = f.partition("=")
-            if not sep or key not in ("rank", "step", "layer"):
+            if not sep or key not in ("rank", "step", "layer", "admit"):
                 raise ValueError(f"fault spec {part!r}: bad field {f!r}")
             try:
                 kv[key] = int(value)
             except ValueError:
                 raise ValueError(f"fault spec {part!r}: {key} must be an integer") from None
-        if "rank" not in kv or "step" not in kv:
-            raise ValueError(f"fault spec {part!r}: needs rank= and step=")
-        specs.append(FaultSpec(kv["rank"], kv["step"], kv.get("layer")))
+        if "rank" not in kv or ("step" in kv) == ("admit" in kv) or (
+                "layer" in kv and "step" not in kv):
+            raise ValueError(f"fault spec {part!r}: needs rank= and either step= "
+                             f"(optionally with layer=) or admit=")
+        specs.append(FaultSpec(kv["rank"], kv.get("step"), kv.get("layer"), kv.get("admit")))
     return specs
 
 
 class FaultInjector:
-    """Fires this rank's faults. Call :meth:`at_step` before each step's forward and
-    :meth:`at_layer` when a MoE layer is entered.
+    """Fires this rank's faults. Call :meth:`at_step` before each step's forward,
+    :meth:`at_layer` when a MoE layer is entered and :meth:`at_admit` mid-admission.
 
     Args:
         rank: this process's rank; specs for other ranks are ignored.
@@ -80,6 +88,7 @@ class FaultInjector:
         self.rank = rank
         self.specs = [s for s in specs if s.rank == rank]
         self.step = -1
+        self.admissions = 0
 
     @classmethod
     def from_config(cls, rank: int, fault: str | None) -> FaultInjector:
@@ -96,6 +105,12 @@ class FaultInjector:
         """Enter MoE layer ``layer`` of the current step; dies if a spec matches."""
         if any(s.step == self.step and s.layer == layer for s in self.specs):
             self._die(f"step {self.step} layer {layer}")
+
+    def at_admit(self) -> None:
+        """Mid-admission on a survivor (placement shared, experts not yet moved)."""
+        self.admissions += 1
+        if any(s.admit == self.admissions for s in self.specs):
+            self._die(f"admission {self.admissions}")
 
     def _die(self, where: str) -> None:
         logger.warning("fault injection: rank %d SIGKILLs itself at %s", self.rank, where)

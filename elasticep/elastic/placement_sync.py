@@ -130,6 +130,19 @@ def admit(ep: EPMoEExecutor, has_placement: bool, group: dist.ProcessGroup | Non
     Args:
         has_placement: False on a joiner (its executor's placement is a stand-in).
     """
+    share_placement(ep, has_placement, group)
+    return reconcile(ep, local_mask, group, load_fn)
+
+
+def share_placement(ep: EPMoEExecutor, has_placement: bool,
+                    group: dist.ProcessGroup | None) -> None:
+    """The first half of :func:`admit`: joiners receive the survivors' placement and
+    size their (empty) slots to it. Collective over survivors and joiners.
+
+    Raises:
+        EpochChangedError (and subclasses): membership changed; a joiner then has no
+            placement and cannot follow the survivors' recovery.
+    """
     holders = torch.zeros(ep.placement.max_ep_size, dtype=torch.int64)
     holders[ep.rank] = int(has_placement)
     dist.all_reduce(holders, group=group)
@@ -142,7 +155,6 @@ def admit(ep: EPMoEExecutor, has_placement: bool, group: dist.ProcessGroup | Non
         ep.set_placement(meta, [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in ep.w13],
                          [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in ep.w2])
     logger.info("placement broadcast from rank %d", src)
-    return reconcile(ep, local_mask, group, load_fn)
 
 
 def drain(ep: EPMoEExecutor, leaving: list[int], group: dist.ProcessGroup | None) -> ChangeReport:

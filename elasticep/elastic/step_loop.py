@@ -301,7 +301,9 @@ class LockstepLoop:
         logger.info("admitted ranks %s (asked %s)", admitted, ranks)
         if not admitted:
             return
-        report = placement_sync.admit(self.ep, True, self.group, self._local_mask(), self.load_fn)
+        placement_sync.share_placement(self.ep, True, self.group)
+        self.faults.at_admit()
+        report = placement_sync.reconcile(self.ep, self._local_mask(), self.group, self.load_fn)
         self._after_change(report, time.perf_counter() - t0)
 
     def _remove(self, ranks: list[int]) -> None:
@@ -320,9 +322,22 @@ def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
     """Joiner side of an admission: block in ``join_group``, then run the same first ops
     as the survivors (:func:`placement_sync.admit`).
 
+    A member that dies during the expert transfer makes the survivors abandon the
+    admission and reconcile onto the new membership (`LockstepLoop._recover`); once it
+    holds the placement, the joiner does the same instead of dying with them.
+
     Raises:
         TimeoutError: not admitted within ``timeout_s``.
+        EpochChangedError: membership changed before the placement arrived.
     """
     ed.join_group(group, timeout_s=timeout_s)
-    mask = ed.get_active_ranks(group).to(torch.bool)
-    return placement_sync.admit(ep, False, group, mask, load_fn)
+    placement_sync.share_placement(ep, False, group)
+    while True:
+        mask = ed.get_active_ranks(group).to(torch.bool)
+        try:
+            return placement_sync.reconcile(ep, mask, group, load_fn)
+        except ed.RankEvictedError:
+            raise
+        except ed.EpochChangedError as exc:
+            logger.warning("admission interrupted (%s); reconciling over ranks %s", exc,
+                           ed.get_active_ranks(group).nonzero().flatten().tolist())
