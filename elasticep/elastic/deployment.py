@@ -218,8 +218,11 @@ class LocalDeployment:
         Before WORLD exists (workers still starting) every launched rank is "joining".
         """
         pids = self.pids()
-        if self.config.elastic_ep_backend == "none":  # no membership: alive = healthy
-            ranks = [{"rank": r, "state": "failed" if self._exited(r) else "healthy",
+        if self.config.elastic_ep_backend == "none":
+            # No membership, no fault tolerance: a rank is healthy only while every
+            # launched rank still runs (plain groups cannot progress without a member).
+            broken = any(self._exited(r) for r in pids)
+            ranks = [{"rank": r, "state": "failed" if broken else "healthy",
                       "pid": pid, "node": 0} for r, pid in sorted(pids.items())]
             return {"epoch": 0, "ep_size": self.config.ep_size,
                     "max_ep_size": self.config.max_ep_size, "scale_phase": "idle", "ranks": ranks}

@@ -35,7 +35,12 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.entrypoints.incremental_text import Decode
 from elasticep.entrypoints.membership import MembershipSource
 from elasticep.entrypoints.metrics import FrontendMetrics
-from elasticep.entrypoints.request_tracker import RequestEvent, RequestTracker, Send
+from elasticep.entrypoints.request_tracker import (
+    NoRankAvailableError,
+    RequestEvent,
+    RequestTracker,
+    Send,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +88,15 @@ class Frontend:
         self._ever_failed: set[int] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake_membership = asyncio.Event()
+        self._streams: dict[str, RequestStream] = {}  # open streams, by request id
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
         """Start the background tasks on the running loop and take a first snapshot."""
         self._wake_membership = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         await self.refresh_membership()
         self._tasks = [asyncio.create_task(self._pump_outputs(), name="frontend-outputs"),
                        asyncio.create_task(self._watch_membership(), name="frontend-members")]
@@ -101,6 +110,31 @@ class Frontend:
                 await task
         self._tasks = []
 
+    def fail_all(self, reason: str) -> None:
+        """The deployment is stopping (e.g. a rank died under ``--elastic-ep-backend
+        none``): end every in-flight request with an error event carrying ``reason`` and
+        refuse new ones (HTTP 503). Thread-safe; idempotent."""
+        self.closed_reason = self.closed_reason or reason
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail_open_streams)
+        except RuntimeError:  # the loop closed meanwhile: no stream is left to fail
+            pass
+
+    def _fail_open_streams(self) -> None:
+        reason = self.closed_reason or "the deployment is stopping"
+        for request_id, stream in list(self._streams.items()):
+            rank = self.tracker.rank_of(request_id)
+            if rank is not None:
+                self.tracker.on_error(rank, request_id, reason)
+            else:  # parked (no healthy rank), or finished with its last event unread
+                self.tracker.abort(request_id)
+                stream.put(RequestEvent(request_id, (), "", "abort", 0, error=reason))
+        if self._streams:
+            logger.warning("failed %d in-flight requests: %s", len(self._streams), reason)
+
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: SamplingParams) -> RequestStream:
@@ -113,16 +147,19 @@ class Frontend:
             NoRankAvailableError: no healthy rank.
             DuplicateRequestError: ``request_id`` is in flight.
         """
+        if self.closed_reason is not None:
+            raise NoRankAvailableError(self.closed_reason)
         stream = RequestStream(self, request_id)
         self._dispatch(self.tracker.add(request_id, prompt_token_ids, params, stream.put))
         self.metrics.requests_running.inc()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         stream.open = True
+        self._streams[request_id] = stream
         return stream
 
     def can_serve(self) -> bool:
-        """True while at least one rank can take requests."""
-        return bool(self.tracker.healthy_ranks())
+        """True while at least one rank can take requests (never once :meth:`fail_all`)."""
+        return self.closed_reason is None and bool(self.tracker.healthy_ranks())
 
     def status(self) -> dict[str, Any]:
         """The last membership snapshot with ``running_requests`` filled in per rank."""
@@ -295,6 +332,7 @@ class RequestStream:
         if not self.open:
             return
         self.open = False
+        self._frontend._streams.pop(self.request_id, None)
         self._frontend.metrics.requests_running.dec()
         if abort:
             self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))

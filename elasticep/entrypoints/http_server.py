@@ -168,6 +168,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         body = {"status": "ok" if can_serve else "unavailable", "degraded": degraded,
                 "epoch": status.get("epoch"), "ep_size": status.get("ep_size"),
                 "healthy_ranks": healthy, "running_requests": frontend.tracker.num_running}
+        if frontend.closed_reason is not None:  # the deployment is stopping
+            body["reason"] = frontend.closed_reason
         return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")

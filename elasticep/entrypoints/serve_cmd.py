@@ -119,11 +119,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             membership = CoordinatorMembership(
                 coordinator.address, dep.ep_size, dep.max_ep_size, directory.node_of,
                 lambda rank: directory.launched_pid(rank, local_node=0))
-        else:  # plain Gloo ranks never register with the coordinator: hellos are all we see
-            membership = ConnectedWorkers(lambda: channel.connected, dep.ep_size)
+        else:  # plain Gloo ranks never register with the coordinator: hellos and pids
+            membership = LaunchedWorkers(ConnectedWorkers(lambda: channel.connected,
+                                                          dep.ep_size), launcher)
         name = args.served_model_name or Path(dep.model).name
         try:
-            server, _frontend = create_server(
+            server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,
                 api_key=settings.api_key, host=settings.host, port=settings.port,
                 max_total_tokens=dep.max_total_tokens)
@@ -135,7 +136,14 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             return 0 if stop.is_set() else 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, coordinator {coordinator.address})", flush=True)
-        supervise(launcher, stop, restart=settings.restart_failed_ranks)
+        fatal = dep.elastic_ep_backend == "none"  # no fault tolerance: any exit stops all
+        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+                          stop_on_exit=fatal)
+        if fatal and exits:
+            ex = exits[-1]
+            frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
+                              "none has no fault tolerance: the deployment is stopping")
+            return 1
         return 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
@@ -201,10 +209,43 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
             launcher.spawn(rank)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
-        supervise(launcher, stop, restart=settings.restart_failed_ranks, until_all_exited=True)
-        return 0
+        fatal = dep.elastic_ep_backend == "none"
+        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+                          until_all_exited=True, stop_on_exit=fatal)
+        return 1 if fatal and exits else 0
     finally:
         launcher.stop()
+
+
+class LaunchedWorkers:
+    """Membership of ``--elastic-ep-backend none`` on node 0: the ranks that said hello
+    (:class:`ConnectedWorkers`), made truthful with what this node's launcher knows. A
+    rank whose process exited is ``failed``, and so is every other rank once one failed:
+    plain torch.distributed groups cannot make progress without a member.
+
+    Args:
+        connected: the hello-based membership.
+        launcher: node 0's launcher (the pids it started, and whether they still run).
+    """
+
+    def __init__(self, connected, launcher) -> None:
+        self._connected = connected
+        self._launcher = launcher
+
+    def status(self) -> dict:
+        status = self._connected.status()
+        launched = self._launcher.pids(live_only=False)
+        dead = {r for r in launched if self._launcher.exited(r)}
+        if dead:
+            status["ranks"] = [{**r, "state": "failed", "pid": launched.get(r["rank"], r["pid"])}
+                               for r in status["ranks"]]
+            status["ranks"] += [{"rank": r, "state": "failed", "pid": launched[r], "node": 0}
+                                for r in sorted(dead - {e["rank"] for e in status["ranks"]})]
+            status["ranks"].sort(key=lambda r: r["rank"])
+        return status
+
+    def scale(self, new_ep_size: int):
+        return self._connected.scale(new_ep_size)
 
 
 def _connect_with_retry(address: str, stop: threading.Event, timeout_s: float):

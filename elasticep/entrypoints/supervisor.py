@@ -10,6 +10,10 @@ It applies the restart policy of ``--restart-failed-ranks``:
   first, so the relaunch does not race a zombie of itself.
 
 Without the flag, exits are only logged.
+
+With ``--elastic-ep-backend none`` (``stop_on_exit``) there is no fault tolerance: the
+first exit of a rank is fatal, and :func:`supervise` sets ``stop`` and returns at once so
+that the caller stops the whole deployment.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _world(launcher: RankLauncher) -> tuple[int, dict[int, str], dict[int, int]]
 
 def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
               until_all_exited: bool = False, max_restarts: int = 5,
-              poll_s: float = 0.2) -> list[RankExit]:
+              poll_s: float = 0.2, stop_on_exit: bool = False) -> list[RankExit]:
     """Watch ``launcher``'s ranks until ``stop`` is set.
 
     Args:
@@ -65,10 +69,15 @@ def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
             nodes other than 0: their ranks exit when the coordinator is gone).
         max_restarts: relaunches per rank before giving up on it.
         poll_s: loop period (seconds).
+        stop_on_exit: the deployment has no fault tolerance (``--elastic-ep-backend
+            none``): the first exit of a rank is logged as the reason, sets ``stop`` and
+            returns; ``restart`` must be False.
 
     Returns:
-        Every exit seen, in order.
+        Every exit seen, in order (with ``stop_on_exit``: the fatal one last).
     """
+    if stop_on_exit and restart:
+        raise ValueError("stop_on_exit and restart exclude each other")
     restarts: Counter[int] = Counter()
     seen: list[RankExit] = []
     while not stop.wait(poll_s):
@@ -83,6 +92,12 @@ def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
             except queue.Empty:
                 break
             seen.append(ex)
+            if stop_on_exit:
+                logger.error("rank %d (pid %d) exited with %d; --elastic-ep-backend none has "
+                             "no fault tolerance: stopping the deployment", ex.rank, ex.pid,
+                             ex.code)
+                stop.set()
+                return seen
             _on_exit(launcher, ex, epoch, states, restart, restarts, max_restarts)
         if restart:
             _kill_frozen(launcher, epoch, states, coord_pids)
