@@ -78,3 +78,70 @@ def test_joiner_for_active_slot_is_refused():
     with pytest.raises(ValueError):
         next_slot_state("healthy", "joining")
     assert next_slot_state("failed", "joining") == "joining"
+
+
+class _FakeConn:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _coordinator(n: int):
+    """A Coordinator's membership state with fake connections (no sockets, no threads)."""
+    import threading
+
+    from elasticep.distributed.coordinator import Coordinator, _Proc
+
+    c = Coordinator.__new__(Coordinator)
+    c._lock, c._closed, c._max_world_size = threading.RLock(), False, n
+    c._procs = {r: _Proc(rank=r, pid=100 + r, conn=_FakeConn(), groups={"world"})
+                for r in range(n)}
+    c._groups = {"world": Group.create("world", list(range(n)), list(range(n)), "complete",
+                                       set())}
+    return c
+
+
+def _report_all(c, g) -> None:
+    epoch = g.transition.epoch
+    for s in sorted(g.transition.waiting):
+        c._report(c._procs[s], {"group": "world", "epoch": epoch, "last": 5, "started": 5,
+                                "fetchable": []})
+
+
+@pytest.mark.parametrize("mid_removal", [False, True])
+def test_rank_dying_while_draining_ends_removed(mid_removal):
+    """Scale-down 6 -> 4 and rank 5 dies while draining: slot 5 ends removed (not failed),
+    it leaves the active set through a failure decision, and slot 4's removal still runs."""
+    c = _coordinator(6)
+    g = c._groups["world"]
+    c._request_deactivation(None, {"group": "world", "ranks": [4, 5]})
+    assert g.states[4:] == ["draining", "draining"]
+    if mid_removal:  # the members already started the removal transition
+        c._deactivate(c._procs[0], {"group": "world", "ranks": [4, 5]})
+        assert g.transition.kind == "change"
+    c._proc_dead(c._procs[5], "killed")
+    assert g.states[5] == "removed"
+    assert g.transition.kind == "failure" and g.transition.dead == {5}
+    assert 5 not in g.pending_remove and g.requests["remove"] == [4]
+    _report_all(c, g)
+    assert g.active == {0, 1, 2, 3, 4}
+    if g.transition is None:  # the members vote slot 4's removal again
+        c._deactivate(c._procs[0], {"group": "world", "ranks": [4]})
+    assert g.transition.kind == "change" and g.transition.removed == {4}
+    _report_all(c, g)
+    assert g.active == {0, 1, 2, 3} and g.transition is None
+    assert g.states == ["healthy"] * 4 + ["removed", "removed"]
+    assert not g.pending_remove and g.requests["remove"] == []
+
+
+def test_healthy_rank_dying_is_failed():
+    c = _coordinator(4)
+    g = c._groups["world"]
+    c._proc_dead(c._procs[2], "killed")
+    assert g.states[2] == "failed" and g.transition.dead == {2}

@@ -272,3 +272,137 @@ def test_restart_policy_kills_an_evicted_frozen_worker():
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10, 1: 11})
     _supervise_once(launcher, restart=True)
     assert launcher.killed == [1]
+
+
+def test_join_refuses_slots_being_joined_or_outside_ep_size():
+    snap = _snapshot(["healthy", "failed", "joining", "ready", "failed", "removed"],
+                     {0: 10, 1: 11, 2: 12, 3: 13, 4: 14})
+    snap["ranks"]["1"]["alive"] = False
+    # failed, but serve --restart-failed-ranks (or another join) already started pid 21
+    launched = {1: 21}.get
+    with pytest.raises(JoinError, match=r"^rank 1 is already being joined \(pid 21\)$"):
+        check_slots("recover", [1], 6, snap, 6, launched)
+    check_slots("recover", [1], 6, snap, 6)  # nothing loading: free to recover
+    for r, pid in ((2, 12), (3, 13)):
+        with pytest.raises(JoinError, match=rf"rank {r} is already being joined \(pid {pid}\)"):
+            check_slots("recover", [r], 6, snap, 6)
+    # a scale-down to 4 left slot 4 failed: recover must not bring it back
+    with pytest.raises(JoinError, match=r"^rank 4 is outside ep_size 4; use "
+                                        r"--elastic-ep-join-mode scale$"):
+        check_slots("recover", [4], 6, snap, 4)
+    check_slots("recover", [4], 6, snap, 6)
+    check_slots("scale", [5], 6, snap, 4)
+
+
+def test_target_ep_size_from_store():
+    import torch.distributed as dist
+
+    from elasticep.entrypoints.coordinator_membership import TARGET_EP_SIZE_KEY
+    from elasticep.entrypoints.join_cmd import target_ep_size
+
+    store = dist.HashStore()
+    assert target_ep_size(store, 4) == 4
+    store.set(TARGET_EP_SIZE_KEY, "2")
+    assert target_ep_size(store, 4) == 2
+
+
+def test_join_reservation_is_exclusive_and_released():
+    import torch.distributed as dist
+
+    from elasticep.entrypoints.join_cmd import Reservations
+
+    store, clock = dist.HashStore(), [1000.0]
+    a = Reservations(store, host="h1", pid=1, clock=lambda: clock[0])
+    b = Reservations(store, host="h2", pid=2, clock=lambda: clock[0], sleep=lambda s: None)
+    a.acquire([2, 3])
+    with pytest.raises(JoinError, match=r"^rank 3 is already being joined "
+                                        r"\(elasticep join pid 1 on h1\)$"):
+        b.acquire([4, 3])
+    b.acquire([4])  # the refused attempt released its claim of 4
+    b.release()
+    clock[0] += 5
+    a.refresh()
+    clock[0] += 8  # refreshed 8 s ago: not stale
+    with pytest.raises(JoinError):
+        b.acquire([2])
+    a.release()
+    b.acquire([2, 3])
+    b.release()
+
+
+def test_join_reservation_stale_owner_is_taken_over():
+    import os
+
+    import torch.distributed as dist
+
+    from elasticep.entrypoints.join_cmd import Reservations
+
+    store, clock = dist.HashStore(), [1000.0]
+    # an owner on this host whose process is gone: taken over at once
+    dead = Reservations(store, host="me", pid=2 ** 22 + 12345, clock=lambda: clock[0])
+    dead.acquire([0])
+    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0],
+                      sleep=lambda s: pytest.fail("no wait needed"))
+    me.acquire([0])
+    me.release()
+    # a remote owner silent for over 10 s: taken over after watching it for a while...
+    remote = Reservations(store, host="other", pid=7, clock=lambda: clock[0])
+    remote.acquire([1])
+    clock[0] += 11
+    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0],
+                      sleep=lambda s: None)
+    me.acquire([1])
+    me.release()
+    # ...unless it refreshes meanwhile (its clock is just behind ours)
+    remote = Reservations(store, host="other", pid=7, clock=lambda: clock[0] - 30)
+    remote.acquire([2])
+
+    def watch(seconds: float) -> None:
+        clock[0] += seconds
+        remote.refresh()
+
+    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0], sleep=watch)
+    with pytest.raises(JoinError, match="elasticep join pid 7 on other"):
+        me.acquire([2])
+
+
+def test_join_success_needs_our_own_worker():
+    from elasticep.entrypoints.join_cmd import exit_reason, joined_ranks
+
+    snap = _snapshot(["healthy", "healthy"], {0: 10655, 1: 11})
+    assert not joined_ranks(snap, [0], {0: 777}, ("healthy",))  # another process's success
+    assert joined_ranks(snap, [0], {0: 10655}, ("healthy",))
+    assert not joined_ranks(snap, [0], {}, ("healthy",))
+    tail = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+            "ValueError: slot 0 is already held by live pid 10655\n")
+    assert exit_reason(tail) == "ValueError: slot 0 is already held by live pid 10655"
+    assert exit_reason("loading\nkilled\n") == "killed"
+    assert exit_reason("") == ""
+
+
+def test_join_cli_refuses_a_slot_another_join_holds(capsys):
+    """Two `join`s of one slot: the second is refused (exit 2, one line) before launching."""
+    from elasticep.distributed import start_coordinator
+    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.entrypoints import join_cmd
+    from elasticep.entrypoints.launcher import open_store, publish_config
+
+    coord = start_coordinator()
+    try:
+        store = open_store(coord.address)
+        publish_config(store, DeploymentConfig(model="demo", ep_size=4, max_ep_size=4))
+        other = join_cmd.Reservations(store, host="elsewhere", pid=4242)
+        other.acquire([2])
+        args = build_parser().parse_args(["join", "--dist-init-addr", coord.address,
+                                          "--elastic-ep-join-mode", "recover", "--ranks", "2"])
+        assert join_cmd.run(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["elasticep join: error: rank 2 is already being joined "
+                       "(elasticep join pid 4242 on elsewhere)"]
+        other.release()
+        # free again: now the membership check answers (no ranks registered yet)
+        assert join_cmd.run(args) == 2
+        assert "no ranks yet" in capsys.readouterr().err
+        assert store.get(join_cmd.RESERVATION_KEY.format(rank=2)) == b""  # released
+    finally:
+        coord.close()

@@ -283,12 +283,20 @@ class Coordinator:
         for name in proc.groups:
             g = self._groups[name]
             slot = g.slot_of(proc.rank)
+            leaving = _leaving(g, slot)
             if slot in g.active or (g.transition and slot in g.transition.new_active):
-                g.pending_dead.add(slot)
-            if g.states[slot] != "removed":  # a rank removed on purpose stays removed
-                g.states[slot] = "failed"
+                g.pending_dead.add(slot)  # a leaving member leaves through a failure too
+            # A rank removed on purpose stays removed; one that dies while being scaled
+            # away (draining) ends removed as well: it was leaving anyway.
+            g.states[slot] = "removed" if leaving or g.states[slot] == "removed" else "failed"
             g.pending_admit.discard(slot)
             self._maybe_start(g)
+            if leaving:
+                # Its removal is done by the failure transition; a removal left queued (a
+                # restarted change transition re-queues it) would fire again when the slot
+                # is next admitted by a scale-up.
+                g.pending_remove.discard(slot)
+                g.requests["remove"] = [r for r in g.requests["remove"] if r != slot]
             self._push_peer(g)
 
     def _maybe_start(self, g: Group) -> None:
@@ -337,6 +345,13 @@ class Coordinator:
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)
+
+
+def _leaving(g: Group, slot: int) -> bool:
+    """``slot`` is being scaled away: draining, or its removal is requested or in flight."""
+    tr = g.transition
+    return (g.states[slot] == "draining" or slot in g.pending_remove
+            or slot in g.requests["remove"] or (tr is not None and slot in tr.removed))
 
 
 def start_coordinator(host: str = "127.0.0.1", port: int = 0, **kwargs) -> Coordinator:

@@ -26,6 +26,8 @@ from elasticep.entrypoints.membership import ScaleInProgressError
 logger = logging.getLogger(__name__)
 
 WORLD = "world"
+# the target size, for `elasticep join` (recover refuses slots >= it); same key as join_cmd's
+TARGET_EP_SIZE_KEY = "elasticep/target_ep_size"
 
 
 def scale_phase(states: list[str], up: set[int], down: set[int]) -> str:
@@ -116,6 +118,7 @@ class CoordinatorMembership:
         self._launched_pid = launched_pid or (lambda _rank: None)
         self._up: set[int] = set()
         self._down: set[int] = set()
+        self._store: Any = None  # client of the coordinator's store, opened on first scale
 
     # ---- coordinator access --------------------------------------------------------
     def _call(self, fn: Callable[[CoordinatorClient], Any]) -> Any:
@@ -198,11 +201,33 @@ class CoordinatorMembership:
             else:
                 slots = []
             self.ep_size = new_ep_size
+            self._publish_target()
             epoch = snap.get("groups", {}).get(WORLD, {}).get("epoch", 0)
             logger.info("epoch %s: scale ep_size %d -> %d, slots %s", epoch, old,
                         new_ep_size, slots)
             return {"old_ep_size": old, "slots": slots,
                     "scale_phase": scale_phase(states, self._up, self._down)}
+
+    def _publish_target(self) -> None:
+        """Write the target size to the coordinator's store (best effort)."""
+        port = getattr(self._client, "store_port", None)
+        if not isinstance(port, int):
+            return  # a stand-in client (tests)
+        try:
+            if self._store is None:
+                from datetime import timedelta
+
+                import torch.distributed as dist
+
+                from elasticep.distributed.protocol import parse_address
+
+                host, _ = parse_address(self._address)
+                self._store = dist.TCPStore(host, port, is_master=False,
+                                            timeout=timedelta(seconds=self._timeout_s))
+            self._store.set(TARGET_EP_SIZE_KEY, str(self.ep_size))
+        except (RuntimeError, OSError) as exc:
+            self._store = None
+            logger.warning("could not publish the target ep_size %d: %s", self.ep_size, exc)
 
     def close(self) -> None:
         """Close the coordinator connection."""
