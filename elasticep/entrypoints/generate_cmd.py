@@ -9,8 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+from elasticep.engine.request import SamplingParams
+from elasticep.entrypoints import validate as checks
+from elasticep.entrypoints.validate import UsageError
 
 log = logging.getLogger("elasticep.generate")
 
@@ -57,6 +62,92 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a JSONL file, one ``{"prompt": "..."}`` object a line (blank lines
+    skipped).
+
+    Raises:
+        UsageError: unreadable file, a line that is not such an object, or no prompts.
+    """
+    where = f"--prompts-file {path}"
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: cannot read ({exc})") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UsageError(f'{where}: line {n}: expected an object {{"prompt": "..."}}')
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise UsageError(f"{where}: no prompts")
+    return prompts
+
+
+def check_fault(fault: str | None, ep_size: int) -> None:
+    """Parse ``--fault`` and ``$ELASTICEP_FAULT`` up front (workers would die on a bad
+    spec) and check that ``--fault`` names a rank of this run.
+
+    Raises:
+        UsageError: a malformed spec, or ``--fault`` that cannot fire.
+    """
+    from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
+
+    try:
+        parse_faults(os.environ.get(ENV_VAR))
+    except ValueError as exc:
+        raise UsageError(f"{ENV_VAR}: {exc}") from None
+    try:
+        specs = parse_faults(fault)
+    except ValueError as exc:
+        raise UsageError(f"--fault: {exc}") from None
+    if specs and ep_size == 1:
+        raise UsageError("--fault kills a worker rank: it needs --ep-size > 1")
+    for spec in specs:
+        if not 0 <= spec.rank < ep_size:
+            raise UsageError(f"--fault: rank {spec.rank} is not a rank of this run "
+                             f"(--ep-size {ep_size})")
+
+
+def validate(args: argparse.Namespace) -> tuple[str, list[str], SamplingParams]:
+    """Check every flag before anything heavy is loaded.
+
+    Returns:
+        ``(model_dir, prompts, sampling_params)``.
+
+    Raises:
+        UsageError: with a one-line message naming the flag (or file and line).
+    """
+    max_ep = checks.resolved_max_ep_size(args)
+    checks.raise_first_failure([
+        *checks.ep_flag_checks(args, max_ep),
+        (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+        checks.static_backend_check(args, max_ep),
+    ])
+    check_fault(args.fault, args.ep_size)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+    )
+    try:
+        params.validate()
+    except ValueError as exc:  # "top_p must be ..." -> "--top-p must be ..."
+        field, _, rest = str(exc).partition(" ")
+        raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
+    checks.check_device(args.device)
+    model = checks.check_model_dir(args.model)
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
+    return model, prompts, params
+
+
 def _trim_stop(text: str, stops: list[str]) -> str:
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     return text[:cut] if cut >= 0 else text
@@ -74,7 +165,7 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
 
     cfg = DeploymentConfig(
         model=args.model, dtype=args.dtype, device=args.device, ep_size=args.ep_size,
-        max_ep_size=args.max_ep_size or args.ep_size,
+        max_ep_size=checks.resolved_max_ep_size(args),
         ep_num_redundant_experts=args.ep_num_redundant_experts,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
@@ -92,27 +183,19 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
 def run(args: argparse.Namespace) -> int:
     """Load the model, run every prompt as one batch, print results; returns the exit code."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    try:
+        model, prompts, params = validate(args)
+    except UsageError as exc:
+        print(f"elasticep generate: error: {exc}", file=sys.stderr)
+        return 2
+    args = argparse.Namespace(**vars(args) | {"model": model})  # the resolved directory
     import torch
     from transformers import AutoTokenizer
 
     from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-    from elasticep.engine.request import SamplingParams
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
-    if args.prompts_file:
-        lines = Path(args.prompts_file).read_text().splitlines()
-        prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
-    else:
-        prompts = [args.prompt]
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-        )
-        params.validate()
         ids = [tok(p).input_ids for p in prompts]
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if args.ep_size > 1:
@@ -127,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             )
             outs = engine.generate(ids, params)
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
     from elasticep.models import load_model_config
 

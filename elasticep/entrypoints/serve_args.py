@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from elasticep.distributed.protocol import parse_address
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.entrypoints.generate_cmd import default_model_dir
-from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.entrypoints.validate import (
+    UsageError,
+    check_device,
+    check_model_dir,
+    ep_flag_checks,
+    raise_first_failure,
+    resolved_max_ep_size,
+    static_backend_check,
+)
 
 DTYPES = ("float32", "bfloat16")
-
-
-class UsageError(ValueError):
-    """A bad flag or flag combination; printed as one line, exit status 2."""
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,25 +106,6 @@ class ServeSettings:
         return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
 
 
-def check_model_dir(model: str) -> str:
-    """Resolve a checkpoint directory and check its family.
-
-    Raises:
-        UsageError: missing directory/config.json, or an unsupported ``model_type``.
-    """
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise UsageError(f"--model {model}: no such model directory (config.json not found)")
-    try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--model {model}: unreadable config.json ({exc})") from None
-    if model_type not in SUPPORTED_FAMILIES:
-        raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-    return str(path.resolve())
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -136,14 +119,9 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     Raises:
         UsageError: with a one-line message naming the flag.
     """
-    max_ep = args.max_ep_size if args.max_ep_size is not None else args.ep_size
-    checks = [
-        (args.ep_size >= 1, f"--ep-size must be >= 1, got {args.ep_size}"),
-        (max_ep >= args.ep_size,
-         f"--max-ep-size ({max_ep}) must be >= --ep-size ({args.ep_size})"),
-        (args.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
-        (args.eplb_rebalance_num_iterations >= 1, "--eplb-rebalance-num-iterations must be >= 1"),
-        (args.max_total_tokens >= 16, "--max-total-tokens must be >= 16"),
+    max_ep = resolved_max_ep_size(args)
+    raise_first_failure([
+        *ep_flag_checks(args, max_ep),
         (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
         (0 <= args.port <= 65535, f"--port {args.port} is not a TCP port"),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
@@ -153,21 +131,12 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
         (args.nnodes == 1 or args.dist_init_addr,
          "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
-        (args.elastic_ep_backend == "elastic" or max_ep == args.ep_size,
-         "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+        static_backend_check(args, max_ep),
         (args.elastic_ep_backend == "elastic" or not args.restart_failed_ranks,
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UsageError(message)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but this torch build sees no CUDA device "
-                             "(see README: installing the CUDA build of torch)")
+    ])
+    check_device(args.device)
     model = check_model_dir(args.model)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:

@@ -1,0 +1,111 @@
+"""`elasticep generate` refuses bad flags and prompt files up front, as `serve` does: one
+line on stderr, exit status 2, no traceback, no model load and no worker launched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.generate_cmd import validate
+from elasticep.entrypoints.validate import UsageError
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=50, cwd=REPO)
+
+
+def _assert_refused(run: subprocess.CompletedProcess, message: str) -> None:
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines == [f"elasticep generate: error: {message}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep-size", "0"], "--ep-size must be >= 1, got 0"),
+    (["--ep-size", "4", "--max-ep-size", "2"], "--max-ep-size (2) must be >= --ep-size (4)"),
+    (["--model", "/nonexistent/path"],
+     "--model /nonexistent/path: no such model directory (config.json not found)"),
+    (["--fault", "garbage"], "--fault: fault spec 'garbage': only 'kill' is supported"),
+])
+def test_cli_bad_flags_exit_2_with_one_line(argv, message):
+    _assert_refused(_generate("--prompt", "hi", "--max-tokens", "4", *argv), message)
+
+
+def test_cli_unsupported_model_family(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    _assert_refused(_generate("--prompt", "hi", "--model", str(tmp_path)),
+                    f"--model {tmp_path}: unsupported model family 'llama' "
+                    "(supported: qwen3_moe, qwen2_moe, mixtral)")
+
+
+def test_cli_bad_prompts_files(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    _assert_refused(_generate("--prompts-file", str(missing)),
+                    f"--prompts-file {missing}: no such file")
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\nnot json\n')
+    _assert_refused(_generate("--prompts-file", str(f)),
+                    f"--prompts-file {f}: line 2: not JSON (Expecting value)")
+
+
+def _validate(*argv: str):
+    return validate(build_parser().parse_args(["generate", *argv]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep-size", "-2"], "--ep-size must be >= 1, got -2"),
+    (["--max-total-tokens", "0"], "--max-total-tokens must be >= 16"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"],
+     "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+    (["--ep-size", "2", "--fault", "kill:rank=2:step=3"],
+     "--fault: rank 2 is not a rank of this run (--ep-size 2)"),
+    (["--fault", "kill:rank=0:step=3"], "--fault kills a worker rank: it needs --ep-size > 1"),
+    (["--ep-size", "2", "--fault", "kill:rank=1:step=x"],
+     "--fault: fault spec 'kill:rank=1:step=x': step must be an integer"),
+])
+def test_bad_flags(argv, message):
+    with pytest.raises(UsageError) as err:
+        _validate("--prompt", "hi", *argv)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."}'),
+    ('["a"]\n', 'line 1: expected an object {"prompt": "..."}'),
+    ("\n", "no prompts"),
+])
+def test_bad_prompts_file(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(UsageError) as err:
+        _validate("--prompts-file", str(f))
+    assert str(err.value) == f"--prompts-file {f}: {message}"
+
+
+def test_bad_fault_environment_variable(monkeypatch):
+    monkeypatch.setenv("ELASTICEP_FAULT", "oops")
+    with pytest.raises(UsageError, match="^ELASTICEP_FAULT: fault spec 'oops'"):
+        _validate("--prompt", "hi")
+
+
+def test_valid_flags(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    model, prompts, params = _validate("--prompts-file", str(f), "--ep-size", "2",
+                                       "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
+    assert Path(model, "config.json").is_file() and os.path.isabs(model)
+    assert prompts == ["a", "b"] and params.max_tokens == 5
