@@ -35,6 +35,7 @@ def _join(*argv: str) -> argparse.Namespace:
      "--node-rank"),
     (["--ep-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of --nnodes"),
     (["--nnodes", "2", "--ep-size", "2"], "--dist-init-addr"),
+    (["--nnodes", "0"], "--nnodes must be >= 1"),
     (["--model", "/nonexistent/model"], "no such model directory"),
     (["--dist-init-addr", "nohost"], "HOST:PORT"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),

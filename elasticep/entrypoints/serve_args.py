@@ -127,7 +127,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
-        (args.ep_size % args.nnodes == 0,
+        (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
          f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
         (args.nnodes == 1 or args.dist_init_addr,
          "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
