@@ -53,7 +53,8 @@ class ServerConfig:
     Attributes:
         model_name: the ``model`` clients send (and /v1/models lists).
         max_model_len: prompt + completion limit in tokens (min of context and KV cache).
-        api_key: if set, every endpoint needs ``Authorization: Bearer <api_key>``.
+        api_key: if set, every endpoint but ``/health`` needs
+            ``Authorization: Bearer <api_key>``.
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
         port: TCP port; 0 picks a free one.
     """
@@ -65,6 +66,11 @@ class ServerConfig:
     port: int = 0
 
 
+OPEN_PATHS = frozenset({"/health"})
+# metric label per routed path: the same names the finished requests use
+_ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
 class ApiKeyMiddleware:
     """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation)."""
 
@@ -73,7 +79,8 @@ class ApiKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        # /health stays open: load balancers probe it without credentials (as vLLM's).
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 response = JSONResponse(
@@ -118,7 +125,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     def count_rejected(request: Request, status: int) -> None:
         # only routed paths: a label per arbitrary 404 path would grow without bound
         if 400 <= status < 500 and status != 499 and request.scope.get("route") is not None:
-            frontend.metrics.requests.labels(request.url.path, "rejected").inc()
+            path = request.url.path
+            frontend.metrics.requests.labels(_ENDPOINT_LABELS.get(path, path), "rejected").inc()
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -214,7 +222,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         channel: the bound front-end ipc channel (workers connect to its endpoints).
         membership: rank states and scaling.
         served_model_name: the ``model`` name clients use; default: ``model_path``.
-        api_key: protect every endpoint with this bearer token.
+        api_key: protect every endpoint but ``/health`` with this bearer token.
         host: interface to bind.
         port: TCP port; 0 picks a free one (read it back from ``server.port``).
         max_total_tokens: per-rank KV-cache capacity in tokens, if smaller than the context.

@@ -65,7 +65,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="interface of the OpenAI API")
     h.add_argument("--port", type=int, default=30000, help="port of the OpenAI API (0: any)")
     h.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     n = p.add_argument_group("multi-node")
     n.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     n.add_argument("--node-rank", type=int, default=0,
