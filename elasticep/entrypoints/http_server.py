@@ -239,6 +239,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                         or getattr(tokenizer, "model_max_length", 2048))
     if max_total_tokens:
         max_model_len = min(max_model_len, max_total_tokens)
+    # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
+    # own limit would only print a transformers warning into the server log.
+    tokenizer.model_max_length = 1 << 62
     frontend = Frontend(channel, membership,
                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                         config=frontend_config)
