@@ -191,7 +191,7 @@ def test_membership_scale_up_down_and_409():
     assert client.calls == [("admit", [4, 5])]
     assert m.status()["scale_phase"] == "waiting_for_joiners"
     with pytest.raises(ScaleInProgressError):
-        m.scale(5)
+        m.scale(3)  # below the size before the grow: not a withdrawal
     client.states = ["healthy"] * 4 + ["ready"] * 2
     assert m.status()["scale_phase"] == "admitting"
     client.states = ["healthy"] * 6
@@ -205,6 +205,28 @@ def test_membership_scale_up_down_and_409():
     assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 4
     with pytest.raises(ValueError):
         m.scale(7)
+
+
+def test_membership_pending_grow_can_be_lowered():
+    """4 -> 6 waits for joiners; joiner 5 died: a scale to 5 withdraws slot 5 only."""
+    client = FakeClient(["healthy"] * 4 + ["joining", "failed"])
+    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
+    m._client = client
+    m.scale(6)
+    assert m.status()["scale_phase"] == "waiting_for_joiners"
+    assert m.scale(5) == {"old_ep_size": 6, "slots": [5], "scale_phase": "waiting_for_joiners"}
+    assert client.calls[-1] == ("remove", [5]) and m.ep_size == 5
+    client.states = ["healthy"] * 5 + ["failed"]
+    assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 5
+    # an admitted slot is not withdrawn: that is a scale-down, after the grow
+    client = FakeClient(["healthy"] * 4 + ["joining"] * 2)
+    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
+    m._client = client
+    m.scale(6)
+    client.states = ["healthy"] * 5 + ["joining"]
+    with pytest.raises(ScaleInProgressError, match="already admitted"):
+        m.scale(4)
+    assert client.calls == [("admit", [4, 5])] and m.ep_size == 6
 
 
 class FakeLauncher:

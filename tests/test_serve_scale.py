@@ -78,7 +78,7 @@ def test_scale_up_then_down_under_load(serve, reference):
         reply = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 6}, timeout=30)
         assert reply.status_code == 200, reply.text
         assert serve.status()["scale_phase"] == "waiting_for_joiners"
-        busy = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 5}, timeout=30)
+        busy = httpx.post(f"{serve.url}/scale_elastic_ep", json={"new_ep_size": 3}, timeout=30)
         assert busy.status_code == 409, busy.text
         join = serve.join("--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
                           "4", "--nranks", "2")

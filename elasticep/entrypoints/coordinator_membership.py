@@ -172,8 +172,13 @@ class CoordinatorMembership:
         """Grow to ``new_ep_size`` (admit joiners of slots ``[ep_size, new)``) or shrink
         (drain and remove the highest active slots). Returns at once.
 
+        While a grow still waits for joiners, a smaller target that is not below the
+        size before the grow withdraws the slots above it that are not admitted yet
+        (a joiner that died need not be replaced to finish the scale).
+
         Raises:
-            ScaleInProgressError: a scale is still running.
+            ScaleInProgressError: a scale is still running (and this is not such a
+                withdrawal).
             ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
@@ -184,6 +189,8 @@ class CoordinatorMembership:
             snap = self._call(lambda c: c.status())
             states = self._states(snap)
             phase = self._phase(states)
+            if phase == "waiting_for_joiners" and min(self._up) <= new_ep_size < self.ep_size:
+                return self._withdraw(new_ep_size, states, snap)
             if phase != "idle":
                 raise ScaleInProgressError(
                     f"a scale to ep_size {self.ep_size} is in progress ({phase})")
@@ -207,6 +214,24 @@ class CoordinatorMembership:
                         new_ep_size, slots)
             return {"old_ep_size": old, "slots": slots,
                     "scale_phase": scale_phase(states, self._up, self._down)}
+
+    def _withdraw(self, new_ep_size: int, states: list[str], snap: dict[str, Any]
+                  ) -> dict[str, Any]:
+        """Lower a pending grow's target (lock held); see :meth:`scale`."""
+        slots = sorted(s for s in self._up if s >= new_ep_size)
+        if any(states[s] == "healthy" for s in slots):
+            raise ScaleInProgressError(
+                f"ranks {[s for s in slots if states[s] == 'healthy']} are already admitted; "
+                f"wait for the scale to ep_size {self.ep_size}, then scale down")
+        self._call(lambda c: c.request_deactivation(slots))  # withdraws their admission
+        old, self.ep_size = self.ep_size, new_ep_size
+        self._up -= set(slots)
+        self._publish_target()
+        logger.info("epoch %s: pending scale to ep_size %d lowered to %d, slots %s withdrawn",
+                    snap.get("groups", {}).get(WORLD, {}).get("epoch", 0), old, new_ep_size,
+                    slots)
+        return {"old_ep_size": old, "slots": slots,
+                "scale_phase": scale_phase(states, self._up, self._down)}
 
     def _publish_target(self) -> None:
         """Write the target size to the coordinator's store (best effort)."""
