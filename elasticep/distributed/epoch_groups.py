@@ -61,10 +61,7 @@ class EpochGroups:
 
     def get(self, gs: GroupState, gen: int, deadline: float):
         while not self.ready.wait(0.05):
-            with gs.cond:
-                gs._check_alive()
-                if gs.failure_gen != gen:
-                    raise Superseded
+            gs._check_gen(gen)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inner group of epoch {self.epoch} not built in time")
         if self.pg is None:

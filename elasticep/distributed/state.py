@@ -369,10 +369,7 @@ class GroupState:
                 return
             except Exception:
                 errored = work.is_completed()
-            with self.cond:
-                self._check_alive()
-                if self.failure_gen != gen:
-                    raise Superseded
+            self._check_gen(gen)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.slot} group {self.name!r}: op timed out "
                                    f"(epoch {self.epoch})")
@@ -388,10 +385,7 @@ class GroupState:
                 break
             except Exception:
                 pass
-            with self.cond:
-                self._check_alive()
-                if self.failure_gen != gen:
-                    raise Superseded
+            self._check_gen(gen)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.slot}: kept result of op {seq} never arrived")
         return torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
