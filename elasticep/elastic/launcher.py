@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from elasticep.distributed import CoordinatorClient
 from elasticep.elastic.config import DeploymentConfig, WorkerConfig
-from elasticep.utils.procs import kill_pids
+from elasticep.utils.procs import PARENT_PID_ENV, kill_pids
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class WorkerLauncher:
         """
         wc = WorkerConfig(self.config, rank, self.coordinator, join_mode=join_mode, fault=fault)
         cmd = [sys.executable, "-m", WORKER_MODULE, "--config-json", wc.to_json()]
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if fault is None:
             env.pop("ELASTICEP_FAULT", None)
         log = None

@@ -30,6 +30,13 @@ import sys
 import traceback
 from datetime import timedelta
 
+from elasticep.utils.procs import PARENT_PID_ENV, die_with_parent
+
+if __name__ == "__main__":
+    # Before the imports below, which take seconds: a launcher (serve, join) killed
+    # meanwhile must not leave this rank running on its own.
+    die_with_parent(int(os.environ.get(PARENT_PID_ENV, "0")) or None)
+
 import torch
 import torch.distributed as dist
 
@@ -44,7 +51,6 @@ from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.models import load_model_config
-from elasticep.utils.procs import die_with_parent
 
 logger = logging.getLogger("elasticep.worker")
 

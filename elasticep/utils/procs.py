@@ -12,6 +12,8 @@ import signal
 import time
 
 _PR_SET_PDEATHSIG = 1
+# Set by a launcher in its children's environment: the pid they must die with.
+PARENT_PID_ENV = "ELASTICEP_PARENT_PID"
 
 
 def die_with_parent(expected_parent_pid: int | None = None, sig: int = signal.SIGKILL) -> None:
