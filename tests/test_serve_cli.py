@@ -429,3 +429,43 @@ def test_join_cli_refuses_a_slot_another_join_holds(capsys):
         assert store.get(join_cmd.RESERVATION_KEY.format(rank=2)) == b""  # released
     finally:
         coord.close()
+
+
+class _JoinLauncher:
+    """What `_report_progress` uses of RankLauncher: exits, status, pids, logs."""
+
+    log_dir = None
+
+    def __init__(self, states: list[str], pids: dict[int, int]) -> None:
+        import queue
+
+        self.exits: queue.Queue = queue.Queue()
+        self.states, self._pids = states, pids
+
+    def coordinator_status(self) -> dict:
+        return _snapshot(self.states, self._pids)
+
+    def pids(self, live_only: bool = True) -> dict[int, int]:
+        return dict(self._pids)
+
+    def log_tail(self, rank: int, lines: int = 40) -> str:
+        return "loading\nRuntimeError: out of memory\n"
+
+
+def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
+    """scale --ranks 4,5: joiner 5 dies while loading; joiner 4 still gets to ready."""
+    import threading
+
+    from elasticep.elastic.launcher import RankExit
+    from elasticep.entrypoints.join_cmd import _report_progress
+
+    launcher = _JoinLauncher(["healthy"] * 4 + ["ready", "failed"], {0: 1, 4: 104, 5: 105})
+    launcher.exits.put(RankExit(5, 105, -9))
+    assert _report_progress(launcher, "scale", [4, 5], threading.Event()) == [4]
+    captured = capsys.readouterr()
+    assert "rank 5 exited with -9 before it joined: RuntimeError: out of memory" in captured.err
+    assert "still joining: ranks [4]" in captured.err
+    assert captured.out.startswith("ready: ranks [4] loaded")
+    launcher.exits.put(RankExit(4, 104, 1))  # every rank dies first: nothing got in
+    launcher.states = ["healthy"] * 4 + ["failed", "failed"]
+    assert _report_progress(launcher, "scale", [4], threading.Event()) == []

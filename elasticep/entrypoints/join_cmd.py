@@ -365,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         if not joined:
             return 1 if not stop.is_set() else 0
         exits = supervise(launcher, stop, restart=False, until_all_exited=True)
-        return 1 if any(ex.code == 1 for ex in exits) else 0
+        lost = len(joined) < len(ranks)  # some died before joining (reported already)
+        return 1 if lost or any(ex.code == 1 for ex in exits) else 0
     finally:
         reservations.release()
         if launcher is not None:
@@ -396,33 +397,42 @@ def joined_ranks(snapshot: dict, ranks: list[int], pids: dict[int, int],
                and procs.get(str(r), {}).get("pid") == pids[r] for r in ranks)
 
 
-def _report_progress(launcher, mode: str, ranks: list[int], stop: threading.Event) -> bool:
-    """Print one line when the ranks are in (recover: healthy; scale: ready to admit).
+def _report_progress(launcher, mode: str, ranks: list[int], stop: threading.Event
+                     ) -> list[int]:
+    """Print one line when the ranks are in (recover: healthy; scale: ready to admit),
+    and one error line for each rank that exits first; the others go on.
 
     Returns:
-        False if stopped or a rank exited first.
+        The ranks that got in; empty if stopped or every rank exited first.
     """
     goal = ("healthy",) if mode == "recover" else ("ready", "healthy")
-    while not stop.wait(0.2):
-        if not launcher.exits.empty():
+    waiting = list(ranks)
+    while waiting and not stop.wait(0.2):
+        while not launcher.exits.empty():
             ex = launcher.exits.get()
+            if ex.rank not in waiting:
+                continue
+            waiting.remove(ex.rank)
             reason = exit_reason(launcher.log_tail(ex.rank, lines=40))
             log = "" if launcher.log_dir is None else f" (log {launcher.log_dir}/rank{ex.rank}.log)"
+            others = f"; still joining: ranks {waiting}" if waiting else ""
             print(f"elasticep join: error: rank {ex.rank} exited with {ex.code} before it "
-                  f"joined: {reason or 'no output'}{log}", file=sys.stderr)
-            return False
+                  f"joined: {reason or 'no output'}{log}{others}", file=sys.stderr)
+        if not waiting:
+            break
         try:
             snapshot = launcher.coordinator_status()
             world = snapshot["groups"]["world"]
-            done = joined_ranks(snapshot, ranks, launcher.pids(live_only=False), goal)
+            done = joined_ranks(snapshot, waiting, launcher.pids(live_only=False), goal)
         except (ConnectionError, TimeoutError, OSError, KeyError) as exc:
             logger.warning("coordinator status unavailable: %s", exc)
             continue
         if done:
             if mode == "recover":
-                print(f"joined: ranks {ranks} healthy at epoch {world['epoch']}", flush=True)
+                print(f"joined: ranks {waiting} healthy at epoch {world['epoch']}", flush=True)
             else:
-                print(f"ready: ranks {ranks} loaded; admit them with POST /scale_elastic_ep "
-                      f"{{\"new_ep_size\": {max(ranks) + 1}}}", flush=True)
-            return True
-    return False
+                print(f"ready: ranks {waiting} loaded; they are admitted once the target "
+                      f"ep_size covers them (POST /scale_elastic_ep "
+                      f"{{\"new_ep_size\": {max(waiting) + 1}}} if not asked yet)", flush=True)
+            return waiting
+    return []
