@@ -229,6 +229,9 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(live):
 def test_api_key_is_required_everywhere_but_health(live):
     url = live["server"].url
     assert httpx.get(url + "/health").status_code in (200, 503)  # probes need no key
+    assert httpx.head(url + "/health").status_code in (200, 503)
+    lower = httpx.get(url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"})
+    assert lower.status_code == 200  # the auth scheme is case-insensitive
     for path in ("/v1/models", "/metrics", "/elastic_ep_status"):
         assert httpx.get(url + path).status_code == 401
         bad = httpx.get(url + path, headers={"Authorization": "Bearer wrong"})

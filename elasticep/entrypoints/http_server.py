@@ -76,13 +76,16 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # /health stays open: load balancers probe it without credentials (as vLLM's).
         if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, token = given.partition(b" ")
+            # the scheme is case-insensitive (RFC 9110 section 11.1)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
+                                                                      self._expected):
                 response = JSONResponse(
                     error_body("Invalid or missing API key (use 'Authorization: Bearer <key>').",
                                code="invalid_api_key"), status_code=401)
@@ -164,7 +167,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
             "id": config.model_name, "object": "model", "created": created,
             "owned_by": "elasticep", "max_model_len": config.max_model_len}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
     async def health() -> JSONResponse:
         status = frontend.status()
         ranks = status.get("ranks", [])
