@@ -205,7 +205,21 @@ class Coordinator:
             raise ValueError(f"slot {slot} is {g.states[slot]!r}, not joining")
         g.states[slot] = "ready"
         self._push_peer(g)
+        self._admit_into_empty(g)
         return {}
+
+    def _admit_into_empty(self, g: Group) -> None:
+        """With no member left (every rank died), nobody can call ``recover_ranks``: the
+        ready slots are admitted by the coordinator itself; the first of them then admits
+        later joiners at its step boundaries as usual."""
+        if g.active:
+            return
+        ready = {s for s, st in enumerate(g.states) if st == "ready"}
+        if ready - g.pending_admit:
+            log.info("coordinator: group %s has no member left; admitting ready slots %s",
+                     g.name, sorted(ready))
+            g.pending_admit |= ready
+            self._maybe_start(g)
 
     def _recover(self, proc: _Proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]
@@ -335,6 +349,8 @@ class Coordinator:
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)
         self._maybe_start(g)
+        if g.transition is None:
+            self._admit_into_empty(g)  # the last member's death may have just committed
 
     def _alive_slot(self, g: Group, slot: int) -> bool:
         p = self._procs.get(g.ranks[slot])

@@ -74,7 +74,8 @@ def agree_active_mask(local_mask: torch.Tensor, group: dist.ProcessGroup | None)
 
 def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup | None,
                      load_fn: CheckpointLoader | None,
-                     source_ranks: torch.Tensor | None = None) -> ChangeReport:
+                     source_ranks: torch.Tensor | None = None,
+                     weights_from: Placement | None = None) -> ChangeReport:
     """Steps 3-4: fetch weights for ``new``, commit all_reduce, swap. Collective.
 
     The only caller of :meth:`EPMoEExecutor.apply_placement` in the serving path: it
@@ -95,7 +96,8 @@ def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup
         flag = torch.ones(1, dtype=torch.int64)
         dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
 
-    loads = ep.apply_placement(new, load_fn, source_ranks, commit=commit)
+    loads = ep.apply_placement(new, load_fn, source_ranks, commit=commit,
+                               weights_from=weights_from)
     mine = [x for x in loads if x.rank == ep.rank]
     return ChangeReport(
         changed=new != old,
@@ -135,9 +137,13 @@ def admit(ep: EPMoEExecutor, has_placement: bool, group: dist.ProcessGroup | Non
 
 
 def share_placement(ep: EPMoEExecutor, has_placement: bool,
-                    group: dist.ProcessGroup | None) -> None:
+                    group: dist.ProcessGroup | None) -> bool:
     """The first half of :func:`admit`: joiners receive the survivors' placement and
     size their (empty) slots to it. Collective over survivors and joiners.
+
+    Returns:
+        False if no member holds a placement (every rank had died: all are joiners,
+        whose executors keep their stand-in; see :func:`rebuild`).
 
     Raises:
         EpochChangedError (and subclasses): membership changed; a joiner then has no
@@ -146,6 +152,9 @@ def share_placement(ep: EPMoEExecutor, has_placement: bool,
     holders = torch.zeros(ep.placement.max_ep_size, dtype=torch.int64)
     holders[ep.rank] = int(has_placement)
     dist.all_reduce(holders, group=group)
+    if not bool(holders.any()):
+        logger.warning("no member holds a placement: rebuilding from the checkpoint")
+        return False
     src = int(torch.nonzero(holders).flatten()[0])
     meta = broadcast_global_expert_location_metadata(
         ep.metadata if has_placement else None, src, group, ep.rank,
@@ -155,6 +164,27 @@ def share_placement(ep: EPMoEExecutor, has_placement: bool,
         ep.set_placement(meta, [None if a is None else a.new_zeros(S, *a.shape[1:]) for a in ep.w13],
                          [None if b is None else b.new_zeros(S, *b.shape[1:]) for b in ep.w2])
     logger.info("placement broadcast from rank %d", src)
+    return True
+
+
+def rebuild(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGroup | None,
+            load_fn: CheckpointLoader | None) -> ChangeReport:
+    """Start over after every rank died: the launch placement (the stand-in each joiner
+    built from the same deployment config) repaired onto the agreed mask, with every
+    expert read from the checkpoint. Collective over the (all-joiner) group.
+
+    Raises:
+        EpochChangedError (and subclasses): membership changed; the executor is unchanged.
+    """
+    mask = agree_active_mask(local_mask, group)
+    stand_in = ep.placement
+    new = reconcile_placement(stand_in, mask)
+    nothing = Placement(torch.full_like(stand_in.phy2log, stand_in.empty),
+                        stand_in.num_logical_experts, stand_in.slots_per_rank,
+                        torch.zeros_like(stand_in.active_ranks))
+    return commit_placement(ep, new, group, load_fn,
+                            source_ranks=torch.zeros_like(stand_in.active_ranks),
+                            weights_from=nothing)
 
 
 def drain(ep: EPMoEExecutor, leaving: list[int], group: dist.ProcessGroup | None) -> ChangeReport:

@@ -324,18 +324,23 @@ def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
 
     A member that dies during the expert transfer makes the survivors abandon the
     admission and reconcile onto the new membership (`LockstepLoop._recover`); once it
-    holds the placement, the joiner does the same instead of dying with them.
+    holds the placement, the joiner does the same instead of dying with them. If every
+    rank had died (the coordinator admitted the ready joiners itself), nobody shares a
+    placement and the joiners rebuild it from the checkpoint
+    (:func:`placement_sync.rebuild`).
 
     Raises:
         TimeoutError: not admitted within ``timeout_s``.
         EpochChangedError: membership changed before the placement arrived.
     """
     ed.join_group(group, timeout_s=timeout_s)
-    placement_sync.share_placement(ep, False, group)
+    # False: every rank had died, and all members are joiners with nothing to share.
+    shared = placement_sync.share_placement(ep, False, group)
+    settle = placement_sync.reconcile if shared else placement_sync.rebuild
     while True:
         mask = ed.get_active_ranks(group).to(torch.bool)
         try:
-            return placement_sync.reconcile(ep, mask, group, load_fn)
+            return settle(ep, mask, group, load_fn)
         except ed.RankEvictedError:
             raise
         except ed.EpochChangedError as exc:

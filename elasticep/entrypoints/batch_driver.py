@@ -101,6 +101,7 @@ class BatchDriver:
 
         async def wait() -> None:
             deadline = time.monotonic() + timeout_s
+            await self.frontend.refresh_membership()  # the view may be stale while idle
             while not want <= set(self.frontend.tracker.healthy_ranks()):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(want)} not routable after {timeout_s}s "

@@ -122,6 +122,7 @@ class EPMoEExecutor:
         load_fn: CheckpointLoader | None = None,
         source_ranks: torch.Tensor | None = None,
         commit: Callable[[], None] | None = None,
+        weights_from: Placement | None = None,
     ) -> list[ExpertLoad]:
         """Move to ``new``: fetch weights from peers or the checkpoint, then swap metadata.
 
@@ -140,12 +141,15 @@ class EPMoEExecutor:
             source_ranks: ranks that may send, see :func:`move_expert_weights`.
             commit: called after every weight of this rank arrived and before the swap
                 (e.g. a commit all_reduce); if it raises, the executor is unchanged.
+            weights_from: the placement the current weights are laid out in, where it
+                is not the executor's (an all-EMPTY one: every weight is fetched anew).
 
         Returns:
             The load plan that was carried out.
         """
         w13, w2, loads = move_expert_weights(
-            self.placement, new, self.rank, self.w13, self.w2, self.group, load_fn, source_ranks
+            weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
+            load_fn, source_ranks
         )
         if commit is not None:
             commit()
