@@ -120,26 +120,18 @@ def reconcile(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGr
     return commit_placement(ep, new, group, load_fn)
 
 
-def admit(ep: EPMoEExecutor, has_placement: bool, group: dist.ProcessGroup | None,
-          local_mask: torch.Tensor, load_fn: CheckpointLoader | None) -> ChangeReport:
-    """First ops after an admission, run by survivors and joiners alike. Collective.
+def share_placement(ep: EPMoEExecutor, has_placement: bool,
+                    group: dist.ProcessGroup | None) -> bool:
+    """First op of an admission, run by survivors and joiners alike; :func:`reconcile`
+    onto the new mask follows (it copies replicas to the joiners from peers).
+    Collective over survivors and joiners.
 
     The survivors' placement is broadcast from the lowest rank that holds one (never a
-    joiner; not rank 0 unless it is that rank), so joiners learn it; joiners size their
-    (empty) slots to it; then the group reconciles onto the new mask, which copies
-    replicas to the joiners from peers.
+    joiner; not rank 0 unless it is that rank), so joiners learn it and size their
+    (empty) slots to it.
 
     Args:
         has_placement: False on a joiner (its executor's placement is a stand-in).
-    """
-    share_placement(ep, has_placement, group)
-    return reconcile(ep, local_mask, group, load_fn)
-
-
-def share_placement(ep: EPMoEExecutor, has_placement: bool,
-                    group: dist.ProcessGroup | None) -> bool:
-    """The first half of :func:`admit`: joiners receive the survivors' placement and
-    size their (empty) slots to it. Collective over survivors and joiners.
 
     Returns:
         False if no member holds a placement (every rank had died: all are joiners,
@@ -182,9 +174,8 @@ def rebuild(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGrou
     nothing = Placement(torch.full_like(stand_in.phy2log, stand_in.empty),
                         stand_in.num_logical_experts, stand_in.slots_per_rank,
                         torch.zeros_like(stand_in.active_ranks))
-    return commit_placement(ep, new, group, load_fn,
-                            source_ranks=torch.zeros_like(stand_in.active_ranks),
-                            weights_from=nothing)
+    # No rank of `nothing` is active, so no rank is a source: all from the checkpoint.
+    return commit_placement(ep, new, group, load_fn, weights_from=nothing)
 
 
 def drain(ep: EPMoEExecutor, leaving: list[int], group: dist.ProcessGroup | None) -> ChangeReport:

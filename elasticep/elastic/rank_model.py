@@ -112,7 +112,7 @@ def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,
 
     A model loaded without experts (a joiner) gets zero-filled slots under the stand-in
     ``placement``; both are replaced once it is admitted
-    (:func:`elasticep.elastic.placement_sync.admit`).
+    (:func:`elasticep.elastic.placement_sync.share_placement`).
 
     Raises:
         ValueError: the group's size is not ``placement.max_ep_size``.

@@ -320,7 +320,8 @@ def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
                      load_fn: CheckpointLoader | None,
                      timeout_s: float) -> placement_sync.ChangeReport:
     """Joiner side of an admission: block in ``join_group``, then run the same first ops
-    as the survivors (:func:`placement_sync.admit`).
+    as the survivors (:func:`placement_sync.share_placement`, then
+    :func:`placement_sync.reconcile`).
 
     A member that dies during the expert transfer makes the survivors abandon the
     admission and reconcile onto the new membership (`LockstepLoop._recover`); once it
