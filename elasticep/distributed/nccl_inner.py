@@ -67,9 +67,10 @@ SHRINK_TIMEOUT_S = 5.0
 # counting the op as completed. Why that stays sound: if a peer died before taking
 # part, the op's output is garbage, but the group's next collective of any kind cannot
 # complete either (the dead rank never joins it; on the GPU it also queues behind the
-# dead op), so it is at or below the decision's pivot and every survivor raises there ("raise" never redoes a pivot,
-# and an unfetchable op inside r..M makes everyone raise); the failure commit aborts
-# the communicator, which also releases the waiting stream. Under on_failure="complete"
+# dead op), so it is at or below the decision's pivot and every survivor raises there
+# ("raise" never redoes a pivot, and an unfetchable op inside r..M makes everyone
+# raise); the failure commit aborts the communicator, which also releases the waiting
+# stream. Under on_failure="complete"
 # the pivot would be redone and the garbage kept, so those groups host-wait every op.
 ASYNC_UNFETCHABLE = os.environ.get("ELASTICEP_NCCL_ASYNC_UNFETCHABLE", "1") == "1"
 
@@ -132,10 +133,15 @@ class NcclComm:
                excluded: list[int] | None) -> None:
         t0 = time.perf_counter()
         try:
-            store = dist.PrefixStore(self.prefix, new_store())
             pg = None
-            if parent is not None:
-                pg = self._shrink(store, rank, size, parent, excluded or [])
+            try:
+                store = dist.PrefixStore(self.prefix, new_store())
+                if parent is not None:
+                    pg = self._shrink(store, rank, size, parent, excluded or [])
+            finally:
+                if parent is not None:  # its hung kernels must go whatever happened
+                    parent.shrinking = False
+                    parent.abort_async()
             if pg is None:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timedelta(seconds=self.timeout_s)
@@ -160,9 +166,6 @@ class NcclComm:
             self.built_s = time.perf_counter() - t0
         except BaseException as e:  # a member died during rendezvous: a new epoch follows
             self.error = e
-            if parent is not None and parent.shrinking:  # failed before the shrink began
-                parent.shrinking = False
-                parent.abort_async()
             log.info("nccl comm %s not built: %s", self.prefix, e)
         self.ready.set()
 
@@ -171,40 +174,35 @@ class NcclComm:
         """The parent shrunk to this epoch's members, or None (then all members init).
 
         Every member first publishes whether it can shrink and reads the others', so
-        all take the same road. The parent is aborted afterwards either way.
+        all take the same road. The caller aborts the parent afterwards either way.
         """
         pg = parent.pg
-        try:
-            can = (SHRINK and parent.ready.is_set() and pg is not None and not parent.aborted
-                   and bool(getattr(pg, "supports_shrinking", False)))
-            store.set(f"shrink/{rank}", b"1" if can else b"0")
-            keys = [f"shrink/{r}" for r in range(size)]
-            store.wait(keys, timedelta(seconds=self.timeout_s))
-            if not all(store.get(k) == b"1" for k in keys):
-                return None
-            box: dict = {}
+        can = (SHRINK and parent.ready.is_set() and pg is not None and not parent.aborted
+               and bool(getattr(pg, "supports_shrinking", False)))
+        store.set(f"shrink/{rank}", b"1" if can else b"0")
+        keys = [f"shrink/{r}" for r in range(size)]
+        store.wait(keys, timedelta(seconds=self.timeout_s))
+        if not all(store.get(k) == b"1" for k in keys):
+            return None
+        box: dict = {}
 
-            def run() -> None:
-                try:
-                    box["pg"] = pg.shrink(sorted(excluded), dist.distributed_c10d.SHRINK_ABORT,
-                                          None)
-                except Exception as e:
-                    box["error"] = e
+        def run() -> None:
+            try:
+                box["pg"] = pg.shrink(sorted(excluded), dist.distributed_c10d.SHRINK_ABORT, None)
+            except Exception as e:
+                box["error"] = e
 
-            t = threading.Thread(target=run, daemon=True, name=f"elastic-shrink-{self.prefix}")
-            t.start()
-            t.join(SHRINK_TIMEOUT_S)
-            if "pg" not in box:
-                # A member whose shrink succeeded cannot follow this one to a fresh
-                # rendezvous; its ops then time out (timeout_s), as with a dead member.
-                log.warning("nccl comm %s: shrink %s; fresh communicator", self.prefix,
-                            box.get("error", f"not done in {SHRINK_TIMEOUT_S}s"))
-                return None
-            self.how = "shrink"
-            return box["pg"]
-        finally:  # the parent's hung kernels must be released whatever happened
-            parent.shrinking = False
-            parent.abort_async()
+        t = threading.Thread(target=run, daemon=True, name=f"elastic-shrink-{self.prefix}")
+        t.start()
+        t.join(SHRINK_TIMEOUT_S)
+        if "pg" not in box:
+            # A member whose shrink succeeded cannot follow this one to a fresh
+            # rendezvous; its ops then time out (timeout_s), as with a dead member.
+            log.warning("nccl comm %s: shrink %s; fresh communicator", self.prefix,
+                        box.get("error", f"not done in {SHRINK_TIMEOUT_S}s"))
+            return None
+        self.how = "shrink"
+        return box["pg"]
 
     @property
     def aborted(self) -> bool:
