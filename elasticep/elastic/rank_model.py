@@ -92,15 +92,17 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
         placement: the current placement; this rank loads ``placement.local(rank)``.
         rank: this rank (global slot id).
         dtype: model dtype.
-        device: where the weights live.
+        device: where the weights live; "cuda" picks GPU ``rank % device_count`` and
+            makes it (or an explicit "cuda:N") the current device, which the rank's
+            NCCL communicators use.
         with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
 
     Raises:
         ValueError: bad checkpoint or placement.
     """
     local = placement.local(rank) if with_experts else placement.local(rank)[:, :0]
-    if device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one GPU)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if device.startswith("cuda"):  # one GPU per rank (NCCL refuses two ranks on one GPU)
+        torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
         device = f"cuda:{torch.cuda.current_device()}"
     return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
 

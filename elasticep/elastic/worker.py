@@ -75,26 +75,25 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     host, _, port = d.store_addr.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
-    dist.init_process_group(baseline_backend(d.device, cfg.rank),
+    dist.init_process_group(baseline_backend(d.device),
                             store=dist.PrefixStore("plain-baseline", store),
                             rank=cfg.rank, world_size=d.ep_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
     return dist.distributed_c10d._get_default_group()
 
 
-def baseline_backend(device: str, rank: int) -> str:
+def baseline_backend(device: str) -> str:
     """The torch backend string of the plain baseline group for ``device``.
 
     CPU: ``"gloo"``. CUDA: ``"cpu:gloo,cuda:nccl"``, so CPU tensors (the step loop's
     header and commit) go to Gloo and CUDA tensors (the EP dispatch/combine) to NCCL.
     No ``device_id``: NCCL makes its communicator lazily on the current device, which
-    is set here to the rank's GPU (the one :func:`load_rank_weights` picked), with
+    :func:`load_rank_weights` (run before the group) made the rank's GPU. Sets
     ``NCCL_NVLS_ENABLE=0`` unless set (as the elastic backend's NCCL groups do).
     """
     if not device.startswith("cuda"):
         return "gloo"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
     return "cpu:gloo,cuda:nccl"
 
 
@@ -172,14 +171,14 @@ def run_worker(cfg: WorkerConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     """CLI entry: parse ``--config-json`` and run; exits with the worker's code.
 
-    ``os._exit`` skips interpreter teardown, which can hang on Gloo threads of a group
-    whose peers are gone.
+    Run as ``python -m``, whose module prologue already tied this process to its
+    launcher (``die_with_parent``). ``os._exit`` skips interpreter teardown, which can
+    hang on Gloo threads of a group whose peers are gone.
     """
     ap = argparse.ArgumentParser(description="ElasticEP worker rank")
     ap.add_argument("--config-json", required=True, help="WorkerConfig.to_json()")
     args = ap.parse_args(argv)
     cfg = WorkerConfig.from_json(args.config_json)
-    die_with_parent()
     code = run_worker(cfg)
     sys.stderr.flush()
     os._exit(code)
