@@ -5,8 +5,9 @@ Every method turns its arguments into an `ops` object and hands it to the group'
 tensors, NCCL for CUDA ones) and keeps it consistent across epoch changes. Ops are
 synchronous: the returned Work is already complete, except a steady-state CUDA
 all_to_all_single in an on_failure="raise" group, which returns the NCCL Work
-(`GroupState.fast_all_to_all`). Both torch 2.11 names (alltoall_base, _allgather_base, _reduce_scatter_base)
-and 2.13 names (all_to_all_single, all_gather_single, reduce_scatter_single) exist.
+(`GroupState.fast_all_to_all`). Both torch 2.11 names (alltoall_base, _allgather_base,
+_reduce_scatter_base) and 2.13 names (all_to_all_single, all_gather_single,
+reduce_scatter_single) exist.
 
 Ranks are group slots: `size()` is the group's capacity (max_group_size) and
 `get_active_ranks` marks the holes.

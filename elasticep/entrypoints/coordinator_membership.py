@@ -235,20 +235,13 @@ class CoordinatorMembership:
 
     def _publish_target(self) -> None:
         """Write the target size to the coordinator's store (best effort)."""
-        port = getattr(self._client, "store_port", None)
-        if not isinstance(port, int):
+        if not isinstance(getattr(self._client, "store_port", None), int):
             return  # a stand-in client (tests)
         try:
             if self._store is None:
-                from datetime import timedelta
+                from elasticep.entrypoints.launcher import open_store  # torch: only now
 
-                import torch.distributed as dist
-
-                from elasticep.distributed.protocol import parse_address
-
-                host, _ = parse_address(self._address)
-                self._store = dist.TCPStore(host, port, is_master=False,
-                                            timeout=timedelta(seconds=self._timeout_s))
+                self._store = open_store(self._address, self._timeout_s)
             self._store.set(TARGET_EP_SIZE_KEY, str(self.ep_size))
         except (RuntimeError, OSError) as exc:
             self._store = None
