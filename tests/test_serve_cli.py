@@ -236,14 +236,20 @@ class FakeLauncher:
 
     def __init__(self, states: dict[int, str], pids: dict[int, int]) -> None:
         import queue
+        import threading
 
         self.exits: queue.Queue = queue.Queue()
+        self.stop = threading.Event()  # set at the third look at the coordinator
+        self.polls = 0
         self.states, self.live = states, pids
         self.spawned: list[tuple[int, str | None]] = []
         self.admitted: list[list[int]] = []
         self.killed: list[int] = []
 
     def coordinator_status(self) -> dict:
+        self.polls += 1
+        if self.polls == 3:  # two whole supervise iterations are done
+            self.stop.set()
         return {"ranks": {str(r): {"pid": p, "alive": True} for r, p in self.live.items()},
                 "groups": {"world": {"epoch": 5, "ranks": sorted(self.states),
                                      "states": [self.states[r] for r in sorted(self.states)]}}}
@@ -263,16 +269,14 @@ class FakeLauncher:
         self.live.pop(rank)
 
 
-def _supervise_once(launcher, restart: bool) -> None:
-    import threading
-
+def _supervise_once(launcher, restart: bool) -> list:
+    """Two supervise iterations (the queued exits are drained in the first); returns
+    the exits it saw, so a test knows the supervisor reached them."""
     from elasticep.entrypoints.supervisor import supervise
 
-    stop = threading.Event()
-    timer = threading.Timer(0.15, stop.set)
-    timer.start()
-    supervise(launcher, stop, restart=restart, poll_s=0.05)
-    timer.join()
+    seen = supervise(launcher, launcher.stop, restart=restart, poll_s=0.001)
+    assert launcher.polls == 3
+    return seen
 
 
 def test_restart_policy_relaunches_crashes_only():
@@ -282,13 +286,14 @@ def test_restart_policy_relaunches_crashes_only():
                             {0: 10, 2: 12})
     launcher.exits.put(RankExit(1, 11, -9))  # crashed: relaunched and admitted
     launcher.exits.put(RankExit(3, 13, 0))   # removed on purpose: never relaunched
-    _supervise_once(launcher, restart=True)
+    seen = _supervise_once(launcher, restart=True)
+    assert seen == [RankExit(1, 11, -9), RankExit(3, 13, 0)]
     assert launcher.spawned == [(1, "recover")] and launcher.admitted == [[1]]
 
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10})
     launcher.exits.put(RankExit(1, 11, -9))
-    _supervise_once(launcher, restart=False)  # without the flag: only logged
-    assert launcher.spawned == []
+    seen = _supervise_once(launcher, restart=False)  # without the flag: only logged
+    assert seen == [RankExit(1, 11, -9)] and launcher.spawned == []
 
 
 def test_restart_policy_kills_an_evicted_frozen_worker():
