@@ -15,6 +15,7 @@ import pytest
 from _serve_harness import (
     MAX_TOKENS,
     PROMPTS,
+    Burst,
     StreamResult,
     fault_midstream,
     reference_results,
@@ -86,6 +87,10 @@ def test_scale_up_then_down_under_load(serve, reference):
                             and s["scale_phase"] == "idle", 120, "EP6", watch=(join,))
         assert st["ep_size"] == 6
         time.sleep(1.0)  # new ranks take requests once their workers said hello
+        # six more streams on top of the load's three: a new request goes to the rank
+        # running the fewest (lowest id on ties), so the joined ranks 4 and 5 take some
+        at_ep6 = Burst(serve.client, PROMPTS[:6], MAX_TOKENS).results()
+        assert [(r.error, r.text) for r in at_ep6] == [(None, t) for t in reference[:6]]
         seen: list[str] = []
 
         def removed(s: dict) -> bool:
