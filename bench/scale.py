@@ -493,6 +493,13 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
     return rows
 
 
+def _read_rows(path: str | None, section: str) -> list[dict]:
+    if not path:
+        return []
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("section") == section]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a model's config.json")
@@ -511,6 +518,9 @@ def main() -> None:
     ap.add_argument("--only", default="hbm,hf,profile,ep1,ep2",
                     help="sections, run in this order (ep2's HBM bound needs ep1 first)")
     ap.add_argument("--workdir", default=None, help="where model dirs are written")
+    ap.add_argument("--ep1-from", default=None,
+                    help="ep2 without ep1 in this run: take the experts each batch touches "
+                         "from this earlier JSONL output (same config, prompts and seed)")
     ap.add_argument("--out", default=None, help="also append every JSON line to this file")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -534,7 +544,8 @@ def main() -> None:
         elif name == "profile":
             results.append(section_profile(args))
         elif name == "ep2":
-            touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in ep1}
+            earlier = ep1 or _read_rows(args.ep1_from, "ep1")
+            touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
             results += section_ep2(args, bw, touched)
         elif name != "hbm":
             sys.exit(f"bench/scale.py: unknown section {name!r}")
