@@ -20,10 +20,10 @@ streams cut short without an error), tokens_per_s_healthy / _event / _degraded /
 (the event window runs from the event until the degraded or after window starts,
 SETTLE_S after the new membership was committed; null where the scenario has no such
 phase), pause_s (rejoin / scale: the same longest wait, from the join or scale request
-until the new membership is committed + 0.5 s), outputs_identical (every completed request's greedy
-text equals the reference pass's), detect_s (fault -> the coordinator's epoch without
-the victim), admit_s (scale request or join start -> the new membership committed),
-join_s (join start -> joiners ready / admitted).
+until the new membership is committed + 0.5 s), outputs_identical (every completed
+request's greedy text equals the reference pass's), detect_s (fault -> the
+coordinator's epoch without the victim), admit_s (scale request or join start -> the
+new membership committed), join_s (join start -> joiners ready / admitted).
 """
 
 from __future__ import annotations

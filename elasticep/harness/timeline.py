@@ -41,9 +41,12 @@ def max_wait_across(records: list[RequestRecord], t_event: float, t1: float) -> 
         t_event: the event (monotonic seconds).
         t1: end of the window the gaps are taken over.
     """
-    first = [(r.token_times[0] if r.token_times else r.end) - r.start for r in records
-             if r.start <= t_event and (r.token_times[0] if r.token_times else r.end) > t_event]
-    return max([max_gap_overlapping(records, t_event, t1), *first])
+    longest = max_gap_overlapping(records, t_event, t1)
+    for r in records:
+        waited_until = r.token_times[0] if r.token_times else r.end
+        if r.start <= t_event < waited_until:
+            longest = max(longest, waited_until - r.start)
+    return longest
 
 
 def median_gap_within(records: Iterable[RequestRecord], t0: float, t1: float) -> float | None:
