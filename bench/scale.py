@@ -167,6 +167,15 @@ class RoutingRecorder:
             self.ids[layer_idx] = topk_ids.clone()
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Replay captured graphs except on the recorded step (a graph would not record)."""
+        return not self.on and bool(getattr(self.inner, "graph_safe", False))
+
+    @property
+    def version(self) -> int:
+        return getattr(self.inner, "version", 0)
+
     def touched(self) -> list[int]:
         return [int(torch.unique(t).numel()) for _, t in sorted(self.ids.items())]
 
@@ -219,12 +228,14 @@ def section_hbm(args) -> dict:
     return row
 
 
-def _engine(mdir: Path, batch: int, args, dtype: torch.dtype, load_format: str) -> LLMEngine:
+def _engine(mdir: Path, batch: int, args, dtype: torch.dtype, load_format: str,
+            cuda_graph: bool = True) -> LLMEngine:
     total = batch * (args.prompt_len + args.decode_tokens) + 64 * 16
     return LLMEngine.from_pretrained(
         mdir, dtype=dtype, device=args.device, progress=False, load_format=load_format,
         config=EngineConfig(max_total_tokens=total, max_num_seqs=max(batch, 1),
-                            max_batch_tokens=args.max_batch_tokens))
+                            max_batch_tokens=args.max_batch_tokens,
+                            enable_cuda_graph=cuda_graph))
 
 
 def section_ep1(args, bw: float) -> list[dict]:
@@ -233,18 +244,19 @@ def section_ep1(args, bw: float) -> list[dict]:
     cfg = load_model_config(mdir)
     rows = []
     for batch in args.batches:
-        reset_memory(args.device)
-        row = _ep1_one(args, mdir, cfg, dtype, batch, bw)
-        emit(row)
-        rows.append(row)
+        for graphs in args.cuda_graph_modes:
+            reset_memory(args.device)
+            row = _ep1_one(args, mdir, cfg, dtype, batch, bw, graphs)
+            emit(row)
+            rows.append(row)
     return rows
 
 
 def _ep1_one(args, mdir: Path, cfg: MoEModelConfig, dtype: torch.dtype, batch: int,
-             bw: float) -> dict:
+             bw: float, cuda_graph: bool) -> dict:
     """One batch size on a fresh engine; everything it loaded is freed on return."""
     t0 = time.perf_counter()
-    engine = _engine(mdir, batch, args, dtype, "dummy")
+    engine = _engine(mdir, batch, args, dtype, "dummy", cuda_graph)
     load_s = time.perf_counter() - t0
     rec = RoutingRecorder(engine.model.executor)
     engine.model.executor = rec
@@ -255,7 +267,8 @@ def _ep1_one(args, mdir: Path, cfg: MoEModelConfig, dtype: torch.dtype, batch: i
     parts = step_bytes(cfg, dtype.itemsize, res["touched"], res["ctx_lens"])
     bound = parts["total"] / bw
     return {"section": "ep1", "config": Path(args.config).stem, "layers": cfg.num_hidden_layers,
-            "batch": batch, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+            "batch": batch, "cuda_graph": engine.runner.graphs is not None,
+            "cuda_graph_capture_s": engine.cuda_graph_capture_s, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
             "decode_step_ms": round(step * 1e3, 3),
             "decode_step_ms_p10_p90": [round(x * 1e3, 3) for x in _p10_p90(res["decode_steps_s"])],
             "decode_tokens_per_s": round(batch / step, 1),
@@ -273,15 +286,20 @@ def _p10_p90(xs: list[float]) -> tuple[float, float]:
     return s[len(s) // 10], s[(len(s) * 9) // 10]
 
 
-def section_profile(args) -> dict:
+def section_profile(args) -> list[dict]:
+    """:func:`profile_one` for each ``--profile-batch`` and CUDA-graph mode."""
+    return [profile_one(args, b, graphs) for b in args.profile_batches
+            for graphs in args.cuda_graph_modes]
+
+
+def profile_one(args, b: int, graphs: bool) -> dict:
     """Where a decode step's time goes, by kernel kind, plus host gaps between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     dtype = getattr(torch, args.dtype)
     mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
     cfg = load_model_config(mdir)
-    b = args.profile_batch
-    engine = _engine(mdir, b, args, dtype, "dummy")
+    engine = _engine(mdir, b, args, dtype, "dummy", graphs)
     prompts = random_prompts(b, args.prompt_len, cfg.vocab_size)
     params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -328,7 +346,9 @@ def section_profile(args) -> dict:
     top = sorted(((e.key, e.device_time_total / 1e3 / n, e.count // n)
                   for e in prof.key_averages() if e.device_time_total > 0),
                  key=lambda x: -x[1])[:15]
-    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers,
+    del engine
+    reset_memory(args.device)
+    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers, "cuda_graph": graphs,
            "step_wall_ms": round(wall * 1e3, 2),
            "gpu_busy_ms_per_step": round(busy / 1e3 / n, 2),
            "host_gap_ms_per_step": round(wall * 1e3 - busy / 1e3 / n, 2),
@@ -384,21 +404,22 @@ def section_hf(args) -> list[dict]:
         gen(2)
         t1, tn = gen(1), gen(args.decode_tokens)
         hf_step = (tn - t1) / (args.decode_tokens - 1)
-        engine = _engine(ckpt, batch, args, torch.bfloat16, "auto")
-        run_engine(engine, prompts[:1], 2)
-        ours = run_engine(engine, prompts, args.decode_tokens)
-        our_step = statistics.median(ours["decode_steps_s"])
-        del engine
-        reset_memory(args.device)
-        row = {"section": "hf", "layers": args.hf_layers, "batch": batch,
-               "transformers_decode_step_ms": round(hf_step * 1e3, 3),
-               "ours_decode_step_ms": round(our_step * 1e3, 3),
-               "transformers_decode_tokens_per_s": round(batch / hf_step, 1),
-               "ours_decode_tokens_per_s": round(batch / our_step, 1),
-               "ours_vs_transformers": round(hf_step / our_step, 2),
-               "transformers_version": __import__("transformers").__version__}
-        emit(row)
-        rows.append(row)
+        for graphs in args.cuda_graph_modes:
+            engine = _engine(ckpt, batch, args, torch.bfloat16, "auto", graphs)
+            run_engine(engine, prompts[:1], 2)
+            ours = run_engine(engine, prompts, args.decode_tokens)
+            our_step = statistics.median(ours["decode_steps_s"])
+            del engine
+            reset_memory(args.device)
+            row = {"section": "hf", "layers": args.hf_layers, "batch": batch, "cuda_graph": graphs,
+                   "transformers_decode_step_ms": round(hf_step * 1e3, 3),
+                   "ours_decode_step_ms": round(our_step * 1e3, 3),
+                   "transformers_decode_tokens_per_s": round(batch / hf_step, 1),
+                   "ours_decode_tokens_per_s": round(batch / our_step, 1),
+                   "ours_vs_transformers": round(hf_step / our_step, 2),
+                   "transformers_version": __import__("transformers").__version__}
+            emit(row)
+            rows.append(row)
     return rows
 
 
@@ -511,13 +532,16 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--hf-layers", type=int, default=4)
     ap.add_argument("--hf-batches", default="1,16")
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batch", default="1,64", help="batch sizes to profile")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda",
                     help="cuda; cpu only dry-runs the script on a tiny --config")
     ap.add_argument("--only", default="hbm,hf,profile,ep1,ep2",
                     help="sections, run in this order (ep2's HBM bound needs ep1 first)")
     ap.add_argument("--workdir", default=None, help="where model dirs are written")
+    ap.add_argument("--cuda-graph", choices=("on", "off", "both"), default="both",
+                    help="ep1/hf/profile: decode CUDA graphs on, off (--disable-cuda-graph), "
+                         "or both, one row each")
     ap.add_argument("--ep1-from", default=None,
                     help="ep2 without ep1 in this run: take the experts each batch touches "
                          "from this earlier JSONL output (same config, prompts and seed)")
@@ -527,6 +551,8 @@ def main() -> None:
         sys.exit("bench/scale.py: --device cuda, but torch sees no CUDA device")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.hf_batches = [int(x) for x in args.hf_batches.split(",")]
+    args.profile_batches = [int(x) for x in args.profile_batch.split(",")]
+    args.cuda_graph_modes = {"on": [True], "off": [False], "both": [True, False]}[args.cuda_graph]
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="elasticep-scale-")
     only = args.only.split(",")
     meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
@@ -542,7 +568,7 @@ def main() -> None:
         elif name == "hf":
             results += section_hf(args)
         elif name == "profile":
-            results.append(section_profile(args))
+            results += section_profile(args)
         elif name == "ep2":
             earlier = ep1 or _read_rows(args.ep1_from, "ep1")
             touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
