@@ -246,7 +246,11 @@ def section_ep1(args, bw: float) -> list[dict]:
     for batch in args.batches:
         for graphs in args.cuda_graph_modes:
             reset_memory(args.device)
-            row = _ep1_one(args, mdir, cfg, dtype, batch, bw, graphs)
+            try:
+                row = _ep1_one(args, mdir, cfg, dtype, batch, bw, graphs)
+            except Exception as exc:  # noqa: BLE001 - one failed configuration, not the run
+                row = {"section": "ep1", "batch": batch, "cuda_graph": graphs,
+                       "error": f"{type(exc).__name__}: {exc}"[:2000]}
             emit(row)
             rows.append(row)
     return rows

@@ -6,6 +6,8 @@ K/V to the slots of the scheduled positions, which a redo rewrites identically.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from elasticep.engine.cuda_graph import DecodeGraphs, graph_safe
@@ -14,6 +16,8 @@ from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.model import MoECausalLM
 from elasticep.models.paged_attention import PagedAttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -39,16 +43,23 @@ class ModelRunner:
         """Capture decode graphs when the model allows it (CUDA, graph-safe executor).
 
         Returns:
-            The capture time in seconds, or None when the model cannot be captured.
+            The capture time in seconds, or None when the model cannot be captured (or
+            the capture failed: that is logged, and decode runs eagerly).
         """
         refresh = getattr(self.model.executor, "refresh", None)
         if callable(refresh):
             refresh()
         if self.model.device.type != "cuda" or not graph_safe(self.model):
             return None
-        self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.kv_cache.block_size,
-                                   self.sink_block, max_seq_len, max_batch)
-        return self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.kv_cache.block_size,
+                              self.sink_block, max_seq_len, max_batch)
+        try:
+            seconds = graphs.capture()
+        except RuntimeError as exc:  # a capture-unsafe op: eager is slower, never wrong
+            logger.warning("decode CUDA graph capture failed, running eagerly: %s", exc)
+            return None
+        self.graphs = graphs
+        return seconds
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The decode step through a captured graph, or None when it must run eagerly."""
