@@ -100,9 +100,9 @@ def _interpreted_errors() -> dict[str, float]:
     runs = {
         "decode_gqa4_split": (CASES[0], TritonAttentionConfig(block_n=16, num_splits=3)),
         "decode_gqa8_auto": (CASES[3][:2] + (16, 2), TritonAttentionConfig(block_n=16, min_split_tokens=64)),
-        "prefill_mha": (CASES[1], TritonAttentionConfig(block_n=16, prefill_block_q=16)),
-        "mixed_gqa8": (CASES[2], TritonAttentionConfig(block_n=32, prefill_block_q=4)),
-        "mixed_split": (CASES[2], TritonAttentionConfig(block_n=16, prefill_block_q=4, num_splits=4)),
+        "prefill_mha": (CASES[1], TritonAttentionConfig(block_n=16)),
+        "mixed_gqa8": (CASES[2], TritonAttentionConfig(block_n=32)),
+        "mixed_split": (CASES[2], TritonAttentionConfig(block_n=16, num_splits=4)),
     }
     errs = {}
     for name, ((lens, qlens, hq, hkv), cfg) in runs.items():
