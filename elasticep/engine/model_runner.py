@@ -23,10 +23,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: MoECausalLM, num_blocks: int, block_size: int) -> None:
-        c = model.config
         self.model = model
         self.kv_cache = KVCache(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+            model.config.num_hidden_layers, num_blocks, block_size, model.kv_cache_shapes(),
             model.dtype, model.device,
         )
 
