@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from elasticep.entrypoints.validate import add_load_format_argument
+
 logger = logging.getLogger("elasticep.join")
 
 EXAMPLES = """\
@@ -196,6 +198,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
+    add_load_format_argument(p, default=None,
+                             help_suffix=" (default: the deployment's; a different one is "
+                                         "refused)")
     return p
 
 
@@ -321,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.dist_init_addr)
         config = fetch_config(store, timeout_s=10.0)
+        if args.load_format is not None and args.load_format != config.load_format:
+            raise JoinError(f"--load-format {args.load_format} differs from the deployment's "
+                            f"{config.load_format}: every rank must hold the same weights")
         directory = RankDirectory(store)
         # claim the slots first: a second `join` of the same slot is refused here, before
         # either looks at the (not yet changed) membership
