@@ -84,8 +84,8 @@ def test_bad_flags(argv, message):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."}'),
-    ('["a"]\n', 'line 1: expected an object {"prompt": "..."}'),
+    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
+    ('["a"]\n', 'line 1: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
     ("\n", "no prompts"),
 ])
 def test_bad_prompts_file(tmp_path, content, message):
