@@ -23,6 +23,7 @@ from elasticep.models import load_model, load_model_config
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.mla import mla_attention
 from elasticep.models.rope import rope_cos_sin
+from elasticep.models.routing import RoutingConfig, route
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,6 +126,14 @@ def test_absorbed_decode_equals_expanded(checkpoint):
     with pytest.raises(ValueError, match="absorbed MLA form needs a decode step"):
         prefill = AttentionMetadata([0, 4], [4], torch.arange(4), [torch.arange(4)])
         mla_attention(x, w, m, cos, sin, cache.clone(), prefill, scale, c.rms_norm_eps, absorb=True)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
+def test_routing_of_an_empty_batch(method):
+    # an idle EP rank still runs every MoE layer with T = 0 tokens
+    cfg = RoutingConfig(8, 3, scoring_func="sigmoid", topk_method=method, n_group=4, topk_group=2)
+    ids, weights = route(torch.zeros(0, 16), torch.randn(8, 16), cfg, torch.randn(8))
+    assert ids.shape == weights.shape == (0, 3)
 
 
 def test_kv_cache_holds_the_latent_only(checkpoint):

@@ -99,18 +99,17 @@ def route(
     else:
         logits = F.linear(hidden_states, router).float()
     scores = torch.softmax(logits, dim=-1) if cfg.scoring_func == "softmax" else torch.sigmoid(logits)
-    t = scores.shape[0]
+    t, per_group = scores.shape[0], cfg.num_experts // cfg.n_group  # t is 0 on an idle EP rank
     if cfg.topk_method == "greedy":
         weights, ids = torch.topk(scores, cfg.top_k, dim=-1)
     elif cfg.topk_method == "group_limited_greedy":
-        group_scores = scores.view(t, cfg.n_group, -1).max(dim=-1).values
+        group_scores = scores.view(t, cfg.n_group, per_group).max(dim=-1).values
         weights, ids = torch.topk(_keep_best_groups(scores, group_scores, cfg, 0.0), cfg.top_k, dim=-1)
     else:
         if correction_bias is None:
             raise ValueError("topk_method 'noaux_tc' needs mlp.gate.e_score_correction_bias")
         choice = scores + correction_bias.float()
-        group_scores = choice.view(t, cfg.n_group, -1).topk(min(2, cfg.num_experts // cfg.n_group),
-                                                            dim=-1)[0].sum(dim=-1)
+        group_scores = choice.view(t, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
         ids = torch.topk(_keep_best_groups(choice, group_scores, cfg, float("-inf")), cfg.top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
