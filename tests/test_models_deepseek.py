@@ -12,13 +12,11 @@ import json
 import pytest
 import torch
 from _deepseek_ckpt import VARIANTS, build
+from _model_helpers import rel_err, run_batched
 
-from elasticep.engine.kv_cache import BlockManager
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.model_runner import ModelRunner
 from elasticep.engine.request import SamplingParams
-from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
-from elasticep.engine.sequence import Sequence
 from elasticep.models import load_model, load_model_config
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.mla import mla_attention
@@ -65,29 +63,6 @@ def checkpoint(request, built):
     return built(request.param)
 
 
-def _run_batched(model, prompts: list[list[int]], split: int) -> list[torch.Tensor]:
-    """Prefill all but the last ``split`` tokens of every prompt in one batch, then the
-    rest in a second batch over the paged cache (split 1: a decode step, absorbed MLA)."""
-    runner = ModelRunner(model, num_blocks=64, block_size=4)
-    blocks = BlockManager(64, 4)
-    seqs = [Sequence(f"r{i}", p, [], SamplingParams(), i) for i, p in enumerate(prompts)]
-    for s in seqs:
-        blocks.grow(s.block_table, s.num_tokens)
-    first = runner.forward(ScheduledBatch(tuple(ScheduledSeq(s, 0, s.num_tokens - split) for s in seqs)), True)
-    second = runner.forward(
-        ScheduledBatch(tuple(ScheduledSeq(s, s.num_tokens - split, s.num_tokens) for s in seqs)), True)
-    out, a, b = [], 0, 0
-    for p in prompts:
-        n1 = len(p) - split
-        out.append(torch.cat([first[a : a + n1], second[b : b + split]]))
-        a, b = a + n1, b + split
-    return out
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
 def test_logits_match_transformers(checkpoint):
     variant, path, prompts, ref_logits, _ = checkpoint
     model = load_model(path, progress=False)
@@ -96,8 +71,8 @@ def test_logits_match_transformers(checkpoint):
                                                                      (False, True, True))
     assert (cfg.mla.q_lora_rank is None) == (variant == "v2_lite")
     for split in (3, 1):  # a chunked prefill over the cache, then a decode step
-        for ours, ref in zip(_run_batched(model, prompts, split), ref_logits, strict=True):
-            assert _rel(ours, ref) <= 1e-4, f"{variant} split {split}: rel err {_rel(ours, ref):.2e}"
+        for ours, ref in zip(run_batched(model, prompts, split), ref_logits, strict=True):
+            assert rel_err(ours, ref) <= 1e-4, f"{variant} split {split}: rel err {rel_err(ours, ref):.2e}"
 
 
 def test_absorbed_decode_equals_expanded(checkpoint):
@@ -122,7 +97,7 @@ def test_absorbed_decode_equals_expanded(checkpoint):
     w = model.layers[1].attn
     outs = [mla_attention(x, w, m, cos, sin, cache.clone(), meta, scale, c.rms_norm_eps, absorb=a)
             for a in (True, False)]
-    assert _rel(outs[0], outs[1]) <= 1e-5
+    assert rel_err(outs[0], outs[1]) <= 1e-5
     with pytest.raises(ValueError, match="absorbed MLA form needs a decode step"):
         prefill = AttentionMetadata([0, 4], [4], torch.arange(4), [torch.arange(4)])
         mla_attention(x, w, m, cos, sin, cache.clone(), prefill, scale, c.rms_norm_eps, absorb=True)
@@ -170,7 +145,7 @@ def test_dummy_load_format_and_config_errors(checkpoint, tmp_path):
     only.mkdir()
     (only / "config.json").write_text((path / "config.json").read_text())
     model = load_model(only, load_format="dummy", progress=False)
-    logits = _run_batched(model, prompts[:2], split=1)
+    logits = run_batched(model, prompts[:2], split=1)
     assert all(torch.isfinite(x).all() for x in logits)
     if variant == "v3":
         bias = model.layers[1].moe.router_bias

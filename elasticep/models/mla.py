@@ -63,7 +63,7 @@ class MLAConfig:
         return self.num_heads * (self.qk_head_dim + self.v_head_dim)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MLAWeights:
     """One layer's MLA projections (HF names in brackets), rotary rows half-split.
 
@@ -75,14 +75,15 @@ class MLAWeights:
         o: ``[H, Hn*dv]`` (``o_proj``).
     """
 
-    kv_a: torch.Tensor
-    kv_a_norm: torch.Tensor
-    kv_b: torch.Tensor
-    o: torch.Tensor
+    # the query side is either ``q`` alone or the ``q_a``/``q_a_norm``/``q_b`` LoRA
     q: torch.Tensor | None = None
     q_a: torch.Tensor | None = None
     q_a_norm: torch.Tensor | None = None
     q_b: torch.Tensor | None = None
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
 
 
 def _queries(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig, eps: float) -> torch.Tensor:
