@@ -58,6 +58,14 @@ class MLAConfig:
         """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def weight_params(self, hidden_size: int) -> int:
+        """Parameters of one layer's MLA projections (the attention weights a step reads)."""
+        q_out = self.num_heads * self.qk_head_dim
+        q = hidden_size * q_out if self.q_lora_rank is None else self.q_lora_rank * (hidden_size + q_out)
+        kv = hidden_size * self.cache_width + self.kv_lora_rank * self.num_heads * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + self.num_heads * self.v_head_dim * hidden_size
+
     def full_kv_width(self) -> int:
         """Values per token per layer that plain MHA with these heads would cache (K and V)."""
         return self.num_heads * (self.qk_head_dim + self.v_head_dim)
