@@ -3,8 +3,9 @@
 The checkpoint (tests/_deepseek_ckpt.py, "v3") has MLA, a dense first layer, shared
 experts (replicated on every rank, never placed) and sigmoid noaux_tc routing with a
 correction bias. Two deployments:
-- R = 0: rank 1 SIGKILLs itself inside MoE layer 2 during the second batch; its
-  experts have no replica, so the survivors reload them from the checkpoint and redo;
+- R = 0 with EPLB every 8 steps: rank 1 SIGKILLs itself inside MoE layer 2 during the
+  second batch; its experts have no replica, so the survivors reload them from the
+  checkpoint and redo;
 - R = 8: rank 2 is SIGKILLed from outside mid-generation; every expert keeps a replica.
 Every batch must equal the EP1 reference token for token (DESIGN's near-tie rule).
 """
@@ -43,7 +44,9 @@ def v3(tmp_path_factory):
 
 def test_ep4_r0_equals_ep1_then_reloads_orphans_after_a_kill(v3, tmp_path_factory):
     path, prompts, ref = v3
-    d = launch(tmp_path_factory, model=path, ep_num_redundant_experts=0, fault="kill:rank=1:step=45:layer=2")
+    # EPLB every 8 steps moves experts between ranks (weight transfer skips the dense layer 0)
+    d = launch(tmp_path_factory, model=path, ep_num_redundant_experts=0, fault="kill:rank=1:step=45:layer=2",
+               enable_eplb=True, eplb_rebalance_num_iterations=8)
     try:
         assert_matches_reference(generated(d, prompts), "DeepSeek EP4 R=0", ref)
         assert d.deployment.status()["epoch"] == 0, "the fault fired in the first batch"
@@ -54,6 +57,7 @@ def test_ep4_r0_equals_ep1_then_reloads_orphans_after_a_kill(v3, tmp_path_factor
     finally:
         d.close()
     assert "rank 1 SIGKILLs itself at step 45 layer 2" in log
+    assert "eplb rebalance: imbalance" in log
     # 8 experts x 2 MoE layers (layer 0 is dense) over 4 ranks: rank 1 held 2 per layer
     assert sum(int(n) for n in re.findall(r"(\d+) checkpoint reloads", log)) == 4
 
