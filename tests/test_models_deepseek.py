@@ -20,6 +20,7 @@ from elasticep.engine.request import SamplingParams
 from elasticep.models import load_model, load_model_config
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.mla import mla_attention
+from elasticep.models.paged_attention import PagedAttentionMetadata
 from elasticep.models.rope import rope_cos_sin
 from elasticep.models.routing import RoutingConfig, route
 
@@ -81,15 +82,14 @@ def test_absorbed_decode_equals_expanded(checkpoint):
     c = model.config
     m = c.mla
     g = torch.Generator().manual_seed(3)
-    ctx_lens = [7, 1, 30, 12]
-    num_slots = sum(ctx_lens) + 4
-    perm = torch.randperm(num_slots, generator=g)  # scattered slots, like a paged cache
-    gather, o = [], 0
-    for n in ctx_lens:
-        gather.append(perm[o:o + n])
-        o += n
-    meta = AttentionMetadata(list(range(len(ctx_lens) + 1)), ctx_lens,
-                             torch.stack([s[-1] for s in gather]), gather)
+    ctx_lens, bs = [7, 1, 30, 12], 4
+    need = [-(-n // bs) for n in ctx_lens]
+    perm = torch.randperm(sum(need) + 2, generator=g).tolist()  # scattered blocks, like a paged cache
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(ctx_lens))]
+    num_slots = len(perm) * bs
+    last = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, ctx_lens, strict=True)]
+    meta = AttentionMetadata(list(range(len(ctx_lens) + 1)), ctx_lens, torch.tensor(last),
+                             PagedAttentionMetadata.from_lists(tables, ctx_lens, [1] * len(ctx_lens), bs))
     cache = torch.randn(num_slots, m.cache_width, generator=g)
     x = torch.randn(len(ctx_lens), c.hidden_size, generator=g)
     cos, sin = rope_cos_sin(c.rope, torch.tensor(ctx_lens) - 1, c.rope_dim, torch.float32)
@@ -99,7 +99,8 @@ def test_absorbed_decode_equals_expanded(checkpoint):
             for a in (True, False)]
     assert rel_err(outs[0], outs[1]) <= 1e-5
     with pytest.raises(ValueError, match="absorbed MLA form needs a decode step"):
-        prefill = AttentionMetadata([0, 4], [4], torch.arange(4), [torch.arange(4)])
+        prefill = AttentionMetadata([0, 4], [4], torch.arange(4),
+                                    PagedAttentionMetadata.from_lists([[0]], [4], [4], bs))
         mla_attention(x, w, m, cos, sin, cache.clone(), prefill, scale, c.rms_norm_eps, absorb=True)
 
 
