@@ -123,18 +123,20 @@ def _absorbed_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
                      cfg: MLAConfig, scale: float) -> torch.Tensor:
     """One query per sequence, ``q [B, Hn, dn+dr]``, scored in latent space -> ``[B, Hn*dv]``.
 
-    Each sequence's latents are gathered into ``[B, L, r+dr]`` with ``L`` the longest
-    context and the padding masked out.
+    Each sequence's latents are gathered through its block table into ``[B, L, r+dr]``
+    (``L = max_seq_len``) on the device, with the padding masked out; nothing is read back
+    to the host.
     """
-    r = cfg.kv_lora_rank
+    r, paged = cfg.kv_lora_rank, meta.paged
     w_b = w.kv_b.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
     w_uk, w_uv = w_b[:, : cfg.qk_nope_head_dim], w_b[:, cfg.qk_nope_head_dim :]  # [Hn, dn, r], [Hn, dv, r]
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_lat = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe), dim=-1)  # [B, Hn, r+dr]
-    slots = torch.nn.utils.rnn.pad_sequence(meta.gather_slots, batch_first=True)  # [B, L]
+    pos = torch.arange(paged.max_seq_len, device=q.device)
+    bs = paged.block_size
+    slots = paged.block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
+    valid = pos[None, :] < paged.seq_lens[:, None]
     lat = cache[slots]  # [B, L, r+dr]
-    lens = torch.tensor(meta.context_lens, device=q.device)
-    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]
     scores = torch.einsum("bhc,blc->bhl", q_lat, lat).float() * scale
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
     o_lat = torch.einsum("bhl,blr->bhr", probs, lat[..., :r])
@@ -160,8 +162,8 @@ def mla_attention(
         cos, sin: ``[T, qk_rope_head_dim]`` rotary tables.
         cache: ``[num_slots, kv_lora_rank + qk_rope_head_dim]`` latent cache of this
             layer, or None when every sequence is a full prefill.
-        meta: token placement (``query_starts``, ``context_lens``, ``slot_mapping``,
-            ``gather_slots``).
+        meta: token placement (``query_starts``, ``context_lens``, ``slot_mapping``;
+            with a cache also ``paged``: block tables and lengths).
         scale: softmax scale, ``qk_head_dim ** -0.5`` times YaRN's mscale.
         eps: RMSNorm epsilon of the q/kv latent norms.
         absorb: None picks the absorbed form for decode steps (one new token per
