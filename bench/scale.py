@@ -139,12 +139,18 @@ def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
     """The bytes one decode step must read (see the module docstring), by part."""
     H, D = cfg.hidden_size, cfg.head_dim
     qkvo = (2 * cfg.num_attention_heads * D * H) + (2 * cfg.num_key_value_heads * D * H)
+    kv_per_token = 2 * cfg.num_key_value_heads * D
+    if cfg.mla is not None:  # MLA: its own projections; the cache holds one latent row
+        qkvo, kv_per_token = cfg.mla.weight_params(H), cfg.mla.cache_width
     n_moe = sum(cfg.moe_layers)
     parts = {
         "attention_weights": cfg.num_hidden_layers * qkvo * elem,
         "experts": sum(touched_per_layer) * 3 * H * cfg.moe_intermediate_size * elem,
+        # shared experts on every MoE layer, dense MLPs on the others (DeepSeek, qwen2_moe)
+        "dense_mlps": (n_moe * cfg.shared_expert_intermediate_size
+                       + (cfg.num_hidden_layers - n_moe) * cfg.intermediate_size) * 3 * H * elem,
         "routers": n_moe * cfg.num_experts * H * elem,
-        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * 2 * cfg.num_key_value_heads * D * elem,
+        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * kv_per_token * elem,
         "lm_head": cfg.vocab_size * H * elem,
     }
     parts["total"] = sum(parts.values())

@@ -35,8 +35,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 def graph_safe(model: MoECausalLM) -> bool:
-    """True when the model's executor may be captured (no collectives, no host syncs)."""
-    return bool(getattr(model.executor, "graph_safe", False))
+    """True when the model's decode forward may be captured: its attention reads no host
+    value per step (:attr:`MoECausalLM.graph_capturable`) and its executor has no
+    collective and no host sync (``executor.graph_safe``)."""
+    return model.graph_capturable and bool(getattr(model.executor, "graph_safe", False))
 
 
 class DecodeGraphs:

@@ -30,11 +30,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: MoECausalLM, num_blocks: int, block_size: int) -> None:
-        c = model.config
         self.model = model
         self.sink_block = num_blocks  # never lent by the BlockManager
         self.kv_cache = KVCache(
-            c.num_hidden_layers, num_blocks + 1, block_size, c.num_key_value_heads, c.head_dim,
+            model.config.num_hidden_layers, num_blocks + 1, block_size, model.kv_cache_shapes(),
             model.dtype, model.device,
         )
         self.graphs: DecodeGraphs | None = None
