@@ -94,6 +94,13 @@ def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int
     _store = _new_store()
 
 
+def control_address() -> str | None:
+    """Coordinator address of this process's live control connection (None: none yet)."""
+    if _ctl is None or _ctl.lost or _ctl.evicted:
+        return None
+    return _ctl.address
+
+
 def init_process_group(coordinator: str, rank: int, world_size: int, *,
                        max_world_size: int | None = None, is_extension: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S,

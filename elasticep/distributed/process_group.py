@@ -123,7 +123,9 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return _DoneWork(tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+        # torch passes no output list at all on non-roots
+        outputs = output_tensors or [[] for _ in input_tensors]
+        for outs, inp in zip(outputs, input_tensors, strict=True):
             self.gs.run(ops.Gather(outs, inp, _root(opts), self._slot, self._size))
         return _DoneWork(output_tensors)
 
