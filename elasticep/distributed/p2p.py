@@ -54,23 +54,33 @@ class P2PWork(dist.Work):
         # private buffers: an abandoned transfer may still touch them after wait() gave up
         self.buf = (tensor.detach().clone(memory_format=torch.contiguous_format)
                     if kind == "send" else torch.empty(tensor.shape, dtype=tensor.dtype))
-        self._posted = threading.Event()
+        self._finished = threading.Event()
         self._inner = None
         self._error: BaseException | None = None
         self._done = False
 
-    def post(self, pg, peer_rank: int) -> None:
-        """Post on the channel's Gloo group (channel thread only)."""
+    def post(self, pg, peer_rank: int) -> bool:
+        """Post on the channel's Gloo group (channel thread only); False if it failed."""
         try:
             post = pg.send if self.kind == "send" else pg.recv
             self._inner = post([_bytes(self.buf)], peer_rank, self.tag)
+            return True
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self.fail(e)
+            return False
+
+    def complete(self) -> None:
+        """Block until Gloo finishes the transfer (completion thread only). A waiter
+        never waits on Gloo with a timeout itself: Gloo closes the pair when one expires."""
+        try:
+            self._inner.wait()
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
-        self._posted.set()
+        self._finished.set()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
-        self._posted.set()
+        self._finished.set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
@@ -78,17 +88,11 @@ class P2PWork(dist.Work):
         gs = self.channel.gs
         limit = timeout.total_seconds() if timeout else gs.timeout_s
         deadline = time.monotonic() + limit
-        while not self._posted.wait(SLICE.total_seconds()):
+        while not self._finished.wait(SLICE.total_seconds()):
             self._check_peer(deadline)
-        while self._error is not None:  # not posted: the peer's end went away, or a bug
+        while self._error is not None:  # the peer's end went away (its death shows soon)
             self._check_peer(deadline, f": {self._error}")
             time.sleep(SLICE.total_seconds())
-        while True:
-            try:
-                self._inner.wait(SLICE)
-                break
-            except Exception:  # noqa: BLE001 - a slice ran out, or the pair broke
-                self._check_peer(deadline)
         if self.kind == "recv":
             self.tensor.copy_(self.buf)
         self._done = True
@@ -104,7 +108,7 @@ class P2PWork(dist.Work):
                                f"{self.peer} did not complete in time{why}")
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._finished.is_set()
 
     def is_success(self) -> bool:
         return self._done
@@ -144,14 +148,25 @@ class _Channel:
                                        timedelta(seconds=gs.timeout_s))
         except Exception as e:  # noqa: BLE001 - the peer never came: its waiters decide
             error = e
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_complete_in_order, args=(done,), daemon=True,
+                         name=f"elastic-p2p-done-{gs.name}-{me}-{peer}").start()
         while True:
             work = self.queue.get()
             if work is None:
+                done.put(None)
                 return
             if pg is None:
                 work.fail(error)
-            else:
-                work.post(pg, int(peer > me))
+            elif work.post(pg, int(peer > me)):
+                done.put(work)
+
+
+def _complete_in_order(done: queue.SimpleQueue) -> None:
+    """Finish a channel's posted transfers in posting order. Order does not delay any
+    transfer: Gloo's transport moves every posted one whether or not it is waited on."""
+    while (work := done.get()) is not None:
+        work.complete()
 
 
 class PeerChannels:
