@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from elasticep.distributed import api
 from elasticep.distributed.errors import RankFailureError
@@ -31,6 +30,7 @@ from elasticep.distributed.process_group import ElasticProcessGroup, _DoneWork
 
 from . import launch
 
+VIEW_WAIT_S = 5.0  # see MooncakeProcessGroup._await_view
 # process-wide settings of the `pg.set_*` calls (seconds and strings)
 SETTINGS: dict = {"timeout_s": api.DEFAULT_TIMEOUT_S, "host": None}
 
@@ -66,12 +66,13 @@ class MooncakeBackendOptions:
         self.auto_sync_on_failure = bool(given.get("auto_sync_on_failure", True))
 
 
-class _ResultWork(dist.Work):
-    """A Work with Mooncake's per-op result (`local_success`, `failed_ranks_hint`)."""
+class _ResultWork(_DoneWork):
+    """A complete Work with Mooncake's per-op result (`local_success`,
+    `failed_ranks_hint`)."""
 
     def __init__(self, capacity: int, failed: list[int] = (), result=None) -> None:
-        super().__init__()
-        self.capacity, self.failed, self._result = capacity, list(failed), result
+        super().__init__(result)
+        self.capacity, self.failed = capacity, list(failed)
 
     @property
     def local_success(self) -> bool:
@@ -81,18 +82,6 @@ class _ResultWork(dist.Work):
         hint = torch.zeros(self.capacity, dtype=torch.int32)
         hint[self.failed] = 1
         return hint
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return _DoneWork(self._result).get_future()
 
 
 class _P2PResultWork(_ResultWork):
@@ -218,7 +207,7 @@ class MooncakeProcessGroup(ElasticProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         def run():
-            chunks = self._chunks(output, "all_gather_into_tensor")
+            chunks = self._chunks(output, input.shape[0], "all_gather_into_tensor")
             full = [torch.empty_like(input) for _ in self.gs.ranks]
             ElasticProcessGroup.allgather(self, [full], [input], opts)
             self._compact(full, chunks)
@@ -228,7 +217,7 @@ class MooncakeProcessGroup(ElasticProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         def run():
-            chunks = self._chunks(input, "reduce_scatter")
+            chunks = self._chunks(input, output.shape[0], "reduce_scatter")
             full = torch.zeros((len(self.gs.ranks) * output.shape[0], *output.shape[1:]),
                                dtype=input.dtype)
             n = output.shape[0]
@@ -286,18 +275,30 @@ class MooncakeProcessGroup(ElasticProcessGroup):
     # layout helpers -----------------------------------------------------------------
     def _slot_list(self, outs: list, like: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Per-slot tensors for a native op whose caller gave one per rank of the view."""
-        view = self.view()
-        if len(outs) != len(view):
-            raise ValueError(f"{what}: {len(outs)} tensors given, the group has {len(view)} "
-                             f"ranks (view {view})")
+        self._await_view(len(outs), what)
         return [torch.zeros_like(like) for _ in self.gs.ranks]
 
-    def _chunks(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        n = len(self.view())
-        if t.shape[0] % n:
-            raise ValueError(f"{what}: dim0 {t.shape[0]} is not a multiple of the group's "
-                             f"{n} ranks")
-        return list(t.chunk(n))
+    def _chunks(self, t: torch.Tensor, unit: int, what: str) -> list[torch.Tensor]:
+        """`t` split into one chunk of `unit` rows per rank of the view."""
+        if unit <= 0 or t.shape[0] % unit:
+            raise ValueError(f"{what}: dim0 {t.shape[0]} is not a multiple of {unit}")
+        self._await_view(t.shape[0] // unit, what)
+        return list(t.chunk(t.shape[0] // unit))
+
+    def _await_view(self, n: int, what: str) -> None:
+        """A buffer sized for `n` ranks while the view has another size: a rank died (or
+        was admitted) and the change is not applied here yet; wait a little for it.
+
+        Raises:
+            ValueError: the view did not reach `n` ranks within VIEW_WAIT_S.
+        """
+        if len(self.view()) == n:
+            return
+        try:
+            self.gs.wait_until(lambda: len(self.view()) == n, VIEW_WAIT_S, "")
+        except TimeoutError:
+            raise ValueError(f"{what}: buffers for {n} ranks, the group has "
+                             f"{len(self.view())} (view {self.view()})") from None
 
     def _compact(self, full: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         for o, s in zip(outs, self.view(), strict=True):
