@@ -79,11 +79,6 @@ class Coordinator:
         for p in procs:
             p.conn.close()
 
-    def live_ranks(self) -> list[int]:
-        """Global ranks whose control connection is open, sorted."""
-        with self._lock:
-            return sorted(r for r, p in self._procs.items() if p.alive)
-
     def _accept_loop(self) -> None:
         while not self._closed:
             try:

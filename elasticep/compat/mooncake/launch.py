@@ -75,31 +75,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="detached elastic coordinator for mooncake PG")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
-    from elasticep.distributed import start_coordinator
+    from elasticep.distributed import CoordinatorClient, start_coordinator
 
     coord = start_coordinator(args.host, 0, hb_timeout_s=HB_TIMEOUT_S)
     print(coord.address, flush=True)
     sys.stdout = open(os.devnull, "w")  # the reader closed the pipe
-    try:
-        _serve_until_idle(coord)
-    finally:
-        # no graceful teardown: the store server's and connections' threads can keep a
-        # normal interpreter exit waiting, and no rank is left to care
-        os._exit(0)
-
-
-def _serve_until_idle(coord) -> None:
-    seen, started = False, time.monotonic()
-    idle_since = started
+    client = CoordinatorClient(coord.address)
+    started = idle_since = time.monotonic()
+    seen = False
     while True:
         time.sleep(0.5)
         now = time.monotonic()
-        if coord.live_ranks():
+        if any(r["alive"] for r in client.status()["ranks"].values()):
             seen, idle_since = True, now
         if (seen and now - idle_since > IDLE_EXIT_S) or (
                 not seen and now - started > START_TIMEOUT_S):
-            coord.close()
-            return
+            break
+    client.close()
+    coord.close()
+
 
 if __name__ == "__main__":
     main()
