@@ -32,6 +32,7 @@ import openai
 
 from elasticep.harness.serve_process import cli_command, free_port
 from elasticep.utils.procs import pid_alive
+from elasticep.utils.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "data" / "gsm8k" / "test_head64.jsonl"  # GSM8K test items, MIT licence
@@ -146,14 +147,13 @@ class Demo:
             return {}
 
     def wait(self, pred, what: str, timeout_s: float = 120) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            st = self.status()
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for {what}: {st}")
-            time.sleep(0.05)
+        seen: list[dict] = [{}]
+
+        def check() -> dict | None:
+            seen[0] = self.status()
+            return seen[0] if pred(seen[0]) else None
+
+        return wait_until(check, timeout_s, what, last=lambda: seen[0])
 
     def event(self, what: str) -> float:
         st = self.status()

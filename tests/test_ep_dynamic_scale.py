@@ -42,6 +42,6 @@ def test_scale_up_then_down(driver):
         assert time.monotonic() < deadline, "rank 4 did not leave"
         time.sleep(0.05)
     assert dep.exit_codes[4] == [0]
-    states = {r["rank"]: r["state"] for r in dep.status()["ranks"]}
+    states = dep.status().states()
     assert states[4] == "removed" and dep.active_ranks() == [0, 1, 2, 3]
     assert_matches_reference(generated(driver), "EP4 after scale-down")

@@ -16,6 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
@@ -265,10 +266,11 @@ def test_metrics_status_and_scale_endpoints(live):
 class FakeMembership:
     """A deployment where every rank is down and a scale-up is underway."""
 
-    def status(self) -> dict:
-        return {"epoch": 3, "ep_size": 2, "max_ep_size": 4, "scale_phase": "admitting",
-                "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
-                          {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]}
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 3, "ep_size": 2, "max_ep_size": 4, "scale_phase": "admitting",
+             "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
+                       {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]})
 
     def scale(self, new_ep_size: int) -> dict:
         raise ScaleInProgressError("already scaling to 4")

@@ -21,6 +21,7 @@ from elasticep.chaos.schedule import Fault
 from elasticep.harness.faults import resume, signal_ranks, wait_in, wait_out
 from elasticep.harness.serve_process import ServeProcess, Status, descendant_pids
 from elasticep.harness.status_watch import StatusWatch
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +107,14 @@ def joiner_dies(t: Target, f: Fault) -> list[str]:
     t.wait_out(f.ranks, since)
     join = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank),
                         tag="joiner-dies")
-    deadline = time.monotonic() + 30.0
-    while not descendant_pids(join.proc.pid):
-        if join.proc.poll() is not None or time.monotonic() > deadline:
-            return [f"joiner-dies: join for rank {rank} started no worker (exit "
-                    f"{join.proc.poll()}): {join.output()[-300:]!r}"]
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: descendant_pids(join.proc.pid) or join.proc.poll() is not None,
+                   30.0, f"a worker of the join for rank {rank}")
+    except TimeoutError:
+        pass
+    if not descendant_pids(join.proc.pid):
+        return [f"joiner-dies: join for rank {rank} started no worker (exit "
+                f"{join.proc.poll()}): {join.output()[-300:]!r}"]
     time.sleep(f.param_s)
     workers = descendant_pids(join.proc.pid)
     t.serve.seen_pids.update(workers)

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import time
 from dataclasses import replace
 from typing import Any
 
 from elasticep.distributed import start_coordinator
+from elasticep.distributed.membership import ScalePhase, SlotState
+from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.elastic.config import DeploymentConfig
-from elasticep.elastic.launcher import CONFIG_KEY, WorkerLauncher, publish_config
+from elasticep.elastic.launcher import WorkerLauncher, publish_config
+from elasticep.utils.wait import wait_until
 
-__all__ = ["CONFIG_KEY", "LocalDeployment"]
+__all__ = ["LocalDeployment"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +75,9 @@ class LocalDeployment:
                                              hb_timeout_s=self.config.heartbeat_timeout_s)
         host = self.coordinator.address.rpartition(":")[0]
         self.config = replace(self.config, store_addr=f"{host}:{self.coordinator.store.port}")
-        publish_config(self.coordinator.store, self.config)
         self.workers = WorkerLauncher(self.coordinator.address, self.config,
                                       log_dir=self.log_dir, env=self.env)
+        publish_config(self.coordinator.address, self.config)
         logger.info("deployment: coordinator %s, launching %d ranks (capacity %d, backend %s)",
                     self.coordinator.address, self.config.ep_size, self.config.max_ep_size,
                     self.config.elastic_ep_backend)
@@ -146,7 +148,7 @@ class LocalDeployment:
         """
         states = self._states_by_rank()
         free = [r for r in range(self.config.max_ep_size)
-                if states.get(r, "removed") == "removed" and self._exited(r)]
+                if states.get(r, SlotState.REMOVED) == SlotState.REMOVED and self._exited(r)]
         if len(free) < count:
             raise ValueError(f"only {len(free)} free slots (max_ep_size {self.config.max_ep_size})")
         slots = free[:count]
@@ -209,43 +211,37 @@ class LocalDeployment:
         """rank -> pid of the latest process started for it."""
         return {} if self.workers is None else self.workers.pids(live_only=False)
 
-    def status(self) -> dict[str, Any]:
-        """Membership in the front-end's ``MembershipSource`` shape::
-
-            {"epoch", "ep_size", "max_ep_size", "scale_phase",
-             "ranks": [{"rank", "state", "pid", "node"}]}
+    def status(self) -> DeploymentStatus:
+        """Membership in the front-end's ``MembershipSource`` shape.
 
         Before WORLD exists (workers still starting) every launched rank is "joining".
         """
         pids = self.pids()
+        cap = self.config.max_ep_size
         if self.config.elastic_ep_backend == "none":
             # No membership, no fault tolerance: a rank is healthy only while every
             # launched rank still runs (plain groups cannot progress without a member).
-            broken = any(self._exited(r) for r in pids)
-            ranks = [{"rank": r, "state": "failed" if broken else "healthy",
-                      "pid": pid, "node": 0} for r, pid in sorted(pids.items())]
-            return {"epoch": 0, "ep_size": self.config.ep_size,
-                    "max_ep_size": self.config.max_ep_size, "scale_phase": "idle", "ranks": ranks}
+            state = (SlotState.FAILED if any(self._exited(r) for r in pids)
+                     else SlotState.HEALTHY)
+            return DeploymentStatus(0, self.config.ep_size, cap, ranks=tuple(
+                RankStatus(r, state, pid) for r, pid in sorted(pids.items())))
         st = self.coordinator_status()
         world = st["groups"].get("world")
         procs = st["ranks"]
-        ranks = []
         if world is None:
-            ranks = [{"rank": r, "state": "joining", "pid": pids.get(r), "node": 0}
-                     for r in sorted(pids)]
-            return {"epoch": 0, "ep_size": 0, "max_ep_size": self.config.max_ep_size,
-                    "scale_phase": "idle", "ranks": ranks}
+            return DeploymentStatus(0, 0, cap, ranks=tuple(
+                RankStatus(r, SlotState.JOINING, pids.get(r)) for r in sorted(pids)))
+        ranks = []
         for slot, state in enumerate(world["states"]):
             r = world["ranks"][slot]
-            if state == "removed" and r not in pids:
+            if state == SlotState.REMOVED and r not in pids:
                 continue  # never-used capacity
             pid = procs.get(str(r), {}).get("pid", pids.get(r))
-            ranks.append({"rank": r, "state": state, "pid": pid, "node": 0})
+            ranks.append(RankStatus(r, SlotState(state), pid))
         req = world["requests"]
-        phase = ("admitting" if req.get("admit") else "draining" if req.get("remove")
-                 else "idle")
-        return {"epoch": world["epoch"], "ep_size": len(world["active"]),
-                "max_ep_size": self.config.max_ep_size, "scale_phase": phase, "ranks": ranks}
+        phase = (ScalePhase.ADMITTING if req.get("admit") else
+                 ScalePhase.DRAINING if req.get("remove") else ScalePhase.IDLE)
+        return DeploymentStatus(world["epoch"], len(world["active"]), cap, phase, tuple(ranks))
 
     def wait_healthy(self, ranks: list[int] | None = None, timeout_s: float = 120.0) -> None:
         """Block until ``ranks`` (default: the launch cohort) are healthy in WORLD.
@@ -254,14 +250,15 @@ class LocalDeployment:
             TimeoutError: not within ``timeout_s``; RuntimeError: a worker exited.
         """
         want = set(range(self.config.ep_size) if ranks is None else ranks)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            states = ({r: "healthy" for r in self.procs if not self._exited(r)}
+
+        def healthy() -> bool:
+            states = ({r: SlotState.HEALTHY for r in self.procs if not self._exited(r)}
                       if self.config.elastic_ep_backend == "none" else self._states_by_rank())
-            if all(states.get(r) == "healthy" for r in want):
-                return
+            if all(states.get(r) == SlotState.HEALTHY for r in want):
+                return True
             dead = [r for r in want if r in self.procs and self.procs[r].poll() is not None]
             if dead:
                 raise RuntimeError(f"ranks {dead} exited during startup: {self.exit_codes}")
-            time.sleep(0.05)
-        raise TimeoutError(f"ranks {sorted(want)} not healthy after {timeout_s}s")
+            return False
+
+        wait_until(healthy, timeout_s, f"ranks {sorted(want)} healthy")

@@ -89,7 +89,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
     from elasticep.engine.ipc import FrontendChannel
     from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
     from elasticep.entrypoints.http_server import create_server
-    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, publish_config
+    from elasticep.entrypoints.launcher import RankLauncher, publish_config
     from elasticep.entrypoints.membership import ConnectedWorkers
     from elasticep.entrypoints.supervisor import supervise
 
@@ -108,17 +108,14 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr,
                       store_addr=f"{settings.coordinator_host}:{coordinator.store.port}")
-        publish_config(coordinator.store, dep)
-        directory = RankDirectory(coordinator.store)
-        launcher = RankLauncher(coordinator.address, dep, 0, directory, log_dir)
+        publish_config(coordinator.address, dep)
+        launcher = RankLauncher(coordinator.address, dep, 0, log_dir)
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
         for rank in settings.local_ranks:  # first: they load while the front-end starts
             launcher.spawn(rank)
         if dep.elastic_ep_backend == "elastic":
-            membership = CoordinatorMembership(
-                coordinator.address, dep.ep_size, dep.max_ep_size, directory.node_of,
-                lambda rank: directory.launched_pid(rank, local_node=0))
+            membership = CoordinatorMembership(coordinator.address)
         else:  # plain Gloo ranks never register with the coordinator: hellos and pids
             membership = LaunchedWorkers(ConnectedWorkers(lambda: channel.connected,
                                                           dep.ep_size), launcher)
@@ -181,8 +178,8 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
             except (ConnectionError, TimeoutError, OSError):
                 continue
             connected = channel.connected
-            ready = sum(r["state"] == "healthy" and r["rank"] in connected
-                        and connected[r["rank"]].pid == r["pid"] for r in status["ranks"])
+            ready = sum(r in connected and connected[r].pid == status.rank(r).pid
+                        for r in status.healthy_ranks())
             if ready != bar.n:
                 bar.update(ready - bar.n)
             if ready >= ep_size:
@@ -193,17 +190,16 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
 
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
-    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, fetch_config
+    from elasticep.entrypoints.launcher import RankLauncher, fetch_config
     from elasticep.entrypoints.supervisor import supervise
 
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    store = _connect_with_retry(address, stop, timeout_s=120.0)
-    if store is None:
+    if not _wait_for_coordinator(address, stop, timeout_s=120.0):
         return 0
-    dep = fetch_config(store)
+    dep = fetch_config(address)
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
-    launcher = RankLauncher(address, dep, settings.node_rank, RankDirectory(store), log_dir)
+    launcher = RankLauncher(address, dep, settings.node_rank, log_dir)
     try:
         for rank in ranks:
             launcher.spawn(rank)
@@ -232,37 +228,44 @@ class LaunchedWorkers:
         self._connected = connected
         self._launcher = launcher
 
-    def status(self) -> dict:
+    def status(self):
+        from elasticep.distributed.membership import SlotState
+        from elasticep.distributed.status import RankStatus
+
         status = self._connected.status()
         launched = self._launcher.pids(live_only=False)
         dead = {r for r in launched if self._launcher.exited(r)}
-        if dead:
-            status["ranks"] = [{**r, "state": "failed", "pid": launched.get(r["rank"], r["pid"])}
-                               for r in status["ranks"]]
-            status["ranks"] += [{"rank": r, "state": "failed", "pid": launched[r], "node": 0}
-                                for r in sorted(dead - {e["rank"] for e in status["ranks"]})]
-            status["ranks"].sort(key=lambda r: r["rank"])
-        return status
+        if not dead:
+            return status
+        ranks = {r.rank: replace(r, state=SlotState.FAILED, pid=launched.get(r.rank, r.pid))
+                 for r in status.ranks}
+        for r in dead - set(ranks):
+            ranks[r] = RankStatus(r, SlotState.FAILED, launched[r], 0)
+        return replace(status, ranks=tuple(ranks[r] for r in sorted(ranks)))
 
     def scale(self, new_ep_size: int):
         return self._connected.scale(new_ep_size)
 
 
-def _connect_with_retry(address: str, stop: threading.Event, timeout_s: float):
-    """Open the coordinator's store, retrying while node 0 is still starting.
+def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float) -> bool:
+    """Wait until the coordinator answers, while node 0 is still starting.
+
+    Returns:
+        True once it answered; False if stopped first.
 
     Raises:
         TimeoutError: not reachable within ``timeout_s`` seconds.
     """
-    from elasticep.entrypoints.launcher import open_store
+    from elasticep.distributed import CoordinatorClient
+    from elasticep.utils.wait import wait_until
 
-    deadline = time.monotonic() + timeout_s
-    while not stop.is_set():
+    def attempt() -> bool:
         try:
-            return open_store(address)
-        except (ConnectionError, OSError) as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"coordinator {address} unreachable: {exc}") from exc
+            CoordinatorClient(address).close()
+            return True
+        except (ConnectionError, OSError):
             logger.info("waiting for the coordinator at %s", address)
-            stop.wait(1.0)
-    return None
+            raise
+
+    return bool(wait_until(attempt, timeout_s, f"the coordinator at {address}", poll_s=1.0,
+                           retry_on=(ConnectionError, OSError), stop=stop))

@@ -24,7 +24,7 @@ import signal
 import threading
 from collections import Counter
 
-from elasticep.entrypoints.coordinator_membership import WORLD
+from elasticep.distributed.membership import SlotState
 from elasticep.entrypoints.launcher import RankExit, RankLauncher
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,10 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def _world(launcher: RankLauncher) -> tuple[int, dict[int, str], dict[int, int]]:
+def _world(launcher: RankLauncher) -> tuple[int, dict[int, SlotState], dict[int, int]]:
     """(epoch, rank -> state, rank -> pid) from the coordinator."""
-    snap = launcher.coordinator_status()
-    world = snap["groups"].get(WORLD)
-    pids = {int(r): int(p["pid"]) for r, p in snap["ranks"].items()}
-    if world is None:
-        return 0, {}, pids
-    states = {int(world["ranks"][s]): st for s, st in enumerate(world["states"])}
-    return int(world["epoch"]), states, pids
+    status = launcher.deployment_status()
+    return status.epoch, status.states(), status.pids()
 
 
 def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
@@ -108,7 +103,7 @@ def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
 
 def _on_exit(launcher: RankLauncher, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED or states.get(ex.rank) == "removed":
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.REMOVED:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return
@@ -140,7 +135,7 @@ def _kill_frozen(launcher: RankLauncher, epoch: int, states: dict[int, str],
                  coord_pids: dict[int, int]) -> None:
     """Kill our workers the coordinator evicted but that are still alive (frozen)."""
     for rank, pid in launcher.pids().items():
-        if states.get(rank) == "failed" and coord_pids.get(rank) == pid:
+        if states.get(rank) == SlotState.FAILED and coord_pids.get(rank) == pid:
             logger.warning("epoch %d: rank %d (pid %d) was evicted but is alive; killing it",
                            epoch, rank, pid)
             launcher.kill(rank)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from elasticep.utils.procs import die_with_parent, kill_pids, pid_alive
+from elasticep.utils.wait import wait_until
 
 Status = dict[str, Any]
 
@@ -188,22 +189,20 @@ class ServeProcess:
             TimeoutError: ``timeout_s`` seconds passed (message names ``what``).
             RuntimeError: serve exited meanwhile.
         """
-        deadline = time.monotonic() + timeout_s
-        last: Status | str = "no answer yet"
-        while True:
+        last: list[Status | str] = ["no answer yet"]
+
+        def check() -> Status | None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited ({self.proc.returncode}) while waiting for "
                                    f"{what}; log tail:\n{self.tail()}")
             try:
-                last = self.status()
-                if pred(last):
-                    return last
+                last[0] = self.status()
             except httpx.HTTPError as exc:  # not listening yet, or busy: retry until bound
-                last = repr(exc)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}; "
-                                   f"last status: {last}")
-            time.sleep(poll_s)
+                last[0] = repr(exc)
+                return None
+            return last[0] if pred(last[0]) else None
+
+        return wait_until(check, timeout_s, what, poll_s=poll_s, last=lambda: last[0])
 
     def rank_state(self, rank: int, status: Status | None = None) -> dict:
         """The status entry of ``rank``."""
