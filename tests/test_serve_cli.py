@@ -232,7 +232,7 @@ def _status(states: dict[int, str], pids: dict[int, int], epoch: int = 5) -> Dep
 
 
 class FakeLauncher:
-    """What `supervise` uses of RankLauncher, with a scripted coordinator view."""
+    """What `supervise` uses of a Deployment, with a scripted coordinator view."""
 
     node = 0
 
@@ -248,15 +248,13 @@ class FakeLauncher:
     def deployment_status(self) -> DeploymentStatus:
         return _status(self.states, self.live)
 
-    def pids(self) -> dict[int, int]:
+    def pids(self, live_only: bool = False) -> dict[int, int]:
         return dict(self.live)
 
-    def spawn(self, rank: int, join_mode: str | None = None) -> int:
-        self.spawned.append((rank, join_mode))
-        return 1000 + rank
-
-    def request_admission(self, ranks: list[int]) -> None:
-        self.admitted.append(ranks)
+    def relaunch(self, *ranks: int) -> list[int]:
+        self.spawned += [(r, "recover") for r in ranks]
+        self.admitted.append(list(ranks))
+        return [1000 + r for r in ranks]
 
     def kill(self, rank: int) -> None:
         self.killed.append(rank)
@@ -266,7 +264,7 @@ class FakeLauncher:
 def _supervise_once(launcher, restart: bool) -> None:
     import threading
 
-    from elasticep.entrypoints.supervisor import supervise
+    from elasticep.deploy.supervisor import supervise
 
     stop = threading.Event()
     timer = threading.Timer(0.15, stop.set)
@@ -276,7 +274,7 @@ def _supervise_once(launcher, restart: bool) -> None:
 
 
 def test_restart_policy_relaunches_crashes_only():
-    from elasticep.entrypoints.launcher import RankExit
+    from elasticep.deploy import RankExit
 
     launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "removed"},
                             {0: 10, 2: 12})
@@ -319,9 +317,9 @@ def test_join_refuses_slots_being_joined_or_outside_ep_size():
 
 @pytest.fixture
 def coordinator():
+    from elasticep.deploy import publish_config
     from elasticep.distributed import start_coordinator
     from elasticep.elastic.config import DeploymentConfig
-    from elasticep.entrypoints.launcher import publish_config
 
     coord = start_coordinator()
     publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))
@@ -452,7 +450,7 @@ def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
     """scale --ranks 4,5: joiner 5 dies while loading; joiner 4 still gets to ready."""
     import threading
 
-    from elasticep.elastic.launcher import RankExit
+    from elasticep.deploy import RankExit
     from elasticep.entrypoints.join_cmd import _report_progress
 
     launcher = _JoinLauncher(["healthy"] * 4 + ["ready", "failed"], {0: 1, 4: 104, 5: 105})

@@ -78,3 +78,9 @@ class JoinRefusedError(MembershipRequestError):
     """A slot cannot be joined in the asked mode (occupied, out of range, being joined)."""
 
     code = "join_refused"
+
+
+class ScaleNotSupportedError(MembershipRequestError):
+    """This deployment cannot change its size (HTTP 400)."""
+
+    code = "scale_not_supported"

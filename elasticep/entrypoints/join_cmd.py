@@ -114,21 +114,23 @@ def run(args: argparse.Namespace) -> int:
     except JoinError as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
+    from elasticep.deploy import Deployment
+    from elasticep.deploy.supervisor import stop_on_signals, supervise
     from elasticep.distributed import CoordinatorClient
     from elasticep.distributed.errors import JoinRefusedError
-    from elasticep.entrypoints.launcher import RankLauncher, fetch_config, kill_stale_worker
-    from elasticep.entrypoints.supervisor import stop_on_signals, supervise
 
     stop = stop_on_signals()
     client = None
     try:
-        config = fetch_config(args.dist_init_addr, timeout_s=10.0)
         # The coordinator checks the slots and claims them for this connection in one
         # step: a second `join` of the same slot is refused, and the claim goes with
         # this process if it dies.
         client = CoordinatorClient(args.dist_init_addr)
         client.reserve(ranks, mode)
-        status = client.deployment_status()
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
+        deployment = Deployment.attach(args.dist_init_addr, node=args.node_rank,
+                                       config_timeout_s=10.0, log_dir=log_dir,
+                                       new_session=True)
     except JoinRefusedError as exc:
         client.close()
         print(f"elasticep join: error: {exc}", file=sys.stderr)
@@ -139,30 +141,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep join: error: coordinator {args.dist_init_addr}: {exc}",
               file=sys.stderr)
         return 1
-    launcher = None
     try:
         if mode == "recover":
-            for r in ranks:
-                entry = status.rank(r)
-                if entry.node == args.node_rank:
-                    kill_stale_worker(entry.pid, r)
-        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
-        launcher = RankLauncher(args.dist_init_addr, config, args.node_rank, log_dir)
-        for r in ranks:
-            launcher.spawn(r, mode)
-        if mode == "recover":
-            launcher.request_admission(ranks)
-        joined = _report_progress(launcher, mode, ranks, stop)
+            deployment.relaunch(*ranks)  # a frozen old worker on this node is killed first
+        else:
+            deployment.launch(ranks, mode)
+        joined = _report_progress(deployment, mode, ranks, stop)
         client.close()  # releases the claims: the ranks are in (the coordinator holds them)
         if not joined:
             return 1 if not stop.is_set() else 0
-        exits = supervise(launcher, stop, restart=False, until_all_exited=True)
+        exits = supervise(deployment, stop, restart=False, until_all_exited=True)
         lost = len(joined) < len(ranks)  # some died before joining (reported already)
         return 1 if lost or any(ex.code == 1 for ex in exits) else 0
     finally:
         client.close()
-        if launcher is not None:
-            launcher.stop()
+        deployment.stop()
 
 
 _ERROR_LINE = re.compile(r"^\w*(Error|Exception|Exit)\w*: .+")
@@ -187,7 +180,7 @@ def joined_ranks(status: DeploymentStatus, ranks: list[int], pids: dict[int, int
                for r in ranks)
 
 
-def _report_progress(launcher, mode: str, ranks: list[int], stop: threading.Event
+def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event
                      ) -> list[int]:
     """Print one line when the ranks are in (recover: healthy; scale: ready to admit),
     and one error line for each rank that exits first; the others go on.
@@ -201,21 +194,22 @@ def _report_progress(launcher, mode: str, ranks: list[int], stop: threading.Even
             else (SlotState.READY, SlotState.HEALTHY))
     waiting = list(ranks)
     while waiting and not stop.wait(0.2):
-        while not launcher.exits.empty():
-            ex = launcher.exits.get()
+        while not deployment.exits.empty():
+            ex = deployment.exits.get()
             if ex.rank not in waiting:
                 continue
             waiting.remove(ex.rank)
-            reason = exit_reason(launcher.log_tail(ex.rank, lines=40))
-            log = "" if launcher.log_dir is None else f" (log {launcher.log_dir}/rank{ex.rank}.log)"
+            reason = exit_reason(deployment.log_tail(ex.rank, lines=40))
+            log = ("" if deployment.log_dir is None
+                   else f" (log {deployment.log_dir}/rank{ex.rank}.log)")
             others = f"; still joining: ranks {waiting}" if waiting else ""
             print(f"elasticep join: error: rank {ex.rank} exited with {ex.code} before it "
                   f"joined: {reason or 'no output'}{log}{others}", file=sys.stderr)
         if not waiting:
             break
         try:
-            status = launcher.deployment_status()
-            done = joined_ranks(status, waiting, launcher.pids(live_only=False), goal)
+            status = deployment.deployment_status()
+            done = joined_ranks(status, waiting, deployment.pids(live_only=False), goal)
         except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
             logger.warning("coordinator status unavailable: %s", exc)
             continue

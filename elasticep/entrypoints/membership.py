@@ -11,17 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elasticep.distributed.errors import ScaleInProgressError
+from elasticep.distributed.errors import ScaleInProgressError, ScaleNotSupportedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.engine.ipc import WorkerHello
 
 __all__ = ["ConnectedWorkers", "MembershipSource", "ScaleInProgressError",
            "ScaleNotSupportedError"]
-
-
-class ScaleNotSupportedError(RuntimeError):
-    """This deployment cannot change its size; answered with HTTP 400."""
 
 
 class MembershipSource(Protocol):

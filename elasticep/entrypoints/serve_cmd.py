@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in settings.warnings:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
-    from elasticep.entrypoints.supervisor import stop_on_signals
+    from elasticep.deploy.supervisor import stop_on_signals
 
     stop = stop_on_signals()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
@@ -85,40 +85,30 @@ def run(args: argparse.Namespace) -> int:
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
                 log_dir: Path) -> int:
     """Node 0: coordinator + front-end + local ranks; returns when stopped."""
-    from elasticep.distributed import start_coordinator
+    from elasticep.deploy import Deployment
+    from elasticep.deploy.supervisor import supervise
     from elasticep.engine.ipc import FrontendChannel
-    from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
     from elasticep.entrypoints.http_server import create_server
-    from elasticep.entrypoints.launcher import RankLauncher, publish_config
-    from elasticep.entrypoints.membership import ConnectedWorkers
-    from elasticep.entrypoints.supervisor import supervise
 
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    try:
-        coordinator = start_coordinator(settings.coordinator_host, settings.coordinator_port,
-                                        hb_timeout_s=dep.heartbeat_timeout_s)
-    except OSError as exc:
-        raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
-                      f"{exc.strerror or exc}") from exc
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
-    launcher = membership = server = None
+    deployment = server = None
     try:
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
-                      frontend_output_addr=channel.endpoints.output_addr,
-                      store_addr=f"{settings.coordinator_host}:{coordinator.store.port}")
-        publish_config(coordinator.address, dep)
-        launcher = RankLauncher(coordinator.address, dep, 0, log_dir)
+                      frontend_output_addr=channel.endpoints.output_addr)
+        try:  # the local ranks first: they load while the front-end starts
+            deployment = Deployment.start(
+                dep, host=settings.coordinator_host, port=settings.coordinator_port,
+                ranks=settings.local_ranks, log_dir=log_dir, new_session=True)
+        except OSError as exc:
+            raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
+                          f"{exc.strerror or exc}") from exc
+        dep = deployment.config
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
-                    coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
-        for rank in settings.local_ranks:  # first: they load while the front-end starts
-            launcher.spawn(rank)
-        if dep.elastic_ep_backend == "elastic":
-            membership = CoordinatorMembership(coordinator.address)
-        else:  # plain Gloo ranks never register with the coordinator: hellos and pids
-            membership = LaunchedWorkers(ConnectedWorkers(lambda: channel.connected,
-                                                          dep.ep_size), launcher)
+                    deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
+        membership = deployment.membership(lambda: channel.connected)
         name = args.served_model_name or Path(dep.model).name
         try:
             server, frontend = create_server(
@@ -129,12 +119,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
         server.start()
-        if not _wait_ready(membership, channel, launcher, dep.ep_size, stop):
+        if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return 0 if stop.is_set() else 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
-              f"{dep.max_ep_size}, coordinator {coordinator.address})", flush=True)
+              f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
         fatal = dep.elastic_ep_backend == "none"  # no fault tolerance: any exit stops all
-        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           stop_on_exit=fatal)
         if fatal and exits:
             ex = exits[-1]
@@ -146,15 +136,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
         logger.info("stopping: HTTP server, workers, coordinator")
         if server is not None:
             server.stop()
-        if launcher is not None:
-            launcher.stop()
-        if isinstance(membership, CoordinatorMembership):
-            membership.close()
-        coordinator.close()
+        if deployment is not None:
+            deployment.stop()
         channel.close()
 
 
-def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Event) -> bool:
+def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.Event) -> bool:
     """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
     and connected to the front-end with the same pid).
 
@@ -166,11 +153,11 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
     with tqdm(total=ep_size, desc="loading ranks", unit="rank", file=sys.stderr,
               mininterval=0.5, dynamic_ncols=True) as bar:
         while not stop.wait(0.1):
-            if not launcher.exits.empty():
-                ex = launcher.exits.get()
+            if not deployment.exits.empty():
+                ex = deployment.exits.get()
                 bar.close()
                 print(f"elasticep serve: error: rank {ex.rank} exited with {ex.code} while "
-                      f"loading; its log ends with:\n{launcher.log_tail(ex.rank)}",
+                      f"loading; its log ends with:\n{deployment.log_tail(ex.rank)}",
                       file=sys.stderr)
                 return False
             try:
@@ -190,61 +177,27 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
 
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
-    from elasticep.entrypoints.launcher import RankLauncher, fetch_config
-    from elasticep.entrypoints.supervisor import supervise
+    from elasticep.deploy import Deployment
+    from elasticep.deploy.supervisor import supervise
 
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
     if not _wait_for_coordinator(address, stop, timeout_s=120.0):
         return 0
-    dep = fetch_config(address)
+    deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
+                                   new_session=True)
+    dep = deployment.config
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
-    launcher = RankLauncher(address, dep, settings.node_rank, log_dir)
     try:
-        for rank in ranks:
-            launcher.spawn(rank)
+        deployment.launch(ranks)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
         fatal = dep.elastic_ep_backend == "none"
-        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           until_all_exited=True, stop_on_exit=fatal)
         return 1 if fatal and exits else 0
     finally:
-        launcher.stop()
-
-
-class LaunchedWorkers:
-    """Membership of ``--elastic-ep-backend none`` on node 0: the ranks that said hello
-    (:class:`ConnectedWorkers`), made truthful with what this node's launcher knows. A
-    rank whose process exited is ``failed``, and so is every other rank once one failed:
-    plain torch.distributed groups cannot make progress without a member.
-
-    Args:
-        connected: the hello-based membership.
-        launcher: node 0's launcher (the pids it started, and whether they still run).
-    """
-
-    def __init__(self, connected, launcher) -> None:
-        self._connected = connected
-        self._launcher = launcher
-
-    def status(self):
-        from elasticep.distributed.membership import SlotState
-        from elasticep.distributed.status import RankStatus
-
-        status = self._connected.status()
-        launched = self._launcher.pids(live_only=False)
-        dead = {r for r in launched if self._launcher.exited(r)}
-        if not dead:
-            return status
-        ranks = {r.rank: replace(r, state=SlotState.FAILED, pid=launched.get(r.rank, r.pid))
-                 for r in status.ranks}
-        for r in dead - set(ranks):
-            ranks[r] = RankStatus(r, SlotState.FAILED, launched[r], 0)
-        return replace(status, ranks=tuple(ranks[r] for r in sorted(ranks)))
-
-    def scale(self, new_ep_size: int):
-        return self._connected.scale(new_ep_size)
+        deployment.stop()
 
 
 def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float) -> bool:

@@ -1,6 +1,5 @@
-"""Start worker processes against a coordinator and watch them; shared by
-:class:`~elasticep.elastic.deployment.LocalDeployment` and the per-node launcher of
-`serve` / `join` (``elasticep.entrypoints.launcher``).
+"""Start this node's worker processes against a coordinator and watch them (behind
+:class:`~elasticep.deploy.deployment.Deployment`, for serve, join and generate alike).
 
 * each rank runs as ``python -m elasticep.elastic.worker --config-json ...`` (a fresh
   interpreter, never fork), started from one long-lived spawner thread: a worker's
@@ -78,7 +77,7 @@ class RankExit:
     code: int
 
 
-class WorkerLauncher:
+class RankLauncher:
     """Starts worker processes for ranks and watches them, and records each launch (node,
     pid) with the coordinator; the records go when this launcher's connection closes.
 
@@ -183,12 +182,14 @@ class WorkerLauncher:
 
     def kill(self, rank: int, timeout_s: float = 2.0) -> subprocess.Popen | None:
         """Kill the live worker of ``rank`` started here (e.g. evicted but frozen): SIGTERM,
-        then SIGKILL after ``timeout_s`` seconds. Returns the killed process, if any."""
+        then SIGKILL after ``timeout_s`` seconds, and reap it. Returns the killed process,
+        if any."""
         with self._lock:
             proc = self.procs.get(rank)
         if proc is None or proc.poll() is not None:
             return None
         kill_pids([proc.pid], timeout_s=timeout_s)
+        proc.wait(timeout_s)
         return proc
 
     def log_tail(self, rank: int, lines: int = 15) -> str:
