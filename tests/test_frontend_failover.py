@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import AbortRequest, TokenOutput
-from elasticep.entrypoints.frontend import FrontendConfig
-from elasticep.entrypoints.http_server import create_server
+from elasticep.frontend.core import FrontendConfig
+from elasticep.frontend.http_server import create_server
 
 pytestmark = pytest.mark.timeout(60)
 

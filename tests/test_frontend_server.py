@@ -21,9 +21,9 @@ from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.engine.serve_loop import run_engine_worker
-from elasticep.entrypoints.http_server import create_server
-from elasticep.entrypoints.incremental_text import IncrementalText
-from elasticep.entrypoints.membership import ConnectedWorkers, ScaleInProgressError
+from elasticep.frontend.http_server import create_server
+from elasticep.frontend.incremental_text import IncrementalText
+from elasticep.frontend.membership import ConnectedWorkers, ScaleInProgressError
 
 pytestmark = pytest.mark.timeout(90)
 

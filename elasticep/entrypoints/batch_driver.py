@@ -24,9 +24,9 @@ from elasticep.deploy import Deployment
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.engine.request import SamplingParams
-from elasticep.entrypoints.frontend import Frontend, FrontendConfig
-from elasticep.entrypoints.incremental_text import Decode
-from elasticep.entrypoints.request_tracker import RequestEvent
+from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.request_tracker import RequestEvent
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,14 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the command modules stay light: `elasticep --help` imports them all
-    from elasticep.distributed.membership import SlotState
-    from elasticep.distributed.status import DeploymentStatus
+from elasticep.deploy import Deployment
+from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.errors import JoinRefusedError
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
+from elasticep.entrypoints.serve_cmd import setup_logging
 
 logger = logging.getLogger("elasticep.join")
 
@@ -42,7 +45,6 @@ examples:
 
 class JoinError(ValueError):
     """The join cannot proceed (bad flags or an occupied slot); exit status 2."""
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``join`` subcommand."""
@@ -106,18 +108,12 @@ def parse_mode_and_ranks(args: argparse.Namespace) -> tuple[str, list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the joiners and supervise them; returns the exit code."""
-    from elasticep.entrypoints.serve_cmd import setup_logging
-
     setup_logging()
     try:
         mode, ranks = parse_mode_and_ranks(args)
     except JoinError as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
-    from elasticep.deploy import Deployment
-    from elasticep.deploy.supervisor import stop_on_signals, supervise
-    from elasticep.distributed import CoordinatorClient
-    from elasticep.distributed.errors import JoinRefusedError
 
     stop = stop_on_signals()
     client = None
@@ -188,8 +184,6 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
     Returns:
         The ranks that got in; empty if stopped or every rank exited first.
     """
-    from elasticep.distributed.membership import SlotState
-
     goal = ((SlotState.HEALTHY,) if mode == "recover"
             else (SlotState.READY, SlotState.HEALTHY))
     waiting = list(ranks)

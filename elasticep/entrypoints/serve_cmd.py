@@ -19,12 +19,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tqdm import tqdm
+
+from elasticep.deploy import Deployment
+from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.distributed import CoordinatorClient
+from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     UsageError,
     add_serve_arguments,
     validate,
 )
+from elasticep.frontend.http_server import create_server
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -37,7 +45,6 @@ examples:
   elasticep serve --ep-size 4 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:29400
   elasticep serve --ep-size 4 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:29400
 """
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``serve`` subcommand."""
@@ -69,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in settings.warnings:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
-    from elasticep.deploy.supervisor import stop_on_signals
 
     stop = stop_on_signals()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
@@ -85,11 +91,6 @@ def run(args: argparse.Namespace) -> int:
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
                 log_dir: Path) -> int:
     """Node 0: coordinator + front-end + local ranks; returns when stopped."""
-    from elasticep.deploy import Deployment
-    from elasticep.deploy.supervisor import supervise
-    from elasticep.engine.ipc import FrontendChannel
-    from elasticep.entrypoints.http_server import create_server
-
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
@@ -148,8 +149,6 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     Returns:
         True when ready; False if stopped or a local rank died while loading.
     """
-    from tqdm import tqdm
-
     with tqdm(total=ep_size, desc="loading ranks", unit="rank", file=sys.stderr,
               mininterval=0.5, dynamic_ncols=True) as bar:
         while not stop.wait(0.1):
@@ -177,9 +176,6 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
 
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
-    from elasticep.deploy import Deployment
-    from elasticep.deploy.supervisor import supervise
-
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
     if not _wait_for_coordinator(address, stop, timeout_s=120.0):
         return 0
@@ -209,9 +205,6 @@ def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float)
     Raises:
         TimeoutError: not reachable within ``timeout_s`` seconds.
     """
-    from elasticep.distributed import CoordinatorClient
-    from elasticep.utils.wait import wait_until
-
     def attempt() -> bool:
         try:
             CoordinatorClient(address).close()

@@ -28,20 +28,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.ipc import FrontendChannel
-from elasticep.entrypoints.frontend import Frontend, FrontendConfig
-from elasticep.entrypoints.membership import (
+from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.membership import (
     MembershipSource,
     ScaleInProgressError,
     ScaleNotSupportedError,
 )
-from elasticep.entrypoints.openai_protocol import (
+from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     ScaleRequest,
     error_body,
 )
-from elasticep.entrypoints.openai_serving import OpenAIServing
+from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)

@@ -34,10 +34,10 @@ from elasticep.engine.ipc import (
     WorkerMessage,
 )
 from elasticep.engine.request import GenerateRequest, SamplingParams
-from elasticep.entrypoints.incremental_text import Decode
-from elasticep.entrypoints.membership import MembershipSource
-from elasticep.entrypoints.metrics import FrontendMetrics
-from elasticep.entrypoints.request_tracker import (
+from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.membership import MembershipSource
+from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
