@@ -34,6 +34,9 @@ class DeploymentConfig:
         num_threads: torch intra-op threads per rank.
         store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
             baseline group (elastic_ep_backend="none") rendezvouses there directly.
+        load_format: "auto"/"safetensors" (read the checkpoint) or "dummy" (weights
+            drawn from a fixed seed, the same on every rank, so a relaunched or
+            scaled-in rank holds the same experts; only config.json is needed).
     """
 
     model: str
@@ -53,6 +56,7 @@ class DeploymentConfig:
     max_num_seqs: int = 64
     num_threads: int = 1
     store_addr: str = ""
+    load_format: str = "auto"
 
     def to_json(self) -> str:
         """Serialise for the coordinator store."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
-from elasticep.models.checkpoint import CheckpointReader
+from elasticep.models.loader import open_weights
 from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.local_executor import ExpertSlots
@@ -34,12 +34,16 @@ class CheckpointExperts:
     Args:
         model: the rank's model (for its config, dtype and device).
         model_dir: the checkpoint directory.
+        load_format: as :func:`elasticep.models.loader.open_weights`; with "dummy" an
+            orphan is drawn again from ``seed``, bit-identical to its lost copy.
+        seed: the dummy weights' seed.
     """
 
-    def __init__(self, model: MoECausalLM, model_dir: str | Path) -> None:
+    def __init__(self, model: MoECausalLM, model_dir: str | Path, load_format: str = "auto",
+                 seed: int = 0) -> None:
         self.config = model.config
         self.dtype, self.device = model.dtype, model.device
-        self.reader = CheckpointReader(model_dir)
+        self.reader = open_weights(model_dir, load_format, seed, model.config)
         self.num_loaded = 0
 
     def __call__(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +85,8 @@ class HookedExecutor:
 
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
                       dtype: torch.dtype, device: str = "cpu",
-                      with_experts: bool = True) -> MoECausalLM:
+                      with_experts: bool = True, load_format: str = "auto",
+                      seed: int = 0) -> MoECausalLM:
     """Load this rank's share of the model: every non-expert weight plus its local slots.
 
     Needs no process group, so a worker loads before it joins the group (a long load
@@ -96,6 +101,7 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
             makes it (or an explicit "cuda:N") the current device, which the rank's
             NCCL communicators use.
         with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
+        load_format, seed: where weights come from (:func:`elasticep.models.loader.open_weights`).
 
     Raises:
         ValueError: bad checkpoint or placement.
@@ -104,7 +110,8 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
     if device.startswith("cuda"):  # one GPU per rank (NCCL refuses two ranks on one GPU)
         torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
         device = f"cuda:{torch.cuda.current_device()}"
-    return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False)
+    return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False,
+                      load_format=load_format, seed=seed)
 
 
 def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,

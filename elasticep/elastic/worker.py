@@ -109,12 +109,12 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                                   d.ep_num_redundant_experts, d.ep_size, max_ep)
     joining = cfg.join_mode is not None
     model = load_rank_weights(d.model, placement, cfg.rank, getattr(torch, d.dtype), d.device,
-                              with_experts=not joining)
+                              with_experts=not joining, load_format=d.load_format)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
     group = init_world(cfg)
     ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
-    load_fn = CheckpointExperts(model, d.model)
+    load_fn = CheckpointExperts(model, d.model, d.load_format)
     faults = FaultInjector.from_config(cfg.rank, cfg.fault)
     hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None

@@ -93,11 +93,16 @@ class LLMEngine:
         config: EngineConfig | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         progress: bool = True,
+        load_format: str = "auto",
     ) -> LLMEngine:
-        """Load ``model_dir`` with every expert local and wrap it in an engine."""
+        """Load ``model_dir`` with every expert local and wrap it in an engine.
+
+        ``load_format`` "dummy" draws the weights from a seed (config.json only).
+        """
         from elasticep.models.loader import load_model
 
-        model = load_model(model_dir, dtype=dtype, device=device, progress=progress)
+        model = load_model(model_dir, dtype=dtype, device=device, progress=progress,
+                           load_format=load_format)
         return cls(model, config, detokenize)
 
     def add_request(self, req: GenerateRequest) -> None:

@@ -1,73 +1,185 @@
-"""Token sampling with a counter-based RNG: greedy, temperature, top-k, top-p.
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, seeded.
 
-The noise for a draw depends only on (seed, token index) when the request has a seed,
-else on (request id, token index). It never depends on batch composition or on how
-many draws happened before, so a request resumed elsewhere from prompt + generated
-tokens samples exactly the same continuation (DESIGN.md, "One step").
+One call samples the whole batch with tensor ops (no Python loop over rows for the
+math) and moves the chosen ids to the host once. Sampling is Gumbel-max over the
+filtered logits: ``argmax(x / T + G)`` with ``G = -log(-log(u))`` draws from
+``softmax(x / T)`` (Gumbel 1954; the "Gumbel-max trick", Maddison et al. 2014).
+
+The uniform ``u`` for a (row, vocab index) comes from a counter-based generator: the
+row's 63-bit key :func:`rng_key` (seed and token index when the request has a seed,
+else request id and token index) is the seed of a splitmix64 sequence (Steele, Lea
+and Flood 2014) and the vocab index is its counter. Only integer ops make the bits,
+so CPU and CUDA give identical noise, and a row's draws depend on nothing else in the
+batch: a request resumed elsewhere from prompt + generated tokens samples exactly the
+same continuation (DESIGN.md, "One step").
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from elasticep.engine.request import SamplingParams
 
 
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# splitmix64's increment and finalizer multipliers
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
 def rng_key(request_id: str, seed: int | None, token_index: int) -> int:
-    """63-bit generator seed for one draw; a user seed makes draws independent of the id."""
+    """63-bit key of one draw; a user seed makes draws independent of the id."""
     base = f"seed:{seed}" if seed is not None else f"rid:{request_id}"
     digest = hashlib.blake2b(f"{base}:{token_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to ``logits [V]`` float32; removed tokens -> -inf."""
-    x = logits / params.temperature
-    if 0 < params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always the top token)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        x = x.clone()
-        x[order[drop]] = float("-inf")
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` sign-extends)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1) for every (row key, vocab index), bit-identical on CPU and CUDA.
+
+    Element ``[r, v]`` is output ``v + 1`` of splitmix64 seeded with ``keys[r]``: state
+    ``key + (v + 1) * golden`` through the splitmix64 finalizer, all mod 2**64 in int64
+    ops (multiplication wraps), then the top 52 bits as ``(bits + 0.5) / 2**52`` (exact
+    in float64, so never rounded up to 1).
+
+    Args:
+        keys: ``[R]`` int64 row keys (from :func:`rng_key`), on the output device.
+        vocab_size: ``V``.
+
+    Returns:
+        ``[R, V]`` float64, never exactly 0 or 1.
+    """
+    counter = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + counter[None, :] * _GOLDEN
+    z ^= _shr(z, 30)
+    z *= _MIX1
+    z ^= _shr(z, 27)
+    z *= _MIX2
+    z ^= _shr(z, 31)
+    return (_shr(z, 12).double() + 0.5) * 2.0**-52
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_top_k: int,
+    any_top_p: bool,
+) -> torch.Tensor:
+    """Scale by temperature and mask what top-k, then top-p, remove (to -inf).
+
+    Top-p keeps the smallest set of most likely tokens whose mass (after top-k) reaches
+    ``top_p``, always the top token; ties at a threshold are all kept.
+
+    Args:
+        logits: ``[R, V]`` any float dtype.
+        temperature: ``[R]`` float32, > 0.
+        top_k: ``[R]`` int64, 0 (or >= V) disables.
+        top_p: ``[R]`` float32 in (0, 1]; 1 disables.
+        max_top_k: host int, the largest enabled ``top_k`` (0 if none), so that no
+            device value is read on the host.
+        any_top_p: host bool, some row has ``top_p < 1``.
+
+    Returns:
+        ``[R, V]`` float32.
+    """
+    x = logits.float() / temperature[:, None]
+    V = x.shape[1]
+    use_top_k = 0 < max_top_k < V
+    if any_top_p:
+        ranked = torch.sort(x, dim=-1, descending=True).values
+    elif use_top_k:
+        ranked = torch.topk(x, max_top_k, dim=-1).values
+    else:
+        return x
+    if use_top_k:
+        on = (top_k > 0) & (top_k < V)
+        pick = (torch.where(on, top_k, 1) - 1).clamp(max=ranked.shape[1] - 1)
+        kth = torch.where(on, ranked.gather(1, pick[:, None]).squeeze(1), float("-inf"))
+        x = x.masked_fill(x < kth[:, None], float("-inf"))
+        ranked = ranked.masked_fill(ranked < kth[:, None], float("-inf"))
+    if any_top_p:
+        probs = torch.softmax(ranked, dim=-1)
+        mass_before = probs.cumsum(-1) - probs
+        keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        last = keep.sum(-1, keepdim=True) - 1  # keep is a prefix holding at least the top token
+        x = x.masked_fill(x < ranked.gather(1, last), float("-inf"))
     return x
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, request_id: str, token_index: int) -> int:
-    """Draw one token from ``logits [V]`` (any float dtype, any device).
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without blocking the host on CUDA (pinned, async)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    Greedy (argmax) when ``params.temperature == 0``; else a Gumbel-max draw whose noise
-    comes from :func:`rng_key`.
+
+def sample_batch_tensor(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    request_ids: Sequence[str],
+    token_indices: Sequence[int],
+) -> torch.Tensor:
+    """Sample one token per row of ``logits [B, V]`` on its device; pure, no host sync.
+
+    Greedy rows (``temperature == 0``) take the argmax (first index on ties); the others
+    a Gumbel-max draw over :func:`filter_logits`, keyed by :func:`rng_key`.
+
+    Args:
+        logits: ``[B, V]`` any float dtype, any device.
+        params, request_ids, token_indices: per row; ``token_indices[i]`` is the index
+            among the request's outputs of the token being drawn.
+
+    Returns:
+        ``[B]`` int64 token ids on ``logits.device``.
+
+    Raises:
+        ValueError: the per-row lists do not match the batch size.
     """
-    logits = logits.float()
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    x = filter_logits(logits.cpu(), params)
-    gen = torch.Generator().manual_seed(rng_key(request_id, params.seed, token_index))
-    u = torch.rand(x.shape, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
-    gumbel = -torch.log(-torch.log(u))
-    return int(torch.argmax(x.double() + gumbel))
+    B = logits.shape[0]
+    if not len(params) == len(request_ids) == len(token_indices) == B:
+        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
+                         f"and {len(token_indices)} token indices")
+    ids = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if not rows:
+        return ids
+    dev = logits.device
+    sampled = [params[i] for i in rows]
+    ints = torch.tensor([rows,
+                         [rng_key(request_ids[i], params[i].seed, token_indices[i]) for i in rows],
+                         [p.top_k for p in sampled]], dtype=torch.int64)
+    floats = torch.tensor([[p.temperature for p in sampled], [p.top_p for p in sampled]],
+                          dtype=torch.float32)
+    ints, floats = _to_device(ints, dev), _to_device(floats, dev)
+    row_idx, keys, top_k = ints
+    V = logits.shape[1]
+    enabled_k = [p.top_k for p in sampled if 0 < p.top_k < V]
+    x = filter_logits(logits.index_select(0, row_idx), floats[0], top_k, floats[1],
+                      max(enabled_k, default=0), any(p.top_p < 1.0 for p in sampled))
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, V)))
+    return ids.index_copy(0, row_idx, torch.argmax(x.double() + gumbel, dim=-1))
 
 
 def sample_batch(
     logits: torch.Tensor,
-    params: list[SamplingParams],
-    request_ids: list[str],
-    token_indices: list[int],
+    params: Sequence[SamplingParams],
+    request_ids: Sequence[str],
+    token_indices: Sequence[int],
 ) -> list[int]:
-    """Sample one token per row of ``logits [B, V]``; pure (no request state is touched)."""
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    out = [0] * len(params)
-    if greedy:
-        ids = torch.argmax(logits[greedy].float(), dim=-1).tolist()
-        for i, t in zip(greedy, ids, strict=True):
-            out[i] = t
-    for i, p in enumerate(params):
-        if p.temperature != 0:
-            out[i] = sample_token(logits[i], p, request_ids[i], token_indices[i])
-    return out
+    """:func:`sample_batch_tensor`, then one device-to-host transfer of the ids."""
+    return sample_batch_tensor(logits, params, request_ids, token_indices).tolist()

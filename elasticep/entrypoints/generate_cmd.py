@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 import elasticep
 from elasticep.elastic.config import DeploymentConfig
@@ -24,6 +23,7 @@ from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import UsageError
+from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
 
 log = logging.getLogger("elasticep.generate")
@@ -48,6 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    checks.add_load_format_argument(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -69,9 +70,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a JSONL file, one ``{"prompt": "..."}`` object a line (blank lines
-    skipped).
+def read_prompts(path: str) -> list[str | list[int]]:
+    """The prompts of a JSONL file, one object a line (blank lines skipped): either
+    ``{"prompt": "..."}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's name; what a
+    model directory without a tokenizer needs).
 
     Raises:
         UsageError: unreadable file, a line that is not such an object, or no prompts.
@@ -83,7 +85,7 @@ def read_prompts(path: str) -> list[str]:
         raise UsageError(f"{where}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{where}: cannot read ({exc})") from None
-    prompts = []
+    prompts: list[str | list[int]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -91,9 +93,14 @@ def read_prompts(path: str) -> list[str]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}: line {n}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UsageError(f'{where}: line {n}: expected an object {{"prompt": "..."}}')
-        prompts.append(row["prompt"])
+        ids = row.get("prompt_token_ids") if isinstance(row, dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+            prompts.append(ids)
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        else:
+            raise UsageError(f'{where}: line {n}: expected an object {{"prompt": "..."}} '
+                             'or {"prompt_token_ids": [...]}')
     if not prompts:
         raise UsageError(f"{where}: no prompts")
     return prompts
@@ -122,7 +129,7 @@ def check_fault(fault: str | None, ep_size: int) -> None:
                              f"(--ep-size {ep_size})")
 
 
-def validate(args: argparse.Namespace) -> tuple[str, list[str], SamplingParams]:
+def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], SamplingParams]:
     """Check every flag before anything heavy is loaded.
 
     Returns:
@@ -172,7 +179,7 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
         ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, load_format=args.load_format,
     )
     with BatchDriver.launch(cfg, decode, fault=args.fault) as driver:
         outs = driver.generate(ids, params)
@@ -192,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args = argparse.Namespace(**vars(args) | {"model": model})  # the resolved directory
     try:
-        tok = AutoTokenizer.from_pretrained(args.model)
-        ids = [tok(p).input_ids for p in prompts]
+        tok = load_tokenizer(args.model)
+        ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if args.ep_size > 1:
             outs = _generate_ep(args, ids, params, tok.decode)
@@ -204,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs),
                 detokenize=tok.decode,
+                load_format=args.load_format,
             )
             outs = engine.generate(ids, params)
     except (ValueError, OSError, RuntimeError) as exc:

@@ -23,13 +23,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elasticep.deploy import Deployment
+from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.supervisor import stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.entrypoints.serve_cmd import setup_logging
+from elasticep.entrypoints.validate import add_load_format_argument
 
 logger = logging.getLogger("elasticep.join")
 
@@ -67,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
+    add_load_format_argument(p, default=None,
+                             help_suffix=" (default: the deployment's; a different one is "
+                                         "refused)")
     return p
 
 
@@ -118,17 +122,21 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     client = None
     try:
+        config = fetch_config(args.dist_init_addr, timeout_s=10.0)
+        if args.load_format is not None and args.load_format != config.load_format:
+            raise JoinError(f"--load-format {args.load_format} differs from the deployment's "
+                            f"{config.load_format}: every rank must hold the same weights")
         # The coordinator checks the slots and claims them for this connection in one
         # step: a second `join` of the same slot is refused, and the claim goes with
         # this process if it dies.
         client = CoordinatorClient(args.dist_init_addr)
         client.reserve(ranks, mode)
         log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
-        deployment = Deployment.attach(args.dist_init_addr, node=args.node_rank,
-                                       config_timeout_s=10.0, log_dir=log_dir,
-                                       new_session=True)
-    except JoinRefusedError as exc:
-        client.close()
+        deployment = Deployment(args.dist_init_addr, config, node=args.node_rank,
+                                log_dir=log_dir, new_session=True)
+    except (JoinError, JoinRefusedError) as exc:
+        if client is not None:
+            client.close()
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, TimeoutError, ValueError, RuntimeError) as exc:

@@ -18,6 +18,18 @@ from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # as elasticep.models.loader.LOAD_FORMATS
+LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
+                    "draws them from a fixed seed on the device, so a directory with only "
+                    "config.json runs a real model shape (benchmarks)")
+
+
+def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+                             default: str | None = "auto", help_suffix: str = "") -> None:
+    """Add ``--load-format`` (vLLM's name and choices) to ``p``."""
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=default,
+                   help=LOAD_FORMAT_HELP + help_suffix)
+
 
 class UsageError(ValueError):
     """A bad flag or flag combination; printed as one line, exit status 2."""

@@ -232,9 +232,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
-    from transformers import AutoTokenizer  # heavy: imported only by the front-end
+    from elasticep.frontend.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    tokenizer = load_tokenizer(model_path)
     model_cfg = json.loads((Path(model_path) / "config.json").read_text())
     max_model_len = int(model_cfg.get("max_position_embeddings")
                         or getattr(tokenizer, "model_max_length", 2048))

@@ -43,6 +43,7 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
 )
+from elasticep.frontend.tokenizer import NoTokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ class OpenAIServing:
         req.check_supported()
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
+            try:
+                ids = list(self.tokenizer.encode(prompt))
+            except NoTokenizerError as exc:
+                raise OpenAIError(400, str(exc), param="prompt") from None
         else:
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):

@@ -14,6 +14,7 @@ On-disk expert layouts understood, per MoE layer (first match wins):
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,9 +23,38 @@ from tqdm import tqdm
 
 from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
+from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
+
+# vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+WeightReader = CheckpointReader | DummyWeightReader
+
+
+def open_weights(model_dir: str | Path, load_format: str = "auto", seed: int = 0,
+                 config: MoEModelConfig | None = None) -> WeightReader:
+    """The weight reader of ``model_dir`` for ``load_format`` (use it as a context manager).
+
+    Args:
+        model_dir: checkpoint directory; for "dummy" only ``config.json`` is read.
+        load_format: one of :data:`LOAD_FORMATS`.
+        seed: the dummy weights' seed (ignored otherwise).
+        config: the parsed config, if the caller has it.
+
+    Raises:
+        ValueError: unknown format, or what the reader raises (no safetensors, bad config).
+    """
+    if load_format in ("auto", "safetensors"):
+        return CheckpointReader(model_dir)
+    if load_format != "dummy":
+        raise ValueError(f"unknown load format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
+    cfg = config or load_model_config(model_dir)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return DummyWeightReader(model_dir, cfg, seed=seed,
+                             std=float(raw.get("initializer_range") or DEFAULT_STD))
 
 
 def _moe_prefixes(cfg: MoEModelConfig, layer: int) -> list[str]:
@@ -34,7 +64,7 @@ def _moe_prefixes(cfg: MoEModelConfig, layer: int) -> list[str]:
     return [f"{base}.mlp"]
 
 
-def _expert_keys(cfg: MoEModelConfig, reader: CheckpointReader, layer: int) -> tuple[str, str]:
+def _expert_keys(cfg: MoEModelConfig, reader: WeightReader, layer: int) -> tuple[str, str]:
     """Return (kind, prefix): kind is "fused" or "per_expert" for this layer's experts."""
     for prefix in _moe_prefixes(cfg, layer):
         if reader.has(f"{prefix}.experts.gate_up_proj"):
@@ -46,7 +76,7 @@ def _expert_keys(cfg: MoEModelConfig, reader: CheckpointReader, layer: int) -> t
 
 
 def load_expert_into_slot(
-    reader: CheckpointReader,
+    reader: WeightReader,
     cfg: MoEModelConfig,
     slots: ExpertSlots,
     layer: int,
@@ -87,7 +117,7 @@ def load_expert_into_slot(
     slots.slot_to_logical[layer, slot] = logical_expert
 
 
-def _dense(reader: CheckpointReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
+def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
     return DenseMLPWeights(
         gate=reader.get(f"{p}.gate_proj.weight", (inter, hid), dt, dev),
         up=reader.get(f"{p}.up_proj.weight", (inter, hid), dt, dev),
@@ -95,7 +125,7 @@ def _dense(reader: CheckpointReader, p: str, hid: int, inter: int, dt, dev) -> D
     )
 
 
-def _layer(reader: CheckpointReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:
+def _layer(reader: WeightReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:
     hid, d = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     p = f"model.layers.{i}"
@@ -141,6 +171,8 @@ def load_model(
     device: torch.device | str = "cpu",
     slot_to_logical: torch.Tensor | None = None,
     progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> MoECausalLM:
     """Load a checkpoint for one rank.
 
@@ -150,6 +182,9 @@ def load_model(
         device: "cpu" or "cuda".
         slot_to_logical: ``[L, S]`` int64 placement; None = all E experts in order.
         progress: show a tqdm bar on stderr.
+        load_format: "auto"/"safetensors" read ``*.safetensors``; "dummy" draws every
+            tensor from ``seed`` (:mod:`elasticep.models.dummy_weights`).
+        seed: the dummy weights' seed.
 
     Returns:
         A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the
@@ -177,7 +212,7 @@ def load_model(
             for m in cfg.moe_layers],
         slot_to_logical=slot_to_logical,
     )
-    with CheckpointReader(model_dir) as reader:
+    with open_weights(model_dir, load_format, seed, cfg) as reader:
         embed = reader.get("model.embed_tokens.weight", (cfg.vocab_size, hid), dtype, device)
         layers = []
         bar = tqdm(range(n_layers), desc=f"loading {Path(model_dir).name}", unit="layer",
@@ -197,13 +232,14 @@ def load_model(
 
 
 def reload_expert(
-    model: MoECausalLM, model_dir: str | Path, layer: int, slot: int, logical_expert: int
+    model: MoECausalLM, model_dir: str | Path, layer: int, slot: int, logical_expert: int,
+    load_format: str = "auto", seed: int = 0,
 ) -> None:
     """Reload one expert of ``model`` from its checkpoint into ``slot`` (orphan reload).
 
     Refreshes the model's executor map when it has one (``refresh()``).
     """
-    with CheckpointReader(model_dir) as reader:
+    with open_weights(model_dir, load_format, seed, model.config) as reader:
         load_expert_into_slot(reader, model.config, model.experts, layer, slot, logical_expert)
     refresh = getattr(model.executor, "refresh", None)
     if callable(refresh):

@@ -1,0 +1,540 @@
+"""Speed at real scale: decode step time against the HBM bound, and against transformers.
+
+A model of a real shape (default: Qwen3-30B-A3B, ``bench/configs/qwen3-30b-a3b.json``)
+with ``--load-format dummy`` weights, so nothing is downloaded. Every request has a
+``--prompt-len``-token prompt of random ids and decodes exactly ``--decode-tokens``
+tokens (``ignore_eos``; the counts are asserted). One JSON line per configuration.
+
+Sections (``--only``, comma-separated):
+
+* ``hbm``: the HBM bandwidth of this GPU, from a large device-to-device copy, counted as
+  ``2 x bytes copied / time`` (each byte is read once and written once);
+* ``ep1``: our engine in this process (``LLMEngine``, every expert local) at each
+  ``--batches`` size;
+* ``ep2``: two ranks, one GPU each, through the deployment (``BatchDriver``: coordinator,
+  worker processes, the front-end's routing); the batch is split evenly over the ranks;
+  backends ``elastic`` and ``none`` interleaved, ``--repeats`` runs each, medians and
+  spread;
+* ``hf``: transformers ``generate`` against our engine on the same ``--hf-layers``-layer
+  checkpoint (written to local disk by transformers itself), batch 1 and 16;
+* ``profile``: ``torch.profiler`` over a few decode steps of ``ep1`` at batch
+  ``--profile-batch``: GPU time by kind (attention, experts, exchange, sampling, other)
+  and host time the GPU sat idle between kernels.
+
+The HBM bound of one decode step is the time to read, once, the bytes that step cannot
+avoid reading, at the bandwidth ``bw`` measured in the same run::
+
+    bytes = L_attn * (|W_q| + |W_k| + |W_v| + |W_o|)            attention weights
+          + sum over MoE layers of n_touched(layer) * 3 * H * I * s   experts routed this step
+          + L_moe * E * H * s                                        routers
+          + L * sum over sequences of ctx_len * 2 * Hkv * D * s      KV cache read
+          + V * H * s                                                LM head
+    bound_s = bytes / bw
+
+with ``s`` the bytes of the dtype, ``n_touched`` the distinct experts the step's tokens
+were routed to (measured), and ``ctx_len`` each sequence's context at that step. Norms,
+embeddings of the new tokens and the writes of new K/V are under 0.1% and left out.
+For EP2 the bound is that of the busier rank: its sequences' KV, the whole attention and
+LM head (every rank holds them), and its half of the touched experts.
+
+Usage::
+
+    python bench/scale.py --only hbm,ep1 --layers 48 --batches 1,16,64,256
+    python bench/scale.py --only ep2 --layers 48 --repeats 5
+    python bench/scale.py --only hf --hf-layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+import torch  # noqa: E402
+
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from elasticep.engine.request import GenerateRequest, SamplingParams  # noqa: E402
+from elasticep.models import MoEModelConfig, load_model_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "bench" / "configs" / "qwen3-30b-a3b.json"
+
+
+def emit(row: dict) -> None:
+    """Print one JSON line (the bench's output) and flush it."""
+    print(json.dumps(row), flush=True)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=REPO, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def model_dir(config: Path, layers: int | None, root: Path) -> Path:
+    """A directory holding only ``config.json`` (``num_hidden_layers`` set to ``layers``)."""
+    raw = json.loads(config.read_text())
+    if layers:
+        raw["num_hidden_layers"] = layers
+    d = root / f"{config.stem}-L{raw['num_hidden_layers']}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(raw, indent=1))
+    return d
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hbm_bandwidth(device: str, gib: float = 4.0, reps: int = 20) -> float:
+    """Bytes per second of a ``gib``-GiB device-to-device copy, counting read + write."""
+    if not device.startswith("cuda"):
+        gib, reps = 0.25, 5  # the --device cpu dry run only checks the script
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)  # random, never zeros
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times)
+
+
+def peak_memory_gib(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def reset_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
+               ctx_lens: list[int]) -> dict[str, int]:
+    """The bytes one decode step must read (see the module docstring), by part."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    qkvo = (2 * cfg.num_attention_heads * D * H) + (2 * cfg.num_key_value_heads * D * H)
+    n_moe = sum(cfg.moe_layers)
+    parts = {
+        "attention_weights": cfg.num_hidden_layers * qkvo * elem,
+        "experts": sum(touched_per_layer) * 3 * H * cfg.moe_intermediate_size * elem,
+        "routers": n_moe * cfg.num_experts * H * elem,
+        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * 2 * cfg.num_key_value_heads * D * elem,
+        "lm_head": cfg.vocab_size * H * elem,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+class RoutingRecorder:
+    """Wraps a model's executor; while ``on``, keeps each MoE layer's ``topk_ids``.
+
+    Recording adds no sync: the ids are copied on the device and counted afterwards.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.on = False
+        self.ids: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer_idx, hidden_states, topk_ids, topk_weights):
+        if self.on:
+            self.ids[layer_idx] = topk_ids.clone()
+        return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
+
+    def touched(self) -> list[int]:
+        return [int(torch.unique(t).numel()) for _, t in sorted(self.ids.items())]
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (batch, prompt_len), generator=gen).tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int,
+               recorder: RoutingRecorder | None = None) -> dict:
+    """All prompts as one batch; step times split into prefill and pure decode steps."""
+    params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+    tag = f"r{time.monotonic_ns()}-"
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"{tag}{i}", tuple(p), params))
+    counts = dict.fromkeys(range(len(prompts)), 0)
+    prefill_s, decode_steps, touched, ctx_at_record = 0.0, [], None, None
+    while engine.has_unfinished():
+        batch = engine.schedule()
+        is_decode = all(it.end - it.start == 1 for it in batch.items)
+        record = (recorder is not None and is_decode and touched is None
+                  and len(decode_steps) == decode_tokens // 2)
+        if recorder is not None:
+            recorder.on, recorder.ids = record, {}
+        t0 = time.perf_counter()
+        outs = engine.commit(batch, engine.execute(batch))  # .tolist() inside: synced
+        dt = time.perf_counter() - t0
+        if record:
+            recorder.on = False
+            touched = recorder.touched()
+            ctx_at_record = [it.end for it in batch.items]
+        if is_decode:
+            decode_steps.append(dt)
+        else:
+            prefill_s += dt
+        for o in outs:
+            counts[int(o.request_id[len(tag):])] += 1
+    assert all(n == decode_tokens for n in counts.values()), counts
+    return {"prefill_s": prefill_s, "decode_steps_s": decode_steps, "touched": touched,
+            "ctx_lens": ctx_at_record}
+
+
+def section_hbm(args) -> dict:
+    bw = hbm_bandwidth(args.device)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    row = {"section": "hbm", "hbm_bytes_per_s": bw, "hbm_tb_per_s": round(bw / 1e12, 3),
+           "gpu": gpu}
+    emit(row)
+    return row
+
+
+def _engine(mdir: Path, batch: int, args, dtype: torch.dtype, load_format: str) -> LLMEngine:
+    total = batch * (args.prompt_len + args.decode_tokens) + 64 * 16
+    return LLMEngine.from_pretrained(
+        mdir, dtype=dtype, device=args.device, progress=False, load_format=load_format,
+        config=EngineConfig(max_total_tokens=total, max_num_seqs=max(batch, 1),
+                            max_batch_tokens=args.max_batch_tokens))
+
+
+def section_ep1(args, bw: float) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
+    cfg = load_model_config(mdir)
+    rows = []
+    engine = None
+    for batch in args.batches:
+        del engine
+        reset_memory(args.device)
+        t0 = time.perf_counter()
+        engine = _engine(mdir, batch, args, dtype, "dummy")
+        load_s = time.perf_counter() - t0
+        rec = RoutingRecorder(engine.model.executor)
+        engine.model.executor = rec
+        prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
+        run_engine(engine, prompts[:1], 2)  # warm-up: allocator, kernels, autotuning
+        res = run_engine(engine, prompts, args.decode_tokens, rec)
+        step = statistics.median(res["decode_steps_s"])
+        parts = step_bytes(cfg, dtype.itemsize, res["touched"], res["ctx_lens"])
+        bound = parts["total"] / bw
+        row = {"section": "ep1", "config": Path(args.config).stem, "layers": cfg.num_hidden_layers,
+               "batch": batch, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+               "decode_step_ms": round(step * 1e3, 3),
+               "decode_step_ms_p10_p90": [round(x * 1e3, 3) for x in _p10_p90(res["decode_steps_s"])],
+               "decode_tokens_per_s": round(batch / step, 1),
+               "prefill_tokens_per_s": round(batch * args.prompt_len / res["prefill_s"], 1),
+               "peak_gpu_mem_gib": peak_memory_gib(args.device),
+               "experts_touched_per_layer_mean": round(statistics.mean(res["touched"]), 1),
+               "experts_per_layer": cfg.num_experts,
+               "hbm_bound_ms": round(bound * 1e3, 4),
+               "x_hbm_bound": round(step / bound, 2),
+               "step_bytes": parts, "load_s": round(load_s, 1)}
+        emit(row)
+        rows.append(row)
+    return rows
+
+
+def _p10_p90(xs: list[float]) -> tuple[float, float]:
+    s = sorted(xs)
+    return s[len(s) // 10], s[(len(s) * 9) // 10]
+
+
+def section_profile(args) -> dict:
+    """Where a decode step's time goes, by kernel kind, plus host gaps between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = getattr(torch, args.dtype)
+    mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
+    cfg = load_model_config(mdir)
+    b = args.profile_batch
+    engine = _engine(mdir, b, args, dtype, "dummy")
+    prompts = random_prompts(b, args.prompt_len, cfg.vocab_size)
+    params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"p{i}", tuple(p), params))
+    while True:  # through the prefill and a few decode steps
+        batch = engine.schedule()
+        engine.commit(batch, engine.execute(batch))
+        if all(it.end - it.start == 1 for it in batch.items):
+            break
+    for _ in range(3):
+        engine.step()
+    n = 5
+    sync(args.device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        sync(args.device)
+    wall = (time.perf_counter() - t0) / n
+    kinds = {"attention": ("attn", "sdpa", "flash", "fmha", "paged", "softmax"),
+             "experts": ("grouped", "gemm", "gemv", "cutlass", "sm90", "matmul", "nvjet", "mm"),
+             "exchange": ("nccl", "alltoall", "all_to_all"),
+             "sampling": ("argmax", "topk", "sort", "gumbel", "multinomial")}
+    by_kind = dict.fromkeys([*kinds, "other"], 0.0)
+    intervals = []
+    n_kernels = 0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n_kernels += 1
+        name = ev.name.lower()
+        kind = next((k for k, keys in kinds.items() if any(x in name for x in keys)), "other")
+        by_kind[kind] += ev.device_time / 1e3
+        intervals.append((ev.time_range.start, ev.time_range.end))
+    intervals.sort()
+    busy, end = 0.0, None
+    for s, e in intervals:  # union of kernel intervals (us)
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    top = sorted(((e.key, e.device_time_total / 1e3 / n, e.count // n)
+                  for e in prof.key_averages() if e.device_time_total > 0),
+                 key=lambda x: -x[1])[:15]
+    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers,
+           "step_wall_ms": round(wall * 1e3, 2),
+           "gpu_busy_ms_per_step": round(busy / 1e3 / n, 2),
+           "host_gap_ms_per_step": round(wall * 1e3 - busy / 1e3 / n, 2),
+           "kernels_per_step": n_kernels // n,
+           "gpu_ms_per_step_by_kind": {k: round(v / n, 2) for k, v in by_kind.items()},
+           "top_kernels_ms_per_step": [[k[:80], round(t, 3), c] for k, t, c in top]}
+    emit(row)
+    return row
+
+
+def _write_hf_checkpoint(args, root: Path) -> Path:
+    """A ``--hf-layers``-layer checkpoint written by transformers itself (its default
+    init, bf16), so both engines read the same weights from disk."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads(Path(args.config).read_text())
+    raw["num_hidden_layers"] = args.hf_layers
+    d = root / f"hf-{Path(args.config).stem}-L{args.hf_layers}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = AutoConfig.from_pretrained(str(d))
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(d))
+    del model
+    reset_memory(args.device)
+    return d
+
+
+def section_hf(args) -> list[dict]:
+    """transformers ``generate`` vs our engine, same checkpoint, same GPU, batch 1 and 16."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _write_hf_checkpoint(args, Path(args.workdir))
+    cfg = load_model_config(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16).to(args.device)
+    hf.eval()
+    rows = []
+    for batch in args.hf_batches:
+        prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
+        ids = torch.tensor(prompts, device=args.device)
+
+        def gen(n: int, ids: torch.Tensor = ids) -> float:
+            sync(args.device)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+            sync(args.device)
+            assert out.shape[1] == ids.shape[1] + n
+            return time.perf_counter() - t0
+
+        gen(2)
+        t1, tn = gen(1), gen(args.decode_tokens)
+        hf_step = (tn - t1) / (args.decode_tokens - 1)
+        engine = _engine(ckpt, batch, args, torch.bfloat16, "auto")
+        run_engine(engine, prompts[:1], 2)
+        ours = run_engine(engine, prompts, args.decode_tokens)
+        our_step = statistics.median(ours["decode_steps_s"])
+        del engine
+        reset_memory(args.device)
+        row = {"section": "hf", "layers": args.hf_layers, "batch": batch,
+               "transformers_decode_step_ms": round(hf_step * 1e3, 3),
+               "ours_decode_step_ms": round(our_step * 1e3, 3),
+               "transformers_decode_tokens_per_s": round(batch / hf_step, 1),
+               "ours_decode_tokens_per_s": round(batch / our_step, 1),
+               "ours_vs_transformers": round(hf_step / our_step, 2),
+               "transformers_version": __import__("transformers").__version__}
+        emit(row)
+        rows.append(row)
+    return rows
+
+
+def _ep_run(driver, prompts: list[list[int]], decode_tokens: int) -> dict:
+    """One batch through the deployment; token arrival times give the decode rate."""
+    params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    arrivals: list[tuple[float, int]] = []
+
+    def on_event(i: int, ev) -> None:
+        now = time.perf_counter()
+        if ev.token_ids:
+            first.setdefault(i, now)
+            last[i] = now
+            arrivals.append((now, len(ev.token_ids)))
+
+    t0 = time.perf_counter()
+    outs = driver.generate(prompts, params, timeout_s=900, on_event=on_event)
+    bad = [(i, o.error, len(o.token_ids)) for i, o in enumerate(outs)
+           if o.error or len(o.token_ids) != decode_tokens]
+    assert not bad, bad[:3]
+    lo, hi = max(first.values()), min(last.values())  # every request decoding
+    n = sum(k for t, k in arrivals if lo < t <= hi)
+    window = hi - lo
+    step = window * len(prompts) / n if n else float("nan")
+    return {"decode_step_s": step, "decode_tokens_per_s": n / window if window > 0 else 0.0,
+            "prefill_tokens_per_s": len(prompts) * len(prompts[0]) / (lo - t0)}
+
+
+def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dict]:
+    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.entrypoints.batch_driver import BatchDriver
+
+    mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
+    cfg = load_model_config(mdir)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for batch in args.batches:
+        per_rank = -(-batch // 2)
+        total = per_rank * (args.prompt_len + args.decode_tokens) + 64 * 16
+        prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
+        runs: dict[str, list[dict]] = {"elastic": [], "none": []}
+        mem: dict[str, float] = {}
+        drivers = {}
+        try:
+            for backend in runs:
+                cuda = args.device.startswith("cuda")
+                free0 = [torch.cuda.mem_get_info(g)[0] for g in range(2)] if cuda else [0, 0]
+                drivers[backend] = BatchDriver.launch(
+                    DeploymentConfig(model=str(mdir), dtype=args.dtype, device=args.device,
+                                     ep_size=2, max_ep_size=2, load_format="dummy",
+                                     elastic_ep_backend=backend, max_total_tokens=total,
+                                     max_num_seqs=max(per_rank, 1)),
+                    lambda ids: "", ready_timeout_s=600)
+                _ep_run(drivers[backend], prompts[:2], 2)  # warm-up
+                if cuda:
+                    used = [free0[g] - torch.cuda.mem_get_info(g)[0] for g in range(2)]
+                    mem[backend] = round(max(used) / 2**30, 2)
+            for _ in range(args.repeats):  # interleaved A/B
+                for backend, driver in drivers.items():
+                    runs[backend].append(_ep_run(driver, prompts, args.decode_tokens))
+        finally:
+            for d in drivers.values():
+                d.close()
+        touched = touched_by_batch.get(batch)
+        bound = None
+        if touched is not None:
+            ctx = [args.prompt_len + args.decode_tokens // 2] * per_rank
+            parts = step_bytes(cfg, dtype.itemsize,
+                               [round(touched / 2)] * sum(cfg.moe_layers), ctx)
+            bound = parts["total"] / bw
+        for backend, rs in runs.items():
+            steps = [r["decode_step_s"] for r in rs]
+            step = statistics.median(steps)
+            row = {"section": "ep2", "backend": backend, "layers": cfg.num_hidden_layers,
+                   "batch": batch, "repeats": len(rs),
+                   "decode_step_ms": round(step * 1e3, 3),
+                   "decode_step_ms_min_max": [round(min(steps) * 1e3, 3), round(max(steps) * 1e3, 3)],
+                   "decode_tokens_per_s": round(statistics.median(
+                       r["decode_tokens_per_s"] for r in rs), 1),
+                   "prefill_tokens_per_s": round(statistics.median(
+                       r["prefill_tokens_per_s"] for r in rs), 1),
+                   "gpu_mem_in_use_gib_busier_gpu": mem.get(backend),
+                   "hbm_bound_ms": round(bound * 1e3, 4) if bound else None,
+                   "x_hbm_bound": round(step / bound, 2) if bound else None}
+            emit(row)
+            rows.append(row)
+        e = statistics.median(r["decode_tokens_per_s"] for r in runs["elastic"])
+        n = statistics.median(r["decode_tokens_per_s"] for r in runs["none"])
+        emit({"section": "ep2_ratio", "batch": batch, "elastic_vs_none_tokens_per_s": round(e / n, 3)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a model's config.json")
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5, help="ep2: interleaved runs per backend")
+    ap.add_argument("--max-batch-tokens", type=int, default=8192, help="prefill tokens per step")
+    ap.add_argument("--hf-layers", type=int, default=4)
+    ap.add_argument("--hf-batches", default="1,16")
+    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cuda",
+                    help="cuda; cpu only dry-runs the script on a tiny --config")
+    ap.add_argument("--only", default="hbm,hf,profile,ep1,ep2",
+                    help="sections, run in this order (ep2's HBM bound needs ep1 first)")
+    ap.add_argument("--workdir", default=None, help="where model dirs are written")
+    ap.add_argument("--out", default=None, help="also append every JSON line to this file")
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/scale.py: --device cuda, but torch sees no CUDA device")
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.hf_batches = [int(x) for x in args.hf_batches.split(",")]
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="elasticep-scale-")
+    only = args.only.split(",")
+    meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
+    emit(meta)
+    results = [meta]
+    bw = section_hbm(args)["hbm_bytes_per_s"]  # every bound needs it
+    ep1: list[dict] = []
+    for name in only:  # in the order given, so a long section can go last
+        if name == "ep1":
+            ep1 = section_ep1(args, bw)
+            results += ep1
+        elif name == "hf":
+            results += section_hf(args)
+        elif name == "profile":
+            results.append(section_profile(args))
+        elif name == "ep2":
+            touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in ep1}
+            results += section_ep2(args, bw, touched)
+        elif name != "hbm":
+            sys.exit(f"bench/scale.py: unknown section {name!r}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Paged attention: the torch reference against a dense oracle, Triton against the reference.
+
+The Triton kernels run on CPU under ``TRITON_INTERPRET=1`` in a child process (the flag
+must be set before the kernels are defined, and must not leak into other tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from _paged_cases import dense_oracle, make_case
+
+from elasticep.models.paged_attention import (
+    AttentionBackend,
+    PagedAttentionMetadata,
+    paged_attention,
+    paged_attention_reference,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# (seq lens, query lens, Hq, Hkv): decode, prefill, mixed, MHA, GQA 2/4/8
+CASES = [
+    ([37, 1, 16, 130, 64], [1, 1, 1, 1, 1], 8, 2),
+    ([20, 45, 17], [20, 45, 17], 4, 4),
+    ([50, 9, 200, 33], [1, 9, 7, 33], 8, 1),
+    ([300, 17, 81], [1, 5, 1], 16, 2),
+    ([3], [2], 2, 1),
+]
+
+
+@pytest.mark.parametrize("lens,qlens,hq,hkv", CASES)
+def test_reference_matches_dense(lens, qlens, hq, hkv):
+    c = make_case(lens, qlens, hq, hkv, d=16, seed=len(lens))
+    got = paged_attention_reference(*c.args())
+    assert got.shape == c.q.shape and got.dtype == c.q.dtype
+    torch.testing.assert_close(got, dense_oracle(c), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_bf16_and_loose_bounds():
+    """bf16 in/out, and host bounds larger than needed (an upper bound is allowed)."""
+    c = make_case([40, 7, 90], [3, 7, 1], 8, 2, d=32, dtype=torch.bfloat16)
+    loose = replace(c.meta, max_query_len=c.meta.max_query_len + 5,
+                    max_seq_len=c.meta.max_seq_len + 10)  # still within the block table
+    got = paged_attention_reference(c.q, c.k_cache, c.v_cache, loose, c.scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), dense_oracle(c), rtol=2e-2, atol=2e-2)
+
+
+def test_dispatch_cpu_is_reference_and_rejects_bad_input():
+    c = make_case([10, 20], [1, 1], 4, 2, d=8)
+    assert torch.equal(paged_attention(*c.args()), paged_attention_reference(*c.args()))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        paged_attention(*c.args(), backend="cudnn")
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        paged_attention(c.q[:, :3], *c.args()[1:])
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        paged_attention(c.q, c.k_cache, c.v_cache, replace(c.meta, max_seq_len=10_000), c.scale)
+    assert AttentionBackend.parse("flex") is AttentionBackend.FLEX
+
+
+def test_metadata_from_lists_matches_hand_built():
+    c = make_case([33, 5, 70], [2, 5, 1], 4, 2, d=8)
+    meta = PagedAttentionMetadata.from_lists(c.tables, c.lens, c.qlens, 16)
+    assert meta.query_start_loc.tolist() == c.meta.query_start_loc.tolist()
+    assert meta.seq_lens.tolist() == c.lens and meta.max_seq_len == 70 and meta.max_query_len == 5
+    torch.testing.assert_close(paged_attention(c.q, c.k_cache, c.v_cache, meta, c.scale),
+                               dense_oracle(c), rtol=1e-5, atol=1e-5)
+    assert meta.token_sequence_ids(8).tolist() == [0, 0, 1, 1, 1, 1, 1, 2]
+    with pytest.raises(ValueError, match="do not fit"):
+        PagedAttentionMetadata.from_lists([[1]], [17], [1], 16)
+
+
+def _interpreted_errors() -> dict[str, float]:
+    """Max |triton - reference| per case; runs in the child with TRITON_INTERPRET=1."""
+    from elasticep.models.paged_attention.triton_kernels import (
+        TritonAttentionConfig,
+        paged_attention_triton,
+    )
+
+    runs = {
+        "decode_gqa4_split": (CASES[0], TritonAttentionConfig(block_n=16, num_splits=3)),
+        "decode_gqa8_auto": (CASES[3][:2] + (16, 2), TritonAttentionConfig(block_n=16, min_split_tokens=64)),
+        "prefill_mha": (CASES[1], TritonAttentionConfig(block_n=16, prefill_block_q=16)),
+        "mixed_gqa8": (CASES[2], TritonAttentionConfig(block_n=32, prefill_block_q=4)),
+        "mixed_split": (CASES[2], TritonAttentionConfig(block_n=16, prefill_block_q=4, num_splits=4)),
+    }
+    errs = {}
+    for name, ((lens, qlens, hq, hkv), cfg) in runs.items():
+        if name == "decode_gqa8_auto":
+            qlens = [1] * len(lens)
+        c = make_case(lens, qlens, hq, hkv, d=16, seed=7)
+        got = paged_attention_triton(*c.args(), config=cfg)
+        errs[name] = float((got - paged_attention_reference(*c.args())).abs().max())
+    return errs
+
+
+def test_triton_interpreted_matches_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=50, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errs) == 5
+    for name, err in errs.items():
+        assert err < 1e-4, f"{name}: max abs error {err}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreted_errors()))
