@@ -198,13 +198,19 @@ class Deployment:
         return result
 
     # ------------------------------------------------------------------ membership
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether a rank's exit is survivable (backend ``elastic``); with ``none`` the
+        first exit stops the deployment."""
+        return self.config.elastic_ep_backend == "elastic"
+
     def membership(self, connected: Callable[[], Mapping[int, WorkerHello]] | None = None
                    ) -> CoordinatorMembership | LaunchedRanks:
         """The front-end's ``MembershipSource`` for this deployment, chosen once: the
         coordinator's view (``elastic``), or the launcher's (``none``; ``connected``, the
         front-end's hellos, makes a rank healthy only once it said hello)."""
         if self._membership is None:
-            if self.config.elastic_ep_backend == "elastic":
+            if self.fault_tolerant:
                 self._membership = CoordinatorMembership(self.address)
             else:
                 self._membership = LaunchedRanks(self.launcher, self.config.ep_size,
@@ -276,8 +282,7 @@ class Deployment:
         # Coordinator first: the workers then see a lost coordinator, not a cascade of
         # failures and repairs, while they are being killed.
         self.launcher.detach()
-        if self._membership is not None and isinstance(self._membership,
-                                                       CoordinatorMembership):
+        if isinstance(self._membership, CoordinatorMembership):
             self._membership.close()
         if self.coordinator is not None:
             self.coordinator.close()

@@ -124,7 +124,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             return 0 if stop.is_set() else 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
-        fatal = dep.elastic_ep_backend == "none"  # no fault tolerance: any exit stops all
+        fatal = not deployment.fault_tolerant  # backend none: any exit stops all
         exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           stop_on_exit=fatal)
         if fatal and exits:
@@ -188,7 +188,7 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
         deployment.launch(ranks)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
-        fatal = dep.elastic_ep_backend == "none"
+        fatal = not deployment.fault_tolerant
         exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           until_all_exited=True, stop_on_exit=fatal)
         return 1 if fatal and exits else 0

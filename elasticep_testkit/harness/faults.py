@@ -10,10 +10,10 @@ import os
 import signal
 import time
 
-from elasticep.harness.serve_process import ServeProcess
-from elasticep.harness.status_watch import Snapshot, StatusWatch
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.harness.status_watch import Snapshot, StatusWatch
 
 logger = logging.getLogger(__name__)
 
