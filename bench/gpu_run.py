@@ -53,8 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import elasticep.distributed as ed  # noqa: E402
-from elasticep.moe.cuda_experts import grouped_swiglu  # noqa: E402
-from elasticep.moe.ep_executor import run_expert_rows  # noqa: E402
+from elasticep.moe.expert_compute import grouped_swiglu, run_expert_rows  # noqa: E402
 from elasticep.moe.local_executor import run_slots  # noqa: E402
 from elasticep.moe.padded_exchange import (  # noqa: E402
     exchange_over,

@@ -73,6 +73,10 @@ def emit(row: dict) -> None:
 
 
 def git_commit() -> str:
+    """The commit measured: ``$ELASTICEP_COMMIT`` (a copied tree may carry a stale .git),
+    else ``git rev-parse``."""
+    if os.environ.get("ELASTICEP_COMMIT"):
+        return os.environ["ELASTICEP_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=REPO, timeout=10).stdout.strip() or "unknown"
@@ -228,36 +232,40 @@ def section_ep1(args, bw: float) -> list[dict]:
     mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
     cfg = load_model_config(mdir)
     rows = []
-    engine = None
     for batch in args.batches:
-        del engine
         reset_memory(args.device)
-        t0 = time.perf_counter()
-        engine = _engine(mdir, batch, args, dtype, "dummy")
-        load_s = time.perf_counter() - t0
-        rec = RoutingRecorder(engine.model.executor)
-        engine.model.executor = rec
-        prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
-        run_engine(engine, prompts[:1], 2)  # warm-up: allocator, kernels, autotuning
-        res = run_engine(engine, prompts, args.decode_tokens, rec)
-        step = statistics.median(res["decode_steps_s"])
-        parts = step_bytes(cfg, dtype.itemsize, res["touched"], res["ctx_lens"])
-        bound = parts["total"] / bw
-        row = {"section": "ep1", "config": Path(args.config).stem, "layers": cfg.num_hidden_layers,
-               "batch": batch, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
-               "decode_step_ms": round(step * 1e3, 3),
-               "decode_step_ms_p10_p90": [round(x * 1e3, 3) for x in _p10_p90(res["decode_steps_s"])],
-               "decode_tokens_per_s": round(batch / step, 1),
-               "prefill_tokens_per_s": round(batch * args.prompt_len / res["prefill_s"], 1),
-               "peak_gpu_mem_gib": peak_memory_gib(args.device),
-               "experts_touched_per_layer_mean": round(statistics.mean(res["touched"]), 1),
-               "experts_per_layer": cfg.num_experts,
-               "hbm_bound_ms": round(bound * 1e3, 4),
-               "x_hbm_bound": round(step / bound, 2),
-               "step_bytes": parts, "load_s": round(load_s, 1)}
+        row = _ep1_one(args, mdir, cfg, dtype, batch, bw)
         emit(row)
         rows.append(row)
     return rows
+
+
+def _ep1_one(args, mdir: Path, cfg: MoEModelConfig, dtype: torch.dtype, batch: int,
+             bw: float) -> dict:
+    """One batch size on a fresh engine; everything it loaded is freed on return."""
+    t0 = time.perf_counter()
+    engine = _engine(mdir, batch, args, dtype, "dummy")
+    load_s = time.perf_counter() - t0
+    rec = RoutingRecorder(engine.model.executor)
+    engine.model.executor = rec
+    prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
+    run_engine(engine, prompts[:1], 2)  # warm-up: allocator, kernels, autotuning
+    res = run_engine(engine, prompts, args.decode_tokens, rec)
+    step = statistics.median(res["decode_steps_s"])
+    parts = step_bytes(cfg, dtype.itemsize, res["touched"], res["ctx_lens"])
+    bound = parts["total"] / bw
+    return {"section": "ep1", "config": Path(args.config).stem, "layers": cfg.num_hidden_layers,
+            "batch": batch, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+            "decode_step_ms": round(step * 1e3, 3),
+            "decode_step_ms_p10_p90": [round(x * 1e3, 3) for x in _p10_p90(res["decode_steps_s"])],
+            "decode_tokens_per_s": round(batch / step, 1),
+            "prefill_tokens_per_s": round(batch * args.prompt_len / res["prefill_s"], 1),
+            "peak_gpu_mem_gib": peak_memory_gib(args.device),
+            "experts_touched_per_layer_mean": round(statistics.mean(res["touched"]), 1),
+            "experts_per_layer": cfg.num_experts,
+            "hbm_bound_ms": round(bound * 1e3, 4),
+            "x_hbm_bound": round(step / bound, 2),
+            "step_bytes": parts, "load_s": round(load_s, 1)}
 
 
 def _p10_p90(xs: list[float]) -> tuple[float, float]:
@@ -485,6 +493,13 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
     return rows
 
 
+def _read_rows(path: str | None, section: str) -> list[dict]:
+    if not path:
+        return []
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("section") == section]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a model's config.json")
@@ -503,6 +518,9 @@ def main() -> None:
     ap.add_argument("--only", default="hbm,hf,profile,ep1,ep2",
                     help="sections, run in this order (ep2's HBM bound needs ep1 first)")
     ap.add_argument("--workdir", default=None, help="where model dirs are written")
+    ap.add_argument("--ep1-from", default=None,
+                    help="ep2 without ep1 in this run: take the experts each batch touches "
+                         "from this earlier JSONL output (same config, prompts and seed)")
     ap.add_argument("--out", default=None, help="also append every JSON line to this file")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -526,7 +544,8 @@ def main() -> None:
         elif name == "profile":
             results.append(section_profile(args))
         elif name == "ep2":
-            touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in ep1}
+            earlier = ep1 or _read_rows(args.ep1_from, "ep1")
+            touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
             results += section_ep2(args, bw, touched)
         elif name != "hbm":
             sys.exit(f"bench/scale.py: unknown section {name!r}")

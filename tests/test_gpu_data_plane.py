@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticep.moe.cuda_experts import grouped_swiglu
-from elasticep.moe.ep_executor import run_expert_rows
+from elasticep.moe.expert_compute import grouped_swiglu, run_expert_rows
 from elasticep.moe.padded_exchange import pair_capacity, plan_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

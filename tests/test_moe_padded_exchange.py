@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticep.moe.cuda_experts import grouped_swiglu
+from elasticep.moe.expert_compute import grouped_swiglu
 from elasticep.moe.local_executor import run_slots
 from elasticep.moe.padded_exchange import (
     ROW_ALIGN,

@@ -12,6 +12,7 @@ from elasticep.engine.kv_cache import KVCache
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.model import MoECausalLM
+from elasticep.models.paged_attention import PagedAttentionMetadata
 
 
 class ModelRunner:
@@ -33,25 +34,40 @@ class ModelRunner:
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Build ``(input_ids [T], positions [T], meta, last_token_rows [B])`` for ``batch``."""
+        """Build ``(input_ids [T], positions [T], meta, last_token_rows [B])`` for ``batch``.
+
+        Everything is computed in host lists and reaches the device in two copies (the
+        token-indexed ints, and the block tables); a per-sequence tensor would cost a
+        launch or a copy per sequence per step.
+        """
         dev = self.model.device
         if not batch.items:  # an idle EP rank still runs every layer (empty dispatch)
             empty = torch.zeros(0, dtype=torch.long, device=dev)
-            return empty, empty, AttentionMetadata([0], [], empty, []), empty
+            return empty, empty, AttentionMetadata([0], [], empty), empty
+        bs = self.kv_cache.block_size
         ids: list[int] = []
-        starts = [0]
-        slot_parts, gather, ctx_lens = [], [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, ctx_lens, query_lens, tables = [0], [], [], []
         for it in batch.items:
-            seq = it.seq
-            ids.extend(seq.all_token_ids[it.start : it.end])
+            seq, table = it.seq, it.seq.block_table
+            tokens = seq.all_token_ids if it.end - it.start > 1 else None
+            for p in range(it.start, it.end):
+                ids.append(tokens[p] if tokens is not None else seq.token_at(p))
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
             starts.append(starts[-1] + it.end - it.start)
-            slot_parts.append(self.kv_cache.slots(seq.block_table, it.start, it.end))
-            gather.append(self.kv_cache.slots(seq.block_table, 0, it.end).to(dev))
             ctx_lens.append(it.end)
-        positions = torch.cat([torch.arange(it.start, it.end) for it in batch.items])
-        meta = AttentionMetadata(starts, ctx_lens, torch.cat(slot_parts).to(dev), gather)
-        last = torch.tensor(starts[1:], dtype=torch.long) - 1
-        return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, last.to(dev)
+            query_lens.append(it.end - it.start)
+            tables.append(table)
+        T, B = len(ids), len(ctx_lens)
+        host = torch.tensor(ids + positions + slots + [s - 1 for s in starts[1:]], dtype=torch.long)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        paged = PagedAttentionMetadata.from_lists(tables, ctx_lens, query_lens, bs, dev)
+        meta = AttentionMetadata(starts, ctx_lens, flat[2 * T:3 * T], paged)
+        return flat[:T], flat[T:2 * T], meta, flat[3 * T:3 * T + B]
 
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Run ``batch``; return float32 logits ``[B, V]`` of each sequence's last token

@@ -59,6 +59,11 @@ class Sequence:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_at(self, position: int) -> int:
+        """The token at ``position`` of prompt + generated, without building that list."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
     @property
     def all_token_ids(self) -> list[int]:
         """Prompt followed by generated tokens."""

@@ -7,10 +7,14 @@ float32 cast to the model dtype, softmax attention via SDPA).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from elasticep.models.paged_attention import PagedAttentionMetadata
+from elasticep.models.paged_attention import paged_attention as paged_attention_kernel
 
 
 @dataclass
@@ -24,14 +28,30 @@ class AttentionMetadata:
     Attributes:
         query_starts: ``[B+1]`` python ints, cumulative query lengths.
         context_lens: ``[B]`` python ints, tokens in the sequence after this step.
-        slot_mapping: ``[T]`` int64, the flat KV-cache slot each new token writes.
-        gather_slots: per sequence ``[context_lens[i]]`` int64, the KV-cache slots to read.
+        slot_mapping: ``[T]`` int64 on the model's device, the flat KV-cache slot each
+            new token writes.
+        paged: the same batch as device block tables and lengths, which paged
+            attention reads the cache through; None when there is no cache.
     """
 
     query_starts: list[int]
     context_lens: list[int]
     slot_mapping: torch.Tensor
-    gather_slots: list[torch.Tensor]
+    paged: PagedAttentionMetadata | None = None
+
+    @functools.cached_property
+    def gather_slots(self) -> list[torch.Tensor]:
+        """Per sequence ``[context_lens[i]]`` int64, the cache slots of its tokens in order
+        (for reference paths that gather; the kernels read the block tables)."""
+        if self.paged is None:
+            raise ValueError("no KV cache: this batch has no slots to gather")
+        bs = self.paged.block_size
+        tables = self.paged.block_tables.long()
+        out = []
+        for i, n in enumerate(self.context_lens):
+            pos = torch.arange(n, device=tables.device)
+            out.append(tables[i, pos // bs] * bs + pos % bs)
+        return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,58 +101,30 @@ def paged_attention(
     Returns:
         ``[T, Hq * D]`` in q's dtype.
 
-    KV writes go to ``meta.slot_mapping`` and rewrite the same slots on a redo, so a
-    step can be repeated after a failure without corrupting the cache.
+    With a cache, the keys are read in place through ``meta.paged``'s block tables
+    (:mod:`elasticep.models.paged_attention`: Triton on CUDA, the torch reference on
+    CPU). KV writes go to ``meta.slot_mapping`` and rewrite the same slots on a redo,
+    so a step can be repeated after a failure without corrupting the cache.
     """
+    T = q.shape[0]
+    if not meta.context_lens:  # empty step of an idle EP rank
+        return q.new_zeros(0, q.shape[1] * q.shape[2])
     if kv_cache is not None:
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.paged is None:
+            raise ValueError("a forward with a KV cache needs meta.paged (block tables)")
+        return paged_attention_kernel(q, k_cache, v_cache, meta.paged, scale).reshape(T, -1)
     n_rep = q.shape[1] // k.shape[1]
-    if not meta.context_lens:  # empty step of an idle EP rank
-        return q.new_zeros(0, q.shape[1] * q.shape[2])
-    if kv_cache is not None and len(meta.context_lens) == q.shape[0] > 1:
-        return _decode_attention(q, kv_cache, meta, scale, n_rep)
     outs = []
     for i, ctx in enumerate(meta.context_lens):
         s, e = meta.query_starts[i], meta.query_starts[i + 1]
-        n = e - s
-        if kv_cache is None:
-            ks, vs = k[s:e], v[s:e]
-        else:
-            ks = k_cache.index_select(0, meta.gather_slots[i])
-            vs = v_cache.index_select(0, meta.gather_slots[i])
+        if e - s != ctx:
+            raise ValueError("without a KV cache every sequence must be a full prefill")
         qh = q[s:e].transpose(0, 1)  # [Hq, n, D]
-        kh = ks.transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, ctx, D]
-        vh = vs.transpose(0, 1).repeat_interleave(n_rep, dim=0)
-        if n == ctx:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        else:
-            # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        outs.append(o.transpose(0, 1).reshape(n, -1))
+        kh = k[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, n, D]
+        vh = v[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        outs.append(o.transpose(0, 1).reshape(e - s, -1))
     return torch.cat(outs, dim=0)
-
-
-def _decode_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionMetadata, scale: float, n_rep: int) -> torch.Tensor:
-    """A decode step (one new token per sequence, ``q [B, Hq, D]``) as one batched SDPA.
-
-    Each sequence's cached keys are gathered into ``[B, L, Hkv, D]`` with ``L`` the
-    longest context; the padding is masked out. A per-sequence loop would launch a
-    handful of kernels per sequence per layer, which bounds a GPU decode step by the
-    host, not the device.
-    """
-    k_cache, v_cache = kv_cache
-    B = q.shape[0]
-    slots = torch.nn.utils.rnn.pad_sequence(meta.gather_slots, batch_first=True)  # [B, L]
-    L = slots.shape[1]
-    lens = torch.tensor(meta.context_lens, device=q.device)
-    valid = torch.arange(L, device=q.device)[None, :] < lens[:, None]  # [B, L]
-    kh = k_cache[slots].transpose(1, 2).repeat_interleave(n_rep, dim=1)  # [B, Hq, L, D]
-    vh = v_cache[slots].transpose(1, 2).repeat_interleave(n_rep, dim=1)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=valid[:, None, None, :],
-                                       scale=scale)  # [B, Hq, 1, D]
-    return o.reshape(B, -1)

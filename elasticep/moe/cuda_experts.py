@@ -1,76 +1,25 @@
-"""Expert compute and the EP executor for CUDA: grouped GEMM + fixed-capacity exchange.
+"""The EP executor for CUDA: fixed-capacity exchange + grouped GEMM.
 
-:func:`grouped_swiglu` runs the SwiGLU experts of the local slots over rows tagged
-with their slot, as two grouped GEMMs (``torch._grouped_mm``: one launch per GEMM for
-all slots, offsets computed on the device); where that op is missing or refuses the
-inputs it falls back to sorted-by-slot matmuls, which read the slot counts on the
-host. :class:`CudaEPMoEExecutor` is the :class:`EPMoEExecutor` whose dispatch and
-combine use :mod:`elasticep.moe.padded_exchange`, so a decode step's MoE layers run
-without a host-device sync.
+:class:`CudaEPMoEExecutor` is the :class:`EPMoEExecutor` whose dispatch and combine use
+:mod:`elasticep.moe.padded_exchange` and whose local experts run as grouped GEMMs
+(:func:`elasticep.moe.expert_compute.grouped_swiglu`), so a decode step's MoE layers
+run without a host-device sync.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from elasticep.eplb.metadata import ExpertLocationMetadata
-from elasticep.moe.ep_executor import EPMoEExecutor, run_expert_rows
+from elasticep.moe.ep_executor import EPMoEExecutor
+from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
 from elasticep.moe.padded_exchange import (
     exchange_over,
     padded_combine,
     padded_dispatch,
     pair_capacity,
 )
-
-HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-def _grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    # The fused kernel takes bf16 with 16-byte aligned rows; others use the fallback.
-    return (HAS_GROUPED_MM and x.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16
-            and x.shape[1] % 8 == 0 and w13.shape[1] % 16 == 0)
-
-
-def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
-                   tags: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
-    """Unweighted SwiGLU expert output of each tagged row.
-
-    Args:
-        w13: [S, 2*I, H] gate rows then up rows (model dtype, rows' device).
-        w2: [S, H, I].
-        rows: [N, H] model dtype.
-        tags: [N] int32/int64, ``local slot + 1``; 0 marks a padding row.
-        use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
-            it for bf16 inputs when available.
-
-    Returns:
-        [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` for a row of slot
-        ``s``, zeros for padding rows.
-    """
-    S = w13.shape[0]
-    out = torch.zeros_like(rows)
-    if rows.shape[0] == 0:
-        return out
-    key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
-    if use_grouped is None:
-        use_grouped = _grouped_ok(rows, w13)
-    if not use_grouped:
-        valid = torch.nonzero(key < S).squeeze(1)  # host sync: fallback only
-        out[valid] = run_expert_rows(w13, w2, rows[valid], key[valid])
-        return out
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=S + 1)[:S]
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each slot's group
-    x = rows[order]
-    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    # Rows past the last offset (padding) are left undefined by the kernel.
-    y = torch.where((key[order] < S).unsqueeze(1), y, torch.zeros((), dtype=y.dtype,
-                                                                  device=y.device))
-    out[order] = y
-    return out
 
 
 class CudaEPMoEExecutor(EPMoEExecutor):
@@ -130,10 +79,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
                                            self._exchange)
         pairs = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, self._exchange)
-        # An explicit H: view(0, k, -1) is ambiguous for an idle rank's T = 0.
-        out = (pairs.view(T, k, hidden_states.shape[1]).float()
-               * topk_weights.float().unsqueeze(-1)).sum(1)
-        return out.to(hidden_states.dtype)
+        return combine_pairs(pairs, topk_weights, hidden_states.dtype)
 
 
 def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],

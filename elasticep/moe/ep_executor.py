@@ -27,27 +27,7 @@ from elasticep.moe.dispatch import (
     combine_pairs,
     dispatch_pairs,
 )
-from elasticep.moe.local_executor import slot_groups, swiglu_expert
-
-
-def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
-    """SiLU-gated MLP of each row's own slot, unweighted.
-
-    Args:
-        w13: [S, 2*I, H] gate rows then up rows.
-        w2: [S, H, I].
-        rows: [N, H] model dtype.
-        local_slots: [N] int64 in [0, S).
-
-    Returns:
-        [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` per row.
-    """
-    out = torch.empty_like(rows)
-    if rows.shape[0] == 0:
-        return out
-    for slot, idx in slot_groups(local_slots, w13.shape[0]):
-        out[idx] = swiglu_expert(w13[slot], w2[slot], rows[idx])
-    return out
+from elasticep.moe.expert_compute import run_expert_rows
 
 
 class EPMoEExecutor:

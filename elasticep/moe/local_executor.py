@@ -6,17 +6,24 @@ Implements the executor contract of docs/ARCHITECTURE.md ("MoE layer"):
 
 Expert weights live in *physical slots*; :class:`ExpertSlots` holds, per decoder layer,
 ``w13 [S, 2*I, H]`` (gate rows then up rows), ``w2 [S, H, I]`` and the row
-``slot_to_logical[layer] [S]``. The EP executor reuses :func:`slot_groups` and
-:func:`swiglu_expert` for its local compute.
+``slot_to_logical[layer] [S]``. The expert compute itself is
+:mod:`elasticep.moe.expert_compute`, shared with the EP executors: grouped GEMM on CUDA
+(no host sync), per-expert matmuls on the CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from elasticep.moe.expert_compute import (
+    combine_pairs,
+    grouped_ok,
+    grouped_swiglu,
+    slot_groups,
+    swiglu_expert,
+)
 
 
 @dataclass
@@ -38,41 +45,6 @@ class ExpertSlots:
     def num_slots(self) -> int:
         """S, the number of physical slots per layer on this rank."""
         return int(self.slot_to_logical.shape[1])
-
-
-def slot_groups(slot_ids: torch.Tensor, num_slots: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Group entries by slot, so that each expert runs one matmul.
-
-    Args:
-        slot_ids: ``[N]`` int64 in ``[0, num_slots)``.
-        num_slots: S.
-
-    Yields:
-        ``(slot, idx)`` for each slot with entries, in slot order; ``idx`` ``[n]`` int64
-        are the positions of that slot's entries in ``slot_ids``, ascending.
-    """
-    order = torch.argsort(slot_ids, stable=True)
-    counts = torch.bincount(slot_ids, minlength=num_slots).tolist()
-    start = 0
-    for slot, n in enumerate(counts):
-        if n:
-            yield slot, order[start : start + n]
-        start += n
-
-
-def swiglu_expert(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One expert: ``w2 @ (silu(gate x) * (up x))``.
-
-    Args:
-        w13: ``[2*I, H]`` gate rows then up rows.
-        w2: ``[H, I]``.
-        x: ``[N, H]`` model dtype.
-
-    Returns:
-        ``[N, H]`` model dtype.
-    """
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
 
 
 def run_slots(
@@ -121,6 +93,7 @@ class LocalExpertExecutor:
         self.slots = slots
         self.num_logical_experts = num_logical_experts
         self._logical_to_slot: torch.Tensor | None = None
+        self._complete = False  # every logical expert of every MoE layer has a slot
 
     def refresh(self) -> None:
         """Rebuild the logical -> slot map after ``slots.slot_to_logical`` changed."""
@@ -130,7 +103,9 @@ class LocalExpertExecutor:
         # The first slot that holds a logical expert serves it (replicas are for EP).
         for slot in reversed(range(num_slots)):
             l2s[torch.arange(num_layers), s2l[:, slot].cpu()] = slot
-        weights = next((w for w in self.slots.w13 if w is not None), None)
+        moe = [i for i, w in enumerate(self.slots.w13) if w is not None]
+        self._complete = bool((l2s[moe] >= 0).all()) if moe else True
+        weights = self.slots.w13[moe[0]] if moe else None
         self._logical_to_slot = l2s.to(weights.device) if weights is not None else l2s
 
     def __call__(
@@ -140,14 +115,22 @@ class LocalExpertExecutor:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Apply the routed experts of ``layer_idx``; shapes as in :func:`run_slots`."""
+        """Apply the routed experts of ``layer_idx``; shapes as in :func:`run_slots`.
+
+        On CUDA with bf16 weights and a complete placement this is one grouped GEMM pair
+        and no host sync (the missing-expert check is done once, in :meth:`refresh`).
+        """
         if self._logical_to_slot is None:
             self.refresh()
         table = self._logical_to_slot[layer_idx]
         slot_ids = table[topk_ids]
+        w13, w2 = self.slots.w13[layer_idx], self.slots.w2[layer_idx]
+        if self._complete and grouped_ok(hidden_states, w13):
+            k = topk_ids.shape[1]
+            rows = hidden_states.repeat_interleave(k, dim=0)  # row t*k + j: token t, choice j
+            pair_out = grouped_swiglu(w13, w2, rows, slot_ids.reshape(-1) + 1, use_grouped=True)
+            return combine_pairs(pair_out, topk_weights, hidden_states.dtype)
         if bool((slot_ids < 0).any()):
             missing = sorted(set(topk_ids[slot_ids < 0].tolist()))
             raise ValueError(f"layer {layer_idx}: logical experts {missing} have no local slot")
-        return run_slots(
-            self.slots.w13[layer_idx], self.slots.w2[layer_idx], hidden_states, slot_ids, topk_weights
-        )
+        return run_slots(w13, w2, hidden_states, slot_ids, topk_weights)

@@ -1,0 +1,137 @@
+"""The SwiGLU expert compute every executor shares: per-slot matmuls and grouped GEMM.
+
+Rows arrive tagged with the local slot whose expert they need. On the CPU (and for
+dtypes the fused kernel refuses) the rows are grouped by slot and each expert runs one
+matmul pair, which reads the slot counts on the host. On CUDA with bf16,
+:func:`grouped_swiglu` runs all slots as two grouped GEMMs (``torch._grouped_mm``, one
+launch each, group offsets computed on the device): no host sync and no Python loop over
+experts, so a layer's cost is reading the touched experts' weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def slot_groups(slot_ids: torch.Tensor, num_slots: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Group entries by slot, so that each expert runs one matmul.
+
+    Args:
+        slot_ids: ``[N]`` int64 in ``[0, num_slots)``.
+        num_slots: S.
+
+    Yields:
+        ``(slot, idx)`` for each slot with entries, in slot order; ``idx`` ``[n]`` int64
+        are the positions of that slot's entries in ``slot_ids``, ascending. Reads the
+        counts on the host (a device sync on CUDA).
+    """
+    order = torch.argsort(slot_ids, stable=True)
+    counts = torch.bincount(slot_ids, minlength=num_slots).tolist()
+    start = 0
+    for slot, n in enumerate(counts):
+        if n:
+            yield slot, order[start : start + n]
+        start += n
+
+
+def swiglu_expert(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert: ``w2 @ (silu(gate x) * (up x))``.
+
+    Args:
+        w13: ``[2*I, H]`` gate rows then up rows.
+        w2: ``[H, I]``.
+        x: ``[N, H]`` model dtype.
+
+    Returns:
+        ``[N, H]`` model dtype.
+    """
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
+                    local_slots: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP of each row's own slot, unweighted, by per-slot matmuls.
+
+    Args:
+        w13: [S, 2*I, H] gate rows then up rows.
+        w2: [S, H, I].
+        rows: [N, H] model dtype.
+        local_slots: [N] int64 in [0, S).
+
+    Returns:
+        [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` per row.
+    """
+    out = torch.empty_like(rows)
+    if rows.shape[0] == 0:
+        return out
+    for slot, idx in slot_groups(local_slots, w13.shape[0]):
+        out[idx] = swiglu_expert(w13[slot], w2[slot], rows[idx])
+    return out
+
+
+def grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """True when ``torch._grouped_mm`` takes these inputs (CUDA bf16, 16-byte aligned rows)."""
+    return (HAS_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16
+            and w13.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w13.shape[1] % 16 == 0)
+
+
+def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
+                   tags: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+    """Unweighted SwiGLU expert output of each tagged row.
+
+    Args:
+        w13: [S, 2*I, H] gate rows then up rows (model dtype, rows' device).
+        w2: [S, H, I].
+        rows: [N, H] model dtype.
+        tags: [N] int32/int64, ``local slot + 1``; 0 marks a padding row.
+        use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
+            it where :func:`grouped_ok`.
+
+    Returns:
+        [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` for a row of slot
+        ``s``, zeros for padding rows.
+    """
+    S = w13.shape[0]
+    out = torch.zeros_like(rows)
+    if rows.shape[0] == 0:
+        return out
+    key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
+    if use_grouped is None:
+        use_grouped = grouped_ok(rows, w13)
+    if not use_grouped:
+        valid = torch.nonzero(key < S).squeeze(1)  # host sync: fallback only
+        out[valid] = run_expert_rows(w13, w2, rows[valid], key[valid])
+        return out
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=S + 1)[:S]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each slot's group
+    x = rows[order]
+    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    # Rows past the last offset (padding) are left undefined by the kernel.
+    y = torch.where((key[order] < S).unsqueeze(1), y, torch.zeros((), dtype=y.dtype,
+                                                                  device=y.device))
+    out[order] = y
+    return out
+
+
+def combine_pairs(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs.
+
+    Args:
+        pair_out: ``[T*k, H]``, row ``t*k + j`` is token t's j-th choice.
+        weights: ``[T, k]`` float32 combine weights.
+        dtype: the result dtype (the model's).
+
+    Returns:
+        ``[T, H]`` in ``dtype``, summed in float32.
+    """
+    T, k = weights.shape
+    out = (pair_out.view(T, k, pair_out.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1)
+    return out.to(dtype)
