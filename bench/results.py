@@ -23,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _deploy import machine  # noqa: E402
 from failover import SCENARIOS  # noqa: E402
@@ -100,7 +101,7 @@ def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | 
         ".venv/bin/python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|"
         "scale-down|double-kill --plot out.png",
         ".venv/bin/python bench/overhead.py --repeats 5",
-        ".venv/bin/python -m elasticep.chaos --trials 50 --seed 1     # the long chaos run",
+        ".venv/bin/python -m elasticep_testkit.chaos --trials 50 --seed 1     # the long chaos run",
         ".venv/bin/pytest -q tests/test_chaos_short.py                # 2 trials, CI",
         "```",
         "",
@@ -130,7 +131,7 @@ def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | 
                     ">= 0.99.", "", "```", json.dumps(r), "```", ""]
     if chaos is not None:
         rc, text = chaos
-        out += ["## Chaos (`python -m elasticep.chaos`)", "",
+        out += ["## Chaos (`python -m elasticep_testkit.chaos`)", "",
                 f"Exit status {rc} ({'no violation' if rc == 0 else 'VIOLATIONS'}).", "", "```",
                 text.strip(), "```", ""]
     return "\n".join(out)
@@ -165,7 +166,7 @@ def main() -> int:
         print(f"overhead: {json.dumps(overhead[0]) or overhead[1]}", flush=True)
     chaos = tuple(saved["chaos"]) if saved.get("chaos") else None
     if args.chaos_trials and (todo is None or "chaos" in todo):
-        cmd = [py, "-m", "elasticep.chaos", "--trials", str(args.chaos_trials), "--seed",
+        cmd = [py, "-m", "elasticep_testkit.chaos", "--trials", str(args.chaos_trials), "--seed",
                str(args.chaos_seed), "--device", args.device]
         try:
             p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,

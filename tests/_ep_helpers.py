@@ -7,18 +7,16 @@ once per test session and reused by every EP test module.
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.prompts import gsm8k_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"
-GSM8K = REPO / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 NEAR_TIE = 1e-3
 NUM_PROMPTS = 16
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -33,12 +31,8 @@ def tokenizer():
 
 @functools.cache
 def prompts() -> tuple[tuple[int, ...], ...]:
-    """16 GSM8K test questions, tokenized."""
-    if not GSM8K.is_file():
-        pytest.skip(f"GSM8K data not found at {GSM8K}")
-    with open(GSM8K) as f:
-        qs = [json.loads(next(f))["question"] for _ in range(NUM_PROMPTS)]
-    return tuple(tuple(tokenizer()(f"Question: {q}\nAnswer:").input_ids) for q in qs)
+    """16 GSM8K test questions of the repository's sample, tokenized."""
+    return tuple(tuple(tokenizer()(p).input_ids) for p in gsm8k_prompts(NUM_PROMPTS))
 
 
 def reference() -> tuple[list[list[int]], list[list[float]]]:

@@ -7,7 +7,6 @@ reported (printed, visible with ``-s`` / in the -ra summary via warnings).
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -17,19 +16,14 @@ import torch
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.prompts import gsm8k_items
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"
-GSM8K = REPO / "data" / "gsm8k" / "test_head64.jsonl"
 NEAR_TIE = 1e-3
 GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
-
-
-def _gsm8k(n: int) -> list[dict]:
-    with open(GSM8K) as f:
-        return [json.loads(next(f)) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    return [tok(f"Question: {item['question']}\nAnswer:").input_ids for item in _gsm8k(8)]
+    return [tok(f"Question: {item['question']}\nAnswer:").input_ids for item in gsm8k_items(8)]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +97,7 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def ppl_texts(tok):
-    items = _gsm8k(20)
+    items = gsm8k_items(20)
     return [tok(f"<|endoftext|>Question: {x['question']}\nAnswer: {x['answer']}").input_ids for x in items]
 
 

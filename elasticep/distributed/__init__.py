@@ -79,10 +79,12 @@ from .api import (
     get_peer_state,
     get_pending_requests,
     get_slot_states,
+    group_diagnostics,
     has_pending_change,
     init_process_group,
     join_group,
     recover_ranks,
+    store_client,
 )
 from .client import CoordinatorClient
 from .errors import (
@@ -114,6 +116,7 @@ __all__ = [
     "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
     "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",
+    "group_diagnostics", "store_client",
     "has_pending_change", "init_process_group", "join_group", "recover_ranks",
     "start_coordinator",
 ]

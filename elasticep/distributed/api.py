@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .control import RankControl
+from .membership import ACTIVE_STATES, SlotState
 from .process_group import ElasticProcessGroup
 from .protocol import parse_address
 from .state import GroupState
@@ -254,10 +255,35 @@ def has_pending_change(group=None) -> bool:
     return gs.pending is not None or gs.failure is not None
 
 
+def store_client() -> dist.Store:
+    """A fresh client of the coordinator's rendezvous TCPStore (after
+    :func:`init_process_group`), e.g. to build a side group over the same store.
+
+    Raises:
+        RuntimeError: the process group is not initialised.
+    """
+    if _ctl is None:
+        raise RuntimeError("call elasticep.distributed.init_process_group first")
+    return _new_store()
+
+
+def group_diagnostics(group=None) -> dict:
+    """What benchmarks and logs read of an elastic group (no I/O).
+
+    Returns:
+        {"epoch": int, "fast_path": bool (the steady-state all_to_all path is armed),
+         "counters": {"fast", "run", "lease_confirms": int} (ops by route, since start),
+         "nccl_timings": {epoch: {...}} (seconds per NCCL communicator phase)}.
+    """
+    gs = _gs(group)
+    return {"epoch": gs.epoch, "fast_path": gs._fast is not None,
+            "counters": dict(gs.counters), "nccl_timings": gs.nccl_timings()}
+
+
 def get_peer_state(group, ranks: list[int]) -> list[bool]:
     """True where the slot is alive and ready to be admitted, or active. Non-blocking."""
     st = _gs(group).states
-    return [st[r] in ("ready", "healthy", "draining") for r in ranks]
+    return [st[r] == SlotState.READY or st[r] in ACTIVE_STATES for r in ranks]
 
 
 def get_slot_states(group=None) -> list[str]:
@@ -287,7 +313,8 @@ def recover_ranks(group, ranks: list[int], timeout_s: float | None = None) -> li
     gs = _gs(group)
     admitting = gs.ctl.request({"t": "recover", "group": gs.name, "ranks": list(ranks)})[
         "admitting"]
-    gs.wait_until(lambda: all(r in gs.active or gs.states[r] == "failed" for r in admitting),
+    gs.wait_until(lambda: all(r in gs.active or gs.states[r] == SlotState.FAILED
+                              for r in admitting),
                   timeout_s or _timeout_s, f"admission of {admitting}")
     return [r for r in admitting if r in gs.active]
 

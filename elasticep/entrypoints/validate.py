@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
@@ -76,8 +78,6 @@ def check_device(device: str) -> None:
         UsageError: ``--device cuda`` without a CUDA device.
     """
     if device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             raise UsageError("--device cuda, but this torch build sees no CUDA device "
                              "(see README: installing the CUDA build of torch)")

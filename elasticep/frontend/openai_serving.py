@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from elasticep.engine.request import SamplingParams
-from elasticep.entrypoints.frontend import Frontend, RequestStream
-from elasticep.entrypoints.openai_protocol import (
+from elasticep.frontend.core import Frontend, RequestStream
+from elasticep.frontend.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -38,12 +38,12 @@ from elasticep.entrypoints.openai_protocol import (
     now,
     resolve_max_tokens,
 )
-from elasticep.entrypoints.request_tracker import (
+from elasticep.frontend.request_tracker import (
     DuplicateRequestError,
     NoRankAvailableError,
     RequestEvent,
 )
-from elasticep.entrypoints.tokenizer import NoTokenizerError
+from elasticep.frontend.tokenizer import NoTokenizerError
 
 logger = logging.getLogger(__name__)
 

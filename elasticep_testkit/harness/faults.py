@@ -4,14 +4,16 @@ workers, and wait for the coordinator to commit a membership without / with them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import time
 
-from elasticep.harness.serve_process import ServeProcess
-from elasticep.harness.status_watch import Snapshot, StatusWatch
 from elasticep.utils.procs import pid_alive
+from elasticep.utils.wait import wait_until
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.harness.status_watch import Snapshot, StatusWatch
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,6 @@ def resume(pid: int, expect_exit_s: float = 0.0) -> bool:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         return True
-    deadline = time.monotonic() + expect_exit_s
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not pid_alive(pid), expect_exit_s, f"pid {pid} to exit", poll_s=0.1)
     return not pid_alive(pid)

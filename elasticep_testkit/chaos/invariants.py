@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from elasticep.harness.load import RequestRecord
+from elasticep_testkit.harness.load import RequestRecord
 
 _VIEW = re.compile(r"rank=(\d+) epoch=(\d+) .*placement reconciled.* active \[([\d, ]*)\]")
 _COMMIT = re.compile(r"group world commit epoch (\d+) .*'active': \[([\d, ]*)\]")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
-from elasticep.entrypoints.incremental_text import Decode, IncrementalText
+from elasticep.frontend.incremental_text import Decode, IncrementalText
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
-"""Start worker processes against a coordinator and watch them; shared by
-:class:`~elasticep.elastic.deployment.LocalDeployment` and the per-node launcher of
-`serve` / `join` (``elasticep.entrypoints.launcher``).
+"""Start this node's worker processes against a coordinator and watch them (behind
+:class:`~elasticep.deploy.deployment.Deployment`, for serve, join and generate alike).
 
 * each rank runs as ``python -m elasticep.elastic.worker --config-json ...`` (a fresh
   interpreter, never fork), started from one long-lived spawner thread: a worker's
@@ -10,8 +9,9 @@
   timeout), then queues it for the owner's restart policy;
 * only the pids started here are ever killed.
 
-The deployment's :class:`DeploymentConfig` is published in the coordinator's store
-(:func:`publish_config`) so that a joiner needs only the coordinator address.
+The deployment's :class:`DeploymentConfig` is published to the coordinator
+(:func:`publish_config`) so that a joiner needs only the coordinator address, and every
+launch is recorded there (node, pid) for the status and for `join`'s checks.
 """
 
 from __future__ import annotations
@@ -24,38 +24,48 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-import torch.distributed as dist
-
 from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.config import DeploymentConfig, WorkerConfig
 from elasticep.utils.procs import PARENT_PID_ENV, kill_pids
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
 
-CONFIG_KEY = "elasticep/deployment_config"
 WORKER_MODULE = "elasticep.elastic.worker"
 
 
-def publish_config(store: dist.Store, config: DeploymentConfig) -> None:
-    """Node 0: make the settings available to every later rank and joiner."""
-    store.set(CONFIG_KEY, config.to_json())
+def publish_config(coordinator: str, config: DeploymentConfig) -> None:
+    """Node 0: make the settings, and the initial target size, known to every later rank
+    and joiner.
+
+    Raises:
+        ConnectionError / TimeoutError: the coordinator at ``"host:port"`` is unreachable.
+    """
+    client = CoordinatorClient(coordinator)
+    try:
+        client.publish_deployment(config.to_json(), config.ep_size, config.max_ep_size)
+    finally:
+        client.close()
 
 
-def fetch_config(store: dist.Store, timeout_s: float = 60.0) -> DeploymentConfig:
+def fetch_config(coordinator: str, timeout_s: float = 60.0) -> DeploymentConfig:
     """Read the settings node 0 published, waiting up to ``timeout_s`` seconds for them.
 
     Raises:
-        TimeoutError: nothing was published in time; ValueError: unreadable config.
+        TimeoutError: nothing was published in time; ValueError: unreadable config;
+        ConnectionError: the coordinator is unreachable.
     """
+    client = CoordinatorClient(coordinator)
     try:
-        store.wait([CONFIG_KEY], timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # torch reports store timeouts as RuntimeError subclasses
-        raise TimeoutError(f"no deployment config published within {timeout_s} s") from exc
-    return DeploymentConfig.from_json(store.get(CONFIG_KEY).decode())
+        text = wait_until(client.deployment_config, timeout_s, "the deployment config",
+                          poll_s=0.1)
+    finally:
+        client.close()
+    return DeploymentConfig.from_json(text)
 
 
 @dataclass(frozen=True)
@@ -67,10 +77,9 @@ class RankExit:
     code: int
 
 
-class WorkerLauncher:
-    """Starts worker processes for ranks and watches them.
-
-    Subclasses may override :meth:`on_launch` / :meth:`on_exit` to record each process.
+class RankLauncher:
+    """Starts worker processes for ranks and watches them, and records each launch (node,
+    pid) with the coordinator; the records go when this launcher's connection closes.
 
     Args:
         coordinator: ``"host:port"`` of the coordinator.
@@ -81,12 +90,14 @@ class WorkerLauncher:
         new_session: start each worker in its own session, so that a terminal's Ctrl-C
             reaches only the owner, which then stops the workers in order.
         label: prefix of every log line (``"deployment"``, ``"node 1"``).
+        node: this machine's node index (for the status' ``node`` field).
     """
 
     def __init__(self, coordinator: str, config: DeploymentConfig, *,
                  log_dir: str | Path | None = None, env: dict[str, str] | None = None,
-                 new_session: bool = False, label: str = "deployment") -> None:
+                 new_session: bool = False, label: str = "deployment", node: int = 0) -> None:
         self.coordinator = coordinator
+        self.node = node
         self.config = config
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.env = env or {}
@@ -103,12 +114,12 @@ class WorkerLauncher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    # ------------------------------------------------------------------ hooks
-    def on_launch(self, rank: int, pid: int) -> None:
-        """Called after worker ``pid`` of ``rank`` was started."""
-
-    def on_exit(self, rank: int, pid: int) -> None:
-        """Called when worker ``pid`` of ``rank`` exited (also while stopping)."""
+    # ------------------------------------------------------------------ records
+    def _record(self, method: str, rank: int, *args: int) -> None:
+        try:
+            self.call(method, rank, *args)
+        except (ValueError, OSError, TimeoutError) as exc:  # the coordinator went away
+            logger.debug("%s: could not %s of rank %d: %s", self.label, method, rank, exc)
 
     # ------------------------------------------------------------------ workers
     def spawn(self, rank: int, join_mode: str | None = None, fault: str | None = None) -> int:
@@ -133,7 +144,7 @@ class WorkerLauncher:
             subprocess.Popen, cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=None if log is None else subprocess.STDOUT,
             start_new_session=self.new_session).result()
-        self.on_launch(rank, proc.pid)
+        self._record("record_launch", rank, self.node, proc.pid)
         with self._lock:
             self.procs[rank] = proc
         threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
@@ -144,7 +155,7 @@ class WorkerLauncher:
 
     def _wait_child(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        self.on_exit(rank, proc.pid)
+        self._record("clear_launch", rank, proc.pid)
         with self._lock:
             self.exit_codes.setdefault(rank, []).append(code)
             stopping = self._stopping
@@ -171,12 +182,14 @@ class WorkerLauncher:
 
     def kill(self, rank: int, timeout_s: float = 2.0) -> subprocess.Popen | None:
         """Kill the live worker of ``rank`` started here (e.g. evicted but frozen): SIGTERM,
-        then SIGKILL after ``timeout_s`` seconds. Returns the killed process, if any."""
+        then SIGKILL after ``timeout_s`` seconds, and reap it. Returns the killed process,
+        if any."""
         with self._lock:
             proc = self.procs.get(rank)
         if proc is None or proc.poll() is not None:
             return None
         kill_pids([proc.pid], timeout_s=timeout_s)
+        proc.wait(timeout_s)
         return proc
 
     def log_tail(self, rank: int, lines: int = 15) -> str:
@@ -197,8 +210,12 @@ class WorkerLauncher:
         self.call("request_admission", ranks)
 
     def coordinator_status(self) -> dict[str, Any]:
-        """The coordinator's raw snapshot (``CoordinatorClient.status``)."""
+        """The coordinator's raw group records (``CoordinatorClient.status``)."""
         return self.call("status")
+
+    def deployment_status(self) -> DeploymentStatus:
+        """The deployment's membership (``CoordinatorClient.deployment_status``)."""
+        return self.call("deployment_status")
 
     # ------------------------------------------------------------------ shutdown
     def detach(self) -> None:

@@ -28,20 +28,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.ipc import FrontendChannel
-from elasticep.entrypoints.frontend import Frontend, FrontendConfig
-from elasticep.entrypoints.membership import (
+from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.membership import (
     MembershipSource,
     ScaleInProgressError,
     ScaleNotSupportedError,
 )
-from elasticep.entrypoints.openai_protocol import (
+from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     ScaleRequest,
     error_body,
 )
-from elasticep.entrypoints.openai_serving import OpenAIServing
+from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -170,15 +171,12 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
     async def health() -> JSONResponse:
         status = frontend.status()
-        ranks = status.get("ranks", [])
-        healthy = sum(r.get("state") == "healthy" for r in ranks)
         can_serve = frontend.can_serve()
-        degraded = (not can_serve or healthy < int(status.get("ep_size", 0))
-                    or any(r.get("state") not in ("healthy", "removed") for r in ranks)
-                    or status.get("scale_phase", "idle") != "idle")
-        body = {"status": "ok" if can_serve else "unavailable", "degraded": degraded,
-                "epoch": status.get("epoch"), "ep_size": status.get("ep_size"),
-                "healthy_ranks": healthy, "running_requests": frontend.tracker.num_running}
+        body = {"status": "ok" if can_serve else "unavailable",
+                "degraded": not can_serve or status.degraded(),
+                "epoch": status.epoch, "ep_size": status.ep_size,
+                "healthy_ranks": len(status.healthy_ranks()),
+                "running_requests": frontend.tracker.num_running}
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
         return JSONResponse(body, status_code=200 if can_serve else 503)
@@ -190,11 +188,11 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
-        return frontend.status()
+        return frontend.status().to_dict()
 
     @app.post("/scale_elastic_ep")
     async def scale(req: ScaleRequest) -> JSONResponse:
-        max_ep = int(frontend.status().get("max_ep_size") or 0)
+        max_ep = frontend.status().max_ep_size
         if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
             raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}], got "
                               f"{req.new_ep_size}", param="new_ep_size")
@@ -234,7 +232,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
-    from elasticep.entrypoints.tokenizer import load_tokenizer
+    from elasticep.frontend.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     model_cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -294,11 +292,12 @@ class HttpServer:
         """
         self._thread = threading.Thread(target=self.run, name="http-server", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise TimeoutError(f"HTTP server did not start within {timeout_s} s")
-            time.sleep(0.01)
+        def started() -> bool:
+            if not self._thread.is_alive():
+                raise TimeoutError("HTTP server thread exited before it started")
+            return self._server.started
+
+        wait_until(started, timeout_s, "the HTTP server to start", poll_s=0.01)
         logger.info("HTTP server ready at %s", self.url)
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import (
     FrontendChannel,
     IpcError,
@@ -32,10 +34,10 @@ from elasticep.engine.ipc import (
     WorkerMessage,
 )
 from elasticep.engine.request import GenerateRequest, SamplingParams
-from elasticep.entrypoints.incremental_text import Decode
-from elasticep.entrypoints.membership import MembershipSource
-from elasticep.entrypoints.metrics import FrontendMetrics
-from elasticep.entrypoints.request_tracker import (
+from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.membership import MembershipSource
+from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
@@ -81,8 +83,7 @@ class Frontend:
         self.metrics = metrics or FrontendMetrics()
         self.config = config or FrontendConfig()
         self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
-        self._status: dict[str, Any] = {"epoch": 0, "ep_size": 0, "max_ep_size": 0,
-                                        "scale_phase": "idle", "ranks": []}
+        self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
         self._unreachable: set[int] = set()
         self._ever_failed: set[int] = set()
@@ -161,13 +162,9 @@ class Frontend:
         """True while at least one rank can take requests (never once :meth:`fail_all`)."""
         return self.closed_reason is None and bool(self.tracker.healthy_ranks())
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DeploymentStatus:
         """The last membership snapshot with ``running_requests`` filled in per rank."""
-        running = self.tracker.running_per_rank()
-        status = dict(self._status)
-        status["ranks"] = [{**r, "running_requests": running.get(r["rank"], 0)}
-                           for r in self._status.get("ranks", [])]
-        return status
+        return self._status.with_running(self.tracker.running_per_rank())
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
         """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
@@ -183,30 +180,25 @@ class Frontend:
             status = await asyncio.wait_for(asyncio.to_thread(self.membership.status),
                                             self.config.status_timeout_s)
         except Exception as exc:  # noqa: BLE001 - keep serving on the last known view
-            logger.warning("epoch %s: membership snapshot failed: %r",
-                           self._status.get("epoch"), exc)
+            logger.warning("epoch %s: membership snapshot failed: %r", self._status.epoch, exc)
             return
-        try:
-            self._apply_status(status)
-        except (KeyError, TypeError, ValueError) as exc:
-            logger.error("epoch %s: malformed membership snapshot %r: %r",
-                         self._status.get("epoch"), status, exc)
+        self._apply_status(status)
 
-    def _apply_status(self, status: dict[str, Any]) -> None:
+    def _apply_status(self, status: DeploymentStatus) -> None:
         self._status = status
-        epoch = int(status.get("epoch", 0))
+        epoch = status.epoch
         states: dict[int, str] = {}
-        for entry in status.get("ranks", []):
-            rank, state = int(entry["rank"]), str(entry["state"])
+        for entry in status.ranks:
+            rank, state, pid = entry.rank, entry.state, entry.pid
             hello = self.channel.connected.get(rank)
-            pid = entry.get("pid")
             reachable = (hello is not None and rank not in self._unreachable
                          and (pid is None or hello.pid == pid))
             # A healthy rank whose worker we cannot reach yet is not routable.
-            states[rank] = "connecting" if state == "healthy" and not reachable else state
+            states[rank] = ("connecting" if state == SlotState.HEALTHY and not reachable
+                            else state.value)
             self._count_transition(rank, state, epoch)
         self.metrics.epoch.set(epoch)
-        self.metrics.active_ranks.set(sum(s == "healthy" for s in states.values()))
+        self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
         before = self.tracker.resubmitted_total
         self._dispatch(self.tracker.update_ranks(states))
         self.metrics.resubmitted_requests.inc(self.tracker.resubmitted_total - before)
@@ -217,10 +209,10 @@ class Frontend:
             return
         self._states[rank] = state
         logger.info("epoch %d: rank %d %s -> %s", epoch, rank, old or "unknown", state)
-        if state == "failed":
+        if state == SlotState.FAILED:
             self.metrics.rank_failures.inc()
             self._ever_failed.add(rank)
-        elif state == "healthy" and rank in self._ever_failed:
+        elif state == SlotState.HEALTHY and rank in self._ever_failed:
             self._ever_failed.discard(rank)
             self.metrics.rank_recoveries.inc()
 
@@ -248,7 +240,7 @@ class Frontend:
                     self._handle(msg)
                 except Exception:  # noqa: BLE001 - one bad message must not stall all streams
                     logger.exception("epoch %s: failed to handle %s from rank %s",
-                                     self._status.get("epoch"), type(msg).__name__,
+                                     self._status.epoch, type(msg).__name__,
                                      getattr(msg, "rank", "?"))
 
     def _handle(self, msg: WorkerMessage) -> None:
@@ -269,11 +261,11 @@ class Frontend:
             except RankUnreachableError as exc:
                 if isinstance(send.message, GenerateRequest):
                     logger.warning("epoch %s: %s; moving its requests",
-                                   self._status.get("epoch"), exc)
+                                   self._status.epoch, exc)
                     lost.add(send.rank)
             except IpcError as exc:  # closed channel during shutdown
                 logger.warning("epoch %s: dropping %s for rank %d: %s",
-                               self._status.get("epoch"), type(send.message).__name__,
+                               self._status.epoch, type(send.message).__name__,
                                send.rank, exc)
         if lost:
             self._unreachable |= lost

@@ -11,35 +11,25 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from elasticep.distributed.errors import ScaleInProgressError, ScaleNotSupportedError
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.engine.ipc import WorkerHello
 
-RANK_STATES = ("healthy", "failed", "joining", "ready", "draining", "removed")
-SCALE_PHASES = ("idle", "waiting_for_joiners", "admitting", "moving_experts", "draining")
-
-
-class ScaleInProgressError(RuntimeError):
-    """A membership change is already running; answered with HTTP 409."""
-
-
-class ScaleNotSupportedError(RuntimeError):
-    """This deployment cannot change its size; answered with HTTP 400."""
+__all__ = ["ConnectedWorkers", "MembershipSource", "ScaleInProgressError",
+           "ScaleNotSupportedError"]
 
 
 class MembershipSource(Protocol):
     """The membership as the coordinator sees it.
 
-    ``status()`` returns the ``/elastic_ep_status`` shape::
-
-        {"epoch": int, "ep_size": int, "max_ep_size": int,
-         "scale_phase": "idle|waiting_for_joiners|admitting|moving_experts|draining",
-         "ranks": [{"rank": int, "state": "healthy|failed|joining|ready|draining|removed",
-                    "pid": int | None, "node": int}]}
-
-    ``running_requests`` per rank is filled in by the front-end. Both methods may block
-    briefly (they are called from a worker thread with a timeout).
+    ``status()`` returns the ``/elastic_ep_status`` shape as a
+    :class:`~elasticep.distributed.status.DeploymentStatus`; ``running_requests`` per
+    rank is filled in by the front-end. Both methods may block briefly (they are called
+    from a worker thread with a timeout).
     """
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DeploymentStatus:
         """Current membership snapshot (see class doc)."""
         ...
 
@@ -66,13 +56,12 @@ class ConnectedWorkers:
         self._connected = connected
         self._ep_size = ep_size
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DeploymentStatus:
         hellos = dict(self._connected())
-        ranks = [{"rank": r, "state": "healthy", "pid": h.pid, "node": 0}
-                 for r, h in sorted(hellos.items())]
+        ranks = tuple(RankStatus(r, SlotState.HEALTHY, h.pid, 0)
+                      for r, h in sorted(hellos.items()))
         epoch = max((h.epoch for h in hellos.values()), default=0)
-        return {"epoch": epoch, "ep_size": self._ep_size, "max_ep_size": self._ep_size,
-                "scale_phase": "idle", "ranks": ranks}
+        return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=ranks)
 
     def scale(self, new_ep_size: int) -> dict[str, Any] | None:
         raise ScaleNotSupportedError("this deployment has no coordinator and cannot scale")

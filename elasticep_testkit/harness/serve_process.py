@@ -11,6 +11,7 @@ naming what it waited for. Only pids this object started (serve, join) or read f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,13 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.utils.procs import die_with_parent, kill_pids, pid_alive
+from elasticep.utils.wait import wait_until
 
-Status = dict[str, Any]
+Status = DeploymentStatus
 
 
 def free_port() -> int:
@@ -72,12 +74,12 @@ def _stop_with_us() -> None:
 
 def healthy_ranks(status: Status) -> list[int]:
     """Ranks the status reports ``healthy``."""
-    return [r["rank"] for r in status["ranks"] if r["state"] == "healthy"]
+    return status.healthy_ranks()
 
 
 def all_healthy(status: Status) -> bool:
     """True when exactly ``ep_size`` ranks are healthy and no scale is running."""
-    return len(healthy_ranks(status)) == status["ep_size"] and status["scale_phase"] == "idle"
+    return status.all_healthy()
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,9 @@ class ServeProcess:
             httpx.HTTPError: the API did not answer (10 s bound).
         """
         body = self._http.get("/elastic_ep_status").raise_for_status().json()
-        self.seen_pids |= {r["pid"] for r in body["ranks"] if r.get("pid")}
-        return body
+        status = DeploymentStatus.from_dict(body)
+        self.seen_pids |= set(status.pids().values())
+        return status
 
     def scale(self, new_ep_size: int) -> tuple[int, dict]:
         """``POST /scale_elastic_ep``; returns (HTTP status code, JSON body)."""
@@ -188,27 +191,24 @@ class ServeProcess:
             TimeoutError: ``timeout_s`` seconds passed (message names ``what``).
             RuntimeError: serve exited meanwhile.
         """
-        deadline = time.monotonic() + timeout_s
-        last: Status | str = "no answer yet"
-        while True:
+        last: list[Status | str] = ["no answer yet"]
+
+        def check() -> Status | None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited ({self.proc.returncode}) while waiting for "
                                    f"{what}; log tail:\n{self.tail()}")
             try:
-                last = self.status()
-                if pred(last):
-                    return last
+                last[0] = self.status()
             except httpx.HTTPError as exc:  # not listening yet, or busy: retry until bound
-                last = repr(exc)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}; "
-                                   f"last status: {last}")
-            time.sleep(poll_s)
+                last[0] = repr(exc)
+                return None
+            return last[0] if pred(last[0]) else None
 
-    def rank_state(self, rank: int, status: Status | None = None) -> dict:
+        return wait_until(check, timeout_s, what, poll_s=poll_s, last=lambda: last[0])
+
+    def rank_state(self, rank: int, status: Status | None = None) -> RankStatus:
         """The status entry of ``rank``."""
-        st = status or self.status()
-        return next(r for r in st["ranks"] if r["rank"] == rank)
+        return (status or self.status()).rank(rank)
 
     # ---- processes ---------------------------------------------------------------
     def signal_rank(self, rank: int, sig: int) -> int:
@@ -217,7 +217,7 @@ class ServeProcess:
         Raises:
             LookupError: the status names no pid for ``rank``.
         """
-        pid = self.rank_state(rank)["pid"]
+        pid = self.rank_state(rank).pid
         if not pid:
             raise LookupError(f"rank {rank} has no pid in /elastic_ep_status")
         os.kill(pid, sig)
@@ -269,8 +269,10 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 pass
         # children exit after their supervisor: give them what is left of the bound
-        while time.monotonic() < deadline and any(pid_alive(p) for p in self.seen_pids):
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not any(pid_alive(p) for p in self.seen_pids),
+                       max(0.0, deadline - time.monotonic()), "our processes to exit",
+                       poll_s=0.1)
         orphans = sorted(p for p in self.seen_pids if pid_alive(p))
         kill_pids(orphans, timeout_s=5.0)
         for p in [self.proc, *self.joins]:

@@ -1,5 +1,5 @@
 """Drive a real `elasticep serve` deployment from outside: shared by `bench/` and
-`elasticep.chaos`.
+`elasticep_testkit.chaos`.
 
 - `serve_process` — start/stop the `serve` subprocess, `join`, signal rank pids, HTTP
   status/scale, orphan checks (only pids this process started or read from the status);

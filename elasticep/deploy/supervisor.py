@@ -23,9 +23,13 @@ import queue
 import signal
 import threading
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from elasticep.entrypoints.coordinator_membership import WORLD
-from elasticep.entrypoints.launcher import RankExit, RankLauncher
+from elasticep.deploy.launcher import RankExit
+from elasticep.distributed.membership import SlotState
+
+if TYPE_CHECKING:
+    from elasticep.deploy.deployment import Deployment
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +49,19 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def _world(launcher: RankLauncher) -> tuple[int, dict[int, str], dict[int, int]]:
+def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:
     """(epoch, rank -> state, rank -> pid) from the coordinator."""
-    snap = launcher.coordinator_status()
-    world = snap["groups"].get(WORLD)
-    pids = {int(r): int(p["pid"]) for r, p in snap["ranks"].items()}
-    if world is None:
-        return 0, {}, pids
-    states = {int(world["ranks"][s]): st for s, st in enumerate(world["states"])}
-    return int(world["epoch"]), states, pids
+    status = dep.deployment_status()
+    return status.epoch, status.states(), status.pids()
 
 
-def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
+def supervise(dep: Deployment, stop: threading.Event, restart: bool,
               until_all_exited: bool = False, max_restarts: int = 5,
               poll_s: float = 0.2, stop_on_exit: bool = False) -> list[RankExit]:
-    """Watch ``launcher``'s ranks until ``stop`` is set.
+    """Watch this node's ranks of ``dep`` until ``stop`` is set.
 
     Args:
-        launcher: this node's launcher.
+        dep: this node's share of the deployment.
         stop: set by a signal handler (or by the caller) to return.
         restart: relaunch crashed ranks (see module doc).
         until_all_exited: also return once no started worker is alive (``join``, and
@@ -82,13 +81,13 @@ def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
     seen: list[RankExit] = []
     while not stop.wait(poll_s):
         try:
-            epoch, states, coord_pids = _world(launcher)
+            epoch, states, coord_pids = _world(dep)
         except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-            logger.warning("node %d: coordinator unreachable (%s)", launcher.node, exc)
+            logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
             epoch, states, coord_pids = -1, {}, {}
         while True:
             try:
-                ex = launcher.exits.get_nowait()
+                ex = dep.exits.get_nowait()
             except queue.Empty:
                 break
             seen.append(ex)
@@ -98,17 +97,17 @@ def supervise(launcher: RankLauncher, stop: threading.Event, restart: bool,
                              ex.code)
                 stop.set()
                 return seen
-            _on_exit(launcher, ex, epoch, states, restart, restarts, max_restarts)
+            _on_exit(dep, ex, epoch, states, restart, restarts, max_restarts)
         if restart:
-            _kill_frozen(launcher, epoch, states, coord_pids)
-        if until_all_exited and not launcher.pids() and launcher.exits.empty():
+            _kill_frozen(dep, epoch, states, coord_pids)
+        if until_all_exited and not dep.pids(live_only=True) and dep.exits.empty():
             break
     return seen
 
 
-def _on_exit(launcher: RankLauncher, ex: RankExit, epoch: int, states: dict[int, str],
+def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED or states.get(ex.rank) == "removed":
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.REMOVED:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return
@@ -128,19 +127,17 @@ def _on_exit(launcher: RankLauncher, ex: RankExit, epoch: int, states: dict[int,
     restarts[ex.rank] += 1
     logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunching (restart %d)",
                    epoch, ex.rank, ex.pid, ex.code, restarts[ex.rank])
-    launcher.spawn(ex.rank, "recover")
     try:
-        launcher.request_admission([ex.rank])
+        dep.relaunch(ex.rank)
     except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-        logger.warning("epoch %d: could not request admission of rank %d: %s", epoch,
-                       ex.rank, exc)
+        logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, ex.rank, exc)
 
 
-def _kill_frozen(launcher: RankLauncher, epoch: int, states: dict[int, str],
+def _kill_frozen(dep: Deployment, epoch: int, states: dict[int, str],
                  coord_pids: dict[int, int]) -> None:
     """Kill our workers the coordinator evicted but that are still alive (frozen)."""
-    for rank, pid in launcher.pids().items():
-        if states.get(rank) == "failed" and coord_pids.get(rank) == pid:
+    for rank, pid in dep.pids(live_only=True).items():
+        if states.get(rank) == SlotState.FAILED and coord_pids.get(rank) == pid:
             logger.warning("epoch %d: rank %d (pid %d) was evicted but is alive; killing it",
                            epoch, rank, pid)
-            launcher.kill(rank)
+            dep.kill(rank)

@@ -1,11 +1,11 @@
-"""`python -m elasticep.chaos --trials N --seed S`: seeded fault schedules against a real
+"""`python -m elasticep_testkit.chaos --trials N --seed S`: seeded fault schedules against a real
 `elasticep serve` deployment; exit status 1 on any invariant violation (each one
 followed by a one-line ``REPRODUCE:`` command), 0 otherwise.
 
 Examples:
-  python -m elasticep.chaos --trials 50 --seed 1
-  python -m elasticep.chaos --trials 2 --seed 3 --heartbeat-timeout 1.0
-  python -m elasticep.chaos --trials 1 --schedule 'kill:ranks=0:at=1.00:p=0.00'
+  python -m elasticep_testkit.chaos --trials 50 --seed 1
+  python -m elasticep_testkit.chaos --trials 2 --seed 3 --heartbeat-timeout 1.0
+  python -m elasticep_testkit.chaos --trials 1 --schedule 'kill:ranks=0:at=1.00:p=0.00'
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import signal
 import sys
 import time
 
-from elasticep.chaos.runner import ChaosConfig, run
-from elasticep.chaos.schedule import KINDS, Schedule
+from elasticep_testkit.chaos.runner import ChaosConfig, run
+from elasticep_testkit.chaos.schedule import KINDS, Schedule
 
 
 def parse_args(argv: list[str] | None = None) -> ChaosConfig:
     """The command line as a :class:`ChaosConfig` (exits with status 2 on bad flags)."""
-    ap = argparse.ArgumentParser(prog="python -m elasticep.chaos",
+    ap = argparse.ArgumentParser(prog="python -m elasticep_testkit.chaos",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)

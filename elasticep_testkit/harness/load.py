@@ -14,30 +14,14 @@ Times are ``time.monotonic()`` seconds.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import openai
 
-REPO = Path(__file__).resolve().parents[2]
-GSM8K = REPO / "data" / "gsm8k" / "test_head64.jsonl"
-
-
-def gsm8k_prompts(n: int, path: Path = GSM8K) -> list[str]:
-    """The first ``n`` GSM8K questions as ``"Question: ...\\nAnswer:"`` prompts.
-
-    Raises:
-        ValueError: the file holds fewer than ``n`` questions.
-    """
-    with open(path) as f:
-        questions = [json.loads(line)["question"] for line in f if line.strip()]
-    if len(questions) < n:
-        raise ValueError(f"{path} has {len(questions)} questions, {n} asked")
-    return [f"Question: {q}\nAnswer:" for q in questions[:n]]
+from elasticep.utils.wait import wait_until
 
 
 @dataclass
@@ -123,12 +107,12 @@ class Batch:
     def wait_tokens(self, n: int, timeout_s: float) -> bool:
         """Wait until ``n`` tokens arrived; False if every request ended first or
         ``timeout_s`` seconds passed."""
-        deadline = time.monotonic() + timeout_s
-        while self.tokens() < n:
-            if time.monotonic() > deadline or all(f.done() for f in self._futures):
-                return False
-            time.sleep(0.01)
-        return True
+        try:
+            wait_until(lambda: self.tokens() >= n or all(f.done() for f in self._futures),
+                       timeout_s, f"{n} tokens", poll_s=0.01)
+        except TimeoutError:
+            return False
+        return self.tokens() >= n
 
     def results(self, timeout_s: float) -> list[RequestRecord]:
         """Wait for every request (prompt order).

@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elasticep.chaos import invariants
-from elasticep.chaos.actions import ACTIONS, Target, restore
-from elasticep.chaos.schedule import KINDS, Schedule, make_schedule
-from elasticep.harness.load import SteadyLoad, gsm8k_prompts, make_client, run_batch
-from elasticep.harness.serve_process import ServeProcess, healthy_ranks
-from elasticep.harness.status_watch import StatusWatch
 from elasticep.utils.procs import pid_alive
+from elasticep_testkit.chaos import invariants
+from elasticep_testkit.chaos.actions import ACTIONS, Target, restore
+from elasticep_testkit.chaos.schedule import KINDS, Schedule, make_schedule
+from elasticep_testkit.harness.load import SteadyLoad, make_client, run_batch
+from elasticep_testkit.harness.serve_process import ServeProcess, healthy_ranks
+from elasticep_testkit.harness.status_watch import StatusWatch
+from elasticep_testkit.prompts import gsm8k_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class ChaosConfig:
         common = (f"--ep-size {self.ep_size} --heartbeat-timeout {self.heartbeat_timeout_s} "
                   f"--device {self.device} --kinds {','.join(self.kinds)} "
                   f"--max-faults {self.max_faults}")
-        return (f"python -m elasticep.chaos --trials 1 {common} --schedule "
-                f"'{schedule.describe()}'   # in sequence: python -m elasticep.chaos "
+        return (f"python -m elasticep_testkit.chaos --trials 1 {common} --schedule "
+                f"'{schedule.describe()}'   # in sequence: python -m elasticep_testkit.chaos "
                 f"--seed {self.seed} --first-trial {self.first_trial} "
                 f"--trials {trial - self.first_trial + 1} {common}")
 
@@ -102,7 +103,7 @@ class Deployment:
 
     def sample_pids(self) -> set[int]:
         """Record the worker pids the status names now; returns them."""
-        now = {r["pid"] for r in self.serve.status()["ranks"] if r["pid"]}
+        now = set(self.serve.status().pids().values())
         self.worker_pids |= now
         return now
 
@@ -174,7 +175,7 @@ def _status_agrees(dep: Deployment) -> list[str]:
     """/elastic_ep_status vs the coordinator, now that the membership is stable."""
     for _ in range(20):  # the two reads race a commit: retry a moment later
         status, snap = dep.serve.status(), dep.watch.latest()
-        if sorted(healthy_ranks(status)) == sorted(snap.active) and status["epoch"] == snap.epoch:
+        if status.healthy_ranks() == sorted(snap.active) and status.epoch == snap.epoch:
             return []
         time.sleep(0.25)
     return [f"/elastic_ep_status (epoch {status['epoch']}, healthy "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from elasticep.harness.load import RequestRecord
+from elasticep_testkit.harness.load import RequestRecord
 
 Event = tuple[float, str]
 

@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elasticep.chaos.schedule import Fault
-from elasticep.harness.faults import resume, signal_ranks, wait_in, wait_out
-from elasticep.harness.serve_process import ServeProcess, Status, descendant_pids
-from elasticep.harness.status_watch import StatusWatch
+from elasticep.distributed.membership import ACTIVE_STATES, ScalePhase, SlotState
+from elasticep.utils.wait import wait_until
+from elasticep_testkit.chaos.schedule import Fault
+from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out
+from elasticep_testkit.harness.serve_process import ServeProcess, Status, descendant_pids
+from elasticep_testkit.harness.status_watch import StatusWatch
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ class Target:
     heartbeat_timeout_s: float
     notes: list[str] = field(default_factory=list)
 
-    def state(self, rank: int, status: Status | None = None) -> str:
-        return self.serve.rank_state(rank, status)["state"]
+    def state(self, rank: int, status: Status | None = None) -> SlotState:
+        return self.serve.rank_state(rank, status).state
 
     def kill(self, *ranks: int, gap_s: float = 0.0) -> None:
         """SIGKILL the ranks' workers, ``gap_s`` seconds apart."""
@@ -76,7 +78,7 @@ def kill_during_recovery(t: Target, f: Fault) -> list[str]:
     since = time.monotonic()
     t.kill(first)
     # recovery starts when the coordinator marks the death; strike right then
-    t.watch.wait_for(lambda s: s.states[first] != "healthy", DETECT_BOUND_S,
+    t.watch.wait_for(lambda s: s.states[first] != SlotState.HEALTHY, DETECT_BOUND_S,
                      f"rank {first} marked failed", after=since)
     time.sleep(f.param_s)
     t.kill(second)
@@ -106,12 +108,14 @@ def joiner_dies(t: Target, f: Fault) -> list[str]:
     t.wait_out(f.ranks, since)
     join = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank),
                         tag="joiner-dies")
-    deadline = time.monotonic() + 30.0
-    while not descendant_pids(join.proc.pid):
-        if join.proc.poll() is not None or time.monotonic() > deadline:
-            return [f"joiner-dies: join for rank {rank} started no worker (exit "
-                    f"{join.proc.poll()}): {join.output()[-300:]!r}"]
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: descendant_pids(join.proc.pid) or join.proc.poll() is not None,
+                   30.0, f"a worker of the join for rank {rank}")
+    except TimeoutError:
+        pass
+    if not descendant_pids(join.proc.pid):
+        return [f"joiner-dies: join for rank {rank} started no worker (exit "
+                f"{join.proc.poll()}): {join.output()[-300:]!r}"]
     time.sleep(f.param_s)
     workers = descendant_pids(join.proc.pid)
     t.serve.seen_pids.update(workers)
@@ -120,7 +124,7 @@ def joiner_dies(t: Target, f: Fault) -> list[str]:
     join.proc.kill()
     join.proc.wait(10)
     # the slot must fall back to failed (ready to be relaunched), never stay in limbo
-    t.serve.wait_for(lambda st: t.state(rank, st) == "failed", 30.0,
+    t.serve.wait_for(lambda st: t.state(rank, st) == SlotState.FAILED, 30.0,
                      f"rank {rank} back to failed after its joiner died")
     return []
 
@@ -128,7 +132,7 @@ def joiner_dies(t: Target, f: Fault) -> list[str]:
 def scale_while_failing(t: Target, f: Fault) -> list[str]:
     victim, slot = f.ranks[0], t.ep_size
     t.serve.join("--elastic-ep-join-mode", "scale", "--ranks", str(slot), tag=f"scale{slot}-")
-    t.serve.wait_for(lambda st: t.state(slot, st) == "ready", JOIN_BOUND_S,
+    t.serve.wait_for(lambda st: t.state(slot, st) == SlotState.READY, JOIN_BOUND_S,
                      f"scale joiner of slot {slot} ready", poll_s=0.2)
     since = time.monotonic()
     t.kill(victim)
@@ -148,8 +152,8 @@ def scale_while_failing(t: Target, f: Fault) -> list[str]:
 def occupied_join(t: Target, f: Fault) -> list[str]:
     rank = f.ranks[0]
     before = t.serve.rank_state(rank)
-    if before["state"] != "healthy":
-        t.notes.append(f"occupied-join skipped: rank {rank} is {before['state']}")
+    if before.state != SlotState.HEALTHY:
+        t.notes.append(f"occupied-join skipped: rank {rank} is {before.state}")
         return []
     join = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank),
                         tag="occupied")
@@ -163,7 +167,7 @@ def occupied_join(t: Target, f: Fault) -> list[str]:
     out = []
     if code == 0 or "error" not in text or f"rank {rank}" not in text:
         out.append(f"join for occupied rank {rank}: exit {code}, no clear error: {text[-300:]!r}")
-    if after["pid"] != before["pid"] or after["state"] != "healthy":
+    if after.pid != before.pid or after.state != SlotState.HEALTHY:
         out.append(f"join for occupied rank {rank} disturbed it: {before} -> {after}")
     return out
 
@@ -197,38 +201,40 @@ def restore(t: Target) -> None:
     def relaunch_failed(st: Status) -> bool:
         # decide on a status that has caught up with the coordinator: the front-end's
         # view may lag it by one poll
-        if st["epoch"] < t.watch.latest().epoch:
+        if st.epoch < t.watch.latest().epoch:
             return False
         for r in base:
-            if t.state(r, st) == "failed" and (r not in joiners or joiners[r].poll() is not None):
+            if (t.state(r, st) == SlotState.FAILED
+                    and (r not in joiners or joiners[r].poll() is not None)):
                 logger.info("restore: relaunching rank %d", r)
                 joiners[r] = t.serve.join("--elastic-ep-join-mode", "recover", "--ranks",
                                           str(r), tag="restore").proc
-        return all(t.state(r, st) == "healthy" for r in base)
+        return all(t.state(r, st) == SlotState.HEALTHY for r in base)
 
     st = t.serve.wait_for(relaunch_failed, JOIN_BOUND_S, "failed slots relaunched", poll_s=0.2)
     _end_unadmitted_scale_joiners(t, st)
-    if st["ep_size"] != t.ep_size or any(r["state"] in ("healthy", "draining")
-                                         for r in st["ranks"] if r["rank"] >= t.ep_size):
-        t.serve.wait_for(lambda s: s["scale_phase"] == "idle", JOIN_BOUND_S,
+    if st.ep_size != t.ep_size or any(r.state in ACTIVE_STATES
+                                      for r in st.ranks if r.rank >= t.ep_size):
+        t.serve.wait_for(lambda s: s.scale_phase == ScalePhase.IDLE, JOIN_BOUND_S,
                          "a running scale to finish", poll_s=0.2)
         logger.info("restore: scaling back to %d", t.ep_size)
         code, body = t.serve.scale(t.ep_size)
         if code != 200:
             raise RuntimeError(f"restore: POST /scale_elastic_ep {t.ep_size} -> {code} {body}")
-    t.serve.wait_for(lambda s: s["scale_phase"] == "idle" and s["ep_size"] == t.ep_size
-                     and [r["rank"] for r in s["ranks"] if r["state"] == "healthy"] == list(base),
+    t.serve.wait_for(lambda s: s.scale_phase == ScalePhase.IDLE and s.ep_size == t.ep_size
+                     and s.healthy_ranks() == list(base),
                      JOIN_BOUND_S, "baseline restored", poll_s=0.2)
 
 
 def _end_unadmitted_scale_joiners(t: Target, status: Status) -> None:
     """SIGTERM our scale joiners whose slot was never admitted (a refused scale), so the
     slot is free for the next trial."""
-    for rank in range(t.ep_size, len(status["ranks"])):
-        if t.state(rank, status) in ("ready", "joining"):
+    for rank in range(t.ep_size, len(status.ranks)):
+        if t.state(rank, status) in (SlotState.READY, SlotState.JOINING):
             for p in t.serve.joins:
                 if p.poll() is None and f"--ranks {rank}" in " ".join(map(str, p.args)):
                     p.terminate()
                     p.wait(15)
-            t.serve.wait_for(lambda s, r=rank: t.state(r, s) in ("removed", "failed"), 30.0,
+            t.serve.wait_for(lambda s, r=rank: t.state(r, s) in (SlotState.REMOVED,
+                                                                  SlotState.FAILED), 30.0,
                              f"unadmitted slot {rank} freed")
