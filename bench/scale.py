@@ -67,9 +67,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "bench" / "configs" / "qwen3-30b-a3b.json"
 
 
+OUT_FILE: Path | None = None  # --out: every line is appended as it is printed
+
+
 def emit(row: dict) -> None:
-    """Print one JSON line (the bench's output) and flush it."""
+    """Print one JSON line (the bench's output) and flush it; append it to --out too,
+    so a run cut short by a time limit keeps what it measured."""
     print(json.dumps(row), flush=True)
+    if OUT_FILE is not None:
+        with OUT_FILE.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def git_commit() -> str:
@@ -460,6 +467,21 @@ def _ep_run(driver, prompts: list[list[int]], decode_tokens: int) -> dict:
             "prefill_tokens_per_s": len(prompts) * len(prompts[0]) / (lo - t0)}
 
 
+def _settle_gpu_memory(device: str, timeout_s: float = 30.0) -> None:
+    """Wait until the GPUs' free memory stops growing: closed workers' memory is released
+    after their processes exit, and the next launch's baseline must not include it."""
+    if not device.startswith("cuda"):
+        return
+    last = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = [torch.cuda.mem_get_info(g)[0] for g in range(torch.cuda.device_count())]
+        if free == last:
+            return
+        last = free
+        time.sleep(1.0)
+
+
 def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dict]:
     from elasticep.elastic.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
@@ -495,6 +517,7 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
         finally:
             for d in drivers.values():
                 d.close()
+            _settle_gpu_memory(args.device)
         touched = touched_by_batch.get(batch)
         bound = None
         if touched is not None:
@@ -565,30 +588,26 @@ def main() -> None:
     args.cuda_graph_modes = {"on": [True], "off": [False], "both": [True, False]}[args.cuda_graph]
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="elasticep-scale-")
     only = args.only.split(",")
+    global OUT_FILE
+    OUT_FILE = Path(args.out) if args.out else None
     meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
     emit(meta)
-    results = [meta]
     bw = section_hbm(args)["hbm_bytes_per_s"]  # every bound needs it
     ep1: list[dict] = []
     for name in only:  # in the order given, so a long section can go last
         if name == "ep1":
             ep1 = section_ep1(args, bw)
-            results += ep1
         elif name == "hf":
-            results += section_hf(args)
+            section_hf(args)
         elif name == "profile":
-            results += section_profile(args)
+            section_profile(args)
         elif name == "ep2":
             earlier = ep1 or _read_rows(args.ep1_from, "ep1")
             touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
-            results += section_ep2(args, bw, touched)
+            section_ep2(args, bw, touched)
         elif name != "hbm":
             sys.exit(f"bench/scale.py: unknown section {name!r}")
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":
