@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/pip install -q "torch==2.13.0" || \
 	  $(BIN)/pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu ; fi
-	$(BIN)/pip install -q -e '.[dev]'
+	# the runtime package plus the test extra (elasticep_testkit's openai/httpx, pytest) and ruff
+	$(BIN)/pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check elasticep tests bench examples
+	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check elasticep tests bench examples
+	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
 
 clean:
 	rm -rf $(VENV)

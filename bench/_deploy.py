@@ -11,18 +11,18 @@ import platform
 import time
 from typing import Any
 
-from elasticep.harness import timeline
-from elasticep.harness.load import (
+from elasticep_testkit.harness import timeline
+from elasticep_testkit.harness.load import (
     Outcomes,
     RequestRecord,
     SteadyLoad,
-    gsm8k_prompts,
     make_client,
     outcomes,
     run_batch,
 )
-from elasticep.harness.serve_process import ServeProcess
-from elasticep.harness.status_watch import StatusWatch
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.harness.status_watch import StatusWatch
+from elasticep_testkit.prompts import gsm8k_prompts
 
 REQUEST_TIMEOUT_S = 120.0  # per request: a hang becomes a client error, never a stuck bench
 

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 import elasticep.distributed as ed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _procs import Procs  # noqa: E402
 
@@ -49,7 +50,7 @@ def _init(rank, addr, ext=False, ws=N):
 
 def latency_worker(rank, addr, conn, rounds, iters):
     _init(rank, addr)
-    store = dist.TCPStore(addr.split(":")[0], ed.api._ctl.store_port, is_master=False)
+    store = ed.store_client()
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), rank, N,
                                 timedelta(seconds=30))
     small = torch.ones(1)

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import torch
 
-from elasticep.engine.llm_engine import LLMEngine
-from elasticep.engine.request import SamplingParams
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # elasticep_testkit lives in the repository, not the wheel
+
+from elasticep.engine.llm_engine import LLMEngine  # noqa: E402
+from elasticep.engine.request import SamplingParams  # noqa: E402
+from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
-    with open(REPO / "data" / "gsm8k" / "test_head64.jsonl") as f:
-        qs = [json.loads(line)["question"] for line in f][:n]
-    return [tok(f"Question: {q}\nAnswer:").input_ids for q in qs]
+    return [tok(p).input_ids for p in gsm8k_prompts(n)]
 
 
 def main() -> None:

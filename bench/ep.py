@@ -27,24 +27,26 @@ import os
 import re
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from elasticep.elastic.config import DeploymentConfig
-from elasticep.engine.request import SamplingParams
-from elasticep.entrypoints.batch_driver import BatchDriver
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # elasticep_testkit lives in the repository, not the wheel
+
+from elasticep.elastic.config import DeploymentConfig  # noqa: E402
+from elasticep.engine.request import SamplingParams  # noqa: E402
+from elasticep.entrypoints.batch_driver import BatchDriver  # noqa: E402
+from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
+
 MODEL = REPO / "models" / "tiny-qwen3-moe"
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
-    with open(REPO / "data" / "gsm8k" / "test_head64.jsonl") as f:
-        qs = [json.loads(line)["question"] for line in f][:n]
-    return [tok(f"Question: {q}\nAnswer:").input_ids for q in qs]
+    return [tok(p).input_ids for p in gsm8k_prompts(n)]
 
 
 def _tokens_per_s(driver: BatchDriver, prompts, params) -> float:

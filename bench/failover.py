@@ -35,12 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _deploy import Run, add_deploy_arguments, deployment_args  # noqa: E402
 
-from elasticep.harness import timeline  # noqa: E402
-from elasticep.harness.faults import resume, signal_ranks, wait_in, wait_out  # noqa: E402
+from elasticep_testkit.harness import timeline  # noqa: E402
+from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out  # noqa: E402
 
 SCENARIOS = ("kill", "freeze", "kill-rank0", "rejoin", "scale-up", "scale-down", "double-kill")
 SETTLE_S = 1.0  # after the new epoch: redo + resubmission before "degraded" is steady

@@ -62,8 +62,11 @@ from elasticep.moe.padded_exchange import (  # noqa: E402
     pair_capacity,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from _procs import Procs, worker  # noqa: E402
+
+from elasticep_testkit.prompts import gsm8k_questions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPS = ("fastapi", "uvicorn", "zmq", "prometheus_client", "openai", "safetensors",
@@ -83,9 +86,7 @@ def _sync(cuda: bool) -> None:
 
 
 def _raw_group(rank: int, addr: str, cuda: bool, tag: str):
-    store = dist.TCPStore(addr.split(":")[0], ed.api._ctl.store_port, is_master=False,
-                          timeout=timedelta(seconds=60))
-    pre = dist.PrefixStore(f"bench/raw/{tag}/", store)
+    pre = dist.PrefixStore(f"bench/raw/{tag}/", ed.store_client())
     if cuda:
         return dist.ProcessGroupNCCL(pre, rank, 2)
     return dist.ProcessGroupGloo(pre, rank, 2, timedelta(seconds=60))
@@ -152,7 +153,7 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
         dist.all_to_all_single(out, inp, outsz, insz)
         want = [0., 100., 101.] if rank == 0 else [1., 2., 3., 102., 103.]
         res["all_to_all_uneven_ok"] = out.cpu().tolist() == want
-        fast.append(ed.api._gs(None)._fast is not None)
+        fast.append(ed.group_diagnostics()["fast_path"])
     res["fast_path_after_first_op"] = fast
     # latency: ours vs raw NCCL, called directly and through torch.distributed
     raw = _raw_group(rank, addr, cuda, "lat")
@@ -222,8 +223,7 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
     def via_dist(out, inp):
         dist.all_to_all_single(out, inp)
 
-    gs = ed.api._gs(None)
-    before = dict(gs.counters)
+    before = ed.group_diagnostics()["counters"]
     med = _interleaved_medians({"none": lambda: steps(base_ex),
                                 "elastic": lambda: steps(exchange_over(None)),
                                 "elastic_via_dist": lambda: steps(via_dist),
@@ -239,9 +239,9 @@ def nccl_worker(rank, addr, conn, cuda, rounds, iters):
                        "elastic_via_dist_ms": round(med["elastic_via_dist"] * 1e3, 3),
                        "elastic_via_dist_over_none": round(n / med["elastic_via_dist"], 4),
                        "none_direct_ms": round(med["none_direct"] * 1e3, 3),
-                       "elastic_op_routes": {k: v - before[k]
-                                             for k, v in gs.counters.items()}}
-    res["nccl_timings"] = {str(k): v for k, v in ed.api._gs(None).nccl_timings().items()}
+                       "elastic_op_routes": {k: v - before[k] for k, v in
+                                             ed.group_diagnostics()["counters"].items()}}
+    res["nccl_timings"] = {str(k): v for k, v in ed.group_diagnostics()["nccl_timings"].items()}
     conn.send(("res", res))
     raw.allreduce([line]).wait()
     _sync(cuda)
@@ -417,9 +417,9 @@ def kill_worker(rank, addr, conn, cuda, ext, stop_file, die_at=None, on_failure=
         n += 1
         if n == 200:
             conn.send(("started", None))
-    gs = ed.api._gs(None)
+    diag = ed.group_diagnostics()
     conn.send(("res", {"times": times, "sums": sums, "rejoin_pause_s": pause, "raised": raised,
-                       "nccl_timings": gs.nccl_timings(), "epoch": gs.epoch}))
+                       "nccl_timings": diag["nccl_timings"], "epoch": diag["epoch"]}))
 
 
 def section_nccl(ctx, cuda, quick):
@@ -548,10 +548,8 @@ def section_kernels():
 
 
 def section_generate(tmp: Path, quick: bool):
-    lines = (ROOT / "data/gsm8k/test_head64.jsonl").read_text().splitlines()[:8]
     pf = tmp / "prompts8.jsonl"
-    pf.write_text("".join(json.dumps({"prompt": json.loads(s)["question"]}) + "\n"
-                          for s in lines))
+    pf.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in gsm8k_questions(8)))
     ntok = 8 if quick else 32
     runs = {"cpu_ep1": (["--device", "cpu"], 150), "cuda_ep1": (["--device", "cuda"], 150),
             "cuda_ep1_bf16": (["--device", "cuda", "--dtype", "bfloat16"], 150),

@@ -24,13 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _deploy import REQUEST_TIMEOUT_S, add_deploy_arguments, deployment_args, machine  # noqa: E402
 
-from elasticep.harness import timeline  # noqa: E402
-from elasticep.harness.load import SteadyLoad, gsm8k_prompts, make_client  # noqa: E402
-from elasticep.harness.serve_process import ServeProcess  # noqa: E402
+from elasticep_testkit.harness import timeline  # noqa: E402
+from elasticep_testkit.harness.load import SteadyLoad, make_client  # noqa: E402
+from elasticep_testkit.harness.serve_process import ServeProcess  # noqa: E402
+from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
 
 BACKENDS = ("elastic", "none")
 

@@ -25,7 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from _deploy import machine  # noqa: E402
 from failover import SCENARIOS  # noqa: E402
@@ -129,7 +130,7 @@ def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | No
         ".venv/bin/python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|"
         "scale-down|double-kill --plot out.png",
         ".venv/bin/python bench/overhead.py --repeats 5",
-        ".venv/bin/python -m elasticep.chaos --trials 50 --seed 1     # the long chaos run",
+        ".venv/bin/python -m elasticep_testkit.chaos --trials 50 --seed 1     # the long chaos run",
         ".venv/bin/pytest -q tests/test_chaos_short.py                # 2 trials, CI",
         "```",
         "",
@@ -162,7 +163,7 @@ def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | No
                     ">= 0.99.", "", "```", json.dumps(r), "```", ""]
     if chaos is not None:
         rc, text = chaos[:2]
-        out += ["## Chaos (`python -m elasticep.chaos`)", "",
+        out += ["## Chaos (`python -m elasticep_testkit.chaos`)", "",
                 f"Taken {taken(chaos[2] if len(chaos) > 2 else None)}.", "",
                 f"Exit status {rc} ({'no violation' if rc == 0 else 'VIOLATIONS'}).", "", "```",
                 text.strip(), "```", ""]
@@ -198,7 +199,7 @@ def main() -> int:
         print(f"overhead: {json.dumps(overhead[0]) or overhead[1]}", flush=True)
     chaos = tuple(saved["chaos"]) if saved.get("chaos") else None
     if args.chaos_trials and (todo is None or "chaos" in todo):
-        cmd = [py, "-m", "elasticep.chaos", "--trials", str(args.chaos_trials), "--seed",
+        cmd = [py, "-m", "elasticep_testkit.chaos", "--trials", str(args.chaos_trials), "--seed",
                str(args.chaos_seed), "--device", args.device]
         try:
             p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,

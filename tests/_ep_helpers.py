@@ -7,17 +7,16 @@ once per test session and reused by every EP test module.
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from pathlib import Path
 
 import torch
 
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.prompts import gsm8k_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"
-GSM8K = REPO / "data" / "gsm8k" / "test_head64.jsonl"
 NEAR_TIE = 1e-3
 NUM_PROMPTS = 16
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -32,19 +31,18 @@ def tokenizer():
 
 @functools.cache
 def prompts() -> tuple[tuple[int, ...], ...]:
-    """The first 16 GSM8K test questions of the repository's sample, tokenized.
+    """16 GSM8K test questions of the repository's sample, tokenized."""
+    return tuple(tuple(tokenizer()(p).input_ids) for p in gsm8k_prompts(NUM_PROMPTS))
 
-    Raises:
-        FileNotFoundError: the bundled sample is missing (a broken checkout fails, never skips).
-    """
-    with open(GSM8K) as f:
-        qs = [json.loads(next(f))["question"] for _ in range(NUM_PROMPTS)]
-    return tuple(tuple(tokenizer()(f"Question: {q}\nAnswer:").input_ids) for q in qs)
+
+def reference() -> tuple[list[list[int]], list[list[float]]]:
+    """ep_size=1 greedy outputs of :func:`prompts` and the top-2 margin at each token."""
+    return reference_for(str(MODEL), prompts())
 
 
 @functools.cache
-def reference() -> tuple[list[list[int]], list[list[float]]]:
-    """ep_size=1 greedy outputs of :func:`prompts` and the top-2 margin at each token."""
+def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[list[list[int]], list[list[float]]]:
+    """ep_size=1 greedy outputs of ``prompt_ids`` on ``model`` and the top-2 margin at each token."""
     from elasticep.engine.llm_engine import LLMEngine
 
     # One intra-op thread: with other processes on the 2 cores, OpenMP's spinning
@@ -52,10 +50,10 @@ def reference() -> tuple[list[list[int]], list[list[float]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = LLMEngine.from_pretrained(MODEL, dtype=torch.float32, progress=False)
-        outs = engine.generate([list(p) for p in prompts()], GREEDY)
+        engine = LLMEngine.from_pretrained(model, dtype=torch.float32, progress=False)
+        outs = engine.generate([list(p) for p in prompt_ids], GREEDY)
         margins = []
-        for p, out in zip(prompts(), outs, strict=True):
+        for p, out in zip(prompt_ids, outs, strict=True):
             logits = engine.prompt_logits(list(p) + out[:-1])[len(p) - 1:]
             top2 = torch.topk(logits, 2, dim=-1).values
             margins.append((top2[:, 0] - top2[:, 1]).tolist())
@@ -98,9 +96,11 @@ def assert_equal_under_near_tie_rule(got: list[list[int]], ref: list[list[int]],
     return excused
 
 
-def assert_matches_reference(got: list[list[int]], what: str) -> list[str]:
-    """:func:`assert_equal_under_near_tie_rule` against the ep_size=1 reference."""
-    ref, margins = reference()
+def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> list[str]:
+    """:func:`assert_equal_under_near_tie_rule` against the ep_size=1 reference:
+    ``expected`` is ``(tokens, margins)`` from :func:`reference_for`; None = the demo
+    model's :func:`reference`."""
+    ref, margins = expected or reference()
     return assert_equal_under_near_tie_rule(got, ref, margins, what)
 
 
@@ -112,7 +112,7 @@ def launch(tmp_path_factory, **overrides):
 
     log_dir = tmp_path_factory.mktemp("ep-logs")
     fault = overrides.pop("fault", None)
-    cfg = DeploymentConfig(model=str(MODEL), ep_size=4, max_ep_size=overrides.pop("max_ep_size", 4),
+    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=4, max_ep_size=overrides.pop("max_ep_size", 4),
                            heartbeat_timeout_s=10.0, **overrides)
     driver = BatchDriver.launch(cfg, tokenizer().decode, fault=fault, log_dir=str(log_dir),
                                 ready_timeout_s=120)
@@ -141,9 +141,9 @@ def worker_log(driver) -> str:
     return "\n".join(p.read_text() for p in sorted(Path(driver.log_dir).glob("rank*.log")))
 
 
-def generated(driver, **kwargs) -> list[list[int]]:
-    """Run the 16 prompts on the deployment; every request must succeed."""
-    outs = driver.generate([list(p) for p in prompts()], GREEDY, timeout_s=120, **kwargs)
+def generated(driver, prompt_ids=None, **kwargs) -> list[list[int]]:
+    """Run ``prompt_ids`` (default: the 16 GSM8K prompts) on the deployment; every request must succeed."""
+    outs = driver.generate([list(p) for p in prompt_ids or prompts()], GREEDY, timeout_s=120, **kwargs)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs]
 

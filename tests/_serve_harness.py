@@ -7,7 +7,6 @@ the real `openai` package. Only pids this harness started (serve, join) or read 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,19 +21,18 @@ import httpx
 import openai
 import pytest
 
-from elasticep.harness.serve_process import cli_command as cli
-from elasticep.harness.serve_process import free_port
 from elasticep.utils.procs import kill_pids, pid_alive
+from elasticep_testkit.harness.serve_process import cli_command as cli
+from elasticep_testkit.harness.serve_process import free_port
+from elasticep_testkit.prompts import gsm8k_questions
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "data" / "gsm8k" / "test_head64.jsonl"
 
 
 def prompts(n: int, chars: int = 110) -> list[str]:
     """The first ``n`` GSM8K questions of the bundled sample, cut to ``chars`` characters
     so each prompt is about 25 tokens (a 2-core budget)."""
-    lines = SAMPLE.read_text().splitlines()[:n]
-    return [json.loads(line)["question"][:chars] for line in lines]
+    return gsm8k_questions(n, chars)
 
 
 # The burst the failover and scale modules stream through one deployment: 8 concurrent

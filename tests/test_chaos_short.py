@@ -3,7 +3,7 @@
 Seed 6 with these kinds gives: trial 0 kills rank 3 under load and relaunches it with
 `elasticep join ... recover` (restore); trial 1 kills rank 2 and, while survivors
 recover, rank 0. The pure parts (schedules, invariant checks) are tested without a
-deployment. The 50-trial run is `python -m elasticep.chaos --trials 50 --seed 1`.
+deployment. The 50-trial run is `python -m elasticep_testkit.chaos --trials 50 --seed 1`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticep.chaos import invariants
-from elasticep.chaos.schedule import KINDS, Schedule, make_schedule
-from elasticep.harness.load import RequestRecord
+from elasticep_testkit.chaos import invariants
+from elasticep_testkit.chaos.schedule import KINDS, Schedule, make_schedule
+from elasticep_testkit.harness.load import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--trials", "2", "--seed", "6", "--max-tokens", "24", "--concurrency", "4",
@@ -87,7 +87,7 @@ def test_membership_check_compares_and_is_never_vacuous():
 @pytest.mark.slow
 @pytest.mark.timeout(270)
 def test_two_chaos_trials_keep_every_invariant():
-    proc = subprocess.Popen([sys.executable, "-m", "elasticep.chaos", *SHORT], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "elasticep_testkit.chaos", *SHORT], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=210)

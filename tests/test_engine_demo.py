@@ -7,7 +7,6 @@ logit margin is below 1e-3, in at most one prompt of eight; such cases are repor
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,18 +16,13 @@ from _ep_helpers import assert_equal_under_near_tie_rule
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.prompts import gsm8k_items
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"
-GSM8K = REPO / "data" / "gsm8k" / "test_head64.jsonl"
 GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
-
-
-def _gsm8k(n: int) -> list[dict]:
-    with open(GSM8K) as f:
-        return [json.loads(next(f)) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    return [tok(f"Question: {item['question']}\nAnswer:").input_ids for item in _gsm8k(8)]
+    return [tok(f"Question: {item['question']}\nAnswer:").input_ids for item in gsm8k_items(8)]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +98,7 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def ppl_texts(tok):
-    items = _gsm8k(20)
+    items = gsm8k_items(20)
     return [tok(f"<|endoftext|>Question: {x['question']}\nAnswer: {x['answer']}").input_ids for x in items]
 
 

@@ -26,7 +26,7 @@ def driver(tmp_path_factory):
 
 def test_joiner_survives_a_death_during_its_admission(driver):
     dep = driver.deployment
-    assert dep.add_ranks(1) == [4]
+    assert dep.scale(5, start_joiners=True)["slots"] == [4]
     dep.wait_healthy([0, 1, 2, 4], timeout_s=120)
     driver.wait_routable([0, 1, 2, 4])
     log = worker_log(driver)

@@ -32,16 +32,16 @@ def test_healthy_dynamic_matches_ep1(driver):
 
 def test_scale_up_then_down(driver):
     dep = driver.deployment
-    assert dep.add_ranks(1) == [4]
+    assert dep.scale(5, start_joiners=True)["slots"] == [4]
     dep.wait_healthy([0, 1, 2, 3, 4], timeout_s=90)
     driver.wait_routable([0, 1, 2, 3, 4])
     assert_matches_reference(generated(driver), "EP5 after scale-up")
-    dep.request_removal([4])
+    assert dep.scale(4)["slots"] == [4]
     deadline = time.monotonic() + 60
     while dep.exit_codes.get(4) is None:
         assert time.monotonic() < deadline, "rank 4 did not leave"
         time.sleep(0.05)
     assert dep.exit_codes[4] == [0]
-    states = {r["rank"]: r["state"] for r in dep.status()["ranks"]}
+    states = dep.status().states()
     assert states[4] == "removed" and dep.active_ranks() == [0, 1, 2, 3]
     assert_matches_reference(generated(driver), "EP4 after scale-down")

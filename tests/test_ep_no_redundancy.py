@@ -27,12 +27,12 @@ def driver(tmp_path_factory):
 
 def test_healthy_ep4_r0_matches_ep1(driver):
     assert_matches_reference(generated(driver), "EP4 R=0 static")
-    assert driver.deployment.status()["epoch"] == 0, "the fault fired in the first batch"
+    assert driver.deployment.status().epoch == 0, "the fault fired in the first batch"
 
 
 def test_fault_injected_kill_reloads_orphans(driver):
     assert_matches_reference(generated(driver), "EP4 R=0, rank 1 killed at step 45")
-    states = {r["rank"]: r["state"] for r in driver.deployment.status()["ranks"]}
+    states = driver.deployment.status().states()
     assert states == {0: "healthy", 1: "failed", 2: "healthy", 3: "healthy"}
     log = worker_log(driver)
     assert "rank 1 SIGKILLs itself at step 45 layer 3" in log

@@ -33,13 +33,13 @@ def driver(tmp_path_factory):
 
 def test_healthy_ep4_matches_ep1(driver):
     assert_matches_reference(generated(driver), "EP4 R=16 static")
-    assert driver.deployment.status()["epoch"] == 0
+    assert driver.deployment.status().epoch == 0
 
 
 def test_kill_rank_mid_generation_with_redundancy(driver):
     outs = generated(driver, on_event=kill_after(driver, 2, 60))
     assert_matches_reference(outs, "EP4 R=16, rank 2 killed")
-    states = {r["rank"]: r["state"] for r in driver.deployment.status()["ranks"]}
+    states = driver.deployment.status().states()
     assert states == {0: "healthy", 1: "healthy", 2: "failed", 3: "healthy"}
     reloads = [int(n) for n in re.findall(r"(\d+) checkpoint reloads", worker_log(driver))]
     assert reloads and not any(reloads), "with redundancy no expert is reloaded"
@@ -53,5 +53,5 @@ def test_relaunch_then_kill_rank0(driver):
     assert_matches_reference(generated(driver), "EP4 R=16 after rejoin")
     outs = generated(driver, on_event=kill_after(driver, 0, 60))
     assert_matches_reference(outs, "EP4 R=16, rank 0 killed")
-    states = {r["rank"]: r["state"] for r in dep.status()["ranks"]}
+    states = dep.status().states()
     assert states == {0: "failed", 1: "healthy", 2: "healthy", 3: "healthy"}

@@ -18,10 +18,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import AbortRequest, TokenOutput
-from elasticep.entrypoints.frontend import FrontendConfig
-from elasticep.entrypoints.http_server import create_server
+from elasticep.frontend.core import FrontendConfig
+from elasticep.frontend.http_server import create_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,10 +40,11 @@ class ScriptedMembership:
         self.epoch = 0
         self.states = {0: "healthy", 1: "healthy"}
 
-    def status(self) -> dict:
-        return {"epoch": self.epoch, "ep_size": 2, "max_ep_size": 2, "scale_phase": "idle",
-                "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
-                          for r, s in sorted(self.states.items())]}
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": self.epoch, "ep_size": 2, "max_ep_size": 2, "scale_phase": "idle",
+             "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
+                       for r, s in sorted(self.states.items())]})
 
     def scale(self, new_ep_size: int) -> None:
         raise ValueError("not in this test")

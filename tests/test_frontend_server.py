@@ -16,13 +16,14 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.engine.serve_loop import run_engine_worker
-from elasticep.entrypoints.http_server import create_server
-from elasticep.entrypoints.incremental_text import IncrementalText
-from elasticep.entrypoints.membership import ConnectedWorkers, ScaleInProgressError
+from elasticep.frontend.http_server import create_server
+from elasticep.frontend.incremental_text import IncrementalText
+from elasticep.frontend.membership import ConnectedWorkers, ScaleInProgressError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -271,10 +272,11 @@ def test_metrics_status_and_scale_endpoints(live):
 class FakeMembership:
     """A deployment where every rank is down and a scale-up is underway."""
 
-    def status(self) -> dict:
-        return {"epoch": 3, "ep_size": 2, "max_ep_size": 4, "scale_phase": "admitting",
-                "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
-                          {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]}
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 3, "ep_size": 2, "max_ep_size": 4, "scale_phase": "admitting",
+             "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
+                       {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]})
 
     def scale(self, new_ep_size: int) -> dict:
         raise ScaleInProgressError("already scaling to 4")

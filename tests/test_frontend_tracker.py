@@ -7,8 +7,8 @@ import random
 import pytest
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
-from elasticep.entrypoints.incremental_text import IncrementalText
-from elasticep.entrypoints.request_tracker import (
+from elasticep.frontend.incremental_text import IncrementalText
+from elasticep.frontend.request_tracker import (
     DuplicateRequestError,
     NoRankAvailableError,
     RequestEvent,

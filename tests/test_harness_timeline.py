@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from elasticep.harness.load import RequestRecord
-from elasticep.harness.timeline import max_gap_overlapping, max_wait_across, tokens_per_s
+from elasticep_testkit.harness.load import RequestRecord
+from elasticep_testkit.harness.timeline import max_gap_overlapping, max_wait_across, tokens_per_s
 
 
 def test_interruption_counts_the_first_token_wait_of_requests_in_flight():

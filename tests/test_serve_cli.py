@@ -8,15 +8,20 @@ import sys
 
 import pytest
 
-from elasticep.entrypoints.cli import build_parser
-from elasticep.entrypoints.coordinator_membership import (
-    CoordinatorMembership,
-    scale_phase,
-    status_from_snapshot,
+from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
+from elasticep.distributed.membership import SlotState, scale_phase
+from elasticep.distributed.scaling import (
+    Launch,
+    ProcInfo,
+    ScaleTarget,
+    check_join,
+    deployment_status,
 )
-from elasticep.entrypoints.join_cmd import JoinError, check_slots, parse_mode_and_ranks
-from elasticep.entrypoints.membership import ScaleInProgressError
+from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
 from elasticep.entrypoints.serve_args import UsageError, validate
+from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,25 +99,34 @@ def test_join_bad_flags(argv):
         parse_mode_and_ranks(_join(*argv))
 
 
-def _snapshot(states: list[str], pids: dict[int, int] | None = None, epoch: int = 3) -> dict:
-    return {"max_world_size": len(states),
-            "ranks": {str(r): {"pid": p, "alive": True} for r, p in (pids or {}).items()},
-            "groups": {"world": {"epoch": epoch, "active": [], "states": states,
-                                 "ranks": list(range(len(states))), "requests": {}}}}
+def _states(*names: str) -> list[SlotState]:
+    return [SlotState(n) for n in names]
+
+
+def _procs(pids: dict[int, int], in_world: bool = True) -> dict[int, ProcInfo]:
+    return {r: ProcInfo(p, True, in_world) for r, p in pids.items()}
+
+
+def _check(mode, want, states, pids=None, ep_size=None, launched=None, procs=None):
+    states = _states(*states)
+    target = ScaleTarget(len(states) if ep_size is None else ep_size, len(states))
+    launches = {r: Launch(0, p) for r, p in (launched or {}).items()}
+    check_join(mode, want, states, list(range(len(states))), target,
+               procs if procs is not None else _procs(pids or {}), launches)
 
 
 def test_join_refuses_occupied_or_wrong_mode_slots():
-    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"], {0: 11})
-    check_slots("recover", [1], 6, snap)
-    check_slots("scale", [4, 5], 6, snap)
-    with pytest.raises(JoinError, match="rank 0 is healthy \\(pid 11\\)"):
-        check_slots("recover", [0], 6, snap)
-    with pytest.raises(JoinError, match="use --elastic-ep-join-mode scale"):
-        check_slots("recover", [4], 6, snap)
-    with pytest.raises(JoinError, match="--elastic-ep-join-mode recover"):
-        check_slots("scale", [1], 6, snap)
-    with pytest.raises(JoinError, match="outside the capacity"):
-        check_slots("scale", [6], 6, snap)
+    states = ["healthy", "failed", "healthy", "healthy", "removed", "removed"]
+    _check("recover", [1], states, {0: 11})
+    _check("scale", [4, 5], states, {0: 11})
+    with pytest.raises(JoinRefusedError, match="rank 0 is healthy \\(pid 11\\)"):
+        _check("recover", [0], states, {0: 11})
+    with pytest.raises(JoinRefusedError, match="use --elastic-ep-join-mode scale"):
+        _check("recover", [4], states, {0: 11})
+    with pytest.raises(JoinRefusedError, match="--elastic-ep-join-mode recover"):
+        _check("scale", [1], states, {0: 11})
+    with pytest.raises(JoinRefusedError, match="outside the capacity"):
+        _check("scale", [6], states, {0: 11})
 
 
 def test_scale_phase():
@@ -125,23 +139,31 @@ def test_scale_phase():
     assert scale_phase(["failed"] + ["healthy"] * 3, set(), set()) == "idle"
 
 
+def _view(states, procs, launched=None, ep_size=4, max_ep_size=None, nodes=None):
+    states = None if states is None else _states(*states)
+    cap = max_ep_size or len(states)
+    launches = {r: Launch(0, p) for r, p in (launched or {}).items()}
+    return deployment_status(3, states, list(range(cap)), ScaleTarget(ep_size, cap), procs,
+                             launches, nodes or {}).to_dict()
+
+
 def test_status_shape():
-    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"],
-                     {0: 10, 1: 11, 2: 12, 3: 13})
-    st = status_from_snapshot(snap, 4, 6, "idle", lambda r: r // 2)
+    procs = _procs({0: 10, 1: 11, 2: 12, 3: 13})
+    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+               nodes={r: r // 2 for r in range(6)})
     assert st["epoch"] == 3 and st["ep_size"] == 4 and st["max_ep_size"] == 6
     assert st["ranks"][1] == {"rank": 1, "state": "failed", "pid": 11, "node": 0}
     assert st["ranks"][5] == {"rank": 5, "state": "removed", "pid": None, "node": 2}
-    empty = status_from_snapshot({"ranks": {}, "groups": {}}, 2, 3, "idle", lambda r: 0)
+    empty = _view(None, {}, ep_size=2, max_ep_size=3)
     assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "removed"]
+    assert DeploymentStatus.from_dict(st).to_dict() == st
 
 
 def test_status_shows_loading_workers_as_joining():
     """Workers load before they register: a launched, unregistered worker is joining."""
-    snap = _snapshot(["healthy", "failed", "healthy", "healthy", "removed", "removed"],
-                     {0: 10, 1: 11, 2: 12})  # rank 3 has not registered yet
-    launched = {1: 21, 3: 13, 4: 24, 0: 10}.get
-    st = status_from_snapshot(snap, 4, 6, "idle", lambda r: 0, launched)
+    procs = _procs({0: 10, 1: 11, 2: 12})  # rank 3 has not registered yet
+    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+               launched={1: 21, 3: 13, 4: 24, 0: 10})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
         ("healthy", 10), ("joining", 21), ("healthy", 12), ("joining", 13), ("joining", 24),
         ("removed", None)]
@@ -151,86 +173,66 @@ def test_status_registered_joiner_stays_joining():
     """The window between a joiner's process registration and its group registration:
     the slot is still "failed" but its (new, alive) process is known: joining, not failed.
     A dead registered process in a failed slot stays failed."""
-    snap = _snapshot(["healthy", "failed", "failed", "removed"], {0: 10, 1: 21, 2: 12, 3: 13})
-    snap["ranks"]["2"]["alive"] = False
-    for r in (0, 2, 3):
-        snap["ranks"][str(r)]["groups"] = ["world"]
-    snap["ranks"]["1"]["groups"] = []
+    procs = {0: ProcInfo(10, True, True), 1: ProcInfo(21, True, False),
+             2: ProcInfo(12, False, True), 3: ProcInfo(13, True, True)}
     # rank 3: a member being scaled away (still alive, still in the group) stays removed
-    launched = {0: 10, 1: 21, 3: 13}.get
-    st = status_from_snapshot(snap, 4, 4, "idle", lambda r: 0, launched)
+    st = _view(["healthy", "failed", "failed", "removed"], procs,
+               launched={0: 10, 1: 21, 3: 13})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
         ("healthy", 10), ("joining", 21), ("failed", 12), ("removed", 13)]
 
 
-class FakeClient:
-    """Stands in for CoordinatorClient: a fixed snapshot and the requests it got."""
-
-    def __init__(self, states: list[str]) -> None:
-        self.states = states
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def status(self) -> dict:
-        return _snapshot(self.states)
-
-    def request_admission(self, ranks: list[int]) -> None:
-        self.calls.append(("admit", list(ranks)))
-
-    def request_deactivation(self, ranks: list[int]) -> None:
-        self.calls.append(("remove", list(ranks)))
-
-    def close(self) -> None:
-        pass
-
-
-def test_membership_scale_up_down_and_409():
-    client = FakeClient(["healthy"] * 4 + ["removed"] * 2)
-    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
-    m._client = client
-    assert m.scale(6)["slots"] == [4, 5]
-    assert client.calls == [("admit", [4, 5])]
-    assert m.status()["scale_phase"] == "waiting_for_joiners"
+def test_scale_up_down_and_409():
+    t = ScaleTarget(4, 6)
+    plan = t.plan(6, _states(*["healthy"] * 4, "removed", "removed"))
+    assert plan.admit == (4, 5) and plan.remove == () and plan.reply["slots"] == [4, 5]
+    joining = _states(*["healthy"] * 4, "removed", "removed")
+    assert t.phase(joining) == "waiting_for_joiners"
     with pytest.raises(ScaleInProgressError):
-        m.scale(3)  # below the size before the grow: not a withdrawal
-    client.states = ["healthy"] * 4 + ["ready"] * 2
-    assert m.status()["scale_phase"] == "admitting"
-    client.states = ["healthy"] * 6
-    assert m.status() | {"ranks": None} == {"epoch": 3, "ep_size": 6, "max_ep_size": 6,
-                                             "scale_phase": "idle", "ranks": None}
-    m.scale(4)
-    assert client.calls[-1] == ("remove", [4, 5])
-    client.states = ["healthy"] * 4 + ["draining"] * 2
-    assert m.status()["scale_phase"] == "draining"
-    client.states = ["healthy"] * 4 + ["removed"] * 2
-    assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 4
+        t.plan(3, joining)  # below the size before the grow: not a withdrawal
+    assert t.phase(_states(*["healthy"] * 4, "ready", "ready")) == "admitting"
+    assert t.phase(_states(*["healthy"] * 6)) == "idle" and t.ep_size == 6
+    plan = t.plan(4, _states(*["healthy"] * 6))
+    assert plan.remove == (4, 5) and plan.reply == {"old_ep_size": 6, "slots": [4, 5],
+                                                    "scale_phase": "draining"}
+    assert t.phase(_states(*["healthy"] * 4, "draining", "draining")) == "draining"
+    assert t.phase(_states(*["healthy"] * 4, "removed", "removed")) == "idle"
+    assert t.ep_size == 4
     with pytest.raises(ValueError):
-        m.scale(7)
+        t.plan(7, _states(*["healthy"] * 4, "removed", "removed"))
+    # serve's shrink: slots [K, max) leave, whatever their order of admission
+    t = ScaleTarget(6, 6)
+    assert t.plan(2, _states("healthy", "healthy", "failed", *["healthy"] * 3)).remove == (
+        3, 4, 5)
+    assert t.ep_size == 2
 
 
-def test_membership_pending_grow_can_be_lowered():
+def test_pending_grow_can_be_lowered():
     """4 -> 6 waits for joiners; joiner 5 died: a scale to 5 withdraws slot 5 only."""
-    client = FakeClient(["healthy"] * 4 + ["joining", "failed"])
-    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
-    m._client = client
-    m.scale(6)
-    assert m.status()["scale_phase"] == "waiting_for_joiners"
-    assert m.scale(5) == {"old_ep_size": 6, "slots": [5], "scale_phase": "waiting_for_joiners"}
-    assert client.calls[-1] == ("remove", [5]) and m.ep_size == 5
-    client.states = ["healthy"] * 5 + ["failed"]
-    assert m.status()["scale_phase"] == "idle" and m.status()["ep_size"] == 5
+    t = ScaleTarget(4, 6)
+    states = _states(*["healthy"] * 4, "joining", "failed")
+    t.plan(6, states)
+    assert t.phase(states) == "waiting_for_joiners"
+    plan = t.plan(5, states)
+    assert plan.remove == (5,) and plan.reply == {
+        "old_ep_size": 6, "slots": [5], "scale_phase": "waiting_for_joiners"}
+    assert t.ep_size == 5
+    assert t.phase(_states(*["healthy"] * 5, "failed")) == "idle" and t.ep_size == 5
     # an admitted slot is not withdrawn: that is a scale-down, after the grow
-    client = FakeClient(["healthy"] * 4 + ["joining"] * 2)
-    m = CoordinatorMembership("127.0.0.1:1", 4, 6)
-    m._client = client
-    m.scale(6)
-    client.states = ["healthy"] * 5 + ["joining"]
+    t = ScaleTarget(4, 6)
+    t.plan(6, _states(*["healthy"] * 4, "joining", "joining"))
     with pytest.raises(ScaleInProgressError, match="already admitted"):
-        m.scale(4)
-    assert client.calls == [("admit", [4, 5])] and m.ep_size == 6
+        t.plan(4, _states(*["healthy"] * 5, "joining"))
+    assert t.ep_size == 6
+
+
+def _status(states: dict[int, str], pids: dict[int, int], epoch: int = 5) -> DeploymentStatus:
+    return DeploymentStatus(epoch, len(states), len(states), ranks=tuple(
+        RankStatus(r, SlotState(st), pids.get(r)) for r, st in sorted(states.items())))
 
 
 class FakeLauncher:
-    """What `supervise` uses of RankLauncher, with a scripted coordinator view."""
+    """What `supervise` uses of a Deployment, with a scripted coordinator view."""
 
     node = 0
 
@@ -246,23 +248,19 @@ class FakeLauncher:
         self.admitted: list[list[int]] = []
         self.killed: list[int] = []
 
-    def coordinator_status(self) -> dict:
+    def deployment_status(self) -> DeploymentStatus:
         self.polls += 1
         if self.polls == 3:  # two whole supervise iterations are done
             self.stop.set()
-        return {"ranks": {str(r): {"pid": p, "alive": True} for r, p in self.live.items()},
-                "groups": {"world": {"epoch": 5, "ranks": sorted(self.states),
-                                     "states": [self.states[r] for r in sorted(self.states)]}}}
+        return _status(self.states, self.live)
 
-    def pids(self) -> dict[int, int]:
+    def pids(self, live_only: bool = False) -> dict[int, int]:
         return dict(self.live)
 
-    def spawn(self, rank: int, join_mode: str | None = None) -> int:
-        self.spawned.append((rank, join_mode))
-        return 1000 + rank
-
-    def request_admission(self, ranks: list[int]) -> None:
-        self.admitted.append(ranks)
+    def relaunch(self, *ranks: int) -> list[int]:
+        self.spawned += [(r, "recover") for r in ranks]
+        self.admitted.append(list(ranks))
+        return [1000 + r for r in ranks]
 
     def kill(self, rank: int) -> None:
         self.killed.append(rank)
@@ -272,7 +270,7 @@ class FakeLauncher:
 def _supervise_once(launcher, restart: bool) -> list:
     """Two supervise iterations (the queued exits are drained in the first); returns
     the exits it saw, so a test knows the supervisor reached them."""
-    from elasticep.entrypoints.supervisor import supervise
+    from elasticep.deploy.supervisor import supervise
 
     seen = supervise(launcher, launcher.stop, restart=restart, poll_s=0.001)
     assert launcher.polls == 3
@@ -280,7 +278,7 @@ def _supervise_once(launcher, restart: bool) -> list:
 
 
 def test_restart_policy_relaunches_crashes_only():
-    from elasticep.entrypoints.launcher import RankExit
+    from elasticep.deploy import RankExit
 
     launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "removed"},
                             {0: 10, 2: 12})
@@ -303,104 +301,108 @@ def test_restart_policy_kills_an_evicted_frozen_worker():
 
 
 def test_join_refuses_slots_being_joined_or_outside_ep_size():
-    snap = _snapshot(["healthy", "failed", "joining", "ready", "failed", "removed"],
-                     {0: 10, 1: 11, 2: 12, 3: 13, 4: 14})
-    snap["ranks"]["1"]["alive"] = False
+    states = ["healthy", "failed", "joining", "ready", "failed", "removed"]
+    procs = _procs({0: 10, 1: 11, 2: 12, 3: 13, 4: 14})
+    procs[1] = ProcInfo(11, False, True)
     # failed, but serve --restart-failed-ranks (or another join) already started pid 21
-    launched = {1: 21}.get
-    with pytest.raises(JoinError, match=r"^rank 1 is already being joined \(pid 21\)$"):
-        check_slots("recover", [1], 6, snap, 6, launched)
-    check_slots("recover", [1], 6, snap, 6)  # nothing loading: free to recover
+    with pytest.raises(JoinRefusedError, match=r"^rank 1 is already being joined \(pid 21\)$"):
+        _check("recover", [1], states, ep_size=6, launched={1: 21}, procs=procs)
+    _check("recover", [1], states, ep_size=6, procs=procs)  # nothing loading: free
     for r, pid in ((2, 12), (3, 13)):
-        with pytest.raises(JoinError, match=rf"rank {r} is already being joined \(pid {pid}\)"):
-            check_slots("recover", [r], 6, snap, 6)
+        with pytest.raises(JoinRefusedError,
+                           match=rf"rank {r} is already being joined \(pid {pid}\)"):
+            _check("recover", [r], states, ep_size=6, procs=procs)
     # a scale-down to 4 left slot 4 failed: recover must not bring it back
-    with pytest.raises(JoinError, match=r"^rank 4 is outside ep_size 4; use "
-                                        r"--elastic-ep-join-mode scale$"):
-        check_slots("recover", [4], 6, snap, 4)
-    check_slots("recover", [4], 6, snap, 6)
-    check_slots("scale", [5], 6, snap, 4)
+    with pytest.raises(JoinRefusedError, match=r"^rank 4 is outside ep_size 4; use "
+                                               r"--elastic-ep-join-mode scale$"):
+        _check("recover", [4], states, ep_size=4, procs=procs)
+    _check("recover", [4], states, ep_size=6, procs=procs)
+    _check("scale", [5], states, ep_size=4, procs=procs)
 
 
-def test_target_ep_size_from_store():
-    import torch.distributed as dist
+@pytest.fixture
+def coordinator():
+    from elasticep.deploy import publish_config
+    from elasticep.distributed import start_coordinator
+    from elasticep.elastic.config import DeploymentConfig
 
-    from elasticep.entrypoints.coordinator_membership import TARGET_EP_SIZE_KEY
-    from elasticep.entrypoints.join_cmd import target_ep_size
-
-    store = dist.HashStore()
-    assert target_ep_size(store, 4) == 4
-    store.set(TARGET_EP_SIZE_KEY, "2")
-    assert target_ep_size(store, 4) == 2
+    coord = start_coordinator()
+    publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))
+    yield coord
+    coord.close()
 
 
-def test_join_reservation_is_exclusive_and_released():
-    import torch.distributed as dist
+def _with_world(coord, states: list[str]) -> None:
+    """Give the coordinator a WORLD group in these slot states (no worker processes)."""
+    from elasticep.distributed.registry import Group
 
-    from elasticep.entrypoints.join_cmd import Reservations
+    g = Group("world", list(range(len(states))), _states(*states), "complete")
+    g.active = {s for s, st in enumerate(states) if st == "healthy"}
+    with coord._lock:
+        coord._groups["world"] = g
 
-    store, clock = dist.HashStore(), [1000.0]
-    a = Reservations(store, host="h1", pid=1, clock=lambda: clock[0])
-    b = Reservations(store, host="h2", pid=2, clock=lambda: clock[0], sleep=lambda s: None)
-    a.acquire([2, 3])
-    with pytest.raises(JoinError, match=r"^rank 3 is already being joined "
-                                        r"\(elasticep join pid 1 on h1\)$"):
-        b.acquire([4, 3])
-    b.acquire([4])  # the refused attempt released its claim of 4
+
+def test_join_reservation_is_exclusive_and_released(coordinator):
+    """Claims are the coordinator's, per connection: exclusive, all or none, gone with
+    the connection that held them (a `join` that died leaves nothing behind)."""
+    from elasticep.distributed import CoordinatorClient
+
+    _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "removed", "removed"])
+    a, b = CoordinatorClient(coordinator.address), CoordinatorClient(coordinator.address)
+    assert a.reserve([2, 3], "recover") == 4
+    with pytest.raises(JoinRefusedError, match=r"^rank 3 is already being joined "
+                                               r"\(elasticep join pid \d+ on .+\)$"):
+        b.reserve([4, 3], "recover")
+    b.reserve([4], "scale")  # the refused attempt claimed nothing
+    with pytest.raises(JoinRefusedError, match="rank 5 is outside ep_size 4"):
+        b.reserve([5], "recover")  # a refused check claims nothing
+    a.close()  # its owner is gone: the claims go with its connection
+    wait_until(lambda: b.reserve([2, 3], "recover") == 4, 5.0, "the claims released",
+               retry_on=(JoinRefusedError,))
     b.release()
-    clock[0] += 5
-    a.refresh()
-    clock[0] += 8  # refreshed 8 s ago: not stale
-    with pytest.raises(JoinError):
-        b.acquire([2])
-    a.release()
-    b.acquire([2, 3])
-    b.release()
+    c = CoordinatorClient(coordinator.address)
+    c.reserve([4, 5], "scale")  # b released all; the refused check had claimed nothing
+    for cl in (b, c):
+        cl.close()
 
 
-def test_join_reservation_stale_owner_is_taken_over():
-    import os
+def test_scale_through_the_coordinator(coordinator):
+    """The target lives in the coordinator: a scale there is what `join` checks against."""
+    from elasticep.distributed import CoordinatorClient
 
-    import torch.distributed as dist
-
-    from elasticep.entrypoints.join_cmd import Reservations
-
-    store, clock = dist.HashStore(), [1000.0]
-    # an owner on this host whose process is gone: taken over at once
-    dead = Reservations(store, host="me", pid=2 ** 22 + 12345, clock=lambda: clock[0])
-    dead.acquire([0])
-    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0],
-                      sleep=lambda s: pytest.fail("no wait needed"))
-    me.acquire([0])
-    me.release()
-    # a remote owner silent for over 10 s: taken over after watching it for a while...
-    remote = Reservations(store, host="other", pid=7, clock=lambda: clock[0])
-    remote.acquire([1])
-    clock[0] += 11
-    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0],
-                      sleep=lambda s: None)
-    me.acquire([1])
-    me.release()
-    # ...unless it refreshes meanwhile (its clock is just behind ours)
-    remote = Reservations(store, host="other", pid=7, clock=lambda: clock[0] - 30)
-    remote.acquire([2])
-
-    def watch(seconds: float) -> None:
-        clock[0] += seconds
-        remote.refresh()
-
-    me = Reservations(store, host="me", pid=os.getpid(), clock=lambda: clock[0], sleep=watch)
-    with pytest.raises(JoinError, match="elasticep join pid 7 on other"):
-        me.acquire([2])
+    _with_world(coordinator, ["healthy"] * 4 + ["removed", "removed"])
+    c = CoordinatorClient(coordinator.address)
+    try:
+        assert c.deployment_status().ep_size == 4
+        assert c.scale(6) == {"old_ep_size": 4, "slots": [4, 5],
+                              "scale_phase": "waiting_for_joiners"}
+        st = c.deployment_status()
+        assert st.ep_size == 6 and st.scale_phase == "waiting_for_joiners"
+        with pytest.raises(ScaleInProgressError):
+            c.scale(3)
+        with pytest.raises(ValueError, match=r"must be in \[1, 6\], got 9"):
+            c.scale(9)
+        assert c.scale(4)["slots"] == [4, 5]  # the pending grow is withdrawn
+        _with_world(coordinator, ["healthy", "failed", "healthy", "healthy", "removed",
+                                  "removed"])
+        assert c.reserve([1], "recover") == 4
+        c.scale(2)  # slot 1 is failed and below the new target; 2 and 3 leave
+        assert c.deployment_status().ep_size == 2
+        c.release()
+        with pytest.raises(JoinRefusedError, match="outside ep_size 2"):
+            c.reserve([3], "recover")
+    finally:
+        c.close()
 
 
 def test_join_success_needs_our_own_worker():
     from elasticep.entrypoints.join_cmd import exit_reason, joined_ranks
 
-    snap = _snapshot(["healthy", "healthy"], {0: 10655, 1: 11})
-    assert not joined_ranks(snap, [0], {0: 777}, ("healthy",))  # another process's success
-    assert joined_ranks(snap, [0], {0: 10655}, ("healthy",))
-    assert not joined_ranks(snap, [0], {}, ("healthy",))
+    st = _status({0: "healthy", 1: "healthy"}, {0: 10655, 1: 11})
+    goal = (SlotState.HEALTHY,)
+    assert not joined_ranks(st, [0], {0: 777}, goal)  # another process's success
+    assert joined_ranks(st, [0], {0: 10655}, goal)
+    assert not joined_ranks(st, [0], {}, goal)
     tail = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
             "ValueError: slot 0 is already held by live pid 10655\n")
     assert exit_reason(tail) == "ValueError: slot 0 is already held by live pid 10655"
@@ -408,32 +410,24 @@ def test_join_success_needs_our_own_worker():
     assert exit_reason("") == ""
 
 
-def test_join_cli_refuses_a_slot_another_join_holds(capsys):
+def test_join_cli_refuses_a_slot_another_join_holds(capsys, coordinator):
     """Two `join`s of one slot: the second is refused (exit 2, one line) before launching."""
-    from elasticep.distributed import start_coordinator
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.distributed import CoordinatorClient
     from elasticep.entrypoints import join_cmd
-    from elasticep.entrypoints.launcher import open_store, publish_config
 
-    coord = start_coordinator()
-    try:
-        store = open_store(coord.address)
-        publish_config(store, DeploymentConfig(model="demo", ep_size=4, max_ep_size=4))
-        other = join_cmd.Reservations(store, host="elsewhere", pid=4242)
-        other.acquire([2])
-        args = build_parser().parse_args(["join", "--dist-init-addr", coord.address,
-                                          "--elastic-ep-join-mode", "recover", "--ranks", "2"])
-        assert join_cmd.run(args) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["elasticep join: error: rank 2 is already being joined "
-                       "(elasticep join pid 4242 on elsewhere)"]
-        other.release()
-        # free again: now the membership check answers (no ranks registered yet)
-        assert join_cmd.run(args) == 2
-        assert "no ranks yet" in capsys.readouterr().err
-        assert store.get(join_cmd.RESERVATION_KEY.format(rank=2)) == b""  # released
-    finally:
-        coord.close()
+    args = build_parser().parse_args(["join", "--dist-init-addr", coordinator.address,
+                                      "--elastic-ep-join-mode", "recover", "--ranks", "2"])
+    assert join_cmd.run(args) == 2  # no ranks registered yet
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "elasticep join: error: the deployment has no ranks yet; wait for serve's ready line"]
+    _with_world(coordinator, ["healthy", "healthy", "failed", "healthy", "removed", "removed"])
+    other = CoordinatorClient(coordinator.address)
+    other.reserve([2], "recover")
+    assert join_cmd.run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "elasticep join: error: rank 2 is already being joined (elasticep join pid ")
+    other.close()
 
 
 class _JoinLauncher:
@@ -447,8 +441,8 @@ class _JoinLauncher:
         self.exits: queue.Queue = queue.Queue()
         self.states, self._pids = states, pids
 
-    def coordinator_status(self) -> dict:
-        return _snapshot(self.states, self._pids)
+    def deployment_status(self) -> DeploymentStatus:
+        return _status(dict(enumerate(self.states)), self._pids)
 
     def pids(self, live_only: bool = True) -> dict[int, int]:
         return dict(self._pids)
@@ -461,7 +455,7 @@ def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
     """scale --ranks 4,5: joiner 5 dies while loading; joiner 4 still gets to ready."""
     import threading
 
-    from elasticep.elastic.launcher import RankExit
+    from elasticep.deploy import RankExit
     from elasticep.entrypoints.join_cmd import _report_progress
 
     launcher = _JoinLauncher(["healthy"] * 4 + ["ready", "failed"], {0: 1, 4: 104, 5: 105})

@@ -3,7 +3,9 @@
 It needs no torch.distributed: one request/response connection.
 
     c = CoordinatorClient("127.0.0.1:29400")
-    c.status()                      # membership: epochs, per-slot states, pids
+    c.deployment_status()           # the /elastic_ep_status view (DeploymentStatus)
+    c.scale(6)                      # change the target size
+    c.status()                      # raw group records: epochs, per-slot states, pids
     c.report_death(2, pid=1234)     # the launcher's waitpid saw rank 2 exit
     c.request_admission([4, 5])     # ask ranks to admit ready slots at a step boundary
     c.request_deactivation([5])     # mark slot 5 draining; ranks remove it when ready
@@ -12,15 +14,22 @@ It needs no torch.distributed: one request/response connection.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
+from typing import Any
 
+from .errors import JoinRefusedError, MembershipRequestError, ScaleInProgressError
 from .protocol import connect
+from .status import DeploymentStatus
+
+_REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, JoinRefusedError)}
 
 
 class CoordinatorClient:
     """Synchronous supervisor client. Every call has a timeout (seconds).
 
-    Raises (all methods): ValueError if the coordinator refuses, TimeoutError /
-    ConnectionError if it is unreachable.
+    Raises (all methods): MembershipRequestError (a ValueError) if the coordinator
+    refuses, TimeoutError / ConnectionError if it is unreachable.
     """
 
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
@@ -42,7 +51,8 @@ class CoordinatorClient:
             if reply.get("id") == rid:
                 break
         if not reply.get("ok"):
-            raise ValueError(reply.get("error", "refused"))
+            cls = _REFUSALS.get(reply.get("code"), MembershipRequestError)
+            raise cls(reply.get("error", "refused"))
         return reply
 
     def status(self) -> dict:
@@ -68,6 +78,66 @@ class CoordinatorClient:
     def request_deactivation(self, ranks: list[int], group: str = "world") -> None:
         """Mark these slots draining and ask the members to remove them."""
         self._call({"t": "request_deactivation", "group": group, "ranks": list(ranks)})
+
+    # ---- the deployment (see distributed/scaling.py) --------------------------------
+    def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int) -> None:
+        """Node 0: publish the settings every later rank and joiner reads, and the initial
+        target size (kept if one is set already)."""
+        self._call({"t": "publish_deployment", "config": config_json, "ep_size": ep_size,
+                    "max_ep_size": max_ep_size})
+
+    def deployment_config(self) -> str | None:
+        """The published settings (JSON text), or None if nothing was published yet."""
+        return self._call({"t": "deployment_config"})["config"]
+
+    def deployment_status(self) -> DeploymentStatus:
+        """The ``/elastic_ep_status`` view: target size, scale phase, each slot's state,
+        pid and node.
+
+        Raises:
+            MembershipRequestError: no deployment was published yet.
+        """
+        return DeploymentStatus.from_dict(self._call({"t": "deployment_status"})["status"])
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Make ``new_ep_size`` the target: admit the joiners of the new slots, or drain
+        the slots ``[new_ep_size, max_ep_size)``. Returns at once.
+
+        Returns:
+            {"old_ep_size": int, "slots": [int], "scale_phase": str}.
+
+        Raises:
+            ScaleInProgressError: a scale is running; MembershipRequestError: out of range.
+        """
+        reply = self._call({"t": "scale", "new_ep_size": int(new_ep_size)})
+        return {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase")}
+
+    def record_launch(self, rank: int, node: int, pid: int) -> None:
+        """A launcher on ``node`` started worker ``pid`` for ``rank`` (it shows as joining
+        until it registers). Dropped when this connection closes."""
+        self._call({"t": "record_launch", "rank": rank, "node": node, "pid": pid})
+
+    def clear_launch(self, rank: int, pid: int) -> None:
+        """Worker ``pid`` of ``rank`` exited."""
+        self._call({"t": "clear_launch", "rank": rank, "pid": pid})
+
+    def reserve(self, ranks: list[int], mode: str) -> int:
+        """Check that ``ranks`` may be joined in ``mode`` ("recover" or "scale") and claim
+        them for this connection, all or none, until :meth:`release` or close.
+
+        Returns:
+            The target ``ep_size``.
+
+        Raises:
+            JoinRefusedError: a slot is occupied, out of range, or being joined.
+        """
+        who = f"elasticep join pid {os.getpid()} on {socket.gethostname()}"
+        return int(self._call({"t": "reserve", "ranks": list(ranks), "mode": mode,
+                               "who": who})["ep_size"])
+
+    def release(self, ranks: list[int] | None = None) -> None:
+        """Drop this connection's claims (of ``ranks``, or all)."""
+        self._call({"t": "release", "ranks": None if ranks is None else list(ranks)})
 
     def close(self) -> None:
         self.conn.close()

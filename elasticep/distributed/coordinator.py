@@ -12,6 +12,7 @@ or as its own process: ``python -m elasticep.distributed.coordinator --host H --
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import signal
 import socket
@@ -21,9 +22,11 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .membership import ACTIVE_STATES, Report, decide
+from .coordinator_requests import SupervisorRequests
+from .errors import MembershipRequestError
+from .membership import ACTIVE_STATES, Report, SlotState, decide
 from .protocol import Connection
-from .registry import Group, Transition
+from .registry import DeploymentRecords, Group, Transition
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,16 @@ class _Proc:
     groups: set[str] = field(default_factory=set)
 
 
-class Coordinator:
+@dataclass(eq=False)
+class _Supervisor:
+    """A supervisor connection (launcher, front-end, `join`): what it records (launches,
+    reservations) lives as long as it stays connected."""
+
+    id: int
+    conn: Connection
+
+
+class Coordinator(SupervisorRequests):
     """Membership server. Use `start_coordinator`; `.address` is ``"host:port"``.
 
     Args:
@@ -61,6 +73,8 @@ class Coordinator:
         self._procs: dict[int, _Proc] = {}
         self._groups: dict[str, Group] = {}
         self._max_world_size: int | None = None
+        self._deployment = DeploymentRecords()
+        self._supervisors = itertools.count(1)
         self._closed = False
         for target in (self._accept_loop, self._monitor_loop):
             threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
@@ -96,15 +110,21 @@ class Coordinator:
             try:
                 with self._lock:
                     out = self._handle(conn, proc, msg)
-                if isinstance(out, _Proc):
+                if out is not None:
                     proc = out
             except Exception as e:  # a bad request must not kill the server
-                log.exception("coordinator: error handling %s", msg.get("t"))
-                conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": str(e)})
+                if isinstance(e, MembershipRequestError):
+                    log.info("coordinator: refused %s: %s", msg.get("t"), e)
+                else:
+                    log.exception("coordinator: error handling %s", msg.get("t"))
+                conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": str(e),
+                           "code": getattr(e, "code", "refused")})
         conn.close()
-        if proc is not None:
-            with self._lock:
+        with self._lock:
+            if isinstance(proc, _Proc):
                 self._proc_dead(proc, "control connection closed")
+            elif isinstance(proc, _Supervisor):
+                self._deployment.drop_owner(proc.id)
 
     def _monitor_loop(self) -> None:
         while not self._closed:
@@ -139,6 +159,11 @@ class Coordinator:
             "status": self._status, "report_death": self._report_death,
             "request_admission": self._request_admission,
             "request_deactivation": self._request_deactivation,
+            "publish_deployment": self._publish_deployment,
+            "deployment_config": self._deployment_config,
+            "deployment_status": self._deployment_status, "scale": self._scale,
+            "record_launch": self._record_launch, "clear_launch": self._clear_launch,
+            "reserve": self._reserve, "release": self._release,
         }[t]
         reply = handler(proc, msg)
         if reply is not None and "id" in msg:
@@ -147,10 +172,9 @@ class Coordinator:
 
     def _hello(self, conn: Connection, msg: dict):
         if msg.get("role") == "supervisor":
-            # The store port lets a supervisor (`elasticep join`) read the published config.
             conn.send({"t": "reply", "id": msg.get("id"), "ok": True,
                        "store_port": self.store.port})
-            return None
+            return _Supervisor(next(self._supervisors), conn)
         rank, mws = msg["rank"], msg["max_world_size"]
         err = None
         if self._max_world_size is None:
@@ -184,14 +208,16 @@ class Coordinator:
             dead = {r for r, p in self._procs.items() if not p.alive}
             g = Group.create(name, msg["global_ranks"], msg["active"], msg["on_failure"], dead)
             self._groups[name] = g
+        if msg["is_extension"] and proc.rank not in g.ranks:
+            _bind_reserved_slot(g, proc.rank, msg["global_ranks"])
         slot = g.slot_of(proc.rank)
         if msg["is_extension"]:
             if g.states[slot] in ACTIVE_STATES:
                 raise ValueError(f"slot {slot} of group {name!r} is already active "
                                  f"(epoch {g.epoch}); refusing joiner pid {proc.pid}")
-            g.states[slot] = "joining"
-        elif slot not in g.active and g.states[slot] != "healthy":
-            raise ValueError(f"slot {slot} of group {name!r} is {g.states[slot]!r} at epoch "
+            g.set_state(slot, SlotState.JOINING)
+        elif slot not in g.active and g.states[slot] != SlotState.HEALTHY:
+            raise ValueError(f"slot {slot} of group {name!r} is {g.states[slot].value!r} at epoch "
                              f"{g.epoch}; a relaunched rank must use is_extension=True")
         proc.groups.add(name)
         self._push_peer(g)
@@ -201,9 +227,9 @@ class Coordinator:
     def _ready(self, proc: _Proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]
         slot = g.slot_of(proc.rank)
-        if g.states[slot] not in ("joining", "ready"):
-            raise ValueError(f"slot {slot} is {g.states[slot]!r}, not joining")
-        g.states[slot] = "ready"
+        if g.states[slot] not in (SlotState.JOINING, SlotState.READY):
+            raise ValueError(f"slot {slot} is {g.states[slot].value!r}, not joining")
+        g.set_state(slot, SlotState.READY)
         self._push_peer(g)
         self._admit_into_empty(g)
         return {}
@@ -214,7 +240,7 @@ class Coordinator:
         later joiners at its step boundaries as usual."""
         if g.active:
             return
-        ready = {s for s, st in enumerate(g.states) if st == "ready"}
+        ready = {s for s, st in enumerate(g.states) if st == SlotState.READY}
         if ready - g.pending_admit:
             log.info("coordinator: group %s has no member left; admitting ready slots %s",
                      g.name, sorted(ready))
@@ -223,19 +249,20 @@ class Coordinator:
 
     def _recover(self, proc: _Proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]
-        admit = [r for r in msg["ranks"] if g.states[r] == "ready"]
+        admit = [r for r in msg["ranks"] if g.states[r] == SlotState.READY]
         g.pending_admit.update(admit)
         self._maybe_start(g)
         # Every caller waits for the same set: listed slots that are ready or were
         # admitted by an earlier caller (so all callers return at the same boundary).
-        waiting = [r for r in msg["ranks"] if g.states[r] in ("ready", "healthy", "draining")]
+        waiting = [r for r in msg["ranks"]
+                   if g.states[r] == SlotState.READY or g.states[r] in ACTIVE_STATES]
         return {"admitting": waiting}
 
     def _deactivate(self, proc: _Proc, msg: dict) -> dict:
         g = self._groups[msg["group"]]
         remove = [r for r in msg["ranks"] if r in g.active]
         for r in remove:
-            g.states[r] = "draining"
+            g.set_state(r, SlotState.DRAINING)
         g.pending_remove.update(remove)
         self._maybe_start(g)
         return {"removing": remove}
@@ -253,41 +280,6 @@ class Coordinator:
     def _ping(self, proc: _Proc, msg: dict) -> dict:
         return {}
 
-    # ------------------------------------------------------------------ supervisor
-    def _status(self, proc, msg: dict) -> dict:
-        return {
-            "max_world_size": self._max_world_size,
-            "ranks": {str(r): {"pid": p.pid, "alive": p.alive, "groups": sorted(p.groups)}
-                      for r, p in self._procs.items()},
-            "groups": {n: g.status() for n, g in self._groups.items()},
-        }
-
-    def _report_death(self, proc, msg: dict) -> dict:
-        p = self._procs.get(msg["rank"])
-        if p is not None and p.alive and (msg.get("pid") in (None, p.pid)):
-            p.conn.send({"t": "evicted", "reason": "reported dead by supervisor"})
-            p.conn.close()
-            self._proc_dead(p, "reported dead by supervisor")
-        return {}
-
-    def _request_admission(self, proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg["ranks"]))
-        # the newest intent for a slot wins over an older, unapplied removal
-        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg["ranks"]]
-        self._push_peer(g)
-        return {}
-
-    def _request_deactivation(self, proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        for r in msg["ranks"]:
-            if g.states[r] == "healthy":
-                g.states[r] = "draining"
-        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg["ranks"]))
-        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg["ranks"]]
-        self._push_peer(g)
-        return {}
-
     # ------------------------------------------------------------------ transitions
     def _proc_dead(self, proc: _Proc, why: str) -> None:
         if not proc.alive:
@@ -302,7 +294,8 @@ class Coordinator:
                 g.pending_dead.add(slot)  # a leaving member leaves through a failure too
             # A rank removed on purpose stays removed; one that dies while being scaled
             # away (draining) ends removed as well: it was leaving anyway.
-            g.states[slot] = "removed" if leaving or g.states[slot] == "removed" else "failed"
+            gone = leaving or g.states[slot] == SlotState.REMOVED
+            g.set_state(slot, SlotState.REMOVED if gone else SlotState.FAILED)
             g.pending_admit.discard(slot)
             self._maybe_start(g)
             if leaving:
@@ -363,10 +356,19 @@ class Coordinator:
                 p.conn.send(msg)
 
 
+def _bind_reserved_slot(g: Group, rank: int, joiner_ranks: list[int]) -> None:
+    """Give a joiner the reserved slot (global rank -1) at which its own list names it;
+    unchanged if there is none (`slot_of` then refuses it)."""
+    if rank in joiner_ranks:
+        slot = joiner_ranks.index(rank)
+        if slot < len(g.ranks) and g.ranks[slot] == -1:
+            g.ranks[slot] = rank
+
+
 def _leaving(g: Group, slot: int) -> bool:
     """``slot`` is being scaled away: draining, or its removal is requested or in flight."""
     tr = g.transition
-    return (g.states[slot] == "draining" or slot in g.pending_remove
+    return (g.states[slot] == SlotState.DRAINING or slot in g.pending_remove
             or slot in g.requests["remove"] or (tr is not None and slot in tr.removed))
 
 

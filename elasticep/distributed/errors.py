@@ -57,3 +57,30 @@ class RankRemovedError(RankEvictedError):
 
 class CoordinatorLostError(ElasticError):
     """The control connection to the coordinator broke (coordinator gone)."""
+
+
+class MembershipRequestError(ValueError):
+    """The coordinator refused a supervisor's membership request (scale, join).
+
+    ``code`` names the refusal on the wire, so the client can raise the same subclass.
+    """
+
+    code = "refused"
+
+
+class ScaleInProgressError(MembershipRequestError):
+    """A membership change is already running (HTTP 409)."""
+
+    code = "scale_in_progress"
+
+
+class JoinRefusedError(MembershipRequestError):
+    """A slot cannot be joined in the asked mode (occupied, out of range, being joined)."""
+
+    code = "join_refused"
+
+
+class ScaleNotSupportedError(MembershipRequestError):
+    """This deployment cannot change its size (HTTP 400)."""
+
+    code = "scale_not_supported"

@@ -21,31 +21,95 @@ Two kinds of transition:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
-SLOT_STATES = ("failed", "joining", "ready", "healthy", "draining", "removed")
-ACTIVE_STATES = ("healthy", "draining")
 
-# Allowed slot state changes; anything else is a bug or a refused request.
-_ALLOWED = {
-    "failed": {"joining", "ready", "failed"},
-    "removed": {"joining", "ready", "removed"},
-    "joining": {"ready", "failed", "healthy"},
-    "ready": {"healthy", "failed"},
-    "healthy": {"failed", "draining", "removed"},
-    "draining": {"failed", "removed", "healthy"},
+class SlotState(str, Enum):
+    """The state of one slot (rank id) of a group, as the coordinator records it.
+
+    A ``str`` enum: it travels as its value in the JSON control messages and in
+    ``/elastic_ep_status``, and compares equal to that value.
+    """
+
+    FAILED = "failed"      # its process died or was evicted; `join recover` relaunches it
+    JOINING = "joining"    # a joiner registered (or, in the status, is still loading)
+    READY = "ready"        # the joiner loaded its weights and waits to be admitted
+    HEALTHY = "healthy"    # an active member
+    DRAINING = "draining"  # an active member being scaled away
+    REMOVED = "removed"    # never used, or scaled away
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SLOT_STATES = tuple(SlotState)
+ACTIVE_STATES = frozenset({SlotState.HEALTHY, SlotState.DRAINING})
+
+_S = SlotState
+# Allowed slot state changes (old -> new); anything else is a bug or a refused request.
+# Every change the coordinator makes goes through `next_slot_state`, so a new state (the
+# lifecycle work adds `free`) is one row here plus the places that choose it.
+_ALLOWED: dict[SlotState, frozenset[SlotState]] = {
+    _S.FAILED: frozenset({_S.JOINING, _S.READY, _S.FAILED, _S.REMOVED}),
+    _S.REMOVED: frozenset({_S.JOINING, _S.READY, _S.REMOVED}),
+    _S.JOINING: frozenset({_S.READY, _S.FAILED, _S.HEALTHY, _S.REMOVED}),
+    _S.READY: frozenset({_S.HEALTHY, _S.FAILED, _S.REMOVED}),
+    _S.HEALTHY: frozenset({_S.FAILED, _S.DRAINING, _S.REMOVED}),
+    _S.DRAINING: frozenset({_S.FAILED, _S.REMOVED, _S.HEALTHY, _S.DRAINING}),
 }
 
 
-def next_slot_state(state: str, new: str) -> str:
-    """Validate a slot state change.
+def next_slot_state(state: str, new: str) -> SlotState:
+    """Validate a slot state change and return the new state.
+
+    Args:
+        state: the slot's current state.
+        new: the state asked for.
 
     Raises:
-        ValueError: the change is not allowed (e.g. a joiner for a healthy slot).
+        ValueError: the change is not allowed (e.g. a joiner for a healthy slot), or a
+            state is unknown.
     """
-    if new not in _ALLOWED.get(state, ()):
-        raise ValueError(f"slot cannot go from {state!r} to {new!r}")
-    return new
+    old, to = SlotState(state), SlotState(new)
+    if to not in _ALLOWED[old]:
+        raise ValueError(f"slot cannot go from {old.value!r} to {to.value!r}")
+    return to
+
+
+class ScalePhase(str, Enum):
+    """Where a requested change of the target size stands (``/elastic_ep_status``).
+
+    Derived from the slot states and the slots a scale brings in or takes out
+    (:func:`scale_phase`), never stored on its own.
+    """
+
+    IDLE = "idle"                                # no scale running
+    WAITING_FOR_JOINERS = "waiting_for_joiners"  # a new slot has no ready joiner yet
+    ADMITTING = "admitting"                      # every new slot is ready, some not admitted
+    DRAINING = "draining"                        # a leaving slot is still active
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def scale_phase(states: Sequence[str], up: Iterable[int], down: Iterable[int]) -> ScalePhase:
+    """The scale phase of a membership snapshot (pure).
+
+    Args:
+        states: slot state per slot.
+        up: slots a scale-up is bringing in.
+        down: slots a scale-down is taking out.
+    """
+    up, down = list(up), list(down)
+    if any(states[s] not in (_S.READY, _S.HEALTHY) for s in up):
+        return ScalePhase.WAITING_FOR_JOINERS
+    if any(states[s] != _S.HEALTHY for s in up):
+        return ScalePhase.ADMITTING
+    if any(states[s] in ACTIVE_STATES for s in down):
+        return ScalePhase.DRAINING
+    return ScalePhase.IDLE
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .membership import ACTIVE_STATES, Report
+from .errors import JoinRefusedError
+from .membership import ACTIVE_STATES, Report, SlotState, next_slot_state
+from .scaling import Launch, ScaleTarget
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Transition:
         if dead:
             g.max_epoch += 1
             return Transition(g.max_epoch, "failure", set(g.active), g.active - dead, dead=dead)
-        admit = {s for s in g.pending_admit if g.states[s] == "ready"}
+        admit = {s for s in g.pending_admit if g.states[s] == SlotState.READY}
         remove = g.pending_remove & g.active
         g.pending_admit -= admit
         g.pending_remove -= remove
@@ -73,13 +75,13 @@ class Group:
     """Membership of one elastic group.
 
     ranks: global rank of each slot (len == max group size); states: slot states
-    (membership.SLOT_STATES; never-used capacity is "removed"); active: committed active
-    slots of `epoch`.
+    (never-used capacity is ``REMOVED``; change them only through :meth:`set_state`);
+    active: committed active slots of `epoch`.
     """
 
     name: str
     ranks: list[int]
-    states: list[str]
+    states: list[SlotState]
     on_failure: str
     epoch: int = 0
     max_epoch: int = 0
@@ -93,11 +95,11 @@ class Group:
     @staticmethod
     def create(name: str, ranks: list[int], active: list[int], on_failure: str,
                dead_global: set[int]) -> Group:
-        states = ["removed"] * len(ranks)
+        states = [SlotState.REMOVED] * len(ranks)
         for s in active:
-            states[s] = "failed" if ranks[s] in dead_global else "healthy"
+            states[s] = SlotState.FAILED if ranks[s] in dead_global else SlotState.HEALTHY
         g = Group(name, list(ranks), states, on_failure)
-        g.active = {s for s, st in enumerate(states) if st == "healthy"}
+        g.active = {s for s, st in enumerate(states) if st == SlotState.HEALTHY}
         return g
 
     def slot_of(self, global_rank: int) -> int:
@@ -107,6 +109,14 @@ class Group:
         except ValueError:
             raise ValueError(f"rank {global_rank} is not in group {self.name!r}") from None
 
+    def set_state(self, slot: int, new: SlotState) -> None:
+        """Change one slot's state through the transition table.
+
+        Raises:
+            ValueError: the change is not allowed (``membership.next_slot_state``).
+        """
+        self.states[slot] = next_slot_state(self.states[slot], new)
+
     def is_active_rank(self, global_rank: int) -> bool:
         return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES
 
@@ -114,9 +124,9 @@ class Group:
         """Apply a finished transition to the committed membership."""
         self.epoch, self.active = tr.epoch, set(tr.new_active)
         for s in tr.admitted:
-            self.states[s] = "healthy"
+            self.set_state(s, SlotState.HEALTHY)
         for s in tr.removed:
-            self.states[s] = "removed"
+            self.set_state(s, SlotState.REMOVED)
         self.pending_dead -= tr.dead
         # Members call deactivate_ranks/recover_ranks at different steps, so a late
         # caller can re-queue a change this transition already applies; left queued, it
@@ -132,3 +142,61 @@ class Group:
                 "ranks": list(self.ranks), "on_failure": self.on_failure,
                 "requests": self.requests,
                 "transition": None if self.transition is None else self.transition.epoch}
+
+
+@dataclass
+class DeploymentRecords:
+    """What the coordinator keeps about the deployment besides the groups.
+
+    config: the deployment's settings as published by node 0 (JSON text; the
+    coordinator does not read it); target: the target size and the scale in progress
+    (None until published); launches: rank -> live launched worker, with the supervisor
+    connection that recorded it (dropped with that connection); nodes: rank -> node of
+    its last launch; reservations: rank -> (owner connection, who) of a `join` that is
+    launching it.
+    """
+
+    config: str | None = None
+    target: ScaleTarget | None = None
+    launches: dict[int, tuple[int, Launch]] = field(default_factory=dict)
+    nodes: dict[int, int] = field(default_factory=dict)
+    reservations: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def live_launches(self) -> dict[int, Launch]:
+        """rank -> live launched worker."""
+        return {r: launch for r, (_owner, launch) in self.launches.items()}
+
+    def record_launch(self, owner: int, rank: int, node: int, pid: int) -> None:
+        self.launches[rank] = (owner, Launch(node, pid))
+        self.nodes[rank] = node
+
+    def clear_launch(self, rank: int, pid: int) -> None:
+        """Worker ``pid`` of ``rank`` exited (kept if a newer launch replaced it)."""
+        if rank in self.launches and self.launches[rank][1].pid == pid:
+            del self.launches[rank]
+
+    def reserve(self, owner: int, who: str, ranks: list[int]) -> None:
+        """Claim every slot of ``ranks`` for ``owner``, or none.
+
+        Raises:
+            JoinRefusedError: a slot is claimed by another owner.
+        """
+        for r in ranks:
+            held = self.reservations.get(r)
+            if held is not None and held[0] != owner:
+                raise JoinRefusedError(f"rank {r} is already being joined ({held[1]})")
+        for r in ranks:
+            self.reservations[r] = (owner, who)
+
+    def release(self, owner: int, ranks: list[int] | None = None) -> None:
+        """Drop ``owner``'s claims (of ``ranks``, or all)."""
+        for r, (o, _who) in list(self.reservations.items()):
+            if o == owner and (ranks is None or r in ranks):
+                del self.reservations[r]
+
+    def drop_owner(self, owner: int) -> None:
+        """A supervisor connection closed: its launches and claims go with it."""
+        self.release(owner)
+        for r, (o, _launch) in list(self.launches.items()):
+            if o == owner:
+                del self.launches[r]

@@ -5,11 +5,9 @@
 - ``step_loop``: LockstepLoop (header, schedule, execute, commit, redo on failure).
 - ``placement_sync``: agreed placement changes (repair, admit, drain, rebalance).
 - ``rank_model``: a rank's weights, its EP executor, the checkpoint expert reader.
-- ``launcher``: WorkerLauncher (spawn worker processes, report each exit at once) and
-  the published deployment config; used by ``deployment`` and the entrypoints' launcher.
-- ``deployment``: LocalDeployment (coordinator + supervised worker processes).
 - ``fault_injection``: ``ELASTICEP_FAULT=kill:rank=R:step=S[:layer=L]``.
 - ``log_context``: rank and epoch on every worker log line.
 
+Starting, relaunching and scaling the worker processes is ``elasticep.deploy``'s job.
 See docs/ELASTIC.md.
 """

@@ -1,7 +1,7 @@
 """Synchronous batch generation on a multi-rank deployment (``generate --ep-size N``).
 
 The driver is a front-end without HTTP: it owns a :class:`FrontendChannel`, a
-:class:`~elasticep.elastic.deployment.LocalDeployment` (which is the
+:class:`~elasticep.deploy.Deployment` (whose ``membership()`` is the
 ``MembershipSource``) and a :class:`Frontend` on a private asyncio loop. Requests are
 spread over the healthy ranks (one data-parallel replica per rank) by the tracker; when
 membership reports a rank failed, its requests are resumed on survivors as prompt +
@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from elasticep.deploy import Deployment
 from elasticep.elastic.config import DeploymentConfig
-from elasticep.elastic.deployment import LocalDeployment
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.engine.request import SamplingParams
-from elasticep.entrypoints.frontend import Frontend, FrontendConfig
-from elasticep.entrypoints.incremental_text import Decode
-from elasticep.entrypoints.request_tracker import RequestEvent
+from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.request_tracker import RequestEvent
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,13 @@ class BatchDriver:
         config: front-end timing.
     """
 
-    def __init__(self, deployment: LocalDeployment, channel: FrontendChannel, decode: Decode,
+    def __init__(self, deployment: Deployment, channel: FrontendChannel, decode: Decode,
                  config: FrontendConfig | None = None) -> None:
         self.deployment = deployment
         self.channel = channel
         self.loop = asyncio.new_event_loop()
-        self.frontend = Frontend(channel, deployment, decode,
+        self.frontend = Frontend(channel, deployment.membership(lambda: channel.connected),
+                                 decode,
                                  config=config or FrontendConfig(membership_poll_s=0.05))
         self._ids = 0
         self.loop.run_until_complete(self.frontend.start())
@@ -79,9 +80,12 @@ class BatchDriver:
         channel = FrontendChannel(host="127.0.0.1")
         config = replace(config, frontend_request_addr=channel.endpoints.request_addr,
                          frontend_output_addr=channel.endpoints.output_addr)
-        dep = LocalDeployment(config, fault=fault, env=env, log_dir=log_dir)
         try:
-            dep.start()
+            dep = Deployment.start(config, fault=fault, env=env, log_dir=log_dir)
+        except BaseException:
+            channel.close()
+            raise
+        try:
             dep.wait_healthy(timeout_s=ready_timeout_s)
             driver = cls(dep, channel, decode)
             driver.wait_routable(range(config.ep_size), ready_timeout_s)

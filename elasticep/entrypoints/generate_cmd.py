@@ -13,17 +13,24 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+import elasticep
+from elasticep.elastic.config import DeploymentConfig
+from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
+from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import UsageError
+from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.models import load_model_config
 
 log = logging.getLogger("elasticep.generate")
 
 
 def default_model_dir() -> Path:
     """The demo model shipped inside the repository (needs nothing from ../shared)."""
-    import elasticep
-
     return Path(elasticep.__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
@@ -42,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     checks.add_load_format_argument(p)
+    checks.add_cuda_graph_argument(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -106,8 +114,6 @@ def check_fault(fault: str | None, ep_size: int) -> None:
     Raises:
         UsageError: a malformed spec, or ``--fault`` that cannot fire.
     """
-    from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
-
     try:
         parse_faults(os.environ.get(ENV_VAR))
     except ValueError as exc:
@@ -167,9 +173,6 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
     Raises:
         RuntimeError: a request failed (its message names the rank and the reason).
     """
-    from elasticep.elastic.config import DeploymentConfig
-    from elasticep.entrypoints.batch_driver import BatchDriver
-
     cfg = DeploymentConfig(
         model=args.model, dtype=args.dtype, device=args.device, ep_size=args.ep_size,
         max_ep_size=checks.resolved_max_ep_size(args),
@@ -178,6 +181,7 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
         max_num_seqs=args.max_num_seqs, load_format=args.load_format,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
     with BatchDriver.launch(cfg, decode, fault=args.fault) as driver:
         outs = driver.generate(ids, params)
@@ -196,11 +200,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
     args = argparse.Namespace(**vars(args) | {"model": model})  # the resolved directory
-    import torch
-
-    from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-    from elasticep.entrypoints.tokenizer import load_tokenizer
-
     try:
         tok = load_tokenizer(args.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
@@ -212,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                 args.model,
                 dtype=getattr(torch, args.dtype),
                 device=args.device,
-                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs),
+                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs,
+                                    enable_cuda_graph=not args.disable_cuda_graph),
                 detokenize=tok.decode,
                 load_format=args.load_format,
             )
@@ -220,8 +220,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
-    from elasticep.models import load_model_config
-
     eos = set(load_model_config(args.model).eos_token_ids)
     for i, out in enumerate(outs):
         text_ids = out[:-1] if out and out[-1] in eos else out

@@ -19,12 +19,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tqdm import tqdm
+
+from elasticep.deploy import Deployment
+from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.distributed import CoordinatorClient
+from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     UsageError,
     add_serve_arguments,
     validate,
 )
+from elasticep.frontend.http_server import create_server
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -37,7 +45,6 @@ examples:
   elasticep serve --ep-size 4 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:29400
   elasticep serve --ep-size 4 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:29400
 """
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``serve`` subcommand."""
@@ -69,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in settings.warnings:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
-    from elasticep.entrypoints.supervisor import stop_on_signals
 
     stop = stop_on_signals()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
@@ -85,43 +91,25 @@ def run(args: argparse.Namespace) -> int:
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
                 log_dir: Path) -> int:
     """Node 0: coordinator + front-end + local ranks; returns when stopped."""
-    from elasticep.distributed import start_coordinator
-    from elasticep.engine.ipc import FrontendChannel
-    from elasticep.entrypoints.coordinator_membership import CoordinatorMembership
-    from elasticep.entrypoints.http_server import create_server
-    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, publish_config
-    from elasticep.entrypoints.membership import ConnectedWorkers
-    from elasticep.entrypoints.supervisor import supervise
-
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    try:
-        coordinator = start_coordinator(settings.coordinator_host, settings.coordinator_port,
-                                        hb_timeout_s=dep.heartbeat_timeout_s)
-    except OSError as exc:
-        raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
-                      f"{exc.strerror or exc}") from exc
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
-    launcher = membership = server = None
+    deployment = server = None
     try:
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
-                      frontend_output_addr=channel.endpoints.output_addr,
-                      store_addr=f"{settings.coordinator_host}:{coordinator.store.port}")
-        publish_config(coordinator.store, dep)
-        directory = RankDirectory(coordinator.store)
-        launcher = RankLauncher(coordinator.address, dep, 0, directory, log_dir)
+                      frontend_output_addr=channel.endpoints.output_addr)
+        try:  # the local ranks first: they load while the front-end starts
+            deployment = Deployment.start(
+                dep, host=settings.coordinator_host, port=settings.coordinator_port,
+                ranks=settings.local_ranks, log_dir=log_dir, new_session=True)
+        except OSError as exc:
+            raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
+                          f"{exc.strerror or exc}") from exc
+        dep = deployment.config
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
-                    coordinator.address, len(settings.local_ranks), dep.ep_size, log_dir)
-        for rank in settings.local_ranks:  # first: they load while the front-end starts
-            launcher.spawn(rank)
-        if dep.elastic_ep_backend == "elastic":
-            membership = CoordinatorMembership(
-                coordinator.address, dep.ep_size, dep.max_ep_size, directory.node_of,
-                lambda rank: directory.launched_pid(rank, local_node=0))
-        else:  # plain Gloo ranks never register with the coordinator: hellos and pids
-            membership = LaunchedWorkers(ConnectedWorkers(lambda: channel.connected,
-                                                          dep.ep_size), launcher)
+                    deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
+        membership = deployment.membership(lambda: channel.connected)
         name = args.served_model_name or Path(dep.model).name
         try:
             server, frontend = create_server(
@@ -132,12 +120,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
         server.start()
-        if not _wait_ready(membership, channel, launcher, dep.ep_size, stop):
+        if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return 0 if stop.is_set() else 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
-              f"{dep.max_ep_size}, coordinator {coordinator.address})", flush=True)
-        fatal = dep.elastic_ep_backend == "none"  # no fault tolerance: any exit stops all
-        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+              f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
+        fatal = not deployment.fault_tolerant  # backend none: any exit stops all
+        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           stop_on_exit=fatal)
         if fatal and exits:
             ex = exits[-1]
@@ -149,31 +137,26 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
         logger.info("stopping: HTTP server, workers, coordinator")
         if server is not None:
             server.stop()
-        if launcher is not None:
-            launcher.stop()
-        if isinstance(membership, CoordinatorMembership):
-            membership.close()
-        coordinator.close()
+        if deployment is not None:
+            deployment.stop()
         channel.close()
 
 
-def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Event) -> bool:
+def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.Event) -> bool:
     """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
     and connected to the front-end with the same pid).
 
     Returns:
         True when ready; False if stopped or a local rank died while loading.
     """
-    from tqdm import tqdm
-
     with tqdm(total=ep_size, desc="loading ranks", unit="rank", file=sys.stderr,
               mininterval=0.5, dynamic_ncols=True) as bar:
         while not stop.wait(0.1):
-            if not launcher.exits.empty():
-                ex = launcher.exits.get()
+            if not deployment.exits.empty():
+                ex = deployment.exits.get()
                 bar.close()
                 print(f"elasticep serve: error: rank {ex.rank} exited with {ex.code} while "
-                      f"loading; its log ends with:\n{launcher.log_tail(ex.rank)}",
+                      f"loading; its log ends with:\n{deployment.log_tail(ex.rank)}",
                       file=sys.stderr)
                 return False
             try:
@@ -181,8 +164,8 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
             except (ConnectionError, TimeoutError, OSError):
                 continue
             connected = channel.connected
-            ready = sum(r["state"] == "healthy" and r["rank"] in connected
-                        and connected[r["rank"]].pid == r["pid"] for r in status["ranks"])
+            ready = sum(r in connected and connected[r].pid == status.rank(r).pid
+                        for r in status.healthy_ranks())
             if ready != bar.n:
                 bar.update(ready - bar.n)
             if ready >= ep_size:
@@ -193,76 +176,42 @@ def _wait_ready(membership, channel, launcher, ep_size: int, stop: threading.Eve
 
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
-    from elasticep.entrypoints.launcher import RankDirectory, RankLauncher, fetch_config
-    from elasticep.entrypoints.supervisor import supervise
-
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    store = _connect_with_retry(address, stop, timeout_s=120.0)
-    if store is None:
+    if not _wait_for_coordinator(address, stop, timeout_s=120.0):
         return 0
-    dep = fetch_config(store)
+    deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
+                                   new_session=True)
+    dep = deployment.config
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
-    launcher = RankLauncher(address, dep, settings.node_rank, RankDirectory(store), log_dir)
     try:
-        for rank in ranks:
-            launcher.spawn(rank)
+        deployment.launch(ranks)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
-        fatal = dep.elastic_ep_backend == "none"
-        exits = supervise(launcher, stop, restart=settings.restart_failed_ranks,
+        fatal = not deployment.fault_tolerant
+        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           until_all_exited=True, stop_on_exit=fatal)
         return 1 if fatal and exits else 0
     finally:
-        launcher.stop()
+        deployment.stop()
 
 
-class LaunchedWorkers:
-    """Membership of ``--elastic-ep-backend none`` on node 0: the ranks that said hello
-    (:class:`ConnectedWorkers`), made truthful with what this node's launcher knows. A
-    rank whose process exited is ``failed``, and so is every other rank once one failed:
-    plain torch.distributed groups cannot make progress without a member.
+def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float) -> bool:
+    """Wait until the coordinator answers, while node 0 is still starting.
 
-    Args:
-        connected: the hello-based membership.
-        launcher: node 0's launcher (the pids it started, and whether they still run).
-    """
-
-    def __init__(self, connected, launcher) -> None:
-        self._connected = connected
-        self._launcher = launcher
-
-    def status(self) -> dict:
-        status = self._connected.status()
-        launched = self._launcher.pids(live_only=False)
-        dead = {r for r in launched if self._launcher.exited(r)}
-        if dead:
-            status["ranks"] = [{**r, "state": "failed", "pid": launched.get(r["rank"], r["pid"])}
-                               for r in status["ranks"]]
-            status["ranks"] += [{"rank": r, "state": "failed", "pid": launched[r], "node": 0}
-                                for r in sorted(dead - {e["rank"] for e in status["ranks"]})]
-            status["ranks"].sort(key=lambda r: r["rank"])
-        return status
-
-    def scale(self, new_ep_size: int):
-        return self._connected.scale(new_ep_size)
-
-
-def _connect_with_retry(address: str, stop: threading.Event, timeout_s: float):
-    """Open the coordinator's store, retrying while node 0 is still starting.
+    Returns:
+        True once it answered; False if stopped first.
 
     Raises:
         TimeoutError: not reachable within ``timeout_s`` seconds.
     """
-    from elasticep.entrypoints.launcher import open_store
-
-    deadline = time.monotonic() + timeout_s
-    while not stop.is_set():
+    def attempt() -> bool:
         try:
-            return open_store(address)
-        except (ConnectionError, OSError) as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"coordinator {address} unreachable: {exc}") from exc
+            CoordinatorClient(address).close()
+            return True
+        except (ConnectionError, OSError):
             logger.info("waiting for the coordinator at %s", address)
-            stop.wait(1.0)
-    return None
+            raise
+
+    return bool(wait_until(attempt, timeout_s, f"the coordinator at {address}", poll_s=1.0,
+                           retry_on=(ConnectionError, OSError), stop=stop))

@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
@@ -20,6 +22,14 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")  # as elasticep.models.loader.LO
 LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
                     "draws them from a fixed seed on the device, so a directory with only "
                     "config.json runs a real model shape (benchmarks)")
+
+
+def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add ``--disable-cuda-graph`` (SGLang's name) to ``p``."""
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode eagerly instead of replaying CUDA graphs captured at "
+                        "start-up (graphs apply on CUDA where a rank's step has no "
+                        "collective: --ep-size 1 in generate)")
 
 
 def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -68,8 +78,6 @@ def check_device(device: str) -> None:
         UsageError: ``--device cuda`` without a CUDA device.
     """
     if device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             raise UsageError("--device cuda, but this torch build sees no CUDA device "
                              "(see README: installing the CUDA build of torch)")

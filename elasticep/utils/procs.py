@@ -6,10 +6,12 @@ spawned it exits, so workers never outlive a killed front-end.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
-import time
+
+from elasticep.utils.wait import wait_until
 
 _PR_SET_PDEATHSIG = 1
 # Set by a launcher in its children's environment: the pid they must die with.
@@ -55,9 +57,9 @@ def kill_pids(pids: list[int], timeout_s: float = 5.0) -> None:
                 os.kill(p, s)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(pid_alive(p) for p in live):
-        time.sleep(0.05)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not any(pid_alive(p) for p in live), timeout_s,
+                   f"pids {live} to exit after SIGTERM")
     for p in live:
         if pid_alive(p):
             try:

@@ -1,0 +1,295 @@
+"""One EP deployment's ranks on this machine: the one way `serve`, `join` and
+`generate --ep-size` start, relaunch, scale and stop ranks.
+
+    dep = Deployment.start(DeploymentConfig(model=..., ep_size=4, max_ep_size=6,
+                                            frontend_request_addr=..., ...))
+    dep.wait_healthy(timeout_s=60)   # coordinator + ranks 0..3 on this machine
+    dep.relaunch(2)                  # a dead slot comes back (join mode "recover")
+    dep.scale(6, start_joiners=True) # 4 -> 6: the new slots' joiners start here
+    dep.scale(4)                     # slots [4, 6) drain and leave
+    dep.status()                     # the /elastic_ep_status view
+    dep.stop()
+
+    dep = Deployment.attach("10.0.0.1:29400", node=1)   # serve --node-rank 1, join
+
+Node 0 (:meth:`Deployment.start`) runs the coordinator on threads of this process,
+outside every worker, so any rank (rank 0 included) may die. Every node's ranks are
+fresh interpreters started and watched by :class:`~elasticep.deploy.launcher.RankLauncher`,
+which reports each death to the coordinator at once. The coordinator owns the membership
+(target size, scale phase, slot states, launch records); this class only acts on it.
+The ``elastic`` / ``none`` difference is :meth:`membership`'s choice, made once.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
+from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
+from elasticep.distributed import Coordinator, start_coordinator
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.config import DeploymentConfig
+from elasticep.engine.ipc import WorkerHello
+from elasticep.utils.procs import kill_pids, pid_alive
+from elasticep.utils.wait import wait_until
+
+__all__ = ["Deployment", "RankExit"]
+
+logger = logging.getLogger(__name__)
+
+
+class Deployment:
+    """The ranks this machine runs for one deployment, and the coordinator if node 0.
+
+    Use :meth:`start` (node 0) or :meth:`attach` (other nodes, `join`).
+
+    Args:
+        address: the coordinator's ``"host:port"``.
+        config: the deployment's shared settings.
+        node: this machine's node index.
+        coordinator: the coordinator this process runs (node 0), stopped with it.
+        log_dir: worker ``r``'s output goes to ``log_dir/rank<r>.log``; None: stderr.
+        env: extra environment for the workers.
+        new_session: start each worker in its own session, so a terminal's Ctrl-C reaches
+            only the command, which then stops the workers in order.
+    """
+
+    def __init__(self, address: str, config: DeploymentConfig, *, node: int = 0,
+                 coordinator: Coordinator | None = None, log_dir: str | Path | None = None,
+                 env: dict[str, str] | None = None, new_session: bool = False) -> None:
+        self.address = address
+        self.config = config
+        self.node = node
+        self.coordinator = coordinator
+        self.launcher = RankLauncher(address, config, log_dir=log_dir, env=env,
+                                     new_session=new_session, node=node,
+                                     label=f"node {node}")
+        self._membership: CoordinatorMembership | LaunchedRanks | None = None
+
+    # ------------------------------------------------------------------ assembly
+    @classmethod
+    def start(cls, config: DeploymentConfig, *, host: str = "127.0.0.1", port: int = 0,
+              hb_interval_s: float = 0.2, ranks: list[int] | None = None,
+              fault: str | None = None, **kwargs: Any) -> Deployment:
+        """Node 0: start the coordinator, publish the settings and launch ``ranks``
+        (default ``0..ep_size-1``). Returns at once; see :meth:`wait_healthy`.
+
+        Args:
+            config: the settings; the front-end addresses must be set. ``store_addr`` is
+                filled in here. With backend ``none`` the capacity is ``ep_size``.
+            host, port: the coordinator's control endpoint (0: a free port).
+            hb_interval_s: heartbeat period (seconds).
+            ranks: the ranks this node launches.
+            fault: fault-injection spec of the launch cohort (never of a relaunch).
+            **kwargs: ``log_dir``, ``env``, ``new_session`` (see the class).
+
+        Raises:
+            OSError: the coordinator cannot bind ``host:port``.
+        """
+        if config.elastic_ep_backend == "none" and config.max_ep_size != config.ep_size:
+            config = replace(config, max_ep_size=config.ep_size)
+        coordinator = start_coordinator(host, port, hb_interval_s=hb_interval_s,
+                                        hb_timeout_s=config.heartbeat_timeout_s)
+        try:
+            config = replace(config, store_addr=f"{host}:{coordinator.store.port}")
+            publish_config(coordinator.address, config)
+            dep = cls(coordinator.address, config, coordinator=coordinator, **kwargs)
+        except BaseException:
+            coordinator.close()
+            raise
+        logger.info("deployment: coordinator %s, %d ranks (capacity %d, backend %s)",
+                    coordinator.address, config.ep_size, config.max_ep_size,
+                    config.elastic_ep_backend)
+        dep.launch(list(range(config.ep_size)) if ranks is None else ranks, fault=fault)
+        return dep
+
+    @classmethod
+    def attach(cls, address: str, *, node: int = 0, config_timeout_s: float = 60.0,
+               **kwargs: Any) -> Deployment:
+        """Another node, or `join`: read the settings node 0 published; launch nothing yet.
+
+        Raises:
+            ConnectionError / TimeoutError: the coordinator is unreachable or published
+                nothing within ``config_timeout_s`` seconds.
+        """
+        return cls(address, fetch_config(address, config_timeout_s), node=node, **kwargs)
+
+    # ------------------------------------------------------------------ ranks
+    def launch(self, ranks: list[int], join_mode: str | None = None,
+               fault: str | None = None) -> list[int]:
+        """Start a worker for each of ``ranks``; returns their pids.
+
+        Args:
+            join_mode: None (launch cohort), "recover" or "scale".
+            fault: fault-injection spec (None also drops an inherited one).
+        """
+        return [self.launcher.spawn(r, join_mode, fault) for r in ranks]
+
+    def relaunch(self, *ranks: int) -> list[int]:
+        """The one relaunch path (`join recover`, ``--restart-failed-ranks``, tests):
+        kill a stale worker of each slot (:meth:`kill_stale`), start a fresh one in join
+        mode "recover", and ask the ranks to admit them once they are ready.
+
+        Returns:
+            The new pids.
+
+        Raises:
+            ValueError: a slot is outside the capacity.
+        """
+        for r in ranks:
+            if not 0 <= r < self.config.max_ep_size:
+                raise ValueError(f"rank {r} outside [0, {self.config.max_ep_size})")
+        for r in ranks:
+            self.kill_stale(r)
+        pids = self.launch(list(ranks), "recover")
+        self.launcher.request_admission(list(ranks))
+        return pids
+
+    def kill_stale(self, rank: int, status: DeploymentStatus | None = None) -> bool:
+        """Kill a worker of ``rank`` that was evicted but still runs (frozen) before its
+        slot is relaunched: this launcher's own child, else the pid the coordinator
+        recorded for the slot if its last launch was on this node.
+
+        Returns:
+            True if a process was killed.
+        """
+        if self.launcher.kill(rank, timeout_s=5.0) is not None:
+            return True
+        try:
+            entry = (status or self.deployment_status()).rank(rank)
+        except (KeyError, ConnectionError, TimeoutError, OSError, ValueError):
+            return False
+        if entry.node != self.node or entry.pid is None or not pid_alive(entry.pid):
+            return False
+        logger.warning("rank %d: killing the evicted old worker pid %d before relaunching",
+                       rank, entry.pid)
+        kill_pids([entry.pid], timeout_s=2.0)
+        return True
+
+    def kill(self, rank: int) -> None:
+        """Kill this launcher's live worker of ``rank`` (e.g. evicted but frozen)."""
+        self.launcher.kill(rank)
+
+    def scale(self, new_ep_size: int, start_joiners: bool = False) -> dict[str, Any]:
+        """Make ``new_ep_size`` the target, as ``POST /scale_elastic_ep`` does: growing
+        admits the joiners of slots ``[ep_size, new)``, shrinking drains and removes the
+        active slots ``[new, max_ep_size)``.
+
+        Args:
+            start_joiners: also start the new slots' joiners here (join mode "scale");
+                serve leaves that to `elasticep join`.
+
+        Returns:
+            {"old_ep_size", "slots", "scale_phase"}.
+
+        Raises:
+            ScaleNotSupportedError: backend ``none``; ScaleInProgressError, ValueError:
+                refused by the coordinator.
+        """
+        result = self.membership().scale(new_ep_size)
+        if start_joiners and new_ep_size > result["old_ep_size"]:
+            self.launch([r for r in result["slots"] if self.launcher.exited(r)], "scale")
+        return result
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether a rank's exit is survivable (backend ``elastic``); with ``none`` the
+        first exit stops the deployment."""
+        return self.config.elastic_ep_backend == "elastic"
+
+    def membership(self, connected: Callable[[], Mapping[int, WorkerHello]] | None = None
+                   ) -> CoordinatorMembership | LaunchedRanks:
+        """The front-end's ``MembershipSource`` for this deployment, chosen once: the
+        coordinator's view (``elastic``), or the launcher's (``none``; ``connected``, the
+        front-end's hellos, makes a rank healthy only once it said hello)."""
+        if self._membership is None:
+            if self.fault_tolerant:
+                self._membership = CoordinatorMembership(self.address)
+            else:
+                self._membership = LaunchedRanks(self.launcher, self.config.ep_size,
+                                                 connected)
+        return self._membership
+
+    def status(self) -> DeploymentStatus:
+        """The ``/elastic_ep_status`` view (see :meth:`membership`)."""
+        return self.membership().status()
+
+    def deployment_status(self) -> DeploymentStatus:
+        """Alias of :meth:`status` (the name the supervisor and `join` use)."""
+        return self.status()
+
+    def active_ranks(self) -> list[int]:
+        """Ranks active in WORLD's committed epoch (elastic backend)."""
+        world = self.launcher.coordinator_status()["groups"].get("world")
+        return [] if world is None else sorted(world["ranks"][s] for s in world["active"])
+
+    def wait_healthy(self, ranks: list[int] | None = None, timeout_s: float = 120.0) -> None:
+        """Block until ``ranks`` (default: the launch cohort) are healthy.
+
+        Raises:
+            TimeoutError: not within ``timeout_s``; RuntimeError: one of them exited.
+        """
+        want = set(range(self.config.ep_size) if ranks is None else ranks)
+
+        def healthy() -> bool:
+            dead = [r for r in want if r in self.procs and self.procs[r].poll() is not None]
+            if dead:
+                raise RuntimeError(f"ranks {dead} exited during startup: {self.exit_codes}")
+            states = self.status().states()
+            return all(states.get(r) == SlotState.HEALTHY for r in want)
+
+        wait_until(healthy, timeout_s, f"ranks {sorted(want)} healthy")
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def procs(self) -> dict[int, subprocess.Popen]:
+        """rank -> the latest process started here for it."""
+        return self.launcher.procs
+
+    @property
+    def exit_codes(self) -> dict[int, list[int]]:
+        """rank -> exit codes of its processes so far, oldest first."""
+        return self.launcher.exit_codes
+
+    @property
+    def exits(self):
+        """Queue of :class:`RankExit`, one per worker exit (not while stopping)."""
+        return self.launcher.exits
+
+    def pids(self, live_only: bool = False) -> dict[int, int]:
+        """rank -> pid of the latest process started here for it."""
+        return self.launcher.pids(live_only=live_only)
+
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        """The end of a worker's log ("" without a log)."""
+        return self.launcher.log_tail(rank, lines)
+
+    @property
+    def log_dir(self) -> Path | None:
+        """Where the worker logs go."""
+        return self.launcher.log_dir
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Kill every worker started here (by pid), then the coordinator if ours;
+        idempotent."""
+        # Coordinator first: the workers then see a lost coordinator, not a cascade of
+        # failures and repairs, while they are being killed.
+        self.launcher.detach()
+        if isinstance(self._membership, CoordinatorMembership):
+            self._membership.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        self.launcher.stop(timeout_s)
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,123 @@
+"""Where a deployment's membership comes from: the one place the ``elastic`` and
+``none`` backends differ for everything above the workers.
+
+* ``elastic``: the coordinator owns all membership (slot states, pids, epochs, the
+  target size and the scale phase, ``distributed/scaling.py``);
+  :class:`CoordinatorMembership` keeps one connection to it for the front-end's threads.
+* ``none``: :class:`LaunchedRanks`, from the launcher's own processes.
+
+Both give the front-end's ``MembershipSource``: ``status()`` and ``scale()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.errors import ScaleNotSupportedError
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus, RankStatus
+
+if TYPE_CHECKING:
+    from elasticep.deploy.launcher import RankLauncher
+    from elasticep.engine.ipc import WorkerHello
+
+class CoordinatorMembership:
+    """:class:`MembershipSource` over a :class:`CoordinatorClient`.
+
+    Thread-safe: the front-end calls ``status`` and ``scale`` from worker threads.
+
+    Args:
+        address: the coordinator's ``"host:port"``.
+        timeout_s: bound of each coordinator call (seconds).
+    """
+
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self._address = address
+        self._timeout_s = timeout_s
+        self._client: CoordinatorClient | None = None
+        self._lock = threading.Lock()
+
+    def _call(self, fn: Callable[[CoordinatorClient], Any]) -> Any:
+        """Run ``fn`` on a (re)connected client; the connection is rebuilt after errors.
+
+        Raises:
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+            ValueError: the coordinator refused the request.
+        """
+        with self._lock:
+            if self._client is None:
+                self._client = CoordinatorClient(self._address, self._timeout_s)
+            try:
+                return fn(self._client)
+            except (ConnectionError, TimeoutError, OSError):
+                self._client.close()
+                self._client = None
+                raise
+
+    def status(self) -> DeploymentStatus:
+        """The ``/elastic_ep_status`` body (without ``running_requests``).
+
+        Raises:
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+        """
+        return self._call(lambda c: c.deployment_status())
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Make ``new_ep_size`` the target (see :meth:`CoordinatorClient.scale`).
+
+        Raises:
+            ScaleInProgressError: a scale is still running.
+            ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
+            ConnectionError / TimeoutError: the coordinator is unreachable.
+        """
+        return self._call(lambda c: c.scale(new_ep_size))
+
+    def close(self) -> None:
+        """Close the coordinator connection."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class LaunchedRanks:
+    """Membership of ``--elastic-ep-backend none``: its ranks never register with the
+    coordinator, so what this node's launcher knows (the pids it started, whether they
+    still run) and, in serve, which workers said hello to the front-end, make the status.
+
+    Every rank is ``failed`` once one of them exited: plain torch.distributed groups
+    cannot make progress without a member. It cannot scale.
+
+    Args:
+        launcher: the launcher of the deployment's ranks.
+        ep_size: the number of ranks.
+        connected: rank -> latest hello (``FrontendChannel.connected``); a rank is healthy
+            only once its worker said hello. None: every running rank is healthy.
+    """
+
+    def __init__(self, launcher: RankLauncher, ep_size: int,
+                 connected: Callable[[], Mapping[int, WorkerHello]] | None = None) -> None:
+        self._launcher = launcher
+        self._ep_size = ep_size
+        self._connected = connected
+
+    def status(self) -> DeploymentStatus:
+        launched = self._launcher.pids(live_only=False)
+        hellos = {} if self._connected is None else dict(self._connected())
+        broken = any(self._launcher.exited(r) for r in launched)
+        ranks = []
+        for r in sorted(set(launched) | set(hellos)):  # another node's ranks only say hello
+            pid = launched[r] if r in launched else hellos[r].pid
+            said_hello = self._connected is None or (r in hellos and hellos[r].pid == pid)
+            state = (SlotState.FAILED if broken else
+                     SlotState.HEALTHY if said_hello else SlotState.JOINING)
+            ranks.append(RankStatus(r, state, pid))
+        epoch = max((h.epoch for h in hellos.values()), default=0)
+        return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=tuple(ranks))
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        raise ScaleNotSupportedError("--elastic-ep-backend none has no coordinator-managed "
+                                     "membership and cannot scale")

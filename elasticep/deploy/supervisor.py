@@ -1,0 +1,143 @@
+"""The foreground loop of `serve` and `join`: watch this node's ranks until told to stop.
+
+It applies the restart policy of ``--restart-failed-ranks``:
+
+* a rank that exits with status 0 was removed on purpose (planned scale-down): never
+  restarted, nor is any slot the coordinator marks ``removed``;
+* any other exit (crash, SIGKILL, evicted) is relaunched in join mode ``recover``, at most
+  ``max_restarts`` times per rank;
+* a rank the coordinator evicted while its process is still alive (frozen) is killed
+  first, so the relaunch does not race a zombie of itself.
+
+Without the flag, exits are only logged.
+
+With ``--elastic-ep-backend none`` (``stop_on_exit``) there is no fault tolerance: the
+first exit of a rank is fatal, and :func:`supervise` sets ``stop`` and returns at once so
+that the caller stops the whole deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from elasticep.deploy.launcher import RankExit
+from elasticep.distributed.membership import SlotState
+
+if TYPE_CHECKING:
+    from elasticep.deploy.deployment import Deployment
+
+logger = logging.getLogger(__name__)
+
+EXIT_REMOVED = 0  # the worker's status after a planned removal
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT (Ctrl-C) or SIGTERM; call from the main thread."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:
+    """(epoch, rank -> state, rank -> pid) from the coordinator."""
+    status = dep.deployment_status()
+    return status.epoch, status.states(), status.pids()
+
+
+def supervise(dep: Deployment, stop: threading.Event, restart: bool,
+              until_all_exited: bool = False, max_restarts: int = 5,
+              poll_s: float = 0.2, stop_on_exit: bool = False) -> list[RankExit]:
+    """Watch this node's ranks of ``dep`` until ``stop`` is set.
+
+    Args:
+        dep: this node's share of the deployment.
+        stop: set by a signal handler (or by the caller) to return.
+        restart: relaunch crashed ranks (see module doc).
+        until_all_exited: also return once no started worker is alive (``join``, and
+            nodes other than 0: their ranks exit when the coordinator is gone).
+        max_restarts: relaunches per rank before giving up on it.
+        poll_s: loop period (seconds).
+        stop_on_exit: the deployment has no fault tolerance (``--elastic-ep-backend
+            none``): the first exit of a rank is logged as the reason, sets ``stop`` and
+            returns; ``restart`` must be False.
+
+    Returns:
+        Every exit seen, in order (with ``stop_on_exit``: the fatal one last).
+    """
+    if stop_on_exit and restart:
+        raise ValueError("stop_on_exit and restart exclude each other")
+    restarts: Counter[int] = Counter()
+    seen: list[RankExit] = []
+    while not stop.wait(poll_s):
+        try:
+            epoch, states, coord_pids = _world(dep)
+        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+            logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
+            epoch, states, coord_pids = -1, {}, {}
+        while True:
+            try:
+                ex = dep.exits.get_nowait()
+            except queue.Empty:
+                break
+            seen.append(ex)
+            if stop_on_exit:
+                logger.error("rank %d (pid %d) exited with %d; --elastic-ep-backend none has "
+                             "no fault tolerance: stopping the deployment", ex.rank, ex.pid,
+                             ex.code)
+                stop.set()
+                return seen
+            _on_exit(dep, ex, epoch, states, restart, restarts, max_restarts)
+        if restart:
+            _kill_frozen(dep, epoch, states, coord_pids)
+        if until_all_exited and not dep.pids(live_only=True) and dep.exits.empty():
+            break
+    return seen
+
+
+def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
+             restart: bool, restarts: Counter[int], max_restarts: int) -> None:
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.REMOVED:
+        logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
+                    ex.pid)
+        return
+    if not restart:
+        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with "
+                       "`elasticep join --elastic-ep-join-mode recover --ranks %d`", epoch,
+                       ex.rank, ex.pid, ex.code, ex.rank)
+        return
+    if epoch < 0:
+        logger.warning("rank %d exited with %d, but the coordinator is gone: not "
+                       "relaunching", ex.rank, ex.code)
+        return
+    if restarts[ex.rank] >= max_restarts:
+        logger.error("epoch %d: rank %d crashed %d times; not relaunching it again", epoch,
+                     ex.rank, restarts[ex.rank])
+        return
+    restarts[ex.rank] += 1
+    logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunching (restart %d)",
+                   epoch, ex.rank, ex.pid, ex.code, restarts[ex.rank])
+    try:
+        dep.relaunch(ex.rank)
+    except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+        logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, ex.rank, exc)
+
+
+def _kill_frozen(dep: Deployment, epoch: int, states: dict[int, str],
+                 coord_pids: dict[int, int]) -> None:
+    """Kill our workers the coordinator evicted but that are still alive (frozen)."""
+    for rank, pid in dep.pids(live_only=True).items():
+        if states.get(rank) == SlotState.FAILED and coord_pids.get(rank) == pid:
+            logger.warning("epoch %d: rank %d (pid %d) was evicted but is alive; killing it",
+                           epoch, rank, pid)
+            dep.kill(rank)

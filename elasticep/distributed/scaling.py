@@ -1,0 +1,222 @@
+"""Deployment-level membership on top of the WORLD group (pure: no sockets, no torch).
+
+The coordinator owns, besides the slot states of every group:
+
+* the *target* size ``ep_size`` and the slots a scale brings in (``up``) or takes out
+  (``down``); the scale phase is derived from those and the slot states;
+* the *launch records*: which node each rank runs on, and the pid of a worker started
+  for it that has not exited (a worker loads its weights before it registers, so this
+  is how a loading worker shows up as ``joining``);
+* the *reservations* of slots that a `join` is launching, so two joins cannot both
+  start a worker for one slot.
+
+This module holds the decisions over that data: :class:`ScaleTarget` plans a scale,
+:func:`deployment_status` builds the ``/elastic_ep_status`` view and :func:`check_join`
+decides whether a slot may be joined. The coordinator only applies them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import JoinRefusedError, ScaleInProgressError
+from .membership import ACTIVE_STATES, ScalePhase, SlotState, scale_phase
+from .status import DeploymentStatus, RankStatus
+
+logger = logging.getLogger(__name__)
+
+# the slot state a joiner of each mode takes
+JOIN_TAKES = {"recover": SlotState.FAILED, "scale": SlotState.REMOVED}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A worker some launcher started and that has not exited: its node and pid."""
+
+    node: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """What the coordinator knows of a registered process: its pid, whether it is alive,
+    and whether it has registered its WORLD slot yet."""
+
+    pid: int
+    alive: bool
+    in_world: bool
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """The requests one scale makes: slots to admit and slots to deactivate."""
+
+    admit: tuple[int, ...] = ()
+    remove: tuple[int, ...] = ()
+    reply: dict = field(default_factory=dict)  # the HTTP answer's body
+
+
+@dataclass
+class ScaleTarget:
+    """The operator's target size and the scale in progress.
+
+    Args:
+        ep_size: the target number of active ranks.
+        max_ep_size: capacity.
+    """
+
+    ep_size: int
+    max_ep_size: int
+    up: set[int] = field(default_factory=set)
+    down: set[int] = field(default_factory=set)
+
+    def phase(self, states: Sequence[SlotState]) -> ScalePhase:
+        """The scale phase now; a finished scale is forgotten (and logged) here."""
+        phase = scale_phase(states, self.up, self.down)
+        if phase == ScalePhase.IDLE and (self.up or self.down):
+            logger.info("scale to ep_size %d finished", self.ep_size)
+            self.up, self.down = set(), set()
+        return phase
+
+    def plan(self, new_ep_size: int, states: Sequence[SlotState]) -> ScalePlan:
+        """Grow to ``new_ep_size`` (admit joiners of slots ``[ep_size, new)``) or shrink
+        (drain and remove the active slots in ``[new, max_ep_size)``), and make it the
+        target.
+
+        While a grow still waits for joiners, a smaller target that is not below the
+        size before the grow withdraws the slots above it that are not admitted yet (a
+        joiner that died need not be replaced to finish the scale).
+
+        Raises:
+            ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
+            ScaleInProgressError: a scale is still running (and this is not such a
+                withdrawal).
+        """
+        if not 1 <= new_ep_size <= self.max_ep_size:
+            raise ValueError(f"new_ep_size must be in [1, {self.max_ep_size}], "
+                             f"got {new_ep_size}")
+        phase = self.phase(states)
+        old = self.ep_size
+        if phase == ScalePhase.WAITING_FOR_JOINERS and min(self.up) <= new_ep_size < old:
+            slots = sorted(s for s in self.up if s >= new_ep_size)
+            admitted = [s for s in slots if states[s] == SlotState.HEALTHY]
+            if admitted:
+                raise ScaleInProgressError(
+                    f"ranks {admitted} are already admitted; wait for the scale to ep_size "
+                    f"{old}, then scale down")
+            self.up -= set(slots)
+            self.ep_size = new_ep_size
+            logger.info("pending scale to ep_size %d lowered to %d, slots %s withdrawn", old,
+                        new_ep_size, slots)
+            return ScalePlan(remove=tuple(slots), reply=self._reply(old, slots, states))
+        if phase != ScalePhase.IDLE:
+            raise ScaleInProgressError(f"a scale to ep_size {old} is in progress ({phase})")
+        admit: list[int] = []
+        remove: list[int] = []
+        if new_ep_size > old:
+            admit = list(range(old, new_ep_size))
+            self.up = set(admit)
+        elif new_ep_size < old:
+            remove = [s for s in range(new_ep_size, self.max_ep_size)
+                      if states[s] in ACTIVE_STATES]
+            self.down = set(remove)
+        self.ep_size = new_ep_size
+        logger.info("scale ep_size %d -> %d, slots %s", old, new_ep_size, admit or remove)
+        return ScalePlan(tuple(admit), tuple(remove), self._reply(old, admit or remove, states))
+
+    def _reply(self, old: int, slots: list[int], states: Sequence[SlotState]) -> dict:
+        return {"old_ep_size": old, "slots": list(slots),
+                "scale_phase": scale_phase(states, self.up, self.down).value}
+
+
+def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],
+                procs: Mapping[int, ProcInfo], launches: Mapping[int, Launch],
+                ) -> list[tuple[SlotState, int | None]]:
+    """(state, pid) of each slot as the status shows it (pure).
+
+    A slot that is ``failed``, ``removed`` or not registered yet, for which a launcher
+    started a worker that has not registered (the launch's pid differs from the
+    registered one) or has registered its process but not its WORLD slot yet (same pid,
+    alive, in no group), is shown ``joining`` with the new pid: workers load their
+    weights before they register. A member being scaled away is also alive in a removed
+    slot, but it is in the group: it stays removed.
+    """
+    shown = []
+    for slot, state in enumerate(states):
+        proc = procs.get(ranks[slot])
+        pid = None if proc is None else proc.pid
+        launch = launches.get(ranks[slot])
+        if launch is not None and (state in (SlotState.FAILED, SlotState.REMOVED)
+                                   or proc is None):
+            registered_joiner = (proc is not None and launch.pid == pid and proc.alive
+                                 and not proc.in_world)
+            if launch.pid != pid or registered_joiner:
+                state, pid = SlotState.JOINING, launch.pid
+        shown.append((state, pid))
+    return shown
+
+
+def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Sequence[int],
+                      target: ScaleTarget, procs: Mapping[int, ProcInfo],
+                      launches: Mapping[int, Launch], nodes: Mapping[int, int],
+                      ) -> DeploymentStatus:
+    """The ``/elastic_ep_status`` view (pure).
+
+    Args:
+        epoch: WORLD's committed epoch.
+        states: WORLD's slot states; None before the first worker registered (then the
+            first ``ep_size`` slots are ``joining``, they are loading, and the rest
+            ``removed``).
+        ranks: global rank of each slot.
+        target: the target size and the scale in progress.
+        procs: rank -> registered process.
+        launches: rank -> live launched worker.
+        nodes: rank -> node of its last launch (0 if never recorded).
+    """
+    if states is None:
+        states = ([SlotState.JOINING] * target.ep_size
+                  + [SlotState.REMOVED] * (target.max_ep_size - target.ep_size))
+    phase = target.phase(states)
+    shown = shown_slots(states, ranks, procs, launches)
+    return DeploymentStatus(epoch, target.ep_size, target.max_ep_size, phase, tuple(
+        RankStatus(ranks[s], st, pid, nodes.get(ranks[s], 0))
+        for s, (st, pid) in enumerate(shown)))
+
+
+def check_join(mode: str, want: Sequence[int], states: Sequence[SlotState],
+               ranks: Sequence[int], target: ScaleTarget, procs: Mapping[int, ProcInfo],
+               launches: Mapping[int, Launch]) -> None:
+    """Refuse slots outside the capacity (recover: outside the target ``ep_size``), not
+    free for ``mode``, or already being joined (pure).
+
+    Raises:
+        JoinRefusedError: with the slot, its state and pid.
+    """
+    shown = shown_slots(states, ranks, procs, launches)
+    for r in want:
+        if not 0 <= r < target.max_ep_size:
+            raise JoinRefusedError(f"rank {r} is outside the capacity [0, "
+                                   f"{target.max_ep_size}) (serve --max-ep-size)")
+        slot = list(ranks).index(r)
+        state = states[slot]
+        proc = procs.get(r)
+        pid = None if proc is None else proc.pid
+        if state in (SlotState.JOINING, SlotState.READY) or shown[slot][0] == SlotState.JOINING:
+            pid = pid if state in (SlotState.JOINING, SlotState.READY) else shown[slot][1]
+            raise JoinRefusedError(f"rank {r} is already being joined (pid {pid})")
+        if mode == "recover" and r >= target.ep_size:
+            raise JoinRefusedError(f"rank {r} is outside ep_size {target.ep_size}; use "
+                                   "--elastic-ep-join-mode scale")
+        if state == JOIN_TAKES[mode]:
+            continue
+        if state == SlotState.REMOVED:
+            raise JoinRefusedError(f"rank {r} is free capacity (or was removed by a "
+                                   "scale-down); use --elastic-ep-join-mode scale and POST "
+                                   "/scale_elastic_ep")
+        if state == SlotState.FAILED:
+            raise JoinRefusedError(f"rank {r} has failed; relaunch it with "
+                                   "--elastic-ep-join-mode recover")
+        raise JoinRefusedError(f"rank {r} is {state.value} (pid {pid}); join only takes "
+                               f"{JOIN_TAKES[mode].value} slots in {mode} mode")

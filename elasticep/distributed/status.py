@@ -1,0 +1,122 @@
+"""The deployment's membership as one typed value: the ``/elastic_ep_status`` shape.
+
+The coordinator builds it (:meth:`CoordinatorClient.deployment_status`); the front-end
+adds ``running_requests`` and serves it as JSON; `join`, the supervisor and the test
+harness read it. Nobody takes a raw coordinator snapshot apart anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .membership import ScalePhase, SlotState
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One slot.
+
+    Attributes:
+        rank: global slot id.
+        state: its state (a worker still loading shows ``JOINING``).
+        pid: the worker process holding (or last holding) the slot; None if never started.
+        node: the node its launcher runs on.
+        running_requests: requests the front-end has on it (None where not known).
+    """
+
+    rank: int
+    state: SlotState
+    pid: int | None = None
+    node: int = 0
+    running_requests: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rank": self.rank, "state": self.state.value, "pid": self.pid,
+                             "node": self.node}
+        if self.running_requests is not None:
+            d["running_requests"] = self.running_requests
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RankStatus:
+        """Parse one entry of ``ranks``. Raises KeyError / ValueError on a bad entry."""
+        pid = d.get("pid")
+        rr = d.get("running_requests")
+        return RankStatus(int(d["rank"]), SlotState(d["state"]),
+                          None if pid is None else int(pid), int(d.get("node", 0)),
+                          None if rr is None else int(rr))
+
+
+@dataclass(frozen=True)
+class DeploymentStatus:
+    """The ``/elastic_ep_status`` body.
+
+    Attributes:
+        epoch: WORLD's committed membership epoch (0 before the first rank registers).
+        ep_size: the target number of active ranks (the last scale's, else ``--ep-size``).
+        max_ep_size: capacity (slots ``[0, max_ep_size)``).
+        scale_phase: where a scale stands.
+        ranks: one entry per slot, by rank.
+    """
+
+    epoch: int = 0
+    ep_size: int = 0
+    max_ep_size: int = 0
+    scale_phase: ScalePhase = ScalePhase.IDLE
+    ranks: tuple[RankStatus, ...] = field(default_factory=tuple)
+
+    # ---- reading -----------------------------------------------------------------
+    def rank(self, rank: int) -> RankStatus:
+        """The entry of ``rank``. Raises KeyError if the status names no such rank."""
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(f"rank {rank} is not in the status")
+
+    def state_of(self, rank: int) -> SlotState | None:
+        """The state of ``rank``; None if the status does not list it."""
+        return next((r.state for r in self.ranks if r.rank == rank), None)
+
+    def states(self) -> dict[int, SlotState]:
+        """rank -> state."""
+        return {r.rank: r.state for r in self.ranks}
+
+    def pids(self) -> dict[int, int]:
+        """rank -> pid, for the ranks that have one."""
+        return {r.rank: r.pid for r in self.ranks if r.pid is not None}
+
+    def healthy_ranks(self) -> list[int]:
+        """Ranks in state ``HEALTHY``, sorted."""
+        return sorted(r.rank for r in self.ranks if r.state == SlotState.HEALTHY)
+
+    def all_healthy(self) -> bool:
+        """Exactly ``ep_size`` ranks are healthy and no scale is running."""
+        return (len(self.healthy_ranks()) == self.ep_size
+                and self.scale_phase == ScalePhase.IDLE)
+
+    def degraded(self) -> bool:
+        """Fewer healthy ranks than the target, a slot in between states, or a scale."""
+        return (len(self.healthy_ranks()) < self.ep_size
+                or any(r.state not in (SlotState.HEALTHY, SlotState.REMOVED)
+                       for r in self.ranks)
+                or self.scale_phase != ScalePhase.IDLE)
+
+    # ---- wire --------------------------------------------------------------------
+    def with_running(self, running: dict[int, int]) -> DeploymentStatus:
+        """A copy with each rank's ``running_requests`` filled in from ``running``."""
+        return replace(self, ranks=tuple(replace(r, running_requests=running.get(r.rank, 0))
+                                         for r in self.ranks))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"epoch": self.epoch, "ep_size": self.ep_size, "max_ep_size": self.max_ep_size,
+                "scale_phase": self.scale_phase.value,
+                "ranks": [r.to_dict() for r in self.ranks]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> DeploymentStatus:
+        """Parse the JSON body. Raises KeyError / ValueError on a malformed body."""
+        return DeploymentStatus(int(d["epoch"]), int(d["ep_size"]), int(d["max_ep_size"]),
+                                ScalePhase(d["scale_phase"]),
+                                tuple(RankStatus.from_dict(r) for r in d["ranks"]))

@@ -1,0 +1,330 @@
+"""The front-end's event-loop core: ipc pump, membership watcher, request streams.
+
+Everything here runs on one asyncio loop (the HTTP server's), so the
+:class:`RequestTracker` needs no locks. Two background tasks feed it:
+
+- the *output pump* waits on the ipc channel and hands token batches, request errors
+  and hellos to the tracker;
+- the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
+  seconds (in a thread, with a timeout) and applies rank state changes, which moves
+  requests off failed/draining/removed ranks.
+
+A rank counts as routable only when membership says ``healthy`` *and* its worker said
+hello with the pid membership reports, so a request is never sent to a dead predecessor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
+from elasticep.engine.ipc import (
+    FrontendChannel,
+    IpcError,
+    OutputBatch,
+    RankUnreachableError,
+    RequestError,
+    WorkerMessage,
+)
+from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.membership import MembershipSource
+from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.request_tracker import (
+    NoRankAvailableError,
+    RequestEvent,
+    RequestTracker,
+    Send,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Timing of the front-end core (all in seconds).
+
+    Attributes:
+        membership_poll_s: interval between membership snapshots.
+        status_timeout_s: longest wait for one ``MembershipSource`` call.
+        output_poll_s: longest single wait of the output pump.
+        token_timeout_s: a request that makes no progress for this long fails.
+    """
+
+    membership_poll_s: float = 0.05
+    status_timeout_s: float = 2.0
+    output_poll_s: float = 0.1
+    token_timeout_s: float = 300.0
+
+
+class Frontend:
+    """Routes requests to ranks and streams their tokens back.
+
+    Args:
+        channel: the bound front-end ipc channel.
+        membership: where rank states come from.
+        decode: token ids -> text.
+        metrics: metrics to update.
+        config: timing.
+    """
+
+    def __init__(self, channel: FrontendChannel, membership: MembershipSource, decode: Decode,
+                 metrics: FrontendMetrics | None = None,
+                 config: FrontendConfig | None = None) -> None:
+        self.channel = channel
+        self.membership = membership
+        self.metrics = metrics or FrontendMetrics()
+        self.config = config or FrontendConfig()
+        self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
+        self._status = DeploymentStatus()
+        self._states: dict[int, str] = {}
+        self._unreachable: set[int] = set()
+        self._ever_failed: set[int] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._wake_membership = asyncio.Event()
+        self._streams: dict[str, RequestStream] = {}  # open streams, by request id
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the background tasks on the running loop and take a first snapshot."""
+        self._wake_membership = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        await self.refresh_membership()
+        self._tasks = [asyncio.create_task(self._pump_outputs(), name="frontend-outputs"),
+                       asyncio.create_task(self._watch_membership(), name="frontend-members")]
+
+    async def stop(self) -> None:
+        """Cancel the background tasks (the channel stays open; its owner closes it)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    def fail_all(self, reason: str) -> None:
+        """The deployment is stopping (e.g. a rank died under ``--elastic-ep-backend
+        none``): end every in-flight request with an error event carrying ``reason`` and
+        refuse new ones (HTTP 503). Thread-safe; idempotent."""
+        self.closed_reason = self.closed_reason or reason
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail_open_streams)
+        except RuntimeError:  # the loop closed meanwhile: no stream is left to fail
+            pass
+
+    def _fail_open_streams(self) -> None:
+        reason = self.closed_reason or "the deployment is stopping"
+        for request_id, stream in list(self._streams.items()):
+            rank = self.tracker.rank_of(request_id)
+            if rank is not None:
+                self.tracker.on_error(rank, request_id, reason)
+            else:  # parked (no healthy rank), or finished with its last event unread
+                self.tracker.abort(request_id)
+                stream.put(RequestEvent(request_id, (), "", "abort", 0, error=reason))
+        if self._streams:
+            logger.warning("failed %d in-flight requests: %s", len(self._streams), reason)
+
+    # ---- requests ------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int],
+               params: SamplingParams) -> RequestStream:
+        """Route a request now and return the stream of its events.
+
+        Always close the stream (``async with contextlib.aclosing(stream)``): closing it
+        before the final event (client gone) aborts the request on its rank.
+
+        Raises:
+            NoRankAvailableError: no healthy rank.
+            DuplicateRequestError: ``request_id`` is in flight.
+        """
+        if self.closed_reason is not None:
+            raise NoRankAvailableError(self.closed_reason)
+        stream = RequestStream(self, request_id)
+        self._dispatch(self.tracker.add(request_id, prompt_token_ids, params, stream.put))
+        self.metrics.requests_running.inc()
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        stream.open = True
+        self._streams[request_id] = stream
+        return stream
+
+    def can_serve(self) -> bool:
+        """True while at least one rank can take requests (never once :meth:`fail_all`)."""
+        return self.closed_reason is None and bool(self.tracker.healthy_ranks())
+
+    def status(self) -> DeploymentStatus:
+        """The last membership snapshot with ``running_requests`` filled in per rank."""
+        return self._status.with_running(self.tracker.running_per_rank())
+
+    async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
+        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
+        result = await asyncio.wait_for(asyncio.to_thread(self.membership.scale, new_ep_size),
+                                        self.config.status_timeout_s)
+        self._wake_membership.set()
+        return result
+
+    # ---- membership ----------------------------------------------------------------
+    async def refresh_membership(self) -> None:
+        """Fetch a membership snapshot now and apply it (errors are logged, not raised)."""
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(self.membership.status),
+                                            self.config.status_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - keep serving on the last known view
+            logger.warning("epoch %s: membership snapshot failed: %r", self._status.epoch, exc)
+            return
+        self._apply_status(status)
+
+    def _apply_status(self, status: DeploymentStatus) -> None:
+        self._status = status
+        epoch = status.epoch
+        states: dict[int, str] = {}
+        for entry in status.ranks:
+            rank, state, pid = entry.rank, entry.state, entry.pid
+            hello = self.channel.connected.get(rank)
+            reachable = (hello is not None and rank not in self._unreachable
+                         and (pid is None or hello.pid == pid))
+            # A healthy rank whose worker we cannot reach yet is not routable.
+            states[rank] = ("connecting" if state == SlotState.HEALTHY and not reachable
+                            else state.value)
+            self._count_transition(rank, state, epoch)
+        self.metrics.epoch.set(epoch)
+        self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
+        before = self.tracker.resubmitted_total
+        self._dispatch(self.tracker.update_ranks(states))
+        self.metrics.resubmitted_requests.inc(self.tracker.resubmitted_total - before)
+
+    def _count_transition(self, rank: int, state: str, epoch: int) -> None:
+        old = self._states.get(rank)
+        if old == state:
+            return
+        self._states[rank] = state
+        logger.info("epoch %d: rank %d %s -> %s", epoch, rank, old or "unknown", state)
+        if state == SlotState.FAILED:
+            self.metrics.rank_failures.inc()
+            self._ever_failed.add(rank)
+        elif state == SlotState.HEALTHY and rank in self._ever_failed:
+            self._ever_failed.discard(rank)
+            self.metrics.rank_recoveries.inc()
+
+    async def _watch_membership(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_membership.wait(),
+                                       self.config.membership_poll_s)
+            self._wake_membership.clear()
+            await self.refresh_membership()
+
+    # ---- ipc -----------------------------------------------------------------------
+    async def _pump_outputs(self) -> None:
+        while True:
+            try:
+                messages = await self.channel.poll(self.config.output_poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the pump must survive anything
+                logger.exception("output pump: poll failed")
+                await asyncio.sleep(self.config.output_poll_s)
+                continue
+            for msg in messages:
+                try:
+                    self._handle(msg)
+                except Exception:  # noqa: BLE001 - one bad message must not stall all streams
+                    logger.exception("epoch %s: failed to handle %s from rank %s",
+                                     self._status.epoch, type(msg).__name__,
+                                     getattr(msg, "rank", "?"))
+
+    def _handle(self, msg: WorkerMessage) -> None:
+        if isinstance(msg, OutputBatch):
+            self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
+        elif isinstance(msg, RequestError):
+            self.tracker.on_error(msg.rank, msg.request_id, msg.message)
+        else:  # a (re)connected worker: it may make a healthy rank routable
+            self._unreachable.discard(msg.rank)
+            self._wake_membership.set()
+
+    def _dispatch(self, sends: list[Send]) -> None:
+        """Send the tracker's commands; a rank we cannot reach loses its requests."""
+        lost: set[int] = set()
+        for send in sends:
+            try:
+                self.channel.send(send.rank, send.message)
+            except RankUnreachableError as exc:
+                if isinstance(send.message, GenerateRequest):
+                    logger.warning("epoch %s: %s; moving its requests",
+                                   self._status.epoch, exc)
+                    lost.add(send.rank)
+            except IpcError as exc:  # closed channel during shutdown
+                logger.warning("epoch %s: dropping %s for rank %d: %s",
+                               self._status.epoch, type(send.message).__name__,
+                               send.rank, exc)
+        if lost:
+            self._unreachable |= lost
+            self._apply_status(self._status)
+
+    def _on_interruption(self, seconds: float) -> None:
+        self.metrics.interruption_seconds.observe(seconds)
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`RequestEvent` s, ending after the final one.
+
+    A request that makes no progress for ``token_timeout_s`` ends with an error event.
+    """
+
+    def __init__(self, frontend: Frontend, request_id: str) -> None:
+        self.request_id = request_id
+        self.open = False  # True once submitted, False once finished or closed
+        self._frontend = frontend
+        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self._start = time.monotonic()
+        self._done = False
+
+    def put(self, event: RequestEvent) -> None:
+        """The tracker's sink (runs on the loop thread)."""
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestEvent:
+        if self._done:
+            raise StopAsyncIteration
+        timeout = self._frontend.config.token_timeout_s
+        try:
+            event = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            event = RequestEvent(self.request_id, (), "", "abort", 0,
+                                 error=f"no progress for {timeout} s")
+        metrics = self._frontend.metrics
+        if event.num_generated == 1 and event.token_ids:
+            metrics.time_to_first_token_seconds.observe(time.monotonic() - self._start)
+        metrics.generation_tokens.inc(len(event.token_ids))
+        if event.finish_reason is not None:
+            self._done = True
+            # a request the tracker finished needs no abort; an error may (timeout)
+            await self._close(abort=event.error is not None)
+        return event
+
+    async def aclose(self) -> None:
+        """Stop following the request; aborts it on its rank unless it finished."""
+        self._done = True
+        await self._close(abort=True)
+
+    async def _close(self, abort: bool) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self._frontend._streams.pop(self.request_id, None)
+        self._frontend.metrics.requests_running.dec()
+        if abort:
+            self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))

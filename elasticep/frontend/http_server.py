@@ -1,0 +1,310 @@
+"""The HTTP front-end: a FastAPI app (OpenAI API, health, metrics, elastic control) and
+a uvicorn runner.
+
+Build it with :func:`build_app` around a :class:`Frontend`, then run it with
+:class:`HttpServer` (``start()`` in a thread for tests and embedding, ``run()`` in the
+main thread for ``serve``). Every error is OpenAI error JSON; a bad request never
+raises out of a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from elasticep.engine.ipc import FrontendChannel
+from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.membership import (
+    MembershipSource,
+    ScaleInProgressError,
+    ScaleNotSupportedError,
+)
+from elasticep.frontend.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    ScaleRequest,
+    error_body,
+)
+from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.utils.wait import wait_until
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP settings.
+
+    Attributes:
+        model_name: the ``model`` clients send (and /v1/models lists).
+        max_model_len: prompt + completion limit in tokens (min of context and KV cache).
+        api_key: if set, every endpoint but ``/health`` needs
+            ``Authorization: Bearer <api_key>``.
+        host: interface to bind; 127.0.0.1 unless an api key protects the server.
+        port: TCP port; 0 picks a free one.
+    """
+
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+OPEN_PATHS = frozenset({"/health"})
+# metric label per routed path: the same names the finished requests use
+_ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class ApiKeyMiddleware:
+    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # /health stays open: load balancers probe it without credentials (as vLLM's).
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            # the scheme is case-insensitive (RFC 9110 section 11.1)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
+                                                                      self._expected):
+                response = JSONResponse(
+                    error_body("Invalid or missing API key (use 'Authorization: Bearer <key>').",
+                               code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
+    if err.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
+
+
+def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops ``frontend``'s background tasks."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await frontend.start()
+        logger.info("front-end serving %s (max_model_len %d)", config.model_name,
+                    config.max_model_len)
+        try:
+            yield
+        finally:
+            await frontend.stop()
+
+    app = FastAPI(title="ElasticEP", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len)
+    created = int(time.time())
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    def count_rejected(request: Request, status: int) -> None:
+        # only routed paths: a label per arbitrary 404 path would grow without bound
+        if 400 <= status < 500 and status != 499 and request.scope.get("route") is not None:
+            path = request.url.path
+            frontend.metrics.requests.labels(_ENDPOINT_LABELS.get(path, path), "rejected").inc()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        count_rejected(request, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_rejected(request, 400)
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request handler")
+        return JSONResponse(error_body(f"internal error: {exc!r}", type="server_error"),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(req, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": created,
+            "owned_by": "elasticep", "max_model_len": config.max_model_len}]}
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
+    async def health() -> JSONResponse:
+        status = frontend.status()
+        can_serve = frontend.can_serve()
+        body = {"status": "ok" if can_serve else "unavailable",
+                "degraded": not can_serve or status.degraded(),
+                "epoch": status.epoch, "ep_size": status.ep_size,
+                "healthy_ranks": len(status.healthy_ranks()),
+                "running_requests": frontend.tracker.num_running}
+        if frontend.closed_reason is not None:  # the deployment is stopping
+            body["reason"] = frontend.closed_reason
+        return JSONResponse(body, status_code=200 if can_serve else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = frontend.metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/elastic_ep_status")
+    async def elastic_ep_status() -> dict[str, Any]:
+        return frontend.status().to_dict()
+
+    @app.post("/scale_elastic_ep")
+    async def scale(req: ScaleRequest) -> JSONResponse:
+        max_ep = frontend.status().max_ep_size
+        if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
+            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}], got "
+                              f"{req.new_ep_size}", param="new_ep_size")
+        try:
+            result = await frontend.scale(req.new_ep_size)
+        except ScaleInProgressError as exc:
+            raise OpenAIError(409, str(exc), code="scale_in_progress") from exc
+        except (ScaleNotSupportedError, ValueError) as exc:
+            raise OpenAIError(400, str(exc), param="new_ep_size") from exc
+        except asyncio.TimeoutError as exc:
+            raise OpenAIError(504, "membership did not answer in time",
+                              type="server_error") from exc
+        return JSONResponse({"status": "accepted", "new_ep_size": req.new_ep_size,
+                             **(result or {})})
+
+    return app
+
+
+def create_server(model_path: str | Path, channel: FrontendChannel,
+                  membership: MembershipSource, *, served_model_name: str | None = None,
+                  api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                  max_total_tokens: int | None = None,
+                  frontend_config: FrontendConfig | None = None) -> tuple[HttpServer, Frontend]:
+    """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
+
+    Args:
+        model_path: HF checkpoint directory (tokenizer files and config.json).
+        channel: the bound front-end ipc channel (workers connect to its endpoints).
+        membership: rank states and scaling.
+        served_model_name: the ``model`` name clients use; default: ``model_path``.
+        api_key: protect every endpoint but ``/health`` with this bearer token.
+        host: interface to bind.
+        port: TCP port; 0 picks a free one (read it back from ``server.port``).
+        max_total_tokens: per-rank KV-cache capacity in tokens, if smaller than the context.
+        frontend_config: timing of the front-end core.
+
+    Returns:
+        The (not yet started) server and its front-end.
+    """
+    from elasticep.frontend.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    model_cfg = json.loads((Path(model_path) / "config.json").read_text())
+    max_model_len = int(model_cfg.get("max_position_embeddings")
+                        or getattr(tokenizer, "model_max_length", 2048))
+    if max_total_tokens:
+        max_model_len = min(max_model_len, max_total_tokens)
+    # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
+    # own limit would only print a transformers warning into the server log.
+    tokenizer.model_max_length = 1 << 62
+    frontend = Frontend(channel, membership,
+                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                        config=frontend_config)
+    config = ServerConfig(model_name=served_model_name or str(model_path),
+                          max_model_len=max_model_len, api_key=api_key, host=host, port=port)
+    app = build_app(frontend, tokenizer, config)
+    return HttpServer(app, host=host, port=port), frontend
+
+
+class HttpServer:
+    """Runs an app under uvicorn on a socket bound at construction (so the port is known).
+
+    Args:
+        app: the ASGI app.
+        host: interface.
+        port: TCP port; 0 picks a free one.
+        graceful_timeout_s: how long open streams may delay shutdown (seconds).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
+                 graceful_timeout_s: float = 5.0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(
+            app, log_level="warning", lifespan="on",
+            timeout_graceful_shutdown=int(graceful_timeout_s)))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8000``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve in this thread until SIGINT/SIGTERM (uvicorn installs the handlers)."""
+        self._server.run(sockets=[self._sock])
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve in a daemon thread; return once the server accepts connections.
+
+        Raises:
+            TimeoutError: it did not start within ``timeout_s`` seconds.
+        """
+        self._thread = threading.Thread(target=self.run, name="http-server", daemon=True)
+        self._thread.start()
+        def started() -> bool:
+            if not self._thread.is_alive():
+                raise TimeoutError("HTTP server thread exited before it started")
+            return self._server.started
+
+        wait_until(started, timeout_s, "the HTTP server to start", poll_s=0.01)
+        logger.info("HTTP server ready at %s", self.url)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the server to exit and wait up to ``timeout_s`` seconds for it."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("HTTP server thread still alive after %s s", timeout_s)
+        self._sock.close()

@@ -1,0 +1,67 @@
+"""Where the front-end learns the deployment's membership, and asks for a scale.
+
+The serve glue adapts the coordinator client to :class:`MembershipSource`; the front-end
+polls :meth:`MembershipSource.status` and routes only to ``healthy`` ranks.
+:class:`ConnectedWorkers` is the stand-in for a deployment without a coordinator (one
+engine worker, tests): every rank that said hello is healthy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from elasticep.distributed.errors import ScaleInProgressError, ScaleNotSupportedError
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.engine.ipc import WorkerHello
+
+__all__ = ["ConnectedWorkers", "MembershipSource", "ScaleInProgressError",
+           "ScaleNotSupportedError"]
+
+
+class MembershipSource(Protocol):
+    """The membership as the coordinator sees it.
+
+    ``status()`` returns the ``/elastic_ep_status`` shape as a
+    :class:`~elasticep.distributed.status.DeploymentStatus`; ``running_requests`` per
+    rank is filled in by the front-end. Both methods may block briefly (they are called
+    from a worker thread with a timeout).
+    """
+
+    def status(self) -> DeploymentStatus:
+        """Current membership snapshot (see class doc)."""
+        ...
+
+    def scale(self, new_ep_size: int) -> dict[str, Any] | None:
+        """Start growing or shrinking to ``new_ep_size`` active ranks; returns at once.
+
+        Raises:
+            ScaleInProgressError: a change is already running.
+            ScaleNotSupportedError: the deployment cannot scale.
+            ValueError: ``new_ep_size`` is out of range or joiners are missing.
+        """
+        ...
+
+
+class ConnectedWorkers:
+    """Membership without a coordinator: every rank that said hello is healthy.
+
+    Args:
+        connected: returns rank -> latest hello (``FrontendChannel.connected``).
+        ep_size: the expected number of ranks.
+    """
+
+    def __init__(self, connected: Callable[[], Mapping[int, WorkerHello]], ep_size: int = 1):
+        self._connected = connected
+        self._ep_size = ep_size
+
+    def status(self) -> DeploymentStatus:
+        hellos = dict(self._connected())
+        ranks = tuple(RankStatus(r, SlotState.HEALTHY, h.pid, 0)
+                      for r, h in sorted(hellos.items()))
+        epoch = max((h.epoch for h in hellos.values()), default=0)
+        return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=ranks)
+
+    def scale(self, new_ep_size: int) -> dict[str, Any] | None:
+        raise ScaleNotSupportedError("this deployment has no coordinator and cannot scale")

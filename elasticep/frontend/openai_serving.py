@@ -1,0 +1,272 @@
+"""Completion and chat-completion handlers: tokenize, check, submit, stream or collect.
+
+Streaming sends one SSE chunk per generated token (its text may be "" while a UTF-8
+character or a possible stop string is incomplete), then an optional usage chunk, then
+``data: [DONE]``. A non-streaming request that loses its client is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from elasticep.engine.request import SamplingParams
+from elasticep.frontend.core import Frontend, RequestStream
+from elasticep.frontend.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIError,
+    Usage,
+    error_body,
+    new_id,
+    now,
+    resolve_max_tokens,
+)
+from elasticep.frontend.request_tracker import (
+    DuplicateRequestError,
+    NoRankAvailableError,
+    RequestEvent,
+)
+from elasticep.frontend.tokenizer import NoTokenizerError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Result:
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    error: str | None
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """Streams while listening for the client's disconnect, whatever the ASGI version.
+
+    Starlette only listens for ``http.disconnect`` on old ASGI spec versions; otherwise a
+    gone client is noticed at the next write, which never comes while a request waits
+    (for example parked during an outage). Cancelling the body iterator on disconnect
+    lets the request's stream abort it on its rank.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as group:
+            async def run_stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(run_stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+class OpenAIServing:
+    """Serves /v1/completions and /v1/chat/completions on a :class:`Frontend`.
+
+    Args:
+        frontend: routes and streams requests.
+        tokenizer: a transformers tokenizer (``encode``, ``decode``,
+            ``apply_chat_template``, ``chat_template``).
+        model_name: the name clients must send as ``model``.
+        max_model_len: prompt + completion tokens must fit this (context and KV cache).
+    """
+
+    def __init__(self, frontend: Frontend, tokenizer: Any, model_name: str,
+                 max_model_len: int) -> None:
+        self.frontend = frontend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+
+    # ---- request preparation -------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                              f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def _completion_inputs(self, req: CompletionRequest) -> tuple[list[int], SamplingParams]:
+        self._check_model(req.model)
+        req.check_supported()
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            try:
+                ids = list(self.tokenizer.encode(prompt))
+            except NoTokenizerError as exc:
+                raise OpenAIError(400, str(exc), param="prompt") from None
+        else:
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})",
+                                  param="prompt")
+            ids = list(prompt)
+        if not ids:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
+        return ids, req.to_sampling_params(max_tokens)
+
+    def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        self._check_model(req.model)
+        req.check_supported()
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(400, f"The model `{self.model_name}` has no chat template, so "
+                              "chat completions are unavailable; use /v1/completions.",
+                              param="messages", code="chat_template_missing")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
+            raise OpenAIError(400, f"chat template failed on these messages: {exc}",
+                              param="messages") from exc
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
+                                        self.max_model_len)
+        return ids, req.to_sampling_params(max_tokens)
+
+    def _submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return self.frontend.submit(request_id, ids, params)
+        except NoRankAvailableError as exc:
+            raise OpenAIError(503, str(exc), type="service_unavailable") from exc
+        except DuplicateRequestError as exc:
+            raise OpenAIError(409, str(exc)) from exc
+
+    # ---- endpoints -----------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        """POST /v1/completions."""
+        ids, params = self._completion_inputs(req)
+        rid, created = new_id("cmpl"), now()
+        stream = self._submit(rid, ids, params)
+
+        def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
+            choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
+            return CompletionResponse(id=rid, created=created, model=self.model_name,
+                                      choices=choices, usage=usage).model_dump_json()
+
+        if req.stream:
+            return self._sse(stream, len(ids), req.include_usage(), "completions", chunk)
+        result = await self._collect(stream, raw, "completions")
+        return JSONResponse(CompletionResponse(
+            id=rid, created=created, model=self.model_name,
+            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+            usage=_usage(len(ids), result.num_tokens)).model_dump())
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """POST /v1/chat/completions."""
+        ids, params = self._chat_inputs(req)
+        rid, created = new_id("chatcmpl"), now()
+        stream = self._submit(rid, ids, params)
+        first = [True]
+
+        def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
+            choices = []
+            if usage is None:
+                # the role rides on the first token's chunk: still one chunk per token
+                delta = ChatDelta(role="assistant" if first[0] else None, content=text)
+                first[0] = False
+                choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name,
+                                       choices=choices, usage=usage).model_dump_json()
+
+        if req.stream:
+            return self._sse(stream, len(ids), req.include_usage(), "chat", chunk)
+        result = await self._collect(stream, raw, "chat")
+        message = ChatDelta(role="assistant", content=result.text)
+        return JSONResponse(ChatCompletionResponse(
+            id=rid, created=created, model=self.model_name,
+            choices=[ChatChoice(message=message, finish_reason=result.finish_reason)],
+            usage=_usage(len(ids), result.num_tokens)).model_dump())
+
+    # ---- plumbing ------------------------------------------------------------------
+    def _sse(self, stream: RequestStream, prompt_len: int, include_usage: bool, endpoint: str,
+             chunk: Any) -> StreamingResponse:
+        metrics = self.frontend.metrics
+
+        async def body() -> AsyncIterator[str]:
+            outcome, num_tokens = "aborted", 0
+            try:
+                async with contextlib.aclosing(stream):
+                    async for event in stream:
+                        if event.error is not None:
+                            outcome = "error"
+                            yield _sse_line(_error_json(event))
+                            break
+                        num_tokens = event.num_generated
+                        yield _sse_line(chunk(event.text, event.finish_reason))
+                        if event.finish_reason is not None:
+                            outcome = "finished"
+                if include_usage and outcome == "finished":
+                    yield _sse_line(chunk("", None, _usage(prompt_len, num_tokens)))
+                yield "data: [DONE]\n\n"
+            finally:
+                metrics.requests.labels(endpoint, outcome).inc()
+
+        return DisconnectAwareStreamingResponse(body(), media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, stream: RequestStream, raw: Request, endpoint: str) -> _Result:
+        """Gather a whole result, aborting the request if the client disconnects."""
+
+        async def gather() -> _Result:
+            parts: list[str] = []
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    parts.append(event.text)
+                    if event.finish_reason is not None:
+                        return _Result("".join(parts), event.num_generated,
+                                       event.finish_reason, event.error)
+            return _Result("".join(parts), 0, None, "stream ended early")
+
+        task = asyncio.create_task(gather())
+        gone = asyncio.create_task(_wait_disconnect(raw))
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()  # closes the stream, which aborts the request
+        if task not in done:
+            self.frontend.metrics.requests.labels(endpoint, "aborted").inc()
+            logger.info("request %s: client disconnected; aborted", stream.request_id)
+            raise OpenAIError(499, "client disconnected")
+        result = task.result()
+        outcome = "error" if result.error else "finished"
+        self.frontend.metrics.requests.labels(endpoint, outcome).inc()
+        if result.error:
+            raise OpenAIError(500, result.error, type="server_error")
+        return result
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse_line(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _error_json(event: RequestEvent) -> str:
+    return json.dumps(error_body(event.error or "request failed", type="server_error"))

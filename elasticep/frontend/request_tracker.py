@@ -1,0 +1,269 @@
+"""Front-end bookkeeping of in-flight requests: routing, ordering, resubmission, stops.
+
+Pure logic with no sockets and no clocks of its own, so every failure case is unit
+tested. The caller (the front-end event loop) feeds it events and sends the
+:class:`Send` commands it returns, in order:
+
+- :meth:`RequestTracker.add` routes a new request to the healthy rank with the fewest
+  running requests.
+- :meth:`RequestTracker.on_outputs` takes a rank's committed tokens. Tokens are
+  delivered to the request's sink exactly once and in index order: duplicates (a redone
+  step) are dropped, early ones are buffered until the gap is filled, and tokens from a
+  rank that no longer owns the request are ignored. The last rule keeps the stream
+  consistent with the prefix that was resubmitted: a near-tie token computed by a dead
+  rank must not be mixed with a survivor's continuation.
+- :meth:`RequestTracker.update_ranks` takes the membership (rank -> state). Requests on
+  a rank that is no longer ``healthy`` are resubmitted to survivors as
+  ``GenerateRequest(prompt, params, output_token_ids=tokens delivered so far)``; with no
+  survivor they are parked until a rank becomes healthy.
+- :meth:`RequestTracker.abort` drops a request whose client went away.
+- A stop string ends the request with finish_reason "stop" and aborts it on its rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from elasticep.frontend.incremental_text import Decode, IncrementalText
+
+logger = logging.getLogger(__name__)
+
+HEALTHY = "healthy"
+FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Send:
+    """A command for the caller: send ``message`` to ``rank`` (best effort)."""
+
+    rank: int
+    message: GenerateRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What a request's sink receives: one event per delivered token, or a final error.
+
+    Attributes:
+        token_ids: tokens delivered by this event (one, or none for an error).
+        text: text newly released to the client (may be "" while a character or a
+            possible stop string is incomplete).
+        finish_reason: None while running, else "stop", "length" or "abort".
+        error: set (with finish_reason "abort") when the request failed.
+        num_generated: tokens delivered so far, this event included.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    num_generated: int
+    error: str | None = None
+
+
+Sink = Callable[[RequestEvent], None]
+
+
+class NoRankAvailableError(RuntimeError):
+    """No rank is healthy, so a new request cannot be routed."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in flight."""
+
+
+@dataclass
+class _Tracked:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    sink: Sink
+    text: IncrementalText
+    rank: int | None = None
+    generated: list[int] = field(default_factory=list)
+    pending: dict[int, TokenOutput] = field(default_factory=dict)
+    last_token_at: float = 0.0
+    moved: bool = False  # resubmitted and waiting for its first token on the new rank
+    resubmissions: int = 0
+
+
+class RequestTracker:
+    """Per-request state of the front-end, driven by the caller's event loop.
+
+    Args:
+        decode: token ids -> text, used for streaming deltas and stop strings.
+        clock: monotonic seconds; injectable for tests.
+        on_interruption: called with the stream gap (seconds) a resubmitted request
+            saw, when its first token after the move is delivered.
+    """
+
+    def __init__(self, decode: Decode, clock: Callable[[], float] = time.monotonic,
+                 on_interruption: Callable[[float], None] | None = None) -> None:
+        self._decode = decode
+        self._clock = clock
+        self._on_interruption = on_interruption
+        self._requests: dict[str, _Tracked] = {}
+        self._states: dict[int, str] = {}
+        self.resubmitted_total = 0
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """Requests in flight, parked ones included."""
+        return len(self._requests)
+
+    def healthy_ranks(self) -> list[int]:
+        """Ranks new requests may be routed to, ascending."""
+        return sorted(r for r, s in self._states.items() if s == HEALTHY)
+
+    def running_per_rank(self) -> dict[int, int]:
+        """rank -> number of requests assigned to it (every known rank, zeros included)."""
+        counts = {r: 0 for r in self._states}
+        for req in self._requests.values():
+            if req.rank is not None:
+                counts[req.rank] = counts.get(req.rank, 0) + 1
+        return counts
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank that owns the request, None if parked or unknown."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.rank
+
+    # ---- inputs --------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            sink: Sink) -> list[Send]:
+        """Track a new request and route it.
+
+        Raises:
+            DuplicateRequestError: ``request_id`` is already in flight.
+            NoRankAvailableError: no rank is healthy.
+        """
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
+        rank = self._pick_rank()
+        if rank is None:
+            raise NoRankAvailableError("no healthy rank can take the request")
+        req = _Tracked(request_id, tuple(prompt_token_ids), params, sink,
+                       IncrementalText(self._decode, params.stop), rank=rank,
+                       last_token_at=self._clock())
+        self._requests[request_id] = req
+        return [Send(rank, GenerateRequest(request_id, req.prompt_token_ids, params))]
+
+    def on_outputs(self, rank: int, outputs: Sequence[TokenOutput]) -> list[Send]:
+        """Deliver a rank's committed tokens; return aborts for requests a stop string ended."""
+        sends: list[Send] = []
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is None or req.rank != rank:
+                continue  # finished, aborted, or a stale token from a previous owner
+            if out.finish_reason == "abort":
+                self._finish_error(req, f"request aborted by rank {rank}")
+                continue
+            if out.index < len(req.generated):
+                continue  # duplicate from a redone step
+            req.pending[out.index] = out
+            while not self._is_done(req) and len(req.generated) in req.pending:
+                sends.extend(self._deliver(req, req.pending.pop(len(req.generated))))
+        return sends
+
+    def on_error(self, rank: int, request_id: str, message: str) -> None:
+        """A rank refused a request: fail it (a retry elsewhere would fail the same way)."""
+        req = self._requests.get(request_id)
+        if req is not None and req.rank == rank:
+            self._finish_error(req, message)
+
+    def abort(self, request_id: str) -> list[Send]:
+        """Forget a request (client gone); returns the abort for its rank, if any."""
+        req = self._requests.pop(request_id, None)
+        if req is None or req.rank is None:
+            return []
+        return [Send(req.rank, AbortRequest(request_id))]
+
+    def update_ranks(self, states: Mapping[int, str]) -> list[Send]:
+        """Apply a membership snapshot (rank -> state); move requests off unhealthy ranks.
+
+        Ranks missing from ``states`` count as removed. Returns aborts for the old ranks
+        that may still be alive (anything but "failed") followed by the resubmissions.
+        """
+        self._states = dict(states)
+        sends: list[Send] = []
+        for req in self._requests.values():
+            if req.rank is not None and self._states.get(req.rank) == HEALTHY:
+                continue
+            if req.rank is not None and self._states.get(req.rank) != FAILED:
+                sends.append(Send(req.rank, AbortRequest(req.request_id)))
+            sends.extend(self._resubmit(req))
+        return sends
+
+    # ---- internals -----------------------------------------------------------------
+    def _pick_rank(self, load: dict[int, int] | None = None) -> int | None:
+        healthy = self.healthy_ranks()
+        if not healthy:
+            return None
+        load = self.running_per_rank() if load is None else load
+        return min(healthy, key=lambda r: (load.get(r, 0), r))
+
+    def _resubmit(self, req: _Tracked) -> list[Send]:
+        old = req.rank
+        req.rank = None  # so it does not count towards the old rank's load
+        req.pending.clear()  # buffered tokens came from the old rank
+        rank = self._pick_rank()
+        if rank is None:
+            if old is not None:
+                logger.warning("request %s parked: no healthy rank (was on rank %d)",
+                               req.request_id, old)
+            return []
+        req.rank = rank
+        req.moved = True
+        req.resubmissions += 1
+        self.resubmitted_total += 1
+        logger.info("request %s moved rank %s -> %d with %d generated tokens",
+                    req.request_id, old, rank, len(req.generated))
+        return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids, req.params,
+                                           output_token_ids=tuple(req.generated)))]
+
+    def _is_done(self, req: _Tracked) -> bool:
+        return req.request_id not in self._requests
+
+    def _deliver(self, req: _Tracked, out: TokenOutput) -> list[Send]:
+        now = self._clock()
+        if req.moved:
+            req.moved = False
+            if self._on_interruption is not None:
+                self._on_interruption(now - req.last_token_at)
+        req.last_token_at = now
+        req.generated.append(out.token_id)
+        text = req.text.push(out.token_id)
+        finish = out.finish_reason
+        sends: list[Send] = []
+        if req.text.stopped:
+            finish = "stop"
+            if out.finish_reason is None:
+                sends.append(Send(req.rank, AbortRequest(req.request_id)))
+        elif finish is None and len(req.generated) >= req.params.max_tokens:
+            # Defensive: a rank that overshoots max_tokens must not overshoot the client.
+            finish = "length"
+            sends.append(Send(req.rank, AbortRequest(req.request_id)))
+        if finish is not None:
+            text += req.text.finish()
+            del self._requests[req.request_id]
+        self._emit(req, RequestEvent(req.request_id, (out.token_id,), text, finish,
+                                     len(req.generated)))
+        return sends
+
+    def _finish_error(self, req: _Tracked, message: str) -> None:
+        del self._requests[req.request_id]
+        logger.warning("request %s failed: %s", req.request_id, message)
+        self._emit(req, RequestEvent(req.request_id, (), "", "abort", len(req.generated),
+                                     error=message))
+
+    @staticmethod
+    def _emit(req: _Tracked, event: RequestEvent) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # noqa: BLE001 - one broken consumer must not stop the others
+            logger.exception("sink of request %s raised", req.request_id)
