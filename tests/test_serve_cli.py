@@ -20,7 +20,8 @@ from elasticep.distributed.scaling import (
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
-from elasticep.entrypoints.serve_args import UsageError, validate
+from elasticep.entrypoints.serve_args import validate
+from elasticep.entrypoints.validate import UsageError
 from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,6 +44,11 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--nnodes", "0"], "--nnodes must be >= 1"),
     (["--model", "/nonexistent/model"], "no such model directory"),
     (["--dist-init-addr", "nohost"], "HOST:PORT"),
+    (["--dist-init-addr", "127.0.0.1:99999"], "--dist-init-addr 99999 is not a TCP port"),
+    (["--dist-init-addr", ":29400"], "HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", "h:0"],
+     "--dist-init-addr 0 is not a TCP port"),
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
@@ -74,6 +80,21 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback():
     assert p.returncode == 2
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines == ["elasticep serve: error: --max-ep-size (3) must be >= --ep-size (4)"]
+
+
+@pytest.mark.parametrize("command, argv, line", [
+    ("serve", ["--dist-init-addr", "127.0.0.1:99999"],
+     "elasticep serve: error: --dist-init-addr 99999 is not a TCP port (must be in [0, 65535])"),
+    ("serve", ["--port", "70000"],
+     "elasticep serve: error: --port 70000 is not a TCP port (must be in [0, 65535])"),
+    ("join", ["--dist-init-addr", "127.0.0.1:99999", "--elastic-ep-rejoin", "--ranks", "1"],
+     "elasticep join: error: --dist-init-addr 99999 is not a TCP port (must be in [1, 65535])"),
+])
+def test_every_address_flag_gets_the_same_one_line_check(command, argv, line):
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [line]
 
 
 @pytest.mark.parametrize("argv, expected", [

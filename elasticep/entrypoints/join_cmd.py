@@ -30,7 +30,7 @@ from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.entrypoints.serve_cmd import setup_logging
-from elasticep.entrypoints.validate import add_load_format_argument
+from elasticep.entrypoints.validate import UsageError, add_load_format_argument, check_address
 
 logger = logging.getLogger("elasticep.join")
 
@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         mode, ranks = parse_mode_and_ranks(args)
-    except JoinError as exc:
+        check_address("--dist-init-addr", args.dist_init_addr)
+    except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,16 +11,16 @@ import argparse
 import ipaddress
 from dataclasses import dataclass
 
-from elasticep.distributed.protocol import parse_address
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.entrypoints.generate_cmd import default_model_dir
 from elasticep.entrypoints.validate import (
-    UsageError,
     add_cuda_graph_argument,
     add_load_format_argument,
+    check_address,
     check_device,
     check_model_dir,
     ep_flag_checks,
+    port_check,
     raise_first_failure,
     resolved_max_ep_size,
     static_backend_check,
@@ -127,7 +127,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     raise_first_failure([
         *ep_flag_checks(args, max_ep),
         (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
-        (0 <= args.port <= 65535, f"--port {args.port} is not a TCP port"),
+        port_check("--port", args.port),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
@@ -144,11 +144,9 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     model = check_model_dir(args.model)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
-        try:
-            coord_host, coord_port = parse_address(args.dist_init_addr)
-        except ValueError:
-            raise UsageError(f"--dist-init-addr must be HOST:PORT, got "
-                             f"{args.dist_init_addr!r}") from None
+        # node 0 may bind port 0 (any free port); other nodes must name the real one
+        coord_host, coord_port = check_address("--dist-init-addr", args.dist_init_addr,
+                                               allow_zero_port=args.node_rank == 0)
     warnings = []
     if not _is_loopback(args.host) and not args.api_key:
         warnings.append(f"--host {args.host} exposes the API without --api-key; anyone "

@@ -50,6 +50,29 @@ def raise_first_failure(checks: Iterable[Check]) -> None:
             raise UsageError(message)
 
 
+def port_check(flag: str, port: int, allow_zero: bool = True) -> Check:
+    """A TCP port flag is in [0, 65535] (``allow_zero``: 0 means any free port)."""
+    low = 0 if allow_zero else 1
+    return (low <= port <= 65535, f"{flag} {port} is not a TCP port (must be in "
+                                  f"[{low}, 65535])")
+
+
+def check_address(flag: str, address: str, allow_zero_port: bool = False) -> tuple[str, int]:
+    """Parse a ``HOST:PORT`` flag (every address flag goes through here).
+
+    Returns:
+        (host, port).
+
+    Raises:
+        UsageError: not HOST:PORT, an empty host, or a port outside the TCP range.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"{flag} must be HOST:PORT, got {address!r}")
+    raise_first_failure([port_check(flag, int(port), allow_zero_port)])
+    return host, int(port)
+
+
 def resolved_max_ep_size(args: argparse.Namespace) -> int:
     """``--max-ep-size``, defaulting to ``--ep-size``."""
     return args.max_ep_size if args.max_ep_size is not None else args.ep_size
