@@ -298,3 +298,53 @@ def test_workerless_server_answers_chat_400_health_503_scale_409():
     finally:
         server.stop()
         channel.close()
+
+
+class RecordingMembership:
+    """Four healthy ranks, capacity four; records every scale the front-end asks for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 1, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
+             "ranks": [{"rank": r, "state": "healthy", "pid": 100 + r, "node": 0}
+                       for r in range(4)]})
+
+    def scale(self, new_ep_size: int) -> dict:
+        self.asked.append(new_ep_size)
+        return {}
+
+
+@pytest.fixture
+def recording_server():
+    channel = FrontendChannel()
+    membership = RecordingMembership()
+    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    server.start()
+    try:
+        yield server.url, membership
+    finally:
+        server.stop()
+        channel.close()
+
+
+def test_scale_request_is_strict_and_names_the_problem(recording_server):
+    url, membership = recording_server
+
+    def refused(body: dict) -> str:
+        r = httpx.post(url + "/scale_elastic_ep", json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    assert "new_ep_size" in refused({"new_ep_size": "3"})  # a string is not a size
+    assert "new_ep_size" in refused({"new_ep_size": True})
+    assert refused({"ep_size": 3}) == ("Unrecognized request argument supplied: ep_size; "
+                                       "new_ep_size: Field required")
+    assert refused({"new_ep_size": 6}) == ("new_ep_size must be in [1, 4] (serve "
+                                           "--max-ep-size 4 caps growth), got 6")
+    assert membership.asked == []
+    ok = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3})
+    assert ok.status_code == 200 and ok.json()["new_ep_size"] == 3
+    assert membership.asked == [3]

@@ -95,8 +95,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+def _one_error(err: dict[str, Any]) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
@@ -104,6 +103,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """Every problem of the body in one line, unknown fields first (a misspelt field is
+    usually why a required one is missing); ``param`` names the first."""
+    errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+    if not errors:
+        return "invalid request", None
+    parts = [_one_error(e) for e in errors]
+    return "; ".join(dict.fromkeys(m for m, _ in parts)), parts[0][1]
 
 
 def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -194,7 +203,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     async def scale(req: ScaleRequest) -> JSONResponse:
         max_ep = frontend.status().max_ep_size
         if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
-            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}], got "
+            cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
+            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}]{cap}, got "
                               f"{req.new_ep_size}", param="new_ep_size")
         try:
             result = await frontend.scale(req.new_ep_size)
