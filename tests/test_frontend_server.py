@@ -348,3 +348,13 @@ def test_scale_request_is_strict_and_names_the_problem(recording_server):
     ok = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3})
     assert ok.status_code == 200 and ok.json()["new_ep_size"] == 3
     assert membership.asked == [3]
+
+
+def test_models_retrieve_answers_the_served_model_and_404_for_others(recording_server):
+    url, _ = recording_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    card = client.models.retrieve(NAME)
+    assert (card.id, card.object, card.owned_by) == (NAME, "model", "elasticep")
+    assert card.model_dump()["max_model_len"] == client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")

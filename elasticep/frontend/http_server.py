@@ -171,11 +171,17 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
+    model_card = {"id": config.model_name, "object": "model", "created": created,
+                  "owned_by": "elasticep", "max_model_len": config.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": created,
-            "owned_by": "elasticep", "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold '/' (org/name)
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return model_card
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
     async def health() -> JSONResponse:

@@ -96,13 +96,16 @@ class OpenAIServing:
         self.max_model_len = max_model_len
 
     # ---- request preparation -------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
+        """Raises:
+            OpenAIError: 404 ``model_not_found`` unless ``model`` is the served name.
+        """
         if model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                               f"`{self.model_name}`.", param="model", code="model_not_found")
 
     def _completion_inputs(self, req: CompletionRequest) -> tuple[list[int], SamplingParams]:
-        self._check_model(req.model)
+        self.check_model(req.model)
         req.check_supported()
         prompt = req.single_prompt()
         if isinstance(prompt, str):
@@ -122,7 +125,7 @@ class OpenAIServing:
         return ids, req.to_sampling_params(max_tokens)
 
     def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        self._check_model(req.model)
+        self.check_model(req.model)
         req.check_supported()
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, f"The model `{self.model_name}` has no chat template, so "
