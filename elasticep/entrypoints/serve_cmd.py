@@ -27,10 +27,10 @@ from elasticep.distributed import CoordinatorClient
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
-    UsageError,
     add_serve_arguments,
     validate,
 )
+from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import create_server
 from elasticep.utils.wait import wait_until
 
