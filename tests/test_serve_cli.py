@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import elasticep
 from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
 from elasticep.distributed.membership import SlotState, scale_phase
 from elasticep.distributed.scaling import (
@@ -484,3 +487,25 @@ def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
     launcher.exits.put(RankExit(4, 104, 1))  # every rank dies first: nothing got in
     launcher.states = ["healthy"] * 4 + ["failed", "failed"]
     assert _report_progress(launcher, "scale", [4], threading.Event()) == []
+
+
+def test_unknown_flag_prints_the_subcommand_usage_and_version_exists():
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "serve", "--prot"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.startswith("usage: elasticep serve ")
+    assert p.stderr.rstrip().endswith("elasticep serve: error: unrecognized arguments: --prot")
+    v = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert (v.returncode, v.stdout.strip()) == (0, f"elasticep {elasticep.__version__}")
+
+
+def test_readme_serve_table_lists_every_serve_flag():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]
+    table = {flag for row in section.splitlines() if row.startswith("| `")
+             for flag in re.findall(r"`(--[a-z-]+)", row.split(" | ")[0])}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings
+             if o.startswith("--") and o not in ("--help", "--model-path")}  # alias of --model
+    assert flags - table == set()
