@@ -4,8 +4,8 @@ Mooncake users start ranks with a plain ``dist.init_process_group(backend="moonc
 init_method="env://")``: nobody hands in a coordinator address. The first rank to
 create WORLD starts the coordinator here, in its own session (so it outlives every
 rank, rank 0 included), and publishes its address in torch's rendezvous store; later
-ranks and joiners read it there. The coordinator exits once ranks have connected and
-none has been alive for `IDLE_EXIT_S`, or when none ever connected within
+ranks and joiners read it there. The coordinator exits once ranks have registered and
+none has been alive for `IDLE_EXIT_S`, or when none registered within
 `START_TIMEOUT_S`.
 
 Run as ``python -m elasticep.compat.mooncake.launch --host H``: prints the address on
@@ -82,12 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout = open(os.devnull, "w")  # the reader closed the pipe
     client = CoordinatorClient(coord.address)
     started = idle_since = time.monotonic()
-    seen = False
+    seen = False  # some rank has registered (the registry keeps dead ranks, marked so)
     while True:
         time.sleep(0.5)
         now = time.monotonic()
-        if any(r["alive"] for r in client.status()["ranks"].values()):
-            seen, idle_since = True, now
+        ranks = client.status()["ranks"]
+        # Short-lived ranks may register and exit between two polls: registration, not
+        # a poll that caught a rank alive, is what proves the coordinator was used.
+        if any(r["alive"] for r in ranks.values()) or (ranks and not seen):
+            idle_since = now
+        seen = seen or bool(ranks)
         if (seen and now - idle_since > IDLE_EXIT_S) or (
                 not seen and now - started > START_TIMEOUT_S):
             break
