@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -259,6 +260,7 @@ class FakeLauncher:
     """What `supervise` uses of a Deployment, with a scripted coordinator view."""
 
     node = 0
+    address = "127.0.0.1:29400"
 
     def __init__(self, states: dict[int, str], pids: dict[int, int]) -> None:
         import queue
@@ -311,6 +313,21 @@ def test_restart_policy_relaunches_crashes_only():
     launcher.exits.put(RankExit(1, 11, -9))
     _supervise_once(launcher, restart=False)  # without the flag: only logged
     assert launcher.spawned == []
+
+
+def test_relaunch_hint_is_a_command_that_runs(caplog):
+    from elasticep.deploy import RankExit
+
+    launcher = FakeLauncher({0: "healthy", 1: "healthy", 2: "failed"}, {0: 10, 1: 11})
+    launcher.node = 1
+    launcher.exits.put(RankExit(2, 12, -9))
+    with caplog.at_level("WARNING", logger="elasticep.deploy.supervisor"):
+        _supervise_once(launcher, restart=False)
+    hints = re.findall(r"relaunch it with `(elasticep join [^`]+)`", caplog.text)
+    assert len(hints) == 1
+    args = build_parser().parse_args(shlex.split(hints[0])[1:])  # as the shell would
+    assert args.dist_init_addr == "127.0.0.1:29400" and args.node_rank == 1
+    assert parse_mode_and_ranks(args) == ("recover", [2])
 
 
 def test_restart_policy_kills_an_evicted_frozen_worker():

@@ -49,6 +49,15 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def recover_command(address: str, rank: int, node: int = 0) -> str:
+    """The `join` command line that relaunches ``rank`` of the deployment whose
+    coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in logs
+    so that pasting it works."""
+    node_flag = f" --node-rank {node}" if node else ""
+    return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
+            f"--ranks {rank}{node_flag}")
+
+
 def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:
     """(epoch, rank -> state, rank -> pid) from the coordinator."""
     status = dep.deployment_status()
@@ -112,9 +121,9 @@ def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
                     ex.pid)
         return
     if not restart:
-        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with "
-                       "`elasticep join --elastic-ep-join-mode recover --ranks %d`", epoch,
-                       ex.rank, ex.pid, ex.code, ex.rank)
+        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with `%s`",
+                       epoch, ex.rank, ex.pid, ex.code,
+                       recover_command(dep.address, ex.rank, dep.node))
         return
     if epoch < 0:
         logger.warning("rank %d exited with %d, but the coordinator is gone: not "
