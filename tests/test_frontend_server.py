@@ -5,6 +5,7 @@ the paths that need no tokens (no chat template, no healthy rank, scale errors).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -358,3 +359,49 @@ def test_models_retrieve_answers_the_served_model_and_404_for_others(recording_s
     assert card.model_dump()["max_model_len"] == client.models.list().data[0].max_model_len
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("org/other-model")
+
+
+class ScriptedMembership:
+    """Four slots whose states the test sets; every pid is this process (the hellos')."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy", "joining", "joining", "joining"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 1, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
+             "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
+                       for r, s in enumerate(self.states)]})
+
+    def scale(self, new_ep_size: int) -> dict:
+        raise ScaleInProgressError("not in this test")
+
+
+def test_health_is_503_until_every_rank_is_ready_then_degraded_semantics():
+    channel = FrontendChannel()
+    membership = ScriptedMembership()
+    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    workers = [WorkerChannel(channel.endpoints, rank=r) for r in range(4)]
+    server.start()
+    try:
+        workers[0].hello()
+        wait_for(lambda: httpx.get(server.url + "/health").json()["healthy_ranks"] == 1, 10,
+                 "rank 0 healthy")
+        health = httpx.get(server.url + "/health")  # three of four still load
+        assert health.status_code == 503
+        assert health.json()["status"] == "starting"
+        assert health.json()["reason"] == "starting: 1 of 4 ranks ready"
+        membership.states = ["healthy"] * 4
+        for w in workers[1:]:
+            w.hello()
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10, "ready")
+        assert httpx.get(server.url + "/health").json()["degraded"] is False
+        membership.states[2] = "failed"  # after start-up: 200, degraded
+        wait_for(lambda: httpx.get(server.url + "/health").json()["degraded"], 10, "degraded")
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        server.stop()
+        for w in workers:
+            w.close()
+        channel.close()

@@ -185,15 +185,20 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
     async def health() -> JSONResponse:
+        # 503 until started (as SGLang and vLLM), then 200 while any rank can serve
         status = frontend.status()
-        can_serve = frontend.can_serve()
-        body = {"status": "ok" if can_serve else "unavailable",
+        can_serve = frontend.ready and frontend.can_serve()
+        body = {"status": ("ok" if can_serve else "unavailable" if frontend.ready
+                           else "starting"),
                 "degraded": not can_serve or status.degraded(),
                 "epoch": status.epoch, "ep_size": status.ep_size,
                 "healthy_ranks": len(status.healthy_ranks()),
                 "running_requests": frontend.tracker.num_running}
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
+        elif not frontend.ready:
+            body["reason"] = (f"starting: {len(frontend.tracker.healthy_ranks())} of "
+                              f"{status.ep_size} ranks ready")
         return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")
