@@ -526,3 +526,66 @@ def test_readme_serve_table_lists_every_serve_flag():
     flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings
              if o.startswith("--") and o not in ("--help", "--model-path")}  # alias of --model
     assert flags - table == set()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_port():
+    """A real HTTP server (uvicorn, like serve's API) on a free port."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(FastAPI(), host="127.0.0.1", port=port,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 20, "uvicorn started")
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_reach_coordinator_names_what_it_reached(coordinator, http_port):
+    import time
+
+    from elasticep.deploy.probe import NotACoordinatorError, reach_coordinator
+
+    assert reach_coordinator(coordinator.address, timeout_s=10) is True
+    t0 = time.monotonic()
+    with pytest.raises(NotACoordinatorError, match=r"^--dist-init-addr 127\.0\.0\.1:\d+ is an "
+                       r"HTTP server \(serve's --port\?\), not an ElasticEP coordinator"):
+        reach_coordinator(f"127.0.0.1:{http_port}", timeout_s=60)
+    assert time.monotonic() - t0 < 15  # named after one handshake, not retried to the end
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 1 s \(--coordinator-timeout\)"):
+        reach_coordinator(f"127.0.0.1:{_free_port()}", timeout_s=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_node_with_a_wrong_coordinator_address_exits_within_its_timeout(http_port):
+    port = _free_port()
+    node = subprocess.run(
+        [sys.executable, "-m", "elasticep.entrypoints.cli", "serve", "--nnodes", "2",
+         "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", f"127.0.0.1:{port}",
+         "--coordinator-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert node.returncode == 1
+    assert node.stderr.splitlines()[-1] == (
+        f"elasticep serve: error: no coordinator answered at --dist-init-addr 127.0.0.1:{port} "
+        "within 1 s (--coordinator-timeout)")
+    join = subprocess.run(
+        [sys.executable, "-m", "elasticep.entrypoints.cli", "join", "--dist-init-addr",
+         f"127.0.0.1:{http_port}", "--elastic-ep-rejoin", "--ranks", "1"],
+        capture_output=True, text=True, timeout=60)
+    assert join.returncode == 1
+    assert join.stderr.splitlines()[-1].startswith(
+        f"elasticep join: error: --dist-init-addr 127.0.0.1:{http_port} is an HTTP server")

@@ -24,13 +24,21 @@ import threading
 from pathlib import Path
 
 from elasticep.deploy import Deployment, fetch_config
+from elasticep.deploy.probe import NotACoordinatorError, reach_coordinator
 from elasticep.deploy.supervisor import stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.entrypoints.serve_cmd import setup_logging
-from elasticep.entrypoints.validate import UsageError, add_load_format_argument, check_address
+from elasticep.entrypoints.validate import (
+    UsageError,
+    add_coordinator_timeout_argument,
+    add_load_format_argument,
+    check_address,
+    coordinator_timeout_check,
+    raise_first_failure,
+)
 
 logger = logging.getLogger("elasticep.join")
 
@@ -68,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
+    add_coordinator_timeout_argument(p)
     add_load_format_argument(p, default=None,
                              help_suffix=" (default: the deployment's; a different one is "
                                          "refused)")
@@ -116,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         mode, ranks = parse_mode_and_ranks(args)
         check_address("--dist-init-addr", args.dist_init_addr)
+        raise_first_failure([coordinator_timeout_check(args)])
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
@@ -123,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     client = None
     try:
-        config = fetch_config(args.dist_init_addr, timeout_s=10.0)
+        if not reach_coordinator(args.dist_init_addr, args.coordinator_timeout, stop=stop):
+            return 0  # stopped by a signal while waiting
+        config = fetch_config(args.dist_init_addr, timeout_s=args.coordinator_timeout)
         if args.load_format is not None and args.load_format != config.load_format:
             raise JoinError(f"--load-format {args.load_format} differs from the deployment's "
                             f"{config.load_format}: every rank must hold the same weights")
@@ -140,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
             client.close()
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
+    except (NotACoordinatorError, TimeoutError) as exc:  # they name the address
+        print(f"elasticep join: error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RuntimeError) as exc:
         if client is not None:
             client.close()
         print(f"elasticep join: error: coordinator {args.dist_init_addr}: {exc}",

@@ -22,8 +22,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from elasticep.deploy import Deployment
+from elasticep.deploy.probe import reach_coordinator
 from elasticep.deploy.supervisor import stop_on_signals, supervise
-from elasticep.distributed import CoordinatorClient
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -32,7 +32,6 @@ from elasticep.entrypoints.serve_args import (
 )
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import create_server
-from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -177,8 +176,8 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
 def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    if not _wait_for_coordinator(address, stop, timeout_s=120.0):
-        return 0
+    if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
+        return 0  # stopped by a signal while waiting
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
                                    new_session=True)
     dep = deployment.config
@@ -194,24 +193,3 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
         return 1 if fatal and exits else 0
     finally:
         deployment.stop()
-
-
-def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float) -> bool:
-    """Wait until the coordinator answers, while node 0 is still starting.
-
-    Returns:
-        True once it answered; False if stopped first.
-
-    Raises:
-        TimeoutError: not reachable within ``timeout_s`` seconds.
-    """
-    def attempt() -> bool:
-        try:
-            CoordinatorClient(address).close()
-            return True
-        except (ConnectionError, OSError):
-            logger.info("waiting for the coordinator at %s", address)
-            raise
-
-    return bool(wait_until(attempt, timeout_s, f"the coordinator at {address}", poll_s=1.0,
-                           retry_on=(ConnectionError, OSError), stop=stop))

@@ -39,6 +39,20 @@ def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGrou
                    help=LOAD_FORMAT_HELP + help_suffix)
 
 
+def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+                                     ) -> None:
+    """Add ``--coordinator-timeout`` (how long a node or a `join` tries to reach node 0)."""
+    p.add_argument("--coordinator-timeout", type=float, default=60.0,
+                   help="seconds to keep trying to reach the coordinator before giving up "
+                        "with an error (default: %(default)s)")
+
+
+def coordinator_timeout_check(args: argparse.Namespace) -> Check:
+    """``--coordinator-timeout`` is a positive number of seconds."""
+    return (args.coordinator_timeout > 0,
+            f"--coordinator-timeout must be > 0 seconds, got {args.coordinator_timeout:g}")
+
+
 class UsageError(ValueError):
     """A bad flag or flag combination; printed as one line, exit status 2."""
 
