@@ -405,3 +405,59 @@ def test_health_is_503_until_every_rank_is_ready_then_degraded_semantics():
         for w in workers:
             w.close()
         channel.close()
+
+
+class OneRank(ScriptedMembership):
+    """One slot, healthy."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict({**super().status().to_dict(), "ep_size": 1,
+                                           "max_ep_size": 1})
+
+
+def test_api_limit_is_the_engine_limit_and_engine_refusals_are_400(tmp_path):
+    from elasticep.engine.llm_engine import max_sequence_len
+    from elasticep.models.config import load_model_config
+
+    # a sliding window of 64 tokens: the engine caps sequences there (full attention
+    # past it would differ), so the API must advertise and check 64, not the context
+    model = tmp_path / "windowed"
+    model.mkdir()
+    for f in DEMO.iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    cfg = json.loads((DEMO / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(
+        {**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    assert max_sequence_len(load_model_config(model), None) == 64
+    channel = FrontendChannel()
+    server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
+    worker = WorkerChannel(channel.endpoints, rank=0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        assert client.models.list().data[0].max_model_len == 64
+        worker.hello()
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10, "routable")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=NAME, prompt=list(range(1, 41)), max_tokens=30)
+        assert err.value.code == "context_length_exceeded"
+
+        # whatever the engine still refuses comes back as a 400 with its reason
+        def refuse() -> None:
+            msgs = []
+            while not msgs:
+                msgs = worker.poll(0.1)
+            worker.send_error(msgs[0].request_id, "top_k must be < vocab")
+        refuser = threading.Thread(target=refuse, daemon=True)
+        refuser.start()
+        with pytest.raises(openai.BadRequestError, match="top_k must be < vocab"):
+            client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2)
+        refuser.join(10)
+    finally:
+        server.stop()
+        worker.close()
+        channel.close()

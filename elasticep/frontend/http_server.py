@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -53,7 +52,8 @@ class ServerConfig:
 
     Attributes:
         model_name: the ``model`` clients send (and /v1/models lists).
-        max_model_len: prompt + completion limit in tokens (min of context and KV cache).
+        max_model_len: prompt + completion limit in tokens: the engine's own
+            (:func:`~elasticep.engine.llm_engine.max_sequence_len`).
         api_key: if set, every endpoint but ``/health`` needs
             ``Authorization: Bearer <api_key>``.
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
@@ -253,14 +253,15 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
+    from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
     from elasticep.frontend.tokenizer import load_tokenizer
+    from elasticep.models.config import load_model_config
 
     tokenizer = load_tokenizer(model_path)
-    model_cfg = json.loads((Path(model_path) / "config.json").read_text())
-    max_model_len = int(model_cfg.get("max_position_embeddings")
-                        or getattr(tokenizer, "model_max_length", 2048))
-    if max_total_tokens:
-        max_model_len = min(max_model_len, max_total_tokens)
+    # the engine's own limit, so that what it would refuse or cut short is a 400 up front
+    max_model_len = max_sequence_len(
+        load_model_config(model_path),
+        EngineConfig(max_total_tokens=max_total_tokens) if max_total_tokens else None)
     # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62

@@ -54,6 +54,7 @@ class _Result:
     num_tokens: int
     finish_reason: str | None
     error: str | None
+    refused: bool = False
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -234,7 +235,7 @@ class OpenAIServing:
                     parts.append(event.text)
                     if event.finish_reason is not None:
                         return _Result("".join(parts), event.num_generated,
-                                       event.finish_reason, event.error)
+                                       event.finish_reason, event.error, event.refused)
             return _Result("".join(parts), 0, None, "stream ended early")
 
         task = asyncio.create_task(gather())
@@ -252,6 +253,8 @@ class OpenAIServing:
         result = task.result()
         outcome = "error" if result.error else "finished"
         self.frontend.metrics.requests.labels(endpoint, outcome).inc()
+        if result.refused:  # the engine's own check of the request: the client's error
+            raise OpenAIError(400, result.error or "request refused")
         if result.error:
             raise OpenAIError(500, result.error, type="server_error")
         return result
@@ -272,4 +275,6 @@ def _sse_line(data: str) -> str:
 
 
 def _error_json(event: RequestEvent) -> str:
-    return json.dumps(error_body(event.error or "request failed", type="server_error"))
+    return json.dumps(error_body(event.error or "request failed",
+                                 type="invalid_request_error" if event.refused
+                                 else "server_error"))
