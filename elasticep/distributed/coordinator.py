@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .coordinator_requests import SupervisorRequests
 from .errors import MembershipRequestError
-from .membership import ACTIVE_STATES, Report, SlotState, decide
+from .membership import ACTIVE_STATES, Report, SlotState, decide, state_after_death
 from .protocol import Connection
 from .registry import DeploymentRecords, Group, Transition
 
@@ -298,12 +298,11 @@ class Coordinator(SupervisorRequests):
             g = self._groups[name]
             slot = g.slot_of(proc.rank)
             leaving = _leaving(g, slot)
-            if slot in g.active or (g.transition and slot in g.transition.new_active):
+            member = slot in g.active or bool(g.transition and slot in g.transition.new_active)
+            if member:
                 g.pending_dead.add(slot)  # a leaving member leaves through a failure too
-            # A rank removed on purpose stays removed; one that dies while being scaled
-            # away (draining) ends removed as well: it was leaving anyway.
-            gone = leaving or g.states[slot] == SlotState.REMOVED
-            g.set_state(slot, SlotState.REMOVED if gone else SlotState.FAILED)
+            g.set_state(slot, state_after_death(g.states[slot], leaving, member,
+                                                g.joined_from.get(slot)))
             g.pending_admit.discard(slot)
             self._maybe_start(g)
             if leaving:

@@ -61,6 +61,31 @@ _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
 }
 
 
+def state_after_death(state: SlotState, leaving: bool, in_membership: bool,
+                      joined_from: SlotState | None) -> SlotState:
+    """The state of a slot whose process died (pure).
+
+    Args:
+        state: the slot's state when it died.
+        leaving: it was being scaled away (draining).
+        in_membership: it is an active member, or being admitted by the transition in
+            flight.
+        joined_from: for a joiner, the state its slot had before it joined.
+
+    Returns:
+        ``removed`` for a slot removed on purpose or leaving anyway; for a joiner that
+        was not admitted yet, the state it took the slot from (free capacity stays free
+        capacity: the deployment is not degraded and `join scale` may take it again);
+        ``failed`` otherwise.
+    """
+    if leaving or state == SlotState.REMOVED:
+        return SlotState.REMOVED
+    if (state in (SlotState.JOINING, SlotState.READY) and not in_membership
+            and joined_from is not None):
+        return joined_from
+    return SlotState.FAILED
+
+
 def next_slot_state(state: str, new: str) -> SlotState:
     """Validate a slot state change and return the new state.
 

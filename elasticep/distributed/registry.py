@@ -91,6 +91,8 @@ class Group:
     pending_admit: set[int] = field(default_factory=set)
     pending_remove: set[int] = field(default_factory=set)
     requests: dict[str, list[int]] = field(default_factory=lambda: {"admit": [], "remove": []})
+    # slot -> the state a joiner took it from (failed or removed), until it is admitted
+    joined_from: dict[int, SlotState] = field(default_factory=dict)
 
     @staticmethod
     def create(name: str, ranks: list[int], active: list[int], on_failure: str,
@@ -115,7 +117,14 @@ class Group:
         Raises:
             ValueError: the change is not allowed (``membership.next_slot_state``).
         """
-        self.states[slot] = next_slot_state(self.states[slot], new)
+        old = self.states[slot]
+        self.states[slot] = next_slot_state(old, new)
+        joining = (SlotState.JOINING, SlotState.READY)
+        if self.states[slot] in joining:
+            if old not in joining:
+                self.joined_from[slot] = old
+        else:
+            self.joined_from.pop(slot, None)
 
     def is_active_rank(self, global_rank: int) -> bool:
         return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES
