@@ -378,6 +378,27 @@ def _with_world(coord, states: list[str]) -> None:
         coord._groups["world"] = g
 
 
+def test_shrink_frees_failed_slots_above_the_target(coordinator):
+    """6 -> 4 while slot 4 is failed: slot 4 is free capacity (not failed), the
+    deployment is not degraded, and growing again takes it with `join scale`."""
+    from elasticep.distributed import CoordinatorClient
+
+    _with_world(coordinator, ["healthy"] * 6)
+    c = CoordinatorClient(coordinator.address)
+    try:
+        c.scale(6)
+        assert c.deployment_status().scale_phase == "idle"
+        _with_world(coordinator, ["healthy"] * 4 + ["failed", "healthy"])
+        assert c.scale(4)["slots"] == [5]  # slot 5 drains; slot 4 had nothing to drain
+        st = c.deployment_status()
+        assert [r.state for r in st.ranks][4] == "removed"
+        with pytest.raises(JoinRefusedError, match="outside ep_size 4"):
+            c.reserve([4], "recover")
+        assert c.reserve([4], "scale") == 4
+    finally:
+        c.close()
+
+
 def test_join_reservation_is_exclusive_and_released(coordinator):
     """Claims are the coordinator's, per connection: exclusive, all or none, gone with
     the connection that held them (a `join` that died leaves nothing behind)."""

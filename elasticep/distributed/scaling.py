@@ -56,6 +56,7 @@ class ScalePlan:
     admit: tuple[int, ...] = ()
     remove: tuple[int, ...] = ()
     reply: dict = field(default_factory=dict)  # the HTTP answer's body
+    free: tuple[int, ...] = ()  # failed slots now above the target: free capacity again
 
 
 @dataclass
@@ -122,9 +123,14 @@ class ScaleTarget:
             remove = [s for s in range(new_ep_size, self.max_ep_size)
                       if states[s] in ACTIVE_STATES]
             self.down = set(remove)
+        # a failed slot the new target leaves out is not a failure any more: it is free
+        # capacity (a later grow takes it with `join scale`, not `recover`)
+        free = tuple(s for s in range(new_ep_size, self.max_ep_size)
+                     if states[s] == SlotState.FAILED)
         self.ep_size = new_ep_size
         logger.info("scale ep_size %d -> %d, slots %s", old, new_ep_size, admit or remove)
-        return ScalePlan(tuple(admit), tuple(remove), self._reply(old, admit or remove, states))
+        return ScalePlan(tuple(admit), tuple(remove), self._reply(old, admit or remove, states),
+                         free)
 
     def _reply(self, old: int, slots: list[int], states: Sequence[SlotState]) -> dict:
         return {"old_ep_size": old, "slots": list(slots),
