@@ -49,9 +49,9 @@ def test_ep4_r0_equals_ep1_then_reloads_orphans_after_a_kill(v3, tmp_path_factor
                enable_eplb=True, eplb_rebalance_num_iterations=8)
     try:
         assert_matches_reference(generated(d, prompts), "DeepSeek EP4 R=0", ref)
-        assert d.deployment.status()["epoch"] == 0, "the fault fired in the first batch"
+        assert d.deployment.status().epoch == 0, "the fault fired in the first batch"
         assert_matches_reference(generated(d, prompts), "DeepSeek EP4 R=0, rank 1 killed", ref)
-        states = {r["rank"]: r["state"] for r in d.deployment.status()["ranks"]}
+        states = d.deployment.status().states()
         assert states == {0: "healthy", 1: "failed", 2: "healthy", 3: "healthy"}
         log = worker_log(d)
     finally:
@@ -70,7 +70,7 @@ def test_ep4_with_redundancy_survives_a_kill(v3, tmp_path_factory):
         assert_matches_reference(generated(d, prompts), "DeepSeek EP4 R=8", ref)
         outs = generated(d, prompts, on_event=kill_after(d, 2, 60))
         assert_matches_reference(outs, "DeepSeek EP4 R=8, rank 2 killed", ref)
-        states = {r["rank"]: r["state"] for r in d.deployment.status()["ranks"]}
+        states = d.deployment.status().states()
         assert states == {0: "healthy", 1: "healthy", 2: "failed", 3: "healthy"}
         reloads = [int(n) for n in re.findall(r"(\d+) checkpoint reloads", worker_log(d))]
     finally:
