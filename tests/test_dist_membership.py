@@ -68,7 +68,7 @@ def test_late_removal_vote_does_not_undo_a_later_readmission():
     assert tr.kind == "change" and tr.new_active == {0, 1, 2, 3}
     g.pending_remove.add(4)  # the late member's vote
     g.commit(tr)
-    assert g.states[4] == "removed" and not g.pending_remove
+    assert g.states[4] == "free" and not g.pending_remove
     # a new joiner for slot 4 is admitted, and nothing removes it again
     g.states[4] = "ready"
     g.pending_admit = {4}
@@ -132,7 +132,7 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
         c._deactivate(c._procs[0], {"group": "world", "ranks": [4, 5]})
         assert g.transition.kind == "change"
     c._proc_dead(c._procs[5], "killed")
-    assert g.states[5] == "removed"
+    assert g.states[5] == "free"
     assert g.transition.kind == "failure" and g.transition.dead == {5}
     assert 5 not in g.pending_remove and g.requests["remove"] == [4]
     _report_all(c, g)
@@ -142,7 +142,7 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
     assert g.transition.kind == "change" and g.transition.removed == {4}
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3} and g.transition is None
-    assert g.states == ["healthy"] * 4 + ["removed", "removed"]
+    assert g.states == ["healthy"] * 4 + ["free", "free"]
     assert not g.pending_remove and g.requests["remove"] == []
 
 
@@ -182,7 +182,7 @@ def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admissi
     if admission_asked:
         g.pending_admit.add(4)
     c._proc_dead(c._procs[4], "killed")
-    assert g.states == ["healthy"] * 4 + ["removed"]
+    assert g.states == ["healthy"] * 4 + ["free"]
     assert g.transition is None and not g.pending_dead and not g.pending_admit
     # not degraded (with POST 5 first, the scale waits for a joiner: no slot has failed)
     status = DeploymentStatus(g.epoch, 4, 5, ranks=tuple(
@@ -192,4 +192,4 @@ def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admissi
     # a recover joiner that dies gives back a failed slot: still failed, as before
     assert state_after_death(SlotState.JOINING, False, False, SlotState.FAILED) == "failed"
     # an admitted member (or one the transition in flight admits) that dies has failed
-    assert state_after_death(SlotState.READY, False, True, SlotState.REMOVED) == "failed"
+    assert state_after_death(SlotState.READY, False, True, SlotState.FREE) == "failed"

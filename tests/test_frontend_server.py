@@ -461,3 +461,29 @@ def test_api_limit_is_the_engine_limit_and_engine_refusals_are_400(tmp_path):
         server.stop()
         worker.close()
         channel.close()
+
+
+class HalfFree(ScriptedMembership):
+    """serve --ep-size 2 --max-ep-size 4: slots 2 and 3 were never started."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy", "healthy", "free", "free"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict({**super().status().to_dict(), "ep_size": 2})
+
+
+def test_unused_capacity_is_free_in_status_and_metrics():
+    channel = FrontendChannel()
+    server, _ = create_server(DEMO, channel, HalfFree(), served_model_name=NAME)
+    server.start()
+    try:
+        status = httpx.get(server.url + "/elastic_ep_status").json()
+        assert [r["state"] for r in status["ranks"]] == ["healthy", "healthy", "free", "free"]
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'elasticep_slots{state="free"} 2.0' in metrics
+        assert 'elasticep_slots{state="healthy"} 2.0' in metrics
+        assert 'elasticep_slots{state="removed"}' not in metrics
+    finally:
+        server.stop()
+        channel.close()

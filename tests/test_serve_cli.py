@@ -141,7 +141,7 @@ def _check(mode, want, states, pids=None, ep_size=None, launched=None, procs=Non
 
 
 def test_join_refuses_occupied_or_wrong_mode_slots():
-    states = ["healthy", "failed", "healthy", "healthy", "removed", "removed"]
+    states = ["healthy", "failed", "healthy", "healthy", "free", "free"]
     _check("recover", [1], states, {0: 11})
     _check("scale", [4, 5], states, {0: 11})
     with pytest.raises(JoinRefusedError, match="rank 0 is healthy \\(pid 11\\)"):
@@ -160,7 +160,7 @@ def test_scale_phase():
     assert scale_phase(["healthy"] * 4 + ["ready", "ready"], {4, 5}, set()) == "admitting"
     assert scale_phase(["healthy"] * 6, {4, 5}, set()) == "idle"
     assert scale_phase(["healthy"] * 5 + ["draining"], set(), {5}) == "draining"
-    assert scale_phase(["healthy"] * 5 + ["removed"], set(), {5}) == "idle"
+    assert scale_phase(["healthy"] * 5 + ["free"], set(), {5}) == "idle"
     assert scale_phase(["failed"] + ["healthy"] * 3, set(), set()) == "idle"
 
 
@@ -174,24 +174,24 @@ def _view(states, procs, launched=None, ep_size=4, max_ep_size=None, nodes=None)
 
 def test_status_shape():
     procs = _procs({0: 10, 1: 11, 2: 12, 3: 13})
-    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+    st = _view(["healthy", "failed", "healthy", "healthy", "free", "free"], procs,
                nodes={r: r // 2 for r in range(6)})
     assert st["epoch"] == 3 and st["ep_size"] == 4 and st["max_ep_size"] == 6
     assert st["ranks"][1] == {"rank": 1, "state": "failed", "pid": 11, "node": 0}
-    assert st["ranks"][5] == {"rank": 5, "state": "removed", "pid": None, "node": 2}
+    assert st["ranks"][5] == {"rank": 5, "state": "free", "pid": None, "node": 2}
     empty = _view(None, {}, ep_size=2, max_ep_size=3)
-    assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "removed"]
+    assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "free"]
     assert DeploymentStatus.from_dict(st).to_dict() == st
 
 
 def test_status_shows_loading_workers_as_joining():
     """Workers load before they register: a launched, unregistered worker is joining."""
     procs = _procs({0: 10, 1: 11, 2: 12})  # rank 3 has not registered yet
-    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+    st = _view(["healthy", "failed", "healthy", "healthy", "free", "free"], procs,
                launched={1: 21, 3: 13, 4: 24, 0: 10})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
         ("healthy", 10), ("joining", 21), ("healthy", 12), ("joining", 13), ("joining", 24),
-        ("removed", None)]
+        ("free", None)]
 
 
 def test_status_registered_joiner_stays_joining():
@@ -201,17 +201,17 @@ def test_status_registered_joiner_stays_joining():
     procs = {0: ProcInfo(10, True, True), 1: ProcInfo(21, True, False),
              2: ProcInfo(12, False, True), 3: ProcInfo(13, True, True)}
     # rank 3: a member being scaled away (still alive, still in the group) stays removed
-    st = _view(["healthy", "failed", "failed", "removed"], procs,
+    st = _view(["healthy", "failed", "failed", "free"], procs,
                launched={0: 10, 1: 21, 3: 13})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
-        ("healthy", 10), ("joining", 21), ("failed", 12), ("removed", 13)]
+        ("healthy", 10), ("joining", 21), ("failed", 12), ("free", 13)]
 
 
 def test_scale_up_down_and_409():
     t = ScaleTarget(4, 6)
-    plan = t.plan(6, _states(*["healthy"] * 4, "removed", "removed"))
+    plan = t.plan(6, _states(*["healthy"] * 4, "free", "free"))
     assert plan.admit == (4, 5) and plan.remove == () and plan.reply["slots"] == [4, 5]
-    joining = _states(*["healthy"] * 4, "removed", "removed")
+    joining = _states(*["healthy"] * 4, "free", "free")
     assert t.phase(joining) == "waiting_for_joiners"
     with pytest.raises(ScaleInProgressError):
         t.plan(3, joining)  # below the size before the grow: not a withdrawal
@@ -221,10 +221,10 @@ def test_scale_up_down_and_409():
     assert plan.remove == (4, 5) and plan.reply == {"old_ep_size": 6, "slots": [4, 5],
                                                     "scale_phase": "draining"}
     assert t.phase(_states(*["healthy"] * 4, "draining", "draining")) == "draining"
-    assert t.phase(_states(*["healthy"] * 4, "removed", "removed")) == "idle"
+    assert t.phase(_states(*["healthy"] * 4, "free", "free")) == "idle"
     assert t.ep_size == 4
     with pytest.raises(ValueError):
-        t.plan(7, _states(*["healthy"] * 4, "removed", "removed"))
+        t.plan(7, _states(*["healthy"] * 4, "free", "free"))
     # serve's shrink: slots [K, max) leave, whatever their order of admission
     t = ScaleTarget(6, 6)
     assert t.plan(2, _states("healthy", "healthy", "failed", *["healthy"] * 3)).remove == (
@@ -302,7 +302,7 @@ def _supervise_once(launcher, restart: bool) -> None:
 def test_restart_policy_relaunches_crashes_only():
     from elasticep.deploy import RankExit
 
-    launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "removed"},
+    launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "free"},
                             {0: 10, 2: 12})
     launcher.exits.put(RankExit(1, 11, -9))  # crashed: relaunched and admitted
     launcher.exits.put(RankExit(3, 13, 0))   # removed on purpose: never relaunched
@@ -337,7 +337,7 @@ def test_restart_policy_kills_an_evicted_frozen_worker():
 
 
 def test_join_refuses_slots_being_joined_or_outside_ep_size():
-    states = ["healthy", "failed", "joining", "ready", "failed", "removed"]
+    states = ["healthy", "failed", "joining", "ready", "failed", "free"]
     procs = _procs({0: 10, 1: 11, 2: 12, 3: 13, 4: 14})
     procs[1] = ProcInfo(11, False, True)
     # failed, but serve --restart-failed-ranks (or another join) already started pid 21
@@ -391,7 +391,7 @@ def test_shrink_frees_failed_slots_above_the_target(coordinator):
         _with_world(coordinator, ["healthy"] * 4 + ["failed", "healthy"])
         assert c.scale(4)["slots"] == [5]  # slot 5 drains; slot 4 had nothing to drain
         st = c.deployment_status()
-        assert [r.state for r in st.ranks][4] == "removed"
+        assert [r.state for r in st.ranks][4] == "free"
         with pytest.raises(JoinRefusedError, match="outside ep_size 4"):
             c.reserve([4], "recover")
         assert c.reserve([4], "scale") == 4
@@ -404,7 +404,7 @@ def test_join_reservation_is_exclusive_and_released(coordinator):
     the connection that held them (a `join` that died leaves nothing behind)."""
     from elasticep.distributed import CoordinatorClient
 
-    _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "removed", "removed"])
+    _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "free", "free"])
     a, b = CoordinatorClient(coordinator.address), CoordinatorClient(coordinator.address)
     assert a.reserve([2, 3], "recover") == 4
     with pytest.raises(JoinRefusedError, match=r"^rank 3 is already being joined "
@@ -427,7 +427,7 @@ def test_scale_through_the_coordinator(coordinator):
     """The target lives in the coordinator: a scale there is what `join` checks against."""
     from elasticep.distributed import CoordinatorClient
 
-    _with_world(coordinator, ["healthy"] * 4 + ["removed", "removed"])
+    _with_world(coordinator, ["healthy"] * 4 + ["free", "free"])
     c = CoordinatorClient(coordinator.address)
     try:
         assert c.deployment_status().ep_size == 4
@@ -440,8 +440,8 @@ def test_scale_through_the_coordinator(coordinator):
         with pytest.raises(ValueError, match=r"must be in \[1, 6\], got 9"):
             c.scale(9)
         assert c.scale(4)["slots"] == [4, 5]  # the pending grow is withdrawn
-        _with_world(coordinator, ["healthy", "failed", "healthy", "healthy", "removed",
-                                  "removed"])
+        _with_world(coordinator, ["healthy", "failed", "healthy", "healthy", "free",
+                                  "free"])
         assert c.reserve([1], "recover") == 4
         c.scale(2)  # slot 1 is failed and below the new target; 2 and 3 leave
         assert c.deployment_status().ep_size == 2
@@ -477,7 +477,7 @@ def test_join_cli_refuses_a_slot_another_join_holds(capsys, coordinator):
     assert join_cmd.run(args) == 2  # no ranks registered yet
     assert capsys.readouterr().err.strip().splitlines() == [
         "elasticep join: error: the deployment has no ranks yet; wait for serve's ready line"]
-    _with_world(coordinator, ["healthy", "healthy", "failed", "healthy", "removed", "removed"])
+    _with_world(coordinator, ["healthy", "healthy", "failed", "healthy", "free", "free"])
     other = CoordinatorClient(coordinator.address)
     other.reserve([2], "recover")
     assert join_cmd.run(args) == 2

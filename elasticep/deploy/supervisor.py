@@ -116,7 +116,7 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
 
 def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.REMOVED:
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.FREE:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return

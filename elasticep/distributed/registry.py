@@ -75,7 +75,7 @@ class Group:
     """Membership of one elastic group.
 
     ranks: global rank of each slot (len == max group size); states: slot states
-    (never-used capacity is ``REMOVED``; change them only through :meth:`set_state`);
+    (free capacity is ``FREE``; change them only through :meth:`set_state`);
     active: committed active slots of `epoch`.
     """
 
@@ -97,7 +97,7 @@ class Group:
     @staticmethod
     def create(name: str, ranks: list[int], active: list[int], on_failure: str,
                dead_global: set[int]) -> Group:
-        states = [SlotState.REMOVED] * len(ranks)
+        states = [SlotState.FREE] * len(ranks)
         for s in active:
             states[s] = SlotState.FAILED if ranks[s] in dead_global else SlotState.HEALTHY
         g = Group(name, list(ranks), states, on_failure)
@@ -135,7 +135,7 @@ class Group:
         for s in tr.admitted:
             self.set_state(s, SlotState.HEALTHY)
         for s in tr.removed:
-            self.set_state(s, SlotState.REMOVED)
+            self.set_state(s, SlotState.FREE)
         self.pending_dead -= tr.dead
         # Members call deactivate_ranks/recover_ranks at different steps, so a late
         # caller can re-queue a change this transition already applies; left queued, it

@@ -7,7 +7,7 @@ Everything here runs on one asyncio loop (the HTTP server's), so the
   and hellos to the tracker;
 - the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
   seconds (in a thread, with a timeout) and applies rank state changes, which moves
-  requests off failed/draining/removed ranks.
+  requests off failed/draining/free slots.
 
 A rank counts as routable only when membership says ``healthy`` *and* its worker said
 hello with the pid membership reports, so a request is never sent to a dead predecessor.
@@ -206,6 +206,9 @@ class Frontend:
                             else state.value)
             self._count_transition(rank, state, epoch)
         self.metrics.epoch.set(epoch)
+        for state in SlotState:
+            self.metrics.slots.labels(state.value).set(
+                sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
         before = self.tracker.resubmitted_total
         self._dispatch(self.tracker.update_ranks(states))

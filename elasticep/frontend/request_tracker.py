@@ -189,7 +189,7 @@ class RequestTracker:
     def update_ranks(self, states: Mapping[int, str]) -> list[Send]:
         """Apply a membership snapshot (rank -> state); move requests off unhealthy ranks.
 
-        Ranks missing from ``states`` count as removed. Returns aborts for the old ranks
+        Ranks missing from ``states`` count as free capacity. Returns aborts for the old ranks
         that may still be alive (anything but "failed") followed by the resubmissions.
         """
         self._states = dict(states)
