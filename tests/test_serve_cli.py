@@ -330,6 +330,29 @@ def test_relaunch_hint_is_a_command_that_runs(caplog):
     assert parse_mode_and_ranks(args) == ("recover", [2])
 
 
+def test_exit_status_follows_the_usual_conventions():
+    import os
+    import signal
+
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import StopEvent, exit_status, stop_on_signals
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        stop = stop_on_signals()
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        assert stop.wait(5) and stop.exit_status() == 130
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert exit_status(1, 1, [], stop) == 130
+    calm = StopEvent()
+    assert exit_status(2, 2, [RankExit(4, 40, -9)], calm) == 1  # join's rank SIGKILLed
+    assert exit_status(2, 2, [RankExit(4, 40, 3)], stop) == 1   # lost the coordinator
+    assert exit_status(2, 1, [], calm) == 1                     # one died before joining
+    assert exit_status(2, 2, [RankExit(4, 40, 0), RankExit(5, 50, 0)], calm) == 0  # removed
+
+
 def test_restart_policy_kills_an_evicted_frozen_worker():
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10, 1: 11})
     _supervise_once(launcher, restart=True)

@@ -36,12 +36,25 @@ logger = logging.getLogger(__name__)
 EXIT_REMOVED = 0  # the worker's status after a planned removal
 
 
-def stop_on_signals() -> threading.Event:
+class StopEvent(threading.Event):
+    """Set when the command is told to stop; ``signum`` is the signal that did it."""
+
+    signum: int | None = None
+
+    def exit_status(self) -> int | None:
+        """128 + the signal number (130 for Ctrl-C, 143 for SIGTERM) as shells report a
+        command ended by a signal; None if no signal stopped it."""
+        return None if self.signum is None else 128 + self.signum
+
+
+def stop_on_signals() -> StopEvent:
     """An event set by SIGINT (Ctrl-C) or SIGTERM; call from the main thread."""
-    stop = threading.Event()
+    stop = StopEvent()
 
     def handler(signum: int, _frame: object) -> None:
         logger.info("received %s; stopping", signal.Signals(signum).name)
+        if stop.signum is None:
+            stop.signum = signum
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -56,6 +69,25 @@ def recover_command(address: str, rank: int, node: int = 0) -> str:
     node_flag = f" --node-rank {node}" if node else ""
     return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
             f"--ranks {rank}{node_flag}")
+
+
+def exit_status(wanted: int, joined: int, exits: list[RankExit], stop: StopEvent) -> int:
+    """The exit status of a command that watched its ranks (`join`, nodes 1.. of serve).
+
+    Args:
+        wanted: ranks it started.
+        joined: of those, the ranks that got in.
+        exits: every exit it saw (:func:`supervise`'s list).
+        stop: its stop event.
+
+    Returns:
+        1 if a rank was lost (it died before it got in, or exited with anything but
+        the planned-removal status 0, a signal included); else 128 + the signal that
+        stopped the command (130 for Ctrl-C); else 0.
+    """
+    if joined < wanted or any(ex.code != EXIT_REMOVED for ex in exits):
+        return 1
+    return stop.exit_status() or 0
 
 
 def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:

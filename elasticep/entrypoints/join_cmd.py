@@ -25,7 +25,7 @@ from pathlib import Path
 
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, reach_coordinator
-from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     client = None
     try:
         if not reach_coordinator(args.dist_init_addr, args.coordinator_timeout, stop=stop):
-            return 0  # stopped by a signal while waiting
+            return stop.exit_status() or 1
         config = fetch_config(args.dist_init_addr, timeout_s=args.coordinator_timeout)
         if args.load_format is not None and args.load_format != config.load_format:
             raise JoinError(f"--load-format {args.load_format} differs from the deployment's "
@@ -169,10 +169,10 @@ def run(args: argparse.Namespace) -> int:
         joined = _report_progress(deployment, mode, ranks, stop)
         client.close()  # releases the claims: the ranks are in (the coordinator holds them)
         if not joined:
-            return 1 if not stop.is_set() else 0
+            return stop.exit_status() or 1
         exits = supervise(deployment, stop, restart=False, until_all_exited=True)
-        lost = len(joined) < len(ranks)  # some died before joining (reported already)
-        return 1 if lost or any(ex.code == 1 for ex in exits) else 0
+        # a rank that died before joining was reported already; one lost later too
+        return exit_status(len(ranks), len(joined), exits, stop)
     finally:
         client.close()
         deployment.stop()

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import reach_coordinator
-from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.deploy.supervisor import StopEvent, exit_status, stop_on_signals, supervise
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
+def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
                 log_dir: Path) -> int:
     """Node 0: coordinator + front-end + local ranks; returns when stopped."""
     dep = settings.deployment
@@ -120,7 +120,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
                           f"{exc.strerror or exc}") from exc
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
-            return 0 if stop.is_set() else 1
+            return stop.exit_status() or 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
@@ -131,7 +131,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
                               "none has no fault tolerance: the deployment is stopping")
             return 1
-        return 0
+        return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
         if server is not None:
@@ -173,11 +173,11 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     return False
 
 
-def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
+def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
-        return 0  # stopped by a signal while waiting
+        return stop.exit_status() or 1
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
                                    new_session=True)
     dep = deployment.config
@@ -190,6 +190,9 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
         fatal = not deployment.fault_tolerant
         exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           until_all_exited=True, stop_on_exit=fatal)
-        return 1 if fatal and exits else 0
+        if fatal and exits:
+            return 1
+        # ranks left alive at a stop are no loss; without a stop, every rank exited
+        return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
         deployment.stop()
