@@ -633,3 +633,4 @@ def test_node_with_a_wrong_coordinator_address_exits_within_its_timeout(http_por
     assert join.returncode == 1
     assert join.stderr.splitlines()[-1].startswith(
         f"elasticep join: error: --dist-init-addr 127.0.0.1:{http_port} is an HTTP server")
+
