@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.protocol import parse_address
@@ -19,6 +20,7 @@ from elasticep.utils.wait import wait_until
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0  # a live coordinator answers the hello in milliseconds
+LOG_EVERY_S = 5.0  # one "waiting" line per this many seconds, not one per attempt
 
 
 class NotACoordinatorError(ConnectionError):
@@ -63,10 +65,14 @@ def reach_coordinator(address: str, timeout_s: float, flag: str = "--dist-init-a
     """
     host, port = parse_address(address)
     handshake_s = min(HANDSHAKE_TIMEOUT_S, max(timeout_s, 0.5))
+    logged = [-LOG_EVERY_S]
 
     def attempt() -> bool:
         if not _listens(host, port, handshake_s):
-            logger.info("waiting for the coordinator at %s", address)
+            if time.monotonic() - logged[0] >= LOG_EVERY_S:
+                logged[0] = time.monotonic()
+                logger.info("waiting for the coordinator at %s (up to %g s)", address,
+                            timeout_s)
             return False
         try:
             CoordinatorClient(address, timeout_s=handshake_s).close()
@@ -85,3 +91,19 @@ def reach_coordinator(address: str, timeout_s: float, flag: str = "--dist-init-a
     except TimeoutError:
         raise TimeoutError(f"no coordinator answered at {flag} {address} within "
                            f"{timeout_s:g} s (--coordinator-timeout)") from None
+
+
+def coordinator_lost(address: str, timeout_s: float, stop: threading.Event | None = None
+                     ) -> str | None:
+    """After this node's ranks stopped on a lost coordinator: keep trying to reach it for
+    ``timeout_s`` seconds.
+
+    Returns:
+        The one-line reason when it stays unreachable; None if it answered (the ranks
+        stopped for another reason, e.g. an eviction) or ``stop`` was set.
+    """
+    try:
+        reach_coordinator(address, timeout_s, stop=stop)
+        return None
+    except (TimeoutError, NotACoordinatorError) as exc:
+        return f"lost the coordinator: {exc}; the ranks of this node stopped"

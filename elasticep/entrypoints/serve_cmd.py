@@ -22,8 +22,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from elasticep.deploy import Deployment
-from elasticep.deploy.probe import reach_coordinator
-from elasticep.deploy.supervisor import StopEvent, exit_status, stop_on_signals, supervise
+from elasticep.deploy.probe import coordinator_lost, reach_coordinator
+from elasticep.deploy.supervisor import (
+    EXIT_LOST,
+    StopEvent,
+    exit_status,
+    stop_on_signals,
+    supervise,
+)
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -193,6 +199,12 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
         if fatal and exits:
             return 1
         # ranks left alive at a stop are no loss; without a stop, every rank exited
+        if not stop.is_set() and any(ex.code == EXIT_LOST for ex in exits):
+            reason = coordinator_lost(address, settings.coordinator_timeout_s, stop)
+            if reason:
+                print(f"elasticep serve: error: node {settings.node_rank}: {reason}",
+                      file=sys.stderr)
+                return 1
         return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
         deployment.stop()
