@@ -353,6 +353,40 @@ def test_exit_status_follows_the_usual_conventions():
     assert exit_status(2, 2, [RankExit(4, 40, 0), RankExit(5, 50, 0)], calm) == 0  # removed
 
 
+class JoinedLauncher(FakeLauncher):
+    """Rank 1 of this node was relaunched by a `join` (pid 77), then died: the
+    coordinator shows it failed with the join's pid; this launcher only ever started
+    pid 11 for it."""
+
+    def __init__(self, coordinator_pid: int) -> None:
+        super().__init__({0: "healthy", 1: "failed"}, {0: 10})
+        self.coordinator_pid = coordinator_pid
+
+    def deployment_status(self) -> DeploymentStatus:
+        pids = {**self.live, 1: self.live.get(1, self.coordinator_pid)}
+        return _status(self.states, pids)
+
+    def pids(self, live_only: bool = False) -> dict[int, int]:
+        return dict(self.live) if live_only else {1: 11, **self.live}
+
+    def relaunch(self, *ranks: int) -> list[int]:
+        for r in ranks:
+            self.states[r], self.live[r] = "joining", 1000 + r
+        return super().relaunch(*ranks)
+
+
+def test_restart_policy_relaunches_a_rank_a_join_started():
+    launcher = JoinedLauncher(coordinator_pid=77)
+    _supervise_once(launcher, restart=True)
+    assert launcher.spawned == [(1, "recover")]
+    launcher = JoinedLauncher(coordinator_pid=77)
+    _supervise_once(launcher, restart=False)  # without the flag: nothing
+    assert launcher.spawned == []
+    launcher = JoinedLauncher(coordinator_pid=11)  # our own rank: its exit decides
+    _supervise_once(launcher, restart=True)
+    assert launcher.spawned == []
+
+
 def test_restart_policy_kills_an_evicted_frozen_worker():
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10, 1: 11})
     _supervise_once(launcher, restart=True)

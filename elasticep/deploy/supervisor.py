@@ -91,10 +91,13 @@ def exit_status(wanted: int, joined: int, exits: list[RankExit], stop: StopEvent
     return stop.exit_status() or 0
 
 
-def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:
-    """(epoch, rank -> state, rank -> pid) from the coordinator."""
+def _world(dep: Deployment
+           ) -> tuple[int, dict[int, SlotState], dict[int, int], dict[int, int]]:
+    """(epoch, rank -> state, rank -> pid, rank -> node of its last launch) from the
+    coordinator."""
     status = dep.deployment_status()
-    return status.epoch, status.states(), status.pids()
+    return (status.epoch, status.states(), status.pids(),
+            {r.rank: r.node for r in status.ranks})
 
 
 def supervise(dep: Deployment, stop: threading.Event, restart: bool,
@@ -123,10 +126,10 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
     seen: list[RankExit] = []
     while not stop.wait(poll_s):
         try:
-            epoch, states, coord_pids = _world(dep)
+            epoch, states, coord_pids, nodes = _world(dep)
         except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
             logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
-            epoch, states, coord_pids = -1, {}, {}
+            epoch, states, coord_pids, nodes = -1, {}, {}, {}
         while True:
             try:
                 ex = dep.exits.get_nowait()
@@ -142,6 +145,8 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
             _on_exit(dep, ex, epoch, states, restart, restarts, max_restarts)
         if restart:
             _kill_frozen(dep, epoch, states, coord_pids)
+            if epoch >= 0:
+                _adopt_failed(dep, epoch, states, coord_pids, nodes, restarts, max_restarts)
         if until_all_exited and not dep.pids(live_only=True) and dep.exits.empty():
             break
     return seen
@@ -177,6 +182,28 @@ def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
         dep.relaunch(ex.rank)
     except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
         logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, ex.rank, exc)
+
+
+def _adopt_failed(dep: Deployment, epoch: int, states: dict[int, SlotState],
+                  coord_pids: dict[int, int], nodes: dict[int, int],
+                  restarts: Counter[int], max_restarts: int) -> None:
+    """Relaunch the failed ranks of this node that another launcher started (a `join`
+    recovered them): a rank of the node is restarted whoever launched it. Our own
+    ranks are left to their exit (the coordinator's pid for the slot is ours)."""
+    ours = dep.pids(live_only=False)
+    for rank, state in states.items():
+        pid = coord_pids.get(rank)
+        if (state != SlotState.FAILED or nodes.get(rank) != dep.node or pid is None
+                or ours.get(rank) == pid or restarts[rank] >= max_restarts):
+            continue
+        restarts[rank] += 1
+        logger.warning("epoch %d: rank %d (pid %d, started by another launcher on this "
+                       "node) failed; relaunching (restart %d)", epoch, rank, pid,
+                       restarts[rank])
+        try:
+            dep.relaunch(rank)
+        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+            logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, rank, exc)
 
 
 def _kill_frozen(dep: Deployment, epoch: int, states: dict[int, str],
