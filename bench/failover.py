@@ -12,15 +12,18 @@ Timeline of one run (monotonic seconds):
   ``--concurrency`` greedy streams -> healthy window -> the event -> degraded window
   (a rank is out) and/or after window (recovered / rescaled) -> stop load, stop serve.
 
-JSON keys (seconds, tokens/s): interruption_s (longest gap between consecutive tokens
-of any request overlapping [event, event handled + 1 s]), p50_gap_s (healthy window),
-failed_requests (client errors + streams cut short without an error),
-tokens_per_s_healthy / _degraded / _after (null where the scenario has no such phase),
-pause_s (rejoin / scale: longest gap from the join or scale request until the new
-membership is committed + 0.5 s), outputs_identical (every completed request's greedy
-text equals the reference pass's), detect_s (fault -> the coordinator's epoch without
-the victim), admit_s (scale request or join start -> the new membership committed),
-join_s (join start -> joiners ready / admitted).
+JSON keys (seconds, tokens/s): interruption_s (the longest any client waited for its
+next token across the event: gaps between consecutive tokens overlapping [event, event
+handled + 1 s], and the time to first token of every request in flight at the event
+that had no token yet), p50_gap_s (healthy window), failed_requests (client errors +
+streams cut short without an error), tokens_per_s_healthy / _event / _degraded / _after
+(the event window runs from the event until the degraded or after window starts,
+SETTLE_S after the new membership was committed; null where the scenario has no such
+phase), pause_s (rejoin / scale: the same longest wait, from the join or scale request
+until the new membership is committed + 0.5 s), outputs_identical (every completed
+request's greedy text equals the reference pass's), detect_s (fault -> the
+coordinator's epoch without the victim), admit_s (scale request or join start -> the
+new membership committed), join_s (join start -> joiners ready / admitted).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
             name, [victim])
         sig = signal.SIGSTOP if name == "freeze" else signal.SIGKILL
         t = fault(run, victims, sig, gap_s=0.1)
+        run.windows["event"] = (run.t_event, t + SETTLE_S)
         run.window("degraded", t + SETTLE_S, a.degraded_s)
         if name == "freeze":
             resume_frozen(run, victim)
@@ -128,9 +132,12 @@ def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
     elif name == "scale-up":
         t = join(run, ["--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
                        str(ep_size), "--nranks", "2"], [ep_size, ep_size + 1], ep_size + 2)
+        run.windows["event"] = (run.t_event, t + SETTLE_S)
         run.window("after", t + SETTLE_S, a.after_s)
     elif name == "scale-down":
-        run.window("after", scale_down(run, ep_size) + SETTLE_S, a.after_s)
+        t = scale_down(run, ep_size)
+        run.windows["event"] = (run.t_event, t + SETTLE_S)
+        run.window("after", t + SETTLE_S, a.after_s)
     else:
         raise ValueError(f"unknown scenario {name!r}")
 
@@ -145,15 +152,15 @@ def report(run: Run, name: str) -> dict:
 
     out = {
         "bench": "failover", "scenario": name,
-        "interruption_s": _r(timeline.max_gap_overlapping(recs, run.t_event,
-                                                          run.t_settled + 1.0)),
+        "interruption_s": _r(timeline.max_wait_across(recs, run.t_event, run.t_settled + 1.0)),
         "p50_gap_s": _r(timeline.median_gap_within(recs, *w["healthy"])),
         "failed_requests": len(oc.errors) + oc.silent_losses,
         "tokens_per_s_healthy": tps("healthy"),
+        "tokens_per_s_event": tps("event"),
         "tokens_per_s_degraded": tps("degraded"),
         "tokens_per_s_after": tps("after"),
         "pause_s": None if run.pause_from is None else _r(
-            timeline.max_gap_overlapping(recs, run.pause_from, run.t_admitted + 0.5)),
+            timeline.max_wait_across(recs, run.pause_from, run.t_admitted + 0.5)),
         "outputs_identical": oc.outputs_identical,
         "requests": oc.total, "completed": oc.completed, "mismatched": len(oc.mismatched),
         "epochs": sorted({s.epoch for s in run.watch.history}),

@@ -8,7 +8,9 @@ Usage: python bench/results.py [--scenarios kill,rejoin,...] [--chaos-trials 5]
        python bench/results.py --rerun none         # only redraw the page
 
 Every part's result is also kept in docs/results/results.json, which ``--rerun`` reads
-(part names: the scenarios, "overhead", "chaos").
+(part names: the scenarios, "overhead", "chaos"), each with the commit, time and machine
+it was taken at: the page names them per part, so parts of different runs are never
+shown under one "taken at" line.
 
 A run that fails is reported as failed on the page, with the end of its stderr; the
 others still run.
@@ -47,6 +49,28 @@ TARGETS = {
 }
 
 
+Stamp = dict[str, str]
+
+
+def stamp() -> Stamp:
+    """When, at which commit and on which machine a part is taken now; the commit gets
+    ``-dirty`` when tracked files differ from it."""
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return {"commit": commit + ("-dirty" if dirty else ""), "machine": machine(),
+            "taken": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def taken(st: Stamp | None) -> str:
+    """``2026-11-30 22:00 UTC, `abc1234`, <machine>`` (or that the part has no stamp)."""
+    if not st:
+        return "unknown (saved before parts were stamped)"
+    return f"{st['taken']}, `{st['commit']}`, {st['machine']}"
+
+
 def run_json(cmd: list[str]) -> tuple[dict | None, str]:
     """Run one bench; returns (its last JSON line or None, stderr tail / failure)."""
     try:
@@ -59,10 +83,11 @@ def run_json(cmd: list[str]) -> tuple[dict | None, str]:
     return json.loads(lines[-1]), ""
 
 
-def scenario_row(name: str, r: dict | None, why: str) -> str:
-    """One markdown table row for a failover scenario."""
+def scenario_row(name: str, r: dict | None, why: str, st: Stamp | None = None) -> str:
+    """One markdown table row for a failover scenario, ending with when it was taken."""
     if r is None:
-        return f"| {name} | FAILED: {why.splitlines()[-1][:120] if why else '?'} |||||||"
+        return (f"| {name} | FAILED: {why.splitlines()[-1][:120] if why else '?'} |||||||"
+                f"| {taken(st)} |")
     key, target, ok = TARGETS[name]
     v = r.get(key)
     verdict = "" if v is None or ok is None else (" (met)" if ok(v) else " (missed)")
@@ -74,21 +99,25 @@ def scenario_row(name: str, r: dict | None, why: str) -> str:
 
     return (f"| {name} | {key} = {v} s{target}{verdict} | {r['p50_gap_s']} | "
             f"{r['failed_requests']} | {show(r['tokens_per_s_healthy'])} / "
+            f"{show(r.get('tokens_per_s_event'))} / "
             f"{show(r['tokens_per_s_degraded'])} / {show(r['tokens_per_s_after'])} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {r['outputs_identical']} | "
-            f"{r.get('detect_s', r.get('admit_s'))} |")
+            f"{r.get('detect_s', r.get('admit_s'))} | {taken(st)} |")
 
 
-def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | None, str] | None,
-           chaos: tuple[int, str] | None, device: str) -> str:
-    """The whole page."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | None,
+           device: str) -> str:
+    """The whole page. Each part is ``(result, why failed[, stamp])`` (chaos:
+    ``(exit status, output[, stamp])``); the stamp says when it was taken."""
+    stamps = {taken(p[2] if len(p) > 2 else None)
+              for p in [*failover.values(), overhead, chaos] if p is not None}
+    when = (f"Taken {stamps.pop()}, device `{device}`." if len(stamps) == 1 else
+            f"Parts were taken at different times (`--rerun`): each says when, at which "
+            f"commit and on which machine. Device `{device}`.")
     out = [
         "# Measured results",
         "",
-        f"Taken {now} at commit `{commit}` on: {machine()}, device `{device}`.",
+        when,
         "Regenerate with `make results` (= `.venv/bin/python bench/results.py`).",
         "",
         "Caveat: the machine is small and shared; timings vary run to run with whatever",
@@ -108,19 +137,22 @@ def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | 
         "## Failover (`bench/failover.py --scenario S`)",
         "",
         "| scenario | headline | p50 gap (s) | failed requests | tokens/s healthy / "
-        "degraded / after | degraded / healthy | outputs identical | detect or admit (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "event / degraded / after | degraded / healthy | outputs identical | "
+        "detect or admit (s) | taken |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [scenario_row(name, *failover[name]) for name in failover]
     out += ["", "Definitions are in the docstring of `bench/failover.py`. Plots (tokens/s in "
             "0.5 s bins; dashed lines are events, shaded spans the measured windows):", ""]
-    out += [f"![{name}](results/{name}.png)" for name, (r, _) in failover.items() if r]
+    out += [f"![{name}](results/{name}.png)" for name, p in failover.items() if p[0]]
     out += ["", "Raw JSON lines:", "", "```"]
-    out += [json.dumps(r) if r else f"{name}: FAILED {why}" for name, (r, why) in failover.items()]
+    out += [json.dumps(p[0]) if p[0] else f"{name}: FAILED {p[1]}"
+            for name, p in failover.items()]
     out += ["```", ""]
     if overhead is not None:
-        r, why = overhead
-        out += ["## Steady-state overhead (`bench/overhead.py`)", ""]
+        r, why = overhead[:2]
+        out += ["## Steady-state overhead (`bench/overhead.py`)", "",
+                f"Taken {taken(overhead[2] if len(overhead) > 2 else None)}.", ""]
         if r is None:
             out += [f"FAILED: {why}", ""]
         else:
@@ -130,8 +162,9 @@ def render(failover: dict[str, tuple[dict | None, str]], overhead: tuple[dict | 
                     f"spread up to {noise:.1%}, so a difference below that is noise). Target "
                     ">= 0.99.", "", "```", json.dumps(r), "```", ""]
     if chaos is not None:
-        rc, text = chaos
+        rc, text = chaos[:2]
         out += ["## Chaos (`python -m elasticep_testkit.chaos`)", "",
+                f"Taken {taken(chaos[2] if len(chaos) > 2 else None)}.", "",
                 f"Exit status {rc} ({'no violation' if rc == 0 else 'VIOLATIONS'}).", "", "```",
                 text.strip(), "```", ""]
     return "\n".join(out)
@@ -155,14 +188,14 @@ def main() -> int:
     failover = {k: tuple(v) for k, v in saved.get("failover", {}).items()}
     for name in args.scenarios.split(","):
         if todo is None or name in todo:
-            failover[name] = run_json([py, "bench/failover.py", "--scenario", name,
-                                       "--device", args.device, "--plot",
-                                       str(PLOTS / f"{name}.png")])
+            failover[name] = (*run_json([py, "bench/failover.py", "--scenario", name,
+                                         "--device", args.device, "--plot",
+                                         str(PLOTS / f"{name}.png")]), stamp())
             print(f"{name}: {json.dumps(failover[name][0]) or failover[name][1]}", flush=True)
     failover = {n: failover[n] for n in SCENARIOS if n in failover}
     overhead = tuple(saved["overhead"]) if saved.get("overhead") else None
     if not args.skip_overhead and (todo is None or "overhead" in todo):
-        overhead = run_json([py, "bench/overhead.py", "--device", args.device])
+        overhead = (*run_json([py, "bench/overhead.py", "--device", args.device]), stamp())
         print(f"overhead: {json.dumps(overhead[0]) or overhead[1]}", flush=True)
     chaos = tuple(saved["chaos"]) if saved.get("chaos") else None
     if args.chaos_trials and (todo is None or "chaos" in todo):
@@ -171,9 +204,9 @@ def main() -> int:
         try:
             p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                                timeout=BOUND_S * args.chaos_trials)
-            chaos = (p.returncode, p.stdout)
+            chaos = (p.returncode, p.stdout, stamp())
         except subprocess.TimeoutExpired as exc:
-            chaos = (-1, f"{exc.stdout or ''}\ntimed out after {exc.timeout:.0f} s")
+            chaos = (-1, f"{exc.stdout or ''}\ntimed out after {exc.timeout:.0f} s", stamp())
         print(chaos[1], flush=True)
     SAVED.write_text(json.dumps({"failover": failover, "overhead": overhead, "chaos": chaos},
                                 indent=1))

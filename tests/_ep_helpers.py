@@ -62,15 +62,23 @@ def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[
     return outs, margins
 
 
-def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> list[str]:
-    """Token-for-token equality with the ep_size=1 reference, under the near-tie rule.
+def assert_equal_under_near_tie_rule(got: list[list[int]], ref: list[list[int]],
+                                     margins: list[list[float]], what: str) -> list[str]:
+    """Token-for-token equality of ``got`` with ``ref``, under the near-tie rule.
 
     A prompt may differ only from a position where the reference's top-2 margin is
-    below NEAR_TIE (its continuation then legitimately diverges); such cases are
-    returned and reported as warnings. ``expected`` is ``(tokens, margins)`` from
-    :func:`reference_for`; None = the demo model's :func:`reference`.
+    below NEAR_TIE (its continuation then legitimately diverges), and at most one prompt
+    in eight may use that excuse (2 of 16): fp32 near ties are rare, so more means a
+    real difference. Each use is printed and reported as a warning.
+
+    Args:
+        got, ref: token ids per prompt; margins: the reference's top-2 logit margin at
+            each of its tokens.
+        what: names the comparison in messages.
+
+    Returns:
+        One line per excused prompt.
     """
-    ref, margins = expected or reference()
     excused = []
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if g == r:
@@ -81,8 +89,19 @@ def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> 
             f"{margins[i][j] if j < len(r) else 'n/a'}): got {g} want {r}")
         excused.append(f"{what}: prompt {i} token {j} near tie (margin {margins[i][j]:.2e})")
     for e in excused:
+        print(e)
         warnings.warn(e, stacklevel=2)
+    cap = max(1, len(ref) // 8)
+    assert len(excused) <= cap, f"{what}: {len(excused)} near ties excused, at most {cap}: {excused}"
     return excused
+
+
+def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> list[str]:
+    """:func:`assert_equal_under_near_tie_rule` against the ep_size=1 reference:
+    ``expected`` is ``(tokens, margins)`` from :func:`reference_for`; None = the demo
+    model's :func:`reference`."""
+    ref, margins = expected or reference()
+    return assert_equal_under_near_tie_rule(got, ref, margins, what)
 
 
 def launch(tmp_path_factory, **overrides):

@@ -48,12 +48,40 @@ def test_invariant_checks_flag_hangs_losses_and_wrong_text():
     wrong = RequestRecord(1, 0.0, [1.0, 2.0], "xyq", "length")
     hang = RequestRecord(0, 0.0, [], "", None, "APITimeoutError('Request timed out.')")
     clear = RequestRecord(0, 0.0, [], "", None, "InternalServerError('Error code: 503')")
-    bad, errors = invariants.check_requests([ok, cut, wrong, hang, clear], ref, 2)
+    bad, errors = invariants.check_requests([ok, cut, wrong, hang, clear], ref, 2,
+                                            min_completed=1, errors_allowed=True)
     assert len(bad) == 3 and len(errors) == 1
+    # survivors were left: a 503 is a violation too (before: 0 violations)
+    bad, errors = invariants.check_requests([ok, clear], ref, 2, min_completed=1)
+    assert len(bad) == 1 and "client error" in bad[0] and len(errors) == 1
+    # a deployment that failed every request under faults (before: 0 violations)
+    bad, _ = invariants.check_requests([clear] * 6, ref, 2, min_completed=4)
+    assert len(bad) == 7 and "only 0 of 6 requests completed" in bad[-1]
+    assert invariants.check_requests([ok] * 3, ref, 2, min_completed=4)[0] == [
+        "only 3 of 3 requests completed; at least 4 must"]
+    assert invariants.check_requests([], ref, 2, min_completed=1)[0]
+
+
+def test_membership_check_compares_and_is_never_vacuous():
     views = {1: {0: {(0, 1, 3)}, 1: {(0, 1, 3)}}, 2: {0: {(0, 3)}, 3: {(0, 1, 3)}}}
-    assert invariants.check_membership(views, {1: (0, 1, 3)}, range(1, 2)) == []
-    assert invariants.check_membership(views, {1: (0, 1)}, range(1, 2))
-    assert "disagree" in invariants.check_membership(views, {}, range(2, 3))[0]
+    commits = {1: (0, 1, 3), 2: (0, 1, 3)}
+    assert invariants.check_membership(views, commits, range(0, 2)) == []
+    assert invariants.check_membership(views, {**commits, 1: (0, 1)}, range(0, 2))
+    assert "disagree" in invariants.check_membership(views, commits, range(1, 3))[0]
+    # the log patterns matched nothing (before: [] for both)
+    assert invariants.check_membership({}, {}, range(0, 2)) == [
+        "no coordinator commit logged for epochs [1] (the commit pattern matched 0 lines "
+        "in all)", "no worker logged its view of the active set at epochs 1..1: nothing "
+        "to compare"]
+    assert invariants.check_membership({}, commits, range(0, 3)) == [
+        "no worker logged its view of the active set at epochs 1..2: nothing to compare"]
+    # an epoch superseded before anyone reconciled (kill during recovery) is fine
+    assert invariants.check_membership({2: views[1]}, {1: (0, 1), 2: (0, 1, 3)},
+                                       range(0, 3)) == []
+    # a trial whose membership never moved has nothing to compare, and that is right
+    assert invariants.check_membership({}, {}, range(4, 5)) == []
+    assert Schedule.parse("kill:ranks=0:at=1.00:p=0.00").leaves_survivors(4)
+    assert not Schedule.parse("double-kill:ranks=0+1:at=1.00:p=0.00").leaves_survivors(2)
 
 
 @pytest.mark.slow

@@ -45,9 +45,35 @@ def _check_agreement(cl, survivors, full, reduced, t_kill):
         assert set(vals) <= {full, reduced}
         first = vals.index(reduced)
         assert all(v == full for v in vals[:first]) and all(v == reduced for v in vals[first:])
-    # kill-to-result: the first result each survivor returned after the kill
-    lat = max(min(s[2] for s in _sums(cl, r) if s[2] > t_kill) - t_kill for r in survivors)
-    return lat
+    return first_result_without_victim_s({r: _sums(cl, r) for r in survivors}, reduced, t_kill)
+
+
+def first_result_without_victim_s(sums: dict[int, list[tuple]], reduced: float,
+                                  t_signal: float) -> float:
+    """Signal-to-result latency: seconds from ``t_signal`` until every survivor had a
+    result that excludes the victim (its sum is ``reduced``). A result returned after the
+    signal that still includes the victim (an op already past the victim's part) does
+    not count: it says nothing about failover.
+
+    Args:
+        sums: survivor rank -> its ("sum" payloads) ``(i, sum, time.time(), ...)``.
+        reduced: the sum over the survivors alone.
+        t_signal: ``time.time()`` of the signal.
+
+    Raises:
+        ValueError: a survivor has no result without the victim.
+    """
+    return max(min(s[2] for s in rs if s[1] == reduced and s[2] > t_signal) - t_signal
+               for rs in sums.values())
+
+
+def test_signal_to_result_ignores_results_that_still_include_the_victim():
+    # the 2-in-12 case: a full (10.0) result 44 ms after the kill, survivors-only at 70 ms
+    sums = {0: [(0, 10.0, 99.9), (1, 10.0, 100.044), (2, 7.0, 100.070), (3, 7.0, 100.08)],
+            1: [(0, 10.0, 99.9), (1, 7.0, 100.050)]}
+    assert abs(first_result_without_victim_s(sums, 7.0, 100.0) - 0.070) < 1e-9
+    with pytest.raises(ValueError):  # a survivor that never moved on is no latency
+        first_result_without_victim_s({0: [(0, 10.0, 100.1)]}, 7.0, 100.0)
 
 
 def _run_kill(cl, victim, idle_group=False):
@@ -92,12 +118,13 @@ def test_frozen_rank_is_evicted_and_never_returns_a_wrong_result(cluster):
     t_stop = cluster.kill(1, signal.SIGSTOP)
     cluster.wait_for(lambda m: all(any(s[1] == 8.0 for s in _sums(cluster, r))
                                    for r in (0, 2, 3)), 20, "survivors continue")
-    t_ret = max(min(s[2] for s in _sums(cluster, r) if s[1] == 8.0) for r in (0, 2, 3))
-    print(f"freeze-to-return: {(t_ret - t_stop) * 1e3:.1f} ms")
+    lat = first_result_without_victim_s({r: _sums(cluster, r) for r in (0, 2, 3)}, 8.0, t_stop)
+    print(f"freeze-to-return: {lat * 1e3:.1f} ms")
     cluster.kill(1, signal.SIGCONT)
     cluster.wait_for(lambda m: cluster.of(1, "raised"), 20, "rank 1 raises")
     assert cluster.of(1, "raised")[0][0] == "RankEvictedError"
-    assert all(s[1] == 10.0 for s in _sums(cluster, 1))  # never a wrong result
+    frozen = _sums(cluster, 1)
+    assert frozen and all(s[1] == 10.0 for s in frozen)  # results before it, never a wrong one
     cluster.wait_for(lambda m: all(cluster.of(r, "done") for r in (0, 2, 3)), 20, "done")
     _check_agreement(cluster, [0, 2, 3], 10.0, 8.0, t_stop)
 
@@ -136,8 +163,40 @@ def test_raise_mode_steps_commit_identically(cluster):
         assert [c[:2] for c in commits[r][:n]] == [c[:2] for c in commits[0][:n]]
         assert [c[0] for c in commits[r]] == list(range(len(commits[r])))
     raised = {r: [x[0] for x in cluster.of(r, "raised")] for r in survivors}
+    assert raised[0], "no survivor raised: the kill did not hit a step"
     assert len({tuple(v) for v in raised.values()}) == 1, raised  # same steps raised
     assert commits[0][-1][2] >= 1  # committed steps continue in the new epoch
+    _assert_commit_values(commits[0], range(4), survivors)
+
+
+def engine_step_commit(step: int, active) -> float:
+    """The value ``_dist_workers.engine_steps`` commits at ``step`` when ``active`` ran
+    it: each rank r receives (s + r + step) % 3 rows [s, s] from every active s, and the
+    commit all_reduce sums out.sum() + 1000 * step over the active ranks."""
+    return float(sum(2 * s * ((s + r + step) % 3) for r in active for s in active)
+                 + 1000 * step * len(active))
+
+
+def _assert_commit_values(commits: list[tuple], before, after) -> None:
+    """Every commit (step, value, epoch) is the value of the membership ``before`` the
+    failure up to some step and of the one ``after`` it from then on (the epoch read
+    after a commit may already be the new one), and the last is ``after``'s."""
+    full = [v == engine_step_commit(step, before) for step, v, _ in commits]
+    less = [v == engine_step_commit(step, after) for step, v, _ in commits]
+    switch = full.index(False)
+    assert all(full[:switch]) and all(less[switch:]), (switch, commits)
+    assert all(full[i] for i, c in enumerate(commits) if c[2] == 0), commits
+
+
+def test_commit_value_check_catches_a_wrong_or_stale_commit():
+    good = [(s, engine_step_commit(s, range(4)), 0) for s in range(3)] + [
+        (s, engine_step_commit(s, (0, 2, 3)), 1) for s in range(3, 5)]
+    _assert_commit_values(good, range(4), (0, 2, 3))
+    stale = good[:4] + [(4, engine_step_commit(4, range(4)), 1)]  # the victim counted
+    wrong = good[:4] + [(4, good[4][1] + 1.0, 1)]
+    for bad in (stale, wrong, good[:3]):  # good[:3]: no commit after the failure
+        with pytest.raises((AssertionError, ValueError)):
+            _assert_commit_values(bad, range(4), (0, 2, 3))
 
 
 @pytest.mark.timeout(60)
@@ -159,3 +218,4 @@ def test_commit_completed_by_some_survivors_is_fetched_not_raised(cluster):
     raised = {r: [x for x in cluster.of(r, "raised")] for r in survivors}
     assert raised[0] == raised[1] == raised[2] == [(31, "header")]
     assert commits[0] == commits[1] == commits[2]
+    _assert_commit_values(cluster.of(0, "commit"), range(4), survivors)

@@ -47,7 +47,9 @@ def test_original_cohort_builds_every_group_globally(record):
     assert not world.is_extension and not world.use_local_synchronization
     assert calls[0][1]["pg_options"].max_group_size == 6
     assert calls[0][1]["pg_options"].active_ranks.tolist() == [1, 1, 1, 1, 0, 0]
-    # every model-parallel group: fixed cohort ranks, no capacity, global synchronization
+    # every model-parallel group (TP, EP, then each rank's PP and DP), built by every
+    # rank of the cohort: fixed ranks, no capacity, global synchronization
+    assert [r for r, _ in calls[1:]] == [[0, 1, 2, 3]] * 2 + [[0], [1], [2], [3]] * 2
     for _ranks, kw in calls[1:]:
         assert kw["pg_options"].max_group_size is None
         assert kw["use_local_synchronization"] is False
@@ -83,6 +85,8 @@ def test_scale_cohort_at_offset_4_uses_local_synchronization(record):
 def test_recovered_rank_rebuilds_globally_as_extension(record):
     calls = record(2)
     _build(0, recovered=True)
+    # the same eleven groups as the original cohort (an empty list would pass the alls)
+    assert [r for r, _ in calls] == [list(range(6))] + [[0, 1, 2, 3]] * 2 + [[0], [1], [2], [3]] * 2
     assert all(kw["pg_options"].is_extension for _, kw in calls)
     assert all(kw["use_local_synchronization"] is False for _, kw in calls)
 

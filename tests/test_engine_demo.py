@@ -1,18 +1,18 @@
 """The engine on the demo model vs transformers: greedy parity, perplexity, batching.
 
-Near-tie rule (DESIGN.md): fp32 on the CPU is not batch-invariant, so a greedy token may
-differ only where the reference's top-2 logit margin is below 1e-3; such cases are
-reported (printed, visible with ``-s`` / in the -ra summary via warnings).
+Near-tie rule (DESIGN.md, ``_ep_helpers.assert_equal_under_near_tie_rule``): fp32 on the
+CPU is not batch-invariant, so a greedy token may differ only where the reference's top-2
+logit margin is below 1e-3, in at most one prompt of eight; such cases are reported.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _ep_helpers import assert_equal_under_near_tie_rule
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-qwen3-moe"
-NEAR_TIE = 1e-3
 GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
@@ -65,29 +64,31 @@ def reference(hf_model, prompts):
     return refs
 
 
-def _compare(name: str, ours: list[int], ref: list[int], margins: list[float]) -> None:
-    """Assert token identity up to the first near tie; report the near tie if there is one."""
-    for j, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        if a != b:
-            assert margins[j] < NEAR_TIE, f"{name}: token {j} differs ({a} vs {b}), margin {margins[j]:.2e}"
-            msg = f"{name}: near tie at token {j} (margin {margins[j]:.2e}), accepted"
-            print(msg)
-            warnings.warn(msg, stacklevel=2)
-            return
-
-
 def test_greedy_matches_transformers(engine, prompts, reference):
     outs = engine.generate(prompts, GREEDY32)
-    for i, (out, (ref, margins)) in enumerate(zip(outs, reference, strict=True)):
-        assert len(out) == 32
-        _compare(f"prompt {i}", out, ref, margins)
+    assert [len(o) for o in outs] == [32] * len(prompts)
+    assert_equal_under_near_tie_rule(outs, [r for r, _ in reference],
+                                     [m for _, m in reference], "engine vs transformers")
+
+
+def test_near_tie_rule_excuses_at_most_one_prompt_in_eight():
+    ref = [[1, 2, 3]] * 16
+    margins = [[0.5, 1e-4, 0.5]] * 16
+    tie = [1, 9, 9]  # differs at token 1, a near tie
+    with pytest.warns(UserWarning, match="near tie"):
+        assert len(assert_equal_under_near_tie_rule([tie] * 2 + ref[2:], ref, margins, "t")) == 2
+    with pytest.raises(AssertionError, match="3 near ties excused, at most 2"), \
+            pytest.warns(UserWarning):
+        assert_equal_under_near_tie_rule([tie] * 3 + ref[3:], ref, margins, "t")
+    with pytest.raises(AssertionError, match="prompt 0 differs at token 0"):
+        assert_equal_under_near_tie_rule([[7, 2, 3]] + ref[1:], ref, margins, "t")
 
 
 def test_batched_equals_single(engine, prompts, reference):
     batched = engine.generate(prompts, GREEDY32)
-    for i, p in enumerate(prompts):
-        single = engine.generate([p], GREEDY32)[0]
-        _compare(f"prompt {i} batched vs single", batched[i], single, reference[i][1])
+    single = [engine.generate([p], GREEDY32)[0] for p in prompts]
+    assert_equal_under_near_tie_rule(batched, single, [m for _, m in reference],
+                                     "batched vs single")
 
 
 def _nll(logits: torch.Tensor, ids: list[int]) -> float:
@@ -116,13 +117,17 @@ def test_perplexity_matches_transformers(engine, ppl_texts, ref_ppl):
     assert abs(ours - 7.18) < 0.05  # the README's figure
 
 
-def test_bf16_runs_close(ppl_texts, ref_ppl, prompts):
+def test_bf16_runs_close(engine, ppl_texts, prompts):
+    """bf16 perplexity within 1% of fp32's on the same texts (measured: -0.02%)."""
+    texts = ppl_texts[:5]
+    n = sum(len(ids) - 1 for ids in texts)
+    fp32 = math.exp(sum(_nll(engine.prompt_logits(ids), ids) for ids in texts) / n)
     bf16 = LLMEngine.from_pretrained(MODEL, dtype=torch.bfloat16, progress=False)
-    nll = sum(_nll(bf16.prompt_logits(ids), ids) for ids in ppl_texts[:5])
-    ppl = math.exp(nll / sum(len(ids) - 1 for ids in ppl_texts[:5]))
-    assert math.isfinite(ppl) and ppl < 10
+    ppl = math.exp(sum(_nll(bf16.prompt_logits(ids), ids) for ids in texts) / n)
+    print(f"perplexity on {len(texts)} texts: bf16 {ppl:.4f}, fp32 {fp32:.4f}")
+    assert abs(ppl - fp32) / fp32 <= 0.01, (ppl, fp32)
     outs = bf16.generate(prompts[:2], SamplingParams(max_tokens=8))
-    assert all(len(o) == 8 for o in outs)
+    assert [len(o) for o in outs] == [8, 8]
 
 
 def test_prompt_longer_than_cache_or_context_is_rejected(prompts):

@@ -15,7 +15,7 @@ from elasticep.eplb.elastic import (
     scale_down_placement,
     scale_up_placement,
 )
-from elasticep.eplb.manager import compute_imbalance
+from elasticep.eplb.manager import compute_imbalance, rank_loads
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
 from elasticep.eplb.weight_transfer import move_expert_weights
@@ -144,14 +144,43 @@ def test_reconcile_handles_leave_and_join_together():
     assert q.live_ranks() == [0, 2, 3, 4]
 
 
-@pytest.mark.parametrize("seed", range(8))
+def _assert_balanced(weight: torch.Tensor, q: Placement) -> None:
+    """Live ranks' loads differ by at most the heaviest replica's load, per layer: the
+    packing gives each replica, heaviest first, to the lightest rank with room, so the
+    heaviest rank was the lightest when it took its last one."""
+    loads = rank_loads(weight, q)[:, q.active_ranks]
+    heaviest = (weight.double() / q.replica_counts().double()).max(-1).values
+    spread = loads.max(-1).values - loads.min(-1).values
+    assert bool((spread <= heaviest + 1e-9).all()), (loads, heaviest)
+
+
+# random cases with at least two live ranks (one live rank is balanced whatever it holds)
+_MULTI_RANK_SEEDS = [s for s in range(40) if int(_random_case(s)[1].sum()) >= 2][:8]
+
+
+@pytest.mark.parametrize("seed", _MULTI_RANK_SEEDS)
 def test_rebalance_is_sound_balanced_and_idempotent(seed):
     p, mask = _random_case(seed)
     g = torch.Generator().manual_seed(seed)
     weight = torch.randint(0, 100, (p.num_layers, p.num_logical_experts), generator=g).pow(2)
     q = rebalance_placement(weight, repair_placement(p, mask))
     _assert_sound(q)
+    _assert_balanced(weight, q)
     assert plan_expert_loads(q, rebalance_placement(weight, q)) == [], "second rebalance moves nothing"
+
+
+@pytest.mark.parametrize("seed, bad", [(13, "not rebalanced"), (8, "wrong load")])
+def test_balance_check_rejects_unbalanced_placements(seed, bad):
+    """The repaired placement before any rebalance (seed 13: spread 2.3x the heaviest
+    replica) and a rebalance for the experts' loads reversed (seed 8: 1.27x) both fail."""
+    p, mask = _random_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(0, 100, (p.num_layers, p.num_logical_experts), generator=g).pow(2)
+    q = repair_placement(p, mask)
+    if bad == "wrong load":
+        q = rebalance_placement(weight.flip(-1), q)
+    with pytest.raises(AssertionError):
+        _assert_balanced(weight, q)
 
 
 def test_rebalance_lowers_skewed_imbalance():

@@ -144,15 +144,21 @@ def test_stop_string_cuts_text(live):
 
 
 def test_concurrent_streams(live):
-    def run(prompt: str) -> tuple[int, int]:
+    """Three streams batched together: each gets its own prompt's greedy text, one chunk
+    per token (a batching mix-up or a lost chunk changes the text)."""
+    def run(prompt: str) -> tuple[str, int, int]:
         chunks = list(live["client"].completions.create(
             model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True}))
-        return sum(bool(c.choices) for c in chunks), chunks[-1].usage.completion_tokens
+        token_chunks = [c for c in chunks if c.choices]
+        return ("".join(c.choices[0].text for c in token_chunks), len(token_chunks),
+                chunks[-1].usage.completion_tokens)
 
+    order = [0, 1, 0]
     with ThreadPoolExecutor(3) as pool:
-        for n_chunks, n_tokens in pool.map(run, PROMPTS + PROMPTS[:1]):
-            assert n_chunks == n_tokens > 0
+        got = list(pool.map(run, [PROMPTS[i] for i in order]))
+    assert [g[0] for g in got] == [live["ref_texts"][i] for i in order]
+    assert [g[1:] for g in got] == [(len(live["refs"][i]),) * 2 for i in order]
 
 
 def test_client_disconnect_aborts_request(live):

@@ -177,9 +177,21 @@ def test_scale_down_copies_from_leaving_rank(outputs):
     assert sources and 3 in sources and None not in sources
 
 
-def test_eplb_rebalance_agrees_across_ranks(outputs):
-    ref = outputs[0]["eplb"]
-    assert all(torch.equal(outputs[r]["eplb"], ref) for r in range(WORLD))
+def test_eplb_rebalance_is_the_global_loads_on_every_rank(outputs):
+    """Every rank derives the placement of the global load: every rank's top-k ids of
+    each MoE layer, counted here, rebalanced over EP4 with 4 redundant slots."""
+    from elasticep.eplb import initial_placement, rebalance_placement
+
+    counts = torch.zeros(LAYERS, E, dtype=torch.int64)
+    for rank in range(WORLD):
+        ids = _tokens(rank)[1]
+        for layer in MOE_LAYERS:
+            counts[layer] += torch.bincount(ids.reshape(-1), minlength=E)
+    p4 = initial_placement(LAYERS, E, 4, WORLD)
+    expected = rebalance_placement(counts, p4).phy2log
+    assert not torch.equal(expected, p4.phy2log)  # the load moves experts: not a no-op
+    for r in range(WORLD):
+        assert torch.equal(outputs[r]["eplb"], expected), r
 
 
 def test_broadcast_from_healthy_rank(outputs):

@@ -264,14 +264,20 @@ class FakeLauncher:
 
     def __init__(self, states: dict[int, str], pids: dict[int, int]) -> None:
         import queue
+        import threading
 
         self.exits: queue.Queue = queue.Queue()
+        self.stop = threading.Event()  # set at the third look at the coordinator
+        self.polls = 0
         self.states, self.live = states, pids
         self.spawned: list[tuple[int, str | None]] = []
         self.admitted: list[list[int]] = []
         self.killed: list[int] = []
 
     def deployment_status(self) -> DeploymentStatus:
+        self.polls += 1
+        if self.polls == 3:  # two whole supervise iterations are done
+            self.stop.set()
         return _status(self.states, self.live)
 
     def pids(self, live_only: bool = False) -> dict[int, int]:
@@ -287,16 +293,14 @@ class FakeLauncher:
         self.live.pop(rank)
 
 
-def _supervise_once(launcher, restart: bool) -> None:
-    import threading
-
+def _supervise_once(launcher, restart: bool) -> list:
+    """Two supervise iterations (the queued exits are drained in the first); returns
+    the exits it saw, so a test knows the supervisor reached them."""
     from elasticep.deploy.supervisor import supervise
 
-    stop = threading.Event()
-    timer = threading.Timer(0.15, stop.set)
-    timer.start()
-    supervise(launcher, stop, restart=restart, poll_s=0.05)
-    timer.join()
+    seen = supervise(launcher, launcher.stop, restart=restart, poll_s=0.001)
+    assert launcher.polls == 3
+    return seen
 
 
 def test_restart_policy_relaunches_crashes_only():
@@ -306,13 +310,14 @@ def test_restart_policy_relaunches_crashes_only():
                             {0: 10, 2: 12})
     launcher.exits.put(RankExit(1, 11, -9))  # crashed: relaunched and admitted
     launcher.exits.put(RankExit(3, 13, 0))   # removed on purpose: never relaunched
-    _supervise_once(launcher, restart=True)
+    seen = _supervise_once(launcher, restart=True)
+    assert seen == [RankExit(1, 11, -9), RankExit(3, 13, 0)]
     assert launcher.spawned == [(1, "recover")] and launcher.admitted == [[1]]
 
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10})
     launcher.exits.put(RankExit(1, 11, -9))
-    _supervise_once(launcher, restart=False)  # without the flag: only logged
-    assert launcher.spawned == []
+    seen = _supervise_once(launcher, restart=False)  # without the flag: only logged
+    assert seen == [RankExit(1, 11, -9)] and launcher.spawned == []
 
 
 def test_relaunch_hint_is_a_command_that_runs(caplog):

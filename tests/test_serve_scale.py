@@ -15,6 +15,8 @@ import pytest
 from _serve_harness import (
     MAX_TOKENS,
     PROMPTS,
+    Burst,
+    StreamResult,
     fault_midstream,
     reference_results,
     serve_fixture,
@@ -38,10 +40,11 @@ def reference(serve):
 
 
 class Load:
-    """Streaming clients that run until stopped; every request must succeed."""
+    """Streaming clients that run until stopped; ``results`` holds (prompt index,
+    result) of every request, for comparison with the EP4 reference."""
 
     def __init__(self, serve, n_clients: int = 3) -> None:
-        self.done, self.errors = 0, []
+        self.results: list[tuple[int, StreamResult]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(serve, i), daemon=True)
                          for i in range(n_clients)]
@@ -51,10 +54,8 @@ class Load:
     def _loop(self, serve, i: int) -> None:
         client = serve.client
         while not self._stop.is_set():
-            r = stream(client, PROMPTS[i % len(PROMPTS)], 16)
-            if r.error is not None:
-                self.errors.append(r.error)
-            self.done += 1
+            k = i % len(PROMPTS)
+            self.results.append((k, stream(client, PROMPTS[k], MAX_TOKENS)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -86,6 +87,10 @@ def test_scale_up_then_down_under_load(serve, reference):
                             and s["scale_phase"] == "idle", 120, "EP6", watch=(join,))
         assert st["ep_size"] == 6
         time.sleep(1.0)  # new ranks take requests once their workers said hello
+        # six more streams on top of the load's three: a new request goes to the rank
+        # running the fewest (lowest id on ties), so the joined ranks 4 and 5 take some
+        at_ep6 = Burst(serve.client, PROMPTS[:6], MAX_TOKENS).results()
+        assert [(r.error, r.text) for r in at_ep6] == [(None, t) for t in reference[:6]]
         seen: list[str] = []
 
         def removed(s: dict) -> bool:
@@ -102,7 +107,11 @@ def test_scale_up_then_down_under_load(serve, reference):
         assert join.poll() is None, "join keeps supervising rank 4"
     finally:
         load.stop()
-    assert load.errors == [] and load.done > 0
+    assert load.results, "the load sent no request"
+    # greedy outputs do not depend on the EP size: every text through EP4 -> EP6 -> EP5
+    # is the EP4 reference's
+    assert [(k, r.error, r.text) for k, r in load.results] == [
+        (k, None, reference[k]) for k, _ in load.results]
 
 
 def test_kill_after_scale_is_survived_and_restarted(serve, reference):
@@ -126,7 +135,7 @@ def test_kill_a_scaled_in_rank(serve, reference):
                    and serve.rank(4)["pid"] != victim["pid"], 120, "rank 4 relaunched")
 
 
-def test_frozen_rank_is_killed_and_restarted(serve):
+def test_frozen_rank_is_killed_and_restarted(serve, reference):
     """--restart-failed-ranks: a SIGSTOPped rank is evicted, its frozen process killed
     (never resumed into the deployment) and its slot relaunched."""
     victim = serve.rank(2)
@@ -136,10 +145,10 @@ def test_frozen_rank_is_killed_and_restarted(serve):
                    and serve.rank(2)["pid"] != victim["pid"], 120, "rank 2 relaunched")
     assert not pid_alive(victim["pid"])
     ok = stream(serve.client, PROMPTS[0], MAX_TOKENS)
-    assert ok.error is None
+    assert (ok.error, ok.text) == (None, reference[0])
 
 
-def test_scale_down_of_a_serve_rank_is_never_restarted(serve):
+def test_scale_down_of_a_serve_rank_is_never_restarted(serve, reference):
     """Rank 3 is serve's own child, and serve runs with --restart-failed-ranks: once a
     scale-down removed it on purpose, it stays removed."""
     victim = serve.rank(3)
@@ -156,7 +165,7 @@ def test_scale_down_of_a_serve_rank_is_never_restarted(serve):
     after = serve.rank(3)
     assert after["state"] == "free" and after["pid"] == victim["pid"], after
     ok = stream(serve.client, PROMPTS[0], MAX_TOKENS)
-    assert ok.error is None
+    assert (ok.error, ok.text) == (None, reference[0])
 
 
 def test_killed_serve_leaves_no_orphans(serve):

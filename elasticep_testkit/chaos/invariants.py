@@ -1,10 +1,16 @@
 """The chaos invariants, as pure checks over what a trial recorded.
 
-* requests: every request completed with the fault-free greedy text, or got a clear
-  error (an HTTP status with a message); a client timeout is a hang, a dropped
-  connection or a short stream without an error is a silent loss;
+* requests: every request completed with the fault-free greedy text, and at least a
+  minimum number completed. While the schedule leaves a rank to serve, any client error
+  is a violation (the survivors must answer every request); only a schedule that can
+  take every rank out may end requests with a clear error (an HTTP status with a
+  message). A client timeout is a hang, a dropped connection or a short stream without
+  an error is a silent loss: violations always;
 * membership: at each epoch every rank that logged its view of the active set agrees,
-  and agrees with the coordinator's committed membership of that epoch;
+  and agrees with the coordinator's committed membership of that epoch. The check is
+  never vacuous: every epoch the trial moved to must have a commit line in serve's log,
+  and some worker must have logged its view in one of them (a log format that the
+  patterns no longer match fails here, instead of passing with nothing compared);
 * processes: no pid the run started or saw is left alive (checked by the runner).
 
 Worker views come from the worker logs (``rank<r>.log``), whose lines carry
@@ -47,8 +53,24 @@ def coordinator_commits(serve_log: Path) -> dict[int, tuple[int, ...]]:
 
 def check_membership(views: dict[int, dict[int, set[tuple[int, ...]]]],
                      commits: dict[int, tuple[int, ...]], epochs: range) -> list[str]:
-    """Violations of "every rank's view agrees at each epoch" for ``epochs``."""
+    """Violations of "every rank's view agrees at each epoch" for ``epochs``.
+
+    Args:
+        views: from :func:`worker_views`.
+        commits: from :func:`coordinator_commits`.
+        epochs: the trial's epochs, its starting one first (``range(e0, e1 + 1)``);
+            every later one must appear in ``commits``, and ``views`` must hold at least
+            one rank's view of one of them.
+    """
     out = []
+    moved = epochs[1:]
+    missing = [e for e in moved if e not in commits]
+    if missing:
+        out.append(f"no coordinator commit logged for epochs {missing} (the commit "
+                   f"pattern matched {len(commits)} lines in all)")
+    if moved and not any(views.get(e) for e in moved):
+        out.append(f"no worker logged its view of the active set at epochs "
+                   f"{moved.start}..{moved.stop - 1}: nothing to compare")
     for epoch in epochs:
         seen = {v for per_rank in views.get(epoch, {}).values() for v in per_rank}
         if len(seen) > 1:
@@ -61,12 +83,22 @@ def check_membership(views: dict[int, dict[int, set[tuple[int, ...]]]],
 
 
 def check_requests(records: list[RequestRecord], reference: dict[int, str],
-                   max_tokens: int) -> tuple[list[str], list[str]]:
+                   max_tokens: int, min_completed: int,
+                   errors_allowed: bool = False) -> tuple[list[str], list[str]]:
     """Violations and clear errors of one trial's requests.
 
+    Args:
+        records: every request of the trial.
+        reference: prompt index -> the fault-free greedy text.
+        max_tokens: tokens of a complete answer.
+        min_completed: fewer complete answers than this is a violation (the load ran).
+        errors_allowed: the schedule may leave no rank to serve, so an error the server
+            answered with a status and a message is not a violation.
+
     Returns:
-        (violations, clear_errors): hangs, silent losses and wrong texts are
-        violations; an error the server answered with a status and message is not.
+        (violations, clear_errors): hangs, silent losses, wrong texts, too few
+        completions and, unless ``errors_allowed``, any client error are violations;
+        ``clear_errors`` lists the errors the server answered clearly.
     """
     violations, clear = [], []
     for r in records:
@@ -76,6 +108,9 @@ def check_requests(records: list[RequestRecord], reference: dict[int, str],
                                   f"{len(r.token_times)} tokens: {r.error[:200]}")
             else:
                 clear.append(r.error[:200])
+                if not errors_allowed:
+                    violations.append(f"request {r.prompt_idx}: client error while ranks "
+                                      f"were left to serve: {r.error[:200]}")
         elif not r.complete(max_tokens):
             violations.append(f"request {r.prompt_idx}: stream ended after "
                               f"{len(r.token_times)}/{max_tokens} tokens with no error "
@@ -86,4 +121,8 @@ def check_requests(records: list[RequestRecord], reference: dict[int, str],
                       min(len(r.text), len(ref)))
             violations.append(f"request {r.prompt_idx}: text differs from the fault-free run "
                               f"at char {at}: {r.text[at:at + 30]!r} vs {ref[at:at + 30]!r}")
+    completed = sum(r.complete(max_tokens) for r in records)
+    if completed < min_completed:
+        violations.append(f"only {completed} of {len(records)} requests completed; at "
+                          f"least {min_completed} must")
     return violations, clear

@@ -95,6 +95,11 @@ class Schedule:
         """Slots taken out of the membership over the whole schedule."""
         return {r for f in self.faults if f.kind != "occupied-join" for r in f.ranks}
 
+    def leaves_survivors(self, ep_size: int) -> bool:
+        """True when some rank of slots 0..ep_size-1 is never a victim, so the
+        deployment can answer every request (every :func:`make_schedule` schedule)."""
+        return bool(set(range(ep_size)) - self.victims())
+
 
 def make_schedule(seed: int, trial: int, ep_size: int, heartbeat_timeout_s: float,
                   kinds: tuple[str, ...] = KINDS, max_faults: int = 2,

@@ -2,7 +2,8 @@
 
 Every time is ``time.monotonic()`` seconds; windows are half-open ``[t0, t1)``. A *gap*
 is the time between two consecutive tokens of one request (time to first token is not
-a gap: it includes the prompt's prefill).
+a gap: it includes the prompt's prefill); a *wait* is a gap or, for a request in flight
+at an event with no token yet, its time to first token.
 """
 
 from __future__ import annotations
@@ -24,9 +25,28 @@ def gaps(records: Iterable[RequestRecord]) -> list[tuple[float, float]]:
 
 
 def max_gap_overlapping(records: Iterable[RequestRecord], t0: float, t1: float) -> float:
-    """Longest gap that overlaps ``[t0, t1]`` (the interruption across an event);
-    0.0 if none does."""
+    """Longest gap that overlaps ``[t0, t1]``; 0.0 if none does."""
     return max((b - a for a, b in gaps(records) if a < t1 and b > t0), default=0.0)
+
+
+def max_wait_across(records: list[RequestRecord], t_event: float, t1: float) -> float:
+    """The interruption across an event: the longest a client waited for its next
+    token, over gaps that overlap ``[t_event, t1]`` and the time to first token of every
+    request in flight at ``t_event`` that had no token yet (a request sent to a rank
+    that then died waits for its first token, not between two). A request that never
+    got a token waited until it ended. 0.0 if nothing overlaps.
+
+    Args:
+        records: every request of the run.
+        t_event: the event (monotonic seconds).
+        t1: end of the window the gaps are taken over.
+    """
+    longest = max_gap_overlapping(records, t_event, t1)
+    for r in records:
+        waited_until = r.token_times[0] if r.token_times else r.end
+        if r.start <= t_event < waited_until:
+            longest = max(longest, waited_until - r.start)
+    return longest
 
 
 def median_gap_within(records: Iterable[RequestRecord], t0: float, t1: float) -> float | None:
