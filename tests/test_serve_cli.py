@@ -368,6 +368,7 @@ class JoinedLauncher(FakeLauncher):
         self.coordinator_pid = coordinator_pid
 
     def deployment_status(self) -> DeploymentStatus:
+        super().deployment_status()  # counts the polls that end _supervise_once
         pids = {**self.live, 1: self.live.get(1, self.coordinator_pid)}
         return _status(self.states, pids)
 
