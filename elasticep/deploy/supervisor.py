@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXIT_REMOVED = 0  # the worker's status after a planned removal
-EXIT_LOST = 3     # ... after it lost the coordinator or was evicted (as elastic.worker)
 
 
 class StopEvent(threading.Event):
@@ -158,9 +157,9 @@ def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return
-    if epoch < 0 and ex.code == EXIT_LOST:  # no hint: a relaunch needs the coordinator
-        logger.warning("rank %d (pid %d) stopped: the coordinator is unreachable", ex.rank,
-                       ex.pid)
+    if epoch < 0:  # no hint: a relaunch needs the coordinator
+        logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
+                       "unreachable", ex.rank, ex.pid, ex.code)
         return
     if not restart:
         logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with `%s`",

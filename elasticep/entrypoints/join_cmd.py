@@ -25,7 +25,7 @@ from pathlib import Path
 
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
-from elasticep.deploy.supervisor import EXIT_LOST, exit_status, stop_on_signals, supervise
+from elasticep.deploy.supervisor import EXIT_REMOVED, exit_status, stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         if not joined:
             return stop.exit_status() or 1
         exits = supervise(deployment, stop, restart=False, until_all_exited=True)
-        if not stop.is_set() and any(ex.code == EXIT_LOST for ex in exits):
+        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
             if reason:
                 print(f"elasticep join: error: {reason}", file=sys.stderr)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.supervisor import (
-    EXIT_LOST,
+    EXIT_REMOVED,
     StopEvent,
     exit_status,
     stop_on_signals,
@@ -199,7 +199,9 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
         if fatal and exits:
             return 1
         # ranks left alive at a stop are no loss; without a stop, every rank exited
-        if not stop.is_set() and any(ex.code == EXIT_LOST for ex in exits):
+        # every rank exited: if the coordinator is gone, that is why (a rank may see its
+        # peers die first and exit with an error, not with the lost-coordinator 3)
+        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
             reason = coordinator_lost(address, settings.coordinator_timeout_s, stop)
             if reason:
                 print(f"elasticep serve: error: node {settings.node_rank}: {reason}",
