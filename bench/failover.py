@@ -106,7 +106,7 @@ def scale_down(run: Run, ep_size: int) -> float:
     run.t_event = run.pause_from = run.mark(f"POST scale {leaving}")
     if code != 200:
         raise RuntimeError(f"POST /scale_elastic_ep {leaving} -> {code} {body}")
-    snap = run.watch.wait_for(lambda s: s.states[leaving] == "removed", 120,
+    snap = run.watch.wait_for(lambda s: s.states[leaving] == "free", 120,
                               f"rank {leaving} removed", after=run.t_event)
     run.t_settled = run.t_admitted = run.mark(f"epoch {snap.epoch}: rank {leaving} removed",
                                               at=snap.t)

@@ -101,9 +101,11 @@ class Serve:
         return path.read_text()[-3000:]
 
     def join(self, *args: str) -> subprocess.Popen:
-        """Start ``elasticep join --dist-init-addr <coordinator> ARGS``."""
+        """Start ``elasticep join --dist-init-addr <coordinator> ARGS``; once serve is
+        gone, it tries the coordinator for 5 s (``--coordinator-timeout``), then exits."""
         log = open(self.log_path.with_suffix(f".join{len(self.joins)}.log"), "w")  # noqa: SIM115
-        p = subprocess.Popen(cli("join", "--dist-init-addr", self.coordinator, *args),
+        p = subprocess.Popen(cli("join", "--dist-init-addr", self.coordinator,
+                                 "--coordinator-timeout", "5", *args),
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.joins.append(p)
         return p

@@ -2,7 +2,13 @@
 
 import pytest
 
-from elasticep.distributed.membership import Report, decide, local_action, next_slot_state
+from elasticep.distributed.membership import (
+    Report,
+    SlotState,
+    decide,
+    local_action,
+    next_slot_state,
+)
 from elasticep.distributed.registry import Group, Transition
 
 
@@ -62,7 +68,7 @@ def test_late_removal_vote_does_not_undo_a_later_readmission():
     assert tr.kind == "change" and tr.new_active == {0, 1, 2, 3}
     g.pending_remove.add(4)  # the late member's vote
     g.commit(tr)
-    assert g.states[4] == "removed" and not g.pending_remove
+    assert g.states[4] == "free" and not g.pending_remove
     # a new joiner for slot 4 is admitted, and nothing removes it again
     g.states[4] = "ready"
     g.pending_admit = {4}
@@ -126,7 +132,7 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
         c._deactivate(c._procs[0], {"group": "world", "ranks": [4, 5]})
         assert g.transition.kind == "change"
     c._proc_dead(c._procs[5], "killed")
-    assert g.states[5] == "removed"
+    assert g.states[5] == "free"
     assert g.transition.kind == "failure" and g.transition.dead == {5}
     assert 5 not in g.pending_remove and g.requests["remove"] == [4]
     _report_all(c, g)
@@ -136,7 +142,7 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
     assert g.transition.kind == "change" and g.transition.removed == {4}
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3} and g.transition is None
-    assert g.states == ["healthy"] * 4 + ["removed", "removed"]
+    assert g.states == ["healthy"] * 4 + ["free", "free"]
     assert not g.pending_remove and g.requests["remove"] == []
 
 
@@ -145,3 +151,45 @@ def test_healthy_rank_dying_is_failed():
     g = c._groups["world"]
     c._proc_dead(c._procs[2], "killed")
     assert g.states[2] == "failed" and g.transition.dead == {2}
+
+
+def _with_capacity(n_active: int, capacity: int):
+    """A coordinator whose WORLD has ``n_active`` healthy slots and free capacity above,
+    and a fake process for every slot."""
+    from elasticep.distributed.coordinator import _Proc
+
+    c = _coordinator(capacity)
+    c._groups["world"] = Group.create("world", list(range(capacity)), list(range(n_active)),
+                                      "complete", set())
+    c._procs[n_active] = _Proc(rank=n_active, pid=200, conn=_FakeConn(), groups={"world"})
+    return c, c._groups["world"]
+
+
+@pytest.mark.parametrize("loaded", ["joining", "ready"])
+@pytest.mark.parametrize("admission_asked", [False, True])
+def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admission_asked):
+    """serve --ep-size 4 --max-ep-size 5, join scale --ranks 4, kill -9 it once registered
+    (or ready), with or without POST 5 first: slot 4 is free capacity again, no failure
+    epoch, not degraded, and a new scale joiner may take it."""
+    from elasticep.distributed.membership import state_after_death
+    from elasticep.distributed.scaling import ScaleTarget, check_join
+    from elasticep.distributed.status import DeploymentStatus, RankStatus
+
+    c, g = _with_capacity(4, 5)
+    g.set_state(4, SlotState.JOINING)
+    if loaded == "ready":
+        g.set_state(4, SlotState.READY)
+    if admission_asked:
+        g.pending_admit.add(4)
+    c._proc_dead(c._procs[4], "killed")
+    assert g.states == ["healthy"] * 4 + ["free"]
+    assert g.transition is None and not g.pending_dead and not g.pending_admit
+    # not degraded (with POST 5 first, the scale waits for a joiner: no slot has failed)
+    status = DeploymentStatus(g.epoch, 4, 5, ranks=tuple(
+        RankStatus(r, st) for r, st in enumerate(g.states)))
+    assert not status.degraded()
+    check_join("scale", [4], g.states, g.ranks, ScaleTarget(4, 5), {}, {})  # no refusal
+    # a recover joiner that dies gives back a failed slot: still failed, as before
+    assert state_after_death(SlotState.JOINING, False, False, SlotState.FAILED) == "failed"
+    # an admitted member (or one the transition in flight admits) that dies has failed
+    assert state_after_death(SlotState.READY, False, True, SlotState.FREE) == "failed"

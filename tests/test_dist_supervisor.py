@@ -31,7 +31,7 @@ def test_status_removal_and_reported_death():
         assert cl.of(3, "raised") == ["RankRemovedError"]
         steps = {cl.of(r, "removed")[0] for r in range(4)}
         assert len(steps) == 1  # every rank applied it at the same step
-        assert client.status()["groups"]["world"]["states"][3] == "removed"
+        assert client.status()["groups"]["world"]["states"][3] == "free"
         cl.wait_for(lambda m: any(s[1] == 6.0 for s in cl.of(0, "sum")), 20, "sum over 0..2")
         # a frozen rank reported dead by the supervisor is dropped before any heartbeat
         t0 = time.time()
@@ -46,7 +46,7 @@ def test_status_removal_and_reported_death():
             assert by[-1] == 3.0
         assert [s[:2] for s in cl.of(0, "sum")] == [s[:2] for s in cl.of(1, "sum")]
         assert client.status()["groups"]["world"]["states"] == [
-            "healthy", "healthy", "failed", "removed"]
+            "healthy", "healthy", "failed", "free"]
     finally:
         client.close()
         cl.close()

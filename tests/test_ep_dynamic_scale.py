@@ -43,5 +43,5 @@ def test_scale_up_then_down(driver):
         time.sleep(0.05)
     assert dep.exit_codes[4] == [0]
     states = dep.status().states()
-    assert states[4] == "removed" and dep.active_ranks() == [0, 1, 2, 3]
+    assert states[4] == "free" and dep.active_ranks() == [0, 1, 2, 3]
     assert_matches_reference(generated(driver), "EP4 after scale-down")

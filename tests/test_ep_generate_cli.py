@@ -1,6 +1,6 @@
 """`elasticep generate --ep-size 2` as a user runs it: same output format and tokens as
---ep-size 1. Uses the plain Gloo baseline (--elastic-ep-backend none), so that path is
-covered too; the elastic backend is covered by the other test_ep_* modules."""
+--ep-size 1, with the plain Gloo baseline (--elastic-ep-backend none) and the elastic
+backend; a successful run's shutdown logs no failure."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from _ep_helpers import MODEL, REPO, reference, tokenizer
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_generate_ep2_matches_reference(tmp_path):
+@pytest.mark.parametrize("backend", ["none", "elastic"])
+def test_generate_ep2_matches_reference(tmp_path, backend):
     ref, _ = reference()
     from _ep_helpers import prompts
 
@@ -23,9 +24,12 @@ def test_generate_ep2_matches_reference(tmp_path):
     f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
     cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(MODEL),
            "--prompts-file", str(f), "--max-tokens", "8", "--ep-size", "2",
-           "--ep-num-redundant-experts", "2", "--elastic-ep-backend", "none"]
+           "--ep-num-redundant-experts", "2", "--elastic-ep-backend", backend]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
+    # a normal shutdown is no failure: no rank death, failure epoch or lost coordinator
+    for word in (" dead", "kind=failure", "CoordinatorLostError", "ERROR"):
+        assert word not in run.stderr, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2]
     eos = 0  # the demo model's eos_token_id

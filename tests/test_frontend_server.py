@@ -5,6 +5,7 @@ the paths that need no tokens (no chat template, no healthy rank, scale errors).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -301,6 +302,194 @@ def test_workerless_server_answers_chat_400_health_503_scale_409():
         assert httpx.post(server.url + "/scale_elastic_ep",
                           json={"new_ep_size": 5}).status_code == 400
         assert "elasticep_rank_failures_total 1.0" in httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+        channel.close()
+
+
+class RecordingMembership:
+    """Four healthy ranks, capacity four; records every scale the front-end asks for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 1, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
+             "ranks": [{"rank": r, "state": "healthy", "pid": 100 + r, "node": 0}
+                       for r in range(4)]})
+
+    def scale(self, new_ep_size: int) -> dict:
+        self.asked.append(new_ep_size)
+        return {}
+
+
+@pytest.fixture
+def recording_server():
+    channel = FrontendChannel()
+    membership = RecordingMembership()
+    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    server.start()
+    try:
+        yield server.url, membership
+    finally:
+        server.stop()
+        channel.close()
+
+
+def test_scale_request_is_strict_and_names_the_problem(recording_server):
+    url, membership = recording_server
+
+    def refused(body: dict) -> str:
+        r = httpx.post(url + "/scale_elastic_ep", json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    assert "new_ep_size" in refused({"new_ep_size": "3"})  # a string is not a size
+    assert "new_ep_size" in refused({"new_ep_size": True})
+    assert refused({"ep_size": 3}) == ("Unrecognized request argument supplied: ep_size; "
+                                       "new_ep_size: Field required")
+    assert refused({"new_ep_size": 6}) == ("new_ep_size must be in [1, 4] (serve "
+                                           "--max-ep-size 4 caps growth), got 6")
+    assert membership.asked == []
+    ok = httpx.post(url + "/scale_elastic_ep", json={"new_ep_size": 3})
+    assert ok.status_code == 200 and ok.json()["new_ep_size"] == 3
+    assert membership.asked == [3]
+
+
+def test_models_retrieve_answers_the_served_model_and_404_for_others(recording_server):
+    url, _ = recording_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    card = client.models.retrieve(NAME)
+    assert (card.id, card.object, card.owned_by) == (NAME, "model", "elasticep")
+    assert card.model_dump()["max_model_len"] == client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
+
+
+class ScriptedMembership:
+    """Four slots whose states the test sets; every pid is this process (the hellos')."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy", "joining", "joining", "joining"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(
+            {"epoch": 1, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
+             "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
+                       for r, s in enumerate(self.states)]})
+
+    def scale(self, new_ep_size: int) -> dict:
+        raise ScaleInProgressError("not in this test")
+
+
+def test_health_is_503_until_every_rank_is_ready_then_degraded_semantics():
+    channel = FrontendChannel()
+    membership = ScriptedMembership()
+    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    workers = [WorkerChannel(channel.endpoints, rank=r) for r in range(4)]
+    server.start()
+    try:
+        workers[0].hello()
+        wait_for(lambda: httpx.get(server.url + "/health").json()["healthy_ranks"] == 1, 10,
+                 "rank 0 healthy")
+        health = httpx.get(server.url + "/health")  # three of four still load
+        assert health.status_code == 503
+        assert health.json()["status"] == "starting"
+        assert health.json()["reason"] == "starting: 1 of 4 ranks ready"
+        membership.states = ["healthy"] * 4
+        for w in workers[1:]:
+            w.hello()
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10, "ready")
+        assert httpx.get(server.url + "/health").json()["degraded"] is False
+        membership.states[2] = "failed"  # after start-up: 200, degraded
+        wait_for(lambda: httpx.get(server.url + "/health").json()["degraded"], 10, "degraded")
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        server.stop()
+        for w in workers:
+            w.close()
+        channel.close()
+
+
+class OneRank(ScriptedMembership):
+    """One slot, healthy."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict({**super().status().to_dict(), "ep_size": 1,
+                                           "max_ep_size": 1})
+
+
+def test_api_limit_is_the_engine_limit_and_engine_refusals_are_400(tmp_path):
+    from elasticep.engine.llm_engine import max_sequence_len
+    from elasticep.models.config import load_model_config
+
+    # a sliding window of 64 tokens: the engine caps sequences there (full attention
+    # past it would differ), so the API must advertise and check 64, not the context
+    model = tmp_path / "windowed"
+    model.mkdir()
+    for f in DEMO.iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    cfg = json.loads((DEMO / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(
+        {**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    assert max_sequence_len(load_model_config(model), None) == 64
+    channel = FrontendChannel()
+    server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
+    worker = WorkerChannel(channel.endpoints, rank=0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        assert client.models.list().data[0].max_model_len == 64
+        worker.hello()
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10, "routable")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=NAME, prompt=list(range(1, 41)), max_tokens=30)
+        assert err.value.code == "context_length_exceeded"
+
+        # whatever the engine still refuses comes back as a 400 with its reason
+        def refuse() -> None:
+            msgs = []
+            while not msgs:
+                msgs = worker.poll(0.1)
+            worker.send_error(msgs[0].request_id, "top_k must be < vocab")
+        refuser = threading.Thread(target=refuse, daemon=True)
+        refuser.start()
+        with pytest.raises(openai.BadRequestError, match="top_k must be < vocab"):
+            client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2)
+        refuser.join(10)
+    finally:
+        server.stop()
+        worker.close()
+        channel.close()
+
+
+class HalfFree(ScriptedMembership):
+    """serve --ep-size 2 --max-ep-size 4: slots 2 and 3 were never started."""
+
+    def __init__(self) -> None:
+        self.states = ["healthy", "healthy", "free", "free"]
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict({**super().status().to_dict(), "ep_size": 2})
+
+
+def test_unused_capacity_is_free_in_status_and_metrics():
+    channel = FrontendChannel()
+    server, _ = create_server(DEMO, channel, HalfFree(), served_model_name=NAME)
+    server.start()
+    try:
+        status = httpx.get(server.url + "/elastic_ep_status").json()
+        assert [r["state"] for r in status["ranks"]] == ["healthy", "healthy", "free", "free"]
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'elasticep_slots{state="free"} 2.0' in metrics
+        assert 'elasticep_slots{state="healthy"} 2.0' in metrics
+        assert 'elasticep_slots{state="removed"}' not in metrics
     finally:
         server.stop()
         channel.close()

@@ -197,9 +197,9 @@ def test_draining_rank_gets_abort_and_parked_requests_resume():
     assert sends == [Send(0, AbortRequest("a")),
                      Send(1, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
     # the only survivor fails: the request is parked, not failed
-    assert tr.update_ranks({0: "removed", 1: "failed"}) == []
+    assert tr.update_ranks({0: "free", 1: "failed"}) == []
     assert tr.rank_of("a") is None and tr.num_running == 1
-    sends = tr.update_ranks({0: "removed", 1: "failed", 2: "healthy"})
+    sends = tr.update_ranks({0: "free", 1: "failed", 2: "healthy"})
     assert sends == [Send(2, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
     tr.on_outputs(2, [out("a", 1, 66, "stop")])
     assert c.text == "AB" and c.finish == "stop"

@@ -48,3 +48,36 @@ def test_generate_prompt_and_prompts_file(tmp_path):
 
     bad = _cli("--prompt", "x" * 3000, "--max-tokens", "4", "--max-total-tokens", "64")
     assert bad.returncode == 2 and "does not fit" in bad.stderr and bad.stdout == ""
+
+
+def test_eos_ids_of_generation_config_end_generation_as_in_transformers(tmp_path):
+    """config.json says eos 0; generation_config.json adds a token the greedy run emits:
+    transformers stops after it, and so must we (finish_reason "stop")."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from elasticep.engine.llm_engine import LLMEngine
+    from elasticep.engine.request import SamplingParams
+
+    src = REPO / "models" / "tiny-qwen3-moe"
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok(PROMPT).input_ids
+    free_run = LLMEngine.from_pretrained(src, progress=False).generate(
+        [ids], SamplingParams(max_tokens=12))[0]
+    stop_at = next(i for i, t in enumerate(free_run) if t not in free_run[:i] and t != 0 and i >= 2)
+    model = tmp_path / "tiny"
+    model.mkdir()
+    for f in src.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "generation_config.json").unlink()
+    gen = json.loads((src / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(
+        json.dumps({**gen, "eos_token_id": [free_run[stop_at], 0]}))
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+    assert ref.tolist() == free_run[: stop_at + 1]  # transformers stops after that token
+    ours = LLMEngine.from_pretrained(model, progress=False).generate(
+        [ids], SamplingParams(max_tokens=12))[0]
+    assert ours == ref.tolist()

@@ -84,8 +84,15 @@ def test_bad_flags(argv, message):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
-    ('["a"]\n', 'line 1: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
+    ('{"prompt": "a"}\n\n{"text": "x"}\n',
+     'line 3: missing key "prompt" (or "prompt_token_ids"); the object has keys: "text"'),
+    ('{"question": "q", "answer": "a"}\n',  # the gsm8k layout
+     'line 1: missing key "prompt" (or "prompt_token_ids"); the object has keys: '
+     '"question", "answer"'),
+    ('{"prompt": 3}\n', 'line 1: "prompt" must be a string, got int'),
+    ('{"prompt_token_ids": []}\n', 'line 1: "prompt_token_ids" must be a non-empty list of integers'),
+    ('["a"]\n', 'line 1: expected a JSON object with a "prompt" or "prompt_token_ids" key, '
+     'got a list'),
     ("\n", "no prompts"),
 ])
 def test_bad_prompts_file(tmp_path, content, message):

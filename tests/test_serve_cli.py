@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import elasticep
 from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
 from elasticep.distributed.membership import SlotState, scale_phase
 from elasticep.distributed.scaling import (
@@ -20,7 +24,8 @@ from elasticep.distributed.scaling import (
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
-from elasticep.entrypoints.serve_args import UsageError, validate
+from elasticep.entrypoints.serve_args import validate
+from elasticep.entrypoints.validate import UsageError
 from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,6 +48,11 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--nnodes", "0"], "--nnodes must be >= 1"),
     (["--model", "/nonexistent/model"], "no such model directory"),
     (["--dist-init-addr", "nohost"], "HOST:PORT"),
+    (["--dist-init-addr", "127.0.0.1:99999"], "--dist-init-addr 99999 is not a TCP port"),
+    (["--dist-init-addr", ":29400"], "HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", "h:0"],
+     "--dist-init-addr 0 is not a TCP port"),
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
@@ -74,6 +84,21 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback():
     assert p.returncode == 2
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines == ["elasticep serve: error: --max-ep-size (3) must be >= --ep-size (4)"]
+
+
+@pytest.mark.parametrize("command, argv, line", [
+    ("serve", ["--dist-init-addr", "127.0.0.1:99999"],
+     "elasticep serve: error: --dist-init-addr 99999 is not a TCP port (must be in [0, 65535])"),
+    ("serve", ["--port", "70000"],
+     "elasticep serve: error: --port 70000 is not a TCP port (must be in [0, 65535])"),
+    ("join", ["--dist-init-addr", "127.0.0.1:99999", "--elastic-ep-rejoin", "--ranks", "1"],
+     "elasticep join: error: --dist-init-addr 99999 is not a TCP port (must be in [1, 65535])"),
+])
+def test_every_address_flag_gets_the_same_one_line_check(command, argv, line):
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [line]
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -116,7 +141,7 @@ def _check(mode, want, states, pids=None, ep_size=None, launched=None, procs=Non
 
 
 def test_join_refuses_occupied_or_wrong_mode_slots():
-    states = ["healthy", "failed", "healthy", "healthy", "removed", "removed"]
+    states = ["healthy", "failed", "healthy", "healthy", "free", "free"]
     _check("recover", [1], states, {0: 11})
     _check("scale", [4, 5], states, {0: 11})
     with pytest.raises(JoinRefusedError, match="rank 0 is healthy \\(pid 11\\)"):
@@ -135,7 +160,7 @@ def test_scale_phase():
     assert scale_phase(["healthy"] * 4 + ["ready", "ready"], {4, 5}, set()) == "admitting"
     assert scale_phase(["healthy"] * 6, {4, 5}, set()) == "idle"
     assert scale_phase(["healthy"] * 5 + ["draining"], set(), {5}) == "draining"
-    assert scale_phase(["healthy"] * 5 + ["removed"], set(), {5}) == "idle"
+    assert scale_phase(["healthy"] * 5 + ["free"], set(), {5}) == "idle"
     assert scale_phase(["failed"] + ["healthy"] * 3, set(), set()) == "idle"
 
 
@@ -149,24 +174,24 @@ def _view(states, procs, launched=None, ep_size=4, max_ep_size=None, nodes=None)
 
 def test_status_shape():
     procs = _procs({0: 10, 1: 11, 2: 12, 3: 13})
-    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+    st = _view(["healthy", "failed", "healthy", "healthy", "free", "free"], procs,
                nodes={r: r // 2 for r in range(6)})
     assert st["epoch"] == 3 and st["ep_size"] == 4 and st["max_ep_size"] == 6
     assert st["ranks"][1] == {"rank": 1, "state": "failed", "pid": 11, "node": 0}
-    assert st["ranks"][5] == {"rank": 5, "state": "removed", "pid": None, "node": 2}
+    assert st["ranks"][5] == {"rank": 5, "state": "free", "pid": None, "node": 2}
     empty = _view(None, {}, ep_size=2, max_ep_size=3)
-    assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "removed"]
+    assert [r["state"] for r in empty["ranks"]] == ["joining", "joining", "free"]
     assert DeploymentStatus.from_dict(st).to_dict() == st
 
 
 def test_status_shows_loading_workers_as_joining():
     """Workers load before they register: a launched, unregistered worker is joining."""
     procs = _procs({0: 10, 1: 11, 2: 12})  # rank 3 has not registered yet
-    st = _view(["healthy", "failed", "healthy", "healthy", "removed", "removed"], procs,
+    st = _view(["healthy", "failed", "healthy", "healthy", "free", "free"], procs,
                launched={1: 21, 3: 13, 4: 24, 0: 10})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
         ("healthy", 10), ("joining", 21), ("healthy", 12), ("joining", 13), ("joining", 24),
-        ("removed", None)]
+        ("free", None)]
 
 
 def test_status_registered_joiner_stays_joining():
@@ -176,17 +201,17 @@ def test_status_registered_joiner_stays_joining():
     procs = {0: ProcInfo(10, True, True), 1: ProcInfo(21, True, False),
              2: ProcInfo(12, False, True), 3: ProcInfo(13, True, True)}
     # rank 3: a member being scaled away (still alive, still in the group) stays removed
-    st = _view(["healthy", "failed", "failed", "removed"], procs,
+    st = _view(["healthy", "failed", "failed", "free"], procs,
                launched={0: 10, 1: 21, 3: 13})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
-        ("healthy", 10), ("joining", 21), ("failed", 12), ("removed", 13)]
+        ("healthy", 10), ("joining", 21), ("failed", 12), ("free", 13)]
 
 
 def test_scale_up_down_and_409():
     t = ScaleTarget(4, 6)
-    plan = t.plan(6, _states(*["healthy"] * 4, "removed", "removed"))
+    plan = t.plan(6, _states(*["healthy"] * 4, "free", "free"))
     assert plan.admit == (4, 5) and plan.remove == () and plan.reply["slots"] == [4, 5]
-    joining = _states(*["healthy"] * 4, "removed", "removed")
+    joining = _states(*["healthy"] * 4, "free", "free")
     assert t.phase(joining) == "waiting_for_joiners"
     with pytest.raises(ScaleInProgressError):
         t.plan(3, joining)  # below the size before the grow: not a withdrawal
@@ -196,10 +221,10 @@ def test_scale_up_down_and_409():
     assert plan.remove == (4, 5) and plan.reply == {"old_ep_size": 6, "slots": [4, 5],
                                                     "scale_phase": "draining"}
     assert t.phase(_states(*["healthy"] * 4, "draining", "draining")) == "draining"
-    assert t.phase(_states(*["healthy"] * 4, "removed", "removed")) == "idle"
+    assert t.phase(_states(*["healthy"] * 4, "free", "free")) == "idle"
     assert t.ep_size == 4
     with pytest.raises(ValueError):
-        t.plan(7, _states(*["healthy"] * 4, "removed", "removed"))
+        t.plan(7, _states(*["healthy"] * 4, "free", "free"))
     # serve's shrink: slots [K, max) leave, whatever their order of admission
     t = ScaleTarget(6, 6)
     assert t.plan(2, _states("healthy", "healthy", "failed", *["healthy"] * 3)).remove == (
@@ -235,6 +260,7 @@ class FakeLauncher:
     """What `supervise` uses of a Deployment, with a scripted coordinator view."""
 
     node = 0
+    address = "127.0.0.1:29400"
 
     def __init__(self, states: dict[int, str], pids: dict[int, int]) -> None:
         import queue
@@ -280,7 +306,7 @@ def _supervise_once(launcher, restart: bool) -> list:
 def test_restart_policy_relaunches_crashes_only():
     from elasticep.deploy import RankExit
 
-    launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "removed"},
+    launcher = FakeLauncher({0: "healthy", 1: "failed", 2: "healthy", 3: "free"},
                             {0: 10, 2: 12})
     launcher.exits.put(RankExit(1, 11, -9))  # crashed: relaunched and admitted
     launcher.exits.put(RankExit(3, 13, 0))   # removed on purpose: never relaunched
@@ -294,6 +320,79 @@ def test_restart_policy_relaunches_crashes_only():
     assert seen == [RankExit(1, 11, -9)] and launcher.spawned == []
 
 
+def test_relaunch_hint_is_a_command_that_runs(caplog):
+    from elasticep.deploy import RankExit
+
+    launcher = FakeLauncher({0: "healthy", 1: "healthy", 2: "failed"}, {0: 10, 1: 11})
+    launcher.node = 1
+    launcher.exits.put(RankExit(2, 12, -9))
+    with caplog.at_level("WARNING", logger="elasticep.deploy.supervisor"):
+        _supervise_once(launcher, restart=False)
+    hints = re.findall(r"relaunch it with `(elasticep join [^`]+)`", caplog.text)
+    assert len(hints) == 1
+    args = build_parser().parse_args(shlex.split(hints[0])[1:])  # as the shell would
+    assert args.dist_init_addr == "127.0.0.1:29400" and args.node_rank == 1
+    assert parse_mode_and_ranks(args) == ("recover", [2])
+
+
+def test_exit_status_follows_the_usual_conventions():
+    import os
+    import signal
+
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import StopEvent, exit_status, stop_on_signals
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        stop = stop_on_signals()
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        assert stop.wait(5) and stop.exit_status() == 130
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert exit_status(1, 1, [], stop) == 130
+    calm = StopEvent()
+    assert exit_status(2, 2, [RankExit(4, 40, -9)], calm) == 1  # join's rank SIGKILLed
+    assert exit_status(2, 2, [RankExit(4, 40, 3)], stop) == 1   # lost the coordinator
+    assert exit_status(2, 1, [], calm) == 1                     # one died before joining
+    assert exit_status(2, 2, [RankExit(4, 40, 0), RankExit(5, 50, 0)], calm) == 0  # removed
+
+
+class JoinedLauncher(FakeLauncher):
+    """Rank 1 of this node was relaunched by a `join` (pid 77), then died: the
+    coordinator shows it failed with the join's pid; this launcher only ever started
+    pid 11 for it."""
+
+    def __init__(self, coordinator_pid: int) -> None:
+        super().__init__({0: "healthy", 1: "failed"}, {0: 10})
+        self.coordinator_pid = coordinator_pid
+
+    def deployment_status(self) -> DeploymentStatus:
+        super().deployment_status()  # counts the polls that end _supervise_once
+        pids = {**self.live, 1: self.live.get(1, self.coordinator_pid)}
+        return _status(self.states, pids)
+
+    def pids(self, live_only: bool = False) -> dict[int, int]:
+        return dict(self.live) if live_only else {1: 11, **self.live}
+
+    def relaunch(self, *ranks: int) -> list[int]:
+        for r in ranks:
+            self.states[r], self.live[r] = "joining", 1000 + r
+        return super().relaunch(*ranks)
+
+
+def test_restart_policy_relaunches_a_rank_a_join_started():
+    launcher = JoinedLauncher(coordinator_pid=77)
+    _supervise_once(launcher, restart=True)
+    assert launcher.spawned == [(1, "recover")]
+    launcher = JoinedLauncher(coordinator_pid=77)
+    _supervise_once(launcher, restart=False)  # without the flag: nothing
+    assert launcher.spawned == []
+    launcher = JoinedLauncher(coordinator_pid=11)  # our own rank: its exit decides
+    _supervise_once(launcher, restart=True)
+    assert launcher.spawned == []
+
+
 def test_restart_policy_kills_an_evicted_frozen_worker():
     launcher = FakeLauncher({0: "healthy", 1: "failed"}, {0: 10, 1: 11})
     _supervise_once(launcher, restart=True)
@@ -301,7 +400,7 @@ def test_restart_policy_kills_an_evicted_frozen_worker():
 
 
 def test_join_refuses_slots_being_joined_or_outside_ep_size():
-    states = ["healthy", "failed", "joining", "ready", "failed", "removed"]
+    states = ["healthy", "failed", "joining", "ready", "failed", "free"]
     procs = _procs({0: 10, 1: 11, 2: 12, 3: 13, 4: 14})
     procs[1] = ProcInfo(11, False, True)
     # failed, but serve --restart-failed-ranks (or another join) already started pid 21
@@ -342,12 +441,33 @@ def _with_world(coord, states: list[str]) -> None:
         coord._groups["world"] = g
 
 
+def test_shrink_frees_failed_slots_above_the_target(coordinator):
+    """6 -> 4 while slot 4 is failed: slot 4 is free capacity (not failed), the
+    deployment is not degraded, and growing again takes it with `join scale`."""
+    from elasticep.distributed import CoordinatorClient
+
+    _with_world(coordinator, ["healthy"] * 6)
+    c = CoordinatorClient(coordinator.address)
+    try:
+        c.scale(6)
+        assert c.deployment_status().scale_phase == "idle"
+        _with_world(coordinator, ["healthy"] * 4 + ["failed", "healthy"])
+        assert c.scale(4)["slots"] == [5]  # slot 5 drains; slot 4 had nothing to drain
+        st = c.deployment_status()
+        assert [r.state for r in st.ranks][4] == "free"
+        with pytest.raises(JoinRefusedError, match="outside ep_size 4"):
+            c.reserve([4], "recover")
+        assert c.reserve([4], "scale") == 4
+    finally:
+        c.close()
+
+
 def test_join_reservation_is_exclusive_and_released(coordinator):
     """Claims are the coordinator's, per connection: exclusive, all or none, gone with
     the connection that held them (a `join` that died leaves nothing behind)."""
     from elasticep.distributed import CoordinatorClient
 
-    _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "removed", "removed"])
+    _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "free", "free"])
     a, b = CoordinatorClient(coordinator.address), CoordinatorClient(coordinator.address)
     assert a.reserve([2, 3], "recover") == 4
     with pytest.raises(JoinRefusedError, match=r"^rank 3 is already being joined "
@@ -370,7 +490,7 @@ def test_scale_through_the_coordinator(coordinator):
     """The target lives in the coordinator: a scale there is what `join` checks against."""
     from elasticep.distributed import CoordinatorClient
 
-    _with_world(coordinator, ["healthy"] * 4 + ["removed", "removed"])
+    _with_world(coordinator, ["healthy"] * 4 + ["free", "free"])
     c = CoordinatorClient(coordinator.address)
     try:
         assert c.deployment_status().ep_size == 4
@@ -383,8 +503,8 @@ def test_scale_through_the_coordinator(coordinator):
         with pytest.raises(ValueError, match=r"must be in \[1, 6\], got 9"):
             c.scale(9)
         assert c.scale(4)["slots"] == [4, 5]  # the pending grow is withdrawn
-        _with_world(coordinator, ["healthy", "failed", "healthy", "healthy", "removed",
-                                  "removed"])
+        _with_world(coordinator, ["healthy", "failed", "healthy", "healthy", "free",
+                                  "free"])
         assert c.reserve([1], "recover") == 4
         c.scale(2)  # slot 1 is failed and below the new target; 2 and 3 leave
         assert c.deployment_status().ep_size == 2
@@ -420,7 +540,7 @@ def test_join_cli_refuses_a_slot_another_join_holds(capsys, coordinator):
     assert join_cmd.run(args) == 2  # no ranks registered yet
     assert capsys.readouterr().err.strip().splitlines() == [
         "elasticep join: error: the deployment has no ranks yet; wait for serve's ready line"]
-    _with_world(coordinator, ["healthy", "healthy", "failed", "healthy", "removed", "removed"])
+    _with_world(coordinator, ["healthy", "healthy", "failed", "healthy", "free", "free"])
     other = CoordinatorClient(coordinator.address)
     other.reserve([2], "recover")
     assert join_cmd.run(args) == 2
@@ -468,3 +588,89 @@ def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
     launcher.exits.put(RankExit(4, 104, 1))  # every rank dies first: nothing got in
     launcher.states = ["healthy"] * 4 + ["failed", "failed"]
     assert _report_progress(launcher, "scale", [4], threading.Event()) == []
+
+
+def test_unknown_flag_prints_the_subcommand_usage_and_version_exists():
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "serve", "--prot"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.startswith("usage: elasticep serve ")
+    assert p.stderr.rstrip().endswith("elasticep serve: error: unrecognized arguments: --prot")
+    v = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "--version"],
+                       capture_output=True, text=True, timeout=60)
+    assert (v.returncode, v.stdout.strip()) == (0, f"elasticep {elasticep.__version__}")
+
+
+def test_readme_serve_table_lists_every_serve_flag():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]
+    table = {flag for row in section.splitlines() if row.startswith("| `")
+             for flag in re.findall(r"`(--[a-z-]+)", row.split(" | ")[0])}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings
+             if o.startswith("--") and o not in ("--help", "--model-path")}  # alias of --model
+    assert flags - table == set()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_port():
+    """A real HTTP server (uvicorn, like serve's API) on a free port."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(FastAPI(), host="127.0.0.1", port=port,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 20, "uvicorn started")
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_reach_coordinator_names_what_it_reached(coordinator, http_port):
+    import time
+
+    from elasticep.deploy.probe import NotACoordinatorError, reach_coordinator
+
+    assert reach_coordinator(coordinator.address, timeout_s=10) is True
+    t0 = time.monotonic()
+    with pytest.raises(NotACoordinatorError, match=r"^--dist-init-addr 127\.0\.0\.1:\d+ is an "
+                       r"HTTP server \(serve's --port\?\), not an ElasticEP coordinator"):
+        reach_coordinator(f"127.0.0.1:{http_port}", timeout_s=60)
+    assert time.monotonic() - t0 < 15  # named after one handshake, not retried to the end
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 1 s \(--coordinator-timeout\)"):
+        reach_coordinator(f"127.0.0.1:{_free_port()}", timeout_s=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_node_with_a_wrong_coordinator_address_exits_within_its_timeout(http_port):
+    port = _free_port()
+    node = subprocess.run(
+        [sys.executable, "-m", "elasticep.entrypoints.cli", "serve", "--nnodes", "2",
+         "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", f"127.0.0.1:{port}",
+         "--coordinator-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert node.returncode == 1
+    assert node.stderr.splitlines()[-1] == (
+        f"elasticep serve: error: no coordinator answered at --dist-init-addr 127.0.0.1:{port} "
+        "within 1 s (--coordinator-timeout)")
+    join = subprocess.run(
+        [sys.executable, "-m", "elasticep.entrypoints.cli", "join", "--dist-init-addr",
+         f"127.0.0.1:{http_port}", "--elastic-ep-rejoin", "--ranks", "1"],
+        capture_output=True, text=True, timeout=60)
+    assert join.returncode == 1
+    assert join.stderr.splitlines()[-1].startswith(
+        f"elasticep join: error: --dist-init-addr 127.0.0.1:{http_port} is an HTTP server")
+

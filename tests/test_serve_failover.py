@@ -145,7 +145,7 @@ def test_malformed_requests_get_4xx_and_serving_continues(serve, reference):
 def test_sigint_stops_every_process(serve):
     pids = {r["pid"] for r in serve.status()["ranks"] if r["pid"]} | serve.seen_pids
     joins = [p for p in serve.joins if p.poll() is None]
-    assert serve.stop(timeout_s=30) == 0, serve.tail()
+    assert serve.stop(timeout_s=30) == 130, serve.tail()  # 128 + SIGINT, as shells report
     deadline = time.monotonic() + 15
     while any(pid_alive(p) for p in pids) or any(j.poll() is None for j in joins):
         assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]

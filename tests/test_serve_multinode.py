@@ -22,7 +22,8 @@ def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
     node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115
     # node 1 first: it waits for the coordinator that node 0 is about to bind
     node1 = subprocess.Popen(cli("serve", "--ep-size", "4", "--nnodes", "2", "--node-rank", "1",
-                                 "--dist-init-addr", coord, "--heartbeat-timeout", "3.0"),
+                                 "--dist-init-addr", coord, "--heartbeat-timeout", "3.0",
+                                 "--coordinator-timeout", "15"),
                              stdout=node1_log, stderr=subprocess.STDOUT, start_new_session=True)
     serve = None
     try:
@@ -42,9 +43,15 @@ def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
         assert [r.text for r in results] == reference
         serve.wait_for(lambda s: serve.rank(3)["state"] == "failed", 10, "rank 3 failed")
         pids = serve.seen_pids
-        assert serve.stop(timeout_s=30) == 0
-        # node 1's ranks lose the coordinator and exit; then node 1 exits too
-        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        assert serve.stop(timeout_s=30) == 130  # Ctrl-C: 128 + SIGINT
+        # node 1's ranks lose the coordinator and stop; node 1 tries to reach it for
+        # --coordinator-timeout, then exits non-zero with one line saying so
+        assert node1.wait(45) == 1, (tmp_path / "node1.log").read_text()[-3000:]
+        log = (tmp_path / "node1.log").read_text()
+        assert "exited with 3; relaunch it with" not in log, log[-3000:]  # no vain hints
+        last = [ln for ln in log.splitlines() if ln.strip()][-1]
+        assert last.startswith("elasticep serve: error: node 1: lost the coordinator: no "
+                               f"coordinator answered at --dist-init-addr {coord} within 15 s"), last
         deadline = time.monotonic() + 10
         while any(pid_alive(p) for p in pids):
             assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]

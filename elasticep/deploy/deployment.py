@@ -279,14 +279,17 @@ class Deployment:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Kill every worker started here (by pid), then the coordinator if ours;
         idempotent."""
-        # Coordinator first: the workers then see a lost coordinator, not a cascade of
-        # failures and repairs, while they are being killed.
+        # A planned stop, not failures: the coordinator stops treating exits as deaths,
+        # the workers are killed while it is still up (so none logs a lost coordinator),
+        # then it closes.
         self.launcher.detach()
         if isinstance(self._membership, CoordinatorMembership):
             self._membership.close()
         if self.coordinator is not None:
-            self.coordinator.close()
+            self.coordinator.begin_stop()
         self.launcher.stop(timeout_s)
+        if self.coordinator is not None:
+            self.coordinator.close()
 
     def __enter__(self) -> Deployment:
         return self

@@ -36,12 +36,25 @@ logger = logging.getLogger(__name__)
 EXIT_REMOVED = 0  # the worker's status after a planned removal
 
 
-def stop_on_signals() -> threading.Event:
+class StopEvent(threading.Event):
+    """Set when the command is told to stop; ``signum`` is the signal that did it."""
+
+    signum: int | None = None
+
+    def exit_status(self) -> int | None:
+        """128 + the signal number (130 for Ctrl-C, 143 for SIGTERM) as shells report a
+        command ended by a signal; None if no signal stopped it."""
+        return None if self.signum is None else 128 + self.signum
+
+
+def stop_on_signals() -> StopEvent:
     """An event set by SIGINT (Ctrl-C) or SIGTERM; call from the main thread."""
-    stop = threading.Event()
+    stop = StopEvent()
 
     def handler(signum: int, _frame: object) -> None:
         logger.info("received %s; stopping", signal.Signals(signum).name)
+        if stop.signum is None:
+            stop.signum = signum
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -49,10 +62,41 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def _world(dep: Deployment) -> tuple[int, dict[int, SlotState], dict[int, int]]:
-    """(epoch, rank -> state, rank -> pid) from the coordinator."""
+def recover_command(address: str, rank: int, node: int = 0) -> str:
+    """The `join` command line that relaunches ``rank`` of the deployment whose
+    coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in logs
+    so that pasting it works."""
+    node_flag = f" --node-rank {node}" if node else ""
+    return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
+            f"--ranks {rank}{node_flag}")
+
+
+def exit_status(wanted: int, joined: int, exits: list[RankExit], stop: StopEvent) -> int:
+    """The exit status of a command that watched its ranks (`join`, nodes 1.. of serve).
+
+    Args:
+        wanted: ranks it started.
+        joined: of those, the ranks that got in.
+        exits: every exit it saw (:func:`supervise`'s list).
+        stop: its stop event.
+
+    Returns:
+        1 if a rank was lost (it died before it got in, or exited with anything but
+        the planned-removal status 0, a signal included); else 128 + the signal that
+        stopped the command (130 for Ctrl-C); else 0.
+    """
+    if joined < wanted or any(ex.code != EXIT_REMOVED for ex in exits):
+        return 1
+    return stop.exit_status() or 0
+
+
+def _world(dep: Deployment
+           ) -> tuple[int, dict[int, SlotState], dict[int, int], dict[int, int]]:
+    """(epoch, rank -> state, rank -> pid, rank -> node of its last launch) from the
+    coordinator."""
     status = dep.deployment_status()
-    return status.epoch, status.states(), status.pids()
+    return (status.epoch, status.states(), status.pids(),
+            {r.rank: r.node for r in status.ranks})
 
 
 def supervise(dep: Deployment, stop: threading.Event, restart: bool,
@@ -81,10 +125,10 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
     seen: list[RankExit] = []
     while not stop.wait(poll_s):
         try:
-            epoch, states, coord_pids = _world(dep)
+            epoch, states, coord_pids, nodes = _world(dep)
         except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
             logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
-            epoch, states, coord_pids = -1, {}, {}
+            epoch, states, coord_pids, nodes = -1, {}, {}, {}
         while True:
             try:
                 ex = dep.exits.get_nowait()
@@ -100,6 +144,8 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
             _on_exit(dep, ex, epoch, states, restart, restarts, max_restarts)
         if restart:
             _kill_frozen(dep, epoch, states, coord_pids)
+            if epoch >= 0:
+                _adopt_failed(dep, epoch, states, coord_pids, nodes, restarts, max_restarts)
         if until_all_exited and not dep.pids(live_only=True) and dep.exits.empty():
             break
     return seen
@@ -107,14 +153,18 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
 
 def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.REMOVED:
+    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.FREE:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return
+    if epoch < 0:  # no hint: a relaunch needs the coordinator
+        logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
+                       "unreachable", ex.rank, ex.pid, ex.code)
+        return
     if not restart:
-        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with "
-                       "`elasticep join --elastic-ep-join-mode recover --ranks %d`", epoch,
-                       ex.rank, ex.pid, ex.code, ex.rank)
+        logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with `%s`",
+                       epoch, ex.rank, ex.pid, ex.code,
+                       recover_command(dep.address, ex.rank, dep.node))
         return
     if epoch < 0:
         logger.warning("rank %d exited with %d, but the coordinator is gone: not "
@@ -131,6 +181,28 @@ def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
         dep.relaunch(ex.rank)
     except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
         logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, ex.rank, exc)
+
+
+def _adopt_failed(dep: Deployment, epoch: int, states: dict[int, SlotState],
+                  coord_pids: dict[int, int], nodes: dict[int, int],
+                  restarts: Counter[int], max_restarts: int) -> None:
+    """Relaunch the failed ranks of this node that another launcher started (a `join`
+    recovered them): a rank of the node is restarted whoever launched it. Our own
+    ranks are left to their exit (the coordinator's pid for the slot is ours)."""
+    ours = dep.pids(live_only=False)
+    for rank, state in states.items():
+        pid = coord_pids.get(rank)
+        if (state != SlotState.FAILED or nodes.get(rank) != dep.node or pid is None
+                or ours.get(rank) == pid or restarts[rank] >= max_restarts):
+            continue
+        restarts[rank] += 1
+        logger.warning("epoch %d: rank %d (pid %d, started by another launcher on this "
+                       "node) failed; relaunching (restart %d)", epoch, rank, pid,
+                       restarts[rank])
+        try:
+            dep.relaunch(rank)
+        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+            logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, rank, exc)
 
 
 def _kill_frozen(dep: Deployment, epoch: int, states: dict[int, str],

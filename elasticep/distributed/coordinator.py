@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .coordinator_requests import SupervisorRequests
 from .errors import MembershipRequestError
-from .membership import ACTIVE_STATES, Report, SlotState, decide
+from .membership import ACTIVE_STATES, Report, SlotState, decide, state_after_death
 from .protocol import Connection
 from .registry import DeploymentRecords, Group, Transition
 
@@ -76,11 +76,19 @@ class Coordinator(SupervisorRequests):
         self._deployment = DeploymentRecords()
         self._supervisors = itertools.count(1)
         self._closed = False
+        self._stopping = False  # the deployment is shutting down: exits are not failures
         for target in (self._accept_loop, self._monitor_loop):
             threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
         log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
 
     # ------------------------------------------------------------------ plumbing
+    def begin_stop(self) -> None:
+        """The deployment is being stopped on purpose: from now on a rank that exits or
+        falls silent is not a failure (no eviction, no epoch, no warning), so a normal
+        shutdown does not read like a cascade of deaths. Call before killing the ranks."""
+        with self._lock:
+            self._stopping = True
+
     def close(self) -> None:
         """Stop serving: close the listener and every connection (ranks see EOF)."""
         with self._lock:
@@ -121,7 +129,7 @@ class Coordinator(SupervisorRequests):
                            "code": getattr(e, "code", "refused")})
         conn.close()
         with self._lock:
-            if isinstance(proc, _Proc):
+            if isinstance(proc, _Proc) and not (self._stopping or self._closed):
                 self._proc_dead(proc, "control connection closed")
             elif isinstance(proc, _Supervisor):
                 self._deployment.drop_owner(proc.id)
@@ -132,7 +140,7 @@ class Coordinator(SupervisorRequests):
             now = time.monotonic()
             with self._lock:
                 for p in list(self._procs.values()):
-                    if not p.alive:
+                    if not p.alive or self._stopping:
                         continue
                     active = any(self._groups[g].is_active_rank(p.rank) for g in p.groups)
                     limit = self.hb_timeout_s if active else self.join_hb_timeout_s
@@ -290,12 +298,11 @@ class Coordinator(SupervisorRequests):
             g = self._groups[name]
             slot = g.slot_of(proc.rank)
             leaving = _leaving(g, slot)
-            if slot in g.active or (g.transition and slot in g.transition.new_active):
+            member = slot in g.active or bool(g.transition and slot in g.transition.new_active)
+            if member:
                 g.pending_dead.add(slot)  # a leaving member leaves through a failure too
-            # A rank removed on purpose stays removed; one that dies while being scaled
-            # away (draining) ends removed as well: it was leaving anyway.
-            gone = leaving or g.states[slot] == SlotState.REMOVED
-            g.set_state(slot, SlotState.REMOVED if gone else SlotState.FAILED)
+            g.set_state(slot, state_after_death(g.states[slot], leaving, member,
+                                                g.joined_from.get(slot)))
             g.pending_admit.discard(slot)
             self._maybe_start(g)
             if leaving:

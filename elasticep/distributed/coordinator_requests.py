@@ -102,6 +102,8 @@ class SupervisorRequests:
         if states is None:
             raise ValueError("the deployment has no ranks yet; wait for serve's ready line")
         plan = self._target().plan(int(msg["new_ep_size"]), states)
+        for slot in plan.free:
+            self._groups[WORLD].set_state(slot, SlotState.FREE)
         if plan.admit:
             self._request_admission(sup, {"group": WORLD, "ranks": list(plan.admit)})
         if plan.remove:  # a withdrawn joiner's admission is withdrawn the same way

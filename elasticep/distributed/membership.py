@@ -38,7 +38,7 @@ class SlotState(str, Enum):
     READY = "ready"        # the joiner loaded its weights and waits to be admitted
     HEALTHY = "healthy"    # an active member
     DRAINING = "draining"  # an active member being scaled away
-    REMOVED = "removed"    # never used, or scaled away
+    FREE = "free"          # free capacity: never used, scaled away, or given back
 
     def __str__(self) -> str:
         return self.value
@@ -49,16 +49,41 @@ ACTIVE_STATES = frozenset({SlotState.HEALTHY, SlotState.DRAINING})
 
 _S = SlotState
 # Allowed slot state changes (old -> new); anything else is a bug or a refused request.
-# Every change the coordinator makes goes through `next_slot_state`, so a new state (the
-# lifecycle work adds `free`) is one row here plus the places that choose it.
+# Every change the coordinator makes goes through `next_slot_state`, so a new state is one
+# row here plus the places that choose it.
 _ALLOWED: dict[SlotState, frozenset[SlotState]] = {
-    _S.FAILED: frozenset({_S.JOINING, _S.READY, _S.FAILED, _S.REMOVED}),
-    _S.REMOVED: frozenset({_S.JOINING, _S.READY, _S.REMOVED}),
-    _S.JOINING: frozenset({_S.READY, _S.FAILED, _S.HEALTHY, _S.REMOVED}),
-    _S.READY: frozenset({_S.HEALTHY, _S.FAILED, _S.REMOVED}),
-    _S.HEALTHY: frozenset({_S.FAILED, _S.DRAINING, _S.REMOVED}),
-    _S.DRAINING: frozenset({_S.FAILED, _S.REMOVED, _S.HEALTHY, _S.DRAINING}),
+    _S.FAILED: frozenset({_S.JOINING, _S.READY, _S.FAILED, _S.FREE}),
+    _S.FREE: frozenset({_S.JOINING, _S.READY, _S.FREE}),
+    _S.JOINING: frozenset({_S.READY, _S.FAILED, _S.HEALTHY, _S.FREE}),
+    _S.READY: frozenset({_S.HEALTHY, _S.FAILED, _S.FREE}),
+    _S.HEALTHY: frozenset({_S.FAILED, _S.DRAINING, _S.FREE}),
+    _S.DRAINING: frozenset({_S.FAILED, _S.FREE, _S.HEALTHY, _S.DRAINING}),
 }
+
+
+def state_after_death(state: SlotState, leaving: bool, in_membership: bool,
+                      joined_from: SlotState | None) -> SlotState:
+    """The state of a slot whose process died (pure).
+
+    Args:
+        state: the slot's state when it died.
+        leaving: it was being scaled away (draining).
+        in_membership: it is an active member, or being admitted by the transition in
+            flight.
+        joined_from: for a joiner, the state its slot had before it joined.
+
+    Returns:
+        ``free`` for a slot removed on purpose or leaving anyway; for a joiner that
+        was not admitted yet, the state it took the slot from (free capacity stays free
+        capacity: the deployment is not degraded and `join scale` may take it again);
+        ``failed`` otherwise.
+    """
+    if leaving or state == SlotState.FREE:
+        return SlotState.FREE
+    if (state in (SlotState.JOINING, SlotState.READY) and not in_membership
+            and joined_from is not None):
+        return joined_from
+    return SlotState.FAILED
 
 
 def next_slot_state(state: str, new: str) -> SlotState:

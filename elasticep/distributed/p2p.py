@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the owner, for type hints only (it imports this module)
     from .state import GroupState
 
 SLICE = timedelta(milliseconds=50)
-_GONE = ("failed", "removed")
+_GONE = ("failed", "free")
 
 
 class P2PWork(dist.Work):

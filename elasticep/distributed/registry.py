@@ -75,7 +75,7 @@ class Group:
     """Membership of one elastic group.
 
     ranks: global rank of each slot (len == max group size); states: slot states
-    (never-used capacity is ``REMOVED``; change them only through :meth:`set_state`);
+    (free capacity is ``FREE``; change them only through :meth:`set_state`);
     active: committed active slots of `epoch`.
     """
 
@@ -91,11 +91,13 @@ class Group:
     pending_admit: set[int] = field(default_factory=set)
     pending_remove: set[int] = field(default_factory=set)
     requests: dict[str, list[int]] = field(default_factory=lambda: {"admit": [], "remove": []})
+    # slot -> the state a joiner took it from (failed or removed), until it is admitted
+    joined_from: dict[int, SlotState] = field(default_factory=dict)
 
     @staticmethod
     def create(name: str, ranks: list[int], active: list[int], on_failure: str,
                dead_global: set[int]) -> Group:
-        states = [SlotState.REMOVED] * len(ranks)
+        states = [SlotState.FREE] * len(ranks)
         for s in active:
             states[s] = SlotState.FAILED if ranks[s] in dead_global else SlotState.HEALTHY
         g = Group(name, list(ranks), states, on_failure)
@@ -115,7 +117,14 @@ class Group:
         Raises:
             ValueError: the change is not allowed (``membership.next_slot_state``).
         """
-        self.states[slot] = next_slot_state(self.states[slot], new)
+        old = self.states[slot]
+        self.states[slot] = next_slot_state(old, new)
+        joining = (SlotState.JOINING, SlotState.READY)
+        if self.states[slot] in joining:
+            if old not in joining:
+                self.joined_from[slot] = old
+        else:
+            self.joined_from.pop(slot, None)
 
     def is_active_rank(self, global_rank: int) -> bool:
         return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES
@@ -126,7 +135,7 @@ class Group:
         for s in tr.admitted:
             self.set_state(s, SlotState.HEALTHY)
         for s in tr.removed:
-            self.set_state(s, SlotState.REMOVED)
+            self.set_state(s, SlotState.FREE)
         self.pending_dead -= tr.dead
         # Members call deactivate_ranks/recover_ranks at different steps, so a late
         # caller can re-queue a change this transition already applies; left queued, it

@@ -28,7 +28,7 @@ from .status import DeploymentStatus, RankStatus
 logger = logging.getLogger(__name__)
 
 # the slot state a joiner of each mode takes
-JOIN_TAKES = {"recover": SlotState.FAILED, "scale": SlotState.REMOVED}
+JOIN_TAKES = {"recover": SlotState.FAILED, "scale": SlotState.FREE}
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class ScalePlan:
     admit: tuple[int, ...] = ()
     remove: tuple[int, ...] = ()
     reply: dict = field(default_factory=dict)  # the HTTP answer's body
+    free: tuple[int, ...] = ()  # failed slots now above the target: free capacity again
 
 
 @dataclass
@@ -122,9 +123,14 @@ class ScaleTarget:
             remove = [s for s in range(new_ep_size, self.max_ep_size)
                       if states[s] in ACTIVE_STATES]
             self.down = set(remove)
+        # a failed slot the new target leaves out is not a failure any more: it is free
+        # capacity (a later grow takes it with `join scale`, not `recover`)
+        free = tuple(s for s in range(new_ep_size, self.max_ep_size)
+                     if states[s] == SlotState.FAILED)
         self.ep_size = new_ep_size
         logger.info("scale ep_size %d -> %d, slots %s", old, new_ep_size, admit or remove)
-        return ScalePlan(tuple(admit), tuple(remove), self._reply(old, admit or remove, states))
+        return ScalePlan(tuple(admit), tuple(remove), self._reply(old, admit or remove, states),
+                         free)
 
     def _reply(self, old: int, slots: list[int], states: Sequence[SlotState]) -> dict:
         return {"old_ep_size": old, "slots": list(slots),
@@ -136,19 +142,19 @@ def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],
                 ) -> list[tuple[SlotState, int | None]]:
     """(state, pid) of each slot as the status shows it (pure).
 
-    A slot that is ``failed``, ``removed`` or not registered yet, for which a launcher
+    A slot that is ``failed``, ``free`` or not registered yet, for which a launcher
     started a worker that has not registered (the launch's pid differs from the
     registered one) or has registered its process but not its WORLD slot yet (same pid,
     alive, in no group), is shown ``joining`` with the new pid: workers load their
-    weights before they register. A member being scaled away is also alive in a removed
-    slot, but it is in the group: it stays removed.
+    weights before they register. A member being scaled away is also alive in a free
+    slot, but it is in the group: it stays free.
     """
     shown = []
     for slot, state in enumerate(states):
         proc = procs.get(ranks[slot])
         pid = None if proc is None else proc.pid
         launch = launches.get(ranks[slot])
-        if launch is not None and (state in (SlotState.FAILED, SlotState.REMOVED)
+        if launch is not None and (state in (SlotState.FAILED, SlotState.FREE)
                                    or proc is None):
             registered_joiner = (proc is not None and launch.pid == pid and proc.alive
                                  and not proc.in_world)
@@ -168,7 +174,7 @@ def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Seq
         epoch: WORLD's committed epoch.
         states: WORLD's slot states; None before the first worker registered (then the
             first ``ep_size`` slots are ``joining``, they are loading, and the rest
-            ``removed``).
+            ``free``).
         ranks: global rank of each slot.
         target: the target size and the scale in progress.
         procs: rank -> registered process.
@@ -177,7 +183,7 @@ def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Seq
     """
     if states is None:
         states = ([SlotState.JOINING] * target.ep_size
-                  + [SlotState.REMOVED] * (target.max_ep_size - target.ep_size))
+                  + [SlotState.FREE] * (target.max_ep_size - target.ep_size))
     phase = target.phase(states)
     shown = shown_slots(states, ranks, procs, launches)
     return DeploymentStatus(epoch, target.ep_size, target.max_ep_size, phase, tuple(
@@ -211,7 +217,7 @@ def check_join(mode: str, want: Sequence[int], states: Sequence[SlotState],
                                    "--elastic-ep-join-mode scale")
         if state == JOIN_TAKES[mode]:
             continue
-        if state == SlotState.REMOVED:
+        if state == SlotState.FREE:
             raise JoinRefusedError(f"rank {r} is free capacity (or was removed by a "
                                    "scale-down); use --elastic-ep-join-mode scale and POST "
                                    "/scale_elastic_ep")

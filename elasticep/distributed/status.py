@@ -98,7 +98,7 @@ class DeploymentStatus:
     def degraded(self) -> bool:
         """Fewer healthy ranks than the target, a slot in between states, or a scale."""
         return (len(self.healthy_ranks()) < self.ep_size
-                or any(r.state not in (SlotState.HEALTHY, SlotState.REMOVED)
+                or any(r.state not in (SlotState.HEALTHY, SlotState.FREE)
                        for r in self.ranks)
                 or self.scale_phase != ScalePhase.IDLE)
 

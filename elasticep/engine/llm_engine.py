@@ -26,6 +26,7 @@ from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutpu
 from elasticep.engine.sampler import sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from elasticep.engine.sequence import Sequence, SequenceStatus
+from elasticep.models.config import MoEModelConfig
 from elasticep.models.model import MoECausalLM
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,19 @@ class EngineConfig:
     enable_cuda_graph: bool = True
 
 
+def max_sequence_len(model_config: MoEModelConfig, config: EngineConfig | None) -> int:
+    """The longest sequence (prompt + generated tokens) the engine runs, in tokens: the
+    context, the whole KV cache (whole blocks; ``config`` None: no cache limit), and a
+    sliding window, where our full attention would differ. The API advertises this same
+    number as ``max_model_len``."""
+    limits = [model_config.max_position_embeddings]
+    if config is not None:
+        limits.append(-(-config.max_total_tokens // config.block_size) * config.block_size)
+    if model_config.attention_window:
+        limits.append(model_config.attention_window)
+    return min(limits)
+
+
 class LLMEngine:
     """Continuous-batching engine over one :class:`MoECausalLM`.
 
@@ -78,12 +92,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.detokenize = detokenize
         self.eos_ids = set(model.config.eos_token_ids)
-        # a sequence may never outgrow the context or the whole cache
-        # (and never past a sliding window, where our full attention would differ)
-        limits = [model.config.max_position_embeddings, self.blocks.capacity_tokens]
-        if model.config.attention_window:
-            limits.append(model.config.attention_window)
-        self.max_seq_len = min(limits)
+        self.max_seq_len = max_sequence_len(model.config, self.config)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.cuda_graph_capture_s: float | None = None

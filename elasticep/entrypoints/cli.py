@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+import elasticep
+
 # subcommand name -> module implementing add_parser()/run()
 SUBCOMMANDS = {
     "generate": "elasticep.entrypoints.generate_cmd",
@@ -18,13 +20,27 @@ SUBCOMMANDS = {
 }
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that refuses unknown flags itself, so the error comes with
+    that subcommand's usage (argparse hands them up to the top-level parser otherwise)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every subcommand that is importable."""
     parser = argparse.ArgumentParser(
         prog="elasticep",
         description="Fault-tolerant elastic expert-parallel inference for MoE models.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version",
+                        version=f"elasticep {elasticep.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=_SubcommandParser)
     for module in SUBCOMMANDS.values():
         try:
             mod = importlib.import_module(module)

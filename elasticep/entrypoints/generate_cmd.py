@@ -94,17 +94,38 @@ def read_prompts(path: str) -> list[str | list[int]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}: line {n}: not JSON ({exc.msg})") from None
-        ids = row.get("prompt_token_ids") if isinstance(row, dict) else None
-        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
-            prompts.append(ids)
-        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            prompts.append(row["prompt"])
-        else:
-            raise UsageError(f'{where}: line {n}: expected an object {{"prompt": "..."}} '
-                             'or {"prompt_token_ids": [...]}')
+        try:
+            prompts.append(_prompt_of_row(row))
+        except ValueError as exc:
+            raise UsageError(f"{where}: line {n}: {exc}") from None
     if not prompts:
         raise UsageError(f"{where}: no prompts")
     return prompts
+
+
+def _prompt_of_row(row: object) -> str | list[int]:
+    """The prompt of one parsed JSONL line (pure).
+
+    Raises:
+        ValueError: naming what is wrong: not an object, no prompt key (listing the keys
+            the line has), or a prompt key of the wrong type.
+    """
+    if not isinstance(row, dict):
+        raise ValueError(f'expected a JSON object with a "prompt" or "prompt_token_ids" key, '
+                         f"got a {type(row).__name__}")
+    if "prompt_token_ids" in row:
+        ids = row["prompt_token_ids"]
+        if not (isinstance(ids, list) and ids
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ValueError('"prompt_token_ids" must be a non-empty list of integers')
+        return ids
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f'"prompt" must be a string, got {type(row["prompt"]).__name__}')
+        return row["prompt"]
+    keys = ", ".join(f'"{k}"' for k in row) or "none"
+    raise ValueError(f'missing key "prompt" (or "prompt_token_ids"); the object has keys: '
+                     f"{keys}")
 
 
 def check_fault(fault: str | None, ep_size: int) -> None:

@@ -24,13 +24,21 @@ import threading
 from pathlib import Path
 
 from elasticep.deploy import Deployment, fetch_config
-from elasticep.deploy.supervisor import stop_on_signals, supervise
+from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
+from elasticep.deploy.supervisor import EXIT_REMOVED, exit_status, stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.entrypoints.serve_cmd import setup_logging
-from elasticep.entrypoints.validate import add_load_format_argument
+from elasticep.entrypoints.validate import (
+    UsageError,
+    add_coordinator_timeout_argument,
+    add_load_format_argument,
+    check_address,
+    coordinator_timeout_check,
+    raise_first_failure,
+)
 
 logger = logging.getLogger("elasticep.join")
 
@@ -68,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
+    add_coordinator_timeout_argument(p)
     add_load_format_argument(p, default=None,
                              help_suffix=" (default: the deployment's; a different one is "
                                          "refused)")
@@ -115,14 +124,18 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         mode, ranks = parse_mode_and_ranks(args)
-    except JoinError as exc:
+        check_address("--dist-init-addr", args.dist_init_addr)
+        raise_first_failure([coordinator_timeout_check(args)])
+    except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
 
     stop = stop_on_signals()
     client = None
     try:
-        config = fetch_config(args.dist_init_addr, timeout_s=10.0)
+        if not reach_coordinator(args.dist_init_addr, args.coordinator_timeout, stop=stop):
+            return stop.exit_status() or 1
+        config = fetch_config(args.dist_init_addr, timeout_s=args.coordinator_timeout)
         if args.load_format is not None and args.load_format != config.load_format:
             raise JoinError(f"--load-format {args.load_format} differs from the deployment's "
                             f"{config.load_format}: every rank must hold the same weights")
@@ -139,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
             client.close()
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
+    except (NotACoordinatorError, TimeoutError) as exc:  # they name the address
+        print(f"elasticep join: error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RuntimeError) as exc:
         if client is not None:
             client.close()
         print(f"elasticep join: error: coordinator {args.dist_init_addr}: {exc}",
@@ -153,10 +169,15 @@ def run(args: argparse.Namespace) -> int:
         joined = _report_progress(deployment, mode, ranks, stop)
         client.close()  # releases the claims: the ranks are in (the coordinator holds them)
         if not joined:
-            return 1 if not stop.is_set() else 0
+            return stop.exit_status() or 1
         exits = supervise(deployment, stop, restart=False, until_all_exited=True)
-        lost = len(joined) < len(ranks)  # some died before joining (reported already)
-        return 1 if lost or any(ex.code == 1 for ex in exits) else 0
+        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
+            reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
+            if reason:
+                print(f"elasticep join: error: {reason}", file=sys.stderr)
+                return 1
+        # a rank that died before joining was reported already; one lost later too
+        return exit_status(len(ranks), len(joined), exits, stop)
     finally:
         client.close()
         deployment.stop()

@@ -11,16 +11,18 @@ import argparse
 import ipaddress
 from dataclasses import dataclass
 
-from elasticep.distributed.protocol import parse_address
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.entrypoints.generate_cmd import default_model_dir
 from elasticep.entrypoints.validate import (
-    UsageError,
+    add_coordinator_timeout_argument,
     add_cuda_graph_argument,
     add_load_format_argument,
+    check_address,
     check_device,
     check_model_dir,
+    coordinator_timeout_check,
     ep_flag_checks,
+    port_check,
     raise_first_failure,
     resolved_max_ep_size,
     static_backend_check,
@@ -76,6 +78,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="this node's index; node 0 runs the coordinator and the API")
     n.add_argument("--dist-init-addr", default=None,
                    help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
+    add_coordinator_timeout_argument(n)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class ServeSettings:
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
             any free port) and where other nodes find it.
         restart_failed_ranks: relaunch crashed local ranks.
+        coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         warnings: non-fatal remarks to print.
     """
 
@@ -101,6 +105,7 @@ class ServeSettings:
     coordinator_host: str
     coordinator_port: int
     restart_failed_ranks: bool
+    coordinator_timeout_s: float = 60.0
     warnings: tuple[str, ...] = ()
 
     @property
@@ -127,8 +132,9 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     raise_first_failure([
         *ep_flag_checks(args, max_ep),
         (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
-        (0 <= args.port <= 65535, f"--port {args.port} is not a TCP port"),
+        port_check("--port", args.port),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
+        coordinator_timeout_check(args),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
@@ -144,11 +150,9 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     model = check_model_dir(args.model)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
-        try:
-            coord_host, coord_port = parse_address(args.dist_init_addr)
-        except ValueError:
-            raise UsageError(f"--dist-init-addr must be HOST:PORT, got "
-                             f"{args.dist_init_addr!r}") from None
+        # node 0 may bind port 0 (any free port); other nodes must name the real one
+        coord_host, coord_port = check_address("--dist-init-addr", args.dist_init_addr,
+                                               allow_zero_port=args.node_rank == 0)
     warnings = []
     if not _is_loopback(args.host) and not args.api_key:
         warnings.append(f"--host {args.host} exposes the API without --api-key; anyone "
@@ -165,4 +169,5 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
+        coordinator_timeout_s=args.coordinator_timeout,
         warnings=tuple(warnings))

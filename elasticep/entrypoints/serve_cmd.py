@@ -22,17 +22,22 @@ from pathlib import Path
 from tqdm import tqdm
 
 from elasticep.deploy import Deployment
-from elasticep.deploy.supervisor import stop_on_signals, supervise
-from elasticep.distributed import CoordinatorClient
+from elasticep.deploy.probe import coordinator_lost, reach_coordinator
+from elasticep.deploy.supervisor import (
+    EXIT_REMOVED,
+    StopEvent,
+    exit_status,
+    stop_on_signals,
+    supervise,
+)
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
-    UsageError,
     add_serve_arguments,
     validate,
 )
+from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import create_server
-from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threading.Event,
+def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
                 log_dir: Path) -> int:
     """Node 0: coordinator + front-end + local ranks; returns when stopped."""
     dep = settings.deployment
@@ -121,7 +126,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
                           f"{exc.strerror or exc}") from exc
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
-            return 0 if stop.is_set() else 1
+            return stop.exit_status() or 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
@@ -132,7 +137,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: threadi
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
                               "none has no fault tolerance: the deployment is stopping")
             return 1
-        return 0
+        return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
         if server is not None:
@@ -174,11 +179,11 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     return False
 
 
-def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -> int:
+def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    if not _wait_for_coordinator(address, stop, timeout_s=120.0):
-        return 0
+    if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
+        return stop.exit_status() or 1
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
                                    new_session=True)
     dep = deployment.config
@@ -191,27 +196,17 @@ def _serve_node(settings: ServeSettings, stop: threading.Event, log_dir: Path) -
         fatal = not deployment.fault_tolerant
         exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           until_all_exited=True, stop_on_exit=fatal)
-        return 1 if fatal and exits else 0
+        if fatal and exits:
+            return 1
+        # ranks left alive at a stop are no loss; without a stop, every rank exited
+        # every rank exited: if the coordinator is gone, that is why (a rank may see its
+        # peers die first and exit with an error, not with the lost-coordinator 3)
+        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
+            reason = coordinator_lost(address, settings.coordinator_timeout_s, stop)
+            if reason:
+                print(f"elasticep serve: error: node {settings.node_rank}: {reason}",
+                      file=sys.stderr)
+                return 1
+        return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
         deployment.stop()
-
-
-def _wait_for_coordinator(address: str, stop: threading.Event, timeout_s: float) -> bool:
-    """Wait until the coordinator answers, while node 0 is still starting.
-
-    Returns:
-        True once it answered; False if stopped first.
-
-    Raises:
-        TimeoutError: not reachable within ``timeout_s`` seconds.
-    """
-    def attempt() -> bool:
-        try:
-            CoordinatorClient(address).close()
-            return True
-        except (ConnectionError, OSError):
-            logger.info("waiting for the coordinator at %s", address)
-            raise
-
-    return bool(wait_until(attempt, timeout_s, f"the coordinator at {address}", poll_s=1.0,
-                           retry_on=(ConnectionError, OSError), stop=stop))

@@ -39,6 +39,20 @@ def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGrou
                    help=LOAD_FORMAT_HELP + help_suffix)
 
 
+def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+                                     ) -> None:
+    """Add ``--coordinator-timeout`` (how long a node or a `join` tries to reach node 0)."""
+    p.add_argument("--coordinator-timeout", type=float, default=60.0,
+                   help="seconds to keep trying to reach the coordinator before giving up "
+                        "with an error (default: %(default)s)")
+
+
+def coordinator_timeout_check(args: argparse.Namespace) -> Check:
+    """``--coordinator-timeout`` is a positive number of seconds."""
+    return (args.coordinator_timeout > 0,
+            f"--coordinator-timeout must be > 0 seconds, got {args.coordinator_timeout:g}")
+
+
 class UsageError(ValueError):
     """A bad flag or flag combination; printed as one line, exit status 2."""
 
@@ -48,6 +62,29 @@ def raise_first_failure(checks: Iterable[Check]) -> None:
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
+
+
+def port_check(flag: str, port: int, allow_zero: bool = True) -> Check:
+    """A TCP port flag is in [0, 65535] (``allow_zero``: 0 means any free port)."""
+    low = 0 if allow_zero else 1
+    return (low <= port <= 65535, f"{flag} {port} is not a TCP port (must be in "
+                                  f"[{low}, 65535])")
+
+
+def check_address(flag: str, address: str, allow_zero_port: bool = False) -> tuple[str, int]:
+    """Parse a ``HOST:PORT`` flag (every address flag goes through here).
+
+    Returns:
+        (host, port).
+
+    Raises:
+        UsageError: not HOST:PORT, an empty host, or a port outside the TCP range.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"{flag} must be HOST:PORT, got {address!r}")
+    raise_first_failure([port_check(flag, int(port), allow_zero_port)])
+    return host, int(port)
 
 
 def resolved_max_ep_size(args: argparse.Namespace) -> int:

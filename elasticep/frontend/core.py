@@ -7,7 +7,7 @@ Everything here runs on one asyncio loop (the HTTP server's), so the
   and hellos to the tracker;
 - the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
   seconds (in a thread, with a timeout) and applies rank state changes, which moves
-  requests off failed/draining/removed ranks.
+  requests off failed/draining/free slots.
 
 A rank counts as routable only when membership says ``healthy`` *and* its worker said
 hello with the pid membership reports, so a request is never sent to a dead predecessor.
@@ -92,6 +92,7 @@ class Frontend:
         self._streams: dict[str, RequestStream] = {}  # open streams, by request id
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
+        self._ready = False  # latched once every rank of the target size was routable
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -158,6 +159,13 @@ class Frontend:
         self._streams[request_id] = stream
         return stream
 
+    @property
+    def ready(self) -> bool:
+        """True once the deployment finished starting: every one of its ``ep_size`` ranks
+        was routable at the same time. Latched: a later failure makes it degraded, not
+        "starting" again."""
+        return self._ready
+
     def can_serve(self) -> bool:
         """True while at least one rank can take requests (never once :meth:`fail_all`)."""
         return self.closed_reason is None and bool(self.tracker.healthy_ranks())
@@ -198,9 +206,14 @@ class Frontend:
                             else state.value)
             self._count_transition(rank, state, epoch)
         self.metrics.epoch.set(epoch)
+        for state in SlotState:
+            self.metrics.slots.labels(state.value).set(
+                sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
         before = self.tracker.resubmitted_total
         self._dispatch(self.tracker.update_ranks(states))
+        if not self._ready and status.ep_size > 0:
+            self._ready = len(self.tracker.healthy_ranks()) >= status.ep_size
         self.metrics.resubmitted_requests.inc(self.tracker.resubmitted_total - before)
 
     def _count_transition(self, rank: int, state: str, epoch: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -53,7 +52,8 @@ class ServerConfig:
 
     Attributes:
         model_name: the ``model`` clients send (and /v1/models lists).
-        max_model_len: prompt + completion limit in tokens (min of context and KV cache).
+        max_model_len: prompt + completion limit in tokens: the engine's own
+            (:func:`~elasticep.engine.llm_engine.max_sequence_len`).
         api_key: if set, every endpoint but ``/health`` needs
             ``Authorization: Bearer <api_key>``.
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
@@ -95,8 +95,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+def _one_error(err: dict[str, Any]) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
@@ -104,6 +103,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """Every problem of the body in one line, unknown fields first (a misspelt field is
+    usually why a required one is missing); ``param`` names the first."""
+    errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+    if not errors:
+        return "invalid request", None
+    parts = [_one_error(e) for e in errors]
+    return "; ".join(dict.fromkeys(m for m, _ in parts)), parts[0][1]
 
 
 def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -162,23 +171,34 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
+    model_card = {"id": config.model_name, "object": "model", "created": created,
+                  "owned_by": "elasticep", "max_model_len": config.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": created,
-            "owned_by": "elasticep", "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold '/' (org/name)
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return model_card
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some probes only send HEAD
     async def health() -> JSONResponse:
+        # 503 until started (as SGLang and vLLM), then 200 while any rank can serve
         status = frontend.status()
-        can_serve = frontend.can_serve()
-        body = {"status": "ok" if can_serve else "unavailable",
+        can_serve = frontend.ready and frontend.can_serve()
+        body = {"status": ("ok" if can_serve else "unavailable" if frontend.ready
+                           else "starting"),
                 "degraded": not can_serve or status.degraded(),
                 "epoch": status.epoch, "ep_size": status.ep_size,
                 "healthy_ranks": len(status.healthy_ranks()),
                 "running_requests": frontend.tracker.num_running}
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
+        elif not frontend.ready:
+            body["reason"] = (f"starting: {len(frontend.tracker.healthy_ranks())} of "
+                              f"{status.ep_size} ranks ready")
         return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")
@@ -194,7 +214,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     async def scale(req: ScaleRequest) -> JSONResponse:
         max_ep = frontend.status().max_ep_size
         if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
-            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}], got "
+            cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
+            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}]{cap}, got "
                               f"{req.new_ep_size}", param="new_ep_size")
         try:
             result = await frontend.scale(req.new_ep_size)
@@ -232,14 +253,15 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
+    from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
     from elasticep.frontend.tokenizer import load_tokenizer
+    from elasticep.models.config import load_model_config
 
     tokenizer = load_tokenizer(model_path)
-    model_cfg = json.loads((Path(model_path) / "config.json").read_text())
-    max_model_len = int(model_cfg.get("max_position_embeddings")
-                        or getattr(tokenizer, "model_max_length", 2048))
-    if max_total_tokens:
-        max_model_len = min(max_model_len, max_total_tokens)
+    # the engine's own limit, so that what it would refuse or cut short is a 400 up front
+    max_model_len = max_sequence_len(
+        load_model_config(model_path),
+        EngineConfig(max_total_tokens=max_total_tokens) if max_total_tokens else None)
     # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62

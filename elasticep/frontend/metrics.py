@@ -34,6 +34,8 @@ class FrontendMetrics:
         self.generation_tokens = Counter("elasticep_generation_tokens",
                                          "Generated tokens delivered to clients", registry=r)
         self.epoch = Gauge("elasticep_epoch", "Membership epoch", registry=r)
+        self.slots = Gauge("elasticep_slots", "Slots of the capacity (--max-ep-size) per "
+                           "state; free = unused capacity", ["state"], registry=r)
         self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
                                   registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",

@@ -178,7 +178,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ScaleRequest(_Strict):
-    """POST /scale_elastic_ep."""
+    """POST /scale_elastic_ep. Strict: ``"3"`` or ``true`` is not a size."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     new_ep_size: int
 

@@ -54,6 +54,7 @@ class _Result:
     num_tokens: int
     finish_reason: str | None
     error: str | None
+    refused: bool = False
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -96,13 +97,16 @@ class OpenAIServing:
         self.max_model_len = max_model_len
 
     # ---- request preparation -------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
+        """Raises:
+            OpenAIError: 404 ``model_not_found`` unless ``model`` is the served name.
+        """
         if model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                               f"`{self.model_name}`.", param="model", code="model_not_found")
 
     def _completion_inputs(self, req: CompletionRequest) -> tuple[list[int], SamplingParams]:
-        self._check_model(req.model)
+        self.check_model(req.model)
         req.check_supported()
         prompt = req.single_prompt()
         if isinstance(prompt, str):
@@ -122,7 +126,7 @@ class OpenAIServing:
         return ids, req.to_sampling_params(max_tokens)
 
     def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        self._check_model(req.model)
+        self.check_model(req.model)
         req.check_supported()
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, f"The model `{self.model_name}` has no chat template, so "
@@ -231,7 +235,7 @@ class OpenAIServing:
                     parts.append(event.text)
                     if event.finish_reason is not None:
                         return _Result("".join(parts), event.num_generated,
-                                       event.finish_reason, event.error)
+                                       event.finish_reason, event.error, event.refused)
             return _Result("".join(parts), 0, None, "stream ended early")
 
         task = asyncio.create_task(gather())
@@ -249,6 +253,8 @@ class OpenAIServing:
         result = task.result()
         outcome = "error" if result.error else "finished"
         self.frontend.metrics.requests.labels(endpoint, outcome).inc()
+        if result.refused:  # the engine's own check of the request: the client's error
+            raise OpenAIError(400, result.error or "request refused")
         if result.error:
             raise OpenAIError(500, result.error, type="server_error")
         return result
@@ -269,4 +275,6 @@ def _sse_line(data: str) -> str:
 
 
 def _error_json(event: RequestEvent) -> str:
-    return json.dumps(error_body(event.error or "request failed", type="server_error"))
+    return json.dumps(error_body(event.error or "request failed",
+                                 type="invalid_request_error" if event.refused
+                                 else "server_error"))

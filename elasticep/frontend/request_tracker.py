@@ -55,6 +55,8 @@ class RequestEvent:
         finish_reason: None while running, else "stop", "length" or "abort".
         error: set (with finish_reason "abort") when the request failed.
         num_generated: tokens delivered so far, this event included.
+        refused: with ``error``: the engine refused the request itself (a client error,
+            HTTP 400), not a failure of the deployment.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class RequestEvent:
     finish_reason: str | None
     num_generated: int
     error: str | None = None
+    refused: bool = False
 
 
 Sink = Callable[[RequestEvent], None]
@@ -174,7 +177,7 @@ class RequestTracker:
         """A rank refused a request: fail it (a retry elsewhere would fail the same way)."""
         req = self._requests.get(request_id)
         if req is not None and req.rank == rank:
-            self._finish_error(req, message)
+            self._finish_error(req, message, refused=True)
 
     def abort(self, request_id: str) -> list[Send]:
         """Forget a request (client gone); returns the abort for its rank, if any."""
@@ -186,7 +189,7 @@ class RequestTracker:
     def update_ranks(self, states: Mapping[int, str]) -> list[Send]:
         """Apply a membership snapshot (rank -> state); move requests off unhealthy ranks.
 
-        Ranks missing from ``states`` count as removed. Returns aborts for the old ranks
+        Ranks missing from ``states`` count as free capacity. Returns aborts for the old ranks
         that may still be alive (anything but "failed") followed by the resubmissions.
         """
         self._states = dict(states)
@@ -255,11 +258,12 @@ class RequestTracker:
                                      len(req.generated)))
         return sends
 
-    def _finish_error(self, req: _Tracked, message: str) -> None:
+    def _finish_error(self, req: _Tracked, message: str, refused: bool = False) -> None:
         del self._requests[req.request_id]
-        logger.warning("request %s failed: %s", req.request_id, message)
+        logger.warning("request %s %s: %s", req.request_id,
+                       "refused" if refused else "failed", message)
         self._emit(req, RequestEvent(req.request_id, (), "", "abort", len(req.generated),
-                                     error=message))
+                                     error=message, refused=refused))
 
     @staticmethod
     def _emit(req: _Tracked, event: RequestEvent) -> None:

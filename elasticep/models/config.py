@@ -42,7 +42,8 @@ class MoEModelConfig:
         routing: how MoE layers pick experts (softmax top-k, or DeepSeek's grouped rules).
         rope: RoPE variant and scaling.
         mla: Multi-head Latent Attention sizes (DeepSeek), or None for GQA attention.
-        eos_token_ids: token ids that end generation.
+        eos_token_ids: token ids that end generation: ``generation_config.json``'s when it
+            sets them (what transformers' ``generate`` stops on), else ``config.json``'s.
         attention_window: sliding-window size, or None. We implement full attention only,
             so the engine caps sequences at this length (where the two agree).
     """
@@ -158,6 +159,24 @@ def _deepseek_parts(
     return moe_layers, routing, shared, mla
 
 
+def _generation_config(model_dir: Path) -> dict:
+    """``generation_config.json`` (transformers' generation defaults), or {} if absent.
+
+    Raises:
+        ValueError: the file exists but is not a JSON object.
+    """
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise unsupported(f"{path} is not JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise unsupported(f"{path} is not a JSON object")
+    return data
+
+
 def load_model_config(model_dir: str | Path) -> MoEModelConfig:
     """Read ``model_dir/config.json`` into a :class:`MoEModelConfig`.
 
@@ -216,7 +235,9 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
             qkv_bias = o_bias = bool(_first(cfg, raw, "attention_bias", default=False))
             shared = 0
 
-    eos = _first(cfg, raw, "eos_token_id", default=[])
+    eos = _generation_config(Path(model_dir)).get("eos_token_id")
+    if eos is None:
+        eos = _first(cfg, raw, "eos_token_id", default=[])
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return MoEModelConfig(
         model_type=model_type,

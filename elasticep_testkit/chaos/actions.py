@@ -235,6 +235,6 @@ def _end_unadmitted_scale_joiners(t: Target, status: Status) -> None:
                 if p.poll() is None and f"--ranks {rank}" in " ".join(map(str, p.args)):
                     p.terminate()
                     p.wait(15)
-            t.serve.wait_for(lambda s, r=rank: t.state(r, s) in (SlotState.REMOVED,
+            t.serve.wait_for(lambda s, r=rank: t.state(r, s) in (SlotState.FREE,
                                                                   SlotState.FAILED), 30.0,
                              f"unadmitted slot {rank} freed")
