@@ -104,12 +104,19 @@ class Frontend:
                        asyncio.create_task(self._watch_membership(), name="frontend-members")]
 
     async def stop(self) -> None:
-        """Cancel the background tasks (the channel stays open; its owner closes it)."""
+        """Cancel the background tasks (the channel stays open; its owner closes it).
+
+        A task is cancelled again until it ends: on Python < 3.12 ``asyncio.wait_for``
+        drops a cancellation that arrives as its inner future completes, and the
+        membership loop, which calls it every poll, then ran on and ``stop`` waited
+        for ever.
+        """
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                task.result()
         self._tasks = []
 
     def fail_all(self, reason: str) -> None:
