@@ -105,6 +105,7 @@ class LaunchedRanks:
         self._connected = connected
 
     def status(self) -> DeploymentStatus:
+        """The ``/elastic_ep_status`` view of the launched ranks (see the class)."""
         launched = self._launcher.pids(live_only=False)
         hellos = {} if self._connected is None else dict(self._connected())
         broken = any(self._launcher.exited(r) for r in launched)
@@ -119,5 +120,8 @@ class LaunchedRanks:
         return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=tuple(ranks))
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Raises:
+            ScaleNotSupportedError: always (HTTP 400).
+        """
         raise ScaleNotSupportedError("--elastic-ep-backend none has no coordinator-managed "
                                      "membership and cannot scale")
