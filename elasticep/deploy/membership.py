@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from elasticep.deploy.launcher import RankLauncher
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import ScaleNotSupportedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.engine.ipc import WorkerHello
 
-if TYPE_CHECKING:
-    from elasticep.deploy.launcher import RankLauncher
-    from elasticep.engine.ipc import WorkerHello
 
 class CoordinatorMembership:
     """:class:`MembershipSource` over a :class:`CoordinatorClient`.

@@ -42,6 +42,7 @@ from elasticep.frontend.openai_protocol import (
     error_body,
 )
 from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -232,8 +233,6 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
-    from elasticep.frontend.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(model_path)
     model_cfg = json.loads((Path(model_path) / "config.json").read_text())
     max_model_len = int(model_cfg.get("max_position_embeddings")
