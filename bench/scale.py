@@ -67,9 +67,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "bench" / "configs" / "qwen3-30b-a3b.json"
 
 
+OUT_FILE: Path | None = None  # --out: every line is appended as it is printed
+
+
 def emit(row: dict) -> None:
-    """Print one JSON line (the bench's output) and flush it."""
+    """Print one JSON line (the bench's output) and flush it; append it to --out too,
+    so a run cut short by a time limit keeps what it measured."""
     print(json.dumps(row), flush=True)
+    if OUT_FILE is not None:
+        with OUT_FILE.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def git_commit() -> str:
@@ -139,12 +146,18 @@ def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
     """The bytes one decode step must read (see the module docstring), by part."""
     H, D = cfg.hidden_size, cfg.head_dim
     qkvo = (2 * cfg.num_attention_heads * D * H) + (2 * cfg.num_key_value_heads * D * H)
+    kv_per_token = 2 * cfg.num_key_value_heads * D
+    if cfg.mla is not None:  # MLA: its own projections; the cache holds one latent row
+        qkvo, kv_per_token = cfg.mla.weight_params(H), cfg.mla.cache_width
     n_moe = sum(cfg.moe_layers)
     parts = {
         "attention_weights": cfg.num_hidden_layers * qkvo * elem,
         "experts": sum(touched_per_layer) * 3 * H * cfg.moe_intermediate_size * elem,
+        # shared experts on every MoE layer, dense MLPs on the others (DeepSeek, qwen2_moe)
+        "dense_mlps": (n_moe * cfg.shared_expert_intermediate_size
+                       + (cfg.num_hidden_layers - n_moe) * cfg.intermediate_size) * 3 * H * elem,
         "routers": n_moe * cfg.num_experts * H * elem,
-        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * 2 * cfg.num_key_value_heads * D * elem,
+        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * kv_per_token * elem,
         "lm_head": cfg.vocab_size * H * elem,
     }
     parts["total"] = sum(parts.values())
@@ -166,6 +179,15 @@ class RoutingRecorder:
         if self.on:
             self.ids[layer_idx] = topk_ids.clone()
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Replay captured graphs except on the recorded step (a graph would not record)."""
+        return not self.on and bool(getattr(self.inner, "graph_safe", False))
+
+    @property
+    def version(self) -> int:
+        return getattr(self.inner, "version", 0)
 
     def touched(self) -> list[int]:
         return [int(torch.unique(t).numel()) for _, t in sorted(self.ids.items())]
@@ -219,12 +241,14 @@ def section_hbm(args) -> dict:
     return row
 
 
-def _engine(mdir: Path, batch: int, args, dtype: torch.dtype, load_format: str) -> LLMEngine:
+def _engine(mdir: Path, batch: int, args, dtype: torch.dtype, load_format: str,
+            cuda_graph: bool = True) -> LLMEngine:
     total = batch * (args.prompt_len + args.decode_tokens) + 64 * 16
     return LLMEngine.from_pretrained(
         mdir, dtype=dtype, device=args.device, progress=False, load_format=load_format,
         config=EngineConfig(max_total_tokens=total, max_num_seqs=max(batch, 1),
-                            max_batch_tokens=args.max_batch_tokens))
+                            max_batch_tokens=args.max_batch_tokens,
+                            enable_cuda_graph=cuda_graph))
 
 
 def section_ep1(args, bw: float) -> list[dict]:
@@ -233,18 +257,23 @@ def section_ep1(args, bw: float) -> list[dict]:
     cfg = load_model_config(mdir)
     rows = []
     for batch in args.batches:
-        reset_memory(args.device)
-        row = _ep1_one(args, mdir, cfg, dtype, batch, bw)
-        emit(row)
-        rows.append(row)
+        for graphs in args.cuda_graph_modes:
+            reset_memory(args.device)
+            try:
+                row = _ep1_one(args, mdir, cfg, dtype, batch, bw, graphs)
+            except Exception as exc:  # noqa: BLE001 - one failed configuration, not the run
+                row = {"section": "ep1", "batch": batch, "cuda_graph": graphs,
+                       "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            emit(row)
+            rows.append(row)
     return rows
 
 
 def _ep1_one(args, mdir: Path, cfg: MoEModelConfig, dtype: torch.dtype, batch: int,
-             bw: float) -> dict:
+             bw: float, cuda_graph: bool) -> dict:
     """One batch size on a fresh engine; everything it loaded is freed on return."""
     t0 = time.perf_counter()
-    engine = _engine(mdir, batch, args, dtype, "dummy")
+    engine = _engine(mdir, batch, args, dtype, "dummy", cuda_graph)
     load_s = time.perf_counter() - t0
     rec = RoutingRecorder(engine.model.executor)
     engine.model.executor = rec
@@ -255,7 +284,8 @@ def _ep1_one(args, mdir: Path, cfg: MoEModelConfig, dtype: torch.dtype, batch: i
     parts = step_bytes(cfg, dtype.itemsize, res["touched"], res["ctx_lens"])
     bound = parts["total"] / bw
     return {"section": "ep1", "config": Path(args.config).stem, "layers": cfg.num_hidden_layers,
-            "batch": batch, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+            "batch": batch, "cuda_graph": engine.runner.graphs is not None,
+            "cuda_graph_capture_s": engine.cuda_graph_capture_s, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
             "decode_step_ms": round(step * 1e3, 3),
             "decode_step_ms_p10_p90": [round(x * 1e3, 3) for x in _p10_p90(res["decode_steps_s"])],
             "decode_tokens_per_s": round(batch / step, 1),
@@ -273,15 +303,20 @@ def _p10_p90(xs: list[float]) -> tuple[float, float]:
     return s[len(s) // 10], s[(len(s) * 9) // 10]
 
 
-def section_profile(args) -> dict:
+def section_profile(args) -> list[dict]:
+    """:func:`profile_one` for each ``--profile-batch`` and CUDA-graph mode."""
+    return [profile_one(args, b, graphs) for b in args.profile_batches
+            for graphs in args.cuda_graph_modes]
+
+
+def profile_one(args, b: int, graphs: bool) -> dict:
     """Where a decode step's time goes, by kernel kind, plus host gaps between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     dtype = getattr(torch, args.dtype)
     mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
     cfg = load_model_config(mdir)
-    b = args.profile_batch
-    engine = _engine(mdir, b, args, dtype, "dummy")
+    engine = _engine(mdir, b, args, dtype, "dummy", graphs)
     prompts = random_prompts(b, args.prompt_len, cfg.vocab_size)
     params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -328,7 +363,9 @@ def section_profile(args) -> dict:
     top = sorted(((e.key, e.device_time_total / 1e3 / n, e.count // n)
                   for e in prof.key_averages() if e.device_time_total > 0),
                  key=lambda x: -x[1])[:15]
-    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers,
+    del engine
+    reset_memory(args.device)
+    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers, "cuda_graph": graphs,
            "step_wall_ms": round(wall * 1e3, 2),
            "gpu_busy_ms_per_step": round(busy / 1e3 / n, 2),
            "host_gap_ms_per_step": round(wall * 1e3 - busy / 1e3 / n, 2),
@@ -384,21 +421,22 @@ def section_hf(args) -> list[dict]:
         gen(2)
         t1, tn = gen(1), gen(args.decode_tokens)
         hf_step = (tn - t1) / (args.decode_tokens - 1)
-        engine = _engine(ckpt, batch, args, torch.bfloat16, "auto")
-        run_engine(engine, prompts[:1], 2)
-        ours = run_engine(engine, prompts, args.decode_tokens)
-        our_step = statistics.median(ours["decode_steps_s"])
-        del engine
-        reset_memory(args.device)
-        row = {"section": "hf", "layers": args.hf_layers, "batch": batch,
-               "transformers_decode_step_ms": round(hf_step * 1e3, 3),
-               "ours_decode_step_ms": round(our_step * 1e3, 3),
-               "transformers_decode_tokens_per_s": round(batch / hf_step, 1),
-               "ours_decode_tokens_per_s": round(batch / our_step, 1),
-               "ours_vs_transformers": round(hf_step / our_step, 2),
-               "transformers_version": __import__("transformers").__version__}
-        emit(row)
-        rows.append(row)
+        for graphs in args.cuda_graph_modes:
+            engine = _engine(ckpt, batch, args, torch.bfloat16, "auto", graphs)
+            run_engine(engine, prompts[:1], 2)
+            ours = run_engine(engine, prompts, args.decode_tokens)
+            our_step = statistics.median(ours["decode_steps_s"])
+            del engine
+            reset_memory(args.device)
+            row = {"section": "hf", "layers": args.hf_layers, "batch": batch, "cuda_graph": graphs,
+                   "transformers_decode_step_ms": round(hf_step * 1e3, 3),
+                   "ours_decode_step_ms": round(our_step * 1e3, 3),
+                   "transformers_decode_tokens_per_s": round(batch / hf_step, 1),
+                   "ours_decode_tokens_per_s": round(batch / our_step, 1),
+                   "ours_vs_transformers": round(hf_step / our_step, 2),
+                   "transformers_version": __import__("transformers").__version__}
+            emit(row)
+            rows.append(row)
     return rows
 
 
@@ -427,6 +465,21 @@ def _ep_run(driver, prompts: list[list[int]], decode_tokens: int) -> dict:
     step = window * len(prompts) / n if n else float("nan")
     return {"decode_step_s": step, "decode_tokens_per_s": n / window if window > 0 else 0.0,
             "prefill_tokens_per_s": len(prompts) * len(prompts[0]) / (lo - t0)}
+
+
+def _settle_gpu_memory(device: str, timeout_s: float = 30.0) -> None:
+    """Wait until the GPUs' free memory stops growing: closed workers' memory is released
+    after their processes exit, and the next launch's baseline must not include it."""
+    if not device.startswith("cuda"):
+        return
+    last = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = [torch.cuda.mem_get_info(g)[0] for g in range(torch.cuda.device_count())]
+        if free == last:
+            return
+        last = free
+        time.sleep(1.0)
 
 
 def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dict]:
@@ -464,6 +517,7 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
         finally:
             for d in drivers.values():
                 d.close()
+            _settle_gpu_memory(args.device)
         touched = touched_by_batch.get(batch)
         bound = None
         if touched is not None:
@@ -511,13 +565,16 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--hf-layers", type=int, default=4)
     ap.add_argument("--hf-batches", default="1,16")
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batch", default="1,64", help="batch sizes to profile")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda",
                     help="cuda; cpu only dry-runs the script on a tiny --config")
     ap.add_argument("--only", default="hbm,hf,profile,ep1,ep2",
                     help="sections, run in this order (ep2's HBM bound needs ep1 first)")
     ap.add_argument("--workdir", default=None, help="where model dirs are written")
+    ap.add_argument("--cuda-graph", choices=("on", "off", "both"), default="both",
+                    help="ep1/hf/profile: decode CUDA graphs on, off (--disable-cuda-graph), "
+                         "or both, one row each")
     ap.add_argument("--ep1-from", default=None,
                     help="ep2 without ep1 in this run: take the experts each batch touches "
                          "from this earlier JSONL output (same config, prompts and seed)")
@@ -527,32 +584,30 @@ def main() -> None:
         sys.exit("bench/scale.py: --device cuda, but torch sees no CUDA device")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.hf_batches = [int(x) for x in args.hf_batches.split(",")]
+    args.profile_batches = [int(x) for x in args.profile_batch.split(",")]
+    args.cuda_graph_modes = {"on": [True], "off": [False], "both": [True, False]}[args.cuda_graph]
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="elasticep-scale-")
     only = args.only.split(",")
+    global OUT_FILE
+    OUT_FILE = Path(args.out) if args.out else None
     meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
     emit(meta)
-    results = [meta]
     bw = section_hbm(args)["hbm_bytes_per_s"]  # every bound needs it
     ep1: list[dict] = []
     for name in only:  # in the order given, so a long section can go last
         if name == "ep1":
             ep1 = section_ep1(args, bw)
-            results += ep1
         elif name == "hf":
-            results += section_hf(args)
+            section_hf(args)
         elif name == "profile":
-            results.append(section_profile(args))
+            section_profile(args)
         elif name == "ep2":
             earlier = ep1 or _read_rows(args.ep1_from, "ep1")
             touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
-            results += section_ep2(args, bw, touched)
+            section_ep2(args, bw, touched)
         elif name != "hbm":
             sys.exit(f"bench/scale.py: unknown section {name!r}")
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -320,3 +320,149 @@ def removal_loop(rank, addr, ws, mws, ext, q, duration_s=30.0):
         return
     q.put((rank, "done", ed.get_active_ranks().tolist()))
     time.sleep(1.5)
+
+
+def p2p_async(rank, addr, ws, mws, ext, q):
+    """isend/irecv in any order on 3 ranks: a ring where everyone sends first, four
+    ordered bf16 sends, then slot 2 exits and 0<->1 still exchange while their
+    transfers with slot 2 fail. Reports ("ring", v), ("ordered", [..]), ("dead", (..))."""
+    _init(rank, addr, ws, mws, ext)
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    out, inp = torch.tensor([rank * 10]), torch.zeros(1, dtype=torch.int64)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt),
+                                     dist.P2POp(dist.irecv, inp, prv)]):
+        w.wait()
+    q.put((rank, "ring", int(inp)))
+    if rank in (0, 1):
+        bufs = [torch.full((3,), float(i) + 0.5, dtype=torch.bfloat16) if rank == 0
+                else torch.zeros(3, dtype=torch.bfloat16) for i in range(4)]
+        op = dist.isend if rank == 0 else dist.irecv
+        for w in dist.batch_isend_irecv([dist.P2POp(op, b, 1 - rank) for b in bufs]):
+            w.wait()
+        q.put((rank, "ordered", [b.tolist() for b in bufs]))
+    dist.barrier()
+    if rank == 2:
+        os._exit(0)
+    dead = []
+    for w in (dist.isend(torch.ones(1), 2), dist.irecv(torch.ones(1), 2)):
+        try:
+            w.wait()
+            dead.append("completed")
+        except ed.RankFailureError as e:
+            dead.append(e.dead_ranks)
+    got = torch.zeros(1)
+    ws_ = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 1 - rank),
+                                  dist.P2POp(dist.isend, torch.tensor([rank + 7.0]), 1 - rank)])
+    for w in ws_:
+        w.wait()
+    q.put((rank, "dead", (dead, float(got))))
+
+
+def rooted_ops(rank, addr, ws, mws, ext, q):
+    """gather / scatter / reduce to root 1 on a group with a hole (capacity mws > ws).
+    Reports ("rooted", (gathered or None, scattered, reduced))."""
+    _init(rank, addr, ws, mws, ext)
+    t = torch.tensor([rank + 1.0, -rank])
+    outs = [torch.full((2,), -9.0) for _ in range(mws)] if rank == 1 else None
+    dist.gather(t, outs, dst=1)
+    piece = torch.zeros(2, dtype=torch.int32)
+    parts = [torch.tensor([10 * s, 10 * s + 1], dtype=torch.int32) for s in range(mws)]
+    dist.scatter(piece, parts if rank == 1 else None, src=1)
+    red = torch.tensor([float(rank + 1)])
+    dist.reduce(red, dst=1, op=dist.ReduceOp.MAX)
+    q.put((rank, "rooted", ([o.tolist() for o in outs] if outs else None, piece.tolist(),
+                            float(red))))
+
+
+def reinit_world(rank, addr, ws, mws, ext, q):
+    """all_reduce, destroy WORLD, init it again in the same process, all_reduce again.
+    The extension slot first tries an op on WORLD it has not joined. Reports ("sums",
+    (first, second)) and, from the joiner, ("not_joined", message)."""
+    if ext:
+        _init(rank, addr, ws, mws, ext)
+        try:
+            dist.all_reduce(torch.ones(1))
+        except ValueError as e:
+            q.put((rank, "not_joined", str(e)))
+        return
+    sums = []
+    for _ in range(2):
+        _init(rank, addr, ws, mws, ext)
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        sums.append(float(t))
+        dist.destroy_process_group()
+    q.put((rank, "sums", tuple(sums)))
+
+
+def _mooncake_init(rank, port, ws, **opts):
+    """Start as a Mooncake PG user does: env:// rendezvous, no coordinator given."""
+    from elasticep.compat.mooncake import pg
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("mooncake-cpu", rank=rank, world_size=ws,
+                            pg_options=pg.MooncakeBackendOptions(**opts))
+    return pg, dist.group.WORLD
+
+
+def mooncake_extension(rank, port, ws, mws, ext, q):
+    """Slots 0, 1 start (capacity 3); slot 2 joins. Reports ("sizes", ...) per phase, the
+    joiner's solo all_reduce, and the coordinator address ("coord", address)."""
+    from elasticep.distributed import api
+
+    if not ext:
+        pg, world = _mooncake_init(rank, port, ws, max_group_size=mws)
+        q.put((rank, "coord", api.control_address()))
+        got = torch.zeros(ws, dtype=torch.int32)
+        dist.all_gather_into_tensor(got, torch.tensor([rank + 1], dtype=torch.int32))
+        before = (dist.get_world_size(), got.tolist())
+        deadline = time.monotonic() + 30
+        while not pg.get_peer_state(world, [2])[0]:
+            assert time.monotonic() < deadline, "joiner never ready"
+            time.sleep(0.05)
+        status = pg.recover_ranks(world, [2]).status
+    else:
+        pg, world = _mooncake_init(rank, port, mws, max_group_size=mws, is_extension=True)
+        solo = torch.tensor([5])
+        dist.all_reduce(solo)
+        before, status = (dist.get_world_size(), int(solo)), None
+        pg.join_group(world)
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    outs = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(outs, torch.tensor([rank * 10]))
+    rs = torch.zeros(1, dtype=torch.int64)
+    dist.reduce_scatter_tensor(rs, torch.arange(3) + rank)
+    q.put((rank, "sizes", (before, status and status.name, dist.get_world_size(), int(t),
+                           [int(o) for o in outs], int(rs))))
+    dist.destroy_process_group()
+
+
+def mooncake_manual(rank, port, ws, mws, ext, q):
+    """Manual membership on 3 ranks; slot 2 exits after one op. Survivors report
+    ("manual", per-round (value, local_success, hint, active mask)) and the sync and
+    deactivate statuses."""
+    pg, world = _mooncake_init(rank, port, ws, max_group_size=ws,
+                               auto_deactivate_on_failure=False, auto_sync_on_failure=False)
+
+    def round_():
+        t = torch.tensor([rank + 1])
+        w = dist.all_reduce(t, async_op=True)
+        w.wait()
+        return (int(t), pg.get_local_success(w), pg.get_failed_ranks_hint(w).tolist(),
+                pg.get_active_ranks(world).tolist())
+
+    rows = [round_()]
+    if rank == 2:
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while pg.get_peer_state(world, [2])[0]:
+        assert time.monotonic() < deadline, "death of slot 2 never seen"
+        time.sleep(0.05)
+    rows.append(round_())
+    probe = dist.isend(torch.ones(1), 2)
+    probe.wait()
+    sync = pg.sync_after_failure(world).status.name
+    resp = pg.deactivate_ranks(world, [2])
+    rows.append(round_())
+    q.put((rank, "manual", (rows, pg.get_local_success(probe), sync, resp.status.name)))

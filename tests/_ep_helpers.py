@@ -35,9 +35,14 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(tokenizer()(p).input_ids) for p in gsm8k_prompts(NUM_PROMPTS))
 
 
-@functools.cache
 def reference() -> tuple[list[list[int]], list[list[float]]]:
     """ep_size=1 greedy outputs of :func:`prompts` and the top-2 margin at each token."""
+    return reference_for(str(MODEL), prompts())
+
+
+@functools.cache
+def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[list[list[int]], list[list[float]]]:
+    """ep_size=1 greedy outputs of ``prompt_ids`` on ``model`` and the top-2 margin at each token."""
     from elasticep.engine.llm_engine import LLMEngine
 
     # One intra-op thread: with other processes on the 2 cores, OpenMP's spinning
@@ -45,10 +50,10 @@ def reference() -> tuple[list[list[int]], list[list[float]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = LLMEngine.from_pretrained(MODEL, dtype=torch.float32, progress=False)
-        outs = engine.generate([list(p) for p in prompts()], GREEDY)
+        engine = LLMEngine.from_pretrained(model, dtype=torch.float32, progress=False)
+        outs = engine.generate([list(p) for p in prompt_ids], GREEDY)
         margins = []
-        for p, out in zip(prompts(), outs, strict=True):
+        for p, out in zip(prompt_ids, outs, strict=True):
             logits = engine.prompt_logits(list(p) + out[:-1])[len(p) - 1:]
             top2 = torch.topk(logits, 2, dim=-1).values
             margins.append((top2[:, 0] - top2[:, 1]).tolist())
@@ -57,14 +62,15 @@ def reference() -> tuple[list[list[int]], list[list[float]]]:
     return outs, margins
 
 
-def assert_matches_reference(got: list[list[int]], what: str) -> list[str]:
+def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> list[str]:
     """Token-for-token equality with the ep_size=1 reference, under the near-tie rule.
 
     A prompt may differ only from a position where the reference's top-2 margin is
     below NEAR_TIE (its continuation then legitimately diverges); such cases are
-    returned and reported as warnings.
+    returned and reported as warnings. ``expected`` is ``(tokens, margins)`` from
+    :func:`reference_for`; None = the demo model's :func:`reference`.
     """
-    ref, margins = reference()
+    ref, margins = expected or reference()
     excused = []
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if g == r:
@@ -87,7 +93,7 @@ def launch(tmp_path_factory, **overrides):
 
     log_dir = tmp_path_factory.mktemp("ep-logs")
     fault = overrides.pop("fault", None)
-    cfg = DeploymentConfig(model=str(MODEL), ep_size=4, max_ep_size=overrides.pop("max_ep_size", 4),
+    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=4, max_ep_size=overrides.pop("max_ep_size", 4),
                            heartbeat_timeout_s=10.0, **overrides)
     driver = BatchDriver.launch(cfg, tokenizer().decode, fault=fault, log_dir=str(log_dir),
                                 ready_timeout_s=120)
@@ -116,9 +122,9 @@ def worker_log(driver) -> str:
     return "\n".join(p.read_text() for p in sorted(Path(driver.log_dir).glob("rank*.log")))
 
 
-def generated(driver, **kwargs) -> list[list[int]]:
-    """Run the 16 prompts on the deployment; every request must succeed."""
-    outs = driver.generate([list(p) for p in prompts()], GREEDY, timeout_s=120, **kwargs)
+def generated(driver, prompt_ids=None, **kwargs) -> list[list[int]]:
+    """Run ``prompt_ids`` (default: the 16 GSM8K prompts) on the deployment; every request must succeed."""
+    outs = driver.generate([list(p) for p in prompt_ids or prompts()], GREEDY, timeout_s=120, **kwargs)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs]
 

@@ -29,15 +29,16 @@ class PagedCase:
 
 def make_case(lens: list[int], qlens: list[int], hq: int, hkv: int, d: int, block_size: int = 16,
               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-              spare_blocks: int = 3) -> PagedCase:
+              spare_blocks: int = 3, num_blocks: int | None = None) -> PagedCase:
     """Sequences of ``lens`` tokens whose last ``qlens`` are queries; blocks shuffled.
 
     The block table is padded with a garbage block id past each sequence's blocks, so
     an implementation that reads past ``seq_lens`` gets wrong answers, not zeros.
+    ``num_blocks`` fixes the cache size (else the blocks needed plus ``spare_blocks``).
     """
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
-    num_blocks = sum(need) + spare_blocks
+    num_blocks = num_blocks or sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, o = [], 0
     for nb in need:

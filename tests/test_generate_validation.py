@@ -46,7 +46,7 @@ def test_cli_unsupported_model_family(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     _assert_refused(_generate("--prompt", "hi", "--model", str(tmp_path)),
                     f"--model {tmp_path}: unsupported model family 'llama' "
-                    "(supported: qwen3_moe, qwen2_moe, mixtral)")
+                    "(supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v2, deepseek_v3)")
 
 
 def test_cli_bad_prompts_files(tmp_path):
@@ -84,8 +84,8 @@ def test_bad_flags(argv, message):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."}'),
-    ('["a"]\n', 'line 1: expected an object {"prompt": "..."}'),
+    ('{"prompt": "a"}\n\n{"text": "x"}\n', 'line 3: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
+    ('["a"]\n', 'line 1: expected an object {"prompt": "..."} or {"prompt_token_ids": [...]}'),
     ("\n", "no prompts"),
 ])
 def test_bad_prompts_file(tmp_path, content, message):

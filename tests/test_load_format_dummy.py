@@ -115,3 +115,30 @@ def test_safetensors_format_needs_weights(config_only, tmp_path):
          str(config_only), "--prompts-file", str(tmp_path / "p.jsonl"), "--max-tokens", "2"],
         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 2 and "no *.safetensors files" in run.stderr
+
+
+def test_relaunched_rank_draws_the_same_experts(config_only):
+    """EP2 with dummy weights: kill rank 1, relaunch it (join mode "recover": its experts
+    come from peers or the seed), and the next batch, half of which the relaunched rank
+    serves, still equals EP1's tokens."""
+    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.engine.llm_engine import LLMEngine
+    from elasticep.engine.request import SamplingParams
+    from elasticep.entrypoints.batch_driver import BatchDriver
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    ep1 = LLMEngine.from_pretrained(config_only, load_format="dummy", progress=False)
+    want = ep1.generate(PROMPTS, params)
+    cfg = DeploymentConfig(model=str(config_only), ep_size=2, max_ep_size=2,
+                           load_format="dummy", heartbeat_timeout_s=2.0)
+    with BatchDriver.launch(cfg, lambda ids: "") as driver:
+        assert [c.token_ids for c in driver.generate(PROMPTS, params, timeout_s=120)] == want
+        dep = driver.deployment
+        dep.kill(1)
+        dep.wait_healthy([0], timeout_s=60)
+        dep.relaunch(1)
+        dep.wait_healthy([0, 1], timeout_s=120)
+        driver.wait_routable([0, 1], timeout_s=60)
+        outs = driver.generate(PROMPTS, params, timeout_s=120)
+    assert [c.error for c in outs] == [None] * len(PROMPTS)
+    assert [c.token_ids for c in outs] == want

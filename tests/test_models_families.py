@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _model_helpers import rel_err as _rel
+from _model_helpers import run_batched
 from safetensors.torch import save_file
 
-from elasticep.engine.kv_cache import BlockManager
-from elasticep.engine.model_runner import ModelRunner
-from elasticep.engine.request import SamplingParams
-from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
-from elasticep.engine.sequence import Sequence
 from elasticep.models import load_model, reload_expert
 from elasticep.models.checkpoint import CheckpointReader
 
@@ -87,35 +84,11 @@ def checkpoint(request, tmp_path_factory):
     return family, layout, path, prompts, ref_logits
 
 
-def _run_batched(model, prompts: list[list[int]], split: int) -> list[torch.Tensor]:
-    """Prefill all but the last ``split`` tokens of every prompt in one batch, then the
-    rest in a second batch over the paged cache; return logits per prompt."""
-    runner = ModelRunner(model, num_blocks=32, block_size=4)
-    blocks = BlockManager(32, 4)
-    seqs = [Sequence(f"r{i}", p, [], SamplingParams(), i) for i, p in enumerate(prompts)]
-    for s in seqs:
-        blocks.grow(s.block_table, s.num_tokens)
-    first = runner.forward(ScheduledBatch(tuple(ScheduledSeq(s, 0, s.num_tokens - split) for s in seqs)), True)
-    second = runner.forward(
-        ScheduledBatch(tuple(ScheduledSeq(s, s.num_tokens - split, s.num_tokens) for s in seqs)), True
-    )
-    out, a, b = [], 0, 0
-    for p in prompts:
-        n1 = len(p) - split
-        out.append(torch.cat([first[a : a + n1], second[b : b + split]]))
-        a, b = a + n1, b + split
-    return out
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
 def test_logits_match_transformers(checkpoint):
     family, layout, path, prompts, ref_logits = checkpoint
     model = load_model(path, progress=False)
     assert model.config.model_type == family
-    for ours, ref in zip(_run_batched(model, prompts, split=3), ref_logits, strict=True):
+    for ours, ref in zip(run_batched(model, prompts, split=3), ref_logits, strict=True):
         assert _rel(ours, ref) <= 1e-4, f"{family}/{layout}: rel err {_rel(ours, ref):.2e}"
 
 
@@ -134,7 +107,7 @@ def test_placement_loads_only_assigned_experts(checkpoint, monkeypatch):
         lambda s, k, r, *a, **kw: seen.append((k, r)) or get_row(s, k, r, *a, **kw),
     )
     model = load_model(path, slot_to_logical=s2l, progress=False)
-    ours = _run_batched(model, prompts[:2], split=1)
+    ours = run_batched(model, prompts[:2], split=1)
     for o, r in zip(ours, ref_logits[:2], strict=True):
         assert _rel(o, r) <= 1e-4
 
@@ -147,7 +120,7 @@ def test_placement_loads_only_assigned_experts(checkpoint, monkeypatch):
         expert = r if r is not None else int(key.split(".experts.")[1].split(".")[0])
         assert expert in (1, 2), key
     with pytest.raises(ValueError, match="no local slot"):
-        _run_batched(part, prompts[:1], split=1)
+        run_batched(part, prompts[:1], split=1)
 
     # orphan reload: overwrite slot 0 with expert 0, then restore expert 1
     reload_expert(part, path, layer=0, slot=0, logical_expert=0)

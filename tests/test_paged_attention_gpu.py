@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
               pytest.mark.timeout(600)]
 
 HQ, HKV, D = 32, 4, 128
-BACKENDS = ["triton"]
+BACKENDS = ["triton", "flex"]
 
 
 def _lens(batch: int, seed: int, lo: int = 256, hi: int = 2048) -> list[int]:
@@ -103,3 +103,29 @@ def test_triton_decode_sweep():
                     ms = _time_ms(lambda cfg=cfg, c=c: paged_attention_triton(*c.args(), config=cfg))
                     print(f"\nsweep B={batch} block_n={block_n} splits={splits} warps={warps}: "
                           f"{ms * 1e3:.1f} us, {_kv_bytes(lens) / ms / 1e6:.0f} GB/s")
+
+
+def test_flex_compiles_a_bounded_number_of_graphs():
+    """Steps of changing batch, context and query lengths reuse flex's compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    from elasticep.models.paged_attention.flex import paged_attention_flex
+
+    def graphs() -> int:
+        return counters["stats"]["unique_graphs"]
+
+    steps = [([1] * 40, 40), ([1] * 33, 33), ([1] * 64, 64), ([1] * 70, 70),
+             ([5, 1, 1, 100], 4), ([17, 1, 300], 3), ([1, 1, 64, 2], 4)]
+    before = graphs()
+    compiled = []
+    for i, (qlens, batch) in enumerate(steps):
+        lens = [max(q, n) for q, n in zip(qlens, _lens(batch, i, 32, 900), strict=True)]
+        c = make_case(lens, qlens, HQ, HKV, D, dtype=torch.bfloat16, device="cuda", seed=i,
+                      num_blocks=8192)  # one cache size, as in the engine
+        got = paged_attention_flex(*c.args())
+        torch.testing.assert_close(got.float(), paged_attention_reference(*c.args()).float(),
+                                   rtol=2e-2, atol=2e-2)
+        compiled.append(graphs() - before)
+    print(f"\nflex graphs compiled after each of {len(steps)} steps: {compiled}")
+    # decode batches 33/40 share the 64 bucket, 64 too, 70 takes 128; prefill is one dynamic graph
+    assert compiled[-1] <= 5

@@ -42,12 +42,19 @@ Engine-facing semantics (WORLD created with on_failure="raise")
   (its lease is re-confirmed with the coordinator before completing an op).
 * Other outcomes: `TimeoutError` when an op makes no progress for `timeout_s` (the
   group is then unusable); `CoordinatorLostError` when the coordinator is gone.
-  send/recv carry no sequence number and raise `RankFailureError` on any membership
-  change (a pending failure decision stays for the next collective). Ops run
-  synchronously; with async_op=True the returned Work is already complete. Exception:
-  a CUDA all_to_all_single in an on_failure="raise" group is stream-ordered (the host
-  returns once it is enqueued; the caller's stream waits for it), see `nccl_inner`.
-  send/recv of CUDA tensors are not supported (they would reach Gloo).
+  Collectives run synchronously; with async_op=True the returned Work is already
+  complete. Exception: a CUDA all_to_all_single in an on_failure="raise" group is
+  stream-ordered (the host returns once it is enqueued; the caller's stream waits for
+  it), see `nccl_inner`. gather/scatter/reduce are an all_gather/broadcast/all_reduce
+  whose result only the root (scatter: each rank's own part) keeps.
+* send/recv (isend/irecv, batch_isend_irecv in any order) carry no sequence number and
+  are asynchronous: they run on a channel per peer pair that no epoch change touches
+  (`p2p`), and `wait()` raises `RankFailureError([peer])` once the peer's slot failed,
+  was removed or was replaced. CUDA tensors are refused (ValueError).
+* A collective or send/recv on a group this rank has not joined yet (an extension
+  rank before admission) or has destroyed raises ValueError. WORLD may be destroyed
+  and initialised again in one process: the control connection is kept, and a group
+  created again under a name this process shut down is registered as a new group.
 * Supervisor side (launcher / front-end): `CoordinatorClient(address)` with `status()`
   (epoch, per-slot states, pids), `report_death(rank, pid)` (waitpid), and
   `request_admission` / `request_deactivation`, which ranks read with

@@ -35,10 +35,13 @@ class BackendOptions:
             the committed active mask. None: all `len(ranks)` slots active.
         is_extension: this rank joins an existing group (call `join_group` next).
         max_group_size: capacity in slots (default len(ranks)); slots past len(ranks)
-            map to the global ranks following max(ranks).
+            map to the global ranks following max(ranks), unless `global_ranks` says.
         on_failure: "complete" (finish reductions/barrier/broadcast over survivors) or
             "raise" (RankFailureError unless a survivor already completed the op).
         unique_name: stable group name shared by all members (default: torch's name).
+        global_ranks: global rank of every slot (length max_group_size); -1 marks a
+            reserved slot that is bound to whichever global rank first joins it (its
+            joiner lists its own global rank at that slot).
     """
 
     active_ranks: torch.Tensor | None = None
@@ -46,10 +49,11 @@ class BackendOptions:
     max_group_size: int | None = None
     on_failure: str = "complete"
     unique_name: str | None = None
+    global_ranks: list[int] | None = None
 
     def __init__(self, active_ranks: torch.Tensor | None = None, is_extension: bool = False,
                  max_group_size: int | None = None, *, on_failure: str = "complete",
-                 unique_name: str | None = None) -> None:
+                 unique_name: str | None = None, global_ranks: list[int] | None = None) -> None:
         if on_failure not in ("complete", "raise"):
             raise ValueError(f"on_failure must be 'complete' or 'raise', got {on_failure!r}")
         if active_ranks is not None and active_ranks.dtype != torch.int32:
@@ -57,6 +61,45 @@ class BackendOptions:
         self.active_ranks, self.is_extension = active_ranks, is_extension
         self.max_group_size, self.on_failure, self.unique_name = (
             max_group_size, on_failure, unique_name)
+        self.global_ranks = None if global_ranks is None else [int(r) for r in global_ranks]
+
+
+def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int | None = None,
+            is_extension: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Open this process's control connection to the coordinator, or keep the open one.
+
+    A process holds one connection for life: a second call (WORLD destroyed and
+    initialised again) reuses it, so the coordinator does not see the slot taken twice.
+
+    Args:
+        coordinator: ``"host:port"`` of the coordinator.
+        rank: global slot of this process, in [0, max_world_size).
+        max_world_size: capacity of WORLD.
+        world_size: initially active slots (default max_world_size).
+        is_extension: this process (re)joins an existing deployment.
+        timeout_s: bound of every blocking call (seconds).
+    Raises:
+        ValueError: refused by the coordinator, or this process already holds another
+            rank or coordinator.
+        TimeoutError: coordinator unreachable.
+    """
+    global _ctl, _store, _timeout_s
+    _timeout_s = timeout_s
+    if _ctl is not None and not _ctl.lost and not _ctl.evicted:
+        if (_ctl.rank, _ctl.address) != (rank, coordinator):
+            raise ValueError(f"this process is already rank {_ctl.rank} of the coordinator at "
+                             f"{_ctl.address}; it cannot become rank {rank} of {coordinator}")
+        return
+    _ctl = RankControl(coordinator, rank, world_size or max_world_size, max_world_size,
+                       is_extension, timeout_s)
+    _store = _new_store()
+
+
+def control_address() -> str | None:
+    """Coordinator address of this process's live control connection (None: none yet)."""
+    if _ctl is None or _ctl.lost or _ctl.evicted:
+        return None
+    return _ctl.address
 
 
 def init_process_group(coordinator: str, rank: int, world_size: int, *,
@@ -64,6 +107,9 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
                        timeout_s: float = DEFAULT_TIMEOUT_S,
                        on_failure: str = "complete") -> ElasticProcessGroup:
     """Connect to the coordinator and make the "elastic" WORLD group the default group.
+
+    May be called again after ``torch.distributed.destroy_process_group()`` in the same
+    process: the control connection is kept and WORLD is registered afresh.
 
     Args:
         coordinator: ``"host:port"`` of the coordinator.
@@ -80,13 +126,9 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
         ValueError: refused by the coordinator (slot already active, bad rank, ...).
         TimeoutError: coordinator unreachable.
     """
-    global _ctl, _store, _timeout_s
     mws = max_world_size or world_size
-    _timeout_s = timeout_s
-    _ctl = RankControl(coordinator, rank, world_size, mws, is_extension, timeout_s)
-    host, _ = parse_address(coordinator)
-    _store = dist.TCPStore(host, _ctl.store_port, is_master=False,
-                           timeout=timedelta(seconds=timeout_s))
+    connect(coordinator, rank, mws, world_size=world_size, is_extension=is_extension,
+            timeout_s=timeout_s)
     mask = torch.zeros(mws, dtype=torch.int32)
     mask[:world_size] = 1
     opts = BackendOptions(mask, is_extension, mws, on_failure=on_failure, unique_name="world")
@@ -102,8 +144,23 @@ def _new_store() -> dist.Store:
                          timeout=timedelta(seconds=_timeout_s))
 
 
-def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGroup:
-    """torch.distributed backend creator (extended API) for "elastic"."""
+# group name -> times this process shut a group of that name down: a group created again
+# under the same name (WORLD destroyed and re-initialised) is a new group for the
+# coordinator and gets fresh store keys, so its rendezvous never reads the old ones.
+_incarnations: dict[str, int] = {}
+
+
+def register_group(dopts, options: BackendOptions | None) -> GroupState:
+    """Register this rank in the group torch is creating and return its state.
+
+    Args:
+        dopts: torch's ``_DistributedBackendOptions`` (group_id, group_size,
+            global_ranks_in_group).
+        options: the group's BackendOptions (None: defaults).
+    Raises:
+        RuntimeError: no control connection yet (`connect` / `init_process_group`).
+        ValueError: inconsistent options, or refused by the coordinator.
+    """
     if _ctl is None or _store is None:
         raise RuntimeError("call elasticep.distributed.init_process_group before new_group")
     options = options or BackendOptions()
@@ -111,22 +168,37 @@ def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGrou
     ranks = list(dopts.global_ranks_in_group) or list(range(dopts.group_size))
     given = len(ranks) if dopts.global_ranks_in_group else options.max_group_size or len(ranks)
     size = options.max_group_size or len(ranks)
-    ranks += [max(ranks) + 1 + i for i in range(size - len(ranks))]
+    if options.global_ranks is not None:
+        if len(options.global_ranks) != size:
+            raise ValueError(f"global_ranks has {len(options.global_ranks)} entries, group "
+                             f"size is {size}")
+        ranks = list(options.global_ranks)
+    else:
+        ranks += [max(ranks) + 1 + i for i in range(size - len(ranks))]
     mask = options.active_ranks
     if mask is None:
         mask = torch.zeros(size, dtype=torch.int32)
         mask[:given] = 1
     if mask.numel() != size:
         raise ValueError(f"active_ranks has {mask.numel()} entries, group size is {size}")
-    name = options.unique_name or str(dopts.group_id)
+    base = options.unique_name or str(dopts.group_id)
+    k = _incarnations.get(base, 0)
+    name = f"{base}~{k}" if k else base
     active = [i for i in range(size) if int(mask[i]) != 0]
     reg = _ctl.request({"t": "register", "group": name, "global_ranks": ranks,
                         "active": active, "on_failure": options.on_failure,
                         "is_extension": options.is_extension})
     gs = GroupState(_ctl, _store, name, reg["slot"], ranks, reg, mask, _timeout_s,
-                    joining=options.is_extension, new_store=_new_store)
+                    joining=options.is_extension, new_store=_new_store,
+                    on_close=lambda: _incarnations.__setitem__(base, k + 1))
     _ctl.attach(name, gs, reg["epoch"])
-    return ElasticProcessGroup(gs, reg["slot"], size)
+    return gs
+
+
+def _create_backend(dopts, options: BackendOptions | None) -> ElasticProcessGroup:
+    """torch.distributed backend creator (extended API) for "elastic"."""
+    gs = register_group(dopts, options)
+    return ElasticProcessGroup(gs, gs.slot, len(gs.ranks))
 
 
 def _gs(group) -> GroupState:

@@ -35,6 +35,7 @@ class RankControl:
         self.conn: Connection = connect(address, timeout_s)
         self.groups: dict[str, Any] = {}
         self._early: dict[str, list[dict]] = {}
+        self._detached: set[str] = set()  # groups this process destroyed: pushes dropped
         self.evicted: str | None = None
         self.lost = False
         self.last_ack = time.monotonic()
@@ -90,6 +91,13 @@ class RankControl:
             if msg["t"] == "peer" or e > epoch:
                 gs.on_push(msg)
 
+    def detach(self, name: str) -> None:
+        """Stop routing pushes for group `name` (this process destroyed it)."""
+        with self._lock:
+            self.groups.pop(name, None)
+            self._early.pop(name, None)
+            self._detached.add(name)
+
     def send(self, msg: dict) -> None:
         self.conn.send(msg)
 
@@ -136,7 +144,8 @@ class RankControl:
             else:
                 with self._lock:
                     gs = self.groups.get(msg.get("group"))
-                    if gs is None:  # registered but not attached yet: keep for `attach`
+                    if gs is None and msg.get("group") not in self._detached:
+                        # registered but not attached yet: keep for `attach`
                         self._early.setdefault(msg.get("group"), []).append(msg)
                 if gs is not None:
                     try:

@@ -208,6 +208,8 @@ class Coordinator(SupervisorRequests):
             dead = {r for r, p in self._procs.items() if not p.alive}
             g = Group.create(name, msg["global_ranks"], msg["active"], msg["on_failure"], dead)
             self._groups[name] = g
+        if msg["is_extension"] and proc.rank not in g.ranks:
+            _bind_reserved_slot(g, proc.rank, msg["global_ranks"])
         slot = g.slot_of(proc.rank)
         if msg["is_extension"]:
             if g.states[slot] in ACTIVE_STATES:
@@ -352,6 +354,15 @@ class Coordinator(SupervisorRequests):
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)
+
+
+def _bind_reserved_slot(g: Group, rank: int, joiner_ranks: list[int]) -> None:
+    """Give a joiner the reserved slot (global rank -1) at which its own list names it;
+    unchanged if there is none (`slot_of` then refuses it)."""
+    if rank in joiner_ranks:
+        slot = joiner_ranks.index(rank)
+        if slot < len(g.ranks) and g.ranks[slot] == -1:
+            g.ranks[slot] = rank
 
 
 def _leaving(g: Group, slot: int) -> bool:

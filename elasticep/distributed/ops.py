@@ -104,6 +104,21 @@ class AllReduce:
         self.tensor.copy_(result[0])
 
 
+class Reduce(AllReduce):
+    """reduce to slot `root`: an all_reduce (fetchable, redoable) whose result only the
+    root keeps; every other rank's tensor is left as it was."""
+
+    kind = "reduce"
+
+    def __init__(self, tensor: torch.Tensor, op, root: int, slot: int) -> None:
+        super().__init__(tensor, op)
+        self.root, self.slot = root, slot
+
+    def apply(self, result) -> None:
+        if self.slot == self.root:
+            self.tensor.copy_(result[0])
+
+
 class ReduceScatter:
     """reduce_scatter_tensor: input [max_size * n, ...] -> output [n, ...] of our slot.
 
@@ -153,6 +168,31 @@ class Broadcast:
             self.tensor.copy_(result[0])
 
 
+class Scatter(Broadcast):
+    """scatter from slot `root`: the root broadcasts its max_size tensors stacked (so the
+    op is fetchable), and each rank keeps its own slot's one.
+
+    inputs: the root's list of max_size tensors shaped like `output`; [] elsewhere.
+    """
+
+    kind = "scatter"
+
+    def __init__(self, output: torch.Tensor, inputs: list[torch.Tensor], root: int, slot: int,
+                 size: int) -> None:
+        if slot == root:
+            if len(inputs) != size:
+                raise ValueError(f"scatter needs {size} input tensors at the root, got "
+                                 f"{len(inputs)}")
+            stacked = torch.stack([t.to(output.dtype) for t in inputs])
+        else:
+            stacked = output.new_empty((size, *output.shape))
+        super().__init__(stacked, root, slot)
+        self.output = output
+
+    def apply(self, result) -> None:
+        self.output.copy_(result[0][self.slot])
+
+
 class AllGather:
     """all_gather into a list of max_size tensors; inactive slots are zero-filled."""
 
@@ -179,6 +219,28 @@ class AllGather:
     def apply(self, result) -> None:
         for o, r in zip(self.outputs, result, strict=True):
             o.copy_(r)
+
+
+class Gather(AllGather):
+    """gather to slot `root`: an all_gather (fetchable) whose result only the root keeps.
+
+    outputs: the root's list of max_size tensors (inactive slots zero-filled); [] elsewhere.
+    """
+
+    kind = "gather"
+
+    def __init__(self, outputs: list[torch.Tensor], input: torch.Tensor, root: int, slot: int,
+                 size: int) -> None:
+        if slot == root and len(outputs) != size:
+            raise ValueError(f"gather needs {size} output tensors at the root, got "
+                             f"{len(outputs)}")
+        # non-roots gather into throwaway tensors of the input's shape
+        super().__init__(outputs if slot == root else [input] * size, input)
+        self.root, self.slot = root, slot
+
+    def apply(self, result) -> None:
+        if self.slot == self.root:
+            super().apply(result)
 
 
 class AllGatherInto(AllGather):

@@ -5,7 +5,8 @@ Every method turns its arguments into an `ops` object and hands it to the group'
 tensors, NCCL for CUDA ones) and keeps it consistent across epoch changes. Ops are
 synchronous: the returned Work is already complete, except a steady-state CUDA
 all_to_all_single in an on_failure="raise" group, which returns the NCCL Work
-(`GroupState.fast_all_to_all`). Both torch 2.11 names (alltoall_base, _allgather_base,
+(`GroupState.fast_all_to_all`), and send/recv, which are asynchronous: their Work
+completes in `wait` (`p2p.P2PWork`). Both torch 2.11 names (alltoall_base, _allgather_base,
 _reduce_scatter_base) and 2.13 names (all_to_all_single, all_gather_single,
 reduce_scatter_single) exist.
 
@@ -75,9 +76,8 @@ class ElasticProcessGroup(dist.ProcessGroup):
         return _DoneWork(tensors)
 
     def broadcast(self, tensors, opts=None):
-        root = getattr(opts, "rootRank", 0) if opts is not None else 0
         for t in tensors:
-            self.gs.run(ops.Broadcast(t, root, self._slot))
+            self.gs.run(ops.Broadcast(t, _root(opts), self._slot))
         return _DoneWork(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -117,23 +117,41 @@ class ElasticProcessGroup(dist.ProcessGroup):
         self.gs.run(ops.Barrier())
         return _DoneWork()
 
-    # point to point (no sequence number; any membership change raises) ------
-    def send(self, tensors, dst: int, tag: int = 0):
+    def reduce(self, tensors, opts=None):
         for t in tensors:
-            buf = ops._bytes(t.detach().clone())
-            self.gs.p2p(lambda pg, active, b=buf: pg.send([b], _peer(active, dst), tag))
-        return _DoneWork()
+            self.gs.run(ops.Reduce(t, _reduce_op(opts), _root(opts), self._slot))
+        return _DoneWork(tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        # torch passes no output list at all on non-roots
+        outputs = output_tensors or [[] for _ in input_tensors]
+        for outs, inp in zip(outputs, input_tensors, strict=True):
+            self.gs.run(ops.Gather(outs, inp, _root(opts), self._slot, self._size))
+        return _DoneWork(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = _root(opts)
+        ins = input_tensors if self._slot == root else [[]] * len(output_tensors)
+        for out, inp in zip(output_tensors, ins, strict=True):
+            self.gs.run(ops.Scatter(out, inp, root, self._slot, self._size))
+        return _DoneWork(output_tensors)
+
+    # point to point (no sequence number, asynchronous; see `p2p`) -------------
+    def send(self, tensors, dst: int, tag: int = 0):
+        (t,) = tensors
+        return self.gs.peers.post("send", t, dst, tag)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        for t in tensors:
-            buf = torch.empty_like(t)
-            self.gs.p2p(lambda pg, active, b=buf: pg.recv([ops._bytes(b)], _peer(active, src),
-                                                            tag))
-            t.copy_(buf)
-        return _DoneWork()
+        (t,) = tensors
+        return self.gs.peers.post("recv", t, src, tag)
+
+    # lifetime ---------------------------------------------------------------
+    def shutdown(self) -> None:
+        """torch.distributed.destroy_process_group: this rank leaves the group."""
+        self.gs.close()
+
+    abort = shutdown
 
 
-def _peer(active, slot: int) -> int:
-    if slot not in active:
-        raise ValueError(f"peer slot {slot} is not active (active={list(active)})")
-    return active.index(slot)
+def _root(opts) -> int:
+    return getattr(opts, "rootRank", 0) if opts is not None else 0

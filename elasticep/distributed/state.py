@@ -30,6 +30,7 @@ from .epoch_groups import EpochGroups, Superseded
 from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
 from .membership import Decision, local_action
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
+from .p2p import PeerChannels
 from .reaper import reap
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,15 @@ class GroupState:
         reg: the coordinator's registration reply (epoch, active, states, on_failure).
         mask: caller-owned int32 tensor [max_group_size] kept equal to the active mask.
         timeout_s: bound of every blocking wait (seconds).
+        on_close: called once by `close` (the owner's bookkeeping of shut-down groups).
     """
 
     def __init__(self, ctl, store, name: str, slot: int, ranks: list[int], reg: dict,
-                 mask: torch.Tensor, timeout_s: float, joining: bool, new_store) -> None:
+                 mask: torch.Tensor, timeout_s: float, joining: bool, new_store,
+                 on_close=None) -> None:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
-        self.new_store = new_store
+        self.new_store, self._on_close = new_store, on_close
+        self.closed = False
         self.on_failure: str = reg["on_failure"]
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
@@ -91,6 +95,7 @@ class GroupState:
         self.counters = {"fast": 0, "run": 0, "lease_confirms": 0}
         # epoch -> (previous epoch's communicator, its ranks that left): to shrink
         self._shrink_from: dict[int, tuple[NcclComm, list[int]]] = {}
+        self.peers = PeerChannels(self)  # send/recv
         if self.joined and slot in self.active:
             self._inner_for(self.epoch, self.active)
 
@@ -176,6 +181,7 @@ class GroupState:
         """
         deadline = time.monotonic() + self.timeout_s
         self.counters["run"] += 1
+        self.check_member(op.kind)
         while True:
             with self.cond:
                 self._wait_quiet(deadline)
@@ -289,22 +295,28 @@ class GroupState:
         return (not op.fetchable and self.on_failure == "raise"
                 and nccl_inner.ASYNC_UNFETCHABLE)
 
-    def p2p(self, start) -> None:
-        """Run a send/recv (no sequence number); any membership change raises."""
-        deadline = time.monotonic() + self.timeout_s
+    def check_member(self, what: str) -> None:
+        """Raise ValueError if this rank cannot run `what` on the group yet (or any more)."""
+        if self.closed:
+            raise ValueError(f"group {self.name!r} was destroyed on rank {self.slot}; "
+                             f"{what} needs a live group")
+        if not self.joined:
+            raise ValueError(f"rank {self.slot} has not joined group {self.name!r} yet: call "
+                             f"join_group and wait for admission before {what}")
+
+    def close(self) -> None:
+        """This rank leaves the group (destroyed): pushes for it are dropped from now on,
+        its inner groups are handed to the reaper, `on_close` runs once."""
         with self.cond:
-            self._wait_quiet(deadline)
-            if self.failure is not None:
-                raise RankFailureError(list(self.failure.dead), self.failure.epoch, self.name)
-            gen = self.failure_gen
-            epoch, active = self._epoch_for(self.next_seq)
-        try:
-            inner = self._inner_for(epoch, active).get(self, gen, deadline)
-            inner.last_work = start(inner.pg, active)
-            self._wait_work(inner.last_work, gen, deadline)
-        except Superseded:
-            d = self.failure
-            raise RankFailureError(list(d.dead) if d else [], self.epoch, self.name) from None
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+        self.ctl.detach(self.name)
+        self.peers.close()
+        self._reap_below(1 << 62)  # every epoch
+        if self._on_close is not None:
+            self._on_close()
 
     def join(self, timeout_s: float) -> None:
         """Block until this (extension) rank is admitted. Raises TimeoutError."""

@@ -37,6 +37,8 @@ class DeploymentConfig:
         load_format: "auto"/"safetensors" (read the checkpoint) or "dummy" (weights
             drawn from a fixed seed, the same on every rank, so a relaunched or
             scaled-in rank holds the same experts; only config.json is needed).
+        disable_cuda_graph: never replay decode CUDA graphs (a rank whose step has no
+            collective captures them otherwise; EP ranks run eagerly today).
     """
 
     model: str
@@ -57,6 +59,7 @@ class DeploymentConfig:
     num_threads: int = 1
     store_addr: str = ""
     load_format: str = "auto"
+    disable_cuda_graph: bool = False
 
     def to_json(self) -> str:
         """Serialise for the coordinator store."""

@@ -124,7 +124,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         hooked.hooks.append(eplb.record)
     engine = LLMEngine(model, EngineConfig(max_total_tokens=d.max_total_tokens,
                                            max_num_seqs=d.max_num_seqs,
-                                           forward_empty_batches=True))
+                                           forward_empty_batches=True,
+                                           enable_cuda_graph=not d.disable_cuda_graph))
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
         report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10)

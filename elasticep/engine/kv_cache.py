@@ -63,10 +63,15 @@ class BlockManager:
 
 
 class KVCache:
-    """Per-layer K and V tensors ``[num_blocks * block_size, Hkv, D]``.
+    """Per-layer cache tensors ``[num_blocks * block_size, *shape]``, one per per-token shape.
+
+    The model says what a token stores per layer (``MoECausalLM.kv_cache_shapes()``):
+    ``((Hkv, D), (Hkv, D))`` for K and V, or one latent row ``((kv_lora_rank +
+    qk_rope_head_dim,),)`` for MLA.
 
     Args:
-        num_layers, num_blocks, block_size, num_kv_heads, head_dim: sizes.
+        num_layers, num_blocks, block_size: sizes.
+        per_token_shapes: the per-token shape of each tensor of one layer.
         dtype, device: storage dtype (the model dtype) and device.
     """
 
@@ -75,20 +80,21 @@ class KVCache:
         num_layers: int,
         num_blocks: int,
         block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
+        per_token_shapes: tuple[tuple[int, ...], ...],
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         n = num_blocks * block_size
         self.block_size = block_size
         self.layers = [
-            (
-                torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device),
-                torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device),
-            )
+            tuple(torch.zeros(n, *shape, dtype=dtype, device=device) for shape in per_token_shapes)
             for _ in range(num_layers)
         ]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers."""
+        return sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slots of token positions ``[start, end)`` of a sequence -> ``[end-start]`` int64."""

@@ -42,6 +42,9 @@ class EngineConfig:
         max_batch_tokens: per-step token budget for admitting prefills.
         forward_empty_batches: run the model even with nothing scheduled (T = 0), as an
             idle rank must under expert parallelism so every MoE layer's dispatch lines up.
+        enable_cuda_graph: capture the decode forward in CUDA graphs at start-up where
+            the model allows it (CUDA, an executor without collectives); SGLang's
+            ``--disable-cuda-graph`` turns it off.
     """
 
     max_total_tokens: int = 8192
@@ -49,6 +52,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batch_tokens: int = 4096
     forward_empty_batches: bool = False
+    enable_cuda_graph: bool = True
 
 
 class LLMEngine:
@@ -82,6 +86,10 @@ class LLMEngine:
         self.max_seq_len = min(limits)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        self.cuda_graph_capture_s: float | None = None
+        if self.config.enable_cuda_graph:
+            self.cuda_graph_capture_s = self.runner.enable_cuda_graphs(
+                self.config.max_num_seqs, self.max_seq_len)
 
     @classmethod
     def from_pretrained(

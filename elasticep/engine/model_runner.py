@@ -6,13 +6,18 @@ K/V to the slots of the scheduled positions, which a redo rewrites identically.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from elasticep.engine.cuda_graph import DecodeGraphs, graph_safe
 from elasticep.engine.kv_cache import KVCache
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.model import MoECausalLM
 from elasticep.models.paged_attention import PagedAttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -20,16 +25,62 @@ class ModelRunner:
 
     Args:
         model: the loaded model.
-        num_blocks, block_size: KV-cache geometry (capacity = product, in tokens).
+        num_blocks, block_size: KV-cache geometry (capacity = product, in tokens). One
+            more block is allocated as the CUDA graphs' sink (:mod:`cuda_graph`).
     """
 
     def __init__(self, model: MoECausalLM, num_blocks: int, block_size: int) -> None:
-        c = model.config
         self.model = model
+        self.sink_block = num_blocks  # never lent by the BlockManager
         self.kv_cache = KVCache(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+            model.config.num_hidden_layers, num_blocks + 1, block_size, model.kv_cache_shapes(),
             model.dtype, model.device,
         )
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float | None:
+        """Capture decode graphs when the model allows it (CUDA, graph-safe executor).
+
+        Returns:
+            The capture time in seconds, or None when the model cannot be captured (or
+            the capture failed: that is logged, and decode runs eagerly).
+        """
+        refresh = getattr(self.model.executor, "refresh", None)
+        if callable(refresh):
+            refresh()
+        if self.model.device.type != "cuda" or not graph_safe(self.model):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.kv_cache.block_size,
+                              self.sink_block, max_seq_len, max_batch)
+        try:
+            seconds = graphs.capture()
+        except RuntimeError as exc:  # a capture-unsafe op: eager is slower, never wrong
+            logger.warning("decode CUDA graph capture failed, running eagerly: %s", exc)
+            return None
+        self.graphs = graphs
+        return seconds
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The decode step through a captured graph, or None when it must run eagerly."""
+        g = self.graphs
+        if (g is None or not batch.items or not graph_safe(self.model)
+                or any(it.end - it.start != 1 for it in batch.items)
+                or g.bucket(len(batch.items)) is None):
+            return None
+        if g.stale:  # the executor's tables changed (placement): capture again
+            g.capture()
+        bs = self.kv_cache.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for it in batch.items:
+            seq, p = it.seq, it.start
+            ids.append(seq.token_at(p))
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table)
+            lens.append(it.end)
+        if max(lens) > g.max_seq_len:
+            return None
+        return g.replay(ids, positions, slots, tables, lens)
 
     def prepare(
         self, batch: ScheduledBatch
@@ -72,6 +123,10 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Run ``batch``; return float32 logits ``[B, V]`` of each sequence's last token
         (or ``[T, V]`` for every scheduled token when ``all_logits``)."""
+        if not all_logits:
+            logits = self._replay(batch)
+            if logits is not None:
+                return logits
         input_ids, positions, meta, last = self.prepare(batch)
         return self.model.forward(
             input_ids, positions, meta, self.kv_cache.layers, None if all_logits else last

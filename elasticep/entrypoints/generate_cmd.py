@@ -49,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     checks.add_load_format_argument(p)
+    checks.add_cuda_graph_argument(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -180,6 +181,7 @@ def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode)
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
         max_num_seqs=args.max_num_seqs, load_format=args.load_format,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
     with BatchDriver.launch(cfg, decode, fault=args.fault) as driver:
         outs = driver.generate(ids, params)
@@ -209,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                 args.model,
                 dtype=getattr(torch, args.dtype),
                 device=args.device,
-                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs),
+                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs,
+                                    enable_cuda_graph=not args.disable_cuda_graph),
                 detokenize=tok.decode,
                 load_format=args.load_format,
             )

@@ -16,6 +16,7 @@ from elasticep.elastic.config import DeploymentConfig
 from elasticep.entrypoints.generate_cmd import default_model_dir
 from elasticep.entrypoints.validate import (
     UsageError,
+    add_cuda_graph_argument,
     add_load_format_argument,
     check_device,
     check_model_dir,
@@ -36,6 +37,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the embedded demo model")
     m.add_argument("--dtype", choices=DTYPES, default="float32", help="weight/activation dtype")
     add_load_format_argument(m)
+    add_cuda_graph_argument(m)
     m.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where weights and compute live (cuda: one GPU per rank; the "
                         "expert exchange runs over NCCL, control traffic over Gloo)")
@@ -157,7 +159,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
-        heartbeat_timeout_s=args.heartbeat_timeout, load_format=args.load_format)
+        heartbeat_timeout_s=args.heartbeat_timeout, load_format=args.load_format,
+        disable_cuda_graph=args.disable_cuda_graph)
     return ServeSettings(
         deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,

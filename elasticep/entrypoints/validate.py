@@ -24,6 +24,14 @@ LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoi
                     "config.json runs a real model shape (benchmarks)")
 
 
+def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add ``--disable-cuda-graph`` (SGLang's name) to ``p``."""
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode eagerly instead of replaying CUDA graphs captured at "
+                        "start-up (graphs apply on CUDA where a rank's step has no "
+                        "collective: --ep-size 1 in generate)")
+
+
 def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
                              default: str | None = "auto", help_suffix: str = "") -> None:
     """Add ``--load-format`` (vLLM's name and choices) to ``p``."""

@@ -1,5 +1,5 @@
-"""HF MoE families (qwen3_moe, qwen2_moe, mixtral) with our own forward pass, and the
-per-rank safetensors loader."""
+"""HF MoE families (qwen3_moe, qwen2_moe, mixtral, deepseek_v2, deepseek_v3) with our own
+forward pass, and the per-rank safetensors loader."""
 
 from elasticep.models.config import SUPPORTED_FAMILIES, MoEModelConfig, load_model_config
 from elasticep.models.loader import load_expert_into_slot, load_model, reload_expert

@@ -2,8 +2,8 @@
 
 transformers is used only to read and default the config (``AutoConfig``); the fields
 the forward pass needs are copied into :class:`MoEModelConfig`, reading both key
-spellings where the families differ (``num_experts`` / ``num_local_experts``,
-``rope_theta`` / ``rope_parameters["rope_theta"]``).
+spellings where the families differ (``num_experts`` / ``num_local_experts`` /
+``n_routed_experts``, ``rope_scaling`` / ``rope_parameters``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+from elasticep.models.mla import MLAConfig
+from elasticep.models.rope import RopeConfig, parse_rope
+from elasticep.models.routing import RoutingConfig
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 def unsupported(problem: str) -> ValueError:
@@ -30,10 +35,13 @@ class MoEModelConfig:
         moe_layers: per decoder layer, True when it is a sparse MoE layer (False = dense MLP).
         moe_intermediate_size: I, the width of one routed expert.
         intermediate_size: width of the dense MLP used by non-MoE layers.
-        shared_expert_intermediate_size: width of qwen2_moe's shared expert, 0 if none.
+        shared_expert_intermediate_size: width of the shared expert MLP (qwen2_moe's
+            ``shared_expert``, DeepSeek's ``shared_experts``: I x n_shared_experts), 0 if none.
         qk_norm: per-head RMSNorm on q and k (qwen3_moe).
         qkv_bias / o_bias: biases on the q/k/v and o projections.
-        norm_topk_prob: renormalise the top-k softmax weights to sum to 1.
+        routing: how MoE layers pick experts (softmax top-k, or DeepSeek's grouped rules).
+        rope: RoPE variant and scaling.
+        mla: Multi-head Latent Attention sizes (DeepSeek), or None for GQA attention.
         eos_token_ids: token ids that end generation.
         attention_window: sliding-window size, or None. We implement full attention only,
             so the engine caps sequences at this length (where the two agree).
@@ -47,14 +55,13 @@ class MoEModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     max_position_embeddings: int
     num_experts: int
-    num_experts_per_tok: int
     moe_intermediate_size: int
     intermediate_size: int
     shared_expert_intermediate_size: int
-    norm_topk_prob: bool
+    routing: RoutingConfig
     qk_norm: bool
     qkv_bias: bool
     o_bias: bool
@@ -62,6 +69,17 @@ class MoEModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_window: int | None = None
+    mla: MLAConfig | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of each query/key head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        """k, the routed experts per token."""
+        return self.routing.top_k
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -80,18 +98,64 @@ def _first(cfg: Any, raw: dict, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _rope_theta(cfg: Any, raw: dict) -> float:
-    """Read RoPE theta from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
-    params = getattr(cfg, "rope_parameters", None) or raw.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if params else "default"
-    if rope_type not in ("default", None):
-        raise unsupported(f"rope_type {rope_type!r} is not supported, only 'default'")
-    theta = params.get("rope_theta") if params else None
-    if theta is None:
-        theta = _first(cfg, raw, "rope_theta")
-    if theta is None:
-        raise unsupported("config has neither rope_parameters.rope_theta nor rope_theta")
-    return float(theta)
+def _rope(cfg: Any, raw: dict) -> RopeConfig:
+    """RoPE settings from the raw JSON (either spelling), else from transformers' defaults.
+
+    Called once before transformers sees the config (``cfg`` None: its own validation
+    would raise a multi-line KeyError for a type we refuse anyway), and once after.
+
+    Raises:
+        ValueError: an unsupported rope type, as a one-line error naming the families.
+    """
+    source = raw
+    if not any(k in raw for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+        source = {"rope_parameters": getattr(cfg, "rope_parameters", None)}
+    max_pos = raw.get("max_position_embeddings") or getattr(cfg, "max_position_embeddings", 2048)
+    try:
+        return parse_rope(source, int(max_pos))
+    except ValueError as e:
+        raise unsupported(str(e)) from None
+
+
+def _deepseek_parts(
+    cfg: Any, raw: dict, n_layers: int, num_experts: int, top_k: int
+) -> tuple[tuple[bool, ...], RoutingConfig, int, MLAConfig]:
+    """DeepSeek-V2/V3: dense-layer pattern, grouped routing, shared experts and MLA sizes.
+
+    Layer i is MoE when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
+    (DeepSeek's own modeling code). V3 scores with a sigmoid and ``noaux_tc`` unless the
+    config says otherwise.
+    """
+    is_v3 = raw.get("model_type") == "deepseek_v3"
+    first_dense = int(_first(cfg, raw, "first_k_dense_replace", default=0))
+    freq = int(_first(cfg, raw, "moe_layer_freq", default=1))
+    moe_layers = tuple(i >= first_dense and i % freq == 0 for i in range(n_layers))
+    routing = RoutingConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        scoring_func=str(_first(cfg, raw, "scoring_func", default="sigmoid" if is_v3 else "softmax")),
+        topk_method=str(_first(cfg, raw, "topk_method", default="noaux_tc" if is_v3 else "greedy")),
+        n_group=int(_first(cfg, raw, "n_group", default=1)),
+        topk_group=int(_first(cfg, raw, "topk_group", default=1)),
+        norm_topk_prob=bool(_first(cfg, raw, "norm_topk_prob", default=False)),
+        routed_scaling_factor=float(_first(cfg, raw, "routed_scaling_factor", default=1.0)),
+        fp32_logits=True,
+    )
+    if _first(cfg, raw, "attention_bias", default=False):
+        raise unsupported("attention_bias is not supported for deepseek models")
+    q_lora = _first(cfg, raw, "q_lora_rank", default=None)
+    mla = MLAConfig(
+        num_heads=int(cfg.num_attention_heads),
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg.kv_lora_rank),
+        qk_nope_head_dim=int(cfg.qk_nope_head_dim),
+        qk_rope_head_dim=int(cfg.qk_rope_head_dim),
+        v_head_dim=int(cfg.v_head_dim),
+        # V2 always rotates interleaved pairs; V3 says so in rope_interleave
+        rope_interleave=bool(_first(cfg, raw, "rope_interleave", default=True)) if is_v3 else True,
+    )
+    shared = int(_first(cfg, raw, "n_shared_experts", default=0) or 0) * int(cfg.moe_intermediate_size)
+    return moe_layers, routing, shared, mla
 
 
 def load_model_config(model_dir: str | Path) -> MoEModelConfig:
@@ -107,34 +171,43 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise unsupported(f"unsupported model_type {model_type!r} in {path}")
+    _rope(None, raw)
     from transformers import AutoConfig  # lazy: only configs come from transformers
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     n_layers = int(cfg.num_hidden_layers)
     n_heads = int(cfg.num_attention_heads)
     hidden = int(cfg.hidden_size)
-    num_experts = int(_first(cfg, raw, "num_experts", "num_local_experts", default=0))
+    num_experts = int(_first(cfg, raw, "num_experts", "num_local_experts", "n_routed_experts", default=0))
     if num_experts <= 0:
-        raise unsupported(f"{path} declares no experts (num_experts / num_local_experts)")
+        raise unsupported(f"{path} declares no experts (num_experts / num_local_experts / n_routed_experts)")
     window = None
     if model_type == "mixtral" or _first(cfg, raw, "use_sliding_window", default=False):
         window = _first(cfg, raw, "sliding_window", default=None) or None
     act = _first(cfg, raw, "hidden_act", default="silu")
     if act != "silu":
         raise unsupported(f"hidden_act {act!r} is not supported, only 'silu'")
+    top_k = int(cfg.num_experts_per_tok)
+    mla = None
 
     if model_type == "mixtral":
         moe_layers = tuple(True for _ in range(n_layers))
         moe_inter = int(cfg.intermediate_size)
-        norm_topk = True  # mixtral's softmax over the top-k logits == renormalised top-k
+        # mixtral's softmax over the top-k logits == renormalised top-k
+        routing = RoutingConfig(num_experts, top_k, norm_topk_prob=True)
         qkv_bias = o_bias = False
         shared = 0
+    elif model_type in DEEPSEEK_FAMILIES:
+        moe_layers, routing, shared, mla = _deepseek_parts(cfg, raw, n_layers, num_experts, top_k)
+        moe_inter = int(cfg.moe_intermediate_size)
+        qkv_bias = o_bias = False
     else:
         step = int(_first(cfg, raw, "decoder_sparse_step", default=1))
         dense = set(_first(cfg, raw, "mlp_only_layers", default=[]) or [])
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
         moe_inter = int(cfg.moe_intermediate_size)
-        norm_topk = bool(_first(cfg, raw, "norm_topk_prob", default=False))
+        routing = RoutingConfig(num_experts, top_k,
+                                norm_topk_prob=bool(_first(cfg, raw, "norm_topk_prob", default=False)))
         if model_type == "qwen2_moe":
             # transformers 5 names it qkv_bias; 4.x always had q/k/v biases
             qkv_bias, o_bias = bool(_first(cfg, raw, "qkv_bias", default=True)), False
@@ -154,14 +227,13 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
         num_key_value_heads=int(_first(cfg, raw, "num_key_value_heads", default=n_heads)),
         head_dim=int(_first(cfg, raw, "head_dim", default=hidden // n_heads)),
         rms_norm_eps=float(cfg.rms_norm_eps),
-        rope_theta=_rope_theta(cfg, raw),
+        rope=_rope(cfg, raw),
         max_position_embeddings=int(cfg.max_position_embeddings),
         num_experts=num_experts,
-        num_experts_per_tok=int(cfg.num_experts_per_tok),
         moe_intermediate_size=moe_inter,
         intermediate_size=int(_first(cfg, raw, "intermediate_size", default=moe_inter)),
         shared_expert_intermediate_size=shared,
-        norm_topk_prob=norm_topk,
+        routing=routing,
         qk_norm=model_type == "qwen3_moe",
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -169,4 +241,5 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
         tie_word_embeddings=bool(_first(cfg, raw, "tie_word_embeddings", default=False)),
         eos_token_ids=tuple(int(e) for e in eos_ids),
         attention_window=int(window) if window else None,
+        mla=mla,
     )

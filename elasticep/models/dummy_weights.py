@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from elasticep.models.config import MoEModelConfig, unsupported
+from elasticep.models.config import SUPPORTED_FAMILIES, MoEModelConfig, unsupported
 
 DEFAULT_STD = 0.02
 
@@ -46,13 +46,31 @@ def _expert_names(cfg: MoEModelConfig) -> tuple[str, str, str, str]:
     return "model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
 
 
+def _attention_names(cfg: MoEModelConfig, a: str) -> set[str]:
+    """Tensor names of one attention block under prefix ``a`` (GQA, or DeepSeek's MLA)."""
+    if cfg.mla is not None:
+        names = {f"{a}.kv_a_proj_with_mqa.weight", f"{a}.kv_a_layernorm.weight",
+                 f"{a}.kv_b_proj.weight", f"{a}.o_proj.weight"}
+        if cfg.mla.q_lora_rank is None:
+            return names | {f"{a}.q_proj.weight"}
+        return names | {f"{a}.q_a_proj.weight", f"{a}.q_a_layernorm.weight", f"{a}.q_b_proj.weight"}
+    names = {f"{a}.{x}_proj.weight" for x in "qkvo"}
+    if cfg.qkv_bias:
+        names |= {f"{a}.{x}_proj.bias" for x in "qkv"}
+    if cfg.o_bias:
+        names.add(f"{a}.o_proj.bias")
+    if cfg.qk_norm:
+        names |= {f"{a}.q_norm.weight", f"{a}.k_norm.weight"}
+    return names
+
+
 def dummy_tensor_names(cfg: MoEModelConfig) -> set[str]:
     """Every tensor name a checkpoint of ``cfg`` holds, in the per-expert HF layout.
 
     Raises:
         ValueError: a family this generator does not describe.
     """
-    if cfg.model_type not in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    if cfg.model_type not in SUPPORTED_FAMILIES:
         raise unsupported(f"--load-format dummy does not know the tensors of {cfg.model_type!r}")
     moe_fmt, gate, up, down = _expert_names(cfg)
     names = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -61,21 +79,19 @@ def dummy_tensor_names(cfg: MoEModelConfig) -> set[str]:
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         names |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
-        names |= {f"{a}.{x}_proj.weight" for x in "qkvo"}
-        if cfg.qkv_bias:
-            names |= {f"{a}.{x}_proj.bias" for x in "qkv"}
-        if cfg.o_bias:
-            names.add(f"{a}.o_proj.bias")
-        if cfg.qk_norm:
-            names |= {f"{a}.q_norm.weight", f"{a}.k_norm.weight"}
+        names |= _attention_names(cfg, a)
         if not cfg.moe_layers[i]:
             names |= {f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
             continue
         moe = moe_fmt.format(i=i)
         names.add(f"{moe}.gate.weight")
+        if cfg.routing.topk_method == "noaux_tc":
+            names.add(f"{moe}.gate.e_score_correction_bias")
         for e in range(cfg.num_experts):
             names |= {f"{moe}.experts.{e}.{n}.weight" for n in (gate, up, down)}
-        if cfg.shared_expert_intermediate_size > 0:
+        if cfg.mla is not None:  # DeepSeek: n_shared_experts fused, no gate
+            names |= {f"{p}.mlp.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")}
+        elif cfg.shared_expert_intermediate_size > 0:
             names |= {f"{p}.mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
             names.add(f"{p}.mlp.shared_expert_gate.weight")
     return names

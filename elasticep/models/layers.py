@@ -1,8 +1,8 @@
-"""Functional building blocks shared by the MoE families: RMSNorm, RoPE, paged attention.
+"""Functional building blocks shared by the MoE families: RMSNorm, paged attention.
 
 All functions are stateless; weights are passed in. Numerics follow the transformers
-implementations of qwen3_moe / qwen2_moe / mixtral (RMSNorm in float32, RoPE tables in
-float32 cast to the model dtype, softmax attention via SDPA).
+implementations of qwen3_moe / qwen2_moe / mixtral (RMSNorm in float32, softmax attention
+via SDPA); RoPE lives in :mod:`elasticep.models.rope`.
 """
 
 from __future__ import annotations
@@ -60,25 +60,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables for ``positions [T]`` -> cos, sin ``[T, head_dim]`` in ``dtype``."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by the half-split convention (cos/sin ``[T, D]``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def paged_attention(

@@ -24,8 +24,10 @@ from tqdm import tqdm
 from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
 from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
+from elasticep.models.mla import MLAWeights
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
+from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
 
 # vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
@@ -125,16 +127,40 @@ def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> Dense
     )
 
 
-def _layer(reader: WeightReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:
+def _mla(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> MLAWeights:
+    """Read ``a``'s MLA projections; interleaved rotary rows are made half-split."""
+    m, hid = cfg.mla, cfg.hidden_size
+    q_rows = m.num_heads * m.qk_head_dim
+
+    def q_rows_split(t: torch.Tensor) -> torch.Tensor:
+        return deinterleave_rows(t, m.num_heads, m.qk_head_dim, m.qk_nope_head_dim) if m.rope_interleave else t
+
+    w = MLAWeights(
+        kv_a=reader.get(f"{a}.kv_a_proj_with_mqa.weight", (m.cache_width, hid), dt, dev),
+        kv_a_norm=reader.get(f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,), dt, dev),
+        kv_b=reader.get(f"{a}.kv_b_proj.weight",
+                        (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dt, dev),
+        o=reader.get(f"{a}.o_proj.weight", (hid, m.num_heads * m.v_head_dim), dt, dev),
+    )
+    if m.rope_interleave:
+        w.kv_a = deinterleave_rows(w.kv_a, 1, m.cache_width, m.kv_lora_rank)
+    if m.q_lora_rank is None:
+        w.q = q_rows_split(reader.get(f"{a}.q_proj.weight", (q_rows, hid), dt, dev))
+    else:
+        w.q_a = reader.get(f"{a}.q_a_proj.weight", (m.q_lora_rank, hid), dt, dev)
+        w.q_a_norm = reader.get(f"{a}.q_a_layernorm.weight", (m.q_lora_rank,), dt, dev)
+        w.q_b = q_rows_split(reader.get(f"{a}.q_b_proj.weight", (q_rows, m.q_lora_rank), dt, dev))
+    return w
+
+
+def _gqa(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> AttentionWeights:
     hid, d = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    p = f"model.layers.{i}"
-    a = f"{p}.self_attn"
 
     def bias(name: str, n: int, on: bool) -> torch.Tensor | None:
         return reader.get(f"{a}.{name}.bias", (n,), dt, dev) if on else None
 
-    attn = AttentionWeights(
+    return AttentionWeights(
         q=reader.get(f"{a}.q_proj.weight", (qd, hid), dt, dev),
         k=reader.get(f"{a}.k_proj.weight", (kvd, hid), dt, dev),
         v=reader.get(f"{a}.v_proj.weight", (kvd, hid), dt, dev),
@@ -146,12 +172,23 @@ def _layer(reader: WeightReader, cfg: MoEModelConfig, i: int, dt, dev) -> Decode
         q_norm=reader.get(f"{a}.q_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
         k_norm=reader.get(f"{a}.k_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
     )
+
+
+def _layer(reader: WeightReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:
+    hid = cfg.hidden_size
+    p = f"model.layers.{i}"
+    attn = (_mla if cfg.mla is not None else _gqa)(reader, cfg, f"{p}.self_attn", dt, dev)
     moe = mlp = None
     if cfg.moe_layers[i]:
         _, prefix = _expert_keys(cfg, reader, i)
         moe = MoEBlockWeights(router=reader.get(f"{prefix}.gate.weight", (cfg.num_experts, hid), dt, dev))
+        if cfg.routing.topk_method == "noaux_tc":  # a bias that only steers the choice: keep it fp32
+            moe.router_bias = reader.get(f"{prefix}.gate.e_score_correction_bias", (cfg.num_experts,),
+                                         torch.float32, dev)
         if cfg.shared_expert_intermediate_size > 0:
-            moe.shared = _dense(reader, f"{p}.mlp.shared_expert", hid, cfg.shared_expert_intermediate_size, dt, dev)
+            # qwen2_moe: one gated shared_expert; DeepSeek: n_shared_experts fused as shared_experts
+            name = "shared_experts" if cfg.mla is not None else "shared_expert"
+            moe.shared = _dense(reader, f"{p}.mlp.{name}", hid, cfg.shared_expert_intermediate_size, dt, dev)
             moe.shared_gate = reader.get_optional(f"{p}.mlp.shared_expert_gate.weight", (1, hid), dt, dev)
     else:
         mlp = _dense(reader, f"{p}.mlp", hid, cfg.intermediate_size, dt, dev)

@@ -1,8 +1,11 @@
-"""Our forward pass for the qwen3_moe / qwen2_moe / mixtral decoder families.
+"""Our forward pass for the qwen3_moe / qwen2_moe / mixtral / deepseek_v2 / deepseek_v3
+decoder families.
 
 Weights are plain tensors in small dataclasses (no nn.Module) so that the loader can
 fill exactly what a rank keeps; routed experts live in an
-:class:`~elasticep.moe.local_executor.ExpertSlots` behind an executor.
+:class:`~elasticep.moe.local_executor.ExpertSlots` behind an executor. A layer's
+attention is GQA (:class:`AttentionWeights`) or DeepSeek's MLA
+(:class:`~elasticep.models.mla.MLAWeights`); everything else is shared.
 """
 
 from __future__ import annotations
@@ -13,13 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.config import MoEModelConfig
-from elasticep.models.layers import (
-    AttentionMetadata,
-    apply_rope,
-    paged_attention,
-    rms_norm,
-    rope_cos_sin,
-)
+from elasticep.models.layers import AttentionMetadata, paged_attention, rms_norm
+from elasticep.models.mla import MLAWeights, mla_attention
 from elasticep.models.moe_block import (
     DenseMLPWeights,
     ExpertExecutor,
@@ -27,6 +25,7 @@ from elasticep.models.moe_block import (
     dense_mlp,
     moe_block,
 )
+from elasticep.models.rope import apply_rope, rope_cos_sin
 from elasticep.moe.local_executor import ExpertSlots
 
 
@@ -52,7 +51,7 @@ class DecoderLayerWeights:
 
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     moe: MoEBlockWeights | None
     mlp: DenseMLPWeights | None
 
@@ -96,16 +95,38 @@ class MoECausalLM:
         """Where the weights live."""
         return self.embed.device
 
+    @property
+    def graph_capturable(self) -> bool:
+        """True when a decode forward reads no per-step host value, so a CUDA graph
+        captured once replays it right. MLA's absorbed decode and dynamic RoPE size
+        their work from the host's context lengths, which a graph would freeze."""
+        return self.config.mla is None and self.config.rope.rope_type != "dynamic"
+
+    def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shape of each cache tensor of one layer, for the KV-cache allocator.
+
+        GQA caches K and V ``(Hkv, D)`` each; MLA caches one latent row of
+        ``kv_lora_rank + qk_rope_head_dim`` values.
+        """
+        c = self.config
+        if c.mla is not None:
+            return ((c.mla.cache_width,),)
+        return ((c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim))
+
     def _attention(
         self,
         i: int,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: tuple[torch.Tensor, ...] | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         c, w = self.config, self.layers[i].attn
+        if isinstance(w, MLAWeights):
+            scale = c.mla.qk_head_dim**-0.5 * c.rope.softmax_mscale
+            cache = kv_cache[0] if kv_cache is not None else None
+            return mla_attention(x, w, c.mla, cos, sin, cache, meta, scale, c.rms_norm_eps)
         t = x.shape[0]
         q = F.linear(x, w.q, w.q_bias).view(t, c.num_attention_heads, c.head_dim)
         k = F.linear(x, w.k, w.k_bias).view(t, c.num_key_value_heads, c.head_dim)
@@ -123,7 +144,7 @@ class MoECausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_caches: list[tuple[torch.Tensor, ...]] | None = None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the decoder on a flat batch.
@@ -132,8 +153,9 @@ class MoECausalLM:
             input_ids: ``[T]`` int64 token ids.
             positions: ``[T]`` int64 absolute positions.
             meta: per-sequence placement of the T tokens.
-            kv_caches: per layer ``(k, v)`` each ``[num_slots, Hkv, D]``; None = no cache
-                (every sequence must then be a full prefill).
+            kv_caches: per layer one tensor ``[num_slots, *shape]`` per entry of
+                :meth:`kv_cache_shapes`; None = no cache (every sequence must then be a
+                full prefill).
             logits_indices: ``[N]`` rows of the T tokens to project to logits; None = all.
 
         Returns:
@@ -141,16 +163,19 @@ class MoECausalLM:
         """
         c = self.config
         h = self.embed[input_ids]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
+        seq_lens = None
+        if c.rope.rope_type == "dynamic":  # the NTK base follows each sequence's length
+            lens = [n for n, a, b in zip(meta.context_lens, meta.query_starts, meta.query_starts[1:],
+                                         strict=False) for _ in range(b - a)]
+            seq_lens = torch.tensor(lens, dtype=torch.long, device=positions.device)
+        cos, sin = rope_cos_sin(c.rope, positions, c.rope_dim, h.dtype, seq_lens)
         for i, layer in enumerate(self.layers):
             cache = kv_caches[i] if kv_caches is not None else None
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             h = h + self._attention(i, x, cos, sin, cache, meta)
             x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
             if layer.moe is not None:
-                mlp_out = moe_block(
-                    i, x, layer.moe, self.executor, c.num_experts_per_tok, c.norm_topk_prob
-                )
+                mlp_out = moe_block(i, x, layer.moe, self.executor, c.routing)
             else:
                 mlp_out = dense_mlp(x, layer.mlp)
             h = h + mlp_out

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elasticep.models.routing import RoutingConfig, route
+
 # executor(layer_idx, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] fp32) -> [T, H]
 ExpertExecutor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,11 +34,14 @@ class MoEBlockWeights:
 
     Attributes:
         router: ``[E, H]`` router (``mlp.gate`` / ``block_sparse_moe.gate``).
-        shared: qwen2_moe shared expert, or None.
+        router_bias: ``[E]`` float32 DeepSeek-V3 ``e_score_correction_bias``, or None.
+        shared: qwen2_moe's shared expert or DeepSeek's shared experts, or None. It is
+            part of every rank's non-expert weights (replicated, never placed).
         shared_gate: ``[1, H]`` qwen2_moe sigmoid gate of the shared expert, or None.
     """
 
     router: torch.Tensor
+    router_bias: torch.Tensor | None = None
     shared: DenseMLPWeights | None = None
     shared_gate: torch.Tensor | None = None
 
@@ -46,49 +51,23 @@ def dense_mlp(x: torch.Tensor, w: DenseMLPWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
 
 
-def route(
-    hidden_states: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing, as transformers does it for all three families.
-
-    Args:
-        hidden_states: ``[T, H]`` model dtype.
-        router: ``[E, H]``.
-        top_k: experts per token.
-        norm_topk_prob: renormalise the k weights to sum to 1 (mixtral always does,
-            which equals a softmax over the top-k logits).
-
-    Returns:
-        ``topk_ids [T, k]`` int64 logical ids, ``topk_weights [T, k]`` float32.
-    """
-    logits = F.linear(hidden_states, router)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if hidden_states.dtype != torch.float32:
-        # qwen families cast routing weights to the model dtype before combining
-        weights = weights.to(hidden_states.dtype).float()
-    return ids, weights
-
-
 def moe_block(
     layer_idx: int,
     x: torch.Tensor,
     w: MoEBlockWeights,
     executor: ExpertExecutor,
-    top_k: int,
-    norm_topk_prob: bool,
+    routing: RoutingConfig,
 ) -> torch.Tensor:
-    """Routed experts (via ``executor``) plus the optional sigmoid-gated shared expert.
+    """Routed experts (via ``executor``) plus the optional (sigmoid-gated) shared expert.
 
     Args:
         x: ``[T, H]`` normalised hidden states, model dtype.
+        routing: the model's routing rule (:mod:`elasticep.models.routing`).
 
     Returns:
         ``[T, H]`` model dtype.
     """
-    ids, weights = route(x, w.router, top_k, norm_topk_prob)
+    ids, weights = route(x, w.router, routing, w.router_bias)
     out = executor(layer_idx, x, ids, weights)
     if w.shared is not None:
         shared = dense_mlp(x, w.shared)

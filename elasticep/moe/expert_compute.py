@@ -109,8 +109,10 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         out[valid] = run_expert_rows(w13, w2, rows[valid], key[valid])
         return out
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=S + 1)[:S]
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each slot's group
+    # bincount would read the largest key on the host; a scatter_add counts in place
+    counts = torch.zeros(S + 1, dtype=torch.long, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:S], 0).to(torch.int32)  # end row of each slot's group
     x = rows[order]
     gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)

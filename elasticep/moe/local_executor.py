@@ -94,6 +94,8 @@ class LocalExpertExecutor:
         self.num_logical_experts = num_logical_experts
         self._logical_to_slot: torch.Tensor | None = None
         self._complete = False  # every logical expert of every MoE layer has a slot
+        self.graph_safe = False  # may run inside a CUDA graph (see refresh)
+        self.version = 0  # bumped by refresh: a captured graph holds the old tables
 
     def refresh(self) -> None:
         """Rebuild the logical -> slot map after ``slots.slot_to_logical`` changed."""
@@ -107,6 +109,10 @@ class LocalExpertExecutor:
         self._complete = bool((l2s[moe] >= 0).all()) if moe else True
         weights = self.slots.w13[moe[0]] if moe else None
         self._logical_to_slot = l2s.to(weights.device) if weights is not None else l2s
+        # graph-safe = the grouped path, which neither syncs nor checks ids on the host
+        self.graph_safe = self._complete and weights is not None and grouped_ok(
+            weights[0, :0], weights)
+        self.version += 1
 
     def __call__(
         self,
@@ -126,8 +132,10 @@ class LocalExpertExecutor:
         slot_ids = table[topk_ids]
         w13, w2 = self.slots.w13[layer_idx], self.slots.w2[layer_idx]
         if self._complete and grouped_ok(hidden_states, w13):
-            k = topk_ids.shape[1]
-            rows = hidden_states.repeat_interleave(k, dim=0)  # row t*k + j: token t, choice j
+            T, k = topk_ids.shape
+            # row t*k + j: token t, choice j (expand + reshape: no sync, unlike a
+            # repeat_interleave that could read its repeats on the host)
+            rows = hidden_states.unsqueeze(1).expand(T, k, -1).reshape(T * k, -1)
             pair_out = grouped_swiglu(w13, w2, rows, slot_ids.reshape(-1) + 1, use_grouped=True)
             return combine_pairs(pair_out, topk_weights, hidden_states.dtype)
         if bool((slot_ids < 0).any()):

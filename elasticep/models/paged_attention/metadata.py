@@ -105,3 +105,24 @@ class PagedAttentionMetadata:
         """Sequence index of each of the ``num_tokens`` queries -> ``[T]`` int64, on device."""
         tokens = torch.arange(num_tokens, device=self.query_start_loc.device)
         return torch.searchsorted(self.query_start_loc[1:].long(), tokens, right=True)
+
+    def padded_queries(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries as a ``[B, max_query_len]`` grid, for implementations that pad.
+
+        Returns:
+            ``(rows, positions)``, both ``[B, max_query_len]`` int64: the token index of
+            each grid cell and its position in the sequence. Cells past a sequence's
+            ``n_i`` repeat its last query (finite, and dropped by :meth:`unpad`).
+        """
+        qsl = self.query_start_loc.long()
+        n = qsl[1:] - qsl[:-1]
+        j = torch.arange(self.max_query_len, device=qsl.device)
+        jj = torch.minimum(j[None, :], (n - 1).clamp(min=0)[:, None])
+        rows = (qsl[:-1, None] + jj).clamp_(0, max(num_tokens - 1, 0))
+        return rows, self.seq_lens.long()[:, None] - n[:, None] + jj
+
+    def unpad(self, grid: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[B, max_query_len, ...]`` back to the ``[T, ...]`` tokens it holds."""
+        seq = self.token_sequence_ids(num_tokens)
+        j = torch.arange(num_tokens, device=seq.device) - self.query_start_loc.long()[seq]
+        return grid[seq, j]

@@ -40,25 +40,17 @@ def paged_attention_reference(
     if T == 0 or B == 0:
         return q.new_empty(T, Hq, D)
     block_size, max_query_len, max_seq_len = meta.block_size, meta.max_query_len, meta.max_seq_len
-    seq_lens = meta.seq_lens.long()
-    qsl = meta.query_start_loc.long()
-    n = qsl[1:] - qsl[:-1]  # [B]
     # keys: [B, S] slots through the block table; positions past a sequence are masked
     kpos = torch.arange(max_seq_len, device=dev)
     blocks = meta.block_tables.long()[:, kpos // block_size]  # [B, S]
     slots = (blocks * block_size + kpos % block_size).clamp_(0, k_cache.shape[0] - 1)
     k = k_cache[slots].float()  # [B, S, Hkv, D]
     v = v_cache[slots].float()
-    # queries: [B, Mq]; padded rows read the sequence's last query and are dropped below
-    j = torch.arange(max_query_len, device=dev)
-    jj = torch.minimum(j[None, :], (n - 1).clamp(min=0)[:, None])  # [B, Mq]
-    qidx = (qsl[:-1, None] + jj).clamp_(0, T - 1)
-    qb = q[qidx].float().view(B, max_query_len, Hkv, g, D)
-    qpos = seq_lens[:, None] - n[:, None] + jj  # [B, Mq]
+    rows, qpos = meta.padded_queries(T)  # [B, Mq]
+    qb = q[rows].float().view(B, max_query_len, Hkv, g, D)
     scores = torch.einsum("bqhgd,bshd->bhgqs", qb, k) * scale  # [B, Hkv, g, Mq, S]
     visible = kpos[None, None, :] <= qpos[:, :, None]  # [B, Mq, S]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.einsum("bhgqs,bshd->bqhgd", probs, v).reshape(B, max_query_len, Hq, D)
-    seq = meta.token_sequence_ids(T)
-    return o[seq, torch.arange(T, device=dev) - qsl[seq]].to(q.dtype)
+    return meta.unpad(o, T).to(q.dtype)

@@ -34,17 +34,22 @@ class TritonAttentionConfig:
 
     Attributes:
         block_n: keys per inner tile (power of two, >= 16).
-        prefill_block_q: query tokens per program when ``max_query_len > 1``.
-        num_splits: key-range splits for decode; None picks enough to fill the GPU.
+        prefill_rows: (query token, head) rows per program when ``max_query_len > 1``
+            and the dtype is bf16/fp16 (a power of two); fp32 uses 16 rows, since its
+            exact (non-TF32) dots spill registers on larger tiles (ptxas, sm_90).
+        num_splits: key-range splits; None picks enough to fill the GPU for decode, and
+            no split for prefill.
         min_split_tokens: a decode split covers at least this many keys (auto mode).
-        num_warps, num_stages: Triton launch settings.
+        num_warps, num_stages: Triton launch settings (``prefill_num_warps`` for
+            prefill: 128 rows at 4 warps spill registers on sm_90, 8 do not).
     """
 
     block_n: int = 64
-    prefill_block_q: int = 16
+    prefill_rows: int = 128
     num_splits: int | None = None
     min_split_tokens: int = 256
     num_warps: int = 4
+    prefill_num_warps: int = 8
     num_stages: int = 2
 
 
@@ -63,11 +68,12 @@ def _paged_attn_kernel(
     q_tile = tl.program_id(1)
     hkv = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(qsl_ptr + b).to(tl.int64)
-    n_q = tl.load(qsl_ptr + b + 1).to(tl.int64) - q_start
+    # positions and counts in int32 (loop bounds of one type); token offsets in int64
+    q_start = tl.load(qsl_ptr + b).to(tl.int32)
+    n_q = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
     if q_tile * BLOCK_Q >= n_q:
         return
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
     # rows = (query token, head of the group) pairs
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)
@@ -78,12 +84,13 @@ def _paged_attn_kernel(
     q_pos = seq_len - n_q + tok
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_D
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+    t = q_start.to(tl.int64) + tok
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # keys [kv_lo, kv_hi): this split's share of what the tile's last query can see
     kv_need = tl.minimum(seq_len, seq_len - n_q + (q_tile + 1) * BLOCK_Q)
-    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_lo = (split * tiles_per_split * BLOCK_N).to(tl.int32)
     kv_hi = tl.minimum(kv_need, kv_lo + tiles_per_split * BLOCK_N)
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
@@ -110,7 +117,6 @@ def _paged_attn_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    t = q_start + tok
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -152,13 +158,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _decode_splits(cfg: TritonAttentionConfig, device: torch.device, batch: int, num_kv_heads: int,
-                   max_seq_len: int) -> int:
-    """Key-range splits for a decode step: enough programs for ~4 waves, none too short."""
+def _num_splits(cfg: TritonAttentionConfig, decode: bool, device: torch.device, batch: int,
+                num_kv_heads: int, max_seq_len: int) -> int:
+    """Key-range splits: as configured, else for decode enough programs for ~4 waves
+    with no split shorter than ``min_split_tokens``, and none for prefill."""
     if cfg.num_splits is not None:
         return cfg.num_splits
-    programs = batch * num_kv_heads
-    want = -(-4 * _num_sms(device) // programs)
+    if not decode:
+        return 1
+    want = -(-4 * _num_sms(device) // (batch * num_kv_heads))
     return max(1, min(want, max_seq_len // cfg.min_split_tokens))
 
 
@@ -172,9 +180,9 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Paged causal attention with Triton; same contract as ``paged_attention_reference``.
 
-    Decode (``max_query_len == 1``) uses one query token per program and may split the
-    key range (``config.num_splits``); prefill and mixed batches tile ``BLOCK_Q``
-    query tokens per program without splits. Runs on CUDA, or on CPU tensors under
+    Decode (``max_query_len == 1``) uses one query token per program and splits the key
+    range as :class:`TritonAttentionConfig` says; prefill and mixed batches tile several
+    query tokens per program (split only when ``num_splits`` is set). Runs on CUDA, or on CPU tensors under
     ``TRITON_INTERPRET=1``.
 
     Returns:
@@ -192,9 +200,11 @@ def paged_attention_triton(
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("q and the K/V caches need a contiguous last (head_dim) dim")
     decode = max_query_len == 1
-    block_q = 1 if decode else cfg.prefill_block_q
-    splits = _decode_splits(cfg, q.device, B, Hkv, max_seq_len) if decode else 1
-    block_g = max(triton.next_power_of_2(g), 16 // block_q)  # tl.dot wants >= 16 rows
+    splits = _num_splits(cfg, decode, q.device, B, Hkv, max_seq_len)
+    group = triton.next_power_of_2(g)
+    rows = 16 if decode or q.dtype == torch.float32 else cfg.prefill_rows
+    block_q = max(1, rows // group)
+    block_g = max(group, 16 // block_q)  # tl.dot wants >= 16 rows
     tiles = triton.cdiv(max_seq_len, cfg.block_n)
     splits = max(1, min(splits, tiles))
     tiles_per_split = triton.cdiv(tiles, splits)
@@ -216,7 +226,7 @@ def paged_attention_triton(
         G=g, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_D=D, BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, PAGE=meta.block_size, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps if decode else cfg.prefill_num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](

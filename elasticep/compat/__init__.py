@@ -1,0 +1,2 @@
+"""Compatibility layers that let code written for other process-group backends run on
+`elasticep.distributed` unchanged (`mooncake`: Mooncake PG's Python API)."""

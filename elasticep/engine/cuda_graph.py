@@ -1,0 +1,171 @@
+"""CUDA graphs of the decode forward pass, one per batch-size bucket.
+
+A decode step in eager mode launches about a hundred kernels per layer from Python, so
+at Qwen3-30B-A3B's shape the host, not the GPU, sets the step time. Capturing the
+forward once per bucket and replaying it costs one launch per step.
+
+Only a forward whose every piece is free of collectives and host syncs is captured: the
+executor must say so (``graph_safe``). An EP executor exchanges tokens with peers, and a
+graph holding a communicator that dies with a peer can never be replayed, so EP steps
+stay eager (vLLM's piecewise capture, which graphs the work between collectives, is the
+way to extend this to EP).
+
+Static buffers hold the step's inputs. A batch of ``B`` sequences runs in the smallest
+bucket ``b >= B``; the ``b - B`` padding rows decode token 0 at position 0 over a
+private *sink* KV block that no sequence owns, and their logits are dropped. The graph's
+attention is sized for ``max_seq_len`` keys; the kernels stop at each sequence's own
+length, read from the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from elasticep.models.layers import AttentionMetadata
+from elasticep.models.model import MoECausalLM
+from elasticep.models.paged_attention import PagedAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def graph_safe(model: MoECausalLM) -> bool:
+    """True when the model's decode forward may be captured: its attention reads no host
+    value per step (:attr:`MoECausalLM.graph_capturable`) and its executor has no
+    collective and no host sync (``executor.graph_safe``)."""
+    return model.graph_capturable and bool(getattr(model.executor, "graph_safe", False))
+
+
+class DecodeGraphs:
+    """Captured decode forwards of ``model`` for each bucket up to ``max_batch``.
+
+    Args:
+        model: the model (on a CUDA device).
+        kv_layers: per layer ``(k_cache, v_cache)``; their last ``block_size`` slots (block
+            ``sink_block``) must belong to no sequence.
+        block_size: tokens per KV block.
+        sink_block: the block padding rows read and write.
+        max_seq_len: the longest context a sequence may reach (tokens); sizes the block
+            tables and the attention grid.
+        max_batch: the most sequences of a decode step; buckets above it are dropped.
+        buckets: batch sizes to capture (ascending).
+
+    Raises:
+        ValueError: the model is not on CUDA or its executor is not graph-safe.
+    """
+
+    def __init__(self, model: MoECausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, sink_block: int, max_seq_len: int, max_batch: int,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+        if model.device.type != "cuda" or not graph_safe(model):
+            raise ValueError("decode CUDA graphs need a CUDA model with a graph-safe executor")
+        self.model = model
+        self.kv_layers = kv_layers
+        self.block_size = block_size
+        self.sink_block = sink_block
+        self.max_seq_len = max_seq_len
+        self.buckets = sorted({b for b in buckets if b <= max_batch} | {max_batch})
+        n = self.buckets[-1]
+        self.width = -(-max_seq_len // block_size)
+        dev = model.device
+        self._ints = torch.zeros(3 * n, dtype=torch.long, device=dev)  # ids, positions, slots
+        self._tables = torch.full((n, self.width), sink_block, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self._qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._version = getattr(model.executor, "version", 0)
+        self.capture_s = 0.0
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest captured bucket that holds ``batch`` sequences, or None."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        n = self.buckets[-1]
+        paged = PagedAttentionMetadata(self._tables[:b], self._seq_lens[:b], self._qsl[:b + 1],
+                                       self.block_size, 1, self.max_seq_len)
+        meta = AttentionMetadata(list(range(b + 1)), [1] * b, self._ints[2 * n:2 * n + b], paged)
+        return self._ints[:b], self._ints[n:n + b], meta
+
+    def capture(self) -> float:
+        """Capture every bucket (largest first, sharing one memory pool); returns seconds.
+
+        The buffers hold padding rows while capturing, so the warm-up forwards write
+        only the sink block.
+        """
+        t0 = time.perf_counter()
+        n = self.buckets[-1]
+        self._ints.zero_()
+        self._ints[2 * n:].fill_(self.sink_block * self.block_size)
+        self._tables.fill_(self.sink_block)
+        self._seq_lens.fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                ids, pos, meta = self._views(b)
+                for _ in range(2):  # compile kernels and create handles outside the graph
+                    self.model.forward(ids, pos, meta, self.kv_layers)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[b] = self.model.forward(ids, pos, meta, self.kv_layers)
+                self._graphs[b] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self._version = getattr(self.model.executor, "version", 0)
+        self.capture_s = time.perf_counter() - t0
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.2fs",
+                    self.buckets, self.capture_s)
+        return self.capture_s
+
+    @property
+    def stale(self) -> bool:
+        """True when the executor's tables changed since capture (a graph holds the old)."""
+        return getattr(self.model.executor, "version", 0) != self._version
+
+    def replay(self, ids: list[int], positions: list[int], slots: list[int],
+               tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+        """Run one decode step of ``B = len(ids)`` sequences through its bucket's graph.
+
+        Args:
+            ids, positions, slots: per sequence, the new token, its position and the KV
+                slot it writes.
+            tables: per sequence, its block ids.
+            seq_lens: per sequence, context length after this step (tokens).
+
+        Returns:
+            ``[B, V]`` float32 logits (a view of the graph's output: read it before the
+            next replay).
+
+        Raises:
+            ValueError: no bucket holds ``B`` sequences, or a context exceeds ``max_seq_len``.
+        """
+        B = len(ids)
+        b = self.bucket(B)
+        if b is None or max(seq_lens) > self.max_seq_len:
+            raise ValueError(f"decode batch of {B} (longest {max(seq_lens)} tokens) exceeds "
+                             f"the captured {self.buckets[-1]} x {self.max_seq_len}")
+        n = self.buckets[-1]
+        pad = b - B
+        sink_slot = self.sink_block * self.block_size
+        host = torch.tensor([*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[sink_slot] * pad],
+                            dtype=torch.long).pin_memory()
+        w = max(len(t) for t in tables)
+        rows = [list(t) + [self.sink_block] * (w - len(t)) for t in tables]
+        rows += [[self.sink_block] * w] * pad
+        lens = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.int32).pin_memory()
+        tab = torch.tensor(rows, dtype=torch.int32).pin_memory()
+        self._ints[:b].copy_(host[:b], non_blocking=True)
+        self._ints[n:n + b].copy_(host[b:2 * b], non_blocking=True)
+        self._ints[2 * n:2 * n + b].copy_(host[2 * b:], non_blocking=True)
+        self._tables[:b, :w].copy_(tab, non_blocking=True)
+        self._seq_lens[:b].copy_(lens, non_blocking=True)
+        self._graphs[b].replay()
+        return self._logits[b][:B]

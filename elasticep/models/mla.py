@@ -1,0 +1,203 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2 paper sec. 2.1, over the paged cache.
+
+Per token the cache keeps only the normalised KV latent ``c_kv`` (``kv_lora_rank``
+values) and the shared rotary key ``k_pe`` (``qk_rope_head_dim``), one row of
+``kv_lora_rank + qk_rope_head_dim`` per layer instead of full per-head K and V.
+
+Two equal ways to attend over it:
+- expanded (prefill): up-project the latents with ``kv_b`` into per-head K_nope and V
+  and run ordinary attention, cheap when many queries share the keys;
+- absorbed (decode): fold ``W_UK`` into the query (``q_nope @ W_UK`` lives in latent
+  space), score against the latents directly, and apply ``W_UV`` after the weighted sum,
+  so a decode step never expands the context.
+
+Rotary dims are kept in the half-split layout: the loader de-interleaves DeepSeek's
+pair layout once (:func:`elasticep.models.rope.deinterleave_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from elasticep.models.layers import AttentionMetadata, rms_norm
+from elasticep.models.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """MLA sizes from a DeepSeek config.
+
+    Attributes:
+        num_heads: query heads.
+        q_lora_rank: rank of the query down-projection, None for a plain ``q_proj``
+            (DeepSeek-V2-Lite).
+        kv_lora_rank: r, width of the cached KV latent.
+        qk_nope_head_dim, qk_rope_head_dim: per-head query/key widths without and with RoPE.
+        v_head_dim: per-head value width.
+        rope_interleave: the checkpoint rotates interleaved pairs (DeepSeek's layout).
+    """
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head, nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def weight_params(self, hidden_size: int) -> int:
+        """Parameters of one layer's MLA projections (the attention weights a step reads)."""
+        q_out = self.num_heads * self.qk_head_dim
+        q = hidden_size * q_out if self.q_lora_rank is None else self.q_lora_rank * (hidden_size + q_out)
+        kv = hidden_size * self.cache_width + self.kv_lora_rank * self.num_heads * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + self.num_heads * self.v_head_dim * hidden_size
+
+    def full_kv_width(self) -> int:
+        """Values per token per layer that plain MHA with these heads would cache (K and V)."""
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+
+@dataclass(kw_only=True)
+class MLAWeights:
+    """One layer's MLA projections (HF names in brackets), rotary rows half-split.
+
+    Attributes:
+        q: ``[Hn*(dn+dr), H]`` (``q_proj``), when there is no query LoRA.
+        q_a: ``[rq, H]`` (``q_a_proj``), q_a_norm ``[rq]``, q_b ``[Hn*(dn+dr), rq]`` (``q_b_proj``).
+        kv_a: ``[r+dr, H]`` (``kv_a_proj_with_mqa``), kv_a_norm ``[r]``.
+        kv_b: ``[Hn*(dn+dv), r]`` (``kv_b_proj``): W_UK and W_UV, head by head.
+        o: ``[H, Hn*dv]`` (``o_proj``).
+    """
+
+    # the query side is either ``q`` alone or the ``q_a``/``q_a_norm``/``q_b`` LoRA
+    q: torch.Tensor | None = None
+    q_a: torch.Tensor | None = None
+    q_a_norm: torch.Tensor | None = None
+    q_b: torch.Tensor | None = None
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
+
+
+def _queries(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig, eps: float) -> torch.Tensor:
+    """``x [T, H]`` -> ``[T, Hn, dn+dr]``."""
+    if w.q is not None:
+        q = F.linear(x, w.q)
+    else:
+        q = F.linear(rms_norm(F.linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
+    return q.view(x.shape[0], cfg.num_heads, cfg.qk_head_dim)
+
+
+def _expanded(q: torch.Tensor, latents: torch.Tensor, w: MLAWeights, cfg: MLAConfig,
+              scale: float) -> torch.Tensor:
+    """Causal attention of ``q [n, Hn, dn+dr]`` (the last n of ``ctx`` tokens) over
+    ``latents [ctx, r+dr]``, with keys/values up-projected -> ``[n, Hn*dv]``."""
+    n, ctx, r = q.shape[0], latents.shape[0], cfg.kv_lora_rank
+    kv = F.linear(latents[:, :r], w.kv_b).view(ctx, cfg.num_heads, -1)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+    k_pe = latents[:, None, r:].expand(ctx, cfg.num_heads, cfg.qk_rope_head_dim)
+    k = torch.cat((k_nope, k_pe), dim=-1)
+    # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
+    mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)
+    return o.transpose(0, 1).reshape(n, -1)
+
+
+def _absorbed_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, w: MLAWeights,
+                     cfg: MLAConfig, scale: float) -> torch.Tensor:
+    """One query per sequence, ``q [B, Hn, dn+dr]``, scored in latent space -> ``[B, Hn*dv]``.
+
+    Each sequence's latents are gathered through its block table into ``[B, L, r+dr]``
+    (``L = max_seq_len``) on the device, with the padding masked out; nothing is read back
+    to the host.
+    """
+    r, paged = cfg.kv_lora_rank, meta.paged
+    w_b = w.kv_b.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
+    w_uk, w_uv = w_b[:, : cfg.qk_nope_head_dim], w_b[:, cfg.qk_nope_head_dim :]  # [Hn, dn, r], [Hn, dv, r]
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_lat = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe), dim=-1)  # [B, Hn, r+dr]
+    pos = torch.arange(paged.max_seq_len, device=q.device)
+    bs = paged.block_size
+    slots = paged.block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
+    valid = pos[None, :] < paged.seq_lens[:, None]
+    lat = cache[slots]  # [B, L, r+dr]
+    scores = torch.einsum("bhc,blc->bhl", q_lat, lat).float() * scale
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
+    o_lat = torch.einsum("bhl,blr->bhr", probs, lat[..., :r])
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv).reshape(q.shape[0], -1)
+
+
+def mla_attention(
+    x: torch.Tensor,
+    w: MLAWeights,
+    cfg: MLAConfig,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    scale: float,
+    eps: float,
+    absorb: bool | None = None,
+) -> torch.Tensor:
+    """MLA for a flat batch; writes each new token's latent row to the cache.
+
+    Args:
+        x: ``[T, H]`` normalised hidden states.
+        cos, sin: ``[T, qk_rope_head_dim]`` rotary tables.
+        cache: ``[num_slots, kv_lora_rank + qk_rope_head_dim]`` latent cache of this
+            layer, or None when every sequence is a full prefill.
+        meta: token placement (``query_starts``, ``context_lens``, ``slot_mapping``;
+            with a cache also ``paged``: block tables and lengths).
+        scale: softmax scale, ``qk_head_dim ** -0.5`` times YaRN's mscale.
+        eps: RMSNorm epsilon of the q/kv latent norms.
+        absorb: None picks the absorbed form for decode steps (one new token per
+            sequence, cache present) and the expanded form otherwise; False forces
+            expanded; True forces absorbed.
+
+    Returns:
+        ``[T, H]`` after ``o_proj``.
+
+    Raises:
+        ValueError: ``absorb=True`` on a batch that is not a decode step.
+
+    Cache writes go to ``meta.slot_mapping`` and a redo rewrites the same rows.
+    """
+    t = x.shape[0]
+    q = _queries(x, w, cfg, eps)
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q = torch.cat((q_nope, apply_rope(q_pe, cos, sin)), dim=-1)
+    c_kv, k_pe = F.linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    latent = torch.cat((rms_norm(c_kv, w.kv_a_norm, eps), apply_rope(k_pe[:, None], cos, sin)[:, 0]), dim=-1)
+    if cache is not None:
+        cache.index_copy_(0, meta.slot_mapping, latent)
+    if not meta.context_lens:  # empty step of an idle EP rank
+        return F.linear(q.new_zeros(0, cfg.num_heads * cfg.v_head_dim), w.o)
+    decode = cache is not None and len(meta.context_lens) == t
+    if absorb and not decode:
+        raise ValueError("the absorbed MLA form needs a decode step: one new token per sequence, with a cache")
+    if decode if absorb is None else absorb:
+        out = _absorbed_decode(q, cache, meta, w, cfg, scale)
+    else:
+        outs = []
+        for i in range(len(meta.context_lens)):
+            s, e = meta.query_starts[i], meta.query_starts[i + 1]
+            ctx = latent[s:e] if cache is None else cache.index_select(0, meta.gather_slots[i])
+            outs.append(_expanded(q[s:e], ctx, w, cfg, scale))
+        out = torch.cat(outs, dim=0)
+    return F.linear(out, w.o)
