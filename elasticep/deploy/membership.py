@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from elasticep.deploy.launcher import RankLauncher
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import ScaleNotSupportedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.engine.ipc import WorkerHello
 
-if TYPE_CHECKING:
-    from elasticep.deploy.launcher import RankLauncher
-    from elasticep.engine.ipc import WorkerHello
 
 class CoordinatorMembership:
     """:class:`MembershipSource` over a :class:`CoordinatorClient`.
@@ -105,6 +104,7 @@ class LaunchedRanks:
         self._connected = connected
 
     def status(self) -> DeploymentStatus:
+        """The ``/elastic_ep_status`` view of the launched ranks (see the class)."""
         launched = self._launcher.pids(live_only=False)
         hellos = {} if self._connected is None else dict(self._connected())
         broken = any(self._launcher.exited(r) for r in launched)
@@ -119,5 +119,8 @@ class LaunchedRanks:
         return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=tuple(ranks))
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Raises:
+            ScaleNotSupportedError: always (HTTP 400).
+        """
         raise ScaleNotSupportedError("--elastic-ep-backend none has no coordinator-managed "
                                      "membership and cannot scale")

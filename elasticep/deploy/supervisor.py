@@ -23,13 +23,10 @@ import queue
 import signal
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING
 
+from elasticep.deploy.deployment import Deployment
 from elasticep.deploy.launcher import RankExit
 from elasticep.distributed.membership import SlotState
-
-if TYPE_CHECKING:
-    from elasticep.deploy.deployment import Deployment
 
 logger = logging.getLogger(__name__)
 

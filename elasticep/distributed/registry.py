@@ -176,6 +176,7 @@ class DeploymentRecords:
         return {r: launch for r, (_owner, launch) in self.launches.items()}
 
     def record_launch(self, owner: int, rank: int, node: int, pid: int) -> None:
+        """Supervisor connection ``owner`` started worker ``pid`` for ``rank`` on ``node``."""
         self.launches[rank] = (owner, Launch(node, pid))
         self.nodes[rank] = node
 

@@ -32,6 +32,7 @@ class RankStatus:
     running_requests: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON entry (``running_requests`` only where known)."""
         d: dict[str, Any] = {"rank": self.rank, "state": self.state.value, "pid": self.pid,
                              "node": self.node}
         if self.running_requests is not None:

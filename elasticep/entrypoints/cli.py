@@ -1,7 +1,8 @@
 """`elasticep` command line: one subcommand per module, registered lazily.
 
-Each subcommand module exposes ``add_parser(subparsers)`` and ``run(args) -> int``;
-imports stay lazy so `elasticep --help` is fast and a worker never imports the HTTP stack.
+Each subcommand module exposes ``add_parser(subparsers)`` and ``run(args) -> int`` and
+imports what it needs at its top; this dispatcher is the only place that imports lazily
+(by module name), so nothing below the commands ever imports the HTTP stack.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.ipc import FrontendChannel
+from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.membership import (
     MembershipSource,
@@ -41,6 +42,8 @@ from elasticep.frontend.openai_protocol import (
     error_body,
 )
 from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.models.config import load_model_config
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -253,10 +256,6 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     Returns:
         The (not yet started) server and its front-end.
     """
-    from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
-    from elasticep.frontend.tokenizer import load_tokenizer
-    from elasticep.models.config import load_model_config
-
     tokenizer = load_tokenizer(model_path)
     # the engine's own limit, so that what it would refuse or cut short is a 400 up front
     max_model_len = max_sequence_len(
