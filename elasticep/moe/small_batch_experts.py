@@ -1,0 +1,108 @@
+"""SwiGLU experts for a few rows: one matrix-vector product per (row, expert) pair.
+
+At decode batch 1 a MoE layer of Qwen3-30B-A3B has 8 rows, each for its own expert.
+The grouped GEMM (:func:`elasticep.moe.expert_compute.grouped_swiglu`) then needs a
+sort, a count, offsets and a scatter around two GEMMs whose tiles are mostly padding;
+here two kernels read each row's slot from its tag and stream that expert's weights
+once (memory-bound GEMV, the regime of decode): ``act = silu(gate x) * (up x)``, then
+``y = w2 @ act``. Padding rows (tag 0) give zeros.
+
+The rounding follows the torch form: gate and up are rounded to the model dtype, then
+SiLU, then the product; the down projection accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs may lack triton; grouped_swiglu's paths serve them
+    triton = None
+
+# Above this many rows the grouped GEMM wins: rows then share experts, and a GEMM reads
+# each expert once for all of its rows.
+MAX_ROWS = 64
+
+
+def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
+    """True when :func:`swiglu_rows` takes these inputs (CUDA, Triton, few rows)."""
+    return (triton is not None and rows.is_cuda and 0 < rows.shape[0] <= MAX_ROWS
+            and rows.dtype == w13.dtype and rows.is_contiguous() and w13.is_contiguous())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, tag_ptr, w13_ptr, act_ptr, H, inter,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        ib = tl.program_id(1)
+        tag = tl.load(tag_ptr + r).to(tl.int64)
+        offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < inter
+        live = mask_i & (offs_i * 0 + tag != 0)  # a padding row loads nothing, stores zeros
+        base = w13_ptr + tl.maximum(tag - 1, 0) * 2 * inter * H
+        gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+        up = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            x = tl.load(x_ptr + r * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            m = live[:, None] & mask_h[None, :]
+            wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m, other=0.0)
+            wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=m, other=0.0)
+            gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+            up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        dt = act_ptr.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        u = up.to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
+
+    @triton.jit
+    def _down_kernel(act_ptr, tag_ptr, w2_ptr, out_ptr, H, inter,
+                     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        ob = tl.program_id(1)
+        tag = tl.load(tag_ptr + r).to(tl.int64)
+        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        mask_o = offs_o < H
+        live = mask_o & (offs_o * 0 + tag != 0)
+        base = w2_ptr + tl.maximum(tag - 1, 0) * H * inter
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < inter
+            a = tl.load(act_ptr + r * inter + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
+                        mask=live[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        tl.store(out_ptr + r * H + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+
+
+def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Unweighted SwiGLU of each row with its own slot's expert (two Triton kernels).
+
+    Args:
+        w13: [S, 2*I, H] gate rows then up rows, contiguous, rows' dtype and device.
+        w2: [S, H, I], contiguous (both as the loaders allocate them).
+        rows: [N, H] with ``N <= MAX_ROWS`` (:func:`small_batch_ok`).
+        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked (a
+            check would sync): a tag above S reads out of bounds.
+        out: [N, H] buffer for the result, or None.
+
+    Returns:
+        [N, H] in the rows' dtype; zeros for padding rows.
+    """
+    N, H = rows.shape
+    inter = w2.shape[2]
+    act = rows.new_empty(N, inter)
+    out = rows.new_empty(N, H) if out is None else out
+    tags = tags.contiguous()
+    _gate_up_kernel[(N, triton.cdiv(inter, 16))](rows, tags, w13, act, H, inter,
+                                                 BLOCK_I=16, BLOCK_H=256)
+    _down_kernel[(N, triton.cdiv(H, 32))](act, tags, w2, out, H, inter, BLOCK_O=32, BLOCK_K=128)
+    return out
