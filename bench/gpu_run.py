@@ -462,7 +462,8 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
         solo = [t for t, v in zip(times, s["sums"], strict=True) if t > t_kill and v == 1.0]
         out = {
             "interruption_s": round(solo[0] - t_kill, 4) if solo else None,
-            "gap_around_kill_s": round(after[0] - before[-1], 4) if after and before else None,
+            # from the last result before the kill to the first without the victim
+            "gap_around_kill_s": round(solo[0] - before[-1], 4) if solo and before else None,
             "survivor_ops_alone": len(alone),
             "survivor_steps_raised": s["raised"],
             "rejoin_pause_s": s["rejoin_pause_s"],
