@@ -56,6 +56,11 @@ def test_norm_rope_matches_reference(dtype, with_norm):
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     ref = apply_rope(rms_norm_reference(x, w, 1e-6) if with_norm else x, cos, sin)
     assert _rel(norm_rope(x, w, 1e-6, cos, sin), ref) < TOL[dtype]
+    # a strided slice of a fused qkv output, read in place
+    fused = torch.randn(T, heads * D + 3 * D, generator=g, device="cuda").to(dtype)
+    xs = fused[:, D:D + heads * D].view(T, heads, D)
+    ref = apply_rope(rms_norm_reference(xs, w, 1e-6) if with_norm else xs, cos, sin)
+    assert _rel(norm_rope(xs, w, 1e-6, cos, sin), ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,3 +83,20 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
     # the dispatcher takes this path for few rows (and writes into a given buffer)
     buf = torch.empty_like(rows)
     assert torch.equal(grouped_swiglu(w13, w2, rows, tags, out=buf), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (16, 2, False), (60, 4, True)])
+def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
+    from elasticep.models.fused_routing import fused_route_ok, fused_softmax_topk
+
+    g = torch.Generator(device="cuda").manual_seed(E + k)
+    logits = torch.randn(33, E, generator=g, device="cuda").to(dtype)
+    assert fused_route_ok(logits, "softmax", "greedy", k)
+    ids, w = fused_softmax_topk(logits, k, norm, 1.5, dtype)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits.float(), -1), k)
+    if norm:
+        ref_w = ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20)
+    ref_w = (ref_w * 1.5).to(dtype).float()
+    assert torch.equal(ids, ref_ids)
+    assert _rel(w, ref_w) < TOL[dtype]

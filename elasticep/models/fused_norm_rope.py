@@ -59,14 +59,15 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
                           HAS_NORM: tl.constexpr, D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
         tok = row // heads
+        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
         half = D // 2
         lo = tl.arange(0, D // 2)
-        a = tl.load(x_ptr + row * D + lo)
-        b = tl.load(x_ptr + row * D + half + lo)
+        a = tl.load(src + lo)
+        b = tl.load(src + half + lo)
         if HAS_NORM:
             af, bf = a.to(tl.float32), b.to(tl.float32)
             rstd = tl.math.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
@@ -130,7 +131,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     """Per-head RMSNorm (if ``weight``) then RoPE, for q or k; one kernel on CUDA.
 
     Args:
-        x: ``[T, heads, D]`` model dtype, D even.
+        x: ``[T, heads, D]`` model dtype, D a power of two; each token's ``heads * D``
+            values contiguous (tokens may be strided, as in a slice of a fused qkv).
         weight: ``[D]`` the q_norm / k_norm weight (Qwen3), or None.
         eps: the norm's epsilon.
         cos, sin: ``[T, D]`` in ``x``'s dtype (:func:`elasticep.models.rope.rope_cos_sin`).
@@ -144,10 +146,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         if weight is not None:
             x = rms_norm_reference(x, weight, eps)
         return apply_rope(x, cos, sin)
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
+    xc = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     T, heads = xc.shape[0], xc.shape[1]
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(T * heads,)](xc, xc if weight is None else weight, cos.contiguous(),
-                                    sin.contiguous(), out, heads, eps,
+                                    sin.contiguous(), out, heads, xc.stride(0), eps,
                                     HAS_NORM=weight is not None, D=D)
     return out

@@ -32,7 +32,12 @@ from elasticep.moe.local_executor import ExpertSlots
 
 @dataclass
 class AttentionWeights:
-    """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``."""
+    """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``.
+
+    After :meth:`fuse_qkv`, ``qkv`` ``[(Hq + 2*Hkv)*D, H]`` holds q, k and v (which become
+    views of it), so the three projections are one GEMM: at decode each is a small
+    matrix-vector product whose cost is its launch.
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -44,6 +49,17 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    qkv: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+
+    def fuse_qkv(self) -> None:
+        """Concatenate q, k, v (and their biases) into :attr:`qkv`; q, k, v become views."""
+        sizes = [self.q.shape[0], self.k.shape[0], self.v.shape[0]]
+        self.qkv = torch.cat([self.q, self.k, self.v])
+        self.q, self.k, self.v = self.qkv.split(sizes)
+        if self.q_bias is not None:
+            self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
+            self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(sizes)
 
 
 @dataclass
@@ -129,9 +145,14 @@ class MoECausalLM:
             cache = kv_cache[0] if kv_cache is not None else None
             return mla_attention(x, w, c.mla, cos, sin, cache, meta, scale, c.rms_norm_eps)
         t = x.shape[0]
-        q = F.linear(x, w.q, w.q_bias).view(t, c.num_attention_heads, c.head_dim)
-        k = F.linear(x, w.k, w.k_bias).view(t, c.num_key_value_heads, c.head_dim)
-        v = F.linear(x, w.v, w.v_bias).view(t, c.num_key_value_heads, c.head_dim)
+        if w.qkv is not None:
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
+        else:
+            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+        q = q.view(t, c.num_attention_heads, c.head_dim)
+        k = k.view(t, c.num_key_value_heads, c.head_dim)
+        v = v.view(t, c.num_key_value_heads, c.head_dim)
         q = norm_rope(q, w.q_norm, c.rms_norm_eps, cos, sin)
         k = norm_rope(k, w.k_norm, c.rms_norm_eps, cos, sin)
         o = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)

@@ -29,7 +29,7 @@ MAX_ROWS = 64
 def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
     """True when :func:`swiglu_rows` takes these inputs (CUDA, Triton, few rows)."""
     return (triton is not None and rows.is_cuda and 0 < rows.shape[0] <= MAX_ROWS
-            and rows.dtype == w13.dtype and rows.is_contiguous() and w13.is_contiguous())
+            and rows.dtype == w13.dtype and w13.is_contiguous())
 
 
 if triton is not None:
@@ -101,7 +101,8 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     inter = w2.shape[2]
     act = rows.new_empty(N, inter)
     out = rows.new_empty(N, H) if out is None else out
-    tags = tags.contiguous()
+    # rows may be a stride-0 view (one token expanded to its k choices): a few KiB to copy
+    rows, tags = rows.contiguous(), tags.contiguous()
     _gate_up_kernel[(N, triton.cdiv(inter, 16))](rows, tags, w13, act, H, inter,
                                                  BLOCK_I=16, BLOCK_H=256)
     _down_kernel[(N, triton.cdiv(H, 32))](act, tags, w2, out, H, inter, BLOCK_O=32, BLOCK_K=128)
