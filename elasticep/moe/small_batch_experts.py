@@ -35,15 +35,20 @@ def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _row_block(tag_ptr, w_ptr, n_out, expert_numel, BLOCK: tl.constexpr):
+        # grid (row, output block): the row, the block's offsets and mask, where it is
+        # live (a padding row, tag 0, loads nothing), and its expert's weights
+        r = tl.program_id(0).to(tl.int64)
+        tag = tl.load(tag_ptr + r).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_out
+        live = mask & (offs * 0 + tag != 0)
+        return r, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, tag_ptr, w13_ptr, act_ptr, H, inter,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        ib = tl.program_id(1)
-        tag = tl.load(tag_ptr + r).to(tl.int64)
-        offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
-        mask_i = offs_i < inter
-        live = mask_i & (offs_i * 0 + tag != 0)  # a padding row loads nothing, stores zeros
-        base = w13_ptr + tl.maximum(tag - 1, 0) * 2 * inter * H
+        r, offs_i, mask_i, live, base = _row_block(tag_ptr, w13_ptr, inter, 2 * inter * H, BLOCK_I)
         gate = tl.zeros([BLOCK_I], dtype=tl.float32)
         up = tl.zeros([BLOCK_I], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -64,13 +69,7 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act_ptr, tag_ptr, w2_ptr, out_ptr, H, inter,
                      BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        ob = tl.program_id(1)
-        tag = tl.load(tag_ptr + r).to(tl.int64)
-        offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        mask_o = offs_o < H
-        live = mask_o & (offs_o * 0 + tag != 0)
-        base = w2_ptr + tl.maximum(tag - 1, 0) * H * inter
+        r, offs_o, mask_o, live, base = _row_block(tag_ptr, w2_ptr, H, H * inter, BLOCK_O)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
