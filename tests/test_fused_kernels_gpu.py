@@ -94,9 +94,15 @@ def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
     logits = torch.randn(33, E, generator=g, device="cuda").to(dtype)
     assert fused_route_ok(logits, "softmax", "greedy", k)
     ids, w = fused_softmax_topk(logits, k, norm, 1.5, dtype)
-    ref_w, ref_ids = torch.topk(torch.softmax(logits.float(), -1), k)
+    scores = torch.softmax(logits.float(), -1)
+    ref_w, ref_ids = torch.topk(scores, k)
     if norm:
         ref_w = ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20)
     ref_w = (ref_w * 1.5).to(dtype).float()
-    assert torch.equal(ids, ref_ids)
+    # bf16 logits tie often (8 mantissa bits), and torch.topk orders ties its own way:
+    # the picks must have the reference's scores, in the same order, k distinct ids
+    assert torch.equal(scores.gather(1, ids), scores.gather(1, ref_ids))
+    assert all(len(set(row)) == k for row in ids.tolist())
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
     assert _rel(w, ref_w) < TOL[dtype]
