@@ -81,8 +81,15 @@ if triton is not None:
         tl.store(out_ptr + r * H + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
+# (BLOCK_I, BLOCK_H, warps) of the gate/up kernel and (BLOCK_O, BLOCK_K, warps) of the
+# down kernel; bench/expert_gemv.py measures alternatives.
+GATE_UP_TILE = (16, 256, 4)
+DOWN_TILE = (32, 128, 4)
+
+
 def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
+                down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Unweighted SwiGLU of each row with its own slot's expert (two Triton kernels).
 
     Args:
@@ -92,6 +99,8 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
         tags: [N] int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked (a
             check would sync): a tag above S reads out of bounds.
         out: [N, H] buffer for the result, or None.
+        gate_up_tile, down_tile: block sizes and warps (default :data:`GATE_UP_TILE`,
+            :data:`DOWN_TILE`).
 
     Returns:
         [N, H] in the rows' dtype; zeros for padding rows.
@@ -102,7 +111,10 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     out = rows.new_empty(N, H) if out is None else out
     # rows may be a stride-0 view (one token expanded to its k choices): a few KiB to copy
     rows, tags = rows.contiguous(), tags.contiguous()
-    _gate_up_kernel[(N, triton.cdiv(inter, 16))](rows, tags, w13, act, H, inter,
-                                                 BLOCK_I=16, BLOCK_H=256)
-    _down_kernel[(N, triton.cdiv(H, 32))](act, tags, w2, out, H, inter, BLOCK_O=32, BLOCK_K=128)
+    bi, bh, wa = gate_up_tile or GATE_UP_TILE
+    bo, bk, wb = down_tile or DOWN_TILE
+    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, tags, w13, act, H, inter,
+                                                 BLOCK_I=bi, BLOCK_H=bh, num_warps=wa)
+    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, w2, out, H, inter, BLOCK_O=bo, BLOCK_K=bk,
+                                          num_warps=wb)
     return out
