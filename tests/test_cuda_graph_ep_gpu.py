@@ -7,7 +7,8 @@ all-slots path):
 - every decode step's logits through the graphs equal the eager forward's;
 - an idle step (no sequences, a bucket set by the agreed bound) replays too;
 - a placement of the same shape is copied into the captured tensors (no capture, the
-  graphs still follow the new placement); a larger one is captured again.
+  graphs still follow the new placement); after a larger one the steps run eagerly
+  while the graphs are captured again in a background thread, then replay again.
 """
 
 from __future__ import annotations
@@ -99,15 +100,20 @@ def test_ep_decode_graphs_equal_eager_through_placement_changes(tmp_path, nccl_w
                                              ep.placement.active_ranks), load_fn)
                 assert ep.version == version and g.capture_s == capture_s
                 phase = 1
-            elif checked == 8:  # more slots per rank: those graphs are captured again
+            elif checked == 8:  # more slots per rank: captured again, in the background
                 cfg = load_model_config(tmp_path)
                 ep.apply_placement(initial_placement(cfg.num_hidden_layers, cfg.num_experts,
                                                      4, 1, 1), load_fn)
                 assert ep.version != version and all(g.stale(b) for b in g.buckets)
-                phase = 2
+                phase, replays, captures = 2, g.replays, g.captures
+            elif checked == 9:  # the first step after it ran eagerly, a capture runs
+                assert g.replays == replays and g._background is not None
+                assert g.wait_capture(120) and g.captures == captures + 1
+                assert not any(g.stale(b) for b in g.buckets)
+                phase = 3
         with agreed_max_tokens(ep, bound):
             eng.commit(batch, eng.execute(batch))
-    assert checked >= 20 and phase == 2
-    assert not g.stale(g.bucket(5))  # recaptured on use
+    assert checked >= 20 and phase == 3
+    assert g.replays > replays  # replaying again, and equal to eager (checked above)
     # an idle rank of an EP step: no sequences, the bucket of the agreed bound
     assert _graph_vs_eager(eng, ep, eng.schedule(), 3) == 0.0

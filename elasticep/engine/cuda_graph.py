@@ -18,14 +18,17 @@ a private *sink* KV block that no sequence owns, and their logits are dropped. T
 graph's attention is sized for ``max_seq_len`` keys; the kernels stop at each
 sequence's own length, read from the device.
 
-When the executor's tensors change shape (a placement with more slots per rank), the
-graphs of a bucket are captured again the next time that bucket runs; placements of
-the same shape are copied into the captured tensors in place and need no capture.
+When the executor's tensors change shape (a placement with more slots per rank), every
+bucket is captured again in a background thread while the steps run eagerly, so an
+epoch change never waits on a capture; placements of the same shape are copied into the
+captured tensors in place and need no capture. The eager steps meanwhile use buffers of
+their own (see :mod:`elasticep.moe.cuda_experts`), never the graphs' static ones.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -100,7 +103,10 @@ class DecodeGraphs:
         self._logits: dict[int, torch.Tensor] = {}
         self._versions: dict[int, int] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._background: threading.Thread | None = None
         self.capture_s = 0.0
+        self.captures = 0  # completed captures (start-up included)
+        self.replays = 0
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured bucket that holds ``batch`` sequences, or None."""
@@ -120,54 +126,84 @@ class DecodeGraphs:
         """Capture ``buckets`` (default: all; largest first, one shared memory pool).
 
         The buffers hold padding rows while capturing, so the warm-up forwards write
-        only the sink block. An EP executor's ``step_max_tokens`` is the bucket during
-        its capture (the exchange capacity the graph is built for).
+        only the sink block. No replay may run meanwhile (they share those buffers): the
+        serving thread checks :meth:`stale`, which is true while a capture runs. An EP
+        executor's exchange is sized for the bucket being captured.
 
         Returns:
             The capture time in seconds.
         """
         t0 = time.perf_counter()
         n = self.buckets[-1]
-        self._ints.zero_()
-        self._ints[2 * n:].fill_(self.sink_block * self.block_size)
-        self._tables.fill_(self.sink_block)
-        self._seq_lens.fill_(1)
-        ex = executor_of(self.model)
-        has_bound = hasattr(ex, "step_max_tokens")
-        bound = getattr(ex, "step_max_tokens", None)
         stream = torch.cuda.Stream()
+        # after every replay already queued: the old graphs' memory is about to be reused
         stream.wait_stream(torch.cuda.current_stream())
         todo = sorted(self.buckets if buckets is None else buckets, reverse=True)
-        try:
-            with torch.cuda.stream(stream):
-                for b in todo:
-                    self._graphs.pop(b, None)
-                    self._logits.pop(b, None)
-                    if has_bound:
-                        ex.step_max_tokens = b
-                    ids, pos, meta = self._views(b)
-                    for _ in range(2):  # compile kernels and create handles outside the graph
-                        with PiecewiseCapture():
-                            self.model.forward(ids, pos, meta, self.kv_layers)
-                    with PiecewiseCapture(self._pool) as cap:
-                        logits = self.model.forward(ids, pos, meta, self.kv_layers)
-                    self._graphs[b], self._logits[b] = cap.result, logits
-                    self._versions[b] = self._version()
-        finally:
-            if has_bound:
-                ex.step_max_tokens = bound
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            self._ints.zero_()
+            self._ints[2 * n:].fill_(self.sink_block * self.block_size)
+            self._tables.fill_(self.sink_block)
+            self._seq_lens.fill_(1)
+            for b in todo:
+                self._graphs.pop(b, None)
+                self._logits.pop(b, None)
+                version = self._version()
+                ids, pos, meta = self._views(b)
+                for _ in range(2):  # compile kernels and create handles outside the graph
+                    with PiecewiseCapture(bound=b):
+                        self.model.forward(ids, pos, meta, self.kv_layers)
+                with PiecewiseCapture(self._pool, bound=b) as cap:
+                    logits = self.model.forward(ids, pos, meta, self.kv_layers)
+                self._graphs[b], self._logits[b] = cap.result, logits
+                # the version the tensors had when captured: a change during the capture
+                # leaves the bucket stale
+                self._versions[b] = version if version == self._version() else -1
+        stream.synchronize()
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
+        self.captures += 1
         pieces = {b: self._graphs[b].num_pieces for b in todo}
         logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each) in %.2fs",
                     todo[::-1], sorted(set(pieces.values())), seconds)
         return seconds
 
+    def capture_in_background(self) -> bool:
+        """Start capturing every bucket in a daemon thread, unless one is running.
+
+        A failed capture is logged and leaves the buckets stale (the steps stay eager).
+
+        Returns:
+            True if a capture is running (started now or before).
+        """
+        if self._background is not None and self._background.is_alive():
+            return True
+
+        def run() -> None:
+            try:
+                torch.cuda.set_device(self.model.device)  # the current device is per thread
+                with torch.inference_mode():
+                    self.capture()
+            except Exception as exc:  # noqa: BLE001 - eager is slower, never wrong
+                logger.warning("background CUDA graph capture failed; decode stays eager: %s", exc)
+
+        logger.info("executor tensors changed shape: decode runs eagerly while its CUDA "
+                    "graphs are captured again in the background")
+        self._background = threading.Thread(target=run, name="cuda-graph-capture", daemon=True)
+        self._background.start()
+        return True
+
+    def wait_capture(self, timeout_s: float | None = None) -> bool:
+        """Wait for a background capture; True when none is running any more."""
+        t = self._background
+        if t is not None:
+            t.join(timeout_s)
+        return t is None or not t.is_alive()
+
     def stale(self, b: int) -> bool:
-        """True when bucket ``b`` has no graph, or the executor's tensors changed shape
-        since it was captured."""
+        """True when bucket ``b`` cannot be replayed now: no graph, the executor's tensors
+        changed shape since its capture, or a capture is running."""
+        if self._background is not None and self._background.is_alive():
+            return True
         return b not in self._graphs or self._versions.get(b) != self._version()
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int],
@@ -187,7 +223,8 @@ class DecodeGraphs:
             next replay).
 
         Raises:
-            ValueError: no bucket holds ``B`` sequences, or a context exceeds ``max_seq_len``.
+            ValueError: no bucket holds ``B`` sequences, a context exceeds
+                ``max_seq_len``, or the bucket is :meth:`stale`.
         """
         B = len(ids)
         b = self.bucket(max(B, min_bucket))
@@ -196,7 +233,7 @@ class DecodeGraphs:
             raise ValueError(f"decode batch of {max(B, min_bucket)} (longest {longest} tokens) "
                              f"exceeds the captured {self.buckets[-1]} x {self.max_seq_len}")
         if self.stale(b):
-            self.capture([b])
+            raise ValueError(f"bucket {b} is stale: capture it first (see stale())")
         n = self.buckets[-1]
         pad = b - B
         sink_slot = self.sink_block * self.block_size
@@ -213,4 +250,5 @@ class DecodeGraphs:
         self._tables[:b, :w].copy_(tab, non_blocking=True)
         self._seq_lens[:b].copy_(lens, non_blocking=True)
         self._graphs[b].replay()
+        self.replays += 1
         return self._logits[b][:B]

@@ -77,6 +77,9 @@ class ModelRunner:
                 or any(it.end - it.start != 1 for it in batch.items)
                 or g.bucket(max(len(batch.items), agreed)) is None):
             return None
+        if g.stale(g.bucket(max(len(batch.items), agreed))):
+            g.capture_in_background()  # never wait on a capture: this step runs eagerly
+            return None
         bs = self.kv_cache.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for it in batch.items:

@@ -24,11 +24,12 @@ from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
 from elasticep.moe.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
+    fresh,
     padded_combine,
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.utils.graph_pieces import capturing, eager_boundary
+from elasticep.utils.graph_pieces import capture_bound, capturing, eager_boundary
 
 
 def _same_shapes(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
@@ -53,7 +54,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             capacity (:func:`pair_capacity`). Every rank of the group must use the
             same value in every call of a step. The serving step loop sets
             :attr:`step_max_tokens` to the step's agreed maximum (from its header
-            all_reduce) around each forward, so no call pays a collective for it.
+            all_reduce) around each forward, so no call pays a collective for it. A
+            graph capture sizes the exchange for its bucket instead
+            (:func:`~elasticep.utils.graph_pieces.capture_bound`).
             None: the ranks agree on it at every call with a MAX all_reduce of a CPU
             int over the group (a host round trip on the CPU side of the group, still
             no device sync).
@@ -112,6 +115,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             metadata, **{f: getattr(old, f).copy_(getattr(metadata, f)) for f in fields})
 
     def _max_tokens(self, T: int) -> int:
+        bucket = capture_bound()
+        if bucket is not None:  # a graph capture sizes the exchange for its bucket
+            return bucket
         if self.step_max_tokens is not None:
             n = self.step_max_tokens
         else:
@@ -149,7 +155,10 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             pick = (torch.arange(T * k, device=topk_ids.device).view(T, k) + meta.ep_rank) % n
             slots = meta.logical_to_all_physical_map[layer_idx][topk_ids, pick]
         cap = pair_capacity(max_tokens, k, S)
-        bufs = self._buffers
+        # Graph pieces and the eager exchanges between them meet in persistent buffers;
+        # an eager step allocates its own, so it never touches what a graph points to
+        # (a capture may run in a background thread meanwhile).
+        bufs = self._buffers if capturing() else fresh
         rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
                                            self._exchange_boundary, bufs)
         expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,

@@ -45,8 +45,15 @@ def eager_boundary(op: Callable[[], None], at_capture: Callable[[], None] | None
 
 
 def capturing() -> bool:
-    """True inside a :class:`PiecewiseCapture` (warm-up or graph capture)."""
+    """True inside a :class:`PiecewiseCapture` (warm-up or graph capture) on this thread."""
     return getattr(_state, "capture", None) is not None
+
+
+def capture_bound() -> int | None:
+    """The ``bound`` of this thread's active :class:`PiecewiseCapture` (for an EP
+    executor: the tokens its exchange is sized for), or None."""
+    capture = getattr(_state, "capture", None)
+    return None if capture is None else capture.bound
 
 
 class PiecewiseGraph:
@@ -83,19 +90,25 @@ class PiecewiseCapture:
     Args:
         pool: a memory pool handle (``torch.cuda.graph_pool_handle()``) shared by every
             piece, or None for a warm-up pass.
+        bound: a value the captured code reads through :func:`capture_bound` (the
+            batch-size bucket), kept per thread so that a capture in a background thread
+            never changes what the serving thread sees.
 
     Must be entered on a side stream (as ``torch.cuda.graph`` does) and on one thread.
+    Pieces are captured in ``thread_local`` error mode: other threads may keep running
+    CUDA work (eager steps) on their own streams meanwhile.
     """
 
-    def __init__(self, pool: tuple[int, int] | None = None) -> None:
+    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None) -> None:
         self.pool = pool
+        self.bound = bound
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._ops: list[Callable[[], None]] = []
         self.result: PiecewiseGraph | None = None
 
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         self._graphs.append(graph)
 
     def boundary(self, op: Callable[[], None], at_capture: Callable[[], None] | None) -> None:
