@@ -46,7 +46,7 @@ def test_wire_form_is_unchanged():
         "is_extension": True}
     assert m.SupervisorHello(id=1).to_wire() == {"t": "hello", "id": 1, "role": "supervisor"}
     assert m.Heartbeat().to_wire() == {"t": "hb"}
-    assert m.Commit("world", _DECISION, [SlotState.HEALTHY], {"admit": [], "remove": [1]}
+    assert m.Commit("world", [SlotState.HEALTHY], {"admit": [], "remove": [1]}, _DECISION
                     ).to_wire() == {"t": "commit", "group": "world",
                                     "decision": _DECISION.to_dict(), "states": ["healthy"],
                                     "requests": {"admit": [], "remove": [1]}}
