@@ -10,6 +10,8 @@ from multiprocessing.connection import wait
 
 import _dist_workers
 
+from elasticep.utils.wait import wait_until
+
 _CTX = None
 
 
@@ -60,13 +62,21 @@ class Cluster:
         return out
 
     def wait_for(self, pred, timeout: float, what: str) -> None:
-        """Poll until pred(all messages) is true. Raises AssertionError on timeout/errors."""
-        deadline = time.monotonic() + timeout
-        while not pred(self.msgs):
+        """Collect messages until pred(all messages) is true.
+
+        Raises:
+            AssertionError: a worker reported an error; TimeoutError: ``timeout`` seconds.
+        """
+
+        def done() -> bool:
             errs = [m for m in self.msgs if m[1] == "error"]
             assert not errs, errs
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            self.poll()
+            if pred(self.msgs):
+                return True
+            self.poll()  # blocks up to 50 ms for the next message
+            return False
+
+        wait_until(done, timeout, what, poll_s=0.0)
 
     def of(self, rank: int, kind: str) -> list:
         return [m[2] for m in self.msgs if m[0] == rank and m[1] == kind]

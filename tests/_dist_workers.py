@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.utils.wait import wait_until
 
 
 def _init(rank, addr, ws, mws, ext, on_failure="complete"):
@@ -217,9 +218,8 @@ def collectives(rank, addr, ws, mws, ext, q, leaver=None):
             dist.barrier()
             if rank == leaver:
                 os._exit(0)
-            deadline = time.monotonic() + 15
-            while ed.get_active_ranks()[leaver] != 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: ed.get_active_ranks()[leaver] == 0, 15,
+                       f"slot {leaver} to leave", poll_s=0.01)
             ranks = [r for r in ranks if r != leaver]
         mask = ed.get_active_ranks().tolist()
         for dtype in DTYPES:
@@ -416,10 +416,7 @@ def mooncake_extension(rank, port, ws, mws, ext, q):
         got = torch.zeros(ws, dtype=torch.int32)
         dist.all_gather_into_tensor(got, torch.tensor([rank + 1], dtype=torch.int32))
         before = (dist.get_world_size(), got.tolist())
-        deadline = time.monotonic() + 30
-        while not pg.get_peer_state(world, [2])[0]:
-            assert time.monotonic() < deadline, "joiner never ready"
-            time.sleep(0.05)
+        wait_until(lambda: pg.get_peer_state(world, [2])[0], 30, "the joiner to be ready")
         status = pg.recover_ranks(world, [2]).status
     else:
         pg, world = _mooncake_init(rank, port, mws, max_group_size=mws, is_extension=True)
@@ -455,10 +452,7 @@ def mooncake_manual(rank, port, ws, mws, ext, q):
     rows = [round_()]
     if rank == 2:
         os._exit(0)
-    deadline = time.monotonic() + 30
-    while pg.get_peer_state(world, [2])[0]:
-        assert time.monotonic() < deadline, "death of slot 2 never seen"
-        time.sleep(0.05)
+    wait_until(lambda: not pg.get_peer_state(world, [2])[0], 30, "the death of slot 2")
     rows.append(round_())
     probe = dist.isend(torch.ones(1), 2)
     probe.wait()

@@ -3,13 +3,13 @@ detached coordinator that leaves with the last rank, active-rank sizes and buffe
 a joiner that runs solo before join_group, manual membership with per-op results."""
 
 import socket
-import time
 
 import pytest
 import torch
 from _dist_harness import Cluster
 
 from elasticep.compat.mooncake import pg
+from elasticep.utils.wait import wait_until
 
 
 def _free_port() -> int:
@@ -46,14 +46,14 @@ def test_extension_sizes_and_detached_coordinator():
             assert (ws, total, gathered, rs) == (3, 6, [0, 10, 20], 3 * r + 3)
         host, port = cl.of(0, "coord")[0].split(":")
         cl.wait_for(lambda m: sum(x[1] == "exit" for x in m) == 3, 20, "ranks to exit")
-        deadline = time.monotonic() + 15
-        while True:  # the coordinator exits once no rank is left
+        def coordinator_gone() -> bool:  # it exits once no rank is left
             try:
                 socket.create_connection((host, int(port)), timeout=1).close()
             except OSError:
-                break
-            assert time.monotonic() < deadline, "coordinator outlived its ranks"
-            time.sleep(0.3)
+                return True
+            return False
+
+        wait_until(coordinator_gone, 15, "the coordinator to exit after its ranks", poll_s=0.3)
     finally:
         cl.close()
 

@@ -46,7 +46,7 @@ def test_wire_form_is_unchanged():
         "is_extension": True}
     assert m.SupervisorHello(id=1).to_wire() == {"t": "hello", "id": 1, "role": "supervisor"}
     assert m.Heartbeat().to_wire() == {"t": "hb"}
-    assert m.Commit("world", _DECISION, [SlotState.HEALTHY], {"admit": [], "remove": [1]}
+    assert m.Commit("world", [SlotState.HEALTHY], {"admit": [], "remove": [1]}, _DECISION
                     ).to_wire() == {"t": "commit", "group": "world",
                                     "decision": _DECISION.to_dict(), "states": ["healthy"],
                                     "requests": {"admit": [], "remove": [1]}}
@@ -113,3 +113,32 @@ def test_coordinator_answers_malformed_requests_and_keeps_serving():
         client.close()
     finally:
         coord.close()
+
+
+def test_rank_gets_a_broken_reply_as_an_error_at_once():
+    """A reply the rank cannot read fails its request with one line, not a timeout."""
+    import threading
+    import time
+
+    from elasticep.distributed.control import RankControl
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_badly() -> None:
+        conn, _ = server.accept()
+        with conn:
+            hello = json.loads(conn.makefile("rb").readline())
+            conn.sendall(json.dumps({"t": "reply", "id": hello["id"], "ok": "yes"}).encode()
+                         + b"\n")
+            closed.append(conn.recv(1) == b"")  # the refused rank closes its end
+
+    closed: list[bool] = []
+    t = threading.Thread(target=answer_badly, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"^bad reply: reply.ok: expected bool, got \"yes\"$"):
+        RankControl(f"127.0.0.1:{server.getsockname()[1]}", 0, 1, 1, False, timeout_s=20)
+    assert time.monotonic() - t0 < 5
+    t.join(5)
+    assert closed == [True]
+    server.close()

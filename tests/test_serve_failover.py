@@ -7,25 +7,29 @@ relaunching the slot it broke with `elasticep join ... recover`.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 import httpx
 import pytest
-from _serve_harness import (
+from _serve_fixtures import (
+    JOIN_COORDINATOR_TIMEOUT_S,
     MAX_TOKENS,
     N_STREAMS,
     PROMPTS,
-    Burst,
-    client_model,
+    RESULTS_TIMEOUT_S,
+    burst,
     fault_midstream,
     reference_results,
     serve_fixture,
-    signal_pid,
     stream,
 )
 
+from elasticep.distributed.membership import ScalePhase, SlotState
+from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.utils.procs import pid_alive
+from elasticep.utils.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -35,37 +39,40 @@ serve = serve_fixture("--ep-size", "4", "--ep-num-redundant-experts", "4",
 
 @pytest.fixture(scope="module")
 def reference(serve):
-    """Fault-free greedy texts, computed once on the healthy deployment."""
-    results = reference_results(serve, PROMPTS, MAX_TOKENS)
-    assert all(r.chunks == MAX_TOKENS for r in results), [r.chunks for r in results]
-    return [r.text for r in results]
+    """Fault-free greedy texts, computed once on the healthy deployment (each stream
+    complete: all MAX_TOKENS tokens)."""
+    return reference_results(serve, PROMPTS, MAX_TOKENS)
 
 
-def _all_healthy(st: dict) -> bool:
-    return sum(r["state"] == "healthy" for r in st["ranks"]) == st["ep_size"]
+def _all_healthy(st: DeploymentStatus) -> bool:
+    return len(st.healthy_ranks()) == st.ep_size
 
 
-def _fault_midstream(serve, reference, rank: int, sig: int) -> dict:
+def _fault_midstream(serve, reference, rank: int, sig: int) -> RankStatus:
     """Run 8 streams, signal ``rank``'s worker when they are partway; check the texts."""
-    victim = serve.rank(rank)
-    assert victim["state"] == "healthy"
-    fault_midstream(serve, PROMPTS, MAX_TOKENS, reference, victim["pid"], sig)
+    victim = serve.rank_state(rank)
+    assert victim.state == SlotState.HEALTHY
+    fault_midstream(serve, PROMPTS, MAX_TOKENS, reference, victim.pid, sig)
     return victim
+
+
+def _join(serve, *args: str):
+    return serve.join(*args, coordinator_timeout_s=JOIN_COORDINATOR_TIMEOUT_S)
 
 
 def _rejoin(serve, rank: int) -> None:
     """`elasticep join ... recover` for ``rank``; see failed -> joining -> healthy."""
-    join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank))
+    join = _join(serve, "--elastic-ep-join-mode", "recover", "--ranks", str(rank))
     seen: list[str] = []
 
-    def back(st: dict) -> bool:
-        state = next(r["state"] for r in st["ranks"] if r["rank"] == rank)
+    def back(st: DeploymentStatus) -> bool:
+        state = st.rank(rank).state
         if not seen or seen[-1] != state:
             seen.append(state)
-        return state == "healthy" and _all_healthy(st)
+        return state == SlotState.HEALTHY and _all_healthy(st)
 
     serve.wait_for(back, 120, f"rank {rank} to rejoin", poll_s=0.02, watch=(join,))
-    assert join.poll() is None, "join must stay in the foreground supervising its rank"
+    assert join.proc.poll() is None, "join must stay in the foreground supervising its rank"
     # "joining" while it loads (launched, not registered yet); "ready" may last less
     # than one poll before the survivors admit it.
     assert seen[0] == "failed" and seen[1] == "joining" and seen[-1] == "healthy", seen
@@ -74,34 +81,37 @@ def _rejoin(serve, rank: int) -> None:
 
 def test_reference_is_served(serve, reference):
     st = serve.status()
-    assert st["ep_size"] == 4 and _all_healthy(st) and st["scale_phase"] == "idle"
-    assert all(r["node"] == 0 and r["pid"] for r in st["ranks"][:4])
+    assert st.ep_size == 4 and _all_healthy(st) and st.scale_phase == ScalePhase.IDLE
+    assert all(r.node == 0 and r.pid for r in st.ranks[:4])
 
 
 def test_kill_worker_midstream_then_rejoin(serve, reference):
     victim = _fault_midstream(serve, reference, 2, signal.SIGKILL)
-    st = serve.wait_for(lambda s: serve.rank(2)["state"] == "failed", 10, "rank 2 failed")
-    assert st["epoch"] >= 1
+    st = serve.wait_for(lambda s: s.rank(2).state == SlotState.FAILED, 10, "rank 2 failed")
+    assert st.epoch >= 1
     health = httpx.get(f"{serve.url}/health").json()
     assert health["status"] == "ok" and health["degraded"] is True
-    assert not pid_alive(victim["pid"])
+    assert not pid_alive(victim.pid)
     _rejoin(serve, 2)
     # New requests land on the relaunched rank (routable once its worker said hello,
     # a moment after the coordinator marks it healthy).
     time.sleep(1.0)
-    burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
-    running = 0
-    while burst.tokens < N_STREAMS * MAX_TOKENS // 2:
-        running = max(running, serve.rank(2)["running_requests"])
-        time.sleep(0.05)
-    assert [r.text for r in burst.results()] == reference
-    assert running > 0
+    b = burst(serve, PROMPTS, MAX_TOKENS)
+    running = [0]
+
+    def half_streamed() -> bool:
+        running[0] = max(running[0], serve.rank_state(2).running_requests)
+        return b.tokens() >= N_STREAMS * MAX_TOKENS // 2
+
+    wait_until(half_streamed, 60, "half of the burst's tokens", poll_s=0.05)
+    assert [r.text for r in b.results(RESULTS_TIMEOUT_S)] == reference
+    assert running[0] > 0
 
 
 def test_join_refuses_a_healthy_slot(serve):
-    join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "1")
-    assert join.wait(60) == 2
-    assert serve.rank(1)["state"] == "healthy"
+    join = _join(serve, "--elastic-ep-join-mode", "recover", "--ranks", "1")
+    assert join.proc.wait(60) == 2, join.output()
+    assert serve.rank_state(1).state == SlotState.HEALTHY
 
 
 def test_kill_rank0_midstream(serve, reference):
@@ -110,22 +120,22 @@ def test_kill_rank0_midstream(serve, reference):
 
 
 def test_frozen_rank_is_evicted(serve, reference):
-    victim = serve.rank(1)
+    victim = serve.rank_state(1)
     t0 = time.monotonic()
     _fault_midstream(serve, reference, 1, signal.SIGSTOP)
-    serve.wait_for(lambda s: serve.rank(1)["state"] == "failed", 10, "rank 1 evicted")
+    serve.wait_for(lambda s: s.rank(1).state == SlotState.FAILED, 10, "rank 1 evicted")
     assert time.monotonic() - t0 < 60
-    signal_pid(victim["pid"], signal.SIGCONT)
+    os.kill(victim.pid, signal.SIGCONT)
     # A resumed, evicted rank never comes back by itself: it exits (or is killed by join).
     time.sleep(1.0)
-    assert serve.rank(1)["state"] == "failed"
+    assert serve.rank_state(1).state == SlotState.FAILED
     _rejoin(serve, 1)
-    assert not pid_alive(victim["pid"])
+    assert not pid_alive(victim.pid)
 
 
 def test_malformed_requests_get_4xx_and_serving_continues(serve, reference):
     url = f"{serve.url}/v1/completions"
-    model = client_model(serve.client)
+    model = serve.model_name()
     bad = [
         httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}),
         httpx.post(url, json={"model": model, "prompt": "hi", "bogus_field": 1}),
@@ -138,15 +148,16 @@ def test_malformed_requests_get_4xx_and_serving_continues(serve, reference):
     for r in bad:
         assert 400 <= r.status_code < 500, (r.status_code, r.text)
         assert r.json()["error"]["message"]
-    ok = stream(serve.client, PROMPTS[0], MAX_TOKENS)
-    assert ok.error is None and ok.text == reference[0]
+    ok = stream(serve, PROMPTS[0], MAX_TOKENS)
+    assert ok.complete(MAX_TOKENS) and ok.text == reference[0], ok
 
 
 def test_sigint_stops_every_process(serve):
-    pids = {r["pid"] for r in serve.status()["ranks"] if r["pid"]} | serve.seen_pids
+    pids = set(serve.status().pids().values()) | serve.seen_pids
     joins = [p for p in serve.joins if p.poll() is None]
-    assert serve.stop(timeout_s=30) == 130, serve.tail()  # 128 + SIGINT, as shells report
-    deadline = time.monotonic() + 15
-    while any(pid_alive(p) for p in pids) or any(j.poll() is None for j in joins):
-        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
-        time.sleep(0.1)
+    assert serve.interrupt(timeout_s=30) == 130, serve.tail()  # 128 + SIGINT, as shells report
+    # serve alone was interrupted: its workers and the joins (whose coordinator is gone)
+    # must all end by themselves
+    wait_until(lambda: not any(pid_alive(p) for p in pids | serve.seen_pids)
+               and all(j.poll() is not None for j in joins), 15, "every process to exit",
+               poll_s=0.1, last=lambda: sorted(p for p in pids if pid_alive(p)))

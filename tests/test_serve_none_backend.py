@@ -8,15 +8,17 @@ in-flight and new requests with errors (no hang), stop its other worker and exit
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
 
 import httpx
 import pytest
-from _serve_harness import MAX_TOKENS, PROMPTS, Burst, client_model, signal_pid, start_serve, stream
+from _serve_fixtures import MAX_TOKENS, PROMPTS, burst, start_serve, stream
 
 from elasticep.utils.procs import pid_alive
+from elasticep.utils.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -26,19 +28,20 @@ def test_rank_death_stops_the_deployment():
                         "--max-total-tokens", "2048")
     try:
         st = serve.status()
-        assert [r["state"] for r in st["ranks"]] == ["healthy", "healthy"], st
-        pids = {r["rank"]: r["pid"] for r in st["ranks"]}
-        ok = stream(serve.client, PROMPTS[0], 8)
-        assert ok.error is None and ok.chunks == 8, ok
+        assert [r.state for r in st.ranks] == ["healthy", "healthy"], st
+        pids = st.pids()
+        assert sorted(pids) == [0, 1], st
+        ok = stream(serve, PROMPTS[0], 8)
+        assert ok.complete(8), ok
 
-        burst = Burst(serve.client, PROMPTS[:4], MAX_TOKENS)
-        burst.wait_tokens(4)
-        signal_pid(pids[1], signal.SIGKILL)
+        b = burst(serve, PROMPTS[:4], MAX_TOKENS)
+        assert b.wait_tokens(4, 60), f"only {b.tokens()} tokens arrived"
+        os.kill(pids[1], signal.SIGKILL)
         # A new request while the deployment goes away: an error answer, never a hang.
         t0 = time.monotonic()
         try:
             late = httpx.post(f"{serve.url}/v1/completions", timeout=30, json={
-                "model": client_model(serve.client), "prompt": PROMPTS[1], "max_tokens": 8})
+                "model": serve.model_name(), "prompt": PROMPTS[1], "max_tokens": 8})
             assert late.status_code >= 500, (late.status_code, late.text)
         except httpx.TransportError:
             pass  # the server had already closed: refused is an error answer too
@@ -46,7 +49,7 @@ def test_rank_death_stops_the_deployment():
 
         code = serve.proc.wait(30)
         assert code == 1, serve.tail()
-        results = burst.results(timeout_s=10)
+        results = b.results(timeout_s=10)
         assert all(r.error is not None for r in results), results
 
         log = serve.log_path.read_text()
@@ -54,9 +57,8 @@ def test_rank_death_stops_the_deployment():
                 r"fault tolerance: stopping the deployment")
         assert len(re.findall(line, log)) == 1, log[-4000:]
         assert "join --elastic-ep-join-mode" not in log, log[-4000:]
-        deadline = time.monotonic() + 10
-        while any(pid_alive(p) for p in pids.values()):
-            assert time.monotonic() < deadline, [p for p in pids.values() if pid_alive(p)]
-            time.sleep(0.1)
+        wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10,
+                   "every worker to exit", poll_s=0.1,
+                   last=lambda: [p for p in pids.values() if pid_alive(p)])
     finally:
-        serve.cleanup()
+        serve.stop()

@@ -118,7 +118,7 @@ class CoordinatorClient:
     def record_launch(self, rank: int, node: int, pid: int) -> None:
         """A launcher on ``node`` started worker ``pid`` for ``rank`` (it shows as joining
         until it registers). Dropped when this connection closes."""
-        self._call(m.RecordLaunch(rank, node, pid))
+        self._call(m.RecordLaunch(rank, pid, node=node))
 
     def clear_launch(self, rank: int, pid: int) -> None:
         """Worker ``pid`` of ``rank`` exited."""

@@ -47,8 +47,12 @@ class RankControl:
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"elastic-ctl-r{rank}")
         self._reader.start()
-        hello = self.request(m.RankHello(rank, os.getpid(), world_size, max_world_size,
-                                         is_extension))
+        try:
+            hello = self.request(m.RankHello(rank, os.getpid(), world_size, max_world_size,
+                                             is_extension))
+        except BaseException:
+            self.conn.close()  # ends the reader thread too
+            raise
         self.store_port: int = int(hello["store_port"])
         self.hb_interval_s: float = float(hello["hb_interval_s"])
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
@@ -130,6 +134,8 @@ class RankControl:
                 msg = self.conn.recv()
             except m.ProtocolError as e:
                 log.warning("rank %d: dropped a control message: %s", self.rank, e)
+                if e.rid is not None:  # a broken reply: its request fails now, not later
+                    self._answer(m.Reply(id=e.rid, ok=False, error=f"bad reply: {e}"))
                 continue
             if msg is None:
                 break
@@ -137,11 +143,7 @@ class RankControl:
                 self.last_ack = time.monotonic()
             elif isinstance(msg, m.Reply):
                 self.last_ack = time.monotonic()
-                with self._lock:
-                    waiter = self._replies.pop(msg.id, None)
-                if waiter is not None:
-                    waiter[1].append(msg)
-                    waiter[0].set()
+                self._answer(msg)
             elif isinstance(msg, m.Evicted):
                 self.evicted = msg.reason
                 log.warning("rank %d: evicted by coordinator (%s)", self.rank, self.evicted)
@@ -158,6 +160,13 @@ class RankControl:
             ev.set()
         for gs in list(self.groups.values()):
             gs.on_lost()
+
+    def _answer(self, reply: m.Reply) -> None:
+        with self._lock:
+            waiter = self._replies.pop(reply.id, None)
+        if waiter is not None:
+            waiter[1].append(reply)
+            waiter[0].set()
 
     def _to_group(self, msg: m.GroupPush) -> None:
         with self._lock:

@@ -55,24 +55,6 @@ class _Supervisor:
     conn: Connection
 
 
-# request type -> (its handler: (peer, message) -> the reply's fields or None, the peer it
-# must come from, or None for any)
-_HANDLERS: dict[type[m.Message], tuple[str, type | None]] = {
-    m.Register: ("_register", _Proc), m.Ready: ("_ready", _Proc),
-    m.Recover: ("_recover", _Proc), m.Deactivate: ("_deactivate", _Proc),
-    m.EpochReport: ("_report", _Proc), m.Ping: ("_ping", _Proc),
-    m.GetStatus: ("_status", None), m.ReportDeath: ("_report_death", None),
-    m.RequestAdmission: ("_request_admission", None),
-    m.RequestDeactivation: ("_request_deactivation", None),
-    m.PublishDeployment: ("_publish_deployment", None),
-    m.GetDeploymentConfig: ("_deployment_config", None),
-    m.GetDeploymentStatus: ("_deployment_status", None), m.Scale: ("_scale", None),
-    m.RecordLaunch: ("_record_launch", _Supervisor),
-    m.ClearLaunch: ("_clear_launch", _Supervisor),
-    m.Reserve: ("_reserve", _Supervisor), m.Release: ("_release", _Supervisor),
-}
-
-
 class Coordinator(SupervisorRequests):
     """Membership server. Use `start_coordinator`; `.address` is ``"host:port"``.
 
@@ -188,13 +170,7 @@ class Coordinator(SupervisorRequests):
             return None
         if isinstance(msg, (m.RankHello, m.SupervisorHello)):
             return self._hello(conn, msg)
-        if type(msg) not in _HANDLERS:
-            raise m.ProtocolError(f"the coordinator takes no {msg.TAG!r} messages")
-        name, needs = _HANDLERS[type(msg)]
-        if needs is not None and not isinstance(peer, needs):
-            raise m.ProtocolError(f"a {msg.TAG!r} message must come from a {needs.ROLE} "
-                                  f"connection (after its hello)")
-        reply = getattr(self, name)(peer, msg)
+        reply = self._dispatch(peer, msg)
         if reply is not None and msg.id is not None:
             conn.send(m.Reply(id=msg.id, ok=True, body=reply))
         return None
@@ -362,7 +338,7 @@ class Coordinator(SupervisorRequests):
         # Requests travel with the commit: a rank must not act again on a removal or
         # admission that this commit just applied (a later re-admission of the slot
         # would otherwise be undone by the stale request).
-        msg = m.Commit(g.name, d, g.states, g.requests)
+        msg = m.Commit(g.name, g.states, g.requests, decision=d)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)

@@ -3,7 +3,9 @@
 A mixin of :class:`~elasticep.distributed.coordinator.Coordinator`: every handler runs
 under the coordinator's lock and reads or changes its groups and its
 :class:`~elasticep.distributed.registry.DeploymentRecords`. The decisions (scale plans,
-the status view, join checks) are the pure functions of ``scaling.py``.
+the status view, join checks) are the pure functions of ``scaling.py``. It also holds
+the coordinator's dispatch table: which handler answers each request type of
+``messages.py``, and from which kind of connection.
 """
 
 from __future__ import annotations
@@ -22,6 +24,24 @@ log = logging.getLogger("elasticep.distributed.coordinator")
 WORLD = "world"
 
 
+# request type -> (the coordinator's handler: (peer, message) -> the reply's fields or
+# None, the ROLE of the connection it must come from, or None for any)
+_HANDLERS: dict[type[m.Message], tuple[str, str | None]] = {
+    m.Register: ("_register", "rank"), m.Ready: ("_ready", "rank"),
+    m.Recover: ("_recover", "rank"), m.Deactivate: ("_deactivate", "rank"),
+    m.EpochReport: ("_report", "rank"), m.Ping: ("_ping", "rank"),
+    m.GetStatus: ("_status", None), m.ReportDeath: ("_report_death", None),
+    m.RequestAdmission: ("_request_admission", None),
+    m.RequestDeactivation: ("_request_deactivation", None),
+    m.PublishDeployment: ("_publish_deployment", None),
+    m.GetDeploymentConfig: ("_deployment_config", None),
+    m.GetDeploymentStatus: ("_deployment_status", None), m.Scale: ("_scale", None),
+    m.RecordLaunch: ("_record_launch", "supervisor"),
+    m.ClearLaunch: ("_clear_launch", "supervisor"),
+    m.Reserve: ("_reserve", "supervisor"), m.Release: ("_release", "supervisor"),
+}
+
+
 class SupervisorRequests:
     """Handlers of the supervisor messages (``messages.py``); each takes the peer (a
     ``_Supervisor``, or None) and the message, and returns the reply's fields."""
@@ -30,6 +50,21 @@ class SupervisorRequests:
     _procs: dict[int, Any]
     _deployment: DeploymentRecords
     _max_world_size: int | None
+
+    def _dispatch(self, peer, msg: m.Message) -> dict | None:
+        """Run the handler of ``msg`` (a request other than hello and hb).
+
+        Raises:
+            ProtocolError: the coordinator takes no such message, or not from ``peer``
+                (a rank message on a supervisor connection, or before any hello).
+        """
+        if type(msg) not in _HANDLERS:
+            raise m.ProtocolError(f"the coordinator takes no {msg.TAG!r} messages")
+        name, role = _HANDLERS[type(msg)]
+        if role is not None and getattr(peer, "ROLE", None) != role:
+            raise m.ProtocolError(f"a {msg.TAG!r} message must come from a {role} "
+                                  "connection (after its hello)")
+        return getattr(self, name)(peer, msg)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str) -> Group:

@@ -64,10 +64,13 @@ class Message:
 
     id: int | None = field(default=None, kw_only=True)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, tag: str | None = None, **kwargs: Any) -> None:
+        # ``class Ping(Message, tag="ping")`` registers the type under its wire name;
+        # the untagged classes below only share fields
         super().__init_subclass__(**kwargs)
-        if "TAG" in cls.__dict__:
-            _BY_TAG.setdefault(cls.TAG, []).append(cls)
+        if tag is not None:
+            cls.TAG = tag
+            _BY_TAG.setdefault(tag, []).append(cls)
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON object of this message (``"t"`` first; no ``"id"`` when None)."""
@@ -194,13 +197,36 @@ def _convert(value: Any, hint: Any, where: str, msg: dict) -> Any:
     raise ProtocolError(f"{where}: expected {name}, got {json.dumps(value)[:60]}", _rid(msg))
 
 
+# ---------------------------------------------------------------------- shared fields
+# A class that adds no field to its base needs no @dataclass of its own.
+@dataclass(frozen=True)
+class _ToGroup(Message):
+    group: str
+
+
+@dataclass(frozen=True)
+class _GroupSlots(_ToGroup):
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class _SlotView(_ToGroup):
+    states: list[SlotState]
+    requests: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class _Launch(Message):
+    rank: int
+    pid: int
+
+
 # ---------------------------------------------------------------------- rank -> coordinator
 @dataclass(frozen=True)
-class RankHello(Message):
+class RankHello(Message, tag="hello"):
     """A rank's first request: it takes global rank ``rank``. Answer: store_port,
     hb_interval_s. ``is_extension``: a joiner (may only take a failed/free slot)."""
 
-    TAG: ClassVar[str] = "hello"
     rank: int
     pid: int
     world_size: int
@@ -208,21 +234,16 @@ class RankHello(Message):
     is_extension: bool
 
 
-@dataclass(frozen=True)
-class Heartbeat(Message):
+class Heartbeat(Message, tag="hb"):
     """Sent every ``hb_interval_s`` seconds; answered with :class:`HeartbeatAck`."""
 
-    TAG: ClassVar[str] = "hb"
-
 
 @dataclass(frozen=True)
-class Register(Message):
+class Register(_ToGroup, tag="register"):
     """Join group ``group`` (torch is creating it). ``global_ranks``: global rank per
     slot; ``active``: the slots active at creation. Answer: epoch, active, states,
     on_failure, slot."""
 
-    TAG: ClassVar[str] = "register"
-    group: str
     global_ranks: list[int]
     active: list[int]
     on_failure: str
@@ -230,54 +251,35 @@ class Register(Message):
 
 
 @dataclass(frozen=True)
-class EpochReport(Message):
+class EpochReport(_ToGroup, tag="report"):
     """Answer to :class:`Announce`: this member's op progress (``membership.Report``):
     last completed op, last started op, ops whose results it keeps."""
 
-    TAG: ClassVar[str] = "report"
-    group: str
     epoch: int
     last: int
     started: int
     fetchable: list[int]
 
 
-@dataclass(frozen=True)
-class Ready(Message):
+class Ready(_ToGroup, tag="ready"):
     """A joiner loaded its weights and waits to be admitted into ``group``."""
 
-    TAG: ClassVar[str] = "ready"
-    group: str
 
-
-@dataclass(frozen=True)
-class Recover(Message):
+class Recover(_GroupSlots, tag="recover"):
     """A member asks to admit the ready slots ``ranks``. Answer: admitting (slots)."""
 
-    TAG: ClassVar[str] = "recover"
-    group: str
-    ranks: list[int]
 
-
-@dataclass(frozen=True)
-class Deactivate(Message):
+class Deactivate(_GroupSlots, tag="deactivate"):
     """A member asks to remove the active slots ``ranks``. Answer: removing (slots)."""
 
-    TAG: ClassVar[str] = "deactivate"
-    group: str
-    ranks: list[int]
 
-
-@dataclass(frozen=True)
-class Ping(Message):
+class Ping(Message, tag="ping"):
     """A round trip that confirms this rank is still a member (empty answer)."""
-
-    TAG: ClassVar[str] = "ping"
 
 
 # ---------------------------------------------------------------------- coordinator -> rank
 @dataclass(frozen=True)
-class Reply(Message):
+class Reply(Message, tag="reply"):
     """The answer to the request with the same ``id``.
 
     ``ok`` False: ``error`` says why, ``code`` names the refusal (see
@@ -285,7 +287,6 @@ class Reply(Message):
     read them with ``reply["name"]``.
     """
 
-    TAG: ClassVar[str] = "reply"
     ok: bool
     error: str | None = None
     code: str | None = None
@@ -313,54 +314,38 @@ class Reply(Message):
                        body={k: v for k, v in d.items() if k not in head})
 
 
-@dataclass(frozen=True)
-class HeartbeatAck(Message):
+class HeartbeatAck(Message, tag="hb_ack"):
     """The coordinator received a heartbeat (the rank's lease is fresh)."""
 
-    TAG: ClassVar[str] = "hb_ack"
-
 
 @dataclass(frozen=True)
-class Announce(Message):
+class Announce(_ToGroup, tag="announce"):
     """A transition to ``epoch`` starts: report your progress (:class:`EpochReport`)."""
 
-    TAG: ClassVar[str] = "announce"
-    group: str
     epoch: int
 
 
 @dataclass(frozen=True)
-class Commit(Message):
+class Commit(_SlotView, tag="commit"):
     """The transition's decision, the slot states after it, and the supervisor requests
     not applied yet (they travel with the commit, so a rank never acts again on a
     request this commit applied)."""
 
-    TAG: ClassVar[str] = "commit"
-    group: str
     decision: Decision
-    states: list[SlotState]
-    requests: dict[str, list[int]]
 
     @property
     def epoch(self) -> int:
         return self.decision.epoch
 
 
-@dataclass(frozen=True)
-class Peer(Message):
+class Peer(_SlotView, tag="peer"):
     """Slot states or supervisor requests changed without a new epoch."""
 
-    TAG: ClassVar[str] = "peer"
-    group: str
-    states: list[SlotState]
-    requests: dict[str, list[int]]
-
 
 @dataclass(frozen=True)
-class Evicted(Message):
+class Evicted(Message, tag="evicted"):
     """The coordinator dropped this rank (heartbeat timeout, reported dead)."""
 
-    TAG: ClassVar[str] = "evicted"
     reason: str
 
 
@@ -370,113 +355,80 @@ GroupPush = Announce | Commit | Peer
 
 # ---------------------------------------------------------------------- supervisor -> coordinator
 @dataclass(frozen=True)
-class SupervisorHello(Message):
+class SupervisorHello(Message, tag="hello"):
     """A launcher, front-end or `join` connects. Answer: store_port."""
 
-    TAG: ClassVar[str] = "hello"
     MATCH: ClassVar[tuple[tuple[str, Any], ...]] = (("role", "supervisor"),)
     role: str = "supervisor"
 
 
-@dataclass(frozen=True)
-class GetStatus(Message):
+class GetStatus(Message, tag="status"):
     """Answer: max_world_size, ranks, groups (``CoordinatorClient.status``)."""
 
-    TAG: ClassVar[str] = "status"
-
 
 @dataclass(frozen=True)
-class ReportDeath(Message):
+class ReportDeath(Message, tag="report_death"):
     """Declare global rank ``rank`` dead; with ``pid``, only if that pid holds the slot."""
 
-    TAG: ClassVar[str] = "report_death"
     rank: int
     pid: int | None = None
 
 
-@dataclass(frozen=True)
-class RequestAdmission(Message):
+class RequestAdmission(_GroupSlots, tag="request_admission"):
     """Ask the members of ``group`` to admit the slots ``ranks`` at a step boundary."""
 
-    TAG: ClassVar[str] = "request_admission"
-    group: str
-    ranks: list[int]
 
-
-@dataclass(frozen=True)
-class RequestDeactivation(Message):
+class RequestDeactivation(_GroupSlots, tag="request_deactivation"):
     """Mark the slots ``ranks`` draining and ask the members to remove them."""
 
-    TAG: ClassVar[str] = "request_deactivation"
-    group: str
-    ranks: list[int]
-
 
 @dataclass(frozen=True)
-class PublishDeployment(Message):
+class PublishDeployment(Message, tag="publish_deployment"):
     """Node 0 publishes the deployment's settings (JSON text) and its initial size."""
 
-    TAG: ClassVar[str] = "publish_deployment"
     config: str
     ep_size: int
     max_ep_size: int
 
 
-@dataclass(frozen=True)
-class GetDeploymentConfig(Message):
+class GetDeploymentConfig(Message, tag="deployment_config"):
     """Answer: config (the published JSON text, or null)."""
 
-    TAG: ClassVar[str] = "deployment_config"
 
-
-@dataclass(frozen=True)
-class GetDeploymentStatus(Message):
+class GetDeploymentStatus(Message, tag="deployment_status"):
     """Answer: status (the ``/elastic_ep_status`` object, ``DeploymentStatus``)."""
 
-    TAG: ClassVar[str] = "deployment_status"
-
 
 @dataclass(frozen=True)
-class Scale(Message):
+class Scale(Message, tag="scale"):
     """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase."""
 
-    TAG: ClassVar[str] = "scale"
     new_ep_size: int
 
 
 @dataclass(frozen=True)
-class RecordLaunch(Message):
+class RecordLaunch(_Launch, tag="record_launch"):
     """A launcher on ``node`` started worker ``pid`` for ``rank``."""
 
-    TAG: ClassVar[str] = "record_launch"
-    rank: int
     node: int
-    pid: int
 
 
-@dataclass(frozen=True)
-class ClearLaunch(Message):
+class ClearLaunch(_Launch, tag="clear_launch"):
     """Worker ``pid`` of ``rank`` exited."""
 
-    TAG: ClassVar[str] = "clear_launch"
-    rank: int
-    pid: int
-
 
 @dataclass(frozen=True)
-class Reserve(Message):
+class Reserve(Message, tag="reserve"):
     """Claim the slots ``ranks`` for a join in ``mode`` ("recover" | "scale"); ``who``
     names the claimant in refusals. Answer: ep_size."""
 
-    TAG: ClassVar[str] = "reserve"
     ranks: list[int]
     mode: str
     who: str
 
 
 @dataclass(frozen=True)
-class Release(Message):
+class Release(Message, tag="release"):
     """Drop this connection's claims of ``ranks`` (None: all of them)."""
 
-    TAG: ClassVar[str] = "release"
     ranks: list[int] | None = None

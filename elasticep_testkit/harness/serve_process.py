@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.utils.procs import die_with_parent, kill_pids, pid_alive
 from elasticep.utils.wait import wait_until
+from elasticep_testkit.harness.load import make_client
 
 Status = DeploymentStatus
 
@@ -120,10 +122,11 @@ class ServeProcess:
         self.seen_pids: set[int] = {proc.pid}
         self._http = httpx.Client(base_url=url, timeout=10.0)
         self._model: str | None = None
+        self._client: openai.OpenAI | None = None
 
     @classmethod
     def start(cls, serve_args: list[str], ready_timeout_s: float = 300.0,
-              log_dir: str | None = None) -> ServeProcess:
+              log_dir: str | None = None, coordinator: str | None = None) -> ServeProcess:
         """Start ``elasticep serve`` on free 127.0.0.1 ports; wait for its ``ready:`` line
         (every initial rank is healthy and connected to the front-end).
 
@@ -132,12 +135,14 @@ class ServeProcess:
             ready_timeout_s: bound on start-up (model load on every rank), seconds.
             log_dir: where serve.log and the workers' ``rank<r>.log`` go (default: a
                 fresh temp dir).
+            coordinator: ``host:port`` for ``--dist-init-addr`` (default: a free
+                127.0.0.1 port), e.g. the address another node already waits for.
 
         Raises:
             RuntimeError: serve exited during start-up (the log tail is in the message).
             TimeoutError: not ready within ``ready_timeout_s``.
         """
-        port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+        port, coordinator = free_port(), coordinator or f"127.0.0.1:{free_port()}"
         log_path = Path(log_dir or tempfile.mkdtemp(prefix="elasticep-serve-")) / "serve.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
@@ -177,6 +182,13 @@ class ServeProcess:
         r = self._http.post("/scale_elastic_ep", json={"new_ep_size": new_ep_size})
         return r.status_code, r.json()
 
+    @property
+    def client(self) -> openai.OpenAI:
+        """An `openai` client of this server (no retries, 60 s per request)."""
+        if self._client is None:
+            self._client = make_client(self.url, 60.0)
+        return self._client
+
     def model_name(self) -> str:
         """The served model id from ``GET /v1/models`` (cached)."""
         if self._model is None:
@@ -184,19 +196,27 @@ class ServeProcess:
         return self._model
 
     def wait_for(self, pred: Callable[[Status], bool], timeout_s: float, what: str,
-                 poll_s: float = 0.05) -> Status:
+                 poll_s: float = 0.05, watch: tuple[Joiner, ...] = ()) -> Status:
         """Poll the status until ``pred(status)`` holds; return that status.
+
+        Args:
+            watch: `join` processes that must stay alive meanwhile.
 
         Raises:
             TimeoutError: ``timeout_s`` seconds passed (message names ``what``).
-            RuntimeError: serve exited meanwhile.
+            RuntimeError: serve, or a watched `join` that was running, exited meanwhile.
         """
         last: list[Status | str] = ["no answer yet"]
+        live = [j for j in watch if j.proc.poll() is None]
 
         def check() -> Status | None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited ({self.proc.returncode}) while waiting for "
                                    f"{what}; log tail:\n{self.tail()}")
+            for j in live:
+                if j.proc.poll() is not None:
+                    raise RuntimeError(f"{j.tag} exited ({j.proc.returncode}) while waiting "
+                                       f"for {what}; its output:\n{j.output()[-3000:]}")
             try:
                 last[0] = self.status()
             except httpx.HTTPError as exc:  # not listening yet, or busy: retry until bound
@@ -223,9 +243,17 @@ class ServeProcess:
         os.kill(pid, sig)
         return pid
 
-    def join(self, *args: str, tag: str = "join") -> Joiner:
-        """Start ``elasticep join --dist-init-addr COORDINATOR ARGS`` (log next to serve's)."""
+    def join(self, *args: str, tag: str = "join",
+             coordinator_timeout_s: float | None = None) -> Joiner:
+        """Start ``elasticep join --dist-init-addr COORDINATOR ARGS`` (log next to serve's).
+
+        Args:
+            coordinator_timeout_s: its ``--coordinator-timeout`` (how long it keeps trying
+                a lost coordinator before it exits); None: join's default.
+        """
         log_path = self.log_path.with_name(f"{tag}{len(self.joins)}.log")
+        if coordinator_timeout_s is not None:
+            args = ("--coordinator-timeout", f"{coordinator_timeout_s:g}", *args)
         with open(log_path, "w") as log:
             p = subprocess.Popen(cli_command("join", "--dist-init-addr", self.coordinator,
                                              "--log-dir", str(self.log_path.parent), *args),
@@ -249,6 +277,20 @@ class ServeProcess:
             return self.log_path.read_text(errors="replace")[-n_chars:]
         except OSError:
             return ""
+
+    def interrupt(self, timeout_s: float = 30.0) -> int | None:
+        """Ctrl-C serve alone (SIGINT; its joins are left to notice) and wait for it.
+
+        Returns:
+            serve's exit code (130 for a clean Ctrl-C), or None if it still runs after
+            ``timeout_s`` seconds.
+        """
+        self.note_descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout_s)
+        return self.proc.poll()
 
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """Ctrl-C serve (SIGINT) and end the joins (SIGTERM), wait, then force-kill
@@ -283,6 +325,8 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 pass
         self._http.close()
+        if self._client is not None:
+            self._client.close()
         return orphans
 
     def __enter__(self) -> ServeProcess:
