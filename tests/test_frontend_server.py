@@ -52,6 +52,18 @@ def make_chat_model(dst: Path) -> Path:
     return dst
 
 
+def demo_with(dst: Path, name: str, **changes) -> Path:
+    """The demo model in ``dst`` (files symlinked) with the JSON file ``name`` updated
+    by ``changes``."""
+    dst.mkdir()
+    for f in DEMO.iterdir():
+        if f.name != name:
+            (dst / f.name).symlink_to(f)
+    data = json.loads((DEMO / name).read_text())
+    (dst / name).write_text(json.dumps({**data, **changes}))
+    return dst
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -430,14 +442,8 @@ def test_api_limit_is_the_engine_limit_and_engine_refusals_are_400(tmp_path):
 
     # a sliding window of 64 tokens: the engine caps sequences there (full attention
     # past it would differ), so the API must advertise and check 64, not the context
-    model = tmp_path / "windowed"
-    model.mkdir()
-    for f in DEMO.iterdir():
-        if f.name != "config.json":
-            (model / f.name).symlink_to(f)
-    cfg = json.loads((DEMO / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(
-        {**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    model = demo_with(tmp_path / "windowed", "config.json",
+                      use_sliding_window=True, sliding_window=64)
     assert max_sequence_len(load_model_config(model), None) == 64
     channel = FrontendChannel()
     server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
@@ -504,14 +510,8 @@ def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(
     from elasticep.engine.request import TokenOutput
     from elasticep.models.config import load_model_config
 
-    model = tmp_path / "sampled"
-    model.mkdir()
-    for f in DEMO.iterdir():
-        if f.name != "generation_config.json":
-            (model / f.name).symlink_to(f)
-    gen = json.loads((DEMO / "generation_config.json").read_text())
-    sampled = {**gen, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    (model / "generation_config.json").write_text(json.dumps(sampled))
+    sampled = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    model = demo_with(tmp_path / "sampled", "generation_config.json", **sampled)
     hf = GenerationConfig.from_pretrained(model)
     channel = FrontendChannel()
     server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
@@ -550,7 +550,7 @@ def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(
     # the demo model's file sets none of them: OpenAI's defaults
     demo = load_model_config(DEMO).sampling_defaults
     assert (demo.temperature, demo.top_p, demo.top_k) == (None, None, None)
-    (model / "generation_config.json").write_text(json.dumps({**sampled, "top_p": 1.5}))
+    bad = demo_with(tmp_path / "bad", "generation_config.json", **{**sampled, "top_p": 1.5})
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be a number "
                                          r"in \(0, 1\], got 1.5$"):
-        load_model_config(model)
+        load_model_config(bad)
