@@ -113,10 +113,11 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                               with_experts=not joining, load_format=d.load_format)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
+    faults = FaultInjector.from_config(cfg.rank, cfg.fault)
+    faults.at_loading()
     group = init_world(cfg)
     ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
     load_fn = CheckpointExperts(model, d.model, d.load_format)
-    faults = FaultInjector.from_config(cfg.rank, cfg.fault)
     hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None
     if d.enable_eplb:
