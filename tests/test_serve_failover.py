@@ -53,11 +53,9 @@ def _fault_midstream(serve, reference, rank: int, sig: int) -> dict:
     return victim
 
 
-def _rejoin(serve, rank: int, *flags: str) -> None:
-    """`elasticep join ... recover` for ``rank``; see failed -> joining -> healthy.
-    With ``--detach`` the join exits 0 once the rank is healthy, leaving it running."""
-    join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank), *flags)
-    detach = "--detach" in flags
+def _rejoin(serve, rank: int) -> None:
+    """`elasticep join ... recover` for ``rank``; see failed -> joining -> healthy."""
+    join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", str(rank))
     seen: list[str] = []
 
     def back(st: dict) -> bool:
@@ -66,13 +64,8 @@ def _rejoin(serve, rank: int, *flags: str) -> None:
             seen.append(state)
         return state == "healthy" and _all_healthy(st)
 
-    serve.wait_for(back, 120, f"rank {rank} to rejoin", poll_s=0.02,
-                   watch=() if detach else (join,))
-    if detach:
-        assert join.wait(30) == 0, serve.join_log(join)
-        assert "keep serving" in serve.join_log(join)
-    else:
-        assert join.poll() is None, "join must stay in the foreground supervising its rank"
+    serve.wait_for(back, 120, f"rank {rank} to rejoin", poll_s=0.02, watch=(join,))
+    assert join.poll() is None, "join must stay in the foreground supervising its rank"
     # "joining" while it loads (launched, not registered yet); "ready" may last less
     # than one poll before the survivors admit it.
     assert seen[0] == "failed" and seen[1] == "joining" and seen[-1] == "healthy", seen
@@ -96,15 +89,10 @@ def test_kill_worker_midstream_then_rejoin(serve, reference):
     # New requests land on the relaunched rank (routable once its worker said hello,
     # a moment after the coordinator marks it healthy).
     time.sleep(1.0)
-    _burst_reaches(serve, reference, 2)
-
-
-def _burst_reaches(serve, reference, rank: int) -> None:
-    """A burst of streams gives the reference texts, and ``rank`` runs some of them."""
     burst = Burst(serve.client, PROMPTS, MAX_TOKENS)
     running = 0
     while burst.tokens < N_STREAMS * MAX_TOKENS // 2:
-        running = max(running, serve.rank(rank)["running_requests"])
+        running = max(running, serve.rank(2)["running_requests"])
         time.sleep(0.05)
     assert [r.text for r in burst.results()] == reference
     assert running > 0
@@ -121,22 +109,34 @@ def test_kill_rank0_midstream(serve, reference):
     _rejoin(serve, 0)
 
 
-def test_ctrl_c_of_a_join_leaves_its_member_rank_serving(serve, reference):
+def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, reference):
     """SIGINT to the `join` that recovered rank 0 (the test above): the join exits 130
-    and says so in one line; rank 0, a member, keeps its pid, stays healthy past a
-    heartbeat timeout and still serves its share of a burst."""
-    join = next(j for j in serve.joins if j.poll() is None and list(j.args[-2:]) == ["--ranks", "0"])
+    with one line; rank 0 keeps its pid and stays healthy past a heartbeat timeout, and
+    a burst of 8 streams over the 4 ranks gives the fault-free texts. Then, with rank 0
+    killed, `join --detach` recovers it, exits 0 once it is healthy, and leaves it
+    running."""
+    join = next(j for j in serve.joins
+                if j.poll() is None and list(j.args[-2:]) == ["--ranks", "0"])
     before = serve.rank(0)
-    assert before["state"] == "healthy" and pid_alive(before["pid"])
     join.send_signal(signal.SIGINT)
     assert join.wait(30) == 130, serve.join_log(join)
     assert f"ranks [0] (pids [{before['pid']}]) keep serving" in serve.join_log(join)
     time.sleep(3.5)  # longer than --heartbeat-timeout 3.0: a dead rank would be failed
+    assert [r.text for r in reference_results(serve, PROMPTS, MAX_TOKENS)] == reference
     now = serve.rank(0)
     assert (now["state"], now["pid"]) == ("healthy", before["pid"])
     assert _all_healthy(serve.status()) and pid_alive(before["pid"])
     assert httpx.get(f"{serve.url}/health").json()["degraded"] is False
-    _burst_reaches(serve, reference, 0)
+
+    signal_pid(before["pid"], signal.SIGKILL)  # the coordinator tracks it: failed
+    serve.wait_for(lambda s: serve.rank(0)["state"] == "failed", 10, "rank 0 failed")
+    detached = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "0", "--detach")
+    assert detached.wait(120) == 0, serve.join_log(detached)
+    assert "keep serving" in serve.join_log(detached)
+    back = serve.rank(0)
+    assert back["state"] == "healthy" and back["pid"] != before["pid"]
+    time.sleep(1.0)
+    assert pid_alive(back["pid"]) and _all_healthy(serve.status())
 
 
 def test_frozen_rank_is_evicted(serve, reference):
@@ -149,7 +149,7 @@ def test_frozen_rank_is_evicted(serve, reference):
     # A resumed, evicted rank never comes back by itself: it exits (or is killed by join).
     time.sleep(1.0)
     assert serve.rank(1)["state"] == "failed"
-    _rejoin(serve, 1, "--detach")
+    _rejoin(serve, 1)
     assert not pid_alive(victim["pid"])
 
 
