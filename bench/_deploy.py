@@ -41,6 +41,8 @@ def add_deploy_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup-s", type=float, default=3.0, help="load before measuring, s")
     ap.add_argument("--healthy-s", type=float, default=8.0, help="healthy window, seconds")
     ap.add_argument("--plot", default=None, help="write the tokens/s timeline PNG here")
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="serve without decode CUDA graphs (both backends alike in overhead.py)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra flag passed to serve verbatim (repeatable)")
 
@@ -53,6 +55,8 @@ def deployment_args(args: argparse.Namespace) -> list[str]:
         out += ["--model", args.model]
     if args.heartbeat_timeout is not None:
         out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
+    if args.disable_cuda_graph:
+        out.append("--disable-cuda-graph")
     return out + list(args.serve_arg)
 
 
@@ -169,7 +173,8 @@ class Run:
         """JSON keys describing the setup."""
         a = self.args
         return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
-                "device": a.device, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+                "device": a.device, "cuda_graph": a.device == "cuda" and not a.disable_cuda_graph,
+                "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "orphans": self.orphans, "machine": machine(),
                 "load_avg_1m": round(os.getloadavg()[0], 1)}
 

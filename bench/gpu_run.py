@@ -24,9 +24,10 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
 * ``kernels``: grouped GEMM SwiGLU vs fp32 reference, and its time vs the
   sorted-matmul fallback.
 * ``generate``: greedy tokens of 8 GSM8K prompts, ``--device cuda`` vs cpu (EP1, EP2).
-* ``serve``: ``elasticep serve --device cuda --ep-size 2`` under a streaming load:
-  tokens/s of backend elastic against none (``bench/overhead.py``), then a kill of
-  rank 1 and its relaunch (``bench/failover.py --scenario rejoin``).
+* ``serve``: ``elasticep serve --device cuda --ep-size 2`` under a streaming load, with
+  decode CUDA graphs on and off (``--serve-graphs``): tokens/s of backend elastic
+  against none (``bench/overhead.py``), then a kill, a SIGSTOP and a kill + relaunch of
+  rank 1 (``bench/failover.py --scenario kill|freeze|rejoin``).
 
 Run: ``NCCL_NVLS_ENABLE=0 python bench/gpu_run.py --out DIR`` (``--cpu`` dry-runs the
 multi-process sections on Gloo/CPU to check the script). Writes DIR/gpu_results.json.
@@ -461,7 +462,8 @@ def section_kill(ctx, cuda, quick, in_a2a=False):
         solo = [t for t, v in zip(times, s["sums"], strict=True) if t > t_kill and v == 1.0]
         out = {
             "interruption_s": round(solo[0] - t_kill, 4) if solo else None,
-            "gap_around_kill_s": round(after[0] - before[-1], 4) if after and before else None,
+            # from the last result before the kill to the first without the victim
+            "gap_around_kill_s": round(solo[0] - before[-1], 4) if solo and before else None,
             "survivor_ops_alone": len(alone),
             "survivor_steps_raised": s["raised"],
             "rejoin_pause_s": s["rejoin_pause_s"],
@@ -609,17 +611,25 @@ def _bench_json(script: str, args: list[str], limit_s: float) -> dict:
     return out
 
 
-def section_serve(out_dir: Path, quick: bool):
-    """`elasticep serve --device cuda --ep-size 2` under a steady streaming load: tokens/s
-    of the elastic backend against none (bench/overhead.py), and a kill of rank 1
-    followed by its relaunch (bench/failover.py --scenario rejoin)."""
+def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list[str]):
+    """`elasticep serve --device cuda --ep-size 2` under a steady streaming load, once per
+    decode CUDA graph mode (``on``, ``off``: ``--disable-cuda-graph``): tokens/s of the
+    elastic backend against none (bench/overhead.py, both backends in the same mode),
+    then each failover scenario on rank 1 (bench/failover.py: ``kill``, ``freeze``
+    (SIGSTOP), ``rejoin`` (kill, then relaunch))."""
     common = ["--device", "cuda", "--ep-size", "2", "--concurrency", "32"]
-    ab = ["--repeats", "1" if quick else "4", "--window-s", "3" if quick else "8"]
-    return {
-        "overhead": _bench_json("overhead.py", [*common, *ab], 300),
-        "rejoin": _bench_json("failover.py", [*common, "--scenario", "rejoin", "--victim", "1",
-                                              "--plot", str(out_dir / "gpu_rejoin.png")], 240),
-    }
+    ab = ["--repeats", "2" if quick else "4", "--window-s", "4" if quick else "8"]
+    windows = (["--healthy-s", "5", "--degraded-s", "5", "--after-s", "6"] if quick else [])
+    out: dict = {}
+    for mode in graphs:
+        flag = [] if mode == "on" else ["--disable-cuda-graph"]
+        res = {"overhead": _bench_json("overhead.py", [*common, *ab, *flag], 300)}
+        for sc in scenarios:
+            res[sc] = _bench_json("failover.py", [
+                *common, *flag, *windows, "--scenario", sc, "--victim", "1",
+                "--plot", str(out_dir / f"gpu_{sc}_graphs_{mode}.png")], 240)
+        out[f"cuda_graph_{mode}"] = res
+    return out
 
 
 def main() -> None:
@@ -629,6 +639,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="env,nccl,kill,kill_in_a2a,kernels,generate,serve",
                     help="comma-separated sections (also: diag, where the per-op time goes)")
+    ap.add_argument("--serve-graphs", default="on,off",
+                    help="serve: decode CUDA graph modes to run, of on,off")
+    ap.add_argument("--serve-scenarios", default="kill,freeze,rejoin",
+                    help="serve: failover scenarios to run in each mode")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -642,7 +656,8 @@ def main() -> None:
                 "kill_in_a2a": lambda: section_kill(ctx, cuda, args.quick, in_a2a=True),
                 "kernels": section_kernels,
                 "generate": lambda: section_generate(out_dir, args.quick),
-                "serve": lambda: section_serve(out_dir, args.quick)}
+                "serve": lambda: section_serve(out_dir, args.quick, args.serve_graphs.split(","),
+                                               args.serve_scenarios.split(","))}
     for name in args.only.split(","):
         t0 = time.monotonic()
         try:

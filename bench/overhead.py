@@ -111,6 +111,7 @@ def main() -> int:
         "compared_prompts": len(common),
         "repeats": args.repeats, "window_s": args.window_s, "ep_size": args.ep_size,
         "redundant": args.ep_num_redundant_experts, "device": args.device,
+        "cuda_graph": args.device == "cuda" and not args.disable_cuda_graph,
         "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "orphans": orphans, "machine": machine(),
     }), flush=True)

@@ -9,6 +9,12 @@ from elasticep.distributed.membership import (
     local_action,
     next_slot_state,
 )
+from elasticep.distributed.messages import (
+    Deactivate,
+    EpochReport,
+    Message,
+    RequestDeactivation,
+)
 from elasticep.distributed.registry import Group, Transition
 
 
@@ -88,9 +94,9 @@ def test_joiner_for_active_slot_is_refused():
 
 class _FakeConn:
     def __init__(self) -> None:
-        self.sent: list[dict] = []
+        self.sent: list[Message] = []
 
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: Message) -> bool:
         self.sent.append(msg)
         return True
 
@@ -116,8 +122,7 @@ def _coordinator(n: int):
 def _report_all(c, g) -> None:
     epoch = g.transition.epoch
     for s in sorted(g.transition.waiting):
-        c._report(c._procs[s], {"group": "world", "epoch": epoch, "last": 5, "started": 5,
-                                "fetchable": []})
+        c._report(c._procs[s], EpochReport("world", epoch, 5, 5, []))
 
 
 @pytest.mark.parametrize("mid_removal", [False, True])
@@ -126,10 +131,10 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
     it leaves the active set through a failure decision, and slot 4's removal still runs."""
     c = _coordinator(6)
     g = c._groups["world"]
-    c._request_deactivation(None, {"group": "world", "ranks": [4, 5]})
+    c._request_deactivation(None, RequestDeactivation("world", [4, 5]))
     assert g.states[4:] == ["draining", "draining"]
     if mid_removal:  # the members already started the removal transition
-        c._deactivate(c._procs[0], {"group": "world", "ranks": [4, 5]})
+        c._deactivate(c._procs[0], Deactivate("world", [4, 5]))
         assert g.transition.kind == "change"
     c._proc_dead(c._procs[5], "killed")
     assert g.states[5] == "free"
@@ -138,7 +143,7 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3, 4}
     if g.transition is None:  # the members vote slot 4's removal again
-        c._deactivate(c._procs[0], {"group": "world", "ranks": [4]})
+        c._deactivate(c._procs[0], Deactivate("world", [4]))
     assert g.transition.kind == "change" and g.transition.removed == {4}
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3} and g.transition is None

@@ -80,3 +80,72 @@ def test_simulated_exchange_matches_single_rank_reference(dtype, grouped):
         if T[r]:
             err = (got - ref).norm() / ref.norm()
             assert err < tol, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_slots_path_equals_per_slot_loop(dtype):
+    """The sync-free path (every slot over every row, then each row's own) against the
+    per-slot loop, with padding rows; and it writes into the given buffer."""
+    g = torch.Generator().manual_seed(3)
+    S, N, H, inter = 5, 23, 16, 12
+    w13 = (torch.randn(S, 2 * inter, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(S, H, inter, generator=g) / inter**0.5).to(dtype)
+    rows = torch.randn(N, H, generator=g).to(dtype)
+    tags = torch.randint(0, S + 1, (N,), generator=g, dtype=torch.int32)  # 0 = padding
+    ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False)
+    buf = torch.full((N, H), 7.0, dtype=dtype)
+    got = grouped_swiglu(w13, w2, rows, tags, use_grouped=False, sync_free=True, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert bool((got[tags == 0] == 0).all()) and bool((tags == 0).any())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((got.float() - ref.float()).abs().max()) <= tol * float(ref.abs().max())
+
+
+def test_exchange_buffers_grow_only_when_allowed():
+    from elasticep.moe.padded_exchange import ExchangeBuffers
+
+    allowed = [False]
+    bufs = ExchangeBuffers(lambda: allowed[0])
+    like = torch.zeros(1, 4)
+    a = bufs("rows", 8, like)
+    assert bufs.generation == 0 and bufs.nbytes == 0  # not kept: a fresh tensor
+    allowed[0] = True
+    b = bufs("rows", 8, like)
+    assert bufs.generation == 1 and bufs.nbytes == 8 * 4 * 4 and a.data_ptr() != b.data_ptr()
+    allowed[0] = False
+    assert bufs("rows", 5, like).data_ptr() == b.data_ptr()  # a view of the kept buffer
+    big = bufs("rows", 9, like)  # larger than kept, growth not allowed: fresh, kept stays
+    assert big.shape == (9, 4) and big.data_ptr() != b.data_ptr() and bufs.generation == 1
+    assert bufs("rows", 8, torch.zeros(1, 4, dtype=torch.float64)).dtype == torch.float64
+    assert bufs.generation == 1
+
+
+def test_cuda_ep_executor_copies_a_same_shape_placement_in_place():
+    """Graphs captured over the executor keep their tensors when the new placement has
+    the same shapes; a placement with more slots per rank bumps ``version``."""
+    from elasticep.eplb.metadata import ExpertLocationMetadata
+    from elasticep.eplb.placement import Placement, initial_placement
+    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+
+    L, E, H, inter = 2, 4, 8, 6
+    p = initial_placement(L, E, 0, 1, 1)
+    S = p.slots_per_rank
+    w13 = [torch.randn(S, 2 * inter, H) for _ in range(L)]
+    w2 = [torch.randn(S, H, inter) for _ in range(L)]
+    ex = CudaEPMoEExecutor(ExpertLocationMetadata.from_placement(p, 0), w13, w2, None)
+    v, ptr13, ptr_map = ex.version, ex.w13[0].data_ptr(), \
+        ex.metadata.logical_to_rank_dispatch_physical_map.data_ptr()
+    perm = p.phy2log.flip(1)
+    q = Placement(perm, E, S, p.active_ranks)
+    new13 = [w.flip(0).clone() for w in w13]
+    ex.set_placement(ExpertLocationMetadata.from_placement(q, 0), new13, [w.flip(0) for w in w2])
+    assert ex.version == v and ex.w13[0].data_ptr() == ptr13
+    assert ex.metadata.logical_to_rank_dispatch_physical_map.data_ptr() == ptr_map
+    assert torch.equal(ex.w13[0], new13[0]) and torch.equal(ex.placement.phy2log, perm)
+    assert torch.equal(ex.metadata.logical_to_rank_dispatch_physical_map,
+                       ExpertLocationMetadata.from_placement(q, 0).logical_to_rank_dispatch_physical_map)
+    r = initial_placement(L, E, 2, 1, 1)  # two more slots per rank: new shapes
+    ex.set_placement(ExpertLocationMetadata.from_placement(r, 0),
+                     [torch.randn(S + 2, 2 * inter, H) for _ in range(L)],
+                     [torch.randn(S + 2, H, inter) for _ in range(L)])
+    assert ex.version == v + 1 and ex.w13[0].shape[0] == S + 2

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .control import RankControl
 from .membership import ACTIVE_STATES, SlotState
+from .messages import Deactivate, Ready, Recover, Register
 from .process_group import ElasticProcessGroup
 from .protocol import parse_address
 from .state import GroupState
@@ -185,9 +186,8 @@ def register_group(dopts, options: BackendOptions | None) -> GroupState:
     k = _incarnations.get(base, 0)
     name = f"{base}~{k}" if k else base
     active = [i for i in range(size) if int(mask[i]) != 0]
-    reg = _ctl.request({"t": "register", "group": name, "global_ranks": ranks,
-                        "active": active, "on_failure": options.on_failure,
-                        "is_extension": options.is_extension})
+    reg = _ctl.request(Register(name, ranks, active, options.on_failure,
+                                options.is_extension))
     gs = GroupState(_ctl, _store, name, reg["slot"], ranks, reg, mask, _timeout_s,
                     joining=options.is_extension, new_store=_new_store,
                     on_close=lambda: _incarnations.__setitem__(base, k + 1))
@@ -311,8 +311,7 @@ def recover_ranks(group, ranks: list[int], timeout_s: float | None = None) -> li
         TimeoutError: not committed within timeout_s; RankEvictedError.
     """
     gs = _gs(group)
-    admitting = gs.ctl.request({"t": "recover", "group": gs.name, "ranks": list(ranks)})[
-        "admitting"]
+    admitting = gs.ctl.request(Recover(gs.name, list(ranks)))["admitting"]
     gs.wait_until(lambda: all(r in gs.active or gs.states[r] == SlotState.FAILED
                               for r in admitting),
                   timeout_s or _timeout_s, f"admission of {admitting}")
@@ -326,7 +325,7 @@ def join_group(group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         TimeoutError: not admitted within timeout_s.
     """
     gs = _gs(group)
-    gs.ctl.request({"t": "ready", "group": gs.name})
+    gs.ctl.request(Ready(gs.name))
     gs.join(timeout_s)
 
 
@@ -338,7 +337,6 @@ def deactivate_ranks(group, ranks: list[int], timeout_s: float | None = None) ->
         TimeoutError: not committed within timeout_s.
     """
     gs = _gs(group)
-    removing = gs.ctl.request({"t": "deactivate", "group": gs.name, "ranks": list(ranks)})[
-        "removing"]
+    removing = gs.ctl.request(Deactivate(gs.name, list(ranks)))["removing"]
     gs.wait_until(lambda: all(r not in gs.active for r in removing), timeout_s or _timeout_s,
                   f"removal of {removing}")

@@ -16,13 +16,16 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+from dataclasses import replace
 from typing import Any
 
+from . import messages as m
 from .errors import JoinRefusedError, MembershipRequestError, ScaleInProgressError
 from .protocol import connect
 from .status import DeploymentStatus
 
-_REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, JoinRefusedError)}
+_REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, JoinRefusedError,
+                                       m.ProtocolError)}
 
 
 class CoordinatorClient:
@@ -38,21 +41,22 @@ class CoordinatorClient:
         self.conn.sock.settimeout(timeout_s)
         self._ids = itertools.count(1)
         # port of the coordinator's rendezvous TCPStore (on the coordinator's host)
-        self.store_port: int = int(self._call({"t": "hello", "role": "supervisor"})["store_port"])
+        self.store_port: int = int(self._call(m.SupervisorHello())["store_port"])
 
-    def _call(self, msg: dict) -> dict:
+    def _call(self, msg: m.Message) -> m.Reply:
+        """Send ``msg`` and wait for its reply (ProtocolError if the answer is malformed)."""
         rid = next(self._ids)
-        if not self.conn.send({**msg, "id": rid}):
+        if not self.conn.send(replace(msg, id=rid)):
             raise ConnectionError("coordinator connection closed")
         while True:
             reply = self.conn.recv()
             if reply is None:
                 raise ConnectionError("coordinator connection closed or timed out")
-            if reply.get("id") == rid:
+            if isinstance(reply, m.Reply) and reply.id == rid:
                 break
-        if not reply.get("ok"):
-            cls = _REFUSALS.get(reply.get("code"), MembershipRequestError)
-            raise cls(reply.get("error", "refused"))
+        if not reply.ok:
+            cls = _REFUSALS.get(reply.code, MembershipRequestError)
+            raise cls(reply.error or "refused")
         return reply
 
     def status(self) -> dict:
@@ -63,32 +67,31 @@ class CoordinatorClient:
              "groups": {name: {"epoch", "active", "states", "ranks", "on_failure",
                                "requests", "transition"}}}; WORLD is named "world".
         """
-        r = self._call({"t": "status"})
+        r = self._call(m.GetStatus())
         return {k: r[k] for k in ("max_world_size", "ranks", "groups")}
 
     def report_death(self, rank: int, pid: int | None = None) -> None:
         """Declare global rank `rank` dead (e.g. waitpid returned). With `pid`, only if
         that pid still holds the slot, so a late report cannot kill a relaunched rank."""
-        self._call({"t": "report_death", "rank": rank, "pid": pid})
+        self._call(m.ReportDeath(rank, pid))
 
     def request_admission(self, ranks: list[int], group: str = "world") -> None:
         """Ask the members to admit these slots (visible via get_pending_requests)."""
-        self._call({"t": "request_admission", "group": group, "ranks": list(ranks)})
+        self._call(m.RequestAdmission(group, list(ranks)))
 
     def request_deactivation(self, ranks: list[int], group: str = "world") -> None:
         """Mark these slots draining and ask the members to remove them."""
-        self._call({"t": "request_deactivation", "group": group, "ranks": list(ranks)})
+        self._call(m.RequestDeactivation(group, list(ranks)))
 
     # ---- the deployment (see distributed/scaling.py) --------------------------------
     def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int) -> None:
         """Node 0: publish the settings every later rank and joiner reads, and the initial
         target size (kept if one is set already)."""
-        self._call({"t": "publish_deployment", "config": config_json, "ep_size": ep_size,
-                    "max_ep_size": max_ep_size})
+        self._call(m.PublishDeployment(config_json, ep_size, max_ep_size))
 
     def deployment_config(self) -> str | None:
         """The published settings (JSON text), or None if nothing was published yet."""
-        return self._call({"t": "deployment_config"})["config"]
+        return self._call(m.GetDeploymentConfig())["config"]
 
     def deployment_status(self) -> DeploymentStatus:
         """The ``/elastic_ep_status`` view: target size, scale phase, each slot's state,
@@ -97,7 +100,7 @@ class CoordinatorClient:
         Raises:
             MembershipRequestError: no deployment was published yet.
         """
-        return DeploymentStatus.from_dict(self._call({"t": "deployment_status"})["status"])
+        return DeploymentStatus.from_dict(self._call(m.GetDeploymentStatus())["status"])
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Make ``new_ep_size`` the target: admit the joiners of the new slots, or drain
@@ -109,17 +112,17 @@ class CoordinatorClient:
         Raises:
             ScaleInProgressError: a scale is running; MembershipRequestError: out of range.
         """
-        reply = self._call({"t": "scale", "new_ep_size": int(new_ep_size)})
+        reply = self._call(m.Scale(int(new_ep_size)))
         return {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase")}
 
     def record_launch(self, rank: int, node: int, pid: int) -> None:
         """A launcher on ``node`` started worker ``pid`` for ``rank`` (it shows as joining
         until it registers). Dropped when this connection closes."""
-        self._call({"t": "record_launch", "rank": rank, "node": node, "pid": pid})
+        self._call(m.RecordLaunch(rank, node, pid))
 
     def clear_launch(self, rank: int, pid: int) -> None:
         """Worker ``pid`` of ``rank`` exited."""
-        self._call({"t": "clear_launch", "rank": rank, "pid": pid})
+        self._call(m.ClearLaunch(rank, pid))
 
     def reserve(self, ranks: list[int], mode: str) -> int:
         """Check that ``ranks`` may be joined in ``mode`` ("recover" or "scale") and claim
@@ -132,12 +135,11 @@ class CoordinatorClient:
             JoinRefusedError: a slot is occupied, out of range, or being joined.
         """
         who = f"elasticep join pid {os.getpid()} on {socket.gethostname()}"
-        return int(self._call({"t": "reserve", "ranks": list(ranks), "mode": mode,
-                               "who": who})["ep_size"])
+        return int(self._call(m.Reserve(list(ranks), mode, who))["ep_size"])
 
     def release(self, ranks: list[int] | None = None) -> None:
         """Drop this connection's claims (of ``ranks``, or all)."""
-        self._call({"t": "release", "ranks": None if ranks is None else list(ranks)})
+        self._call(m.Release(None if ranks is None else list(ranks)))
 
     def close(self) -> None:
         self.conn.close()

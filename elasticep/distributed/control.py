@@ -13,8 +13,10 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
+from . import messages as m
 from .errors import CoordinatorLostError, RankEvictedError
 from .protocol import Connection, connect
 
@@ -34,7 +36,7 @@ class RankControl:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.conn: Connection = connect(address, timeout_s)
         self.groups: dict[str, Any] = {}
-        self._early: dict[str, list[dict]] = {}
+        self._early: dict[str, list[m.GroupPush]] = {}
         self._detached: set[str] = set()  # groups this process destroyed: pushes dropped
         self.evicted: str | None = None
         self.lost = False
@@ -45,16 +47,15 @@ class RankControl:
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"elastic-ctl-r{rank}")
         self._reader.start()
-        hello = self.request({"t": "hello", "rank": rank, "pid": os.getpid(),
-                              "world_size": world_size, "max_world_size": max_world_size,
-                              "is_extension": is_extension})
-        self.store_port: int = hello["store_port"]
-        self.hb_interval_s: float = hello["hb_interval_s"]
+        hello = self.request(m.RankHello(rank, os.getpid(), world_size, max_world_size,
+                                         is_extension))
+        self.store_port: int = int(hello["store_port"])
+        self.hb_interval_s: float = float(hello["hb_interval_s"])
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests
-    def request(self, msg: dict, timeout_s: float | None = None) -> dict:
-        """Send a request and wait for its reply.
+    def request(self, msg: m.Message, timeout_s: float | None = None) -> m.Reply:
+        """Send a request and wait for its reply (read its fields as ``reply["name"]``).
 
         Raises:
             ValueError: the coordinator answered ok=False (its reason is the message).
@@ -65,19 +66,19 @@ class RankControl:
         ev, box = threading.Event(), []
         with self._lock:
             self._replies[rid] = (ev, box)
-        if not self.conn.send({**msg, "id": rid}):
+        if not self.conn.send(replace(msg, id=rid)):
             raise CoordinatorLostError(f"rank {self.rank}: coordinator connection is closed")
         if not ev.wait(timeout_s or self.timeout_s):
             with self._lock:
                 self._replies.pop(rid, None)
-            raise TimeoutError(f"rank {self.rank}: no reply to {msg['t']!r} from coordinator")
+            raise TimeoutError(f"rank {self.rank}: no reply to {msg.TAG!r} from coordinator")
         reply = box[0]
         if reply is None:
             if self.evicted:
                 raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
             raise CoordinatorLostError(f"rank {self.rank}: coordinator connection lost")
-        if not reply.get("ok"):
-            raise ValueError(reply.get("error", "refused by coordinator"))
+        if not reply.ok:
+            raise ValueError(reply.error or "refused by coordinator")
         return reply
 
     def attach(self, name: str, gs, epoch: int) -> None:
@@ -87,8 +88,7 @@ class RankControl:
             early = self._early.pop(name, [])
             self.groups[name] = gs
         for msg in early:
-            e = msg.get("epoch", msg.get("decision", {}).get("epoch", epoch + 1))
-            if msg["t"] == "peer" or e > epoch:
+            if isinstance(msg, m.Peer) or msg.epoch > epoch:
                 gs.on_push(msg)
 
     def detach(self, name: str) -> None:
@@ -98,7 +98,8 @@ class RankControl:
             self._early.pop(name, None)
             self._detached.add(name)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: m.Message) -> None:
+        """Send a message that expects no reply (a report)."""
         self.conn.send(msg)
 
     def lease_fresh(self) -> bool:
@@ -110,7 +111,7 @@ class RankControl:
         if self.evicted:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
         try:
-            self.request({"t": "ping"}, timeout_s=min(self.timeout_s, 5.0))
+            self.request(m.Ping(), timeout_s=min(self.timeout_s, 5.0))
         except (CoordinatorLostError, TimeoutError) as e:
             raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
         if self.evicted:
@@ -119,39 +120,36 @@ class RankControl:
     # ------------------------------------------------------------------ threads
     def _hb_loop(self) -> None:
         while not self.lost:
-            if not self.conn.send({"t": "hb"}):
+            if not self.conn.send(m.Heartbeat()):
                 return
             time.sleep(self.hb_interval_s)
 
     def _read_loop(self) -> None:
         while True:
-            msg = self.conn.recv()
+            try:
+                msg = self.conn.recv()
+            except m.ProtocolError as e:
+                log.warning("rank %d: dropped a control message: %s", self.rank, e)
+                continue
             if msg is None:
                 break
-            t = msg["t"]
-            if t == "hb_ack":
+            if isinstance(msg, m.HeartbeatAck):
                 self.last_ack = time.monotonic()
-            elif t == "reply":
+            elif isinstance(msg, m.Reply):
                 self.last_ack = time.monotonic()
                 with self._lock:
-                    waiter = self._replies.pop(msg.get("id"), None)
+                    waiter = self._replies.pop(msg.id, None)
                 if waiter is not None:
                     waiter[1].append(msg)
                     waiter[0].set()
-            elif t == "evicted":
-                self.evicted = msg.get("reason", "evicted")
+            elif isinstance(msg, m.Evicted):
+                self.evicted = msg.reason
                 log.warning("rank %d: evicted by coordinator (%s)", self.rank, self.evicted)
+            elif isinstance(msg, m.GroupPush):
+                self._to_group(msg)
             else:
-                with self._lock:
-                    gs = self.groups.get(msg.get("group"))
-                    if gs is None and msg.get("group") not in self._detached:
-                        # registered but not attached yet: keep for `attach`
-                        self._early.setdefault(msg.get("group"), []).append(msg)
-                if gs is not None:
-                    try:
-                        gs.on_push(msg)
-                    except Exception:  # keep the control plane alive whatever happens
-                        log.exception("rank %d: error handling %s", self.rank, t)
+                log.warning("rank %d: dropped a %r message (not for a rank)", self.rank,
+                            msg.TAG)
         self.lost = True
         with self._lock:
             waiters, self._replies = list(self._replies.values()), {}
@@ -160,3 +158,15 @@ class RankControl:
             ev.set()
         for gs in list(self.groups.values()):
             gs.on_lost()
+
+    def _to_group(self, msg: m.GroupPush) -> None:
+        with self._lock:
+            gs = self.groups.get(msg.group)
+            if gs is None and msg.group not in self._detached:
+                # registered but not attached yet: keep for `attach`
+                self._early.setdefault(msg.group, []).append(msg)
+        if gs is not None:
+            try:
+                gs.on_push(msg)
+            except Exception:  # keep the control plane alive whatever happens
+                log.exception("rank %d: error handling %s", self.rank, msg.TAG)

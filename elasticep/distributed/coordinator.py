@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from . import messages as m
 from .coordinator_requests import SupervisorRequests
 from .errors import MembershipRequestError
 from .membership import ACTIVE_STATES, Report, SlotState, decide, state_after_death
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Proc:
+    ROLE = "rank"
+
     rank: int
     pid: int
     conn: Connection
@@ -46,8 +49,28 @@ class _Supervisor:
     """A supervisor connection (launcher, front-end, `join`): what it records (launches,
     reservations) lives as long as it stays connected."""
 
+    ROLE = "supervisor"
+
     id: int
     conn: Connection
+
+
+# request type -> (its handler: (peer, message) -> the reply's fields or None, the peer it
+# must come from, or None for any)
+_HANDLERS: dict[type[m.Message], tuple[str, type | None]] = {
+    m.Register: ("_register", _Proc), m.Ready: ("_ready", _Proc),
+    m.Recover: ("_recover", _Proc), m.Deactivate: ("_deactivate", _Proc),
+    m.EpochReport: ("_report", _Proc), m.Ping: ("_ping", _Proc),
+    m.GetStatus: ("_status", None), m.ReportDeath: ("_report_death", None),
+    m.RequestAdmission: ("_request_admission", None),
+    m.RequestDeactivation: ("_request_deactivation", None),
+    m.PublishDeployment: ("_publish_deployment", None),
+    m.GetDeploymentConfig: ("_deployment_config", None),
+    m.GetDeploymentStatus: ("_deployment_status", None), m.Scale: ("_scale", None),
+    m.RecordLaunch: ("_record_launch", _Supervisor),
+    m.ClearLaunch: ("_clear_launch", _Supervisor),
+    m.Reserve: ("_reserve", _Supervisor), m.Release: ("_release", _Supervisor),
+}
 
 
 class Coordinator(SupervisorRequests):
@@ -110,9 +133,14 @@ class Coordinator(SupervisorRequests):
             threading.Thread(target=self._serve, args=(Connection(sock),), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
-        proc: _Proc | None = None
+        proc: _Proc | _Supervisor | None = None
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except m.ProtocolError as e:
+                log.warning("coordinator: bad control message: %s", e)
+                _refuse(conn, e.rid, e)
+                continue
             if msg is None:
                 break
             try:
@@ -121,12 +149,11 @@ class Coordinator(SupervisorRequests):
                 if out is not None:
                     proc = out
             except Exception as e:  # a bad request must not kill the server
-                if isinstance(e, MembershipRequestError):
-                    log.info("coordinator: refused %s: %s", msg.get("t"), e)
+                if isinstance(e, (MembershipRequestError, m.ProtocolError)):
+                    log.info("coordinator: refused %s: %s", msg.TAG, e)
                 else:
-                    log.exception("coordinator: error handling %s", msg.get("t"))
-                conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": str(e),
-                           "code": getattr(e, "code", "refused")})
+                    log.exception("coordinator: error handling %s", msg.TAG)
+                _refuse(conn, msg.id, e)
         conn.close()
         with self._lock:
             if isinstance(proc, _Proc) and not (self._stopping or self._closed):
@@ -147,43 +174,36 @@ class Coordinator(SupervisorRequests):
                     if now - p.last_hb > limit:
                         log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
                                     now - p.last_hb)
-                        p.conn.send({"t": "evicted", "reason": "heartbeat timeout"})
+                        p.conn.send(m.Evicted("heartbeat timeout"))
                         p.conn.close()
                         self._proc_dead(p, "heartbeat timeout")
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: Connection, proc: _Proc | None, msg: dict):
-        t = msg["t"]
-        if t == "hb":
-            if proc is not None:
-                proc.last_hb = time.monotonic()
-                conn.send({"t": "hb_ack"})
+    def _handle(self, conn: Connection, peer: _Proc | _Supervisor | None, msg: m.Message):
+        """Answer one message; returns the connection's peer when a hello names it."""
+        if isinstance(msg, m.Heartbeat):
+            if isinstance(peer, _Proc):
+                peer.last_hb = time.monotonic()
+                conn.send(m.HeartbeatAck())
             return None
-        if t == "hello":
+        if isinstance(msg, (m.RankHello, m.SupervisorHello)):
             return self._hello(conn, msg)
-        handler = {
-            "register": self._register, "ready": self._ready, "recover": self._recover,
-            "deactivate": self._deactivate, "report": self._report, "ping": self._ping,
-            "status": self._status, "report_death": self._report_death,
-            "request_admission": self._request_admission,
-            "request_deactivation": self._request_deactivation,
-            "publish_deployment": self._publish_deployment,
-            "deployment_config": self._deployment_config,
-            "deployment_status": self._deployment_status, "scale": self._scale,
-            "record_launch": self._record_launch, "clear_launch": self._clear_launch,
-            "reserve": self._reserve, "release": self._release,
-        }[t]
-        reply = handler(proc, msg)
-        if reply is not None and "id" in msg:
-            conn.send({"t": "reply", "id": msg["id"], "ok": True, **reply})
+        if type(msg) not in _HANDLERS:
+            raise m.ProtocolError(f"the coordinator takes no {msg.TAG!r} messages")
+        name, needs = _HANDLERS[type(msg)]
+        if needs is not None and not isinstance(peer, needs):
+            raise m.ProtocolError(f"a {msg.TAG!r} message must come from a {needs.ROLE} "
+                                  f"connection (after its hello)")
+        reply = getattr(self, name)(peer, msg)
+        if reply is not None and msg.id is not None:
+            conn.send(m.Reply(id=msg.id, ok=True, body=reply))
         return None
 
-    def _hello(self, conn: Connection, msg: dict):
-        if msg.get("role") == "supervisor":
-            conn.send({"t": "reply", "id": msg.get("id"), "ok": True,
-                       "store_port": self.store.port})
+    def _hello(self, conn: Connection, msg: m.RankHello | m.SupervisorHello):
+        if isinstance(msg, m.SupervisorHello):
+            conn.send(m.Reply(id=msg.id, ok=True, body={"store_port": self.store.port}))
             return _Supervisor(next(self._supervisors), conn)
-        rank, mws = msg["rank"], msg["max_world_size"]
+        rank, mws = msg.rank, msg.max_world_size
         err = None
         if self._max_world_size is None:
             self._max_world_size = mws
@@ -193,33 +213,33 @@ class Coordinator(SupervisorRequests):
             err = f"rank {rank} outside [0, {mws})"
         elif rank in self._procs and self._procs[rank].alive:
             err = f"slot {rank} is already held by live pid {self._procs[rank].pid}"
-        elif msg["is_extension"] and any(g.is_active_rank(rank) for g in self._groups.values()):
+        elif msg.is_extension and any(g.is_active_rank(rank) for g in self._groups.values()):
             err = f"slot {rank} is already active; a joiner can only take a failed/free slot"
         if err:
-            conn.send({"t": "reply", "id": msg.get("id"), "ok": False, "error": err})
+            conn.send(m.Reply(id=msg.id, ok=False, error=err))
             return None
-        proc = _Proc(rank=rank, pid=msg["pid"], conn=conn)
+        proc = _Proc(rank=rank, pid=msg.pid, conn=conn)
         self._procs[rank] = proc
-        conn.send({"t": "reply", "id": msg.get("id"), "ok": True, "store_port": self.store.port,
-                   "hb_interval_s": self.hb_interval_s})
+        conn.send(m.Reply(id=msg.id, ok=True, body={"store_port": self.store.port,
+                                                    "hb_interval_s": self.hb_interval_s}))
         log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
-                 msg["is_extension"])
+                 msg.is_extension)
         return proc
 
-    def _register(self, proc: _Proc, msg: dict) -> dict:
-        name = msg["group"]
+    def _register(self, proc: _Proc, msg: m.Register) -> dict:
+        name = msg.group
         g = self._groups.get(name)
         if g is None:
-            if msg["is_extension"]:
+            if msg.is_extension:
                 raise ValueError(f"group {name!r} does not exist; an extension rank can only "
                                  "join an existing group")
             dead = {r for r, p in self._procs.items() if not p.alive}
-            g = Group.create(name, msg["global_ranks"], msg["active"], msg["on_failure"], dead)
+            g = Group.create(name, msg.global_ranks, msg.active, msg.on_failure, dead)
             self._groups[name] = g
-        if msg["is_extension"] and proc.rank not in g.ranks:
-            _bind_reserved_slot(g, proc.rank, msg["global_ranks"])
+        if msg.is_extension and proc.rank not in g.ranks:
+            _bind_reserved_slot(g, proc.rank, msg.global_ranks)
         slot = g.slot_of(proc.rank)
-        if msg["is_extension"]:
+        if msg.is_extension:
             if g.states[slot] in ACTIVE_STATES:
                 raise ValueError(f"slot {slot} of group {name!r} is already active "
                                  f"(epoch {g.epoch}); refusing joiner pid {proc.pid}")
@@ -232,8 +252,8 @@ class Coordinator(SupervisorRequests):
         return {"epoch": g.epoch, "active": sorted(g.active), "states": g.states,
                 "on_failure": g.on_failure, "slot": slot}
 
-    def _ready(self, proc: _Proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
+    def _ready(self, proc: _Proc, msg: m.Ready) -> dict:
+        g = self._group(msg.group)
         slot = g.slot_of(proc.rank)
         if g.states[slot] not in (SlotState.JOINING, SlotState.READY):
             raise ValueError(f"slot {slot} is {g.states[slot].value!r}, not joining")
@@ -255,37 +275,37 @@ class Coordinator(SupervisorRequests):
             g.pending_admit |= ready
             self._maybe_start(g)
 
-    def _recover(self, proc: _Proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        admit = [r for r in msg["ranks"] if g.states[r] == SlotState.READY]
+    def _recover(self, proc: _Proc, msg: m.Recover) -> dict:
+        g = self._group(msg.group)
+        admit = [r for r in msg.ranks if g.states[r] == SlotState.READY]
         g.pending_admit.update(admit)
         self._maybe_start(g)
         # Every caller waits for the same set: listed slots that are ready or were
         # admitted by an earlier caller (so all callers return at the same boundary).
-        waiting = [r for r in msg["ranks"]
+        waiting = [r for r in msg.ranks
                    if g.states[r] == SlotState.READY or g.states[r] in ACTIVE_STATES]
         return {"admitting": waiting}
 
-    def _deactivate(self, proc: _Proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        remove = [r for r in msg["ranks"] if r in g.active]
+    def _deactivate(self, proc: _Proc, msg: m.Deactivate) -> dict:
+        g = self._group(msg.group)
+        remove = [r for r in msg.ranks if r in g.active]
         for r in remove:
             g.set_state(r, SlotState.DRAINING)
         g.pending_remove.update(remove)
         self._maybe_start(g)
         return {"removing": remove}
 
-    def _report(self, proc: _Proc, msg: dict) -> None:
-        g = self._groups[msg["group"]]
+    def _report(self, proc: _Proc, msg: m.EpochReport) -> None:
+        g = self._group(msg.group)
         tr = g.transition
-        if tr is None or tr.epoch != msg["epoch"]:
+        if tr is None or tr.epoch != msg.epoch:
             return None  # a report for a superseded announcement
         slot = g.slot_of(proc.rank)
-        tr.reports[slot] = Report(msg["last"], msg["started"], frozenset(msg["fetchable"]))
+        tr.reports[slot] = Report(msg.last, msg.started, frozenset(msg.fetchable))
         self._maybe_commit(g)
         return None
 
-    def _ping(self, proc: _Proc, msg: dict) -> dict:
+    def _ping(self, proc: _Proc, msg: m.Ping) -> dict:
         return {}
 
     # ------------------------------------------------------------------ transitions
@@ -329,8 +349,7 @@ class Coordinator(SupervisorRequests):
         log.info("coordinator: group %s announce epoch %d kind=%s active=%s dead=%s",
                  g.name, tr.epoch, tr.kind, sorted(tr.new_active), sorted(tr.dead))
         for s in tr.waiting:
-            self._procs[g.ranks[s]].conn.send({"t": "announce", "group": g.name,
-                                               "epoch": tr.epoch})
+            self._procs[g.ranks[s]].conn.send(m.Announce(g.name, tr.epoch))
         self._maybe_commit(g)
 
     def _maybe_commit(self, g: Group) -> None:
@@ -343,8 +362,7 @@ class Coordinator(SupervisorRequests):
         # Requests travel with the commit: a rank must not act again on a removal or
         # admission that this commit just applied (a later re-admission of the slot
         # would otherwise be undone by the stale request).
-        msg = {"t": "commit", "group": g.name, "decision": d.to_dict(), "states": g.states,
-               "requests": g.requests}
+        msg = m.Commit(g.name, d, g.states, g.requests)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)
@@ -357,10 +375,16 @@ class Coordinator(SupervisorRequests):
         return p is not None and p.alive
 
     def _push_peer(self, g: Group) -> None:
-        msg = {"t": "peer", "group": g.name, "states": g.states, "requests": g.requests}
+        msg = m.Peer(g.name, g.states, g.requests)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 p.conn.send(msg)
+
+
+def _refuse(conn: Connection, rid: int | None, e: Exception) -> None:
+    """Answer request ``rid`` (if it has one) with ``e`` as the reason."""
+    if rid is not None:
+        conn.send(m.Reply(id=rid, ok=False, error=str(e), code=getattr(e, "code", "refused")))
 
 
 def _bind_reserved_slot(g: Group, rank: int, joiner_ranks: list[int]) -> None:

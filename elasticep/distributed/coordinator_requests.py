@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import messages as m
 from .errors import JoinRefusedError
 from .membership import SlotState
 from .registry import DeploymentRecords, Group
@@ -22,8 +23,8 @@ WORLD = "world"
 
 
 class SupervisorRequests:
-    """Handlers of the supervisor messages (see ``protocol.py``); each takes the peer
-    (a ``_Supervisor``, or None) and the message, and returns the reply's fields."""
+    """Handlers of the supervisor messages (``messages.py``); each takes the peer (a
+    ``_Supervisor``, or None) and the message, and returns the reply's fields."""
 
     _groups: dict[str, Group]
     _procs: dict[int, Any]
@@ -31,7 +32,14 @@ class SupervisorRequests:
     _max_world_size: int | None
 
     # ------------------------------------------------------------------ groups
-    def _status(self, proc, msg: dict) -> dict:
+    def _group(self, name: str) -> Group:
+        """Raises ValueError (one line) for a group nobody registered."""
+        g = self._groups.get(name)
+        if g is None:
+            raise ValueError(f"no group {name!r} is registered")
+        return g
+
+    def _status(self, proc, msg: m.GetStatus) -> dict:
         return {
             "max_world_size": self._max_world_size,
             "ranks": {str(r): {"pid": p.pid, "alive": p.alive, "groups": sorted(p.groups)}
@@ -39,41 +47,41 @@ class SupervisorRequests:
             "groups": {n: g.status() for n, g in self._groups.items()},
         }
 
-    def _report_death(self, proc, msg: dict) -> dict:
-        p = self._procs.get(msg["rank"])
-        if p is not None and p.alive and (msg.get("pid") in (None, p.pid)):
-            p.conn.send({"t": "evicted", "reason": "reported dead by supervisor"})
+    def _report_death(self, proc, msg: m.ReportDeath) -> dict:
+        p = self._procs.get(msg.rank)
+        if p is not None and p.alive and (msg.pid in (None, p.pid)):
+            p.conn.send(m.Evicted("reported dead by supervisor"))
             p.conn.close()
             self._proc_dead(p, "reported dead by supervisor")
         return {}
 
-    def _request_admission(self, proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg["ranks"]))
+    def _request_admission(self, proc, msg: m.RequestAdmission) -> dict:
+        g = self._group(msg.group)
+        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg.ranks))
         # the newest intent for a slot wins over an older, unapplied removal
-        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg["ranks"]]
+        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg.ranks]
         self._push_peer(g)
         return {}
 
-    def _request_deactivation(self, proc, msg: dict) -> dict:
-        g = self._groups[msg["group"]]
-        for r in msg["ranks"]:
+    def _request_deactivation(self, proc, msg: m.RequestDeactivation) -> dict:
+        g = self._group(msg.group)
+        for r in msg.ranks:
             if g.states[r] == SlotState.HEALTHY:
                 g.set_state(r, SlotState.DRAINING)
-        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg["ranks"]))
-        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg["ranks"]]
+        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg.ranks))
+        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg.ranks]
         self._push_peer(g)
         return {}
 
     # ------------------------------------------------------------------ deployment
-    def _publish_deployment(self, sup, msg: dict) -> dict:
+    def _publish_deployment(self, sup, msg: m.PublishDeployment) -> dict:
         d = self._deployment
-        d.config = msg["config"]
+        d.config = msg.config
         if d.target is None:
-            d.target = ScaleTarget(int(msg["ep_size"]), int(msg["max_ep_size"]))
+            d.target = ScaleTarget(msg.ep_size, msg.max_ep_size)
         return {}
 
-    def _deployment_config(self, sup, msg: dict) -> dict:
+    def _deployment_config(self, sup, msg: m.GetDeploymentConfig) -> dict:
         return {"config": self._deployment.config}
 
     def _target(self) -> ScaleTarget:
@@ -90,52 +98,52 @@ class SupervisorRequests:
     def _proc_infos(self) -> dict[int, ProcInfo]:
         return {r: ProcInfo(p.pid, p.alive, WORLD in p.groups) for r, p in self._procs.items()}
 
-    def _deployment_status(self, sup, msg: dict) -> dict:
+    def _deployment_status(self, sup, msg: m.GetDeploymentStatus) -> dict:
         epoch, states, ranks = self._world_view()
         d = self._deployment
         return {"status": deployment_status(epoch, states, ranks, self._target(),
                                             self._proc_infos(), d.live_launches(),
                                             d.nodes).to_dict()}
 
-    def _scale(self, sup, msg: dict) -> dict:
+    def _scale(self, sup, msg: m.Scale) -> dict:
         epoch, states, _ranks = self._world_view()
         if states is None:
             raise ValueError("the deployment has no ranks yet; wait for serve's ready line")
-        plan = self._target().plan(int(msg["new_ep_size"]), states)
+        plan = self._target().plan(msg.new_ep_size, states)
         for slot in plan.free:
             self._groups[WORLD].set_state(slot, SlotState.FREE)
         if plan.admit:
-            self._request_admission(sup, {"group": WORLD, "ranks": list(plan.admit)})
+            self._request_admission(sup, m.RequestAdmission(WORLD, list(plan.admit)))
         if plan.remove:  # a withdrawn joiner's admission is withdrawn the same way
-            self._request_deactivation(sup, {"group": WORLD, "ranks": list(plan.remove)})
+            self._request_deactivation(sup, m.RequestDeactivation(WORLD, list(plan.remove)))
         log.info("coordinator: epoch %d: scale to ep_size %d: %s", epoch,
                  self._target().ep_size, plan.reply)
         return plan.reply
 
-    def _record_launch(self, sup, msg: dict) -> dict:
-        self._deployment.record_launch(sup.id, msg["rank"], msg["node"], msg["pid"])
+    def _record_launch(self, sup, msg: m.RecordLaunch) -> dict:
+        self._deployment.record_launch(sup.id, msg.rank, msg.node, msg.pid)
         return {}
 
-    def _clear_launch(self, sup, msg: dict) -> dict:
-        self._deployment.clear_launch(msg["rank"], msg["pid"])
+    def _clear_launch(self, sup, msg: m.ClearLaunch) -> dict:
+        self._deployment.clear_launch(msg.rank, msg.pid)
         return {}
 
-    def _reserve(self, sup, msg: dict) -> dict:
+    def _reserve(self, sup, msg: m.Reserve) -> dict:
         """Check the slots for a join of ``mode`` and claim them, both or neither."""
         _epoch, states, ranks = self._world_view()
         if states is None:
             raise JoinRefusedError("the deployment has no ranks yet; wait for serve's "
                                    "ready line")
-        self._deployment.reserve(sup.id, msg["who"], msg["ranks"])
+        self._deployment.reserve(sup.id, msg.who, msg.ranks)
         try:
-            check_join(msg["mode"], msg["ranks"], states, ranks, self._target(),
+            check_join(msg.mode, msg.ranks, states, ranks, self._target(),
                        self._proc_infos(), self._deployment.live_launches())
         except JoinRefusedError:
-            self._deployment.release(sup.id, msg["ranks"])
+            self._deployment.release(sup.id, msg.ranks)
             raise
         return {"ep_size": self._target().ep_size}
 
-    def _release(self, sup, msg: dict) -> dict:
-        self._deployment.release(sup.id, msg.get("ranks"))
+    def _release(self, sup, msg: m.Release) -> dict:
+        self._deployment.release(sup.id, msg.ranks)
         return {}
 

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from .errors import RankFailureError
+from .membership import SlotState
 from .ops import _bytes
 
 if TYPE_CHECKING:  # the owner, for type hints only (it imports this module)
     from .state import GroupState
 
 SLICE = timedelta(milliseconds=50)
-_GONE = ("failed", "free")
+_GONE = (SlotState.FAILED, SlotState.FREE)
 
 
 class P2PWork(dist.Work):

@@ -1,13 +1,7 @@
-"""Control-plane wire format: newline-delimited JSON objects over TCP.
+"""Control-plane transport: newline-delimited JSON objects over TCP.
 
-Every message is a dict with a type field ``"t"``. Requests that expect a reply carry an
-``"id"``; the reply is ``{"t": "reply", "id": same, "ok": bool, ...}`` (``"error"``
-holds the reason when ``ok`` is False). Pushes from the coordinator have no id.
-
-Rank -> coordinator: hello, hb, register, report, ready, recover, deactivate, ping.
-Coordinator -> rank: reply, hb_ack, announce, commit, peer, evicted, pong.
-Supervisor -> coordinator: hello(role=supervisor), status, report_death,
-request_admission, request_deactivation.
+One message per line; what a line holds is the typed message of ``messages.py``
+(``"t"`` names its type).
 """
 
 from __future__ import annotations
@@ -15,12 +9,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from typing import Any
+
+from .messages import Message, decode_line
 
 
-def encode(msg: dict[str, Any]) -> bytes:
+def encode(msg: Message) -> bytes:
     """Serialise one message to a single newline-terminated line of UTF-8 JSON."""
-    return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+    return (json.dumps(msg.to_wire(), separators=(",", ":")) + "\n").encode()
 
 
 class Connection:
@@ -32,7 +27,7 @@ class Connection:
         self._rfile = sock.makefile("rb")
         self._send_lock = threading.Lock()
 
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: Message) -> bool:
         """Send one message. Returns False (instead of raising) if the peer is gone."""
         data = encode(msg)
         try:
@@ -42,15 +37,19 @@ class Connection:
         except OSError:
             return False
 
-    def recv(self) -> dict[str, Any] | None:
-        """Block for the next message; None on EOF or a broken connection."""
+    def recv(self) -> Message | None:
+        """Block for the next message; None on EOF or a broken connection.
+
+        Raises:
+            ProtocolError: the line is not a valid message (the connection stays usable).
+        """
         try:
             line = self._rfile.readline()
         except (OSError, ValueError):
             return None
         if not line:
             return None
-        return json.loads(line)
+        return decode_line(line)
 
     def close(self) -> None:
         """Shut the socket down both ways so the peer's reader sees EOF at once."""

@@ -25,10 +25,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import messages as m
 from . import nccl_inner
 from .epoch_groups import EpochGroups, Superseded
 from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
-from .membership import Decision, local_action
+from .membership import Decision, SlotState, local_action
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
 from .p2p import PeerChannels
 from .reaper import reap
@@ -48,13 +49,13 @@ class GroupState:
         ctl: the process's RankControl; store: client of the coordinator's TCPStore;
         new_store: makes another client of it (one per inner-group rendezvous).
         name: the group's unique name; slot: this rank's slot; ranks: global rank per slot.
-        reg: the coordinator's registration reply (epoch, active, states, on_failure).
+        reg: the coordinator's answer to `Register` (epoch, active, states, on_failure).
         mask: caller-owned int32 tensor [max_group_size] kept equal to the active mask.
         timeout_s: bound of every blocking wait (seconds).
         on_close: called once by `close` (the owner's bookkeeping of shut-down groups).
     """
 
-    def __init__(self, ctl, store, name: str, slot: int, ranks: list[int], reg: dict,
+    def __init__(self, ctl, store, name: str, slot: int, ranks: list[int], reg: m.Reply,
                  mask: torch.Tensor, timeout_s: float, joining: bool, new_store,
                  on_close=None) -> None:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
@@ -65,7 +66,7 @@ class GroupState:
         self.cond = threading.Condition()
         self.epoch: int = reg["epoch"]
         self.active: tuple[int, ...] = tuple(reg["active"])
-        self.states: list[str] = list(reg["states"])
+        self.states: list[SlotState] = [SlotState(s) for s in reg["states"]]
         self.requests: dict = {"admit": [], "remove": []}
         self.mask = mask
         self._set_mask()
@@ -100,31 +101,29 @@ class GroupState:
             self._inner_for(self.epoch, self.active)
 
     # ------------------------------------------------------------------ control thread
-    def on_push(self, msg: dict) -> None:
-        t = msg["t"]
-        if t == "announce":
+    def on_push(self, msg: m.GroupPush) -> None:
+        """Apply a push of the coordinator for this group (on the control thread)."""
+        if isinstance(msg, m.Announce):
             with self.cond:
-                self.pending, self._fast = msg["epoch"], None
+                self.pending, self._fast = msg.epoch, None
                 started = self.started
                 if self.failure is not None:
                     # Ops up to the pivot belong to the unapplied failure decision, so a
                     # change boundary must lie after it (the raise case jumps to base).
                     started = max(started, self.failure.last + 1)
-                report = {"t": "report", "group": self.name, "epoch": msg["epoch"],
-                          "last": self.last, "started": started,
-                          "fetchable": list(self.kept)}
+                report = m.EpochReport(self.name, msg.epoch, self.last, started,
+                                       list(self.kept))
             self.ctl.send(report)
-        elif t == "commit":
-            if "requests" in msg:
-                with self.cond:
-                    self.requests = msg["requests"]
-            self._on_commit(Decision.from_dict(msg["decision"]), msg["states"])
-        elif t == "peer":
+        elif isinstance(msg, m.Commit):
             with self.cond:
-                self.states, self.requests = list(msg["states"]), msg["requests"]
+                self.requests = msg.requests
+            self._on_commit(msg.decision, msg.states)
+        else:
+            with self.cond:
+                self.states, self.requests = list(msg.states), msg.requests
                 self.cond.notify_all()
 
-    def _on_commit(self, d: Decision, states: list[str]) -> None:
+    def _on_commit(self, d: Decision, states: list[SlotState]) -> None:
         publish = []
         with self.cond:
             was_member = self.joined and self.slot in self.active

@@ -114,6 +114,11 @@ class FaultInjector:
         if any(s.step == step and s.layer is None for s in self.specs):
             self._die(f"step {step}")
 
+    @property
+    def has_layer_faults(self) -> bool:
+        """True when a spec names a layer (only then must :meth:`at_layer` be called)."""
+        return any(s.layer is not None for s in self.specs)
+
     def at_layer(self, layer: int) -> None:
         """Enter MoE layer ``layer`` of the current step; dies if a spec matches."""
         if any(s.step == self.step and s.layer == layer for s in self.specs):

@@ -20,6 +20,7 @@ from elasticep.models.loader import open_weights
 from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.local_executor import ExpertSlots
+from elasticep.utils.graph_pieces import eager_boundary
 
 # hook(layer_idx, topk_ids [T, k] int64) called before each MoE layer's dispatch
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -67,6 +68,10 @@ class CheckpointExperts:
 class HookedExecutor:
     """The executor contract (docs/ARCHITECTURE.md) with hooks run before each layer.
 
+    Hooks are Python (a fault injector, EPLB's counters), so each runs at an eager
+    boundary: in a captured decode graph it still runs at every replay, with the layer's
+    ``topk_ids`` of that step, and never at capture time.
+
     Args:
         inner: the EP executor doing the work.
         hooks: called as ``hook(layer_idx, topk_ids)`` before the dispatch.
@@ -79,8 +84,16 @@ class HookedExecutor:
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         for hook in self.hooks:
-            hook(layer_idx, topk_ids)
+            eager_boundary(lambda hook=hook: hook(layer_idx, topk_ids))
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
+
+    @property
+    def graph_safe(self) -> bool:
+        return bool(getattr(self.inner, "graph_safe", False))
+
+    @property
+    def version(self) -> int:
+        return getattr(self.inner, "version", 0)
 
 
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
@@ -195,7 +196,7 @@ class LockstepLoop:
             req = ed.get_pending_requests(self.group)
             states = ed.get_slot_states(self.group)
             for r in req.get("admit", []):
-                if states[r] == "ready":
+                if states[r] == SlotState.READY:
                     admit[r] = 1
             active = self._local_mask()
             for r in req.get("remove", []):

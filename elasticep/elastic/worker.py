@@ -118,7 +118,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     group = init_world(cfg)
     ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
     load_fn = CheckpointExperts(model, d.model, d.load_format)
-    hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
+    if faults.has_layer_faults:  # each hook is an eager break in a captured decode graph
+        hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None
     if d.enable_eplb:
         eplb = EPLBManager(mcfg.num_hidden_layers, mcfg.num_experts,

@@ -2,24 +2,33 @@
 
 A decode step in eager mode launches about a hundred kernels per layer from Python, so
 at Qwen3-30B-A3B's shape the host, not the GPU, sets the step time. Capturing the
-forward once per bucket and replaying it costs one launch per step.
+forward once per bucket and replaying it costs a few launches per step.
 
-Only a forward whose every piece is free of collectives and host syncs is captured: the
-executor must say so (``graph_safe``). An EP executor exchanges tokens with peers, and a
-graph holding a communicator that dies with a peer can never be replayed, so EP steps
-stay eager (vLLM's piecewise capture, which graphs the work between collectives, is the
-way to extend this to EP).
+The capture is piecewise (:mod:`elasticep.utils.graph_pieces`): an EP executor marks
+each token exchange as an eager boundary, so the graphs hold the attention, norms,
+router and expert GEMMs, and every collective runs eagerly between them. No graph ever
+holds a communicator, and a graph stays valid across a peer's death. A single-rank
+executor has no boundary, and its forward is one graph. The capture itself exchanges
+nothing (the boundaries run a local stand-in), so each rank captures on its own.
 
 Static buffers hold the step's inputs. A batch of ``B`` sequences runs in the smallest
-bucket ``b >= B``; the ``b - B`` padding rows decode token 0 at position 0 over a
-private *sink* KV block that no sequence owns, and their logits are dropped. The graph's
-attention is sized for ``max_seq_len`` keys; the kernels stop at each sequence's own
-length, read from the device.
+bucket ``b >= B`` (for EP: ``b >=`` the step's agreed largest batch, so every rank
+sizes its exchange alike); the ``b - B`` padding rows decode token 0 at position 0 over
+a private *sink* KV block that no sequence owns, and their logits are dropped. The
+graph's attention is sized for ``max_seq_len`` keys; the kernels stop at each
+sequence's own length, read from the device.
+
+When the executor's tensors change shape (a placement with more slots per rank), every
+bucket is captured again in a background thread while the steps run eagerly, so an
+epoch change never waits on a capture; placements of the same shape are copied into the
+captured tensors in place and need no capture. The eager steps meanwhile use buffers of
+their own (see :mod:`elasticep.moe.cuda_experts`), never the graphs' static ones.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -28,6 +37,7 @@ import torch
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.model import MoECausalLM
 from elasticep.models.paged_attention import PagedAttentionMetadata
+from elasticep.utils.graph_pieces import PiecewiseCapture, PiecewiseGraph
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +46,21 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 def graph_safe(model: MoECausalLM) -> bool:
     """True when the model's decode forward may be captured: its attention reads no host
-    value per step (:attr:`MoECausalLM.graph_capturable`) and its executor has no
-    collective and no host sync (``executor.graph_safe``)."""
+    value per step (:attr:`MoECausalLM.graph_capturable`) and its executor has no host
+    sync and runs every collective through an eager boundary (``executor.graph_safe``)."""
     return model.graph_capturable and bool(getattr(model.executor, "graph_safe", False))
+
+
+def capture_buckets(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[int]:
+    """The batch sizes captured for at most ``max_batch`` sequences (ascending; the last
+    is ``max_batch``). Every rank of a deployment derives the same list from the same
+    ``max_num_seqs``, which is what keeps their exchange capacities equal."""
+    return sorted({b for b in buckets if b <= max_batch} | {max_batch})
+
+
+def executor_of(model: MoECausalLM):
+    """The executor doing the work (a hooks wrapper's ``inner``, else the model's)."""
+    return getattr(model.executor, "inner", model.executor)
 
 
 class DecodeGraphs:
@@ -69,7 +91,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.sink_block = sink_block
         self.max_seq_len = max_seq_len
-        self.buckets = sorted({b for b in buckets if b <= max_batch} | {max_batch})
+        self.buckets = capture_buckets(max_batch, buckets)
         n = self.buckets[-1]
         self.width = -(-max_seq_len // block_size)
         dev = model.device
@@ -77,10 +99,14 @@ class DecodeGraphs:
         self._tables = torch.full((n, self.width), sink_block, dtype=torch.int32, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, PiecewiseGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        self._version = getattr(model.executor, "version", 0)
+        self._versions: dict[int, int] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._background: threading.Thread | None = None
         self.capture_s = 0.0
+        self.captures = 0  # completed captures (start-up included)
+        self.replays = 0
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured bucket that holds ``batch`` sequences, or None."""
@@ -93,45 +119,95 @@ class DecodeGraphs:
         meta = AttentionMetadata(list(range(b + 1)), [1] * b, self._ints[2 * n:2 * n + b], paged)
         return self._ints[:b], self._ints[n:n + b], meta
 
-    def capture(self) -> float:
-        """Capture every bucket (largest first, sharing one memory pool); returns seconds.
+    def _version(self) -> int:
+        return getattr(executor_of(self.model), "version", 0)
+
+    def capture(self, buckets: Sequence[int] | None = None) -> float:
+        """Capture ``buckets`` (default: all; largest first, one shared memory pool).
 
         The buffers hold padding rows while capturing, so the warm-up forwards write
-        only the sink block.
+        only the sink block. No replay may run meanwhile (they share those buffers): the
+        serving thread checks :meth:`stale`, which is true while a capture runs. An EP
+        executor's exchange is sized for the bucket being captured.
+
+        Returns:
+            The capture time in seconds.
         """
         t0 = time.perf_counter()
         n = self.buckets[-1]
-        self._ints.zero_()
-        self._ints[2 * n:].fill_(self.sink_block * self.block_size)
-        self._tables.fill_(self.sink_block)
-        self._seq_lens.fill_(1)
-        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        # after every replay already queued: the old graphs' memory is about to be reused
         stream.wait_stream(torch.cuda.current_stream())
+        todo = sorted(self.buckets if buckets is None else buckets, reverse=True)
         with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
+            self._ints.zero_()
+            self._ints[2 * n:].fill_(self.sink_block * self.block_size)
+            self._tables.fill_(self.sink_block)
+            self._seq_lens.fill_(1)
+            for b in todo:
+                self._graphs.pop(b, None)
+                self._logits.pop(b, None)
+                version = self._version()
                 ids, pos, meta = self._views(b)
                 for _ in range(2):  # compile kernels and create handles outside the graph
-                    self.model.forward(ids, pos, meta, self.kv_layers)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[b] = self.model.forward(ids, pos, meta, self.kv_layers)
-                self._graphs[b] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self._version = getattr(self.model.executor, "version", 0)
-        self.capture_s = time.perf_counter() - t0
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.2fs",
-                    self.buckets, self.capture_s)
-        return self.capture_s
+                    with PiecewiseCapture(bound=b):
+                        self.model.forward(ids, pos, meta, self.kv_layers)
+                with PiecewiseCapture(self._pool, bound=b) as cap:
+                    logits = self.model.forward(ids, pos, meta, self.kv_layers)
+                self._graphs[b], self._logits[b] = cap.result, logits
+                # the version the tensors had when captured: a change during the capture
+                # leaves the bucket stale
+                self._versions[b] = version if version == self._version() else -1
+        stream.synchronize()
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        self.captures += 1
+        pieces = {b: self._graphs[b].num_pieces for b in todo}
+        logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each) in %.2fs",
+                    todo[::-1], sorted(set(pieces.values())), seconds)
+        return seconds
 
-    @property
-    def stale(self) -> bool:
-        """True when the executor's tables changed since capture (a graph holds the old)."""
-        return getattr(self.model.executor, "version", 0) != self._version
+    def capture_in_background(self) -> bool:
+        """Start capturing every bucket in a daemon thread, unless one is running.
+
+        A failed capture is logged and leaves the buckets stale (the steps stay eager).
+
+        Returns:
+            True if a capture is running (started now or before).
+        """
+        if self._background is not None and self._background.is_alive():
+            return True
+
+        def run() -> None:
+            try:
+                torch.cuda.set_device(self.model.device)  # the current device is per thread
+                with torch.inference_mode():
+                    self.capture()
+            except Exception as exc:  # noqa: BLE001 - eager is slower, never wrong
+                logger.warning("background CUDA graph capture failed; decode stays eager: %s", exc)
+
+        logger.info("executor tensors changed shape: decode runs eagerly while its CUDA "
+                    "graphs are captured again in the background")
+        self._background = threading.Thread(target=run, name="cuda-graph-capture", daemon=True)
+        self._background.start()
+        return True
+
+    def wait_capture(self, timeout_s: float | None = None) -> bool:
+        """Wait for a background capture; True when none is running any more."""
+        t = self._background
+        if t is not None:
+            t.join(timeout_s)
+        return t is None or not t.is_alive()
+
+    def stale(self, b: int) -> bool:
+        """True when bucket ``b`` cannot be replayed now: no graph, the executor's tensors
+        changed shape since its capture, or a capture is running."""
+        if self._background is not None and self._background.is_alive():
+            return True
+        return b not in self._graphs or self._versions.get(b) != self._version()
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int],
-               tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+               tables: list[list[int]], seq_lens: list[int], min_bucket: int = 0) -> torch.Tensor:
         """Run one decode step of ``B = len(ids)`` sequences through its bucket's graph.
 
         Args:
@@ -139,25 +215,31 @@ class DecodeGraphs:
                 slot it writes.
             tables: per sequence, its block ids.
             seq_lens: per sequence, context length after this step (tokens).
+            min_bucket: run a bucket of at least this many rows (an EP step's agreed
+                largest batch; ``B`` may then be 0).
 
         Returns:
             ``[B, V]`` float32 logits (a view of the graph's output: read it before the
             next replay).
 
         Raises:
-            ValueError: no bucket holds ``B`` sequences, or a context exceeds ``max_seq_len``.
+            ValueError: no bucket holds ``B`` sequences, a context exceeds
+                ``max_seq_len``, or the bucket is :meth:`stale`.
         """
         B = len(ids)
-        b = self.bucket(B)
-        if b is None or max(seq_lens) > self.max_seq_len:
-            raise ValueError(f"decode batch of {B} (longest {max(seq_lens)} tokens) exceeds "
-                             f"the captured {self.buckets[-1]} x {self.max_seq_len}")
+        b = self.bucket(max(B, min_bucket))
+        longest = max(seq_lens, default=1)
+        if b is None or longest > self.max_seq_len:
+            raise ValueError(f"decode batch of {max(B, min_bucket)} (longest {longest} tokens) "
+                             f"exceeds the captured {self.buckets[-1]} x {self.max_seq_len}")
+        if self.stale(b):
+            raise ValueError(f"bucket {b} is stale: capture it first (see stale())")
         n = self.buckets[-1]
         pad = b - B
         sink_slot = self.sink_block * self.block_size
         host = torch.tensor([*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[sink_slot] * pad],
                             dtype=torch.long).pin_memory()
-        w = max(len(t) for t in tables)
+        w = max((len(t) for t in tables), default=1)
         rows = [list(t) + [self.sink_block] * (w - len(t)) for t in tables]
         rows += [[self.sink_block] * w] * pad
         lens = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.int32).pin_memory()
@@ -168,4 +250,5 @@ class DecodeGraphs:
         self._tables[:b, :w].copy_(tab, non_blocking=True)
         self._seq_lens[:b].copy_(lens, non_blocking=True)
         self._graphs[b].replay()
+        self.replays += 1
         return self._logits[b][:B]

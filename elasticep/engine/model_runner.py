@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from elasticep.engine.cuda_graph import DecodeGraphs, graph_safe
+from elasticep.engine.cuda_graph import DecodeGraphs, capture_buckets, executor_of, graph_safe
 from elasticep.engine.kv_cache import KVCache
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.models.layers import AttentionMetadata
@@ -41,11 +41,18 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float | None:
         """Capture decode graphs when the model allows it (CUDA, graph-safe executor).
 
+        An EP executor also learns the buckets here (``token_buckets``), whether or not
+        the capture succeeds: every rank then rounds a step's exchange capacity up to
+        the same bucket, so eager ranks and replaying ranks exchange alike.
+
         Returns:
             The capture time in seconds, or None when the model cannot be captured (or
             the capture failed: that is logged, and decode runs eagerly).
         """
-        refresh = getattr(self.model.executor, "refresh", None)
+        ex = executor_of(self.model)
+        if hasattr(ex, "token_buckets"):
+            ex.token_buckets = tuple(capture_buckets(max_batch))
+        refresh = getattr(ex, "refresh", None)
         if callable(refresh):
             refresh()
         if self.model.device.type != "cuda" or not graph_safe(self.model):
@@ -63,12 +70,16 @@ class ModelRunner:
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The decode step through a captured graph, or None when it must run eagerly."""
         g = self.graphs
-        if (g is None or not batch.items or not graph_safe(self.model)
+        # An EP step's bucket follows the largest batch of any rank (agreed in the step
+        # header), so an idle rank replays too; a single rank has no such bound.
+        agreed = getattr(executor_of(self.model), "step_max_tokens", None) or 0
+        if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
                 or any(it.end - it.start != 1 for it in batch.items)
-                or g.bucket(len(batch.items)) is None):
+                or g.bucket(max(len(batch.items), agreed)) is None):
             return None
-        if g.stale:  # the executor's tables changed (placement): capture again
-            g.capture()
+        if g.stale(g.bucket(max(len(batch.items), agreed))):
+            g.capture_in_background()  # never wait on a capture: this step runs eagerly
+            return None
         bs = self.kv_cache.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for it in batch.items:
@@ -78,9 +89,9 @@ class ModelRunner:
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             tables.append(seq.block_table)
             lens.append(it.end)
-        if max(lens) > g.max_seq_len:
+        if max(lens, default=0) > g.max_seq_len:
             return None
-        return g.replay(ids, positions, slots, tables, lens)
+        return g.replay(ids, positions, slots, tables, lens, min_bucket=agreed)
 
     def prepare(
         self, batch: ScheduledBatch

@@ -27,13 +27,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
 from elasticep.frontend.incremental_text import Decode, IncrementalText
 
 logger = logging.getLogger(__name__)
-
-HEALTHY = "healthy"
-FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ class RequestTracker:
 
     def healthy_ranks(self) -> list[int]:
         """Ranks new requests may be routed to, ascending."""
-        return sorted(r for r, s in self._states.items() if s == HEALTHY)
+        return sorted(r for r, s in self._states.items() if s == SlotState.HEALTHY)
 
     def running_per_rank(self) -> dict[int, int]:
         """rank -> number of requests assigned to it (every known rank, zeros included)."""
@@ -195,9 +193,9 @@ class RequestTracker:
         self._states = dict(states)
         sends: list[Send] = []
         for req in self._requests.values():
-            if req.rank is not None and self._states.get(req.rank) == HEALTHY:
+            if req.rank is not None and self._states.get(req.rank) == SlotState.HEALTHY:
                 continue
-            if req.rank is not None and self._states.get(req.rank) != FAILED:
+            if req.rank is not None and self._states.get(req.rank) != SlotState.FAILED:
                 sends.append(Send(req.rank, AbortRequest(req.request_id)))
             sends.extend(self._resubmit(req))
         return sends

@@ -160,7 +160,7 @@ def _gqa(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> Attentio
     def bias(name: str, n: int, on: bool) -> torch.Tensor | None:
         return reader.get(f"{a}.{name}.bias", (n,), dt, dev) if on else None
 
-    return AttentionWeights(
+    w = AttentionWeights(
         q=reader.get(f"{a}.q_proj.weight", (qd, hid), dt, dev),
         k=reader.get(f"{a}.k_proj.weight", (kvd, hid), dt, dev),
         v=reader.get(f"{a}.v_proj.weight", (kvd, hid), dt, dev),
@@ -172,6 +172,8 @@ def _gqa(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> Attentio
         q_norm=reader.get(f"{a}.q_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
         k_norm=reader.get(f"{a}.k_norm.weight", (d,), dt, dev) if cfg.qk_norm else None,
     )
+    w.fuse_qkv()
+    return w
 
 
 def _layer(reader: WeightReader, cfg: MoEModelConfig, i: int, dt, dev) -> DecoderLayerWeights:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.config import MoEModelConfig
-from elasticep.models.layers import AttentionMetadata, paged_attention, rms_norm
+from elasticep.models.fused_norm_rope import add_rms_norm, norm_rope, rms_norm
+from elasticep.models.layers import AttentionMetadata, paged_attention
 from elasticep.models.mla import MLAWeights, mla_attention
 from elasticep.models.moe_block import (
     DenseMLPWeights,
@@ -25,13 +26,18 @@ from elasticep.models.moe_block import (
     dense_mlp,
     moe_block,
 )
-from elasticep.models.rope import apply_rope, rope_cos_sin
+from elasticep.models.rope import rope_cos_sin
 from elasticep.moe.local_executor import ExpertSlots
 
 
 @dataclass
 class AttentionWeights:
-    """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``."""
+    """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``.
+
+    After :meth:`fuse_qkv`, ``qkv`` ``[(Hq + 2*Hkv)*D, H]`` holds q, k and v (which become
+    views of it), so the three projections are one GEMM: at decode each is a small
+    matrix-vector product whose cost is its launch.
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -43,6 +49,17 @@ class AttentionWeights:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    qkv: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+
+    def fuse_qkv(self) -> None:
+        """Concatenate q, k, v (and their biases) into :attr:`qkv`; q, k, v become views."""
+        sizes = [self.q.shape[0], self.k.shape[0], self.v.shape[0]]
+        self.qkv = torch.cat([self.q, self.k, self.v])
+        self.q, self.k, self.v = self.qkv.split(sizes)
+        if self.q_bias is not None:
+            self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
+            self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(sizes)
 
 
 @dataclass
@@ -128,13 +145,16 @@ class MoECausalLM:
             cache = kv_cache[0] if kv_cache is not None else None
             return mla_attention(x, w, c.mla, cos, sin, cache, meta, scale, c.rms_norm_eps)
         t = x.shape[0]
-        q = F.linear(x, w.q, w.q_bias).view(t, c.num_attention_heads, c.head_dim)
-        k = F.linear(x, w.k, w.k_bias).view(t, c.num_key_value_heads, c.head_dim)
-        v = F.linear(x, w.v, w.v_bias).view(t, c.num_key_value_heads, c.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if w.qkv is not None:
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
+        else:
+            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+        q = q.view(t, c.num_attention_heads, c.head_dim)
+        k = k.view(t, c.num_key_value_heads, c.head_dim)
+        v = v.view(t, c.num_key_value_heads, c.head_dim)
+        q = norm_rope(q, w.q_norm, c.rms_norm_eps, cos, sin)
+        k = norm_rope(k, w.k_norm, c.rms_norm_eps, cos, sin)
         o = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
         return F.linear(o, w.o, w.o_bias)
 
@@ -169,15 +189,17 @@ class MoECausalLM:
                                          strict=False) for _ in range(b - a)]
             seq_lens = torch.tensor(lens, dtype=torch.long, device=positions.device)
         cos, sin = rope_cos_sin(c.rope, positions, c.rope_dim, h.dtype, seq_lens)
+        mlp_out = None  # each residual add is fused into the norm that follows it
         for i, layer in enumerate(self.layers):
             cache = kv_caches[i] if kv_caches is not None else None
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            h = h + self._attention(i, x, cos, sin, cache, meta)
-            x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
+            h, x = add_rms_norm(h, mlp_out, layer.input_norm, c.rms_norm_eps)
+            attn_out = self._attention(i, x, cos, sin, cache, meta)
+            h, x = add_rms_norm(h, attn_out, layer.post_attn_norm, c.rms_norm_eps)
             if layer.moe is not None:
                 mlp_out = moe_block(i, x, layer.moe, self.executor, c.routing)
             else:
                 mlp_out = dense_mlp(x, layer.mlp)
+        if mlp_out is not None:
             h = h + mlp_out
         if logits_indices is not None:
             h = h[logits_indices]

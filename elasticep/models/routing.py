@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elasticep.models.fused_routing import fused_route_ok, fused_softmax_topk
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -97,7 +99,11 @@ def route(
     if cfg.fp32_logits:
         logits = F.linear(hidden_states.float(), router.float())
     else:
-        logits = F.linear(hidden_states, router).float()
+        logits = F.linear(hidden_states, router)
+        if fused_route_ok(logits, cfg.scoring_func, cfg.topk_method, cfg.top_k):
+            return fused_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob,
+                                      cfg.routed_scaling_factor, hidden_states.dtype)
+        logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if cfg.scoring_func == "softmax" else torch.sigmoid(logits)
     t, per_group = scores.shape[0], cfg.num_experts // cfg.n_group  # t is 0 on an idle EP rank
     if cfg.topk_method == "greedy":

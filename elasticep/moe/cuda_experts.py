@@ -4,9 +4,16 @@
 :mod:`elasticep.moe.padded_exchange` and whose local experts run as grouped GEMMs
 (:func:`elasticep.moe.expert_compute.grouped_swiglu`), so a decode step's MoE layers
 run without a host-device sync.
+
+It is also what makes EP decode capturable in CUDA graphs
+(:mod:`elasticep.engine.cuda_graph`): each all_to_all is an eager boundary
+(:func:`elasticep.utils.graph_pieces.eager_boundary`) over persistent buffers, and a
+new placement of the same shape is copied into the tensors the graphs already point to.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -15,11 +22,26 @@ from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
 from elasticep.moe.padded_exchange import (
+    ExchangeBuffers,
     exchange_over,
+    fresh,
     padded_combine,
     padded_dispatch,
     pair_capacity,
 )
+from elasticep.utils.graph_pieces import capture_bound, capturing, eager_boundary
+
+
+def _same_shapes(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                      and x.dtype == y.dtype and x.device == y.device)
+        for x, y in zip(a, b, strict=True))
+
+
+def _device_fields(meta: ExpertLocationMetadata) -> list[str]:
+    return [f.name for f in dataclasses.fields(meta)
+            if isinstance(getattr(meta, f.name), torch.Tensor) and not f.name.endswith("_cpu")]
 
 
 class CudaEPMoEExecutor(EPMoEExecutor):
@@ -32,26 +54,83 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             capacity (:func:`pair_capacity`). Every rank of the group must use the
             same value in every call of a step. The serving step loop sets
             :attr:`step_max_tokens` to the step's agreed maximum (from its header
-            all_reduce) around each forward, so no call pays a collective for it.
+            all_reduce) around each forward, so no call pays a collective for it. A
+            graph capture sizes the exchange for its bucket instead
+            (:func:`~elasticep.utils.graph_pieces.capture_bound`).
             None: the ranks agree on it at every call with a MAX all_reduce of a CPU
             int over the group (a host round trip on the CPU side of the group, still
             no device sync).
+
+    Attributes:
+        token_buckets: ascending batch sizes of the decode CUDA graphs (set by the model
+            runner, the same on every rank), or None. With buckets, the exchange is
+            sized for the smallest bucket holding the step's bound, so a rank that
+            replays a graph and one that runs eagerly exchange buffers of one size.
+        version: bumped when a placement changes a tensor's shape (or the exchange
+            buffers move): graphs captured before point to stale storage.
+        graph_safe: True: no host sync, and every collective is an eager boundary.
 
     Raises:
         ValueError (from ``__call__``): more tokens than ``step_max_tokens``.
     """
 
+    graph_safe = True
+
     def __init__(self, *args, max_tokens: int | None = None, **kwargs) -> None:
+        self._shape_version = 0
         super().__init__(*args, **kwargs)
         self.step_max_tokens = max_tokens
+        self.token_buckets: tuple[int, ...] | None = None
         self._exchange = exchange_over(self.group)
+        self._buffers = ExchangeBuffers(capturing)
+
+    @property
+    def version(self) -> int:
+        return self._shape_version + self._buffers.generation
+
+    def set_placement(self, metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],
+                      w2: list[torch.Tensor | None]) -> None:
+        """As :meth:`EPMoEExecutor.set_placement`; a placement whose tensors have the
+        shapes of the current one is copied into the current tensors (captured graphs
+        stay valid), any other bumps :attr:`version`. Raises as the base method does.
+
+        The copy briefly holds both sets of expert weights (the new ones were fetched
+        before this call).
+        """
+        old = getattr(self, "metadata", None)
+        old13, old2 = getattr(self, "w13", None), getattr(self, "w2", None)
+        super().set_placement(metadata, w13, w2)
+        fields = _device_fields(metadata)
+        if (old is None or old13 is None or old2 is None
+                or not _same_shapes(old13, self.w13) or not _same_shapes(old2, self.w2)
+                or not _same_shapes([getattr(old, f) for f in fields],
+                                    [getattr(metadata, f) for f in fields])):
+            self._shape_version += 1
+            return
+        for kept, new in [*zip(old13, self.w13, strict=True), *zip(old2, self.w2, strict=True)]:
+            if kept is not None and kept is not new:
+                kept.copy_(new)
+        self.w13, self.w2 = old13, old2
+        self.metadata = dataclasses.replace(
+            metadata, **{f: getattr(old, f).copy_(getattr(metadata, f)) for f in fields})
 
     def _max_tokens(self, T: int) -> int:
+        bucket = capture_bound()
+        if bucket is not None:  # a graph capture sizes the exchange for its bucket
+            return bucket
         if self.step_max_tokens is not None:
-            return self.step_max_tokens
-        t = torch.tensor([T], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t[0])
+            n = self.step_max_tokens
+        else:
+            t = torch.tensor([T], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            n = int(t[0])
+        if self.token_buckets:
+            n = next((b for b in self.token_buckets if b >= n), n)
+        return n
+
+    def _exchange_boundary(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        # At capture the peers are not involved: a local copy stands in for the exchange.
+        eager_boundary(lambda: self._exchange(out, inp), at_capture=lambda: out.copy_(inp))
 
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -76,9 +155,15 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             pick = (torch.arange(T * k, device=topk_ids.device).view(T, k) + meta.ep_rank) % n
             slots = meta.logical_to_all_physical_map[layer_idx][topk_ids, pick]
         cap = pair_capacity(max_tokens, k, S)
+        # Graph pieces and the eager exchanges between them meet in persistent buffers;
+        # an eager step allocates its own, so it never touches what a graph points to
+        # (a capture may run in a background thread meanwhile).
+        bufs = self._buffers if capturing() else fresh
         rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
-                                           self._exchange)
-        pairs = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, self._exchange)
+                                           self._exchange_boundary, bufs)
+        expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
+                                    out=bufs("expert_out", rows.shape[0], rows))
+        pairs = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
         return combine_pairs(pairs, topk_weights, hidden_states.dtype)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from elasticep.moe.small_batch_experts import small_batch_ok, swiglu_rows
+
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
@@ -81,8 +83,20 @@ def grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
             and w13.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w13.shape[1] % 16 == 0)
 
 
+# Above this many [S, N, max(2I, H)] intermediate elements the all-slots path of
+# grouped_swiglu (sync_free without grouped GEMM) falls back to the per-slot loop.
+ALL_SLOTS_MAX_ELEMENTS = 1 << 26
+
+
+def all_slots_ok(w13: torch.Tensor, rows: torch.Tensor) -> bool:
+    """True when :func:`grouped_swiglu`'s all-slots path fits its size bound."""
+    S, two_i, H = w13.shape
+    return S * rows.shape[0] * max(two_i, H) <= ALL_SLOTS_MAX_ELEMENTS
+
+
 def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
-                   tags: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+                   tags: torch.Tensor, use_grouped: bool | None = None,
+                   sync_free: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Unweighted SwiGLU expert output of each tagged row.
 
     Args:
@@ -91,19 +105,36 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         rows: [N, H] model dtype.
         tags: [N] int32/int64, ``local slot + 1``; 0 marks a padding row.
         use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
-            it where :func:`grouped_ok`.
+            it where :func:`grouped_ok`. Unless False, up to
+            :data:`~elasticep.moe.small_batch_experts.MAX_ROWS` rows on CUDA take the
+            per-row GEMV kernels of :mod:`elasticep.moe.small_batch_experts` instead.
+        sync_free: where grouped GEMM is not used, run every slot over every row
+            (S batched matmul pairs, then pick each row's own slot) instead of the
+            per-slot loop that reads slot counts on the host. S times the FLOPs, no
+            sync, so it can run inside a CUDA graph; meant for small models in fp32
+            (the demo), and taken only within :data:`ALL_SLOTS_MAX_ELEMENTS`.
+        out: [N, H] buffer for the result (else a new tensor).
 
     Returns:
         [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` for a row of slot
         ``s``, zeros for padding rows.
     """
+    if small_batch_ok(rows, w13) and w2.is_contiguous() and use_grouped is not False:
+        return swiglu_rows(w13, w2, rows, tags, out)
     S = w13.shape[0]
-    out = torch.zeros_like(rows)
+    out = torch.zeros_like(rows) if out is None else out.zero_()
     if rows.shape[0] == 0:
         return out
     key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
     if use_grouped is None:
         use_grouped = grouped_ok(rows, w13)
+    if not use_grouped and sync_free and all_slots_ok(w13, rows):
+        gate, up = torch.matmul(rows.unsqueeze(0), w13.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [S, N, H]
+        pick = y[key.clamp(max=S - 1), torch.arange(rows.shape[0], device=rows.device)]
+        out.copy_(torch.where((key < S).unsqueeze(1), pick, torch.zeros((), dtype=pick.dtype,
+                                                                          device=pick.device)))
+        return out
     if not use_grouped:
         valid = torch.nonzero(key < S).squeeze(1)  # host sync: fallback only
         out[valid] = run_expert_rows(w13, w2, rows[valid], key[valid])

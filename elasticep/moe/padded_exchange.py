@@ -16,6 +16,11 @@ stays on the device:
 send to one destination, ``max_tokens * min(top_k, slots_per_rank)`` (a token sends
 each of its k choices to one slot, and distinct choices of one token sit in distinct
 slots), so no pair is ever dropped (:func:`pair_capacity`).
+
+Every buffer comes from an :data:`Alloc`. By default each call allocates afresh; a CUDA
+graph capture passes :class:`ExchangeBuffers` instead, so the graph pieces and the eager
+all_to_alls between them (:mod:`elasticep.utils.graph_pieces`) meet in the same
+storage at every replay.
 """
 
 from __future__ import annotations
@@ -33,6 +38,50 @@ import elasticep.distributed as ed
 ROW_ALIGN = 8
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], None]
+# alloc(name, rows, like) -> an uninitialised [rows, *like.shape[1:]] tensor of like's
+# dtype and device; the name says which buffer of the exchange it is.
+Alloc = Callable[[str, int, torch.Tensor], torch.Tensor]
+
+
+def fresh(name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The default :data:`Alloc`: a new tensor at every call."""
+    return like.new_empty(rows, *like.shape[1:])
+
+
+class ExchangeBuffers:
+    """Named buffers kept between calls: the :data:`Alloc` of a graph-captured exchange.
+
+    A request for more rows than a buffer holds grows it only while ``may_grow()`` is
+    true (a warm-up pass before a capture); otherwise it is served by a fresh tensor,
+    so an eager prefill larger than every captured bucket never moves the storage that
+    graphs point to. Each growth bumps :attr:`generation`, which tells graph owners
+    that earlier captures point to freed storage.
+
+    Args:
+        may_grow: whether buffers may be (re)allocated now.
+    """
+
+    def __init__(self, may_grow: Callable[[], bool]) -> None:
+        self.may_grow = may_grow
+        self.generation = 0
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        fits = (buf is not None and buf.shape[0] >= rows and buf.shape[1:] == like.shape[1:]
+                and buf.dtype == like.dtype and buf.device == like.device)
+        if fits:
+            return buf[:rows]
+        if not self.may_grow():
+            return fresh(name, rows, like)
+        self._bufs[name] = fresh(name, rows, like)
+        self.generation += 1
+        return self._bufs[name]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
 def pair_capacity(max_tokens: int, top_k: int, slots_per_rank: int) -> int:
@@ -90,7 +139,9 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     flat = slots.reshape(-1)
     dest = torch.div(flat, slots_per_rank, rounding_mode="floor")
     order = torch.argsort(dest, stable=True)
-    counts = torch.bincount(dest, minlength=group_size)
+    # bincount would read the largest rank id on the host (a sync); scatter_add does not
+    counts = torch.zeros(group_size, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, dest, torch.ones_like(dest))
     first = torch.cumsum(counts, 0) - counts  # index in `order` of each rank's first pair
     sorted_dest = dest[order]
     within = torch.arange(flat.numel(), device=flat.device) - first[sorted_dest]
@@ -100,19 +151,21 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     return PaddedPlan(position, tag, group_size, capacity)
 
 
-def pack(hidden: torch.Tensor, top_k: int, plan: PaddedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(hidden: torch.Tensor, top_k: int, plan: PaddedPlan, alloc: Alloc = fresh
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build this rank's send buffers.
 
     Args:
-        hidden: [T, H] model dtype; top_k: k; plan: from :func:`plan_padded`.
+        hidden: [T, H] model dtype; top_k: k; plan: from :func:`plan_padded`;
+        alloc: where the buffers come from (names ``send_rows``, ``send_tags``).
 
     Returns:
         rows: [G*C, H] (pair rows at their positions, zeros elsewhere);
         tags: [G*C] int32 (``local slot + 1``, 0 for padding).
     """
     n = plan.group_size * plan.capacity
-    rows = hidden.new_zeros(n, hidden.shape[1])
-    tags = torch.zeros(n, dtype=torch.int32, device=hidden.device)
+    rows = alloc("send_rows", n, hidden).zero_()
+    tags = alloc("send_tags", n, plan.tag).zero_()
     token = torch.div(torch.arange(plan.position.numel(), device=hidden.device), top_k,
                       rounding_mode="floor")
     rows[plan.position] = hidden[token]
@@ -137,33 +190,36 @@ def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
 
 
 def padded_dispatch(hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
-                    group_size: int, capacity: int, exchange: Exchange
+                    group_size: int, capacity: int, exchange: Exchange, alloc: Alloc = fresh
                     ) -> tuple[torch.Tensor, torch.Tensor, PaddedPlan]:
     """Send every pair to the rank owning its slot (two even all_to_alls, no sync).
 
     Args:
         hidden: [T, H]; slots: [T, k] int64 physical slots; others as in
-        :func:`plan_padded`; exchange: the all_to_all (:func:`exchange_over`).
+        :func:`plan_padded`; exchange: the all_to_all (:func:`exchange_over`);
+        alloc: buffer source (``send_*`` and ``recv_rows`` / ``recv_tags``).
 
     Returns:
         recv_rows: [G*C, H], block ``s`` from sender ``s``; recv_tags: [G*C] int32;
         plan: for :func:`padded_combine`.
     """
     plan = plan_padded(slots, slots_per_rank, group_size, capacity)
-    rows, tags = pack(hidden, slots.shape[1], plan)
-    recv_rows, recv_tags = torch.empty_like(rows), torch.empty_like(tags)
+    rows, tags = pack(hidden, slots.shape[1], plan, alloc)
+    recv_rows, recv_tags = alloc("recv_rows", rows.shape[0], rows), alloc("recv_tags", tags.shape[0], tags)
     exchange(recv_rows, rows)
     exchange(recv_tags, tags)
     return recv_rows, recv_tags, plan
 
 
-def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchange
-                   ) -> torch.Tensor:
+def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchange,
+                   alloc: Alloc = fresh) -> torch.Tensor:
     """Return expert outputs ([G*C, H], same layout as received) to their senders.
+
+    ``alloc`` gives the receive buffer (``back``).
 
     Returns:
         [T*k, H]: the output of each flat (token, choice) pair.
     """
-    back = torch.empty_like(expert_out)
+    back = alloc("back", expert_out.shape[0], expert_out)
     exchange(back, expert_out.contiguous())
     return unpack(back, plan)

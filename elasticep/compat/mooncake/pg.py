@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from elasticep.distributed import api
+from elasticep.distributed.membership import SlotState
 
 from .backend import SETTINGS, MooncakeBackendOptions, MooncakeProcessGroup, create_backend
 
@@ -206,7 +207,7 @@ def sync_after_failure(backend) -> SyncAfterFailureResponse:
     gs = g.gs
     try:
         gs.wait_until(lambda: gs.pending is None and not any(
-            gs.states[s] == "failed" for s in gs.active), gs.timeout_s, "failure decision")
+            gs.states[s] == SlotState.FAILED for s in gs.active), gs.timeout_s, "failure decision")
     except TimeoutError as e:
         return SyncAfterFailureResponse(SyncAfterFailureStatus.Rejected, str(e))
     lost = set(g.view()) - set(gs.active)

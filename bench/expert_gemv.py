@@ -1,0 +1,87 @@
+"""The per-row expert kernels of decode against the bandwidth they could reach.
+
+For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, bf16) and a few rows,
+each on its own expert (as at decode batch 1: 8 rows, 8 experts), it times
+:func:`elasticep.moe.small_batch_experts.swiglu_rows` under several tile choices and
+the grouped GEMM path, and divides the expert bytes they must read by the time. The
+bound is a device-to-device copy measured in the same run (2 x bytes / time).
+
+Prints one JSON line per variant. GPU only.
+
+    python bench/expert_gemv.py [--rows 8] [--experts 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elasticep.moe.expert_compute import grouped_swiglu  # noqa: E402
+from elasticep.moe.small_batch_experts import swiglu_rows  # noqa: E402
+
+
+def cuda_ms(fn, reps: int = 50) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event-timed calls."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (cuda_ms(lambda: dst.copy_(src), 10) / 1e3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("expert_gemv: needs CUDA", file=sys.stderr)
+        return 2
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    S, H, inter, n = args.experts, args.hidden, args.inter, args.rows
+    w13 = torch.randn(S, 2 * inter, H, device=dev, dtype=dt) / H**0.5
+    w2 = torch.randn(S, H, inter, device=dev, dtype=dt) / inter**0.5
+    rows = torch.randn(n, H, device=dev, dtype=dt)
+    tags = (torch.randperm(S, device=dev)[:n] + 1).to(torch.int32)  # distinct experts
+    copy_bw = copy_bandwidth(dev)
+    need = n * 3 * inter * H * 2  # each row's expert: w13 and w2
+    ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False).float()
+    variants = {"grouped_gemm": lambda: grouped_swiglu(w13, w2, rows, tags, use_grouped=True)}
+    for gu in ((16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 512, 8), (8, 512, 2),
+               (32, 128, 4), (64, 128, 8)):
+        for dn in ((32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 4), (16, 128, 2)):
+            variants[f"rows gate_up={gu} down={dn}"] = (
+                lambda gu=gu, dn=dn: swiglu_rows(w13, w2, rows, tags, gate_up_tile=gu, down_tile=dn))
+    for name, fn in variants.items():
+        err = float((fn().float() - ref).abs().max() / ref.abs().max())
+        ms = cuda_ms(fn)
+        print(json.dumps({"bench": "expert_gemv", "variant": name, "rows": n, "ms": round(ms, 4),
+                          "gb_per_s": round(need / (ms / 1e3) / 1e9, 1),
+                          "fraction_of_copy_bw": round(need / (ms / 1e3) / copy_bw, 3),
+                          "copy_tb_per_s": round(copy_bw / 1e12, 3), "rel_err": err}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Triton kernels for the small per-token ops of a decoder layer: RMSNorm (with the
+residual add folded in) and the q/k RMSNorm followed by RoPE.
+
+At decode batch sizes these ops move a few kilobytes each, so their cost is the number
+of kernels, not bytes: the torch forms take about eight kernels per RMSNorm and six per
+RoPE, which at Qwen3-30B-A3B's 48 layers is some 1,400 of a step's 4,700 kernels
+(``bench/scale.py --only profile``). Each function here is one kernel on CUDA.
+
+The kernels keep the rounding steps of the torch references
+(:func:`elasticep.models.layers.rms_norm`, :func:`elasticep.models.rope.apply_rope`,
+which follow transformers): the norm in float32 cast to the model dtype before the
+weight multiply, and each RoPE product rounded before the sum. Reductions sum in
+another order, so results may differ from the references in the last bit.
+On CPU, or where Triton is missing, the references run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from elasticep.models.layers import rms_norm as rms_norm_reference
+from elasticep.models.rope import apply_rope
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs may lack triton; the references serve them
+    triton = None
+
+# Set to 1 to run the torch references on CUDA too (a debugging aid).
+DISABLE_ENV = "ELASTICEP_DISABLE_FUSED_NORM"
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """True when the Triton kernels take ``x``: CUDA, Triton installed, not disabled."""
+    return x.is_cuda and triton is not None and os.environ.get(DISABLE_ENV, "0") != "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, n_cols, eps,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        if HAS_DELTA:  # the residual add, rounded to the model dtype as torch's add is
+            d = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        y = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype),
+                 mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
+                          HAS_NORM: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
+        tok = row // heads
+        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
+        half = D // 2
+        lo = tl.arange(0, D // 2)
+        a = tl.load(src + lo)
+        b = tl.load(src + half + lo)
+        if HAS_NORM:
+            af, bf = a.to(tl.float32), b.to(tl.float32)
+            rstd = tl.math.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
+            wa = tl.load(w_ptr + lo).to(tl.float32)
+            wb = tl.load(w_ptr + half + lo).to(tl.float32)
+            a = (wa * (af * rstd).to(a.dtype).to(tl.float32)).to(a.dtype)
+            b = (wb * (bf * rstd).to(b.dtype).to(tl.float32)).to(b.dtype)
+        ca = tl.load(cos_ptr + tok * D + lo).to(tl.float32)
+        cb = tl.load(cos_ptr + tok * D + half + lo).to(tl.float32)
+        sa = tl.load(sin_ptr + tok * D + lo).to(tl.float32)
+        sb = tl.load(sin_ptr + tok * D + half + lo).to(tl.float32)
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a); each product is
+        # rounded to the model dtype before the sum, as in the torch form
+        out_a = ((af * ca).to(a.dtype).to(tl.float32) + (-bf * sa).to(a.dtype).to(tl.float32))
+        out_b = ((bf * cb).to(a.dtype).to(tl.float32) + (af * sb).to(a.dtype).to(tl.float32))
+        tl.store(out_ptr + row * D + lo, out_a.to(a.dtype))
+        tl.store(out_ptr + row * D + half + lo, out_b.to(a.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (one kernel on CUDA); as :func:`rms_norm_reference`.
+
+    Args:
+        x: ``[..., N]`` model dtype; weight: ``[N]``; eps: the config's ``rms_norm_eps``.
+
+    Returns:
+        ``[..., N]`` model dtype.
+    """
+    return add_rms_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual update and the next RMSNorm in one kernel: ``h = x + delta``,
+    returns ``(h, rms_norm(h))``.
+
+    Args:
+        x: ``[..., N]`` the residual stream, model dtype.
+        delta: ``[..., N]`` what the last block adds (None: nothing, ``h`` is ``x``).
+        weight: ``[N]`` the norm's weight; eps: its epsilon.
+
+    Returns:
+        ``(h, normed)``, both ``[..., N]`` in ``x``'s dtype.
+    """
+    if not fused_ok(x) or x.numel() == 0:
+        h = x if delta is None else x + delta
+        return h, rms_norm_reference(h, weight, eps)
+    n = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    h = xc if delta is None else torch.empty_like(xc)
+    _add_rms_norm_kernel[(xc.numel() // n,)](
+        xc, xc if delta is None else delta.contiguous(), weight, out, h, n, eps,
+        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n))
+    return h, out
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm (if ``weight``) then RoPE, for q or k; one kernel on CUDA.
+
+    Args:
+        x: ``[T, heads, D]`` model dtype, D a power of two; each token's ``heads * D``
+            values contiguous (tokens may be strided, as in a slice of a fused qkv).
+        weight: ``[D]`` the q_norm / k_norm weight (Qwen3), or None.
+        eps: the norm's epsilon.
+        cos, sin: ``[T, D]`` in ``x``'s dtype (:func:`elasticep.models.rope.rope_cos_sin`).
+
+    Returns:
+        ``[T, heads, D]``: ``apply_rope(rms_norm(x, weight), cos, sin)``.
+    """
+    D = x.shape[-1]
+    if (not fused_ok(x) or x.numel() == 0 or D & (D - 1) or cos.dtype != x.dtype
+            or sin.dtype != x.dtype):
+        if weight is not None:
+            x = rms_norm_reference(x, weight, eps)
+        return apply_rope(x, cos, sin)
+    xc = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
+    T, heads = xc.shape[0], xc.shape[1]
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(T * heads,)](xc, xc if weight is None else weight, cos.contiguous(),
+                                    sin.contiguous(), out, heads, xc.stride(0), eps,
+                                    HAS_NORM=weight is not None, D=D)
+    return out

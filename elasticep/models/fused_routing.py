@@ -1,0 +1,86 @@
+"""Softmax top-k routing in one Triton kernel (the Qwen3-MoE / Mixtral rule).
+
+:func:`elasticep.models.routing.route` in torch is about eight kernels per layer at
+decode (cast, softmax, top-k's two sorts, sum, divide, scale, the dtype round trip);
+this is one. It covers ``scoring_func == "softmax"`` with ``topk_method == "greedy"``;
+the grouped and sigmoid rules of DeepSeek stay on the torch path.
+
+Equal scores are broken towards the lower expert id. The softmax sums in another
+order than torch's, so a near tie may resolve differently from the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elasticep.models.fused_norm_rope import fused_ok
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs may lack triton; routing.route serves them
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, scale,
+                             K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                             ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        x = tl.load(logits_ptr + t * E + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(mask, p, -1.0)
+        ks = tl.arange(0, K)
+        w = tl.zeros([K], dtype=tl.float32)
+        ids = tl.zeros([K], dtype=tl.int32)
+        for j in tl.static_range(K):  # k passes of arg-max, lowest id on ties
+            m = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == m, offs, BLOCK_E), axis=0)
+            w = tl.where(ks == j, m, w)
+            ids = tl.where(ks == j, idx, ids)
+            p = tl.where(offs == idx, -1.0, p)
+        tl.store(ids_ptr + t * K + ks, ids.to(tl.int64))
+        if NORM:
+            w = w / (tl.sum(w, axis=0) + 1e-20)
+        w = w * scale
+        if ROUND_BF16:  # the reference models combine in the model dtype
+            w = w.to(tl.bfloat16).to(tl.float32)
+        if ROUND_F16:
+            w = w.to(tl.float16).to(tl.float32)
+        tl.store(w_ptr + t * K + ks, w)
+
+
+def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float,
+                       model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, top-k, optional renormalisation, scale, dtype round trip.
+
+    Args:
+        logits: ``[T, E]`` router logits (any float dtype), CUDA.
+        top_k: k, a power of two (:func:`fused_route_ok`).
+        norm_topk_prob: renormalise the k weights to sum to 1.
+        scale: ``routed_scaling_factor``.
+        model_dtype: weights are rounded through it (bf16 / fp16) as in the reference.
+
+    Returns:
+        ``topk_ids [T, k]`` int64 and ``topk_weights [T, k]`` float32, as
+        :func:`elasticep.models.routing.route`.
+    """
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        _softmax_topk_kernel[(T,)](logits.contiguous(), ids, weights, E, scale, K=top_k,
+                                   BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
+                                   ROUND_BF16=model_dtype == torch.bfloat16,
+                                   ROUND_F16=model_dtype == torch.float16)
+    return ids, weights
+
+
+def fused_route_ok(logits: torch.Tensor, scoring_func: str, topk_method: str, top_k: int) -> bool:
+    """True when :func:`fused_softmax_topk` implements this rule for ``logits``."""
+    return (fused_ok(logits) and scoring_func == "softmax" and topk_method == "greedy"
+            and top_k & (top_k - 1) == 0 and logits.shape[-1] <= 4096)

@@ -1,0 +1,123 @@
+"""SwiGLU experts for a few rows: one matrix-vector product per (row, expert) pair.
+
+At decode batch 1 a MoE layer of Qwen3-30B-A3B has 8 rows, each for its own expert.
+The grouped GEMM (:func:`elasticep.moe.expert_compute.grouped_swiglu`) then needs a
+sort, a count, offsets and a scatter around two GEMMs whose tiles are mostly padding;
+here two kernels read each row's slot from its tag and stream that expert's weights
+once (memory-bound GEMV, the regime of decode): ``act = silu(gate x) * (up x)``, then
+``y = w2 @ act``. Padding rows (tag 0) give zeros.
+
+The rounding follows the torch form: gate and up are rounded to the model dtype, then
+SiLU, then the product; the down projection accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs may lack triton; grouped_swiglu's paths serve them
+    triton = None
+
+# Above this many rows the grouped GEMM wins: rows then share experts, and a GEMM reads
+# each expert once for all of its rows.
+MAX_ROWS = 64
+
+
+def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
+    """True when :func:`swiglu_rows` takes these inputs (CUDA, Triton, few rows)."""
+    return (triton is not None and rows.is_cuda and 0 < rows.shape[0] <= MAX_ROWS
+            and rows.dtype == w13.dtype and w13.is_contiguous())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_block(tag_ptr, w_ptr, n_out, expert_numel, BLOCK: tl.constexpr):
+        # grid (row, output block): the row, the block's offsets and mask, where it is
+        # live (a padding row, tag 0, loads nothing), and its expert's weights
+        r = tl.program_id(0).to(tl.int64)
+        tag = tl.load(tag_ptr + r).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_out
+        live = mask & (offs * 0 + tag != 0)
+        return r, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, tag_ptr, w13_ptr, act_ptr, H, inter,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        r, offs_i, mask_i, live, base = _row_block(tag_ptr, w13_ptr, inter, 2 * inter * H, BLOCK_I)
+        gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+        up = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            x = tl.load(x_ptr + r * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            m = live[:, None] & mask_h[None, :]
+            wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m, other=0.0)
+            wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=m, other=0.0)
+            gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+            up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        dt = act_ptr.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        u = up.to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
+
+    @triton.jit
+    def _down_kernel(act_ptr, tag_ptr, w2_ptr, out_ptr, H, inter,
+                     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+        r, offs_o, mask_o, live, base = _row_block(tag_ptr, w2_ptr, H, H * inter, BLOCK_O)
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < inter
+            a = tl.load(act_ptr + r * inter + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
+                        mask=live[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        tl.store(out_ptr + r * H + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+
+
+# (BLOCK_I, BLOCK_H, warps) of the gate/up kernel and (BLOCK_O, BLOCK_K, warps) of the
+# down kernel. bench/expert_gemv.py on an H200 at Qwen3-30B-A3B's expert shape
+# (2026-12-01, docs/results_gpu.md): the fastest of 40 pairs at 64 rows and within 1 %
+# of the fastest at 8; 23 % (8 rows) and 10 % (64 rows) faster than (16, 256, 4) +
+# (32, 128, 4).
+GATE_UP_TILE = (8, 256, 4)
+DOWN_TILE = (32, 256, 4)
+
+
+def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
+                out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
+                down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Unweighted SwiGLU of each row with its own slot's expert (two Triton kernels).
+
+    Args:
+        w13: [S, 2*I, H] gate rows then up rows, contiguous, rows' dtype and device.
+        w2: [S, H, I], contiguous (both as the loaders allocate them).
+        rows: [N, H] with ``N <= MAX_ROWS`` (:func:`small_batch_ok`).
+        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked (a
+            check would sync): a tag above S reads out of bounds.
+        out: [N, H] buffer for the result, or None.
+        gate_up_tile, down_tile: block sizes and warps (default :data:`GATE_UP_TILE`,
+            :data:`DOWN_TILE`).
+
+    Returns:
+        [N, H] in the rows' dtype; zeros for padding rows.
+    """
+    N, H = rows.shape
+    inter = w2.shape[2]
+    act = rows.new_empty(N, inter)
+    out = rows.new_empty(N, H) if out is None else out
+    # rows may be a stride-0 view (one token expanded to its k choices): a few KiB to copy
+    rows, tags = rows.contiguous(), tags.contiguous()
+    bi, bh, wa = gate_up_tile or GATE_UP_TILE
+    bo, bk, wb = down_tile or DOWN_TILE
+    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, tags, w13, act, H, inter,
+                                                 BLOCK_I=bi, BLOCK_H=bh, num_warps=wa)
+    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, w2, out, H, inter, BLOCK_O=bo, BLOCK_K=bk,
+                                          num_warps=wb)
+    return out

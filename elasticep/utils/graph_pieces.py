@@ -1,0 +1,142 @@
+"""Piecewise CUDA graph capture: graphs for the work between eager boundaries.
+
+A decode forward of an EP rank exchanges tokens with its peers in every MoE layer. A
+CUDA graph that held such a collective would hold the communicator too, and could not
+be replayed once a peer died. So the forward is captured in pieces (the design vLLM
+calls piecewise capture): code marks each point that must stay eager with
+:func:`eager_boundary`, and :class:`PiecewiseCapture` ends the current graph there,
+records the eager callable, and starts the next graph. :meth:`PiecewiseGraph.replay`
+then alternates ``graph[i].replay()`` and ``op[i]()``.
+
+The eager op is called with the same tensors at every replay, so it must read and write
+only tensors whose storage outlives the capture (static buffers), and it must be safe to
+run again with new contents in them. At capture time the op is not run: its
+``at_capture`` stand-in is (for an exchange, a local copy), so a capture needs no peer
+and each rank may capture on its own schedule.
+
+Outside any capture, :func:`eager_boundary` simply runs the op, so the same code serves
+the eager path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+_state = threading.local()
+
+
+def eager_boundary(op: Callable[[], None], at_capture: Callable[[], None] | None = None) -> None:
+    """Run ``op`` outside any CUDA graph.
+
+    Args:
+        op: the eager work (e.g. a collective over static buffers).
+        at_capture: what to run instead while a :class:`PiecewiseCapture` is active
+            (None: nothing). Its results feed the rest of the capture only as
+            placeholder values.
+    """
+    capture: PiecewiseCapture | None = getattr(_state, "capture", None)
+    if capture is None:
+        op()
+    else:
+        capture.boundary(op, at_capture)
+
+
+def capturing() -> bool:
+    """True inside a :class:`PiecewiseCapture` (warm-up or graph capture) on this thread."""
+    return getattr(_state, "capture", None) is not None
+
+
+def capture_bound() -> int | None:
+    """The ``bound`` of this thread's active :class:`PiecewiseCapture` (for an EP
+    executor: the tokens its exchange is sized for), or None."""
+    capture = getattr(_state, "capture", None)
+    return None if capture is None else capture.bound
+
+
+class PiecewiseGraph:
+    """Captured graphs with the eager ops between them (``len(ops) == len(graphs) - 1``).
+
+    The graphs were captured in one memory pool in this order; replay in the same order
+    keeps that pool's reuse of freed memory valid (torch's rule for shared pools).
+    """
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph], ops: list[Callable[[], None]]) -> None:
+        if len(ops) != len(graphs) - 1:
+            raise ValueError(f"{len(graphs)} graphs need {len(graphs) - 1} eager ops, got {len(ops)}")
+        self.graphs, self.ops = graphs, ops
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.graphs)
+
+    def replay(self) -> None:
+        """Replay every piece on the current stream, running the eager ops between."""
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.ops):
+                self.ops[i]()
+
+
+class PiecewiseCapture:
+    """Context manager that captures the enclosed CUDA work as a :class:`PiecewiseGraph`.
+
+    With ``pool=None`` it captures nothing: eager boundaries inside run their
+    ``at_capture`` stand-ins, which is what warm-up passes before a capture need (they
+    compile kernels without talking to peers).
+
+    Args:
+        pool: a memory pool handle (``torch.cuda.graph_pool_handle()``) shared by every
+            piece, or None for a warm-up pass.
+        bound: a value the captured code reads through :func:`capture_bound` (the
+            batch-size bucket), kept per thread so that a capture in a background thread
+            never changes what the serving thread sees.
+
+    Must be entered on a side stream (as ``torch.cuda.graph`` does) and on one thread.
+    Pieces are captured in ``thread_local`` error mode: other threads may keep running
+    CUDA work (eager steps) on their own streams meanwhile.
+    """
+
+    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None) -> None:
+        self.pool = pool
+        self.bound = bound
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._ops: list[Callable[[], None]] = []
+        self.result: PiecewiseGraph | None = None
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self._graphs.append(graph)
+
+    def boundary(self, op: Callable[[], None], at_capture: Callable[[], None] | None) -> None:
+        if self.pool is not None:
+            self._graphs[-1].capture_end()
+        if at_capture is not None:
+            at_capture()
+        if self.pool is not None:
+            self._ops.append(op)
+            self._begin()
+
+    def __enter__(self) -> PiecewiseCapture:
+        if getattr(_state, "capture", None) is not None:
+            raise RuntimeError("piecewise captures do not nest")
+        _state.capture = self
+        if self.pool is not None:
+            self._begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _state.capture = None
+        if self.pool is None:
+            return
+        if exc_type is not None:  # the capture is broken already; report the first error
+            try:
+                self._graphs[-1].capture_end()
+            except RuntimeError:
+                pass
+            return
+        self._graphs[-1].capture_end()
+        self.result = PiecewiseGraph(self._graphs, self._ops)
