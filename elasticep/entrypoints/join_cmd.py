@@ -63,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register the ``join`` subcommand."""
     p = subparsers.add_parser(
         "join", help="add ranks to a running deployment (rejoin a failed rank, or scale up)",
-        description=__doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0], epilog=EXAMPLES,
+        description=__doc__.split("\n\n", 1)[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dist-init-addr", required=True,
                    help="HOST:PORT of the deployment's coordinator (printed by serve)")
