@@ -14,11 +14,14 @@ def test_parse_specs():
         FaultSpec(0, 3, 1), FaultSpec(1, 5)]
     assert parse_faults(None) == [] and parse_faults("") == []
     assert parse_faults("kill:rank=3:admit=1") == [FaultSpec(3, None, None, 1)]
+    assert parse_faults("kill:rank=1:loading") == [FaultSpec(1, None, loading=True)]
 
 
 @pytest.mark.parametrize("bad", ["stop:rank=1:step=2", "kill:rank=1", "kill:rank=x:step=1",
                                  "kill:rank=1:step=2:when=3", "kill:rank1:step=2",
-                                 "kill:rank=1:step=2:admit=1", "kill:rank=1:layer=2:admit=1"])
+                                 "kill:rank=1:step=2:admit=1", "kill:rank=1:layer=2:admit=1",
+                                 "kill:rank=1:loading:step=2", "kill:rank=1:load",
+                                 "kill:loading"])
 def test_bad_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         parse_faults(bad)
@@ -47,6 +50,18 @@ def test_injector_fires_at_its_admission(monkeypatch):
     assert fired == []
     inj.at_admit()
     assert fired == ["admission 2"]
+
+
+def test_injector_fires_while_loading_only_for_its_rank(monkeypatch):
+    fired = []
+    for rank in (1, 2):
+        inj = FaultInjector.from_config(rank, "kill:rank=2:loading")
+        monkeypatch.setattr(inj, "_die", fired.append)
+        inj.at_loading()
+        inj.at_step(0)
+        inj.at_admit()
+        fired.append(rank)
+    assert fired == [1, "loading", 2]
 
 
 def test_worker_config_round_trip():

@@ -52,6 +52,18 @@ def make_chat_model(dst: Path) -> Path:
     return dst
 
 
+def demo_with(dst: Path, name: str, **changes) -> Path:
+    """The demo model in ``dst`` (files symlinked) with the JSON file ``name`` updated
+    by ``changes``."""
+    dst.mkdir()
+    for f in DEMO.iterdir():
+        if f.name != name:
+            (dst / f.name).symlink_to(f)
+    data = json.loads((DEMO / name).read_text())
+    (dst / name).write_text(json.dumps({**data, **changes}))
+    return dst
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -430,14 +442,8 @@ def test_api_limit_is_the_engine_limit_and_engine_refusals_are_400(tmp_path):
 
     # a sliding window of 64 tokens: the engine caps sequences there (full attention
     # past it would differ), so the API must advertise and check 64, not the context
-    model = tmp_path / "windowed"
-    model.mkdir()
-    for f in DEMO.iterdir():
-        if f.name != "config.json":
-            (model / f.name).symlink_to(f)
-    cfg = json.loads((DEMO / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(
-        {**cfg, "use_sliding_window": True, "sliding_window": 64}))
+    model = demo_with(tmp_path / "windowed", "config.json",
+                      use_sliding_window=True, sliding_window=64)
     assert max_sequence_len(load_model_config(model), None) == 64
     channel = FrontendChannel()
     server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
@@ -493,3 +499,58 @@ def test_unused_capacity_is_free_in_status_and_metrics():
     finally:
         server.stop()
         channel.close()
+
+
+def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(tmp_path):
+    """temperature/top_p/top_k that generation_config.json sets (read back through
+    transformers' GenerationConfig) are the defaults of a request that does not send
+    them; a value the request sends wins; a bad value is a one-line error at start."""
+    from transformers import GenerationConfig
+
+    from elasticep.engine.request import TokenOutput
+    from elasticep.models.config import load_model_config
+
+    sampled = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    model = demo_with(tmp_path / "sampled", "generation_config.json", **sampled)
+    hf = GenerationConfig.from_pretrained(model)
+    channel = FrontendChannel()
+    server, _ = create_server(model, channel, OneRank(), served_model_name=NAME)
+    worker = WorkerChannel(channel.endpoints, rank=0)
+    received = []
+
+    def answer() -> None:  # one token per request, then "stop"
+        while len(received) < 3:
+            for msg in worker.poll(0.1):
+                received.append(msg.params)
+                worker.send_outputs([TokenOutput(msg.request_id, 0, 5, "stop")])
+
+    answerer = threading.Thread(target=answer, daemon=True)
+    server.start()
+    try:
+        worker.hello()
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10, "routable")
+        answerer.start()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2)
+        client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+        client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2, top_p=0.5,
+                                  extra_body={"top_k": -1})
+        answerer.join(10)
+    finally:
+        server.stop()
+        worker.close()
+        channel.close()
+    assert [(p.temperature, p.top_p, p.top_k) for p in received] == [
+        (hf.temperature, hf.top_p, hf.top_k),  # 0.6, 0.95, 20: all from the model
+        (0.0, hf.top_p, hf.top_k),             # the request's temperature wins
+        (hf.temperature, 0.5, 0),              # its top_p, and top_k -1 disables
+    ]
+    assert (hf.temperature, hf.top_p, hf.top_k) == (0.6, 0.95, 20)
+
+    # the demo model's file sets none of them: OpenAI's defaults
+    demo = load_model_config(DEMO).sampling_defaults
+    assert (demo.temperature, demo.top_p, demo.top_k) == (None, None, None)
+    bad = demo_with(tmp_path / "bad", "generation_config.json", **{**sampled, "top_p": 1.5})
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must be a number "
+                                         r"in \(0, 1\], got 1.5$"):
+        load_model_config(bad)

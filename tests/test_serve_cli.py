@@ -601,6 +601,22 @@ def test_unknown_flag_prints_the_subcommand_usage_and_version_exists():
     assert (v.returncode, v.stdout.strip()) == (0, f"elasticep {elasticep.__version__}")
 
 
+def test_join_help_says_what_ctrl_c_does_and_the_exit_flags_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["join", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("Ctrl-C (or SIGTERM) hands the ranks that are already members over to the "
+            "deployment: they keep serving") in text
+    assert "--detach return once the ranks are members (healthy)" in text
+    assert "--stop-ranks-on-exit Ctrl-C / SIGTERM stop every rank this join started" in text
+    assert _join("--ranks", "2", "--elastic-ep-rejoin", "--detach").detach
+    with pytest.raises(SystemExit) as done:
+        _join("--ranks", "2", "--elastic-ep-rejoin", "--detach", "--stop-ranks-on-exit")
+    assert done.value.code == 2
+    assert "not allowed with argument --detach" in capsys.readouterr().err
+
+
 def test_readme_serve_table_lists_every_serve_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]

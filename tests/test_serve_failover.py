@@ -119,6 +119,36 @@ def test_kill_rank0_midstream(serve, reference):
     _rejoin(serve, 0)
 
 
+def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, reference):
+    """SIGINT to the `join` that recovered rank 0 (the test above): the join exits 130
+    with one line; rank 0 keeps its pid and stays healthy past a heartbeat timeout, and
+    a burst of 8 streams over the 4 ranks gives the fault-free texts. Then, with rank 0
+    killed, `join --detach` recovers it, exits 0 once it is healthy, and leaves it
+    running."""
+    join = next(j for j in serve.joins
+                if j.poll() is None and list(j.args[-2:]) == ["--ranks", "0"])
+    before = serve.rank(0)
+    join.send_signal(signal.SIGINT)
+    assert join.wait(30) == 130, serve.join_log(join)
+    assert f"ranks [0] (pids [{before['pid']}]) keep serving" in serve.join_log(join)
+    time.sleep(3.5)  # longer than --heartbeat-timeout 3.0: a dead rank would be failed
+    assert [r.text for r in reference_results(serve, PROMPTS, MAX_TOKENS)] == reference
+    now = serve.rank(0)
+    assert (now["state"], now["pid"]) == ("healthy", before["pid"])
+    assert _all_healthy(serve.status()) and pid_alive(before["pid"])
+    assert httpx.get(f"{serve.url}/health").json()["degraded"] is False
+
+    signal_pid(before["pid"], signal.SIGKILL)  # the coordinator tracks it: failed
+    serve.wait_for(lambda s: serve.rank(0)["state"] == "failed", 10, "rank 0 failed")
+    detached = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "0", "--detach")
+    assert detached.wait(120) == 0, serve.join_log(detached)
+    assert "keep serving" in serve.join_log(detached)
+    back = serve.rank(0)
+    assert back["state"] == "healthy" and back["pid"] != before["pid"]
+    time.sleep(1.0)
+    assert pid_alive(back["pid"]) and _all_healthy(serve.status())
+
+
 def test_frozen_rank_is_evicted(serve, reference):
     victim = serve.rank_state(1)
     t0 = time.monotonic()

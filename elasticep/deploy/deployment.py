@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from typing import Any
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
 from elasticep.distributed import Coordinator, start_coordinator
-from elasticep.distributed.membership import SlotState
+from elasticep.distributed.membership import ACTIVE_STATES, SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import WorkerHello
@@ -58,18 +58,21 @@ class Deployment:
         env: extra environment for the workers.
         new_session: start each worker in its own session, so a terminal's Ctrl-C reaches
             only the command, which then stops the workers in order.
+        outlive: a worker stops dying with this process once it is admitted, so that
+            :meth:`hand_over` can leave the members running (`join`).
     """
 
     def __init__(self, address: str, config: DeploymentConfig, *, node: int = 0,
                  coordinator: Coordinator | None = None, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None, new_session: bool = False) -> None:
+                 env: dict[str, str] | None = None, new_session: bool = False,
+                 outlive: bool = False) -> None:
         self.address = address
         self.config = config
         self.node = node
         self.coordinator = coordinator
         self.launcher = RankLauncher(address, config, log_dir=log_dir, env=env,
                                      new_session=new_session, node=node,
-                                     label=f"node {node}")
+                                     label=f"node {node}", outlive=outlive)
         self._membership: CoordinatorMembership | LaunchedRanks | None = None
 
     # ------------------------------------------------------------------ assembly
@@ -276,18 +279,57 @@ class Deployment:
         """Where the worker logs go."""
         return self.launcher.log_dir
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Kill every worker started here (by pid), then the coordinator if ours;
-        idempotent."""
+    def hand_over(self, timeout_s: float = 5.0) -> dict[int, int]:
+        """Stop like :meth:`stop`, but leave the workers started here that are members
+        (active in the coordinator's view, with our pid) running in the deployment: the
+        coordinator tracks them by pid, and a `serve --restart-failed-ranks` of this node
+        relaunches them if they fail. Needs ``outlive``; the others (still loading, or
+        ready but not admitted) are stopped.
+
+        Returns:
+            rank -> pid of the workers left running (none if the coordinator cannot say
+            which are members: then every worker is stopped).
+        """
+        kept: dict[int, int] = {}
+        if self.launcher.outlive:
+            try:
+                status = self.deployment_status()
+                kept = {r: pid for r, pid in self.pids(live_only=True).items()
+                        if status.state_of(r) in ACTIVE_STATES and status.rank(r).pid == pid}
+            except (ConnectionError, TimeoutError, OSError, ValueError, KeyError) as exc:
+                logger.warning("node %d: cannot tell which ranks are members (%s); "
+                               "stopping them all", self.node, exc)
+        self.stop(timeout_s, keep=kept.values())
+        return kept
+
+    def handed_over(self) -> list[int]:
+        """pids of the live members on this node that this process did not start (a
+        `join` handed them over, see :meth:`hand_over`), from the coordinator's view;
+        [] if it cannot be asked."""
+        try:
+            status = self.launcher.deployment_status()
+        except (ConnectionError, TimeoutError, OSError, ValueError):
+            return []
+        ours = set(self.pids(live_only=False).values())
+        return [r.pid for r in status.ranks
+                if r.node == self.node and r.pid is not None and r.pid not in ours
+                and r.state in ACTIVE_STATES and pid_alive(r.pid)]
+
+    def stop(self, timeout_s: float = 5.0, keep: Collection[int] = ()) -> None:
+        """Kill every worker started here (by pid) but those in ``keep``, then the
+        coordinator if ours; idempotent."""
         # A planned stop, not failures: the coordinator stops treating exits as deaths,
         # the workers are killed while it is still up (so none logs a lost coordinator),
-        # then it closes.
+        # then it closes. Members a `join` handed over on this node would lose it too:
+        # they are stopped with ours.
+        handed = self.handed_over() if self.coordinator is not None else []
         self.launcher.detach()
         if isinstance(self._membership, CoordinatorMembership):
             self._membership.close()
         if self.coordinator is not None:
             self.coordinator.begin_stop()
-        self.launcher.stop(timeout_s)
+        kill_pids(handed, timeout_s)
+        self.launcher.stop(timeout_s, keep)
         if self.coordinator is not None:
             self.coordinator.close()
 

@@ -23,6 +23,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -30,7 +31,7 @@ from typing import IO, Any
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.config import DeploymentConfig, WorkerConfig
-from elasticep.utils.procs import PARENT_PID_ENV, kill_pids
+from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -91,12 +92,16 @@ class RankLauncher:
             reaches only the owner, which then stops the workers in order.
         label: prefix of every log line (``"deployment"``, ``"node 1"``).
         node: this machine's node index (for the status' ``node`` field).
+        outlive: a worker stops dying with this launcher once it is admitted
+            (``$ELASTICEP_OUTLIVE_LAUNCHER``), so :meth:`stop` can leave members running.
     """
 
     def __init__(self, coordinator: str, config: DeploymentConfig, *,
                  log_dir: str | Path | None = None, env: dict[str, str] | None = None,
-                 new_session: bool = False, label: str = "deployment", node: int = 0) -> None:
+                 new_session: bool = False, label: str = "deployment", node: int = 0,
+                 outlive: bool = False) -> None:
         self.coordinator = coordinator
+        self.outlive = outlive
         self.node = node
         self.config = config
         self.log_dir = None if log_dir is None else Path(log_dir)
@@ -133,7 +138,8 @@ class RankLauncher:
         """
         wc = WorkerConfig(self.config, rank, self.coordinator, join_mode=join_mode, fault=fault)
         cmd = [sys.executable, "-m", WORKER_MODULE, "--config-json", wc.to_json()]
-        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid()),
+               OUTLIVE_PARENT_ENV: "1" if self.outlive else "0"}
         if fault is None:
             env.pop("ELASTICEP_FAULT", None)
         log = None
@@ -224,11 +230,13 @@ class RankLauncher:
             self._stopping = True
         self._client.close()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """:meth:`detach`, then SIGTERM and SIGKILL every worker started here; idempotent."""
+    def stop(self, timeout_s: float = 5.0, keep: Collection[int] = ()) -> None:
+        """:meth:`detach`, then SIGTERM and SIGKILL every worker started here but those
+        whose pid is in ``keep`` (members that outlive us, see ``outlive``); idempotent."""
         self.detach()
         with self._lock:
-            pids = [p.pid for p in self.procs.values() if p.poll() is None]
+            pids = [p.pid for p in self.procs.values() if p.poll() is None
+                    and p.pid not in keep]
         kill_pids(pids, timeout_s)
         self._spawner.shutdown(wait=True)
         for f in self._logs:

@@ -5,7 +5,8 @@
 - ``step_loop``: LockstepLoop (header, schedule, execute, commit, redo on failure).
 - ``placement_sync``: agreed placement changes (repair, admit, drain, rebalance).
 - ``rank_model``: a rank's weights, its EP executor, the checkpoint expert reader.
-- ``fault_injection``: ``ELASTICEP_FAULT=kill:rank=R:step=S[:layer=L]``.
+- ``fault_injection``: ``ELASTICEP_FAULT=kill:rank=R:step=S[:layer=L]`` (or ``admit=N``,
+  or ``loading``).
 - ``log_context``: rank and epoch on every worker log line.
 
 Starting, relaunching and scaling the worker processes is ``elasticep.deploy``'s job.

@@ -1,4 +1,4 @@
-"""Test-only fault injection: a rank SIGKILLs itself at a given step.
+"""Test-only fault injection: a rank SIGKILLs itself at a given step, admission or load.
 
 Spec (``ELASTICEP_FAULT`` environment variable, or ``WorkerConfig.fault``)::
 
@@ -8,6 +8,8 @@ Spec (``ELASTICEP_FAULT`` environment variable, or ``WorkerConfig.fault``)::
     kill:rank=2:admit=1            # rank 2 dies in the 1st admission it takes part in
                                    #     as a survivor, after the placement is shared
                                    #     and before the joiners' experts arrive
+    kill:rank=2:loading            # rank 2 dies while loading: its weights are read,
+                                   #     it has not registered with the coordinator
 
 Several specs may be joined with ``,``. A step is one working lockstep step (idle
 iterations with no work anywhere are not counted); every rank counts the same steps,
@@ -31,18 +33,19 @@ ENV_VAR = "ELASTICEP_FAULT"
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``), or in
-    its ``admit``-th admission (then ``step`` is None)."""
+    """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``), in its
+    ``admit``-th admission, or while ``loading`` (then ``step`` is None)."""
 
     rank: int
     step: int | None
     layer: int | None = None
     admit: int | None = None
+    loading: bool = False
 
 
 def parse_faults(text: str | None) -> list[FaultSpec]:
-    """Parse ``"kill:rank=R:step=S[:layer=L]"`` / ``"kill:rank=R:admit=N"`` specs joined
-    by commas.
+    """Parse ``"kill:rank=R:step=S[:layer=L]"`` / ``"kill:rank=R:admit=N"`` /
+    ``"kill:rank=R:loading"`` specs joined by commas.
 
     Returns:
         The specs, in order; empty for None or "".
@@ -59,7 +62,10 @@ def parse_faults(text: str | None) -> list[FaultSpec]:
         if action != "kill":
             raise ValueError(f"fault spec {part!r}: only 'kill' is supported")
         kv = {}
+        loading = "loading" in fields
         for f in fields:
+            if f == "loading":
+                continue
             key, sep, value = f.partition("=")
             if not sep or key not in ("rank", "step", "layer", "admit"):
                 raise ValueError(f"fault spec {part!r}: bad field {f!r}")
@@ -67,17 +73,19 @@ def parse_faults(text: str | None) -> list[FaultSpec]:
                 kv[key] = int(value)
             except ValueError:
                 raise ValueError(f"fault spec {part!r}: {key} must be an integer") from None
-        if "rank" not in kv or ("step" in kv) == ("admit" in kv) or (
+        if "rank" not in kv or ("step" in kv) + ("admit" in kv) + loading != 1 or (
                 "layer" in kv and "step" not in kv):
-            raise ValueError(f"fault spec {part!r}: needs rank= and either step= "
-                             f"(optionally with layer=) or admit=")
-        specs.append(FaultSpec(kv["rank"], kv.get("step"), kv.get("layer"), kv.get("admit")))
+            raise ValueError(f"fault spec {part!r}: needs rank= and one of step= "
+                             f"(optionally with layer=), admit= or loading")
+        specs.append(FaultSpec(kv["rank"], kv.get("step"), kv.get("layer"), kv.get("admit"),
+                               loading))
     return specs
 
 
 class FaultInjector:
-    """Fires this rank's faults. Call :meth:`at_step` before each step's forward,
-    :meth:`at_layer` when a MoE layer is entered and :meth:`at_admit` mid-admission.
+    """Fires this rank's faults. Call :meth:`at_loading` between reading the weights and
+    registering, :meth:`at_step` before each step's forward, :meth:`at_layer` when a MoE
+    layer is entered and :meth:`at_admit` mid-admission.
 
     Args:
         rank: this process's rank; specs for other ranks are ignored.
@@ -94,6 +102,11 @@ class FaultInjector:
     def from_config(cls, rank: int, fault: str | None) -> FaultInjector:
         """Specs from ``fault`` (the worker config) plus ``$ELASTICEP_FAULT``."""
         return cls(rank, parse_faults(fault) + parse_faults(os.environ.get(ENV_VAR)))
+
+    def at_loading(self) -> None:
+        """The weights are read, the rank has not registered; dies if a spec says so."""
+        if any(s.loading for s in self.specs):
+            self._die("loading")
 
     def at_step(self, step: int) -> None:
         """Enter working step ``step``; dies here if a spec without a layer matches."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -318,8 +318,9 @@ class LockstepLoop:
 
 
 def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
-                     load_fn: CheckpointLoader | None,
-                     timeout_s: float) -> placement_sync.ChangeReport:
+                     load_fn: CheckpointLoader | None, timeout_s: float,
+                     on_member: Callable[[], object] | None = None,
+                     ) -> placement_sync.ChangeReport:
     """Joiner side of an admission: block in ``join_group``, then run the same first ops
     as the survivors (:func:`placement_sync.share_placement`, then
     :func:`placement_sync.reconcile`).
@@ -331,11 +332,16 @@ def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
     placement and the joiners rebuild it from the checkpoint
     (:func:`placement_sync.rebuild`).
 
+    ``on_member`` runs as soon as ``join_group`` returns: the rank is a member from then
+    on (the coordinator shows it healthy), before the placement and experts arrive.
+
     Raises:
         TimeoutError: not admitted within ``timeout_s``.
         EpochChangedError: membership changed before the placement arrived.
     """
     ed.join_group(group, timeout_s=timeout_s)
+    if on_member is not None:
+        on_member()
     # False: every rank had died, and all members are joiners with nothing to share.
     shared = placement_sync.share_placement(ep, False, group)
     settle = placement_sync.reconcile if shared else placement_sync.rebuild

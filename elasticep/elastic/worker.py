@@ -2,7 +2,8 @@
 
 ``JSON`` is :meth:`WorkerConfig.to_json`. The worker:
 
-1. dies with its parent (the launcher) and logs with rank and epoch on every line;
+1. dies with its parent (the launcher) and logs with rank and epoch on every line (a
+   joiner of a `join` that hands its ranks over stops dying with it once admitted);
 2. loads the model with only its local expert slots of the launch placement
    (``slots_per_rank = ceil((E + R) / ep_size)``, capacity ``max_ep_size``);
 3. joins the WORLD group (the elastic backend with ``on_failure="raise"`` through the
@@ -30,7 +31,7 @@ import sys
 import traceback
 from datetime import timedelta
 
-from elasticep.utils.procs import PARENT_PID_ENV, die_with_parent
+from elasticep.utils.procs import PARENT_PID_ENV, die_with_parent, outlive_parent
 
 if __name__ == "__main__":
     # Before the imports below, which take seconds: a launcher (serve, join) killed
@@ -112,10 +113,11 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                               with_experts=not joining, load_format=d.load_format)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
+    faults = FaultInjector.from_config(cfg.rank, cfg.fault)
+    faults.at_loading()
     group = init_world(cfg)
     ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
     load_fn = CheckpointExperts(model, d.model, d.load_format)
-    faults = FaultInjector.from_config(cfg.rank, cfg.fault)
     if faults.has_layer_faults:  # each hook is an eager break in a captured decode graph
         hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None
@@ -129,7 +131,9 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                                            enable_cuda_graph=not d.disable_cuda_graph))
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
-        report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10)
+        # a member outlives a `join` that hands it over (see RankLauncher's ``outlive``)
+        report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10,
+                                  on_member=outlive_parent)
         log_ctx.epoch = ed.get_current_epoch(group)
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)

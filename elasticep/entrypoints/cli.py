@@ -8,8 +8,13 @@ imports what it needs at its top; this dispatcher is the only place that imports
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
+import os
 import sys
+import traceback
+from typing import NoReturn
 
 import elasticep
 
@@ -64,5 +69,45 @@ def main(argv: list[str] | None = None) -> int:
     return int(mod.run(args) or 0)
 
 
+def console_main() -> NoReturn:
+    """Entry of the `elasticep` console script and of ``python -m
+    elasticep.entrypoints.cli``: run :func:`main`, flush the logs and stdio, and end the
+    process at once with the command's status (``os._exit``).
+
+    Why not a normal interpreter exit: the command has stopped what it started by then,
+    but a daemon thread may still be inside native code with the GIL released (a
+    torch.distributed store call did this in serve's launcher threads). When it returns
+    during interpreter finalization, CPython ends that thread by unwinding its C++
+    frames, and a ``noexcept`` frame on the way calls ``std::terminate``: "terminate
+    called without an active exception" and SIGABRT instead of the command's own status
+    (issue 17, item 9). C++ static destructors that meet a still-joinable
+    ``std::thread`` end the same way; ``os._exit`` runs neither.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse: --help, --version, usage errors
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its handlers
+        code = 130
+    except BaseException:  # noqa: BLE001 - a bug: report it as Python would, then exit 1
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The process status ``sys.exit(code)`` would give (a message is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

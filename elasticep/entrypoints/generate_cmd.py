@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 
 import elasticep
 from elasticep.elastic.config import DeploymentConfig
-from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
+from elasticep.elastic.fault_injection import parse_faults
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
@@ -135,10 +134,7 @@ def check_fault(fault: str | None, ep_size: int) -> None:
     Raises:
         UsageError: a malformed spec, or ``--fault`` that cannot fire.
     """
-    try:
-        parse_faults(os.environ.get(ENV_VAR))
-    except ValueError as exc:
-        raise UsageError(f"{ENV_VAR}: {exc}") from None
+    checks.env_fault()
     try:
         specs = parse_faults(fault)
     except ValueError as exc:

@@ -10,7 +10,11 @@ Two modes (flags named as in SGLang):
   POST /scale_elastic_ep {"new_ep_size": K} admits them.
 
 Everything else (model, dtype, device, EP settings, front-end addresses) comes from the
-coordinator. The command stays in the foreground; Ctrl-C stops the ranks it started.
+coordinator. The command stays in the foreground and reports its ranks. Ctrl-C (or
+SIGTERM) hands the ranks that are already members over to the deployment: they keep
+serving, the coordinator tracks them by pid, and `serve --restart-failed-ranks` on the
+same node relaunches them if they fail. Ranks not admitted yet stop. --detach returns
+once the ranks are members; --stop-ranks-on-exit makes Ctrl-C stop every rank it started.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register the ``join`` subcommand."""
     p = subparsers.add_parser(
         "join", help="add ranks to a running deployment (rejoin a failed rank, or scale up)",
-        description=__doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0], epilog=EXAMPLES,
+        description=__doc__.split("\n\n", 1)[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dist-init-addr", required=True,
                    help="HOST:PORT of the deployment's coordinator (printed by serve)")
@@ -76,6 +80,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
+    on_exit = p.add_mutually_exclusive_group()
+    on_exit.add_argument("--detach", action="store_true",
+                         help="return once the ranks are members (healthy), leaving them "
+                              "running in the deployment (scale: after the POST that admits "
+                              "them)")
+    on_exit.add_argument("--stop-ranks-on-exit", action="store_true",
+                         help="Ctrl-C / SIGTERM stop every rank this join started (default: "
+                              "members keep serving, only ranks not admitted yet stop)")
     add_coordinator_timeout_argument(p)
     add_load_format_argument(p, default=None,
                              help_suffix=" (default: the deployment's; a different one is "
@@ -146,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         client.reserve(ranks, mode)
         log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
         deployment = Deployment(args.dist_init_addr, config, node=args.node_rank,
-                                log_dir=log_dir, new_session=True)
+                                log_dir=log_dir, new_session=True,
+                                outlive=not args.stop_ranks_on_exit)
     except (JoinError, JoinRefusedError) as exc:
         if client is not None:
             client.close()
@@ -161,15 +174,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep join: error: coordinator {args.dist_init_addr}: {exc}",
               file=sys.stderr)
         return 1
+    detached = False
     try:
         if mode == "recover":
             deployment.relaunch(*ranks)  # a frozen old worker on this node is killed first
         else:
             deployment.launch(ranks, mode)
-        joined = _report_progress(deployment, mode, ranks, stop)
+        joined = _report_progress(deployment, mode, ranks, stop, members=args.detach)
         client.close()  # releases the claims: the ranks are in (the coordinator holds them)
         if not joined:
             return stop.exit_status() or 1
+        if args.detach:
+            detached = True  # the finally below hands the members over
+            return 0 if len(joined) == len(ranks) else 1
         exits = supervise(deployment, stop, restart=False, until_all_exited=True)
         if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
@@ -180,7 +197,20 @@ def run(args: argparse.Namespace) -> int:
         return exit_status(len(ranks), len(joined), exits, stop)
     finally:
         client.close()
-        deployment.stop()
+        if detached or (stop.is_set() and not args.stop_ranks_on_exit):
+            _hand_over(deployment)
+        else:
+            deployment.stop()
+
+
+def _hand_over(deployment: Deployment) -> None:
+    """Leave the members among our ranks running in the deployment; say so in one line."""
+    kept = deployment.hand_over()
+    if kept:
+        print(f"elasticep join: ranks {sorted(kept)} (pids {[kept[r] for r in sorted(kept)]}) "
+              f"keep serving in the deployment; the coordinator tracks them, and serve "
+              f"--restart-failed-ranks on node {deployment.node} relaunches them if they "
+              f"fail", file=sys.stderr, flush=True)
 
 
 _ERROR_LINE = re.compile(r"^\w*(Error|Exception|Exit)\w*: .+")
@@ -205,16 +235,16 @@ def joined_ranks(status: DeploymentStatus, ranks: list[int], pids: dict[int, int
                for r in ranks)
 
 
-def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event
-                     ) -> list[int]:
-    """Print one line when the ranks are in (recover: healthy; scale: ready to admit),
-    and one error line for each rank that exits first; the others go on.
+def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event,
+                     members: bool = False) -> list[int]:
+    """Print one line when the ranks are in (recover, or ``members``: healthy; scale:
+    ready to admit), and one error line for each rank that exits first; the others go on.
 
     Returns:
         The ranks that got in; empty if stopped or every rank exited first.
     """
-    goal = ((SlotState.HEALTHY,) if mode == "recover"
-            else (SlotState.READY, SlotState.HEALTHY))
+    members = members or mode == "recover"
+    goal = (SlotState.HEALTHY,) if members else (SlotState.READY, SlotState.HEALTHY)
     waiting = list(ranks)
     while waiting and not stop.wait(0.2):
         while not deployment.exits.empty():
@@ -237,7 +267,7 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
             logger.warning("coordinator status unavailable: %s", exc)
             continue
         if done:
-            if mode == "recover":
+            if members:
                 print(f"joined: ranks {waiting} healthy at epoch {status.epoch}", flush=True)
             else:
                 print(f"ready: ranks {waiting} loaded; they are admitted once the target "

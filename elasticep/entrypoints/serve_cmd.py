@@ -36,7 +36,7 @@ from elasticep.entrypoints.serve_args import (
     add_serve_arguments,
     validate,
 )
-from elasticep.entrypoints.validate import UsageError
+from elasticep.entrypoints.validate import UsageError, env_fault
 from elasticep.frontend.http_server import create_server
 
 logger = logging.getLogger("elasticep.serve")
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         settings = validate(args)
+        fault = env_fault()
     except UsageError as exc:
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 2
@@ -86,16 +87,17 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
     try:
         if settings.node_rank == 0:
-            return _serve_head(settings, args, stop, log_dir)
-        return _serve_node(settings, stop, log_dir)
+            return _serve_head(settings, args, stop, log_dir, fault)
+        return _serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
 
 
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
-                log_dir: Path) -> int:
-    """Node 0: coordinator + front-end + local ranks; returns when stopped."""
+                log_dir: Path, fault: str | None) -> int:
+    """Node 0: coordinator + front-end + local ranks (``fault``: their fault-injection
+    spec); returns when stopped."""
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
@@ -107,7 +109,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         try:  # the local ranks first: they load while the front-end starts
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
-                ranks=settings.local_ranks, log_dir=log_dir, new_session=True)
+                ranks=settings.local_ranks, log_dir=log_dir, new_session=True, fault=fault)
         except OSError as exc:
             raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
                           f"{exc.strerror or exc}") from exc
@@ -179,8 +181,10 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     return False
 
 
-def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
-    """Nodes 1..: launch this node's share of ranks against node 0's coordinator."""
+def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
+                fault: str | None) -> int:
+    """Nodes 1..: launch this node's share of ranks against node 0's coordinator
+    (``fault``: their fault-injection spec)."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
         return stop.exit_status() or 1
@@ -190,7 +194,7 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path) -> int:
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:
-        deployment.launch(ranks)
+        deployment.launch(ranks, fault=fault)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
         fatal = not deployment.fault_tolerant

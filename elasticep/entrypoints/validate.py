@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
 from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
@@ -22,6 +24,22 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")  # as elasticep.models.loader.LO
 LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
                     "draws them from a fixed seed on the device, so a directory with only "
                     "config.json runs a real model shape (benchmarks)")
+
+
+def env_fault() -> str | None:
+    """``$ELASTICEP_FAULT`` (test-only fault injection of the launch cohort, see
+    :mod:`elasticep.elastic.fault_injection`), parsed up front: workers would die on a
+    bad spec.
+
+    Raises:
+        UsageError: a malformed spec.
+    """
+    text = os.environ.get(ENV_VAR)
+    try:
+        parse_faults(text)
+    except ValueError as exc:
+        raise UsageError(f"{ENV_VAR}: {exc}") from None
+    return text
 
 
 def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -43,7 +43,7 @@ from elasticep.frontend.openai_protocol import (
 )
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.tokenizer import load_tokenizer
-from elasticep.models.config import load_model_config
+from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class ServerConfig:
         model_name: the ``model`` clients send (and /v1/models lists).
         max_model_len: prompt + completion limit in tokens: the engine's own
             (:func:`~elasticep.engine.llm_engine.max_sequence_len`).
+        sampling_defaults: the model's ``generation_config.json`` sampling values, for
+            the fields a request leaves unset.
         api_key: if set, every endpoint but ``/health`` needs
             ``Authorization: Bearer <api_key>``.
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
@@ -68,6 +70,7 @@ class ServerConfig:
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -133,7 +136,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
 
     app = FastAPI(title="ElasticEP", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len)
+    serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len,
+                            config.sampling_defaults)
     created = int(time.time())
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -258,9 +262,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     """
     tokenizer = load_tokenizer(model_path)
     # the engine's own limit, so that what it would refuse or cut short is a 400 up front
+    model_config = load_model_config(model_path)
     max_model_len = max_sequence_len(
-        load_model_config(model_path),
-        EngineConfig(max_total_tokens=max_total_tokens) if max_total_tokens else None)
+        model_config, EngineConfig(max_total_tokens=max_total_tokens) if max_total_tokens else None)
     # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62
@@ -268,7 +272,8 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                         config=frontend_config)
     config = ServerConfig(model_name=served_model_name or str(model_path),
-                          max_model_len=max_model_len, api_key=api_key, host=host, port=port)
+                          max_model_len=max_model_len, api_key=api_key, host=host, port=port,
+                          sampling_defaults=model_config.sampling_defaults)
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port), frontend
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from elasticep.engine.request import SamplingParams
+from elasticep.models.config import SamplingDefaults
 
 
 class OpenAIError(Exception):
@@ -98,14 +99,26 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int,
+                           defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
         """Engine sampling params with the resolved ``max_tokens``.
+
+        Args:
+            max_tokens: completion tokens.
+            defaults: the model's ``generation_config.json`` values, used for the
+                sampling fields the request does not send (then OpenAI's defaults).
 
         Raises:
             OpenAIError: 400 when a value is out of the engine's range.
         """
-        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+        def pick(name: str) -> Any:
+            model_value = getattr(defaults, name)
+            if name in self.model_fields_set or model_value is None:
+                return getattr(self, name)
+            return model_value
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"),
+                                top_p=pick("top_p"), top_k=max(pick("top_k"), 0), seed=self.seed,
                                 stop=self.stop_strings(), ignore_eos=self.ignore_eos)
         try:
             params.validate()

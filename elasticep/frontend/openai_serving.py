@@ -44,6 +44,7 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
 )
 from elasticep.frontend.tokenizer import NoTokenizerError
+from elasticep.models.config import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,18 @@ class OpenAIServing:
             ``apply_chat_template``, ``chat_template``).
         model_name: the name clients must send as ``model``.
         max_model_len: prompt + completion tokens must fit this (context and KV cache).
+        sampling_defaults: the model's ``generation_config.json`` sampling values, for
+            the fields a request leaves unset.
     """
 
     def __init__(self, frontend: Frontend, tokenizer: Any, model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.frontend = frontend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.sampling_defaults = sampling_defaults
 
     # ---- request preparation -------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -123,7 +128,7 @@ class OpenAIServing:
         if not ids:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens)
+        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
 
     def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         self.check_model(req.model)
@@ -142,7 +147,7 @@ class OpenAIServing:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens)
+        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
 
     def _submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
         try:

@@ -27,6 +27,24 @@ def unsupported(problem: str) -> ValueError:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling settings a checkpoint's ``generation_config.json`` sets, used where an
+    API request leaves them unset (what vLLM and SGLang do by default). None: the file does
+    not set it. ``do_sample`` is not read: an API client that sends no temperature asks
+    for sampling, whatever ``generate``'s greedy default.
+
+    Attributes:
+        temperature: softmax temperature (>= 0; 0 is greedy).
+        top_p: nucleus mass in (0, 1].
+        top_k: the most likely tokens kept (>= 0; 0 disables it).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+@dataclass(frozen=True)
 class MoEModelConfig:
     """What our forward pass needs to know about a checkpoint.
 
@@ -44,6 +62,7 @@ class MoEModelConfig:
         mla: Multi-head Latent Attention sizes (DeepSeek), or None for GQA attention.
         eos_token_ids: token ids that end generation: ``generation_config.json``'s when it
             sets them (what transformers' ``generate`` stops on), else ``config.json``'s.
+        sampling_defaults: ``generation_config.json``'s temperature, top_p and top_k.
         attention_window: sliding-window size, or None. We implement full attention only,
             so the engine caps sequences at this length (where the two agree).
     """
@@ -71,6 +90,7 @@ class MoEModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_window: int | None = None
     mla: MLAConfig | None = None
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def rope_dim(self) -> int:
@@ -177,6 +197,27 @@ def _generation_config(model_dir: Path) -> dict:
     return data
 
 
+def _sampling_defaults(gen: dict, path: Path) -> SamplingDefaults:
+    """The sampling keys of a parsed ``generation_config.json`` (``path``, for errors).
+
+    Raises:
+        ValueError: a value of the wrong type or out of range, naming the key and file.
+    """
+    def number(key: str, ok: Any, want: str, kind: type = float) -> Any:
+        value = gen.get(key)
+        if value is None:
+            return None
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or (kind is int and not isinstance(value, int)) or not ok(value)):
+            raise ValueError(f"{path}: {key} must be {want}, got {value!r}")
+        return kind(value)
+
+    return SamplingDefaults(
+        temperature=number("temperature", lambda v: v >= 0, "a number >= 0"),
+        top_p=number("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        top_k=number("top_k", lambda v: v >= 0, "an integer >= 0", int))
+
+
 def load_model_config(model_dir: str | Path) -> MoEModelConfig:
     """Read ``model_dir/config.json`` into a :class:`MoEModelConfig`.
 
@@ -235,7 +276,8 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
             qkv_bias = o_bias = bool(_first(cfg, raw, "attention_bias", default=False))
             shared = 0
 
-    eos = _generation_config(Path(model_dir)).get("eos_token_id")
+    gen = _generation_config(Path(model_dir))
+    eos = gen.get("eos_token_id")
     if eos is None:
         eos = _first(cfg, raw, "eos_token_id", default=[])
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
@@ -263,4 +305,5 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
         eos_token_ids=tuple(int(e) for e in eos_ids),
         attention_window=int(window) if window else None,
         mla=mla,
+        sampling_defaults=_sampling_defaults(gen, Path(model_dir) / "generation_config.json"),
     )

@@ -16,6 +16,9 @@ from elasticep.utils.wait import wait_until
 _PR_SET_PDEATHSIG = 1
 # Set by a launcher in its children's environment: the pid they must die with.
 PARENT_PID_ENV = "ELASTICEP_PARENT_PID"
+# Set ("1") by a launcher whose workers may outlive it once they are members (`join`
+# hands its admitted ranks over to the deployment): see :func:`outlive_parent`.
+OUTLIVE_PARENT_ENV = "ELASTICEP_OUTLIVE_LAUNCHER"
 
 
 def die_with_parent(expected_parent_pid: int | None = None, sig: int = signal.SIGKILL) -> None:
@@ -33,6 +36,23 @@ def die_with_parent(expected_parent_pid: int | None = None, sig: int = signal.SI
         return
     if expected_parent_pid is not None and os.getppid() != expected_parent_pid:
         os._exit(1)
+
+
+def outlive_parent() -> bool:
+    """Undo :func:`die_with_parent` if this process's launcher allows it
+    (``$ELASTICEP_OUTLIVE_LAUNCHER`` is "1"): from now on the parent's exit leaves this
+    process running.
+
+    Returns:
+        True if the parent-death signal was cleared.
+    """
+    if os.environ.get(OUTLIVE_PARENT_ENV) != "1":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0) == 0
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,0 +1,39 @@
+"""`elasticep serve` when a rank dies while loading at start-up (issue 17, item 9).
+
+Serve must end with its own status (1) and its one error line, whatever native code
+other threads of the process are running at that moment. The command runs through
+``elasticep_testkit.native_thread_cli``: the real entry of the `elasticep` command, with
+one more daemon thread that is nearly always inside a torch C++ call with the GIL
+released, as serve's launcher threads were (TCPStore calls) when the issue was filed.
+Leaving through a normal interpreter exit, such a thread is unwound through a
+``noexcept`` C++ frame: "terminate called without an active exception", SIGABRT.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from elasticep.utils.procs import pid_alive
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def test_a_rank_dying_while_loading_ends_serve_with_its_status_and_line(tmp_path):
+    env = {**os.environ, "ELASTICEP_FAULT": "kill:rank=1:loading"}
+    serve = subprocess.run(
+        [sys.executable, "-m", "elasticep_testkit.native_thread_cli", "serve", "--ep-size", "2",
+         "--port", "0", "--dist-init-addr", "127.0.0.1:0", "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert "terminate called" not in serve.stderr, serve.stderr[-3000:]
+    assert serve.returncode == 1, serve.stderr[-3000:]
+    assert [line for line in serve.stderr.splitlines() if "error:" in line] == [
+        "elasticep serve: error: rank 1 exited with -9 while loading; its log ends with:"]
+    assert "fault injection: rank 1 SIGKILLs itself at loading" in serve.stderr
+    assert serve.stdout == ""  # never ready
+    pids = [int(p) for p in re.findall(r"rank \d started \(pid (\d+)", serve.stderr)]
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
