@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import elasticep
 from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
+from elasticep.distributed.gloo_device import gloo_devices
 from elasticep.distributed.membership import SlotState, scale_phase
 from elasticep.distributed.scaling import (
     Launch,
@@ -54,10 +56,19 @@ def _join(*argv: str) -> argparse.Namespace:
      "--dist-init-addr 0 is not a TCP port"),
     (["--port", "70000"], "--port 70000 is not a TCP port"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
+    (["--gloo-socket-ifname", "nosuchif0"], "--gloo-socket-ifname: no network interface "
+                                            "'nosuchif0'"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):
         validate(_serve(*argv))
+
+
+def test_gloo_socket_ifname_reaches_the_ranks_environment(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    validate(_serve("--gloo-socket-ifname", "lo"))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"  # launched workers inherit it
+    assert len(gloo_devices("10.9.9.9")) == 1  # the interface wins over the address
 
 
 def test_unsupported_family_is_refused(tmp_path):

@@ -33,6 +33,9 @@ class RankControl:
                  is_extension: bool, timeout_s: float) -> None:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.conn: Connection = connect(address, timeout_s)
+        # the address the kernel routes towards the coordinator: what peers on other
+        # hosts can reach (the inner Gloo groups bind it; see gloo_device)
+        self.local_addr: str = self.conn.sock.getsockname()[0]
         self.groups: dict[str, Any] = {}
         self._early: dict[str, list[dict]] = {}
         self._detached: set[str] = set()  # groups this process destroyed: pushes dropped
