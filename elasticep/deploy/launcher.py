@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.config import DeploymentConfig, WorkerConfig
 from elasticep.utils.procs import PARENT_PID_ENV, kill_pids
@@ -77,6 +78,9 @@ class RankExit:
     code: int
 
 
+CALL_TIMEOUT_S = 5.0  # bound of a (re)connect and of each call; a live coordinator: ms
+
+
 class RankLauncher:
     """Starts worker processes for ranks and watches them, and records each launch (node,
     pid) with the coordinator; the records go when this launcher's connection closes.
@@ -108,7 +112,7 @@ class RankLauncher:
         self.exits: queue.Queue[RankExit] = queue.Queue()
         self._lock = threading.Lock()
         self._stopping = False
-        self._client = CoordinatorClient(coordinator)
+        self._client = ReconnectingClient(coordinator, CALL_TIMEOUT_S, connect_now=True)
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ep-spawn")
         self._logs: list[IO] = []
         if self.log_dir is not None:
@@ -201,9 +205,14 @@ class RankLauncher:
 
     # ------------------------------------------------------------------ coordinator
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``CoordinatorClient.<method>(*args, **kwargs)``, one request at a time."""
-        with self._lock:
-            return getattr(self._client, method)(*args, **kwargs)
+        """``CoordinatorClient.<method>(*args, **kwargs)``, one request at a time; after
+        a partition or a lost connection the next call reconnects.
+
+        Raises:
+            ConnectionError / TimeoutError / OSError: the coordinator is unreachable.
+            ValueError: it refused the request (``MembershipRequestError``).
+        """
+        return self._client.call(method, *args, **kwargs)
 
     def request_admission(self, ranks: list[int]) -> None:
         """Ask the active ranks to admit these slots once their joiners are ready."""

@@ -4,6 +4,15 @@ A reader thread dispatches pushes (announce, commit, peer, evicted) to the per-g
 `GroupState`s and answers announcements with reports at once, so even a rank whose
 main thread is busy or idle takes part in every transition. A heartbeat thread sends
 ``hb`` every interval; `lease_fresh` tells whether an ack arrived recently.
+
+The coordinator evicts a rank it has not heard from for its heartbeat timeout. The rank
+applies the same rule from its side: with no ack or reply from the coordinator for that
+long, the coordinator is unreachable (a network partition, a one-way cut, or a host
+gone without a FIN), and the connection is closed as if it had broken, so that every
+wait of this process raises `CoordinatorLostError` at once. A partitioned rank therefore
+stops serving at about the moment the coordinator evicts it. It never goes on with
+peers on its own side of the cut: they are evicted too, and it could not commit a step
+without a fresh lease anyway.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class RankControl:
         self._detached: set[str] = set()  # groups this process destroyed: pushes dropped
         self.evicted: str | None = None
         self.lost = False
+        self.lost_reason = "control connection to the coordinator closed"
         self.last_ack = time.monotonic()
         self._ids = itertools.count(1)
         self._replies: dict[int, tuple[threading.Event, list]] = {}
@@ -53,6 +63,8 @@ class RankControl:
                               "is_extension": is_extension})
         self.store_port: int = hello["store_port"]
         self.hb_interval_s: float = hello["hb_interval_s"]
+        self.hb_timeout_s: float = hello["hb_timeout_s"]
+        self.join_hb_timeout_s: float = hello["join_hb_timeout_s"]
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests
@@ -78,7 +90,7 @@ class RankControl:
         if reply is None:
             if self.evicted:
                 raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
-            raise CoordinatorLostError(f"rank {self.rank}: coordinator connection lost")
+            raise CoordinatorLostError(f"rank {self.rank}: {self.lost_reason}")
         if not reply.get("ok"):
             raise ValueError(reply.get("error", "refused by coordinator"))
         return reply
@@ -120,9 +132,28 @@ class RankControl:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
 
     # ------------------------------------------------------------------ threads
+    def _silence_limit_s(self) -> float:
+        """The coordinator's eviction limit for this rank: the heartbeat timeout while
+        it is an active member of a group, the (longer) joiner's limit before that."""
+        with self._lock:
+            groups = list(self.groups.values())
+        member = any(gs.joined and gs.slot in gs.active for gs in groups)
+        return self.hb_timeout_s if member else self.join_hb_timeout_s
+
     def _hb_loop(self) -> None:
         while not self.lost:
-            if not self.conn.send({"t": "hb"}):
+            self.conn.send({"t": "hb"})  # a send that fails shows up as silence below
+            if time.monotonic() - self.last_ack > self._silence_limit_s():
+                # a process resumed from a freeze reads what arrived meanwhile (an
+                # eviction notice, acks) first: give its reader thread that moment
+                time.sleep(min(self.hb_interval_s, 0.1))
+            silent_s = time.monotonic() - self.last_ack
+            limit_s = self._silence_limit_s()
+            if silent_s > limit_s and not (self.lost or self.evicted):
+                self.lost_reason = (f"coordinator at {self.address} unreachable: no answer "
+                                    f"for {silent_s:.1f} s (heartbeat timeout {limit_s:g} s)")
+                log.error("rank %d: %s; stopping", self.rank, self.lost_reason)
+                self.conn.close()  # the reader sees EOF: every waiter wakes up lost
                 return
             time.sleep(self.hb_interval_s)
 
