@@ -331,6 +331,62 @@ def test_restart_policy_relaunches_crashes_only():
     assert seen == [RankExit(1, 11, -9)] and launcher.spawned == []
 
 
+class PartitionedLauncher(FakeLauncher):
+    """A node whose coordinator is unreachable for its first ``down_polls`` looks (a
+    partition), then answers again (or never, with ``down_polls=None``)."""
+
+    def __init__(self, states: dict[int, str], pids: dict[int, int],
+                 down_polls: int | None) -> None:
+        super().__init__(states, pids)
+        self.down_polls = down_polls
+
+    def deployment_status(self) -> DeploymentStatus:
+        self.polls += 1
+        if self.down_polls is None or self.polls <= self.down_polls:
+            raise ConnectionError("coordinator connection closed or timed out")
+        if self.spawned:  # relaunched: the node is whole again
+            self.stop.set()
+        return _status(self.states, self.live)
+
+    def watching(self) -> bool:
+        return bool(self.live)
+
+
+def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers():
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import supervise
+
+    launcher = PartitionedLauncher({0: "healthy", 1: "healthy", 2: "failed", 3: "failed"},
+                                   {}, down_polls=5)
+    launcher.node = 1
+    launcher.exits.put(RankExit(2, 12, 3))  # both stopped on the lost coordinator
+    launcher.exits.put(RankExit(3, 13, 3))
+    seen = supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
+                     poll_s=0.001, coordinator_timeout_s=30)
+    assert [ex.rank for ex in seen] == [2, 3]
+    assert launcher.spawned == [(2, "recover"), (3, "recover")]  # once it answered
+    assert launcher.polls == 6
+
+    # without --restart-failed-ranks nothing is relaunched: the node returns at once
+    launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=5)
+    launcher.exits.put(RankExit(2, 12, 3))
+    supervise(launcher, launcher.stop, restart=False, until_all_exited=True, poll_s=0.001)
+    assert launcher.spawned == [] and launcher.polls == 1
+
+
+def test_a_node_gives_up_on_a_coordinator_that_stays_unreachable():
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import CoordinatorUnreachableError, supervise
+
+    launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=None)
+    launcher.exits.put(RankExit(2, 12, 3))
+    with pytest.raises(CoordinatorUnreachableError, match=r"no coordinator answered at "
+                       r"--dist-init-addr 127.0.0.1:29400 within 0.2 s"):
+        supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
+                  poll_s=0.01, coordinator_timeout_s=0.2)
+    assert launcher.spawned == []
+
+
 def test_relaunch_hint_is_a_command_that_runs(caplog):
     from elasticep.deploy import RankExit
 

@@ -111,6 +111,7 @@ class RankLauncher:
         self.exit_codes: dict[int, list[int]] = {}
         self.exits: queue.Queue[RankExit] = queue.Queue()
         self._lock = threading.Lock()
+        self._unreported = 0  # workers whose exit is not on `exits` yet (running or reporting)
         self._stopping = False
         self._client = ReconnectingClient(coordinator, CALL_TIMEOUT_S, connect_now=True)
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ep-spawn")
@@ -151,6 +152,7 @@ class RankLauncher:
         self._record("record_launch", rank, self.node, proc.pid)
         with self._lock:
             self.procs[rank] = proc
+            self._unreported += 1
         threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
                          name=f"ep-wait-r{rank}").start()
         logger.info("%s: rank %d started (pid %d, join_mode=%s)%s", self.label, rank, proc.pid,
@@ -158,7 +160,15 @@ class RankLauncher:
         return proc.pid
 
     def _wait_child(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+        try:
+            self._report_exit(rank, proc, proc.wait())
+        finally:
+            with self._lock:
+                self._unreported -= 1
+
+    def _report_exit(self, rank: int, proc: subprocess.Popen, code: int) -> None:
+        # to the coordinator first (which may take a call timeout when it is
+        # unreachable), so that a relaunch never races the old worker's slot
         self._record("clear_launch", rank, proc.pid)
         with self._lock:
             self.exit_codes.setdefault(rank, []).append(code)
@@ -171,6 +181,12 @@ class RankLauncher:
         except (ValueError, OSError, TimeoutError) as exc:
             logger.warning("%s: could not report rank %d's exit: %s", self.label, rank, exc)
         self.exits.put(RankExit(rank, proc.pid, code))
+
+    def watching(self) -> bool:
+        """True while a worker started here runs, or its exit is not on :attr:`exits`
+        yet (it is being reported to the coordinator)."""
+        with self._lock:
+            return self._unreported > 0
 
     def pids(self, live_only: bool = True) -> dict[int, int]:
         """rank -> pid of the worker started last for it (only those still running if

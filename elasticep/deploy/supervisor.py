@@ -182,7 +182,9 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
                               max_restarts)
                 deferred.clear()
                 _adopt_failed(dep, epoch, states, coord_pids, nodes, restarts, max_restarts)
-        idle = not dep.pids(live_only=True) and dep.exits.empty()
+        # idle: no worker runs and every exit is in hand (one being reported to an
+        # unreachable coordinator is not: returning then would miss it)
+        idle = (bool(deferred) or until_all_exited) and not dep.watching() and dep.exits.empty()
         if (deferred and idle and unreachable_since is not None
                 and time.monotonic() - unreachable_since > coordinator_timeout_s):
             raise CoordinatorUnreachableError(
@@ -238,11 +240,14 @@ def _adopt_failed(dep: Deployment, epoch: int, states: dict[int, SlotState],
     """Relaunch the failed ranks of this node that another launcher started (a `join`
     recovered them): a rank of the node is restarted whoever launched it. Our own
     ranks are left to their exit (the coordinator's pid for the slot is ours)."""
-    ours = dep.pids(live_only=False)
+    ours, running = dep.pids(live_only=False), dep.pids(live_only=True)
     for rank, state in states.items():
         pid = coord_pids.get(rank)
+        # a live worker of ours holds the slot: one relaunched in this very iteration
+        # (``states`` predates it) or a frozen one (_kill_frozen's)
         if (state != SlotState.FAILED or nodes.get(rank) != dep.node or pid is None
-                or ours.get(rank) == pid or restarts[rank] >= max_restarts):
+                or ours.get(rank) == pid or rank in running
+                or restarts[rank] >= max_restarts):
             continue
         _relaunch(dep, rank, epoch, f"(pid {pid}, started by another launcher on this node) "
                   "failed", restarts, max_restarts)
