@@ -46,8 +46,11 @@ def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._Argu
                                      ) -> None:
     """Add ``--coordinator-timeout`` (how long a node or a `join` tries to reach node 0)."""
     p.add_argument("--coordinator-timeout", type=float, default=60.0,
-                   help="seconds to keep trying to reach the coordinator before giving up "
-                        "with an error (default: %(default)s)")
+                   help="seconds to keep trying to reach the coordinator, at start-up and "
+                        "after this node's ranks lost it (a partition, node 0 gone), before "
+                        "giving up with an error; with serve --restart-failed-ranks, ranks "
+                        "are relaunched if it answers within that time "
+                        "(default: %(default)s)")
 
 
 def add_gloo_ifname_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
