@@ -273,3 +273,59 @@ def test_case4_one_way_cut(cluster: Cluster, sender: int):
     rejoin_s = _wait_rejoined(c, [2, 3], pids, t_heal)
     c.records.append(CaseRecord(f"case 4 (one-way, host {sender} cannot send)", evict_s,
                                 _longest_gap(records), 0, rejoin_s))
+
+
+def test_case5_partition_during_scale_up(cluster: Cluster):
+    """Host 1 holds ranks 2-3 and two scale joiners (slots 4-5) when it is cut off just
+    as the scale to 6 is asked: the scale completes or is withdrawn (slots 4-5 end
+    failed or free, none stuck loading), no request fails, and after the heal a later
+    scale to 6 succeeds."""
+    c, h1 = cluster, cluster.net.hosts[1]
+    on_h1 = tuple(c.net.command(h1, []))
+    joiner = c.serve.join("--elastic-ep-join-mode", "scale", "--ranks", "4,5", "--node-rank",
+                          "1", "--coordinator-timeout", "10", tag="scale", wrap=on_h1)
+    c.serve.wait_for(lambda st: {st.state_of(4), st.state_of(5)} == {SlotState.READY}, 90,
+                     "joiners 4 and 5 ready")
+    pids = c.serve.status().pids()
+    batch = c.batch()
+    assert batch.wait_tokens(N_STREAMS * 4, 60)
+    t_cut = time.time()
+    c.net.cut(h1)
+    code, body = c.serve.scale(6)
+    assert code == 200, body
+    evict_s = _wait_evicted(c, [2, 3], t_cut)
+    records = batch.results(120)
+    _check_streams(c, records)
+    out = (SlotState.FREE, SlotState.FAILED)
+    st = c.serve.wait_for(lambda st: st.state_of(4) in out and st.state_of(5) in out, 60,
+                          "the cut-off joiners out (scale completed or withdrawn)")
+    assert st.healthy_ranks() == [0, 1]
+    completed = st.state_of(4) == SlotState.FAILED  # admitted before it was evicted
+    t_heal = time.time()
+    c.net.heal(h1)
+    rejoin_s = _wait_rejoined(c, [2, 3], pids, t_heal)
+    assert joiner.proc.wait(60) != 0, joiner.output()[-2000:]  # its ranks were lost
+    if completed:
+        # node 1's --restart-failed-ranks takes back the admitted slots too (the join
+        # that started them is gone); then a later scale, back to 4, succeeds
+        c.serve.wait_for(lambda st: st.all_healthy() and st.ep_size == 6, 90,
+                         "node 1 relaunched slots 4-5: EP6 healthy")
+        later = 4
+    else:
+        # withdrawn: slots 4-5 are free capacity again; a later scale to 6 with fresh
+        # joiners from host 1 succeeds
+        assert {st.state_of(4), st.state_of(5)} == {SlotState.FREE}
+        c.serve.join("--elastic-ep-join-mode", "scale", "--ranks", "4,5", "--node-rank", "1",
+                     "--coordinator-timeout", "10", tag="scale-again", wrap=on_h1)
+        c.serve.wait_for(lambda st: {st.state_of(4), st.state_of(5)} == {SlotState.READY},
+                         90, "new joiners 4 and 5 ready")
+        later = 6
+    if c.serve.status().ep_size != later:
+        code, body = c.serve.scale(later)
+        assert code == 200, body
+    c.serve.wait_for(lambda st: st.all_healthy() and st.ep_size == later, 90,
+                     f"EP{later} healthy after the later scale")
+    _check_streams(c, c.batch().results(120))
+    how = "completed, then slots 4-5 evicted" if completed else "withdrawn"
+    c.records.append(CaseRecord(f"case 5 (cut during scale-up: {how}; later scale to "
+                                f"{later} ok)", evict_s, _longest_gap(records), 0, rejoin_s))
