@@ -402,6 +402,19 @@ def test_relaunch_hint_is_a_command_that_runs(caplog):
     assert parse_mode_and_ranks(args) == ("recover", [2])
 
 
+def test_a_scale_joiner_never_admitted_gets_no_recover_hint(caplog):
+    from elasticep.deploy import RankExit
+
+    # slot 4's joiner died before admission: the coordinator gave the slot back (free)
+    launcher = FakeLauncher({0: "healthy", 1: "healthy", 4: "free"}, {0: 10, 1: 11})
+    launcher.exits.put(RankExit(4, 14, 3))
+    with caplog.at_level("INFO", logger="elasticep.deploy.supervisor"):
+        _supervise_once(launcher, restart=False)
+    assert "relaunch it with" not in caplog.text
+    assert "rank 4 (pid 14) exited with 3 before it was admitted; its slot is free" in \
+        caplog.text
+
+
 def test_exit_status_follows_the_usual_conventions():
     import os
     import signal
