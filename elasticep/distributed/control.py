@@ -141,11 +141,14 @@ class RankControl:
         return self.hb_timeout_s if member else self.join_hb_timeout_s
 
     def _hb_loop(self) -> None:
+        tick = time.monotonic()
         while not self.lost:
             self.conn.send({"t": "hb"})  # a send that fails shows up as silence below
-            if time.monotonic() - self.last_ack > self._silence_limit_s():
-                # a process resumed from a freeze reads what arrived meanwhile (an
-                # eviction notice, acks) first: give its reader thread that moment
+            now = time.monotonic()
+            if now - tick > 2 * self.hb_interval_s:
+                # this thread overslept: the process was frozen (or starved), and its
+                # reader thread has yet to read what arrived meanwhile (an eviction
+                # notice, acks): give it that moment before judging the silence
                 time.sleep(min(self.hb_interval_s, 0.1))
             silent_s = time.monotonic() - self.last_ack
             limit_s = self._silence_limit_s()
@@ -155,6 +158,7 @@ class RankControl:
                 log.error("rank %d: %s; stopping", self.rank, self.lost_reason)
                 self.conn.close()  # the reader sees EOF: every waiter wakes up lost
                 return
+            tick = time.monotonic()
             time.sleep(self.hb_interval_s)
 
     def _read_loop(self) -> None:
