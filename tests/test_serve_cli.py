@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import elasticep
 from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
+from elasticep.distributed.gloo_device import gloo_devices
 from elasticep.distributed.membership import SlotState, scale_phase
 from elasticep.distributed.scaling import (
     Launch,
@@ -54,10 +56,19 @@ def _join(*argv: str) -> argparse.Namespace:
      "--dist-init-addr 0 is not a TCP port"),
     (["--port", "70000"], "--port 70000 is not a TCP port"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
+    (["--gloo-socket-ifname", "nosuchif0"], "--gloo-socket-ifname: no network interface "
+                                            "'nosuchif0'"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):
         validate(_serve(*argv))
+
+
+def test_gloo_socket_ifname_reaches_the_ranks_environment(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    validate(_serve("--gloo-socket-ifname", "lo"))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"  # launched workers inherit it
+    assert len(gloo_devices("10.9.9.9")) == 1  # the interface wins over the address
 
 
 def test_unsupported_family_is_refused(tmp_path):
@@ -320,6 +331,62 @@ def test_restart_policy_relaunches_crashes_only():
     assert seen == [RankExit(1, 11, -9)] and launcher.spawned == []
 
 
+class PartitionedLauncher(FakeLauncher):
+    """A node whose coordinator is unreachable for its first ``down_polls`` looks (a
+    partition), then answers again (or never, with ``down_polls=None``)."""
+
+    def __init__(self, states: dict[int, str], pids: dict[int, int],
+                 down_polls: int | None) -> None:
+        super().__init__(states, pids)
+        self.down_polls = down_polls
+
+    def deployment_status(self) -> DeploymentStatus:
+        self.polls += 1
+        if self.down_polls is None or self.polls <= self.down_polls:
+            raise ConnectionError("coordinator connection closed or timed out")
+        if self.spawned:  # relaunched: the node is whole again
+            self.stop.set()
+        return _status(self.states, self.live)
+
+    def watching(self) -> bool:
+        return bool(self.live)
+
+
+def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers():
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import supervise
+
+    launcher = PartitionedLauncher({0: "healthy", 1: "healthy", 2: "failed", 3: "failed"},
+                                   {}, down_polls=5)
+    launcher.node = 1
+    launcher.exits.put(RankExit(2, 12, 3))  # both stopped on the lost coordinator
+    launcher.exits.put(RankExit(3, 13, 3))
+    seen = supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
+                     poll_s=0.001, coordinator_timeout_s=30)
+    assert [ex.rank for ex in seen] == [2, 3]
+    assert launcher.spawned == [(2, "recover"), (3, "recover")]  # once it answered
+    assert launcher.polls == 6
+
+    # without --restart-failed-ranks nothing is relaunched: the node returns at once
+    launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=5)
+    launcher.exits.put(RankExit(2, 12, 3))
+    supervise(launcher, launcher.stop, restart=False, until_all_exited=True, poll_s=0.001)
+    assert launcher.spawned == [] and launcher.polls == 1
+
+
+def test_a_node_gives_up_on_a_coordinator_that_stays_unreachable():
+    from elasticep.deploy import RankExit
+    from elasticep.deploy.supervisor import CoordinatorUnreachableError, supervise
+
+    launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=None)
+    launcher.exits.put(RankExit(2, 12, 3))
+    with pytest.raises(CoordinatorUnreachableError, match=r"no coordinator answered at "
+                       r"--dist-init-addr 127.0.0.1:29400 within 0.2 s"):
+        supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
+                  poll_s=0.01, coordinator_timeout_s=0.2)
+    assert launcher.spawned == []
+
+
 def test_relaunch_hint_is_a_command_that_runs(caplog):
     from elasticep.deploy import RankExit
 
@@ -333,6 +400,19 @@ def test_relaunch_hint_is_a_command_that_runs(caplog):
     args = build_parser().parse_args(shlex.split(hints[0])[1:])  # as the shell would
     assert args.dist_init_addr == "127.0.0.1:29400" and args.node_rank == 1
     assert parse_mode_and_ranks(args) == ("recover", [2])
+
+
+def test_a_scale_joiner_never_admitted_gets_no_recover_hint(caplog):
+    from elasticep.deploy import RankExit
+
+    # slot 4's joiner died before admission: the coordinator gave the slot back (free)
+    launcher = FakeLauncher({0: "healthy", 1: "healthy", 4: "free"}, {0: 10, 1: 11})
+    launcher.exits.put(RankExit(4, 14, 3))
+    with caplog.at_level("INFO", logger="elasticep.deploy.supervisor"):
+        _supervise_once(launcher, restart=False)
+    assert "relaunch it with" not in caplog.text
+    assert "rank 4 (pid 14) exited with 3 before it was admitted; its slot is free" in \
+        caplog.text
 
 
 def test_exit_status_follows_the_usual_conventions():

@@ -126,27 +126,27 @@ def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, referenc
     killed, `join --detach` recovers it, exits 0 once it is healthy, and leaves it
     running."""
     join = next(j for j in serve.joins
-                if j.poll() is None and list(j.args[-2:]) == ["--ranks", "0"])
-    before = serve.rank(0)
-    join.send_signal(signal.SIGINT)
-    assert join.wait(30) == 130, serve.join_log(join)
-    assert f"ranks [0] (pids [{before['pid']}]) keep serving" in serve.join_log(join)
+                if j.proc.poll() is None and list(j.proc.args[-2:]) == ["--ranks", "0"])
+    before = serve.rank_state(0)
+    join.proc.send_signal(signal.SIGINT)
+    assert join.proc.wait(30) == 130, join.output()
+    assert f"ranks [0] (pids [{before.pid}]) keep serving" in join.output()
     time.sleep(3.5)  # longer than --heartbeat-timeout 3.0: a dead rank would be failed
-    assert [r.text for r in reference_results(serve, PROMPTS, MAX_TOKENS)] == reference
-    now = serve.rank(0)
-    assert (now["state"], now["pid"]) == ("healthy", before["pid"])
-    assert _all_healthy(serve.status()) and pid_alive(before["pid"])
+    assert reference_results(serve, PROMPTS, MAX_TOKENS) == reference
+    now = serve.rank_state(0)
+    assert (now.state, now.pid) == (SlotState.HEALTHY, before.pid)
+    assert _all_healthy(serve.status()) and pid_alive(before.pid)
     assert httpx.get(f"{serve.url}/health").json()["degraded"] is False
 
-    signal_pid(before["pid"], signal.SIGKILL)  # the coordinator tracks it: failed
-    serve.wait_for(lambda s: serve.rank(0)["state"] == "failed", 10, "rank 0 failed")
-    detached = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "0", "--detach")
-    assert detached.wait(120) == 0, serve.join_log(detached)
-    assert "keep serving" in serve.join_log(detached)
-    back = serve.rank(0)
-    assert back["state"] == "healthy" and back["pid"] != before["pid"]
+    os.kill(before.pid, signal.SIGKILL)  # the coordinator tracks it: failed
+    serve.wait_for(lambda s: s.rank(0).state == SlotState.FAILED, 10, "rank 0 failed")
+    detached = _join(serve, "--elastic-ep-join-mode", "recover", "--ranks", "0", "--detach")
+    assert detached.proc.wait(120) == 0, detached.output()
+    assert "keep serving" in detached.output()
+    back = serve.rank_state(0)
+    assert back.state == SlotState.HEALTHY and back.pid != before.pid
     time.sleep(1.0)
-    assert pid_alive(back["pid"]) and _all_healthy(serve.status())
+    assert pid_alive(back.pid) and _all_healthy(serve.status())
 
 
 def test_frozen_rank_is_evicted(serve, reference):

@@ -266,6 +266,11 @@ class Deployment:
         """Queue of :class:`RankExit`, one per worker exit (not while stopping)."""
         return self.launcher.exits
 
+    def watching(self) -> bool:
+        """True while a worker started here runs or its exit is still being reported
+        (:meth:`RankLauncher.watching`)."""
+        return self.launcher.watching()
+
     def pids(self, live_only: bool = False) -> dict[int, int]:
         """rank -> pid of the latest process started here for it."""
         return self.launcher.pids(live_only=live_only)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.config import DeploymentConfig, WorkerConfig
 from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
@@ -78,6 +79,9 @@ class RankExit:
     code: int
 
 
+CALL_TIMEOUT_S = 5.0  # bound of a (re)connect and of each call; a live coordinator: ms
+
+
 class RankLauncher:
     """Starts worker processes for ranks and watches them, and records each launch (node,
     pid) with the coordinator; the records go when this launcher's connection closes.
@@ -112,8 +116,9 @@ class RankLauncher:
         self.exit_codes: dict[int, list[int]] = {}
         self.exits: queue.Queue[RankExit] = queue.Queue()
         self._lock = threading.Lock()
+        self._unreported = 0  # workers whose exit is not on `exits` yet (running or reporting)
         self._stopping = False
-        self._client = CoordinatorClient(coordinator)
+        self._client = ReconnectingClient(coordinator, CALL_TIMEOUT_S, connect_now=True)
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ep-spawn")
         self._logs: list[IO] = []
         if self.log_dir is not None:
@@ -153,6 +158,7 @@ class RankLauncher:
         self._record("record_launch", rank, self.node, proc.pid)
         with self._lock:
             self.procs[rank] = proc
+            self._unreported += 1
         threading.Thread(target=self._wait_child, args=(rank, proc), daemon=True,
                          name=f"ep-wait-r{rank}").start()
         logger.info("%s: rank %d started (pid %d, join_mode=%s)%s", self.label, rank, proc.pid,
@@ -160,7 +166,15 @@ class RankLauncher:
         return proc.pid
 
     def _wait_child(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+        try:
+            self._report_exit(rank, proc, proc.wait())
+        finally:
+            with self._lock:
+                self._unreported -= 1
+
+    def _report_exit(self, rank: int, proc: subprocess.Popen, code: int) -> None:
+        # to the coordinator first (which may take a call timeout when it is
+        # unreachable), so that a relaunch never races the old worker's slot
         self._record("clear_launch", rank, proc.pid)
         with self._lock:
             self.exit_codes.setdefault(rank, []).append(code)
@@ -173,6 +187,12 @@ class RankLauncher:
         except (ValueError, OSError, TimeoutError) as exc:
             logger.warning("%s: could not report rank %d's exit: %s", self.label, rank, exc)
         self.exits.put(RankExit(rank, proc.pid, code))
+
+    def watching(self) -> bool:
+        """True while a worker started here runs, or its exit is not on :attr:`exits`
+        yet (it is being reported to the coordinator)."""
+        with self._lock:
+            return self._unreported > 0
 
     def pids(self, live_only: bool = True) -> dict[int, int]:
         """rank -> pid of the worker started last for it (only those still running if
@@ -207,9 +227,14 @@ class RankLauncher:
 
     # ------------------------------------------------------------------ coordinator
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``CoordinatorClient.<method>(*args, **kwargs)``, one request at a time."""
-        with self._lock:
-            return getattr(self._client, method)(*args, **kwargs)
+        """``CoordinatorClient.<method>(*args, **kwargs)``, one request at a time; after
+        a partition or a lost connection the next call reconnects.
+
+        Raises:
+            ConnectionError / TimeoutError / OSError: the coordinator is unreachable.
+            ValueError: it refused the request (``MembershipRequestError``).
+        """
+        return self._client.call(method, *args, **kwargs)
 
     def request_admission(self, ranks: list[int]) -> None:
         """Ask the active ranks to admit these slots once their joiners are ready."""

@@ -11,12 +11,11 @@ Both give the front-end's ``MembershipSource``: ``status()`` and ``scale()``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from elasticep.deploy.launcher import RankLauncher
-from elasticep.distributed import CoordinatorClient
+from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.errors import ScaleNotSupportedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
@@ -34,27 +33,7 @@ class CoordinatorMembership:
     """
 
     def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self._address = address
-        self._timeout_s = timeout_s
-        self._client: CoordinatorClient | None = None
-        self._lock = threading.Lock()
-
-    def _call(self, fn: Callable[[CoordinatorClient], Any]) -> Any:
-        """Run ``fn`` on a (re)connected client; the connection is rebuilt after errors.
-
-        Raises:
-            ConnectionError / TimeoutError: the coordinator is unreachable.
-            ValueError: the coordinator refused the request.
-        """
-        with self._lock:
-            if self._client is None:
-                self._client = CoordinatorClient(self._address, self._timeout_s)
-            try:
-                return fn(self._client)
-            except (ConnectionError, TimeoutError, OSError):
-                self._client.close()
-                self._client = None
-                raise
+        self._client = ReconnectingClient(address, timeout_s)
 
     def status(self) -> DeploymentStatus:
         """The ``/elastic_ep_status`` body (without ``running_requests``).
@@ -62,7 +41,7 @@ class CoordinatorMembership:
         Raises:
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
-        return self._call(lambda c: c.deployment_status())
+        return self._client.call("deployment_status")
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Make ``new_ep_size`` the target (see :meth:`CoordinatorClient.scale`).
@@ -72,14 +51,11 @@ class CoordinatorMembership:
             ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
-        return self._call(lambda c: c.scale(new_ep_size))
+        return self._client.call("scale", new_ep_size)
 
     def close(self) -> None:
         """Close the coordinator connection."""
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._client.close()
 
 
 class LaunchedRanks:

@@ -63,12 +63,20 @@ def reach_coordinator(address: str, timeout_s: float, flag: str = "--dist-init-a
             (the message says what, e.g. an HTTP server).
         TimeoutError: nothing answered within ``timeout_s``.
     """
+    return _reach(address, timeout_s, flag, stop)[0]
+
+
+def _reach(address: str, timeout_s: float, flag: str, stop: threading.Event | None
+           ) -> tuple[bool, int]:
+    """:func:`reach_coordinator`, also returning how many attempts failed first."""
     host, port = parse_address(address)
     handshake_s = min(HANDSHAKE_TIMEOUT_S, max(timeout_s, 0.5))
     logged = [-LOG_EVERY_S]
+    failed = [0]
 
     def attempt() -> bool:
         if not _listens(host, port, handshake_s):
+            failed[0] += 1
             if time.monotonic() - logged[0] >= LOG_EVERY_S:
                 logged[0] = time.monotonic()
                 logger.info("waiting for the coordinator at %s (up to %g s)", address,
@@ -86,24 +94,38 @@ def reach_coordinator(address: str, timeout_s: float, flag: str = "--dist-init-a
             "serve prints as 'coordinator HOST:PORT'")
 
     try:
-        return bool(wait_until(attempt, timeout_s, f"the coordinator at {address}",
-                               poll_s=0.5, stop=stop))
+        reached = bool(wait_until(attempt, timeout_s, f"the coordinator at {address}",
+                                  poll_s=0.5, stop=stop))
     except TimeoutError:
         raise TimeoutError(f"no coordinator answered at {flag} {address} within "
                            f"{timeout_s:g} s (--coordinator-timeout)") from None
+    return reached, failed[0]
 
 
-def coordinator_lost(address: str, timeout_s: float, stop: threading.Event | None = None
-                     ) -> str | None:
-    """After this node's ranks stopped on a lost coordinator: keep trying to reach it for
+def coordinator_lost(address: str, timeout_s: float, stop: threading.Event | None = None,
+                     relaunch_hint: str = "") -> str | None:
+    """After this node's ranks all stopped: was the coordinator lost? Keep trying it for
     ``timeout_s`` seconds.
 
+    Args:
+        address: the coordinator's ``"host:port"``.
+        timeout_s: how long to keep trying (seconds; ``--coordinator-timeout``).
+        stop: when set, give up early.
+        relaunch_hint: what to tell the user if the coordinator comes back (the ranks
+            stay stopped: nothing here relaunches them).
+
     Returns:
-        The one-line reason when it stays unreachable; None if it answered (the ranks
-        stopped for another reason, e.g. an eviction) or ``stop`` was set.
+        The one-line reason: the coordinator stayed unreachable, or it was unreachable
+        and answers again (then ``relaunch_hint`` follows). None if it answered at once
+        (the ranks stopped for another reason, e.g. an eviction) or ``stop`` was set.
     """
+    started = time.monotonic()
     try:
-        reach_coordinator(address, timeout_s, stop=stop)
-        return None
+        reached, failed = _reach(address, timeout_s, "--dist-init-addr", stop)
     except (TimeoutError, NotACoordinatorError) as exc:
         return f"lost the coordinator: {exc}; the ranks of this node stopped"
+    if not reached or not failed:
+        return None
+    return (f"the coordinator at {address} was unreachable for "
+            f"{time.monotonic() - started:.0f} s and the ranks of this node stopped; it "
+            f"answers again{': ' + relaunch_hint if relaunch_hint else ''}")

@@ -11,6 +11,12 @@ It applies the restart policy of ``--restart-failed-ranks``:
 
 Without the flag, exits are only logged.
 
+A rank that exits while the coordinator is unreachable (it stops itself after the
+heartbeat timeout: a partition, or node 0 gone) cannot be relaunched yet. With the flag,
+:func:`supervise` keeps it and relaunches it in recover mode as soon as the coordinator
+answers again; if the coordinator stays unreachable for ``coordinator_timeout_s`` while
+none of this node's ranks runs, it raises :class:`CoordinatorUnreachableError`.
+
 With ``--elastic-ep-backend none`` (``stop_on_exit``) there is no fault tolerance: the
 first exit of a rank is fatal, and :func:`supervise` sets ``stop`` and returns at once so
 that the caller stops the whole deployment.
@@ -22,6 +28,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from collections import Counter
 
 from elasticep.deploy.deployment import Deployment
@@ -31,6 +38,11 @@ from elasticep.distributed.membership import SlotState
 logger = logging.getLogger(__name__)
 
 EXIT_REMOVED = 0  # the worker's status after a planned removal
+
+
+class CoordinatorUnreachableError(ConnectionError):
+    """The coordinator stayed unreachable for ``--coordinator-timeout`` while this node's
+    ranks were stopped and waiting to be relaunched."""
 
 
 class StopEvent(threading.Event):
@@ -59,13 +71,14 @@ def stop_on_signals() -> StopEvent:
     return stop
 
 
-def recover_command(address: str, rank: int, node: int = 0) -> str:
-    """The `join` command line that relaunches ``rank`` of the deployment whose
-    coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in logs
-    so that pasting it works."""
+def recover_command(address: str, rank: int | list[int], node: int = 0) -> str:
+    """The `join` command line that relaunches ``rank`` (or several) of the deployment
+    whose coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in
+    logs so that pasting it works."""
     node_flag = f" --node-rank {node}" if node else ""
+    ranks = ",".join(str(r) for r in ([rank] if isinstance(rank, int) else rank))
     return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
-            f"--ranks {rank}{node_flag}")
+            f"--ranks {ranks}{node_flag}")
 
 
 def exit_status(wanted: int, joined: int, exits: list[RankExit], stop: StopEvent) -> int:
@@ -98,7 +111,8 @@ def _world(dep: Deployment
 
 def supervise(dep: Deployment, stop: threading.Event, restart: bool,
               until_all_exited: bool = False, max_restarts: int = 5,
-              poll_s: float = 0.2, stop_on_exit: bool = False) -> list[RankExit]:
+              poll_s: float = 0.2, stop_on_exit: bool = False,
+              coordinator_timeout_s: float = 60.0) -> list[RankExit]:
     """Watch this node's ranks of ``dep`` until ``stop`` is set.
 
     Args:
@@ -112,19 +126,33 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
         stop_on_exit: the deployment has no fault tolerance (``--elastic-ep-backend
             none``): the first exit of a rank is logged as the reason, sets ``stop`` and
             returns; ``restart`` must be False.
+        coordinator_timeout_s: with ``restart``, how long ranks that exited while the
+            coordinator was unreachable wait for it (seconds; ``--coordinator-timeout``).
 
     Returns:
         Every exit seen, in order (with ``stop_on_exit``: the fatal one last).
+
+    Raises:
+        CoordinatorUnreachableError: with ``restart``, no rank of this node runs and the
+            coordinator was unreachable for ``coordinator_timeout_s``.
     """
     if stop_on_exit and restart:
         raise ValueError("stop_on_exit and restart exclude each other")
     restarts: Counter[int] = Counter()
     seen: list[RankExit] = []
+    deferred: list[int] = []  # exited while the coordinator was unreachable
+    unreachable_since: float | None = None
     while not stop.wait(poll_s):
         try:
             epoch, states, coord_pids, nodes = _world(dep)
+            if unreachable_since is not None:
+                logger.info("node %d: the coordinator answers again (unreachable for %.1f s)",
+                            dep.node, time.monotonic() - unreachable_since)
+            unreachable_since = None
         except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-            logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
+            if unreachable_since is None:  # one line per outage, not one per poll
+                unreachable_since = time.monotonic()
+                logger.warning("node %d: coordinator unreachable (%s)", dep.node, exc)
             epoch, states, coord_pids, nodes = -1, {}, {}, {}
         while True:
             try:
@@ -138,21 +166,60 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
                              ex.code)
                 stop.set()
                 return seen
+            if epoch < 0 and restart and ex.code != EXIT_REMOVED:
+                logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
+                               "unreachable; relaunching it when the coordinator answers "
+                               "(up to %g s, --coordinator-timeout)", ex.rank, ex.pid,
+                               ex.code, coordinator_timeout_s)
+                deferred.append(ex.rank)
+                continue
             _on_exit(dep, ex, epoch, states, restart, restarts, max_restarts)
         if restart:
             _kill_frozen(dep, epoch, states, coord_pids)
             if epoch >= 0:
+                for rank in deferred:
+                    _relaunch(dep, rank, epoch, "lost the coordinator", restarts,
+                              max_restarts)
+                deferred.clear()
                 _adopt_failed(dep, epoch, states, coord_pids, nodes, restarts, max_restarts)
-        if until_all_exited and not dep.pids(live_only=True) and dep.exits.empty():
+        # idle: no worker runs and every exit is in hand (one being reported to an
+        # unreachable coordinator is not: returning then would miss it)
+        idle = (bool(deferred) or until_all_exited) and not dep.watching() and dep.exits.empty()
+        if (deferred and idle and unreachable_since is not None
+                and time.monotonic() - unreachable_since > coordinator_timeout_s):
+            raise CoordinatorUnreachableError(
+                f"no coordinator answered at --dist-init-addr {dep.address} within "
+                f"{coordinator_timeout_s:g} s (--coordinator-timeout)")
+        if until_all_exited and idle and not deferred:
             break
     return seen
 
 
+def _relaunch(dep: Deployment, rank: int, epoch: int, why: str, restarts: Counter[int],
+              max_restarts: int) -> None:
+    """Relaunch ``rank`` in recover mode, within its ``max_restarts`` budget."""
+    if restarts[rank] >= max_restarts:
+        logger.error("epoch %d: rank %d crashed %d times; not relaunching it again", epoch,
+                     rank, restarts[rank])
+        return
+    restarts[rank] += 1
+    logger.warning("epoch %d: rank %d %s; relaunching (restart %d)", epoch, rank, why,
+                   restarts[rank])
+    try:
+        dep.relaunch(rank)
+    except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+        logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, rank, exc)
+
+
 def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED or states.get(ex.rank) == SlotState.FREE:
+    if ex.code == EXIT_REMOVED:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
+        return
+    if states.get(ex.rank) == SlotState.FREE:  # never admitted: nothing to recover
+        logger.info("epoch %d: rank %d (pid %d) exited with %d before it was admitted; its "
+                    "slot is free capacity again", epoch, ex.rank, ex.pid, ex.code)
         return
     if epoch < 0:  # no hint: a relaunch needs the coordinator
         logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
@@ -163,21 +230,8 @@ def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
                        epoch, ex.rank, ex.pid, ex.code,
                        recover_command(dep.address, ex.rank, dep.node))
         return
-    if epoch < 0:
-        logger.warning("rank %d exited with %d, but the coordinator is gone: not "
-                       "relaunching", ex.rank, ex.code)
-        return
-    if restarts[ex.rank] >= max_restarts:
-        logger.error("epoch %d: rank %d crashed %d times; not relaunching it again", epoch,
-                     ex.rank, restarts[ex.rank])
-        return
-    restarts[ex.rank] += 1
-    logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunching (restart %d)",
-                   epoch, ex.rank, ex.pid, ex.code, restarts[ex.rank])
-    try:
-        dep.relaunch(ex.rank)
-    except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-        logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, ex.rank, exc)
+    _relaunch(dep, ex.rank, epoch, f"(pid {ex.pid}) exited with {ex.code}", restarts,
+              max_restarts)
 
 
 def _adopt_failed(dep: Deployment, epoch: int, states: dict[int, SlotState],
@@ -186,20 +240,17 @@ def _adopt_failed(dep: Deployment, epoch: int, states: dict[int, SlotState],
     """Relaunch the failed ranks of this node that another launcher started (a `join`
     recovered them): a rank of the node is restarted whoever launched it. Our own
     ranks are left to their exit (the coordinator's pid for the slot is ours)."""
-    ours = dep.pids(live_only=False)
+    ours, running = dep.pids(live_only=False), dep.pids(live_only=True)
     for rank, state in states.items():
         pid = coord_pids.get(rank)
+        # a live worker of ours holds the slot: one relaunched in this very iteration
+        # (``states`` predates it) or a frozen one (_kill_frozen's)
         if (state != SlotState.FAILED or nodes.get(rank) != dep.node or pid is None
-                or ours.get(rank) == pid or restarts[rank] >= max_restarts):
+                or ours.get(rank) == pid or rank in running
+                or restarts[rank] >= max_restarts):
             continue
-        restarts[rank] += 1
-        logger.warning("epoch %d: rank %d (pid %d, started by another launcher on this "
-                       "node) failed; relaunching (restart %d)", epoch, rank, pid,
-                       restarts[rank])
-        try:
-            dep.relaunch(rank)
-        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-            logger.warning("epoch %d: could not relaunch rank %d: %s", epoch, rank, exc)
+        _relaunch(dep, rank, epoch, f"(pid {pid}, started by another launcher on this node) "
+                  "failed", restarts, max_restarts)
 
 
 def _kill_frozen(dep: Deployment, epoch: int, states: dict[int, str],

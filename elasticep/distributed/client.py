@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -143,3 +144,50 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class ReconnectingClient:
+    """A :class:`CoordinatorClient` shared by threads, one request at a time, that
+    reconnects after its connection broke or timed out (a restarted coordinator, a
+    network partition that healed): a timed-out socket cannot be read again, so it is
+    dropped and the next call connects afresh.
+
+    Args:
+        address: the coordinator's ``"host:port"``.
+        timeout_s: bound of a connect and of each call (seconds).
+        connect_now: connect in the constructor (raising as below) instead of lazily.
+
+    Raises (constructor with ``connect_now``, and :meth:`call`):
+        ConnectionError / TimeoutError / OSError: the coordinator is unreachable.
+        ValueError: it refused the request (``MembershipRequestError``).
+    """
+
+    def __init__(self, address: str, timeout_s: float = 5.0, connect_now: bool = False) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._client: CoordinatorClient | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        if connect_now:
+            self._client = CoordinatorClient(address, timeout_s)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``CoordinatorClient.<method>(*args, **kwargs)`` on a (re)connected client."""
+        with self._lock:
+            if self._client is None:
+                if self._closed:
+                    raise ConnectionError(f"client of {self.address} was closed")
+                self._client = CoordinatorClient(self.address, self.timeout_s)
+            try:
+                return getattr(self._client, method)(*args, **kwargs)
+            except (ConnectionError, TimeoutError, OSError):
+                self._client.close()
+                self._client = None
+                raise
+
+    def close(self) -> None:
+        """Close the connection; later calls raise ConnectionError."""
+        with self._lock:
+            self._closed = True
+            if self._client is not None:
+                self._client.close()
+                self._client = None

@@ -4,6 +4,15 @@ A reader thread dispatches pushes (announce, commit, peer, evicted) to the per-g
 `GroupState`s and answers announcements with reports at once, so even a rank whose
 main thread is busy or idle takes part in every transition. A heartbeat thread sends
 ``hb`` every interval; `lease_fresh` tells whether an ack arrived recently.
+
+The coordinator evicts a rank it has not heard from for its heartbeat timeout. The rank
+applies the same rule from its side: with no ack or reply from the coordinator for that
+long, the coordinator is unreachable (a network partition, a one-way cut, or a host
+gone without a FIN), and the connection is closed as if it had broken, so that every
+wait of this process raises `CoordinatorLostError` at once. A partitioned rank therefore
+stops serving at about the moment the coordinator evicts it. It never goes on with
+peers on its own side of the cut: they are evicted too, and it could not commit a step
+without a fresh lease anyway.
 """
 
 from __future__ import annotations
@@ -35,11 +44,15 @@ class RankControl:
                  is_extension: bool, timeout_s: float) -> None:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.conn: Connection = connect(address, timeout_s)
+        # the address the kernel routes towards the coordinator: what peers on other
+        # hosts can reach (the inner Gloo groups bind it; see gloo_device)
+        self.local_addr: str = self.conn.sock.getsockname()[0]
         self.groups: dict[str, Any] = {}
         self._early: dict[str, list[m.GroupPush]] = {}
         self._detached: set[str] = set()  # groups this process destroyed: pushes dropped
         self.evicted: str | None = None
         self.lost = False
+        self.lost_reason = "control connection to the coordinator closed"
         self.last_ack = time.monotonic()
         self._ids = itertools.count(1)
         self._replies: dict[int, tuple[threading.Event, list]] = {}
@@ -55,6 +68,8 @@ class RankControl:
             raise
         self.store_port: int = int(hello["store_port"])
         self.hb_interval_s: float = float(hello["hb_interval_s"])
+        self.hb_timeout_s: float = float(hello["hb_timeout_s"])
+        self.join_hb_timeout_s: float = float(hello["join_hb_timeout_s"])
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests
@@ -80,7 +95,7 @@ class RankControl:
         if reply is None:
             if self.evicted:
                 raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
-            raise CoordinatorLostError(f"rank {self.rank}: coordinator connection lost")
+            raise CoordinatorLostError(f"rank {self.rank}: {self.lost_reason}")
         if not reply.ok:
             raise ValueError(reply.error or "refused by coordinator")
         return reply
@@ -122,10 +137,33 @@ class RankControl:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
 
     # ------------------------------------------------------------------ threads
+    def _silence_limit_s(self) -> float:
+        """The coordinator's eviction limit for this rank: the heartbeat timeout while
+        it is an active member of a group, the (longer) joiner's limit before that."""
+        with self._lock:
+            groups = list(self.groups.values())
+        member = any(gs.joined and gs.slot in gs.active for gs in groups)
+        return self.hb_timeout_s if member else self.join_hb_timeout_s
+
     def _hb_loop(self) -> None:
+        tick = time.monotonic()
         while not self.lost:
-            if not self.conn.send(m.Heartbeat()):
+            self.conn.send(m.Heartbeat())  # a send that fails shows up as silence below
+            now = time.monotonic()
+            if now - tick > 2 * self.hb_interval_s:
+                # this thread overslept: the process was frozen (or starved), and its
+                # reader thread has yet to read what arrived meanwhile (an eviction
+                # notice, acks): give it that moment before judging the silence
+                time.sleep(min(self.hb_interval_s, 0.1))
+            silent_s = time.monotonic() - self.last_ack
+            limit_s = self._silence_limit_s()
+            if silent_s > limit_s and not (self.lost or self.evicted):
+                self.lost_reason = (f"coordinator at {self.address} unreachable: no answer "
+                                    f"for {silent_s:.1f} s (heartbeat timeout {limit_s:g} s)")
+                log.error("rank %d: %s; stopping", self.rank, self.lost_reason)
+                self.conn.close()  # the reader sees EOF: every waiter wakes up lost
                 return
+            tick = time.monotonic()
             time.sleep(self.hb_interval_s)
 
     def _read_loop(self) -> None:

@@ -196,8 +196,11 @@ class Coordinator(SupervisorRequests):
             return None
         proc = _Proc(rank=rank, pid=msg.pid, conn=conn)
         self._procs[rank] = proc
-        conn.send(m.Reply(id=msg.id, ok=True, body={"store_port": self.store.port,
-                                                    "hb_interval_s": self.hb_interval_s}))
+        # the eviction limits go to the rank too: it stops on its side after the same
+        # silence (a partition cuts both ways, and the rank must not serve on alone)
+        conn.send(m.Reply(id=msg.id, ok=True, body={
+            "store_port": self.store.port, "hb_interval_s": self.hb_interval_s,
+            "hb_timeout_s": self.hb_timeout_s, "join_hb_timeout_s": self.join_hb_timeout_s}))
         log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
                  msg.is_extension)
         return proc

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .gloo_device import new_gloo_group
 from .nccl_inner import NcclComm
 
 if TYPE_CHECKING:  # the owner, for type hints only (it imports this module)
@@ -50,8 +51,8 @@ class EpochGroups:
                 # A store client of its own: TCPStore clients serialise requests, and a
                 # rendezvous blocked on a dead member must not stall the next epoch's.
                 store = gs.new_store()
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
-                                                timeout)
+                self.pg = new_gloo_group(dist.PrefixStore(prefix, store), rank, size,
+                                         timeout, gs.ctl.local_addr)
             except Exception as e:  # a member died during rendezvous; a new epoch follows
                 self.error = e
             self.ready.set()

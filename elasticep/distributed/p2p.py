@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RankFailureError
+from .gloo_device import new_gloo_group
 from .membership import SlotState
 from .ops import _bytes
 
@@ -145,8 +146,8 @@ class _Channel:
             tokens = {me: self.owner.token, peer: store.get(key).decode()}
             lo, hi = sorted((me, peer))
             prefix = f"elastic/{gs.name}/p2p/{lo}-{hi}/{tokens[lo]}/{tokens[hi]}/"
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), int(me > peer), 2,
-                                       timedelta(seconds=gs.timeout_s))
+            pg = new_gloo_group(dist.PrefixStore(prefix, store), int(me > peer), 2,
+                                timedelta(seconds=gs.timeout_s), gs.ctl.local_addr)
         except Exception as e:  # noqa: BLE001 - the peer never came: its waiters decide
             error = e
         done: queue.SimpleQueue = queue.SimpleQueue()

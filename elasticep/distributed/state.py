@@ -339,8 +339,8 @@ class GroupState:
             raise RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
                                    f"({self.ctl.evicted or 'declared failed'}); epoch {self.epoch}")
         if self.ctl.lost:
-            raise CoordinatorLostError(f"rank {self.slot} of {self.name!r}: control connection "
-                                       f"to the coordinator closed; epoch {self.epoch}")
+            raise CoordinatorLostError(f"rank {self.slot} of {self.name!r}: "
+                                       f"{self.ctl.lost_reason}; epoch {self.epoch}")
 
     def _wait_quiet(self, deadline: float) -> None:
         """Wait (lock held) until no transition is pending. Raises on eviction/timeout."""

@@ -68,6 +68,11 @@ class LoopStats:
     reloads: int = 0
     peer_copies: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
+    # the epoch this rank was at, and the wall-clock time (time.time()), when it last
+    # committed a step: a partition test checks that a cut-off rank commits nothing after
+    # the cut, and nothing in an epoch the coordinator made without it
+    last_commit_epoch: int = -1
+    last_commit_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,7 @@ class LockstepLoop:
             tokens = self.engine.execute(self.pending)
         commit = torch.tensor([step], dtype=torch.int64)
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
+        self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1

@@ -167,8 +167,9 @@ def run_worker(cfg: WorkerConfig) -> int:
     finally:
         if loop is not None:
             s = loop.stats
-            logger.info("exit after %d steps, %d recoveries, %d redone steps, %d reloads",
-                        s.steps, s.recoveries, s.redos, s.reloads)
+            logger.info("exit after %d steps, %d recoveries, %d redone steps, %d reloads; "
+                        "last commit at epoch %d, time %.3f", s.steps, s.recoveries, s.redos,
+                        s.reloads, s.last_commit_epoch, s.last_commit_time)
             loop.channel.close()
         for h in logging.getLogger().handlers:
             h.flush()

@@ -38,7 +38,9 @@ from elasticep.entrypoints.serve_cmd import setup_logging
 from elasticep.entrypoints.validate import (
     UsageError,
     add_coordinator_timeout_argument,
+    add_gloo_ifname_argument,
     add_load_format_argument,
+    apply_gloo_ifname,
     check_address,
     coordinator_timeout_check,
     raise_first_failure,
@@ -89,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          help="Ctrl-C / SIGTERM stop every rank this join started (default: "
                               "members keep serving, only ranks not admitted yet stop)")
     add_coordinator_timeout_argument(p)
+    add_gloo_ifname_argument(p)
     add_load_format_argument(p, default=None,
                              help_suffix=" (default: the deployment's; a different one is "
                                          "refused)")
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         mode, ranks = parse_mode_and_ranks(args)
         check_address("--dist-init-addr", args.dist_init_addr)
         raise_first_failure([coordinator_timeout_check(args)])
+        apply_gloo_ifname(args)
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ from elasticep.entrypoints.generate_cmd import default_model_dir
 from elasticep.entrypoints.validate import (
     add_coordinator_timeout_argument,
     add_cuda_graph_argument,
+    add_gloo_ifname_argument,
     add_load_format_argument,
+    apply_gloo_ifname,
     check_address,
     check_device,
     check_model_dir,
@@ -79,6 +81,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--dist-init-addr", default=None,
                    help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
     add_coordinator_timeout_argument(n)
+    add_gloo_ifname_argument(n)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          "--restart-failed-ranks"),
     ])
     check_device(args.device)
+    apply_gloo_ifname(args)
     model = check_model_dir(args.model)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:

@@ -25,8 +25,10 @@ from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.supervisor import (
     EXIT_REMOVED,
+    CoordinatorUnreachableError,
     StopEvent,
     exit_status,
+    recover_command,
     stop_on_signals,
     supervise,
 )
@@ -198,15 +200,24 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
         fatal = not deployment.fault_tolerant
-        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
-                          until_all_exited=True, stop_on_exit=fatal)
+        try:
+            exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
+                              until_all_exited=True, stop_on_exit=fatal,
+                              coordinator_timeout_s=settings.coordinator_timeout_s)
+        except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
+            print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
+                  f"{exc}; the ranks of this node stopped", file=sys.stderr)
+            return 1
         if fatal and exits:
             return 1
-        # ranks left alive at a stop are no loss; without a stop, every rank exited
-        # every rank exited: if the coordinator is gone, that is why (a rank may see its
+        # ranks left alive at a stop are no loss; without a stop, every rank exited:
+        # if the coordinator is gone, or was for a while, that is why (a rank may see its
         # peers die first and exit with an error, not with the lost-coordinator 3)
         if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
-            reason = coordinator_lost(address, settings.coordinator_timeout_s, stop)
+            lost = sorted({ex.rank for ex in exits if ex.code != EXIT_REMOVED})
+            hint = (f"relaunch them with `{recover_command(address, lost, settings.node_rank)}`"
+                    ", or run this node with --restart-failed-ranks")
+            reason = coordinator_lost(address, settings.coordinator_timeout_s, stop, hint)
             if reason:
                 print(f"elasticep serve: error: node {settings.node_rank}: {reason}",
                       file=sys.stderr)

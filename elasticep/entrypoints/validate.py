@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from elasticep.distributed.gloo_device import IFNAME_ENV
 from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
 from elasticep.models.config import SUPPORTED_FAMILIES
 
@@ -61,8 +63,37 @@ def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._Argu
                                      ) -> None:
     """Add ``--coordinator-timeout`` (how long a node or a `join` tries to reach node 0)."""
     p.add_argument("--coordinator-timeout", type=float, default=60.0,
-                   help="seconds to keep trying to reach the coordinator before giving up "
-                        "with an error (default: %(default)s)")
+                   help="seconds to keep trying to reach the coordinator, at start-up and "
+                        "after this node's ranks lost it (a partition, node 0 gone), before "
+                        "giving up with an error; with serve --restart-failed-ranks, ranks "
+                        "are relaunched if it answers within that time "
+                        "(default: %(default)s)")
+
+
+def add_gloo_ifname_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add ``--gloo-socket-ifname`` (the interface of the ranks' Gloo traffic)."""
+    p.add_argument("--gloo-socket-ifname", default=None, metavar="IFACE[,IFACE]",
+                   help="network interface(s) of this node's ranks for their Gloo groups "
+                        "(sets GLOO_SOCKET_IFNAME for them); default: GLOO_SOCKET_IFNAME "
+                        "if set, else the interface that routes to --dist-init-addr")
+
+
+def apply_gloo_ifname(args: argparse.Namespace) -> None:
+    """Check ``--gloo-socket-ifname`` and hand it to the ranks this command starts (they
+    inherit the environment).
+
+    Raises:
+        UsageError: an interface of that name does not exist on this machine.
+    """
+    if not args.gloo_socket_ifname:
+        return
+    for name in args.gloo_socket_ifname.split(","):
+        try:
+            socket.if_nametoindex(name)
+        except OSError:
+            raise UsageError(f"--gloo-socket-ifname: no network interface {name!r} on this "
+                             "machine (see `ip link`)") from None
+    os.environ[IFNAME_ENV] = args.gloo_socket_ifname
 
 
 def coordinator_timeout_check(args: argparse.Namespace) -> Check:

@@ -113,8 +113,9 @@ class ServeProcess:
     """
 
     def __init__(self, proc: subprocess.Popen, url: str, coordinator: str,
-                 log_path: Path) -> None:
+                 log_path: Path, wrap: tuple[str, ...] = ()) -> None:
         self.proc = proc
+        self.wrap = wrap
         self.url = url
         self.coordinator = coordinator
         self.log_path = log_path
@@ -126,33 +127,38 @@ class ServeProcess:
 
     @classmethod
     def start(cls, serve_args: list[str], ready_timeout_s: float = 300.0,
-              log_dir: str | None = None, coordinator: str | None = None) -> ServeProcess:
-        """Start ``elasticep serve`` on free 127.0.0.1 ports; wait for its ``ready:`` line
-        (every initial rank is healthy and connected to the front-end).
+              log_dir: str | None = None, host: str = "127.0.0.1",
+              wrap: tuple[str, ...] = (), coordinator: str | None = None) -> ServeProcess:
+        """Start ``elasticep serve`` on free ports; wait for its ``ready:`` line (every
+        initial rank is healthy and connected to the front-end).
 
         Args:
             serve_args: extra serve flags (``--ep-size 4`` ...); never --port/--host.
             ready_timeout_s: bound on start-up (model load on every rank), seconds.
             log_dir: where serve.log and the workers' ``rank<r>.log`` go (default: a
                 fresh temp dir).
-            coordinator: ``host:port`` for ``--dist-init-addr`` (default: a free
-                127.0.0.1 port), e.g. the address another node already waits for.
+            host: the address of the API and the coordinator (127.0.0.1, or a test
+                host's address).
+            wrap: a command prefix that runs serve and every :meth:`join` elsewhere,
+                keeping the pid (``ip netns exec NS``, which execs the command).
+            coordinator: ``HOST:PORT`` for the coordinator (default: ``host`` and a free
+                port), e.g. one that other nodes were already told.
 
         Raises:
             RuntimeError: serve exited during start-up (the log tail is in the message).
             TimeoutError: not ready within ``ready_timeout_s``.
         """
-        port, coordinator = free_port(), coordinator or f"127.0.0.1:{free_port()}"
+        port, coordinator = free_port(), coordinator or f"{host}:{free_port()}"
         log_path = Path(log_dir or tempfile.mkdtemp(prefix="elasticep-serve-")) / "serve.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                cli_command("serve", "--host", "127.0.0.1", "--port", str(port),
-                            "--dist-init-addr", coordinator, "--log-dir", str(log_path.parent),
-                            *serve_args),
+                [*wrap, *cli_command("serve", "--host", host, "--port", str(port),
+                                     "--dist-init-addr", coordinator, "--log-dir",
+                                     str(log_path.parent), *serve_args)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # our terminal's Ctrl-C must not reach it
                 preexec_fn=_stop_with_us)
-        serve = cls(proc, f"http://127.0.0.1:{port}", coordinator, log_path)
+        serve = cls(proc, f"http://{host}:{port}", coordinator, log_path, wrap)
         try:
             serve.wait_for(lambda st: all_healthy(st) and serve.printed_ready(),
                            ready_timeout_s, "serve's ready line", poll_s=0.5)
@@ -243,20 +249,24 @@ class ServeProcess:
         os.kill(pid, sig)
         return pid
 
-    def join(self, *args: str, tag: str = "join",
+    def join(self, *args: str, tag: str = "join", wrap: tuple[str, ...] | None = None,
              coordinator_timeout_s: float | None = None) -> Joiner:
         """Start ``elasticep join --dist-init-addr COORDINATOR ARGS`` (log next to serve's).
 
         Args:
+            wrap: a command prefix (default: serve's; another test host's
+                ``ip netns exec NS``).
             coordinator_timeout_s: its ``--coordinator-timeout`` (how long it keeps trying
                 a lost coordinator before it exits); None: join's default.
         """
         log_path = self.log_path.with_name(f"{tag}{len(self.joins)}.log")
+        wrap = self.wrap if wrap is None else wrap
         if coordinator_timeout_s is not None:
             args = ("--coordinator-timeout", f"{coordinator_timeout_s:g}", *args)
         with open(log_path, "w") as log:
-            p = subprocess.Popen(cli_command("join", "--dist-init-addr", self.coordinator,
-                                             "--log-dir", str(self.log_path.parent), *args),
+            p = subprocess.Popen([*wrap, *cli_command(
+                                     "join", "--dist-init-addr", self.coordinator,
+                                     "--log-dir", str(self.log_path.parent), *args)],
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True, preexec_fn=_stop_with_us)
         self.joins.append(p)
