@@ -147,11 +147,13 @@ class DecodeGraphs:
             for b in todo:
                 self._graphs.pop(b, None)
                 self._logits.pop(b, None)
-                version = self._version()
                 ids, pos, meta = self._views(b)
                 for _ in range(2):  # compile kernels and create handles outside the graph
                     with PiecewiseCapture(bound=b):
                         self.model.forward(ids, pos, meta, self.kv_layers)
+                # after the warm-ups, which may have grown the exchange buffers (a new
+                # version that this capture already points to)
+                version = self._version()
                 with PiecewiseCapture(self._pool, bound=b) as cap:
                     logits = self.model.forward(ids, pos, meta, self.kv_layers)
                 self._graphs[b], self._logits[b] = cap.result, logits
