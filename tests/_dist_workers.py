@@ -293,9 +293,11 @@ def collectives(rank, addr, ws, mws, ext, q, leaver=None):
 def removal_loop(rank, addr, ws, mws, ext, q, duration_s=30.0):
     """Data all_reduce loop whose header agrees on supervisor removal requests; the ranks
     then call deactivate_ranks at the same step boundary. Reports ("sum", (i, sum)),
-    ("removed", step) and ("raised", name)."""
+    ("removed", step) and ("raised", name). The loop runs ``duration_s`` seconds from the
+    moment every rank is up (ranks start seconds apart on a loaded machine)."""
     _init(rank, addr, ws, mws, ext)
     q.put((rank, "ready", os.getpid()))
+    dist.barrier()
     t_end = time.monotonic() + duration_s
     i = 0
     try:

@@ -18,7 +18,7 @@ def test_status_removal_and_reported_death():
     client = ed.CoordinatorClient(coord.address)
     try:
         for r in range(4):
-            cl.start(r, "removal_loop", 4, duration_s=4.0)
+            cl.start(r, "removal_loop", 4, duration_s=8.0)
         cl.wait_for(lambda m: sum(x[1] == "sum" for x in m) >= 20, 30, "sums")
         st = client.status()
         assert {int(r): v["pid"] for r, v in st["ranks"].items()} == \
