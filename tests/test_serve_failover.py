@@ -30,6 +30,7 @@ from elasticep.distributed.membership import ScalePhase, SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
+from elasticep_testkit.harness.serve_process import Joiner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -60,9 +61,14 @@ def _join(serve, *args: str):
     return serve.join(*args, coordinator_timeout_s=JOIN_COORDINATOR_TIMEOUT_S)
 
 
+# rank -> the `join` that last recovered it (tests run in file order)
+_REJOINED: dict[int, Joiner] = {}
+
+
 def _rejoin(serve, rank: int) -> None:
     """`elasticep join ... recover` for ``rank``; see failed -> joining -> healthy."""
     join = _join(serve, "--elastic-ep-join-mode", "recover", "--ranks", str(rank))
+    _REJOINED[rank] = join
     seen: list[str] = []
 
     def back(st: DeploymentStatus) -> bool:
@@ -125,8 +131,8 @@ def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, referenc
     a burst of 8 streams over the 4 ranks gives the fault-free texts. Then, with rank 0
     killed, `join --detach` recovers it, exits 0 once it is healthy, and leaves it
     running."""
-    join = next(j for j in serve.joins
-                if j.proc.poll() is None and list(j.proc.args[-2:]) == ["--ranks", "0"])
+    join = _REJOINED[0]
+    assert join.proc.poll() is None, join.output()
     before = serve.rank_state(0)
     join.proc.send_signal(signal.SIGINT)
     assert join.proc.wait(30) == 130, join.output()
