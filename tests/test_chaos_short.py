@@ -78,6 +78,16 @@ def test_membership_check_compares_and_is_never_vacuous():
     # an epoch superseded before anyone reconciled (kill during recovery) is fine
     assert invariants.check_membership({2: views[1]}, {1: (0, 1), 2: (0, 1, 3)},
                                        range(0, 3)) == []
+    # an epoch announced and superseded by a later one (a second death during its
+    # transition) is never committed: not missing; unannounced or never superseded is
+    assert invariants.check_membership({2: views[1]}, {2: (0, 1, 3)}, range(0, 3),
+                                       announced={1, 2}) == []
+    assert invariants.check_membership({2: views[1]}, {2: (0, 1, 3)}, range(0, 3),
+                                       announced={2})[0].startswith(
+        "no coordinator commit logged for epochs [1]")
+    assert invariants.check_membership({1: views[1]}, {1: (0, 1, 3)}, range(0, 3),
+                                       announced={1, 2})[0].startswith(
+        "no coordinator commit logged for epochs [2]")
     # a trial whose membership never moved has nothing to compare, and that is right
     assert invariants.check_membership({}, {}, range(4, 5)) == []
     assert Schedule.parse("kill:ranks=0:at=1.00:p=0.00").leaves_survivors(4)

@@ -162,7 +162,8 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
     e1 = dep.watch.latest().epoch
     res.violations += invariants.check_membership(
         invariants.worker_views(dep.serve.log_path.parent),
-        invariants.coordinator_commits(dep.serve.log_path), range(e0, e1 + 1))
+        invariants.coordinator_commits(dep.serve.log_path), range(e0, e1 + 1),
+        invariants.announced_epochs(dep.serve.log_path))
     if usable:
         res.violations += _status_agrees(dep)
         current = dep.sample_pids()
