@@ -182,9 +182,14 @@ class Frontend:
         return self._status.with_running(self.tracker.running_per_rank())
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
-        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
+        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate.
+
+        The snapshot is refreshed before returning, so a client that reads
+        ``/elastic_ep_status`` after its POST sees the scale's phase (read your writes).
+        """
         result = await asyncio.wait_for(asyncio.to_thread(self.membership.scale, new_ep_size),
                                         self.config.status_timeout_s)
+        await self.refresh_membership()
         self._wake_membership.set()
         return result
 
