@@ -75,3 +75,17 @@ def test_manual_membership_reports_failure_not_stale_sums():
             assert (probe_ok, sync, deactivated) == (False, "Reconciled", "Applied")
     finally:
         cl.close()
+
+
+@pytest.mark.timeout(60)
+def test_reinit_world_when_root_destroys_last(tmp_path):
+    # Rank 0 hosts env://'s store server; the other rank checks in for its second init
+    # while rank 0 still holds the first WORLD (a race Mooncake's own test hits at random).
+    cl = Cluster(str(_free_port()))
+    try:
+        for r in range(2):
+            cl.start(r, "mooncake_reinit_late_root", 2, flags=str(tmp_path))
+        cl.wait_for(lambda m: sum(x[1] == "sums" for x in m) == 2, 50, "two inits")
+        assert [cl.of(r, "sums")[0] for r in range(2)] == [(3, 3)] * 2
+    finally:
+        cl.close()
