@@ -406,9 +406,10 @@ def _mooncake_init(rank, port, ws, **opts):
 
 
 def mooncake_reinit_late_root(rank, port, ws, mws, ext, q, flags=""):
-    """all_reduce, destroy WORLD and init it again, where every other rank has finished
-    its second init before rank 0 destroys WORLD (rank 0 waits for their flag files in
-    `flags`). Reports ("sums", (first, second))."""
+    """A Mooncake user's script: all_reduce, destroy WORLD and init it again, all_reduce
+    and a send from slot 0 to each other slot, destroy. Every other rank has finished its
+    second init before rank 0 destroys the first WORLD (rank 0 waits for their flag
+    files in `flags`). Reports ("sums", (first, second, received))."""
     from datetime import timedelta
 
     from elasticep.compat.mooncake import pg
@@ -430,7 +431,13 @@ def mooncake_reinit_late_root(rank, port, ws, mws, ext, q, flags=""):
         t = torch.tensor([rank + 1])
         dist.all_reduce(t)
         sums.append(int(t))
-    q.put((rank, "sums", tuple(sums)))
+    got = torch.tensor([7 * rank])
+    for r in range(1, ws):
+        if rank == 0:
+            dist.send(torch.tensor([7 * r]), r)
+        elif rank == r:
+            dist.recv(got, 0)
+    q.put((rank, "sums", (*sums, int(got))))
     dist.destroy_process_group()
 
 
