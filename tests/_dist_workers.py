@@ -407,6 +407,42 @@ def _mooncake_init(rank, port, ws, **opts):
     return pg, dist.group.WORLD
 
 
+def mooncake_reinit_late_root(rank, port, ws, mws, ext, q, flags=""):
+    """A Mooncake user's script: all_reduce, destroy WORLD and init it again, all_reduce
+    and a send from slot 0 to each other slot, destroy. Every other rank has finished its
+    second init before rank 0 destroys the first WORLD (rank 0 waits for their flag
+    files in `flags`). Reports ("sums", (first, second, received))."""
+    from datetime import timedelta
+
+    from elasticep.compat.mooncake import pg
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sums = []
+    for i in range(2):
+        if i == 1:
+            deadline = time.monotonic() + 20
+            while rank == 0 and not all(os.path.exists(f"{flags}/{r}") for r in range(1, ws)):
+                assert time.monotonic() < deadline, "the other ranks never re-initialised"
+                time.sleep(0.05)
+            dist.destroy_process_group()
+        dist.init_process_group("mooncake-cpu", rank=rank, world_size=ws,
+                                pg_options=pg.MooncakeBackendOptions(ws),
+                                timeout=timedelta(seconds=10))
+        if i == 1 and rank:
+            open(f"{flags}/{rank}", "w").close()
+        t = torch.tensor([rank + 1])
+        dist.all_reduce(t)
+        sums.append(int(t))
+    got = torch.tensor([7 * rank])
+    for r in range(1, ws):
+        if rank == 0:
+            dist.send(torch.tensor([7 * r]), r)
+        elif rank == r:
+            dist.recv(got, 0)
+    q.put((rank, "sums", (*sums, int(got))))
+    dist.destroy_process_group()
+
+
 def mooncake_extension(rank, port, ws, mws, ext, q):
     """Slots 0, 1 start (capacity 3); slot 2 joins. Reports ("sizes", ...) per phase, the
     joiner's solo all_reduce, and the coordinator address ("coord", address)."""

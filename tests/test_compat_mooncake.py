@@ -2,7 +2,11 @@
 detached coordinator that leaves with the last rank, active-rank sizes and buffers,
 a joiner that runs solo before join_group, manual membership with per-op results."""
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +79,31 @@ def test_manual_membership_reports_failure_not_stale_sums():
             assert (probe_ok, sync, deactivated) == (False, "Reconciled", "Applied")
     finally:
         cl.close()
+
+
+@pytest.mark.timeout(90)
+def test_reinit_with_root_destroying_last_then_clean_exit(tmp_path):
+    # Rank 0 hosts env://'s store server; rank 1 checks in for its second init while rank
+    # 0 still holds the first WORLD (Mooncake's own test hits this order at random). Each
+    # rank is a plain interpreter, as under mp.spawn: it must also exit with code 0 after
+    # destroy_process_group, not abort in teardown.
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(tests), str(tests.parent), os.environ.get("PYTHONPATH")])))
+    script = ("import sys, _dist_workers as w\n"
+              "class Q:\n    put = staticmethod(lambda m: print(repr(m), flush=True))\n"
+              "w.mooncake_reinit_late_root(int(sys.argv[1]), int(sys.argv[2]), 2, 2, False, "
+              "Q(), flags=sys.argv[3])\n")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), port, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=75) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {err[-2000:]}"
+        assert out.strip() == repr((r, "sums", (3, 3, 7 * r))), out

@@ -120,7 +120,7 @@ class EpochGroups:
         return (w is None or w.is_completed()) and (self.nccl is None or self.nccl.idle())
 
     def close(self) -> None:
-        """Release both inner groups (reaper thread only: may block)."""
+        """Release both inner groups and the last work (reaper thread only: may block)."""
         if self.nccl is not None:
             self.nccl.close()
-        self.pg = None
+        self.pg = self.last_work = None

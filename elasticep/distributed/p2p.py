@@ -31,6 +31,7 @@ from .errors import RankFailureError
 from .gloo_device import new_gloo_group
 from .membership import SlotState
 from .ops import _bytes
+from .reaper import join_at_exit
 
 if TYPE_CHECKING:  # the owner, for type hints only (it imports this module)
     from .state import GroupState
@@ -122,15 +123,27 @@ class P2PWork(dist.Work):
 
 
 class _Channel:
-    """The pair (this slot, `peer`): its Gloo group and the thread that posts on it."""
+    """The pair (this slot, `peer`): its Gloo group, the thread that posts on it and the
+    one that completes the posted transfers."""
 
     def __init__(self, owner: PeerChannels, peer: int) -> None:
         self.owner, self.gs, self.peer = owner, owner.gs, peer
         # index into gs.epochs at creation: a later epoch without `peer` makes us stale
         self._since = len(self.gs.epochs)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True,
-                         name=f"elastic-p2p-{self.gs.name}-{self.gs.slot}-{peer}").start()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()  # posted, in order
+        name = f"{self.gs.name}-{self.gs.slot}-{peer}"
+        self.threads = (
+            threading.Thread(target=self._run, daemon=True, name=f"elastic-p2p-{name}"),
+            threading.Thread(target=_complete_in_order, args=(self.done,), daemon=True,
+                             name=f"elastic-p2p-done-{name}"))
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        """End both threads once the transfers already posted are done."""
+        self.queue.put(None)
+        join_at_exit(self.threads)
 
     def stale(self) -> bool:
         """True once the peer's slot was out of the group in an epoch after creation."""
@@ -150,18 +163,15 @@ class _Channel:
                                 timedelta(seconds=gs.timeout_s), gs.ctl.local_addr)
         except Exception as e:  # noqa: BLE001 - the peer never came: its waiters decide
             error = e
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_complete_in_order, args=(done,), daemon=True,
-                         name=f"elastic-p2p-done-{gs.name}-{me}-{peer}").start()
         while True:
             work = self.queue.get()
             if work is None:
-                done.put(None)
+                self.done.put(None)
                 return
             if pg is None:
                 work.fail(error)
             elif work.post(pg, int(peer > me)):
-                done.put(work)
+                self.done.put(work)
 
 
 def _complete_in_order(done: queue.SimpleQueue) -> None:
@@ -202,7 +212,7 @@ class PeerChannels:
             ch = self._channels.get(peer)
             if ch is None or ch.stale():
                 if ch is not None:
-                    ch.queue.put(None)
+                    ch.stop()
                 ch = self._channels[peer] = _Channel(self, peer)
         work = P2PWork(ch, kind, tensor, tag)
         ch.queue.put(work)
@@ -213,4 +223,4 @@ class PeerChannels:
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
         for ch in chans:
-            ch.queue.put(None)
+            ch.stop()

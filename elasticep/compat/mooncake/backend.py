@@ -33,6 +33,8 @@ from . import launch
 VIEW_WAIT_S = 5.0  # see MooncakeProcessGroup._await_view
 # process-wide settings of the `pg.set_*` calls (seconds and strings)
 SETTINGS: dict = {"timeout_s": api.DEFAULT_TIMEOUT_S, "host": None}
+# WORLD's rendezvous store, held past destroy_process_group (see create_backend)
+_world_store: list = [None]
 
 
 class MooncakeBackendOptions:
@@ -320,6 +322,13 @@ def create_backend(dopts, options: MooncakeBackendOptions | None,
     capacity = opts.max_group_size or len(given) or dopts.group_size
     timeout_s = min(SETTINGS["timeout_s"], dopts.timeout.total_seconds())
     if not given:  # WORLD: the group rank is the global rank
+        # Rank 0 hosts the env:// store's server, and torch's env:// stores are
+        # multi-tenant: a new one on the same port reuses this process's live server.
+        # Held here, the server outlives WORLD, so ranks that re-create WORLD before
+        # rank 0 has destroyed it check in where rank 0's next store looks. Unheld, it
+        # died with WORLD, and rank 0's new server waited for those check-ins until its
+        # timeout. Joiners also keep finding the coordinator's address in it.
+        _world_store[0] = dopts.store
         host = SETTINGS["host"] or os.environ.get("MASTER_ADDR", "127.0.0.1")
         # WORLD created again (destroyed first) keeps the process's coordinator
         address = api.control_address() or launch.coordinator_address(dopts.store, host,
