@@ -54,11 +54,14 @@ Stamp = dict[str, str]
 
 def stamp() -> Stamp:
     """When, at which commit and on which machine a part is taken now; the commit gets
-    ``-dirty`` when tracked files differ from it."""
+    ``-dirty`` when tracked files other than this script's outputs differ from it."""
     git = ["git", "-C", str(REPO)]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+    # this script's own outputs (the page, the plots, the saved parts) do not count:
+    # each part is stamped after it has written its plot
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!docs/results.md", ":!docs/results"],
                            capture_output=True, text=True).stdout.strip()
     return {"commit": commit + ("-dirty" if dirty else ""), "machine": machine(),
             "taken": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
