@@ -20,25 +20,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
 
 from elasticep.moe.expert_compute import grouped_swiglu  # noqa: E402
 from elasticep.moe.small_batch_experts import swiglu_rows  # noqa: E402
-
-
-def cuda_ms(fn, reps: int = 50) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event-timed calls."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
@@ -75,7 +62,7 @@ def main() -> int:
                 lambda gu=gu, dn=dn: swiglu_rows(w13, w2, rows, tags, gate_up_tile=gu, down_tile=dn))
     for name, fn in variants.items():
         err = float((fn().float() - ref).abs().max() / ref.abs().max())
-        ms = cuda_ms(fn)
+        ms = cuda_ms(fn, 50)
         print(json.dumps({"bench": "expert_gemv", "variant": name, "rows": n, "ms": round(ms, 4),
                           "gb_per_s": round(need / (ms / 1e3) / 1e9, 1),
                           "fraction_of_copy_bw": round(need / (ms / 1e3) / copy_bw, 3),
