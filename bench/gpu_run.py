@@ -621,14 +621,18 @@ def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list
     ab = ["--repeats", "2" if quick else "4", "--window-s", "4" if quick else "8"]
     windows = (["--healthy-s", "5", "--degraded-s", "5", "--after-s", "6"] if quick else [])
     out: dict = {}
+    partial = out_dir / "gpu_serve_partial.json"  # a run cut short keeps what finished
     for mode in graphs:
         flag = [] if mode == "on" else ["--disable-cuda-graph"]
-        res = {"overhead": _bench_json("overhead.py", [*common, *ab, *flag], 300)}
-        for sc in scenarios:
-            res[sc] = _bench_json("failover.py", [
-                *common, *flag, *windows, "--scenario", sc, "--victim", "1",
-                "--plot", str(out_dir / f"gpu_{sc}_graphs_{mode}.png")], 240)
-        out[f"cuda_graph_{mode}"] = res
+        res = out[f"cuda_graph_{mode}"] = {}
+        for name in ["overhead", *scenarios]:
+            if name == "overhead":
+                res[name] = _bench_json("overhead.py", [*common, *ab, *flag], 300)
+            else:
+                res[name] = _bench_json("failover.py", [
+                    *common, *flag, *windows, "--scenario", name, "--victim", "1",
+                    "--plot", str(out_dir / f"gpu_{name}_graphs_{mode}.png")], 240)
+            partial.write_text(json.dumps(out, indent=1, default=str))
     return out
 
 
