@@ -185,10 +185,6 @@ class RoutingRecorder:
         """Replay captured graphs except on the recorded step (a graph would not record)."""
         return not self.on and bool(getattr(self.inner, "graph_safe", False))
 
-    @property
-    def version(self) -> int:
-        return getattr(self.inner, "version", 0)
-
     def touched(self) -> list[int]:
         return [int(torch.unique(t).numel()) for _, t in sorted(self.ids.items())]
 

@@ -91,10 +91,6 @@ class HookedExecutor:
     def graph_safe(self) -> bool:
         return bool(getattr(self.inner, "graph_safe", False))
 
-    @property
-    def version(self) -> int:
-        return getattr(self.inner, "version", 0)
-
 
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
                       dtype: torch.dtype, device: str = "cpu",

@@ -122,8 +122,8 @@ class DecodeGraphs:
     def _version(self) -> int:
         return getattr(executor_of(self.model), "version", 0)
 
-    def capture(self, buckets: Sequence[int] | None = None) -> float:
-        """Capture ``buckets`` (default: all; largest first, one shared memory pool).
+    def capture(self) -> float:
+        """Capture every bucket (largest first, one shared memory pool).
 
         The buffers hold padding rows while capturing, so the warm-up forwards write
         only the sink block. No replay may run meanwhile (they share those buffers): the
@@ -138,7 +138,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         # after every replay already queued: the old graphs' memory is about to be reused
         stream.wait_stream(torch.cuda.current_stream())
-        todo = sorted(self.buckets if buckets is None else buckets, reverse=True)
+        todo = sorted(self.buckets, reverse=True)
         with torch.cuda.stream(stream):
             self._ints.zero_()
             self._ints[2 * n:].fill_(self.sink_block * self.block_size)
@@ -164,21 +164,18 @@ class DecodeGraphs:
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
         self.captures += 1
-        pieces = {b: self._graphs[b].num_pieces for b in todo}
+        pieces = sorted({self._graphs[b].num_pieces for b in todo})
         logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each) in %.2fs",
-                    todo[::-1], sorted(set(pieces.values())), seconds)
+                    self.buckets, pieces, seconds)
         return seconds
 
-    def capture_in_background(self) -> bool:
+    def capture_in_background(self) -> None:
         """Start capturing every bucket in a daemon thread, unless one is running.
 
         A failed capture is logged and leaves the buckets stale (the steps stay eager).
-
-        Returns:
-            True if a capture is running (started now or before).
         """
         if self._background is not None and self._background.is_alive():
-            return True
+            return
 
         def run() -> None:
             try:
@@ -192,7 +189,6 @@ class DecodeGraphs:
                     "graphs are captured again in the background")
         self._background = threading.Thread(target=run, name="cuda-graph-capture", daemon=True)
         self._background.start()
-        return True
 
     def wait_capture(self, timeout_s: float | None = None) -> bool:
         """Wait for a background capture; True when none is running any more."""

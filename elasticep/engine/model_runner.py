@@ -74,10 +74,12 @@ class ModelRunner:
         # header), so an idle rank replays too; a single rank has no such bound.
         agreed = getattr(executor_of(self.model), "step_max_tokens", None) or 0
         if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
-                or any(it.end - it.start != 1 for it in batch.items)
-                or g.bucket(max(len(batch.items), agreed)) is None):
+                or any(it.end - it.start != 1 for it in batch.items)):
             return None
-        if g.stale(g.bucket(max(len(batch.items), agreed))):
+        b = g.bucket(max(len(batch.items), agreed))
+        if b is None:
+            return None
+        if g.stale(b):
             g.capture_in_background()  # never wait on a capture: this step runs eagerly
             return None
         bs = self.kv_cache.block_size
