@@ -60,6 +60,11 @@ def deployment_args(args: argparse.Namespace) -> list[str]:
     return out + list(args.serve_arg)
 
 
+def cuda_graph_on(args: argparse.Namespace) -> bool:
+    """Whether the deployment the bench flags describe replays decode CUDA graphs."""
+    return args.device == "cuda" and not args.disable_cuda_graph
+
+
 def machine() -> str:
     """One line naming the machine: CPU model, cores, and the GPU if torch sees one."""
     cpu = platform.processor() or platform.machine()
@@ -173,7 +178,7 @@ class Run:
         """JSON keys describing the setup."""
         a = self.args
         return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
-                "device": a.device, "cuda_graph": a.device == "cuda" and not a.disable_cuda_graph,
+                "device": a.device, "cuda_graph": cuda_graph_on(a),
                 "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "orphans": self.orphans, "machine": machine(),
                 "load_avg_1m": round(os.getloadavg()[0], 1)}

@@ -27,7 +27,13 @@ from pathlib import Path
 # bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from _deploy import REQUEST_TIMEOUT_S, add_deploy_arguments, deployment_args, machine  # noqa: E402
+from _deploy import (  # noqa: E402
+    REQUEST_TIMEOUT_S,
+    add_deploy_arguments,
+    cuda_graph_on,
+    deployment_args,
+    machine,
+)
 
 from elasticep_testkit.harness import timeline  # noqa: E402
 from elasticep_testkit.harness.load import SteadyLoad, make_client  # noqa: E402
@@ -111,7 +117,7 @@ def main() -> int:
         "compared_prompts": len(common),
         "repeats": args.repeats, "window_s": args.window_s, "ep_size": args.ep_size,
         "redundant": args.ep_num_redundant_experts, "device": args.device,
-        "cuda_graph": args.device == "cuda" and not args.disable_cuda_graph,
+        "cuda_graph": cuda_graph_on(args),
         "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "orphans": orphans, "machine": machine(),
     }), flush=True)
