@@ -83,6 +83,15 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
     # the dispatcher takes this path for few rows (and writes into a given buffer)
     buf = torch.empty_like(rows)
     assert torch.equal(grouped_swiglu(w13, w2, rows, tags, out=buf), got)
+    # rows and tags as the exchange receives them: strided views of one buffer, read in place
+    from elasticep.moe.padded_exchange import row_width, split_rows
+
+    recv = torch.zeros(n, row_width(H, dtype), dtype=dtype, device="cuda")
+    srows, stags = split_rows(recv, H)
+    srows.copy_(rows)
+    stags.copy_(tags)
+    assert srows.stride(0) > H and stags.stride(0) > 1
+    assert torch.equal(swiglu_rows(w13, w2, srows, stags), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

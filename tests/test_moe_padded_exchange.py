@@ -17,6 +17,8 @@ from elasticep.moe.padded_exchange import (
     pack,
     pair_capacity,
     plan_padded,
+    row_width,
+    split_rows,
     unpack,
 )
 
@@ -63,9 +65,11 @@ def test_simulated_exchange_matches_single_rank_reference(dtype, grouped):
     C = pair_capacity(max(T), k, S)
     plans = [plan_padded(s, S, G, C) for s in slots]
     sent = [pack(h, k, p) for h, p in zip(hidden, plans, strict=True)]
+    assert sent[0].shape == (G * C, row_width(H, dtype))
+    assert (sent[0].shape[1] * sent[0].element_size()) % 16 == 0
     # all_to_all: rank d receives block d of every sender, in sender order
-    recv = [(torch.cat([sent[s][0][d * C:(d + 1) * C] for s in range(G)]),
-             torch.cat([sent[s][1][d * C:(d + 1) * C] for s in range(G)])) for d in range(G)]
+    recv = [split_rows(torch.cat([sent[s][d * C:(d + 1) * C] for s in range(G)]), H)
+            for d in range(G)]
     outs = [grouped_swiglu(w13[d * S:(d + 1) * S], w2[d * S:(d + 1) * S], r, t,
                            use_grouped=grouped) for d, (r, t) in enumerate(recv)]
     for d, (_, t) in enumerate(recv):  # padding rows come back as zeros

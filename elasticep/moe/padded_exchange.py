@@ -6,11 +6,16 @@ then moves rows with uneven splits; on a GPU those counts would have to reach th
 every rank of the group, so ``all_to_all_single`` needs no split sizes and everything
 stays on the device:
 
-* send buffer ``[G * C, H]``: block ``d`` (rows ``d*C .. d*C + C``) holds the pairs
-  bound for rank ``d``, in flat (token, choice) order, then zero padding;
-* tag buffer ``[G * C]`` int32: ``local slot + 1`` for a real row, ``0`` for padding.
-  Zero means "empty" on purpose: an elastic group zero-fills the rows of inactive
-  ranks, which therefore read as padding too.
+* send buffer ``[G * C, W]`` (model dtype): block ``d`` (rows ``d*C .. d*C + C``) holds
+  the pairs bound for rank ``d``, in flat (token, choice) order, then zero padding;
+* each row's first ``H`` columns are the token's hidden state and its last 4 bytes an
+  int32 tag: ``local slot + 1`` for a real row, ``0`` for padding. Zero means "empty"
+  on purpose: an elastic group zero-fills the rows of inactive ranks, which therefore
+  read as padding too. ``W`` (:func:`row_width`) pads the row to a multiple of 16 bytes.
+
+The tag rides in the row instead of a tensor of its own so that a dispatch is one
+all_to_all, not two: at decode batch sizes an all_to_all costs its latency (tens of
+microseconds on NVLink), not its bytes, and a layer pays it for every exchange.
 
 ``capacity`` must be the same on every rank and at least the most pairs one rank can
 send to one destination, ``max_tokens * min(top_k, slots_per_rank)`` (a token sends
@@ -151,26 +156,40 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     return PaddedPlan(position, tag, group_size, capacity)
 
 
+def row_width(hidden_size: int, dtype: torch.dtype) -> int:
+    """Columns of an exchanged row: ``hidden_size`` values, then room for the int32 tag,
+    rounded up so a row is a multiple of 16 bytes (aligned rows for the GEMMs)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return -(-(hidden_size * size + 4) // 16) * 16 // size
+
+
+def split_rows(buf: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a contiguous ``[N, W]`` exchange buffer: rows ``[N, H]`` (row stride W)
+    and tags ``[N]`` int32 (the last 4 bytes of each row)."""
+    return buf[:, :hidden_size], buf.view(torch.int32)[:, -1]
+
+
 def pack(hidden: torch.Tensor, top_k: int, plan: PaddedPlan, alloc: Alloc = fresh
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build this rank's send buffers.
+         ) -> torch.Tensor:
+    """Build this rank's send buffer.
 
     Args:
         hidden: [T, H] model dtype; top_k: k; plan: from :func:`plan_padded`;
-        alloc: where the buffers come from (names ``send_rows``, ``send_tags``).
+        alloc: where the buffer comes from (name ``send``).
 
     Returns:
-        rows: [G*C, H] (pair rows at their positions, zeros elsewhere);
-        tags: [G*C] int32 (``local slot + 1``, 0 for padding).
+        [G*C, W] model dtype, W = :func:`row_width`: pair rows at their positions, with
+        their tags (``local slot + 1``); zeros elsewhere (:func:`split_rows` reads it).
     """
+    H = hidden.shape[1]
     n = plan.group_size * plan.capacity
-    rows = alloc("send_rows", n, hidden).zero_()
-    tags = alloc("send_tags", n, plan.tag).zero_()
+    buf = alloc("send", n, hidden.new_empty(0, row_width(H, hidden.dtype))).zero_()
+    rows, tags = split_rows(buf, H)
     token = torch.div(torch.arange(plan.position.numel(), device=hidden.device), top_k,
                       rounding_mode="floor")
     rows[plan.position] = hidden[token]
     tags[plan.position] = plan.tag
-    return rows, tags
+    return buf
 
 
 def unpack(returned: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
@@ -192,22 +211,23 @@ def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
 def padded_dispatch(hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
                     group_size: int, capacity: int, exchange: Exchange, alloc: Alloc = fresh
                     ) -> tuple[torch.Tensor, torch.Tensor, PaddedPlan]:
-    """Send every pair to the rank owning its slot (two even all_to_alls, no sync).
+    """Send every pair to the rank owning its slot (one even all_to_all, no sync).
 
     Args:
         hidden: [T, H]; slots: [T, k] int64 physical slots; others as in
         :func:`plan_padded`; exchange: the all_to_all (:func:`exchange_over`);
-        alloc: buffer source (``send_*`` and ``recv_rows`` / ``recv_tags``).
+        alloc: buffer source (``send``, ``recv``).
 
     Returns:
-        recv_rows: [G*C, H], block ``s`` from sender ``s``; recv_tags: [G*C] int32;
+        recv_rows: [G*C, H] (a strided view, row stride :func:`row_width`), block ``s``
+        from sender ``s``; recv_tags: [G*C] int32 (a strided view);
         plan: for :func:`padded_combine`.
     """
     plan = plan_padded(slots, slots_per_rank, group_size, capacity)
-    rows, tags = pack(hidden, slots.shape[1], plan, alloc)
-    recv_rows, recv_tags = alloc("recv_rows", rows.shape[0], rows), alloc("recv_tags", tags.shape[0], tags)
-    exchange(recv_rows, rows)
-    exchange(recv_tags, tags)
+    send = pack(hidden, slots.shape[1], plan, alloc)
+    recv = alloc("recv", send.shape[0], send)
+    exchange(recv, send)
+    recv_rows, recv_tags = split_rows(recv, hidden.shape[1])
     return recv_rows, recv_tags, plan
 
 

@@ -35,26 +35,27 @@ def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_block(tag_ptr, w_ptr, n_out, expert_numel, BLOCK: tl.constexpr):
+    def _row_block(tag_ptr, tag_stride, w_ptr, n_out, expert_numel, BLOCK: tl.constexpr):
         # grid (row, output block): the row, the block's offsets and mask, where it is
         # live (a padding row, tag 0, loads nothing), and its expert's weights
         r = tl.program_id(0).to(tl.int64)
-        tag = tl.load(tag_ptr + r).to(tl.int64)
+        tag = tl.load(tag_ptr + r * tag_stride).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_out
         live = mask & (offs * 0 + tag != 0)
         return r, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, tag_ptr, w13_ptr, act_ptr, H, inter,
+    def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, w13_ptr, act_ptr, H, inter,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        r, offs_i, mask_i, live, base = _row_block(tag_ptr, w13_ptr, inter, 2 * inter * H, BLOCK_I)
+        r, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, w13_ptr, inter,
+                                                   2 * inter * H, BLOCK_I)
         gate = tl.zeros([BLOCK_I], dtype=tl.float32)
         up = tl.zeros([BLOCK_I], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
-            x = tl.load(x_ptr + r * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + r * x_stride + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             m = live[:, None] & mask_h[None, :]
             wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m, other=0.0)
             wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=m, other=0.0)
@@ -67,9 +68,10 @@ if triton is not None:
         tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
 
     @triton.jit
-    def _down_kernel(act_ptr, tag_ptr, w2_ptr, out_ptr, H, inter,
+    def _down_kernel(act_ptr, tag_ptr, tag_stride, w2_ptr, out_ptr, H, inter,
                      BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
-        r, offs_o, mask_o, live, base = _row_block(tag_ptr, w2_ptr, H, H * inter, BLOCK_O)
+        r, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, w2_ptr, H, H * inter,
+                                                   BLOCK_O)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -98,10 +100,11 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     Args:
         w13: [S, 2*I, H] gate rows then up rows, contiguous, rows' dtype and device.
         w2: [S, H, I], contiguous (both as the loaders allocate them).
-        rows: [N, H] with ``N <= MAX_ROWS`` (:func:`small_batch_ok`).
-        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked (a
-            check would sync): a tag above S reads out of bounds.
-        out: [N, H] buffer for the result, or None.
+        rows: [N, H] with ``N <= MAX_ROWS`` (:func:`small_batch_ok`); any row stride
+            (the exchange's received rows are a strided view).
+        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row; any stride. Not
+            range-checked (a check would sync): a tag above S reads out of bounds.
+        out: [N, H] contiguous buffer for the result, or None.
         gate_up_tile, down_tile: block sizes and warps (default :data:`GATE_UP_TILE`,
             :data:`DOWN_TILE`).
 
@@ -112,12 +115,14 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     inter = w2.shape[2]
     act = rows.new_empty(N, inter)
     out = rows.new_empty(N, H) if out is None else out
-    # rows may be a stride-0 view (one token expanded to its k choices): a few KiB to copy
-    rows, tags = rows.contiguous(), tags.contiguous()
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
     bi, bh, wa = gate_up_tile or GATE_UP_TILE
     bo, bk, wb = down_tile or DOWN_TILE
-    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, tags, w13, act, H, inter,
-                                                 BLOCK_I=bi, BLOCK_H=bh, num_warps=wa)
-    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, w2, out, H, inter, BLOCK_O=bo, BLOCK_K=bk,
-                                          num_warps=wb)
+    # a stride-0 row (one token expanded to its k choices) is read in place
+    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, rows.stride(0), tags, tags.stride(0), w13,
+                                                 act, H, inter, BLOCK_I=bi, BLOCK_H=bh,
+                                                 num_warps=wa)
+    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), w2, out, H, inter,
+                                          BLOCK_O=bo, BLOCK_K=bk, num_warps=wb)
     return out
