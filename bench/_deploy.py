@@ -43,6 +43,8 @@ def add_deploy_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--plot", default=None, help="write the tokens/s timeline PNG here")
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="serve without decode CUDA graphs (both backends alike in overhead.py)")
+    ap.add_argument("--log-dir", default=None,
+                    help="keep serve.log and the ranks' logs here (default: a temp dir)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra flag passed to serve verbatim (repeatable)")
 
@@ -107,7 +109,7 @@ class Run:
         self.orphans: list[int] = []
         self.load: SteadyLoad | None = None
         self.watch: StatusWatch | None = None
-        self.serve = ServeProcess.start(serve_args)
+        self.serve = ServeProcess.start(serve_args, log_dir=args.log_dir)
         try:
             self.watch = StatusWatch(self.serve.coordinator)
             self.client = make_client(self.serve.url, REQUEST_TIMEOUT_S)

@@ -628,9 +628,11 @@ def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list
         for name in ["overhead", *scenarios]:
             if name == "overhead":
                 res[name] = _bench_json("overhead.py", [*common, *ab, *flag], 300)
-            else:
+            else:  # the ranks' logs stay: their throughput lines show each rank's steps
+                logs = out_dir / "logs" / f"{name}_graphs_{mode}"
                 res[name] = _bench_json("failover.py", [
                     *common, *flag, *windows, "--scenario", name, "--victim", "1",
+                    "--log-dir", str(logs),
                     "--plot", str(out_dir / f"gpu_{name}_graphs_{mode}.png")], 240)
             partial.write_text(json.dumps(out, indent=1, default=str))
     return out

@@ -37,8 +37,11 @@ class DeploymentConfig:
         load_format: "auto"/"safetensors" (read the checkpoint) or "dummy" (weights
             drawn from a fixed seed, the same on every rank, so a relaunched or
             scaled-in rank holds the same experts; only config.json is needed).
-        disable_cuda_graph: never replay decode CUDA graphs (a rank whose step has no
-            collective captures them otherwise; EP ranks run eagerly today).
+        disable_cuda_graph: never replay decode CUDA graphs (CUDA ranks capture them
+            per batch-size bucket otherwise, the EP exchanges running eagerly between
+            the graph pieces).
+        log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
+            CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
     """
 
     model: str
@@ -60,6 +63,7 @@ class DeploymentConfig:
     store_addr: str = ""
     load_format: str = "auto"
     disable_cuda_graph: bool = False
+    log_stats_interval_s: float = 10.0
 
     def to_json(self) -> str:
         """Serialise for the coordinator store."""

@@ -47,6 +47,7 @@ from elasticep.engine.ipc import WorkerChannel
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.engine.serve_loop import apply_messages
+from elasticep.engine.step_rate import StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.moe.ep_executor import EPMoEExecutor
@@ -56,6 +57,11 @@ logger = logging.getLogger(__name__)
 
 class RankRemoved(Exception):  # noqa: N818 - a clean exit, not an error
     """This rank was drained and deactivated by a planned scale-down."""
+
+
+def _graph_replays(engine: LLMEngine) -> int:
+    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
+    return graphs.replays if graphs is not None else 0
 
 
 @dataclass
@@ -163,13 +169,16 @@ class LockstepLoop:
         eplb: optional EPLB manager (``--enable-eplb``).
         idle_wait_s: first wait for a message when no rank has work (seconds); it
             doubles per idle iteration up to ``max_idle_wait_s``.
+        log_stats_interval_s: seconds between throughput lines (:class:`StepRateLog`);
+            0 turns them off.
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
                  group: dist.ProcessGroup | None, rank: int, elastic: bool,
                  load_fn: CheckpointLoader | None, faults: FaultInjector,
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
-                 idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
+                 log_stats_interval_s: float = 10.0) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
         self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
@@ -178,6 +187,7 @@ class LockstepLoop:
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
+        self.rate = StepRateLog(rank, lambda: _graph_replays(engine), log_stats_interval_s)
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
@@ -263,6 +273,7 @@ class LockstepLoop:
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
+        self.rate.step(len(outputs), self.stats.last_commit_epoch)
         self.channel.send_outputs(outputs)
         if self.eplb is not None and self.eplb.step():
             result = self.eplb.rebalance(self.ep.placement, sync=True, group=self.group)

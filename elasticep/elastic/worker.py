@@ -141,7 +141,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                             cfg.rank, log_ctx.epoch)
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
-                        log_ctx, eplb)
+                        log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s)
 
 
 def run_worker(cfg: WorkerConfig) -> int:

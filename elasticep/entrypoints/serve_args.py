@@ -67,6 +67,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--restart-failed-ranks", action="store_true",
                    help="relaunch a rank of this node that crashed (never one removed "
                         "by a scale-down)")
+    f.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between each rank's throughput log line (steps, generated "
+                        "tokens/s, CUDA graph replays); 0 turns it off")
     f.add_argument("--heartbeat-timeout", type=float, default=2.0,
                    help="seconds without heartbeat before a frozen rank is evicted")
     h = p.add_argument_group("HTTP")
@@ -135,6 +138,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     raise_first_failure([
         *ep_flag_checks(args, max_ep),
         (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
+        (args.log_stats_interval >= 0, "--log-stats-interval must be >= 0 seconds"),
         port_check("--port", args.port),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
@@ -168,7 +172,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
         heartbeat_timeout_s=args.heartbeat_timeout, load_format=args.load_format,
-        disable_cuda_graph=args.disable_cuda_graph)
+        disable_cuda_graph=args.disable_cuda_graph,
+        log_stats_interval_s=args.log_stats_interval)
     return ServeSettings(
         deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,

@@ -48,8 +48,8 @@ def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup
     """Add ``--disable-cuda-graph`` (SGLang's name) to ``p``."""
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode eagerly instead of replaying CUDA graphs captured at "
-                        "start-up (graphs apply on CUDA where a rank's step has no "
-                        "collective: --ep-size 1 in generate)")
+                        "start-up per batch-size bucket (CUDA only; with expert "
+                        "parallelism the exchanges between ranks stay outside the graphs)")
 
 
 def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,

@@ -150,6 +150,7 @@ class ServeProcess:
         """
         port, coordinator = free_port(), coordinator or f"{host}:{free_port()}"
         log_path = Path(log_dir or tempfile.mkdtemp(prefix="elasticep-serve-")) / "serve.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 [*wrap, *cli_command("serve", "--host", host, "--port", str(port),
