@@ -632,7 +632,7 @@ def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list
                 logs = out_dir / "logs" / f"{name}_graphs_{mode}"
                 res[name] = _bench_json("failover.py", [
                     *common, *flag, *windows, "--scenario", name, "--victim", "1",
-                    "--log-dir", str(logs),
+                    "--log-dir", str(logs), "--serve-arg=--log-stats-interval=2",
                     "--plot", str(out_dir / f"gpu_{name}_graphs_{mode}.png")], 240)
             partial.write_text(json.dumps(out, indent=1, default=str))
     return out
