@@ -7,6 +7,8 @@ K/V to the slots of the scheduled positions, which a redo rewrites identically.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -18,6 +20,39 @@ from elasticep.models.model import MoECausalLM
 from elasticep.models.paged_attention import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _HostLists:
+    """A batch's per-token and per-sequence ints, gathered on the host in one pass.
+
+    ids, positions, slots: [T] token id, position and KV-cache slot of each scheduled
+    token; starts: [B + 1] first token of each sequence (then T); ctx_lens: [B] tokens
+    in context after this step; tables: [B] block tables.
+    """
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    ctx_lens: list[int]
+    tables: list[list[int]]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, block_size: int) -> _HostLists:
+        h = cls([], [], [], [0], [], [])
+        bs = block_size
+        for it in batch.items:
+            seq, table = it.seq, it.seq.block_table
+            tokens = seq.all_token_ids if it.end - it.start > 1 else None
+            for p in range(it.start, it.end):
+                h.ids.append(tokens[p] if tokens is not None else seq.token_at(p))
+                h.positions.append(p)
+                h.slots.append(table[p // bs] * bs + p % bs)
+            h.starts.append(h.starts[-1] + it.end - it.start)
+            h.ctx_lens.append(it.end)
+            h.tables.append(table)
+        return h
 
 
 class ModelRunner:
@@ -82,18 +117,10 @@ class ModelRunner:
         if g.stale(b):
             g.capture_in_background()  # never wait on a capture: this step runs eagerly
             return None
-        bs = self.kv_cache.block_size
-        ids, positions, slots, tables, lens = [], [], [], [], []
-        for it in batch.items:
-            seq, p = it.seq, it.start
-            ids.append(seq.token_at(p))
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            tables.append(seq.block_table)
-            lens.append(it.end)
-        if max(lens, default=0) > g.max_seq_len:
+        h = _HostLists.of(batch, self.kv_cache.block_size)
+        if max(h.ctx_lens, default=0) > g.max_seq_len:
             return None
-        return g.replay(ids, positions, slots, tables, lens, min_bucket=agreed)
+        return g.replay(h.ids, h.positions, h.slots, h.tables, h.ctx_lens, min_bucket=agreed)
 
     def prepare(
         self, batch: ScheduledBatch
@@ -109,28 +136,16 @@ class ModelRunner:
             empty = torch.zeros(0, dtype=torch.long, device=dev)
             return empty, empty, AttentionMetadata([0], [], empty), empty
         bs = self.kv_cache.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, ctx_lens, query_lens, tables = [0], [], [], []
-        for it in batch.items:
-            seq, table = it.seq, it.seq.block_table
-            tokens = seq.all_token_ids if it.end - it.start > 1 else None
-            for p in range(it.start, it.end):
-                ids.append(tokens[p] if tokens is not None else seq.token_at(p))
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            starts.append(starts[-1] + it.end - it.start)
-            ctx_lens.append(it.end)
-            query_lens.append(it.end - it.start)
-            tables.append(table)
-        T, B = len(ids), len(ctx_lens)
-        host = torch.tensor(ids + positions + slots + [s - 1 for s in starts[1:]], dtype=torch.long)
+        h = _HostLists.of(batch, bs)
+        T, B = len(h.ids), len(h.ctx_lens)
+        host = torch.tensor(h.ids + h.positions + h.slots + [s - 1 for s in h.starts[1:]],
+                            dtype=torch.long)
         if dev.type == "cuda":
             host = host.pin_memory()
         flat = host.to(dev, non_blocking=True)
-        paged = PagedAttentionMetadata.from_lists(tables, ctx_lens, query_lens, bs, dev)
-        meta = AttentionMetadata(starts, ctx_lens, flat[2 * T:3 * T], paged)
+        query_lens = [b - a for a, b in pairwise(h.starts)]
+        paged = PagedAttentionMetadata.from_lists(h.tables, h.ctx_lens, query_lens, bs, dev)
+        meta = AttentionMetadata(h.starts, h.ctx_lens, flat[2 * T:3 * T], paged)
         return flat[:T], flat[T:2 * T], meta, flat[3 * T:3 * T + B]
 
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
