@@ -226,3 +226,24 @@ def test_rebalance_and_scale_up_keep_replicas_on_distinct_ranks(seed):
     assert plan_expert_loads(q, grown, None) and all(
         x.rank >= N and x.source_rank is not None for x in plan_expert_loads(q, grown)
     )
+
+
+def test_move_keeps_the_tensors_of_layers_where_nothing_lands():
+    """A layer this rank receives nothing in is returned as the same tensor (no second
+    copy of its experts); a layer whose slots move gets new tensors with the right
+    experts in each slot."""
+    from elasticep.eplb.placement import Placement
+
+    E = 4
+    p = initial_placement(2, E, 0, 1)
+    phy = p.phy2log.clone()
+    phy[1] = phy[1].flip(0)  # layer 1: the slots reversed; layer 0 as it was
+    q = Placement(phy, E, p.slots_per_rank, p.active_ranks)
+    w13 = [torch.arange(E, dtype=torch.float32).view(E, 1, 1).expand(E, 4, 3).clone()
+           for _ in range(2)]
+    w2 = [t[:, :3, :2].clone() for t in w13]
+    new13, new2, _ = move_expert_weights(p, q, 0, w13, w2, group=None, load_fn=None)
+    assert new13[0] is w13[0] and new2[0] is w2[0]
+    assert new13[1] is not w13[1]
+    assert new13[1][:, 0, 0].tolist() == [3.0, 2.0, 1.0, 0.0]
+    assert new2[1][:, 0, 0].tolist() == [3.0, 2.0, 1.0, 0.0]

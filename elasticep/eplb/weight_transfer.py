@@ -52,7 +52,9 @@ def move_expert_weights(
 
     Returns:
         new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
-            stale data (never routed to).
+            stale data (never routed to). A layer where nothing lands on this rank (same
+            slot count, no expert received, moved or reloaded) is returned as the same
+            tensor, so the move holds a second copy only of the layers that change.
         new_w2: per layer [new.slots_per_rank, H, I].
         loads: the whole plan over the MoE layers (for logging: moved or reloaded).
 
@@ -79,6 +81,16 @@ def move_expert_weights(
             out2.append(None)
             continue
         n13, n2 = a.shape[1] * a.shape[2], b.shape[1] * b.shape[2]
+        stays = bool(new.active_ranks[rank] and old.active_ranks[rank]) and S == S_old == a.shape[0]
+        if stays and not any(x.rank == rank for x in by_layer[layer]):
+            # Nothing lands here: keep the layer's tensors (no second copy of its experts
+            # in memory; slots that became empty keep stale data, never routed to).
+            if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
+                _exchange(a, b, a, b, [x for x in by_layer[layer] if x.source_rank == rank],
+                          [], n13, n2, world, group)
+            out13.append(a)
+            out2.append(b)
+            continue
         new_a = a.new_zeros(S, *a.shape[1:])
         new_b = b.new_zeros(S, *b.shape[1:])
         if new.active_ranks[rank] and old.active_ranks[rank]:
