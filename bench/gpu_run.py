@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import elasticep.distributed as ed  # noqa: E402
-from elasticep.moe.expert_compute import grouped_swiglu, run_expert_rows  # noqa: E402
+from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows  # noqa: E402
 from elasticep.moe.local_executor import run_slots  # noqa: E402
 from elasticep.moe.padded_exchange import (  # noqa: E402
     exchange_over,
@@ -110,8 +110,8 @@ def _moe_layer(p, rank, dev, exchange, w13, w2, hidden, slots, weights):
     S, k, T = p["S"], p["k"], p["T"]
     cap = pair_capacity(T, k, S)
     rows, tags, plan = padded_dispatch(hidden, slots, S, 2, cap, exchange)
-    pairs = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, exchange)
-    return (pairs.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+    back = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, exchange)
+    return combine_pairs(back, weights, torch.float32, rows=plan.position)
 
 
 @worker

@@ -4,7 +4,9 @@
   :func:`elasticep.models.layers.rms_norm`;
 - :func:`norm_rope` (Qwen3's q/k norm then RoPE) against ``apply_rope(rms_norm(x))``;
 - :func:`swiglu_rows` (per-row expert GEMV) against the per-slot matmul loop, with
-  padding rows and repeated slots.
+  padding rows and repeated slots;
+- :func:`fused_combine` (gather, weight, sum of each token's k outputs) against the
+  torch form of :func:`combine_pairs`.
 In fp32 they must agree to rounding; in bf16, to a few units in the last place.
 """
 
@@ -115,3 +117,23 @@ def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
     if dtype == torch.float32:
         assert torch.equal(ids, ref_ids)
     assert _rel(w, ref_w) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,H", [(1, 8, 2048), (5, 2, 300), (64, 8, 256), (0, 2, 64)])
+@pytest.mark.parametrize("gather", [False, True])
+def test_fused_combine_matches_torch_form(dtype, T, k, H, gather):
+    from elasticep.moe.fused_combine import fused_combine, fused_combine_ok
+
+    g = torch.Generator(device="cuda").manual_seed(T * k + H)
+    n = 2 * T * k + 3 if gather else T * k
+    pair_out = torch.randn(n, H, generator=g, device="cuda").to(dtype)
+    weights = torch.rand(T, k, generator=g, device="cuda")
+    rows = torch.randperm(n, generator=g, device="cuda")[:T * k] if gather else None
+    picked = pair_out[rows] if gather else pair_out
+    ref = (picked.view(T, k, H).float() * weights.unsqueeze(-1)).sum(1).to(dtype)
+    assert fused_combine_ok(pair_out)
+    got = fused_combine(pair_out, weights, dtype, rows)
+    assert got.shape == (T, H) and got.dtype == dtype
+    if T:
+        assert _rel(got, ref) < TOL[dtype]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticep.moe.expert_compute import grouped_swiglu
+from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
 from elasticep.moe.local_executor import run_slots
 from elasticep.moe.padded_exchange import (
     ROW_ALIGN,
@@ -78,6 +78,9 @@ def test_simulated_exchange_matches_single_rank_reference(dtype, grouped):
     for r in range(G):
         pairs = unpack(back[r], plans[r]).view(T[r], k, H).float()
         got = (pairs * weights[r].unsqueeze(-1)).sum(1)
+        # the combine reads the rows in place, in the exchange's layout
+        assert torch.equal(combine_pairs(back[r], weights[r], torch.float32,
+                                         rows=plans[r].position), got)
         ref = run_slots(w13.float(), w2.float(), hidden[r].float(), slots[r], weights[r])
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert got.shape == ref.shape

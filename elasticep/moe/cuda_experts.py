@@ -163,8 +163,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
                                            self._exchange_boundary, bufs)
         expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
                                     out=bufs("expert_out", rows.shape[0], rows))
-        pairs = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
-        return combine_pairs(pairs, topk_weights, hidden_states.dtype)
+        back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
+        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
 
 
 def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],

@@ -238,8 +238,10 @@ def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchang
     ``alloc`` gives the receive buffer (``back``).
 
     Returns:
-        [T*k, H]: the output of each flat (token, choice) pair.
+        [G*C, H] in the send layout: the output of flat pair ``i`` is row
+        ``plan.position[i]`` (:func:`unpack` gathers them; the combine kernel reads
+        them in place, :func:`elasticep.moe.expert_compute.combine_pairs`).
     """
     back = alloc("back", expert_out.shape[0], expert_out)
     exchange(back, expert_out.contiguous())
-    return unpack(back, plan)
+    return back
