@@ -25,6 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
 
 from elasticep.moe.expert_compute import grouped_swiglu  # noqa: E402
+from elasticep.moe.padded_exchange import row_width, split_rows  # noqa: E402
 from elasticep.moe.small_batch_experts import swiglu_rows  # noqa: E402
 
 
@@ -55,13 +56,27 @@ def main() -> int:
     need = n * 3 * inter * H * 2  # each row's expert: w13 and w2
     ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False).float()
     variants = {"grouped_gemm": lambda: grouped_swiglu(w13, w2, rows, tags, use_grouped=True)}
+    # the default tiles on each layout the kernels are given in the engine: contiguous
+    # rows, the exchange's strided view, and one token's row repeated (stride 0, EP1)
+    recv = torch.zeros(n, row_width(H, dt), device=dev, dtype=dt)
+    srows, stags = split_rows(recv, H)
+    srows.copy_(rows)
+    stags.copy_(tags)
+    one = rows[:1].expand(n, H)
+    ref_one = grouped_swiglu(w13, w2, one.contiguous(), tags, use_grouped=False).float()
+    layouts = {"layout contiguous": (lambda: swiglu_rows(w13, w2, rows, tags), ref),
+               "layout exchange view": (lambda: swiglu_rows(w13, w2, srows, stags), ref),
+               "layout stride-0 rows": (lambda: swiglu_rows(w13, w2, one, tags), ref_one),
+               "layout stride-0 rows copied": (
+                   lambda: swiglu_rows(w13, w2, one.contiguous(), tags), ref_one)}
     for gu in ((16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (16, 512, 8), (8, 512, 2),
                (32, 128, 4), (64, 128, 8)):
         for dn in ((32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 4), (16, 128, 2)):
             variants[f"rows gate_up={gu} down={dn}"] = (
                 lambda gu=gu, dn=dn: swiglu_rows(w13, w2, rows, tags, gate_up_tile=gu, down_tile=dn))
-    for name, fn in variants.items():
-        err = float((fn().float() - ref).abs().max() / ref.abs().max())
+    cases = {**{k: (fn, ref) for k, fn in variants.items()}, **layouts}
+    for name, (fn, expect) in cases.items():
+        err = float((fn().float() - expect).abs().max() / expect.abs().max())
         ms = cuda_ms(fn, 50)
         print(json.dumps({"bench": "expert_gemv", "variant": name, "rows": n, "ms": round(ms, 4),
                           "gb_per_s": round(need / (ms / 1e3) / 1e9, 1),
