@@ -2,7 +2,9 @@
 
 - :func:`add_rms_norm` / :func:`rms_norm` against the residual add plus
   :func:`elasticep.models.layers.rms_norm`;
-- :func:`norm_rope` (Qwen3's q/k norm then RoPE) against ``apply_rope(rms_norm(x))``;
+- :func:`norm_rope` (Qwen3's q/k norm then RoPE) against ``apply_rope(rms_norm(x))``,
+  and :func:`qkv_norm_rope_cache` (q/k norm, RoPE and the KV-cache writes in one
+  kernel) against norm_rope plus the cache writes;
 - :func:`swiglu_rows` (per-row expert GEMV) against the per-slot matmul loop, with
   padding rows and repeated slots;
 - :func:`fused_combine` (gather, weight, sum of each token's k outputs) against the
@@ -63,6 +65,38 @@ def test_norm_rope_matches_reference(dtype, with_norm):
     xs = fused[:, D:D + heads * D].view(T, heads, D)
     ref = apply_rope(rms_norm_reference(xs, w, 1e-6) if with_norm else xs, cos, sin)
     assert _rel(norm_rope(xs, w, 1e-6, cos, sin), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qkv_norm_rope_cache_matches_norm_rope_and_cache_writes(dtype, with_norm):
+    """The one-kernel form against norm_rope on q and k plus the two index_copy writes;
+    cache slots not written keep their contents."""
+    from elasticep.models.fused_norm_rope import qkv_cache_ok, qkv_norm_rope_cache
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    T, hq, hkv, D, slots = 5, 8, 2, 128, 64
+    qkv_full = torch.randn(T, (hq + 2 * hkv) * D + 16, generator=g, device="cuda").to(dtype)
+    qkv = qkv_full[:, :(hq + 2 * hkv) * D]  # strided tokens, as a slice would give
+    wq = (1 + 0.1 * torch.randn(D, generator=g, device="cuda")).to(dtype) if with_norm else None
+    wk = (1 + 0.1 * torch.randn(D, generator=g, device="cuda")).to(dtype) if with_norm else None
+    pos = torch.arange(T, device="cuda", dtype=torch.float32)[:, None] * 11
+    inv = 1e6 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D)
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slot_mapping = torch.tensor([7, 3, 60, 0, 21], device="cuda")
+    k_cache = torch.randn(slots, hkv, D, generator=g, device="cuda").to(dtype)
+    v_cache = torch.randn(slots, hkv, D, generator=g, device="cuda").to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+    ref_q = norm_rope(q.view(T, hq, D), wq, 1e-6, cos, sin)
+    ref_k.index_copy_(0, slot_mapping, norm_rope(k.view(T, hkv, D), wk, 1e-6, cos, sin))
+    ref_v.index_copy_(0, slot_mapping, v.reshape(T, hkv, D))
+    assert qkv_cache_ok(qkv, D, cos, k_cache)
+    got_q = qkv_norm_rope_cache(qkv, wq, wk, 1e-6, cos, sin, hq, hkv, D, k_cache, v_cache,
+                                slot_mapping)
+    assert torch.equal(got_q, ref_q)  # the same rounding steps as the two-kernel form
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -59,11 +59,9 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
-                          HAS_NORM: tl.constexpr, D: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
-        tok = row // heads
-        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
+    def _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
+                       D: tl.constexpr):
+        # one head's D values at src: RMSNorm (if HAS_NORM), then RoPE; returns both halves
         half = D // 2
         lo = tl.arange(0, D // 2)
         a = tl.load(src + lo)
@@ -84,8 +82,45 @@ if triton is not None:
         # rounded to the model dtype before the sum, as in the torch form
         out_a = ((af * ca).to(a.dtype).to(tl.float32) + (-bf * sa).to(a.dtype).to(tl.float32))
         out_b = ((bf * cb).to(a.dtype).to(tl.float32) + (af * sb).to(a.dtype).to(tl.float32))
-        tl.store(out_ptr + row * D + lo, out_a.to(a.dtype))
-        tl.store(out_ptr + row * D + half + lo, out_b.to(a.dtype))
+        return out_a.to(a.dtype), out_b.to(a.dtype)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
+                          HAS_NORM: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
+        tok = row // heads
+        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
+        out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
+        lo = tl.arange(0, D // 2)
+        tl.store(out_ptr + row * D + lo, out_a)
+        tl.store(out_ptr + row * D + D // 2 + lo, out_b)
+
+    @triton.jit
+    def _qkv_cache_kernel(qkv_ptr, stride_t, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr,
+                          k_cache_ptr, v_cache_ptr, slot_ptr, hq, hkv, eps,
+                          HAS_NORM: tl.constexpr, D: tl.constexpr):
+        # one (token, head) of the fused projection: a q head goes (normed, rotated) to
+        # q; a k head to the KV cache slot of its token; a v head is copied there as is
+        row = tl.program_id(0).to(tl.int64)
+        nh = hq + 2 * hkv
+        tok = row // nh
+        h = row - tok * nh
+        src = qkv_ptr + tok * stride_t + h * D
+        lo = tl.arange(0, D // 2)
+        if h >= hq + hkv:
+            dst = v_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq - hkv)) * D
+            tl.store(dst + lo, tl.load(src + lo))
+            tl.store(dst + D // 2 + lo, tl.load(src + D // 2 + lo))
+        else:
+            if h < hq:
+                w_ptr = qw_ptr
+                dst = q_ptr + (tok * hq + h) * D
+            else:
+                w_ptr = kw_ptr
+                dst = k_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq)) * D
+            out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
+            tl.store(dst + lo, out_a)
+            tl.store(dst + D // 2 + lo, out_b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,3 +188,52 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
                                     sin.contiguous(), out, heads, xc.stride(0), eps,
                                     HAS_NORM=weight is not None, D=D)
     return out
+
+
+def qkv_cache_ok(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                 k_cache: torch.Tensor) -> bool:
+    """True when :func:`qkv_norm_rope_cache` takes these inputs (CUDA, Triton, D a power
+    of two, unit column stride, cos/cache in the projection's dtype, contiguous cache)."""
+    D = head_dim
+    return (fused_ok(qkv) and qkv.shape[0] > 0 and not D & (D - 1) and qkv.stride(-1) == 1
+            and cos.dtype == qkv.dtype and k_cache.dtype == qkv.dtype
+            and k_cache.is_contiguous())
+
+
+def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
+                        k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+    """After the fused q/k/v projection: q and k RMSNorm (if weights) and RoPE, k and v
+    written to the KV cache, in one kernel; returns q.
+
+    It replaces :func:`norm_rope` for q and k plus the two cache writes of
+    :func:`elasticep.models.layers.paged_attention` (four kernels a layer) and rounds as
+    they do.
+
+    Args:
+        qkv: ``[T, (Hq + 2*Hkv) * D]`` model dtype, q heads then k then v (tokens may be
+            strided); see :func:`qkv_cache_ok`.
+        q_norm, k_norm: ``[D]`` Qwen3's per-head norm weights, both or neither.
+        eps: the norms' epsilon; cos, sin: ``[T, D]`` in qkv's dtype.
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
+        k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous.
+        slot_mapping: ``[T]`` int64 cache slot of each token. Not range-checked.
+
+    Returns:
+        q: ``[T, Hq, D]``, normed and rotated.
+
+    Raises:
+        ValueError: only one of q_norm / k_norm given.
+    """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm must both be given or both be None")
+    T, D = qkv.shape[0], head_dim
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    w = qkv if q_norm is None else q_norm
+    _qkv_cache_kernel[(T * (num_heads + 2 * num_kv_heads),)](
+        qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
+        sin.contiguous(), q, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, eps,
+        HAS_NORM=q_norm is not None, D=D)
+    return q

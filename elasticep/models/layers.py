@@ -64,8 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     meta: AttentionMetadata,
     scale: float,
@@ -73,7 +73,9 @@ def paged_attention(
     """Causal attention of new tokens over each sequence's cached + new keys.
 
     Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (RoPE already applied to q, k).
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (RoPE already applied to q, k), or
+            None when the caller already wrote them to ``kv_cache`` at
+            ``meta.slot_mapping`` (:func:`elasticep.models.fused_norm_rope.qkv_norm_rope_cache`).
         kv_cache: ``(k_cache, v_cache)`` each ``[num_slots, Hkv, D]``, or None when
             every sequence is a full prefill (then k, v are used directly).
         meta: token placement, see :class:`AttentionMetadata`.
@@ -92,8 +94,9 @@ def paged_attention(
         return q.new_zeros(0, q.shape[1] * q.shape[2])
     if kv_cache is not None:
         k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if k is not None and v is not None:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta.paged is None:
             raise ValueError("a forward with a KV cache needs meta.paged (block tables)")
         return paged_attention_kernel(q, k_cache, v_cache, meta.paged, scale).reshape(T, -1)

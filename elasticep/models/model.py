@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.config import MoEModelConfig
-from elasticep.models.fused_norm_rope import add_rms_norm, norm_rope, rms_norm
+from elasticep.models.fused_norm_rope import (
+    add_rms_norm,
+    norm_rope,
+    qkv_cache_ok,
+    qkv_norm_rope_cache,
+    rms_norm,
+)
 from elasticep.models.layers import AttentionMetadata, paged_attention
 from elasticep.models.mla import MLAWeights, mla_attention
 from elasticep.models.moe_block import (
@@ -147,6 +153,13 @@ class MoECausalLM:
         t = x.shape[0]
         if w.qkv is not None:
             qkv = F.linear(x, w.qkv, w.qkv_bias)
+            if (kv_cache is not None and meta.context_lens
+                    and qkv_cache_ok(qkv, c.head_dim, cos, kv_cache[0])):
+                q = qkv_norm_rope_cache(qkv, w.q_norm, w.k_norm, c.rms_norm_eps, cos, sin,
+                                        c.num_attention_heads, c.num_key_value_heads,
+                                        c.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
+                o = paged_attention(q, None, None, kv_cache, meta, c.head_dim**-0.5)
+                return F.linear(o, w.o, w.o_bias)
             q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
         else:
             q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
