@@ -93,6 +93,7 @@ class LocalExpertExecutor:
         self.slots = slots
         self.num_logical_experts = num_logical_experts
         self._logical_to_slot: torch.Tensor | None = None
+        self._logical_to_tag: torch.Tensor | None = None
         self._complete = False  # every logical expert of every MoE layer has a slot
         self.graph_safe = False  # may run inside a CUDA graph (see refresh)
         self.version = 0  # bumped by refresh: a captured graph holds the old tables
@@ -109,6 +110,8 @@ class LocalExpertExecutor:
         self._complete = bool((l2s[moe] >= 0).all()) if moe else True
         weights = self.slots.w13[moe[0]] if moe else None
         self._logical_to_slot = l2s.to(weights.device) if weights is not None else l2s
+        # the expert kernels' tags (slot + 1, 0 = none): one gather a layer, no add
+        self._logical_to_tag = self._logical_to_slot + 1
         # graph-safe = the grouped path, which neither syncs nor checks ids on the host
         self.graph_safe = self._complete and weights is not None and grouped_ok(
             weights[0, :0], weights)
@@ -128,16 +131,16 @@ class LocalExpertExecutor:
         """
         if self._logical_to_slot is None:
             self.refresh()
-        table = self._logical_to_slot[layer_idx]
-        slot_ids = table[topk_ids]
         w13, w2 = self.slots.w13[layer_idx], self.slots.w2[layer_idx]
         if self._complete and grouped_ok(hidden_states, w13):
             T, k = topk_ids.shape
             # row t*k + j: token t, choice j (expand + reshape: no sync, unlike a
             # repeat_interleave that could read its repeats on the host)
             rows = hidden_states.unsqueeze(1).expand(T, k, -1).reshape(T * k, -1)
-            pair_out = grouped_swiglu(w13, w2, rows, slot_ids.reshape(-1) + 1, use_grouped=True)
+            tags = self._logical_to_tag[layer_idx][topk_ids].reshape(-1)
+            pair_out = grouped_swiglu(w13, w2, rows, tags, use_grouped=True)
             return combine_pairs(pair_out, topk_weights, hidden_states.dtype)
+        slot_ids = self._logical_to_slot[layer_idx][topk_ids]
         if bool((slot_ids < 0).any()):
             missing = sorted(set(topk_ids[slot_ids < 0].tolist()))
             raise ValueError(f"layer {layer_idx}: logical experts {missing} have no local slot")
