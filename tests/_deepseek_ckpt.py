@@ -42,15 +42,16 @@ VARIANTS = {
 }
 
 
-def build(variant: str, out: Path, seed: int = 0):
-    """Write checkpoint ``variant`` of :data:`VARIANTS` to ``out``; return the HF model (eval, fp32)."""
+def build(variant: str, out: Path, seed: int = 0, **overrides):
+    """Write checkpoint ``variant`` of :data:`VARIANTS` to ``out`` (``overrides`` replace
+    config values); return the HF model (eval, fp32)."""
     import transformers as tf
 
     family, extra = VARIANTS[variant]
     cls_cfg, cls_model = ((tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM) if family == "deepseek_v2"
                           else (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM))
     torch.manual_seed(seed)
-    model = cls_model(cls_cfg(**COMMON, **extra)).eval()
+    model = cls_model(cls_cfg(**{**COMMON, **extra, **overrides})).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         # transformers' init leaves routers, norms and the bias at 0/1: spread everything

@@ -123,15 +123,23 @@ def _absorbed_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
                      cfg: MLAConfig, scale: float) -> torch.Tensor:
     """One query per sequence, ``q [B, Hn, dn+dr]``, scored in latent space -> ``[B, Hn*dv]``.
 
-    Each sequence's latents are gathered through its block table into ``[B, L, r+dr]``
-    (``L = max_seq_len``) on the device, with the padding masked out; nothing is read back
-    to the host.
+    On CUDA (bf16/fp16) a Triton kernel reads the latents through the block tables
+    (:mod:`elasticep.models.paged_attention.mla_decode`). The torch form below, its
+    reference and the CPU path, gathers each sequence's latents into ``[B, L, r+dr]``
+    (``L = max_seq_len``) with the padding masked out. Neither reads anything back to the
+    host.
     """
     r, paged = cfg.kv_lora_rank, meta.paged
     w_b = w.kv_b.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, r)
     w_uk, w_uv = w_b[:, : cfg.qk_nope_head_dim], w_b[:, cfg.qk_nope_head_dim :]  # [Hn, dn, r], [Hn, dv, r]
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_lat = torch.cat((torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe), dim=-1)  # [B, Hn, r+dr]
+    if q.is_cuda:  # the Triton kernel reads the latents in place (no [B, L] gather)
+        from elasticep.models.paged_attention.mla_decode import mla_decode_attention, mla_decode_ok
+
+        if mla_decode_ok(q_lat, cache, r):
+            o_lat = mla_decode_attention(q_lat, cache, paged, r, scale)
+            return torch.einsum("bhr,hvr->bhv", o_lat, w_uv).reshape(q.shape[0], -1)
     pos = torch.arange(paged.max_seq_len, device=q.device)
     bs = paged.block_size
     slots = paged.block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]

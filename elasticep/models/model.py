@@ -121,9 +121,13 @@ class MoECausalLM:
     @property
     def graph_capturable(self) -> bool:
         """True when a decode forward reads no per-step host value, so a CUDA graph
-        captured once replays it right. MLA's absorbed decode and dynamic RoPE size
-        their work from the host's context lengths, which a graph would freeze."""
-        return self.config.mla is None and self.config.rope.rope_type != "dynamic"
+        captured once replays it right. Dynamic RoPE sizes its tables from the host's
+        context lengths, which a graph would freeze. MLA's absorbed decode sizes its
+        grid from the captured bound on the context (``max_seq_len``), which holds for
+        every replay, and masks by the device lengths; in fp32 (no kernel) its torch form
+        would gather ``max_seq_len`` latents per sequence, so fp32 MLA stays eager."""
+        return self.config.rope.rope_type != "dynamic" and (
+            self.config.mla is None or self.dtype in (torch.bfloat16, torch.float16))
 
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-token shape of each cache tensor of one layer, for the KV-cache allocator.
