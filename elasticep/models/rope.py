@@ -138,7 +138,9 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, device: torch.device) -> torch.Te
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    # built on the device: a host tensor copied in would break a CUDA graph capture
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
+            / (high - low)).clamp(0, 1)
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     extrapolate = 1 - ramp
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
