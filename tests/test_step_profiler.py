@@ -1,9 +1,10 @@
 """The per-rank step profiler (``ELASTICEP_TORCH_PROFILER_DIR``) and its summary.
 
-* :func:`summarize_kernels` on hand-made kernel spans: the GPU busy time is the union
+* :func:`summarize_spans` on hand-made kernel spans: the GPU busy time is the union
   of overlapping intervals, kinds and the NCCL share add up, top kernels are ranked;
   :func:`summarize_profile` on a real CPU profile (no kernels there: zero GPU time, the
-  host gap is the whole wall time), JSON-serialisable.
+  host gap is the whole wall time; its host ops counted once a step), JSON-serialisable;
+  device and host spans split alike from parsed and from raw Kineto events.
 * :func:`profiler_settings`: defaults, and a one-line error for every bad value; the
   commands' up-front check turns it into a :class:`UsageError`.
 * :class:`StepProfiler` under :class:`LockstepLoop` (fake engine doing real torch ops,
@@ -35,11 +36,11 @@ from elasticep.elastic.step_profiler import (
 )
 from elasticep.entrypoints.validate import UsageError, env_profiler
 from elasticep.utils.profile_summary import (
-    KernelSpan,
-    kernel_spans,
-    profile_kernel_spans,
-    summarize_kernels,
+    Span,
+    event_spans,
+    profile_spans,
     summarize_profile,
+    summarize_spans,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,14 +50,14 @@ MODEL = REPO / "models" / "tiny-qwen3-moe"
 # ---------------------------------------------------------------------- the summary
 def test_summary_of_hand_made_spans():
     spans = [
-        KernelSpan("ncclDevKernel_AllToAll", 0.0, 400.0),      # overlaps the next two
-        KernelSpan("paged_decode_attn_kernel", 100.0, 300.0),
-        KernelSpan("nvjet_gemv_bf16", 350.0, 550.0),
-        KernelSpan("argmax_kernel", 1000.0, 1100.0),           # after a 450 us gap
-        KernelSpan("nvjet_gemv_bf16", 2000.0, 2300.0),
-        KernelSpan("rms_norm_kernel", 2100.0, 2150.0),         # inside the previous one
+        Span("ncclDevKernel_AllToAll", 0.0, 400.0),      # overlaps the next two
+        Span("paged_decode_attn_kernel", 100.0, 300.0),
+        Span("nvjet_gemv_bf16", 350.0, 550.0),
+        Span("argmax_kernel", 1000.0, 1100.0),           # after a 450 us gap
+        Span("nvjet_gemv_bf16", 2000.0, 2300.0),
+        Span("rms_norm_kernel", 2100.0, 2150.0),         # inside the previous one
     ]
-    s = summarize_kernels(spans, steps=2, wall_s=0.004)
+    s = summarize_spans(spans, steps=2, wall_s=0.004)
     # union: [0, 550] + [1000, 1100] + [2000, 2300] = 950 us over 2 steps
     assert s["gpu_busy_ms_per_step"] == 0.475
     assert s["step_wall_ms"] == 2.0
@@ -68,22 +69,25 @@ def test_summary_of_hand_made_spans():
     assert s["top_kernels_ms_per_step"][:2] == [["nvjet_gemv_bf16", 0.25, 1.0],
                                                 ["ncclDevKernel_AllToAll", 0.2, 0.5]]
     assert len(s["top_kernels_ms_per_step"]) == 5
+    assert "host_top_ms_per_step" not in s
     assert json.loads(json.dumps(s)) == s
     with pytest.raises(ValueError, match="steps must be >= 1"):
-        summarize_kernels(spans, steps=0, wall_s=1.0)
+        summarize_spans(spans, steps=0, wall_s=1.0)
 
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-# (name, device, start us, end us, GPU user annotation); only "gemv" is a kernel
+# (name, device, start us, end us, GPU user annotation): one kernel, one host op
 EVENTS = [("aten::mm", CPU, 0, 90, False), ("gemv", CUDA, 10, 30, False),
-          ("ProfilerStep#1", CUDA, 5, 95, True), ("nccl:all_to_all", CUDA, 40, 60, True)]
+          ("ProfilerStep#1", CUDA, 5, 95, True), ("nccl:all_to_all", CUDA, 40, 60, True),
+          ("ProfilerStep#1", CPU, 0, 100, False)]
 
 
-def test_kernel_spans_keep_only_kernels():
+def test_spans_split_kernels_from_host_events():
     parsed = [SimpleNamespace(name=n, device_type=d, is_user_annotation=a,
                               time_range=SimpleNamespace(start=s, end=e))
               for n, d, s, e, a in EVENTS]
-    assert kernel_spans(parsed) == [KernelSpan("gemv", 10.0, 30.0)]
+    want = ([Span("gemv", 10.0, 30.0)], [Span("aten::mm", 0.0, 90.0)])
+    assert event_spans(parsed) == want
 
     def kineto(n, d, s, e, a):  # the raw results' accessors (nanoseconds)
         return SimpleNamespace(name=lambda: n, device_type=lambda: d,
@@ -92,11 +96,11 @@ def test_kernel_spans_keep_only_kernels():
 
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
         events=lambda: [kineto(*ev) for ev in EVENTS])))
-    assert profile_kernel_spans(prof) == [KernelSpan("gemv", 10.0, 30.0)]
+    assert profile_spans(prof) == want
     # a torch whose raw events lack an accessor: the parsed events instead
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
         events=lambda: [SimpleNamespace()])), events=lambda: parsed)
-    assert profile_kernel_spans(prof) == [KernelSpan("gemv", 10.0, 30.0)]
+    assert profile_spans(prof) == want
 
 
 def test_summary_of_a_real_cpu_profile():
@@ -110,6 +114,8 @@ def test_summary_of_a_real_cpu_profile():
     assert s["kernels_per_step"] == 0 and s["gpu_busy_ms_per_step"] == 0
     assert s["host_gap_ms_per_step"] == 2.0
     assert s["top_kernels_ms_per_step"] == []
+    host = {name: (ms, n) for name, ms, n in s["host_top_ms_per_step"]}
+    assert host["aten::mm"][1] == 1.0 and host["aten::tanh"][1] == 1.0  # once a step
     json.dumps(s)
 
 
@@ -187,6 +193,7 @@ def test_loop_profiles_the_window_and_writes_both_files(monkeypatch, tmp_path):
     trace = json.loads((tmp_path / "rank0.trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert "aten::mm" in names
+    assert [n for n, _, c in row["host_top_ms_per_step"] if n == "aten::mm"] == ["aten::mm"]
     # only the window's 3 steps: ProfilerStep#1..3 (step 0 of the schedule is the warm-up)
     assert sorted(n for n in names if n.startswith("ProfilerStep#")) == [
         "ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
