@@ -19,7 +19,13 @@ Sections (``--only``, comma-separated):
   checkpoint (written to local disk by transformers itself), batch 1 and 16;
 * ``profile``: ``torch.profiler`` over a few decode steps of ``ep1`` at batch
   ``--profile-batch``: GPU time by kind (attention, experts, exchange, sampling, other)
-  and host time the GPU sat idle between kernels.
+  and host time the GPU sat idle between kernels;
+* ``ep2profile``: the same figures from inside each EP2 rank: a deployment launched as
+  ``ep2`` launches it, per ``--profile-batch`` size, ``--profile-backends`` backend and
+  ``--cuda-graph`` mode, with each rank's step profiler on
+  (``ELASTICEP_TORCH_PROFILER_DIR``, window ``--profile-steps``); one decode run, then
+  one row per rank (its summary, the unprofiled step time just before the window, and
+  the path of its chrome trace under ``--workdir``).
 
 The HBM bound of one decode step is the time to read, once, the bytes that step cannot
 avoid reading, at the bandwidth ``bw`` measured in the same run::
@@ -42,6 +48,7 @@ Usage::
     python bench/scale.py --only hbm,ep1 --layers 48 --batches 1,16,64,256
     python bench/scale.py --only ep2 --layers 48 --repeats 5
     python bench/scale.py --only hf --hf-layers 4
+    python bench/scale.py --only ep2profile --layers 48 --profile-batch 1 --cuda-graph on
 """
 
 from __future__ import annotations
@@ -59,9 +66,11 @@ from pathlib import Path
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 
+from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings  # noqa: E402
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from elasticep.engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from elasticep.models import MoEModelConfig, load_model_config  # noqa: E402
+from elasticep.utils.profile_summary import summarize_profile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "bench" / "configs" / "qwen3-30b-a3b.json"
@@ -331,43 +340,11 @@ def profile_one(args, b: int, graphs: bool) -> dict:
         for _ in range(n):
             engine.step()
         sync(args.device)
-    wall = (time.perf_counter() - t0) / n
-    kinds = {"attention": ("attn", "sdpa", "flash", "fmha", "paged", "softmax"),
-             "experts": ("grouped", "gemm", "gemv", "cutlass", "sm90", "matmul", "nvjet", "mm"),
-             "exchange": ("nccl", "alltoall", "all_to_all"),
-             "sampling": ("argmax", "topk", "sort", "gumbel", "multinomial")}
-    by_kind = dict.fromkeys([*kinds, "other"], 0.0)
-    intervals = []
-    n_kernels = 0
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        n_kernels += 1
-        name = ev.name.lower()
-        kind = next((k for k, keys in kinds.items() if any(x in name for x in keys)), "other")
-        by_kind[kind] += ev.device_time / 1e3
-        intervals.append((ev.time_range.start, ev.time_range.end))
-    intervals.sort()
-    busy, end = 0.0, None
-    for s, e in intervals:  # union of kernel intervals (us)
-        if end is None or s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    top = sorted(((e.key, e.device_time_total / 1e3 / n, e.count // n)
-                  for e in prof.key_averages() if e.device_time_total > 0),
-                 key=lambda x: -x[1])[:15]
+        wall_s = time.perf_counter() - t0  # inside: the profiler's stop parses its events
     del engine
     reset_memory(args.device)
-    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers, "cuda_graph": graphs,
-           "step_wall_ms": round(wall * 1e3, 2),
-           "gpu_busy_ms_per_step": round(busy / 1e3 / n, 2),
-           "host_gap_ms_per_step": round(wall * 1e3 - busy / 1e3 / n, 2),
-           "kernels_per_step": n_kernels // n,
-           "gpu_ms_per_step_by_kind": {k: round(v / n, 2) for k, v in by_kind.items()},
-           "top_kernels_ms_per_step": [[k[:80], round(t, 3), c] for k, t, c in top]}
+    row = {"section": "profile", "batch": b, "layers": cfg.num_hidden_layers,
+           "cuda_graph": graphs, **summarize_profile(prof, n, wall_s)}
     emit(row)
     return row
 
@@ -478,17 +455,30 @@ def _settle_gpu_memory(device: str, timeout_s: float = 30.0) -> None:
         time.sleep(1.0)
 
 
-def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dict]:
+def _ep2_driver(args, mdir: Path, backend: str, batch: int, cuda_graph: bool = True,
+                env: dict[str, str] | None = None):
+    """A ``BatchDriver`` over a fresh EP2 deployment (``--load-format dummy``, one GPU
+    per rank) sized for ``batch`` prompts split over the two ranks."""
     from elasticep.elastic.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
 
+    per_rank = -(-batch // 2)
+    total = per_rank * (args.prompt_len + args.decode_tokens) + 64 * 16
+    return BatchDriver.launch(
+        DeploymentConfig(model=str(mdir), dtype=args.dtype, device=args.device,
+                         ep_size=2, max_ep_size=2, load_format="dummy",
+                         elastic_ep_backend=backend, max_total_tokens=total,
+                         max_num_seqs=max(per_rank, 1), disable_cuda_graph=not cuda_graph),
+        lambda ids: "", env=env, ready_timeout_s=600)
+
+
+def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dict]:
     mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
     cfg = load_model_config(mdir)
     dtype = getattr(torch, args.dtype)
     rows = []
     for batch in args.batches:
         per_rank = -(-batch // 2)
-        total = per_rank * (args.prompt_len + args.decode_tokens) + 64 * 16
         prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
         runs: dict[str, list[dict]] = {"elastic": [], "none": []}
         mem: dict[str, float] = {}
@@ -497,12 +487,7 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
             for backend in runs:
                 cuda = args.device.startswith("cuda")
                 free0 = [torch.cuda.mem_get_info(g)[0] for g in range(2)] if cuda else [0, 0]
-                drivers[backend] = BatchDriver.launch(
-                    DeploymentConfig(model=str(mdir), dtype=args.dtype, device=args.device,
-                                     ep_size=2, max_ep_size=2, load_format="dummy",
-                                     elastic_ep_backend=backend, max_total_tokens=total,
-                                     max_num_seqs=max(per_rank, 1)),
-                    lambda ids: "", ready_timeout_s=600)
+                drivers[backend] = _ep2_driver(args, mdir, backend, batch)
                 _ep_run(drivers[backend], prompts[:2], 2)  # warm-up
                 if cuda:
                     used = [free0[g] - torch.cuda.mem_get_info(g)[0] for g in range(2)]
@@ -543,6 +528,51 @@ def section_ep2(args, bw: float, touched_by_batch: dict[int, float]) -> list[dic
     return rows
 
 
+def section_ep2profile(args) -> list[dict]:
+    """Each EP2 rank's own profile of a window of decode steps: one fresh deployment
+    (launched as ``ep2`` launches it) per ``--profile-batch`` size, ``--profile-backends``
+    backend and CUDA-graph mode, with ``ELASTICEP_TORCH_PROFILER_*`` set, one decode run;
+    then one row per rank: the rank's summary
+    (:mod:`elasticep.elastic.step_profiler`) plus where its chrome trace is."""
+    from elasticep.utils.wait import wait_until
+
+    skip, count = args.profile_steps
+    if args.decode_tokens < skip + count + 2:  # + the prefill step(s), with a margin
+        sys.exit(f"bench/scale.py: ep2profile profiles steps {skip}..{skip + count - 1}: "
+                 f"--decode-tokens must be >= {skip + count + 2}, got {args.decode_tokens}")
+    mdir = model_dir(Path(args.config), args.layers, Path(args.workdir))
+    cfg = load_model_config(mdir)
+    rows = []
+    for batch in args.profile_batches:
+        prompts = random_prompts(batch, args.prompt_len, cfg.vocab_size)
+        for backend in args.profile_backends:
+            for graphs in args.cuda_graph_modes:
+                out = Path(tempfile.mkdtemp(prefix=f"ep2profile-b{batch}-{backend}-",
+                                            dir=args.workdir))
+                env = {DIR_ENV: str(out), STEPS_ENV: f"{skip}:{count}"}
+                files = [out / f"rank{r}.json" for r in range(2)]
+                try:
+                    with _ep2_driver(args, mdir, backend, batch, graphs, env) as driver:
+                        _ep_run(driver, prompts, args.decode_tokens)  # its rate holds the export
+                        wait_until(lambda files=files: all(f.exists() for f in files), 120,
+                                   f"both ranks' profiles in {out}")
+                except Exception as exc:  # noqa: BLE001 - one failed configuration, not the run
+                    row = {"section": "ep2profile", "backend": backend, "batch": batch,
+                           "cuda_graph": graphs, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                    emit(row)
+                    rows.append(row)
+                    continue
+                finally:
+                    _settle_gpu_memory(args.device)
+                for f in files:
+                    row = {"section": "ep2profile", "backend": backend, "batch": batch,
+                           "layers": cfg.num_hidden_layers, "cuda_graph": graphs,
+                           **json.loads(f.read_text()), "trace": str(f.with_suffix(".trace.json"))}
+                    emit(row)
+                    rows.append(row)
+    return rows
+
+
 def _read_rows(path: str | None, section: str) -> list[dict]:
     if not path:
         return []
@@ -562,6 +592,12 @@ def main() -> None:
     ap.add_argument("--hf-layers", type=int, default=4)
     ap.add_argument("--hf-batches", default="1,16")
     ap.add_argument("--profile-batch", default="1,64", help="batch sizes to profile")
+    ap.add_argument("--profile-steps", default="20:10", metavar="SKIP:COUNT",
+                    help="ep2profile: each rank skips SKIP working steps (the deployment "
+                         "counts from its start; the run's prefill is among them), then "
+                         "profiles COUNT")
+    ap.add_argument("--profile-backends", default="elastic,none",
+                    help="ep2profile: the backends to profile, one deployment each")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda",
                     help="cuda; cpu only dry-runs the script on a tiny --config")
@@ -581,6 +617,12 @@ def main() -> None:
     args.batches = [int(x) for x in args.batches.split(",")]
     args.hf_batches = [int(x) for x in args.hf_batches.split(",")]
     args.profile_batches = [int(x) for x in args.profile_batch.split(",")]
+    try:  # the ranks' own parser, so the bench takes exactly what they take
+        ps = profiler_settings({DIR_ENV: ".", STEPS_ENV: args.profile_steps})
+    except ValueError as exc:
+        sys.exit(f"bench/scale.py: --profile-steps: {exc}")
+    args.profile_steps = (ps.skip, ps.count)
+    args.profile_backends = args.profile_backends.split(",")
     args.cuda_graph_modes = {"on": [True], "off": [False], "both": [True, False]}[args.cuda_graph]
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="elasticep-scale-")
     only = args.only.split(",")
@@ -598,6 +640,8 @@ def main() -> None:
             section_hf(args)
         elif name == "profile":
             section_profile(args)
+        elif name == "ep2profile":
+            section_ep2profile(args)
         elif name == "ep2":
             earlier = ep1 or _read_rows(args.ep1_from, "ep1")
             touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}

@@ -109,6 +109,14 @@ def test_bad_fault_environment_variable(monkeypatch):
         _validate("--prompt", "hi")
 
 
+def test_bad_profiler_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELASTICEP_TORCH_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("ELASTICEP_TORCH_PROFILER_STEPS", "10")
+    with pytest.raises(UsageError, match="^ELASTICEP_TORCH_PROFILER_STEPS must be SKIP:COUNT "
+                                         ".* got '10'$"):
+        _validate("--prompt", "hi")
+
+
 def test_valid_flags(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')

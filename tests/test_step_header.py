@@ -19,16 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from _ep_helpers import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
+from _loop_fakes import fake_loop
 
-from elasticep.elastic.fault_injection import FaultInjector
-from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.step_loop import (
-    LockstepLoop,
     agreed_max_tokens,
     parse_header,
     step_header,
 )
-from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
 
 HANG_BOUND_S = 60
 
@@ -85,55 +82,12 @@ def test_agreed_max_tokens_sets_and_restores_only_where_supported():
 
 
 # ---------------------------------------------------------------------- one iteration
-class _FakeEngine:
-    def __init__(self, num_tokens: list[int]) -> None:
-        self.queue = [ScheduledBatch(tuple(ScheduledSeq(None, 0, n) for n in num_tokens))
-                      ] if num_tokens else []
-        self.executed: list[tuple[int, int | None]] = []
-        self.ep = None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.queue)
-
-    def schedule(self) -> ScheduledBatch:
-        return self.queue.pop(0) if self.queue else ScheduledBatch(())
-
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        self.executed.append((batch.num_tokens, self.ep.step_max_tokens))
-        return [0] * len(batch)
-
-    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list:
-        return []
-
-
-class _FakeChannel:
-    epoch = 0
-
-    def poll(self, timeout: float) -> list:
-        return []
-
-    def send_outputs(self, outputs: list) -> None:
-        pass
-
-
 def _run_one_iteration(monkeypatch, rank: int, mine: list[int], peer_tokens: int):
-    """One iteration of ``rank`` of 2, the peer having ``peer_tokens`` scheduled."""
-    M, peer = 2, 1 - rank
-    calls = []
-
-    def fake_all_reduce(t, op=dist.ReduceOp.SUM, group=None):
-        calls.append(t.numel())
-        if t.numel() == 1 + 3 * M:  # the header: add the peer's contribution
-            t += step_header(int(peer_tokens > 0), _votes(M), _votes(M), peer, peer_tokens)
-
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    engine = _FakeEngine(mine)
-    ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), step_max_tokens=None)
-    engine.ep = ep
-    loop = LockstepLoop(engine, ep, _FakeChannel(), None, rank, False, None,
-                        FaultInjector(rank, []), RankContext(rank))
+    """One iteration of ``rank`` of 2 with one batch of ``mine`` sequences' tokens, the
+    peer having ``peer_tokens`` scheduled."""
+    loop, engine, calls = fake_loop(monkeypatch, rank, [mine] if mine else [], peer_tokens)
     loop._iteration()
-    return engine, ep, loop, calls
+    return engine, loop.ep, loop, calls
 
 
 def test_iteration_sets_the_agreed_bound_for_execute_only(monkeypatch):

@@ -8,6 +8,8 @@
 - ``fault_injection``: ``ELASTICEP_FAULT=kill:rank=R:step=S[:layer=L]`` (or ``admit=N``,
   or ``loading``).
 - ``log_context``: rank and epoch on every worker log line.
+- ``step_profiler``: ``ELASTICEP_TORCH_PROFILER_DIR=DIR``: each rank profiles a window of
+  working steps and writes ``DIR/rank{r}.json`` and ``DIR/rank{r}.trace.json``.
 
 Starting, relaunching and scaling the worker processes is ``elasticep.deploy``'s job.
 See docs/ELASTIC.md.

@@ -43,6 +43,7 @@ from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
+from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.ipc import WorkerChannel
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
@@ -171,6 +172,9 @@ class LockstepLoop:
             doubles per idle iteration up to ``max_idle_wait_s``.
         log_stats_interval_s: seconds between throughput lines (:class:`StepRateLog`);
             0 turns them off.
+        profiler: profiles a window of working steps
+            (:class:`~elasticep.elastic.step_profiler.StepProfiler`, from
+            ``$ELASTICEP_TORCH_PROFILER_DIR``); None: no profiling, and no cost.
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
@@ -178,7 +182,8 @@ class LockstepLoop:
                  load_fn: CheckpointLoader | None, faults: FaultInjector,
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
                  idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
-                 log_stats_interval_s: float = 10.0) -> None:
+                 log_stats_interval_s: float = 10.0,
+                 profiler: StepProfiler | None = None) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
         self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
@@ -188,6 +193,7 @@ class LockstepLoop:
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
         self.rate = StepRateLog(rank, lambda: _graph_replays(engine), log_stats_interval_s)
+        self.profiler = profiler
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
@@ -237,6 +243,8 @@ class LockstepLoop:
                 self._recover(exc)
 
     def _iteration(self) -> None:
+        if self.profiler is not None:
+            self.profiler.iteration_started()
         if self.pending is None:
             apply_messages(self.engine, self.channel, self.channel.poll(0.0))
             if self.engine.has_unfinished():
@@ -278,6 +286,9 @@ class LockstepLoop:
         if self.eplb is not None and self.eplb.step():
             result = self.eplb.rebalance(self.ep.placement, sync=True, group=self.group)
             placement_sync.commit_placement(self.ep, result.placement, self.group, self.load_fn)
+        if self.profiler is not None and self.profiler.step_committed(
+                num_tokens, h.max_tokens, self.stats.last_commit_epoch):
+            self.profiler = None  # its window is written (or it failed): no cost from here
 
     # ------------------------------------------------------------------ changes
     def _recover(self, exc: ed.EpochChangedError) -> None:

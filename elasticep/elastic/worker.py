@@ -48,6 +48,7 @@ from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
 from elasticep.elastic.step_loop import LockstepLoop, RankRemoved, join_as_new_rank
+from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
@@ -141,7 +142,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                             cfg.rank, log_ctx.epoch)
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
-                        log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s)
+                        log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,
+                        profiler=StepProfiler.from_env(cfg.rank, d.device))
 
 
 def run_worker(cfg: WorkerConfig) -> int:

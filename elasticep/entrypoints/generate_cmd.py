@@ -163,6 +163,7 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
         checks.static_backend_check(args, max_ep),
     ])
     check_fault(args.fault, args.ep_size)
+    checks.env_profiler()
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),

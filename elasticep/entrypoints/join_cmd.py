@@ -43,6 +43,7 @@ from elasticep.entrypoints.validate import (
     apply_gloo_ifname,
     check_address,
     coordinator_timeout_check,
+    env_profiler,
     raise_first_failure,
 )
 
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         check_address("--dist-init-addr", args.dist_init_addr)
         raise_first_failure([coordinator_timeout_check(args)])
         apply_gloo_ifname(args)
+        env_profiler()
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ from elasticep.entrypoints.serve_args import (
     add_serve_arguments,
     validate,
 )
-from elasticep.entrypoints.validate import UsageError, env_fault
+from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler
 from elasticep.frontend.http_server import create_server
 
 logger = logging.getLogger("elasticep.serve")
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = validate(args)
         fault = env_fault()
+        env_profiler()
     except UsageError as exc:
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import torch
 
 from elasticep.distributed.gloo_device import IFNAME_ENV
 from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
+from elasticep.elastic.step_profiler import profiler_settings
 from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
@@ -42,6 +43,20 @@ def env_fault() -> str | None:
     except ValueError as exc:
         raise UsageError(f"{ENV_VAR}: {exc}") from None
     return text
+
+
+def env_profiler() -> None:
+    """Check the ranks' profiler variables (``$ELASTICEP_TORCH_PROFILER_DIR`` and its
+    companions, see :mod:`elasticep.elastic.step_profiler`) up front: a rank would only
+    log a bad value and serve unprofiled.
+
+    Raises:
+        UsageError: a malformed value, naming the variable.
+    """
+    try:
+        profiler_settings()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

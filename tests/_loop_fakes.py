@@ -1,0 +1,84 @@
+"""One rank's :class:`LockstepLoop` without processes (not a test module).
+
+The engine serves batches given up front, the channel carries nothing, and
+``dist.all_reduce`` is replaced by "add a fixed peer's header", so a test can run
+``loop._iteration()`` one step at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.log_context import RankContext
+from elasticep.elastic.step_loop import LockstepLoop, step_header
+from elasticep.elastic.step_profiler import StepProfiler
+from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
+
+
+class FakeEngine:
+    """``batches[i]`` lists the token counts of the i-th scheduled batch's sequences.
+
+    ``execute`` records ``(batch tokens, ep.step_max_tokens)`` in ``executed`` and runs
+    ``work`` (real torch ops, for a profiler to see) when given.
+    """
+
+    def __init__(self, batches: list[list[int]], work: Callable[[], None] | None = None) -> None:
+        self.queue = [ScheduledBatch(tuple(ScheduledSeq(None, 0, n) for n in b)) for b in batches]
+        self.executed: list[tuple[int, int | None]] = []
+        self.work = work
+        self.ep = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def schedule(self) -> ScheduledBatch:
+        return self.queue.pop(0) if self.queue else ScheduledBatch(())
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        self.executed.append((batch.num_tokens, self.ep.step_max_tokens))
+        if self.work is not None:
+            self.work()
+        return [0] * len(batch)
+
+    def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list:
+        return []
+
+
+class FakeChannel:
+    epoch = 0
+
+    def poll(self, timeout: float) -> list:
+        return []
+
+    def send_outputs(self, outputs: list) -> None:
+        pass
+
+
+def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int, *,
+              work: Callable[[], None] | None = None,
+              profiler: StepProfiler | None = None) -> tuple[LockstepLoop, FakeEngine, list[int]]:
+    """Rank ``rank`` of 2 whose peer has ``peer_tokens`` scheduled at every step.
+
+    Returns:
+        The loop, its engine, and the element count of every all_reduce it makes.
+    """
+    M, peer = 2, 1 - rank
+    calls: list[int] = []
+
+    def fake_all_reduce(t, op=dist.ReduceOp.SUM, group=None):
+        calls.append(t.numel())
+        if t.numel() == 1 + 3 * M:  # the header: add the peer's contribution
+            zeros = torch.zeros(M, dtype=torch.int64)
+            t += step_header(int(peer_tokens > 0), zeros, zeros, peer, peer_tokens)
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    engine = FakeEngine(batches, work)
+    engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), step_max_tokens=None)
+    loop = LockstepLoop(engine, engine.ep, FakeChannel(), None, rank, False, None,
+                        FaultInjector(rank, []), RankContext(rank), profiler=profiler)
+    return loop, engine, calls
