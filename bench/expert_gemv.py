@@ -27,6 +27,7 @@ from gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median 
 from elasticep.moe.expert_compute import grouped_swiglu  # noqa: E402
 from elasticep.moe.padded_exchange import row_width, split_rows  # noqa: E402
 from elasticep.moe.small_batch_experts import swiglu_rows  # noqa: E402
+from elasticep.moe.sorted_experts import swiglu_sorted  # noqa: E402
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
@@ -36,12 +37,46 @@ def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (cuda_ms(lambda: dst.copy_(src), 10) / 1e3)
 
 
+def sorted_vs_grouped(w13: torch.Tensor, w2: torch.Tensor, counts: list[int],
+                      copy_bw: float) -> None:
+    """The sorted-rows kernels against the grouped GEMM (and the per-row kernels where
+    they apply) for rows drawn uniformly over the experts, as at decode batch N/k."""
+    S, two_i, H = w13.shape
+    inter = two_i // 2
+    gen = torch.Generator(device=w13.device).manual_seed(0)
+    tiles = [None, ((16, 128, 128, 4), (16, 128, 128, 4)), ((16, 64, 256, 4), (16, 64, 256, 4)),
+             ((16, 32, 256, 4), (16, 32, 256, 4)), ((32, 64, 128, 4), (32, 64, 128, 4))]
+    for n in counts:
+        rows = torch.randn(n, H, device=w13.device, dtype=w13.dtype, generator=gen)
+        tags = torch.randint(1, S + 1, (n,), device=w13.device, generator=gen, dtype=torch.int32)
+        need = int(tags.unique().numel()) * 3 * inter * H * w13.element_size()
+        ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False).float()
+        cases = {"grouped_gemm": lambda r=rows, t=tags: grouped_swiglu(w13, w2, r, t,
+                                                                       use_grouped=True)}
+        if n <= 64:
+            cases["per-row"] = lambda r=rows, t=tags: swiglu_rows(w13, w2, r, t)
+        for tile in tiles:
+            name = "sorted" + ("" if tile is None else f" gate_up={tile[0]} down={tile[1]}")
+            cases[name] = (lambda r=rows, t=tags, tile=tile: swiglu_sorted(
+                w13, w2, r, t, gate_up_tile=tile and tile[0], down_tile=tile and tile[1]))
+        for name, fn in cases.items():
+            err = float((fn().float() - ref).abs().max() / ref.abs().max())
+            ms = cuda_ms(fn, 30)
+            print(json.dumps({"bench": "expert_sorted", "variant": name, "rows": n,
+                              "experts_touched": int(tags.unique().numel()), "ms": round(ms, 4),
+                              "fraction_of_copy_bw": round(need / (ms / 1e3) / copy_bw, 3),
+                              "rel_err": err}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--sorted-rows", default="64,128,256,512,2048",
+                    help="row counts for the sorted-rows kernels against the grouped GEMM")
+    ap.add_argument("--only-sorted", action="store_true", help="skip the tile and layout runs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("expert_gemv: needs CUDA", file=sys.stderr)
@@ -53,6 +88,9 @@ def main() -> int:
     rows = torch.randn(n, H, device=dev, dtype=dt)
     tags = (torch.randperm(S, device=dev)[:n] + 1).to(torch.int32)  # distinct experts
     copy_bw = copy_bandwidth(dev)
+    sorted_vs_grouped(w13, w2, [int(x) for x in args.sorted_rows.split(",") if x], copy_bw)
+    if args.only_sorted:
+        return 0
     need = n * 3 * inter * H * 2  # each row's expert: w13 and w2
     ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False).float()
     variants = {"grouped_gemm": lambda: grouped_swiglu(w13, w2, rows, tags, use_grouped=True)}
