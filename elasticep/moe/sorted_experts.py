@@ -102,9 +102,14 @@ if triton is not None:
 
 
 # (BLOCK_M, BLOCK_I, BLOCK_H, warps) of gate/up and (BLOCK_M, BLOCK_O, BLOCK_K, warps) of
-# down: 16 rows is the smallest tensor-core tile; see bench/expert_gemv.py.
+# down. bench/expert_gemv.py on an H200 at Qwen3-30B-A3B's expert shape (2026-12-01,
+# docs/results_gpu.md): 16-row tiles were the fastest of five from 128 to 512 rows over
+# 128 experts (1-4 rows an expert); 32-row tiles won by 15 % at 2048 rows (16 an
+# expert), hence DENSE_TILE from ROWS_PER_SLOT_DENSE rows per slot on.
 GATE_UP_TILE = (16, 64, 128, 4)
 DOWN_TILE = (16, 64, 128, 4)
+DENSE_TILE = (32, 64, 128, 4)
+ROWS_PER_SLOT_DENSE = 8
 
 
 def swiglu_sorted(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
@@ -121,7 +126,8 @@ def swiglu_sorted(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags:
             check would sync): a tag above S reads out of bounds.
         out: [N, H] contiguous buffer for the result, or None.
         gate_up_tile, down_tile: tile sizes and warps (default :data:`GATE_UP_TILE`,
-            :data:`DOWN_TILE`).
+            :data:`DOWN_TILE`; :data:`DENSE_TILE` for both from
+            :data:`ROWS_PER_SLOT_DENSE` rows per slot).
 
     Returns:
         [N, H] in the rows' dtype; zeros for padding rows.
@@ -136,8 +142,9 @@ def swiglu_sorted(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags:
     counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
     starts = torch.cumsum(counts, 0) - counts
     act = rows.new_empty(N, inter)
-    bm, bi, bh, wa = gate_up_tile or GATE_UP_TILE
-    bm2, bo, bk, wb = down_tile or DOWN_TILE
+    dense = N >= ROWS_PER_SLOT_DENSE * S
+    bm, bi, bh, wa = gate_up_tile or (DENSE_TILE if dense else GATE_UP_TILE)
+    bm2, bo, bk, wb = down_tile or (DENSE_TILE if dense else DOWN_TILE)
     _sorted_gate_up_kernel[(S, triton.cdiv(inter, bi))](
         rows, rows.stride(0), order, starts, counts, w13, act, H, inter,
         BLOCK_M=bm, BLOCK_I=bi, BLOCK_H=bh, num_warps=wa)
