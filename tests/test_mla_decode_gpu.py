@@ -57,9 +57,9 @@ def test_kernel_matches_torch_form(r, dr, heads, lens):
 
 def test_deepseek_decode_graph_logits_equal_eager(tmp_path):
     from _deepseek_ckpt import build
+    from _graph_checks import graph_steps_match_eager, random_prompts
 
     from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-    from elasticep.engine.request import GenerateRequest, SamplingParams
 
     # latent widths the kernel takes (r 64, dr 16), DeepSeek-V2-Lite's layout otherwise
     build("v2_lite", tmp_path, kv_lora_rank=64, qk_rope_head_dim=16)
@@ -67,21 +67,5 @@ def test_deepseek_decode_graph_logits_equal_eager(tmp_path):
                                     config=EngineConfig(max_total_tokens=2048, max_num_seqs=4,
                                                         enable_cuda_graph=True))
     assert eng.runner.graphs is not None
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (5, 40, 17)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(GenerateRequest(f"r{i}", tuple(p), params))
-    steps = 0
-    while eng.has_unfinished():
-        batch = eng.schedule()
-        if all(it.end - it.start == 1 for it in batch.items):
-            graph_logits = eng.runner.forward(batch).clone()
-            graphs, eng.runner.graphs = eng.runner.graphs, None
-            eager_logits = eng.runner.forward(batch)
-            eng.runner.graphs = graphs
-            steps += 1
-            err = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
-            assert err < 2e-2, err
-        eng.commit(batch, eng.execute(batch))
+    steps = graph_steps_match_eager(eng, random_prompts((5, 40, 17)), 16)
     assert steps >= 10 and eng.runner.graphs.replays >= steps

@@ -30,6 +30,7 @@ from elasticep.models.paged_attention.triton_kernels import (
     _LOG2E,
     _merge_splits_kernel,
     _num_sms,
+    split_buffers,
 )
 
 BLOCK_H = 16  # query heads per program (tl.dot wants at least 16 rows)
@@ -130,12 +131,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: PagedAttent
     want = -(-4 * _num_sms(q.device) // (B * head_blocks))  # about four waves of programs
     splits = max(1, min(want, meta.max_seq_len // MIN_SPLIT_TOKENS, tiles))
     tiles_per_split = triton.cdiv(tiles, splits)
-    if splits > 1:
-        part_acc = torch.empty(B, Hn, splits, r, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(B, Hn, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused by the kernel when NUM_SPLITS == 1
+    part_acc, part_m, part_l = split_buffers(out, B, Hn, splits, r)
     _mla_decode_kernel[(B, head_blocks, splits)](
         q, cache, meta.block_tables, meta.seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E, tiles_per_split, Hn, q.stride(0), q.stride(1), cache.stride(0),

@@ -151,6 +151,18 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+def split_buffers(out: torch.Tensor, rows: int, heads: int, splits: int, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The partial results of a split key range, as the merge kernel reads them: acc
+    ``[rows, heads, splits, width]``, running max and sum ``[rows, heads, splits]``, all
+    float32. One split needs none: ``out`` stands in (the kernels then never touch them)."""
+    if splits == 1:
+        return out, out, out
+    acc = torch.empty(rows, heads, splits, width, dtype=torch.float32, device=out.device)
+    m = torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device)
+    return acc, m, torch.empty_like(m)
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -209,12 +221,7 @@ def paged_attention_triton(
     splits = max(1, min(splits, tiles))
     tiles_per_split = triton.cdiv(tiles, splits)
     block_d = max(16, triton.next_power_of_2(D))
-    if splits > 1:
-        part_acc = torch.empty(T, Hq, splits, D, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(T, Hq, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused by the kernel when NUM_SPLITS == 1
+    part_acc, part_m, part_l = split_buffers(out, T, Hq, splits, D)
     grid = (B, triton.cdiv(max_query_len, block_q), Hkv * splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
