@@ -131,7 +131,8 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (16, 2, False), (60, 4, True)])
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (16, 2, False), (60, 4, True),
+                                      (64, 6, False)])
 def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
     from elasticep.models.fused_routing import fused_route_ok, fused_softmax_topk
 

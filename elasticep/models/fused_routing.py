@@ -25,8 +25,9 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, scale,
-                             K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                             ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
+                             K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                             NORM: tl.constexpr, ROUND_BF16: tl.constexpr,
+                             ROUND_F16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         mask = offs < E
@@ -34,16 +35,17 @@ if triton is not None:
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(mask, p, -1.0)
-        ks = tl.arange(0, K)
-        w = tl.zeros([K], dtype=tl.float32)
-        ids = tl.zeros([K], dtype=tl.int32)
+        ks = tl.arange(0, BLOCK_K)  # k rounded up to a power of two; the rest stay 0
+        k_ok = ks < K
+        w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
         for j in tl.static_range(K):  # k passes of arg-max, lowest id on ties
             m = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == m, offs, BLOCK_E), axis=0)
             w = tl.where(ks == j, m, w)
             ids = tl.where(ks == j, idx, ids)
             p = tl.where(offs == idx, -1.0, p)
-        tl.store(ids_ptr + t * K + ks, ids.to(tl.int64))
+        tl.store(ids_ptr + t * K + ks, ids.to(tl.int64), mask=k_ok)
         if NORM:
             w = w / (tl.sum(w, axis=0) + 1e-20)
         w = w * scale
@@ -51,7 +53,7 @@ if triton is not None:
             w = w.to(tl.bfloat16).to(tl.float32)
         if ROUND_F16:
             w = w.to(tl.float16).to(tl.float32)
-        tl.store(w_ptr + t * K + ks, w)
+        tl.store(w_ptr + t * K + ks, w, mask=k_ok)
 
 
 def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, scale: float,
@@ -60,7 +62,7 @@ def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, s
 
     Args:
         logits: ``[T, E]`` router logits (any float dtype), CUDA.
-        top_k: k, a power of two (:func:`fused_route_ok`).
+        top_k: k (any k up to E; DeepSeek-V2-Lite has 6).
         norm_topk_prob: renormalise the k weights to sum to 1.
         scale: ``routed_scaling_factor``.
         model_dtype: weights are rounded through it (bf16 / fp16) as in the reference.
@@ -74,6 +76,7 @@ def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, s
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     if T:
         _softmax_topk_kernel[(T,)](logits.contiguous(), ids, weights, E, scale, K=top_k,
+                                   BLOCK_K=triton.next_power_of_2(top_k),
                                    BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
                                    ROUND_BF16=model_dtype == torch.bfloat16,
                                    ROUND_F16=model_dtype == torch.float16)
@@ -83,4 +86,4 @@ def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, s
 def fused_route_ok(logits: torch.Tensor, scoring_func: str, topk_method: str, top_k: int) -> bool:
     """True when :func:`fused_softmax_topk` implements this rule for ``logits``."""
     return (fused_ok(logits) and scoring_func == "softmax" and topk_method == "greedy"
-            and top_k & (top_k - 1) == 0 and logits.shape[-1] <= 4096)
+            and 0 < top_k <= logits.shape[-1] <= 4096)
