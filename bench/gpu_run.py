@@ -611,13 +611,15 @@ def _bench_json(script: str, args: list[str], limit_s: float) -> dict:
     return out
 
 
-def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list[str]):
+def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list[str],
+                  cuda: bool = True):
     """`elasticep serve --device cuda --ep-size 2` under a steady streaming load, once per
     decode CUDA graph mode (``on``, ``off``: ``--disable-cuda-graph``): tokens/s of the
     elastic backend against none (bench/overhead.py, both backends in the same mode),
     then each failover scenario on rank 1 (bench/failover.py: ``kill``, ``freeze``
-    (SIGSTOP), ``rejoin`` (kill, then relaunch))."""
-    common = ["--device", "cuda", "--ep-size", "2", "--concurrency", "32"]
+    (SIGSTOP), ``rejoin`` (kill, then relaunch)). ``cuda=False`` (``--cpu``) runs the
+    same plumbing on the CPU, where both modes are eager."""
+    common = ["--device", "cuda" if cuda else "cpu", "--ep-size", "2", "--concurrency", "32"]
     ab = ["--repeats", "2" if quick else "4", "--window-s", "4" if quick else "8"]
     windows = (["--healthy-s", "5", "--degraded-s", "5", "--after-s", "6"] if quick else [])
     out: dict = {}
@@ -641,7 +643,8 @@ def section_serve(out_dir: Path, quick: bool, graphs: list[str], scenarios: list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run"))
-    ap.add_argument("--cpu", action="store_true", help="dry run of nccl/kill on Gloo")
+    ap.add_argument("--cpu", action="store_true",
+                    help="dry run of nccl/kill on Gloo, and of serve on the CPU")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="env,nccl,kill,kill_in_a2a,kernels,generate,serve",
                     help="comma-separated sections (also: diag, where the per-op time goes)")
@@ -663,7 +666,7 @@ def main() -> None:
                 "kernels": section_kernels,
                 "generate": lambda: section_generate(out_dir, args.quick),
                 "serve": lambda: section_serve(out_dir, args.quick, args.serve_graphs.split(","),
-                                               args.serve_scenarios.split(","))}
+                                               args.serve_scenarios.split(","), cuda)}
     for name in args.only.split(","):
         t0 = time.monotonic()
         try:
