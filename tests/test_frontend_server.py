@@ -554,3 +554,69 @@ def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be a number "
                                          r"in \(0, 1\], got 1.5$"):
         load_model_config(bad)
+
+
+GATED = "a prompt whose tokenization takes as long as the test wants"
+
+
+class GatedTokenizer:
+    """The demo tokenizer, except that encoding GATED waits until the test says go (a
+    long prompt's tokenization, without the seconds)."""
+
+    def __init__(self) -> None:
+        self.tok = AutoTokenizer.from_pretrained(DEMO)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str, **kw) -> list[int]:
+        if text == GATED:
+            self.entered.set()
+            self.go.wait(30)
+        return self.tok.encode(text, **kw)
+
+
+def test_a_long_tokenization_leaves_the_server_answering_the_others():
+    """A 20 MB prompt used to be tokenized on the event loop: 10 s in which no stream got
+    a token and /health did not answer. The tokenizer now runs on its own thread."""
+    from elasticep.frontend.core import Frontend
+    from elasticep.frontend.http_server import HttpServer, ServerConfig, build_app
+
+    channel = FrontendChannel()
+    tok = GatedTokenizer()
+    frontend = Frontend(channel, RecordingMembership(), tok.decode)
+    server = HttpServer(build_app(frontend, tok, ServerConfig(model_name=NAME,
+                                                              max_model_len=1024)))
+    server.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(httpx.post, server.url + "/v1/completions", timeout=30,
+                               json={"model": NAME, "prompt": GATED, "max_tokens": 2})
+            assert tok.entered.wait(20)
+            # that request is inside the tokenizer: the others are still answered
+            assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == NAME
+            bad = httpx.post(server.url + "/v1/completions", timeout=5,
+                             json={"model": NAME, "prompt": "hi", "n": 3})
+            assert bad.status_code == 400 and "n=3" in bad.json()["error"]["message"]
+            tok.go.set()
+            # then it goes on as before: tokenized, checked, and (no rank is connected) 503
+            assert slow.result(30).status_code == 503
+    finally:
+        tok.go.set()
+        server.stop()
+        channel.close()
+
+
+def test_rejections_are_counted_per_route_not_per_requested_model_id(recording_server):
+    """GET /v1/models/<anything> used to add one metric series per id asked for."""
+    url, _ = recording_server
+    for i in range(3):
+        assert httpx.get(f"{url}/v1/models/nope-{i}").status_code == 404
+    metrics = httpx.get(url + "/metrics").text
+    assert "nope-" not in metrics
+    assert ('elasticep_requests_total{endpoint="/v1/models/{model_id:path}",outcome="rejected"} '
+            '3.0') in metrics

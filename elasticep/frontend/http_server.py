@@ -143,9 +143,11 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     def count_rejected(request: Request, status: int) -> None:
-        # only routed paths: a label per arbitrary 404 path would grow without bound
-        if 400 <= status < 500 and status != 499 and request.scope.get("route") is not None:
-            path = request.url.path
+        # one label per route, named by its template ("/v1/models/{model_id:path}"): a
+        # label per requested path would grow without bound
+        route = request.scope.get("route")
+        if 400 <= status < 500 and status != 499 and route is not None:
+            path = getattr(route, "path", request.url.path)
             frontend.metrics.requests.labels(_ENDPOINT_LABELS.get(path, path), "rejected").inc()
 
     @app.exception_handler(OpenAIError)
