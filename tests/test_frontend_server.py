@@ -620,3 +620,21 @@ def test_rejections_are_counted_per_route_not_per_requested_model_id(recording_s
     assert "nope-" not in metrics
     assert ('elasticep_requests_total{endpoint="/v1/models/{model_id:path}",outcome="rejected"} '
             '3.0') in metrics
+
+
+def test_a_body_that_is_not_a_json_object_gets_a_message_that_says_so(recording_server):
+    """`curl -d '{...}'` without a JSON Content-Type used to get pydantic's "Input should
+    be a valid dictionary or object to extract fields from"."""
+    url, _ = recording_server
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2})
+    form = httpx.post(url + "/v1/completions", content=body,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 400
+    assert form.json()["error"]["message"] == (
+        "The request body must be a JSON object (it came as Content-Type "
+        "'application/x-www-form-urlencoded': send 'Content-Type: application/json')")
+    array = httpx.post(url + "/v1/completions", json=[1, 2])
+    assert array.status_code == 400
+    assert array.json()["error"]["message"] == "The request body must be a JSON object"
+    scale = httpx.post(url + "/scale_elastic_ep", content='{"new_ep_size": 3}')
+    assert scale.status_code == 400 and "Content-Type 'none'" in scale.json()["error"]["message"]
