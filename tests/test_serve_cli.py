@@ -52,6 +52,7 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--dist-init-addr", "nohost"], "HOST:PORT"),
     (["--dist-init-addr", "127.0.0.1:99999"], "--dist-init-addr 99999 is not a TCP port"),
     (["--dist-init-addr", ":29400"], "HOST:PORT"),
+    (["--dist-init-addr", "tcp://10.0.0.1:29400"], "must be HOST:PORT .no scheme or path."),
     (["--nnodes", "2", "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", "h:0"],
      "--dist-init-addr 0 is not a TCP port"),
     (["--port", "70000"], "--port 70000 is not a TCP port"),
@@ -104,12 +105,34 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback():
      "elasticep serve: error: --port 70000 is not a TCP port (must be in [0, 65535])"),
     ("join", ["--dist-init-addr", "127.0.0.1:99999", "--elastic-ep-rejoin", "--ranks", "1"],
      "elasticep join: error: --dist-init-addr 99999 is not a TCP port (must be in [1, 65535])"),
+    # a URL used to pass as host "http://127.0.0.1" and be tried for 60 s
+    ("join", ["--dist-init-addr", "http://127.0.0.1:29400", "--elastic-ep-rejoin", "--ranks",
+              "1"], "elasticep join: error: --dist-init-addr must be HOST:PORT (no scheme or "
+                    "path), got 'http://127.0.0.1:29400'"),
 ])
 def test_every_address_flag_gets_the_same_one_line_check(command, argv, line):
     p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [line]
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("serve", ["--ep-size", "2"]),
+    ("join", ["--dist-init-addr", "127.0.0.1:1", "--elastic-ep-rejoin", "--ranks", "1"]),
+])
+def test_a_log_dir_that_cannot_be_made_is_a_flag_error_before_anything_starts(tmp_path,
+                                                                              command, argv):
+    """It used to surface after the coordinator started (serve: "cannot start the
+    coordinator ... No such file or directory", exit 1) or after the join had reserved
+    its slot."""
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "logs"
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv,
+                        "--log-dir", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [
+        f"elasticep {command}: error: --log-dir {bad}: cannot create it (Not a directory)"]
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -38,7 +37,7 @@ from elasticep.entrypoints.serve_args import (
     add_serve_arguments,
     validate,
 )
-from elasticep.entrypoints.validate import UsageError, env_fault
+from elasticep.entrypoints.validate import UsageError, env_fault, make_log_dir
 from elasticep.frontend.http_server import create_server
 
 logger = logging.getLogger("elasticep.serve")
@@ -79,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = validate(args)
         fault = env_fault()
+        log_dir = make_log_dir(args.log_dir, "elasticep-logs-")
     except UsageError as exc:
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 2
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
     stop = stop_on_signals()
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
     try:
         if settings.node_rank == 0:
             return _serve_head(settings, args, stop, log_dir, fault)
