@@ -116,3 +116,32 @@ def test_valid_flags(tmp_path):
                                        "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
     assert Path(model, "config.json").is_file() and os.path.isabs(model)
     assert prompts == ["a", "b"] and params.max_tokens == 5
+
+
+def _demo_copy(dst: Path) -> Path:
+    """The demo model in ``dst``, files symlinked (the test replaces one)."""
+    dst.mkdir()
+    for f in (REPO / "models" / "tiny-qwen3-moe").iterdir():
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+def test_cli_truncated_or_missing_checkpoint_shard_is_one_error_line(tmp_path):
+    """A truncated shard used to end generate with safetensors' traceback (exit 1)."""
+    shard = "model-00001-of-00004.safetensors"
+    cut = _demo_copy(tmp_path / "cut")
+    data = (cut / shard).read_bytes()
+    (cut / shard).unlink()
+    (cut / shard).write_bytes(data[:len(data) // 2])  # a copy that stopped halfway
+    gone = _demo_copy(tmp_path / "gone")
+    (gone / shard).unlink()
+    for model, message in [
+        (cut, f"checkpoint file {cut / shard} is not a readable safetensors file (truncated "
+              "or corrupt?): Error while deserializing header: incomplete metadata, file not "
+              "fully covered"),
+        (gone, f"checkpoint file {gone / shard} is missing"),
+    ]:
+        run = _generate("--prompt", "hi", "--max-tokens", "2", "--model", str(model))
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.splitlines()[-1] == f"elasticep generate: error: {message}"
+        assert run.stdout == ""
