@@ -720,6 +720,17 @@ def test_join_help_says_what_ctrl_c_does_and_the_exit_flags_exclude_each_other(c
     assert "not allowed with argument --detach" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_model_help_names_every_supported_family(command):
+    """serve's --model help named three of the five families README lists."""
+    from elasticep.models.config import SUPPORTED_FAMILIES
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    model = next(a for a in sub.choices[command]._actions if "--model" in a.option_strings)
+    assert f"({', '.join(SUPPORTED_FAMILIES)})" in model.help
+    assert len(SUPPORTED_FAMILIES) == 5
+
+
 def test_readme_serve_table_lists_every_serve_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]

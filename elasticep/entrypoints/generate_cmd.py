@@ -24,6 +24,7 @@ from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
+from elasticep.models.config import SUPPORTED_FAMILIES
 
 log = logging.getLogger("elasticep.generate")
 
@@ -36,7 +37,9 @@ def default_model_dir() -> Path:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``generate`` subcommand."""
     p = subparsers.add_parser("generate", help="complete prompts with a local MoE model")
-    p.add_argument("--model", default=str(default_model_dir()), help="HF checkpoint directory")
+    p.add_argument("--model", default=str(default_model_dir()),
+                   help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
+                        "default: the embedded demo model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help='JSONL file of {"prompt": ...}, run as one batch')
