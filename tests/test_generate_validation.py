@@ -145,3 +145,19 @@ def test_cli_truncated_or_missing_checkpoint_shard_is_one_error_line(tmp_path):
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
         assert run.stderr.splitlines()[-1] == f"elasticep generate: error: {message}"
         assert run.stdout == ""
+
+
+def test_prompt_plus_max_tokens_beyond_the_longest_sequence_is_refused_not_cut():
+    """generate used to stop such an output at the limit, exit 0, and say nothing."""
+    from elasticep.entrypoints.generate_cmd import check_fits
+
+    check_fits([[1] * 6, [1] * 2], 10, 16)  # 6 + 10 fits 16 exactly
+    with pytest.raises(UsageError, match=r"^prompt 1: 7 tokens \+ --max-tokens 10 does not "
+                                         r"fit the longest sequence, 16 tokens"):
+        check_fits([[1] * 6, [1] * 7], 10, 16)
+    run = _generate("--prompt", "x", "--max-tokens", "20", "--max-total-tokens", "16")
+    assert run.returncode == 2 and run.stdout == "", run.stderr[-2000:]
+    assert run.stderr.splitlines()[-1] == (
+        "elasticep generate: error: prompt 0: 1 tokens + --max-tokens 20 does not fit the "
+        "longest sequence, 16 tokens (the model's context, and the KV cache: "
+        "--max-total-tokens)")

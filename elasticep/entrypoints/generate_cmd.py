@@ -17,7 +17,7 @@ import torch
 import elasticep
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.elastic.fault_injection import parse_faults
-from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine, max_sequence_len
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
 from elasticep.entrypoints.batch_driver import BatchDriver
@@ -181,6 +181,25 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
     return model, prompts, params
 
 
+def check_fits(prompts: list[list[int]], max_tokens: int, limit: int) -> None:
+    """Every prompt plus ``--max-tokens`` fits the engine's longest sequence (pure); the
+    engine would cut such an output short without a word (serve answers it with a 400).
+
+    Args:
+        prompts: token ids per prompt.
+        max_tokens: ``--max-tokens``.
+        limit: the longest sequence in tokens (:func:`max_sequence_len`).
+
+    Raises:
+        UsageError: naming the first prompt that does not fit.
+    """
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > limit:
+            raise UsageError(f"prompt {i}: {len(ids)} tokens + --max-tokens {max_tokens} does "
+                             f"not fit the longest sequence, {limit} tokens (the model's "
+                             "context, and the KV cache: --max-total-tokens)")
+
+
 def _trim_stop(text: str, stops: list[str]) -> str:
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     return text[:cut] if cut >= 0 else text
@@ -223,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         tok = load_tokenizer(args.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
+        check_fits(ids, args.max_tokens, max_sequence_len(
+            load_model_config(args.model), EngineConfig(max_total_tokens=args.max_total_tokens)))
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if args.ep_size > 1:
             outs = _generate_ep(args, ids, params, tok.decode)
