@@ -68,7 +68,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fault tolerance")
     f.add_argument("--restart-failed-ranks", action="store_true",
                    help="relaunch a rank of this node that crashed (never one removed "
-                        "by a scale-down)")
+                        "by a scale-down; a rank dying while loading at start-up still "
+                        "stops serve)")
     f.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between each rank's throughput log line (steps, generated "
                         "tokens/s, CUDA graph replays); 0 turns it off (default: "
