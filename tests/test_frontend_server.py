@@ -638,3 +638,27 @@ def test_a_body_that_is_not_a_json_object_gets_a_message_that_says_so(recording_
     assert array.json()["error"]["message"] == "The request body must be a JSON object"
     scale = httpx.post(url + "/scale_elastic_ep", content='{"new_ep_size": 3}')
     assert scale.status_code == 400 and "Content-Type 'none'" in scale.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400_not_a_500(recording_server):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which the tokenizer refused
+    with a TypeError: a 500 "internal error" and a traceback in the server log."""
+    url, _ = recording_server
+    body = json.dumps({"model": NAME, "prompt": "ab\ud800 c", "max_tokens": 2})
+    assert "\\ud800" in body  # json escapes it: what a client sends
+    resp = httpx.post(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                      content=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {
+        "message": "prompt is not valid Unicode: surrogates not allowed at character 2",
+        "type": "invalid_request_error", "param": "prompt", "code": None}
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400(live):
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "ok"},
+                                                   {"role": "user", "content": "\udfff"}]})
+    resp = live["http"].post("/v1/chat/completions", content=body,
+                             headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == ("messages.1.content is not valid Unicode: "
+                                               "surrogates not allowed at character 0")

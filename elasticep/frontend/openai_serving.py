@@ -127,6 +127,7 @@ class OpenAIServing:
         req.check_supported()
         prompt = req.single_prompt()
         if isinstance(prompt, str):
+            _check_unicode(prompt, "prompt")
             try:
                 ids = list(await self._off_loop(self.tokenizer.encode, prompt))
             except NoTokenizerError as exc:
@@ -151,6 +152,8 @@ class OpenAIServing:
                               "chat completions are unavailable; use /v1/completions.",
                               param="messages", code="chat_template_missing")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages.{i}.content")
         ids = list(await self._off_loop(self._chat_ids, messages))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len)
@@ -285,6 +288,18 @@ class OpenAIServing:
 async def _wait_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Raises:
+        OpenAIError: 400 when ``text`` is not valid Unicode: JSON's ``\\ud800`` escape
+            carries a lone surrogate, which no tokenizer takes (it was a 500).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OpenAIError(400, f"{param} is not valid Unicode: {exc.reason} at character "
+                          f"{exc.start}", param=param) from None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
