@@ -90,6 +90,9 @@ def test_bad_flags(argv, message):
      'line 1: missing key "prompt" (or "prompt_token_ids"); the object has keys: '
      '"question", "answer"'),
     ('{"prompt": 3}\n', 'line 1: "prompt" must be a string, got int'),
+    # a lone surrogate: the tokenizer's TypeError ended generate with a traceback
+    ('{"prompt": "ok"}\n{"prompt": "a\\ud800"}\n',
+     'line 2: "prompt" is not valid Unicode: surrogates not allowed at character 1'),
     ('{"prompt_token_ids": []}\n', 'line 1: "prompt_token_ids" must be a non-empty list of integers'),
     ('["a"]\n', 'line 1: expected a JSON object with a "prompt" or "prompt_token_ids" key, '
      'got a list'),
@@ -161,3 +164,14 @@ def test_prompt_plus_max_tokens_beyond_the_longest_sequence_is_refused_not_cut()
         "elasticep generate: error: prompt 0: 1 tokens + --max-tokens 20 does not fit the "
         "longest sequence, 16 tokens (the model's context, and the KV cache: "
         "--max-total-tokens)")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "--prompt must not be empty"),  # was refused only after the model loaded
+    ("ab\udcff", "--prompt is not valid Unicode: surrogates not allowed at character 2"),
+])
+def test_bad_prompt_flag(prompt, message):
+    """"\\udcff" is how Python hands over a command-line byte that is not UTF-8 ($'\\xff')."""
+    with pytest.raises(UsageError) as err:
+        _validate("--prompt", prompt)
+    assert str(err.value) == message

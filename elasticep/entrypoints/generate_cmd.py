@@ -25,6 +25,7 @@ from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
 from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
 
@@ -110,7 +111,8 @@ def _prompt_of_row(row: object) -> str | list[int]:
 
     Raises:
         ValueError: naming what is wrong: not an object, no prompt key (listing the keys
-            the line has), or a prompt key of the wrong type.
+            the line has), a prompt key of the wrong type, or a prompt that is not valid
+            Unicode.
     """
     if not isinstance(row, dict):
         raise ValueError(f'expected a JSON object with a "prompt" or "prompt_token_ids" key, '
@@ -124,6 +126,9 @@ def _prompt_of_row(row: object) -> str | list[int]:
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise ValueError(f'"prompt" must be a string, got {type(row["prompt"]).__name__}')
+        problem = unicode_problem(row["prompt"])  # JSON's "\ud800" escape
+        if problem:
+            raise ValueError(f'"prompt" {problem}')
         return row["prompt"]
     keys = ", ".join(f'"{k}"' for k in row) or "none"
     raise ValueError(f'missing key "prompt" (or "prompt_token_ids"); the object has keys: '
@@ -177,6 +182,10 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
         raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     checks.check_device(args.device)
     model = checks.check_model_dir(args.model)
+    if args.prompt is not None:
+        problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
+        if problem:
+            raise UsageError(f"--prompt {problem}")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
     return model, prompts, params
 

@@ -46,6 +46,7 @@ from elasticep.frontend.request_tracker import (
 )
 from elasticep.frontend.tokenizer import NoTokenizerError
 from elasticep.models.config import SamplingDefaults
+from elasticep.utils.text import unicode_problem
 
 logger = logging.getLogger(__name__)
 
@@ -292,14 +293,12 @@ async def _wait_disconnect(raw: Request) -> None:
 
 def _check_unicode(text: str, param: str) -> None:
     """Raises:
-        OpenAIError: 400 when ``text`` is not valid Unicode: JSON's ``\\ud800`` escape
-            carries a lone surrogate, which no tokenizer takes (it was a 500).
+        OpenAIError: 400 when ``text`` is not valid Unicode (a lone surrogate: the
+            tokenizer's TypeError made it a 500).
     """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise OpenAIError(400, f"{param} is not valid Unicode: {exc.reason} at character "
-                          f"{exc.start}", param=param) from None
+    problem = unicode_problem(text)
+    if problem:
+        raise OpenAIError(400, f"{param} {problem}", param=param)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
