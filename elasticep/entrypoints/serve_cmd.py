@@ -31,6 +31,8 @@ from elasticep.deploy.supervisor import (
     stop_on_signals,
     supervise,
 )
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -182,6 +184,29 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     return False
 
 
+def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
+                 node: int) -> str | None:
+    """Why this node cannot start ``ranks`` as the launch cohort, or None (pure).
+
+    A slot some process has held already (its pid is known) is in use: started again,
+    a rank would be refused by the coordinator and die with a traceback, after loading.
+    That happens when a node's ``serve`` is run again after the node died: its slots are
+    ``failed``, and only a `join` in recover mode takes them back.
+
+    Returns:
+        One line naming the slots, their states and pids, and the `join` command for
+        failed ones.
+    """
+    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None]
+    if not held:
+        return None
+    names = ", ".join(f"rank {r.rank} is {r.state.value} (pid {r.pid})" for r in held)
+    failed = [r.rank for r in held if r.state == SlotState.FAILED]
+    hint = (f"; bring failed ranks back with `{recover_command(address, failed, node)}`"
+            if failed else "")
+    return f"{names} in the running deployment at {address}{hint}"
+
+
 def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 fault: str | None) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
@@ -195,6 +220,11 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:
+        taken = ranks_in_use(deployment.deployment_status(), ranks, address,
+                             settings.node_rank)
+        if taken:
+            print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
+            return 2
         deployment.launch(ranks, fault=fault)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)
