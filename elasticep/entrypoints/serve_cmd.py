@@ -152,6 +152,16 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         channel.close()
 
 
+def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
+    """serve's error when a rank exits while loading at start-up, with its log's last
+    lines; a rank killed before it wrote anything (SIGKILL) gets "its log is empty",
+    not a colon followed by nothing (pure)."""
+    head = f"elasticep serve: error: rank {rank} exited with {code} while loading"
+    if not log_tail.strip():
+        return f"{head}; its log is empty"
+    return f"{head}; its log ends with:\n{log_tail}"
+
+
 def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.Event) -> bool:
     """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
     and connected to the front-end with the same pid).
@@ -165,8 +175,7 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
             if not deployment.exits.empty():
                 ex = deployment.exits.get()
                 bar.close()
-                print(f"elasticep serve: error: rank {ex.rank} exited with {ex.code} while "
-                      f"loading; its log ends with:\n{deployment.log_tail(ex.rank)}",
+                print(loading_exit_message(ex.rank, ex.code, deployment.log_tail(ex.rank)),
                       file=sys.stderr)
                 return False
             try:
