@@ -241,6 +241,16 @@ def test_status_registered_joiner_stays_joining():
         ("healthy", 10), ("joining", 21), ("failed", 12), ("free", 13)]
 
 
+def test_a_slot_freed_by_a_scale_down_shows_no_pid_once_its_process_exited():
+    """`/elastic_ep_status` showed {"state": "free", "pid": 22899} long after 22899 exited
+    (README: `kill -9 <pid>` kills exactly that rank; that pid may be reused)."""
+    procs = {0: ProcInfo(10, True, True), 1: ProcInfo(11, False, True),
+             2: ProcInfo(12, False, True), 3: ProcInfo(13, True, True)}
+    st = _view(["healthy", "failed", "free", "free"], procs, ep_size=2)
+    assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
+        ("healthy", 10), ("failed", 11), ("free", None), ("free", 13)]
+
+
 def test_scale_up_down_and_409():
     t = ScaleTarget(4, 6)
     plan = t.plan(6, _states(*["healthy"] * 4, "free", "free"))
