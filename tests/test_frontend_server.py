@@ -557,3 +557,111 @@ def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be a number "
                                          r"in \(0, 1\], got 1.5$"):
         load_model_config(bad)
+
+
+GATED = "a prompt whose tokenization takes as long as the test wants"
+
+
+class GatedTokenizer:
+    """The demo tokenizer, except that encoding GATED waits until the test says go (a
+    long prompt's tokenization, without the seconds)."""
+
+    def __init__(self) -> None:
+        self.tok = AutoTokenizer.from_pretrained(DEMO)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str, **kw) -> list[int]:
+        if text == GATED:
+            self.entered.set()
+            self.go.wait(30)
+        return self.tok.encode(text, **kw)
+
+
+def test_a_long_tokenization_leaves_the_server_answering_the_others():
+    """A 20 MB prompt used to be tokenized on the event loop: 10 s in which no stream got
+    a token and /health did not answer. The tokenizer now runs on its own thread."""
+    from elasticep.frontend.core import Frontend
+    from elasticep.frontend.http_server import HttpServer, ServerConfig, build_app
+
+    channel = FrontendChannel()
+    tok = GatedTokenizer()
+    frontend = Frontend(channel, RecordingMembership(), tok.decode)
+    server = HttpServer(build_app(frontend, tok, ServerConfig(model_name=NAME,
+                                                              max_model_len=1024)))
+    server.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(httpx.post, server.url + "/v1/completions", timeout=30,
+                               json={"model": NAME, "prompt": GATED, "max_tokens": 2})
+            assert tok.entered.wait(20)
+            # that request is inside the tokenizer: the others are still answered
+            assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == NAME
+            bad = httpx.post(server.url + "/v1/completions", timeout=5,
+                             json={"model": NAME, "prompt": "hi", "n": 3})
+            assert bad.status_code == 400 and "n=3" in bad.json()["error"]["message"]
+            tok.go.set()
+            # then it goes on as before: tokenized, checked, and (no rank is connected) 503
+            assert slow.result(30).status_code == 503
+    finally:
+        tok.go.set()
+        server.stop()
+        channel.close()
+
+
+def test_rejections_are_counted_per_route_not_per_requested_model_id(recording_server):
+    """GET /v1/models/<anything> used to add one metric series per id asked for."""
+    url, _ = recording_server
+    for i in range(3):
+        assert httpx.get(f"{url}/v1/models/nope-{i}").status_code == 404
+    metrics = httpx.get(url + "/metrics").text
+    assert "nope-" not in metrics
+    assert ('elasticep_requests_total{endpoint="/v1/models/{model_id:path}",outcome="rejected"} '
+            '3.0') in metrics
+
+
+def test_a_body_that_is_not_a_json_object_gets_a_message_that_says_so(recording_server):
+    """`curl -d '{...}'` without a JSON Content-Type used to get pydantic's "Input should
+    be a valid dictionary or object to extract fields from"."""
+    url, _ = recording_server
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2})
+    form = httpx.post(url + "/v1/completions", content=body,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 400
+    assert form.json()["error"]["message"] == (
+        "The request body must be a JSON object (it came as Content-Type "
+        "'application/x-www-form-urlencoded': send 'Content-Type: application/json')")
+    array = httpx.post(url + "/v1/completions", json=[1, 2])
+    assert array.status_code == 400
+    assert array.json()["error"]["message"] == "The request body must be a JSON object"
+    scale = httpx.post(url + "/scale_elastic_ep", content='{"new_ep_size": 3}')
+    assert scale.status_code == 400 and "Content-Type 'none'" in scale.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400_not_a_500(recording_server):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which the tokenizer refused
+    with a TypeError: a 500 "internal error" and a traceback in the server log."""
+    url, _ = recording_server
+    body = json.dumps({"model": NAME, "prompt": "ab\ud800 c", "max_tokens": 2})
+    assert "\\ud800" in body  # json escapes it: what a client sends
+    resp = httpx.post(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                      content=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == {
+        "message": "prompt is not valid Unicode: surrogates not allowed at character 2",
+        "type": "invalid_request_error", "param": "prompt", "code": None}
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400(live):
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "ok"},
+                                                   {"role": "user", "content": "\udfff"}]})
+    resp = live["http"].post("/v1/chat/completions", content=body,
+                             headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == ("messages.1.content is not valid Unicode: "
+                                               "surrogates not allowed at character 0")

@@ -90,6 +90,9 @@ def test_bad_flags(argv, message):
      'line 1: missing key "prompt" (or "prompt_token_ids"); the object has keys: '
      '"question", "answer"'),
     ('{"prompt": 3}\n', 'line 1: "prompt" must be a string, got int'),
+    # a lone surrogate: the tokenizer's TypeError ended generate with a traceback
+    ('{"prompt": "ok"}\n{"prompt": "a\\ud800"}\n',
+     'line 2: "prompt" is not valid Unicode: surrogates not allowed at character 1'),
     ('{"prompt_token_ids": []}\n', 'line 1: "prompt_token_ids" must be a non-empty list of integers'),
     ('["a"]\n', 'line 1: expected a JSON object with a "prompt" or "prompt_token_ids" key, '
      'got a list'),
@@ -124,3 +127,59 @@ def test_valid_flags(tmp_path):
                                        "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
     assert Path(model, "config.json").is_file() and os.path.isabs(model)
     assert prompts == ["a", "b"] and params.max_tokens == 5
+
+
+def _demo_copy(dst: Path) -> Path:
+    """The demo model in ``dst``, files symlinked (the test replaces one)."""
+    dst.mkdir()
+    for f in (REPO / "models" / "tiny-qwen3-moe").iterdir():
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+def test_cli_truncated_or_missing_checkpoint_shard_is_one_error_line(tmp_path):
+    """A truncated shard used to end generate with safetensors' traceback (exit 1)."""
+    shard = "model-00001-of-00004.safetensors"
+    cut = _demo_copy(tmp_path / "cut")
+    data = (cut / shard).read_bytes()
+    (cut / shard).unlink()
+    (cut / shard).write_bytes(data[:len(data) // 2])  # a copy that stopped halfway
+    gone = _demo_copy(tmp_path / "gone")
+    (gone / shard).unlink()
+    for model, message in [
+        (cut, f"checkpoint file {cut / shard} is not a readable safetensors file (truncated "
+              "or corrupt?): Error while deserializing header: incomplete metadata, file not "
+              "fully covered"),
+        (gone, f"checkpoint file {gone / shard} is missing"),
+    ]:
+        run = _generate("--prompt", "hi", "--max-tokens", "2", "--model", str(model))
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.splitlines()[-1] == f"elasticep generate: error: {message}"
+        assert run.stdout == ""
+
+
+def test_prompt_plus_max_tokens_beyond_the_longest_sequence_is_refused_not_cut():
+    """generate used to stop such an output at the limit, exit 0, and say nothing."""
+    from elasticep.entrypoints.generate_cmd import check_fits
+
+    check_fits([[1] * 6, [1] * 2], 10, 16)  # 6 + 10 fits 16 exactly
+    with pytest.raises(UsageError, match=r"^prompt 1: 7 tokens \+ --max-tokens 10 does not "
+                                         r"fit the longest sequence, 16 tokens"):
+        check_fits([[1] * 6, [1] * 7], 10, 16)
+    run = _generate("--prompt", "x", "--max-tokens", "20", "--max-total-tokens", "16")
+    assert run.returncode == 2 and run.stdout == "", run.stderr[-2000:]
+    assert run.stderr.splitlines()[-1] == (
+        "elasticep generate: error: prompt 0: 1 tokens + --max-tokens 20 does not fit the "
+        "longest sequence, 16 tokens (the model's context, and the KV cache: "
+        "--max-total-tokens)")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "--prompt must not be empty"),  # was refused only after the model loaded
+    ("ab\udcff", "--prompt is not valid Unicode: surrogates not allowed at character 2"),
+])
+def test_bad_prompt_flag(prompt, message):
+    """"\\udcff" is how Python hands over a command-line byte that is not UTF-8 ($'\\xff')."""
+    with pytest.raises(UsageError) as err:
+        _validate("--prompt", prompt)
+    assert str(err.value) == message

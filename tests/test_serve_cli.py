@@ -52,6 +52,7 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--dist-init-addr", "nohost"], "HOST:PORT"),
     (["--dist-init-addr", "127.0.0.1:99999"], "--dist-init-addr 99999 is not a TCP port"),
     (["--dist-init-addr", ":29400"], "HOST:PORT"),
+    (["--dist-init-addr", "tcp://10.0.0.1:29400"], "must be HOST:PORT .no scheme or path."),
     (["--nnodes", "2", "--node-rank", "1", "--ep-size", "2", "--dist-init-addr", "h:0"],
      "--dist-init-addr 0 is not a TCP port"),
     (["--port", "70000"], "--port 70000 is not a TCP port"),
@@ -104,12 +105,34 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback():
      "elasticep serve: error: --port 70000 is not a TCP port (must be in [0, 65535])"),
     ("join", ["--dist-init-addr", "127.0.0.1:99999", "--elastic-ep-rejoin", "--ranks", "1"],
      "elasticep join: error: --dist-init-addr 99999 is not a TCP port (must be in [1, 65535])"),
+    # a URL used to pass as host "http://127.0.0.1" and be tried for 60 s
+    ("join", ["--dist-init-addr", "http://127.0.0.1:29400", "--elastic-ep-rejoin", "--ranks",
+              "1"], "elasticep join: error: --dist-init-addr must be HOST:PORT (no scheme or "
+                    "path), got 'http://127.0.0.1:29400'"),
 ])
 def test_every_address_flag_gets_the_same_one_line_check(command, argv, line):
     p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [line]
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("serve", ["--ep-size", "2"]),
+    ("join", ["--dist-init-addr", "127.0.0.1:1", "--elastic-ep-rejoin", "--ranks", "1"]),
+])
+def test_a_log_dir_that_cannot_be_made_is_a_flag_error_before_anything_starts(tmp_path,
+                                                                              command, argv):
+    """It used to surface after the coordinator started (serve: "cannot start the
+    coordinator ... No such file or directory", exit 1) or after the join had reserved
+    its slot."""
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "logs"
+    p = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", command, *argv,
+                        "--log-dir", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [
+        f"elasticep {command}: error: --log-dir {bad}: cannot create it (Not a directory)"]
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -216,6 +239,16 @@ def test_status_registered_joiner_stays_joining():
                launched={0: 10, 1: 21, 3: 13})
     assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
         ("healthy", 10), ("joining", 21), ("failed", 12), ("free", 13)]
+
+
+def test_a_slot_freed_by_a_scale_down_shows_no_pid_once_its_process_exited():
+    """`/elastic_ep_status` showed {"state": "free", "pid": 22899} long after 22899 exited
+    (README: `kill -9 <pid>` kills exactly that rank; that pid may be reused)."""
+    procs = {0: ProcInfo(10, True, True), 1: ProcInfo(11, False, True),
+             2: ProcInfo(12, False, True), 3: ProcInfo(13, True, True)}
+    st = _view(["healthy", "failed", "free", "free"], procs, ep_size=2)
+    assert [(r["state"], r["pid"]) for r in st["ranks"]] == [
+        ("healthy", 10), ("failed", 11), ("free", None), ("free", 13)]
 
 
 def test_scale_up_down_and_409():
@@ -697,6 +730,17 @@ def test_join_help_says_what_ctrl_c_does_and_the_exit_flags_exclude_each_other(c
     assert "not allowed with argument --detach" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_model_help_names_every_supported_family(command):
+    """serve's --model help named three of the five families README lists."""
+    from elasticep.models.config import SUPPORTED_FAMILIES
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    model = next(a for a in sub.choices[command]._actions if "--model" in a.option_strings)
+    assert f"({', '.join(SUPPORTED_FAMILIES)})" in model.help
+    assert len(SUPPORTED_FAMILIES) == 5
+
+
 def test_readme_serve_table_lists_every_serve_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]
@@ -770,3 +814,26 @@ def test_node_with_a_wrong_coordinator_address_exits_within_its_timeout(http_por
     assert join.stderr.splitlines()[-1].startswith(
         f"elasticep join: error: --dist-init-addr 127.0.0.1:{http_port} is an HTTP server")
 
+
+
+def test_a_node_run_again_over_its_held_slots_is_refused_with_the_join_that_works():
+    """Node 1 died and its `serve --node-rank 1` was run again: it said "ready", loaded,
+    and its rank died with the coordinator's is_extension traceback. Slots never held
+    (pid None) start as before."""
+    from elasticep.entrypoints.serve_cmd import ranks_in_use
+
+    fresh = DeploymentStatus.from_dict(
+        {"epoch": 0, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
+         "ranks": [{"rank": r, "state": "healthy", "pid": 10 + r if r < 2 else None,
+                    "node": r // 2} for r in range(4)]})
+    assert ranks_in_use(fresh, [2, 3], "h:29400", 1) is None
+    later = DeploymentStatus.from_dict(
+        {**fresh.to_dict(), "epoch": 2,
+         "ranks": [{"rank": 0, "state": "healthy", "pid": 10, "node": 0},
+                   {"rank": 1, "state": "healthy", "pid": 11, "node": 0},
+                   {"rank": 2, "state": "failed", "pid": 12, "node": 1},
+                   {"rank": 3, "state": "healthy", "pid": 23, "node": 1}]})
+    assert ranks_in_use(later, [2, 3], "h:29400", 1) == (
+        "rank 2 is failed (pid 12), rank 3 is healthy (pid 23) in the running deployment at "
+        "h:29400; bring failed ranks back with `elasticep join --dist-init-addr h:29400 "
+        "--elastic-ep-join-mode recover --ranks 2 --node-rank 1`")

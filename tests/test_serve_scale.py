@@ -139,7 +139,9 @@ def test_scale_down_of_a_serve_rank_is_never_restarted(serve, reference):
     wait_until(lambda: not pid_alive(victim.pid), 10, "the removed worker to exit", poll_s=0.1)
     time.sleep(1.5)  # several supervisor periods: no relaunch may happen
     after = serve.rank_state(3)
-    assert after.state == SlotState.FREE and after.pid == victim.pid, after
+    # a relaunch would show the slot joining with a new pid; a free slot whose worker
+    # exited shows none
+    assert after.state == SlotState.FREE and after.pid is None, after
     ok = stream(serve, PROMPTS[0], MAX_TOKENS)
     assert ok.complete(MAX_TOKENS) and ok.text == reference[0], ok
 

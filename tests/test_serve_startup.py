@@ -37,3 +37,14 @@ def test_a_rank_dying_while_loading_ends_serve_with_its_status_and_line(tmp_path
     assert serve.stdout == ""  # never ready
     pids = [int(p) for p in re.findall(r"rank \d started \(pid (\d+)", serve.stderr)]
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+
+
+def test_a_rank_that_died_before_writing_its_log_is_said_so():
+    """A rank SIGKILLed early left "its log ends with:" followed by nothing."""
+    from elasticep.entrypoints.serve_cmd import loading_exit_message
+
+    assert loading_exit_message(1, -9, "\n") == (
+        "elasticep serve: error: rank 1 exited with -9 while loading; its log is empty")
+    assert loading_exit_message(2, 1, "ValueError: x") == (
+        "elasticep serve: error: rank 2 exited with 1 while loading; its log ends with:\n"
+        "ValueError: x")

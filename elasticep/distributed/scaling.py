@@ -147,12 +147,16 @@ def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],
     registered one) or has registered its process but not its WORLD slot yet (same pid,
     alive, in no group), is shown ``joining`` with the new pid: workers load their
     weights before they register. A member being scaled away is also alive in a free
-    slot, but it is in the group: it stays free.
+    slot, but it is in the group: it stays free. Once that process has exited, a free
+    slot shows no pid: it holds no rank, and its old pid may be another process's by
+    now (a ``failed`` slot keeps the dead pid: it names the rank that failed).
     """
     shown = []
     for slot, state in enumerate(states):
         proc = procs.get(ranks[slot])
         pid = None if proc is None else proc.pid
+        if state == SlotState.FREE and proc is not None and not proc.alive:
+            pid = None
         launch = launches.get(ranks[slot])
         if launch is not None and (state in (SlotState.FAILED, SlotState.FREE)
                                    or proc is None):

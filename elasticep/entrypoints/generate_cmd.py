@@ -17,13 +17,15 @@ import torch
 import elasticep
 from elasticep.elastic.config import DeploymentConfig
 from elasticep.elastic.fault_injection import parse_faults
-from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine, max_sequence_len
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
+from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
 
@@ -36,7 +38,9 @@ def default_model_dir() -> Path:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``generate`` subcommand."""
     p = subparsers.add_parser("generate", help="complete prompts with a local MoE model")
-    p.add_argument("--model", default=str(default_model_dir()), help="HF checkpoint directory")
+    p.add_argument("--model", default=str(default_model_dir()),
+                   help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
+                        "default: the embedded demo model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help='JSONL file of {"prompt": ...}, run as one batch')
@@ -107,7 +111,8 @@ def _prompt_of_row(row: object) -> str | list[int]:
 
     Raises:
         ValueError: naming what is wrong: not an object, no prompt key (listing the keys
-            the line has), or a prompt key of the wrong type.
+            the line has), a prompt key of the wrong type, or a prompt that is not valid
+            Unicode.
     """
     if not isinstance(row, dict):
         raise ValueError(f'expected a JSON object with a "prompt" or "prompt_token_ids" key, '
@@ -121,6 +126,9 @@ def _prompt_of_row(row: object) -> str | list[int]:
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise ValueError(f'"prompt" must be a string, got {type(row["prompt"]).__name__}')
+        problem = unicode_problem(row["prompt"])  # JSON's "\ud800" escape
+        if problem:
+            raise ValueError(f'"prompt" {problem}')
         return row["prompt"]
     keys = ", ".join(f'"{k}"' for k in row) or "none"
     raise ValueError(f'missing key "prompt" (or "prompt_token_ids"); the object has keys: '
@@ -175,8 +183,31 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
         raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     checks.check_device(args.device)
     model = checks.check_model_dir(args.model)
+    if args.prompt is not None:
+        problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
+        if problem:
+            raise UsageError(f"--prompt {problem}")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
     return model, prompts, params
+
+
+def check_fits(prompts: list[list[int]], max_tokens: int, limit: int) -> None:
+    """Every prompt plus ``--max-tokens`` fits the engine's longest sequence (pure); the
+    engine would cut such an output short without a word (serve answers it with a 400).
+
+    Args:
+        prompts: token ids per prompt.
+        max_tokens: ``--max-tokens``.
+        limit: the longest sequence in tokens (:func:`max_sequence_len`).
+
+    Raises:
+        UsageError: naming the first prompt that does not fit.
+    """
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > limit:
+            raise UsageError(f"prompt {i}: {len(ids)} tokens + --max-tokens {max_tokens} does "
+                             f"not fit the longest sequence, {limit} tokens (the model's "
+                             "context, and the KV cache: --max-total-tokens)")
 
 
 def _trim_stop(text: str, stops: list[str]) -> str:
@@ -221,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         tok = load_tokenizer(args.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
+        check_fits(ids, args.max_tokens, max_sequence_len(
+            load_model_config(args.model), EngineConfig(max_total_tokens=args.max_total_tokens)))
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if args.ep_size > 1:
             outs = _generate_ep(args, ids, params, tok.decode)

@@ -23,9 +23,7 @@ import argparse
 import logging
 import re
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
@@ -44,6 +42,7 @@ from elasticep.entrypoints.validate import (
     check_address,
     coordinator_timeout_check,
     env_profiler,
+    make_log_dir,
     raise_first_failure,
 )
 
@@ -144,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         raise_first_failure([coordinator_timeout_check(args)])
         apply_gloo_ifname(args)
         env_profiler()
+        log_dir = make_log_dir(args.log_dir, "elasticep-join-logs-")
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
         # this process if it dies.
         client = CoordinatorClient(args.dist_init_addr)
         client.reserve(ranks, mode)
-        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-join-logs-"))
         deployment = Deployment(args.dist_init_addr, config, node=args.node_rank,
                                 log_dir=log_dir, new_session=True,
                                 outlive=not args.stop_ranks_on_exit)

@@ -29,6 +29,7 @@ from elasticep.entrypoints.validate import (
     resolved_max_ep_size,
     static_backend_check,
 )
+from elasticep.models.config import SUPPORTED_FAMILIES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -37,7 +38,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Add every ``serve`` flag to ``p``."""
     m = p.add_argument_group("model")
     m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
-                   help="HF checkpoint directory (qwen3_moe, qwen2_moe or mixtral); "
+                   help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
                         "default: the embedded demo model")
     m.add_argument("--dtype", choices=DTYPES, default="float32", help="weight/activation dtype")
     add_load_format_argument(m)
@@ -48,7 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-total-tokens", type=int, default=8192,
                    help="KV-cache capacity per rank, in tokens (default: %(default)s)")
     e = p.add_argument_group("expert parallelism")
-    e.add_argument("--ep-size", type=int, default=1, help="number of ranks to start")
+    e.add_argument("--ep-size", type=int, default=1,
+                   help="number of ranks to start (default: %(default)s)")
     e.add_argument("--max-ep-size", type=int, default=None,
                    help="capacity reserved for scale-up (default: --ep-size)")
     e.add_argument("--ep-num-redundant-experts", type=int, default=0,
@@ -66,15 +68,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fault tolerance")
     f.add_argument("--restart-failed-ranks", action="store_true",
                    help="relaunch a rank of this node that crashed (never one removed "
-                        "by a scale-down)")
+                        "by a scale-down; a rank dying while loading at start-up still "
+                        "stops serve)")
     f.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between each rank's throughput log line (steps, generated "
-                        "tokens/s, CUDA graph replays); 0 turns it off")
+                        "tokens/s, CUDA graph replays); 0 turns it off (default: "
+                        "%(default)s)")
     f.add_argument("--heartbeat-timeout", type=float, default=2.0,
-                   help="seconds without heartbeat before a frozen rank is evicted")
+                   help="seconds without heartbeat before a frozen rank is evicted "
+                        "(default: %(default)s)")
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1", help="interface of the OpenAI API")
-    h.add_argument("--port", type=int, default=30000, help="port of the OpenAI API (0: any)")
+    h.add_argument("--host", default="127.0.0.1",
+                   help="interface of the OpenAI API (default: %(default)s)")
+    h.add_argument("--port", type=int, default=30000,
+                   help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     n = p.add_argument_group("multi-node")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -32,13 +31,15 @@ from elasticep.deploy.supervisor import (
     stop_on_signals,
     supervise,
 )
+from elasticep.distributed.membership import SlotState
+from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     add_serve_arguments,
     validate,
 )
-from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler
+from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler, make_log_dir
 from elasticep.frontend.http_server import create_server
 
 logger = logging.getLogger("elasticep.serve")
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         settings = validate(args)
         fault = env_fault()
         env_profiler()
+        log_dir = make_log_dir(args.log_dir, "elasticep-logs-")
     except UsageError as exc:
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 2
@@ -87,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
     stop = stop_on_signals()
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-logs-"))
     try:
         if settings.node_rank == 0:
             return _serve_head(settings, args, stop, log_dir, fault)
@@ -152,6 +153,16 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         channel.close()
 
 
+def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
+    """serve's error when a rank exits while loading at start-up, with its log's last
+    lines; a rank killed before it wrote anything (SIGKILL) gets "its log is empty",
+    not a colon followed by nothing (pure)."""
+    head = f"elasticep serve: error: rank {rank} exited with {code} while loading"
+    if not log_tail.strip():
+        return f"{head}; its log is empty"
+    return f"{head}; its log ends with:\n{log_tail}"
+
+
 def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.Event) -> bool:
     """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
     and connected to the front-end with the same pid).
@@ -165,8 +176,7 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
             if not deployment.exits.empty():
                 ex = deployment.exits.get()
                 bar.close()
-                print(f"elasticep serve: error: rank {ex.rank} exited with {ex.code} while "
-                      f"loading; its log ends with:\n{deployment.log_tail(ex.rank)}",
+                print(loading_exit_message(ex.rank, ex.code, deployment.log_tail(ex.rank)),
                       file=sys.stderr)
                 return False
             try:
@@ -184,6 +194,29 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
     return False
 
 
+def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
+                 node: int) -> str | None:
+    """Why this node cannot start ``ranks`` as the launch cohort, or None (pure).
+
+    A slot some process has held already (its pid is known) is in use: started again,
+    a rank would be refused by the coordinator and die with a traceback, after loading.
+    That happens when a node's ``serve`` is run again after the node died: its slots are
+    ``failed``, and only a `join` in recover mode takes them back.
+
+    Returns:
+        One line naming the slots, their states and pids, and the `join` command for
+        failed ones.
+    """
+    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None]
+    if not held:
+        return None
+    names = ", ".join(f"rank {r.rank} is {r.state.value} (pid {r.pid})" for r in held)
+    failed = [r.rank for r in held if r.state == SlotState.FAILED]
+    hint = (f"; bring failed ranks back with `{recover_command(address, failed, node)}`"
+            if failed else "")
+    return f"{names} in the running deployment at {address}{hint}"
+
+
 def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 fault: str | None) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
@@ -197,6 +230,11 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:
+        taken = ranks_in_use(deployment.deployment_status(), ranks, address,
+                             settings.node_rank)
+        if taken:
+            print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
+            return 2
         deployment.launch(ranks, fault=fault)
         print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
               f"{address}", flush=True)

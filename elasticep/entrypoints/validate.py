@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -142,11 +143,14 @@ def check_address(flag: str, address: str, allow_zero_port: bool = False) -> tup
         (host, port).
 
     Raises:
-        UsageError: not HOST:PORT, an empty host, or a port outside the TCP range.
+        UsageError: not HOST:PORT (a URL included), an empty host, or a port outside
+            the TCP range.
     """
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UsageError(f"{flag} must be HOST:PORT, got {address!r}")
+    if not sep or not host or not port.isdigit() or "/" in host:
+        # "/": a URL (http://h:p) would pass as host "http://h" and be tried until
+        # --coordinator-timeout runs out
+        raise UsageError(f"{flag} must be HOST:PORT (no scheme or path), got {address!r}")
     raise_first_failure([port_check(flag, int(port), allow_zero_port)])
     return host, int(port)
 
@@ -201,3 +205,24 @@ def check_model_dir(model: str) -> str:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
     return str(path.resolve())
+
+
+def make_log_dir(value: str | None, prefix: str) -> Path:
+    """The directory for worker logs: ``--log-dir`` (created if missing), else a new
+    temporary directory named ``prefix...``.
+
+    Raises:
+        UsageError: ``--log-dir`` cannot be created or is not a writable directory
+            (checked before anything starts: a failure later was reported as the
+            coordinator's).
+    """
+    if value is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {value}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log-dir {value}: not writable")
+    return path

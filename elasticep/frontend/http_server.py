@@ -101,23 +101,32 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _one_error(err: dict[str, Any]) -> tuple[str, str | None]:
+def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
+    if param is None and err.get("type") == "model_attributes_type":
+        # FastAPI parses the body as JSON only when the Content-Type says so (curl -d
+        # sends a form type): name that, not pydantic's "valid dictionary" wording
+        hint = "" if "json" in content_type else (
+            f" (it came as Content-Type {content_type or 'none'!r}: send "
+            "'Content-Type: application/json')")
+        return f"The request body must be a JSON object{hint}", None
     if err.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str = "",
+                        ) -> tuple[str, str | None]:
     """Every problem of the body in one line, unknown fields first (a misspelt field is
-    usually why a required one is missing); ``param`` names the first."""
+    usually why a required one is missing); ``param`` names the first. ``content_type``:
+    the request's header, named when a JSON body was not parsed as JSON."""
     errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
     if not errors:
         return "invalid request", None
-    parts = [_one_error(e) for e in errors]
+    parts = [_one_error(e, content_type) for e in errors]
     return "; ".join(dict.fromkeys(m for m, _ in parts)), parts[0][1]
 
 
@@ -143,9 +152,11 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     def count_rejected(request: Request, status: int) -> None:
-        # only routed paths: a label per arbitrary 404 path would grow without bound
-        if 400 <= status < 500 and status != 499 and request.scope.get("route") is not None:
-            path = request.url.path
+        # one label per route, named by its template ("/v1/models/{model_id:path}"): a
+        # label per requested path would grow without bound
+        route = request.scope.get("route")
+        if 400 <= status < 500 and status != 499 and route is not None:
+            path = getattr(route, "path", request.url.path)
             frontend.metrics.requests.labels(_ENDPOINT_LABELS.get(path, path), "rejected").inc()
 
     @app.exception_handler(OpenAIError)
@@ -156,7 +167,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         count_rejected(request, 400)
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

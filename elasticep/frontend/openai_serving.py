@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from elasticep.frontend.request_tracker import (
 )
 from elasticep.frontend.tokenizer import NoTokenizerError
 from elasticep.models.config import SamplingDefaults
+from elasticep.utils.text import unicode_problem
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,16 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.sampling_defaults = sampling_defaults
+        # Tokenizing a long prompt (or rendering a chat template) can take seconds: it
+        # runs off the event loop, so that the other requests' streams, their checks and
+        # /health go on meanwhile. One thread: a fast tokenizer must not be called from
+        # several threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer thread; its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn,
+                                                                *args)
 
     # ---- request preparation -------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -110,13 +122,15 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                               f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def _completion_inputs(self, req: CompletionRequest) -> tuple[list[int], SamplingParams]:
+    async def _completion_inputs(self, req: CompletionRequest,
+                                 ) -> tuple[list[int], SamplingParams]:
         self.check_model(req.model)
         req.check_supported()
         prompt = req.single_prompt()
         if isinstance(prompt, str):
+            _check_unicode(prompt, "prompt")
             try:
-                ids = list(self.tokenizer.encode(prompt))
+                ids = list(await self._off_loop(self.tokenizer.encode, prompt))
             except NoTokenizerError as exc:
                 raise OpenAIError(400, str(exc), param="prompt") from None
         else:
@@ -130,7 +144,8 @@ class OpenAIServing:
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
         return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
 
-    def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    async def _chat_inputs(self, req: ChatCompletionRequest,
+                           ) -> tuple[list[int], SamplingParams]:
         self.check_model(req.model)
         req.check_supported()
         if not getattr(self.tokenizer, "chat_template", None):
@@ -138,16 +153,22 @@ class OpenAIServing:
                               "chat completions are unavailable; use /v1/completions.",
                               param="messages", code="chat_template_missing")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages.{i}.content")
+        ids = list(await self._off_loop(self._chat_ids, messages))
+        max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
+                                        self.max_model_len)
+        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt ids of chat ``messages`` (the model's chat template, then tokens)."""
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
             raise OpenAIError(400, f"chat template failed on these messages: {exc}",
                               param="messages") from exc
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
-                                        self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
         try:
@@ -160,7 +181,7 @@ class OpenAIServing:
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
-        ids, params = self._completion_inputs(req)
+        ids, params = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
         stream = self._submit(rid, ids, params)
 
@@ -179,7 +200,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
-        ids, params = self._chat_inputs(req)
+        ids, params = await self._chat_inputs(req)
         rid, created = new_id("chatcmpl"), now()
         stream = self._submit(rid, ids, params)
         first = [True]
@@ -268,6 +289,16 @@ class OpenAIServing:
 async def _wait_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Raises:
+        OpenAIError: 400 when ``text`` is not valid Unicode (a lone surrogate: the
+            tokenizer's TypeError made it a 500).
+    """
+    problem = unicode_problem(text)
+    if problem:
+        raise OpenAIError(400, f"{param} {problem}", param=param)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:

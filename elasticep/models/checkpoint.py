@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from elasticep.models.config import unsupported
 
@@ -30,7 +30,11 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
+                                 f"'weight_map'): {exc!r}") from None
             self.key_to_file = {k: self.model_dir / f for k, f in weight_map.items()}
         else:
             files = sorted(self.model_dir.glob("*.safetensors"))
@@ -38,9 +42,12 @@ class CheckpointReader:
                 raise unsupported(f"no *.safetensors files in {self.model_dir}")
             self.key_to_file = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as handle:
+                handle = _open(f)
+                try:
                     for k in handle.keys():
                         self.key_to_file[k] = f
+                finally:
+                    handle.__exit__(None, None, None)
         self._handles: dict[Path, Any] = {}
 
     def __enter__(self) -> CheckpointReader:
@@ -64,7 +71,7 @@ class CheckpointReader:
             raise unsupported(f"missing tensor {key!r} in checkpoint {self.model_dir}")
         path = self.key_to_file[key]
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt").__enter__()
+            self._handles[path] = _open(path)
         return self._handles[path]
 
     def get(
@@ -100,6 +107,22 @@ class CheckpointReader:
     ) -> torch.Tensor | None:
         """Like :meth:`get`, but None when the key is absent."""
         return self.get(key, shape, dtype, device) if self.has(key) else None
+
+
+def _open(path: Path) -> Any:
+    """An open ``safe_open`` handle of one shard (the caller closes it).
+
+    Raises:
+        ValueError: the file is missing, unreadable, or not safetensors (truncated by a
+            copy, say): one line naming the file, not safetensors' traceback.
+    """
+    try:
+        return safe_open(str(path), framework="pt").__enter__()
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint file {path} is missing") from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"checkpoint file {path} is not a readable safetensors file "
+                         f"(truncated or corrupt?): {exc}") from None
 
 
 def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
