@@ -23,6 +23,14 @@ def test_logs_rates_once_per_interval_with_graph_replays():
     assert log.step(0, epoch=3).startswith("rank 3 epoch 3: 2 steps in 10.5 s (5250.00 ms/step)")
 
 
+def test_an_engine_without_graphs_gets_no_graph_part():
+    now = [0.0]
+    log = StepRateLog(1, None, interval_s=1.0, clock=lambda: now[0])
+    now[0] += 2.0
+    assert log.step(4, epoch=0) == ("rank 1 epoch 0: 1 steps in 2.0 s (2000.00 ms/step), "
+                                     "2.0 generated tokens/s, 4.0 tokens/step")
+
+
 def test_disabled_with_a_non_positive_interval():
     now = [0.0]
     log = StepRateLog(0, lambda: 0, interval_s=0, clock=lambda: now[0])

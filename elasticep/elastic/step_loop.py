@@ -60,9 +60,11 @@ class RankRemoved(Exception):  # noqa: N818 - a clean exit, not an error
     """This rank was drained and deactivated by a planned scale-down."""
 
 
-def _graph_replays(engine: LLMEngine) -> int:
+def _graph_replays(engine: LLMEngine) -> Callable[[], int] | None:
+    """The engine's replay counter, or None when it captured no decode graphs (CPU,
+    --disable-cuda-graph, a model that cannot be captured)."""
     graphs = getattr(getattr(engine, "runner", None), "graphs", None)
-    return graphs.replays if graphs is not None else 0
+    return None if graphs is None else (lambda: graphs.replays)
 
 
 @dataclass
@@ -192,7 +194,7 @@ class LockstepLoop:
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
-        self.rate = StepRateLog(rank, lambda: _graph_replays(engine), log_stats_interval_s)
+        self.rate = StepRateLog(rank, _graph_replays(engine), log_stats_interval_s)
         self.profiler = profiler
 
     # ------------------------------------------------------------------ membership view
