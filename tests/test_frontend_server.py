@@ -246,6 +246,18 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(live):
     assert 'elasticep_requests_total{endpoint="completions",outcome="rejected"}' in metrics
 
 
+def test_null_sampling_fields_mean_unset_as_in_openai(live):
+    """Clients that serialise every field send null for the ones they leave unset."""
+    http = live["http"]
+    base = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    want = http.post("/v1/completions", json=base)
+    got = http.post("/v1/completions", json={**base, "top_p": None, "top_k": None, "n": None,
+                                             "stream": None, "presence_penalty": None})
+    assert want.status_code == 200 and got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert http.post("/v1/completions", json={**base, "model": None}).status_code == 400
+
+
 def test_api_key_is_required_everywhere_but_health(live):
     url = live["server"].url
     assert httpx.get(url + "/health").status_code in (200, 503)  # probes need no key

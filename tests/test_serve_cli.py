@@ -59,6 +59,10 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"], "cannot scale"),
     (["--gloo-socket-ifname", "nosuchif0"], "--gloo-socket-ifname: no network interface "
                                             "'nosuchif0'"),
+    (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a finite"),
+    (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite"),
+    (["--log-stats-interval", "inf"], "--log-stats-interval must be a finite"),
+    (["--log-stats-interval", "-1"], "--log-stats-interval must be a finite"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 from dataclasses import dataclass
 
 from elasticep.elastic.config import DeploymentConfig
@@ -144,8 +145,10 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     max_ep = resolved_max_ep_size(args)
     raise_first_failure([
         *ep_flag_checks(args, max_ep),
-        (args.heartbeat_timeout > 0, "--heartbeat-timeout must be > 0 seconds"),
-        (args.log_stats_interval >= 0, "--log-stats-interval must be >= 0 seconds"),
+        (0 < args.heartbeat_timeout < math.inf,
+         "--heartbeat-timeout must be a finite number of seconds > 0"),
+        (0 <= args.log_stats_interval < math.inf,
+         "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
         port_check("--port", args.port),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),

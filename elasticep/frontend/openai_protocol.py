@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elasticep.engine.request import SamplingParams
 from elasticep.models.config import SamplingDefaults
@@ -78,6 +78,19 @@ class _SamplingFields(_Strict):
     # field -> the only value we implement; anything else is a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+    # fields whose JSON null means "not sent", as in OpenAI's API and vLLM (clients that
+    # serialise every field send them): the default, or the model's, then applies
+    NULL_IS_UNSET: ClassVar[tuple[str, ...]] = (
+        "temperature", "top_p", "top_k", "n", "stream", "presence_penalty",
+        "frequency_penalty", "ignore_eos", "max_tokens", "max_completion_tokens", "echo")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in cls.NULL_IS_UNSET and k in cls.model_fields)}
+        return data
 
     def check_supported(self) -> None:
         """Reject known OpenAI options we do not implement.
