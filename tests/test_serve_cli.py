@@ -841,3 +841,45 @@ def test_a_node_run_again_over_its_held_slots_is_refused_with_the_join_that_work
         "rank 2 is failed (pid 12), rank 3 is healthy (pid 23) in the running deployment at "
         "h:29400; bring failed ranks back with `elasticep join --dist-init-addr h:29400 "
         "--elastic-ep-join-mode recover --ranks 2 --node-rank 1`")
+
+
+def test_a_stalled_startup_names_the_ranks_still_waited_for(tmp_path):
+    """A rank frozen while loading blocks start-up (no deadline: loads can be long);
+    serve then names it, with its state, pid and where the logs are."""
+    from elasticep.distributed.status import DeploymentStatus
+    from elasticep.entrypoints.serve_cmd import stalled_startup_message
+
+    status = DeploymentStatus.from_dict(
+        {"epoch": 0, "ep_size": 3, "max_ep_size": 3, "scale_phase": "idle",
+         "ranks": [{"rank": 0, "state": "healthy", "pid": 11, "node": 0},
+                   {"rank": 1, "state": "joining", "pid": 12, "node": 0}]})
+    line = stalled_startup_message(status, {0}, 3, 61.4, tmp_path)
+    assert line == (f"elasticep serve: still waiting after 61 s for ranks 1 (joining, pid 12), "
+                    f"2 (not registered yet); their logs are in {tmp_path}")
+
+
+def test_wait_ready_notes_a_stall_then_returns_once_every_rank_is_routable(monkeypatch, capsys):
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from elasticep.distributed.status import DeploymentStatus
+    from elasticep.entrypoints import serve_cmd
+
+    monkeypatch.setattr(serve_cmd, "STALL_NOTE_S", 0.3)
+    polls = [0]
+
+    def status():
+        polls[0] += 1
+        state = "healthy" if polls[0] > 8 else "joining"  # rank 1 ready after ~0.8 s
+        return DeploymentStatus.from_dict(
+            {"epoch": 0, "ep_size": 2, "max_ep_size": 2, "scale_phase": "idle",
+             "ranks": [{"rank": 0, "state": "healthy", "pid": 11, "node": 0},
+                       {"rank": 1, "state": state, "pid": 12, "node": 0}]})
+
+    membership = SimpleNamespace(status=status)
+    channel = SimpleNamespace(connected={0: SimpleNamespace(pid=11), 1: SimpleNamespace(pid=12)})
+    deployment = SimpleNamespace(exits=queue.Queue(), log_dir=None)
+    assert serve_cmd._wait_ready(membership, channel, deployment, 2, threading.Event())
+    err = capsys.readouterr().err
+    assert "still waiting after 0 s for ranks 1 (joining, pid 12)" in err

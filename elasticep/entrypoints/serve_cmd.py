@@ -163,13 +163,42 @@ def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
     return f"{head}; its log ends with:\n{log_tail}"
 
 
+# Start-up has no deadline (a large checkpoint may load for many minutes), so a rank
+# that makes no progress is named on stderr after this long instead.
+STALL_NOTE_S = 60.0
+
+
+def stalled_startup_message(status: DeploymentStatus, ready: set[int], ep_size: int,
+                            waited_s: float, log_dir: Path | None) -> str:
+    """The line serve prints when no rank became ready for ``waited_s`` seconds (pure).
+
+    Names each launch rank not ready yet with its state and pid, and where the logs are.
+    """
+    waiting = []
+    for r in range(ep_size):
+        if r in ready:
+            continue
+        try:
+            entry = status.rank(r)
+        except KeyError:
+            waiting.append(f"{r} (not registered yet)")
+            continue
+        pid = f", pid {entry.pid}" if entry.pid is not None else ""
+        waiting.append(f"{r} ({entry.state.value}{pid})")
+    where = f"; their logs are in {log_dir}" if log_dir is not None else ""
+    return (f"elasticep serve: still waiting after {waited_s:.0f} s for ranks "
+            f"{', '.join(waiting)}{where}")
+
+
 def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.Event) -> bool:
     """Show a progress bar until ``ep_size`` ranks are routable (healthy in the coordinator
-    and connected to the front-end with the same pid).
+    and connected to the front-end with the same pid); every :data:`STALL_NOTE_S` without
+    progress, name the ranks still waited for.
 
     Returns:
         True when ready; False if stopped or a local rank died while loading.
     """
+    start = last_progress = time.monotonic()
     with tqdm(total=ep_size, desc="loading ranks", unit="rank", file=sys.stderr,
               mininterval=0.5, dynamic_ncols=True) as bar:
         while not stop.wait(0.1):
@@ -184,10 +213,17 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
             except (ConnectionError, TimeoutError, OSError):
                 continue
             connected = channel.connected
-            ready = sum(r in connected and connected[r].pid == status.rank(r).pid
-                        for r in status.healthy_ranks())
+            routable = {r for r in status.healthy_ranks()
+                        if r in connected and connected[r].pid == status.rank(r).pid}
+            ready = len(routable)
             if ready != bar.n:
                 bar.update(ready - bar.n)
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress >= STALL_NOTE_S:
+                bar.write(stalled_startup_message(status, routable, ep_size,
+                                                  time.monotonic() - start,
+                                                  deployment.log_dir), file=sys.stderr)
+                last_progress = time.monotonic()  # the next note after as long again
             if ready >= ep_size:
                 time.sleep(0.1)  # let the front-end's membership watcher route to them
                 return True
