@@ -230,7 +230,14 @@ def test_client_abort_and_rank_errors():
     assert c1.events == []
     tr.on_error(0, "b", "prompt does not fit the KV cache")
     assert c2.finish == "abort" and "KV cache" in c2.events[-1].error
+    assert c2.events[-1].refused  # the engine's refusal: the client's error (400)
     assert tr.num_running == 0
+    # a deployment that stops fails its requests as server errors, not refusals
+    c3 = Client()
+    tr.add("c", [1], params(), c3)
+    tr.fail("c", "the deployment is stopping")
+    assert c3.finish == "abort" and not c3.events[-1].refused
+    assert c3.events[-1].error == "the deployment is stopping" and tr.num_running == 0
 
 
 def test_overshooting_rank_is_cut_at_max_tokens():

@@ -136,8 +136,8 @@ class Frontend:
         reason = self.closed_reason or "the deployment is stopping"
         for request_id, stream in list(self._streams.items()):
             rank = self.tracker.rank_of(request_id)
-            if rank is not None:
-                self.tracker.on_error(rank, request_id, reason)
+            if rank is not None:  # a server error (5xx): the request was valid
+                self.tracker.fail(request_id, reason)
             else:  # parked (no healthy rank), or finished with its last event unread
                 self.tracker.abort(request_id)
                 stream.put(RequestEvent(request_id, (), "", "abort", 0, error=reason))

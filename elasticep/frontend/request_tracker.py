@@ -177,6 +177,13 @@ class RequestTracker:
         if req is not None and req.rank == rank:
             self._finish_error(req, message, refused=True)
 
+    def fail(self, request_id: str, message: str) -> None:
+        """The deployment cannot finish a request (it is stopping): fail it as a server
+        error, not as the client's (``refused`` stays False)."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish_error(req, message)
+
     def abort(self, request_id: str) -> list[Send]:
         """Forget a request (client gone); returns the abort for its rank, if any."""
         req = self._requests.pop(request_id, None)
