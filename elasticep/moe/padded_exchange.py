@@ -192,11 +192,6 @@ def pack(hidden: torch.Tensor, top_k: int, plan: PaddedPlan, alloc: Alloc = fres
     return buf
 
 
-def unpack(returned: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
-    """[G*C, H] rows sent back by the experts -> [T*k, H] in flat pair order."""
-    return returned[plan.position]
-
-
 def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
     """An :data:`Exchange` doing one even-split ``all_to_all_single`` over `group`
     (:func:`elasticep.distributed.all_to_all_single`: for an elastic group in steady
@@ -239,8 +234,8 @@ def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchang
 
     Returns:
         [G*C, H] in the send layout: the output of flat pair ``i`` is row
-        ``plan.position[i]`` (:func:`unpack` gathers them; the combine kernel reads
-        them in place, :func:`elasticep.moe.expert_compute.combine_pairs`).
+        ``plan.position[i]``, which the combine reads in place
+        (:func:`elasticep.moe.expert_compute.combine_pairs` with ``rows=plan.position``).
     """
     back = alloc("back", expert_out.shape[0], expert_out)
     exchange(back, expert_out.contiguous())
