@@ -20,6 +20,10 @@ Sections (``--only``, comma-separated):
 * ``profile``: ``torch.profiler`` over a few decode steps of ``ep1`` at batch
   ``--profile-batch``: GPU time by kind (attention, experts, exchange, sampling, other)
   and host time the GPU sat idle between kernels;
+* ``prefill``: prefill tokens/s against the compute bound (FLOPs over the bf16 matmul
+  rate measured in the same run) for ``--prefill-lens`` prompts at each
+  ``--prefill-budgets`` step budget, the same 2048 tokens in three compositions, and a
+  profile of one 8192-token step by kernel kind (``bench/prefill.py`` has the formula);
 * ``ep2profile``: the same figures from inside each EP2 rank: a deployment launched as
   ``ep2`` launches it, per ``--profile-batch`` size, ``--profile-backends`` backend and
   ``--cuda-graph`` mode, with each rank's step profiler on
@@ -49,6 +53,7 @@ Usage::
     python bench/scale.py --only ep2 --layers 48 --repeats 5
     python bench/scale.py --only hf --hf-layers 4
     python bench/scale.py --only ep2profile --layers 48 --profile-batch 1 --cuda-graph on
+    python bench/scale.py --only prefill --layers 48 --prefill-lens 512,2048,8192,32768
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
+
+# bench/ is sys.path[0] when this file runs as a script
+from prefill import section_prefill  # noqa: E402
 
 from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings  # noqa: E402
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -611,7 +619,16 @@ def main() -> None:
                     help="ep2 without ep1 in this run: take the experts each batch touches "
                          "from this earlier JSONL output (same config, prompts and seed)")
     ap.add_argument("--out", default=None, help="also append every JSON line to this file")
+    ap.add_argument("--prefill-lens", default="512,2048,8192,32768",
+                    help="prefill: prompt lengths, tokens")
+    ap.add_argument("--prefill-budgets", default="8192,16384",
+                    help="prefill: step budgets (max_batch_tokens), tokens")
+    ap.add_argument("--prefill-repeats", type=int, default=3, help="prefill: warm runs")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None,
+                    help="prefill: the engine's chunk size (default: no chunking)")
     args = ap.parse_args()
+    args.prefill_lens = [int(x) for x in args.prefill_lens.split(",")]
+    args.prefill_budgets = [int(x) for x in args.prefill_budgets.split(",")]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/scale.py: --device cuda, but torch sees no CUDA device")
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -642,6 +659,9 @@ def main() -> None:
             section_profile(args)
         elif name == "ep2profile":
             section_ep2profile(args)
+        elif name == "prefill":
+            section_prefill(args, emit, model_dir(Path(args.config), args.layers,
+                                                  Path(args.workdir)))
         elif name == "ep2":
             earlier = ep1 or _read_rows(args.ep1_from, "ep1")
             touched = {r["batch"]: r["experts_touched_per_layer_mean"] for r in earlier}
