@@ -45,6 +45,25 @@ import torch
 import torch.multiprocessing as mp
 
 H = 2048  # row width (bf16): Qwen3-30B-A3B's hidden size
+STAGE_S = 30.0  # a stage that takes longer is reported as hung (the GPU wait never ended)
+
+
+def _log(me: int, msg: str) -> None:
+    print(f"[rank {me} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _wait(me: int, stage: str, limit_s: float = STAGE_S) -> None:
+    """Wait for this process's queued GPU work, polling, so a wait that never ends
+    raises TimeoutError naming the stage instead of hanging the process."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > limit_s:
+            raise TimeoutError(f"rank {me}: GPU work of stage {stage!r} unfinished "
+                               f"after {limit_s} s")
+        time.sleep(0.0005)
+    _log(me, f"{stage} done in {time.time() - t0:.3f} s")
 
 
 def _driver():
@@ -83,11 +102,16 @@ def _kernels():
                 v = tl.load(src_ptr + q * rows_elems + idx, mask=m)
                 tl.store(dest + me * rows_elems + idx, v, mask=m)
             tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="sys")
-            if done == CHUNKS - 1:
-                tl.store(counter_ptr + q, 0)
+            if CHUNKS == 1:
                 if q != me:
                     tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
+            else:
+                done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="sys")
+                if done == CHUNKS - 1:
+                    tl.store(counter_ptr + q, 0)
+                    if q != me:
+                        tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release",
+                                       scope="sys")
         else:
             if c == 0:
                 tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release",
@@ -180,13 +204,16 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
                 q, recv, flags = queues[me].get(timeout=120)
                 peers[q] = (recv, flags)
             ex.map_peers(peers)
+            _log(me, f"rows {rows}: mapped {sorted(peers)}")
             send = torch.randn(world, rows, H, dtype=torch.bfloat16, device="cuda") * 0.01
             w = torch.eye(H, dtype=torch.bfloat16, device="cuda")  # rows pass unchanged
             local = torch.empty_like(send)
             torch.cuda.synchronize()
-            # eager warm-up (compiles the kernel), then capture both graphs
+            # one eager exchange first (compiles the kernel), then a whole eager step
+            ex.exchange(send, 0, 0)
+            _wait(me, "one eager exchange")
             _step(ex, send, w, 1, local)
-            torch.cuda.synchronize()
+            _wait(me, "eager step")
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             graphs = {}
@@ -196,13 +223,16 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
                     res = _step(e, send, w, args.layers, local)
                 graphs[name] = (g, res)
             torch.cuda.synchronize()
+            _log(me, "captured")
+            graphs["exchange"][0].replay()
+            _wait(me, "first replay")
             row = {"rows_per_peer": rows, "layers": args.layers,
                    "exchanges_per_step": 2 * args.layers}
             for name in ("exchange", "local"):
                 g, res = graphs[name]
                 for _ in range(3):
                     g.replay()
-                torch.cuda.synchronize()
+                _wait(me, f"{name} warm replays")
                 times = []
                 for _ in range(args.replays):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -217,8 +247,8 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
             # from q are the rows it sent to q (dispatch then combine returns them)
             g, res = graphs["exchange"]
             g.replay()
-            torch.cuda.synchronize()
-            row["roundtrip_rows_equal"] = bool(torch.equal(res, send))
+            _wait(me, "check replay")
+            row["roundtrip_rows_equal" = bool(torch.equal(res, send))
             row["per_exchange_us"] = round(
                 (row["exchange_step_ms"] - row["local_step_ms"]) * 1e3 / (2 * args.layers), 2)
             row["bytes_per_exchange_per_rank"] = (world - 1) * rows * H * 2
@@ -259,7 +289,7 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
     w = torch.eye(H, dtype=torch.bfloat16, device="cuda")
     local = torch.empty_like(send)
     _step(ex, send, w, 1, local)
-    torch.cuda.synchronize()
+    _wait(me, "kill phase: eager step")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
@@ -268,7 +298,7 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
     torch.cuda.synchronize()
     for _ in range(5):
         g.replay()
-    torch.cuda.synchronize()
+    _wait(me, "kill phase: replays")
     kill_pipe.send(("ready", me, os.getpid()))
     if me != 0:
         while True:  # replay until killed
@@ -289,7 +319,17 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
     deadline = time.time() + 30
     while time.time() < deadline:
         g.replay()
-        torch.cuda.synchronize()
+        try:
+            ev = torch.cuda.Event()
+            ev.record()
+            t0 = time.time()
+            while not ev.query():
+                if time.time() - t0 > 20:
+                    raise TimeoutError("the replay blocked on the dead rank was not released")
+                time.sleep(0.0002)
+        except TimeoutError as exc:
+            results.put({"rank": 0, "kill": {"error": str(exc), "released": bool(released_at)}})
+            return
         n_before += 1
         if released_at:
             t_end = time.time()
@@ -335,7 +375,11 @@ def run_world(world: int, args, kill: bool) -> list[dict]:
     out = []
     try:
         for _ in range(world):
-            out.append(results.get(timeout=args.timeout))
+            r = results.get(timeout=args.timeout)
+            print(json.dumps({"partial": r})[:3000], file=sys.stderr, flush=True)
+            out.append(r)
+            if "error" in r:
+                return out
         if kill:
             ready = [pipes[r][0].recv() for r in range(world)]
             time.sleep(0.5)
@@ -367,7 +411,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--chunks", type=int, default=8, help="CTAs per destination")
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--timeout", type=float, default=90.0)
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
