@@ -248,7 +248,7 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
             g, res = graphs["exchange"]
             g.replay()
             _wait(me, "check replay")
-            row["roundtrip_rows_equal" = bool(torch.equal(res, send))
+            row["roundtrip_rows_equal"] = bool(torch.equal(res, send))
             row["per_exchange_us"] = round(
                 (row["exchange_step_ms"] - row["local_step_ms"]) * 1e3 / (2 * args.layers), 2)
             row["bytes_per_exchange_per_rank"] = (world - 1) * rows * H * 2
