@@ -7,6 +7,8 @@
   kernel) against norm_rope plus the cache writes;
 - :func:`swiglu_rows` (per-row expert GEMV) against the per-slot matmul loop, with
   padding rows and repeated slots;
+- :func:`swiglu_tiled` (the prefill-sized grouped GEMM) against the per-slot loop, and
+  ``grouped_swiglu`` taking it at prefill sizes;
 - :func:`fused_combine` (gather, weight, sum of each token's k outputs) against the
   torch form of :func:`combine_pairs`.
 In fp32 they must agree to rounding; in bf16, to a few units in the last place.
@@ -200,3 +202,36 @@ def test_swiglu_sorted_matches_per_slot_loop(dtype, n, S):
     assert got.data_ptr() == buf.data_ptr()
     assert bool((got[tags == 0] == 0).all())
     assert _rel(got, ref) < TOL[torch.bfloat16] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,S", [(1, 4), (700, 6), (9000, 128), (65536, 128)])
+def test_swiglu_tiled_matches_per_slot_loop(dtype, n, S):
+    """The tiled grouped GEMM against the per-slot loop at Qwen3-30B-A3B's expert shape:
+    padding rows give zeros, one slot far larger than the rest, empty slots, strided
+    rows read in place, the given buffer written; grouped_swiglu takes it from
+    MIN_ROWS_PER_SLOT rows per slot on."""
+    from elasticep.moe.padded_exchange import row_width, split_rows
+    from elasticep.moe.tiled_experts import MIN_ROWS_PER_SLOT, swiglu_tiled, tiled_rows_ok
+
+    g = torch.Generator(device="cuda").manual_seed(n + S)
+    H, inter = 2048, 768
+    w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).to(dtype)
+    w2 = (torch.randn(S, H, inter, generator=g, device="cuda") / inter**0.5).to(dtype)
+    recv = torch.zeros(n, row_width(H, dtype), dtype=dtype, device="cuda")
+    rows, tags = split_rows(recv, H)
+    rows.copy_(torch.randn(n, H, generator=g, device="cuda"))
+    tags.copy_(torch.randint(0, S // 2 + 1, (n,), generator=g, device="cuda",
+                             dtype=torch.int32))  # slots above S/2 stay empty
+    tags[: n // 3] = 2  # one slot with a third of the rows
+    if n > 1:
+        tags[-1] = 0
+    ref = grouped_swiglu(w13, w2, rows.contiguous(), tags.contiguous(), use_grouped=False)
+    buf = torch.full((n, H), 3.0, dtype=dtype, device="cuda")
+    got = swiglu_tiled(w13, w2, rows, tags, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    assert bool((got[tags == 0] == 0).all())
+    assert _rel(got, ref) < TOL[torch.bfloat16] * 2
+    assert tiled_rows_ok(rows, w13, w2) == (n >= MIN_ROWS_PER_SLOT * S)
+    via = grouped_swiglu(w13, w2, rows, tags, sync_free=True)
+    assert _rel(via, ref) < TOL[torch.bfloat16] * 2

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from elasticep.moe.fused_combine import fused_combine, fused_combine_ok
 from elasticep.moe.small_batch_experts import small_batch_ok, swiglu_rows
 from elasticep.moe.sorted_experts import sorted_rows_ok, swiglu_sorted
+from elasticep.moe.tiled_experts import swiglu_tiled, tiled_rows_ok
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -109,10 +110,12 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
             it where :func:`grouped_ok`. Unless False, on CUDA up to
             :data:`~elasticep.moe.small_batch_experts.MAX_ROWS` rows take the per-row
-            GEMV kernels of :mod:`elasticep.moe.small_batch_experts`, and more rows in
+            GEMV kernels of :mod:`elasticep.moe.small_batch_experts`, more rows in
             bf16/fp16 the sorted-rows kernels of :mod:`elasticep.moe.sorted_experts`
             (22-28 % faster than the grouped GEMM from 128 to 2048 rows at Qwen3-30B-A3B's
-            expert shape, ``bench/expert_gemv.py``), instead.
+            expert shape, ``bench/expert_gemv.py``), and prefill-sized batches (from
+            :data:`~elasticep.moe.tiled_experts.MIN_ROWS_PER_SLOT` rows per slot) the
+            tiled grouped GEMM of :mod:`elasticep.moe.tiled_experts`, instead.
         sync_free: where grouped GEMM is not used, run every slot over every row
             (S batched matmul pairs, then pick each row's own slot) instead of the
             per-slot loop that reads slot counts on the host. S times the FLOPs, no
@@ -127,6 +130,8 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     if use_grouped is not False and w2.is_contiguous():
         if small_batch_ok(rows, w13):
             return swiglu_rows(w13, w2, rows, tags, out)
+        if tiled_rows_ok(rows, w13, w2):
+            return swiglu_tiled(w13, w2, rows, tags, out)
         if sorted_rows_ok(rows, w13, w2):
             return swiglu_sorted(w13, w2, rows, tags, out)
     S = w13.shape[0]

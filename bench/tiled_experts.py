@@ -1,0 +1,84 @@
+"""Prefill-sized expert compute: the tiled grouped GEMM against the FLOP bound.
+
+For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, 128 slots, bf16) and
+``--rows`` (token, expert) rows routed at random (an 8192-token prefill step has 65,536),
+it times :func:`elasticep.moe.tiled_experts.swiglu_tiled` under several tiles and the
+sorted-rows kernels, and divides the SwiGLU FLOPs
+(``2 x N x 3 x H x I``) by the time, against an 8192^3 bf16 matmul measured in the same
+run. Prints one JSON line per (rows, variant). GPU only.
+
+    python bench/tiled_experts.py [--rows 2048,8192,16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from elasticep.moe.expert_compute import grouped_swiglu
+from elasticep.moe.sorted_experts import swiglu_sorted
+from elasticep.moe.tiled_experts import swiglu_tiled
+
+TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): gate/up, down
+    "t64": ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4)),
+    "t64s3": ((64, 64, 64, 4, 3), (64, 128, 64, 4, 3)),
+    "t128": ((128, 64, 64, 8, 3), (128, 128, 64, 8, 3)),
+    "t128n128": ((128, 128, 64, 8, 3), (128, 128, 64, 8, 3)),
+    "t64n128": ((64, 128, 64, 4, 3), (64, 128, 64, 4, 3)),
+}
+
+
+def cuda_ms(fn, reps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="2048,8192,16384,65536")
+    ap.add_argument("--experts", type=int, default=128)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    rate = 2 * 8192**3 / (cuda_ms(lambda: a @ a) / 1e3)
+    del a
+    S, H, inter = args.experts, 2048, 768
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(S, 2 * inter, H, generator=g, device=dev) / H**0.5).bfloat16()
+    w2 = (torch.randn(S, H, inter, generator=g, device=dev) / inter**0.5).bfloat16()
+    for n in (int(x) for x in args.rows.split(",")):
+        rows = torch.randn(n, H, generator=g, device=dev).bfloat16()
+        tags = torch.randint(1, S + 1, (n,), generator=g, device=dev, dtype=torch.int32)
+        ref = grouped_swiglu(w13, w2, rows, tags, use_grouped=False).float()
+        variants = {"sorted": lambda r=rows, t=tags: swiglu_sorted(w13, w2, r, t)}
+        for name, (gu, dn) in TILES.items():
+            variants[name] = (lambda r=rows, t=tags, gu=gu, dn=dn:
+                              swiglu_tiled(w13, w2, r, t, gate_up_tile=gu, down_tile=dn))
+        flops = 2 * n * 3 * H * inter
+        for name, fn in variants.items():
+            try:
+                err = float((fn().float() - ref).norm() / ref.norm())
+                ms = cuda_ms(fn)
+                row = {"section": "tiled_experts", "rows": n, "experts": S, "variant": name,
+                       "ms": round(ms, 3), "tflop_per_s": round(flops / ms / 1e9, 1),
+                       "x_matmul_bound": round(ms / (flops / rate * 1e3), 2), "rel_err": err}
+            except Exception as exc:  # noqa: BLE001 - one variant's failure, not the run
+                row = {"section": "tiled_experts", "rows": n, "variant": name,
+                       "error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
