@@ -18,6 +18,9 @@ import statistics
 
 import torch
 
+# bench/ is sys.path[0] when this file runs as a script
+from prefill import matmul_rate
+
 from elasticep.moe.expert_compute import grouped_swiglu
 from elasticep.moe.sorted_experts import swiglu_sorted
 from elasticep.moe.tiled_experts import swiglu_tiled
@@ -51,9 +54,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    rate = 2 * 8192**3 / (cuda_ms(lambda: a @ a) / 1e3)
-    del a
+    rate = matmul_rate("cuda")
     S, H, inter = args.experts, 2048, 768
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = (torch.randn(S, 2 * inter, H, generator=g, device=dev) / H**0.5).bfloat16()
