@@ -163,10 +163,15 @@ class Exchange:
         return self.recv[phase]
 
     def release(self, q: int, stream: torch.cuda.Stream) -> None:
-        """Host watchdog: mark q inactive and release every wait on it (side stream)."""
-        with torch.cuda.stream(stream):
-            self.active[q].fill_(0)
-            self.flags[q].fill_(1)
+        """Host watchdog: mark q inactive and release every wait on it, with stream
+        memory writes on a side stream (no kernel launch)."""
+        cs = self.cu.CUstream(stream.cuda_stream)
+        wr = self.cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        _check(self.cu.cuStreamWriteValue32(
+            cs, self.cu.CUdeviceptr(self.active[q].data_ptr()), 0, wr))
+        for slot in range(self.n_slots):
+            _check(self.cu.cuStreamWriteValue32(
+                cs, self.cu.CUdeviceptr(self.flags[q, slot].data_ptr()), 1, wr))
         stream.synchronize()
 
     def unmap(self, q: int) -> None:
@@ -209,8 +214,10 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
             w = torch.eye(H, dtype=torch.bfloat16, device="cuda")  # rows pass unchanged
             local = torch.empty_like(send)
             torch.cuda.synchronize()
-            # one eager exchange first (compiles the kernel), then a whole eager step
-            ex.exchange(send, 0, 0)
+            # one eager exchange first (compiles the kernel), then a whole eager step.
+            # Its slot is the step's last: a slot is reused only after another exchange
+            # of every rank, else a peer's next signal can land before the reset
+            ex.exchange(send, 2 * args.layers - 1, 1)
             _wait(me, "one eager exchange")
             _step(ex, send, w, 1, local)
             _wait(me, "eager step")
@@ -309,8 +316,10 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
 
     def watchdog() -> None:
         msg = kill_pipe.recv()  # ("dead", q, t_kill)
+        _log(me, f"watchdog: rank {msg[1]} is dead, releasing")
         ex.release(msg[1], side)
         released_at.append(time.time())
+        _log(me, "watchdog: released")
 
     th = threading.Thread(target=watchdog, daemon=True)
     th.start()
@@ -324,7 +333,7 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
             ev.record()
             t0 = time.time()
             while not ev.query():
-                if time.time() - t0 > 20:
+                if time.time() - t0 > 40:
                     raise TimeoutError("the replay blocked on the dead rank was not released")
                 time.sleep(0.0002)
         except TimeoutError as exc:
@@ -385,16 +394,18 @@ def run_world(world: int, args, kill: bool) -> list[dict]:
             time.sleep(0.5)
             t_kill = time.time()
             os.kill(procs[1].pid, signal.SIGKILL)
-            procs[1].join(10)
+            pipes[0][0].send(("dead", 1, t_kill))  # as the coordinator's EOF would
+            procs[1].join(30)
             t_seen = time.time()
-            pipes[0][0].send(("dead", 1, t_kill))
+            print(f"launcher: rank 1 reaped {t_seen - t_kill:.3f} s after the kill",
+                  file=sys.stderr, flush=True)
             res = results.get(timeout=args.timeout)
             k = res.get("kill", res)
             if "blocked_replay_end_time" in k and k["blocked_replay_end_time"]:
                 k["kill_to_release_ms"] = round((k["released_time"] - t_kill) * 1e3, 2)
                 k["kill_to_survivor_step_end_ms"] = round(
                     (k["blocked_replay_end_time"] - t_kill) * 1e3, 2)
-                k["launcher_saw_exit_ms"] = round((t_seen - t_kill) * 1e3, 2)
+                k["launcher_reaped_ms"] = round((t_seen - t_kill) * 1e3, 2)
             out.append({"ready": ready, **res})
     finally:
         for p in procs:
