@@ -129,3 +129,32 @@ def test_flex_compiles_a_bounded_number_of_graphs():
     print(f"\nflex graphs compiled after each of {len(steps)} steps: {compiled}")
     # decode batches 33/40 share the 64 bucket, 64 too, 70 takes 128; prefill is one dynamic graph
     assert compiled[-1] <= 5
+
+
+@pytest.mark.parametrize("lens", [[2048] * 4, [128] * 16, [300, 1000, 17]])
+def test_full_prefill_sdpa_matches_paged_kernel(lens):
+    """A step of whole prompts takes SDPA (layers.paged_attention): same output as the
+    paged Triton kernel over the cache the step wrote, and the time of each."""
+    from elasticep.models.layers import (
+        FLASH_PREFILL_MIN_TOKENS,
+        AttentionMetadata,
+    )
+    from elasticep.models.layers import (
+        paged_attention as layer_attention,
+    )
+
+    c = make_case(lens, lens, HQ, HKV, D, dtype=torch.bfloat16, device="cuda", seed=len(lens))
+    slots = torch.cat([torch.tensor([t * 16 + p % 16 for p in range(n) for t in [tab[p // 16]]])
+                       for tab, n in zip(c.tables, lens, strict=True)]).cuda()
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(starts, list(lens), slots, c.meta)
+    assert sum(lens) >= FLASH_PREFILL_MIN_TOKENS
+    want = paged_attention(*c.args(), backend="triton").reshape(sum(lens), -1)
+    got = layer_attention(c.q, None, None, (c.k_cache, c.v_cache), meta, c.scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    ms = _time_ms(lambda: layer_attention(c.q, None, None, (c.k_cache, c.v_cache), meta, c.scale))
+    kms = _time_ms(lambda: paged_attention(*c.args(), backend="triton"))
+    print(f"\nprefill {len(lens)} x {sum(lens) // len(lens)}: sdpa {ms * 1e3:.0f} us, "
+          f"paged triton {kms * 1e3:.0f} us per layer")

@@ -99,16 +99,54 @@ def paged_attention(
             v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta.paged is None:
             raise ValueError("a forward with a KV cache needs meta.paged (block tables)")
-        return paged_attention_kernel(q, k_cache, v_cache, meta.paged, scale).reshape(T, -1)
+        if not (q.is_cuda and T >= FLASH_PREFILL_MIN_TOKENS and _all_full_prefills(meta)):
+            return paged_attention_kernel(q, k_cache, v_cache, meta.paged, scale).reshape(T, -1)
+        # Whole prompts with no cached prefix: the keys are this step's own, so the
+        # flash kernel of SDPA runs them (7x faster than the paged kernel at 4 x 2048
+        # tokens on the H200). The fused q/k/v kernel wrote k and v only to the cache.
+        if k is None or v is None:
+            k = k_cache.index_select(0, meta.slot_mapping)
+            v = v_cache.index_select(0, meta.slot_mapping)
+    elif not _all_full_prefills(meta):
+        raise ValueError("without a KV cache every sequence must be a full prefill")
+    return causal_prefill_attention(q, k, v, meta.query_starts, scale)
+
+
+# Prefill steps of at least this many tokens, every sequence a whole prompt, take SDPA on
+# CUDA instead of the paged kernel (which small and mixed batches keep: one launch).
+FLASH_PREFILL_MIN_TOKENS = 256
+
+
+def _all_full_prefills(meta: AttentionMetadata) -> bool:
+    """True when every sequence's query is its whole context (no cached prefix)."""
+    return all(meta.query_starts[i + 1] - meta.query_starts[i] == ctx
+               for i, ctx in enumerate(meta.context_lens))
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             query_starts: list[int], scale: float) -> torch.Tensor:
+    """Causal self-attention of whole prompts packed in one batch, one SDPA call each.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (RoPE applied), sequence ``i`` at rows
+            ``[query_starts[i], query_starts[i+1])``; ``Hq`` a multiple of ``Hkv`` (GQA).
+        query_starts: ``[B+1]`` python ints.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq * D]`` in q's dtype. On CUDA the KV heads are shared through SDPA's
+        ``enable_gqa`` (the flash kernel); on CPU they are repeated, as transformers does.
+    """
     n_rep = q.shape[1] // k.shape[1]
     outs = []
-    for i, ctx in enumerate(meta.context_lens):
-        s, e = meta.query_starts[i], meta.query_starts[i + 1]
-        if e - s != ctx:
-            raise ValueError("without a KV cache every sequence must be a full prefill")
-        qh = q[s:e].transpose(0, 1)  # [Hq, n, D]
-        kh = k[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, n, D]
-        vh = v[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    for s, e in zip(query_starts[:-1], query_starts[1:], strict=True):
+        qh, kh, vh = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        if q.is_cuda:
+            o = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], is_causal=True,
+                                               scale=scale, enable_gqa=n_rep > 1)[0]
+        else:
+            kh = kh.repeat_interleave(n_rep, dim=0)
+            vh = vh.repeat_interleave(n_rep, dim=0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         outs.append(o.transpose(0, 1).reshape(e - s, -1))
     return torch.cat(outs, dim=0)
