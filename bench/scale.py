@@ -459,7 +459,7 @@ def _ep2_driver(args, mdir: Path, backend: str, batch: int, cuda_graph: bool = T
                 env: dict[str, str] | None = None):
     """A ``BatchDriver`` over a fresh EP2 deployment (``--load-format dummy``, one GPU
     per rank) sized for ``batch`` prompts split over the two ranks."""
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
 
     per_rank = -(-batch // 2)

@@ -123,9 +123,10 @@ def test_bad_profiler_environment_variable(monkeypatch, tmp_path):
 def test_valid_flags(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
-    model, prompts, params = _validate("--prompts-file", str(f), "--ep-size", "2",
-                                       "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
-    assert Path(model, "config.json").is_file() and os.path.isabs(model)
+    dep, prompts, params = _validate("--prompts-file", str(f), "--ep-size", "2",
+                                     "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
+    assert Path(dep.model, "config.json").is_file() and os.path.isabs(dep.model)
+    assert (dep.ep_size, dep.max_ep_size, dep.max_num_seqs) == (2, 2, 64)
     assert prompts == ["a", "b"] and params.max_tokens == 5
 
 

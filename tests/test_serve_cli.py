@@ -538,9 +538,9 @@ def test_join_refuses_slots_being_joined_or_outside_ep_size():
 
 @pytest.fixture
 def coordinator():
+    from elasticep.config import DeploymentConfig
     from elasticep.deploy import publish_config
     from elasticep.distributed import start_coordinator
-    from elasticep.elastic.config import DeploymentConfig
 
     coord = start_coordinator()
     publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))

@@ -29,12 +29,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from elasticep.config import DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
 from elasticep.distributed import Coordinator, start_coordinator
 from elasticep.distributed.membership import ACTIVE_STATES, SlotState
 from elasticep.distributed.status import DeploymentStatus
-from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import WorkerHello
 from elasticep.utils.procs import kill_pids, pid_alive
 from elasticep.utils.wait import wait_until

@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.config import WorkerConfig
 from elasticep.distributed.api import DEFAULT_TIMEOUT_S
-from elasticep.elastic.config import WorkerConfig
+from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import LockstepLoop, RankRemoved, join_as_new_rank
+from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
@@ -55,8 +56,6 @@ from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.models import load_model_config
 
 logger = logging.getLogger("elasticep.worker")
-
-EXIT_REMOVED, EXIT_ERROR, EXIT_LOST = 0, 1, 3
 
 
 def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
@@ -156,16 +155,16 @@ def run_worker(cfg: WorkerConfig) -> int:
     try:
         loop = build_loop(cfg, log_ctx)
         loop.run()
-        return EXIT_ERROR  # run() only returns by raising
-    except RankRemoved as exc:
+        return ExitCode.ERROR  # run() only returns by raising
+    except ed.RankRemovedError as exc:  # before its base class, RankEvictedError
         logger.info("%s; exiting cleanly", exc)
-        return EXIT_REMOVED
+        return ExitCode.REMOVED
     except (ed.CoordinatorLostError, ed.RankEvictedError) as exc:
         logger.error("stopping: %s: %s", type(exc).__name__, exc)
-        return EXIT_LOST
+        return ExitCode.LOST
     except Exception:  # noqa: BLE001 - report every failure with rank and epoch, then exit
         logger.error("worker failed:\n%s", traceback.format_exc())
-        return EXIT_ERROR
+        return ExitCode.ERROR
     finally:
         if loop is not None:
             s = loop.stats

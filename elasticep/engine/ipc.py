@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,14 @@ class WorkerHello:
     rank: int
     epoch: int
     pid: int
+
+
+def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) -> bool:
+    """Whether requests may be sent to a rank (pure): membership says ``healthy`` and its
+    worker said hello with the pid membership reports (``pid`` None: membership knows
+    no pid), so a request never goes to a dead predecessor of the slot."""
+    return (state == SlotState.HEALTHY and hello is not None
+            and (pid is None or hello.pid == pid))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from elasticep.engine.ipc import (
     RankUnreachableError,
     RequestError,
     WorkerMessage,
+    is_routable,
 )
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.incremental_text import Decode
@@ -210,11 +211,10 @@ class Frontend:
         states: dict[int, str] = {}
         for entry in status.ranks:
             rank, state, pid = entry.rank, entry.state, entry.pid
-            hello = self.channel.connected.get(rank)
-            reachable = (hello is not None and rank not in self._unreachable
-                         and (pid is None or hello.pid == pid))
+            routable = (is_routable(state, pid, self.channel.connected.get(rank))
+                        and rank not in self._unreachable)
             # A healthy rank whose worker we cannot reach yet is not routable.
-            states[rank] = ("connecting" if state == SlotState.HEALTHY and not reachable
+            states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
                             else state.value)
             self._count_transition(rank, state, epoch)
         self.metrics.epoch.set(epoch)
