@@ -131,11 +131,20 @@ class DeploymentConfig(_JsonConfig):
         eplb_rebalance_num_iterations: steps between rebalances.
         elastic_ep_backend: elastic (fault tolerant) or none (baseline: plain
             torch.distributed groups, Gloo on CPU, NCCL for CUDA tensors).
-        max_total_tokens: KV-cache capacity per rank, in tokens.
+        max_total_tokens: KV-cache capacity per rank, in tokens; None: sized from the
+            GPU's memory on CUDA (``mem_fraction_static``), 8192 on CPU.
+        mem_fraction_static: fraction of a GPU's memory for weights and KV cache, split
+            by the ranks that share the GPU (SGLang's meaning); None: the default
+            (:mod:`elasticep.engine.limits`). CUDA only.
+        max_running_requests: most sequences in one step of one rank; None: derived
+            per rank from its KV capacity on CUDA, 64 on CPU.
+        cuda_graph_max_bs: largest decode batch captured in a CUDA graph; None: the
+            smaller of max_running_requests (where given) and 256.
+        chunked_prefill_size: most prefill tokens of one step (SGLang's meaning); -1:
+            no chunking; None: 8192 on CUDA, no chunking on CPU.
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
-        max_num_seqs: most sequences in one step of one rank.
         num_threads: torch intra-op threads per rank.
         store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
             baseline group (elastic_ep_backend none) rendezvouses there directly.
@@ -163,11 +172,14 @@ class DeploymentConfig(_JsonConfig):
     enable_eplb: bool = False
     eplb_rebalance_num_iterations: int = 1000
     elastic_ep_backend: Backend = Backend.ELASTIC
-    max_total_tokens: int = 8192
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
     heartbeat_timeout_s: float = 2.0
-    max_num_seqs: int = 64
     num_threads: int = 1
     store_addr: str = ""
     load_format: LoadFormat = LoadFormat.AUTO
@@ -189,8 +201,17 @@ class DeploymentConfig(_JsonConfig):
             (self.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
             (self.eplb_rebalance_num_iterations >= 1,
              "--eplb-rebalance-num-iterations must be >= 1"),
-            (self.max_total_tokens >= 16, "--max-total-tokens must be >= 16"),
-            (self.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 16,
+             "--max-total-tokens must be >= 16"),
+            (self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
+            (self.max_running_requests is None or self.max_running_requests >= 1,
+             f"--max-running-requests must be >= 1, got {self.max_running_requests}"),
+            (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}"),
+            (self.chunked_prefill_size in (None, -1) or self.chunked_prefill_size >= 1,
+             f"--chunked-prefill-size must be >= 1, or -1 (off), got "
+             f"{self.chunked_prefill_size}"),
             (self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (0 < self.heartbeat_timeout_s < math.inf,
              "--heartbeat-timeout must be a finite number of seconds > 0"),

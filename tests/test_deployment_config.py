@@ -87,7 +87,7 @@ def test_both_commands_share_the_flags_and_defaults(command):
 def test_from_args_takes_overrides_and_leaves_absent_flags_at_their_defaults():
     args = argparse.Namespace(model="/m", ep_size=2, max_ep_size=None)
     d = DeploymentConfig.from_args(args, model="/resolved")
-    assert (d.model, d.max_ep_size, d.max_num_seqs) == ("/resolved", 2, 64)
+    assert (d.model, d.max_ep_size, d.max_running_requests) == ("/resolved", 2, None)
 
 
 def test_is_routable_needs_healthy_and_the_hello_of_the_same_pid():

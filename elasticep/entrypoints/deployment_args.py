@@ -18,6 +18,15 @@ from elasticep.config import (
     LoadFormat,
     field_of,
 )
+from elasticep.engine.limits import (
+    CPU_MAX_RUNNING_REQUESTS,
+    CPU_MAX_TOTAL_TOKENS,
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_MEM_FRACTION_STATIC,
+    KV_TOKENS_PER_REQUEST,
+    MAX_RUNNING_REQUESTS_CAP,
+)
 from elasticep.entrypoints.validate import UsageError, default_model_dir
 from elasticep.models.config import SUPPORTED_FAMILIES
 
@@ -49,8 +58,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     """Add every flag of :class:`DeploymentConfig` to ``p``, in groups.
 
     Returns:
-        The groups by title ("model", "expert parallelism", "fault tolerance"), so a
-        command adds its own flags beside them.
+        The groups by title ("model", "memory and scheduling", "expert parallelism",
+        "fault tolerance"), so a command adds its own flags beside them.
     """
     m = p.add_argument_group("model")
     m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
@@ -63,8 +72,26 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "exchanges between ranks stay outside the graphs)", action="store_true")
     _add(m, "--device", "where weights and compute live (cuda: one GPU per rank; the expert "
          "exchange runs over NCCL, control traffic over Gloo)", choices=DEVICES)
-    _add(m, "--max-total-tokens", "KV-cache capacity per rank, in tokens (default: "
-         "%(default)s)", type=int)
+    k = p.add_argument_group("memory and scheduling (per rank; SGLang's names)")
+    _add(k, "--max-total-tokens", "KV-cache capacity per rank, in tokens; overrides "
+         "--mem-fraction-static (default: sized from GPU memory on CUDA, "
+         f"{CPU_MAX_TOTAL_TOKENS} on CPU)", type=int)
+    _add(k, "--mem-fraction-static", "fraction of a GPU's memory for weights and KV cache; "
+         "the rest stays for activations, CUDA graphs and exchange buffers. Ranks that share "
+         "a GPU (rank r uses GPU r mod the GPU count; --max-ep-size slots counted) split it "
+         f"(CUDA; default: {DEFAULT_MEM_FRACTION_STATIC})", type=float)
+    k.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
+                   default=None,
+                   help="most requests one rank runs at once; the front-end routes no more "
+                        "to a rank (default: on CUDA its KV tokens / "
+                        f"{KV_TOKENS_PER_REQUEST}, at most {MAX_RUNNING_REQUESTS_CAP}; "
+                        f"{CPU_MAX_RUNNING_REQUESTS} on CPU)")
+    _add(k, "--cuda-graph-max-bs", "largest decode batch captured in a CUDA graph (bigger "
+         "batches run eagerly); the same on every rank (default: --max-running-requests "
+         f"if given, at most {DEFAULT_CUDA_GRAPH_MAX_BS})", type=int)
+    _add(k, "--chunked-prefill-size", "most prompt tokens prefilled in one step, so a long "
+         "prompt shares steps with running decodes; -1 turns chunking off (default: "
+         f"{DEFAULT_CHUNKED_PREFILL_SIZE} on CUDA, off on CPU)", type=int)
     e = p.add_argument_group("expert parallelism")
     _add(e, "--ep-size", "number of ranks to start; each hosts a share of the experts and "
          "serves its own requests (default: %(default)s)", type=int)
@@ -86,7 +113,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          type=float)
     _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
          "evicted (default: %(default)s)", type=float)
-    return {"model": m, "expert parallelism": e, "fault tolerance": f}
+    return {"model": m, "memory and scheduling": k, "expert parallelism": e,
+            "fault tolerance": f}
 
 
 def deployment_config(args: argparse.Namespace, **overrides: object) -> DeploymentConfig:

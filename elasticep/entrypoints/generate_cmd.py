@@ -17,6 +17,7 @@ import torch
 
 from elasticep.config import DeploymentConfig
 from elasticep.elastic.fault_injection import parse_faults
+from elasticep.engine.limits import known_max_total_tokens, measure_rank_limits
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine, max_sequence_len
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
@@ -26,6 +27,7 @@ from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.incremental_text import cut_at_stop
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
+from elasticep.models.loader import load_model
 from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
@@ -44,8 +46,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     groups = add_deployment_arguments(p)  # --ep-size > 1: one worker process per rank
-    groups["model"].add_argument("--max-num-seqs", type=int, default=64,
-                                 help="most sequences in one step of one rank")
     groups["fault tolerance"].add_argument(
         "--fault", default=None,
         help="fault injection (tests): e.g. kill:rank=2:step=10[:layer=3]; the "
@@ -213,18 +213,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         tok = load_tokenizer(dep.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
+        kv = known_max_total_tokens(dep)  # CUDA: the engine refuses what does not fit
         check_fits(ids, args.max_tokens, max_sequence_len(
-            load_model_config(dep.model), EngineConfig(max_total_tokens=dep.max_total_tokens)))
+            load_model_config(dep.model), None if kv is None else EngineConfig(kv)))
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if dep.ep_size > 1:
             outs = _generate_ep(dep, args.fault, ids, params, tok.decode)
         else:
-            engine = LLMEngine.from_pretrained(
-                dep.model, dtype=getattr(torch, dep.dtype), device=dep.device,
-                config=EngineConfig(max_total_tokens=dep.max_total_tokens,
-                                    max_num_seqs=dep.max_num_seqs,
-                                    enable_cuda_graph=not dep.disable_cuda_graph),
-                detokenize=tok.decode, load_format=dep.load_format)
+            model = load_model(dep.model, dtype=getattr(torch, dep.dtype), device=dep.device,
+                               load_format=dep.load_format)
+            limits = measure_rank_limits(dep, model.config, rank=0)
+            log.info("limits: %d KV tokens, max_running_requests %d",
+                     limits.max_total_tokens, limits.max_running_requests)
+            engine = LLMEngine(model, limits.engine_config(
+                enable_cuda_graph=not dep.disable_cuda_graph), detokenize=tok.decode)
             outs = engine.generate(ids, params)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.ipc import FrontendChannel, is_routable
+from elasticep.engine.limits import known_max_total_tokens
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     add_serve_arguments,
@@ -126,7 +127,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,
                 api_key=settings.api_key, host=settings.host, port=settings.port,
-                max_total_tokens=dep.max_total_tokens)
+                max_total_tokens=known_max_total_tokens(dep))
         except OSError as exc:
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
