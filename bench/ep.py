@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # elasticep_testkit lives in the repository, not the wheel
 
-from elasticep.elastic.config import DeploymentConfig  # noqa: E402
+from elasticep.config import DeploymentConfig  # noqa: E402
 from elasticep.engine.request import SamplingParams  # noqa: E402
 from elasticep.entrypoints.batch_driver import BatchDriver  # noqa: E402
 from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402

@@ -467,7 +467,7 @@ def _ep2_driver(args, mdir: Path, backend: str, batch: int, cuda_graph: bool = T
                 env: dict[str, str] | None = None):
     """A ``BatchDriver`` over a fresh EP2 deployment (``--load-format dummy``, one GPU
     per rank) sized for ``batch`` prompts split over the two ranks."""
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
 
     per_rank = -(-batch // 2)
@@ -476,7 +476,7 @@ def _ep2_driver(args, mdir: Path, backend: str, batch: int, cuda_graph: bool = T
         DeploymentConfig(model=str(mdir), dtype=args.dtype, device=args.device,
                          ep_size=2, max_ep_size=2, load_format="dummy",
                          elastic_ep_backend=backend, max_total_tokens=total,
-                         max_num_seqs=max(per_rank, 1), disable_cuda_graph=not cuda_graph),
+                         max_running_requests=max(per_rank, 1), disable_cuda_graph=not cuda_graph),
         lambda ids: "", env=env, ready_timeout_s=600)
 
 

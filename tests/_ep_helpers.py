@@ -107,7 +107,7 @@ def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> 
 def launch(tmp_path_factory, **overrides):
     """A BatchDriver over a fresh 4-rank CPU deployment of the demo model; worker logs
     go to a temp dir (``driver.log_dir``)."""
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
 
     log_dir = tmp_path_factory.mktemp("ep-logs")

@@ -100,13 +100,15 @@ def test_ep_decode_graphs_equal_eager_through_placement_changes(tmp_path, nccl_w
                 ep.apply_placement(Placement(ep.placement.phy2log.gather(1, perm),
                                              ep.placement.num_logical_experts,
                                              ep.placement.slots_per_rank,
-                                             ep.placement.active_ranks), load_fn)
+                                             ep.placement.active_ranks), load_fn,
+                                   commit=lambda: None)  # one rank: no peer to agree with
                 assert ep.version == version and g.capture_s == capture_s
                 phase = 1
             elif checked == 8:  # more slots per rank: captured again, in the background
                 cfg = load_model_config(tmp_path)
                 ep.apply_placement(initial_placement(cfg.num_hidden_layers, cfg.num_experts,
-                                                     4, 1, 1), load_fn)
+                                                     4, 1, 1), load_fn,
+                                   commit=lambda: None)
                 assert ep.version != version and all(g.stale(b) for b in g.buckets)
                 phase, replays, captures = 2, g.replays, g.captures
             elif checked == 9:  # the first step after it ran eagerly, a capture runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticep.elastic.config import DeploymentConfig, WorkerConfig
+from elasticep.config import DeploymentConfig, WorkerConfig
 from elasticep.elastic.fault_injection import FaultInjector, FaultSpec, parse_faults
 
 

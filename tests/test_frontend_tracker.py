@@ -205,6 +205,64 @@ def test_draining_rank_gets_abort_and_parked_requests_resume():
     assert c.text == "AB" and c.finish == "stop"
 
 
+def test_a_rank_is_never_sent_more_requests_than_its_max_running_requests():
+    """Each rank reports its max_running_requests in its hello; beyond them requests wait
+    in the front-end, oldest first, and go out as soon as a rank has room."""
+    tr = RequestTracker(byte_decode)
+    tr.update_ranks({0: "healthy", 1: "healthy"})
+    assert tr.set_capacity({0: 2, 1: 1}) == []
+    clients = {rid: Client() for rid in "abcde"}
+    sent = [tr.add(rid, [7], params(), c) for rid, c in clients.items()]
+    assert sent[:3] == [[Send(0, GenerateRequest("a", (7,), params()))],
+                        [Send(1, GenerateRequest("b", (7,), params()))],
+                        [Send(0, GenerateRequest("c", (7,), params()))]]
+    assert sent[3:] == [[], []]  # d and e wait: both ranks are full
+    assert tr.running_per_rank() == {0: 2, 1: 1} and tr.num_running == 5
+    assert tr.rank_of("d") is None and tr.rank_of("e") is None
+    # b finishes on rank 1: d, the oldest waiting, takes its place; e still waits
+    sends = tr.on_outputs(1, [out("b", 0, 65, "stop")])
+    assert sends == [Send(1, GenerateRequest("d", (7,), params()))]
+    assert clients["b"].finish == "stop" and tr.rank_of("e") is None
+    # a client leaves rank 0: e goes there
+    assert tr.abort("a") == [Send(0, AbortRequest("a")),
+                             Send(0, GenerateRequest("e", (7,), params()))]
+    assert tr.running_per_rank() == {0: 2, 1: 1}
+    assert tr.resubmitted_total == 0  # waiting requests were sent once, not moved
+
+
+def test_requests_of_a_failed_rank_wait_for_room_on_the_survivors():
+    tr = RequestTracker(byte_decode)
+    tr.update_ranks({0: "healthy", 1: "healthy"})
+    tr.set_capacity({0: 1, 1: 1})
+    a, b = Client(), Client()
+    tr.add("a", [7], params(), a)
+    tr.add("b", [8], params(), b)
+    tr.on_outputs(1, [out("b", 0, 66)])
+    # rank 1 dies: its request must not overflow rank 0, which runs "a"
+    assert tr.update_ranks({0: "healthy", 1: "failed"}) == []
+    assert tr.rank_of("b") is None and tr.running_per_rank() == {0: 1, 1: 0}
+    # "a" finishes: "b" resumes on rank 0 from its delivered token
+    sends = tr.on_outputs(0, [out("a", 0, 65, "stop")])
+    assert sends == [Send(0, GenerateRequest("b", (8,), params(), output_token_ids=(66,)))]
+    assert tr.resubmitted_total == 1
+    # a rank that reports a larger capacity takes more at once
+    assert tr.set_capacity({0: 4}) == []
+    c = Client()
+    assert tr.add("c", [9], params(), c) == [Send(0, GenerateRequest("c", (9,), params()))]
+
+
+def test_a_refused_request_makes_room_for_a_waiting_one():
+    tr = RequestTracker(byte_decode)
+    tr.update_ranks({0: "healthy"})
+    tr.set_capacity({0: 1})
+    a, b = Client(), Client()
+    tr.add("a", [7], params(), a)
+    assert tr.add("b", [7], params(), b) == []
+    assert tr.on_error(0, "a", "prompt too long") == [Send(0, GenerateRequest("b", (7,),
+                                                                              params()))]
+    assert a.events[-1].refused and tr.rank_of("b") == 0
+
+
 # ---- stop strings, aborts, errors -----------------------------------------------------
 def test_stop_string_aborts_on_rank_and_trims_text():
     tr = RequestTracker(byte_decode)

@@ -66,7 +66,7 @@ def _validate(*argv: str):
 @pytest.mark.parametrize("argv, message", [
     (["--ep-size", "-2"], "--ep-size must be >= 1, got -2"),
     (["--max-total-tokens", "0"], "--max-total-tokens must be >= 16"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-num-seqs", "0"], "--max-running-requests must be >= 1, got 0"),  # its alias
     (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
     (["--elastic-ep-backend", "none", "--ep-size", "2", "--max-ep-size", "3"],
@@ -123,9 +123,10 @@ def test_bad_profiler_environment_variable(monkeypatch, tmp_path):
 def test_valid_flags(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
-    model, prompts, params = _validate("--prompts-file", str(f), "--ep-size", "2",
-                                       "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
-    assert Path(model, "config.json").is_file() and os.path.isabs(model)
+    dep, prompts, params = _validate("--prompts-file", str(f), "--ep-size", "2",
+                                     "--fault", "kill:rank=1:step=3", "--max-tokens", "5")
+    assert Path(dep.model, "config.json").is_file() and os.path.isabs(dep.model)
+    assert (dep.ep_size, dep.max_ep_size, dep.max_running_requests) == (2, 2, None)
     assert prompts == ["a", "b"] and params.max_tokens == 5
 
 

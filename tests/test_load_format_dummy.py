@@ -121,7 +121,7 @@ def test_relaunched_rank_draws_the_same_experts(config_only):
     """EP2 with dummy weights: kill rank 1, relaunch it (join mode "recover": its experts
     come from peers or the seed), and the next batch, half of which the relaunched rank
     serves, still equals EP1's tokens."""
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.config import DeploymentConfig
     from elasticep.engine.llm_engine import LLMEngine
     from elasticep.engine.request import SamplingParams
     from elasticep.entrypoints.batch_driver import BatchDriver

@@ -100,20 +100,25 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     run("bf16_r4_dynamic", fresh(p4, "dynamic", torch.bfloat16), torch.bfloat16)
 
     # Weights move through apply_placement: orphan reload, scale-up from peers, rebalance.
+    def commit() -> None:  # as placement_sync.commit_placement's: every rank got its weights
+        torch.distributed.all_reduce(torch.ones(1, dtype=torch.int64))
+
     ex = fresh(p0, "static")
-    loads = ex.apply_placement(repair_placement(p0, hole), load_fn=_checkpoint)
+    loads = ex.apply_placement(repair_placement(p0, hole), load_fn=_checkpoint, commit=commit)
     results["repair_loads"] = [(x.rank, x.source_rank) for x in loads]
     results["repair_spr"] = ex.placement.slots_per_rank
     run("repaired_r0", ex)
-    loads = ex.apply_placement(scale_up_placement(ex.placement, torch.ones(WORLD, dtype=torch.bool)))
+    loads = ex.apply_placement(scale_up_placement(ex.placement, torch.ones(WORLD, dtype=torch.bool)),
+                              commit=commit)
     results["scale_up_sources"] = [x.source_rank for x in loads]
     run("scaled_up", ex)
     skew = torch.arange(E, dtype=torch.float64).pow(3).expand(LAYERS, E).contiguous()
     ex.dispatch_algorithm = "dynamic"
-    ex.apply_placement(rebalance_placement(skew, ex.placement))
+    ex.apply_placement(rebalance_placement(skew, ex.placement), commit=commit)
     run("rebalanced", ex)
     # Planned scale-down: rank 3 drains; it is still alive, so peers copy from it.
-    loads = ex.apply_placement(scale_down_placement(ex.placement, [3]), source_ranks=ex.placement.active_ranks)
+    loads = ex.apply_placement(scale_down_placement(ex.placement, [3]),
+                              source_ranks=ex.placement.active_ranks, commit=commit)
     results["scale_down_sources"] = [x.source_rank for x in loads]
     run("scaled_down", ex)
 

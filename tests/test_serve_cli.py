@@ -63,6 +63,10 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite"),
     (["--log-stats-interval", "inf"], "--log-stats-interval must be a finite"),
     (["--log-stats-interval", "-1"], "--log-stats-interval must be a finite"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in .0, 1., got 1.5"),
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+    (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be >= 1, got 0"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1, or -1 .off., got 0"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):
@@ -538,9 +542,9 @@ def test_join_refuses_slots_being_joined_or_outside_ep_size():
 
 @pytest.fixture
 def coordinator():
+    from elasticep.config import DeploymentConfig
     from elasticep.deploy import publish_config
     from elasticep.distributed import start_coordinator
-    from elasticep.elastic.config import DeploymentConfig
 
     coord = start_coordinator()
     publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))

@@ -217,7 +217,7 @@ def test_a_failing_profiler_is_dropped_after_one_line(monkeypatch, tmp_path, cap
 # ---------------------------------------------------------------------- end to end
 @pytest.mark.timeout(120)
 def test_ep2_deployment_writes_one_file_per_rank(tmp_path):
-    from elasticep.elastic.config import DeploymentConfig
+    from elasticep.config import DeploymentConfig
     from elasticep.engine.request import SamplingParams
     from elasticep.entrypoints.batch_driver import BatchDriver
 

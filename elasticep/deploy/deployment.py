@@ -29,12 +29,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from elasticep.config import Backend, DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
 from elasticep.distributed import Coordinator, start_coordinator
 from elasticep.distributed.membership import ACTIVE_STATES, SlotState
 from elasticep.distributed.status import DeploymentStatus
-from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import WorkerHello
 from elasticep.utils.procs import kill_pids, pid_alive
 from elasticep.utils.wait import wait_until
@@ -85,7 +85,8 @@ class Deployment:
 
         Args:
             config: the settings; the front-end addresses must be set. ``store_addr`` is
-                filled in here. With backend ``none`` the capacity is ``ep_size``.
+                filled in here (with backend ``none`` the capacity is ``ep_size``: the
+                config refuses another ``max_ep_size``).
             host, port: the coordinator's control endpoint (0: a free port).
             hb_interval_s: heartbeat period (seconds).
             ranks: the ranks this node launches.
@@ -95,8 +96,6 @@ class Deployment:
         Raises:
             OSError: the coordinator cannot bind ``host:port``.
         """
-        if config.elastic_ep_backend == "none" and config.max_ep_size != config.ep_size:
-            config = replace(config, max_ep_size=config.ep_size)
         coordinator = start_coordinator(host, port, hb_interval_s=hb_interval_s,
                                         hb_timeout_s=config.heartbeat_timeout_s)
         try:
@@ -205,7 +204,7 @@ class Deployment:
     def fault_tolerant(self) -> bool:
         """Whether a rank's exit is survivable (backend ``elastic``); with ``none`` the
         first exit stops the deployment."""
-        return self.config.elastic_ep_backend == "elastic"
+        return self.config.elastic_ep_backend == Backend.ELASTIC
 
     def membership(self, connected: Callable[[], Mapping[int, WorkerHello]] | None = None
                    ) -> CoordinatorMembership | LaunchedRanks:

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from elasticep.config import DeploymentConfig, WorkerConfig
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.status import DeploymentStatus
-from elasticep.elastic.config import DeploymentConfig, WorkerConfig
 from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 

@@ -19,7 +19,7 @@ from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.errors import ScaleNotSupportedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
-from elasticep.engine.ipc import WorkerHello
+from elasticep.engine.ipc import WorkerHello, is_routable
 
 
 class CoordinatorMembership:
@@ -87,7 +87,8 @@ class LaunchedRanks:
         ranks = []
         for r in sorted(set(launched) | set(hellos)):  # another node's ranks only say hello
             pid = launched[r] if r in launched else hellos[r].pid
-            said_hello = self._connected is None or (r in hellos and hellos[r].pid == pid)
+            said_hello = (self._connected is None
+                          or is_routable(SlotState.HEALTHY, pid, hellos.get(r)))
             state = (SlotState.FAILED if broken else
                      SlotState.HEALTHY if said_hello else SlotState.JOINING)
             ranks.append(RankStatus(r, state, pid))

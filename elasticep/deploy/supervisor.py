@@ -34,11 +34,9 @@ from collections import Counter
 from elasticep.deploy.deployment import Deployment
 from elasticep.deploy.launcher import RankExit
 from elasticep.distributed.membership import SlotState
+from elasticep.elastic.exit_code import ExitCode
 
 logger = logging.getLogger(__name__)
-
-EXIT_REMOVED = 0  # the worker's status after a planned removal
-
 
 class CoordinatorUnreachableError(ConnectionError):
     """The coordinator stayed unreachable for ``--coordinator-timeout`` while this node's
@@ -95,7 +93,7 @@ def exit_status(wanted: int, joined: int, exits: list[RankExit], stop: StopEvent
         the planned-removal status 0, a signal included); else 128 + the signal that
         stopped the command (130 for Ctrl-C); else 0.
     """
-    if joined < wanted or any(ex.code != EXIT_REMOVED for ex in exits):
+    if joined < wanted or any(ex.code != ExitCode.REMOVED for ex in exits):
         return 1
     return stop.exit_status() or 0
 
@@ -166,7 +164,7 @@ def supervise(dep: Deployment, stop: threading.Event, restart: bool,
                              ex.code)
                 stop.set()
                 return seen
-            if epoch < 0 and restart and ex.code != EXIT_REMOVED:
+            if epoch < 0 and restart and ex.code != ExitCode.REMOVED:
                 logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
                                "unreachable; relaunching it when the coordinator answers "
                                "(up to %g s, --coordinator-timeout)", ex.rank, ex.pid,
@@ -213,7 +211,7 @@ def _relaunch(dep: Deployment, rank: int, epoch: int, why: str, restarts: Counte
 
 def _on_exit(dep: Deployment, ex: RankExit, epoch: int, states: dict[int, str],
              restart: bool, restarts: Counter[int], max_restarts: int) -> None:
-    if ex.code == EXIT_REMOVED:
+    if ex.code == ExitCode.REMOVED:
         logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch, ex.rank,
                     ex.pid)
         return

@@ -23,6 +23,9 @@ class RankStatus:
         pid: the worker process holding (or last holding) the slot; None if never started.
         node: the node its launcher runs on.
         running_requests: requests the front-end has on it (None where not known).
+        max_total_tokens: its KV-cache capacity in tokens, as it reported (None where
+            not known).
+        max_running_requests: the most requests it runs at once, as it reported.
     """
 
     rank: int
@@ -30,23 +33,28 @@ class RankStatus:
     pid: int | None = None
     node: int = 0
     running_requests: int | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON entry (``running_requests`` only where known)."""
+        """The JSON entry (the front-end's counts and the rank's limits only where known)."""
         d: dict[str, Any] = {"rank": self.rank, "state": self.state.value, "pid": self.pid,
                              "node": self.node}
-        if self.running_requests is not None:
-            d["running_requests"] = self.running_requests
+        for name in _OPTIONAL:
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> RankStatus:
         """Parse one entry of ``ranks``. Raises KeyError / ValueError on a bad entry."""
         pid = d.get("pid")
-        rr = d.get("running_requests")
         return RankStatus(int(d["rank"]), SlotState(d["state"]),
                           None if pid is None else int(pid), int(d.get("node", 0)),
-                          None if rr is None else int(rr))
+                          **{n: int(d[n]) for n in _OPTIONAL if d.get(n) is not None})
+
+
+_OPTIONAL = ("running_requests", "max_total_tokens", "max_running_requests")
 
 
 @dataclass(frozen=True)
@@ -104,10 +112,17 @@ class DeploymentStatus:
                 or self.scale_phase != ScalePhase.IDLE)
 
     # ---- wire --------------------------------------------------------------------
-    def with_running(self, running: dict[int, int]) -> DeploymentStatus:
-        """A copy with each rank's ``running_requests`` filled in from ``running``."""
-        return replace(self, ranks=tuple(replace(r, running_requests=running.get(r.rank, 0))
-                                         for r in self.ranks))
+    def with_running(self, running: dict[int, int],
+                     limits: dict[int, tuple[int | None, int | None]] | None = None
+                     ) -> DeploymentStatus:
+        """A copy with each rank's ``running_requests`` filled in from ``running``, and
+        its ``(max_total_tokens, max_running_requests)`` from ``limits`` where given."""
+        limits = limits or {}
+        return replace(self, ranks=tuple(
+            replace(r, running_requests=running.get(r.rank, 0),
+                    **dict(zip(("max_total_tokens", "max_running_requests"),
+                               limits.get(r.rank, (None, None)), strict=True)))
+            for r in self.ranks))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body."""

@@ -1,7 +1,7 @@
 """elastic layer: the lockstep multi-rank worker and its failure / rejoin / scale flows.
 
-- ``config``: DeploymentConfig / WorkerConfig.
-- ``worker``: ``python -m elasticep.elastic.worker --config-json JSON``, one rank.
+- ``worker``: ``python -m elasticep.elastic.worker --config-json JSON``, one rank;
+  ``exit_code``: its exit statuses (``ExitCode``).
 - ``step_loop``: LockstepLoop (header, schedule, execute, commit, redo on failure).
 - ``placement_sync``: agreed placement changes (repair, admit, drain, rebalance).
 - ``rank_model``: a rank's weights, its EP executor, the checkpoint expert reader.

@@ -56,10 +56,6 @@ from elasticep.moe.ep_executor import EPMoEExecutor
 logger = logging.getLogger(__name__)
 
 
-class RankRemoved(Exception):  # noqa: N818 - a clean exit, not an error
-    """This rank was drained and deactivated by a planned scale-down."""
-
-
 def _graph_replays(engine: LLMEngine) -> Callable[[], int] | None:
     """The engine's replay counter, or None when it captured no decode graphs (CPU,
     --disable-cuda-graph, a model that cannot be captured)."""
@@ -232,7 +228,7 @@ class LockstepLoop:
         """Serve until the process is killed, removed, or the coordinator is lost.
 
         Raises:
-            RankRemoved: after a planned removal of this rank (a clean exit).
+            RankRemovedError: after a planned removal of this rank (a clean exit).
             RankEvictedError, CoordinatorLostError: this rank must exit.
         """
         self._set_epoch()
@@ -343,7 +339,7 @@ class LockstepLoop:
         report = placement_sync.drain(self.ep, ranks, self.group)
         ed.deactivate_ranks(self.group, ranks)
         if self.rank in ranks:
-            raise RankRemoved(f"rank {self.rank} removed by a planned scale-down")
+            raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
         self._after_change(report, time.perf_counter() - t0)
 
 

@@ -42,21 +42,21 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.config import Backend, WorkerConfig
 from elasticep.distributed.api import DEFAULT_TIMEOUT_S
-from elasticep.elastic.config import WorkerConfig
+from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import LockstepLoop, RankRemoved, join_as_new_rank
+from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
-from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.limits import measure_rank_limits
+from elasticep.engine.llm_engine import LLMEngine
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.models import load_model_config
 
 logger = logging.getLogger("elasticep.worker")
-
-EXIT_REMOVED, EXIT_ERROR, EXIT_LOST = 0, 1, 3
 
 
 def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
@@ -66,12 +66,10 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
         ValueError: the coordinator refused this rank; TimeoutError: unreachable.
     """
     d = cfg.deployment
-    if d.elastic_ep_backend == "elastic":
+    if d.elastic_ep_backend == Backend.ELASTIC:
         return ed.init_process_group(
             cfg.coordinator, cfg.rank, d.ep_size, max_world_size=d.max_ep_size,
             is_extension=cfg.join_mode is not None, on_failure="raise")
-    if d.elastic_ep_backend != "none":
-        raise ValueError(f"unknown elastic_ep_backend {d.elastic_ep_backend!r}")
     if cfg.join_mode is not None:
         raise ValueError("the plain baseline group cannot take joiners")
     host, _, port = d.store_addr.rpartition(":")
@@ -103,7 +101,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     """Steps 2-4 up to the loop: weights (before joining the group, so a long load owes
     the coordinator no heartbeats), WORLD, executor, engine, admission, channel."""
     d = cfg.deployment
-    elastic = d.elastic_ep_backend == "elastic"
+    elastic = d.elastic_ep_backend == Backend.ELASTIC
     mcfg = load_model_config(d.model)
     max_ep = d.max_ep_size if elastic else d.ep_size
     # The launch placement; a joiner uses it only as a stand-in until admitted.
@@ -114,6 +112,14 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                               with_experts=not joining, load_format=d.load_format)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
+    # sized now, with this rank's weights on its GPU (a joiner counts the experts its
+    # peers will send); the exchange's shape comes from the config alone (engine.limits)
+    limits = measure_rank_limits(d, mcfg, cfg.rank, placement.slots_per_rank
+                                 - model.experts.num_slots)
+    logger.info("limits: %d KV tokens, max_running_requests %d, cuda_graph_max_bs %d, "
+                "chunked_prefill_size %s", limits.max_total_tokens,
+                limits.max_running_requests, limits.cuda_graph_max_bs,
+                limits.chunked_prefill_size)
     faults = FaultInjector.from_config(cfg.rank, cfg.fault)
     faults.at_loading()
     group = init_world(cfg)
@@ -126,10 +132,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         eplb = EPLBManager(mcfg.num_hidden_layers, mcfg.num_experts,
                            EPLBConfig(True, d.eplb_rebalance_num_iterations), rank=cfg.rank)
         hooked.hooks.append(eplb.record)
-    engine = LLMEngine(model, EngineConfig(max_total_tokens=d.max_total_tokens,
-                                           max_num_seqs=d.max_num_seqs,
-                                           forward_empty_batches=True,
-                                           enable_cuda_graph=not d.disable_cuda_graph))
+    engine = LLMEngine(model, limits.engine_config(forward_empty_batches=True,
+                                                   enable_cuda_graph=not d.disable_cuda_graph))
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
         # a member outlives a `join` that hands it over (see RankLauncher's ``outlive``)
@@ -139,7 +143,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
     channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
-                            cfg.rank, log_ctx.epoch)
+                            cfg.rank, log_ctx.epoch,
+                            limits=(engine.blocks.capacity_tokens, limits.max_running_requests))
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
                         log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,
@@ -156,16 +161,16 @@ def run_worker(cfg: WorkerConfig) -> int:
     try:
         loop = build_loop(cfg, log_ctx)
         loop.run()
-        return EXIT_ERROR  # run() only returns by raising
-    except RankRemoved as exc:
+        return ExitCode.ERROR  # run() only returns by raising
+    except ed.RankRemovedError as exc:  # before its base class, RankEvictedError
         logger.info("%s; exiting cleanly", exc)
-        return EXIT_REMOVED
+        return ExitCode.REMOVED
     except (ed.CoordinatorLostError, ed.RankEvictedError) as exc:
         logger.error("stopping: %s: %s", type(exc).__name__, exc)
-        return EXIT_LOST
+        return ExitCode.LOST
     except Exception:  # noqa: BLE001 - report every failure with rank and epoch, then exit
         logger.error("worker failed:\n%s", traceback.format_exc())
-        return EXIT_ERROR
+        return ExitCode.ERROR
     finally:
         if loop is not None:
             s = loop.stats

@@ -54,7 +54,9 @@ def graph_safe(model: MoECausalLM) -> bool:
 def capture_buckets(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[int]:
     """The batch sizes captured for at most ``max_batch`` sequences (ascending; the last
     is ``max_batch``). Every rank of a deployment derives the same list from the same
-    ``max_num_seqs``, which is what keeps their exchange capacities equal."""
+    ``cuda_graph_max_bs`` (a function of the deployment's config only,
+    :func:`elasticep.engine.limits.cuda_graph_max_bs`), which is what keeps their
+    exchange capacities equal."""
     return sorted({b for b in buckets if b <= max_batch} | {max_batch})
 
 

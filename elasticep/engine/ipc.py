@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,27 @@ RankMessage = GenerateRequest | AbortRequest
 
 @dataclass(frozen=True)
 class WorkerHello:
-    """A worker rank announces itself (at start, after a relaunch, or a new epoch)."""
+    """A worker rank announces itself (at start, after a relaunch, or a new epoch).
+
+    Attributes:
+        max_total_tokens: its KV-cache capacity in tokens (None: not reported).
+        max_running_requests: the most requests it runs at once; the front-end routes
+            no more to it (None: no limit reported).
+    """
 
     rank: int
     epoch: int
     pid: int
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+
+
+def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) -> bool:
+    """Whether requests may be sent to a rank (pure): membership says ``healthy`` and its
+    worker said hello with the pid membership reports (``pid`` None: membership knows
+    no pid), so a request never goes to a dead predecessor of the slot."""
+    return (state == SlotState.HEALTHY and hello is not None
+            and (pid is None or hello.pid == pid))
 
 
 @dataclass(frozen=True)
@@ -258,12 +275,15 @@ class WorkerChannel:
         rank: global rank slot; it is the DEALER identity, kept across relaunches.
         epoch: membership epoch to tag outputs with; update :attr:`epoch` as it changes.
         send_timeout_s: how long :meth:`send_outputs` may block on a full queue (seconds).
+        limits: ``(max_total_tokens, max_running_requests)`` of this rank, told in
+            every hello; None: none told.
     """
 
     def __init__(self, endpoints: IpcEndpoints, rank: int, epoch: int = 0,
-                 send_timeout_s: float = 5.0):
+                 send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None):
         self.rank = rank
         self.epoch = epoch
+        self.limits = limits
         self._ctx = zmq.Context()
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
@@ -283,7 +303,9 @@ class WorkerChannel:
         Raises:
             FrontendUnreachableError: the hello could not be queued.
         """
-        msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid())
+        total, running = self.limits or (None, None)
+        msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
+                          max_total_tokens=total, max_running_requests=running)
         try:
             self._dealer.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
         except zmq.Again as exc:

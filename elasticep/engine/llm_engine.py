@@ -46,6 +46,11 @@ class EngineConfig:
         enable_cuda_graph: capture the decode forward in CUDA graphs at start-up where
             the model allows it (CUDA, an executor without collectives); SGLang's
             ``--disable-cuda-graph`` turns it off.
+        cuda_graph_max_bs: the largest captured decode batch, and so the last bucket
+            the EP exchange is rounded up to (SGLang's ``--cuda-graph-max-bs``); the
+            ranks of a deployment must agree on it. None: ``max_num_seqs``.
+        chunked_prefill_size: most prefill tokens per step (SGLang's
+            ``--chunked-prefill-size``); None: no chunking.
     """
 
     max_total_tokens: int = 8192
@@ -54,6 +59,8 @@ class EngineConfig:
     max_batch_tokens: int = 4096
     forward_empty_batches: bool = False
     enable_cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
 
 
 def max_sequence_len(model_config: MoEModelConfig, config: EngineConfig | None) -> int:
@@ -98,7 +105,7 @@ class LLMEngine:
         self.cuda_graph_capture_s: float | None = None
         if self.config.enable_cuda_graph:
             self.cuda_graph_capture_s = self.runner.enable_cuda_graphs(
-                self.config.max_num_seqs, self.max_seq_len)
+                self.config.cuda_graph_max_bs or self.config.max_num_seqs, self.max_seq_len)
 
     @classmethod
     def from_pretrained(

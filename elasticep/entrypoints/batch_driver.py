@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
-from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import Frontend, FrontendConfig

@@ -10,37 +10,32 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-import elasticep
-from elasticep.elastic.config import DeploymentConfig
+from elasticep.config import DeploymentConfig
 from elasticep.elastic.fault_injection import parse_faults
+from elasticep.engine.limits import known_max_total_tokens, measure_rank_limits
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine, max_sequence_len
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints import validate as checks
 from elasticep.entrypoints.batch_driver import BatchDriver
+from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
 from elasticep.entrypoints.validate import UsageError
+from elasticep.frontend.incremental_text import cut_at_stop
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
-from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.models.loader import load_model
 from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
 
 
-def default_model_dir() -> Path:
-    """The demo model shipped inside the repository (needs nothing from ../shared)."""
-    return Path(elasticep.__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``generate`` subcommand."""
     p = subparsers.add_parser("generate", help="complete prompts with a local MoE model")
-    p.add_argument("--model", default=str(default_model_dir()),
-                   help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
-                        "default: the embedded demo model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help='JSONL file of {"prompt": ...}, run as one batch')
@@ -50,27 +45,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    checks.add_load_format_argument(p)
-    checks.add_cuda_graph_argument(p)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    ep = p.add_argument_group("expert parallelism (--ep-size > 1 launches one worker process per rank)")
-    ep.add_argument("--ep-size", type=int, default=1,
-                    help="ranks; each hosts a share of the experts and serves its prompts")
-    ep.add_argument("--max-ep-size", type=int, default=None, help="rank capacity (default --ep-size)")
-    ep.add_argument("--ep-num-redundant-experts", type=int, default=0,
-                    help="R extra physical expert slots over all ranks")
-    ep.add_argument("--ep-dispatch-algorithm", choices=["static", "dynamic"], default="static")
-    ep.add_argument("--elastic-ep-backend", choices=["elastic", "none"], default="elastic",
-                    help="elastic: survive rank failures; none: plain torch.distributed "
-                         "groups (Gloo on CPU, NCCL for CUDA tensors), no fault tolerance")
-    ep.add_argument("--enable-eplb", action="store_true")
-    ep.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000)
-    ep.add_argument("--fault", default=None,
-                    help="fault injection (tests): e.g. kill:rank=2:step=10[:layer=3]; "
-                         "the ELASTICEP_FAULT environment variable works too")
+    groups = add_deployment_arguments(p)  # --ep-size > 1: one worker process per rank
+    groups["fault tolerance"].add_argument(
+        "--fault", default=None,
+        help="fault injection (tests): e.g. kill:rank=2:step=10[:layer=3]; the "
+             "ELASTICEP_FAULT environment variable works too")
     return p
 
 
@@ -155,21 +134,18 @@ def check_fault(fault: str | None, ep_size: int) -> None:
                              f"(--ep-size {ep_size})")
 
 
-def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], SamplingParams]:
+def validate(args: argparse.Namespace
+             ) -> tuple[DeploymentConfig, list[str | list[int]], SamplingParams]:
     """Check every flag before anything heavy is loaded.
 
     Returns:
-        ``(model_dir, prompts, sampling_params)``.
+        ``(deployment, prompts, sampling_params)``; ``deployment.model`` is the
+        resolved model directory.
 
     Raises:
         UsageError: with a one-line message naming the flag (or file and line).
     """
-    max_ep = checks.resolved_max_ep_size(args)
-    checks.raise_first_failure([
-        *checks.ep_flag_checks(args, max_ep),
-        (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
-        checks.static_backend_check(args, max_ep),
-    ])
+    deployment = deployment_config(args)
     check_fault(args.fault, args.ep_size)
     checks.env_profiler()
     params = SamplingParams(
@@ -182,13 +158,13 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
         field, _, rest = str(exc).partition(" ")
         raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     checks.check_device(args.device)
-    model = checks.check_model_dir(args.model)
+    deployment = replace(deployment, model=checks.check_model_dir(args.model))
     if args.prompt is not None:
         problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
         if problem:
             raise UsageError(f"--prompt {problem}")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
-    return model, prompts, params
+    return deployment, prompts, params
 
 
 def check_fits(prompts: list[list[int]], max_tokens: int, limit: int) -> None:
@@ -210,29 +186,15 @@ def check_fits(prompts: list[list[int]], max_tokens: int, limit: int) -> None:
                              "context, and the KV cache: --max-total-tokens)")
 
 
-def _trim_stop(text: str, stops: list[str]) -> str:
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    return text[:cut] if cut >= 0 else text
-
-
-def _generate_ep(args: argparse.Namespace, ids: list[list[int]], params, decode) -> list[list[int]]:
-    """Launch ``--ep-size`` rank processes (one GPU each with --device cuda), spread the
+def _generate_ep(cfg: DeploymentConfig, fault: str | None, ids: list[list[int]], params,
+                 decode) -> list[list[int]]:
+    """Launch ``cfg.ep_size`` rank processes (one GPU each with --device cuda), spread the
     prompts over them, return generated ids.
 
     Raises:
         RuntimeError: a request failed (its message names the rank and the reason).
     """
-    cfg = DeploymentConfig(
-        model=args.model, dtype=args.dtype, device=args.device, ep_size=args.ep_size,
-        max_ep_size=checks.resolved_max_ep_size(args),
-        ep_num_redundant_experts=args.ep_num_redundant_experts,
-        ep_dispatch_algorithm=args.ep_dispatch_algorithm, enable_eplb=args.enable_eplb,
-        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
-        elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
-        max_num_seqs=args.max_num_seqs, load_format=args.load_format,
-        disable_cuda_graph=args.disable_cuda_graph,
-    )
-    with BatchDriver.launch(cfg, decode, fault=args.fault) as driver:
+    with BatchDriver.launch(cfg, decode, fault=fault) as driver:
         outs = driver.generate(ids, params)
     failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outs) if o.error]
     if failed:
@@ -244,37 +206,35 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, run every prompt as one batch, print results; returns the exit code."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:
-        model, prompts, params = validate(args)
+        dep, prompts, params = validate(args)
     except UsageError as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
-    args = argparse.Namespace(**vars(args) | {"model": model})  # the resolved directory
     try:
-        tok = load_tokenizer(args.model)
+        tok = load_tokenizer(dep.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
+        kv = known_max_total_tokens(dep)  # CUDA: the engine refuses what does not fit
         check_fits(ids, args.max_tokens, max_sequence_len(
-            load_model_config(args.model), EngineConfig(max_total_tokens=args.max_total_tokens)))
+            load_model_config(dep.model), None if kv is None else EngineConfig(kv)))
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
-        if args.ep_size > 1:
-            outs = _generate_ep(args, ids, params, tok.decode)
+        if dep.ep_size > 1:
+            outs = _generate_ep(dep, args.fault, ids, params, tok.decode)
         else:
-            engine = LLMEngine.from_pretrained(
-                args.model,
-                dtype=getattr(torch, args.dtype),
-                device=args.device,
-                config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs,
-                                    enable_cuda_graph=not args.disable_cuda_graph),
-                detokenize=tok.decode,
-                load_format=args.load_format,
-            )
+            model = load_model(dep.model, dtype=getattr(torch, dep.dtype), device=dep.device,
+                               load_format=dep.load_format)
+            limits = measure_rank_limits(dep, model.config, rank=0)
+            log.info("limits: %d KV tokens, max_running_requests %d",
+                     limits.max_total_tokens, limits.max_running_requests)
+            engine = LLMEngine(model, limits.engine_config(
+                enable_cuda_graph=not dep.disable_cuda_graph), detokenize=tok.decode)
             outs = engine.generate(ids, params)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
-    eos = set(load_model_config(args.model).eos_token_ids)
+    eos = set(load_model_config(dep.model).eos_token_ids)
     for i, out in enumerate(outs):
         text_ids = out[:-1] if out and out[-1] in eos else out
-        text = _trim_stop(tok.decode(text_ids), list(args.stop))
+        text = cut_at_stop(tok.decode(text_ids), args.stop)
         if args.prompts_file:
             print(json.dumps({"index": i, "text": text, "token_ids": out}), flush=True)
         else:

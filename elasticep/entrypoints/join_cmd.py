@@ -27,17 +27,18 @@ import threading
 
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
-from elasticep.deploy.supervisor import EXIT_REMOVED, exit_status, stop_on_signals, supervise
+from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.errors import JoinRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.exit_code import ExitCode
+from elasticep.entrypoints.deployment_args import add_load_format_argument
 from elasticep.entrypoints.serve_cmd import setup_logging
 from elasticep.entrypoints.validate import (
     UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
-    add_load_format_argument,
     apply_gloo_ifname,
     check_address,
     coordinator_timeout_check,
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             detached = True  # the finally below hands the members over
             return 0 if len(joined) == len(ranks) else 1
         exits = supervise(deployment, stop, restart=False, until_all_exited=True)
-        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
+        if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
             if reason:
                 print(f"elasticep join: error: {reason}", file=sys.stderr)

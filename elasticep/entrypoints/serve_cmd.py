@@ -23,7 +23,6 @@ from tqdm import tqdm
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.supervisor import (
-    EXIT_REMOVED,
     CoordinatorUnreachableError,
     StopEvent,
     exit_status,
@@ -33,7 +32,9 @@ from elasticep.deploy.supervisor import (
 )
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
-from elasticep.engine.ipc import FrontendChannel
+from elasticep.elastic.exit_code import ExitCode
+from elasticep.engine.ipc import FrontendChannel, is_routable
+from elasticep.engine.limits import known_max_total_tokens
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     add_serve_arguments,
@@ -126,7 +127,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,
                 api_key=settings.api_key, host=settings.host, port=settings.port,
-                max_total_tokens=dep.max_total_tokens)
+                max_total_tokens=known_max_total_tokens(dep))
         except OSError as exc:
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
@@ -213,8 +214,8 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
             except (ConnectionError, TimeoutError, OSError):
                 continue
             connected = channel.connected
-            routable = {r for r in status.healthy_ranks()
-                        if r in connected and connected[r].pid == status.rank(r).pid}
+            routable = {e.rank for e in status.ranks
+                        if is_routable(e.state, e.pid, connected.get(e.rank))}
             ready = len(routable)
             if ready != bar.n:
                 bar.update(ready - bar.n)
@@ -288,8 +289,8 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         # ranks left alive at a stop are no loss; without a stop, every rank exited:
         # if the coordinator is gone, or was for a while, that is why (a rank may see its
         # peers die first and exit with an error, not with the lost-coordinator 3)
-        if not stop.is_set() and any(ex.code != EXIT_REMOVED for ex in exits):
-            lost = sorted({ex.rank for ex in exits if ex.code != EXIT_REMOVED})
+        if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
+            lost = sorted({ex.rank for ex in exits if ex.code != ExitCode.REMOVED})
             hint = (f"relaunch them with `{recover_command(address, lost, settings.node_rank)}`"
                     ", or run this node with --restart-failed-ranks")
             reason = coordinator_lost(address, settings.coordinator_timeout_s, stop, hint)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+import elasticep
 from elasticep.distributed.gloo_device import IFNAME_ENV
 from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
 from elasticep.elastic.step_profiler import profiler_settings
@@ -24,10 +25,10 @@ from elasticep.models.config import SUPPORTED_FAMILIES
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")  # as elasticep.models.loader.LOAD_FORMATS
-LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
-                    "draws them from a fixed seed on the device, so a directory with only "
-                    "config.json runs a real model shape (benchmarks)")
+
+def default_model_dir() -> Path:
+    """The demo model shipped inside the repository (needs nothing from ../shared)."""
+    return Path(elasticep.__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 def env_fault() -> str | None:
@@ -58,21 +59,6 @@ def env_profiler() -> None:
         profiler_settings()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-def add_cuda_graph_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add ``--disable-cuda-graph`` (SGLang's name) to ``p``."""
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="run decode eagerly instead of replaying CUDA graphs captured at "
-                        "start-up per batch-size bucket (CUDA only; with expert "
-                        "parallelism the exchanges between ranks stay outside the graphs)")
-
-
-def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
-                             default: str | None = "auto", help_suffix: str = "") -> None:
-    """Add ``--load-format`` (vLLM's name and choices) to ``p``."""
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default=default,
-                   help=LOAD_FORMAT_HELP + help_suffix)
 
 
 def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -153,29 +139,6 @@ def check_address(flag: str, address: str, allow_zero_port: bool = False) -> tup
         raise UsageError(f"{flag} must be HOST:PORT (no scheme or path), got {address!r}")
     raise_first_failure([port_check(flag, int(port), allow_zero_port)])
     return host, int(port)
-
-
-def resolved_max_ep_size(args: argparse.Namespace) -> int:
-    """``--max-ep-size``, defaulting to ``--ep-size``."""
-    return args.max_ep_size if args.max_ep_size is not None else args.ep_size
-
-
-def ep_flag_checks(args: argparse.Namespace, max_ep: int) -> list[Check]:
-    """Checks of the expert-parallel and KV-cache flags both commands take."""
-    return [
-        (args.ep_size >= 1, f"--ep-size must be >= 1, got {args.ep_size}"),
-        (max_ep >= args.ep_size,
-         f"--max-ep-size ({max_ep}) must be >= --ep-size ({args.ep_size})"),
-        (args.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
-        (args.eplb_rebalance_num_iterations >= 1, "--eplb-rebalance-num-iterations must be >= 1"),
-        (args.max_total_tokens >= 16, "--max-total-tokens must be >= 16"),
-    ]
-
-
-def static_backend_check(args: argparse.Namespace, max_ep: int) -> Check:
-    """The plain baseline backend has no scale-up capacity."""
-    return (args.elastic_ep_backend == "elastic" or max_ep == args.ep_size,
-            "--elastic-ep-backend none cannot scale: drop --max-ep-size")
 
 
 def check_device(device: str) -> None:

@@ -6,8 +6,8 @@ the same step, since ranks step in lockstep) calls ``rebalance(placement, sync=T
 which sums the ranks' windows so all compute the same placement, and then applies it:
 
     res = manager.rebalance(executor.placement, sync=True, group=executor.group)
-    # moves weights; the elastic step loop commits first (placement_sync.commit_placement)
-    executor.apply_placement(res.placement)
+    # moves weights, agrees on the swap with a commit all_reduce, swaps
+    placement_sync.commit_placement(executor, res.placement, executor.group, load_fn)
 
 Imbalance is ``max-rank load / mean-rank load`` over live ranks, assuming an expert's
 tokens split evenly over its replicas.

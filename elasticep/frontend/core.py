@@ -32,6 +32,7 @@ from elasticep.engine.ipc import (
     RankUnreachableError,
     RequestError,
     WorkerMessage,
+    is_routable,
 )
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.incremental_text import Decode
@@ -178,8 +179,11 @@ class Frontend:
         return self.closed_reason is None and bool(self.tracker.healthy_ranks())
 
     def status(self) -> DeploymentStatus:
-        """The last membership snapshot with ``running_requests`` filled in per rank."""
-        return self._status.with_running(self.tracker.running_per_rank())
+        """The last membership snapshot with ``running_requests`` filled in per rank, and
+        the limits each rank reported in its hello (KV tokens, max running requests)."""
+        limits = {r: (h.max_total_tokens, h.max_running_requests)
+                  for r, h in self.channel.connected.items()}
+        return self._status.with_running(self.tracker.running_per_rank(), limits)
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
         """Ask membership to scale; errors of ``MembershipSource.scale`` propagate.
@@ -210,11 +214,10 @@ class Frontend:
         states: dict[int, str] = {}
         for entry in status.ranks:
             rank, state, pid = entry.rank, entry.state, entry.pid
-            hello = self.channel.connected.get(rank)
-            reachable = (hello is not None and rank not in self._unreachable
-                         and (pid is None or hello.pid == pid))
+            routable = (is_routable(state, pid, self.channel.connected.get(rank))
+                        and rank not in self._unreachable)
             # A healthy rank whose worker we cannot reach yet is not routable.
-            states[rank] = ("connecting" if state == SlotState.HEALTHY and not reachable
+            states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
                             else state.value)
             self._count_transition(rank, state, epoch)
         self.metrics.epoch.set(epoch)
@@ -223,6 +226,10 @@ class Frontend:
                 sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
         before = self.tracker.resubmitted_total
+        # each rank's own limit, from its latest hello (engine.limits)
+        self._dispatch(self.tracker.set_capacity(
+            {r: h.max_running_requests for r, h in self.channel.connected.items()
+             if h.max_running_requests is not None}))
         self._dispatch(self.tracker.update_ranks(states))
         if not self._ready and status.ep_size > 0:
             self._ready = len(self.tracker.healthy_ranks()) >= status.ep_size
@@ -272,7 +279,7 @@ class Frontend:
         if isinstance(msg, OutputBatch):
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
         elif isinstance(msg, RequestError):
-            self.tracker.on_error(msg.rank, msg.request_id, msg.message)
+            self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()

@@ -19,6 +19,19 @@ Decode = Callable[[Sequence[int]], str]
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def first_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest stop string begins in ``text[start:]`` (an index into
+    ``text``), or None; empty stop strings never match (pure)."""
+    hits = [i for s in stop if s and (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to (without) its earliest stop string (pure)."""
+    cut = first_stop(text, stop)
+    return text if cut is None else text[:cut]
+
+
 class IncrementalText:
     """Turns a stream of token ids into a stream of text deltas, honouring stop strings.
 
@@ -73,14 +86,10 @@ class IncrementalText:
     def _append(self, new: str) -> None:
         start = max(0, len(self._text) - self._holdback)
         self._text += new
-        cut = self._find_stop(start)
+        cut = first_stop(self._text, self._stop, start)
         if cut is not None:
             self._text = self._text[:cut]
             self.stopped = True
-
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
 
     def _release(self, final: bool) -> str:
         end = len(self._text)

@@ -5,7 +5,10 @@ tested. The caller (the front-end event loop) feeds it events and sends the
 :class:`Send` commands it returns, in order:
 
 - :meth:`RequestTracker.add` routes a new request to the healthy rank with the fewest
-  running requests.
+  running requests, among those below their ``max_running_requests``
+  (:meth:`RequestTracker.set_capacity`). When every healthy rank is full the request
+  waits here, in arrival order, and goes out as soon as a rank has room: a rank is
+  never sent more requests than it can run.
 - :meth:`RequestTracker.on_outputs` takes a rank's committed tokens. Tokens are
   delivered to the request's sink exactly once and in index order: duplicates (a redone
   step) are dropped, early ones are buffered until the gap is filled, and tokens from a
@@ -109,6 +112,7 @@ class RequestTracker:
         self._on_interruption = on_interruption
         self._requests: dict[str, _Tracked] = {}
         self._states: dict[int, str] = {}
+        self._capacity: dict[int, int] = {}
         self.resubmitted_total = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -129,6 +133,12 @@ class RequestTracker:
                 counts[req.rank] = counts.get(req.rank, 0) + 1
         return counts
 
+    def set_capacity(self, capacity: Mapping[int, int]) -> list[Send]:
+        """Set each rank's most running requests (a rank missing: no limit); returns the
+        sends of waiting requests that now have room."""
+        self._capacity = dict(capacity)
+        return self._place_waiting()
+
     def rank_of(self, request_id: str) -> int | None:
         """The rank that owns the request, None if parked or unknown."""
         req = self._requests.get(request_id)
@@ -137,7 +147,8 @@ class RequestTracker:
     # ---- inputs --------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             sink: Sink) -> list[Send]:
-        """Track a new request and route it.
+        """Track a new request and route it (or keep it waiting, behind earlier ones,
+        while every healthy rank is full).
 
         Raises:
             DuplicateRequestError: ``request_id`` is already in flight.
@@ -145,14 +156,12 @@ class RequestTracker:
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
-        rank = self._pick_rank()
-        if rank is None:
+        if not self.healthy_ranks():
             raise NoRankAvailableError("no healthy rank can take the request")
         req = _Tracked(request_id, tuple(prompt_token_ids), params, sink,
-                       IncrementalText(self._decode, params.stop), rank=rank,
-                       last_token_at=self._clock())
+                       IncrementalText(self._decode, params.stop), last_token_at=self._clock())
         self._requests[request_id] = req
-        return [Send(rank, GenerateRequest(request_id, req.prompt_token_ids, params))]
+        return self._place_waiting()
 
     def on_outputs(self, rank: int, outputs: Sequence[TokenOutput]) -> list[Send]:
         """Deliver a rank's committed tokens; return aborts for requests a stop string ended."""
@@ -169,13 +178,15 @@ class RequestTracker:
             req.pending[out.index] = out
             while not self._is_done(req) and len(req.generated) in req.pending:
                 sends.extend(self._deliver(req, req.pending.pop(len(req.generated))))
-        return sends
+        return sends + self._place_waiting()
 
-    def on_error(self, rank: int, request_id: str, message: str) -> None:
-        """A rank refused a request: fail it (a retry elsewhere would fail the same way)."""
+    def on_error(self, rank: int, request_id: str, message: str) -> list[Send]:
+        """A rank refused a request: fail it (a retry elsewhere would fail the same way);
+        returns the sends of waiting requests that now have room."""
         req = self._requests.get(request_id)
         if req is not None and req.rank == rank:
             self._finish_error(req, message, refused=True)
+        return self._place_waiting()
 
     def fail(self, request_id: str, message: str) -> None:
         """The deployment cannot finish a request (it is stopping): fail it as a server
@@ -189,7 +200,7 @@ class RequestTracker:
         req = self._requests.pop(request_id, None)
         if req is None or req.rank is None:
             return []
-        return [Send(req.rank, AbortRequest(request_id))]
+        return [Send(req.rank, AbortRequest(request_id)), *self._place_waiting()]
 
     def update_ranks(self, states: Mapping[int, str]) -> list[Send]:
         """Apply a membership snapshot (rank -> state); move requests off unhealthy ranks.
@@ -208,31 +219,48 @@ class RequestTracker:
         return sends
 
     # ---- internals -----------------------------------------------------------------
-    def _pick_rank(self, load: dict[int, int] | None = None) -> int | None:
-        healthy = self.healthy_ranks()
-        if not healthy:
-            return None
-        load = self.running_per_rank() if load is None else load
-        return min(healthy, key=lambda r: (load.get(r, 0), r))
+    def _pick_rank(self) -> int | None:
+        """The healthy rank with the fewest requests among those with room, or None."""
+        load = self.running_per_rank()
+        room = [r for r in self.healthy_ranks()
+                if r not in self._capacity or load.get(r, 0) < self._capacity[r]]
+        return min(room, key=lambda r: (load.get(r, 0), r)) if room else None
+
+    def _place_waiting(self) -> list[Send]:
+        """Send waiting requests (none sent yet, or moved off a rank) to ranks with room,
+        oldest first, until none has room."""
+        sends: list[Send] = []
+        for req in [r for r in self._requests.values() if r.rank is None]:
+            rank = self._pick_rank()
+            if rank is None:
+                break
+            sends.extend(self._send_to(req, rank))
+        return sends
+
+    def _send_to(self, req: _Tracked, rank: int) -> list[Send]:
+        req.rank = rank
+        if not req.moved:  # its first send
+            return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids,
+                                               req.params))]
+        req.resubmissions += 1
+        self.resubmitted_total += 1
+        logger.info("request %s moved to rank %d with %d generated tokens",
+                    req.request_id, rank, len(req.generated))
+        return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids, req.params,
+                                           output_token_ids=tuple(req.generated)))]
 
     def _resubmit(self, req: _Tracked) -> list[Send]:
         old = req.rank
         req.rank = None  # so it does not count towards the old rank's load
         req.pending.clear()  # buffered tokens came from the old rank
+        req.moved = req.moved or old is not None  # sent again, it resumes from its tokens
         rank = self._pick_rank()
         if rank is None:
             if old is not None:
-                logger.warning("request %s parked: no healthy rank (was on rank %d)",
-                               req.request_id, old)
+                logger.warning("request %s waiting: no healthy rank with room (was on rank "
+                               "%d)", req.request_id, old)
             return []
-        req.rank = rank
-        req.moved = True
-        req.resubmissions += 1
-        self.resubmitted_total += 1
-        logger.info("request %s moved rank %s -> %d with %d generated tokens",
-                    req.request_id, old, rank, len(req.generated))
-        return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids, req.params,
-                                           output_token_ids=tuple(req.generated)))]
+        return self._send_to(req, rank)
 
     def _is_done(self, req: _Tracked) -> bool:
         return req.request_id not in self._requests

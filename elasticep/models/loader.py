@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from elasticep.config import LoadFormat
 from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
 from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
@@ -31,7 +32,7 @@ from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
 
 # vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = tuple(f.value for f in LoadFormat)
 
 WeightReader = CheckpointReader | DummyWeightReader
 

@@ -79,6 +79,18 @@ class DecoderLayerWeights:
     mlp: DenseMLPWeights | None
 
 
+def kv_cache_shapes(c: MoEModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Per-token shape of each cache tensor of one layer, for the KV-cache allocator and
+    its sizing (pure).
+
+    GQA caches K and V ``(Hkv, D)`` each; MLA caches one latent row of
+    ``kv_lora_rank + qk_rope_head_dim`` values.
+    """
+    if c.mla is not None:
+        return ((c.mla.cache_width,),)
+    return ((c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim))
+
+
 class MoECausalLM:
     """A loaded MoE causal LM; call :meth:`forward` with a flat batch of tokens.
 
@@ -130,15 +142,8 @@ class MoECausalLM:
             self.config.mla is None or self.dtype in (torch.bfloat16, torch.float16))
 
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Per-token shape of each cache tensor of one layer, for the KV-cache allocator.
-
-        GQA caches K and V ``(Hkv, D)`` each; MLA caches one latent row of
-        ``kv_lora_rank + qk_rope_head_dim`` values.
-        """
-        c = self.config
-        if c.mla is not None:
-            return ((c.mla.cache_width,),)
-        return ((c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim))
+        """Per-token shape of each cache tensor of one layer (:func:`kv_cache_shapes`)."""
+        return kv_cache_shapes(self.config)
 
     def _attention(
         self,

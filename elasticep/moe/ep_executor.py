@@ -101,26 +101,27 @@ class EPMoEExecutor:
         new: Placement,
         load_fn: CheckpointLoader | None = None,
         source_ranks: torch.Tensor | None = None,
-        commit: Callable[[], None] | None = None,
+        *,
+        commit: Callable[[], None],
         weights_from: Placement | None = None,
     ) -> list[ExpertLoad]:
-        """Move to ``new``: fetch weights from peers or the checkpoint, then swap metadata.
+        """Move to ``new``: fetch weights from peers or the checkpoint, agree, then swap.
 
         Collective: every live member of the group calls it with the same ``new``.
 
-        Without ``commit`` the swap follows this rank's fetch at once, with no point at
-        which the ranks agree that every fetch completed: a rank that dies mid-exchange
-        can leave some survivors swapped and others not. That is safe only where no rank
-        can fail (single-process use, tests on a plain group). On an elastic group, pass a
-        commit collective, or go through
-        :func:`elasticep.elastic.placement_sync.commit_placement`, which does.
+        ``commit`` is the point at which the ranks agree that every fetch completed:
+        a rank that dies mid-exchange must leave every survivor unswapped, so there is
+        no form without it. The serving path goes through
+        :func:`elasticep.elastic.placement_sync.commit_placement`, whose commit is an
+        all_reduce over the group.
 
         Args:
             new: the target placement (from repair / scale / rebalance).
             load_fn: checkpoint reader for orphans this rank must host.
             source_ranks: ranks that may send, see :func:`move_expert_weights`.
             commit: called after every weight of this rank arrived and before the swap
-                (e.g. a commit all_reduce); if it raises, the executor is unchanged.
+                (a commit all_reduce; with one rank and no peer, a no-op); if it
+                raises, the executor is unchanged.
             weights_from: the placement the current weights are laid out in, where it
                 is not the executor's (an all-EMPTY one: every weight is fetched anew).
 
@@ -131,8 +132,7 @@ class EPMoEExecutor:
             weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
             load_fn, source_ranks
         )
-        if commit is not None:
-            commit()
+        commit()
         device = self.metadata.physical_to_logical_map.device
         self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
         return loads

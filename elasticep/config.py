@@ -1,0 +1,284 @@
+"""What every rank of a deployment shares, and what one worker process needs.
+
+Below every package of the runtime: this module imports only the standard library, so
+``elastic`` (the worker), ``deploy`` (the launcher) and ``entrypoints`` (the flags) all
+read one definition. A deployment's settings are published once in the coordinator's
+store (as JSON, :meth:`DeploymentConfig.to_json`), so a relaunched or scale-up rank
+needs only the coordinator address to find them.
+
+:meth:`DeploymentConfig.__post_init__` checks every range and mode and raises
+``ValueError`` with a message naming the command-line flag; the commands print it as
+their one-line ``error:`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from enum import Enum
+
+
+class StrEnum(str, Enum):
+    """A mode: compares equal to its string, prints as it, and is JSON's string (as
+    Python 3.11's ``enum.StrEnum``, which 3.10 lacks)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Backend(StrEnum):
+    """``--elastic-ep-backend``: fault tolerant, or plain torch.distributed groups."""
+
+    ELASTIC = "elastic"
+    NONE = "none"
+
+
+class DispatchAlgorithm(StrEnum):
+    """``--ep-dispatch-algorithm``: which replica of an expert a token goes to."""
+
+    STATIC = "static"  # the nearest replica
+    DYNAMIC = "dynamic"  # spread over the replicas
+
+
+class LoadFormat(StrEnum):
+    """``--load-format`` (vLLM's names): where the weights come from."""
+
+    AUTO = "auto"
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"
+
+
+class JoinMode(StrEnum):
+    """How a rank enters a running deployment (``join --elastic-ep-join-mode``)."""
+
+    RECOVER = "recover"  # take back a failed slot
+    SCALE = "scale"  # a new slot in free capacity
+
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+
+# field -> the flag that sets it, where the names differ beyond "_" -> "-"
+_FLAG = {"heartbeat_timeout_s": "--heartbeat-timeout",
+         "log_stats_interval_s": "--log-stats-interval"}
+# field -> the argparse dest that sets it (DeploymentConfig.from_args)
+_DEST = {"heartbeat_timeout_s": "heartbeat_timeout",
+         "log_stats_interval_s": "log_stats_interval"}
+
+
+def flag_of(field_name: str) -> str:
+    """The command-line flag of a :class:`DeploymentConfig` field (``ep_size`` ->
+    ``--ep-size``)."""
+    return _FLAG.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def field_of(flag: str) -> str:
+    """The :class:`DeploymentConfig` field a flag sets (the inverse of :func:`flag_of`)."""
+    return next((f for f, fl in _FLAG.items() if fl == flag), flag[2:].replace("-", "_"))
+
+
+def _enum(cls: type[Enum], value: object, field_name: str) -> Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)
+        raise ValueError(f"{flag_of(field_name)} must be one of {choices}, got "
+                         f"{value!r}") from None
+
+
+class _JsonConfig:
+    """``to_json`` / ``from_json`` of a config dataclass (modes as their strings)."""
+
+    def to_json(self) -> str:
+        """Serialise (for the coordinator store, or a worker's command line)."""
+        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, text: str):  # -> the subclass
+        """Parse what :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: not JSON, unknown/missing fields, or a value out of range.
+        """
+        try:
+            return cls._from_dict(json.loads(text))
+        except (TypeError, KeyError, json.JSONDecodeError) as exc:
+            raise ValueError(f"bad {cls.__name__}: {exc}") from exc
+
+    @classmethod
+    def _from_dict(cls, d: dict):
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class DeploymentConfig(_JsonConfig):
+    """Settings every rank of a deployment shares.
+
+    Attributes:
+        model: checkpoint directory (HF layout).
+        dtype: "float32" or "bfloat16".
+        device: "cpu" or "cuda".
+        ep_size: initial number of ranks (the launch cohort).
+        max_ep_size: capacity reserved for scale-up (>= ep_size).
+        ep_num_redundant_experts: R, extra physical slots over all ranks.
+        ep_dispatch_algorithm: static (nearest replica) or dynamic (spread).
+        enable_eplb: rebalance experts from measured load.
+        eplb_rebalance_num_iterations: steps between rebalances.
+        elastic_ep_backend: elastic (fault tolerant) or none (baseline: plain
+            torch.distributed groups, Gloo on CPU, NCCL for CUDA tensors).
+        max_total_tokens: KV-cache capacity per rank, in tokens; None: sized from the
+            GPU's memory on CUDA (``mem_fraction_static``), 8192 on CPU.
+        mem_fraction_static: fraction of a GPU's memory for weights and KV cache, split
+            by the ranks that share the GPU (SGLang's meaning); None: the default
+            (:mod:`elasticep.engine.limits`). CUDA only.
+        max_running_requests: most sequences in one step of one rank; None: derived
+            per rank from its KV capacity on CUDA, 64 on CPU.
+        cuda_graph_max_bs: largest decode batch captured in a CUDA graph; None: the
+            smaller of max_running_requests (where given) and 256.
+        chunked_prefill_size: most prefill tokens of one step (SGLang's meaning); -1:
+            no chunking; None: 8192 on CUDA, no chunking on CPU.
+        frontend_request_addr: zmq address of the front-end's ROUTER (requests).
+        frontend_output_addr: zmq address of the front-end's PULL (outputs).
+        heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
+        num_threads: torch intra-op threads per rank.
+        store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
+            baseline group (elastic_ep_backend none) rendezvouses there directly.
+        load_format: auto/safetensors (read the checkpoint) or dummy (weights drawn
+            from a fixed seed, the same on every rank, so a relaunched or scaled-in
+            rank holds the same experts; only config.json is needed).
+        disable_cuda_graph: never replay decode CUDA graphs (CUDA ranks capture them
+            per batch-size bucket otherwise, the EP exchanges running eagerly between
+            the graph pieces).
+        log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
+            CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+
+    Raises:
+        ValueError: (at construction) a value out of range or an unknown mode, naming
+            its flag, e.g. ``--ep-size must be >= 1, got 0``.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    ep_size: int = 1
+    max_ep_size: int = 1
+    ep_num_redundant_experts: int = 0
+    ep_dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000
+    elastic_ep_backend: Backend = Backend.ELASTIC
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None
+    frontend_request_addr: str = ""
+    frontend_output_addr: str = ""
+    heartbeat_timeout_s: float = 2.0
+    num_threads: int = 1
+    store_addr: str = ""
+    load_format: LoadFormat = LoadFormat.AUTO
+    disable_cuda_graph: bool = False
+    log_stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
+                          ("elastic_ep_backend", Backend), ("load_format", LoadFormat)):
+            object.__setattr__(self, name, _enum(cls, getattr(self, name), name))
+        for name, choices in (("dtype", DTYPES), ("device", DEVICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag_of(name)} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(self, name)!r}")
+        checks = [
+            (self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}"),
+            (self.max_ep_size >= self.ep_size,
+             f"--max-ep-size ({self.max_ep_size}) must be >= --ep-size ({self.ep_size})"),
+            (self.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
+            (self.eplb_rebalance_num_iterations >= 1,
+             "--eplb-rebalance-num-iterations must be >= 1"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 16,
+             "--max-total-tokens must be >= 16"),
+            (self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
+            (self.max_running_requests is None or self.max_running_requests >= 1,
+             f"--max-running-requests must be >= 1, got {self.max_running_requests}"),
+            (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}"),
+            (self.chunked_prefill_size in (None, -1) or self.chunked_prefill_size >= 1,
+             f"--chunked-prefill-size must be >= 1, or -1 (off), got "
+             f"{self.chunked_prefill_size}"),
+            (self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
+            (0 < self.heartbeat_timeout_s < math.inf,
+             "--heartbeat-timeout must be a finite number of seconds > 0"),
+            (0 <= self.log_stats_interval_s < math.inf,
+             "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
+            (self.elastic_ep_backend == Backend.ELASTIC or self.max_ep_size == self.ep_size,
+             "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: object) -> DeploymentConfig:
+        """Build from the flags of ``add_deployment_arguments`` (a flag a command does not
+        take keeps its default; ``--max-ep-size`` unset means ``--ep-size``).
+
+        Args:
+            args: parsed flags.
+            overrides: fields to set instead of the flags' values (e.g. the resolved
+                model directory).
+
+        Raises:
+            ValueError: as the constructor, naming the flag.
+        """
+        values = {}
+        for f in fields(cls):
+            dest = _DEST.get(f.name, f.name)
+            if hasattr(args, dest) and getattr(args, dest) is not None:
+                values[f.name] = getattr(args, dest)
+        values.setdefault("max_ep_size", values.get("ep_size", 1))
+        return cls(**(values | overrides))
+
+
+@dataclass(frozen=True)
+class WorkerConfig(_JsonConfig):
+    """What one worker process needs: the shared config plus its identity.
+
+    Attributes:
+        deployment: the shared settings.
+        rank: global slot id, kept for life (0 <= rank < max_ep_size).
+        coordinator: "host:port" of the coordinator.
+        join_mode: None at launch, recover for a relaunched rank, scale for a new one.
+        fault: fault injection spec such as "kill:rank=2:step=10" (tests only).
+
+    Raises:
+        ValueError: (at construction) an unknown join mode.
+    """
+
+    deployment: DeploymentConfig
+    rank: int
+    coordinator: str
+    join_mode: JoinMode | None = None
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.join_mode is not None:
+            try:
+                object.__setattr__(self, "join_mode", JoinMode(self.join_mode))
+            except ValueError:
+                raise ValueError(f"unknown join mode {self.join_mode!r} (recover or "
+                                 "scale)") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> WorkerConfig:
+        return cls(**(d | {"deployment": DeploymentConfig(**d["deployment"])}))
+
+    def with_rank(self, rank: int) -> WorkerConfig:
+        """Same config for another slot."""
+        return replace(self, rank=rank)

@@ -1,0 +1,129 @@
+"""The flags of a deployment (SGLang's names), shared by ``serve`` and ``generate``.
+
+One declaration per flag: the defaults are :class:`~elasticep.config.DeploymentConfig`'s,
+and :func:`deployment_config` turns the parsed flags into one (its ``__post_init__``
+checks them) or raises :class:`UsageError` with the message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from elasticep.config import (
+    DEVICES,
+    DTYPES,
+    Backend,
+    DeploymentConfig,
+    DispatchAlgorithm,
+    LoadFormat,
+    field_of,
+)
+from elasticep.engine.limits import (
+    CPU_MAX_RUNNING_REQUESTS,
+    CPU_MAX_TOTAL_TOKENS,
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_MEM_FRACTION_STATIC,
+    KV_TOKENS_PER_REQUEST,
+    MAX_RUNNING_REQUESTS_CAP,
+)
+from elasticep.entrypoints.validate import UsageError, default_model_dir
+from elasticep.models.config import SUPPORTED_FAMILIES
+
+LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
+                    "draws them from a fixed seed on the device, so a directory with only "
+                    "config.json runs a real model shape (benchmarks)")
+
+Group = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def _add(group: Group, flag: str, help: str, **kw: object) -> None:
+    """One flag of a :class:`DeploymentConfig` field; its default is the field's (a mode
+    as its string), unless ``kw`` gives one."""
+    field = DeploymentConfig.__dataclass_fields__.get(field_of(flag))
+    if "default" not in kw and field is not None and kw.get("action") != "store_true":
+        kw["default"] = getattr(field.default, "value", field.default)
+    group.add_argument(flag, help=help, **kw)
+
+
+def add_load_format_argument(p: Group, default: str | None = LoadFormat.AUTO.value,
+                             help_suffix: str = "") -> None:
+    """Add ``--load-format`` (vLLM's name and choices) to ``p`` (``join`` takes it too,
+    with no default: the deployment's)."""
+    p.add_argument("--load-format", choices=[m.value for m in LoadFormat], default=default,
+                   help=LOAD_FORMAT_HELP + help_suffix)
+
+
+def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """Add every flag of :class:`DeploymentConfig` to ``p``, in groups.
+
+    Returns:
+        The groups by title ("model", "memory and scheduling", "expert parallelism",
+        "fault tolerance"), so a command adds its own flags beside them.
+    """
+    m = p.add_argument_group("model")
+    m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
+                   help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
+                        "default: the embedded demo model")
+    _add(m, "--dtype", "weight/activation dtype (default: %(default)s)", choices=DTYPES)
+    add_load_format_argument(m)
+    _add(m, "--disable-cuda-graph", "run decode eagerly instead of replaying CUDA graphs "
+         "captured at start-up per batch-size bucket (CUDA only; with expert parallelism the "
+         "exchanges between ranks stay outside the graphs)", action="store_true")
+    _add(m, "--device", "where weights and compute live (cuda: one GPU per rank; the expert "
+         "exchange runs over NCCL, control traffic over Gloo)", choices=DEVICES)
+    k = p.add_argument_group("memory and scheduling (per rank; SGLang's names)")
+    _add(k, "--max-total-tokens", "KV-cache capacity per rank, in tokens; overrides "
+         "--mem-fraction-static (default: sized from GPU memory on CUDA, "
+         f"{CPU_MAX_TOTAL_TOKENS} on CPU)", type=int)
+    _add(k, "--mem-fraction-static", "fraction of a GPU's memory for weights and KV cache; "
+         "the rest stays for activations, CUDA graphs and exchange buffers. Ranks that share "
+         "a GPU (rank r uses GPU r mod the GPU count; --max-ep-size slots counted) split it "
+         f"(CUDA; default: {DEFAULT_MEM_FRACTION_STATIC})", type=float)
+    k.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
+                   default=None,
+                   help="most requests one rank runs at once; the front-end routes no more "
+                        "to a rank (default: on CUDA its KV tokens / "
+                        f"{KV_TOKENS_PER_REQUEST}, at most {MAX_RUNNING_REQUESTS_CAP}; "
+                        f"{CPU_MAX_RUNNING_REQUESTS} on CPU)")
+    _add(k, "--cuda-graph-max-bs", "largest decode batch captured in a CUDA graph (bigger "
+         "batches run eagerly); the same on every rank (default: --max-running-requests "
+         f"if given, at most {DEFAULT_CUDA_GRAPH_MAX_BS})", type=int)
+    _add(k, "--chunked-prefill-size", "most prompt tokens prefilled in one step, so a long "
+         "prompt shares steps with running decodes; -1 turns chunking off (default: "
+         f"{DEFAULT_CHUNKED_PREFILL_SIZE} on CUDA, off on CPU)", type=int)
+    e = p.add_argument_group("expert parallelism")
+    _add(e, "--ep-size", "number of ranks to start; each hosts a share of the experts and "
+         "serves its own requests (default: %(default)s)", type=int)
+    _add(e, "--max-ep-size", "capacity reserved for scale-up (default: --ep-size)", type=int,
+         default=None)
+    _add(e, "--ep-num-redundant-experts", "extra physical expert slots (replicas) over all "
+         "ranks", type=int)
+    _add(e, "--ep-dispatch-algorithm", "replica choice: static = nearest, dynamic = spread",
+         choices=[m.value for m in DispatchAlgorithm])
+    _add(e, "--enable-eplb", "rebalance experts from measured load", action="store_true")
+    _add(e, "--eplb-rebalance-num-iterations", "steps between EPLB rebalances (default: "
+         "%(default)s)", type=int)
+    _add(e, "--elastic-ep-backend", "elastic: survive rank failures; none: plain "
+         "torch.distributed groups (Gloo on CPU, NCCL for CUDA tensors), no fault tolerance "
+         "(a rank failure stops the deployment)", choices=[m.value for m in Backend])
+    f = p.add_argument_group("fault tolerance")
+    _add(f, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
+         "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",
+         type=float)
+    _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
+         "evicted (default: %(default)s)", type=float)
+    return {"model": m, "memory and scheduling": k, "expert parallelism": e,
+            "fault tolerance": f}
+
+
+def deployment_config(args: argparse.Namespace, **overrides: object) -> DeploymentConfig:
+    """:meth:`DeploymentConfig.from_args`, its ``ValueError`` as a :class:`UsageError`.
+
+    Raises:
+        UsageError: a flag out of range or a bad combination, naming the flag.
+    """
+    try:
+        return DeploymentConfig.from_args(args, **overrides)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
