@@ -128,7 +128,8 @@ class ServeProcess:
     @classmethod
     def start(cls, serve_args: list[str], ready_timeout_s: float = 300.0,
               log_dir: str | None = None, host: str = "127.0.0.1",
-              wrap: tuple[str, ...] = (), coordinator: str | None = None) -> ServeProcess:
+              wrap: tuple[str, ...] = (), coordinator: str | None = None,
+              program: tuple[str, ...] | None = None) -> ServeProcess:
         """Start ``elasticep serve`` on free ports; wait for its ``ready:`` line (every
         initial rank is healthy and connected to the front-end).
 
@@ -143,6 +144,10 @@ class ServeProcess:
                 keeping the pid (``ip netns exec NS``, which execs the command).
             coordinator: ``HOST:PORT`` for the coordinator (default: ``host`` and a free
                 port), e.g. one that other nodes were already told.
+            program: the command to run instead of ``elasticep serve`` (it takes serve's
+                --host, --port, --dist-init-addr and --log-dir, and prints the same
+                ``ready:`` line), e.g. the stub-engine server of
+                ``elasticep_testkit.serving.stub_serve``.
 
         Raises:
             RuntimeError: serve exited during start-up (the log tail is in the message).
@@ -153,9 +158,9 @@ class ServeProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [*wrap, *cli_command("serve", "--host", host, "--port", str(port),
-                                     "--dist-init-addr", coordinator, "--log-dir",
-                                     str(log_path.parent), *serve_args)],
+                [*wrap, *(program or cli_command("serve")), "--host", host, "--port", str(port),
+                 "--dist-init-addr", coordinator, "--log-dir", str(log_path.parent),
+                 *serve_args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # our terminal's Ctrl-C must not reach it
                 preexec_fn=_stop_with_us)

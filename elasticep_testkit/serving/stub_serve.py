@@ -1,0 +1,105 @@
+"""``python -m elasticep_testkit.serving.stub_serve``: the real HTTP front-end (FastAPI
+app, SSE, detokenization, request tracking, the zmq transport) over stub ranks that emit
+tokens at a set rate (:mod:`elasticep_testkit.serving.stub_engine`), so that the
+front-end's ceiling is measured alone.
+
+It takes serve's --model, --host, --port, --log-dir and --ep-size (the number of stub
+rank processes), and accepts serve's --dist-init-addr, --device, --dtype, --load-format
+and --disable-cuda-graph without using them (no model is loaded: only the tokenizer),
+so that ``ServeProcess.start(..., program=stub_engine.server_command(S))`` drives it as
+it drives serve. It prints the same ``ready: URL`` line and stops on SIGINT/SIGTERM,
+ending its rank processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from elasticep.engine.ipc import FrontendChannel
+from elasticep.frontend.http_server import create_server
+from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.utils.wait import wait_until
+from elasticep_testkit.serving.stub_engine import rank_main
+
+READY_TIMEOUT_S = 60.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags (see the module doc)."""
+    ap = argparse.ArgumentParser(prog="python -m elasticep_testkit.serving.stub_serve",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stub-engine-steps-per-s", type=float, required=True,
+                    help="steps per second of each stub rank (one token per running "
+                         "request per step)")
+    ap.add_argument("--model", required=True, help="model dir (its tokenizer is used)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--ep-size", type=int, default=1, help="stub rank processes")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="the API's context limit, as serve's")
+    for unused in ("--dist-init-addr", "--device", "--dtype", "--load-format"):
+        ap.add_argument(unused, default=None, help="accepted for serve's sake; unused")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="unused")
+    args = ap.parse_args(argv)
+    if args.stub_engine_steps_per_s <= 0:
+        ap.error("--stub-engine-steps-per-s must be > 0")
+    if args.ep_size < 1:
+        ap.error("--ep-size must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(levelname)s %(message)s")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elasticep-stub-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    channel = FrontendChannel(host=args.host)
+    server, _ = create_server(args.model, channel,
+                              ConnectedWorkers(lambda: channel.connected, args.ep_size),
+                              served_model_name=Path(args.model).name, host=args.host,
+                              port=args.port, max_total_tokens=args.max_total_tokens)
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=rank_main, name=f"stub-rank{r}",
+                         args=(r, channel.endpoints, args.stub_engine_steps_per_s,
+                               str(log_dir), os.getpid()))
+             for r in range(args.ep_size)]
+    server.start()
+    try:
+        for p in ranks:
+            p.start()
+        wait_until(lambda: len(channel.connected) >= args.ep_size or stop.is_set(),
+                   READY_TIMEOUT_S, "the stub ranks to connect", poll_s=0.05)
+        if not stop.is_set():
+            print(f"ready: {server.url} (stub engine, {args.ep_size} ranks at "
+                  f"{args.stub_engine_steps_per_s:g} steps/s)", flush=True)
+        stop.wait()
+        return 0
+    finally:
+        server.stop()
+        for p in ranks:
+            if p.is_alive():
+                p.terminate()  # SIGTERM to this pid only: the rank writes its stats
+        for p in ranks:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        channel.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
