@@ -69,3 +69,31 @@ def test_deepseek_decode_graph_logits_equal_eager(tmp_path):
     assert eng.runner.graphs is not None
     steps = graph_steps_match_eager(eng, random_prompts((5, 40, 17)), 16)
     assert steps >= 10 and eng.runner.graphs.replays >= steps
+
+
+@pytest.mark.parametrize("n", [64, 2048])
+def test_expanded_prefill_matches_fp32_masked_form(n):
+    """A whole prompt through MLA's expanded form on CUDA in bf16 (SDPA's causal kernel,
+    values zero-padded to the query width) against the explicit-mask form in fp32 on the
+    CPU, at DeepSeek-V2-Lite's widths (16 heads, dn 128, dr 64, dv 128, r 512)."""
+    from elasticep.models.mla import MLAConfig, MLAWeights, _expanded
+
+    cfg = MLAConfig(num_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128)
+    g = torch.Generator().manual_seed(n)
+    kv_b = torch.randn(16 * (128 + 128), 512, generator=g) / 512**0.5
+    w = MLAWeights(kv_a=torch.empty(0), kv_a_norm=torch.empty(0), kv_b=kv_b, o=torch.empty(0))
+    q = torch.randn(n, 16, 192, generator=g)
+    lat = torch.randn(n, 576, generator=g)
+    scale = 192 ** -0.5
+    mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    kv = torch.nn.functional.linear(lat[:, :512], kv_b).view(n, 16, -1)
+    k = torch.cat((kv[..., :128], lat[:, None, 512:].expand(n, 16, 64)), dim=-1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), kv[..., 128:].transpose(0, 1), attn_mask=mask,
+        scale=scale).transpose(0, 1).reshape(n, -1)
+    wb = MLAWeights(kv_a=w.kv_a, kv_a_norm=w.kv_a_norm, kv_b=kv_b.cuda().bfloat16(), o=w.o)
+    got = _expanded(q.cuda().bfloat16(), lat.cuda().bfloat16(), wb, cfg, scale)
+    assert got.shape == want.shape
+    err = float((got.float().cpu() - want).norm() / want.norm())
+    assert err < 1e-2, err

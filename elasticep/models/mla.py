@@ -112,10 +112,21 @@ def _expanded(q: torch.Tensor, latents: torch.Tensor, w: MLAWeights, cfg: MLACon
     k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
     k_pe = latents[:, None, r:].expand(ctx, cfg.num_heads, cfg.qk_rope_head_dim)
     k = torch.cat((k_nope, k_pe), dim=-1)
-    # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
-    mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=mask, scale=scale)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if n == ctx:
+        # a whole prompt: plain causal attention, which SDPA's fused kernels take (an
+        # explicit mask sends it to the math path: fp32 GEMMs and a [H, n, n] softmax,
+        # 95% of an 8192-token DeepSeek-V2-Lite step on the H200). On CUDA the values are
+        # zero-padded to the query width, which the flash kernel needs.
+        dv = vh.shape[-1]
+        if q.is_cuda and dv != qh.shape[-1]:
+            vh = F.pad(vh, (0, qh.shape[-1] - dv))
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[..., :dv]
+    else:
+        # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
+        mask = (torch.arange(ctx, device=q.device)[None, :]
+                <= torch.arange(ctx - n, ctx, device=q.device)[:, None])
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.transpose(0, 1).reshape(n, -1)
 
 
