@@ -31,6 +31,7 @@ in place of 2048.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -220,6 +221,7 @@ def section_prefill(args, emit: Callable[[dict], None], mdir: Path) -> list[dict
             for n in (1, 4, 16):
                 one(engine, "prefill_mix", budget, n, total // n)
             rows.append(profile_step(engine, args, cfg, emit, rate))
+            rows.append(profile_cold(engine, args, cfg, emit))
         del engine
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -257,5 +259,40 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
            "kernels": len(kernels),
            "top_kernels_ms": [[n, round(us / 1e3, 3)] for n, us in top],
            "compute_bound_ms": round(bound * 1e3, 2)}
+    emit(row)
+    return row
+
+
+def _triton_cache() -> set[str]:
+    """Names of the kernels in Triton's on-disk cache (one ``NAME.json`` per compiled
+    variant, under a hash directory), as ``hash/NAME``."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    if not root.is_dir():
+        return set()
+    return {f"{p.parent.name[:8]}/{p.stem}" for p in root.glob("*/*.json")
+            if not p.name.startswith("__grp__")}
+
+
+def profile_cold(engine: LLMEngine, args, cfg: MoEModelConfig,
+                 emit: Callable[[dict], None]) -> dict:
+    """What the host does in the first prefill of a composition not seen before
+    (8 x 256 tokens): its wall time beside a warm run, and the host events that took
+    the most time (compilation shows there), to find what compiles on the request path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from elasticep.utils.profile_summary import summarize_spans
+
+    prompts = _prompts(8, min(256, _mix_tokens(cfg) // 8), cfg.vocab_size, seed=11)
+    before = _triton_cache()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cold_s, _ = run_prefill(engine, prompts, args.device)
+    compiled = sorted(_triton_cache() - before)
+    warm_s, _ = run_prefill(engine, prompts, args.device)
+    kernels, host = profile_spans(prof)
+    summary = summarize_spans(kernels, 1, cold_s, host)
+    row = {"section": "prefill_cold_profile", "prompts": len(prompts),
+           "prompt_len": len(prompts[0]), "cold_ms": round(cold_s * 1e3, 2),
+           "warm_ms": round(warm_s * 1e3, 2), "triton_compiled": compiled,
+           "host_top_ms": summary.get("host_top_ms_per_step", [])[:12]}
     emit(row)
     return row
