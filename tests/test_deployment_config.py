@@ -109,3 +109,20 @@ def test_one_stop_trimmer_for_generate_and_the_stream():
 
 def test_exit_codes_are_the_statuses_the_supervisor_reads():
     assert (ExitCode.REMOVED, ExitCode.ERROR, ExitCode.LOST) == (0, 1, 3)
+
+
+def test_the_config_module_sits_below_every_layer():
+    """elastic/ and deploy/ read elasticep.config: it may import nothing of elasticep (and
+    nothing heavy), or a layer below would import upward through it."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    import elasticep.config as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported

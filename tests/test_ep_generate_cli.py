@@ -1,6 +1,7 @@
 """`elasticep generate --ep-size 2` as a user runs it: same output format and tokens as
 --ep-size 1, with the plain Gloo baseline (--elastic-ep-backend none) and the elastic
-backend; a successful run's shutdown logs no failure."""
+backend, and with ranks that run one request at a time; a successful run's shutdown
+logs no failure."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ from _ep_helpers import MODEL, REPO, reference, tokenizer
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.parametrize("backend", ["none", "elastic"])
-def test_generate_ep2_matches_reference(tmp_path, backend):
+@pytest.mark.parametrize("backend, limits", [
+    ("none", []), ("elastic", []),
+    # one request at a time per rank: the third prompt waits in the front-end for room
+    ("elastic", ["--max-running-requests", "1"]),
+])
+def test_generate_ep2_matches_reference(tmp_path, backend, limits):
     ref, _ = reference()
     from _ep_helpers import prompts
 
@@ -24,7 +29,7 @@ def test_generate_ep2_matches_reference(tmp_path, backend):
     f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
     cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(MODEL),
            "--prompts-file", str(f), "--max-tokens", "8", "--ep-size", "2",
-           "--ep-num-redundant-experts", "2", "--elastic-ep-backend", backend]
+           "--ep-num-redundant-experts", "2", "--elastic-ep-backend", backend, *limits]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     # a normal shutdown is no failure: no rank death, failure epoch or lost coordinator

@@ -43,6 +43,8 @@ def _add(group: Group, flag: str, help: str, **kw: object) -> None:
     field = DeploymentConfig.__dataclass_fields__.get(field_of(flag))
     if "default" not in kw and field is not None and kw.get("action") != "store_true":
         kw["default"] = getattr(field.default, "value", field.default)
+    if kw.get("type") is int:
+        kw.setdefault("metavar", "N")
     group.add_argument(flag, help=help, **kw)
 
 
@@ -63,6 +65,7 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     """
     m = p.add_argument_group("model")
     m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
+                   metavar="PATH",
                    help=f"HF checkpoint directory ({', '.join(SUPPORTED_FAMILIES)}); "
                         "default: the embedded demo model")
     _add(m, "--dtype", "weight/activation dtype (default: %(default)s)", choices=DTYPES)
@@ -79,9 +82,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     _add(k, "--mem-fraction-static", "fraction of a GPU's memory for weights and KV cache; "
          "the rest stays for activations, CUDA graphs and exchange buffers. Ranks that share "
          "a GPU (rank r uses GPU r mod the GPU count; --max-ep-size slots counted) split it "
-         f"(CUDA; default: {DEFAULT_MEM_FRACTION_STATIC})", type=float)
-    k.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
-                   default=None,
+         f"(CUDA; default: {DEFAULT_MEM_FRACTION_STATIC})", type=float, metavar="F")
+    k.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests",
+                   type=int, default=None, metavar="N",
                    help="most requests one rank runs at once; the front-end routes no more "
                         "to a rank (default: on CUDA its KV tokens / "
                         f"{KV_TOKENS_PER_REQUEST}, at most {MAX_RUNNING_REQUESTS_CAP}; "
@@ -110,9 +113,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     f = p.add_argument_group("fault tolerance")
     _add(f, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
          "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",
-         type=float)
+         type=float, metavar="S")
     _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
-         "evicted (default: %(default)s)", type=float)
+         "evicted (default: %(default)s)", type=float, metavar="S")
     return {"model": m, "memory and scheduling": k, "expert parallelism": e,
             "fault tolerance": f}
 
