@@ -1,0 +1,100 @@
+"""bench/serving.py over several concurrencies against one server and one engine.
+
+Starting a real-shape deployment (48 layers, graph capture) takes about a minute, and so
+does loading the in-process engine, so a sweep starts `elasticep serve` once, runs the
+served benchmark at each ``--concurrencies`` value C with ``--prompts-per-concurrency``
+x C prompts, stops the server, then loads one ``LLMEngine`` (graphs up to the largest C)
+and runs the same requests at each C. Prints one JSON line per C, in bench/serving.py's
+shape, with ``engine`` and ``served_over_engine`` filled in.
+
+    python -m bench.serving_sweep --concurrencies 1,16,64,256 --device cuda \\
+        --model DIR --load-format dummy --dtype bfloat16 --ignore-eos \\
+        --random-input-len 256 --random-output-len 256 --random-range-ratio 1
+
+Every other flag is bench/serving.py's (``--launch`` is implied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from typing import Any
+
+from bench import serving
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.serving.engine_baseline import kv_tokens_for, load_engine, run_engine
+from elasticep_testkit.serving.metrics import summarize
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], int]:
+    """(bench/serving.py's args, the concurrencies, prompts per concurrency)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.serving_sweep",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrencies", default="1,16,64,256")
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4)
+    ours, rest = ap.parse_known_args(argv)
+    try:
+        cs = [int(x) for x in ours.concurrencies.split(",")]
+    except ValueError:
+        ap.error("--concurrencies takes integers, e.g. 1,16,64,256")
+    if not cs or min(cs) < 1 or ours.prompts_per_concurrency < 1:
+        ap.error("--concurrencies and --prompts-per-concurrency must be >= 1")
+    args = serving.parse_args(["--launch", *rest])
+    if args.stub_engine_steps_per_s is not None:
+        ap.error("the sweep measures a real engine: not with --stub-engine-steps-per-s")
+    return args, cs, ours.prompts_per_concurrency
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; exit 1 if any request failed."""
+    args, cs, per_c = parse(argv)
+    runs: list[tuple[argparse.Namespace, list]] = []
+    for c in cs:
+        a = copy.copy(args)
+        a.max_concurrency, a.num_prompts = c, per_c * c
+        runs.append((a, serving.make_requests(a)))
+    lines: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    serve = ServeProcess.start(serving.serve_args(args), log_dir=args.log_dir)
+    start_s = time.perf_counter() - t0
+    try:
+        for a, requests in runs:
+            line = {"bench": "serving", "commit": serving.commit(),
+                    "max_concurrency": a.max_concurrency, "num_prompts": a.num_prompts,
+                    "random_input_len": a.random_input_len,
+                    "random_output_len": a.random_output_len, "device": a.device,
+                    "serve_args": a.serve_arg, "serve_start_s": round(start_s, 1),
+                    **serving.bench_served(a, serve.url, requests)}
+            print(json.dumps({"served": line}), file=sys.stderr, flush=True)
+            lines.append(line)
+    finally:
+        serve.stop()  # the engine needs the device's memory
+    cap = max(cs)
+    kv = max(kv_tokens_for(req, a.max_concurrency) for a, req in runs)
+    t0 = time.perf_counter()
+    engine = load_engine(args.model, device=args.device, dtype=args.dtype,
+                         load_format=args.load_format, max_concurrency=cap,
+                         max_total_tokens=kv, enable_cuda_graph=not args.disable_cuda_graph)
+    load_s = time.perf_counter() - t0
+    failed = False
+    for line, (a, requests) in zip(lines, runs, strict=True):
+        warm = serving.warmup_requests(a, requests)
+        run_engine(engine, warm, len(warm), True)
+        results, duration = run_engine(engine, requests, a.max_concurrency, a.ignore_eos)
+        line["engine"] = {"max_total_tokens": kv, "load_s": round(load_s, 1),
+                          **summarize(results, duration)}
+        line["served_over_engine"] = serving.ratios(line, line["engine"])
+        text = json.dumps(line)
+        print(text, flush=True)
+        if args.output_file:
+            with open(args.output_file, "a") as f:
+                f.write(text + "\n")
+        failed = failed or bool(line["errors"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
