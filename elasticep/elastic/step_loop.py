@@ -48,7 +48,7 @@ from elasticep.engine.ipc import WorkerChannel
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.engine.serve_loop import apply_messages
-from elasticep.engine.step_rate import StepRateLog
+from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.moe.ep_executor import EPMoEExecutor
@@ -56,11 +56,10 @@ from elasticep.moe.ep_executor import EPMoEExecutor
 logger = logging.getLogger(__name__)
 
 
-def _graph_replays(engine: LLMEngine) -> Callable[[], int] | None:
-    """The engine's replay counter, or None when it captured no decode graphs (CPU,
-    --disable-cuda-graph, a model that cannot be captured)."""
-    graphs = getattr(getattr(engine, "runner", None), "graphs", None)
-    return None if graphs is None else (lambda: graphs.replays)
+def _graph_counters(engine: LLMEngine) -> GraphCounters | None:
+    """The engine's decode-graph counters, or None when it captured no decode graphs
+    (CPU, --disable-cuda-graph, a model that cannot be captured)."""
+    return getattr(getattr(engine, "runner", None), "graphs", None)
 
 
 @dataclass
@@ -190,7 +189,7 @@ class LockstepLoop:
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
-        self.rate = StepRateLog(rank, _graph_replays(engine), log_stats_interval_s)
+        self.rate = StepRateLog(rank, _graph_counters(engine), log_stats_interval_s)
         self.profiler = profiler
 
     # ------------------------------------------------------------------ membership view
