@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from elasticep.engine.request import SamplingParams
 from elasticep.models.config import SamplingDefaults
@@ -153,6 +153,13 @@ class CompletionRequest(_SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None, "best_of": None,
         "suffix": None}
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one_is_the_default(cls, value: int | None) -> int | None:
+        # best_of 1 (one candidate per choice) is what every request gets; SGLang's
+        # bench_serving sends it on every completion
+        return None if value == 1 else value
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, unwrapped from a one-element batch.
