@@ -34,6 +34,7 @@ from elasticep.frontend.openai_protocol import (
     CompletionResponse,
     OpenAIError,
     Usage,
+    completion_chunk_renderer,
     error_body,
     new_id,
     now,
@@ -206,7 +207,8 @@ class OpenAIServing:
                                       choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            return self.sse(stream, "completions", lambda e: chunk(e.text, e.finish_reason),
+            render = completion_chunk_renderer(rid, created, self.model_name)
+            return self.sse(stream, "completions", lambda e: render(e.text, e.finish_reason),
                             _usage_tail(chunk, len(ids), req.include_usage()))
         result = await self.collect(stream, raw, "completions")
         return JSONResponse(CompletionResponse(
