@@ -40,12 +40,13 @@ if TYPE_CHECKING:  # http_server imports this module
     from elasticep.frontend.http_server import ServerConfig
 
 
-def _reject_non_defaults(model: _Strict, defaults: dict[str, Any], prefix: str = "") -> None:
+def _reject_non_defaults(model: _Strict, prefix: str = "") -> None:
     """Raises:
-        OpenAIError: 400 naming the first field whose value is not its only one.
+        OpenAIError: 400 naming the first of ``model.UNSUPPORTED`` whose value is not
+            its field's default (the only value we implement).
     """
-    for name, default in defaults.items():
-        value = getattr(model, name)
+    for name in model.UNSUPPORTED:
+        value, default = getattr(model, name), type(model).model_fields[name].default
         if value != default:
             raise OpenAIError(400, f"{prefix}{name}={value!r} is not supported (only "
                               f"{default!r})", param=f"{prefix}{name}")
@@ -75,11 +76,11 @@ class SglangSamplingParams(_Strict):
     regex: str | None = None
     ebnf: str | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "min_p": 0.0, "min_new_tokens": 0, "n": 1, "frequency_penalty": 0.0,
-        "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop_token_ids": None,
-        "skip_special_tokens": True, "spaces_between_special_tokens": True,
-        "no_stop_trim": False, "json_schema": None, "regex": None, "ebnf": None}
+    # SGLang's fields we do not implement: only their default value is accepted
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "min_p", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "stop_token_ids", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex", "ebnf")
 
 
 class SglangGenerateRequest(_Strict):
@@ -98,9 +99,9 @@ class SglangGenerateRequest(_Strict):
     lora_path: str | None = None
     image_data: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "return_logprob": False, "top_logprobs_num": 0, "return_routed_experts": False,
-        "lora_path": None, "image_data": None}
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "return_logprob", "top_logprobs_num", "return_routed_experts", "lora_path",
+        "image_data")
 
     def prompt(self) -> tuple[str | list[int], str]:
         """The one prompt and the field it came in (unwrapped from a batch of one).
@@ -126,9 +127,9 @@ class SglangGenerateRequest(_Strict):
         Raises:
             OpenAIError: 400 for an unsupported value or a request that does not fit.
         """
-        _reject_non_defaults(self, self.UNSUPPORTED)
+        _reject_non_defaults(self)
         sp = self.sampling_params
-        _reject_non_defaults(sp, sp.UNSUPPORTED, "sampling_params.")
+        _reject_non_defaults(sp, "sampling_params.")
 
         def pick(name: str) -> Any:
             model_value = getattr(defaults, name)
