@@ -138,7 +138,7 @@ def test_bench_against_serve_of_the_demo_model_gives_one_sane_json_line(tmp_path
     code, line, err = run_bench(
         "--launch", "--num-prompts", "6", "--max-concurrency", "3", "--random-input-len",
         "16", "--random-output-len", "8", "--random-range-ratio", "1", "--ignore-eos",
-        "--output-file", str(out))
+        "--output-file", str(out), "--engine-baseline")
     assert code == 0, err[-2000:]
     assert (line["completed"], line["errors"]) == (6, 0)
     assert line["total_output_tokens"] == 6 * 8
@@ -150,6 +150,16 @@ def test_bench_against_serve_of_the_demo_model_gives_one_sane_json_line(tmp_path
     assert line["output_throughput"] == pytest.approx(48 / line["duration_s"], rel=0.01)
     assert line["commit"] and line["model"] == "tiny-qwen3-moe"
     assert json.loads(out.read_text().splitlines()[-1]) == line
+    # the same requests through the in-process engine, 3 at a time
+    engine = line["engine"]
+    assert (engine["completed"], engine["errors"]) == (6, 0)
+    assert engine["total_output_tokens"] == 6 * 8
+    assert engine["total_input_tokens"] == line["total_input_tokens"]  # the same prompts
+    assert 0 < engine["concurrency"] <= 3
+    ratios = line["served_over_engine"]
+    assert ratios["output_throughput"] == pytest.approx(
+        line["output_throughput"] / engine["output_throughput"], abs=0.002)
+    assert ratios["median_tpot_ms"] > 0
 
 
 @pytest.mark.slow
