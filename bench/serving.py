@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--ignore-eos", action="store_true")
     d.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds without progress before a request counts as an error")
+                   help="seconds one request may take before it counts as an error")
     o = ap.add_argument_group("output")
     o.add_argument("--output-file", default=None, help="append the JSON line here too")
     o.add_argument("--engine-baseline", action="store_true",
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         stub_dir = (serve.log_path.parent if args.stub_engine_steps_per_s is not None
                     else None)
         line.update(bench_served(args, base_url, requests, stub_dir))
-    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+    except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench/serving.py: error: {exc}", file=sys.stderr)
         return 1
     finally:

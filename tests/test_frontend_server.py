@@ -8,23 +8,21 @@ import json
 import os
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from _frontend_live import engine_server, wait_for
 from transformers import AutoTokenizer
 
 from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
-from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
-from elasticep.engine.serve_loop import run_engine_worker
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.incremental_text import IncrementalText
-from elasticep.frontend.membership import ConnectedWorkers, ScaleInProgressError
+from elasticep.frontend.membership import ScaleInProgressError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,54 +62,28 @@ def demo_with(dst: Path, name: str, **changes) -> Path:
     return dst
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """Server with a chat-template model, an api key and one engine worker thread."""
     model_dir = make_chat_model(tmp_path_factory.mktemp("m") / "tiny-chat")
-    engine = LLMEngine.from_pretrained(model_dir, progress=False,
-                                       config=EngineConfig(max_total_tokens=1024))
-    channel = FrontendChannel()
-    server, frontend = create_server(model_dir, channel, ConnectedWorkers(lambda: channel.connected),
-                                     served_model_name=NAME, api_key=API_KEY)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     greedy = SamplingParams(max_tokens=MAX_TOKENS)
     chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     prompts.append(tokenizer.encode(chat_text, add_special_tokens=False))
-    refs = engine.generate(prompts, [greedy] * len(prompts))  # before the worker owns it
-    ref_texts = [tokenizer.decode(r, skip_special_tokens=True) for r in refs]
 
-    stop = threading.Event()
+    def references(engine):  # before the worker owns the engine
+        return engine.generate(prompts, [greedy] * len(prompts))
 
-    def work() -> None:
-        wc = WorkerChannel(channel.endpoints, rank=0)
-        try:
-            run_engine_worker(engine, wc, 0, stop)
-        finally:
-            wc.close()
-
-    worker = threading.Thread(target=work, name="engine-worker", daemon=True)
-    worker.start()
-    server.start()
-    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                        timeout=30)
-    wait_for(lambda: http.get("/health").status_code == 200, 20, "a healthy rank")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                           timeout=60)
-    yield {"server": server, "frontend": frontend, "http": http, "client": client,
-           "refs": refs, "ref_texts": ref_texts, "engine": engine}
-    server.stop()
-    stop.set()
-    worker.join(10)
-    channel.close()
+    with engine_server(model_dir, NAME, api_key=API_KEY, prepare=references) as (
+            server, frontend, engine, refs):
+        ref_texts = [tokenizer.decode(r, skip_special_tokens=True) for r in refs]
+        http = httpx.Client(base_url=server.url,
+                            headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                               timeout=60)
+        yield {"server": server, "frontend": frontend, "http": http, "client": client,
+               "refs": refs, "ref_texts": ref_texts, "engine": engine}
 
 
 def test_greedy_completion_equals_engine_output(live):

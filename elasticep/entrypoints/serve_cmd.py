@@ -63,7 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model directory's name)")
+                   help="the model name clients send (default: --model as given, as in "
+                        "SGLang and vLLM, so clients that load the tokenizer from the "
+                        "served name find it)")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
     return p
@@ -122,7 +124,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
         membership = deployment.membership(lambda: channel.connected)
-        name = args.served_model_name or Path(dep.model).name
+        # --model as given: SGLang's bench_serving loads its tokenizer from this name
+        name = args.served_model_name or dep.model
         try:
             server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,

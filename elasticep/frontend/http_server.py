@@ -42,6 +42,7 @@ from elasticep.frontend.openai_protocol import (
     error_body,
 )
 from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.wait import wait_until
@@ -61,6 +62,7 @@ class ServerConfig:
             the fields a request leaves unset.
         api_key: if set, every endpoint but ``/health`` needs
             ``Authorization: Bearer <api_key>``.
+        model_path: the checkpoint directory (SGLang's ``/get_model_info`` names it).
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
         port: TCP port; 0 picks a free one.
     """
@@ -71,11 +73,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    model_path: str = ""
 
 
 OPEN_PATHS = frozenset({"/health"})
 # metric label per routed path: the same names the finished requests use
-_ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                    "/generate": "generate"}
 
 
 class ApiKeyMiddleware:
@@ -189,6 +193,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
+    add_sglang_routes(app, serving, config)  # /generate, /get_server_info, /get_model_info
+
     model_card = {"id": config.model_name, "object": "model", "created": created,
                   "owned_by": "elasticep", "max_model_len": config.max_model_len}
 
@@ -284,7 +290,8 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                         config=frontend_config)
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
-                          sampling_defaults=model_config.sampling_defaults)
+                          sampling_defaults=model_config.sampling_defaults,
+                          model_path=str(model_path))
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port), frontend
 

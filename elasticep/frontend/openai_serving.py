@@ -34,6 +34,7 @@ from elasticep.frontend.openai_protocol import (
     CompletionResponse,
     OpenAIError,
     Usage,
+    completion_chunk_renderer,
     error_body,
     new_id,
     now,
@@ -126,23 +127,33 @@ class OpenAIServing:
                                  ) -> tuple[list[int], SamplingParams]:
         self.check_model(req.model)
         req.check_supported()
-        prompt = req.single_prompt()
+        ids = await self.encode_prompt(req.single_prompt(), "prompt")
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
+        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+
+    async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
+        """The token ids of a text prompt (tokenized off the event loop) or of an id list
+        (checked against the vocabulary).
+
+        Raises:
+            OpenAIError: 400 naming ``param`` for invalid Unicode, a text prompt to a
+                model without a tokenizer, an id out of range, or an empty prompt.
+        """
         if isinstance(prompt, str):
-            _check_unicode(prompt, "prompt")
+            _check_unicode(prompt, param)
             try:
                 ids = list(await self._off_loop(self.tokenizer.encode, prompt))
             except NoTokenizerError as exc:
-                raise OpenAIError(400, str(exc), param="prompt") from None
+                raise OpenAIError(400, str(exc), param=param) from None
         else:
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
-                raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})",
-                                  param="prompt")
+                raise OpenAIError(400, f"{param} token ids must be in [0, {vocab})",
+                                  param=param)
             ids = list(prompt)
         if not ids:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+            raise OpenAIError(400, f"{param} must not be empty", param=param)
+        return ids
 
     async def _chat_inputs(self, req: ChatCompletionRequest,
                            ) -> tuple[list[int], SamplingParams]:
@@ -170,7 +181,12 @@ class OpenAIServing:
                               param="messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+        """Route a request; the stream of its events (close it: see ``Frontend.submit``).
+
+        Raises:
+            OpenAIError: 503 with no healthy rank, 409 for a request id in flight.
+        """
         try:
             return self.frontend.submit(request_id, ids, params)
         except NoRankAvailableError as exc:
@@ -183,7 +199,7 @@ class OpenAIServing:
         """POST /v1/completions."""
         ids, params = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
-        stream = self._submit(rid, ids, params)
+        stream = self.submit(rid, ids, params)
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
             choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
@@ -191,8 +207,10 @@ class OpenAIServing:
                                       choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            return self._sse(stream, len(ids), req.include_usage(), "completions", chunk)
-        result = await self._collect(stream, raw, "completions")
+            render = completion_chunk_renderer(rid, created, self.model_name)
+            return self.sse(stream, "completions", lambda e: render(e.text, e.finish_reason),
+                            _usage_tail(chunk, len(ids), req.include_usage()))
+        result = await self.collect(stream, raw, "completions")
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name,
             choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
@@ -202,7 +220,7 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         ids, params = await self._chat_inputs(req)
         rid, created = new_id("chatcmpl"), now()
-        stream = self._submit(rid, ids, params)
+        stream = self.submit(rid, ids, params)
         first = [True]
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
@@ -216,8 +234,9 @@ class OpenAIServing:
                                        choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            return self._sse(stream, len(ids), req.include_usage(), "chat", chunk)
-        result = await self._collect(stream, raw, "chat")
+            return self.sse(stream, "chat", lambda e: chunk(e.text, e.finish_reason),
+                            _usage_tail(chunk, len(ids), req.include_usage()))
+        result = await self.collect(stream, raw, "chat")
         message = ChatDelta(role="assistant", content=result.text)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
@@ -225,8 +244,11 @@ class OpenAIServing:
             usage=_usage(len(ids), result.num_tokens)).model_dump())
 
     # ---- plumbing ------------------------------------------------------------------
-    def _sse(self, stream: RequestStream, prompt_len: int, include_usage: bool, endpoint: str,
-             chunk: Any) -> StreamingResponse:
+    def sse(self, stream: RequestStream, endpoint: str, render: Callable[[RequestEvent], str],
+            tail: Callable[[int], str | None] = lambda _: None) -> StreamingResponse:
+        """An SSE response: ``render(event)`` per token event, an error chunk if the
+        request fails, ``tail(tokens)`` (if not None) once it finished, then ``[DONE]``.
+        ``endpoint`` labels the request metric."""
         metrics = self.frontend.metrics
 
         async def body() -> AsyncIterator[str]:
@@ -239,11 +261,12 @@ class OpenAIServing:
                             yield _sse_line(_error_json(event))
                             break
                         num_tokens = event.num_generated
-                        yield _sse_line(chunk(event.text, event.finish_reason))
+                        yield _sse_line(render(event))
                         if event.finish_reason is not None:
                             outcome = "finished"
-                if include_usage and outcome == "finished":
-                    yield _sse_line(chunk("", None, _usage(prompt_len, num_tokens)))
+                last = tail(num_tokens) if outcome == "finished" else None
+                if last is not None:
+                    yield _sse_line(last)
                 yield "data: [DONE]\n\n"
             finally:
                 metrics.requests.labels(endpoint, outcome).inc()
@@ -251,7 +274,7 @@ class OpenAIServing:
         return DisconnectAwareStreamingResponse(body(), media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
 
-    async def _collect(self, stream: RequestStream, raw: Request, endpoint: str) -> _Result:
+    async def collect(self, stream: RequestStream, raw: Request, endpoint: str) -> _Result:
         """Gather a whole result, aborting the request if the client disconnects."""
 
         async def gather() -> _Result:
@@ -299,6 +322,12 @@ def _check_unicode(text: str, param: str) -> None:
     problem = unicode_problem(text)
     if problem:
         raise OpenAIError(400, f"{param} {problem}", param=param)
+
+
+def _usage_tail(chunk: Callable[..., str], prompt_len: int,
+                include_usage: bool) -> Callable[[int], str | None]:
+    """The usage chunk after the last token, when the request asked for it."""
+    return lambda n: chunk("", None, _usage(prompt_len, n)) if include_usage else None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:

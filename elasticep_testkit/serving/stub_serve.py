@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = FrontendChannel(host=args.host)
     server, _ = create_server(args.model, channel,
                               ConnectedWorkers(lambda: channel.connected, args.ep_size),
-                              served_model_name=Path(args.model).name, host=args.host,
+                              served_model_name=args.model, host=args.host,
                               port=args.port, max_total_tokens=args.max_total_tokens)
     ctx = multiprocessing.get_context("spawn")
     ranks = [ctx.Process(target=rank_main, name=f"stub-rank{r}",

@@ -1,0 +1,212 @@
+"""SGLang's native API on the front-end: ``POST /generate``, ``GET /get_server_info`` and
+``GET /get_model_info``, in SGLang's shapes, so SGLang's clients (``bench_serving
+--backend sglang``, its ``RuntimeEndpoint``) work against ``serve`` unchanged.
+
+``/generate`` takes one prompt (``text`` or ``input_ids``) and ``sampling_params``
+(``max_new_tokens``, default 128 as SGLang's; ``temperature``, ``top_p``, ``top_k`` (-1
+disables), ``stop``, ``ignore_eos``, ``sampling_seed``). Fields SGLang has but we do not
+implement accept only their default value; anything else is a 400 naming the field.
+The answer is ``{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency"}}``; streamed (``"stream": true``),
+one such object per token as ``data: {...}`` with the text so far (SGLang's default,
+non-incremental output), then ``data: [DONE]``. ``finish_reason`` is None while running,
+else ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": None}`` (which
+stop condition matched is not reported by the ranks) or ``{"type": "abort", "message"}``.
+Errors are OpenAI error JSON, as on the rest of the server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from elasticep import __version__
+from elasticep.engine.request import SamplingParams
+from elasticep.frontend.openai_protocol import (
+    OpenAIError,
+    _Strict,
+    new_id,
+    resolve_max_tokens,
+)
+from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.request_tracker import RequestEvent
+
+if TYPE_CHECKING:  # http_server imports this module
+    from elasticep.frontend.http_server import ServerConfig
+
+
+def _reject_non_defaults(model: _Strict, prefix: str = "") -> None:
+    """Raises:
+        OpenAIError: 400 naming the first of ``model.UNSUPPORTED`` whose value is not
+            its field's default (the only value we implement).
+    """
+    for name in model.UNSUPPORTED:
+        value, default = getattr(model, name), type(model).model_fields[name].default
+        if value != default:
+            raise OpenAIError(400, f"{prefix}{name}={value!r} is not supported (only "
+                              f"{default!r})", param=f"{prefix}{name}")
+
+
+class SglangSamplingParams(_Strict):
+    """``sampling_params`` of ``/generate``, named as SGLang's."""
+
+    max_new_tokens: int | None = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    # SGLang's fields we do not implement: only their default value is accepted
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "min_p", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "stop_token_ids", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex", "ebnf")
+
+
+class SglangGenerateRequest(_Strict):
+    """``POST /generate``: one prompt, as ``text`` or ``input_ids``."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SglangSamplingParams = Field(default_factory=SglangSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    lora_path: str | None = None
+    image_data: Any = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "return_logprob", "top_logprobs_num", "return_routed_experts", "lora_path",
+        "image_data")
+
+    def prompt(self) -> tuple[str | list[int], str]:
+        """The one prompt and the field it came in (unwrapped from a batch of one).
+
+        Raises:
+            OpenAIError: 400 for neither or both fields, or a batch of several.
+        """
+        if (self.text is None) == (self.input_ids is None):
+            raise OpenAIError(400, "send exactly one of text and input_ids", param="text")
+        param = "text" if self.text is not None else "input_ids"
+        prompt: Any = self.text if self.text is not None else self.input_ids
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "only one prompt per request is supported",
+                                  param=param)
+            prompt = prompt[0]
+        return prompt, param
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int,
+                           defaults: Any) -> SamplingParams:
+        """Engine sampling params; the model's generation_config fills unsent fields.
+
+        Raises:
+            OpenAIError: 400 for an unsupported value or a request that does not fit.
+        """
+        _reject_non_defaults(self)
+        sp = self.sampling_params
+        _reject_non_defaults(sp, "sampling_params.")
+
+        def pick(name: str) -> Any:
+            model_value = getattr(defaults, name)
+            if name in sp.model_fields_set or model_value is None:
+                return getattr(sp, name)
+            return model_value
+
+        stop = () if sp.stop is None else (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
+        params = SamplingParams(
+            max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len),
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
+            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+        return params
+
+
+def finish_reason(reason: str | None, num_tokens: int, error: str | None = None,
+                  ) -> dict[str, Any] | None:
+    """SGLang's ``meta_info.finish_reason`` for one of ours (pure)."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": num_tokens}
+    if reason == "stop":
+        return {"type": "stop", "matched": None}
+    return {"type": "abort", "message": error or "aborted"}
+
+
+def add_sglang_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
+    """Register ``/generate``, ``/get_server_info`` and ``/get_model_info`` on ``app``."""
+
+    @app.post("/generate")
+    async def generate(req: SglangGenerateRequest, raw: Request) -> Response:
+        prompt, param = req.prompt()
+        ids = await serving.encode_prompt(prompt, param)
+        params = req.to_sampling_params(len(ids), serving.max_model_len,
+                                        serving.sampling_defaults)
+        rid = req.rid or new_id("gen")
+        start = time.perf_counter()
+        stream = serving.submit(rid, ids, params)
+
+        def meta(num_tokens: int, reason: str | None) -> dict[str, Any]:
+            return {"id": rid, "finish_reason": finish_reason(reason, num_tokens),
+                    "prompt_tokens": len(ids), "completion_tokens": num_tokens,
+                    "cached_tokens": 0, "e2e_latency": round(time.perf_counter() - start, 6)}
+
+        if req.stream:
+            parts: list[str] = []
+
+            def render(event: RequestEvent) -> str:
+                parts.append(event.text)
+                return json.dumps({"text": "".join(parts),
+                                   "meta_info": meta(event.num_generated, event.finish_reason)})
+
+            return serving.sse(stream, "generate", render)
+        result = await serving.collect(stream, raw, "generate")
+        return JSONResponse({"text": result.text,
+                             "meta_info": meta(result.num_tokens, result.finish_reason)})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": config.model_path, "tokenizer_path": config.model_path,
+                "served_model_name": config.model_name, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        status = serving.frontend.status()
+        return {"model_path": config.model_path, "tokenizer_path": config.model_path,
+                "served_model_name": config.model_name, "context_length": config.max_model_len,
+                "tp_size": 1, "dp_size": 1,
+                "ep_size": status.ep_size, "max_ep_size": status.max_ep_size,
+                "epoch": status.epoch, "version": f"elasticep {__version__}",
+                # SGLang lists per-scheduler states here (speculative acceptance, ...);
+                # we have none: clients read an empty list as "no such figures"
+                "internal_states": []}
