@@ -227,6 +227,13 @@ class LockstepLoop:
                     remove[r] = 1
         return admit, remove
 
+    def step_request_ids(self) -> list[str]:
+        """The requests a raising step may be blamed on: the pending batch's, or (the
+        raise came before a batch was scheduled) every request the engine holds."""
+        if self.pending is not None:
+            return [it.seq.request_id for it in self.pending.items]
+        return self.engine.request_ids()
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Serve until the process is killed, removed, or the coordinator is lost.
@@ -275,6 +282,8 @@ class LockstepLoop:
             self.pending = self.engine.schedule()
         step = self.stats.steps
         self.faults.at_step(step)
+        if self.faults.poison_seeds:
+            self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
         with agreed_max_tokens(self.ep, h.max_tokens):
             tokens = self.engine.execute(self.pending)
         commit = torch.tensor([step], dtype=torch.int64)

@@ -31,6 +31,7 @@ from elasticep.engine.ipc import (
     OutputBatch,
     RankUnreachableError,
     RequestError,
+    StepFailed,
     WorkerMessage,
 )
 from elasticep.engine.request import GenerateRequest, SamplingParams
@@ -273,6 +274,8 @@ class Frontend:
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
         elif isinstance(msg, RequestError):
             self.tracker.on_error(msg.rank, msg.request_id, msg.message)
+        elif isinstance(msg, StepFailed):
+            self._dispatch(self.tracker.on_step_failed(msg.rank, msg.request_ids, msg.message))
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()
