@@ -33,6 +33,7 @@ from elasticep.frontend.membership import (
     MembershipSource,
     ScaleInProgressError,
     ScaleNotSupportedError,
+    ScaleRefusedError,
 )
 from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
@@ -239,6 +240,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
             result = await frontend.scale(req.new_ep_size)
         except ScaleInProgressError as exc:
             raise OpenAIError(409, str(exc), code="scale_in_progress") from exc
+        except ScaleRefusedError as exc:
+            raise OpenAIError(409, str(exc), code="scale_refused") from exc
         except (ScaleNotSupportedError, ValueError) as exc:
             raise OpenAIError(400, str(exc), param="new_ep_size") from exc
         except asyncio.TimeoutError as exc:
