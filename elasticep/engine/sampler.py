@@ -147,6 +147,16 @@ def filter_logits(
     return x
 
 
+def _check_rows(logits: torch.Tensor, *per_row: Sequence[object]) -> int:
+    """The batch size ``B``; raises ValueError unless every per-row list has ``B`` items."""
+    B = logits.shape[0]
+    params, request_ids, token_indices = per_row
+    if not len(params) == len(request_ids) == len(token_indices) == B:
+        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
+                         f"and {len(token_indices)} token indices")
+    return B
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor to ``device`` without blocking the host on CUDA (pinned, async)."""
     if device.type == "cuda":
@@ -176,10 +186,7 @@ def sample_batch_tensor(
     Raises:
         ValueError: the per-row lists do not match the batch size.
     """
-    B = logits.shape[0]
-    if not len(params) == len(request_ids) == len(token_indices) == B:
-        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
-                         f"and {len(token_indices)} token indices")
+    _check_rows(logits, params, request_ids, token_indices)
     ids = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if not rows:
@@ -224,10 +231,7 @@ def sample_batch(
     Raises:
         ValueError: the per-row lists do not match the batch size.
     """
-    B = logits.shape[0]
-    if not len(params) == len(request_ids) == len(token_indices) == B:
-        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
-                         f"and {len(token_indices)} token indices")
+    B = _check_rows(logits, params, request_ids, token_indices)
     try:
         return sample_batch_tensor(logits, params, request_ids, token_indices).tolist()
     except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, fail only those
