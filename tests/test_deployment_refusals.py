@@ -1,8 +1,13 @@
 """Requests that would empty the deployment are refused (issue 30, item 4): a scale-down
-that keeps no healthy rank gets a 409 with one line."""
+that keeps no healthy rank gets a 409 with one line, and a node whose ``--nnodes`` or
+``--ep-size`` disagrees with node 0's exits 2 at once, naming both values."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -12,8 +17,11 @@ from elasticep.distributed.errors import ScaleRefusedError
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.scaling import ScaleTarget
 from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import FrontendChannel
+from elasticep.entrypoints.serve_cmd import layout_mismatch
 from elasticep.frontend.http_server import create_server
+from elasticep_testkit.harness.serve_process import cli_command, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,3 +79,47 @@ def test_http_answers_409_with_one_line():
     finally:
         server.stop()
         channel.close()
+
+
+# ---- a node whose layout disagrees with node 0's ----------------------------------------
+def test_layout_mismatch_names_both_values():
+    node0 = DeploymentConfig(model="m", ep_size=4, max_ep_size=4, nnodes=2)
+    assert layout_mismatch(replace(node0), node0, "h:1") is None
+    assert layout_mismatch(replace(node0, nnodes=4), node0, "h:1") == (
+        "--nnodes 4 disagrees with node 0's --nnodes 2 (the deployment at h:1); start "
+        "every node with the same --nnodes")
+    assert layout_mismatch(replace(node0, ep_size=8), node0, "h:1").startswith(
+        "--ep-size 8 disagrees with node 0's --ep-size 4")
+
+
+@pytest.mark.timeout(180)
+def test_a_node_with_another_nnodes_is_refused_at_once(tmp_path):
+    coord = f"127.0.0.1:{free_port()}"
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1)]  # noqa: SIM115
+    node0 = subprocess.Popen(cli_command("serve", "--ep-size", "4", "--nnodes", "2",
+                                         "--node-rank", "0", "--dist-init-addr", coord,
+                                         "--port", str(free_port()), "--log-dir",
+                                         str(tmp_path)),
+                             stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        node1 = subprocess.run(cli_command("serve", "--ep-size", "4", "--nnodes", "4",
+                                           "--node-rank", "1", "--dist-init-addr", coord,
+                                           "--coordinator-timeout", "60"),
+                               capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+        assert node1.returncode == 2, node1.stdout + node1.stderr
+        lines = [ln for ln in node1.stderr.splitlines() if ln.strip()]
+        assert lines[-1] == (f"elasticep serve: error: node 1: --nnodes 4 disagrees with "
+                             f"node 0's --nnodes 2 (the deployment at {coord}); start every "
+                             "node with the same --nnodes"), node1.stderr
+        assert "ready:" not in node1.stdout and took < 100
+    finally:
+        node0.send_signal(signal.SIGINT)
+        try:
+            node0.wait(60)
+        except subprocess.TimeoutExpired:
+            node0.kill()
+            node0.wait(10)
+        for f in logs:
+            f.close()

@@ -42,6 +42,8 @@ class DeploymentConfig:
             the graph pieces).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+        nnodes: nodes the launch cohort is split over (``serve --nnodes``), so that the
+            other nodes can refuse a layout that disagrees with node 0's.
     """
 
     model: str
@@ -64,6 +66,7 @@ class DeploymentConfig:
     load_format: str = "auto"
     disable_cuda_graph: bool = False
     log_stats_interval_s: float = 10.0
+    nnodes: int = 1
 
     def to_json(self) -> str:
         """Serialise for the coordinator store."""

@@ -183,7 +183,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         elastic_ep_backend=args.elastic_ep_backend, max_total_tokens=args.max_total_tokens,
         heartbeat_timeout_s=args.heartbeat_timeout, load_format=args.load_format,
         disable_cuda_graph=args.disable_cuda_graph,
-        log_stats_interval_s=args.log_stats_interval)
+        log_stats_interval_s=args.log_stats_interval, nnodes=args.nnodes)
     return ServeSettings(
         deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,

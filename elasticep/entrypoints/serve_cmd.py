@@ -33,6 +33,7 @@ from elasticep.deploy.supervisor import (
 )
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.config import DeploymentConfig
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -253,6 +254,24 @@ def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
     return f"{names} in the running deployment at {address}{hint}"
 
 
+def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: str,
+                    ) -> str | None:
+    """Why this node's ``--nnodes`` / ``--ep-size`` cannot join node 0's launch, or None
+    (pure). A node with another split would launch ranks node 0 does not wait for (or
+    none of the ones it does), and node 0 would fail a minute later for an unrelated
+    reason ("inner group not built in time").
+
+    Returns:
+        One line naming both values of the first flag that differs.
+    """
+    for flag, field in (("--nnodes", "nnodes"), ("--ep-size", "ep_size")):
+        ours, theirs = getattr(mine, field), getattr(node0, field)
+        if ours != theirs:
+            return (f"{flag} {ours} disagrees with node 0's {flag} {theirs} (the deployment "
+                    f"at {address}); start every node with the same {flag}")
+    return None
+
+
 def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 fault: str | None) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
@@ -266,6 +285,11 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:
+        mismatch = layout_mismatch(settings.deployment, dep, address)
+        if mismatch:
+            print(f"elasticep serve: error: node {settings.node_rank}: {mismatch}",
+                  file=sys.stderr)
+            return 2
         taken = ranks_in_use(deployment.deployment_status(), ranks, address,
                              settings.node_rank)
         if taken:
