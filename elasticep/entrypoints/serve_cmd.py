@@ -107,7 +107,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
-    deployment = server = None
+    deployment = server = frontend = None
     try:
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
@@ -147,6 +147,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
+        if frontend is not None:  # open streams end with an error event, not a cut
+            frontend.shut_down("the server is shutting down", STREAM_GRACE_S)
         if server is not None:
             server.stop()
         if deployment is not None:
@@ -163,6 +165,9 @@ def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
         return f"{head}; its log is empty"
     return f"{head}; its log ends with:\n{log_tail}"
 
+
+# How long open streams may still finish once serve is asked to stop (seconds).
+STREAM_GRACE_S = 5.0
 
 # Start-up has no deadline (a large checkpoint may load for many minutes), so a rank
 # that makes no progress is named on stderr after this long instead.

@@ -1,11 +1,14 @@
-"""A poison request through a real `elasticep serve --ep-size 2 --restart-failed-ranks`
-(issue 30, item 1).
+"""A poison request, then a Ctrl-C, through a real `elasticep serve --ep-size 2
+--restart-failed-ranks` (issue 30, items 1 and 5).
 
 ``ELASTICEP_FAULT=raise:seed=666`` makes the step of any rank that runs a request with
 seed 666 raise (relaunched ranks inherit it, as they would meet a real poison request
 again). The request crashes its rank, is retried once on the other, crashes that one
 too and then fails with a 500 naming both ranks; the relaunched ranks get nothing back,
 the deployment comes back whole and serves the fault-free text.
+
+Then Ctrl-C of serve while streams are open: after the grace period they end with an
+error event saying why, not with a cut connection.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 
 import openai
 import pytest
-from _serve_fixtures import MAX_TOKENS, PROMPTS, start_serve, stream
+from _serve_fixtures import MAX_TOKENS, PROMPTS, burst, start_serve, stream
 
 from elasticep.distributed.membership import SlotState
 
@@ -54,3 +57,14 @@ def test_poison_fails_after_one_retry_and_the_deployment_recovers(serve):
     # the relaunched ranks were not handed the poison back: the same processes serve
     assert {r.rank: r.pid for r in serve.status().ranks[:2]} == new_pids
     assert "request aborted" not in serve.tail(1 << 20)
+
+
+def test_ctrl_c_ends_open_streams_with_an_error_event(serve):
+    """Runs last: it stops the module's deployment."""
+    b = burst(serve, PROMPTS[:3], 900)  # far longer than the 5 s grace on 2 cores
+    assert b.wait_tokens(3 * 4, 60), f"only {b.tokens()} tokens arrived"
+    assert serve.interrupt(timeout_s=60) == 130
+    records = b.results(30)
+    assert all(r.error is not None and "the server is shutting down" in r.error
+               for r in records), [r.error for r in records]
+    assert all(4 <= len(r.token_times) < 900 for r in records)
