@@ -127,7 +127,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,
                 api_key=settings.api_key, host=settings.host, port=settings.port,
-                max_total_tokens=dep.max_total_tokens)
+                max_total_tokens=dep.max_total_tokens,
+                max_payload_size=settings.max_payload_size)
         except OSError as exc:
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
