@@ -40,6 +40,14 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "elasticep.elastic.worker"
 
 
+EXIT_REMOVED = 0  # a worker's status after a planned removal (elastic/worker.py)
+
+
+def exit_log_level(code: int) -> int:
+    """INFO for a worker that left after a planned removal, WARNING for any other exit."""
+    return logging.INFO if code == EXIT_REMOVED else logging.WARNING
+
+
 def publish_config(coordinator: str, config: DeploymentConfig) -> None:
     """Node 0: make the settings, and the initial target size, known to every later rank
     and joiner.
@@ -181,7 +189,9 @@ class RankLauncher:
             stopping = self._stopping
         if stopping:
             return
-        logger.warning("%s: rank %d (pid %d) exited with %d", self.label, rank, proc.pid, code)
+        logger.log(exit_log_level(code), "%s: rank %d (pid %d) exited with %d%s", self.label,
+                   rank, proc.pid, code,
+                   " after a planned removal" if code == EXIT_REMOVED else "")
         try:
             self.call("report_death", rank, pid=proc.pid)
         except (ValueError, OSError, TimeoutError) as exc:

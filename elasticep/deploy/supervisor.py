@@ -32,12 +32,11 @@ import time
 from collections import Counter
 
 from elasticep.deploy.deployment import Deployment
-from elasticep.deploy.launcher import RankExit
+from elasticep.deploy.launcher import EXIT_REMOVED, RankExit
 from elasticep.distributed.membership import SlotState
 
 logger = logging.getLogger(__name__)
 
-EXIT_REMOVED = 0  # the worker's status after a planned removal
 
 
 class CoordinatorUnreachableError(ConnectionError):
