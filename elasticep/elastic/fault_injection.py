@@ -9,6 +9,8 @@ Spec (``ELASTICEP_FAULT`` environment variable, or ``WorkerConfig.fault``)::
     kill:rank=2:admit=1            # rank 2 dies in the 1st admission it takes part in
                                    #     as a survivor, after the placement is shared
                                    #     and before the joiners' experts arrive
+    kill:rank=2:admit_start=1      # ... in its 1st admission, before the placement is
+                                   #     shared (the joiners are members by then)
     kill:rank=2:loading            # rank 2 dies while loading: its weights are read,
                                    #     it has not registered with the coordinator
     raise:seed=666                 # any rank whose step holds a request with seed 666
@@ -45,8 +47,9 @@ class PoisonFault(RuntimeError):
 @dataclass(frozen=True)
 class FaultSpec:
     """One parsed fault: ``rank`` dies at ``step`` (optionally at MoE ``layer``), in its
-    ``admit``-th admission, or while ``loading`` (then ``step`` is None); or, with
-    ``poison_seed`` set (``rank`` None), a step holding a request of that seed raises."""
+    ``admit``-th admission (after the placement is shared; ``admit_start``: before), or
+    while ``loading`` (then ``step`` is None); or, with ``poison_seed`` set (``rank``
+    None), a step holding a request of that seed raises."""
 
     rank: int | None
     step: int | None
@@ -54,11 +57,13 @@ class FaultSpec:
     admit: int | None = None
     loading: bool = False
     poison_seed: int | None = None
+    admit_start: int | None = None
 
 
 def parse_faults(text: str | None) -> list[FaultSpec]:
     """Parse ``"kill:rank=R:step=S[:layer=L]"`` / ``"kill:rank=R:admit=N"`` /
-    ``"kill:rank=R:loading"`` / ``"raise:seed=N"`` specs joined by commas.
+    ``"kill:rank=R:admit_start=N"`` / ``"kill:rank=R:loading"`` / ``"raise:seed=N"``
+    specs joined by commas.
 
     Returns:
         The specs, in order; empty for None or "".
@@ -83,18 +88,18 @@ def parse_faults(text: str | None) -> list[FaultSpec]:
             if f == "loading":
                 continue
             key, sep, value = f.partition("=")
-            if not sep or key not in ("rank", "step", "layer", "admit"):
+            if not sep or key not in ("rank", "step", "layer", "admit", "admit_start"):
                 raise ValueError(f"fault spec {part!r}: bad field {f!r}")
             try:
                 kv[key] = int(value)
             except ValueError:
                 raise ValueError(f"fault spec {part!r}: {key} must be an integer") from None
-        if "rank" not in kv or ("step" in kv) + ("admit" in kv) + loading != 1 or (
-                "layer" in kv and "step" not in kv):
+        whens = ("step" in kv) + ("admit" in kv) + ("admit_start" in kv) + loading
+        if "rank" not in kv or whens != 1 or ("layer" in kv and "step" not in kv):
             raise ValueError(f"fault spec {part!r}: needs rank= and one of step= "
-                             f"(optionally with layer=), admit= or loading")
+                             f"(optionally with layer=), admit=, admit_start= or loading")
         specs.append(FaultSpec(kv["rank"], kv.get("step"), kv.get("layer"), kv.get("admit"),
-                               loading))
+                               loading, admit_start=kv.get("admit_start")))
     return specs
 
 
@@ -116,7 +121,8 @@ def _parse_poison(part: str, fields: list[str]) -> FaultSpec:
 class FaultInjector:
     """Fires this rank's faults. Call :meth:`at_loading` between reading the weights and
     registering, :meth:`at_step` before each step's forward, :meth:`at_layer` when a MoE
-    layer is entered and :meth:`at_admit` mid-admission.
+    layer is entered, :meth:`at_admit_start` and :meth:`at_admit` before and after an
+    admission shares the placement.
 
     Args:
         rank: this process's rank; specs for other ranks are ignored.
@@ -129,6 +135,7 @@ class FaultInjector:
         self.poison_seeds = {s.poison_seed for s in specs if s.poison_seed is not None}
         self.step = -1
         self.admissions = 0
+        self.admission_starts = 0
 
     @classmethod
     def from_config(cls, rank: int, fault: str | None) -> FaultInjector:
@@ -167,6 +174,12 @@ class FaultInjector:
         """Enter MoE layer ``layer`` of the current step; dies if a spec matches."""
         if any(s.step == self.step and s.layer == layer for s in self.specs):
             self._die(f"step {self.step} layer {layer}")
+
+    def at_admit_start(self) -> None:
+        """An admission began on a survivor (joiners admitted, placement not shared)."""
+        self.admission_starts += 1
+        if any(s.admit_start == self.admission_starts for s in self.specs):
+            self._die(f"the start of admission {self.admission_starts}")
 
     def at_admit(self) -> None:
         """Mid-admission on a survivor (placement shared, experts not yet moved)."""
