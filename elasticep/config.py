@@ -156,6 +156,8 @@ class DeploymentConfig(_JsonConfig):
             the graph pieces).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+        nnodes: nodes the launch cohort is split over (``serve --nnodes``), so that the
+            other nodes can refuse a layout that disagrees with node 0's.
 
     Raises:
         ValueError: (at construction) a value out of range or an unknown mode, naming
@@ -185,6 +187,7 @@ class DeploymentConfig(_JsonConfig):
     load_format: LoadFormat = LoadFormat.AUTO
     disable_cuda_graph: bool = False
     log_stats_interval_s: float = 10.0
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
         for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
@@ -217,6 +220,7 @@ class DeploymentConfig(_JsonConfig):
              "--heartbeat-timeout must be a finite number of seconds > 0"),
             (0 <= self.log_stats_interval_s < math.inf,
              "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
+            (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (self.elastic_ep_backend == Backend.ELASTIC or self.max_ep_size == self.ep_size,
              "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
         ]

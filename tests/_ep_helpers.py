@@ -105,14 +105,16 @@ def assert_matches_reference(got: list[list[int]], what: str, expected=None) -> 
 
 
 def launch(tmp_path_factory, **overrides):
-    """A BatchDriver over a fresh 4-rank CPU deployment of the demo model; worker logs
-    go to a temp dir (``driver.log_dir``)."""
+    """A BatchDriver over a fresh CPU deployment of the demo model (4 ranks unless
+    ``ep_size`` says otherwise); worker logs go to a temp dir (``driver.log_dir``)."""
     from elasticep.config import DeploymentConfig
     from elasticep.entrypoints.batch_driver import BatchDriver
 
     log_dir = tmp_path_factory.mktemp("ep-logs")
     fault = overrides.pop("fault", None)
-    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=4, max_ep_size=overrides.pop("max_ep_size", 4),
+    ep_size = overrides.pop("ep_size", 4)
+    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=ep_size,
+                           max_ep_size=overrides.pop("max_ep_size", ep_size),
                            heartbeat_timeout_s=10.0, **overrides)
     driver = BatchDriver.launch(cfg, tokenizer().decode, fault=fault, log_dir=str(log_dir),
                                 ready_timeout_s=120)

@@ -151,6 +151,52 @@ def test_rank_dying_while_draining_ends_removed(mid_removal):
     assert not g.pending_remove and g.requests["remove"] == []
 
 
+def test_a_removed_rank_leaving_is_info_and_a_death_is_a_warning(caplog):
+    """Scale-down 6 -> 4: ranks 4 and 5 exit after their removal (INFO, not WARNING);
+    rank 2 dying is a failure (WARNING)."""
+    import logging
+
+    from elasticep.deploy.launcher import exit_log_level
+
+    c = _coordinator(6)
+    g = c._groups["world"]
+    c._request_deactivation(None, RequestDeactivation("world", [4, 5]))
+    c._deactivate(c._procs[0], Deactivate("world", [4, 5]))
+    _report_all(c, g)
+    assert g.states == ["healthy"] * 4 + ["free", "free"]
+    with caplog.at_level(logging.INFO, logger="elasticep.distributed.coordinator"):
+        c._proc_dead(c._procs[4], "connection closed")
+        c._proc_dead(c._procs[2], "connection closed")
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "pid" in r.getMessage()]
+    assert lines == [
+        ("INFO", "coordinator: rank 4 (pid 104) left after its planned removal: "
+                 "connection closed"),
+        ("WARNING", "coordinator: rank 2 (pid 102) dead: connection closed")]
+    assert g.states[4] == "free" and g.states[2] == "failed"
+    # serve's launcher: the worker's exit status 0 after a removal is INFO too
+    assert (exit_log_level(0), exit_log_level(1), exit_log_level(-9)) == (
+        logging.INFO, logging.WARNING, logging.WARNING)
+
+
+def test_a_healthy_scale_down_is_not_degraded():
+    """/health said degraded while 6 -> 4 drained healthy ranks 4 and 5."""
+    from elasticep.distributed.membership import ScalePhase
+    from elasticep.distributed.status import DeploymentStatus, RankStatus
+
+    def status(*states: str, ep_size: int = 4, phase=ScalePhase.DRAINING):
+        return DeploymentStatus(3, ep_size, 6, phase, tuple(
+            RankStatus(r, SlotState(s)) for r, s in enumerate(states)))
+
+    assert not status(*["healthy"] * 4, "draining", "draining").degraded()
+    assert not status(*["healthy"] * 4, "free", "free", phase=ScalePhase.IDLE).degraded()
+    assert status("healthy", "failed", "healthy", "healthy", "draining", "draining").degraded()
+    # a scale-up is degraded until its joiners are in (the target counts them)
+    assert status(*["healthy"] * 4, "ready", "joining", ep_size=6,
+                  phase=ScalePhase.ADMITTING).degraded()
+    assert status(*["healthy"] * 4, "free", "free", ep_size=6,
+                  phase=ScalePhase.WAITING_FOR_JOINERS).degraded()
+
+
 def test_healthy_rank_dying_is_failed():
     c = _coordinator(4)
     g = c._groups["world"]

@@ -68,3 +68,17 @@ def test_worker_config_round_trip():
     cfg = WorkerConfig(DeploymentConfig(model="m", ep_size=4, max_ep_size=6), 3, "127.0.0.1:1",
                        join_mode="recover", fault="kill:rank=3:step=1")
     assert WorkerConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_injector_fires_at_the_start_of_its_admission(monkeypatch):
+    assert parse_faults("kill:rank=3:admit_start=2") == [FaultSpec(3, None, admit_start=2)]
+    with pytest.raises(ValueError):
+        parse_faults("kill:rank=3:admit_start=1:admit=1")
+    fired = []
+    inj = FaultInjector.from_config(3, "kill:rank=3:admit_start=2")
+    monkeypatch.setattr(inj, "_die", fired.append)
+    inj.at_admit_start()
+    inj.at_admit()
+    assert fired == []
+    inj.at_admit_start()
+    assert fired == ["the start of admission 2"]

@@ -36,7 +36,7 @@ def _assert_refused(run: subprocess.CompletedProcess, message: str) -> None:
     (["--ep-size", "4", "--max-ep-size", "2"], "--max-ep-size (2) must be >= --ep-size (4)"),
     (["--model", "/nonexistent/path"],
      "--model /nonexistent/path: no such model directory (config.json not found)"),
-    (["--fault", "garbage"], "--fault: fault spec 'garbage': only 'kill' is supported"),
+    (["--fault", "garbage"], "--fault: fault spec 'garbage': only 'kill' and 'raise' are supported"),
 ])
 def test_cli_bad_flags_exit_2_with_one_line(argv, message):
     _assert_refused(_generate("--prompt", "hi", "--max-tokens", "4", *argv), message)

@@ -704,8 +704,15 @@ def test_join_progress_keeps_the_other_joiners_when_one_dies(capsys):
     assert _report_progress(launcher, "scale", [4, 5], threading.Event()) == [4]
     captured = capsys.readouterr()
     assert "rank 5 exited with -9 before it joined: RuntimeError: out of memory" in captured.err
-    assert "still joining: ranks [4]" in captured.err
+    # rank 4 was ready already: not "still joining" (it printed that before)
+    assert captured.err.rstrip().endswith("out of memory; rank 4 is ready"), captured.err
+    assert "still joining" not in captured.err
     assert captured.out.startswith("ready: ranks [4] loaded")
+    launcher.exits.put(RankExit(5, 105, -9))  # 4 still loading: it is still joining
+    launcher.states = ["healthy"] * 4 + ["joining", "failed"]
+    threading.Timer(0.5, lambda: launcher.states.__setitem__(4, "ready")).start()
+    assert _report_progress(launcher, "scale", [4, 5], threading.Event()) == [4]
+    assert "out of memory; still joining: ranks [4]" in capsys.readouterr().err
     launcher.exits.put(RankExit(4, 104, 1))  # every rank dies first: nothing got in
     launcher.states = ["healthy"] * 4 + ["failed", "failed"]
     assert _report_progress(launcher, "scale", [4], threading.Event()) == []

@@ -32,12 +32,18 @@ from elasticep.config import DeploymentConfig, WorkerConfig
 from elasticep.distributed import CoordinatorClient
 from elasticep.distributed.client import ReconnectingClient
 from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.exit_code import ExitCode
 from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "elasticep.elastic.worker"
+
+
+def exit_log_level(code: int) -> int:
+    """INFO for a worker that left after a planned removal, WARNING for any other exit."""
+    return logging.INFO if code == ExitCode.REMOVED else logging.WARNING
 
 
 def publish_config(coordinator: str, config: DeploymentConfig) -> None:
@@ -181,7 +187,9 @@ class RankLauncher:
             stopping = self._stopping
         if stopping:
             return
-        logger.warning("%s: rank %d (pid %d) exited with %d", self.label, rank, proc.pid, code)
+        logger.log(exit_log_level(code), "%s: rank %d (pid %d) exited with %d%s", self.label,
+                   rank, proc.pid, code,
+                   " after a planned removal" if code == ExitCode.REMOVED else "")
         try:
             self.call("report_death", rank, pid=proc.pid)
         except (ValueError, OSError, TimeoutError) as exc:

@@ -38,6 +38,7 @@ from elasticep.elastic.exit_code import ExitCode
 
 logger = logging.getLogger(__name__)
 
+
 class CoordinatorUnreachableError(ConnectionError):
     """The coordinator stayed unreachable for ``--coordinator-timeout`` while this node's
     ranks were stopped and waiting to be relaunched."""

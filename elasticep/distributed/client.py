@@ -21,12 +21,17 @@ from dataclasses import replace
 from typing import Any
 
 from . import messages as m
-from .errors import JoinRefusedError, MembershipRequestError, ScaleInProgressError
+from .errors import (
+    JoinRefusedError,
+    MembershipRequestError,
+    ScaleInProgressError,
+    ScaleRefusedError,
+)
 from .protocol import connect
 from .status import DeploymentStatus
 
-_REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, JoinRefusedError,
-                                       m.ProtocolError)}
+_REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, ScaleRefusedError,
+                                       JoinRefusedError, m.ProtocolError)}
 
 
 class CoordinatorClient:

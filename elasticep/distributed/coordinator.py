@@ -292,7 +292,12 @@ class Coordinator(SupervisorRequests):
         if not proc.alive:
             return
         proc.alive = False
-        log.warning("coordinator: rank %d (pid %d) dead: %s", proc.rank, proc.pid, why)
+        removed = bool(proc.groups) and all(
+            self._groups[n].states[self._groups[n].slot_of(proc.rank)] == SlotState.FREE
+            for n in proc.groups)  # a planned removal already took its slots: no failure
+        log.log(logging.INFO if removed else logging.WARNING,
+                "coordinator: rank %d (pid %d) %s: %s", proc.rank, proc.pid,
+                "left after its planned removal" if removed else "dead", why)
         for name in proc.groups:
             g = self._groups[name]
             slot = g.slot_of(proc.rank)

@@ -74,6 +74,12 @@ class ScaleInProgressError(MembershipRequestError):
     code = "scale_in_progress"
 
 
+class ScaleRefusedError(MembershipRequestError):
+    """A scale would empty the deployment (leave no healthy rank) (HTTP 409)."""
+
+    code = "scale_refused"
+
+
 class JoinRefusedError(MembershipRequestError):
     """A slot cannot be joined in the asked mode (occupied, out of range, being joined)."""
 

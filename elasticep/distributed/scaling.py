@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .errors import JoinRefusedError, ScaleInProgressError
+from .errors import JoinRefusedError, ScaleInProgressError, ScaleRefusedError
 from .membership import ACTIVE_STATES, ScalePhase, SlotState, scale_phase
 from .status import DeploymentStatus, RankStatus
 
@@ -94,6 +94,8 @@ class ScaleTarget:
             ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
             ScaleInProgressError: a scale is still running (and this is not such a
                 withdrawal).
+            ScaleRefusedError: a shrink that keeps no healthy rank (the ones it keeps
+                have failed or are still joining): it would empty the deployment.
         """
         if not 1 <= new_ep_size <= self.max_ep_size:
             raise ValueError(f"new_ep_size must be in [1, {self.max_ep_size}], "
@@ -120,6 +122,7 @@ class ScaleTarget:
             admit = list(range(old, new_ep_size))
             self.up = set(admit)
         elif new_ep_size < old:
+            refuse_empty_shrink(new_ep_size, states)
             remove = [s for s in range(new_ep_size, self.max_ep_size)
                       if states[s] in ACTIVE_STATES]
             self.down = set(remove)
@@ -135,6 +138,23 @@ class ScaleTarget:
     def _reply(self, old: int, slots: list[int], states: Sequence[SlotState]) -> dict:
         return {"old_ep_size": old, "slots": list(slots),
                 "scale_phase": scale_phase(states, self.up, self.down).value}
+
+
+def refuse_empty_shrink(new_ep_size: int, states: Sequence[SlotState]) -> None:
+    """Refuse a shrink to ``new_ep_size`` slots none of which is healthy (pure): every
+    rank that could serve, and hold the experts of the drained ones, would be removed.
+
+    Raises:
+        ScaleRefusedError: one line naming the kept slots' states and the healthy ranks
+            the shrink would remove.
+    """
+    kept = list(states[:new_ep_size])
+    if SlotState.HEALTHY in kept:
+        return
+    healthy = [s for s, st in enumerate(states) if st == SlotState.HEALTHY]
+    shown = ", ".join(f"rank {s} is {st.value}" for s, st in enumerate(kept))
+    raise ScaleRefusedError(f"new_ep_size {new_ep_size} would leave no healthy rank ({shown}; "
+                            f"it would remove the healthy ranks {healthy})")
 
 
 def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],

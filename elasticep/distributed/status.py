@@ -105,11 +105,15 @@ class DeploymentStatus:
                 and self.scale_phase == ScalePhase.IDLE)
 
     def degraded(self) -> bool:
-        """Fewer healthy ranks than the target, a slot in between states, or a scale."""
+        """Fewer healthy ranks than the target, or a slot failed or in between states.
+
+        A planned scale-down is not degraded: its draining ranks are above the new
+        target, which the healthy ranks meet (a scale-up is, until its joiners are in:
+        the target counts them).
+        """
         return (len(self.healthy_ranks()) < self.ep_size
-                or any(r.state not in (SlotState.HEALTHY, SlotState.FREE)
-                       for r in self.ranks)
-                or self.scale_phase != ScalePhase.IDLE)
+                or any(r.state not in (SlotState.HEALTHY, SlotState.FREE, SlotState.DRAINING)
+                       for r in self.ranks))
 
     # ---- wire --------------------------------------------------------------------
     def with_running(self, running: dict[int, int],

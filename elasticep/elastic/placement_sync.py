@@ -29,6 +29,7 @@ import torch.distributed as dist
 from elasticep.eplb import (
     Placement,
     broadcast_global_expert_location_metadata,
+    initial_placement,
     reconcile_placement,
     scale_down_placement,
 )
@@ -113,9 +114,16 @@ def reconcile(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGr
     """After a failure (or any membership change): agree on the mask, repair, commit.
 
     Ranks that left lose their slots (orphans re-homed, reloaded from the checkpoint);
-    ranks that joined get replicas. Collective over the survivors.
+    ranks that joined get replicas. Collective over the survivors. If no member of the
+    placement is left (the last survivor died right after handing it to joiners), the
+    joiners start over from the checkpoint as :func:`rebuild` does.
     """
     mask = agree_active_mask(local_mask, group)
+    if not bool((mask & ep.placement.active_ranks).any()):
+        logger.warning("no live rank holds an expert (every member of the placement died): "
+                       "reading all of them from the checkpoint over ranks %s",
+                       torch.nonzero(mask).flatten().tolist())
+        return _from_checkpoint(ep, mask, group, load_fn)
     new = reconcile_placement(ep.placement, mask)
     return commit_placement(ep, new, group, load_fn)
 
@@ -168,12 +176,24 @@ def rebuild(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGrou
     Raises:
         EpochChangedError (and subclasses): membership changed; the executor is unchanged.
     """
-    mask = agree_active_mask(local_mask, group)
-    stand_in = ep.placement
-    new = reconcile_placement(stand_in, mask)
-    nothing = Placement(torch.full_like(stand_in.phy2log, stand_in.empty),
-                        stand_in.num_logical_experts, stand_in.slots_per_rank,
-                        torch.zeros_like(stand_in.active_ranks))
+    return _from_checkpoint(ep, agree_active_mask(local_mask, group), group, load_fn)
+
+
+def _from_checkpoint(ep: EPMoEExecutor, mask: torch.Tensor, group: dist.ProcessGroup | None,
+                     load_fn: CheckpointLoader | None) -> ChangeReport:
+    """Commit a placement over the agreed ``mask`` with every expert read from the
+    checkpoint: the current one repaired onto ``mask`` when some of its ranks are in it
+    (a joiner's stand-in is the launch placement), else a launch-style layout over
+    ``mask`` with as many slots per rank (scale joiners whose whole cohort died)."""
+    old = ep.placement
+    if bool((mask & old.active_ranks).any()):
+        new = reconcile_placement(old, mask)
+    else:
+        k, E = int(mask.sum()), old.num_logical_experts
+        new = initial_placement(old.num_layers, E, max(0, old.slots_per_rank * k - E), k,
+                                old.max_ep_size, mask)
+    nothing = Placement(torch.full_like(old.phy2log, old.empty), old.num_logical_experts,
+                        old.slots_per_rank, torch.zeros_like(old.active_ranks))
     # No rank of `nothing` is active, so no rank is a source: all from the checkpoint.
     return commit_placement(ep, new, group, load_fn, weights_from=nothing)
 

@@ -222,6 +222,13 @@ class LockstepLoop:
                     remove[r] = 1
         return admit, remove
 
+    def step_request_ids(self) -> list[str]:
+        """The requests a raising step may be blamed on: the pending batch's, or (the
+        raise came before a batch was scheduled) every request the engine holds."""
+        if self.pending is not None:
+            return [it.seq.request_id for it in self.pending.items]
+        return self.engine.request_ids()
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Serve until the process is killed, removed, or the coordinator is lost.
@@ -270,6 +277,8 @@ class LockstepLoop:
             self.pending = self.engine.schedule()
         step = self.stats.steps
         self.faults.at_step(step)
+        if self.faults.poison_seeds:
+            self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
         with agreed_max_tokens(self.ep, h.max_tokens):
             tokens = self.engine.execute(self.pending)
         commit = torch.tensor([step], dtype=torch.int64)
@@ -297,6 +306,9 @@ class LockstepLoop:
             logger.warning("step %d abandoned (%s); reconciling placement over ranks %s",
                            self.stats.steps, exc, self._local_mask().nonzero().flatten().tolist())
             try:
+                # first the hand-over again: a joiner admitted just before this change
+                # may not hold the placement yet (see join_as_new_rank)
+                placement_sync.share_placement(self.ep, True, self.group)
                 report = placement_sync.reconcile(self.ep, self._local_mask(), self.group,
                                                   self.load_fn)
                 break
@@ -327,6 +339,7 @@ class LockstepLoop:
         logger.info("admitted ranks %s (asked %s)", admitted, ranks)
         if not admitted:
             return
+        self.faults.at_admit_start()
         placement_sync.share_placement(self.ep, True, self.group)
         self.faults.at_admit()
         report = placement_sync.reconcile(self.ep, self._local_mask(), self.group, self.load_fn)
@@ -350,30 +363,31 @@ def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
     as the survivors (:func:`placement_sync.share_placement`, then
     :func:`placement_sync.reconcile`).
 
-    A member that dies during the expert transfer makes the survivors abandon the
-    admission and reconcile onto the new membership (`LockstepLoop._recover`); once it
-    holds the placement, the joiner does the same instead of dying with them. If every
-    rank had died (the coordinator admitted the ready joiners itself), nobody shares a
-    placement and the joiners rebuild it from the checkpoint
-    (:func:`placement_sync.rebuild`).
+    A member that dies during the hand-over or the expert transfer makes the survivors
+    abandon the admission and recover onto the new membership (`LockstepLoop._recover`:
+    share the placement again, then reconcile); the joiner does the same instead of
+    dying with them. If every rank had died (the coordinator admitted the ready joiners
+    itself), nobody shares a placement and the joiners rebuild it from the checkpoint
+    (:func:`placement_sync.rebuild`); if the last member dies after the hand-over,
+    :func:`placement_sync.reconcile` reads every expert from the checkpoint too.
 
     ``on_member`` runs as soon as ``join_group`` returns: the rank is a member from then
     on (the coordinator shows it healthy), before the placement and experts arrive.
 
     Raises:
         TimeoutError: not admitted within ``timeout_s``.
-        EpochChangedError: membership changed before the placement arrived.
+        RankEvictedError: this rank left the group meanwhile.
     """
     ed.join_group(group, timeout_s=timeout_s)
     if on_member is not None:
         on_member()
-    # False: every rank had died, and all members are joiners with nothing to share.
-    shared = placement_sync.share_placement(ep, False, group)
-    settle = placement_sync.reconcile if shared else placement_sync.rebuild
+    holds = False  # this joiner holds the survivors' placement
     while True:
-        mask = ed.get_active_ranks(group).to(torch.bool)
         try:
-            return settle(ep, mask, group, load_fn)
+            # False: every rank had died, and all members are joiners with nothing to share
+            holds = placement_sync.share_placement(ep, holds, group) or holds
+            settle = placement_sync.reconcile if holds else placement_sync.rebuild
+            return settle(ep, ed.get_active_ranks(group).to(torch.bool), group, load_fn)
         except ed.RankEvictedError:
             raise
         except ed.EpochChangedError as exc:

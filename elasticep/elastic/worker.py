@@ -168,8 +168,10 @@ def run_worker(cfg: WorkerConfig) -> int:
     except (ed.CoordinatorLostError, ed.RankEvictedError) as exc:
         logger.error("stopping: %s: %s", type(exc).__name__, exc)
         return ExitCode.LOST
-    except Exception:  # noqa: BLE001 - report every failure with rank and epoch, then exit
+    except Exception as exc:  # noqa: BLE001 - report every failure with rank and epoch, then exit
         logger.error("worker failed:\n%s", traceback.format_exc())
+        if loop is not None:
+            report_step_failure(loop, exc)
         return ExitCode.ERROR
     finally:
         if loop is not None:
@@ -180,6 +182,18 @@ def run_worker(cfg: WorkerConfig) -> int:
             loop.channel.close()
         for h in logging.getLogger().handlers:
             h.flush()
+
+
+def report_step_failure(loop: LockstepLoop, exc: BaseException) -> None:
+    """Blame ``exc`` on the requests of the step it came from (the front-end fails a
+    request that crashed two ranks, instead of resubmitting it again); best effort."""
+    ids = loop.step_request_ids()
+    if not ids:
+        return
+    try:
+        loop.channel.send_step_failed(ids, f"{type(exc).__name__}: {exc}")
+    except Exception as err:  # noqa: BLE001 - the rank exits anyway
+        logger.warning("could not report the failed step of requests %s: %r", ids, err)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,8 +81,21 @@ class RequestError:
     message: str
 
 
+@dataclass(frozen=True)
+class StepFailed:
+    """A rank's step raised (not a membership change) and the rank is exiting.
+
+    ``request_ids`` were in that step; the front-end counts it against each of them,
+    so a request that crashed ranks twice is failed instead of resubmitted again.
+    """
+
+    rank: int
+    request_ids: tuple[str, ...]
+    message: str
+
+
 # Messages a worker sends to the front-end.
-WorkerMessage = WorkerHello | OutputBatch | RequestError
+WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed
 
 
 @dataclass(frozen=True)
@@ -230,7 +243,8 @@ class FrontendChannel:
         return self._drain_router() + self._drain_outputs()
 
     def _drain_outputs(self) -> list[WorkerMessage]:
-        return _recv_ready(self._pull, (OutputBatch, RequestError), "output socket")
+        return _recv_ready(self._pull, (OutputBatch, RequestError, StepFailed),
+                           "output socket")
 
     def _drain_router(self) -> list[WorkerMessage]:
         out: list[WorkerMessage] = []
@@ -331,6 +345,12 @@ class WorkerChannel:
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""
         self._push_msg(RequestError(rank=self.rank, request_id=request_id, message=message))
+
+    def send_step_failed(self, request_ids: Sequence[str], message: str) -> None:
+        """Tell the front-end that a step holding ``request_ids`` raised here (best
+        effort: :meth:`close` gives it up to 1 s to leave before the rank exits)."""
+        self._push_msg(StepFailed(rank=self.rank, request_ids=tuple(request_ids),
+                                  message=message))
 
     def _push_msg(self, msg: WorkerMessage) -> None:
         try:

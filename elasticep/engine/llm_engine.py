@@ -6,7 +6,10 @@ A step is split so the multi-rank engine can redo it after a rank dies:
     tokens = engine.execute(batch)     # forward + sample; pure except idempotent KV writes
     outputs = engine.commit(batch, tokens)   # append tokens, finish, free; the only mutation
 
-``step()`` is those three in a row.
+``step()`` is those three in a row. A row whose sampling raised carries a
+:class:`~elasticep.engine.sampler.SamplingFailure` from ``execute``; ``commit`` ends
+that one request with an error output (finish_reason "abort", ``error`` set) and the
+step goes on for the others.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from elasticep.engine.kv_cache import BlockManager
 from elasticep.engine.model_runner import ModelRunner
 from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
-from elasticep.engine.sampler import sample_batch
+from elasticep.engine.sampler import SamplingFailure, sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from elasticep.engine.sequence import Sequence, SequenceStatus
 from elasticep.models.config import MoEModelConfig
@@ -166,6 +169,10 @@ class LLMEngine:
         self.scheduler.remove(request_id)
         return True
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests this engine holds (waiting or running), in arrival order."""
+        return list(self._seqs)
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
@@ -174,8 +181,12 @@ class LLMEngine:
         """Plan the next step (see module doc)."""
         return self.scheduler.schedule()
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Forward + sample one token per scheduled sequence; mutates no request state."""
+    def execute(self, batch: ScheduledBatch) -> list[int | SamplingFailure]:
+        """Forward + sample one token per scheduled sequence; mutates no request state.
+
+        A row whose sampling raised gets a :class:`SamplingFailure` (see
+        :func:`~elasticep.engine.sampler.sample_batch`); a forward error raises.
+        """
         if not batch.items and not self.config.forward_empty_batches:
             return []
         logits = self.runner.forward(batch)
@@ -187,13 +198,25 @@ class LLMEngine:
             [len(s.output_token_ids) for s in seqs],
         )
 
-    def commit(self, batch: ScheduledBatch, tokens: Seq[int]) -> list[TokenOutput]:
-        """Append sampled tokens, finish sequences that are done and return their outputs."""
+    def commit(self, batch: ScheduledBatch,
+               tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
+        """Append sampled tokens, finish sequences that are done and return their outputs.
+
+        A :class:`SamplingFailure` row ends its request: it is finished and dropped, and
+        its output has finish_reason "abort", no token and the failure as ``error``.
+        """
         outputs = []
         for it, tok in zip(batch.items, tokens, strict=True):
             seq = it.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between execute and commit
+            if isinstance(tok, SamplingFailure):
+                log.warning("request %s failed: sampling raised %s", seq.request_id, tok.message)
+                self.scheduler.finish(seq, "abort")
+                self._seqs.pop(seq.request_id, None)
+                outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids), None,
+                                           "abort", error=f"sampling failed: {tok.message}"))
+                continue
             seq.num_cached_tokens = it.end
             seq.output_token_ids.append(int(tok))
             reason = self._finish_reason(seq, int(tok))
@@ -209,7 +232,7 @@ class LLMEngine:
             return "stop"
         if p.stop and self.detokenize is not None:
             text = self.detokenize(seq.output_token_ids)
-            if any(s in text for s in p.stop):
+            if any(s and s in text for s in p.stop):  # "" is no stop string
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
             return "length"
@@ -225,7 +248,12 @@ class LLMEngine:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[list[int]]:
-        """Run ``prompts`` to completion as one batch; return generated ids in input order."""
+        """Run ``prompts`` to completion as one batch; return generated ids in input order.
+
+        Raises:
+            RuntimeError: a prompt's sampling failed (the batch's other prompts are
+                aborted).
+        """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         prefix = f"gen{next(self._arrival)}-"
         results: dict[str, list[int]] = {f"{prefix}{i}": [] for i in range(len(prompts))}
@@ -233,6 +261,10 @@ class LLMEngine:
             self.add_request(GenerateRequest(f"{prefix}{i}", tuple(prompt), p))
         while any(rid in self._seqs for rid in results):
             for out in self.step():
+                if out.error is not None and out.request_id in results:
+                    for rid in results:
+                        self.abort(rid)
+                    raise RuntimeError(f"prompt {out.request_id[len(prefix):]}: {out.error}")
                 if out.request_id in results:
                     results[out.request_id].append(out.token_id)
         return [results[f"{prefix}{i}"] for i in range(len(prompts))]

@@ -7,7 +7,14 @@ single-process engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The sampler scales logits in float32 whatever the model's dtype (engine/sampler.py), so
+# a temperature below float32's smallest normal (2**-126) would be 0 or lose its precision
+# there; ids and seeds travel as int64 (vLLM bounds ``seed`` to int64 the same way).
+MIN_TEMPERATURE = 2.0**-126
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -18,9 +25,11 @@ class SamplingParams:
         max_tokens: number of tokens to generate at most (>= 1).
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 disables it.
-        seed: seed of the counter-based RNG; None means "derive from request id".
-        stop: stop strings; generation ends when the decoded text contains one.
+        top_k: keep the k most likely tokens; 0 disables it (any k >= vocab does too).
+        seed: seed of the counter-based RNG (an int64); None means "derive from
+            request id".
+        stop: stop strings; generation ends when the decoded text contains one (empty
+            strings are ignored, as the front-end's detokenizer does).
         ignore_eos: keep generating after EOS.
 
     Raises:
@@ -36,15 +45,38 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        """Raise :class:`SamplingParamError` (a ValueError) naming the first bad field.
+
+        Every value that passes is one the sampler computes: a finite temperature that is
+        0 or at least :data:`MIN_TEMPERATURE`, a top_p in (0, 1], an int64 seed.
+        """
+        t = self.temperature
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", math.isfinite(t) and t >= 0, "must be a finite number >= 0"),
+            ("temperature", not 0 < t < MIN_TEMPERATURE,
+             f"must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g} (the sampler scales "
+             "logits in float32)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),  # False for NaN too
+            ("top_k", self.top_k >= 0, "must be >= 0"),
+            ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+             "must be a 64-bit signed integer"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise SamplingParamError(name, f"{name} {rule}, got {getattr(self, name)}")
+
+
+class SamplingParamError(ValueError):
+    """A sampling field is out of the range the engine computes.
+
+    Attributes:
+        param: the field's name (as in the OpenAI API).
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -75,10 +107,13 @@ class TokenOutput:
 
     ``finish_reason`` is None while the request runs, else "length", "stop" or "abort".
     Consumers deduplicate by (request_id, index), so a redone step never streams a
-    token twice.
+    token twice. ``error`` is set (with "abort" and ``token_id`` None) when the rank
+    failed this one request, for example its sampling raised: the request ends with
+    that error and the rank goes on with the others.
     """
 
     request_id: str
     index: int
-    token_id: int
+    token_id: int | None
     finish_reason: str | None = None
+    error: str | None = None

@@ -12,16 +12,39 @@ and Flood 2014) and the vocab index is its counter. Only integer ops make the bi
 so CPU and CUDA give identical noise, and a row's draws depend on nothing else in the
 batch: a request resumed elsewhere from prompt + generated tokens samples exactly the
 same continuation (DESIGN.md, "One step").
+
+Every value :meth:`SamplingParams.validate` accepts is computable here: each row is
+shifted so that its top logit is 0 before the temperature divides it, so a tiny
+temperature sends the other tokens to -inf instead of overflowing to inf (``inf - inf``
+made NaNs, and a NaN argmax picked token 0); top-p always keeps the top token, even
+for a ``top_p`` that rounds to 0 in float32; a ``top_k`` beyond int64 counts as
+"disabled". A row whose sampling still raises fails alone (:class:`SamplingFailure`),
+so one request's values never take the batch, or the rank, down with it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from elasticep.engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingFailure:
+    """The sampled "token" of a row whose sampling raised: the request fails, not the step.
+
+    Attributes:
+        message: the exception, as ``Type: text``.
+    """
+
+    message: str
 
 
 def _i64(c: int) -> int:
@@ -95,9 +118,11 @@ def filter_logits(
         any_top_p: host bool, some row has ``top_p < 1``.
 
     Returns:
-        ``[R, V]`` float32.
+        ``[R, V]`` float32, at most 0 (each row's top logit maps to 0).
     """
-    x = logits.float() / temperature[:, None]
+    x = logits.float()
+    # the top logit goes to 0 first, so x / T is finite or -inf for every T > 0
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
     V = x.shape[1]
     use_top_k = 0 < max_top_k < V
     if any_top_p:
@@ -116,9 +141,20 @@ def filter_logits(
         probs = torch.softmax(ranked, dim=-1)
         mass_before = probs.cumsum(-1) - probs
         keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        last = keep.sum(-1, keepdim=True) - 1  # keep is a prefix holding at least the top token
+        # keep is a prefix; it holds the top token unless top_p rounded to 0 in float32
+        last = (keep.sum(-1, keepdim=True) - 1).clamp(min=0)
         x = x.masked_fill(x < ranked.gather(1, last), float("-inf"))
     return x
+
+
+def _check_rows(logits: torch.Tensor, *per_row: Sequence[object]) -> int:
+    """The batch size ``B``; raises ValueError unless every per-row list has ``B`` items."""
+    B = logits.shape[0]
+    params, request_ids, token_indices = per_row
+    if not len(params) == len(request_ids) == len(token_indices) == B:
+        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
+                         f"and {len(token_indices)} token indices")
+    return B
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -150,24 +186,21 @@ def sample_batch_tensor(
     Raises:
         ValueError: the per-row lists do not match the batch size.
     """
-    B = logits.shape[0]
-    if not len(params) == len(request_ids) == len(token_indices) == B:
-        raise ValueError(f"{B} logit rows but {len(params)} params, {len(request_ids)} request ids "
-                         f"and {len(token_indices)} token indices")
+    _check_rows(logits, params, request_ids, token_indices)
     ids = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if not rows:
         return ids
     dev = logits.device
+    V = logits.shape[1]
     sampled = [params[i] for i in rows]
     ints = torch.tensor([rows,
                          [rng_key(request_ids[i], params[i].seed, token_indices[i]) for i in rows],
-                         [p.top_k for p in sampled]], dtype=torch.int64)
+                         [_top_k(p.top_k, V) for p in sampled]], dtype=torch.int64)
     floats = torch.tensor([[p.temperature for p in sampled], [p.top_p for p in sampled]],
                           dtype=torch.float32)
     ints, floats = _to_device(ints, dev), _to_device(floats, dev)
     row_idx, keys, top_k = ints
-    V = logits.shape[1]
     enabled_k = [p.top_k for p in sampled if 0 < p.top_k < V]
     x = filter_logits(logits.index_select(0, row_idx), floats[0], top_k, floats[1],
                       max(enabled_k, default=0), any(p.top_p < 1.0 for p in sampled))
@@ -175,11 +208,40 @@ def sample_batch_tensor(
     return ids.index_copy(0, row_idx, torch.argmax(x.double() + gumbel, dim=-1))
 
 
+def _top_k(k: int, vocab_size: int) -> int:
+    """``k`` as an int64 with the same meaning: any k >= V disables top-k, as V does."""
+    return min(k, vocab_size)
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     request_ids: Sequence[str],
     token_indices: Sequence[int],
-) -> list[int]:
-    """:func:`sample_batch_tensor`, then one device-to-host transfer of the ids."""
-    return sample_batch_tensor(logits, params, request_ids, token_indices).tolist()
+) -> list[int | SamplingFailure]:
+    """:func:`sample_batch_tensor`, then one device-to-host transfer of the ids.
+
+    If the batch raises, each row is sampled alone (a row's draw does not depend on the
+    others, so the good rows get the tokens the batch would have given them) and a row
+    that still raises gets a :class:`SamplingFailure` in place of its id.
+
+    Returns:
+        ``[B]``: a token id per row, or a :class:`SamplingFailure`.
+
+    Raises:
+        ValueError: the per-row lists do not match the batch size.
+    """
+    B = _check_rows(logits, params, request_ids, token_indices)
+    try:
+        return sample_batch_tensor(logits, params, request_ids, token_indices).tolist()
+    except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, fail only those
+        logger.warning("sampling a batch of %d rows raised %s: %s; sampling each row alone",
+                       B, type(exc).__name__, exc)
+    out: list[int | SamplingFailure] = []
+    for i in range(B):
+        try:
+            out += sample_batch_tensor(logits[i:i + 1], params[i:i + 1], request_ids[i:i + 1],
+                                       token_indices[i:i + 1]).tolist()
+        except Exception as exc:  # noqa: BLE001 - this row's request fails, not the step
+            out.append(SamplingFailure(f"{type(exc).__name__}: {exc}"))
+    return out

@@ -129,7 +129,7 @@ def check_fault(fault: str | None, ep_size: int) -> None:
     if specs and ep_size == 1:
         raise UsageError("--fault kills a worker rank: it needs --ep-size > 1")
     for spec in specs:
-        if not 0 <= spec.rank < ep_size:
+        if spec.rank is not None and not 0 <= spec.rank < ep_size:
             raise UsageError(f"--fault: rank {spec.rank} is not a rank of this run "
                              f"(--ep-size {ep_size})")
 

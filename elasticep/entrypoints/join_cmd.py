@@ -241,6 +241,17 @@ def joined_ranks(status: DeploymentStatus, ranks: list[int], pids: dict[int, int
                for r in ranks)
 
 
+def _others(waiting: list[int], arrived: list[int], status: DeploymentStatus | None) -> str:
+    """The tail of an exit line: which of the other ranks got in (with their state) and
+    which are still joining (pure)."""
+    inside = [r for r in waiting if r in arrived]
+    joining = [r for r in waiting if r not in arrived]
+    parts = [f"rank {r} is {status.state_of(r).value}" for r in inside] if status else []
+    if joining:
+        parts.append(f"still joining: ranks {joining}")
+    return "".join(f"; {p}" for p in parts)
+
+
 def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event,
                      members: bool = False) -> list[int]:
     """Print one line when the ranks are in (recover, or ``members``: healthy; scale:
@@ -253,6 +264,14 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
     goal = (SlotState.HEALTHY,) if members else (SlotState.READY, SlotState.HEALTHY)
     waiting = list(ranks)
     while waiting and not stop.wait(0.2):
+        # the status first: an exit line must not call a rank that got in "still joining"
+        try:
+            status = deployment.deployment_status()
+            pids = deployment.pids(live_only=False)
+            arrived = [r for r in waiting if joined_ranks(status, [r], pids, goal)]
+        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
+            logger.warning("coordinator status unavailable: %s", exc)
+            status, arrived = None, []
         while not deployment.exits.empty():
             ex = deployment.exits.get()
             if ex.rank not in waiting:
@@ -261,18 +280,14 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
             reason = exit_reason(deployment.log_tail(ex.rank, lines=40))
             log = ("" if deployment.log_dir is None
                    else f" (log {deployment.log_dir}/rank{ex.rank}.log)")
-            others = f"; still joining: ranks {waiting}" if waiting else ""
             print(f"elasticep join: error: rank {ex.rank} exited with {ex.code} before it "
-                  f"joined: {reason or 'no output'}{log}{others}", file=sys.stderr)
+                  f"joined: {reason or 'no output'}{log}{_others(waiting, arrived, status)}",
+                  file=sys.stderr)
         if not waiting:
             break
-        try:
-            status = deployment.deployment_status()
-            done = joined_ranks(status, waiting, deployment.pids(live_only=False), goal)
-        except (ConnectionError, TimeoutError, OSError, ValueError) as exc:
-            logger.warning("coordinator status unavailable: %s", exc)
+        if status is None:
             continue
-        if done:
+        if set(waiting) <= set(arrived):
             if members:
                 print(f"joined: ranks {waiting} healthy at epoch {status.epoch}", flush=True)
             else:

@@ -24,6 +24,7 @@ from elasticep.entrypoints.validate import (
     port_check,
     raise_first_failure,
 )
+from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    h.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD_SIZE,
+                   help="largest request body in bytes; larger ones get 413 (default: "
+                        "%(default)s)")
     n = p.add_argument_group("multi-node")
     n.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     n.add_argument("--node-rank", type=int, default=0,
@@ -56,7 +60,7 @@ class ServeSettings:
 
     Attributes:
         deployment: what every rank shares (front-end addresses filled in later).
-        host, port, api_key: the HTTP server.
+        host, port, api_key, max_payload_size: the HTTP server.
         nnodes, node_rank: this node's place; ranks are split evenly over nodes.
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
             any free port) and where other nodes find it.
@@ -69,6 +73,7 @@ class ServeSettings:
     host: str
     port: int
     api_key: str | None
+    max_payload_size: int
     nnodes: int
     node_rank: int
     coordinator_host: str
@@ -100,6 +105,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     deployment = deployment_config(args)
     raise_first_failure([
         port_check("--port", args.port),
+        (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
         (0 <= args.node_rank < args.nnodes,
@@ -126,6 +132,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
                         "who can reach it may use it")
     return ServeSettings(
         deployment=deployment, host=args.host, port=args.port, api_key=args.api_key,
+        max_payload_size=args.max_payload_size,
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.supervisor import (
@@ -109,7 +110,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
-    deployment = server = None
+    deployment = server = frontend = None
     try:
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
@@ -130,7 +131,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             server, frontend = create_server(
                 dep.model, channel, membership, served_model_name=name,
                 api_key=settings.api_key, host=settings.host, port=settings.port,
-                max_total_tokens=known_max_total_tokens(dep))
+                max_total_tokens=known_max_total_tokens(dep),
+                max_payload_size=settings.max_payload_size)
         except OSError as exc:
             raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
                           f"{exc.strerror or exc}") from exc
@@ -150,6 +152,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
+        if frontend is not None:  # open streams end with an error event, not a cut
+            frontend.shut_down("the server is shutting down", STREAM_GRACE_S)
         if server is not None:
             server.stop()
         if deployment is not None:
@@ -166,6 +170,9 @@ def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
         return f"{head}; its log is empty"
     return f"{head}; its log ends with:\n{log_tail}"
 
+
+# How long open streams may still finish once serve is asked to stop (seconds).
+STREAM_GRACE_S = 5.0
 
 # Start-up has no deadline (a large checkpoint may load for many minutes), so a rank
 # that makes no progress is named on stderr after this long instead.
@@ -257,6 +264,24 @@ def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
     return f"{names} in the running deployment at {address}{hint}"
 
 
+def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: str,
+                    ) -> str | None:
+    """Why this node's ``--nnodes`` / ``--ep-size`` cannot join node 0's launch, or None
+    (pure). A node with another split would launch ranks node 0 does not wait for (or
+    none of the ones it does), and node 0 would fail a minute later for an unrelated
+    reason ("inner group not built in time").
+
+    Returns:
+        One line naming both values of the first flag that differs.
+    """
+    for flag, field in (("--nnodes", "nnodes"), ("--ep-size", "ep_size")):
+        ours, theirs = getattr(mine, field), getattr(node0, field)
+        if ours != theirs:
+            return (f"{flag} {ours} disagrees with node 0's {flag} {theirs} (the deployment "
+                    f"at {address}); start every node with the same {flag}")
+    return None
+
+
 def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 fault: str | None) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
@@ -270,6 +295,11 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:
+        mismatch = layout_mismatch(settings.deployment, dep, address)
+        if mismatch:
+            print(f"elasticep serve: error: node {settings.node_rank}: {mismatch}",
+                  file=sys.stderr)
+            return 2
         taken = ranks_in_use(deployment.deployment_status(), ranks, address,
                              settings.node_rank)
         if taken:

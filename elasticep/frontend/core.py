@@ -31,6 +31,7 @@ from elasticep.engine.ipc import (
     OutputBatch,
     RankUnreachableError,
     RequestError,
+    StepFailed,
     WorkerMessage,
     is_routable,
 )
@@ -44,6 +45,7 @@ from elasticep.frontend.request_tracker import (
     RequestTracker,
     Send,
 )
+from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,17 @@ class Frontend:
             loop.call_soon_threadsafe(self._fail_open_streams)
         except RuntimeError:  # the loop closed meanwhile: no stream is left to fail
             pass
+
+    def shut_down(self, reason: str, grace_s: float) -> None:
+        """Stop serving (Ctrl-C of serve): refuse new requests now (HTTP 503), give the
+        open streams up to ``grace_s`` seconds to finish, then end the rest with an
+        error event carrying ``reason``, so a client sees why its stream stopped instead
+        of a cut connection. Thread-safe; call it before stopping the HTTP server."""
+        self.closed_reason = self.closed_reason or reason
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not self._streams, grace_s, "open streams to finish",
+                       poll_s=0.05)
+        self.fail_all(reason)
 
     def _fail_open_streams(self) -> None:
         reason = self.closed_reason or "the deployment is stopping"
@@ -295,6 +308,8 @@ class Frontend:
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
         elif isinstance(msg, RequestError):
             self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
+        elif isinstance(msg, StepFailed):
+            self._dispatch(self.tracker.on_step_failed(msg.rank, msg.request_ids, msg.message))
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()

@@ -33,6 +33,7 @@ from elasticep.frontend.membership import (
     MembershipSource,
     ScaleInProgressError,
     ScaleNotSupportedError,
+    ScaleRefusedError,
 )
 from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
@@ -48,6 +49,8 @@ from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PAYLOAD_SIZE = 32 << 20  # bytes: far above any prompt of a long context
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class ServerConfig:
         model_path: the checkpoint directory (SGLang's ``/get_model_info`` names it).
         host: interface to bind; 127.0.0.1 unless an api key protects the server.
         port: TCP port; 0 picks a free one.
+        max_payload_size: largest request body in bytes; a larger one gets 413
+            (``serve --max-payload-size``, the name of SGLang's router flag).
     """
 
     model_name: str
@@ -74,6 +79,7 @@ class ServerConfig:
     port: int = 0
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     model_path: str = ""
+    max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -103,6 +109,49 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Pure-ASGI cap on request bodies: 413 for one over ``limit`` bytes, before any of
+    it is parsed (a declared Content-Length is refused at once; a chunked body is read
+    up to the limit, then replayed to the app)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def _refuse(self, size: str, scope: Any, receive: Any, send: Any) -> None:
+        response = JSONResponse(
+            error_body(f"request body of {size} bytes exceeds --max-payload-size "
+                       f"({self.limit} bytes)", code="payload_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                await self._refuse(declared.decode(), scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server holds it to its length
+            return
+        messages, size = [], 0
+        while True:  # chunked: buffer up to the limit
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(f"more than {self.limit}", scope, receive, send)
+                return
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]:
@@ -152,7 +201,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len,
                             config.sampling_defaults)
     created = int(time.time())
-    if config.api_key:
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_payload_size)
+    if config.api_key:  # outermost: no body is read before the key is checked
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     def count_rejected(request: Request, status: int) -> None:
@@ -245,6 +295,8 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
             result = await frontend.scale(req.new_ep_size)
         except ScaleInProgressError as exc:
             raise OpenAIError(409, str(exc), code="scale_in_progress") from exc
+        except ScaleRefusedError as exc:
+            raise OpenAIError(409, str(exc), code="scale_refused") from exc
         except (ScaleNotSupportedError, ValueError) as exc:
             raise OpenAIError(400, str(exc), param="new_ep_size") from exc
         except asyncio.TimeoutError as exc:
@@ -260,7 +312,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                   membership: MembershipSource, *, served_model_name: str | None = None,
                   api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                   max_total_tokens: int | None = None,
-                  frontend_config: FrontendConfig | None = None) -> tuple[HttpServer, Frontend]:
+                  frontend_config: FrontendConfig | None = None,
+                  max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE,
+                  ) -> tuple[HttpServer, Frontend]:
     """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
 
     Args:
@@ -273,6 +327,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         port: TCP port; 0 picks a free one (read it back from ``server.port``).
         max_total_tokens: per-rank KV-cache capacity in tokens, if smaller than the context.
         frontend_config: timing of the front-end core.
+        max_payload_size: largest request body in bytes (413 above it).
 
     Returns:
         The (not yet started) server and its front-end.
@@ -291,7 +346,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
                           sampling_defaults=model_config.sampling_defaults,
-                          model_path=str(model_path))
+                          model_path=str(model_path), max_payload_size=max_payload_size)
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port), frontend
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elasticep.distributed.errors import ScaleInProgressError, ScaleNotSupportedError
+from elasticep.distributed.errors import (
+    ScaleInProgressError,
+    ScaleNotSupportedError,
+    ScaleRefusedError,
+)
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.engine.ipc import WorkerHello
 
 __all__ = ["ConnectedWorkers", "MembershipSource", "ScaleInProgressError",
-           "ScaleNotSupportedError"]
+           "ScaleNotSupportedError", "ScaleRefusedError"]
 
 
 class MembershipSource(Protocol):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import SamplingParamError, SamplingParams
 from elasticep.models.config import SamplingDefaults
 
 
@@ -137,8 +137,8 @@ class _SamplingFields(_Strict):
                                 stop=self.stop_strings(), ignore_eos=self.ignore_eos)
         try:
             params.validate()
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+        except SamplingParamError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
         return params
 
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +44,13 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
 )
-from elasticep.frontend.tokenizer import NoTokenizerError
+from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
 
 
 @dataclass
@@ -105,14 +106,8 @@ class OpenAIServing:
         self.sampling_defaults = sampling_defaults
         # Tokenizing a long prompt (or rendering a chat template) can take seconds: it
         # runs off the event loop, so that the other requests' streams, their checks and
-        # /health go on meanwhile. One thread: a fast tokenizer must not be called from
-        # several threads at once.
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the tokenizer thread; its exceptions propagate."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn,
-                                                                *args)
+        # /health go on meanwhile, and on a pool, so that it holds up one thread only.
+        self.tokenizers = TokenizerPool(tokenizer, TOKENIZER_THREADS)
 
     # ---- request preparation -------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -142,7 +137,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             _check_unicode(prompt, param)
             try:
-                ids = list(await self._off_loop(self.tokenizer.encode, prompt))
+                ids = list(await self.tokenizers.run(_encode, prompt))
             except NoTokenizerError as exc:
                 raise OpenAIError(400, str(exc), param=param) from None
         else:
@@ -166,20 +161,10 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
-        ids = list(await self._off_loop(self._chat_ids, messages))
+        ids = list(await self.tokenizers.run(_chat_ids, messages))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len)
         return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
-
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids of chat ``messages`` (the model's chat template, then tokens)."""
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
-            raise OpenAIError(400, f"chat template failed on these messages: {exc}",
-                              param="messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
         """Route a request; the stream of its events (close it: see ``Frontend.submit``).
@@ -307,6 +292,21 @@ class OpenAIServing:
         if result.error:
             raise OpenAIError(500, result.error, type="server_error")
         return result
+
+
+def _encode(tokenizer: Any, prompt: str) -> list[int]:
+    return tokenizer.encode(prompt)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt ids of chat ``messages`` (the model's chat template, then tokens)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
+        raise OpenAIError(400, f"chat template failed on these messages: {exc}",
+                          param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def _wait_disconnect(raw: Request) -> None:

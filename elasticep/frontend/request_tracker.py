@@ -21,6 +21,12 @@ tested. The caller (the front-end event loop) feeds it events and sends the
   survivor they are parked until a rank becomes healthy.
 - :meth:`RequestTracker.abort` drops a request whose client went away.
 - A stop string ends the request with finish_reason "stop" and aborts it on its rank.
+- :meth:`RequestTracker.on_step_failed` counts a rank's crashed step against the
+  requests in it. The first crash is retried (the membership change resubmits the
+  request, as for a killed rank); a request whose step raised on ranks
+  :data:`POISON_CRASHES` times is poison: it fails with an error and is never
+  resubmitted again, so one request cannot take down rank after rank (or use up
+  every relaunch).
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class RequestEvent:
 
 Sink = Callable[[RequestEvent], None]
 
+POISON_CRASHES = 2  # crashed steps after which a request is failed, not retried
+
 
 class NoRankAvailableError(RuntimeError):
     """No rank is healthy, so a new request cannot be routed."""
@@ -93,6 +101,7 @@ class _Tracked:
     last_token_at: float = 0.0
     moved: bool = False  # resubmitted and waiting for its first token on the new rank
     resubmissions: int = 0
+    crashed_ranks: list[int] = field(default_factory=list)  # ranks whose step raised on it
 
 
 class RequestTracker:
@@ -170,8 +179,8 @@ class RequestTracker:
             req = self._requests.get(out.request_id)
             if req is None or req.rank != rank:
                 continue  # finished, aborted, or a stale token from a previous owner
-            if out.finish_reason == "abort":
-                self._finish_error(req, f"request aborted by rank {rank}")
+            if out.finish_reason == "abort":  # the rank failed this one request
+                self._finish_error(req, out.error or f"request aborted by rank {rank}")
                 continue
             if out.index < len(req.generated):
                 continue  # duplicate from a redone step
@@ -187,6 +196,30 @@ class RequestTracker:
         if req is not None and req.rank == rank:
             self._finish_error(req, message, refused=True)
         return self._place_waiting()
+
+    def on_step_failed(self, rank: int, request_ids: Sequence[str], message: str,
+                       ) -> list[Send]:
+        """A step holding ``request_ids`` raised on ``rank`` (the rank is exiting).
+
+        Each request counts the crash; at :data:`POISON_CRASHES` it fails as a server
+        error naming the ranks and the exception, and an abort goes to the rank it was
+        resubmitted to meanwhile (if the report came after the membership change).
+        Below that nothing happens here: the rank's failure resubmits the request.
+        """
+        sends: list[Send] = []
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            req.crashed_ranks.append(rank)
+            if len(req.crashed_ranks) < POISON_CRASHES:
+                continue
+            if req.rank is not None and req.rank != rank:
+                sends.append(Send(req.rank, AbortRequest(request_id)))
+            self._finish_error(req, f"the request's step raised on {len(req.crashed_ranks)} "
+                               f"ranks {req.crashed_ranks}, so it is not retried again; "
+                               f"last error: {message}")
+        return sends
 
     def fail(self, request_id: str, message: str) -> None:
         """The deployment cannot finish a request (it is stopping): fail it as a server

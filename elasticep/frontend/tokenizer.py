@@ -4,13 +4,26 @@ A ``--load-format dummy`` directory may hold only ``config.json``. Like vLLM wit
 ``--skip-tokenizer-init``, such a model still serves prompts given as token ids; text
 prompts get a clear error, and generated ids render as ``<id>`` per token so that
 streamed output stays visible.
+
+:class:`TokenizerPool` runs tokenizer calls off the event loop on a few threads, each
+with its own copy of the tokenizer (a fast tokenizer's Rust object must not be used
+by two threads at once; its encode releases the GIL, so the threads run in parallel).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # Any one of these is enough for transformers' AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -71,3 +84,56 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from transformers import AutoTokenizer  # heavy: imported only where text is needed
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class TokenizerPool:
+    """Tokenizer calls on ``size`` threads, each owning a copy of ``tokenizer``, so that
+    one giant prompt (seconds of encoding) holds up one thread, not every request.
+
+    Args:
+        tokenizer: a transformers tokenizer (or :class:`TokenIdsOnlyTokenizer`); each
+            thread deep-copies it on first use. One that cannot be copied gets a single
+            thread (logged), as before the pool.
+        size: number of threads (>= 1).
+
+    Raises:
+        ValueError: ``size`` < 1.
+    """
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a tokenizer pool needs >= 1 thread, got {size}")
+        self._prototype = tokenizer
+        self._spares: list[Any] = []
+        if size > 1:
+            try:
+                self._spares.append(copy.deepcopy(tokenizer))  # can it be copied at all?
+            except Exception as exc:  # noqa: BLE001 - any tokenizer class may refuse
+                logger.warning("the tokenizer cannot be copied (%r): tokenizing on one "
+                               "thread", exc)
+                size = 1
+        self.size = size
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(size, thread_name_prefix="tokenizer")
+
+    def _own(self) -> Any:
+        if self.size == 1:
+            return self._prototype
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            with self._lock:
+                spare = self._spares.pop() if self._spares else None
+            tok = spare if spare is not None else copy.deepcopy(self._prototype)
+            self._local.tokenizer = tok
+        return tok
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(tokenizer, *args)`` on a pool thread with that thread's own tokenizer;
+        its exceptions propagate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, lambda: fn(self._own(), *args))
+
+    def close(self) -> None:
+        """Stop the threads (calls still queued are cancelled)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,70 @@
+"""A poison request, then a Ctrl-C, through a real `elasticep serve --ep-size 2
+--restart-failed-ranks` (issue 30, items 1 and 5).
+
+``ELASTICEP_FAULT=raise:seed=666`` makes the step of any rank that runs a request with
+seed 666 raise (relaunched ranks inherit it, as they would meet a real poison request
+again). The request crashes its rank, is retried once on the other, crashes that one
+too and then fails with a 500 naming both ranks; the relaunched ranks get nothing back,
+the deployment comes back whole and serves the fault-free text.
+
+Then Ctrl-C of serve while streams are open: after the grace period they end with an
+error event saying why, not with a cut connection.
+"""
+
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+from _serve_fixtures import MAX_TOKENS, PROMPTS, burst, start_serve, stream
+
+from elasticep.distributed.membership import SlotState
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture(scope="module")
+def serve():
+    os.environ["ELASTICEP_FAULT"] = "raise:seed=666"  # inherited by serve and its ranks
+    try:
+        with start_serve("--ep-size", "2", "--restart-failed-ranks") as s:
+            yield s
+    finally:
+        del os.environ["ELASTICEP_FAULT"]
+
+
+def _all_healthy(st) -> bool:
+    return all(r.state == SlotState.HEALTHY for r in st.ranks[:2])
+
+
+def test_poison_fails_after_one_retry_and_the_deployment_recovers(serve):
+    reference = stream(serve, PROMPTS[0], MAX_TOKENS)
+    assert reference.error is None
+    pids = {r.rank: r.pid for r in serve.status().ranks[:2]}
+    with pytest.raises(openai.InternalServerError) as info:
+        serve.client.completions.create(model=serve.model_name(), prompt=PROMPTS[1],
+                                        max_tokens=8, temperature=1.0, seed=666, timeout=120)
+    message = str(info.value)
+    assert "raised on 2 ranks" in message and "not retried again" in message, message
+    assert "PoisonFault: fault injection: poison request (seed 666)" in message, message
+    st = serve.wait_for(lambda s: _all_healthy(s) and all(
+        r.pid not in (None, pids[r.rank]) for r in s.ranks[:2]), 240,
+        "both ranks relaunched and healthy")
+    new_pids = {r.rank: r.pid for r in st.ranks[:2]}
+    again = stream(serve, PROMPTS[0], MAX_TOKENS)
+    assert again.error is None and again.text == reference.text
+    # the relaunched ranks were not handed the poison back: the same processes serve
+    assert {r.rank: r.pid for r in serve.status().ranks[:2]} == new_pids
+    assert "request aborted" not in serve.tail(1 << 20)
+
+
+def test_ctrl_c_ends_open_streams_with_an_error_event(serve):
+    """Runs last: it stops the module's deployment."""
+    b = burst(serve, PROMPTS[:3], 900)  # far longer than the 5 s grace on 2 cores
+    assert b.wait_tokens(3 * 4, 60), f"only {b.tokens()} tokens arrived"
+    assert serve.interrupt(timeout_s=60) == 130
+    records = b.results(30)
+    assert all(r.error is not None and "the server is shutting down" in r.error
+               for r in records), [r.error for r in records]
+    assert all(4 <= len(r.token_times) < 900 for r in records)
