@@ -121,7 +121,9 @@ def _expanded(q: torch.Tensor, latents: torch.Tensor, w: MLAWeights, cfg: MLACon
         dv = vh.shape[-1]
         if q.is_cuda and dv != qh.shape[-1]:
             vh = F.pad(vh, (0, qh.shape[-1] - dv))
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[..., :dv]
+        # [1, H, n, d]: SDPA's fused kernels take 4-D inputs only (3-D ran the math path)
+        o = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], is_causal=True,
+                                           scale=scale)[0, ..., :dv]
     else:
         # query j sits at position ctx - n + j and sees keys 0..ctx-n+j
         mask = (torch.arange(ctx, device=q.device)[None, :]
