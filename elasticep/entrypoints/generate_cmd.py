@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-total-tokens", type=int, default=8192, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="most prompt tokens computed per step (SGLang's name): longer prompts "
+                        "are split over steps that running decodes share; default: off")
     ep = p.add_argument_group("expert parallelism (--ep-size > 1 launches one worker process per rank)")
     ep.add_argument("--ep-size", type=int, default=1,
                     help="ranks; each hosts a share of the experts and serves its prompts")
@@ -168,6 +171,10 @@ def validate(args: argparse.Namespace) -> tuple[str, list[str | list[int]], Samp
     checks.raise_first_failure([
         *checks.ep_flag_checks(args, max_ep),
         (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+        (args.chunked_prefill_size is None or args.chunked_prefill_size >= 1,
+         f"--chunked-prefill-size must be >= 1, got {args.chunked_prefill_size}"),
+        (args.chunked_prefill_size is None or args.ep_size == 1,
+         "--chunked-prefill-size is not passed to EP ranks yet: use it with --ep-size 1"),
         checks.static_backend_check(args, max_ep),
     ])
     check_fault(args.fault, args.ep_size)
@@ -263,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
                 dtype=getattr(torch, args.dtype),
                 device=args.device,
                 config=EngineConfig(max_total_tokens=args.max_total_tokens, max_num_seqs=args.max_num_seqs,
-                                    enable_cuda_graph=not args.disable_cuda_graph),
+                                    enable_cuda_graph=not args.disable_cuda_graph,
+                                    chunked_prefill_size=args.chunked_prefill_size),
                 detokenize=tok.decode,
                 load_format=args.load_format,
             )
