@@ -36,6 +36,9 @@ def test_generate_prompt_and_prompts_file(tmp_path):
     assert single.returncode == 0, single.stderr
     assert single.stdout == tok.decode(expected) + "\n"  # completion text only
     assert "loading" in single.stderr  # progress goes to stderr
+    chunked = _cli("--prompt", PROMPT, "--max-tokens", "12", "--chunked-prefill-size", "4")
+    assert chunked.returncode == 0, chunked.stderr
+    assert chunked.stdout == single.stdout  # the prompt computed 4 tokens a step
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in [PROMPT, "ROMEO:", "Question: 1+1?\nAnswer:"]))

@@ -22,6 +22,7 @@ from elasticep.models.paged_attention import (
     PagedAttentionMetadata,
     paged_attention,
     paged_attention_reference,
+    paged_attention_sdpa,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,27 +37,44 @@ CASES = [
 ]
 
 
+TORCH_IMPLS = [paged_attention_reference, paged_attention_sdpa]
+
+
+@pytest.mark.parametrize("impl", TORCH_IMPLS)
 @pytest.mark.parametrize("lens,qlens,hq,hkv", CASES)
-def test_reference_matches_dense(lens, qlens, hq, hkv):
+def test_torch_impls_match_dense(lens, qlens, hq, hkv, impl):
     c = make_case(lens, qlens, hq, hkv, d=16, seed=len(lens))
-    got = paged_attention_reference(*c.args())
+    got = impl(*c.args())
     assert got.shape == c.q.shape and got.dtype == c.q.dtype
     torch.testing.assert_close(got, dense_oracle(c), rtol=1e-5, atol=1e-5)
 
 
-def test_reference_bf16_and_loose_bounds():
+@pytest.mark.parametrize("impl", TORCH_IMPLS)
+def test_torch_impls_bf16_and_loose_bounds(impl):
     """bf16 in/out, and host bounds larger than needed (an upper bound is allowed)."""
     c = make_case([40, 7, 90], [3, 7, 1], 8, 2, d=32, dtype=torch.bfloat16)
     loose = replace(c.meta, max_query_len=c.meta.max_query_len + 5,
                     max_seq_len=c.meta.max_seq_len + 10)  # still within the block table
-    got = paged_attention_reference(c.q, c.k_cache, c.v_cache, loose, c.scale)
+    got = impl(c.q, c.k_cache, c.v_cache, loose, c.scale)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), dense_oracle(c), rtol=2e-2, atol=2e-2)
 
 
-def test_dispatch_cpu_is_reference_and_rejects_bad_input():
+def test_dense_layout_is_built_once_per_step():
+    """Every layer of a step reuses one set of index tensors (keyed by T and cache size)."""
+    c = make_case([33, 5, 70], [2, 5, 1], 4, 2, d=8)
+    T, slots = c.q.shape[0], c.k_cache.shape[0]
+    lay = c.meta.dense_layout(T, slots)
+    assert c.meta.dense_layout(T, slots) is lay
+    assert lay.token_cells.tolist() == [0, 1, 5, 6, 7, 8, 9, 10]  # Mq = 5: rows 0, 1, 2
+    assert lay.visible.shape == (3, 5, 70) and int(lay.visible[1, 4].sum()) == 5
+
+
+def test_dispatch_cpu_is_sdpa_and_rejects_bad_input():
     c = make_case([10, 20], [1, 1], 4, 2, d=8)
-    assert torch.equal(paged_attention(*c.args()), paged_attention_reference(*c.args()))
+    assert torch.equal(paged_attention(*c.args()), paged_attention_sdpa(*c.args()))
+    assert torch.equal(paged_attention(*c.args(), backend="reference"),
+                       paged_attention_reference(*c.args()))
     with pytest.raises(ValueError, match="unknown attention backend"):
         paged_attention(*c.args(), backend="cudnn")
     with pytest.raises(ValueError, match="multiple of kv heads"):

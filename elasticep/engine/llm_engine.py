@@ -53,7 +53,11 @@ class EngineConfig:
             the EP exchange is rounded up to (SGLang's ``--cuda-graph-max-bs``); the
             ranks of a deployment must agree on it. None: ``max_num_seqs``.
         chunked_prefill_size: most prefill tokens per step (SGLang's
-            ``--chunked-prefill-size``); None: no chunking.
+            ``--chunked-prefill-size``): longer prompts are split over steps that
+            running decodes share. None computes each prompt in one step.
+
+    Raises:
+        ValueError: ``chunked_prefill_size`` below 1.
     """
 
     max_total_tokens: int = 8192
@@ -64,6 +68,10 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
 
 
 def max_sequence_len(model_config: MoEModelConfig, config: EngineConfig | None) -> int:
@@ -98,7 +106,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         num_blocks = -(-self.config.max_total_tokens // self.config.block_size)
         self.blocks = BlockManager(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batch_tokens)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batch_tokens,
+                                   self.config.chunked_prefill_size)
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.detokenize = detokenize
         self.eos_ids = set(model.config.eos_token_ids)
@@ -182,7 +191,9 @@ class LLMEngine:
         return self.scheduler.schedule()
 
     def execute(self, batch: ScheduledBatch) -> list[int | SamplingFailure]:
-        """Forward + sample one token per scheduled sequence; mutates no request state.
+        """Forward + sample one token per scheduled sequence that :attr:`~ScheduledSeq.samples`
+        (a chunk that leaves part of its prompt for later draws none), in batch order;
+        mutates no request state.
 
         A row whose sampling raised gets a :class:`SamplingFailure` (see
         :func:`~elasticep.engine.sampler.sample_batch`); a forward error raises.
@@ -190,7 +201,7 @@ class LLMEngine:
         if not batch.items and not self.config.forward_empty_batches:
             return []
         logits = self.runner.forward(batch)
-        seqs = [it.seq for it in batch.items]
+        seqs = [it.seq for it in batch.items if it.samples]
         return sample_batch(
             logits,
             [s.params for s in seqs],
@@ -200,13 +211,23 @@ class LLMEngine:
 
     def commit(self, batch: ScheduledBatch,
                tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
-        """Append sampled tokens, finish sequences that are done and return their outputs.
+        """Record the computed K/V, append sampled tokens (``tokens`` as :meth:`execute`
+        returns them), finish sequences that are done and return their outputs.
 
         A :class:`SamplingFailure` row ends its request: it is finished and dropped, and
         its output has finish_reason "abort", no token and the failure as ``error``.
+
+        Raises:
+            ValueError: ``tokens`` does not have one entry per sampling sequence.
         """
+        sampling = [it for it in batch.items if it.samples]
+        if len(tokens) != len(sampling):
+            raise ValueError(f"{len(tokens)} tokens for {len(sampling)} sampling sequences")
+        for it in batch.items:
+            if not it.samples and it.seq.status is SequenceStatus.RUNNING:
+                it.seq.num_cached_tokens = it.end  # a prefill chunk: the rest comes later
         outputs = []
-        for it, tok in zip(batch.items, tokens, strict=True):
+        for it, tok in zip(sampling, tokens, strict=True):
             seq = it.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between execute and commit

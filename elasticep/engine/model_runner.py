@@ -108,8 +108,10 @@ class ModelRunner:
         # An EP step's bucket follows the largest batch of any rank (agreed in the step
         # header), so an idle rank replays too; a single rank has no such bound.
         agreed = getattr(executor_of(self.model), "step_max_tokens", None) or 0
+        # decode-only steps are graphed; a step with a prefill chunk (even a 1-token
+        # chunk that samples nothing) runs eagerly
         if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
-                or any(it.end - it.start != 1 for it in batch.items)):
+                or any(it.end - it.start != 1 or not it.samples for it in batch.items)):
             return None
         b = g.bucket(max(len(batch.items), agreed))
         if b is None:
@@ -125,7 +127,9 @@ class ModelRunner:
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Build ``(input_ids [T], positions [T], meta, last_token_rows [B])`` for ``batch``.
+        """Build ``(input_ids [T], positions [T], meta, last_token_rows [N])`` for ``batch``:
+        the logits rows are the last tokens of the N sequences that sample this step
+        (a prefill chunk that leaves part of its prompt for later has none).
 
         Everything is computed in host lists and reaches the device in two copies (the
         token-indexed ints, and the block tables); a per-sequence tensor would cost a
@@ -137,20 +141,21 @@ class ModelRunner:
             return empty, empty, AttentionMetadata([0], [], empty), empty
         bs = self.kv_cache.block_size
         h = _HostLists.of(batch, bs)
-        T, B = len(h.ids), len(h.ctx_lens)
-        host = torch.tensor(h.ids + h.positions + h.slots + [s - 1 for s in h.starts[1:]],
-                            dtype=torch.long)
+        T = len(h.ids)
+        last = [s - 1 for it, s in zip(batch.items, h.starts[1:], strict=True) if it.samples]
+        host = torch.tensor(h.ids + h.positions + h.slots + last, dtype=torch.long)
         if dev.type == "cuda":
             host = host.pin_memory()
         flat = host.to(dev, non_blocking=True)
         query_lens = [b - a for a, b in pairwise(h.starts)]
         paged = PagedAttentionMetadata.from_lists(h.tables, h.ctx_lens, query_lens, bs, dev)
         meta = AttentionMetadata(h.starts, h.ctx_lens, flat[2 * T:3 * T], paged)
-        return flat[:T], flat[T:2 * T], meta, flat[3 * T:3 * T + B]
+        return flat[:T], flat[T:2 * T], meta, flat[3 * T:]
 
     def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
-        """Run ``batch``; return float32 logits ``[B, V]`` of each sequence's last token
-        (or ``[T, V]`` for every scheduled token when ``all_logits``)."""
+        """Run ``batch``; return float32 logits ``[N, V]`` of the last token of each
+        sequence that samples this step, in batch order (or ``[T, V]`` for every
+        scheduled token when ``all_logits``)."""
         if not all_logits:
             logits = self._replay(batch)
             if logits is not None:

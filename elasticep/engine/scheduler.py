@@ -5,6 +5,13 @@ admitted (FIFO) while KV blocks, the sequence limit and the token budget allow. 
 running sequence cannot grow, the newest running sequence is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from prompt +
 generated tokens. A full cache therefore delays requests and never fails them.
+
+With ``chunked_prefill_size`` set (SGLang's ``--chunked-prefill-size``), a step's
+prefill tokens are capped at that size: a long prompt is computed over several steps,
+``[start, end)`` a chunk at a time, while every running decode still gets its token
+each step. A sequence whose prefill is not finished samples nothing
+(:attr:`ScheduledSeq.samples`) and holds blocks only for the chunks computed so far.
+Chunks go to partly prefilled sequences first (oldest first), then to admissions.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     end: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step draws the sequence's next token: its last known token is
+        computed (a decode, or the last chunk of a prefill). Valid from schedule to
+        commit, which is what appends the token."""
+        return self.end == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -46,14 +60,24 @@ class Scheduler:
     Args:
         blocks: the KV block manager.
         max_num_seqs: most sequences in one step.
-        max_batch_tokens: token budget per step for admitting prefills (the first
-            admitted prefill may exceed it, so long prompts are never starved).
+        max_batch_tokens: token budget per step for admitting prefills, decodes counted
+            (unchunked, the first admitted prefill may exceed it, so long prompts are
+            never starved).
+        chunked_prefill_size: most prefill tokens per step, or None to compute every
+            prompt in one step.
+
+    Raises:
+        ValueError: ``chunked_prefill_size`` is not None and below 1.
     """
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int,
+                 chunked_prefill_size: int | None = None) -> None:
+        if chunked_prefill_size is not None and chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {chunked_prefill_size}")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
+        self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,30 +119,52 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Plan one step: grow running sequences, preempting the newest on shortage, then admit."""
+        chunk = self.chunked_prefill_size
+        # Prefill tokens this step may still take. Counting the decodes before any
+        # preemption only makes it smaller than it could be, never too large.
+        prefill = self.max_batch_tokens - sum(1 for s in self.running if s.num_new_tokens == 1)
+        if chunk is not None:
+            prefill = min(prefill, chunk)
         items: list[ScheduledSeq] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.blocks.can_grow(seq.block_table, seq.num_tokens):
+            n = seq.num_new_tokens  # 1 for a decode; more only for a partly prefilled one
+            chunked = chunk is not None and n > 1
+            if chunked:
+                n = min(n, prefill)
+                if n < 1:
+                    continue  # no prefill budget left this step: it keeps its blocks
+            end = seq.num_cached_tokens + n
+            while not self.blocks.can_grow(seq.block_table, end):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                self.blocks.grow(seq.block_table, seq.num_tokens)
-                items.append(ScheduledSeq(seq, seq.num_cached_tokens, seq.num_tokens))
+                self.blocks.grow(seq.block_table, end)
+                items.append(ScheduledSeq(seq, seq.num_cached_tokens, end))
+                if chunked:
+                    prefill -= n
         budget = self.max_batch_tokens - sum(it.end - it.start for it in items)
+        if chunk is not None:
+            budget = min(budget, prefill)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = seq.num_tokens
-            if not self.blocks.can_grow(seq.block_table, need):
+            need = seq.num_new_tokens
+            if chunk is not None:
+                need = min(need, budget)
+                if need < 1:
+                    break
+            elif need > budget and items:
                 break
-            if need > budget and items:
+            start = seq.num_cached_tokens  # 0: waiting sequences hold no blocks
+            if not self.blocks.can_grow(seq.block_table, start + need):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq.block_table, need)
+            self.blocks.grow(seq.block_table, start + need)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            items.append(ScheduledSeq(seq, seq.num_cached_tokens, need))
+            items.append(ScheduledSeq(seq, start, start + need))
             budget -= need
         return ScheduledBatch(tuple(items))

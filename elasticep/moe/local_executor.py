@@ -21,8 +21,7 @@ from elasticep.moe.expert_compute import (
     combine_pairs,
     grouped_ok,
     grouped_swiglu,
-    slot_groups,
-    swiglu_expert,
+    run_expert_rows,
 )
 
 
@@ -64,18 +63,15 @@ def run_slots(
         weights: ``[T, k]`` float32 combine weights.
 
     Returns:
-        ``[T, H]`` model dtype: ``sum_j weights[t, j] * expert_{slot_ids[t, j]}(h_t)``.
+        ``[T, H]`` model dtype: ``sum_j weights[t, j] * expert_{slot_ids[t, j]}(h_t)``,
+        summed in float32 (:func:`~elasticep.moe.expert_compute.combine_pairs`).
     """
-    out = torch.zeros_like(hidden_states)
-    if hidden_states.shape[0] == 0:
-        return out
-    k = slot_ids.shape[1]
-    flat_w = weights.reshape(-1)
-    for slot, pairs in slot_groups(slot_ids.reshape(-1), w13.shape[0]):
-        idx = pairs // k  # the token of each (token, choice) pair
-        y = swiglu_expert(w13[slot], w2[slot], hidden_states[idx])
-        out.index_add_(0, idx, y * flat_w[pairs, None].to(y.dtype))
-    return out
+    (T, k), H = slot_ids.shape, hidden_states.shape[1]
+    # row t*k + j: token t, choice j; then the weighted sum over k (no index_add_, whose
+    # scatter kernel enters an OpenMP region per call: slow on a loaded CPU)
+    rows = hidden_states.unsqueeze(1).expand(T, k, H).reshape(T * k, H)
+    pair_out = run_expert_rows(w13, w2, rows, slot_ids.reshape(-1))
+    return combine_pairs(pair_out, weights, hidden_states.dtype)
 
 
 class LocalExpertExecutor:

@@ -1,7 +1,7 @@
-"""Pick a paged-attention implementation per call: torch reference, Triton, or flex.
+"""Pick a paged-attention implementation per call: torch reference, SDPA, Triton, or flex.
 
-The choice is by device unless a backend is named: the reference on CPU, Triton on
-CUDA. ``ELASTICEP_ATTENTION_BACKEND`` (``reference``, ``triton``, ``flex``) overrides
+The choice is by device unless a backend is named: SDPA on CPU, Triton on CUDA.
+``ELASTICEP_ATTENTION_BACKEND`` (``reference``, ``sdpa``, ``triton``, ``flex``) overrides
 the CUDA default so a deployment can switch without code changes. The GPU modules are
 imported on first use, so CPU-only installs never import Triton.
 """
@@ -15,6 +15,7 @@ import torch
 
 from elasticep.models.paged_attention.metadata import PagedAttentionMetadata
 from elasticep.models.paged_attention.reference import paged_attention_reference
+from elasticep.models.paged_attention.sdpa import paged_attention_sdpa
 
 BACKEND_ENV = "ELASTICEP_ATTENTION_BACKEND"
 
@@ -23,6 +24,7 @@ class AttentionBackend(str, enum.Enum):
     """Implementations of :func:`paged_attention`."""
 
     REFERENCE = "reference"
+    SDPA = "sdpa"
     TRITON = "triton"
     FLEX = "flex"
 
@@ -37,9 +39,9 @@ class AttentionBackend(str, enum.Enum):
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """Reference on CPU; on CUDA ``$ELASTICEP_ATTENTION_BACKEND`` or else Triton."""
+    """SDPA on CPU; on CUDA ``$ELASTICEP_ATTENTION_BACKEND`` or else Triton."""
     if device.type != "cuda":
-        return AttentionBackend.REFERENCE
+        return AttentionBackend.SDPA
     return AttentionBackend.parse(os.environ.get(BACKEND_ENV, AttentionBackend.TRITON.value))
 
 
@@ -76,4 +78,6 @@ def paged_attention(
         from elasticep.models.paged_attention.flex import paged_attention_flex
 
         return paged_attention_flex(q, k_cache, v_cache, meta, scale)
+    if chosen is AttentionBackend.SDPA:
+        return paged_attention_sdpa(q, k_cache, v_cache, meta, scale)
     return paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -8,9 +8,29 @@ implementation needs to read a device value on the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """A step's batch laid out as a padded ``[B, max_query_len] x [B, max_seq_len]`` grid.
+
+    Attributes:
+        key_slots: ``[B * max_seq_len]`` int64, the cache slot of key ``p`` of sequence
+            ``i`` at ``i * max_seq_len + p`` (clamped into the cache past a sequence).
+        query_rows: ``[B * max_query_len]`` int64, the token of each query cell (cells
+            past a sequence's ``n_i`` repeat its last query).
+        visible: ``[B, max_query_len, max_seq_len]`` bool, True where a query cell sees
+            a key (not a later position, not past the sequence).
+        token_cells: ``[T]`` int64, the grid cell ``i * max_query_len + j`` of each token.
+    """
+
+    key_slots: torch.Tensor
+    query_rows: torch.Tensor
+    visible: torch.Tensor
+    token_cells: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,9 @@ class PagedAttentionMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    # per-step index tensors that every layer shares (see dense_layout)
+    _layouts: dict[tuple[int, int], DenseLayout] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -126,3 +149,28 @@ class PagedAttentionMetadata:
         seq = self.token_sequence_ids(num_tokens)
         j = torch.arange(num_tokens, device=seq.device) - self.query_start_loc.long()[seq]
         return grid[seq, j]
+
+    def dense_layout(self, num_tokens: int, num_slots: int) -> DenseLayout:
+        """The padded grid of this step for implementations that gather (the reference).
+
+        Built on the first call and kept on this metadata, so the layers of a step share
+        one set of index tensors (about fifteen small ops a layer otherwise). The
+        metadata's tensors must not be changed in place after that call.
+
+        Args:
+            num_tokens: T, the step's query tokens.
+            num_slots: cache slots (``num_blocks * block_size``); key slots are clamped
+                below it.
+        """
+        key = (num_tokens, num_slots)
+        if key not in self._layouts:
+            kpos = torch.arange(self.max_seq_len, device=self.block_tables.device)
+            blocks = self.block_tables.long()[:, kpos // self.block_size]  # [B, S]
+            slots = (blocks * self.block_size + kpos % self.block_size).clamp_(0, num_slots - 1)
+            rows, qpos = self.padded_queries(num_tokens)  # [B, Mq]
+            visible = kpos[None, None, :] <= qpos[:, :, None]  # [B, Mq, S]
+            seq = self.token_sequence_ids(num_tokens)
+            j = torch.arange(num_tokens, device=seq.device) - self.query_start_loc.long()[seq]
+            self._layouts[key] = DenseLayout(slots.reshape(-1), rows.reshape(-1),
+                                             visible, seq * self.max_query_len + j)
+        return self._layouts[key]

@@ -36,21 +36,17 @@ def paged_attention_reference(
     Hkv = k_cache.shape[1]
     g = Hq // Hkv
     B = meta.num_seqs
-    dev = q.device
     if T == 0 or B == 0:
         return q.new_empty(T, Hq, D)
-    block_size, max_query_len, max_seq_len = meta.block_size, meta.max_query_len, meta.max_seq_len
-    # keys: [B, S] slots through the block table; positions past a sequence are masked
-    kpos = torch.arange(max_seq_len, device=dev)
-    blocks = meta.block_tables.long()[:, kpos // block_size]  # [B, S]
-    slots = (blocks * block_size + kpos % block_size).clamp_(0, k_cache.shape[0] - 1)
-    k = k_cache[slots].float()  # [B, S, Hkv, D]
-    v = v_cache[slots].float()
-    rows, qpos = meta.padded_queries(T)  # [B, Mq]
-    qb = q[rows].float().view(B, max_query_len, Hkv, g, D)
+    max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
+    # keys: [B, S] slots through the block table; positions past a sequence are masked.
+    # index_select, not advanced indexing: several times faster for row gathers on CPU.
+    lay = meta.dense_layout(T, k_cache.shape[0])
+    k = k_cache.index_select(0, lay.key_slots).view(B, max_seq_len, Hkv, D).float()
+    v = v_cache.index_select(0, lay.key_slots).view(B, max_seq_len, Hkv, D).float()
+    qb = q.index_select(0, lay.query_rows).float().view(B, max_query_len, Hkv, g, D)
     scores = torch.einsum("bqhgd,bshd->bhgqs", qb, k) * scale  # [B, Hkv, g, Mq, S]
-    visible = kpos[None, None, :] <= qpos[:, :, None]  # [B, Mq, S]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    scores = scores.masked_fill(~lay.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("bhgqs,bshd->bqhgd", probs, v).reshape(B, max_query_len, Hq, D)
-    return meta.unpad(o, T).to(q.dtype)
+    o = torch.einsum("bhgqs,bshd->bqhgd", probs, v).reshape(B * max_query_len, Hq, D)
+    return o.index_select(0, lay.token_cells).to(q.dtype)
