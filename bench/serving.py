@@ -123,7 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def commit() -> str:
-    """The repository's short commit, ``-dirty`` when tracked files changed."""
+    """``$ELASTICEP_COMMIT`` if set (a copied tree may carry a stale .git), else the
+    repository's short commit, ``-dirty`` when tracked files changed."""
+    if os.environ.get("ELASTICEP_COMMIT"):
+        return os.environ["ELASTICEP_COMMIT"]
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,
                               timeout=10).stdout.strip()
