@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     line: dict[str, Any] = {
         "bench": "serving", "commit": commit(), "dataset_name": args.dataset_name,
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "num_prompts": args.num_prompts,
+        # a string for inf: json.dumps would write Infinity, which strict JSON lacks
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "max_concurrency": args.max_concurrency, "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio, "seed": args.seed,
