@@ -195,6 +195,7 @@ def test_bad_flags_are_one_line_and_exit_2():
         (["--base-url", "http://127.0.0.1:1", "--stub-engine-steps-per-s", "5"],
          "needs --launch"),
         (["--launch", "--random-range-ratio", "2"], "--random-range-ratio must be in"),
+        (["--launch", "--serve-arg=--api-key", "--serve-arg=k"], "drop --serve-arg=--api-key"),
         (["--launch", "--model", str(REPO / "nowhere")], "no config.json"),
     ]
     for args, message in cases:
