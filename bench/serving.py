@@ -10,7 +10,8 @@ Run it from the repository root as a module (it imports ``elasticep_testkit``):
 
 ``--engine-baseline`` runs the same requests through the in-process ``LLMEngine`` (same
 model, device, dtype, load format; the same concurrency cap) after the served run and
-adds the served / engine ratios. ``--stub-engine-steps-per-s S`` (with ``--launch``)
+adds the served / engine ratios. A server with ``--api-key`` takes it from
+``$OPENAI_API_KEY`` (as bench_serving). ``--stub-engine-steps-per-s S`` (with ``--launch``)
 serves the real front-end over stub ranks that emit one token per running request
 every 1/S seconds, so the front-end's own ceiling is what is measured.
 """
@@ -114,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (not any(a.split("=", 1)[0] in OWNED for a in args.serve_arg),
          f"pass {', '.join(OWNED[:6])} as this bench's own flags, not --serve-arg (the "
          "baseline uses them too); the ports and log dir are chosen here"),
+        (not (args.launch and any(a.split("=", 1)[0] == "--api-key" for a in args.serve_arg)),
+         "--launch serves on loopback without a key: drop --serve-arg=--api-key (for a "
+         "server with a key, use --base-url and $OPENAI_API_KEY)"),
         (Path(args.model, "config.json").is_file(), f"--model {args.model}: no config.json"),
     ]
     for ok, message in problems:
@@ -170,8 +174,19 @@ def warmup_requests(args: argparse.Namespace, requests: list[BenchRequest],
 
 
 def served_model(base_url: str) -> str:
-    """The first model id of ``GET /v1/models``."""
-    return httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+    """The first model id of ``GET /v1/models``.
+
+    Raises:
+        RuntimeError: the server did not answer 200 (e.g. 401 without the key).
+    """
+    key = os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    if r.status_code != 200:  # one line, not httpx's paragraph
+        hint = " (set $OPENAI_API_KEY)" if r.status_code == 401 else ""
+        raise RuntimeError(f"GET {base_url}/v1/models: HTTP {r.status_code}{hint}: "
+                           f"{r.text[:200]}")
+    return r.json()["data"][0]["id"]
 
 
 def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
@@ -248,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     line: dict[str, Any] = {
         "bench": "serving", "commit": commit(), "dataset_name": args.dataset_name,
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "num_prompts": args.num_prompts,
+        # a string for inf: json.dumps would write Infinity, which strict JSON lacks
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "max_concurrency": args.max_concurrency, "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio, "seed": args.seed,

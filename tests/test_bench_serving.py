@@ -30,7 +30,12 @@ def run_bench(*args: str) -> tuple[int, dict | None, str]:
     p = subprocess.run([sys.executable, "-m", "bench.serving", *args], cwd=REPO,
                        capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-    return p.returncode, (json.loads(lines[-1]) if lines else None), p.stderr
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return (p.returncode, json.loads(lines[-1], parse_constant=strict) if lines else None,
+            p.stderr)
 
 
 # ---- pure parts ------------------------------------------------------------------------
@@ -144,6 +149,7 @@ def test_bench_against_serve_of_the_demo_model_gives_one_sane_json_line(tmp_path
     assert line["total_output_tokens"] == 6 * 8
     assert abs(line["total_input_tokens"] - 6 * 16) <= 12  # text re-encoded by the server
     assert line["max_concurrency"] == 3 and 0 < line["concurrency"] <= 3
+    assert line["request_rate"] == "inf"  # strict JSON: no Infinity
     for key in ("ttft", "tpot", "itl", "e2e_latency"):
         assert 0 < line[f"median_{key}_ms"] <= line[f"p99_{key}_ms"]
     assert line["median_e2e_latency_ms"] >= line["median_ttft_ms"]
@@ -189,6 +195,7 @@ def test_bad_flags_are_one_line_and_exit_2():
         (["--base-url", "http://127.0.0.1:1", "--stub-engine-steps-per-s", "5"],
          "needs --launch"),
         (["--launch", "--random-range-ratio", "2"], "--random-range-ratio must be in"),
+        (["--launch", "--serve-arg=--api-key", "--serve-arg=k"], "drop --serve-arg=--api-key"),
         (["--launch", "--model", str(REPO / "nowhere")], "no config.json"),
     ]
     for args, message in cases:

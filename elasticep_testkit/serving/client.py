@@ -6,7 +6,8 @@ Requests arrive as a Poisson process of ``request_rate`` per second (``inf``: al
 once), at most ``max_concurrency`` in flight, as SGLang's ``bench_serving`` sends them.
 Every request streams greedily (``temperature 0``) with ``stream_options.include_usage``,
 so the output token count is the server's own (``usage.completion_tokens``); where a
-server sends no usage, one token per SSE event that carries a choice.
+server sends no usage, one token per SSE event that carries a choice. A server started
+with ``--api-key`` takes the key from ``$OPENAI_API_KEY``, as bench_serving does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -29,6 +31,13 @@ def request_body(model: str, req: BenchRequest, ignore_eos: bool) -> dict:
     return {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos}
+
+
+def auth_header() -> str:
+    """``Authorization: Bearer $OPENAI_API_KEY`` plus CRLF when that variable is set (as
+    bench_serving reads it), else ""."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return f"Authorization: Bearer {key}\r\n" if key else ""
 
 
 class _HttpError(Exception):
@@ -61,6 +70,7 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
         data = json.dumps(body).encode()
         writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
                      "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                     f"{auth_header()}"
                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
                      .encode() + data)
         await writer.drain()
