@@ -204,3 +204,53 @@ def test_raise_spec_parses_and_fires_on_any_rank():
         inj.at_batch([None, 5])
         with pytest.raises(PoisonFault, match="seed 666"):
             inj.at_batch([5, 666])
+
+
+# ---- a seeded fuzz over the request schema: every body is a 400 or samples cleanly ----
+_VALUES = {
+    "temperature": [0, 0.0, -0.0, 1e-46, 1e-45, 1e-40, MIN_TEMPERATURE, 1e-30, 1e-5, 0.5, 1,
+                    2.0, 2.0000001, -1e-9, float("nan"), float("inf"), 1e300],
+    "top_p": [0.0, 1e-46, 1e-40, 1e-30, 1e-7, 0.5, 1, 1.0000001, float("nan"), -0.5],
+    "top_k": [-2, -1, 0, 1, 5, 99, 100, 101, 2**31, 2**63, 2**70],
+    "seed": [None, 0, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**30],
+    "max_tokens": [None, 0, 1, 16, 1019, 1020, 10**9],
+    "n": [None, 1, 2],
+    "presence_penalty": [0.0, -0.0, 1e-300, float("nan"), 2.0],
+    "frequency_penalty": [0.0, float("inf")],
+    "logit_bias": [None, {}, {"5": 1e39}],
+    "logprobs": [None, 0, 5],
+    "stop": [None, "", [""], ["a", ""], "x" * 64],
+    "ignore_eos": [False, True],
+    "stream": [False, True],
+}
+
+
+def test_fuzzed_requests_are_refused_or_sample_cleanly():
+    import random
+
+    from pydantic import ValidationError
+
+    from elasticep.frontend.openai_protocol import resolve_max_tokens
+
+    rng = random.Random(30)
+    logits = {dt: _logits(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+    outcomes = {"refused": 0, "sampled": 0}
+    for i in range(2000):
+        body = {"model": "m", "prompt": "x"}
+        for name in rng.sample(sorted(_VALUES), rng.randint(1, 6)):
+            body[name] = rng.choice(_VALUES[name])
+        try:
+            req = CompletionRequest.model_validate(body)
+            req.check_supported()
+            params = req.to_sampling_params(resolve_max_tokens(4, req.max_tokens, 1024))
+        except (ValidationError, OpenAIError) as exc:
+            assert not isinstance(exc, OpenAIError) or exc.status == 400, (body, exc)
+            outcomes["refused"] += 1
+            continue
+        dt = rng.choice(list(logits))
+        got = sample_batch(logits[dt], [params] * 3, [f"f{i}"] * 3, [0, 1, 2])
+        assert all(isinstance(t, int) and 0 <= t < 100 for t in got), (body, got)
+        if params.temperature == 0 or params.temperature < 1e-20 or params.top_k == 1:
+            assert got == logits[dt].float().argmax(-1).tolist(), body
+        outcomes["sampled"] += 1
+    assert outcomes["refused"] > 300 and outcomes["sampled"] > 300, outcomes

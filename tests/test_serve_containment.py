@@ -7,13 +7,16 @@ again). The request crashes its rank, is retried once on the other, crashes that
 too and then fails with a 500 naming both ranks; the relaunched ranks get nothing back,
 the deployment comes back whole and serves the fault-free text.
 
-Then Ctrl-C of serve while streams are open: after the grace period they end with an
-error event saying why, not with a cut connection.
+Then a SIGSTOP of serve for 1, 5 or 20 s costs no request and no rank, and Ctrl-C of serve while
+streams are open ends them, after the grace period, with an error event saying why, not
+with a cut connection.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import openai
 import pytest
@@ -57,6 +60,29 @@ def test_poison_fails_after_one_retry_and_the_deployment_recovers(serve):
     # the relaunched ranks were not handed the poison back: the same processes serve
     assert {r.rank: r.pid for r in serve.status().ranks[:2]} == new_pids
     assert "request aborted" not in serve.tail(1 << 20)
+
+
+@pytest.mark.parametrize("stall_s", [1.0, 5.0, 20.0])
+def test_a_stall_of_serve_costs_no_request_and_no_rank(serve, stall_s):
+    """SIGSTOP of serve (coordinator and front-end) mid-stream for 1, 5 and 20 s (the
+    heartbeat timeout is 2 s): beyond it every rank used to exit. Now the ranks wait for
+    the coordinator (its host still acknowledges), every stream ends with its fault-free
+    text, and the same rank processes serve on in the same epoch."""
+    reference = [r.text for r in burst(serve, PROMPTS[:4], MAX_TOKENS).results(120)]
+    before = serve.status()
+    b = burst(serve, PROMPTS[:4], MAX_TOKENS)
+    assert b.wait_tokens(4 * 2, 60), f"only {b.tokens()} tokens arrived"
+    os.kill(serve.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(stall_s)
+    finally:
+        os.kill(serve.proc.pid, signal.SIGCONT)
+    records = b.results(120)
+    assert [r.error for r in records] == [None] * 4
+    assert [r.text for r in records] == reference
+    after = serve.status()
+    assert after.epoch == before.epoch and after.pids() == before.pids()
+    assert _all_healthy(after)
 
 
 def test_ctrl_c_ends_open_streams_with_an_error_event(serve):

@@ -13,6 +13,13 @@ wait of this process raises `CoordinatorLostError` at once. A partitioned rank t
 stops serving at about the moment the coordinator evicts it. It never goes on with
 peers on its own side of the cut: they are evicted too, and it could not commit a step
 without a fresh lease anyway.
+
+One silence is not a cut: the coordinator's process stalled (``serve`` paused, a GIL
+hog, swapping) while its host's kernel still acknowledges what this rank sends. Then
+the rank waits, keeping its state, for up to :data:`STALL_GRACE_S`: its steps do not
+commit (no fresh lease: :meth:`RankControl.confirm_membership` waits with them), and
+they go on once the coordinator answers again. TCP's own acknowledgements tell the two
+apart (``TCP_INFO``'s time since the last ACK): a cut or a dead host sends none.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -30,6 +39,23 @@ from .errors import CoordinatorLostError, RankEvictedError
 from .protocol import Connection, connect
 
 log = logging.getLogger(__name__)
+
+# Longest wait on a coordinator whose host still acknowledges (seconds): serve's default
+# --coordinator-timeout, the time other nodes give a coordinator that went away.
+STALL_GRACE_S = 60.0
+_TCPI_LAST_ACK_RECV = 56  # byte offset of tcpi_last_ack_recv (ms) in Linux's tcp_info
+
+
+def peer_host_acks(sock: socket.socket, within_s: float) -> bool:
+    """True if the kernel at the other end of ``sock`` acknowledged data within
+    ``within_s`` seconds (Linux ``TCP_INFO``): the host is up and reachable even when
+    the process there is not answering. False where that cannot be read."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        (last_ack_ms,) = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
+    except (OSError, AttributeError, struct.error):
+        return False
+    return last_ack_ms / 1000.0 < within_s
 
 
 class RankControl:
@@ -126,13 +152,25 @@ class RankControl:
         return time.monotonic() - self.last_ack < 3 * self.hb_interval_s + 0.05
 
     def confirm_membership(self) -> None:
-        """Round-trip to the coordinator; raises RankEvictedError if we were evicted."""
+        """Round-trip to the coordinator; raises RankEvictedError if we were evicted.
+
+        While the coordinator's host still acknowledges (a stalled coordinator process,
+        see the module docstring) the ping is retried for up to :data:`STALL_GRACE_S`.
+        """
         if self.evicted:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
-        try:
-            self.request(m.Ping(), timeout_s=min(self.timeout_s, 5.0))
-        except (CoordinatorLostError, TimeoutError) as e:
-            raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
+        start = time.monotonic()
+        while True:
+            try:
+                self.request(m.Ping(), timeout_s=min(self.timeout_s, 5.0))
+                break
+            except TimeoutError as e:
+                if (time.monotonic() - start < STALL_GRACE_S and not self.evicted
+                        and peer_host_acks(self.conn.sock, 5.0)):
+                    continue
+                raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
+            except CoordinatorLostError as e:
+                raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
         if self.evicted:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
 
@@ -147,6 +185,7 @@ class RankControl:
 
     def _hb_loop(self) -> None:
         tick = time.monotonic()
+        waiting = False  # on a stalled coordinator (logged once per stall)
         while not self.lost:
             self.conn.send(m.Heartbeat())  # a send that fails shows up as silence below
             now = time.monotonic()
@@ -157,7 +196,14 @@ class RankControl:
                 time.sleep(min(self.hb_interval_s, 0.1))
             silent_s = time.monotonic() - self.last_ack
             limit_s = self._silence_limit_s()
-            if silent_s > limit_s and not (self.lost or self.evicted):
+            stalled = (limit_s < silent_s < STALL_GRACE_S
+                       and peer_host_acks(self.conn.sock, limit_s))
+            if stalled and not waiting:
+                log.warning("rank %d: coordinator silent for %.1f s, but its host acknowledges:"
+                            " waiting for it (up to %g s; no step commits meanwhile)",
+                            self.rank, silent_s, STALL_GRACE_S)
+            waiting = stalled
+            if silent_s > limit_s and not stalled and not (self.lost or self.evicted):
                 self.lost_reason = (f"coordinator at {self.address} unreachable: no answer "
                                     f"for {silent_s:.1f} s (heartbeat timeout {limit_s:g} s)")
                 log.error("rank %d: %s; stopping", self.rank, self.lost_reason)

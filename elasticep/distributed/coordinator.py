@@ -144,10 +144,20 @@ class Coordinator(SupervisorRequests):
                 self._deployment.drop_owner(proc.id)
 
     def _monitor_loop(self) -> None:
+        period = min(self.hb_interval_s, self.hb_timeout_s) / 2
+        last = time.monotonic()
         while not self._closed:
-            time.sleep(min(self.hb_interval_s, self.hb_timeout_s) / 2)
+            time.sleep(period)
             now = time.monotonic()
+            stalled_s, last = now - last - period, now
             with self._lock:
+                if stalled_s > self.hb_timeout_s / 2:  # not mere scheduling jitter
+                    # this process did not run (paused, starved): the ranks' silence
+                    # meanwhile is its own, so it counts for none of them
+                    log.warning("coordinator: stalled for %.1f s; not counting that "
+                                "silence against any rank", stalled_s)
+                    for p in self._procs.values():
+                        p.last_hb += stalled_s
                 for p in list(self._procs.values()):
                     if not p.alive or self._stopping:
                         continue

@@ -240,7 +240,16 @@ class GroupState:
                     continue  # the decision counted this op as not completed
                 if not self.ctl.lease_fresh():
                     self.counters["lease_confirms"] += 1
-                    self.ctl.confirm_membership()
+                    # unlocked: the control thread may need the lock meanwhile (a push),
+                    # and a stalled coordinator can make this wait long (control.py)
+                    self.cond.release()
+                    try:
+                        self.ctl.confirm_membership()
+                    finally:
+                        self.cond.acquire()
+                    self._wait_quiet(deadline)
+                    if self.failure_gen != gen:
+                        continue  # a decision arrived while we confirmed: as above
                 self.last, self.next_seq = seq, seq + 1
                 if (dev is not None and action == "run" and epoch == self.epoch
                         and len(active) == len(self.ranks) and self._stream_ordered(op)):
