@@ -2,7 +2,12 @@
 request at a time on the same checkpoint, in the same run. Prints one JSON line.
 
 Usage: python bench/engine.py [--model DIR] [--num-requests 8] [--max-tokens 64]
-       [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 3]
+       [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 3] [--threads N]
+
+``--threads`` sets torch's intra-op threads for both sides. On a CPU shared with other
+busy processes, two OpenMP threads on two cores can wait at every parallel region for a
+descheduled partner (both sides then run 10-50x slower, and the ratio is noise);
+``--threads 1`` measures the same work without that.
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved A/B runs; medians reported")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, args.dtype)
