@@ -194,25 +194,46 @@ def _step(ex: Exchange | None, send: torch.Tensor, w: torch.Tensor, layers: int,
     return x
 
 
+def _replay_ms(g: torch.cuda.CUDAGraph, n: int) -> list[float]:
+    """Milliseconds of each of ``n`` replays of ``g`` (CUDA events, one at a time)."""
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def _connected(me: int, world: int, args, queues, rows: int
+               ) -> tuple[Exchange, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An Exchange of ``rows`` rows per peer with every peer's buffers mapped (the IPC
+    handles travel through the queues), plus its inputs: rows to send, identity
+    experts (rows pass unchanged), and the local-copy buffer."""
+    ex = Exchange(me, world, rows, 2 * args.layers, args.chunks)
+    for q in range(world):
+        if q != me:
+            queues[q].put((me, ex.recv, ex.flags))
+    peers = {}
+    for _ in range(world - 1):
+        q, recv, flags = queues[me].get(timeout=120)
+        peers[q] = (recv, flags)
+    ex.map_peers(peers)
+    _log(me, f"rows {rows}: mapped {sorted(peers)}")
+    send = torch.randn(world, rows, H, dtype=torch.bfloat16, device="cuda") * 0.01
+    w = torch.eye(H, dtype=torch.bfloat16, device="cuda")
+    return ex, send, w, torch.empty_like(send)
+
+
 def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> None:
     try:
         torch.cuda.set_device(0)
         torch.manual_seed(me)
         out = {"rank": me, "world": world}
         for rows in args.rows:
-            ex = Exchange(me, world, rows, 2 * args.layers, args.chunks)
-            for q in range(world):
-                if q != me:
-                    queues[q].put((me, ex.recv, ex.flags))
-            peers = {}
-            for _ in range(world - 1):
-                q, recv, flags = queues[me].get(timeout=120)
-                peers[q] = (recv, flags)
-            ex.map_peers(peers)
-            _log(me, f"rows {rows}: mapped {sorted(peers)}")
-            send = torch.randn(world, rows, H, dtype=torch.bfloat16, device="cuda") * 0.01
-            w = torch.eye(H, dtype=torch.bfloat16, device="cuda")  # rows pass unchanged
-            local = torch.empty_like(send)
+            ex, send, w, local = _connected(me, world, args, queues, rows)
             torch.cuda.synchronize()
             # one eager exchange first (compiles the kernel), then a whole eager step.
             # Its slot is the step's last: a slot is reused only after another exchange
@@ -240,14 +261,7 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
                 for _ in range(3):
                     g.replay()
                 _wait(me, f"{name} warm replays")
-                times = []
-                for _ in range(args.replays):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
+                times = _replay_ms(g, args.replays)
                 row[f"{name}_step_ms"] = round(statistics.median(times), 3)
                 row[f"{name}_step_ms_min_max"] = [round(min(times), 3), round(max(times), 3)]
             # correctness: with identity experts, the rows that came back to this rank
@@ -282,19 +296,7 @@ def queues_barrier(bqueues, me: int, world: int) -> None:
 
 
 def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
-    rows = 16
-    ex = Exchange(me, world, rows, 2 * args.layers, args.chunks)
-    for q in range(world):
-        if q != me:
-            queues[q].put((me, ex.recv, ex.flags))
-    peers = {}
-    for _ in range(world - 1):
-        q, recv, flags = queues[me].get(timeout=120)
-        peers[q] = (recv, flags)
-    ex.map_peers(peers)
-    send = torch.randn(world, rows, H, dtype=torch.bfloat16, device="cuda") * 0.01
-    w = torch.eye(H, dtype=torch.bfloat16, device="cuda")
-    local = torch.empty_like(send)
+    ex, send, w, local = _connected(me, world, args, queues, 16)
     _step(ex, send, w, 1, local)
     _wait(me, "kill phase: eager step")
     s = torch.cuda.Stream()
@@ -344,17 +346,9 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
             t_end = time.time()
             break
     free_before = torch.cuda.mem_get_info()[0]
-    after = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        after.append(a.elapsed_time(b))
+    after = _replay_ms(g, 20)
     ok = bool(torch.equal(res[me], send[me]))
     ex.unmap(1)
-    del peers
     torch.cuda.ipc_collect()
     for _ in range(5):
         g.replay()

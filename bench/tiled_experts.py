@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 # bench/ is sys.path[0] when this file runs as a script
+from gpu_run import _time_cuda
 from prefill import matmul_rate
 
 from elasticep.moe.expert_compute import grouped_swiglu
@@ -32,20 +32,6 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): gate/up, down
     "t128n128": ((128, 128, 64, 8, 3), (128, 128, 64, 8, 3)),
     "t64n128": ((64, 128, 64, 4, 3), (64, 128, 64, 4, 3)),
 }
-
-
-def cuda_ms(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -71,7 +57,7 @@ def main() -> None:
         for name, fn in variants.items():
             try:
                 err = float((fn().float() - ref).norm() / ref.norm())
-                ms = cuda_ms(fn)
+                ms = _time_cuda(fn, 10)
                 row = {"section": "tiled_experts", "rows": n, "experts": S, "variant": name,
                        "ms": round(ms, 3), "tflop_per_s": round(flops / ms / 1e9, 1),
                        "x_matmul_bound": round(ms / (flops / rate * 1e3), 2), "rel_err": err}

@@ -176,25 +176,37 @@ def test_fused_combine_matches_torch_form(dtype, T, k, H, gather):
         assert _rel(got, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,S", [(1, 4), (65, 6), (300, 40), (2048, 128)])
-def test_swiglu_sorted_matches_per_slot_loop(dtype, n, S):
-    """The sorted-rows kernels against the per-slot loop: padding rows give zeros, a slot
-    with more rows than a tile, strided rows read in place, the given buffer written."""
+def _tagged_rows(n: int, S: int, H: int, inter: int, dtype: torch.dtype, max_tag: int,
+                 big_slot: tuple[int, int]):
+    """Experts ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and ``n`` strided exchange rows with
+    their tags (random in ``[0, max_tag]``; the first ``big_slot[1]`` rows on tag
+    ``big_slot[0]``; the last row padding), as the exchange delivers them."""
     from elasticep.moe.padded_exchange import row_width, split_rows
-    from elasticep.moe.sorted_experts import sorted_rows_ok, swiglu_sorted
 
     g = torch.Generator(device="cuda").manual_seed(n + S)
-    H, inter = 256, 96
     w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).to(dtype)
     w2 = (torch.randn(S, H, inter, generator=g, device="cuda") / inter**0.5).to(dtype)
     recv = torch.zeros(n, row_width(H, dtype), dtype=dtype, device="cuda")
     rows, tags = split_rows(recv, H)
     rows.copy_(torch.randn(n, H, generator=g, device="cuda"))
-    tags.copy_(torch.randint(0, S + 1, (n,), generator=g, device="cuda", dtype=torch.int32))
-    tags[: min(n, 40)] = 1  # slot 0: more rows than one BLOCK_M tile
+    tags.copy_(torch.randint(0, max_tag + 1, (n,), generator=g, device="cuda",
+                             dtype=torch.int32))
+    tags[: big_slot[1]] = big_slot[0]
     if n > 1:
         tags[-1] = 0
+    return w13, w2, rows, tags
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,S", [(1, 4), (65, 6), (300, 40), (2048, 128)])
+def test_swiglu_sorted_matches_per_slot_loop(dtype, n, S):
+    """The sorted-rows kernels against the per-slot loop: padding rows give zeros, a slot
+    with more rows than a tile, strided rows read in place, the given buffer written."""
+    from elasticep.moe.sorted_experts import sorted_rows_ok, swiglu_sorted
+
+    H = 256
+    # slot 0 (tag 1) gets more rows than one BLOCK_M tile
+    w13, w2, rows, tags = _tagged_rows(n, S, H, 96, dtype, S, (1, min(n, 40)))
     ref = grouped_swiglu(w13, w2, rows.contiguous(), tags.contiguous(), use_grouped=False)
     assert sorted_rows_ok(rows, w13, w2)
     buf = torch.full((n, H), 3.0, dtype=dtype, device="cuda")
@@ -211,21 +223,11 @@ def test_swiglu_tiled_matches_per_slot_loop(dtype, n, S):
     padding rows give zeros, one slot far larger than the rest, empty slots, strided
     rows read in place, the given buffer written; grouped_swiglu takes it from
     MIN_ROWS_PER_SLOT rows per slot on."""
-    from elasticep.moe.padded_exchange import row_width, split_rows
     from elasticep.moe.tiled_experts import MIN_ROWS_PER_SLOT, swiglu_tiled, tiled_rows_ok
 
-    g = torch.Generator(device="cuda").manual_seed(n + S)
-    H, inter = 2048, 768
-    w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).to(dtype)
-    w2 = (torch.randn(S, H, inter, generator=g, device="cuda") / inter**0.5).to(dtype)
-    recv = torch.zeros(n, row_width(H, dtype), dtype=dtype, device="cuda")
-    rows, tags = split_rows(recv, H)
-    rows.copy_(torch.randn(n, H, generator=g, device="cuda"))
-    tags.copy_(torch.randint(0, S // 2 + 1, (n,), generator=g, device="cuda",
-                             dtype=torch.int32))  # slots above S/2 stay empty
-    tags[: n // 3] = 2  # one slot with a third of the rows
-    if n > 1:
-        tags[-1] = 0
+    H = 2048
+    # slots above S/2 stay empty; slot 1 (tag 2) gets a third of the rows
+    w13, w2, rows, tags = _tagged_rows(n, S, H, 768, dtype, S // 2, (2, n // 3))
     ref = grouped_swiglu(w13, w2, rows.contiguous(), tags.contiguous(), use_grouped=False)
     buf = torch.full((n, H), 3.0, dtype=dtype, device="cuda")
     got = swiglu_tiled(w13, w2, rows, tags, out=buf)

@@ -6,12 +6,9 @@ is in test_fused_kernels_gpu.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
+from _interpreted import run_interpreted
 
 from elasticep.moe.tiled_experts import block_layout
 
@@ -52,11 +49,7 @@ def _interpreted_errors() -> dict[str, float]:
 
 
 def test_tiled_kernels_interpreted_match_per_slot_loop():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=90, cwd=Path(__file__).parents[1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = run_interpreted(__file__, timeout_s=90)
     assert set(errs) == {"one_big_slot", "empty_slots", "single_row"}
     for name, err in errs.items():
         assert err < 1e-5, f"{name}: relative error {err}"

@@ -7,14 +7,11 @@ must be set before the kernels are defined, and must not leak into other tests).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from _interpreted import run_interpreted
 from _paged_cases import dense_oracle, make_case
 
 from elasticep.models.paged_attention import (
@@ -132,11 +129,7 @@ def _interpreted_errors() -> dict[str, float]:
 
 
 def test_triton_interpreted_matches_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=50, cwd=Path(__file__).parents[1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = run_interpreted(__file__, timeout_s=50)
     assert len(errs) == 5
     for name, err in errs.items():
         assert err < 1e-4, f"{name}: max abs error {err}"

@@ -53,9 +53,10 @@ def tiled_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
 if triton is not None:
 
     @triton.jit
-    def _block_rows(block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S,
+    def _block_rows(order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S,
                     BLOCK_M: tl.constexpr):
-        # this program's slot, its rows' positions in sorted order, and which are real
+        # this program's slot, its rows' positions in sorted order and original row ids,
+        # which of them are real, and whether the block holds any
         b = tl.program_id(0)
         s = tl.load(block_slot_ptr + b)
         s_ok = s < S
@@ -65,17 +66,17 @@ if triton is not None:
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < cnt
         pos = tl.load(starts_ptr + s) + m
-        return s, pos, m_ok, s_ok & (m0 < cnt)
+        row = tl.load(order_ptr + pos, mask=m_ok, other=0).to(tl.int64)
+        return s, pos, row, m_ok, s_ok & (m0 < cnt)
 
     @triton.jit
     def _tiled_gate_up_kernel(x_ptr, x_stride, order_ptr, block_slot_ptr, block_first_ptr,
                               starts_ptr, counts_ptr, w13_ptr, act_ptr, S, H, inter,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
-        s, pos, m_ok, live = _block_rows(block_slot_ptr, block_first_ptr, starts_ptr,
-                                         counts_ptr, S, BLOCK_M)
+        s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
+                                              starts_ptr, counts_ptr, S, BLOCK_M)
         if live:
-            row = tl.load(order_ptr + pos, mask=m_ok, other=0).to(tl.int64)
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < inter
             base = w13_ptr + s * 2 * inter * H
@@ -104,10 +105,9 @@ if triton is not None:
     def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
                            counts_ptr, w2_ptr, out_ptr, S, H, inter, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        s, pos, m_ok, live = _block_rows(block_slot_ptr, block_first_ptr, starts_ptr,
-                                         counts_ptr, S, BLOCK_M)
+        s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
+                                              starts_ptr, counts_ptr, S, BLOCK_M)
         if live:
-            row = tl.load(order_ptr + pos, mask=m_ok, other=0).to(tl.int64)
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < H
             base = w2_ptr + s * H * inter
