@@ -88,7 +88,7 @@ def test_layout_mismatch_names_both_values():
     assert layout_mismatch(replace(node0, nnodes=4), node0, "h:1") == (
         "--nnodes 4 disagrees with node 0's --nnodes 2 (the deployment at h:1); start "
         "every node with the same --nnodes")
-    assert layout_mismatch(replace(node0, ep_size=8), node0, "h:1").startswith(
+    assert layout_mismatch(replace(node0, ep_size=8, max_ep_size=8), node0, "h:1").startswith(
         "--ep-size 8 disagrees with node 0's --ep-size 4")
 
 
