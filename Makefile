@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
