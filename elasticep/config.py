@@ -38,6 +38,14 @@ class Backend(StrEnum):
     NONE = "none"
 
 
+class A2ABackend(StrEnum):
+    """``--moe-a2a-backend``: how the MoE dispatch/combine moves rows between ranks."""
+
+    AUTO = "auto"  # cuda_ipc on one CUDA host (with chunked prefill), else all_to_all
+    ALL_TO_ALL = "all_to_all"  # a padded all_to_all on the EP group (eager, NCCL / Gloo)
+    CUDA_IPC = "cuda_ipc"  # peers write into each other's mapped buffers, inside the graph
+
+
 class DispatchAlgorithm(StrEnum):
     """``--ep-dispatch-algorithm``: which replica of an expert a token goes to."""
 
@@ -156,6 +164,8 @@ class DeploymentConfig(_JsonConfig):
             the graph pieces).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+        moe_a2a_backend: the dispatch/combine transport (:class:`A2ABackend`); cuda_ipc
+            needs CUDA, one node and a bounded step (chunked prefill on).
         nnodes: nodes the launch cohort is split over (``serve --nnodes``), so that the
             other nodes can refuse a layout that disagrees with node 0's.
 
@@ -188,10 +198,12 @@ class DeploymentConfig(_JsonConfig):
     disable_cuda_graph: bool = False
     log_stats_interval_s: float = 10.0
     nnodes: int = 1
+    moe_a2a_backend: A2ABackend = A2ABackend.AUTO
 
     def __post_init__(self) -> None:
         for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
-                          ("elastic_ep_backend", Backend), ("load_format", LoadFormat)):
+                          ("elastic_ep_backend", Backend), ("load_format", LoadFormat),
+                          ("moe_a2a_backend", A2ABackend)):
             object.__setattr__(self, name, _enum(cls, getattr(self, name), name))
         for name, choices in (("dtype", DTYPES), ("device", DEVICES)):
             if getattr(self, name) not in choices:
@@ -223,6 +235,10 @@ class DeploymentConfig(_JsonConfig):
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (self.elastic_ep_backend == Backend.ELASTIC or self.max_ep_size == self.ep_size,
              "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+            (self.moe_a2a_backend != A2ABackend.CUDA_IPC
+             or (self.device == "cuda" and self.nnodes == 1 and self.chunked_prefill_size != -1),
+             "--moe-a2a-backend cuda_ipc needs --device cuda, --nnodes 1 and chunked prefill "
+             "(not --chunked-prefill-size -1)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
+from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.step_profiler import StepProfiler
@@ -52,6 +53,7 @@ from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.moe.ep_executor import EPMoEExecutor
+from elasticep.moe.ipc_exchange import IpcExchange, StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,13 @@ class LockstepLoop:
         profiler: profiles a window of working steps
             (:class:`~elasticep.elastic.step_profiler.StepProfiler`, from
             ``$ELASTICEP_TORCH_PROFILER_DIR``); None: no profiling, and no cost.
+        exchange: the rank's same-host exchange (``--moe-a2a-backend cuda_ipc``), or
+            None. Its waits run inside the step's GPU work, so a watchdog releases them
+            when the membership changes or the step passes ``exchange_deadline_s``; the
+            commit then carries an "aborted" vote, and any vote redoes the step.
+        exchange_store: the store its peers' buffers are published in (for remapping
+            after membership changes).
+        exchange_deadline_s: the longest a step may wait on its peers (seconds).
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
@@ -180,7 +189,9 @@ class LockstepLoop:
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
                  idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
                  log_stats_interval_s: float = 10.0,
-                 profiler: StepProfiler | None = None) -> None:
+                 profiler: StepProfiler | None = None,
+                 exchange: IpcExchange | None = None, exchange_store: dist.Store | None = None,
+                 exchange_deadline_s: float = 30.0) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
         self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
@@ -191,6 +202,11 @@ class LockstepLoop:
         self.stats = LoopStats()
         self.rate = StepRateLog(rank, _graph_counters(engine), log_stats_interval_s)
         self.profiler = profiler
+        self.exchange, self.exchange_store = exchange, exchange_store
+        self.watchdog = None
+        if exchange is not None:
+            changed = (lambda: ed.has_pending_change(group)) if elastic else (lambda: False)
+            self.watchdog = StepWatchdog(exchange, changed, exchange_deadline_s)
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
@@ -279,10 +295,23 @@ class LockstepLoop:
         self.faults.at_step(step)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
+        aborted = False
         with agreed_max_tokens(self.ep, h.max_tokens):
-            tokens = self.engine.execute(self.pending)
-        commit = torch.tensor([step], dtype=torch.int64)
+            if self.watchdog is None:
+                tokens = self.engine.execute(self.pending)
+            else:
+                self.watchdog.begin()
+                try:
+                    tokens = self.engine.execute(self.pending)
+                    # an idle rank's forward samples nothing, so nothing waited for it yet
+                    torch.cuda.current_stream().synchronize()
+                finally:
+                    aborted = self.watchdog.end()
+        commit = torch.tensor([step, int(aborted)], dtype=torch.int64)
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
+        if int(commit[1]):
+            self._redo_aborted()
+            return
         self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
@@ -297,6 +326,16 @@ class LockstepLoop:
             self.profiler = None  # its window is written (or it failed): no cost from here
 
     # ------------------------------------------------------------------ changes
+    def _redo_aborted(self) -> None:
+        """Some rank's watchdog released its exchange waits (a deadline, with no
+        membership change): every rank got here through the commit, so every send of the
+        step is done; clear the flags and redo the kept batch."""
+        self.stats.redos += 1
+        logger.warning("step %d abandoned: a rank's exchange passed its deadline; redoing it",
+                       self.stats.steps)
+        self.exchange.reset(self._local_mask())
+
+
     def _recover(self, exc: ed.EpochChangedError) -> None:
         """Survivors: reconcile the placement to the new membership; retried on new failures."""
         t0 = time.perf_counter()
@@ -320,6 +359,8 @@ class LockstepLoop:
 
     def _after_change(self, report: placement_sync.ChangeReport, seconds: float) -> None:
         self._set_epoch()
+        if self.exchange is not None:
+            sync_exchange(self.exchange, self.exchange_store, self._local_mask())
         self.stats.recoveries += 1
         self.stats.reloads += report.reloads
         self.stats.peer_copies += report.peer_copies

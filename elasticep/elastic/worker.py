@@ -42,8 +42,14 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
-from elasticep.config import Backend, WorkerConfig
+from elasticep.config import A2ABackend, Backend, WorkerConfig
 from elasticep.distributed.api import DEFAULT_TIMEOUT_S
+from elasticep.elastic.exchange_setup import (
+    build_exchange,
+    exchange_store,
+    resolve_a2a_backend,
+    sync_exchange,
+)
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
@@ -112,6 +118,10 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                               with_experts=not joining, load_format=d.load_format)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
+    a2a = resolve_a2a_backend(d)
+    # allocated before the KV cache is sized, so its buffers count as static memory
+    exchange = (build_exchange(d, mcfg, cfg.rank, model.device)
+                if a2a == A2ABackend.CUDA_IPC else None)
     # sized now, with this rank's weights on its GPU (a joiner counts the experts its
     # peers will send); the exchange's shape comes from the config alone (engine.limits)
     limits = measure_rank_limits(d, mcfg, cfg.rank, placement.slots_per_rank
@@ -124,6 +134,19 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     faults.at_loading()
     group = init_world(cfg)
     ep, hooked = attach_ep_executor(model, placement, cfg.rank, group, d.ep_dispatch_algorithm)
+    store = None
+    if exchange is not None:
+        store = exchange_store(d, DEFAULT_TIMEOUT_S)
+        exchange.publish(store)
+        exchange.warm_kernels()
+        ep.transport = exchange
+        # no NCCL communicator is built for the group (ranks may share a GPU): expert
+        # weights move through the CPU group
+        ep.stage_weights_on_cpu = True
+        if not joining:
+            sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)
+                          if elastic else torch.ones(d.ep_size, dtype=torch.bool))
+    logger.info("MoE transport: %s", a2a.value)
     load_fn = CheckpointExperts(model, d.model, d.load_format)
     if faults.has_layer_faults:  # each hook is an eager break in a captured decode graph
         hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
@@ -140,6 +163,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         report = join_as_new_rank(ep, group, load_fn, DEFAULT_TIMEOUT_S * 10,
                                   on_member=outlive_parent)
         log_ctx.epoch = ed.get_current_epoch(group)
+        if exchange is not None:
+            sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool))
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
     channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
@@ -148,7 +173,9 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
                         log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,
-                        profiler=StepProfiler.from_env(cfg.rank, d.device))
+                        profiler=StepProfiler.from_env(cfg.rank, d.device),
+                        exchange=exchange, exchange_store=store,
+                        exchange_deadline_s=max(30.0, 4 * d.heartbeat_timeout_s))
 
 
 def run_worker(cfg: WorkerConfig) -> int:

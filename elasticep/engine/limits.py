@@ -172,6 +172,22 @@ def chunked_prefill_size(d: DeploymentConfig) -> int | None:
     return None if d.chunked_prefill_size == -1 else d.chunked_prefill_size
 
 
+def max_step_tokens(d: DeploymentConfig) -> int | None:
+    """The most tokens one step of any rank can forward (pure), which sizes the
+    same-host exchange's buffers; None where it is unbounded (chunked prefill off: one
+    prompt may fill a step).
+
+    With chunking, the scheduler admits prefill tokens within the engine's per-step
+    budget and runs at most ``max_running_requests`` decodes, so a step holds at most
+    the larger of the two (and of the chunk size, to be safe against a larger budget).
+    """
+    chunk = chunked_prefill_size(d)
+    if chunk is None:
+        return None
+    running = d.max_running_requests or MAX_RUNNING_REQUESTS_CAP
+    return max(EngineConfig.max_batch_tokens, chunk, running)
+
+
 def known_max_total_tokens(d: DeploymentConfig) -> int | None:
     """The KV tokens per rank known before any rank loads (pure): ``--max-total-tokens``,
     else the CPU default; None on CUDA, where each rank sizes its own."""

@@ -12,6 +12,7 @@ import argparse
 from elasticep.config import (
     DEVICES,
     DTYPES,
+    A2ABackend,
     Backend,
     DeploymentConfig,
     DispatchAlgorithm,
@@ -110,6 +111,11 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     _add(e, "--elastic-ep-backend", "elastic: survive rank failures; none: plain "
          "torch.distributed groups (Gloo on CPU, NCCL for CUDA tensors), no fault tolerance "
          "(a rank failure stops the deployment)", choices=[m.value for m in Backend])
+    _add(e, "--moe-a2a-backend", "MoE dispatch/combine transport: cuda_ipc = ranks of one "
+         "host write into each other's mapped GPU buffers inside the decode CUDA graph (one "
+         "graph per step); all_to_all = a padded all_to_all on the EP group between graph "
+         "pieces; auto = cuda_ipc on one CUDA node, else all_to_all (default: %(default)s)",
+         choices=[m.value for m in A2ABackend])
     f = p.add_argument_group("fault tolerance")
     _add(f, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
          "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",

@@ -31,6 +31,7 @@ def move_expert_weights(
     group: dist.ProcessGroup | None,
     load_fn: CheckpointLoader | None = None,
     source_ranks: torch.Tensor | None = None,
+    stage_on_cpu: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[ExpertLoad]]:
     """Lay this rank's expert weights out for ``new``, fetching what it lacks.
 
@@ -49,6 +50,8 @@ def move_expert_weights(
             orphan (no live rank holds it).
         source_ranks: [max_ep_size] bool, ranks that may send (default: active in both);
             for a scale-down pass ``old.active_ranks`` so leaving ranks still send.
+        stage_on_cpu: move device weights through host memory and the group's CPU
+            backend (for groups with no device communicator, e.g. ranks sharing a GPU).
 
     Returns:
         new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
@@ -109,7 +112,7 @@ def move_expert_weights(
                 new_a[x.local_slot].copy_(ca)
                 new_b[x.local_slot].copy_(cb)
         if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
-            _exchange(a, b, new_a, new_b, send, recv, n13, n2, world, group)
+            _exchange(a, b, new_a, new_b, send, recv, n13, n2, world, group, stage_on_cpu)
         out13.append(new_a)
         out2.append(new_b)
     return out13, out2, loads
@@ -126,6 +129,7 @@ def _exchange(
     n2: int,
     world: int,
     group: dist.ProcessGroup | None,
+    stage_on_cpu: bool = False,
 ) -> None:
     """One all_to_all_single carrying whole experts (w13 then w2, flattened)."""
     per = n13 + n2
@@ -140,8 +144,11 @@ def _exchange(
     for x in recv:
         out_splits[x.source_rank] += per
     inp = torch.cat(rows) if rows else a.new_zeros(0)
-    out = a.new_empty(sum(out_splits))
+    if stage_on_cpu:
+        inp = inp.cpu()
+    out = inp.new_empty(sum(out_splits))
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    out = out.to(a.device)
     for i, x in enumerate(recv):
         chunk = out[i * per : (i + 1) * per]
         new_a[x.local_slot] = chunk[:n13].view(new_a.shape[1:])

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.ipc_exchange import IpcExchange
 from elasticep.moe.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
@@ -83,6 +84,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         self.token_buckets: tuple[int, ...] | None = None
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
+        self.transport: IpcExchange | None = None
 
     @property
     def version(self) -> int:
@@ -155,6 +157,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             pick = (torch.arange(T * k, device=topk_ids.device).view(T, k) + meta.ep_rank) % n
             slots = meta.logical_to_all_physical_map[layer_idx][topk_ids, pick]
         cap = pair_capacity(max_tokens, k, S)
+        if self.transport is not None and not (capturing() and not _stream_capturing()):
+            return self._via_transport(layer_idx, hidden_states, slots, topk_weights, cap)
         # Graph pieces and the eager exchanges between them meet in persistent buffers;
         # an eager step allocates its own, so it never touches what a graph points to
         # (a capture may run in a background thread meanwhile).
@@ -165,6 +169,25 @@ class CudaEPMoEExecutor(EPMoEExecutor):
                                     out=bufs("expert_out", rows.shape[0], rows))
         back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
+
+    def _via_transport(self, layer_idx: int, hidden_states: torch.Tensor, slots: torch.Tensor,
+                       topk_weights: torch.Tensor, cap: int) -> torch.Tensor:
+        # The same-host exchange: no collective, so a graph capture holds the whole layer.
+        # (Warm-up passes before a capture take the padded path's local stand-in above.)
+        t, S = self.transport, self.metadata.num_local_physical_experts
+        plan = t.send_dispatch(hidden_states, slots, S, cap, layer_idx)
+        rows, tags = t.recv_dispatch(cap, layer_idx, S)
+        bufs = self._buffers if capturing() else fresh
+        expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
+                                    sync_free=True,
+                                    out=bufs("expert_out", rows.shape[0], rows))
+        t.send_combine(expert_out, cap, layer_idx)
+        back = t.recv_combine(cap, layer_idx)
+        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
+
+
+def _stream_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],

@@ -64,6 +64,9 @@ class EPMoEExecutor:
             raise ValueError(f"group size {size} != max_ep_size {metadata.max_ep_size}")
         self.group = group
         self.dispatch_algorithm = dispatch_algorithm
+        # True where the group has no communicator for device tensors (ranks sharing a
+        # GPU, which NCCL refuses): expert weights then move through the CPU group
+        self.stage_weights_on_cpu = False
         self.set_placement(metadata, w13, w2)
 
     @property
@@ -130,7 +133,7 @@ class EPMoEExecutor:
         """
         w13, w2, loads = move_expert_weights(
             weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
-            load_fn, source_ranks
+            load_fn, source_ranks, stage_on_cpu=self.stage_weights_on_cpu
         )
         commit()
         device = self.metadata.physical_to_logical_map.device

@@ -1,0 +1,410 @@
+"""The same-host expert exchange: peers write into each other's mapped buffers, inside a
+CUDA graph (``--moe-a2a-backend cuda_ipc``).
+
+The padded all_to_all (:mod:`elasticep.moe.padded_exchange`) is an eager collective
+between graph pieces: a decode step of a 48-layer model is 97 pieces around 96 NCCL
+calls. Here, ranks of one host map each other's receive buffers with CUDA IPC, and one
+exchange is:
+
+1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
+   every active destination's buffer at this rank's row block, then sets a flag there;
+2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``, then a stream write of
+   0 (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+   is what ranks sharing one GPU need: spinning kernels of two processes take turns in
+   time slices).
+
+Nothing in it is a collective call, so the decode forward is one graph. The graph reads
+the pointer table and the ``active`` mask from device memory; the layout of the rows is
+:func:`~elasticep.moe.padded_exchange.plan_padded`'s, so the grouped GEMM and the combine
+are the padded path's.
+
+Memory, per rank (``G = max_ep_size``, ``C_max`` rows per source block for the largest
+step, ``W`` = :func:`~elasticep.moe.padded_exchange.row_width`): a dispatch buffer
+``[G*C_max, W]`` and a combine buffer ``[G*C_max, H]`` in the model dtype (two, because a
+peer one phase ahead already writes its combine rows while this rank reads dispatch
+rows), flags ``[G, 2*num_layers]`` int32 (one column per exchange of a step: a column is
+reused only one step later, after an exchange of every rank in between) and a counter
+``[G]``. They are one allocation, exported as one IPC handle through the rendezvous
+store.
+
+Faults. A peer that dies or stops never signals; a host watchdog (:meth:`abort`, called
+from a thread while a step runs: on a membership change announced by the coordinator,
+or at a deadline) writes 0 to every peer's ``active`` word and 1 to every flag of this
+rank, from a side stream, so the blocked stream runs on and the step's remaining
+exchanges are local. The step's results are then wrong, and the step loop's commit
+agreement redoes it. :meth:`reset` (every rank, at the agreed boundary after the redo
+decision, when every send of the abandoned step has completed) clears the flags and
+counters and reloads ``active`` from the membership. A late write of a stopped peer lands
+only in its own row block, which nobody reads once it is inactive: the receive side
+zeroes the tags of inactive sources, and the tags are clamped to the slot range.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from elasticep.moe import ipc_kernels as kernels
+from elasticep.moe import stream_memops
+from elasticep.moe.padded_exchange import PaddedPlan, plan_padded, row_width, split_rows
+
+logger = logging.getLogger(__name__)
+
+HANDLE_KEY = "elasticep/ipc_exchange/{rank}/{gen}"
+GEN_KEY = "elasticep/ipc_exchange/{rank}/generation"
+_ALIGN = 256
+
+
+def capacity_rows(max_step_tokens: int, top_k: int) -> int:
+    """``C_max``: rows per source block for the largest step (every pair of a step could go
+    to one rank), rounded up to the padded layout's alignment."""
+    from elasticep.moe.padded_exchange import ROW_ALIGN
+    rows = max(max_step_tokens * top_k, 1)
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
+def buffer_bytes(max_ep_size: int, cap_rows: int, hidden_size: int, dtype: torch.dtype,
+                 num_layers: int) -> int:
+    """Bytes one rank allocates for the exchange (the arena of :class:`IpcExchange`)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    parts = [max_ep_size * cap_rows * row_width(hidden_size, dtype) * elem,
+             max_ep_size * cap_rows * hidden_size * elem,
+             max_ep_size * 2 * num_layers * 4, max_ep_size * 4]
+    return sum(-(-p // _ALIGN) * _ALIGN for p in parts)
+
+
+class IpcExchange:
+    """One rank's side of the same-host exchange: its buffers, the peers' mapped ones, the
+    exchange calls and the fault release.
+
+    Args:
+        rank: this rank (its row block in every peer's buffers).
+        max_ep_size: G, slots of the deployment.
+        cap_rows: ``C_max`` (:func:`capacity_rows`).
+        hidden_size: H.
+        dtype: model dtype of the rows.
+        num_layers: decoder layers (two flag columns each).
+        device: this rank's device. ``"cpu"`` runs the torch reference of every kernel and
+            checks each wait instead of blocking (a one-process simulation for tests:
+            the peers are other :class:`IpcExchange` objects given to :meth:`map_local`).
+
+    Raises:
+        ImportError: on CUDA without the ``cuda-bindings`` package.
+    """
+
+    def __init__(self, rank: int, max_ep_size: int, cap_rows: int, hidden_size: int,
+                 dtype: torch.dtype, num_layers: int, device: torch.device | str) -> None:
+        self.rank, self.G, self.cap_rows, self.H = rank, max_ep_size, cap_rows, hidden_size
+        self.dtype, self.num_layers = dtype, num_layers
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            stream_memops.driver()  # fail now, naming the package, not inside a capture
+        self.n_slots = 2 * num_layers
+        self.W = row_width(hidden_size, dtype)
+        G, C = max_ep_size, cap_rows
+        self.nbytes = buffer_bytes(G, C, hidden_size, dtype, num_layers)
+        self.arena = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.recv0, self.recv1, self.flags, self.counter = self._carve(self.arena)
+        self.active = torch.zeros(G, dtype=torch.int32, device=self.device)
+        self.active[rank] = 1
+        # per rank: dispatch buffer, combine buffer, flags (device addresses)
+        self.table = torch.zeros(G, 3, dtype=torch.int64, device=self.device)
+        self.peers: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (generation, arena)
+        self._peer_views: dict[int, tuple[torch.Tensor, ...]] = {rank: self._carve(self.arena)}
+        self._set_row(rank, self.arena)
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._aborted = False
+        self._lock = threading.Lock()
+        self.aborts = 0
+
+    # ------------------------------------------------------------------ memory
+    def _carve(self, arena: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        G, C, H, W = self.G, self.cap_rows, self.H, self.W
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        sizes = [G * C * W * elem, G * C * H * elem, G * self.n_slots * 4, G * 4]
+        out, off = [], 0
+        for n in sizes:
+            out.append(arena[off:off + n])
+            off += -(-n // _ALIGN) * _ALIGN
+        recv0 = out[0].view(self.dtype).view(G * C, W)
+        recv1 = out[1].view(self.dtype).view(G * C, H)
+        flags = out[2].view(torch.int32).view(G, self.n_slots)
+        counter = out[3].view(torch.int32)
+        return recv0, recv1, flags, counter
+
+    def _set_row(self, q: int, arena: torch.Tensor) -> None:
+        recv0, recv1, flags, _ = self._carve(arena)
+        self._peer_views[q] = (recv0, recv1, flags)
+        self.table[q] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
+                                     dtype=torch.int64)
+
+    def publish(self, store) -> int:
+        """Put this rank's IPC handle in the rendezvous ``store`` (a torch.distributed
+        Store) under a new generation of its slot; returns the generation. A relaunched
+        rank publishes anew, so survivors map the new process's memory, not the old."""
+        from torch.multiprocessing.reductions import reduce_tensor
+        gen = store.add(GEN_KEY.format(rank=self.rank), 1)
+        _rebuild, args = reduce_tensor(self.arena)
+        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), pickle.dumps(args))
+        return gen
+
+    def map_peers(self, store, ranks: list[int]) -> list[int]:
+        """Map the newest published buffers of ``ranks`` (others than this one) whose
+        generation this rank has not mapped yet; returns the ranks mapped now.
+
+        Raises:
+            RuntimeError: a rank has published nothing (it is not started).
+        """
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        mapped = []
+        for q in ranks:
+            if q == self.rank:
+                continue
+            gen = store.add(GEN_KEY.format(rank=q), 0)
+            if gen == 0:
+                raise RuntimeError(f"rank {q} has published no exchange buffers")
+            if q in self.peers and self.peers[q][0] == gen:
+                continue
+            args = pickle.loads(store.get(HANDLE_KEY.format(rank=q, gen=gen)))
+            arena = rebuild_cuda_tensor(*args)
+            self.peers[q] = (gen, arena)
+            self._set_row(q, arena)
+            mapped.append(q)
+        return mapped
+
+    def map_local(self, peers: dict[int, IpcExchange]) -> None:
+        """CPU simulation: use other in-process exchanges' buffers as the peers'."""
+        for q, ex in peers.items():
+            if q != self.rank:
+                self.peers[q] = (0, ex.arena)
+                self._set_row(q, ex.arena)
+
+    def unmap(self, q: int) -> None:
+        """Drop the mapping of a departed rank ``q`` (its table row points at this rank's
+        own buffers, which an inactive row never writes)."""
+        if q == self.rank:
+            return
+        self.peers.pop(q, None)
+        self._peer_views.pop(q, None)
+        self.table[q] = self.table[self.rank]
+
+    def warm_kernels(self) -> None:
+        """Compile the send kernels now (a graph capture cannot compile them), with a
+        private self-only table, mask and flags, so nothing reaches a peer."""
+        if not self.cuda:
+            return
+        active = torch.zeros_like(self.active)
+        active[self.rank] = 1
+        flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
+        scratch = torch.zeros_like(self.arena)
+        table = torch.zeros_like(self.table)
+        recv0, recv1, _, _ = self._carve(scratch)
+        table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
+                                        dtype=torch.int64)
+        C = 8
+        hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
+        slots = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        plan = plan_padded(slots, 1, self.G, C)
+        inv = kernels.inverse_positions(plan.position, self.G * C)
+        kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
+                              counter, flags, 0)
+        out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
+        kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1)
+        torch.cuda.synchronize(self.device)
+        del scratch
+
+    # ------------------------------------------------------------------ membership
+    def reset(self, active: torch.Tensor) -> None:
+        """Clear flags and counters and load ``active`` ([G] bool or int, the membership),
+        then wait for the device: call at a boundary every rank agreed on, before any
+        rank's next exchange (the step loop's redo and membership changes)."""
+        mask = active.to(torch.int32).to(self.device)
+        mask[self.rank] = 1
+        with self._lock:
+            self.flags.zero_()
+            self.counter.zero_()
+            self.active.copy_(mask)
+            self._aborted = False
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def abort(self) -> None:
+        """Release every wait of the running step (host watchdog; any thread): every peer
+        becomes inactive and every flag of this rank reads 1, written from a side stream
+        with stream memory writes. Idempotent until :meth:`reset`."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            self.aborts += 1
+            if not self.cuda:
+                self.active.zero_()
+                self.active[self.rank] = 1
+                self.flags.fill_(1)
+                return
+            with torch.cuda.device(self.device):
+                for q in range(self.G):
+                    if q != self.rank:
+                        stream_memops.write_value32(self.active[q].data_ptr(), 0, self._side)
+                for q in range(self.G):
+                    for s in range(self.n_slots):
+                        stream_memops.write_value32(self.flags[q, s].data_ptr(), 1, self._side)
+                self._side.synchronize()
+
+    @property
+    def aborted(self) -> bool:
+        """True from :meth:`abort` until :meth:`reset`: this step's results are garbage."""
+        return self._aborted
+
+    # ------------------------------------------------------------------ one exchange
+    def _check_capacity(self, C: int) -> None:
+        if C > self.cap_rows:
+            raise ValueError(f"exchange of {C} rows per block > the {self.cap_rows} the "
+                             "buffers hold (a step larger than the deployment's step bound)")
+
+    def _wait(self, slot: int) -> None:
+        if not self.cuda:  # simulation: every peer has run its send already
+            for q in range(self.G):
+                if q != self.rank:
+                    if int(self.flags[q, slot]) != 1:
+                        raise RuntimeError(f"rank {self.rank}: no signal from {q} at slot {slot}")
+                    self.flags[q, slot] = 0
+            return
+        for q in range(self.G):
+            if q != self.rank:
+                addr = self.flags[q, slot].data_ptr()
+                stream_memops.wait_value32(addr, 1)
+                stream_memops.write_value32(addr, 0)
+
+    def _signal_local(self, slot: int) -> None:
+        """CPU simulation of the kernels' flags: signal active peers, release the rest."""
+        for q in range(self.G):
+            if q == self.rank:
+                continue
+            if int(self.active[q]):
+                self._peer_views[q][2][self.rank, slot] = 1
+            else:
+                self.flags[q, slot] = 1
+
+    def send_dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
+                      C: int, layer: int) -> PaddedPlan:
+        """Write this rank's pairs of ``layer`` to their destinations and signal them.
+
+        Args:
+            hidden: [T, H] model dtype; slots: [T, k] int64 physical slots;
+            slots_per_rank: S; C: rows per source block (the step's capacity, the same
+                on every rank); layer: decoder layer (its flag column ``2*layer``).
+
+        Returns:
+            The plan, for :meth:`send_combine`'s caller to read the outputs back.
+
+        Raises:
+            ValueError: ``C`` exceeds the buffers.
+        """
+        self._check_capacity(C)
+        plan = plan_padded(slots, slots_per_rank, self.G, C)
+        inv = kernels.inverse_positions(plan.position, self.G * C)
+        if self.cuda:
+            kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
+                                  C, self.W, self.table, self.active, self.counter,
+                                  self.flags, 2 * layer)
+        else:
+            active = [bool(a) for a in self.active.tolist()]
+            dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
+            kernels.dispatch_send_reference(hidden, inv, plan.tag, slots.shape[1], self.rank,
+                                            C, dests, active)
+            self._signal_local(2 * layer)
+        return plan
+
+    def recv_dispatch(self, C: int, layer: int, slots_per_rank: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for every peer's dispatch rows of ``layer``; returns ``rows`` [G*C, H] (a
+        strided view) and ``tags`` [G*C] int32, with inactive sources' tags zeroed and
+        every tag clamped to ``[0, slots_per_rank]`` (a stopped peer's late write is
+        never read as an index)."""
+        self._wait(2 * layer)
+        rows, tags = split_rows(self.recv0[:self.G * C], self.H)
+        tags.view(self.G, C).mul_(self.active.view(self.G, 1)).clamp_(0, slots_per_rank)
+        return rows, tags
+
+    def send_combine(self, expert_out: torch.Tensor, C: int, layer: int) -> None:
+        """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
+        if self.cuda:
+            kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
+                                 self.active, self.counter, self.flags, 2 * layer + 1)
+        else:
+            active = [bool(a) for a in self.active.tolist()]
+            dests = [self._peer_views[q][1] if q in self._peer_views else None
+                     for q in range(self.G)]
+            tags = split_rows(self.recv0[:self.G * C], self.H)[1]
+            kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
+            self._signal_local(2 * layer + 1)
+
+    def recv_combine(self, C: int, layer: int) -> torch.Tensor:
+        """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send
+        layout (the output of flat pair ``i`` is row ``plan.position[i]``)."""
+        self._wait(2 * layer + 1)
+        return self.recv1[:self.G * C]
+
+
+class StepWatchdog:
+    """Releases an :class:`IpcExchange`'s waits when its step cannot finish.
+
+    While a step runs (between :meth:`begin` and :meth:`end`) a daemon thread polls,
+    every ``poll_s`` seconds, ``changed()`` (the coordinator announced a membership change)
+    and the step's age; either ends the step's waits through :meth:`IpcExchange.abort`.
+
+    Args:
+        exchange: the rank's exchange.
+        changed: returns True once a membership change is pending (cheap, thread-safe).
+        deadline_s: the longest a step may wait on peers before it is abandoned, seconds.
+        poll_s: polling period, seconds.
+    """
+
+    def __init__(self, exchange: IpcExchange, changed: Callable[[], bool], deadline_s: float,
+                 poll_s: float = 0.001) -> None:
+        self.exchange, self.changed, self.deadline_s, self.poll_s = (
+            exchange, changed, deadline_s, poll_s)
+        self._started: float | None = None
+        self._cv = threading.Condition()
+        self.deadline_aborts = 0
+        self._thread = threading.Thread(target=self._run, name="ipc-exchange-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        """A step starts (its exchanges may block from now on)."""
+        with self._cv:
+            self._started = time.monotonic()
+            self._cv.notify()
+
+    def end(self) -> bool:
+        """The step's device work is done; True when it was aborted (redo it)."""
+        with self._cv:
+            self._started = None
+        return self.exchange.aborted
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._started is None:
+                    self._cv.wait()
+                started = self._started
+            if self.changed():
+                logger.info("membership change during a step: releasing its exchanges")
+                self.exchange.abort()
+            elif time.monotonic() - started > self.deadline_s:
+                logger.warning("step waited %.1f s on its peers' exchange rows: abandoning "
+                               "it (a peer is stalled or dead)", self.deadline_s)
+                self.deadline_aborts += 1
+                self.exchange.abort()
+            time.sleep(self.poll_s)
+            with self._cv:
+                if self._started is started and self.exchange.aborted:
+                    self._started = None  # released: nothing more to do for this step

@@ -1,0 +1,227 @@
+"""Send kernels of the same-host expert exchange (:mod:`elasticep.moe.ipc_exchange`).
+
+Each kernel writes this rank's rows straight into every active destination's receive
+buffer, at this rank's own row block, then signals the destination. Grid
+``(max_ep_size, chunks)``: program ``(q, c)`` moves chunk ``c`` of the rows bound for
+rank ``q``; the last chunk to finish (a counter per destination) sets the flag
+``flags_q[me, slot] = 1`` with a system-scope release, after a CTA barrier (Triton 3.6
+emits a scalar atomic from one thread, so the barrier must order the row stores before
+it). A destination whose ``active`` word is 0 is not written; program ``(q, 0)`` sets
+this rank's own ``flags_me[q, slot]`` instead, so its wait on ``q`` passes and a
+captured graph keeps running after ``q`` leaves, with no re-capture.
+
+Destinations are read from a device pointer table ``[max_ep_size, 3]`` int64 (receive
+buffer of the dispatch, of the combine, flag array), so a rejoin or a scale-up rewrites
+the table and the graph stays valid.
+
+Layout (C rows per source block, the step's capacity, the same on every rank):
+
+* dispatch: destination ``q``'s receive buffer ``[G*C_max, W]`` gets, in rows
+  ``me*C .. me*C + C``, the pairs this rank routes to ``q`` in
+  :func:`~elasticep.moe.padded_exchange.plan_padded` order, each row the token's hidden
+  state then its int32 tag (``local slot + 1``; 0 for the block's unused rows, whose
+  values are left as they are);
+* combine: rank ``q``'s combine buffer ``[G*C_max, H]`` gets, in rows
+  ``me*C .. me*C + C``, this rank's expert outputs of the rows that ``q`` sent it (only
+  rows with a non-zero tag).
+
+The torch functions here are the reference the GPU tests compare the kernels with, and
+the path CPU tests use (:class:`~elasticep.moe.ipc_exchange.IpcExchange` on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elasticep.moe.padded_exchange import split_rows
+
+try:  # Triton is absent on CPU-only installs; the reference functions need none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
+
+
+def inverse_positions(position: torch.Tensor, rows: int) -> torch.Tensor:
+    """Which flat pair each send row holds: ``[rows]`` int64, ``-1`` for unused rows.
+
+    Args:
+        position: [T*k] int64, each pair's row in the ``[G*C]`` send layout
+            (:attr:`~elasticep.moe.padded_exchange.PaddedPlan.position`).
+        rows: G*C.
+    """
+    inv = torch.full((rows,), -1, dtype=torch.int64, device=position.device)
+    inv[position] = torch.arange(position.numel(), device=position.device)
+    return inv
+
+
+def dispatch_send_reference(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tensor,
+                            top_k: int, me: int, C: int, dest_recv: list[torch.Tensor | None],
+                            active: list[bool]) -> None:
+    """Torch form of the dispatch send (rows and tags only; flags are the caller's).
+
+    Args:
+        hidden: [T, H] model dtype.
+        inv: [G*C] int64 from :func:`inverse_positions`.
+        pair_tags: [T*k] int32, ``local slot + 1`` of each pair on its destination.
+        top_k: k; me: this rank; C: rows per source block.
+        dest_recv: per rank, its dispatch receive buffer ``[G*C_max, W]`` (None: absent).
+        active: per rank, whether it is written.
+    """
+    H = hidden.shape[1]
+    for q, buf in enumerate(dest_recv):
+        if buf is None or not active[q]:
+            continue
+        p = inv[q * C:(q + 1) * C]
+        real = p >= 0
+        rows, tags = split_rows(buf, H)
+        block = slice(me * C, (me + 1) * C)
+        rows[block][real] = hidden[p[real] // top_k]
+        t = torch.zeros(C, dtype=torch.int32, device=buf.device)
+        t[real] = pair_tags[p[real]]
+        tags[block] = t
+
+
+def combine_send_reference(expert_out: torch.Tensor, recv_tags: torch.Tensor, me: int, C: int,
+                           dest_back: list[torch.Tensor | None], active: list[bool]) -> None:
+    """Torch form of the combine send.
+
+    Args:
+        expert_out: [G*C, H] model dtype, this rank's output for the rows it received.
+        recv_tags: [G*C] int32 tags of those rows (0: unused row, not sent).
+        me, C: as in :func:`dispatch_send_reference`.
+        dest_back: per rank, its combine receive buffer ``[G*C_max, H]``.
+        active: per rank, whether it is written.
+    """
+    for q, buf in enumerate(dest_back):
+        if buf is None or not active[q]:
+            continue
+        src = slice(q * C, (q + 1) * C)
+        real = recv_tags[src] != 0
+        buf[me * C:(me + 1) * C][real] = expert_out[src][real]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
+        # the caller's row stores must be visible before the flag: a CTA barrier, an
+        # acq_rel count of finished chunks, and a system-scope release by the last one
+        tl.debug_barrier()
+        if q != me:
+            done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="sys")
+            if done == chunks - 1:
+                tl.store(counter_ptr + q, 0)
+                flags = tl.load(table_ptr + 3 * q + 2).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
+    def _dispatch_send_kernel(hidden_ptr, stride_hidden, inv_ptr, tag_ptr, table_ptr,
+                              active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
+                              chunks, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
+                              ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+        q = tl.program_id(0)
+        c = tl.program_id(1)
+        if tl.load(active_ptr + q) != 0:
+            dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
+            dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
+            per = tl.cdiv(C, chunks)
+            lo = c * per
+            hi = tl.minimum(lo + per, C)
+            for r0 in range(lo, hi, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                rm = r < hi
+                p = tl.load(inv_ptr + q * C + r, mask=rm, other=-1)
+                real = rm & (p >= 0)
+                tok = tl.where(real, p // top_k, 0).to(tl.int64)
+                tag = tl.load(tag_ptr + tl.where(real, p, 0), mask=real, other=0)
+                row = (me * C + r).to(tl.int64)
+                for h0 in range(0, H, BLOCK_H):
+                    h = h0 + tl.arange(0, BLOCK_H)
+                    m = real[:, None] & (h < H)[None, :]
+                    v = tl.load(hidden_ptr + tok[:, None] * stride_hidden + h[None, :], mask=m)
+                    tl.store(dest + row[:, None] * ROW_ELEMS + h[None, :], v, mask=m)
+                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32), mask=rm)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
+        elif c == 0:
+            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
+    def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
+                             my_flags_ptr, me, C, slot, n_slots, chunks, H: tl.constexpr,
+                             ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+        q = tl.program_id(0)
+        c = tl.program_id(1)
+        if tl.load(active_ptr + q) != 0:
+            dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            per = tl.cdiv(C, chunks)
+            lo = c * per
+            hi = tl.minimum(lo + per, C)
+            for r0 in range(lo, hi, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                rm = r < hi
+                src = (q * C + r).to(tl.int64)
+                tag = tl.load(recv32_ptr + src * ROW_WORDS + (ROW_WORDS - 1), mask=rm, other=0)
+                real = rm & (tag != 0)
+                row = (me * C + r).to(tl.int64)
+                for h0 in range(0, H, BLOCK_H):
+                    h = h0 + tl.arange(0, BLOCK_H)
+                    m = real[:, None] & (h < H)[None, :]
+                    v = tl.load(out_ptr + src[:, None] * H + h[None, :], mask=m)
+                    tl.store(dest + row[:, None] * H + h[None, :], v, mask=m)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
+        elif c == 0:
+            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+
+
+BLOCK_R = 16
+BLOCK_H = 256
+MAX_CHUNKS = 64  # programs per destination: enough to fill an H200 at EP2 for a prefill
+
+
+def chunks_for(C: int) -> int:
+    """Programs per destination for ``C`` rows per block (same rule on every rank)."""
+    return max(1, min(MAX_CHUNKS, -(-C // (4 * BLOCK_R))))
+
+
+def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tensor, top_k: int,
+                  me: int, C: int, row_elems: int, table: torch.Tensor, active: torch.Tensor,
+                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int) -> None:
+    """Launch the dispatch send kernel (CUDA; see the module doc).
+
+    Args:
+        hidden: [T, H] model dtype, rows contiguous; inv: [G*C] int64; pair_tags: [T*k]
+            int32; row_elems: W, elements per receive row (:func:`row_width`);
+        table: [G, 3] int64 device pointers; active: [G] int32; counter: [G] int32 (zero
+            between kernels); my_flags: [G, n_slots] int32, this rank's flags; slot: the
+            exchange's flag column.
+    """
+    G, n_slots = my_flags.shape
+    H = hidden.shape[1]
+    chunks = chunks_for(C)
+    elem = hidden.element_size()
+    _dispatch_send_kernel[(G, chunks)](
+        hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
+        slot, n_slots, chunks, top_k, H=H, ROW_ELEMS=row_elems,
+        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
+
+
+def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
+                 table: torch.Tensor, active: torch.Tensor, counter: torch.Tensor,
+                 my_flags: torch.Tensor, slot: int) -> None:
+    """Launch the combine send kernel (CUDA).
+
+    Args:
+        expert_out: [G*C, H] model dtype, contiguous; recv0: this rank's dispatch receive
+            buffer ``[G*C_max, W]`` (its tags say which rows to send back); the rest as
+            in :func:`dispatch_send`.
+    """
+    G, n_slots = my_flags.shape
+    H = expert_out.shape[1]
+    chunks = chunks_for(C)
+    _combine_send_kernel[(G, chunks)](
+        expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
+        n_slots, chunks, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
+        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)

@@ -1,0 +1,167 @@
+"""The same-host exchange (elasticep.moe.ipc_exchange) simulated in one process on CPU:
+its torch reference path must move exactly the rows the padded all_to_all moves, mask
+inactive sources, and let an aborted step run to its end. The kernels themselves and
+the stream waits are compared with this reference in tests/test_ipc_exchange_gpu.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from elasticep.config import A2ABackend, DeploymentConfig
+from elasticep.elastic.exchange_setup import resolve_a2a_backend
+from elasticep.engine.limits import max_step_tokens
+from elasticep.moe.ipc_exchange import IpcExchange, StepWatchdog, buffer_bytes, capacity_rows
+from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, split_rows
+
+H, K, S, LAYERS = 24, 2, 4, 3
+
+
+def _world(G: int, cap: int = 64) -> list[IpcExchange]:
+    exs = [IpcExchange(r, G, cap, H, torch.float32, LAYERS, "cpu") for r in range(G)]
+    for ex in exs:
+        ex.map_local(dict(enumerate(exs)))
+    return exs
+
+
+def _inputs(G: int, T: int, seed: int, live: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    # distinct slots per token, only on live ranks
+    slots_live = torch.tensor([r * S + j for r in live for j in range(S)])
+    picks = torch.stack([torch.randperm(len(slots_live), generator=g)[:K] for _ in range(T)])
+    return hidden, slots_live[picks]
+
+
+@pytest.mark.parametrize("G,live", [(2, [0, 1]), (3, [0, 1, 2]), (3, [0, 2]), (2, [0])])
+def test_dispatch_and_combine_match_the_padded_layout(G, live):
+    exs = _world(G)
+    mask = torch.zeros(G, dtype=torch.bool)
+    mask[live] = True
+    for ex in exs:
+        ex.reset(mask)
+    T = {r: 3 + 2 * r for r in live}
+    C = pair_capacity(max(T.values()), K, S)
+    inputs = {r: _inputs(G, T[r], 10 + r, live) for r in live}
+    layer = 1
+    plans = {r: exs[r].send_dispatch(*inputs[r], S, C, layer) for r in live}
+    received = {r: exs[r].recv_dispatch(C, layer, S) for r in live}
+    for r in live:
+        rows, tags = received[r]
+        for s in range(G):
+            blk = slice(s * C, (s + 1) * C)
+            if s not in live:
+                assert torch.all(tags[blk] == 0), "an inactive source's rows must read as padding"
+                continue
+            # what rank s's padded send buffer holds for rank r
+            send = pack(inputs[s][0], K, plan_padded(inputs[s][1], S, G, C))
+            want_rows, want_tags = split_rows(send, H)
+            assert torch.equal(tags[blk], want_tags[r * C:(r + 1) * C])
+            real = want_tags[r * C:(r + 1) * C] != 0
+            assert torch.equal(rows[blk][real], want_rows[r * C:(r + 1) * C][real])
+    # experts: row * tag, so each pair comes back as hidden * (local slot + 1)
+    for r in live:
+        rows, tags = received[r]
+        exs[r].send_combine((rows * tags.unsqueeze(1).float()).contiguous(), C, layer)
+    for r in live:
+        back = exs[r].recv_combine(C, layer)
+        hidden, slots = inputs[r]
+        got = back[plans[r].position]
+        want = hidden.repeat_interleave(K, 0) * (slots.reshape(-1) % S + 1).unsqueeze(1).float()
+        assert torch.equal(got, want)
+    for ex in exs:
+        assert torch.all(ex.flags == 0), "every wait resets its flag"
+
+
+def test_a_wait_without_its_signal_is_an_error_in_simulation():
+    exs = _world(2)
+    for ex in exs:
+        ex.reset(torch.ones(2, dtype=torch.bool))
+    hidden, slots = _inputs(2, 4, 0, [0, 1])
+    exs[0].send_dispatch(hidden, slots, S, pair_capacity(4, K, S), 0)
+    with pytest.raises(RuntimeError, match="no signal from 1"):
+        exs[0].recv_dispatch(pair_capacity(4, K, S), 0, S)
+
+
+def test_abort_releases_every_wait_and_reset_restores_the_membership():
+    exs = _world(3)
+    full = torch.ones(3, dtype=torch.bool)
+    for ex in exs:
+        ex.reset(full)
+    ex = exs[0]
+    ex.abort()
+    assert ex.aborted and ex.aborts == 1
+    assert ex.active.tolist() == [1, 0, 0]
+    C = pair_capacity(2, K, S)
+    hidden, slots = _inputs(3, 2, 1, [0])  # the step goes on locally
+    ex.send_dispatch(hidden, slots, S, C, 2)
+    ex.recv_dispatch(C, 2, S)  # released: no peer signalled
+    ex.abort()  # idempotent
+    assert ex.aborts == 1
+    ex.reset(full)
+    assert not ex.aborted and ex.active.tolist() == [1, 1, 1]
+    assert torch.all(ex.flags == 0) and torch.all(ex.counter == 0)
+
+
+def test_tags_are_clamped_to_the_slot_range():
+    exs = _world(2)
+    for ex in exs:
+        ex.reset(torch.ones(2, dtype=torch.bool))
+    C = pair_capacity(2, K, S)
+    hidden, slots = _inputs(2, 2, 3, [0, 1])
+    for ex in exs:
+        ex.send_dispatch(hidden, slots, S, C, 0)
+    # a stopped peer's late write of garbage into its own block
+    split_rows(exs[0].recv0, H)[1][C:2 * C] = 1 << 20
+    _, tags = exs[0].recv_dispatch(C, 0, S)
+    assert int(tags.max()) <= S
+
+
+def test_capacity_and_memory_arithmetic():
+    assert capacity_rows(8192, 8) == 65536
+    assert capacity_rows(0, 8) == 8
+    # Qwen3-30B-A3B shape at --max-ep-size 2: about 1 GiB for 8192-token steps
+    n = buffer_bytes(2, capacity_rows(8192, 8), 2048, torch.bfloat16, 48)
+    assert 1.0e9 < n < 1.1e9
+    with pytest.raises(ValueError, match="buffers hold"):
+        _world(2, cap=8)[0].send_dispatch(*_inputs(2, 8, 0, [0, 1]), S, 16, 0)
+
+
+def test_step_bound_and_backend_resolution():
+    cuda = DeploymentConfig(model="m", device="cuda")
+    assert max_step_tokens(cuda) == 8192
+    assert max_step_tokens(DeploymentConfig(model="m", device="cuda", chunked_prefill_size=-1)) is None
+    assert max_step_tokens(DeploymentConfig(model="m", device="cuda", max_running_requests=20000,
+                                            chunked_prefill_size=512)) == 20000
+    assert resolve_a2a_backend(cuda, bindings_available=True) == A2ABackend.CUDA_IPC
+    assert resolve_a2a_backend(cuda, bindings_available=False) == A2ABackend.ALL_TO_ALL
+    cpu = DeploymentConfig(model="m")
+    assert resolve_a2a_backend(cpu, bindings_available=True) == A2ABackend.ALL_TO_ALL
+    two_nodes = DeploymentConfig(model="m", device="cuda", nnodes=2, ep_size=2, max_ep_size=2)
+    assert resolve_a2a_backend(two_nodes, bindings_available=True) == A2ABackend.ALL_TO_ALL
+    with pytest.raises(ValueError, match="--moe-a2a-backend cuda_ipc needs"):
+        DeploymentConfig(model="m", moe_a2a_backend="cuda_ipc")
+    with pytest.raises(ValueError, match="--moe-a2a-backend"):
+        DeploymentConfig(model="m", device="cuda", moe_a2a_backend="nvshmem")
+
+
+def test_watchdog_aborts_on_a_change_and_at_its_deadline():
+    ex = _world(2)[0]
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    changed = {"v": False}
+    dog = StepWatchdog(ex, lambda: changed["v"], deadline_s=0.2, poll_s=0.001)
+    dog.begin()
+    assert not dog.end()
+    dog.begin()
+    changed["v"] = True
+    deadline = time.monotonic() + 1.0
+    while not ex.aborted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert dog.end() and ex.aborted and dog.deadline_aborts == 0
+    changed["v"] = False
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    dog.begin()
+    time.sleep(0.5)
+    assert dog.end() and dog.deadline_aborts == 1

@@ -1,0 +1,160 @@
+"""The same-host exchange on a GPU (elasticep.moe.ipc_exchange; GPU only).
+
+- The send kernels against their torch reference: two exchanges of one process, mapped
+  to each other, move the same rows and tags as the CPU simulation.
+- The decode forward with ``transport`` is ONE graph, and its logits equal the local
+  executor's (the single-rank engine) in fp32, graph and eager alike.
+- A peer that never signals blocks the replay until :meth:`IpcExchange.abort`; the
+  replay then ends within the watchdog's deadline, the step's own rows are intact, and
+  the context still runs kernels.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticep.elastic.rank_model import attach_ep_executor, load_rank_weights
+from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.eplb.placement import initial_placement
+from elasticep.models.config import load_model_config
+from elasticep.moe import stream_memops
+from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
+from elasticep.moe.padded_exchange import pair_capacity
+
+pytestmark = [pytest.mark.skipif(not stream_memops.available(),
+                                 reason="needs CUDA and cuda-bindings"),
+              pytest.mark.timeout(300)]
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+H, K, S = 256, 2, 4
+
+
+def _pair(device: str, dtype: torch.dtype, cap: int = 256) -> list[IpcExchange]:
+    exs = [IpcExchange(r, 2, cap, H, dtype, 4, device) for r in range(2)]
+    for ex in exs:
+        ex.map_local(dict(enumerate(exs)))
+        ex.reset(torch.ones(2, dtype=torch.bool))
+    return exs
+
+
+def _run(exs: list[IpcExchange], inputs, C: int, layer: int):
+    for ex, (h, s) in zip(exs, inputs, strict=True):
+        ex.send_dispatch(h, s, S, C, layer)
+    got = []
+    for ex in exs:
+        rows, tags = ex.recv_dispatch(C, layer, S)
+        got.append((rows.clone(), tags.clone()))
+        ex.send_combine((rows * tags.unsqueeze(1).to(rows.dtype)).contiguous(), C, layer)
+    backs = [ex.recv_combine(C, layer).clone() for ex in exs]
+    return got, backs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 16, 100])
+def test_send_kernels_match_the_reference(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    inputs = []
+    for _ in range(2):
+        h = torch.randn(tokens, H, generator=g).to(dtype)
+        s = torch.stack([torch.randperm(2 * S, generator=g)[:K] for _ in range(tokens)])
+        inputs.append((h, s))
+    C = pair_capacity(tokens, K, S)
+    ref_rows, ref_back = _run(_pair("cpu", dtype), inputs, C, 1)
+    gpu = _pair("cuda", dtype)
+    got_rows, got_back = _run(gpu, [(h.cuda(), s.cuda()) for h, s in inputs], C, 1)
+    for (rr, rt), (gr, gt) in zip(ref_rows, got_rows, strict=True):
+        assert torch.equal(gt.cpu(), rt)
+        real = rt != 0
+        assert torch.equal(gr.cpu()[real], rr[real])
+    for r, b in zip(ref_back, got_back, strict=True):
+        assert torch.equal(b.cpu(), r)
+    for ex in gpu:
+        assert int(ex.flags.abs().sum()) == 0 and int(ex.counter.abs().sum()) == 0
+
+
+def _engine(tmp_path: Path, transport: bool):
+    shutil.copy(DEMO / "config.json", tmp_path / "config.json")
+    cfg = load_model_config(tmp_path)
+    placement = initial_placement(cfg.num_hidden_layers, cfg.num_experts, 0, 1, 2)
+    model = load_rank_weights(tmp_path, placement, 0, torch.float32, "cuda",
+                              load_format="dummy")
+    ep = None
+    if transport:
+        ep, _ = attach_ep_executor(model, placement, 0, None, "static")
+        ex = IpcExchange(0, 2, capacity_rows(512, cfg.num_experts_per_tok), cfg.hidden_size,
+                         torch.float32, cfg.num_hidden_layers, "cuda")
+        ex.warm_kernels()
+        ex.reset(torch.tensor([True, False]))
+        ep.transport = ex
+    eng = LLMEngine(model, EngineConfig(max_total_tokens=4096, max_num_seqs=8,
+                                        forward_empty_batches=True, enable_cuda_graph=True))
+    return eng, ep
+
+
+def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    local, _ = _engine(tmp_path / "a", transport=False)
+    eng, ep = _engine(tmp_path / "b", transport=True)
+    g = eng.runner.graphs
+    assert g is not None and {g._graphs[b].num_pieces for b in g.buckets} == {1}
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in (5, 33, 17)]
+    for e in (local, eng):
+        for i, p in enumerate(prompts):
+            e.add_request(GenerateRequest(f"r{i}", tuple(p),
+                                          SamplingParams(max_tokens=12, ignore_eos=True)))
+    steps = 0
+    while eng.has_unfinished():
+        a, b = local.schedule(), eng.schedule()
+        want = local.runner.forward(a)
+        with agreed_max_tokens(ep, max(b.num_tokens, 3)):
+            got = eng.runner.forward(b)
+            assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+            local.commit(a, local.execute(a))
+            eng.commit(b, eng.execute(b))
+        steps += 1
+    assert steps >= 12 and g.replays >= 10 and g.captures == 1
+    assert int(ep.transport.flags.abs().sum()) == 0
+
+
+def test_a_silent_peer_blocks_the_graph_until_abort():
+    exs = _pair("cuda", torch.bfloat16)
+    ex = exs[0]  # rank 1 is active but never sends: as if it died before signalling
+    C = pair_capacity(4, K, S)
+    h = torch.randn(4, H, device="cuda").to(torch.bfloat16)
+    s = torch.tensor([[0, 1], [4, 5], [2, 6], [3, 7]], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        ex.send_dispatch(h, s, S, C, 0)
+        rows, tags = ex.recv_dispatch(C, 0, S)
+        out = rows[:C].float().sum()
+    graph.replay()
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.3)
+    assert not done.query(), "the replay must wait for the silent peer"
+    t0 = time.monotonic()
+    threading.Thread(target=ex.abort).start()
+    while not done.query():
+        assert time.monotonic() - t0 < 2.0, "abort did not release the wait"
+        time.sleep(0.001)
+    released = time.monotonic() - t0
+    assert released < 1.0 and ex.aborted and ex.active.tolist() == [1, 0]
+    # this rank's own rows (block 0) arrived; the silent peer's block reads as padding
+    assert int((tags[C:] != 0).sum()) == 0
+    assert int((tags[:C] != 0).sum()) == int((s // S == 0).sum())
+    assert torch.isfinite(out)
+    assert float(torch.ones(1000, device="cuda").sum()) == 1000.0  # the context still runs
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    assert int(ex.flags.abs().sum()) == 0
