@@ -165,3 +165,30 @@ def test_watchdog_aborts_on_a_change_and_at_its_deadline():
     dog.begin()
     time.sleep(0.5)
     assert dog.end() and dog.deadline_aborts == 1
+
+
+def _fused_plan_cases() -> dict:
+    """fused_plan against plan_padded + inverse_positions (run under TRITON_INTERPRET=1)."""
+    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
+    results = {}
+    for G, T, k, S in [(2, 1, 8, 64), (2, 64, 8, 64), (4, 5, 2, 4), (1, 16, 2, 4)]:
+        g = torch.Generator().manual_seed(G * 100 + T)
+        slots = torch.stack([torch.randperm(G * S, generator=g)[:k] for _ in range(T)])
+        C = pair_capacity(T, k, S)
+        want = plan_padded(slots, S, G, C)
+        position, tag, inv = fused_plan(slots, S, G, C)
+        results[f"G{G}_T{T}"] = bool(torch.equal(position, want.position)
+                                     and torch.equal(tag, want.tag)
+                                     and torch.equal(inv, inverse_positions(want.position, G * C)))
+    return results
+
+
+def test_fused_plan_equals_the_torch_plan_under_the_interpreter():
+    from tests._interpreted import run_interpreted
+    got = run_interpreted(__file__, timeout_s=240)
+    assert got and all(got.values()), got
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(_fused_plan_cases()))

@@ -158,3 +158,16 @@ def test_a_silent_peer_blocks_the_graph_until_abort():
     assert float(torch.ones(1000, device="cuda").sum()) == 1000.0  # the context still runs
     ex.reset(torch.ones(2, dtype=torch.bool))
     assert int(ex.flags.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("G,T,k,S", [(2, 1, 8, 64), (2, 256, 8, 64), (4, 37, 8, 32)])
+def test_fused_plan_matches_the_torch_plan(G, T, k, S):
+    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
+    from elasticep.moe.padded_exchange import plan_padded
+    g = torch.Generator().manual_seed(T)
+    slots = torch.stack([torch.randperm(G * S, generator=g)[:k] for _ in range(T)]).cuda()
+    C = pair_capacity(T, k, S)
+    want = plan_padded(slots, S, G, C)
+    position, tag, inv = fused_plan(slots, S, G, C)
+    assert torch.equal(position, want.position) and torch.equal(tag, want.tag)
+    assert torch.equal(inv, inverse_positions(want.position, G * C))

@@ -210,8 +210,8 @@ class IpcExchange:
         C = 8
         hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
         slots = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        plan = plan_padded(slots, 1, self.G, C)
-        inv = kernels.inverse_positions(plan.position, self.G * C)
+        position, tag, inv = kernels.fused_plan(slots, 1, self.G, C)
+        plan = PaddedPlan(position, tag, self.G, C)
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
                               counter, flags, 0)
         out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
@@ -308,8 +308,12 @@ class IpcExchange:
             ValueError: ``C`` exceeds the buffers.
         """
         self._check_capacity(C)
-        plan = plan_padded(slots, slots_per_rank, self.G, C)
-        inv = kernels.inverse_positions(plan.position, self.G * C)
+        if kernels.plan_ok(slots):
+            position, tag, inv = kernels.fused_plan(slots, slots_per_rank, self.G, C)
+            plan = PaddedPlan(position, tag, self.G, C)
+        else:
+            plan = plan_padded(slots, slots_per_rank, self.G, C)
+            inv = kernels.inverse_positions(plan.position, self.G * C)
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,

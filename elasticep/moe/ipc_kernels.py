@@ -103,6 +103,29 @@ def combine_send_reference(expert_out: torch.Tensor, recv_tags: torch.Tensor, me
 
 if triton is not None:
 
+    @triton.jit(do_not_specialize=["n_pairs", "S", "C"])
+    def _plan_kernel(slots_ptr, n_pairs, S, C, position_ptr, tag_ptr, inv_ptr,
+                     G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+        # One program: plan_padded and inverse_positions in one launch (a decode layer
+        # would otherwise pay a dozen small kernels for them). A pair's row within its
+        # destination's block is the count of earlier pairs to that destination.
+        for r0 in range(0, G * C, BLOCK_I):
+            r = r0 + tl.arange(0, BLOCK_I)
+            tl.store(inv_ptr + r, -1, mask=r < G * C)
+        tl.debug_barrier()
+        i = tl.arange(0, BLOCK_P)
+        m = i < n_pairs
+        slot = tl.load(slots_ptr + i, mask=m, other=0)
+        dest = slot // S
+        within = tl.zeros((BLOCK_P,), dtype=tl.int64)
+        for g in tl.static_range(G):
+            hit = m & (dest == g)
+            within = tl.where(hit, tl.cumsum(hit.to(tl.int64), 0) - 1, within)
+        pos = dest * C + within
+        tl.store(position_ptr + i, pos, mask=m)
+        tl.store(tag_ptr + i, (slot - dest * S + 1).to(tl.int32), mask=m)
+        tl.store(inv_ptr + pos, i.to(tl.int64), mask=m)
+
     @triton.jit
     def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
         # the caller's row stores must be visible before the flag: a CTA barrier, an
@@ -178,6 +201,27 @@ if triton is not None:
 
 BLOCK_R = 16
 BLOCK_H = 256
+PLAN_MAX_PAIRS = 2048  # one program's pairs (a 256-sequence decode step at top-8)
+
+
+def plan_ok(slots: torch.Tensor) -> bool:
+    """Whether :func:`fused_plan` takes these ``[T, k]`` slots (CUDA, few enough pairs)."""
+    return triton is not None and slots.is_cuda and slots.numel() <= PLAN_MAX_PAIRS
+
+
+def fused_plan(slots: torch.Tensor, slots_per_rank: int, group_size: int, capacity: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~elasticep.moe.padded_exchange.plan_padded` and :func:`inverse_positions`
+    in one kernel (CUDA, :func:`plan_ok`): ``(position [T*k] int64, tag [T*k] int32,
+    inv [G*C] int64)``, equal to theirs."""
+    flat = slots.reshape(-1).contiguous()
+    n = flat.numel()
+    position = torch.empty(n, dtype=torch.int64, device=flat.device)
+    tag = torch.empty(n, dtype=torch.int32, device=flat.device)
+    inv = torch.empty(group_size * capacity, dtype=torch.int64, device=flat.device)
+    _plan_kernel[(1,)](flat, n, slots_per_rank, capacity, position, tag, inv, G=group_size,
+                       BLOCK_P=PLAN_MAX_PAIRS, BLOCK_I=1024)
+    return position, tag, inv
 MAX_CHUNKS = 64  # programs per destination: enough to fill an H200 at EP2 for a prefill
 
 
