@@ -47,14 +47,14 @@ def resolve_a2a_backend(d: DeploymentConfig, bindings_available: bool | None = N
     choice = A2ABackend(d.moe_a2a_backend)
     if choice == A2ABackend.ALL_TO_ALL:
         return choice
+    if choice == A2ABackend.AUTO and not (d.device == "cuda" and d.nnodes == 1
+                                          and max_step_tokens(d) is not None):
+        return A2ABackend.ALL_TO_ALL
     if bindings_available is None:
         bindings_available = stream_memops.available()
-    if choice == A2ABackend.CUDA_IPC:
-        if not bindings_available:
-            stream_memops.driver()  # raises ImportError naming the package
-        return choice
-    one_host = d.device == "cuda" and d.nnodes == 1 and max_step_tokens(d) is not None
-    return A2ABackend.CUDA_IPC if one_host and bindings_available else A2ABackend.ALL_TO_ALL
+    if choice == A2ABackend.CUDA_IPC and not bindings_available:
+        stream_memops.driver()  # raises ImportError naming the package
+    return A2ABackend.CUDA_IPC if bindings_available else A2ABackend.ALL_TO_ALL
 
 
 def build_exchange(d: DeploymentConfig, model_config: MoEModelConfig, rank: int,
@@ -71,7 +71,8 @@ def build_exchange(d: DeploymentConfig, model_config: MoEModelConfig, rank: int,
                      model_config.hidden_size, getattr(torch, d.dtype),
                      model_config.num_hidden_layers, device)
     logger.info("cuda_ipc exchange: %.1f MiB of buffers for steps of up to %d tokens over %d "
-                "slots", ex.nbytes / 2**20, tokens, d.max_ep_size)
+                "slots; peer waits %s", ex.nbytes / 2**20, tokens, d.max_ep_size,
+                "batched (one graph node per exchange)" if ex.batched_waits else "one by one")
     return ex
 
 

@@ -33,6 +33,7 @@ from elasticep.deploy.supervisor import (
 )
 from elasticep.distributed.membership import SlotState
 from elasticep.distributed.status import DeploymentStatus
+from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.ipc import FrontendChannel, is_routable
 from elasticep.engine.limits import known_max_total_tokens
@@ -140,7 +141,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return stop.exit_status() or 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
-              f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
+              f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
+              f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
         exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
                           stop_on_exit=fatal)

@@ -90,7 +90,7 @@ def move_expert_weights(
             # in memory; slots that became empty keep stale data, never routed to).
             if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
                 _exchange(a, b, a, b, [x for x in by_layer[layer] if x.source_rank == rank],
-                          [], n13, n2, world, group)
+                          [], n13, n2, world, group, stage_on_cpu)
             out13.append(a)
             out2.append(b)
             continue

@@ -99,6 +99,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         The copy briefly holds both sets of expert weights (the new ones were fetched
         before this call).
         """
+        if getattr(self, "transport", None) is not None:
+            self.transport.tag_cap(metadata.num_local_physical_experts)
         old = getattr(self, "metadata", None)
         old13, old2 = getattr(self, "w13", None), getattr(self, "w2", None)
         super().set_placement(metadata, w13, w2)

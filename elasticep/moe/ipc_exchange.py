@@ -105,6 +105,9 @@ class IpcExchange:
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             stream_memops.driver()  # fail now, naming the package, not inside a capture
+            index = (self.device.index if self.device.index is not None
+                     else torch.cuda.current_device())
+            self.batched_waits = stream_memops.batch_works(index)
         self.n_slots = 2 * num_layers
         self.W = row_width(hidden_size, dtype)
         G, C = max_ep_size, cap_rows
@@ -121,6 +124,9 @@ class IpcExchange:
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._aborted = False
         self._lock = threading.Lock()
+        # per slot count S: [G, 1] int32, S for active sources and 0 for the rest (one
+        # elementwise min masks and clamps the received tags; refreshed by reset)
+        self._tag_caps: dict[int, torch.Tensor] = {}
         self.aborts = 0
 
     # ------------------------------------------------------------------ memory
@@ -230,6 +236,8 @@ class IpcExchange:
             self.flags.zero_()
             self.counter.zero_()
             self.active.copy_(mask)
+            for S, cap in self._tag_caps.items():
+                cap.copy_((mask * S).view(-1, 1))
             self._aborted = False
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -276,11 +284,8 @@ class IpcExchange:
                         raise RuntimeError(f"rank {self.rank}: no signal from {q} at slot {slot}")
                     self.flags[q, slot] = 0
             return
-        for q in range(self.G):
-            if q != self.rank:
-                addr = self.flags[q, slot].data_ptr()
-                stream_memops.wait_value32(addr, 1)
-                stream_memops.write_value32(addr, 0)
+        stream_memops.wait_and_reset32([self.flags[q, slot].data_ptr() for q in range(self.G)
+                                        if q != self.rank])
 
     def _signal_local(self, slot: int) -> None:
         """CPU simulation of the kernels' flags: signal active peers, release the rest."""
@@ -334,8 +339,20 @@ class IpcExchange:
         never read as an index)."""
         self._wait(2 * layer)
         rows, tags = split_rows(self.recv0[:self.G * C], self.H)
-        tags.view(self.G, C).mul_(self.active.view(self.G, 1)).clamp_(0, slots_per_rank)
+        cap = self.tag_cap(slots_per_rank)
+        # an inactive source's tags become 0 and no tag exceeds S (the kernels treat a
+        # tag <= 0 as padding)
+        torch.minimum(tags.view(self.G, C), cap, out=tags.view(self.G, C))
         return rows, tags
+
+    def tag_cap(self, slots_per_rank: int) -> torch.Tensor:
+        """The ``[G, 1]`` int32 bound of received tags for ``slots_per_rank`` (made on
+        first use; the executor asks for it when a placement is set, outside any graph
+        capture, so a capture reads a tensor that :meth:`reset` keeps current)."""
+        cap = self._tag_caps.get(slots_per_rank)
+        if cap is None:
+            cap = self._tag_caps[slots_per_rank] = (self.active * slots_per_rank).view(-1, 1)
+        return cap
 
     def send_combine(self, expert_out: torch.Tensor, C: int, layer: int) -> None:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""

@@ -222,7 +222,7 @@ def fused_plan(slots: torch.Tensor, slots_per_rank: int, group_size: int, capaci
     _plan_kernel[(1,)](flat, n, slots_per_rank, capacity, position, tag, inv, G=group_size,
                        BLOCK_P=PLAN_MAX_PAIRS, BLOCK_I=1024)
     return position, tag, inv
-MAX_CHUNKS = 64  # programs per destination: enough to fill an H200 at EP2 for a prefill
+MAX_CHUNKS = 256  # programs per destination: a prefill's rows spread over every SM
 
 
 def chunks_for(C: int) -> int:

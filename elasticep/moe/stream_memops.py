@@ -74,6 +74,80 @@ def wait_value32(addr: int, value: int, stream: torch.cuda.Stream | None = None)
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ))
 
 
+def _batch_params(addrs: list[int]) -> list:
+    drv = driver()
+    ops = []
+    for addr in addrs:
+        wait = drv.CUstreamBatchMemOpParams()
+        wait.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+        wait.waitValue.operation = wait.operation
+        wait.waitValue.address = drv.CUdeviceptr(addr)
+        wait.waitValue.value = 1
+        wait.waitValue.flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+        reset = drv.CUstreamBatchMemOpParams()
+        reset.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+        reset.writeValue.operation = reset.operation
+        reset.writeValue.address = drv.CUdeviceptr(addr)
+        reset.writeValue.value = 0
+        reset.writeValue.flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        ops += [wait, reset]
+    return ops
+
+
+def _batched(addrs: list[int], stream: torch.cuda.Stream | None) -> None:
+    drv = driver()
+    ops = _batch_params(addrs)
+    _check(drv.cuStreamBatchMemOp(_stream(stream), len(ops), ops, 0))
+
+
+@functools.cache
+def batch_works(device_index: int) -> bool:
+    """Whether ``cuStreamBatchMemOp`` runs our wait-then-reset pairs in order, eagerly
+    and inside a captured graph, on this device (a self-test, once per process).
+
+    One batch node replaces two memop nodes per peer in a decode graph, and each node
+    costs host time at every graph launch; where the test fails, the waits go one by
+    one (same semantics).
+    """
+    try:
+        with torch.cuda.device(device_index):
+            flag = torch.ones(2, dtype=torch.int32, device="cuda")
+            _batched([flag[0].data_ptr(), flag[1].data_ptr()], None)
+            torch.cuda.synchronize()
+            if flag.tolist() != [0, 0]:
+                return False
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                _batched([flag[0].data_ptr()], None)
+                flag[1].add_(5)
+            flag.fill_(1)
+            graph.replay()
+            torch.cuda.synchronize()
+            return flag.tolist() == [0, 6]
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+
+
+def wait_and_reset32(addrs: list[int], stream: torch.cuda.Stream | None = None) -> None:
+    """For each int32 at ``addrs`` in turn: wait until it equals 1, then write 0 (the
+    exchange's per-peer flags), as one batched stream operation where
+    :func:`batch_works`, else two operations per flag.
+
+    Raises:
+        RuntimeError: the driver refused a call.
+    """
+    if not addrs:
+        return
+    if batch_works(torch.cuda.current_device()):
+        _batched(addrs, stream)
+        return
+    for addr in addrs:
+        wait_value32(addr, 1, stream)
+        write_value32(addr, 0, stream)
+
+
 def write_value32(addr: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
     """Enqueue on ``stream`` (default: the current one) a store of ``value`` to the int32
     at device address ``addr`` (with the default memory barrier: earlier writes of the
