@@ -126,35 +126,50 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path):
     assert int(ep.transport.flags.abs().sum()) == 0
 
 
-def test_a_silent_peer_blocks_the_graph_until_abort():
+@pytest.mark.parametrize("release", ["abort", "deadline"])
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
+    from elasticep.moe.ipc_exchange import StepWatchdog
     exs = _pair("cuda", torch.bfloat16)
-    ex = exs[0]  # rank 1 is active but never sends: as if it died before signalling
+    ex, peer = exs  # the peer dies before signalling, in the chosen phase of layer 2
+    layer = 2
     C = pair_capacity(4, K, S)
     h = torch.randn(4, H, device="cuda").to(torch.bfloat16)
     s = torch.tensor([[0, 1], [4, 5], [2, 6], [3, 7]], device="cuda")
+    if phase == "combine":  # it sent its dispatch rows, then died
+        peer.send_dispatch(h, s, S, C, layer)
+        torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        ex.send_dispatch(h, s, S, C, 0)
-        rows, tags = ex.recv_dispatch(C, 0, S)
-        out = rows[:C].float().sum()
+        plan = ex.send_dispatch(h, s, S, C, layer)
+        rows, tags = ex.recv_dispatch(C, layer, S)
+        ex.send_combine(rows.contiguous(), C, layer)
+        back = ex.recv_combine(C, layer)
+        mine = back[plan.position].float()
     graph.replay()
     done = torch.cuda.Event()
     done.record()
     time.sleep(0.3)
     assert not done.query(), "the replay must wait for the silent peer"
     t0 = time.monotonic()
-    threading.Thread(target=ex.abort).start()
+    deadline_s = 0.2
+    if release == "abort":
+        threading.Thread(target=ex.abort).start()
+    else:
+        dog = StepWatchdog(ex, lambda: False, deadline_s=deadline_s)
+        dog.begin()
     while not done.query():
-        assert time.monotonic() - t0 < 2.0, "abort did not release the wait"
+        assert time.monotonic() - t0 < 3.0, "the wait was not released"
         time.sleep(0.001)
     released = time.monotonic() - t0
-    assert released < 1.0 and ex.aborted and ex.active.tolist() == [1, 0]
-    # this rank's own rows (block 0) arrived; the silent peer's block reads as padding
-    assert int((tags[C:] != 0).sum()) == 0
-    assert int((tags[:C] != 0).sum()) == int((s // S == 0).sum())
-    assert torch.isfinite(out)
+    assert released < deadline_s + 1.0 and ex.aborted and ex.active.tolist() == [1, 0]
+    if release == "deadline":
+        assert dog.end() and dog.deadline_aborts == 1
+    # the pairs this rank sent to itself came back intact
+    own = (s // S == 0).reshape(-1).cuda()
+    assert torch.equal(mine[own], h.float().repeat_interleave(K, 0)[own])
     assert float(torch.ones(1000, device="cuda").sum()) == 1000.0  # the context still runs
     ex.reset(torch.ones(2, dtype=torch.bool))
     assert int(ex.flags.abs().sum()) == 0

@@ -303,8 +303,8 @@ class LockstepLoop:
                 self.watchdog.begin()
                 try:
                     tokens = self.engine.execute(self.pending)
-                    # an idle rank's forward samples nothing, so nothing waited for it yet
-                    torch.cuda.current_stream().synchronize()
+                    if self.exchange.cuda:  # an idle rank's forward samples nothing, so
+                        torch.cuda.current_stream().synchronize()  # nothing waited for it
                 finally:
                     aborted = self.watchdog.end()
         commit = torch.tensor([step, int(aborted)], dtype=torch.int64)
