@@ -12,6 +12,7 @@ import zmq
 from elasticep.engine.ipc import (
     FrontendChannel,
     OutputBatch,
+    RankStats,
     RankUnreachableError,
     RequestError,
     WorkerChannel,
@@ -58,9 +59,10 @@ def test_round_trip_unreachable_and_relaunch():
             w.send_outputs([TokenOutput("r", 1, 9)])
             w.send_outputs([])  # nothing to send: no message
             w.send_error("q", "too long")
-            got = await collect(fe, 2)
+            w.send_stats(steps=40, graph_captures=1, graph_replays=38)
+            got = await collect(fe, 3)
             assert got == [OutputBatch(3, 7, (TokenOutput("r", 1, 9),)),
-                           RequestError(3, "q", "too long")]
+                           RequestError(3, "q", "too long"), RankStats(3, 7, 40, 1, 38)]
             w.close()
             # a relaunched rank reuses its identity and gets the next messages
             w2 = WorkerChannel(fe.endpoints, rank=3, epoch=8)
@@ -159,3 +161,15 @@ def test_engine_worker_loop_serves_requests_errors_and_resumes():
         assert not thread.is_alive()
 
     asyncio.run(main())
+
+
+def test_rank_stats_become_metrics_series():
+    from elasticep.frontend.metrics import FrontendMetrics
+    m = FrontendMetrics()
+    m.rank_stats(2, steps=40, captures=1, replays=38)
+    m.rank_stats(3, steps=12, captures=-1, replays=-1)  # a rank without graphs
+    text = m.render()[0].decode()
+    assert 'elasticep_cuda_graph_captures{rank="2"} 1.0' in text
+    assert 'elasticep_cuda_graph_replays{rank="2"} 38.0' in text
+    assert 'elasticep_rank_steps{rank="3"} 12.0' in text
+    assert 'elasticep_cuda_graph_captures{rank="3"}' not in text

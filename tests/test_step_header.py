@@ -95,7 +95,7 @@ def test_iteration_sets_the_agreed_bound_for_execute_only(monkeypatch):
     assert engine.executed == [(4, 9)]
     assert ep.step_max_tokens is None
     assert loop.pending is None and loop.stats.steps == 1
-    assert calls == [7, 1]  # header, commit: no per-layer collective
+    assert calls == [7, 2]  # header, commit ([step, aborted]): no per-layer collective
 
     engine, ep, loop, _ = _run_one_iteration(monkeypatch, 1, [6], peer_tokens=2)
     assert engine.executed == [(6, 6)]  # its own batch is the largest

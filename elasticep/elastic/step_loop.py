@@ -316,14 +316,23 @@ class LockstepLoop:
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
-        self.rate.step(len(outputs), self.stats.last_commit_epoch)
+        line = self.rate.step(len(outputs), self.stats.last_commit_epoch)
         self.channel.send_outputs(outputs)
+        if line is not None:
+            self._send_stats()
         if self.eplb is not None and self.eplb.step():
             result = self.eplb.rebalance(self.ep.placement, sync=True, group=self.group)
             placement_sync.commit_placement(self.ep, result.placement, self.group, self.load_fn)
         if self.profiler is not None and self.profiler.step_committed(
                 num_tokens, h.max_tokens, self.stats.last_commit_epoch):
             self.profiler = None  # its window is written (or it failed): no cost from here
+
+    def _send_stats(self) -> None:
+        graphs = _graph_counters(self.engine)
+        send = getattr(self.channel, "send_stats", None)
+        if send is not None:
+            send(self.stats.steps, graphs.captures if graphs is not None else -1,
+                 graphs.replays if graphs is not None else -1)
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:

@@ -94,8 +94,29 @@ class StepFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class RankStats:
+    """A rank's running counters, sent with each of its throughput lines (every
+    ``--log-stats-interval`` seconds) for ``/metrics``.
+
+    Attributes:
+        rank, epoch: the sender and its epoch.
+        steps: committed steps since the rank started.
+        graph_captures: complete decode CUDA graph captures since start (start-up
+            included; a re-capture after a membership change adds one), or -1 where
+            the rank runs no graphs.
+        graph_replays: decode steps replayed from a graph since start (-1: no graphs).
+    """
+
+    rank: int
+    epoch: int
+    steps: int
+    graph_captures: int
+    graph_replays: int
+
+
 # Messages a worker sends to the front-end.
-WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed
+WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed | RankStats
 
 
 @dataclass(frozen=True)
@@ -243,7 +264,7 @@ class FrontendChannel:
         return self._drain_router() + self._drain_outputs()
 
     def _drain_outputs(self) -> list[WorkerMessage]:
-        return _recv_ready(self._pull, (OutputBatch, RequestError, StepFailed),
+        return _recv_ready(self._pull, (OutputBatch, RequestError, StepFailed, RankStats),
                            "output socket")
 
     def _drain_router(self) -> list[WorkerMessage]:
@@ -341,6 +362,14 @@ class WorkerChannel:
         if not outputs:
             return
         self._push_msg(OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
+
+    def send_stats(self, steps: int, graph_captures: int, graph_replays: int) -> None:
+        """Publish this rank's counters (:class:`RankStats`).
+
+        Raises:
+            FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
+        """
+        self._push_msg(RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays))
 
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""

@@ -29,6 +29,7 @@ from elasticep.engine.ipc import (
     FrontendChannel,
     IpcError,
     OutputBatch,
+    RankStats,
     RankUnreachableError,
     RequestError,
     StepFailed,
@@ -310,6 +311,8 @@ class Frontend:
             self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
         elif isinstance(msg, StepFailed):
             self._dispatch(self.tracker.on_step_failed(msg.rank, msg.request_ids, msg.message))
+        elif isinstance(msg, RankStats):
+            self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays)
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()

@@ -48,9 +48,29 @@ class FrontendMetrics:
             "elasticep_interruption_seconds",
             "Longest token gap a moved request saw across its move (seconds)",
             buckets=_GAP_BUCKETS, registry=r)
+        self.cuda_graph_captures = Gauge(
+            "elasticep_cuda_graph_captures",
+            "Decode CUDA graph captures of a rank since it started (start-up included; "
+            "a re-capture after a membership change adds one)", ["rank"], registry=r)
+        self.cuda_graph_replays = Gauge(
+            "elasticep_cuda_graph_replays",
+            "Decode steps a rank replayed from a CUDA graph since it started", ["rank"],
+            registry=r)
+        self.rank_steps = Gauge("elasticep_rank_steps",
+                                "Committed steps of a rank since it started", ["rank"],
+                                registry=r)
         self.time_to_first_token_seconds = Histogram(
             "elasticep_time_to_first_token_seconds", "Time to first token (seconds)",
             registry=r)
+
+    def rank_stats(self, rank: int, steps: int, captures: int, replays: int) -> None:
+        """Record a rank's counters (a :class:`~elasticep.engine.ipc.RankStats`); a
+        rank without graphs (-1) exports no graph series."""
+        label = str(rank)
+        self.rank_steps.labels(rank=label).set(steps)
+        if captures >= 0:
+            self.cuda_graph_captures.labels(rank=label).set(captures)
+            self.cuda_graph_replays.labels(rank=label).set(replays)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
