@@ -59,7 +59,9 @@ def deployment_args(args: argparse.Namespace) -> list[str]:
         out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     if args.disable_cuda_graph:
         out.append("--disable-cuda-graph")
-    return out + list(args.serve_arg)
+    # ranks report their counters (graph captures, for the JSON line) with each
+    # throughput line: once a second, so the last report follows the event
+    return out + ["--log-stats-interval", "1"] + list(args.serve_arg)
 
 
 def cuda_graph_on(args: argparse.Namespace) -> bool:
@@ -152,8 +154,16 @@ class Run:
         time.sleep(max(0.0, start + length_s - time.monotonic()))
 
     def healthy_phase(self) -> None:
-        """Warm up, then measure the healthy window."""
+        """Warm up, then measure the healthy window (noting each rank's CUDA graph
+        captures at its end, against which :meth:`finish` counts re-captures)."""
         self.window("healthy", self.t0 + self.args.warmup_s, self.args.healthy_s)
+        self._captures_healthy = self._captures()
+
+    def _captures(self) -> dict[int, float]:
+        try:
+            return self.serve.rank_metric("elasticep_cuda_graph_captures")
+        except Exception:  # noqa: BLE001 - a diagnostic only; serve may be down
+            return {}
 
     def finish(self) -> None:
         """Stop the load (in-flight requests finish), the watch and serve. Idempotent."""
@@ -164,6 +174,13 @@ class Run:
         if self.watch is not None:
             self.watch.stop()
         if self.serve.proc.poll() is None:
+            if hasattr(self, "_captures_healthy") and "graph_captures" not in self.extra:
+                # rank -> [captures after the healthy window, at the end]: a survivor
+                # whose two counts differ re-captured; a relaunched rank starts anew
+                end = self._captures()
+                self.extra["graph_captures"] = {
+                    r: [self._captures_healthy.get(r), end.get(r)]
+                    for r in sorted(set(end) | set(self._captures_healthy))}
             self.orphans = self.serve.stop()
 
     def outcomes(self) -> Outcomes:

@@ -173,3 +173,14 @@ def test_rank_stats_become_metrics_series():
     assert 'elasticep_cuda_graph_replays{rank="2"} 38.0' in text
     assert 'elasticep_rank_steps{rank="3"} 12.0' in text
     assert 'elasticep_cuda_graph_captures{rank="3"}' not in text
+
+
+def test_parse_rank_metric_reads_per_rank_gauges():
+    from elasticep.frontend.metrics import FrontendMetrics
+    from elasticep_testkit.harness.serve_process import parse_rank_metric
+    m = FrontendMetrics()
+    m.rank_stats(0, steps=5, captures=2, replays=4)
+    m.rank_stats(3, steps=5, captures=1, replays=4)
+    text = m.render()[0].decode()
+    assert parse_rank_metric(text, "elasticep_cuda_graph_captures") == {0: 2.0, 3: 1.0}
+    assert parse_rank_metric(text, "elasticep_nothing") == {}

@@ -34,6 +34,17 @@ from elasticep_testkit.harness.load import make_client
 Status = DeploymentStatus
 
 
+def parse_rank_metric(text: str, name: str) -> dict[int, float]:
+    """``name{rank="R"} V`` lines of a Prometheus text exposition -> {R: V}."""
+    out: dict[int, float] = {}
+    prefix = name + '{rank="'
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            rank, _, value = line[len(prefix):].partition('"} ')
+            out[int(rank)] = float(value)
+    return out
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -188,6 +199,16 @@ class ServeProcess:
         status = DeploymentStatus.from_dict(body)
         self.seen_pids |= set(status.pids().values())
         return status
+
+    def rank_metric(self, name: str) -> dict[int, float]:
+        """A per-rank ``/metrics`` gauge (e.g. ``elasticep_cuda_graph_captures``): rank ->
+        value, for the ranks that reported it.
+
+        Raises:
+            httpx.HTTPError: the API did not answer (10 s bound).
+        """
+        text = self._http.get("/metrics").raise_for_status().text
+        return parse_rank_metric(text, name)
 
     def scale(self, new_ep_size: int) -> tuple[int, dict]:
         """``POST /scale_elastic_ep``; returns (HTTP status code, JSON body)."""
