@@ -186,3 +186,26 @@ def test_fused_plan_matches_the_torch_plan(G, T, k, S):
     position, tag, inv = fused_plan(slots, S, G, C)
     assert torch.equal(position, want.position) and torch.equal(tag, want.tag)
     assert torch.equal(inv, inverse_positions(want.position, G * C))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_fused_static_dispatch_matches_the_reference(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    l2p = torch.randperm(2 * S, generator=g)
+    ids = torch.stack([torch.randperm(2 * S, generator=g)[:K] for _ in range(tokens)])
+    C = pair_capacity(tokens, K, S)
+    ref = _pair("cpu", torch.bfloat16, cap=512)
+    ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
+    gpu = _pair("cuda", torch.bfloat16, cap=512)
+    pos = gpu[0].send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C, 1)
+    torch.cuda.synchronize()
+    from elasticep.moe.padded_exchange import plan_padded, split_rows
+    assert torch.equal(pos.cpu(), plan_padded(l2p[ids], S, 2, C).position)
+    for q in range(2):
+        want_rows, want_tags = split_rows(ref[q].recv0[:2 * C], H)
+        rows, tags = split_rows(gpu[q].recv0[:2 * C], H)
+        assert torch.equal(tags.cpu(), want_tags)
+        real = want_tags != 0
+        assert torch.equal(rows.cpu()[real], want_rows[real])
+    assert int(gpu[1].flags[0, 2]) == 1 and int(gpu[0].counter.sum()) == 0

@@ -152,6 +152,10 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             raise ValueError(f"{T} tokens > step_max_tokens {max_tokens}")
         meta = self.metadata
         S = meta.num_local_physical_experts
+        on_transport = self.transport is not None and not (capturing() and not _stream_capturing())
+        if on_transport and self.dispatch_algorithm == "static":
+            cap = pair_capacity(max_tokens, k, S)
+            return self._via_transport(layer_idx, hidden_states, topk_ids, topk_weights, cap)
         if self.dispatch_algorithm == "static":
             slots = meta.logical_to_rank_dispatch_physical_map[layer_idx][topk_ids]
         else:  # the same round robin as the CPU path, on the device
@@ -159,8 +163,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             pick = (torch.arange(T * k, device=topk_ids.device).view(T, k) + meta.ep_rank) % n
             slots = meta.logical_to_all_physical_map[layer_idx][topk_ids, pick]
         cap = pair_capacity(max_tokens, k, S)
-        if self.transport is not None and not (capturing() and not _stream_capturing()):
-            return self._via_transport(layer_idx, hidden_states, slots, topk_weights, cap)
+        if on_transport:
+            return self._via_transport(layer_idx, hidden_states, topk_ids, topk_weights, cap,
+                                       slots)
         # Graph pieces and the eager exchanges between them meet in persistent buffers;
         # an eager step allocates its own, so it never touches what a graph points to
         # (a capture may run in a background thread meanwhile).
@@ -172,12 +177,19 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
 
-    def _via_transport(self, layer_idx: int, hidden_states: torch.Tensor, slots: torch.Tensor,
-                       topk_weights: torch.Tensor, cap: int) -> torch.Tensor:
+    def _via_transport(self, layer_idx: int, hidden_states: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, cap: int,
+                       slots: torch.Tensor | None = None) -> torch.Tensor:
         # The same-host exchange: no collective, so a graph capture holds the whole layer.
         # (Warm-up passes before a capture take the padded path's local stand-in above.)
+        # ``slots``: the dynamic dispatch's choice; None: the static map's, gathered by
+        # the send itself.
         t, S = self.transport, self.metadata.num_local_physical_experts
-        plan = t.send_dispatch(hidden_states, slots, S, cap, layer_idx)
+        if slots is None:
+            l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
+            position = t.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap, layer_idx)
+        else:
+            position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
         rows, tags = t.recv_dispatch(cap, layer_idx, S)
         bufs = self._buffers if capturing() else fresh
         expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
@@ -185,7 +197,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
                                     out=bufs("expert_out", rows.shape[0], rows))
         t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
-        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
+        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)
 
 
 def _stream_capturing() -> bool:

@@ -42,6 +42,7 @@ zeroes the tags of inactive sources, and the tags are clamped to the slot range.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
@@ -127,6 +128,9 @@ class IpcExchange:
         # per slot count S: [G, 1] int32, S for active sources and 0 for the rest (one
         # elementwise min masks and clamps the received tags; refreshed by reset)
         self._tag_caps: dict[int, torch.Tensor] = {}
+        # one kernel for the static map's gather, plan and send at decode sizes
+        # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
+        self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
         self.aborts = 0
 
     # ------------------------------------------------------------------ memory
@@ -330,6 +334,29 @@ class IpcExchange:
                                             C, dests, active)
             self._signal_local(2 * layer)
         return plan
+
+    def send_dispatch_static(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                             logical_to_physical: torch.Tensor, slots_per_rank: int, C: int,
+                             layer: int) -> torch.Tensor:
+        """:meth:`send_dispatch` for the static dispatch map: each pair goes to slot
+        ``logical_to_physical[topk_ids]``. A decode-sized step on CUDA does the gather,
+        the plan and the send in one kernel (:func:`~elasticep.moe.ipc_kernels.fused_dispatch`).
+
+        Args:
+            topk_ids: [T, k] int64 logical experts; logical_to_physical: [E] int64
+                (the layer's row of the static dispatch map); the rest as
+                :meth:`send_dispatch`.
+
+        Returns:
+            [T*k] int64, each pair's row in the ``[G*C]`` layout (for the combine).
+        """
+        self._check_capacity(C)
+        if self.cuda and self.fused_dispatch and kernels.fused_dispatch_ok(hidden, topk_ids):
+            return kernels.fused_dispatch(hidden, topk_ids, logical_to_physical,
+                                          slots_per_rank, self.rank, C, self.W, self.table,
+                                          self.active, self.counter, self.flags, 2 * layer)
+        slots = logical_to_physical[topk_ids]
+        return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
 
     def recv_dispatch(self, C: int, layer: int, slots_per_rank: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,6 +170,59 @@ if triton is not None:
         elif c == 0:
             tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
 
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "n_pairs"])
+    def _fused_dispatch_kernel(hidden_ptr, stride_hidden, ids_ptr, map_ptr, position_ptr,
+                               table_ptr, active_ptr, counter_ptr, my_flags_ptr, me, C, slot,
+                               n_slots, chunks, top_k, S, n_pairs, H: tl.constexpr,
+                               ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_H: tl.constexpr):
+        # The slot gather, the plan and the send of a decode-sized step in one launch:
+        # program (q, c) scans every pair in order, counting those bound for q (a pair's
+        # row in q's block is that running count, as in plan_padded), stores their
+        # positions (chunk 0), and copies the ones whose row falls in its chunk.
+        q = tl.program_id(0)
+        c = tl.program_id(1)
+        alive = tl.load(active_ptr + q) != 0
+        dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
+        dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
+        per = tl.cdiv(C, chunks)
+        lo = c * per
+        hi = tl.minimum(lo + per, C)
+        running = (q * 0).to(tl.int64)
+        for p0 in range(0, n_pairs, BLOCK_P):
+            i = p0 + tl.arange(0, BLOCK_P)
+            m = i < n_pairs
+            ids = tl.load(ids_ptr + i, mask=m, other=0)
+            phys = tl.load(map_ptr + ids, mask=m, other=0)
+            d = phys // S
+            hit = m & (d == q)
+            within = running + tl.cumsum(hit.to(tl.int64), 0) - 1
+            running += tl.sum(hit.to(tl.int64), 0)
+            if c == 0:
+                tl.store(position_ptr + i, q * C + within, mask=hit)
+            if alive:
+                sel = hit & (within >= lo) & (within < hi)
+                tok = tl.where(sel, i // top_k, 0).to(tl.int64)
+                row = (me * C + within).to(tl.int64)
+                for h0 in range(0, H, BLOCK_H):
+                    h = h0 + tl.arange(0, BLOCK_H)
+                    mm = sel[:, None] & (h < H)[None, :]
+                    v = tl.load(hidden_ptr + tok[:, None] * stride_hidden + h[None, :], mask=mm)
+                    tl.store(dest + row[:, None] * ROW_ELEMS + h[None, :], v, mask=mm)
+                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
+                         (phys - q * S + 1).to(tl.int32), mask=sel)
+        if alive:
+            for r0 in range(lo, hi, BLOCK_R):  # this chunk's unused rows: tag 0
+                r = r0 + tl.arange(0, BLOCK_R)
+                um = (r < hi) & (r >= running)
+                row = (me * C + r).to(tl.int64)
+                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tl.zeros_like(r).to(tl.int32),
+                         mask=um)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
+        elif c == 0:
+            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
     def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
                              my_flags_ptr, me, C, slot, n_slots, chunks, H: tl.constexpr,
@@ -250,6 +303,41 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
         hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
         slot, n_slots, chunks, top_k, H=H, ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
+
+
+def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether :func:`fused_dispatch` takes this step (CUDA, decode-sized)."""
+    return (triton is not None and hidden.is_cuda and topk_ids.numel() <= PLAN_MAX_PAIRS
+            and hidden.stride(1) == 1)
+
+
+def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_physical: torch.Tensor,
+                   slots_per_rank: int, me: int, C: int, row_elems: int, table: torch.Tensor,
+                   active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
+                   slot: int) -> torch.Tensor:
+    """Gather each pair's physical slot (``logical_to_physical[topk_ids]``, the static
+    dispatch map of a layer), plan and send, in one kernel (CUDA,
+    :func:`fused_dispatch_ok`). Writes what :func:`dispatch_send` writes after
+    :func:`fused_plan`.
+
+    Args:
+        hidden: [T, H] model dtype; topk_ids: [T, k] int64 logical experts;
+        logical_to_physical: [E] int64; the rest as :func:`dispatch_send`.
+
+    Returns:
+        position: [T*k] int64, each pair's row in the ``[G*C]`` layout.
+    """
+    G, n_slots = my_flags.shape
+    ids = topk_ids.reshape(-1).contiguous()
+    position = torch.empty_like(ids)
+    chunks = chunks_for(C)
+    _fused_dispatch_kernel[(G, chunks)](
+        hidden, hidden.stride(0), ids, logical_to_physical.contiguous(), position, table,
+        active, counter, my_flags, me, C, slot, n_slots, chunks, topk_ids.shape[1],
+        slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
+        ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=16, BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H)
+    return position
 
 
 def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
