@@ -88,6 +88,10 @@ def test_cpu_keeps_its_defaults_and_flags_override():
     assert (engine.max_total_tokens, engine.max_num_seqs, engine.cuda_graph_max_bs,
             engine.chunked_prefill_size, engine.enable_cuda_graph) == (680_912, 1024, 32,
                                                                        2048, False)
+    # the step's prefill budget: the engine's default, raised to the chunk size
+    assert engine.max_batch_tokens == 4096
+    assert L.rank_limits(DeploymentConfig(model="/m", device="cuda"), 680_912).engine_config(
+    ).max_batch_tokens == 8192
 
 
 def test_a_scale_joiner_gets_the_launch_ranks_exchange_and_its_own_kv_share(qwen3):

@@ -69,11 +69,17 @@ class RankLimits:
     chunked_prefill_size: int | None
 
     def engine_config(self, **kw: object) -> EngineConfig:
-        """The engine's config with these limits (``kw``: its other fields)."""
+        """The engine's config with these limits (``kw``: its other fields).
+
+        With chunking on, a step admits up to ``chunked_prefill_size`` prefill tokens
+        (SGLang's meaning of the flag), not only the engine's default budget.
+        """
+        budget = max(EngineConfig.max_batch_tokens, self.chunked_prefill_size or 0)
         return EngineConfig(max_total_tokens=self.max_total_tokens,
                             max_num_seqs=self.max_running_requests,
                             cuda_graph_max_bs=self.cuda_graph_max_bs,
-                            chunked_prefill_size=self.chunked_prefill_size, **kw)
+                            chunked_prefill_size=self.chunked_prefill_size,
+                            max_batch_tokens=budget, **kw)
 
 
 def kv_bytes_per_token(config: MoEModelConfig, dtype: torch.dtype) -> int:
