@@ -56,6 +56,7 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
 
 def _rank(me: int, world: int, port: int, tokens: list[int], layers: int, replays: int,
           results) -> None:
+    from bench.spike_stream_wait import replay_ms
     from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
     from elasticep.moe.padded_exchange import pair_capacity
     try:
@@ -97,14 +98,7 @@ def _rank(me: int, world: int, port: int, tokens: list[int], layers: int, replay
                 back = step()
             torch.cuda.synchronize()
             _barrier(store, f"replay{T}", world)
-            times = []
-            for _ in range(replays):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1))
+            times = replay_ms(graph, replays)
             ok = bool(torch.equal(back, hidden.repeat_interleave(K, 0)))
             remote = int((slots // S != me).sum())  # pairs this rank sent to peers
             per_layer_us = statistics.median(times) * 1e3 / layers

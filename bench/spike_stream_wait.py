@@ -194,7 +194,7 @@ def _step(ex: Exchange | None, send: torch.Tensor, w: torch.Tensor, layers: int,
     return x
 
 
-def _replay_ms(g: torch.cuda.CUDAGraph, n: int) -> list[float]:
+def replay_ms(g: torch.cuda.CUDAGraph, n: int) -> list[float]:
     """Milliseconds of each of ``n`` replays of ``g`` (CUDA events, one at a time)."""
     times = []
     for _ in range(n):
@@ -261,7 +261,7 @@ def _rank(me: int, world: int, args, queues, bqueues, results, kill_pipe) -> Non
                 for _ in range(3):
                     g.replay()
                 _wait(me, f"{name} warm replays")
-                times = _replay_ms(g, args.replays)
+                times = replay_ms(g, args.replays)
                 row[f"{name}_step_ms"] = round(statistics.median(times), 3)
                 row[f"{name}_step_ms_min_max"] = [round(min(times), 3), round(max(times), 3)]
             # correctness: with identity experts, the rows that came back to this rank
@@ -346,7 +346,7 @@ def _kill_phase(me, world, args, queues, results, kill_pipe) -> None:
             t_end = time.time()
             break
     free_before = torch.cuda.mem_get_info()[0]
-    after = _replay_ms(g, 20)
+    after = replay_ms(g, 20)
     ok = bool(torch.equal(res[me], send[me]))
     ex.unmap(1)
     torch.cuda.ipc_collect()

@@ -127,6 +127,28 @@ if triton is not None:
         tl.store(inv_ptr + pos, i.to(tl.int64), mask=m)
 
     @triton.jit
+    def _chunk_rows(C, chunks, c):
+        # rows [lo, hi) of a destination's C that program c of ``chunks`` moves
+        per = tl.cdiv(C, chunks)
+        lo = c * per
+        return lo, tl.minimum(lo + per, C)
+
+    @triton.jit
+    def _copy_rows(src_ptr, src_row, src_stride, dst_ptr, dst_row, dst_stride, mask,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr):
+        # rows src_row -> dst_row (int64 [BLOCK_R] each, ``mask``ed), H values each
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            m = mask[:, None] & (h < H)[None, :]
+            v = tl.load(src_ptr + src_row[:, None] * src_stride + h[None, :], mask=m)
+            tl.store(dst_ptr + dst_row[:, None] * dst_stride + h[None, :], v, mask=m)
+
+    @triton.jit
+    def _release_own(my_flags_ptr, q, n_slots, slot):
+        # an inactive destination: pass this rank's own wait on it
+        tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+
+    @triton.jit
     def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
         # the caller's row stores must be visible before the flag: a CTA barrier, an
         # acq_rel count of finished chunks, and a system-scope release by the last one
@@ -149,9 +171,7 @@ if triton is not None:
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
             dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
-            per = tl.cdiv(C, chunks)
-            lo = c * per
-            hi = tl.minimum(lo + per, C)
+            lo, hi = _chunk_rows(C, chunks, c)
             for r0 in range(lo, hi, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)
                 rm = r < hi
@@ -160,15 +180,11 @@ if triton is not None:
                 tok = tl.where(real, p // top_k, 0).to(tl.int64)
                 tag = tl.load(tag_ptr + tl.where(real, p, 0), mask=real, other=0)
                 row = (me * C + r).to(tl.int64)
-                for h0 in range(0, H, BLOCK_H):
-                    h = h0 + tl.arange(0, BLOCK_H)
-                    m = real[:, None] & (h < H)[None, :]
-                    v = tl.load(hidden_ptr + tok[:, None] * stride_hidden + h[None, :], mask=m)
-                    tl.store(dest + row[:, None] * ROW_ELEMS + h[None, :], v, mask=m)
+                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, H, BLOCK_H)
                 tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32), mask=rm)
             _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "n_pairs"])
     def _fused_dispatch_kernel(hidden_ptr, stride_hidden, ids_ptr, map_ptr, position_ptr,
@@ -186,9 +202,7 @@ if triton is not None:
         alive = tl.load(active_ptr + q) != 0
         dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
         dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
-        per = tl.cdiv(C, chunks)
-        lo = c * per
-        hi = tl.minimum(lo + per, C)
+        lo, hi = _chunk_rows(C, chunks, c)
         running = (q * 0).to(tl.int64)
         for p0 in range(0, n_pairs, BLOCK_P):
             i = p0 + tl.arange(0, BLOCK_P)
@@ -205,11 +219,7 @@ if triton is not None:
                 sel = hit & (within >= lo) & (within < hi)
                 tok = tl.where(sel, i // top_k, 0).to(tl.int64)
                 row = (me * C + within).to(tl.int64)
-                for h0 in range(0, H, BLOCK_H):
-                    h = h0 + tl.arange(0, BLOCK_H)
-                    mm = sel[:, None] & (h < H)[None, :]
-                    v = tl.load(hidden_ptr + tok[:, None] * stride_hidden + h[None, :], mask=mm)
-                    tl.store(dest + row[:, None] * ROW_ELEMS + h[None, :], v, mask=mm)
+                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, sel, H, BLOCK_H)
                 tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
                          (phys - q * S + 1).to(tl.int32), mask=sel)
         if alive:
@@ -221,7 +231,7 @@ if triton is not None:
                          mask=um)
             _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
     def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
@@ -232,9 +242,7 @@ if triton is not None:
         c = tl.program_id(1)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            per = tl.cdiv(C, chunks)
-            lo = c * per
-            hi = tl.minimum(lo + per, C)
+            lo, hi = _chunk_rows(C, chunks, c)
             for r0 in range(lo, hi, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)
                 rm = r < hi
@@ -242,14 +250,10 @@ if triton is not None:
                 tag = tl.load(recv32_ptr + src * ROW_WORDS + (ROW_WORDS - 1), mask=rm, other=0)
                 real = rm & (tag != 0)
                 row = (me * C + r).to(tl.int64)
-                for h0 in range(0, H, BLOCK_H):
-                    h = h0 + tl.arange(0, BLOCK_H)
-                    m = real[:, None] & (h < H)[None, :]
-                    v = tl.load(out_ptr + src[:, None] * H + h[None, :], mask=m)
-                    tl.store(dest + row[:, None] * H + h[None, :], v, mask=m)
+                _copy_rows(out_ptr, src, H, dest, row, H, real, H, BLOCK_H)
             _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
 
 BLOCK_R = 16

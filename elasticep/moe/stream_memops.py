@@ -74,24 +74,26 @@ def wait_value32(addr: int, value: int, stream: torch.cuda.Stream | None = None)
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ))
 
 
-def _batch_params(addrs: list[int]) -> list:
+def _batch_param(kind: str, addr: int, value: int):
+    """One ``CUstreamBatchMemOpParams``: ``kind`` "wait" (until ``== value``) or "write"."""
     drv = driver()
-    ops = []
-    for addr in addrs:
-        wait = drv.CUstreamBatchMemOpParams()
-        wait.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
-        wait.waitValue.operation = wait.operation
-        wait.waitValue.address = drv.CUdeviceptr(addr)
-        wait.waitValue.value = 1
-        wait.waitValue.flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
-        reset = drv.CUstreamBatchMemOpParams()
-        reset.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
-        reset.writeValue.operation = reset.operation
-        reset.writeValue.address = drv.CUdeviceptr(addr)
-        reset.writeValue.value = 0
-        reset.writeValue.flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        ops += [wait, reset]
-    return ops
+    p = drv.CUstreamBatchMemOpParams()
+    if kind == "wait":
+        p.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+        op, flags = p.waitValue, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+    else:
+        p.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+        op, flags = p.writeValue, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    op.operation = p.operation
+    op.address = drv.CUdeviceptr(addr)
+    op.value = value
+    op.flags = flags
+    return p
+
+
+def _batch_params(addrs: list[int]) -> list:
+    return [p for addr in addrs for p in (_batch_param("wait", addr, 1),
+                                          _batch_param("write", addr, 0))]
 
 
 def _batched(addrs: list[int], stream: torch.cuda.Stream | None) -> None:
