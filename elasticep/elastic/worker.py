@@ -140,7 +140,6 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         exchange.publish(store)
         exchange.warm_kernels()
         ep.transport = exchange
-        exchange.tag_cap(ep.metadata.num_local_physical_experts)
         # no NCCL communicator is built for the group (ranks may share a GPU): expert
         # weights move through the CPU group
         ep.stage_weights_on_cpu = True

@@ -84,7 +84,20 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         self.token_buckets: tuple[int, ...] | None = None
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
-        self.transport: IpcExchange | None = None
+        self._transport: IpcExchange | None = None
+
+    @property
+    def transport(self) -> IpcExchange | None:
+        """The same-host exchange the MoE layers use (``--moe-a2a-backend cuda_ipc``), or
+        None for the padded all_to_all over the group. Set it before any graph capture:
+        setting it prepares the exchange's tensors for the current placement."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, exchange: IpcExchange | None) -> None:
+        if exchange is not None:
+            exchange.tag_cap(self.metadata.num_local_physical_experts)
+        self._transport = exchange
 
     @property
     def version(self) -> int:
@@ -99,8 +112,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         The copy briefly holds both sets of expert weights (the new ones were fetched
         before this call).
         """
-        if getattr(self, "transport", None) is not None:
-            self.transport.tag_cap(metadata.num_local_physical_experts)
+        if getattr(self, "_transport", None) is not None:
+            self._transport.tag_cap(metadata.num_local_physical_experts)
         old = getattr(self, "metadata", None)
         old13, old2 = getattr(self, "w13", None), getattr(self, "w2", None)
         super().set_placement(metadata, w13, w2)

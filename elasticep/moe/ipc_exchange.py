@@ -378,6 +378,11 @@ class IpcExchange:
         capture, so a capture reads a tensor that :meth:`reset` keeps current)."""
         cap = self._tag_caps.get(slots_per_rank)
         if cap is None:
+            if self.cuda and torch.cuda.is_current_stream_capturing():
+                # made inside a capture, it would hold garbage for every eager step
+                raise RuntimeError(f"tag bound for {slots_per_rank} slots first asked for "
+                                   "inside a graph capture: set the executor's transport "
+                                   "(or call tag_cap) before capturing")
             cap = self._tag_caps[slots_per_rank] = (self.active * slots_per_rank).view(-1, 1)
         return cap
 

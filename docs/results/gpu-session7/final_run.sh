@@ -12,11 +12,11 @@ left() { echo $((BUDGET - SECONDS)); }
 step() {  # step NAME SECONDS_WANTED COMMAND...
     local name=$1 want=$2; shift 2
     local t=$(left)
-    if [ "$t" -lt 20 ]; then echo "SKIPPED $name ($t s left)"; return; fi
+    if [ "$t" -lt 20 ]; then echo "SKIPPED $name ($t s left)" >&2; return; fi
     [ "$want" -lt "$t" ] && t=$want
-    echo "== $name (limit $t s, at ${SECONDS}s)"
+    echo "== $name (limit $t s, at ${SECONDS}s)" >&2
     timeout "$t" "$@"
-    echo "== $name rc=$? at ${SECONDS}s"
+    echo "== $name rc=$? at ${SECONDS}s" >&2
 }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | tail -2
