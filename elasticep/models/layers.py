@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,28 @@ class AttentionMetadata:
             pos = torch.arange(n, device=tables.device)
             out.append(tables[i, pos // bs] * bs + pos % bs)
         return out
+
+
+    @functools.cached_property
+    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's queries as a padded ``[B, L]`` grid (``L`` the longest query), for
+        attention that batches sequences, built once per step on the host (one copy).
+
+        Returns:
+            ``(rows, cells, L)``: ``rows`` ``[B * L]`` int64, the token of each grid
+            cell (cells past a sequence's end repeat its last token); ``cells`` ``[T]``
+            int64, the grid cell ``i * L + j`` of each token; both on the device of
+            ``slot_mapping``.
+        """
+        lens = [b - a for a, b in pairwise(self.query_starts)]
+        L = max(lens, default=0)
+        rows = [s + min(j, n - 1) for s, n in zip(self.query_starts, lens, strict=False)
+                for j in range(L)]
+        cells = [i * L + j for i, n in enumerate(lens) for j in range(n)]
+        host = torch.tensor(rows + cells, dtype=torch.long)
+        dev = self.slot_mapping.device
+        flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+        return flat[:len(rows)], flat[len(rows):], L
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
