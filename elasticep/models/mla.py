@@ -278,7 +278,9 @@ def mla_attention(
         outs = []
         for i in range(len(meta.context_lens)):
             s, e = meta.query_starts[i], meta.query_starts[i + 1]
-            ctx = latent[s:e] if cache is None else cache.index_select(0, meta.gather_slots[i])
+            # a whole prompt's keys are its own latents, just written: none read back
+            ctx = latent[s:e] if cache is None or whole else cache.index_select(
+                0, meta.gather_slots[i])
             outs.append(_expanded(q[s:e], ctx, w, cfg, scale))
         out = torch.cat(outs, dim=0)
     return F.linear(out, w.o)
