@@ -21,8 +21,12 @@ routing top-k are not counted (well under 1% of the FLOPs).
 Each configuration is a set of equal prompts that fills one step budget (``budget //
 prompt_len`` prompts; one prompt when it is longer than the budget) with ``max_tokens=1``,
 run through ``LLMEngine`` until every request has its first token. The first run of a
-shape is timed apart (``cold_s``: Triton compiles and autotunes there); then
-``--prefill-repeats`` warm runs give the median. Rows: ``prefill`` (one per budget and
+shape is timed apart (``cold_s``: Triton compiles and autotunes there;
+``cold_triton_compiles`` counts the kernels Triton compiled or loaded from its disk
+cache meanwhile); then ``--prefill-repeats`` warm runs give the median. With
+``--prefill-warmup`` each budget's engine first runs serve's warm-up
+(:mod:`elasticep.engine.prefill_warmup`, a ``prefill_warmup`` row), so the cold runs
+show what a served request would still pay. Rows: ``prefill`` (one per budget and
 prompt length), ``prefill_mix`` (the same 2048 tokens as 1 x 2048, 4 x 512 and 16 x 128)
 and ``prefill_profile`` (GPU time by kind of one warm 8192-token step, 4 x 2048). A
 model with a shorter context (the CPU dry run on the demo model) uses half its context
@@ -40,6 +44,7 @@ from pathlib import Path
 import torch
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.prefill_warmup import count_triton_compiles, warm_up_prefill
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.models import MoEModelConfig, load_model_config
 from elasticep.utils.profile_summary import busy_us, profile_spans
@@ -171,10 +176,12 @@ def _mix_tokens(cfg: MoEModelConfig) -> int:
 
 
 def _timed(engine: LLMEngine, prompts: list[list[int]], device: str, repeats: int) -> dict:
-    cold_s, _ = run_prefill(engine, prompts, device)
+    with count_triton_compiles() as compiles:  # in-memory misses: the disk cache hides some
+        cold_s, _ = run_prefill(engine, prompts, device)
     warm = [run_prefill(engine, prompts, device) for _ in range(repeats)]
     times = [t for t, _ in warm]
-    return {"cold_s": cold_s, "warm_s": statistics.median(times),
+    return {"cold_s": cold_s, "cold_triton_compiles": compiles.count,
+            "warm_s": statistics.median(times),
             "warm_s_min_max": [min(times), max(times)], "steps": warm[0][1]}
 
 
@@ -204,6 +211,7 @@ def section_prefill(args, emit: Callable[[dict], None], mdir: Path) -> list[dict
                "warm_s": round(res["warm_s"], 4),
                "warm_s_min_max": [round(x, 4) for x in res["warm_s_min_max"]],
                "cold_s": round(res["cold_s"], 4),
+               "cold_triton_compiles": res["cold_triton_compiles"],
                "compute_bound_s": round(bound, 4), "x_compute_bound": round(res["warm_s"] / bound, 2),
                "tflop": round(flops["total"] / 1e12, 2),
                "achieved_tflop_per_s": round(flops["total"] / res["warm_s"] / 1e12, 1)}
@@ -214,6 +222,12 @@ def section_prefill(args, emit: Callable[[dict], None], mdir: Path) -> list[dict
     longest = max(args.prefill_lens)
     for budget in args.prefill_budgets:
         engine = _engine(mdir, budget, longest, dtype, args.device, args.chunked_prefill_size)
+        if getattr(args, "prefill_warmup", False):  # what serve does before its ready line
+            rep = warm_up_prefill(engine)
+            if rep is not None:
+                emit({"section": "prefill_warmup", "budget": budget, "steps": rep.steps,
+                      "seconds": round(rep.seconds, 2), "triton_compiles": rep.triton_compiles,
+                      "token_counts": rep.token_counts})
         for length in args.prefill_lens:
             one(engine, "prefill", budget, max(1, budget // length), length)
         if budget == args.prefill_budgets[0]:

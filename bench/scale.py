@@ -624,6 +624,8 @@ def main() -> None:
     ap.add_argument("--prefill-budgets", default="8192,16384",
                     help="prefill: step budgets (max_batch_tokens), tokens")
     ap.add_argument("--prefill-repeats", type=int, default=3, help="prefill: warm runs")
+    ap.add_argument("--prefill-warmup", action="store_true",
+                    help="prefill: run serve's prefill warm-up on each engine first")
     ap.add_argument("--chunked-prefill-size", type=int, default=None,
                     help="prefill: the engine's chunk size (default: no chunking)")
     args = ap.parse_args()

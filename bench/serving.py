@@ -1,6 +1,8 @@
 """Serving benchmark in the shape of SGLang's ``bench_serving``: streamed completions
 against a running `elasticep serve` (``--base-url``) or one it starts (``--launch``),
-one JSON line of throughput and latency (TTFT, TPOT, ITL, E2E: mean, median, p99 in ms).
+one JSON line of throughput and latency (TTFT, TPOT, ITL, E2E: mean, median, p99 in ms),
+and the TTFT of the first request, sent alone before the warm-up (``ttft_first_ms``,
+``ttft_first_over_median``: a fresh ``--launch`` server's cold start on the request path).
 
 Run it from the repository root as a module (it imports ``elasticep_testkit``):
 
@@ -191,15 +193,28 @@ def served_model(base_url: str) -> str:
 
 def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
                  stub_dir: Path | None = None) -> dict[str, Any]:
-    """Warm up (:func:`warmup_requests`), then run every request; the summary fields
-    (with ``stub_dir``, the stub ranks' log dir: the ``stub`` fields too)."""
+    """The first request alone, warm up (:func:`warmup_requests`), then run every
+    request; the summary fields (with ``stub_dir``, the stub ranks' log dir: the
+    ``stub`` fields too).
+
+    ``ttft_first_ms`` is the TTFT of that first request, sent alone (the first request
+    a server started with ``--launch`` sees: what a cold kernel, compiled on the request
+    path, costs), and ``ttft_first_over_median`` its ratio to the measured run's
+    ``median_ttft_ms`` (at concurrency 1, the steady TTFT).
+    """
     model = served_model(base_url)
     warm = warmup_requests(args, requests)
-    warm_res, _ = asyncio.run(run_requests(base_url, model, warm, request_rate=math.inf,
-                                           max_concurrency=len(warm), ignore_eos=True, seed=0,
-                                           timeout_s=args.request_timeout))
-    if first_errors(warm_res):
-        raise RuntimeError(f"a warm-up request failed: {first_errors(warm_res)[0]}")
+
+    def warm_up(batch: list[BenchRequest]) -> list[Any]:
+        res, _ = asyncio.run(run_requests(base_url, model, batch, request_rate=math.inf,
+                                          max_concurrency=len(batch), ignore_eos=True,
+                                          seed=0, timeout_s=args.request_timeout))
+        if first_errors(res):
+            raise RuntimeError(f"a warm-up request failed: {first_errors(res)[0]}")
+        return res
+
+    first = warm_up(warm[:1])
+    warm_up(warm)
     ranks = stub_ranks(args)
     before = stub_engine.read_stats(stub_dir, ranks) if stub_dir else None
     results, duration = asyncio.run(run_requests(
@@ -207,6 +222,10 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout_s=args.request_timeout))
     out: dict[str, Any] = {"model_id": model, **summarize(results, duration)}
+    ttft = first[0].ttft
+    out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)
+    out["ttft_first_over_median"] = (round(out["ttft_first_ms"] / out["median_ttft_ms"], 3)
+                                     if ttft is not None and out["median_ttft_ms"] else None)
     if out["errors"]:
         out["error_samples"] = first_errors(results)
     if stub_dir is not None:

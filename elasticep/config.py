@@ -162,6 +162,9 @@ class DeploymentConfig(_JsonConfig):
         disable_cuda_graph: never replay decode CUDA graphs (CUDA ranks capture them
             per batch-size bucket otherwise, the EP exchanges running eagerly between
             the graph pieces).
+        skip_server_warmup: start serving without the prefill warm-up (SGLang's flag;
+            CUDA ranks otherwise run dummy steps of every prefill shape bucket before
+            they are ready, :mod:`elasticep.engine.prefill_warmup`).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
         moe_a2a_backend: the dispatch/combine transport (:class:`A2ABackend`); cuda_ipc
@@ -196,6 +199,7 @@ class DeploymentConfig(_JsonConfig):
     store_addr: str = ""
     load_format: LoadFormat = LoadFormat.AUTO
     disable_cuda_graph: bool = False
+    skip_server_warmup: bool = False
     log_stats_interval_s: float = 10.0
     nnodes: int = 1
     moe_a2a_backend: A2ABackend = A2ABackend.AUTO

@@ -153,6 +153,10 @@ def test_bench_against_serve_of_the_demo_model_gives_one_sane_json_line(tmp_path
     for key in ("ttft", "tpot", "itl", "e2e_latency"):
         assert 0 < line[f"median_{key}_ms"] <= line[f"p99_{key}_ms"]
     assert line["median_e2e_latency_ms"] >= line["median_ttft_ms"]
+    # the first request, sent alone before the warm-up, against the measured median
+    assert line["ttft_first_ms"] > 0
+    assert line["ttft_first_over_median"] == pytest.approx(
+        line["ttft_first_ms"] / line["median_ttft_ms"], abs=0.002)
     assert line["output_throughput"] == pytest.approx(48 / line["duration_s"], rel=0.01)
     assert line["commit"] and line["model"] == "tiny-qwen3-moe"
     assert json.loads(out.read_text().splitlines()[-1]) == line

@@ -99,6 +99,12 @@ def test_qkv_norm_rope_cache_matches_norm_rope_and_cache_writes(dtype, with_norm
                                 slot_mapping)
     assert torch.equal(got_q, ref_q)  # the same rounding steps as the two-kernel form
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    # the keys kept for a flash prefill step are the ones written to the cache
+    k_out = torch.empty(T, hkv, D, dtype=dtype, device="cuda")
+    again = qkv_norm_rope_cache(qkv, wq, wk, 1e-6, cos, sin, hq, hkv, D, k_cache, v_cache,
+                                slot_mapping, k_out=k_out)
+    assert torch.equal(again, ref_q) and torch.equal(k_out, ref_k[slot_mapping])
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -237,3 +243,33 @@ def test_swiglu_tiled_matches_per_slot_loop(dtype, n, S):
     assert tiled_rows_ok(rows, w13, w2) == (n >= MIN_ROWS_PER_SLOT * S)
     via = grouped_swiglu(w13, w2, rows, tags, sync_free=True)
     assert _rel(via, ref) < TOL[torch.bfloat16] * 2
+
+
+def test_flash_prefill_with_kept_keys_equals_the_unfused_path(tmp_path, monkeypatch):
+    """A whole prompt of >= 1024 tokens (the flash path): the model's fused q/k/v kernel
+    keeps k and takes v from the projection (no read back from the cache); its logits
+    and the keys it cached equal those of the unfused path (norm_rope, then the cache
+    writes), to bf16 rounding."""
+    import json
+    from pathlib import Path
+
+    from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+    from elasticep.models.fused_norm_rope import DISABLE_ENV
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+    cfg = json.loads((demo / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompt = torch.randint(10, 8000, (1100,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits, caches = [], []
+    for disabled in ("0", "1"):
+        monkeypatch.setenv(DISABLE_ENV, disabled)
+        eng = LLMEngine.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda",
+                                        load_format="dummy", progress=False,
+                                        config=EngineConfig(max_total_tokens=4096,
+                                                            max_num_seqs=4,
+                                                            enable_cuda_graph=False))
+        logits.append(eng.prompt_logits(prompt))
+        caches.append(eng.runner.kv_cache.layers[0][0].clone())
+    assert _rel(logits[0], logits[1]) < TOL[torch.bfloat16]
+    assert _rel(caches[0], caches[1]) < TOL[torch.bfloat16]

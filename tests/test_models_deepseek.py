@@ -8,6 +8,7 @@ a correction bias, renormalised top-k), each with a dense first layer and YaRN.
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from elasticep.engine.model_runner import ModelRunner
 from elasticep.engine.request import SamplingParams
 from elasticep.models import load_model, load_model_config
 from elasticep.models.layers import AttentionMetadata
-from elasticep.models.mla import mla_attention
+from elasticep.models.mla import mla_attention, padded_prefill_ok
 from elasticep.models.paged_attention import PagedAttentionMetadata
 from elasticep.models.rope import rope_cos_sin
 from elasticep.models.routing import RoutingConfig, route
@@ -102,6 +103,50 @@ def test_absorbed_decode_equals_expanded(checkpoint):
         prefill = AttentionMetadata([0, 4], [4], torch.arange(4),
                                     PagedAttentionMetadata.from_lists([[0]], [4], [4], bs))
         mla_attention(x, w, m, cos, sin, cache.clone(), prefill, scale, c.rms_norm_eps, absorb=True)
+
+
+def test_padded_prefill_rule():
+    assert not padded_prefill_ok([128])  # one prompt: nothing to batch
+    assert padded_prefill_ok([128] * 16) and padded_prefill_ok([512] * 4)
+    assert not padded_prefill_ok([2048] * 4)  # long prompts: one call each
+    assert not padded_prefill_ok([1000, 10, 10])  # mostly padding
+    assert padded_prefill_ok([300, 200, 100])  # 900 cells for 600 tokens
+
+
+def test_padded_prefill_equals_per_sequence(checkpoint):
+    """The whole-prompt MLA prefill as one padded SDPA call against one call per
+    sequence (fp32, no cache and over a cache): bitwise equal for prompts of one length;
+    for ragged ones SDPA's key tiles differ (padded keys), which moves the last bit."""
+    variant, path, *_ = checkpoint
+    model = load_model(path, progress=False)
+    c, m = model.config, model.config.mla
+    w = model.layers[1].attn
+    scale = m.qk_head_dim**-0.5 * c.rope.softmax_mscale
+    g = torch.Generator().manual_seed(5)
+    for lens in ([16] * 6, [5, 11, 17, 40], [1, 30], [3]):
+        T = sum(lens)
+        starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        x = torch.randn(T, c.hidden_size, generator=g)
+        cos, sin = rope_cos_sin(c.rope, torch.cat([torch.arange(n) for n in lens]), c.rope_dim,
+                                torch.float32)
+        for cached in (False, True):
+            slots = torch.randperm(T + 8, generator=g)[:T]
+            meta = AttentionMetadata(starts, list(lens), slots)
+            cache = torch.zeros(T + 8, m.cache_width) if cached else None
+            if cached:
+                tables = [slots[a:b].tolist() for a, b in pairwise(starts)]
+                meta.paged = PagedAttentionMetadata.from_lists(tables, lens, lens, 1)
+            per_seq, padded = (mla_attention(x, w, m, cos, sin, cache, meta, scale,
+                                             c.rms_norm_eps, padded=p) for p in (False, True))
+            if len(set(lens)) == 1:
+                assert torch.equal(per_seq, padded), (variant, lens, cached)
+            else:
+                torch.testing.assert_close(padded, per_seq, rtol=1e-6, atol=1e-6)
+    chunk = AttentionMetadata([0, 2], [4], torch.arange(2),
+                              PagedAttentionMetadata.from_lists([[0]], [4], [2], 4))
+    with pytest.raises(ValueError, match="padded MLA prefill needs a step of whole prompts"):
+        mla_attention(x[:2], w, m, cos[:2], sin[:2], torch.zeros(4, m.cache_width), chunk,
+                      scale, c.rms_norm_eps, padded=True)
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])

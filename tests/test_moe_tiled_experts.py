@@ -1,7 +1,8 @@
 """The tiled grouped-GEMM experts (prefill sizes) on CPU: the block layout, and the
 Triton kernels under ``TRITON_INTERPRET=1`` (in a child process: the flag must be set
-before triton is imported) against the per-slot matmul loop. The GPU test at real sizes
-is in test_fused_kernels_gpu.py."""
+before triton is imported) against the per-slot matmul loop, with the sorted-rows
+kernels (mid sizes), which share their SwiGLU epilogue. The GPU test at real sizes is in
+test_fused_kernels_gpu.py."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def test_block_layout_maps_every_row_block_to_its_slot():
 
 
 def _interpreted_errors() -> dict[str, float]:
-    """Relative error of swiglu_tiled against the per-slot loop, per case (fp32)."""
+    """Relative error of swiglu_tiled and swiglu_sorted against the per-slot loop, per
+    kernel and case (fp32)."""
     from elasticep.moe.expert_compute import grouped_swiglu
+    from elasticep.moe.sorted_experts import swiglu_sorted
     from elasticep.moe.tiled_experts import swiglu_tiled
 
     errs = {}
@@ -43,14 +46,18 @@ def _interpreted_errors() -> dict[str, float]:
         ref = grouped_swiglu(w13, w2, rows.contiguous(), tags, use_grouped=False)
         got = swiglu_tiled(w13, w2, rows, tags, gate_up_tile=(16, 32, 32, 4, 2),
                            down_tile=(16, 32, 32, 4, 2))
-        assert bool((got[tags == 0] == 0).all()), name
-        errs[name] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        srt = swiglu_sorted(w13, w2, rows, tags, gate_up_tile=(16, 32, 32, 4),
+                            down_tile=(16, 32, 32, 4))
+        for kernel, out in (("tiled", got), ("sorted", srt)):
+            assert bool((out[tags == 0] == 0).all()), (kernel, name)
+            errs[f"{kernel}/{name}"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
     return errs
 
 
-def test_tiled_kernels_interpreted_match_per_slot_loop():
-    errs = run_interpreted(__file__, timeout_s=90)
-    assert set(errs) == {"one_big_slot", "empty_slots", "single_row"}
+def test_tiled_and_sorted_kernels_interpreted_match_per_slot_loop():
+    errs = run_interpreted(__file__, timeout_s=150)
+    assert set(errs) == {f"{k}/{c}" for k in ("tiled", "sorted")
+                         for c in ("one_big_slot", "empty_slots", "single_row")}
     for name, err in errs.items():
         assert err < 1e-5, f"{name}: relative error {err}"
 

@@ -93,6 +93,22 @@ def test_metadata_from_lists_matches_hand_built():
         PagedAttentionMetadata.from_lists([[1]], [17], [1], 16)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("longest", [1, 5, 16, 17, 33])
+def test_metadata_from_lists_keeps_kernel_specializations_alike(batch, longest):
+    """Whatever the composition, the tables' row stride is divisible by 16 and every
+    tensor starts 16-byte aligned, so a Triton kernel is never compiled again for a new
+    batch shape (Triton specializes on both)."""
+    tables = [list(range(longest if i == 0 else 1)) for i in range(batch)]
+    meta = PagedAttentionMetadata.from_lists(tables, [16] * batch, [1] * batch, 16)
+    assert meta.block_tables.stride(0) % 16 == 0 and meta.block_tables.shape[1] >= longest
+    for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc):
+        assert t.storage_offset() * t.element_size() % 16 == 0
+    assert meta.block_tables[0, :longest].tolist() == tables[0]
+    assert meta.seq_lens.tolist() == [16] * batch
+    assert meta.query_start_loc.tolist() == list(range(batch + 1))
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_eager_matches_dense():
     """The block mask and the slot -> (owner, position) map, through eager flex on CPU.

@@ -16,7 +16,11 @@
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its
    experts from peers;
-4. says hello to the front-end and runs :class:`~elasticep.elastic.step_loop.LockstepLoop`.
+4. warms the prefill shapes of its step budget on CUDA
+   (:mod:`~elasticep.engine.prefill_warmup`, unless ``--skip-server-warmup``; a joiner
+   too, on its stand-in experts, before it asks for admission), so no request compiles
+   a kernel;
+5. says hello to the front-end and runs :class:`~elasticep.elastic.step_loop.LockstepLoop`.
 
 Exit codes: 0 after a planned removal, 3 when the coordinator is lost or this rank was
 evicted, 1 on any other error. Fault injection: see :mod:`elasticep.elastic.fault_injection`.
@@ -53,12 +57,18 @@ from elasticep.elastic.exchange_setup import (
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
-from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
+from elasticep.elastic.rank_model import (
+    CheckpointExperts,
+    attach_ep_executor,
+    load_rank_weights,
+    warmup_step_context,
+)
 from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.models import load_model_config
 
@@ -157,6 +167,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         hooked.hooks.append(eplb.record)
     engine = LLMEngine(model, limits.engine_config(forward_empty_batches=True,
                                                    enable_cuda_graph=not d.disable_cuda_graph))
+    warm_up_prefill(engine, warmup_step_context(model, ep), skip=d.skip_server_warmup)
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
         # a member outlives a `join` that hands it over (see RankLauncher's ``outlive``)

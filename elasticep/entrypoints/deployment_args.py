@@ -74,6 +74,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     _add(m, "--disable-cuda-graph", "run decode eagerly instead of replaying CUDA graphs "
          "captured at start-up per batch-size bucket (CUDA only; with expert parallelism the "
          "exchanges between ranks stay outside the graphs)", action="store_true")
+    _add(m, "--skip-server-warmup", "be ready without first running dummy prefill steps of "
+         "every shape bucket up to the step budget (CUDA only; they keep kernel compilation "
+         "off the request path)", action="store_true")
     _add(m, "--device", "where weights and compute live (cuda: one GPU per rank; the expert "
          "exchange runs over NCCL, control traffic over Gloo)", choices=DEVICES)
     k = p.add_argument_group("memory and scheduling (per rank; SGLang's names)")

@@ -97,10 +97,11 @@ if triton is not None:
 
     @triton.jit
     def _qkv_cache_kernel(qkv_ptr, stride_t, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr,
-                          k_cache_ptr, v_cache_ptr, slot_ptr, hq, hkv, eps,
-                          HAS_NORM: tl.constexpr, D: tl.constexpr):
+                          k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr, hq, hkv, eps,
+                          HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr, D: tl.constexpr):
         # one (token, head) of the fused projection: a q head goes (normed, rotated) to
-        # q; a k head to the KV cache slot of its token; a v head is copied there as is
+        # q; a k head to the KV cache slot of its token (and, with HAS_K_OUT, to k_out);
+        # a v head is copied there as is
         row = tl.program_id(0).to(tl.int64)
         nh = hq + 2 * hkv
         tok = row // nh
@@ -121,6 +122,10 @@ if triton is not None:
             out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
             tl.store(dst + lo, out_a)
             tl.store(dst + D // 2 + lo, out_b)
+            if HAS_K_OUT and h >= hq:
+                k_dst = k_out_ptr + (tok * hkv + (h - hq)) * D
+                tl.store(k_dst + lo, out_a)
+                tl.store(k_dst + D // 2 + lo, out_b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,7 +209,8 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
                         k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
                         sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> torch.Tensor:
+                        slot_mapping: torch.Tensor,
+                        k_out: torch.Tensor | None = None) -> torch.Tensor:
     """After the fused q/k/v projection: q and k RMSNorm (if weights) and RoPE, k and v
     written to the KV cache, in one kernel; returns q.
 
@@ -220,6 +226,9 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
         k_cache, v_cache: ``[num_slots, Hkv, D]`` contiguous.
         slot_mapping: ``[T]`` int64 cache slot of each token. Not range-checked.
+        k_out: ``[T, Hkv, D]`` contiguous, or None: where the normed, rotated keys are
+            written too (a whole-prompt step whose attention takes this step's keys
+            directly, then reads none back from the cache).
 
     Returns:
         q: ``[T, Hq, D]``, normed and rotated.
@@ -234,6 +243,7 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
     w = qkv if q_norm is None else q_norm
     _qkv_cache_kernel[(T * (num_heads + 2 * num_kv_heads),)](
         qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
-        sin.contiguous(), q, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, eps,
-        HAS_NORM=q_norm is not None, D=D)
+        sin.contiguous(), q, k_cache, v_cache, slot_mapping, q if k_out is None else k_out,
+        num_heads, num_kv_heads, eps, HAS_NORM=q_norm is not None,
+        HAS_K_OUT=k_out is not None, D=D)
     return q

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,28 @@ class AttentionMetadata:
         return out
 
 
+    @functools.cached_property
+    def padded_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's queries as a padded ``[B, L]`` grid (``L`` the longest query), for
+        attention that batches sequences, built once per step on the host (one copy).
+
+        Returns:
+            ``(rows, cells, L)``: ``rows`` ``[B * L]`` int64, the token of each grid
+            cell (cells past a sequence's end repeat its last token); ``cells`` ``[T]``
+            int64, the grid cell ``i * L + j`` of each token; both on the device of
+            ``slot_mapping``.
+        """
+        lens = [b - a for a, b in pairwise(self.query_starts)]
+        L = max(lens, default=0)
+        rows = [s + min(j, n - 1) for s, n in zip(self.query_starts, lens, strict=False)
+                for j in range(L)]
+        cells = [i * L + j for i, n in enumerate(lens) for j in range(n)]
+        host = torch.tensor(rows + cells, dtype=torch.long)
+        dev = self.slot_mapping.device
+        flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+        return flat[:len(rows)], flat[len(rows):], L
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and cast back like transformers."""
     dtype = x.dtype
@@ -69,6 +92,7 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     meta: AttentionMetadata,
     scale: float,
+    written: bool = False,
 ) -> torch.Tensor:
     """Causal attention of new tokens over each sequence's cached + new keys.
 
@@ -80,6 +104,8 @@ def paged_attention(
             every sequence is a full prefill (then k, v are used directly).
         meta: token placement, see :class:`AttentionMetadata`.
         scale: softmax scale, ``head_dim ** -0.5``.
+        written: k and v (if given) are already in ``kv_cache``: the caller's fused
+            kernel wrote them there and kept them for a :func:`flash_prefill` step.
 
     Returns:
         ``[T, Hq * D]`` in q's dtype.
@@ -94,18 +120,18 @@ def paged_attention(
         return q.new_zeros(0, q.shape[1] * q.shape[2])
     if kv_cache is not None:
         k_cache, v_cache = kv_cache
-        if k is not None and v is not None:
+        if k is not None and v is not None and not written:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta.paged is None:
             raise ValueError("a forward with a KV cache needs meta.paged (block tables)")
-        if not (q.is_cuda and _all_full_prefills(meta)
-                and min(meta.context_lens) >= FLASH_PREFILL_MIN_SEQ_TOKENS):
+        if not flash_prefill(meta, q.is_cuda):
             return paged_attention_kernel(q, k_cache, v_cache, meta.paged, scale).reshape(T, -1)
         # Long whole prompts with no cached prefix: the keys are this step's own, so the
         # flash kernel of SDPA runs them (395 us a layer against the paged kernel's 603
         # at 4 x 2048 tokens on the H200; at 16 x 128 one SDPA call per sequence took
-        # 870 us against 91). The fused q/k/v kernel wrote k and v only to the cache.
+        # 870 us against 91). A caller whose fused q/k/v kernel wrote k and v only to
+        # the cache has them read back (the model passes them instead, see flash_prefill).
         if k is None or v is None:
             k = k_cache.index_select(0, meta.slot_mapping)
             v = v_cache.index_select(0, meta.slot_mapping)
@@ -118,6 +144,15 @@ def paged_attention(
 # SDPA on CUDA instead of the paged kernel (which short, mixed and chunked batches keep:
 # one launch for the whole batch).
 FLASH_PREFILL_MIN_SEQ_TOKENS = 1024
+
+
+def flash_prefill(meta: AttentionMetadata, cuda: bool) -> bool:
+    """True when :func:`paged_attention` runs this step (with a cache) as SDPA over the
+    step's own keys: on CUDA, every sequence a whole prompt of at least
+    :data:`FLASH_PREFILL_MIN_SEQ_TOKENS` tokens. Such a step needs k and v as tensors,
+    so a caller that fuses the cache writes also keeps them."""
+    return (cuda and bool(meta.context_lens) and _all_full_prefills(meta)
+            and min(meta.context_lens) >= FLASH_PREFILL_MIN_SEQ_TOKENS)
 
 
 def _all_full_prefills(meta: AttentionMetadata) -> bool:

@@ -23,7 +23,7 @@ from elasticep.models.fused_norm_rope import (
     qkv_norm_rope_cache,
     rms_norm,
 )
-from elasticep.models.layers import AttentionMetadata, paged_attention
+from elasticep.models.layers import AttentionMetadata, flash_prefill, paged_attention
 from elasticep.models.mla import MLAWeights, mla_attention
 from elasticep.models.moe_block import (
     DenseMLPWeights,
@@ -164,10 +164,16 @@ class MoECausalLM:
             qkv = F.linear(x, w.qkv, w.qkv_bias)
             if (kv_cache is not None and meta.context_lens
                     and qkv_cache_ok(qkv, c.head_dim, cos, kv_cache[0])):
+                # a flash step attends to this step's own keys: the kernel keeps k (and
+                # v is a view of the projection), so none is read back from the cache
+                hkv, d = c.num_key_value_heads, c.head_dim
+                flash = flash_prefill(meta, qkv.is_cuda)
+                k = qkv.new_empty(t, hkv, d) if flash else None
                 q = qkv_norm_rope_cache(qkv, w.q_norm, w.k_norm, c.rms_norm_eps, cos, sin,
-                                        c.num_attention_heads, c.num_key_value_heads,
-                                        c.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
-                o = paged_attention(q, None, None, kv_cache, meta, c.head_dim**-0.5)
+                                        c.num_attention_heads, hkv, d, kv_cache[0],
+                                        kv_cache[1], meta.slot_mapping, k_out=k)
+                v = qkv[:, (c.num_attention_heads + hkv) * d:].view(t, hkv, d) if flash else None
+                o = paged_attention(q, k, v, kv_cache, meta, d**-0.5, written=True)
                 return F.linear(o, w.o, w.o_bias)
             q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
         else:

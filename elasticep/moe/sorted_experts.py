@@ -36,6 +36,18 @@ def sorted_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
 if triton is not None:
 
     @triton.jit
+    def swiglu_store(ptrs, gate, up, mask):
+        """The SwiGLU epilogue of both gate/up kernels (sorted rows and tiled): round the
+        float32 gate and up to the element type of ``ptrs`` as the torch form does, SiLU
+        of the rounded gate rounded again, and store their product (rounded) at ``ptrs``
+        where ``mask``."""
+        dt = ptrs.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        u = up.to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(ptrs, (silu * u).to(dt), mask=mask)
+
+    @triton.jit
     def _slot_rows(order_ptr, starts_ptr, counts_ptr, s, m0, BLOCK_M: tl.constexpr):
         # the m0-th chunk of slot s's rows: positions in sorted order, original row ids
         start = tl.load(starts_ptr + s)
@@ -70,12 +82,8 @@ if triton is not None:
                              other=0.0)
                 gate += tl.dot(x, tl.trans(wg))
                 up += tl.dot(x, tl.trans(wu))
-            dt = act_ptr.dtype.element_ty
-            g = gate.to(dt).to(tl.float32)
-            u = up.to(dt).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_i[None, :],
-                     (silu * u).to(dt), mask=m_ok[:, None] & i_ok[None, :])
+            swiglu_store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_i[None, :],
+                         gate, up, m_ok[:, None] & i_ok[None, :])
 
     @triton.jit
     def _sorted_down_kernel(act_ptr, order_ptr, starts_ptr, counts_ptr, w2_ptr, out_ptr, H,

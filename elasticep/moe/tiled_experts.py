@@ -51,6 +51,7 @@ def tiled_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
 
 
 if triton is not None:
+    from elasticep.moe.sorted_experts import swiglu_store
 
     @triton.jit
     def _block_rows(order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S,
@@ -94,12 +95,8 @@ if triton is not None:
                              mask=w_mask, other=0.0)
                 gate += tl.dot(x, wg)
                 up += tl.dot(x, wu)
-            dt = act_ptr.dtype.element_ty
-            g = gate.to(dt).to(tl.float32)
-            u = up.to(dt).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_n[None, :],
-                     (silu * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+            swiglu_store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_n[None, :],
+                         gate, up, m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,

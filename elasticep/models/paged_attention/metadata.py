@@ -33,6 +33,11 @@ class DenseLayout:
     token_cells: torch.Tensor
 
 
+# from_lists pads block tables to a multiple of this many entries (a row stride that
+# Triton's divisibility-by-16 specialization always sees alike)
+TABLE_WIDTH_ALIGN = 16
+
+
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
     """Block tables and lengths of a batch of ``B`` sequences with ``T`` new tokens.
@@ -73,27 +78,35 @@ class PagedAttentionMetadata:
                    device: torch.device | str = "cpu") -> PagedAttentionMetadata:
         """Build from host lists with one host-to-device copy (pinned, non-blocking on CUDA).
 
+        The tables are zero-padded to a width that is a multiple of
+        :data:`TABLE_WIDTH_ALIGN` and each tensor starts 16 bytes into the shared
+        buffer, so the kernels see the same argument specializations (pointer
+        alignment, stride divisibility) whatever the batch: a new batch composition
+        never compiles a Triton kernel again.
+
         Raises:
             ValueError: the three lists differ in length, or a table is too short.
         """
         B = len(tables)
         if len(seq_lens) != B or len(query_lens) != B:
             raise ValueError(f"{B} block tables but {len(seq_lens)} seq_lens and {len(query_lens)} query_lens")
-        width = max((len(t) for t in tables), default=0) or 1
-        flat = torch.zeros(B * width + B + B + 1, dtype=torch.int32)
+        longest = max((len(t) for t in tables), default=0) or 1
+        width = -(-longest // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
+        lens_at = B * width
+        qsl_at = lens_at + -(-B // 4) * 4  # 4 int32 = 16 bytes
+        flat = torch.zeros(qsl_at + B + 1, dtype=torch.int32)
         for i, (t, n) in enumerate(zip(tables, seq_lens, strict=True)):
             if len(t) * block_size < n:
                 raise ValueError(f"sequence {i}: {n} tokens do not fit in {len(t)} blocks of {block_size}")
             flat[i * width:i * width + len(t)] = torch.tensor(t, dtype=torch.int32)
-        flat[B * width:B * width + B] = torch.tensor(list(seq_lens), dtype=torch.int32)
+        flat[lens_at:lens_at + B] = torch.tensor(list(seq_lens), dtype=torch.int32)
         qsl = torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0)
-        flat[B * width + B:] = qsl.to(torch.int32)
+        flat[qsl_at:] = qsl.to(torch.int32)
         device = torch.device(device)
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
-        return cls(flat[:B * width].view(B, width), flat[B * width:B * width + B],
-                   flat[B * width + B:], block_size, max(query_lens, default=0),
-                   max(seq_lens, default=0))
+        return cls(flat[:lens_at].view(B, width), flat[lens_at:lens_at + B], flat[qsl_at:],
+                   block_size, max(query_lens, default=0), max(seq_lens, default=0))
 
     def check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Check shapes, dtypes and devices against q and the caches (never reads values).

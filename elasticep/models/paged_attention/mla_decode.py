@@ -38,7 +38,7 @@ BLOCK_N = 32  # keys per tile
 MIN_SPLIT_TOKENS = 256  # a split covers at least this many keys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # as _paged_attn_kernel's
 def _mla_decode_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, tiles_per_split, num_heads, stride_qb, stride_qh, stride_cs, stride_bt,

@@ -53,7 +53,12 @@ class TritonAttentionConfig:
     num_stages: int = 2
 
 
-@triton.jit
+# Triton compiles a kernel again for each new specialization of its int arguments (==1,
+# divisible by 16, other). The key-tile count per program follows the longest sequence of
+# a step and would give a batch of short prompts a compile of its own on the request path
+# (seen: 0.8-1.0 s for the first 16 x 128 step after 4 x 512); it only bounds a loop. The
+# block tables' stride is kept divisible by 16 by PagedAttentionMetadata.from_lists.
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
