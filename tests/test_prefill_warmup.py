@@ -137,19 +137,6 @@ def test_warm_up_prefill_is_skipped_on_cpu_and_when_asked():
 
 
 def test_warmup_step_context_sets_the_bound_keeps_exchanges_local_and_restores():
-    sent = []
-    ep = SimpleNamespace(step_max_tokens=None, _exchange=lambda out, inp: sent.append(1))
-    model = SimpleNamespace(executor="hooked")
-    around = warmup_step_context(model, ep)
-    with around(512):
-        assert model.executor is ep and ep.step_max_tokens == 512
-        out, inp = torch.zeros(3), torch.arange(3.0)
-        ep._exchange(out, inp)
-        assert out.tolist() == [0.0, 1.0, 2.0] and sent == []
-    assert model.executor == "hooked" and ep.step_max_tokens is None
-    ep._exchange(None, None)
-    assert sent == [1]
-    # an executor's own local_exchange() is preferred
     calls = []
 
     @contextmanager
@@ -158,10 +145,37 @@ def test_warmup_step_context_sets_the_bound_keeps_exchanges_local_and_restores()
         yield
         calls.append("out")
 
-    ep2 = SimpleNamespace(step_max_tokens=7, local_exchange=local_exchange, _exchange="kept")
-    with warmup_step_context(model, ep2)(64):
-        assert ep2._exchange == "kept" and ep2.step_max_tokens == 64
-    assert calls == ["in", "out"] and ep2.step_max_tokens == 7
+    model = SimpleNamespace(executor="hooked")
+    ep = SimpleNamespace(step_max_tokens=7, local_exchange=local_exchange)
+    with warmup_step_context(model, ep)(64):
+        assert model.executor is ep and ep.step_max_tokens == 64 and calls == ["in"]
+    assert calls == ["in", "out"] and ep.step_max_tokens == 7 and model.executor == "hooked"
+    # an executor without local_exchange (the CPU one) is used as is
+    plain = SimpleNamespace(step_max_tokens=None)
+    with warmup_step_context(model, plain)(32):
+        assert model.executor is plain and plain.step_max_tokens == 32
+    assert model.executor == "hooked" and plain.step_max_tokens is None
+
+
+def test_cuda_executors_local_exchange_copies_and_bypasses_the_transport():
+    from elasticep.eplb import ExpertLocationMetadata
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.ipc_exchange import IpcExchange
+    placement = initial_placement(2, 4, 0, 1, 2)
+    meta = ExpertLocationMetadata.from_placement(placement, 0, "cpu")
+    S = placement.slots_per_rank
+    w13 = [torch.zeros(S, 8, 4), torch.zeros(S, 8, 4)]
+    w2 = [torch.zeros(S, 4, 4), torch.zeros(S, 4, 4)]
+    ep = CudaEPMoEExecutor(meta, w13, w2, None)
+    ep.transport = IpcExchange(0, 2, 16, 4, torch.float32, 2, "cpu")
+    real = ep._exchange
+    with ep.local_exchange():
+        assert ep._local_only and ep._exchange is not real
+        out, inp = torch.zeros(3), torch.arange(3.0)
+        ep._exchange(out, inp)
+        assert out.tolist() == [0.0, 1.0, 2.0]
+    assert not ep._local_only and ep._exchange is real
 
 
 def test_count_triton_compiles_restores_the_hook():

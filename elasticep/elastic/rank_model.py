@@ -149,10 +149,6 @@ def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,
     return ep, hooked
 
 
-def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:
-    out.copy_(inp)
-
-
 def warmup_step_context(model: MoECausalLM, ep: EPMoEExecutor
                         ) -> Callable[[int], AbstractContextManager]:
     """``around(num_tokens)`` for :func:`elasticep.engine.prefill_warmup.warm_up_prefill`:
@@ -160,29 +156,22 @@ def warmup_step_context(model: MoECausalLM, ep: EPMoEExecutor
 
     Within it the executor's token bound is ``num_tokens`` (as the step loop's header
     would agree for a step whose largest batch is this one), every token exchange is a
-    local copy of what would be sent (the padded exchange's shapes, no peer involved:
-    ranks warm up each on its own schedule, joiners included), and the layer hooks
-    (EPLB's counts, injected faults) do not see the dummy tokens.
-
-    The exchange is swapped through the executor's ``local_exchange()`` context where it
-    has one, else through its ``_exchange`` attribute (:class:`CudaEPMoEExecutor`); an
-    executor with neither (the CPU one, which the warm-up never runs) is left as is.
+    local copy of what would be sent (the executor's ``local_exchange()``: the padded
+    exchange's shapes, no peer and no shared buffer involved, so ranks warm up each on
+    its own schedule, joiners included), and the layer hooks (EPLB's counts, injected
+    faults) do not see the dummy tokens. An executor without ``local_exchange`` (the CPU
+    one, which the warm-up never runs) is used as is.
     """
 
     @contextmanager
     def around(num_tokens: int) -> Iterator[None]:
         hooked = model.executor
         local = getattr(ep, "local_exchange", None)
-        saved = getattr(ep, "_exchange", None) if local is None else None
         model.executor = ep
-        if saved is not None:
-            ep._exchange = _local_copy
         try:
             with agreed_max_tokens(ep, num_tokens), local() if local else nullcontext():
                 yield
         finally:
             model.executor = hooked
-            if saved is not None:
-                ep._exchange = saved
 
     return around

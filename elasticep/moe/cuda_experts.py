@@ -13,7 +13,9 @@ new placement of the same shape is copied into the tensors the graphs already po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
         self._transport: IpcExchange | None = None
+        self._local_only = False
 
     @property
     def transport(self) -> IpcExchange | None:
@@ -98,6 +101,17 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         if exchange is not None:
             exchange.tag_cap(self.metadata.num_local_physical_experts)
         self._transport = exchange
+
+    @contextlib.contextmanager
+    def local_exchange(self) -> Iterator[None]:
+        """Within: every token exchange is a local copy of what would be sent (the padded
+        layout's shapes, no peer involved, the transport's shared buffers untouched), for
+        a rank's warm-up steps on its own schedule (:mod:`elasticep.engine.prefill_warmup`)."""
+        saved, self._exchange, self._local_only = self._exchange, _local_copy, True
+        try:
+            yield
+        finally:
+            self._exchange, self._local_only = saved, False
 
     @property
     def version(self) -> int:
@@ -165,7 +179,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             raise ValueError(f"{T} tokens > step_max_tokens {max_tokens}")
         meta = self.metadata
         S = meta.num_local_physical_experts
-        on_transport = self.transport is not None and not (capturing() and not _stream_capturing())
+        on_transport = (self._transport is not None and not self._local_only
+                        and not (capturing() and not _stream_capturing()))
         if on_transport and self.dispatch_algorithm == "static":
             cap = pair_capacity(max_tokens, k, S)
             return self._via_transport(layer_idx, hidden_states, topk_ids, topk_weights, cap)
@@ -211,6 +226,10 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)
+
+
+def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:
+    out.copy_(inp)
 
 
 def _stream_capturing() -> bool:

@@ -205,7 +205,7 @@ class IpcExchange:
         self.table[q] = self.table[self.rank]
 
     def warm_kernels(self) -> None:
-        """Compile the send kernels now (a graph capture cannot compile them), with a
+        """Compile the send kernels now, not inside the first graph capture, with a
         private self-only table, mask and flags, so nothing reaches a peer."""
         if not self.cuda:
             return
@@ -224,6 +224,9 @@ class IpcExchange:
         plan = PaddedPlan(position, tag, self.G, C)
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
                               counter, flags, 0)
+        kernels.fused_dispatch(hidden, slots, torch.zeros(1, dtype=torch.int64,
+                                                          device=self.device),
+                               1, self.rank, C, self.W, table, active, counter, flags, 0)
         out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
         kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1)
         torch.cuda.synchronize(self.device)
