@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
     && cp models/tiny-qwen3-moe/tokenizer* /tmp/q3/
 
-step gpu_tests 210 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py} \
+step gpu_tests ${GPU_S:-210} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py} \
     > "$OUT/gpu_tests.log" 2>&1
 tail -25 "$OUT/gpu_tests.log"
 if grep -q "FAILED.*fused_static_dispatch\|FAILED.*one_graph_and_equals" "$OUT/gpu_tests.log"; then
@@ -33,7 +33,7 @@ if grep -q "FAILED.*fused_static_dispatch\|FAILED.*one_graph_and_equals" "$OUT/g
 fi
 
 Q3="--device cuda --model /tmp/q3 --load-format dummy --dtype bfloat16 --ignore-eos"
-step sweep 200 python3 -m bench.serving_sweep --concurrencies 1,64 --prompts-per-concurrency 2 \
+step sweep ${SWEEP_S:-200} python3 -m bench.serving_sweep --concurrencies 1,64 --prompts-per-concurrency 2 \
     $Q3 --random-input-len 256 --random-output-len 256 --random-range-ratio 1 \
     --serve-arg=--max-ep-size --serve-arg=2 --log-dir /tmp/sweep_logs \
     > "$OUT/sweep.jsonl" 2> /tmp/sweep.err
