@@ -24,10 +24,10 @@ export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
     && cp models/tiny-qwen3-moe/tokenizer* /tmp/q3/
 
-step gpu_tests ${GPU_S:-210} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py} \
+step gpu_tests ${GPU_S:-210} python3 -m pytest -v -p no:cacheprovider ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py} \
     > "$OUT/gpu_tests.log" 2>&1
 tail -25 "$OUT/gpu_tests.log"
-if grep -q "FAILED.*fused_static_dispatch\|FAILED.*one_graph_and_equals" "$OUT/gpu_tests.log"; then
+if grep -Eq "(fused_static_dispatch|one_graph_and_equals).*FAILED|FAILED.*(fused_static_dispatch|one_graph_and_equals)" "$OUT/gpu_tests.log"; then
     echo "fused dispatch failed its test: the runs below use the three-kernel path"
     export ELASTICEP_FUSED_DISPATCH=0
 fi
