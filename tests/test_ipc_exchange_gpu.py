@@ -139,6 +139,7 @@ def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
     if phase == "combine":  # it sent its dispatch rows, then died
         peer.send_dispatch(h, s, S, C, layer)
         torch.cuda.synchronize()
+    ex.tag_cap(S)  # before the capture, as setting an executor's transport does
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
