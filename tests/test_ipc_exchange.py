@@ -12,8 +12,9 @@ import torch
 
 from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
+from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
-from elasticep.moe.ipc_exchange import IpcExchange, StepWatchdog, buffer_bytes, capacity_rows
+from elasticep.moe.ipc_exchange import IpcExchange, buffer_bytes, capacity_rows
 from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3

@@ -129,7 +129,7 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path):
 @pytest.mark.parametrize("release", ["abort", "deadline"])
 @pytest.mark.parametrize("phase", ["dispatch", "combine"])
 def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
-    from elasticep.moe.ipc_exchange import StepWatchdog
+    from elasticep.elastic.exchange_watchdog import StepWatchdog
     exs = _pair("cuda", torch.bfloat16)
     ex, peer = exs  # the peer dies before signalling, in the chosen phase of layer 2
     layer = 2

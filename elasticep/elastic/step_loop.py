@@ -42,6 +42,7 @@ import elasticep.distributed as ed
 from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
 from elasticep.elastic.exchange_setup import sync_exchange
+from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.step_profiler import StepProfiler
@@ -53,7 +54,7 @@ from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.ipc_exchange import IpcExchange, StepWatchdog
+from elasticep.moe.ipc_exchange import IpcExchange
 
 logger = logging.getLogger(__name__)
 

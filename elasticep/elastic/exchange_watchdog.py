@@ -1,0 +1,77 @@
+"""The host watchdog of a step that waits on its peers inside the GPU (the same-host
+exchange, :mod:`elasticep.moe.ipc_exchange`).
+
+A stream blocked on a peer that died or stopped never ends by itself, and the host
+thread is blocked behind it (reading the sampled tokens). :class:`StepWatchdog` runs
+beside it and ends the step's waits through :meth:`IpcExchange.abort` when the
+coordinator announces a membership change, or when the step passes its deadline; the
+step loop then redoes the step (its commit carries the abort vote).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from elasticep.moe.ipc_exchange import IpcExchange
+
+logger = logging.getLogger(__name__)
+
+
+class StepWatchdog:
+    """Releases an :class:`IpcExchange`'s waits when its step cannot finish.
+
+    While a step runs (between :meth:`begin` and :meth:`end`) a daemon thread polls,
+    every ``poll_s`` seconds, ``changed()`` (the coordinator announced a membership change)
+    and the step's age; either ends the step's waits through :meth:`IpcExchange.abort`.
+
+    Args:
+        exchange: the rank's exchange.
+        changed: returns True once a membership change is pending (cheap, thread-safe).
+        deadline_s: the longest a step may wait on peers before it is abandoned, seconds.
+        poll_s: polling period, seconds.
+    """
+
+    def __init__(self, exchange: IpcExchange, changed: Callable[[], bool], deadline_s: float,
+                 poll_s: float = 0.001) -> None:
+        self.exchange, self.changed, self.deadline_s, self.poll_s = (
+            exchange, changed, deadline_s, poll_s)
+        self._started: float | None = None
+        self._cv = threading.Condition()
+        self.deadline_aborts = 0
+        self._thread = threading.Thread(target=self._run, name="ipc-exchange-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        """A step starts (its exchanges may block from now on)."""
+        with self._cv:
+            self._started = time.monotonic()
+            self._cv.notify()
+
+    def end(self) -> bool:
+        """The step's device work is done; True when it was aborted (redo it)."""
+        with self._cv:
+            self._started = None
+        return self.exchange.aborted
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._started is None:
+                    self._cv.wait()
+                started = self._started
+            if self.changed():
+                logger.info("membership change during a step: releasing its exchanges")
+                self.exchange.abort()
+            elif time.monotonic() - started > self.deadline_s:
+                logger.warning("step waited %.1f s on its peers' exchange rows: abandoning "
+                               "it (a peer is stalled or dead)", self.deadline_s)
+                self.deadline_aborts += 1
+                self.exchange.abort()
+            time.sleep(self.poll_s)
+            with self._cv:
+                if self._started is started and self.exchange.aborted:
+                    self._started = None  # released: nothing more to do for this step
