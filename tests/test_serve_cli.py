@@ -13,21 +13,21 @@ from pathlib import Path
 import pytest
 
 import elasticep
-from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
 from elasticep.distributed.gloo_device import gloo_devices
-from elasticep.distributed.membership import SlotState, scale_phase
-from elasticep.distributed.scaling import (
+from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
+from elasticep.entrypoints.serve_args import validate
+from elasticep.entrypoints.validate import UsageError
+from elasticep.membership.errors import JoinRefusedError, ScaleInProgressError
+from elasticep.membership.scaling import (
     Launch,
     ProcInfo,
     ScaleTarget,
     check_join,
     deployment_status,
 )
-from elasticep.distributed.status import DeploymentStatus, RankStatus
-from elasticep.entrypoints.cli import build_parser
-from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
-from elasticep.entrypoints.serve_args import validate
-from elasticep.entrypoints.validate import UsageError
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import SlotState, scale_phase
 from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -544,7 +544,7 @@ def test_join_refuses_slots_being_joined_or_outside_ep_size():
 def coordinator():
     from elasticep.config import DeploymentConfig
     from elasticep.deploy import publish_config
-    from elasticep.distributed import start_coordinator
+    from elasticep.membership import start_coordinator
 
     coord = start_coordinator()
     publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))
@@ -554,7 +554,7 @@ def coordinator():
 
 def _with_world(coord, states: list[str]) -> None:
     """Give the coordinator a WORLD group in these slot states (no worker processes)."""
-    from elasticep.distributed.registry import Group
+    from elasticep.membership.registry import Group
 
     g = Group("world", list(range(len(states))), _states(*states), "complete")
     g.active = {s for s, st in enumerate(states) if st == "healthy"}
@@ -565,7 +565,7 @@ def _with_world(coord, states: list[str]) -> None:
 def test_shrink_frees_failed_slots_above_the_target(coordinator):
     """6 -> 4 while slot 4 is failed: slot 4 is free capacity (not failed), the
     deployment is not degraded, and growing again takes it with `join scale`."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy"] * 6)
     c = CoordinatorClient(coordinator.address)
@@ -586,7 +586,7 @@ def test_shrink_frees_failed_slots_above_the_target(coordinator):
 def test_join_reservation_is_exclusive_and_released(coordinator):
     """Claims are the coordinator's, per connection: exclusive, all or none, gone with
     the connection that held them (a `join` that died leaves nothing behind)."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "free", "free"])
     a, b = CoordinatorClient(coordinator.address), CoordinatorClient(coordinator.address)
@@ -609,7 +609,7 @@ def test_join_reservation_is_exclusive_and_released(coordinator):
 
 def test_scale_through_the_coordinator(coordinator):
     """The target lives in the coordinator: a scale there is what `join` checks against."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy"] * 4 + ["free", "free"])
     c = CoordinatorClient(coordinator.address)
@@ -653,8 +653,8 @@ def test_join_success_needs_our_own_worker():
 
 def test_join_cli_refuses_a_slot_another_join_holds(capsys, coordinator):
     """Two `join`s of one slot: the second is refused (exit 2, one line) before launching."""
-    from elasticep.distributed import CoordinatorClient
     from elasticep.entrypoints import join_cmd
+    from elasticep.membership import CoordinatorClient
 
     args = build_parser().parse_args(["join", "--dist-init-addr", coordinator.address,
                                       "--elastic-ep-join-mode", "recover", "--ranks", "2"])
@@ -857,8 +857,8 @@ def test_a_node_run_again_over_its_held_slots_is_refused_with_the_join_that_work
 def test_a_stalled_startup_names_the_ranks_still_waited_for(tmp_path):
     """A rank frozen while loading blocks start-up (no deadline: loads can be long);
     serve then names it, with its state, pid and where the logs are."""
-    from elasticep.distributed.status import DeploymentStatus
     from elasticep.entrypoints.serve_cmd import stalled_startup_message
+    from elasticep.membership.status import DeploymentStatus
 
     status = DeploymentStatus.from_dict(
         {"epoch": 0, "ep_size": 3, "max_ep_size": 3, "scale_phase": "idle",
@@ -874,8 +874,8 @@ def test_wait_ready_notes_a_stall_then_returns_once_every_rank_is_routable(monke
     import threading
     from types import SimpleNamespace
 
-    from elasticep.distributed.status import DeploymentStatus
     from elasticep.entrypoints import serve_cmd
+    from elasticep.membership.status import DeploymentStatus
 
     monkeypatch.setattr(serve_cmd, "STALL_NOTE_S", 0.3)
     polls = [0]

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from elasticep.config import DeploymentConfig, WorkerConfig
-from elasticep.distributed import CoordinatorClient
-from elasticep.distributed.client import ReconnectingClient
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.membership import CoordinatorClient
+from elasticep.membership.client import ReconnectingClient
+from elasticep.membership.status import DeploymentStatus
 from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 

@@ -33,8 +33,8 @@ from collections import Counter
 
 from elasticep.deploy.deployment import Deployment
 from elasticep.deploy.launcher import RankExit
-from elasticep.distributed.membership import SlotState
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger(__name__)
 

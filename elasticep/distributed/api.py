@@ -13,11 +13,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elasticep.membership.messages import Deactivate, Ready, Recover, Register
+from elasticep.membership.protocol import parse_address
+from elasticep.membership.transitions import ACTIVE_STATES, SlotState
+
 from .control import RankControl
-from .membership import ACTIVE_STATES, SlotState
-from .messages import Deactivate, Ready, Recover, Register
 from .process_group import ElasticProcessGroup
-from .protocol import parse_address
 from .state import GroupState
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ELASTICEP_DIST_TIMEOUT_S", "60"))

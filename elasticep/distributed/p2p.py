@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailureError
+from elasticep.membership.errors import RankFailureError
+from elasticep.membership.transitions import SlotState
+
 from .gloo_device import new_gloo_group
-from .membership import SlotState
 from .ops import _bytes
 from .reaper import join_at_exit
 

@@ -25,11 +25,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import messages as m
+from elasticep.membership import messages as m
+from elasticep.membership.errors import (
+    CoordinatorLostError,
+    RankEvictedError,
+    RankFailureError,
+    RankRemovedError,
+)
+from elasticep.membership.transitions import Decision, SlotState, local_action
+
 from . import nccl_inner
 from .epoch_groups import EpochGroups, Superseded
-from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
-from .membership import Decision, SlotState, local_action
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
 from .p2p import PeerChannels
 from .reaper import reap

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
-from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
@@ -51,6 +50,7 @@ from elasticep.engine.serve_loop import apply_messages
 from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
+from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
 
 logger = logging.getLogger(__name__)

@@ -28,10 +28,6 @@ import threading
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
 from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
-from elasticep.distributed import CoordinatorClient
-from elasticep.distributed.errors import JoinRefusedError
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.entrypoints.deployment_args import add_load_format_argument
 from elasticep.entrypoints.serve_cmd import setup_logging
@@ -46,6 +42,10 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     raise_first_failure,
 )
+from elasticep.membership import CoordinatorClient
+from elasticep.membership.errors import JoinRefusedError
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.join")
 

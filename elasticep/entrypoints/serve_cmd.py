@@ -31,8 +31,6 @@ from elasticep.deploy.supervisor import (
     stop_on_signals,
     supervise,
 )
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.ipc import FrontendChannel, is_routable
 from elasticep.engine.limits import known_max_total_tokens
@@ -43,6 +41,8 @@ from elasticep.entrypoints.serve_args import (
 )
 from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler, make_log_dir
 from elasticep.frontend.http_server import create_server
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.serve")
 

@@ -1,8 +1,8 @@
 """The coordinator's answers to supervisors (launchers, the front-end, `join`).
 
-A mixin of :class:`~elasticep.distributed.coordinator.Coordinator`: every handler runs
-under the coordinator's lock and reads or changes its groups and its
-:class:`~elasticep.distributed.registry.DeploymentRecords`. The decisions (scale plans,
+A mixin of :class:`~elasticep.membership.service.MembershipService`: every handler
+reads or changes its groups and its
+:class:`~elasticep.membership.registry.DeploymentRecords`. The decisions (scale plans,
 the status view, join checks) are the pure functions of ``scaling.py``. It also holds
 the coordinator's dispatch table: which handler answers each request type of
 ``messages.py``, and from which kind of connection.
@@ -15,11 +15,11 @@ from typing import Any
 
 from . import messages as m
 from .errors import JoinRefusedError
-from .membership import SlotState
 from .registry import DeploymentRecords, Group
 from .scaling import ProcInfo, ScaleTarget, check_join, deployment_status
+from .transitions import SlotState
 
-log = logging.getLogger("elasticep.distributed.coordinator")
+log = logging.getLogger("elasticep.membership")
 
 WORLD = "world"
 
@@ -85,9 +85,7 @@ class SupervisorRequests:
     def _report_death(self, proc, msg: m.ReportDeath) -> dict:
         p = self._procs.get(msg.rank)
         if p is not None and p.alive and (msg.pid in (None, p.pid)):
-            p.conn.send(m.Evicted("reported dead by supervisor"))
-            p.conn.close()
-            self._proc_dead(p, "reported dead by supervisor")
+            self._evict(p, "reported dead by supervisor")
         return {}
 
     def _request_admission(self, proc, msg: m.RequestAdmission) -> dict:

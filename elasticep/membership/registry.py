@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError
-from .membership import ACTIVE_STATES, Report, SlotState, next_slot_state
 from .scaling import Launch, ScaleTarget
+from .transitions import ACTIVE_STATES, Report, SlotState, next_slot_state
 
 
 @dataclass
@@ -125,6 +125,21 @@ class Group:
                 self.joined_from[slot] = old
         else:
             self.joined_from.pop(slot, None)
+
+    def bind_reserved_slot(self, rank: int, joiner_ranks: list[int]) -> None:
+        """Give a joiner the reserved slot (global rank -1) at which its own list names
+        it; unchanged if there is none (`slot_of` then refuses it)."""
+        if rank in joiner_ranks:
+            slot = joiner_ranks.index(rank)
+            if slot < len(self.ranks) and self.ranks[slot] == -1:
+                self.ranks[slot] = rank
+
+    def leaving(self, slot: int) -> bool:
+        """``slot`` is being scaled away: draining, or its removal is requested or in
+        flight."""
+        tr = self.transition
+        return (self.states[slot] == SlotState.DRAINING or slot in self.pending_remove
+                or slot in self.requests["remove"] or (tr is not None and slot in tr.removed))
 
     def is_active_rank(self, global_rank: int) -> bool:
         return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES

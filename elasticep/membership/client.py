@@ -89,7 +89,7 @@ class CoordinatorClient:
         """Mark these slots draining and ask the members to remove them."""
         self._call(m.RequestDeactivation(group, list(ranks)))
 
-    # ---- the deployment (see distributed/scaling.py) --------------------------------
+    # ---- the deployment (see scaling.py) -----------------------------------------
     def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int) -> None:
         """Node 0: publish the settings every later rank and joiner reads, and the initial
         target size (kept if one is set already)."""
