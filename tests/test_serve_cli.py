@@ -348,9 +348,10 @@ class FakeLauncher:
 def _supervise_once(launcher, restart: bool) -> list:
     """Two supervise iterations (the queued exits are drained in the first); returns
     the exits it saw, so a test knows the supervisor reached them."""
+    from elasticep.deploy.restart_policy import Policy, on_exit_for
     from elasticep.deploy.supervisor import supervise
 
-    seen = supervise(launcher, launcher.stop, restart=restart, poll_s=0.001)
+    seen = supervise(launcher, launcher.stop, Policy(on_exit_for(restart)), poll_s=0.001)
     assert launcher.polls == 3
     return seen
 
@@ -395,6 +396,7 @@ class PartitionedLauncher(FakeLauncher):
 
 def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers():
     from elasticep.deploy import RankExit
+    from elasticep.deploy.restart_policy import OnExit, Policy, Until
     from elasticep.deploy.supervisor import supervise
 
     launcher = PartitionedLauncher({0: "healthy", 1: "healthy", 2: "failed", 3: "failed"},
@@ -402,8 +404,8 @@ def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers()
     launcher.node = 1
     launcher.exits.put(RankExit(2, 12, 3))  # both stopped on the lost coordinator
     launcher.exits.put(RankExit(3, 13, 3))
-    seen = supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
-                     poll_s=0.001, coordinator_timeout_s=30)
+    seen = supervise(launcher, launcher.stop, Policy(OnExit.RELAUNCH, Until.ALL_EXITED,
+                                                     coordinator_timeout_s=30), poll_s=0.001)
     assert [ex.rank for ex in seen] == [2, 3]
     assert launcher.spawned == [(2, "recover"), (3, "recover")]  # once it answered
     assert launcher.polls == 6
@@ -411,20 +413,21 @@ def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers()
     # without --restart-failed-ranks nothing is relaunched: the node returns at once
     launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=5)
     launcher.exits.put(RankExit(2, 12, 3))
-    supervise(launcher, launcher.stop, restart=False, until_all_exited=True, poll_s=0.001)
+    supervise(launcher, launcher.stop, Policy(OnExit.LOG, Until.ALL_EXITED), poll_s=0.001)
     assert launcher.spawned == [] and launcher.polls == 1
 
 
 def test_a_node_gives_up_on_a_coordinator_that_stays_unreachable():
     from elasticep.deploy import RankExit
+    from elasticep.deploy.restart_policy import OnExit, Policy, Until
     from elasticep.deploy.supervisor import CoordinatorUnreachableError, supervise
 
     launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=None)
     launcher.exits.put(RankExit(2, 12, 3))
     with pytest.raises(CoordinatorUnreachableError, match=r"no coordinator answered at "
                        r"--dist-init-addr 127.0.0.1:29400 within 0.2 s"):
-        supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
-                  poll_s=0.01, coordinator_timeout_s=0.2)
+        supervise(launcher, launcher.stop, Policy(OnExit.RELAUNCH, Until.ALL_EXITED,
+                                                  coordinator_timeout_s=0.2), poll_s=0.01)
     assert launcher.spawned == []
 
 
@@ -559,7 +562,7 @@ def _with_world(coord, states: list[str]) -> None:
     g = Group("world", list(range(len(states))), _states(*states), "complete")
     g.active = {s for s, st in enumerate(states) if st == "healthy"}
     with coord._lock:
-        coord._groups["world"] = g
+        coord.service._groups["world"] = g  # no worker processes to register it
 
 
 def test_shrink_frees_failed_slots_above_the_target(coordinator):

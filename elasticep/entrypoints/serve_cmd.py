@@ -23,11 +23,11 @@ from tqdm import tqdm
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
+from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
 from elasticep.deploy.supervisor import (
     CoordinatorUnreachableError,
     StopEvent,
     exit_status,
-    recover_command,
     stop_on_signals,
     supervise,
 )
@@ -142,8 +142,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
-        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
-                          stop_on_exit=fatal)
+        exits = supervise(deployment, stop, Policy(on_exit_for(
+            settings.restart_failed_ranks, deployment.fault_tolerant)))
         if fatal and exits:
             ex = exits[-1]
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
@@ -310,9 +310,9 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
               f"{address}", flush=True)
         fatal = not deployment.fault_tolerant
         try:
-            exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
-                              until_all_exited=True, stop_on_exit=fatal,
-                              coordinator_timeout_s=settings.coordinator_timeout_s)
+            exits = supervise(deployment, stop, Policy(
+                on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
+                Until.ALL_EXITED, coordinator_timeout_s=settings.coordinator_timeout_s))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)
