@@ -278,7 +278,7 @@ def group_diagnostics(group=None) -> dict:
     """
     gs = _gs(group)
     return {"epoch": gs.epoch, "fast_path": gs._fast is not None,
-            "counters": dict(gs.counters), "nccl_timings": gs.nccl_timings()}
+            "counters": dict(gs.counters), "nccl_timings": gs.comms.nccl_timings()}
 
 
 def get_peer_state(group, ranks: list[int]) -> list[bool]:

@@ -104,7 +104,7 @@ class P2PWork(dist.Work):
 
     def _check_peer(self, deadline: float, why: str = "") -> None:
         gs = self.channel.gs
-        gs._check_alive()
+        gs.check_alive()
         if gs.states[self.peer] in _GONE or self.channel.stale():
             raise RankFailureError([self.peer], gs.epoch, gs.name)
         if time.monotonic() > deadline:
