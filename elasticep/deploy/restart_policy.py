@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
+from elasticep.config import StrEnum
 from elasticep.deploy.launcher import RankExit
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.membership.transitions import SlotState
@@ -36,7 +36,7 @@ from elasticep.membership.transitions import SlotState
 logger = logging.getLogger("elasticep.deploy.supervisor")
 
 
-class OnExit(str, Enum):
+class OnExit(StrEnum):
     """What an exit of a rank leads to."""
 
     LOG = "log"            # logged with the command that relaunches it
@@ -44,14 +44,14 @@ class OnExit(str, Enum):
     STOP = "stop"          # --elastic-ep-backend none: no fault tolerance
 
 
-class Until(str, Enum):
+class Until(StrEnum):
     """When the loop returns besides a set stop event."""
 
     STOPPED = "stopped"        # only when told to stop (serve's node 0)
     ALL_EXITED = "all_exited"  # also once no worker of this node runs (join, nodes 1..)
 
 
-class ActionKind(str, Enum):
+class ActionKind(StrEnum):
     """What one :class:`Action` does."""
 
     STOP = "stop"          # set the stop event and return: the deployment must stop
@@ -59,7 +59,7 @@ class ActionKind(str, Enum):
     RELAUNCH = "relaunch"  # relaunch ``rank`` in join mode recover
 
 
-class End(str, Enum):
+class End(StrEnum):
     """Why the loop ends (see :func:`ending`)."""
 
     DONE = "done"        # Until.ALL_EXITED and nothing of this node runs

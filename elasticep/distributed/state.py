@@ -24,14 +24,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elasticep.membership import errors
 from elasticep.membership import messages as m
-from elasticep.membership.errors import (
-    CoordinatorLostError,
-    RankEvictedError,
-    RankFailureError,
-    RankRemovedError,
+from elasticep.membership.transitions import (
+    Decision,
+    OnFailure,
+    OpAction,
+    SlotState,
+    TransitionKind,
+    local_action,
 )
-from elasticep.membership.transitions import Decision, SlotState, local_action
 
 from . import kept, nccl_inner
 from .epoch_groups import EpochComms, Superseded
@@ -65,7 +67,7 @@ class GroupState:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
         self.new_store, self._on_close = new_store, on_close
         self.closed = False
-        self.on_failure: str = reg["on_failure"]
+        self.on_failure = OnFailure(reg["on_failure"])
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.epoch: int = reg["epoch"]
@@ -135,7 +137,7 @@ class GroupState:
             self._set_mask()
             parent = (self.comms.shrink_parent(d) if was_member and self.slot in d.active
                       else None)
-            if d.kind == "failure" and was_member:
+            if d.kind == TransitionKind.FAILURE and was_member:
                 # (A relaunched process for a dead slot is not a member: never evict it.)
                 if self.slot in d.dead:
                     self.declared_dead = True
@@ -182,26 +184,26 @@ class GroupState:
                 self._wait_quiet(deadline)
                 seq = self.next_seq
                 if self.removed_at is not None and seq >= self.removed_at:
-                    raise RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
-                action, d = "run", self.failure
+                    raise errors.RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
+                action, d = OpAction.RUN, self.failure
                 if d is not None:
                     action = local_action(d, seq, op.fetchable, op.redoable(self._epoch_for(
                         seq)[1]), self.on_failure)
-                    if action in ("done", "run"):
-                        self.failure, action = None, "run"
-                    elif action == "raise":
+                    if action in (OpAction.DONE, OpAction.RUN):
+                        self.failure, action = None, OpAction.RUN
+                    elif action == OpAction.RAISE:
                         self.failure = None
                         self.next_seq, self.last, self.started = d.base, d.base - 1, d.base - 1
                         self.kept.clear()
                         log.warning("epoch %d rank %d group %s: op %d (%s) raises", d.epoch,
                                     self.slot, self.name, seq, op.kind)
-                        raise RankFailureError(list(d.dead), d.epoch, self.name)
+                        raise errors.RankFailureError(list(d.dead), d.epoch, self.name)
                 self.started = seq
                 gen = self.failure_gen
                 epoch, active = self._epoch_for(seq)
             dev = comm = None
             try:
-                if action == "fetch":
+                if action == OpAction.FETCH:
                     result = kept.fetch(self.store, kept.key(self.name, d.epoch, seq),
                                         lambda g=gen: self.check_gen(g), deadline,
                                         f"rank {self.slot}: kept result of op {seq}")
@@ -249,7 +251,7 @@ class GroupState:
                     if self.failure_gen != gen:
                         continue  # a decision arrived while we confirmed: as above
                 self.last, self.next_seq = seq, seq + 1
-                if (dev is not None and action == "run" and epoch == self.epoch
+                if (dev is not None and action == OpAction.RUN and epoch == self.epoch
                         and len(active) == len(self.ranks) and self._stream_ordered(op)):
                     self._fast = comm
                 if op.fetchable:
@@ -298,7 +300,7 @@ class GroupState:
 
     def _stream_ordered(self, op) -> bool:
         """True if a CUDA `op` is waited on by the caller's stream, not the host."""
-        return (not op.fetchable and self.on_failure == "raise"
+        return (not op.fetchable and self.on_failure == OnFailure.RAISE
                 and nccl_inner.ASYNC_UNFETCHABLE)
 
     def check_member(self, what: str) -> None:
@@ -345,10 +347,10 @@ class GroupState:
         """Raise RankEvictedError (this rank was evicted or declared failed) or
         CoordinatorLostError (the control connection broke); call with the lock held."""
         if self.declared_dead or self.ctl.evicted:
-            raise RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
+            raise errors.RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
                                    f"({self.ctl.evicted or 'declared failed'}); epoch {self.epoch}")
         if self.ctl.lost:
-            raise CoordinatorLostError(f"rank {self.slot} of {self.name!r}: "
+            raise errors.CoordinatorLostError(f"rank {self.slot} of {self.name!r}: "
                                        f"{self.ctl.lost_reason}; epoch {self.epoch}")
 
     def _wait_quiet(self, deadline: float) -> None:

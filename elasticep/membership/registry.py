@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError
 from .scaling import Launch, ScaleTarget
-from .transitions import ACTIVE_STATES, Report, SlotState, next_slot_state
+from .transitions import ACTIVE_STATES, Report, SlotState, TransitionKind, next_slot_state
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Transition:
     """
 
     epoch: int
-    kind: str
+    kind: TransitionKind
     old_active: set[int]
     new_active: set[int]
     dead: set[int] = field(default_factory=set)
@@ -41,7 +41,8 @@ class Transition:
         g.pending_dead -= g.pending_dead - g.active  # deaths of non-members need no epoch
         if dead:
             g.max_epoch += 1
-            return Transition(g.max_epoch, "failure", set(g.active), g.active - dead, dead=dead)
+            return Transition(g.max_epoch, TransitionKind.FAILURE, set(g.active),
+                              g.active - dead, dead=dead)
         admit = {s for s in g.pending_admit if g.states[s] == SlotState.READY}
         remove = g.pending_remove & g.active
         g.pending_admit -= admit
@@ -49,7 +50,7 @@ class Transition:
         if not admit and not remove:
             return None
         g.max_epoch += 1
-        return Transition(g.max_epoch, "change", set(g.active), (g.active | admit) - remove,
+        return Transition(g.max_epoch, TransitionKind.CHANGE, set(g.active), (g.active | admit) - remove,
                           admitted=admit, removed=remove)
 
     def restart(self, g: Group) -> Transition:
@@ -58,11 +59,12 @@ class Transition:
         self.admitted -= newly
         g.pending_dead -= newly - self.old_active
         self.dead |= newly & self.old_active
-        if self.dead and self.kind == "change":
+        if self.dead and self.kind == TransitionKind.CHANGE:
             # Admission/removal waits until the failure is handled.
             g.pending_admit |= self.admitted
             g.pending_remove |= self.removed
-            self.admitted, self.removed, self.kind = set(), set(), "failure"
+            self.admitted, self.removed = set(), set()
+            self.kind = TransitionKind.FAILURE
         self.new_active = ((self.old_active | self.admitted) - self.removed) - self.dead
         g.max_epoch += 1
         self.epoch = g.max_epoch
