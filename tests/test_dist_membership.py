@@ -234,3 +234,23 @@ def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admissi
     assert state_after_death(SlotState.JOINING, False, False, SlotState.FAILED) == "failed"
     # an admitted member (or one the transition in flight admits) that dies has failed
     assert state_after_death(SlotState.READY, False, True, SlotState.FREE) == "failed"
+
+
+def test_every_request_type_has_one_handler_and_its_role():
+    """The service's handlers name the request they answer (no table of names): the 18
+    request types, rank requests only from ranks, launch records only from supervisors."""
+    from elasticep.membership import messages as m
+    from elasticep.membership.dispatch import Role, handler_table
+
+    table = handler_table(MembershipService(store_port=1))
+    requests = {t for t in m.message_types() if t not in (
+        m.RankHello, m.SupervisorHello, m.Heartbeat, m.Reply, m.HeartbeatAck, m.Announce,
+        m.Commit, m.Peer, m.Evicted)}
+    assert set(table) == requests and len(table) == 18
+    assert {t for t, (_h, role) in table.items() if role == Role.RANK} == {
+        m.Register, m.Ready, m.Recover, m.Deactivate, m.EpochReport, m.Ping}
+    assert {t for t, (_h, role) in table.items() if role == Role.SUPERVISOR} == {
+        m.RecordLaunch, m.ClearLaunch, m.Reserve, m.Release}
+    c, _g = _service(2)
+    sends = c.handle(SUP, Register("world", [0, 1], [0, 1], "complete", False, id=9))
+    assert [(s.conn, s.msg.ok, s.msg.code) for s in sends] == [(SUP, False, "malformed")]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import messages as m
+from .dispatch import Role, dispatch, handler_table, handles
 from .errors import MembershipRequestError
 from .registry import DeploymentRecords, Group, Transition
 from .supervisor_requests import SupervisorRequests
@@ -41,7 +42,7 @@ class Send:
 
 @dataclass
 class _Proc:
-    ROLE = "rank"
+    ROLE = Role.RANK
 
     rank: int
     pid: int
@@ -56,7 +57,7 @@ class _Supervisor:
     """A supervisor connection (launcher, front-end, `join`): what it records (launches,
     reservations) lives as long as it stays connected."""
 
-    ROLE = "supervisor"
+    ROLE = Role.SUPERVISOR
 
     id: int
     conn: int
@@ -88,6 +89,7 @@ class MembershipService(SupervisorRequests):
         self._deployment = DeploymentRecords()
         self._supervisors = itertools.count(1)
         self._out: list[Send] = []
+        self._handlers = handler_table(self)
         self._closed = False
         self._stopping = False  # the deployment is shutting down: exits are not failures
 
@@ -199,7 +201,7 @@ class MembershipService(SupervisorRequests):
             if who is not None:
                 self._peers[conn] = who
             return
-        reply = self._dispatch(peer, msg)
+        reply = dispatch(self._handlers, peer, msg)
         if reply is not None and msg.id is not None:
             self._send(conn, m.Reply(id=msg.id, ok=True, body=reply))
 
@@ -232,6 +234,7 @@ class MembershipService(SupervisorRequests):
         log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
                  msg.is_extension)
         return proc
+    @handles(m.Register, Role.RANK)
     def _register(self, proc: _Proc, msg: m.Register) -> dict:
         name = msg.group
         g = self._groups.get(name)
@@ -258,6 +261,7 @@ class MembershipService(SupervisorRequests):
         return {"epoch": g.epoch, "active": sorted(g.active), "states": g.states,
                 "on_failure": g.on_failure, "slot": slot}
 
+    @handles(m.Ready, Role.RANK)
     def _ready(self, proc: _Proc, msg: m.Ready) -> dict:
         g = self._group(msg.group)
         slot = g.slot_of(proc.rank)
@@ -281,6 +285,7 @@ class MembershipService(SupervisorRequests):
             g.pending_admit |= ready
             self._maybe_start(g)
 
+    @handles(m.Recover, Role.RANK)
     def _recover(self, proc: _Proc, msg: m.Recover) -> dict:
         g = self._group(msg.group)
         admit = [r for r in msg.ranks if g.states[r] == SlotState.READY]
@@ -292,6 +297,7 @@ class MembershipService(SupervisorRequests):
                    if g.states[r] == SlotState.READY or g.states[r] in ACTIVE_STATES]
         return {"admitting": waiting}
 
+    @handles(m.Deactivate, Role.RANK)
     def _deactivate(self, proc: _Proc, msg: m.Deactivate) -> dict:
         g = self._group(msg.group)
         remove = [r for r in msg.ranks if r in g.active]
@@ -301,6 +307,7 @@ class MembershipService(SupervisorRequests):
         self._maybe_start(g)
         return {"removing": remove}
 
+    @handles(m.EpochReport, Role.RANK)
     def _report(self, proc: _Proc, msg: m.EpochReport) -> None:
         g = self._group(msg.group)
         tr = g.transition
@@ -311,6 +318,7 @@ class MembershipService(SupervisorRequests):
         self._maybe_commit(g)
         return None
 
+    @handles(m.Ping, Role.RANK)
     def _ping(self, proc: _Proc, msg: m.Ping) -> dict:
         return {}
 
