@@ -7,7 +7,8 @@ Layout:
 - ``registry`` — plain records of a group, its transition in flight, the deployment.
 - ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
 - ``service`` — `MembershipService`: handlers that take an event and return the
-  messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half.
+  messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
+  ``dispatch`` binds each handler to the request type it names.
 - ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
 - ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.

@@ -128,6 +128,13 @@ class Group:
         else:
             self.joined_from.pop(slot, None)
 
+    def request(self, kind: str, slots: list[int]) -> None:
+        """Ask the members to ``kind`` ("admit" or "remove") ``slots`` at a step boundary.
+        The newest intent for a slot wins over an older, unapplied one of the other kind."""
+        other = "remove" if kind == "admit" else "admit"
+        self.requests[kind] = sorted(set(self.requests[kind]) | set(slots))
+        self.requests[other] = [r for r in self.requests[other] if r not in slots]
+
     def bind_reserved_slot(self, rank: int, joiner_ranks: list[int]) -> None:
         """Give a joiner the reserved slot (global rank -1) at which its own list names
         it; unchanged if there is none (`slot_of` then refuses it)."""

@@ -61,9 +61,7 @@ class SupervisorRequests:
     @handles(m.RequestAdmission)
     def _request_admission(self, proc, msg: m.RequestAdmission) -> dict:
         g = self._group(msg.group)
-        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg.ranks))
-        # the newest intent for a slot wins over an older, unapplied removal
-        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg.ranks]
+        g.request("admit", msg.ranks)
         self._push_peer(g)
         return {}
 
@@ -73,8 +71,7 @@ class SupervisorRequests:
         for r in msg.ranks:
             if g.states[r] == SlotState.HEALTHY:
                 g.set_state(r, SlotState.DRAINING)
-        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg.ranks))
-        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg.ranks]
+        g.request("remove", msg.ranks)
         self._push_peer(g)
         return {}
 
