@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+import elasticep.membership as em
 
 # bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -120,7 +121,7 @@ def _without_victim(ops: list[tuple[float, float]], t_sig: float) -> list[float]
 
 
 def _failure_phase(ctx, sig, victim=2):
-    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    coord = em.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
     ps = Procs(ctx, coord.address)
     try:
         for r in range(N):
@@ -137,7 +138,7 @@ def _failure_phase(ctx, sig, victim=2):
 
 
 def _rejoin_phase(ctx):
-    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    coord = em.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
     ps = Procs(ctx, coord.address)
     try:
         for r in range(N):
@@ -161,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "elasticep.distributed"])
-    coord = ed.start_coordinator()
+    coord = em.start_coordinator()
     ps = Procs(ctx, coord.address)
     try:
         for r in range(N):

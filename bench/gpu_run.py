@@ -54,6 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import elasticep.distributed as ed  # noqa: E402
+import elasticep.membership as em  # noqa: E402
 from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows  # noqa: E402
 from elasticep.moe.local_executor import run_slots  # noqa: E402
 from elasticep.moe.padded_exchange import (  # noqa: E402
@@ -358,7 +359,7 @@ def diag_worker(rank, addr, conn, cuda, rounds, iters):
 
 def _two_ranks(ctx, target, *args, timeout_s=300):
     """Run `target` on ranks 0 and 1 of a fresh coordinator; each rank's "res" message."""
-    coord = ed.start_coordinator()
+    coord = em.start_coordinator()
     ps = Procs(ctx, coord.address)
     try:
         for r in range(2):
@@ -428,7 +429,7 @@ def section_nccl(ctx, cuda, quick):
 
 
 def section_kill(ctx, cuda, quick, in_a2a=False):
-    coord = ed.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
+    coord = em.start_coordinator(hb_interval_s=0.2, hb_timeout_s=2.0)
     ps = Procs(ctx, coord.address)
     stop = f"/tmp/gpu_run_stop_{os.getpid()}"
     if os.path.exists(stop):

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))  # elasticep_testkit lives in the repository, not 
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from elasticep.distributed.membership import ScalePhase, SlotState  # noqa: E402
-from elasticep.distributed.status import DeploymentStatus  # noqa: E402
+from elasticep.membership.status import DeploymentStatus  # noqa: E402
+from elasticep.membership.transitions import ScalePhase, SlotState  # noqa: E402
 from elasticep_testkit.harness import timeline  # noqa: E402
 from elasticep_testkit.harness.load import RequestRecord, SteadyLoad, make_client  # noqa: E402
 from elasticep_testkit.harness.serve_process import ServeProcess  # noqa: E402

@@ -15,11 +15,11 @@ from elasticep.config import (
     LoadFormat,
     WorkerConfig,
 )
-from elasticep.distributed.membership import SlotState
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.ipc import WorkerHello, is_routable
 from elasticep.entrypoints.cli import build_parser
 from elasticep.frontend.incremental_text import IncrementalText, cut_at_stop
+from elasticep.membership.transitions import SlotState
 
 
 def test_json_round_trip_keeps_modes_as_enums_and_strings():

@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from elasticep.config import DeploymentConfig
-from elasticep.distributed.errors import ScaleRefusedError
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.scaling import ScaleTarget
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_cmd import layout_mismatch
 from elasticep.frontend.http_server import create_server
+from elasticep.membership.errors import ScaleRefusedError
+from elasticep.membership.scaling import ScaleTarget
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 from elasticep_testkit.harness.serve_process import cli_command, free_port
 
 pytestmark = pytest.mark.timeout(60)

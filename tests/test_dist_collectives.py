@@ -4,12 +4,12 @@ uneven all_to_all_single splits; then with a hole left by a departed rank."""
 import pytest
 from _dist_harness import Cluster
 
-import elasticep.distributed as ed
+import elasticep.membership as em
 
 
 @pytest.mark.timeout(90)
 def test_every_op_and_dtype_then_holes():
-    coord = ed.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
+    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
     cl = Cluster(coord.address)
     try:
         for r in range(4):

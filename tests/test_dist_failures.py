@@ -12,14 +12,14 @@ import time
 import pytest
 from _dist_harness import Cluster
 
-import elasticep.distributed as ed
+import elasticep.membership as em
 
 HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for freezes
 
 
 @pytest.fixture
 def cluster():
-    coord = ed.start_coordinator(**HB)
+    coord = em.start_coordinator(**HB)
     cl = Cluster(coord.address)
     yield cl
     cl.close()

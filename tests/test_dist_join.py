@@ -6,7 +6,7 @@ slot."""
 import pytest
 from _dist_harness import Cluster
 
-import elasticep.distributed as ed
+import elasticep.membership as em
 from elasticep.distributed.control import RankControl
 
 HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for freezes
@@ -14,7 +14,7 @@ HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for f
 
 @pytest.fixture
 def env():
-    coord = ed.start_coordinator(**HB)
+    coord = em.start_coordinator(**HB)
     cl = Cluster(coord.address)
     yield coord, cl
     cl.close()
@@ -53,7 +53,7 @@ def test_rejoin_slot_2_and_refuse_joiner_for_active_slot(env):
     _agree(cl, [0, 1, 3])
     pauses = [p for r in (0, 1, 3) for p in cl.of(r, "pause")]
     print(f"rejoin pause on survivors: max {max(pauses) * 1e3:.1f} ms")
-    status = ed.CoordinatorClient(coord.address).status()
+    status = em.CoordinatorClient(coord.address).status()
     assert status["groups"]["world"]["states"] == ["healthy"] * 4
 
 
@@ -68,7 +68,7 @@ def test_joiner_dies_in_join_group(env):
         assert cl.of(r, "done")[0][1] == [1, 1, 0, 1]
         assert cl.of(r, "sum")[-1][1] == 7.0
     _agree(cl, [0, 1, 3])
-    assert ed.CoordinatorClient(coord.address).status()["groups"]["world"]["states"][2] == \
+    assert em.CoordinatorClient(coord.address).status()["groups"]["world"]["states"][2] == \
         "failed"
 
 

@@ -2,20 +2,26 @@
 
 import pytest
 
-from elasticep.distributed.membership import (
+from elasticep.membership.messages import (
+    Deactivate,
+    EpochReport,
+    Message,
+    RankHello,
+    Ready,
+    Register,
+    Reply,
+    RequestDeactivation,
+    SupervisorHello,
+)
+from elasticep.membership.registry import Group, Transition
+from elasticep.membership.service import MembershipService, Send
+from elasticep.membership.transitions import (
     Report,
     SlotState,
     decide,
     local_action,
     next_slot_state,
 )
-from elasticep.distributed.messages import (
-    Deactivate,
-    EpochReport,
-    Message,
-    RequestDeactivation,
-)
-from elasticep.distributed.registry import Group, Transition
 
 
 def test_failure_all_at_same_op_pivots():
@@ -92,58 +98,55 @@ def test_joiner_for_active_slot_is_refused():
     assert next_slot_state("failed", "joining") == "joining"
 
 
-class _FakeConn:
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def send(self, msg: Message) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def close(self) -> None:
-        pass
+SUP = 100  # the connection id of the supervisor in these tests (ranks use their rank)
 
 
-def _coordinator(n: int):
-    """A Coordinator's membership state with fake connections (no sockets, no threads)."""
-    import threading
-
-    from elasticep.distributed.coordinator import Coordinator, _Proc
-
-    c = Coordinator.__new__(Coordinator)
-    c._lock, c._closed, c._max_world_size = threading.RLock(), False, n
-    c._procs = {r: _Proc(rank=r, pid=100 + r, conn=_FakeConn(), groups={"world"})
-                for r in range(n)}
-    c._groups = {"world": Group.create("world", list(range(n)), list(range(n)), "complete",
-                                       set())}
-    return c
+def _ok(svc: MembershipService, conn: int, msg: Message) -> list[Send]:
+    """Hand ``msg`` to the service as if it came on ``conn``; fail on any refusal."""
+    sends = svc.handle(conn, msg)
+    refused = [s.msg for s in sends if isinstance(s.msg, Reply) and not s.msg.ok]
+    assert not refused, refused
+    return sends
 
 
-def _report_all(c, g) -> None:
+def _service(n: int, active: list[int] | None = None):
+    """A membership service (no sockets, no threads) whose ``n`` ranks said hello and
+    registered WORLD (slots ``active`` active, the others joiners), plus a supervisor."""
+    active = list(range(n)) if active is None else active
+    svc = MembershipService(store_port=1, clock=lambda: 0.0)
+    for r in range(n):
+        ext = r not in active
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=n, max_world_size=n,
+                              is_extension=ext, id=1))
+        _ok(svc, r, Register("world", list(range(n)), active, "complete", ext, id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    return svc, svc.group("world")
+
+
+def _report_all(svc, g) -> None:
     epoch = g.transition.epoch
     for s in sorted(g.transition.waiting):
-        c._report(c._procs[s], EpochReport("world", epoch, 5, 5, []))
+        _ok(svc, s, EpochReport("world", epoch, 5, 5, []))
 
 
 @pytest.mark.parametrize("mid_removal", [False, True])
 def test_rank_dying_while_draining_ends_removed(mid_removal):
     """Scale-down 6 -> 4 and rank 5 dies while draining: slot 5 ends removed (not failed),
     it leaves the active set through a failure decision, and slot 4's removal still runs."""
-    c = _coordinator(6)
-    g = c._groups["world"]
-    c._request_deactivation(None, RequestDeactivation("world", [4, 5]))
+    c, g = _service(6)
+    _ok(c, SUP, RequestDeactivation("world", [4, 5], id=3))
     assert g.states[4:] == ["draining", "draining"]
     if mid_removal:  # the members already started the removal transition
-        c._deactivate(c._procs[0], Deactivate("world", [4, 5]))
+        _ok(c, 0, Deactivate("world", [4, 5], id=3))
         assert g.transition.kind == "change"
-    c._proc_dead(c._procs[5], "killed")
+    c.closed(5)
     assert g.states[5] == "free"
     assert g.transition.kind == "failure" and g.transition.dead == {5}
     assert 5 not in g.pending_remove and g.requests["remove"] == [4]
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3, 4}
     if g.transition is None:  # the members vote slot 4's removal again
-        c._deactivate(c._procs[0], Deactivate("world", [4]))
+        _ok(c, 0, Deactivate("world", [4], id=4))
     assert g.transition.kind == "change" and g.transition.removed == {4}
     _report_all(c, g)
     assert g.active == {0, 1, 2, 3} and g.transition is None
@@ -158,20 +161,19 @@ def test_a_removed_rank_leaving_is_info_and_a_death_is_a_warning(caplog):
 
     from elasticep.deploy.launcher import exit_log_level
 
-    c = _coordinator(6)
-    g = c._groups["world"]
-    c._request_deactivation(None, RequestDeactivation("world", [4, 5]))
-    c._deactivate(c._procs[0], Deactivate("world", [4, 5]))
+    c, g = _service(6)
+    _ok(c, SUP, RequestDeactivation("world", [4, 5], id=3))
+    _ok(c, 0, Deactivate("world", [4, 5], id=3))
     _report_all(c, g)
     assert g.states == ["healthy"] * 4 + ["free", "free"]
-    with caplog.at_level(logging.INFO, logger="elasticep.distributed.coordinator"):
-        c._proc_dead(c._procs[4], "connection closed")
-        c._proc_dead(c._procs[2], "connection closed")
+    with caplog.at_level(logging.INFO, logger="elasticep.membership"):
+        c.closed(4)
+        c.closed(2)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if "pid" in r.getMessage()]
     assert lines == [
         ("INFO", "coordinator: rank 4 (pid 104) left after its planned removal: "
-                 "connection closed"),
-        ("WARNING", "coordinator: rank 2 (pid 102) dead: connection closed")]
+                 "control connection closed"),
+        ("WARNING", "coordinator: rank 2 (pid 102) dead: control connection closed")]
     assert g.states[4] == "free" and g.states[2] == "failed"
     # serve's launcher: the worker's exit status 0 after a removal is INFO too
     assert (exit_log_level(0), exit_log_level(1), exit_log_level(-9)) == (
@@ -180,8 +182,8 @@ def test_a_removed_rank_leaving_is_info_and_a_death_is_a_warning(caplog):
 
 def test_a_healthy_scale_down_is_not_degraded():
     """/health said degraded while 6 -> 4 drained healthy ranks 4 and 5."""
-    from elasticep.distributed.membership import ScalePhase
-    from elasticep.distributed.status import DeploymentStatus, RankStatus
+    from elasticep.membership.status import DeploymentStatus, RankStatus
+    from elasticep.membership.transitions import ScalePhase
 
     def status(*states: str, ep_size: int = 4, phase=ScalePhase.DRAINING):
         return DeploymentStatus(3, ep_size, 6, phase, tuple(
@@ -198,22 +200,9 @@ def test_a_healthy_scale_down_is_not_degraded():
 
 
 def test_healthy_rank_dying_is_failed():
-    c = _coordinator(4)
-    g = c._groups["world"]
-    c._proc_dead(c._procs[2], "killed")
+    c, g = _service(4)
+    c.closed(2)
     assert g.states[2] == "failed" and g.transition.dead == {2}
-
-
-def _with_capacity(n_active: int, capacity: int):
-    """A coordinator whose WORLD has ``n_active`` healthy slots and free capacity above,
-    and a fake process for every slot."""
-    from elasticep.distributed.coordinator import _Proc
-
-    c = _coordinator(capacity)
-    c._groups["world"] = Group.create("world", list(range(capacity)), list(range(n_active)),
-                                      "complete", set())
-    c._procs[n_active] = _Proc(rank=n_active, pid=200, conn=_FakeConn(), groups={"world"})
-    return c, c._groups["world"]
 
 
 @pytest.mark.parametrize("loaded", ["joining", "ready"])
@@ -222,17 +211,18 @@ def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admissi
     """serve --ep-size 4 --max-ep-size 5, join scale --ranks 4, kill -9 it once registered
     (or ready), with or without POST 5 first: slot 4 is free capacity again, no failure
     epoch, not degraded, and a new scale joiner may take it."""
-    from elasticep.distributed.membership import state_after_death
-    from elasticep.distributed.scaling import ScaleTarget, check_join
-    from elasticep.distributed.status import DeploymentStatus, RankStatus
+    from elasticep.membership.scaling import ScaleTarget, check_join
+    from elasticep.membership.status import DeploymentStatus, RankStatus
+    from elasticep.membership.transitions import state_after_death
 
-    c, g = _with_capacity(4, 5)
-    g.set_state(4, SlotState.JOINING)
+    c, g = _service(5, active=[0, 1, 2, 3])  # rank 4 registered as a joiner
+    assert g.states[4] == SlotState.JOINING
     if loaded == "ready":
-        g.set_state(4, SlotState.READY)
+        _ok(c, 4, Ready("world", id=3))
+        assert g.states[4] == SlotState.READY
     if admission_asked:
         g.pending_admit.add(4)
-    c._proc_dead(c._procs[4], "killed")
+    c.closed(4)
     assert g.states == ["healthy"] * 4 + ["free"]
     assert g.transition is None and not g.pending_dead and not g.pending_admit
     # not degraded (with POST 5 first, the scale waits for a joiner: no slot has failed)
@@ -244,3 +234,23 @@ def test_scale_joiner_dying_before_admission_gives_its_slot_back(loaded, admissi
     assert state_after_death(SlotState.JOINING, False, False, SlotState.FAILED) == "failed"
     # an admitted member (or one the transition in flight admits) that dies has failed
     assert state_after_death(SlotState.READY, False, True, SlotState.FREE) == "failed"
+
+
+def test_every_request_type_has_one_handler_and_its_role():
+    """The service's handlers name the request they answer (no table of names): the 18
+    request types, rank requests only from ranks, launch records only from supervisors."""
+    from elasticep.membership import messages as m
+    from elasticep.membership.dispatch import Role, handler_table
+
+    table = handler_table(MembershipService(store_port=1))
+    requests = {t for t in m.message_types() if t not in (
+        m.RankHello, m.SupervisorHello, m.Heartbeat, m.Reply, m.HeartbeatAck, m.Announce,
+        m.Commit, m.Peer, m.Evicted)}
+    assert set(table) == requests and len(table) == 18
+    assert {t for t, (_h, role) in table.items() if role == Role.RANK} == {
+        m.Register, m.Ready, m.Recover, m.Deactivate, m.EpochReport, m.Ping}
+    assert {t for t, (_h, role) in table.items() if role == Role.SUPERVISOR} == {
+        m.RecordLaunch, m.ClearLaunch, m.Reserve, m.Release}
+    c, _g = _service(2)
+    sends = c.handle(SUP, Register("world", [0, 1], [0, 1], "complete", False, id=9))
+    assert [(s.conn, s.msg.ok, s.msg.code) for s in sends] == [(SUP, False, "malformed")]

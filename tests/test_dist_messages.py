@@ -8,10 +8,10 @@ import typing
 
 import pytest
 
-from elasticep.distributed import CoordinatorClient, start_coordinator
-from elasticep.distributed import messages as m
-from elasticep.distributed.membership import Decision, SlotState
-from elasticep.distributed.protocol import Connection, encode
+from elasticep.membership import CoordinatorClient, start_coordinator
+from elasticep.membership import messages as m
+from elasticep.membership.protocol import Connection, encode
+from elasticep.membership.transitions import Decision, SlotState
 
 _DECISION = Decision("failure", 3, (0, 1), (2,), 7, 8, {8: 0}, True, 9)
 _SAMPLES = {int: 5, str: "w", bool: True, float: 0.5, Decision: _DECISION,
@@ -21,7 +21,7 @@ _SAMPLES = {int: 5, str: "w", bool: True, float: 0.5, Decision: _DECISION,
 
 
 def _all_types() -> list[type[m.Message]]:
-    return [c for cs in m._BY_TAG.values() for c in cs]
+    return m.message_types()
 
 
 def _sample(cls: type[m.Message]) -> m.Message:

@@ -3,12 +3,12 @@
 import pytest
 from _dist_harness import Cluster
 
-import elasticep.distributed as ed
+import elasticep.membership as em
 
 
 @pytest.mark.timeout(60)
 def test_gather_scatter_reduce_with_hole():
-    coord = ed.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
+    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
     cl = Cluster(coord.address)
     try:
         for r in range(3):

@@ -8,14 +8,14 @@ import time
 import pytest
 from _dist_harness import Cluster
 
-import elasticep.distributed as ed
+import elasticep.membership as em
 
 
 @pytest.mark.timeout(60)
 def test_status_removal_and_reported_death():
-    coord = ed.start_coordinator(hb_interval_s=0.05, hb_timeout_s=8.0)
+    coord = em.start_coordinator(hb_interval_s=0.05, hb_timeout_s=8.0)
     cl = Cluster(coord.address)
-    client = ed.CoordinatorClient(coord.address)
+    client = em.CoordinatorClient(coord.address)
     try:
         for r in range(4):
             cl.start(r, "removal_loop", 4, duration_s=8.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
 
-from elasticep.distributed.membership import SlotState
+from elasticep.membership.transitions import SlotState
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,11 +18,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import AbortRequest, TokenOutput
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
+from elasticep.membership.status import DeploymentStatus
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from netns import TestNet, netns_hosts  # noqa: F401 - the module's test hosts
 
-from elasticep.distributed.membership import SlotState
+from elasticep.membership.transitions import SlotState
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.harness.load import Batch, make_client
 from elasticep_testkit.harness.serve_process import ServeProcess, cli_command

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from elasticep.config import DeploymentConfig
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.engine import limits as L
 from elasticep.engine.cuda_graph import capture_buckets
 from elasticep.eplb import initial_placement
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import SlotState
 from elasticep.models.config import load_model_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,21 +13,21 @@ from pathlib import Path
 import pytest
 
 import elasticep
-from elasticep.distributed.errors import JoinRefusedError, ScaleInProgressError
 from elasticep.distributed.gloo_device import gloo_devices
-from elasticep.distributed.membership import SlotState, scale_phase
-from elasticep.distributed.scaling import (
+from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
+from elasticep.entrypoints.serve_args import validate
+from elasticep.entrypoints.validate import UsageError
+from elasticep.membership.errors import JoinRefusedError, ScaleInProgressError
+from elasticep.membership.scaling import (
     Launch,
     ProcInfo,
     ScaleTarget,
     check_join,
     deployment_status,
 )
-from elasticep.distributed.status import DeploymentStatus, RankStatus
-from elasticep.entrypoints.cli import build_parser
-from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
-from elasticep.entrypoints.serve_args import validate
-from elasticep.entrypoints.validate import UsageError
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import SlotState, scale_phase
 from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -348,9 +348,10 @@ class FakeLauncher:
 def _supervise_once(launcher, restart: bool) -> list:
     """Two supervise iterations (the queued exits are drained in the first); returns
     the exits it saw, so a test knows the supervisor reached them."""
+    from elasticep.deploy.restart_policy import Policy, on_exit_for
     from elasticep.deploy.supervisor import supervise
 
-    seen = supervise(launcher, launcher.stop, restart=restart, poll_s=0.001)
+    seen = supervise(launcher, launcher.stop, Policy(on_exit_for(restart)), poll_s=0.001)
     assert launcher.polls == 3
     return seen
 
@@ -395,6 +396,7 @@ class PartitionedLauncher(FakeLauncher):
 
 def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers():
     from elasticep.deploy import RankExit
+    from elasticep.deploy.restart_policy import OnExit, Policy, Until
     from elasticep.deploy.supervisor import supervise
 
     launcher = PartitionedLauncher({0: "healthy", 1: "healthy", 2: "failed", 3: "failed"},
@@ -402,8 +404,8 @@ def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers()
     launcher.node = 1
     launcher.exits.put(RankExit(2, 12, 3))  # both stopped on the lost coordinator
     launcher.exits.put(RankExit(3, 13, 3))
-    seen = supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
-                     poll_s=0.001, coordinator_timeout_s=30)
+    seen = supervise(launcher, launcher.stop, Policy(OnExit.RELAUNCH, Until.ALL_EXITED,
+                                                     coordinator_timeout_s=30), poll_s=0.001)
     assert [ex.rank for ex in seen] == [2, 3]
     assert launcher.spawned == [(2, "recover"), (3, "recover")]  # once it answered
     assert launcher.polls == 6
@@ -411,20 +413,21 @@ def test_ranks_lost_to_a_partition_are_relaunched_when_the_coordinator_answers()
     # without --restart-failed-ranks nothing is relaunched: the node returns at once
     launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=5)
     launcher.exits.put(RankExit(2, 12, 3))
-    supervise(launcher, launcher.stop, restart=False, until_all_exited=True, poll_s=0.001)
+    supervise(launcher, launcher.stop, Policy(OnExit.LOG, Until.ALL_EXITED), poll_s=0.001)
     assert launcher.spawned == [] and launcher.polls == 1
 
 
 def test_a_node_gives_up_on_a_coordinator_that_stays_unreachable():
     from elasticep.deploy import RankExit
+    from elasticep.deploy.restart_policy import OnExit, Policy, Until
     from elasticep.deploy.supervisor import CoordinatorUnreachableError, supervise
 
     launcher = PartitionedLauncher({2: "failed"}, {}, down_polls=None)
     launcher.exits.put(RankExit(2, 12, 3))
     with pytest.raises(CoordinatorUnreachableError, match=r"no coordinator answered at "
                        r"--dist-init-addr 127.0.0.1:29400 within 0.2 s"):
-        supervise(launcher, launcher.stop, restart=True, until_all_exited=True,
-                  poll_s=0.01, coordinator_timeout_s=0.2)
+        supervise(launcher, launcher.stop, Policy(OnExit.RELAUNCH, Until.ALL_EXITED,
+                                                  coordinator_timeout_s=0.2), poll_s=0.01)
     assert launcher.spawned == []
 
 
@@ -544,7 +547,7 @@ def test_join_refuses_slots_being_joined_or_outside_ep_size():
 def coordinator():
     from elasticep.config import DeploymentConfig
     from elasticep.deploy import publish_config
-    from elasticep.distributed import start_coordinator
+    from elasticep.membership import start_coordinator
 
     coord = start_coordinator()
     publish_config(coord.address, DeploymentConfig(model="demo", ep_size=4, max_ep_size=6))
@@ -554,18 +557,18 @@ def coordinator():
 
 def _with_world(coord, states: list[str]) -> None:
     """Give the coordinator a WORLD group in these slot states (no worker processes)."""
-    from elasticep.distributed.registry import Group
+    from elasticep.membership.registry import Group
 
     g = Group("world", list(range(len(states))), _states(*states), "complete")
     g.active = {s for s, st in enumerate(states) if st == "healthy"}
     with coord._lock:
-        coord._groups["world"] = g
+        coord.service._groups["world"] = g  # no worker processes to register it
 
 
 def test_shrink_frees_failed_slots_above_the_target(coordinator):
     """6 -> 4 while slot 4 is failed: slot 4 is free capacity (not failed), the
     deployment is not degraded, and growing again takes it with `join scale`."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy"] * 6)
     c = CoordinatorClient(coordinator.address)
@@ -586,7 +589,7 @@ def test_shrink_frees_failed_slots_above_the_target(coordinator):
 def test_join_reservation_is_exclusive_and_released(coordinator):
     """Claims are the coordinator's, per connection: exclusive, all or none, gone with
     the connection that held them (a `join` that died leaves nothing behind)."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy", "healthy", "failed", "failed", "free", "free"])
     a, b = CoordinatorClient(coordinator.address), CoordinatorClient(coordinator.address)
@@ -609,7 +612,7 @@ def test_join_reservation_is_exclusive_and_released(coordinator):
 
 def test_scale_through_the_coordinator(coordinator):
     """The target lives in the coordinator: a scale there is what `join` checks against."""
-    from elasticep.distributed import CoordinatorClient
+    from elasticep.membership import CoordinatorClient
 
     _with_world(coordinator, ["healthy"] * 4 + ["free", "free"])
     c = CoordinatorClient(coordinator.address)
@@ -653,8 +656,8 @@ def test_join_success_needs_our_own_worker():
 
 def test_join_cli_refuses_a_slot_another_join_holds(capsys, coordinator):
     """Two `join`s of one slot: the second is refused (exit 2, one line) before launching."""
-    from elasticep.distributed import CoordinatorClient
     from elasticep.entrypoints import join_cmd
+    from elasticep.membership import CoordinatorClient
 
     args = build_parser().parse_args(["join", "--dist-init-addr", coordinator.address,
                                       "--elastic-ep-join-mode", "recover", "--ranks", "2"])
@@ -857,8 +860,8 @@ def test_a_node_run_again_over_its_held_slots_is_refused_with_the_join_that_work
 def test_a_stalled_startup_names_the_ranks_still_waited_for(tmp_path):
     """A rank frozen while loading blocks start-up (no deadline: loads can be long);
     serve then names it, with its state, pid and where the logs are."""
-    from elasticep.distributed.status import DeploymentStatus
     from elasticep.entrypoints.serve_cmd import stalled_startup_message
+    from elasticep.membership.status import DeploymentStatus
 
     status = DeploymentStatus.from_dict(
         {"epoch": 0, "ep_size": 3, "max_ep_size": 3, "scale_phase": "idle",
@@ -874,8 +877,8 @@ def test_wait_ready_notes_a_stall_then_returns_once_every_rank_is_routable(monke
     import threading
     from types import SimpleNamespace
 
-    from elasticep.distributed.status import DeploymentStatus
     from elasticep.entrypoints import serve_cmd
+    from elasticep.membership.status import DeploymentStatus
 
     monkeypatch.setattr(serve_cmd, "STALL_NOTE_S", 0.3)
     polls = [0]

@@ -22,7 +22,7 @@ import openai
 import pytest
 from _serve_fixtures import MAX_TOKENS, PROMPTS, burst, start_serve, stream
 
-from elasticep.distributed.membership import SlotState
+from elasticep.membership.transitions import SlotState
 
 pytestmark = pytest.mark.timeout(420)
 

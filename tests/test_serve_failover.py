@@ -26,8 +26,8 @@ from _serve_fixtures import (
     stream,
 )
 
-from elasticep.distributed.membership import ScalePhase, SlotState
-from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import ScalePhase, SlotState
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.harness.serve_process import Joiner

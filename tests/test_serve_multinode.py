@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from _serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, burst, prompts, start_serve
 
-from elasticep.distributed.membership import SlotState
+from elasticep.membership.transitions import SlotState
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.harness.serve_process import cli_command, free_port

@@ -32,10 +32,10 @@ from typing import Any
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
-from elasticep.distributed import Coordinator, start_coordinator
-from elasticep.distributed.membership import ACTIVE_STATES, SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import WorkerHello
+from elasticep.membership import Coordinator, start_coordinator
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import ACTIVE_STATES, SlotState
 from elasticep.utils.procs import kill_pids, pid_alive
 from elasticep.utils.wait import wait_until
 

@@ -23,18 +23,19 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from elasticep.config import DeploymentConfig, WorkerConfig
-from elasticep.distributed import CoordinatorClient
-from elasticep.distributed.client import ReconnectingClient
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.membership.client import CoordinatorClient, ReconnectingClient
+from elasticep.membership.status import DeploymentStatus
 from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +132,12 @@ class RankLauncher:
             self.log_dir.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ records
-    def _record(self, method: str, rank: int, *args: int) -> None:
+    def _record(self, what: str, rank: int,
+                request: Callable[[CoordinatorClient], None]) -> None:
         try:
-            self.call(method, rank, *args)
+            self.call(request)
         except (ValueError, OSError, TimeoutError) as exc:  # the coordinator went away
-            logger.debug("%s: could not %s of rank %d: %s", self.label, method, rank, exc)
+            logger.debug("%s: could not %s of rank %d: %s", self.label, what, rank, exc)
 
     # ------------------------------------------------------------------ workers
     def spawn(self, rank: int, join_mode: str | None = None, fault: str | None = None) -> int:
@@ -161,7 +163,8 @@ class RankLauncher:
             subprocess.Popen, cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=None if log is None else subprocess.STDOUT,
             start_new_session=self.new_session).result()
-        self._record("record_launch", rank, self.node, proc.pid)
+        self._record("record_launch", rank,
+                     lambda c: c.record_launch(rank, self.node, proc.pid))
         with self._lock:
             self.procs[rank] = proc
             self._unreported += 1
@@ -181,7 +184,7 @@ class RankLauncher:
     def _report_exit(self, rank: int, proc: subprocess.Popen, code: int) -> None:
         # to the coordinator first (which may take a call timeout when it is
         # unreachable), so that a relaunch never races the old worker's slot
-        self._record("clear_launch", rank, proc.pid)
+        self._record("clear_launch", rank, lambda c: c.clear_launch(rank, proc.pid))
         with self._lock:
             self.exit_codes.setdefault(rank, []).append(code)
             stopping = self._stopping
@@ -191,7 +194,7 @@ class RankLauncher:
                    rank, proc.pid, code,
                    " after a planned removal" if code == ExitCode.REMOVED else "")
         try:
-            self.call("report_death", rank, pid=proc.pid)
+            self.call(lambda c: c.report_death(rank, pid=proc.pid))
         except (ValueError, OSError, TimeoutError) as exc:
             logger.warning("%s: could not report rank %d's exit: %s", self.label, rank, exc)
         self.exits.put(RankExit(rank, proc.pid, code))
@@ -234,27 +237,27 @@ class RankLauncher:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     # ------------------------------------------------------------------ coordinator
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``CoordinatorClient.<method>(*args, **kwargs)``, one request at a time; after
-        a partition or a lost connection the next call reconnects.
+    def call(self, request: Callable[[CoordinatorClient], T]) -> T:
+        """``request(client)`` on this launcher's coordinator client, one request at a
+        time; after a partition or a lost connection the next call reconnects.
 
         Raises:
             ConnectionError / TimeoutError / OSError: the coordinator is unreachable.
             ValueError: it refused the request (``MembershipRequestError``).
         """
-        return self._client.call(method, *args, **kwargs)
+        return self._client.call(request)
 
     def request_admission(self, ranks: list[int]) -> None:
         """Ask the active ranks to admit these slots once their joiners are ready."""
-        self.call("request_admission", ranks)
+        self.call(lambda c: c.request_admission(ranks))
 
     def coordinator_status(self) -> dict[str, Any]:
         """The coordinator's raw group records (``CoordinatorClient.status``)."""
-        return self.call("status")
+        return self.call(CoordinatorClient.status)
 
     def deployment_status(self) -> DeploymentStatus:
         """The deployment's membership (``CoordinatorClient.deployment_status``)."""
-        return self.call("deployment_status")
+        return self.call(CoordinatorClient.deployment_status)
 
     # ------------------------------------------------------------------ shutdown
     def detach(self) -> None:

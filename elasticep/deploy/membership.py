@@ -2,7 +2,7 @@
 ``none`` backends differ for everything above the workers.
 
 * ``elastic``: the coordinator owns all membership (slot states, pids, epochs, the
-  target size and the scale phase, ``distributed/scaling.py``);
+  target size and the scale phase, ``membership/scaling.py``);
   :class:`CoordinatorMembership` keeps one connection to it for the front-end's threads.
 * ``none``: :class:`LaunchedRanks`, from the launcher's own processes.
 
@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elasticep.deploy.launcher import RankLauncher
-from elasticep.distributed.client import ReconnectingClient
-from elasticep.distributed.errors import ScaleNotSupportedError
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus, RankStatus
 from elasticep.engine.ipc import WorkerHello, is_routable
+from elasticep.membership.client import CoordinatorClient, ReconnectingClient
+from elasticep.membership.errors import ScaleNotSupportedError
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import SlotState
 
 
 class CoordinatorMembership:
@@ -41,7 +41,7 @@ class CoordinatorMembership:
         Raises:
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
-        return self._client.call("deployment_status")
+        return self._client.call(CoordinatorClient.deployment_status)
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Make ``new_ep_size`` the target (see :meth:`CoordinatorClient.scale`).
@@ -51,7 +51,7 @@ class CoordinatorMembership:
             ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
-        return self._client.call("scale", new_ep_size)
+        return self._client.call(lambda c: c.scale(new_ep_size))
 
     def close(self) -> None:
         """Close the coordinator connection."""

@@ -13,8 +13,8 @@ import socket
 import threading
 import time
 
-from elasticep.distributed import CoordinatorClient
-from elasticep.distributed.protocol import parse_address
+from elasticep.membership import CoordinatorClient
+from elasticep.membership.protocol import parse_address
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,12 @@
 """Fault-tolerant elastic process groups (the "elastic" torch.distributed backend).
 
 Importing this package registers the backend "elastic". Membership lives in a
-coordinator process (`start_coordinator`); each group runs its ops on a real inner
-ProcessGroupGloo per epoch, and CUDA tensors on an inner ProcessGroupNCCL of the same
+coordinator process (`elasticep.membership.start_coordinator`); each group runs its ops
+on a real inner ProcessGroupGloo per epoch, and CUDA tensors on an inner ProcessGroupNCCL of the same
 epoch (`nccl_inner`: polled waits, abort on a failure commit, the previous
 communicator shrunk or a fresh one per epoch). `all_to_all_single` is the data path's
-entry that skips torch.distributed's dispatch in steady state. Nothing else from elasticep is imported here.
+entry that skips torch.distributed's dispatch in steady state. Of elasticep it imports
+only `elasticep.membership` (the messages, the slot states, the errors).
 
 Engine-facing semantics (WORLD created with on_failure="raise")
 ----------------------------------------------------------------
@@ -55,8 +56,8 @@ Engine-facing semantics (WORLD created with on_failure="raise")
   rank before admission) or has destroyed raises ValueError. WORLD may be destroyed
   and initialised again in one process: the control connection is kept, and a group
   created again under a name this process shut down is registered as a new group.
-* Supervisor side (launcher / front-end): `CoordinatorClient(address)` with `status()`
-  (epoch, per-slot states, pids), `report_death(rank, pid)` (waitpid), and
+* Supervisor side (launcher / front-end): `elasticep.membership.CoordinatorClient(address)`
+  with `status()` (epoch, per-slot states, pids), `report_death(rank, pid)` (waitpid), and
   `request_admission` / `request_deactivation`, which ranks read with
   `get_pending_requests(group)` and apply at an agreed step boundary.
 * Performance: ranks sharing cores should `torch.set_num_threads(cores // ranks)`;
@@ -68,6 +69,15 @@ Engine-facing semantics (WORLD created with on_failure="raise")
 """
 
 import torch.distributed as _dist
+
+from elasticep.membership.errors import (
+    CoordinatorLostError,
+    ElasticError,
+    EpochChangedError,
+    RankEvictedError,
+    RankFailureError,
+    RankRemovedError,
+)
 
 from .api import (
     BackendOptions,
@@ -86,37 +96,17 @@ from .api import (
     recover_ranks,
     store_client,
 )
-from .client import CoordinatorClient
-from .errors import (
-    CoordinatorLostError,
-    ElasticError,
-    EpochChangedError,
-    RankEvictedError,
-    RankFailureError,
-    RankRemovedError,
-)
 from .process_group import ElasticProcessGroup
-
-
-def __getattr__(name: str):
-    # Lazy, so `python -m elasticep.distributed.coordinator` does not import it twice.
-    if name in ("Coordinator", "start_coordinator"):
-        from . import coordinator
-
-        return getattr(coordinator, name)
-    raise AttributeError(name)
-
 
 if "elastic" not in _dist.Backend.backend_list:
     _dist.Backend.register_backend("elastic", _create_backend, extended_api=True,
                                    devices=["cpu"])
 
 __all__ = [
-    "BackendOptions", "Coordinator", "all_to_all_single", "CoordinatorClient", "CoordinatorLostError",
+    "BackendOptions", "all_to_all_single", "CoordinatorLostError",
     "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
     "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",
     "group_diagnostics", "store_client",
     "has_pending_change", "init_process_group", "join_group", "recover_ranks",
-    "start_coordinator",
 ]

@@ -13,11 +13,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elasticep.membership.messages import Deactivate, Ready, Recover, Register
+from elasticep.membership.protocol import parse_address
+from elasticep.membership.transitions import ACTIVE_STATES, OnFailure, SlotState
+
 from .control import RankControl
-from .membership import ACTIVE_STATES, SlotState
-from .messages import Deactivate, Ready, Recover, Register
 from .process_group import ElasticProcessGroup
-from .protocol import parse_address
 from .state import GroupState
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ELASTICEP_DIST_TIMEOUT_S", "60"))
@@ -48,20 +49,20 @@ class BackendOptions:
     active_ranks: torch.Tensor | None = None
     is_extension: bool = False
     max_group_size: int | None = None
-    on_failure: str = "complete"
+    on_failure: OnFailure = OnFailure.COMPLETE
     unique_name: str | None = None
     global_ranks: list[int] | None = None
 
     def __init__(self, active_ranks: torch.Tensor | None = None, is_extension: bool = False,
-                 max_group_size: int | None = None, *, on_failure: str = "complete",
+                 max_group_size: int | None = None, *, on_failure: str = OnFailure.COMPLETE,
                  unique_name: str | None = None, global_ranks: list[int] | None = None) -> None:
-        if on_failure not in ("complete", "raise"):
+        if on_failure not in tuple(OnFailure):
             raise ValueError(f"on_failure must be 'complete' or 'raise', got {on_failure!r}")
         if active_ranks is not None and active_ranks.dtype != torch.int32:
             raise ValueError("active_ranks must be an int32 tensor")
         self.active_ranks, self.is_extension = active_ranks, is_extension
         self.max_group_size, self.on_failure, self.unique_name = (
-            max_group_size, on_failure, unique_name)
+            max_group_size, OnFailure(on_failure), unique_name)
         self.global_ranks = None if global_ranks is None else [int(r) for r in global_ranks]
 
 
@@ -277,7 +278,7 @@ def group_diagnostics(group=None) -> dict:
     """
     gs = _gs(group)
     return {"epoch": gs.epoch, "fast_path": gs._fast is not None,
-            "counters": dict(gs.counters), "nccl_timings": gs.nccl_timings()}
+            "counters": dict(gs.counters), "nccl_timings": gs.comms.nccl_timings()}
 
 
 def get_peer_state(group, ranks: list[int]) -> list[bool]:

@@ -34,9 +34,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from . import messages as m
-from .errors import CoordinatorLostError, RankEvictedError
-from .protocol import Connection, connect
+from elasticep.membership import messages as m
+from elasticep.membership.errors import CoordinatorLostError, RankEvictedError
+from elasticep.membership.protocol import Connection, connect
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailureError
+from elasticep.membership.errors import RankFailureError
+from elasticep.membership.transitions import SlotState
+
 from .gloo_device import new_gloo_group
-from .membership import SlotState
 from .ops import _bytes
 from .reaper import join_at_exit
 
@@ -103,7 +104,7 @@ class P2PWork(dist.Work):
 
     def _check_peer(self, deadline: float, why: str = "") -> None:
         gs = self.channel.gs
-        gs._check_alive()
+        gs.check_alive()
         if gs.states[self.peer] in _GONE or self.channel.stale():
             raise RankFailureError([self.peer], gs.epoch, gs.name)
         if time.monotonic() > deadline:

@@ -1,6 +1,6 @@
 """Rank-side state of one elastic group: sequence numbers, kept results, epochs.
 
-Consistency protocol (see `membership` for the decision itself):
+Consistency protocol (see `elasticep.membership.transitions` for the decision itself):
 
 * Every collective takes the next sequence number ``seq``. Its inner op runs on the
   inner Gloo group of the epoch that covers ``seq`` (`_epoch_for`).
@@ -15,7 +15,6 @@ Consistency protocol (see `membership` for the decision itself):
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -25,14 +24,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import messages as m
-from . import nccl_inner
-from .epoch_groups import EpochGroups, Superseded
-from .errors import CoordinatorLostError, RankEvictedError, RankFailureError, RankRemovedError
-from .membership import Decision, SlotState, local_action
+from elasticep.membership import errors
+from elasticep.membership import messages as m
+from elasticep.membership.transitions import (
+    Decision,
+    OnFailure,
+    OpAction,
+    SlotState,
+    TransitionKind,
+    local_action,
+)
+
+from . import kept, nccl_inner
+from .epoch_groups import EpochComms, Superseded
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
 from .p2p import PeerChannels
-from .reaper import reap
 
 log = logging.getLogger(__name__)
 KEEP = 4
@@ -61,7 +67,7 @@ class GroupState:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
         self.new_store, self._on_close = new_store, on_close
         self.closed = False
-        self.on_failure: str = reg["on_failure"]
+        self.on_failure = OnFailure(reg["on_failure"])
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.epoch: int = reg["epoch"]
@@ -79,7 +85,7 @@ class GroupState:
         self.declared_dead = False
         self.joined = not joining
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, self.epoch, self.active)]
-        self._inner: dict[int, EpochGroups] = {}
+        self.comms = EpochComms(self)  # every epoch's inner groups
         # Tests set this to delay marking the next completed op, so that other survivors
         # finish it first (exercises the fetch-from-donor path deterministically).
         self._test_hold_s = 0.0
@@ -87,18 +93,15 @@ class GroupState:
         # Set by the first CUDA op: from then on every epoch's inner group also builds
         # its NCCL communicator as soon as the epoch commits (overlapping the decision).
         self.cuda_device: torch.device | None = None
-        self.nccl_comms: dict[int, NcclComm] = {}  # epoch -> comm (released ones kept for timings)
         # The communicator stream-ordered all_to_alls may use without `run`'s bookkeeping
         # (see `fast_all_to_all`); any announce or commit clears it.
         self._fast: NcclComm | None = None
         # ops by route, for benchmarks and logs: fast (fast_all_to_all launched it),
         # run (went through `run`), lease_confirms (a coordinator round trip in `run`)
         self.counters = {"fast": 0, "run": 0, "lease_confirms": 0}
-        # epoch -> (previous epoch's communicator, its ranks that left): to shrink
-        self._shrink_from: dict[int, tuple[NcclComm, list[int]]] = {}
         self.peers = PeerChannels(self)  # send/recv
         if self.joined and slot in self.active:
-            self._inner_for(self.epoch, self.active)
+            self.comms.for_epoch(self.epoch, self.active)
 
     # ------------------------------------------------------------------ control thread
     def on_push(self, msg: m.GroupPush) -> None:
@@ -132,8 +135,9 @@ class GroupState:
             self._fast = None
             self.epoch, self.active, self.states = d.epoch, d.active, list(states)
             self._set_mask()
-            parent = self._shrink_parent(d) if was_member and self.slot in d.active else None
-            if d.kind == "failure" and was_member:
+            parent = (self.comms.shrink_parent(d) if was_member and self.slot in d.active
+                      else None)
+            if d.kind == TransitionKind.FAILURE and was_member:
                 # (A relaunched process for a dead slot is not a member: never evict it.)
                 if self.slot in d.dead:
                     self.declared_dead = True
@@ -141,10 +145,7 @@ class GroupState:
                 # A survivor's NCCL kernel with a dead peer never ends: abort it now, off
                 # this thread, while the next epoch's communicator is being built (the
                 # one the next epoch shrinks, if any, is aborted by that shrink).
-                for e, inner in self._inner.items():
-                    if (e < d.epoch and inner.nccl is not None and inner.nccl is not parent
-                            and not inner.nccl.idle()):
-                        inner.nccl.abort_async()
+                self.comms.abort_below(d.epoch, keep=parent)
                 self.failure_gen += 1
                 publish = [(s, self.kept[s]) for s, donor in d.donors.items()
                            if donor == self.slot and s in self.kept]
@@ -158,12 +159,9 @@ class GroupState:
         log.info("epoch %d rank %d group %s: commit %s active=%s", d.epoch, self.slot,
                  self.name, d.kind, list(d.active))
         for seq, result in publish:
-            buf = io.BytesIO()
-            # CPU copies: a CUDA tensor would load onto the donor's device index.
-            torch.save([t.cpu() for t in result], buf)
-            self.store.set(self._kept_key(d.epoch, seq), buf.getvalue())
+            kept.publish(self.store, kept.key(self.name, d.epoch, seq), result)
         if self.joined and self.slot in d.active:
-            self._inner_for(d.epoch, d.active)
+            self.comms.for_epoch(d.epoch, d.active)
 
     def on_lost(self) -> None:
         with self.cond:
@@ -186,34 +184,36 @@ class GroupState:
                 self._wait_quiet(deadline)
                 seq = self.next_seq
                 if self.removed_at is not None and seq >= self.removed_at:
-                    raise RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
-                action, d = "run", self.failure
+                    raise errors.RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
+                action, d = OpAction.RUN, self.failure
                 if d is not None:
                     action = local_action(d, seq, op.fetchable, op.redoable(self._epoch_for(
                         seq)[1]), self.on_failure)
-                    if action in ("done", "run"):
-                        self.failure, action = None, "run"
-                    elif action == "raise":
+                    if action in (OpAction.DONE, OpAction.RUN):
+                        self.failure, action = None, OpAction.RUN
+                    elif action == OpAction.RAISE:
                         self.failure = None
                         self.next_seq, self.last, self.started = d.base, d.base - 1, d.base - 1
                         self.kept.clear()
                         log.warning("epoch %d rank %d group %s: op %d (%s) raises", d.epoch,
                                     self.slot, self.name, seq, op.kind)
-                        raise RankFailureError(list(d.dead), d.epoch, self.name)
+                        raise errors.RankFailureError(list(d.dead), d.epoch, self.name)
                 self.started = seq
                 gen = self.failure_gen
                 epoch, active = self._epoch_for(seq)
             dev = comm = None
             try:
-                if action == "fetch":
-                    result = self._fetch(d.epoch, seq, gen, deadline)
+                if action == OpAction.FETCH:
+                    result = kept.fetch(self.store, kept.key(self.name, d.epoch, seq),
+                                        lambda g=gen: self.check_gen(g), deadline,
+                                        f"rank {self.slot}: kept result of op {seq}")
                 else:
                     if epoch != self._used_epoch:  # first op of a new epoch on this rank
-                        self._reap_below(epoch)
+                        self.comms.reap_below(epoch)
                         self._used_epoch = epoch
-                    inner = self._inner.get(epoch)  # fast path: built and ready
-                    if inner is None or not inner.ready.is_set() or inner.pg is None:
-                        inner = self._inner_for(epoch, active).get(self, gen, deadline)
+                    inner = self.comms.ready(epoch)  # fast path: built and ready
+                    if inner is None:
+                        inner = self.comms.for_epoch(epoch, active).get(self, gen, deadline)
                     dev = cuda_device_of(op)
                     if dev is None:
                         work, finalize = op.start(inner.pg, active)
@@ -226,7 +226,7 @@ class GroupState:
                         if self._stream_ordered(op):
                             work.wait()  # stream-ordered: no host wait (see nccl_inner)
                         else:
-                            wait_cuda_work(work, lambda g=gen: self._check_gen(g), deadline,
+                            wait_cuda_work(work, lambda g=gen: self.check_gen(g), deadline,
                                            f"rank {self.slot} group {self.name!r} op {seq}")
                     result = finalize()
                     if self._test_hold_s:  # failure injection: finish late, once
@@ -251,7 +251,7 @@ class GroupState:
                     if self.failure_gen != gen:
                         continue  # a decision arrived while we confirmed: as above
                 self.last, self.next_seq = seq, seq + 1
-                if (dev is not None and action == "run" and epoch == self.epoch
+                if (dev is not None and action == OpAction.RUN and epoch == self.epoch
                         and len(active) == len(self.ranks) and self._stream_ordered(op)):
                     self._fast = comm
                 if op.fetchable:
@@ -300,7 +300,7 @@ class GroupState:
 
     def _stream_ordered(self, op) -> bool:
         """True if a CUDA `op` is waited on by the caller's stream, not the host."""
-        return (not op.fetchable and self.on_failure == "raise"
+        return (not op.fetchable and self.on_failure == OnFailure.RAISE
                 and nccl_inner.ASYNC_UNFETCHABLE)
 
     def check_member(self, what: str) -> None:
@@ -322,7 +322,7 @@ class GroupState:
             self.cond.notify_all()
         self.ctl.detach(self.name)
         self.peers.close()
-        self._reap_below(1 << 62)  # every epoch
+        self.comms.reap_below(1 << 62)  # every epoch
         if self._on_close is not None:
             self._on_close()
 
@@ -335,7 +335,7 @@ class GroupState:
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while not pred():
-                self._check_alive()
+                self.check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"rank {self.slot} group {self.name!r}: {what} did not "
@@ -343,18 +343,20 @@ class GroupState:
                 self.cond.wait(min(left, 0.05))
 
     # ------------------------------------------------------------------ helpers
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise RankEvictedError (this rank was evicted or declared failed) or
+        CoordinatorLostError (the control connection broke); call with the lock held."""
         if self.declared_dead or self.ctl.evicted:
-            raise RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
+            raise errors.RankEvictedError(f"rank {self.slot} of {self.name!r} was evicted "
                                    f"({self.ctl.evicted or 'declared failed'}); epoch {self.epoch}")
         if self.ctl.lost:
-            raise CoordinatorLostError(f"rank {self.slot} of {self.name!r}: "
+            raise errors.CoordinatorLostError(f"rank {self.slot} of {self.name!r}: "
                                        f"{self.ctl.lost_reason}; epoch {self.epoch}")
 
     def _wait_quiet(self, deadline: float) -> None:
         """Wait (lock held) until no transition is pending. Raises on eviction/timeout."""
         while True:
-            self._check_alive()
+            self.check_alive()
             if self.pending is None:
                 return
             left = deadline - time.monotonic()
@@ -368,19 +370,13 @@ class GroupState:
                    default=self.epochs[0])
         return best[1], best[2]
 
-    def _check_gen(self, gen: int) -> None:
-        """Raise if this rank left the group or a newer failure decision arrived."""
+    def check_gen(self, gen: int) -> None:
+        """Raise as `check_alive` does, or `Superseded` if a failure decision newer than
+        ``gen`` (a `failure_gen` value) arrived."""
         with self.cond:
-            self._check_alive()
+            self.check_alive()
             if self.failure_gen != gen:
                 raise Superseded
-
-    def nccl_timings(self) -> dict[int, dict]:
-        """Per epoch: seconds to build + warm its NCCL comm, and to abort it (None: not),
-        and how it was built ("shrink" of the previous epoch's, or "init")."""
-        return {e: {"built_s": c.built_s, "abort_s": c.abort_s, "aborted": c.aborted,
-                    "how": c.how}
-                for e, c in sorted(self.nccl_comms.items())}
 
     def _wait_work(self, work, gen: int, deadline: float) -> None:
         while True:
@@ -389,55 +385,13 @@ class GroupState:
                 return
             except Exception:
                 errored = work.is_completed()
-            self._check_gen(gen)
+            self.check_gen(gen)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.slot} group {self.name!r}: op timed out "
                                    f"(epoch {self.epoch})")
             if errored:  # the inner group broke: wait for the coordinator's decision
                 with self.cond:
                     self.cond.wait(0.05)
-
-    def _fetch(self, epoch: int, seq: int, gen: int, deadline: float) -> list[torch.Tensor]:
-        key = self._kept_key(epoch, seq)
-        while True:
-            try:
-                self.store.wait([key], SLICE)
-                break
-            except Exception:
-                pass
-            self._check_gen(gen)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.slot}: kept result of op {seq} never arrived")
-        return torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
-
-    def _kept_key(self, epoch: int, seq: int) -> str:
-        return f"elastic/{self.name}/e{epoch}/kept/{seq}"
-
-    def _inner_for(self, epoch: int, active: tuple[int, ...]) -> EpochGroups:
-        with self.cond:
-            inner = self._inner.get(epoch)
-            if inner is None:
-                inner = EpochGroups(self, epoch, active)
-                self._inner[epoch] = inner
-            return inner
-
-    def _shrink_parent(self, d: Decision) -> NcclComm | None:
-        """The newest earlier epoch's communicator if `d` only removes members (lock held);
-        recorded so that `d`'s epoch shrinks it instead of building a fresh one."""
-        prev = max((e for e in self._inner if e < d.epoch), default=None)
-        inner = self._inner.get(prev) if prev is not None else None
-        if inner is None or inner.nccl is None or not set(d.active) < set(inner.active):
-            return None
-        self._shrink_from[d.epoch] = (inner.nccl, [i for i, s in enumerate(inner.active)
-                                                   if s not in d.active])
-        return inner.nccl
-
-    def _reap_below(self, epoch: int) -> None:
-        """Hand inner groups older than `epoch` (no longer used by this rank) to the reaper."""
-        with self.cond:
-            old = [self._inner.pop(e) for e in list(self._inner) if e < epoch]
-        for inner in old:
-            reap(inner)
 
     def _set_mask(self) -> None:
         m = torch.zeros(self.mask.numel(), dtype=self.mask.dtype)

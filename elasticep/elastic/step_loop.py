@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
-from elasticep.distributed.membership import SlotState
 from elasticep.elastic import placement_sync
 from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.exchange_watchdog import StepWatchdog
@@ -53,6 +52,7 @@ from elasticep.engine.serve_loop import apply_messages
 from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
+from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.ipc_exchange import IpcExchange
 

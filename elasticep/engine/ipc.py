@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger(__name__)
 

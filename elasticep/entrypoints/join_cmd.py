@@ -27,11 +27,8 @@ import threading
 
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
+from elasticep.deploy.restart_policy import OnExit, Policy, Until
 from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
-from elasticep.distributed import CoordinatorClient
-from elasticep.distributed.errors import JoinRefusedError
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.entrypoints.deployment_args import add_load_format_argument
 from elasticep.entrypoints.serve_cmd import setup_logging
@@ -46,6 +43,10 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     raise_first_failure,
 )
+from elasticep.membership import CoordinatorClient
+from elasticep.membership.errors import JoinRefusedError
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.join")
 
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         if args.detach:
             detached = True  # the finally below hands the members over
             return 0 if len(joined) == len(ranks) else 1
-        exits = supervise(deployment, stop, restart=False, until_all_exited=True)
+        exits = supervise(deployment, stop, Policy(OnExit.LOG, Until.ALL_EXITED))
         if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
             if reason:

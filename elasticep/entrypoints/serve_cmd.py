@@ -23,16 +23,14 @@ from tqdm import tqdm
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
+from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
 from elasticep.deploy.supervisor import (
     CoordinatorUnreachableError,
     StopEvent,
     exit_status,
-    recover_command,
     stop_on_signals,
     supervise,
 )
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.ipc import FrontendChannel, is_routable
@@ -44,6 +42,8 @@ from elasticep.entrypoints.serve_args import (
 )
 from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler, make_log_dir
 from elasticep.frontend.http_server import create_server
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -144,8 +144,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
-        exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
-                          stop_on_exit=fatal)
+        exits = supervise(deployment, stop, Policy(on_exit_for(
+            settings.restart_failed_ranks, deployment.fault_tolerant)))
         if fatal and exits:
             ex = exits[-1]
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
@@ -312,9 +312,9 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
               f"{address}", flush=True)
         fatal = not deployment.fault_tolerant
         try:
-            exits = supervise(deployment, stop, restart=settings.restart_failed_ranks,
-                              until_all_exited=True, stop_on_exit=fatal,
-                              coordinator_timeout_s=settings.coordinator_timeout_s)
+            exits = supervise(deployment, stop, Policy(
+                on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
+                Until.ALL_EXITED, coordinator_timeout_s=settings.coordinator_timeout_s))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)

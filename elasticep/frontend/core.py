@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus
 from elasticep.engine.ipc import (
     FrontendChannel,
     IpcError,
@@ -46,6 +44,8 @@ from elasticep.frontend.request_tracker import (
     RequestTracker,
     Send,
 )
+from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.transitions import SlotState
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)

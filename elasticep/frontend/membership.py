@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elasticep.distributed.errors import (
+from elasticep.engine.ipc import WorkerHello
+from elasticep.membership.errors import (
     ScaleInProgressError,
     ScaleNotSupportedError,
     ScaleRefusedError,
 )
-from elasticep.distributed.membership import SlotState
-from elasticep.distributed.status import DeploymentStatus, RankStatus
-from elasticep.engine.ipc import WorkerHello
+from elasticep.membership.status import DeploymentStatus, RankStatus
+from elasticep.membership.transitions import SlotState
 
 __all__ = ["ConnectedWorkers", "MembershipSource", "ScaleInProgressError",
            "ScaleNotSupportedError", "ScaleRefusedError"]
@@ -28,7 +28,7 @@ class MembershipSource(Protocol):
     """The membership as the coordinator sees it.
 
     ``status()`` returns the ``/elastic_ep_status`` shape as a
-    :class:`~elasticep.distributed.status.DeploymentStatus`; ``running_requests`` per
+    :class:`~elasticep.membership.status.DeploymentStatus`; ``running_requests`` per
     rank is filled in by the front-end. Both methods may block briefly (they are called
     from a worker thread with a timeout).
     """

@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
 from elasticep.frontend.incremental_text import Decode, IncrementalText
+from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elasticep.distributed.membership import ACTIVE_STATES, ScalePhase, SlotState
+from elasticep.membership.transitions import ACTIVE_STATES, ScalePhase, SlotState
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.chaos.schedule import Fault
 from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out

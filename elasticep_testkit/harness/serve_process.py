@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from elasticep.distributed.status import DeploymentStatus, RankStatus
+from elasticep.membership.status import DeploymentStatus, RankStatus
 from elasticep.utils.procs import die_with_parent, kill_pids, pid_alive
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.harness.load import make_client

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elasticep.distributed import CoordinatorClient
+from elasticep.membership import CoordinatorClient
 
 WORLD = "world"
 

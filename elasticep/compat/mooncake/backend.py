@@ -25,8 +25,8 @@ import os
 import torch
 
 from elasticep.distributed import api
-from elasticep.distributed.errors import RankFailureError
 from elasticep.distributed.process_group import ElasticProcessGroup, _DoneWork
+from elasticep.membership.errors import RankFailureError
 
 from . import launch
 

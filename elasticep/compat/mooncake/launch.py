@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="detached elastic coordinator for mooncake PG")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
-    from elasticep.distributed import CoordinatorClient, start_coordinator
+    from elasticep.membership import CoordinatorClient, start_coordinator
 
     coord = start_coordinator(args.host, 0, hb_timeout_s=HB_TIMEOUT_S)
     print(coord.address, flush=True)

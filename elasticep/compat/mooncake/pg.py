@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from elasticep.distributed import api
-from elasticep.distributed.membership import SlotState
+from elasticep.membership.transitions import SlotState
 
 from .backend import SETTINGS, MooncakeBackendOptions, MooncakeProcessGroup, create_backend
 

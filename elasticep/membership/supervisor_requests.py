@@ -1,11 +1,10 @@
 """The coordinator's answers to supervisors (launchers, the front-end, `join`).
 
-A mixin of :class:`~elasticep.distributed.coordinator.Coordinator`: every handler runs
-under the coordinator's lock and reads or changes its groups and its
-:class:`~elasticep.distributed.registry.DeploymentRecords`. The decisions (scale plans,
-the status view, join checks) are the pure functions of ``scaling.py``. It also holds
-the coordinator's dispatch table: which handler answers each request type of
-``messages.py``, and from which kind of connection.
+A mixin of :class:`~elasticep.membership.service.MembershipService`: every handler
+reads or changes its groups and its
+:class:`~elasticep.membership.registry.DeploymentRecords`. The decisions (scale plans,
+the status view, join checks) are the pure functions of ``scaling.py``. Each handler
+names the request type it answers (``dispatch.handles``).
 """
 
 from __future__ import annotations
@@ -14,57 +13,26 @@ import logging
 from typing import Any
 
 from . import messages as m
+from .dispatch import Role, handles
 from .errors import JoinRefusedError
-from .membership import SlotState
 from .registry import DeploymentRecords, Group
 from .scaling import ProcInfo, ScaleTarget, check_join, deployment_status
+from .transitions import SlotState
 
-log = logging.getLogger("elasticep.distributed.coordinator")
+log = logging.getLogger("elasticep.membership")
 
 WORLD = "world"
 
 
-# request type -> (the coordinator's handler: (peer, message) -> the reply's fields or
-# None, the ROLE of the connection it must come from, or None for any)
-_HANDLERS: dict[type[m.Message], tuple[str, str | None]] = {
-    m.Register: ("_register", "rank"), m.Ready: ("_ready", "rank"),
-    m.Recover: ("_recover", "rank"), m.Deactivate: ("_deactivate", "rank"),
-    m.EpochReport: ("_report", "rank"), m.Ping: ("_ping", "rank"),
-    m.GetStatus: ("_status", None), m.ReportDeath: ("_report_death", None),
-    m.RequestAdmission: ("_request_admission", None),
-    m.RequestDeactivation: ("_request_deactivation", None),
-    m.PublishDeployment: ("_publish_deployment", None),
-    m.GetDeploymentConfig: ("_deployment_config", None),
-    m.GetDeploymentStatus: ("_deployment_status", None), m.Scale: ("_scale", None),
-    m.RecordLaunch: ("_record_launch", "supervisor"),
-    m.ClearLaunch: ("_clear_launch", "supervisor"),
-    m.Reserve: ("_reserve", "supervisor"), m.Release: ("_release", "supervisor"),
-}
-
-
 class SupervisorRequests:
     """Handlers of the supervisor messages (``messages.py``); each takes the peer (a
-    ``_Supervisor``, or None) and the message, and returns the reply's fields."""
+    ``_Supervisor``, or any peer where its role is None) and the message, and returns
+    the reply's fields."""
 
     _groups: dict[str, Group]
     _procs: dict[int, Any]
     _deployment: DeploymentRecords
     _max_world_size: int | None
-
-    def _dispatch(self, peer, msg: m.Message) -> dict | None:
-        """Run the handler of ``msg`` (a request other than hello and hb).
-
-        Raises:
-            ProtocolError: the coordinator takes no such message, or not from ``peer``
-                (a rank message on a supervisor connection, or before any hello).
-        """
-        if type(msg) not in _HANDLERS:
-            raise m.ProtocolError(f"the coordinator takes no {msg.TAG!r} messages")
-        name, role = _HANDLERS[type(msg)]
-        if role is not None and getattr(peer, "ROLE", None) != role:
-            raise m.ProtocolError(f"a {msg.TAG!r} message must come from a {role} "
-                                  "connection (after its hello)")
-        return getattr(self, name)(peer, msg)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str) -> Group:
@@ -74,6 +42,7 @@ class SupervisorRequests:
             raise ValueError(f"no group {name!r} is registered")
         return g
 
+    @handles(m.GetStatus)
     def _status(self, proc, msg: m.GetStatus) -> dict:
         return {
             "max_world_size": self._max_world_size,
@@ -82,33 +51,32 @@ class SupervisorRequests:
             "groups": {n: g.status() for n, g in self._groups.items()},
         }
 
+    @handles(m.ReportDeath)
     def _report_death(self, proc, msg: m.ReportDeath) -> dict:
         p = self._procs.get(msg.rank)
         if p is not None and p.alive and (msg.pid in (None, p.pid)):
-            p.conn.send(m.Evicted("reported dead by supervisor"))
-            p.conn.close()
-            self._proc_dead(p, "reported dead by supervisor")
+            self._evict(p, "reported dead by supervisor")
         return {}
 
+    @handles(m.RequestAdmission)
     def _request_admission(self, proc, msg: m.RequestAdmission) -> dict:
         g = self._group(msg.group)
-        g.requests["admit"] = sorted(set(g.requests["admit"]) | set(msg.ranks))
-        # the newest intent for a slot wins over an older, unapplied removal
-        g.requests["remove"] = [r for r in g.requests["remove"] if r not in msg.ranks]
+        g.request("admit", msg.ranks)
         self._push_peer(g)
         return {}
 
+    @handles(m.RequestDeactivation)
     def _request_deactivation(self, proc, msg: m.RequestDeactivation) -> dict:
         g = self._group(msg.group)
         for r in msg.ranks:
             if g.states[r] == SlotState.HEALTHY:
                 g.set_state(r, SlotState.DRAINING)
-        g.requests["remove"] = sorted(set(g.requests["remove"]) | set(msg.ranks))
-        g.requests["admit"] = [r for r in g.requests["admit"] if r not in msg.ranks]
+        g.request("remove", msg.ranks)
         self._push_peer(g)
         return {}
 
     # ------------------------------------------------------------------ deployment
+    @handles(m.PublishDeployment)
     def _publish_deployment(self, sup, msg: m.PublishDeployment) -> dict:
         d = self._deployment
         d.config = msg.config
@@ -116,6 +84,7 @@ class SupervisorRequests:
             d.target = ScaleTarget(msg.ep_size, msg.max_ep_size)
         return {}
 
+    @handles(m.GetDeploymentConfig)
     def _deployment_config(self, sup, msg: m.GetDeploymentConfig) -> dict:
         return {"config": self._deployment.config}
 
@@ -133,6 +102,7 @@ class SupervisorRequests:
     def _proc_infos(self) -> dict[int, ProcInfo]:
         return {r: ProcInfo(p.pid, p.alive, WORLD in p.groups) for r, p in self._procs.items()}
 
+    @handles(m.GetDeploymentStatus)
     def _deployment_status(self, sup, msg: m.GetDeploymentStatus) -> dict:
         epoch, states, ranks = self._world_view()
         d = self._deployment
@@ -140,6 +110,7 @@ class SupervisorRequests:
                                             self._proc_infos(), d.live_launches(),
                                             d.nodes).to_dict()}
 
+    @handles(m.Scale)
     def _scale(self, sup, msg: m.Scale) -> dict:
         epoch, states, _ranks = self._world_view()
         if states is None:
@@ -155,14 +126,17 @@ class SupervisorRequests:
                  self._target().ep_size, plan.reply)
         return plan.reply
 
+    @handles(m.RecordLaunch, Role.SUPERVISOR)
     def _record_launch(self, sup, msg: m.RecordLaunch) -> dict:
         self._deployment.record_launch(sup.id, msg.rank, msg.node, msg.pid)
         return {}
 
+    @handles(m.ClearLaunch, Role.SUPERVISOR)
     def _clear_launch(self, sup, msg: m.ClearLaunch) -> dict:
         self._deployment.clear_launch(msg.rank, msg.pid)
         return {}
 
+    @handles(m.Reserve, Role.SUPERVISOR)
     def _reserve(self, sup, msg: m.Reserve) -> dict:
         """Check the slots for a join of ``mode`` and claim them, both or neither."""
         _epoch, states, ranks = self._world_view()
@@ -178,6 +152,7 @@ class SupervisorRequests:
             raise
         return {"ep_size": self._target().ep_size}
 
+    @handles(m.Release, Role.SUPERVISOR)
     def _release(self, sup, msg: m.Release) -> dict:
         self._deployment.release(sup.id, msg.ranks)
         return {}

@@ -17,8 +17,9 @@ import itertools
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from . import messages as m
 from .errors import (
@@ -29,6 +30,8 @@ from .errors import (
 )
 from .protocol import connect
 from .status import DeploymentStatus
+
+T = TypeVar("T")
 
 _REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, ScaleRefusedError,
                                        JoinRefusedError, m.ProtocolError)}
@@ -89,7 +92,7 @@ class CoordinatorClient:
         """Mark these slots draining and ask the members to remove them."""
         self._call(m.RequestDeactivation(group, list(ranks)))
 
-    # ---- the deployment (see distributed/scaling.py) --------------------------------
+    # ---- the deployment (see scaling.py) -----------------------------------------
     def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int) -> None:
         """Node 0: publish the settings every later rank and joiner reads, and the initial
         target size (kept if one is set already)."""
@@ -175,15 +178,16 @@ class ReconnectingClient:
         if connect_now:
             self._client = CoordinatorClient(address, timeout_s)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``CoordinatorClient.<method>(*args, **kwargs)`` on a (re)connected client."""
+    def call(self, request: Callable[[CoordinatorClient], T]) -> T:
+        """``request(client)`` on a (re)connected client, e.g.
+        ``call(CoordinatorClient.deployment_status)`` or ``call(lambda c: c.scale(6))``."""
         with self._lock:
             if self._client is None:
                 if self._closed:
                     raise ConnectionError(f"client of {self.address} was closed")
                 self._client = CoordinatorClient(self.address, self.timeout_s)
             try:
-                return getattr(self._client, method)(*args, **kwargs)
+                return request(self._client)
             except (ConnectionError, TimeoutError, OSError):
                 self._client.close()
                 self._client = None

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError, ScaleInProgressError, ScaleRefusedError
-from .membership import ACTIVE_STATES, ScalePhase, SlotState, scale_phase
 from .status import DeploymentStatus, RankStatus
+from .transitions import ACTIVE_STATES, ScalePhase, SlotState, scale_phase
 
 logger = logging.getLogger(__name__)
 

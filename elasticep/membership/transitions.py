@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from elasticep.config import StrEnum
+
 
 class SlotState(str, Enum):
     """The state of one slot (rank id) of a group, as the coordinator records it.
@@ -150,11 +152,35 @@ class Report:
     fetchable: frozenset[int] = frozenset()
 
 
+class TransitionKind(StrEnum):
+    """Why a group's epoch changes."""
+
+    FAILURE = "failure"  # some member died
+    CHANGE = "change"    # admission / planned removal, nobody died
+
+
+class OpAction(StrEnum):
+    """What a survivor does with one op under an unapplied failure decision
+    (:func:`local_action`)."""
+
+    FETCH = "fetch"  # take the donor's kept result
+    RUN = "run"      # execute it on the new epoch
+    RAISE = "raise"  # raise RankFailureError and continue at `Decision.base`
+    DONE = "done"    # the decision no longer concerns this op
+
+
+class OnFailure(StrEnum):
+    """A group's failure mode (``BackendOptions(on_failure=...)``)."""
+
+    COMPLETE = "complete"  # finish reductions/barrier/broadcast over the survivors
+    RAISE = "raise"        # RankFailureError unless a survivor already completed the op
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of one transition; sent to members as a dict (`to_dict`)."""
 
-    kind: str  # "failure" | "change"
+    kind: TransitionKind
     epoch: int
     active: tuple[int, ...]  # group slots active in `epoch`, sorted
     dead: tuple[int, ...] = ()
@@ -180,7 +206,7 @@ class Decision:
     @staticmethod
     def from_dict(d: dict) -> Decision:
         return Decision(
-            kind=d["kind"], epoch=d["epoch"], active=tuple(d["active"]), dead=tuple(d["dead"]),
+            kind=TransitionKind(d["kind"]), epoch=d["epoch"], active=tuple(d["active"]), dead=tuple(d["dead"]),
             resume=d["resume"], last=d["last"],
             donors={int(k): v for k, v in d["donors"].items()},
             fetchable=d["fetchable"], boundary=d["boundary"],
@@ -188,12 +214,12 @@ class Decision:
 
 
 def decide(
-    kind: str, epoch: int, active: set[int], dead: set[int], reports: dict[int, Report]
+    kind: TransitionKind, epoch: int, active: set[int], dead: set[int], reports: dict[int, Report]
 ) -> Decision:
     """Turn the survivors' reports into the transition's decision.
 
     Args:
-        kind: "failure" if any old member died, else "change".
+        kind: FAILURE if any old member died, else CHANGE.
         epoch: the new epoch.
         active: slots active in the new epoch.
         dead: slots that died (failure only).
@@ -205,12 +231,13 @@ def decide(
     """
     act = tuple(sorted(active))
     if not reports:
-        return Decision(kind=kind, epoch=epoch, active=act, dead=tuple(sorted(dead)))
-    if kind == "change":
+        return Decision(kind=TransitionKind(kind), epoch=epoch, active=act,
+                        dead=tuple(sorted(dead)))
+    if kind == TransitionKind.CHANGE:
         boundary = max(r.started for r in reports.values()) + 1
-        return Decision(kind="change", epoch=epoch, active=act, boundary=boundary,
+        return Decision(kind=TransitionKind.CHANGE, epoch=epoch, active=act, boundary=boundary,
                         last=boundary - 1, resume=boundary)
-    if kind != "failure":
+    if kind != TransitionKind.FAILURE:
         raise ValueError(f"unknown transition kind {kind!r}")
     resume = min(r.last for r in reports.values()) + 1
     last = max(r.last for r in reports.values())
@@ -223,26 +250,26 @@ def decide(
             donors.clear()
             break
         donors[seq] = holders[0]
-    return Decision(kind="failure", epoch=epoch, active=act, dead=tuple(sorted(dead)),
+    return Decision(kind=TransitionKind.FAILURE, epoch=epoch, active=act, dead=tuple(sorted(dead)),
                     resume=resume, last=last, donors=donors, fetchable=fetchable,
                     boundary=last + 1)
 
 
 def local_action(decision: Decision, seq: int, op_fetchable: bool, op_redoable: bool,
-                 on_failure: str) -> str:
+                 on_failure: OnFailure) -> OpAction:
     """What a survivor does with its op `seq` under an unapplied failure decision.
 
-    Returns one of "fetch" (take the donor's kept result), "run" (execute on the new
-    epoch), "raise" (raise RankFailureError and continue at `decision.base`), or "done"
+    Returns one of FETCH (take the donor's kept result), RUN (execute on the new
+    epoch), RAISE (raise RankFailureError and continue at `decision.base`), or DONE
     (the decision no longer concerns ops >= seq).
     """
     if seq > decision.last + 1:
-        return "done"
+        return OpAction.DONE
     if not decision.fetchable:
-        return "raise"
+        return OpAction.RAISE
     if seq <= decision.last:
-        return "fetch" if op_fetchable else "raise"
+        return OpAction.FETCH if op_fetchable else OpAction.RAISE
     # seq == last + 1: the pivot, completed by nobody.
-    if on_failure == "complete" and op_redoable:
-        return "run"
-    return "raise"
+    if on_failure == OnFailure.COMPLETE and op_redoable:
+        return OpAction.RUN
+    return OpAction.RAISE

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError
-from .membership import ACTIVE_STATES, Report, SlotState, next_slot_state
 from .scaling import Launch, ScaleTarget
+from .transitions import ACTIVE_STATES, Report, SlotState, TransitionKind, next_slot_state
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Transition:
     """
 
     epoch: int
-    kind: str
+    kind: TransitionKind
     old_active: set[int]
     new_active: set[int]
     dead: set[int] = field(default_factory=set)
@@ -41,7 +41,8 @@ class Transition:
         g.pending_dead -= g.pending_dead - g.active  # deaths of non-members need no epoch
         if dead:
             g.max_epoch += 1
-            return Transition(g.max_epoch, "failure", set(g.active), g.active - dead, dead=dead)
+            return Transition(g.max_epoch, TransitionKind.FAILURE, set(g.active),
+                              g.active - dead, dead=dead)
         admit = {s for s in g.pending_admit if g.states[s] == SlotState.READY}
         remove = g.pending_remove & g.active
         g.pending_admit -= admit
@@ -49,7 +50,7 @@ class Transition:
         if not admit and not remove:
             return None
         g.max_epoch += 1
-        return Transition(g.max_epoch, "change", set(g.active), (g.active | admit) - remove,
+        return Transition(g.max_epoch, TransitionKind.CHANGE, set(g.active), (g.active | admit) - remove,
                           admitted=admit, removed=remove)
 
     def restart(self, g: Group) -> Transition:
@@ -58,11 +59,12 @@ class Transition:
         self.admitted -= newly
         g.pending_dead -= newly - self.old_active
         self.dead |= newly & self.old_active
-        if self.dead and self.kind == "change":
+        if self.dead and self.kind == TransitionKind.CHANGE:
             # Admission/removal waits until the failure is handled.
             g.pending_admit |= self.admitted
             g.pending_remove |= self.removed
-            self.admitted, self.removed, self.kind = set(), set(), "failure"
+            self.admitted, self.removed = set(), set()
+            self.kind = TransitionKind.FAILURE
         self.new_active = ((self.old_active | self.admitted) - self.removed) - self.dead
         g.max_epoch += 1
         self.epoch = g.max_epoch
@@ -125,6 +127,28 @@ class Group:
                 self.joined_from[slot] = old
         else:
             self.joined_from.pop(slot, None)
+
+    def request(self, kind: str, slots: list[int]) -> None:
+        """Ask the members to ``kind`` ("admit" or "remove") ``slots`` at a step boundary.
+        The newest intent for a slot wins over an older, unapplied one of the other kind."""
+        other = "remove" if kind == "admit" else "admit"
+        self.requests[kind] = sorted(set(self.requests[kind]) | set(slots))
+        self.requests[other] = [r for r in self.requests[other] if r not in slots]
+
+    def bind_reserved_slot(self, rank: int, joiner_ranks: list[int]) -> None:
+        """Give a joiner the reserved slot (global rank -1) at which its own list names
+        it; unchanged if there is none (`slot_of` then refuses it)."""
+        if rank in joiner_ranks:
+            slot = joiner_ranks.index(rank)
+            if slot < len(self.ranks) and self.ranks[slot] == -1:
+                self.ranks[slot] = rank
+
+    def leaving(self, slot: int) -> bool:
+        """``slot`` is being scaled away: draining, or its removal is requested or in
+        flight."""
+        tr = self.transition
+        return (self.states[slot] == SlotState.DRAINING or slot in self.pending_remove
+                or slot in self.requests["remove"] or (tr is not None and slot in tr.removed))
 
     def is_active_rank(self, global_rank: int) -> bool:
         return global_rank in self.ranks and self.states[self.slot_of(global_rank)] in ACTIVE_STATES

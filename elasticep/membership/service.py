@@ -1,46 +1,54 @@
-"""The coordinator: single source of truth for membership, living outside every rank.
+"""The membership service: every decision of the coordinator, with no sockets or threads.
 
-It hosts the rendezvous TCPStore, keeps one control connection per rank (EOF there means
-death within milliseconds), checks heartbeats (a frozen rank is evicted after
-`hb_timeout_s`), runs epoch transitions per group (announce -> collect reports ->
-`membership.decide` -> commit) and answers supervisors (`CoordinatorClient`).
+It owns the membership of every group (epochs, slot states through the transition
+table, transitions announce -> collect reports -> `transitions.decide` -> commit) and
+the deployment records, and answers supervisors (``supervisor_requests.py``). Each
+handler takes one event (a message from a connection, a closed connection, a clock
+tick) and RETURNS the :class:`Send` commands the caller must deliver, in order, like
+``frontend/request_tracker.py``. Connections are plain ids chosen by the caller.
 
-Start it with `start_coordinator()` (in-process threads; fine for tests and the launcher)
-or as its own process: ``python -m elasticep.distributed.coordinator --host H --port P``.
+The socket server around it (accept loop, one reader thread per connection, the
+heartbeat clock, the rendezvous TCPStore) is ``server.py``; tests drive this class
+directly.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
-import signal
-import socket
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 from . import messages as m
-from .coordinator_requests import SupervisorRequests
+from .dispatch import Role, dispatch, handler_table, handles
 from .errors import MembershipRequestError
-from .membership import ACTIVE_STATES, Report, SlotState, decide, state_after_death
-from .protocol import Connection
 from .registry import DeploymentRecords, Group, Transition
+from .supervisor_requests import SupervisorRequests
+from .transitions import ACTIVE_STATES, Report, SlotState, decide, state_after_death
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("elasticep.membership")
+
+
+@dataclass(frozen=True)
+class Send:
+    """A command for the caller: send ``msg`` on connection ``conn`` (best effort),
+    then close that connection if ``close``."""
+
+    conn: int
+    msg: m.Message
+    close: bool = False
 
 
 @dataclass
 class _Proc:
-    ROLE = "rank"
+    ROLE = Role.RANK
 
     rank: int
     pid: int
-    conn: Connection
+    conn: int
     alive: bool = True
-    last_hb: float = field(default_factory=time.monotonic)
+    last_hb: float = 0.0
     groups: set[str] = field(default_factory=set)
 
 
@@ -49,145 +57,157 @@ class _Supervisor:
     """A supervisor connection (launcher, front-end, `join`): what it records (launches,
     reservations) lives as long as it stays connected."""
 
-    ROLE = "supervisor"
+    ROLE = Role.SUPERVISOR
 
     id: int
-    conn: Connection
+    conn: int
 
 
-class Coordinator(SupervisorRequests):
-    """Membership server. Use `start_coordinator`; `.address` is ``"host:port"``.
+class MembershipService(SupervisorRequests):
+    """The coordinator's state machine; not thread-safe (the server holds one lock).
 
     Args:
-        host: interface to bind (loopback by default).
-        port: control port (0 picks a free one). The store port is always picked freely.
+        store_port: port of the rendezvous TCPStore, told to every hello.
         hb_interval_s: heartbeat period ranks are told to use (seconds).
         hb_timeout_s: an active rank silent this long is evicted (seconds).
         join_hb_timeout_s: the same for joining/ready ranks that are loading weights.
+        clock: monotonic seconds (injected so tests need no sleeps).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
-                 hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0) -> None:
+    def __init__(self, store_port: int, hb_interval_s: float = 0.2, hb_timeout_s: float = 2.0,
+                 join_hb_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store_port = store_port
         self.hb_interval_s = hb_interval_s
         self.hb_timeout_s = hb_timeout_s
         self.join_hb_timeout_s = join_hb_timeout_s
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self._lsock = socket.create_server((host, port))
-        self.address = f"{host}:{self._lsock.getsockname()[1]}"
-        self._lock = threading.RLock()
+        self._clock = clock
+        self._peers: dict[int, _Proc | _Supervisor] = {}  # connection -> who it is
         self._procs: dict[int, _Proc] = {}
         self._groups: dict[str, Group] = {}
         self._max_world_size: int | None = None
         self._deployment = DeploymentRecords()
         self._supervisors = itertools.count(1)
+        self._out: list[Send] = []
+        self._handlers = handler_table(self)
         self._closed = False
         self._stopping = False  # the deployment is shutting down: exits are not failures
-        for target in (self._accept_loop, self._monitor_loop):
-            threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
-        log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
 
-    # ------------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------------ events
+    def handle(self, conn: int, msg: m.Message) -> list[Send]:
+        """Answer one message that arrived on connection ``conn``.
+
+        A request the service refuses (a bad field, a rank message on a supervisor
+        connection, a membership refusal) is answered with a failed :class:`m.Reply`;
+        nothing raises.
+
+        Returns:
+            The messages to send, in order.
+        """
+        try:
+            self._handle(conn, self._peers.get(conn), msg)
+        except Exception as e:  # a bad request must not kill the server
+            if isinstance(e, (MembershipRequestError, m.ProtocolError)):
+                log.info("coordinator: refused %s: %s", msg.TAG, e)
+            else:
+                log.exception("coordinator: error handling %s", msg.TAG)
+            self._refuse(conn, msg.id, e)
+        return self._flush()
+
+    def malformed(self, conn: int, e: m.ProtocolError) -> list[Send]:
+        """A line on ``conn`` was no valid message: refuse it if its id could be read."""
+        log.warning("coordinator: bad control message: %s", e)
+        self._refuse(conn, e.rid, e)
+        return self._flush()
+
+    def closed(self, conn: int) -> list[Send]:
+        """Connection ``conn`` reached EOF: a rank's death (unless stopping), or a
+        supervisor's records going away."""
+        peer = self._peers.pop(conn, None)
+        if isinstance(peer, _Proc) and not (self._stopping or self._closed):
+            self._proc_dead(peer, "control connection closed")
+        elif isinstance(peer, _Supervisor):
+            self._deployment.drop_owner(peer.id)
+        return self._flush()
+
+    def tick(self, now: float, stalled_s: float = 0.0) -> list[Send]:
+        """Evict every rank silent past its limit at time ``now`` (clock seconds).
+
+        Args:
+            stalled_s: how long the caller itself did not run (paused, starved); that
+                silence is its own, so it counts against no rank.
+        """
+        if stalled_s > 0:
+            log.warning("coordinator: stalled for %.1f s; not counting that "
+                        "silence against any rank", stalled_s)
+            for p in self._procs.values():
+                p.last_hb += stalled_s
+        for p in list(self._procs.values()):
+            if not p.alive or self._stopping:
+                continue
+            active = any(self._groups[g].is_active_rank(p.rank) for g in p.groups)
+            limit = self.hb_timeout_s if active else self.join_hb_timeout_s
+            if now - p.last_hb > limit:
+                log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
+                            now - p.last_hb)
+                self._evict(p, "heartbeat timeout")
+        return self._flush()
+
     def begin_stop(self) -> None:
         """The deployment is being stopped on purpose: from now on a rank that exits or
-        falls silent is not a failure (no eviction, no epoch, no warning), so a normal
-        shutdown does not read like a cascade of deaths. Call before killing the ranks."""
-        with self._lock:
-            self._stopping = True
+        falls silent is not a failure (no eviction, no epoch, no warning)."""
+        self._stopping = True
 
     def close(self) -> None:
-        """Stop serving: close the listener and every connection (ranks see EOF)."""
-        with self._lock:
-            self._closed = True
-            procs = list(self._procs.values())
-        try:
-            self._lsock.close()
-        except OSError:
-            pass
-        for p in procs:
-            p.conn.close()
+        """The server stops: closed connections are no longer deaths."""
+        self._closed = True
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._lsock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(Connection(sock),), daemon=True).start()
+    def group(self, name: str) -> Group:
+        """The registered group ``name`` (its plain records; read them, do not change
+        them). Raises ValueError (one line) for a group nobody registered."""
+        return self._group(name)
 
-    def _serve(self, conn: Connection) -> None:
-        proc: _Proc | _Supervisor | None = None
-        while True:
-            try:
-                msg = conn.recv()
-            except m.ProtocolError as e:
-                log.warning("coordinator: bad control message: %s", e)
-                _refuse(conn, e.rid, e)
-                continue
-            if msg is None:
-                break
-            try:
-                with self._lock:
-                    out = self._handle(conn, proc, msg)
-                if out is not None:
-                    proc = out
-            except Exception as e:  # a bad request must not kill the server
-                if isinstance(e, (MembershipRequestError, m.ProtocolError)):
-                    log.info("coordinator: refused %s: %s", msg.TAG, e)
-                else:
-                    log.exception("coordinator: error handling %s", msg.TAG)
-                _refuse(conn, msg.id, e)
-        conn.close()
-        with self._lock:
-            if isinstance(proc, _Proc) and not (self._stopping or self._closed):
-                self._proc_dead(proc, "control connection closed")
-            elif isinstance(proc, _Supervisor):
-                self._deployment.drop_owner(proc.id)
+    def rank_connections(self) -> list[int]:
+        """The connection of every rank that said hello (alive or not)."""
+        return [p.conn for p in self._procs.values()]
 
-    def _monitor_loop(self) -> None:
-        period = min(self.hb_interval_s, self.hb_timeout_s) / 2
-        last = time.monotonic()
-        while not self._closed:
-            time.sleep(period)
-            now = time.monotonic()
-            stalled_s, last = now - last - period, now
-            with self._lock:
-                if stalled_s > self.hb_timeout_s / 2:  # not mere scheduling jitter
-                    # this process did not run (paused, starved): the ranks' silence
-                    # meanwhile is its own, so it counts for none of them
-                    log.warning("coordinator: stalled for %.1f s; not counting that "
-                                "silence against any rank", stalled_s)
-                    for p in self._procs.values():
-                        p.last_hb += stalled_s
-                for p in list(self._procs.values()):
-                    if not p.alive or self._stopping:
-                        continue
-                    active = any(self._groups[g].is_active_rank(p.rank) for g in p.groups)
-                    limit = self.hb_timeout_s if active else self.join_hb_timeout_s
-                    if now - p.last_hb > limit:
-                        log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
-                                    now - p.last_hb)
-                        p.conn.send(m.Evicted("heartbeat timeout"))
-                        p.conn.close()
-                        self._proc_dead(p, "heartbeat timeout")
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, conn: int, msg: m.Message, close: bool = False) -> None:
+        self._out.append(Send(conn, msg, close))
+
+    def _flush(self) -> list[Send]:
+        out, self._out = self._out, []
+        return out
+
+    def _refuse(self, conn: int, rid: int | None, e: Exception) -> None:
+        """Answer request ``rid`` (if it has one) with ``e`` as the reason."""
+        if rid is not None:
+            self._send(conn, m.Reply(id=rid, ok=False, error=str(e),
+                                     code=getattr(e, "code", "refused")))
+
+    def _evict(self, p: _Proc, why: str) -> None:
+        self._send(p.conn, m.Evicted(why), close=True)
+        self._proc_dead(p, why)
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: Connection, peer: _Proc | _Supervisor | None, msg: m.Message):
-        """Answer one message; returns the connection's peer when a hello names it."""
+    def _handle(self, conn: int, peer: _Proc | _Supervisor | None, msg: m.Message) -> None:
         if isinstance(msg, m.Heartbeat):
             if isinstance(peer, _Proc):
-                peer.last_hb = time.monotonic()
-                conn.send(m.HeartbeatAck())
-            return None
+                peer.last_hb = self._clock()
+                self._send(conn, m.HeartbeatAck())
+            return
         if isinstance(msg, (m.RankHello, m.SupervisorHello)):
-            return self._hello(conn, msg)
-        reply = self._dispatch(peer, msg)
+            who = self._hello(conn, msg)
+            if who is not None:
+                self._peers[conn] = who
+            return
+        reply = dispatch(self._handlers, peer, msg)
         if reply is not None and msg.id is not None:
-            conn.send(m.Reply(id=msg.id, ok=True, body=reply))
-        return None
+            self._send(conn, m.Reply(id=msg.id, ok=True, body=reply))
 
-    def _hello(self, conn: Connection, msg: m.RankHello | m.SupervisorHello):
+    def _hello(self, conn: int, msg: m.RankHello | m.SupervisorHello):
         if isinstance(msg, m.SupervisorHello):
-            conn.send(m.Reply(id=msg.id, ok=True, body={"store_port": self.store.port}))
+            self._send(conn, m.Reply(id=msg.id, ok=True, body={"store_port": self.store_port}))
             return _Supervisor(next(self._supervisors), conn)
         rank, mws = msg.rank, msg.max_world_size
         err = None
@@ -202,19 +222,19 @@ class Coordinator(SupervisorRequests):
         elif msg.is_extension and any(g.is_active_rank(rank) for g in self._groups.values()):
             err = f"slot {rank} is already active; a joiner can only take a failed/free slot"
         if err:
-            conn.send(m.Reply(id=msg.id, ok=False, error=err))
+            self._send(conn, m.Reply(id=msg.id, ok=False, error=err))
             return None
-        proc = _Proc(rank=rank, pid=msg.pid, conn=conn)
+        proc = _Proc(rank=rank, pid=msg.pid, conn=conn, last_hb=self._clock())
         self._procs[rank] = proc
         # the eviction limits go to the rank too: it stops on its side after the same
         # silence (a partition cuts both ways, and the rank must not serve on alone)
-        conn.send(m.Reply(id=msg.id, ok=True, body={
-            "store_port": self.store.port, "hb_interval_s": self.hb_interval_s,
+        self._send(conn, m.Reply(id=msg.id, ok=True, body={
+            "store_port": self.store_port, "hb_interval_s": self.hb_interval_s,
             "hb_timeout_s": self.hb_timeout_s, "join_hb_timeout_s": self.join_hb_timeout_s}))
         log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
                  msg.is_extension)
         return proc
-
+    @handles(m.Register, Role.RANK)
     def _register(self, proc: _Proc, msg: m.Register) -> dict:
         name = msg.group
         g = self._groups.get(name)
@@ -226,7 +246,7 @@ class Coordinator(SupervisorRequests):
             g = Group.create(name, msg.global_ranks, msg.active, msg.on_failure, dead)
             self._groups[name] = g
         if msg.is_extension and proc.rank not in g.ranks:
-            _bind_reserved_slot(g, proc.rank, msg.global_ranks)
+            g.bind_reserved_slot(proc.rank, msg.global_ranks)
         slot = g.slot_of(proc.rank)
         if msg.is_extension:
             if g.states[slot] in ACTIVE_STATES:
@@ -241,6 +261,7 @@ class Coordinator(SupervisorRequests):
         return {"epoch": g.epoch, "active": sorted(g.active), "states": g.states,
                 "on_failure": g.on_failure, "slot": slot}
 
+    @handles(m.Ready, Role.RANK)
     def _ready(self, proc: _Proc, msg: m.Ready) -> dict:
         g = self._group(msg.group)
         slot = g.slot_of(proc.rank)
@@ -264,6 +285,7 @@ class Coordinator(SupervisorRequests):
             g.pending_admit |= ready
             self._maybe_start(g)
 
+    @handles(m.Recover, Role.RANK)
     def _recover(self, proc: _Proc, msg: m.Recover) -> dict:
         g = self._group(msg.group)
         admit = [r for r in msg.ranks if g.states[r] == SlotState.READY]
@@ -275,6 +297,7 @@ class Coordinator(SupervisorRequests):
                    if g.states[r] == SlotState.READY or g.states[r] in ACTIVE_STATES]
         return {"admitting": waiting}
 
+    @handles(m.Deactivate, Role.RANK)
     def _deactivate(self, proc: _Proc, msg: m.Deactivate) -> dict:
         g = self._group(msg.group)
         remove = [r for r in msg.ranks if r in g.active]
@@ -284,6 +307,7 @@ class Coordinator(SupervisorRequests):
         self._maybe_start(g)
         return {"removing": remove}
 
+    @handles(m.EpochReport, Role.RANK)
     def _report(self, proc: _Proc, msg: m.EpochReport) -> None:
         g = self._group(msg.group)
         tr = g.transition
@@ -294,6 +318,7 @@ class Coordinator(SupervisorRequests):
         self._maybe_commit(g)
         return None
 
+    @handles(m.Ping, Role.RANK)
     def _ping(self, proc: _Proc, msg: m.Ping) -> dict:
         return {}
 
@@ -311,7 +336,7 @@ class Coordinator(SupervisorRequests):
         for name in proc.groups:
             g = self._groups[name]
             slot = g.slot_of(proc.rank)
-            leaving = _leaving(g, slot)
+            leaving = g.leaving(slot)
             member = slot in g.active or bool(g.transition and slot in g.transition.new_active)
             if member:
                 g.pending_dead.add(slot)  # a leaving member leaves through a failure too
@@ -343,7 +368,7 @@ class Coordinator(SupervisorRequests):
         log.info("coordinator: group %s announce epoch %d kind=%s active=%s dead=%s",
                  g.name, tr.epoch, tr.kind, sorted(tr.new_active), sorted(tr.dead))
         for s in tr.waiting:
-            self._procs[g.ranks[s]].conn.send(m.Announce(g.name, tr.epoch))
+            self._send(self._procs[g.ranks[s]].conn, m.Announce(g.name, tr.epoch))
         self._maybe_commit(g)
 
     def _maybe_commit(self, g: Group) -> None:
@@ -359,7 +384,7 @@ class Coordinator(SupervisorRequests):
         msg = m.Commit(g.name, g.states, g.requests, decision=d)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
-                p.conn.send(msg)
+                self._send(p.conn, msg)
         self._maybe_start(g)
         if g.transition is None:
             self._admit_into_empty(g)  # the last member's death may have just committed
@@ -372,62 +397,4 @@ class Coordinator(SupervisorRequests):
         msg = m.Peer(g.name, g.states, g.requests)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
-                p.conn.send(msg)
-
-
-def _refuse(conn: Connection, rid: int | None, e: Exception) -> None:
-    """Answer request ``rid`` (if it has one) with ``e`` as the reason."""
-    if rid is not None:
-        conn.send(m.Reply(id=rid, ok=False, error=str(e), code=getattr(e, "code", "refused")))
-
-
-def _bind_reserved_slot(g: Group, rank: int, joiner_ranks: list[int]) -> None:
-    """Give a joiner the reserved slot (global rank -1) at which its own list names it;
-    unchanged if there is none (`slot_of` then refuses it)."""
-    if rank in joiner_ranks:
-        slot = joiner_ranks.index(rank)
-        if slot < len(g.ranks) and g.ranks[slot] == -1:
-            g.ranks[slot] = rank
-
-
-def _leaving(g: Group, slot: int) -> bool:
-    """``slot`` is being scaled away: draining, or its removal is requested or in flight."""
-    tr = g.transition
-    return (g.states[slot] == SlotState.DRAINING or slot in g.pending_remove
-            or slot in g.requests["remove"] or (tr is not None and slot in tr.removed))
-
-
-def start_coordinator(host: str = "127.0.0.1", port: int = 0, **kwargs) -> Coordinator:
-    """Start a coordinator on background threads of this process.
-
-    Args:
-        host, port: control endpoint; port 0 picks a free port.
-        **kwargs: hb_interval_s, hb_timeout_s, join_hb_timeout_s (seconds).
-    Returns:
-        The running `Coordinator`; pass `.address` to ranks and supervisors.
-    """
-    return Coordinator(host, port, **kwargs)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """CLI: run a coordinator until SIGTERM/SIGINT; prints its address on stdout."""
-    ap = argparse.ArgumentParser(description="ElasticEP membership coordinator")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--hb-interval-s", type=float, default=0.2)
-    ap.add_argument("--hb-timeout-s", type=float, default=2.0)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    c = start_coordinator(args.host, args.port, hb_interval_s=args.hb_interval_s,
-                          hb_timeout_s=args.hb_timeout_s)
-    print(c.address, flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-    c.close()
-
-
-if __name__ == "__main__":
-    main()
+                self._send(p.conn, msg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .membership import ScalePhase, SlotState
+from .transitions import ScalePhase, SlotState
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,305 @@
+"""The restart policy of `serve` and `join` as pure decisions (no processes, no clock).
+
+:func:`decide` takes one look at the node (:class:`View`: the coordinator's world, or
+None while it does not answer, and this node's worker pids), the exits seen since the
+last look, the :class:`Policy` and what the loop remembers (:class:`Ledger`), and
+returns the :class:`Action` list to carry out in order and the new ledger.
+:func:`ending` says whether the loop is done once they are carried out. The loop
+that does the I/O is ``supervisor.supervise``.
+
+The rules (``--restart-failed-ranks`` is :attr:`OnExit.RELAUNCH`):
+
+* a rank that exits with status 0 was removed on purpose (planned scale-down): never
+  restarted, nor is any slot the coordinator marks free;
+* any other exit (crash, SIGKILL, evicted) is relaunched in join mode ``recover``, at
+  most ``max_restarts`` times per rank; one that exits while the coordinator does not
+  answer waits for it (deferred);
+* a rank the coordinator evicted while its process is still alive (frozen) is killed
+  first, so the relaunch does not race a zombie of itself;
+* a failed rank of this node that another launcher started (a `join`) is relaunched too;
+* with :attr:`OnExit.LOG` exits are only logged (with the `join` command that
+  relaunches them); with :attr:`OnExit.STOP` (``--elastic-ep-backend none``) the first
+  exit stops the deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticep.config import StrEnum
+from elasticep.deploy.launcher import RankExit
+from elasticep.elastic.exit_code import ExitCode
+from elasticep.membership.transitions import SlotState
+
+logger = logging.getLogger("elasticep.deploy.supervisor")
+
+
+class OnExit(StrEnum):
+    """What an exit of a rank leads to."""
+
+    LOG = "log"            # logged with the command that relaunches it
+    RELAUNCH = "relaunch"  # --restart-failed-ranks
+    STOP = "stop"          # --elastic-ep-backend none: no fault tolerance
+
+
+class Until(StrEnum):
+    """When the loop returns besides a set stop event."""
+
+    STOPPED = "stopped"        # only when told to stop (serve's node 0)
+    ALL_EXITED = "all_exited"  # also once no worker of this node runs (join, nodes 1..)
+
+
+class ActionKind(StrEnum):
+    """What one :class:`Action` does."""
+
+    STOP = "stop"          # set the stop event and return: the deployment must stop
+    KILL = "kill"          # kill our live worker of ``rank`` (evicted but frozen)
+    RELAUNCH = "relaunch"  # relaunch ``rank`` in join mode recover
+
+
+class End(StrEnum):
+    """Why the loop ends (see :func:`ending`)."""
+
+    DONE = "done"        # Until.ALL_EXITED and nothing of this node runs
+    GIVE_UP = "give_up"  # the coordinator stayed unreachable too long
+
+
+def on_exit_for(restart: bool, fault_tolerant: bool = True) -> OnExit:
+    """The :class:`OnExit` of the command-line flags.
+
+    Args:
+        restart: ``--restart-failed-ranks``.
+        fault_tolerant: the backend survives a rank's death (not ``none``).
+
+    Raises:
+        ValueError: ``restart`` without fault tolerance.
+    """
+    if not fault_tolerant:
+        if restart:
+            raise ValueError("a deployment without fault tolerance cannot restart ranks")
+        return OnExit.STOP
+    return OnExit.RELAUNCH if restart else OnExit.LOG
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The restart policy (the flags of ``serve`` / ``join``).
+
+    Attributes:
+        on_exit: what a rank's exit leads to.
+        until: when the loop returns.
+        max_restarts: relaunches per rank before giving up on it.
+        coordinator_timeout_s: with RELAUNCH, how long ranks that exited while the
+            coordinator was unreachable wait for it (seconds; ``--coordinator-timeout``).
+    """
+
+    on_exit: OnExit = OnExit.LOG
+    until: Until = Until.STOPPED
+    max_restarts: int = 5
+    coordinator_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class World:
+    """The coordinator's answer: its epoch and, per rank, the slot state, the pid it
+    recorded and the node of the rank's last launch."""
+
+    epoch: int
+    states: Mapping[int, SlotState]
+    pids: Mapping[int, int]
+    nodes: Mapping[int, int]
+
+
+@dataclass(frozen=True)
+class View:
+    """One look at the node.
+
+    Attributes:
+        node: this node's rank.
+        address: the coordinator's ``host:port`` (for the relaunch hint).
+        world: the coordinator's view, or None if it did not answer.
+        ours: rank -> pid of the latest worker started here for it.
+        running: rank -> pid of those still alive.
+    """
+
+    node: int
+    address: str
+    world: World | None
+    ours: Mapping[int, int] = field(default_factory=dict)
+    running: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the loop remembers between looks: relaunches per rank, and the ranks that
+    exited while the coordinator did not answer (relaunched once it does)."""
+
+    restarts: Mapping[int, int] = field(default_factory=dict)
+    deferred: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing for the loop to do to rank ``rank`` (``why``: for its log line)."""
+
+    kind: ActionKind
+    rank: int
+    why: str = ""
+
+
+def recover_command(address: str, rank: int | list[int], node: int = 0) -> str:
+    """The `join` command line that relaunches ``rank`` (or several) of the deployment
+    whose coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in
+    logs so that pasting it works."""
+    node_flag = f" --node-rank {node}" if node else ""
+    ranks = ",".join(str(r) for r in ([rank] if isinstance(rank, int) else rank))
+    return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
+            f"--ranks {ranks}{node_flag}")
+
+
+def decide(view: View, exits: Sequence[RankExit], policy: Policy,
+           ledger: Ledger) -> tuple[list[Action], Ledger]:
+    """The actions for one look at the node, in the order to carry them out.
+
+    Args:
+        view: the node and the coordinator's world as seen now.
+        exits: the rank exits seen since the previous look, in order.
+        policy: the restart policy.
+        ledger: what the previous look left.
+
+    Returns:
+        (actions, the ledger for the next look). A STOP action is the last one.
+    """
+    plan = _Plan(view, policy, dict(ledger.restarts))
+    deferred = list(ledger.deferred)
+    world = view.world
+    relaunching = policy.on_exit == OnExit.RELAUNCH
+    for ex in exits:
+        if policy.on_exit == OnExit.STOP:
+            logger.error("rank %d (pid %d) exited with %d; --elastic-ep-backend none has "
+                         "no fault tolerance: stopping the deployment", ex.rank, ex.pid,
+                         ex.code)
+            plan.actions.append(Action(ActionKind.STOP, ex.rank))
+            return plan.actions, Ledger(plan.restarts, tuple(deferred))
+        if world is None and relaunching and ex.code != ExitCode.REMOVED:
+            logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
+                           "unreachable; relaunching it when the coordinator answers "
+                           "(up to %g s, --coordinator-timeout)", ex.rank, ex.pid,
+                           ex.code, policy.coordinator_timeout_s)
+            deferred.append(ex.rank)
+            continue
+        plan.on_exit(ex)
+    if relaunching:
+        plan.kill_frozen()
+        if world is not None:
+            for rank in deferred:
+                plan.relaunch(rank, "lost the coordinator")
+            deferred.clear()
+            plan.adopt_failed()
+    return plan.actions, Ledger(plan.restarts, tuple(deferred))
+
+
+def ending(policy: Policy, ledger: Ledger, idle: Callable[[], bool],
+           unreachable_for_s: float | None) -> End | None:
+    """Whether the loop is done after carrying out a look's actions.
+
+    Args:
+        idle: says whether no worker of this node runs and every exit is in hand;
+            called only when the answer matters.
+        unreachable_for_s: how long the coordinator has not answered (seconds), or None
+            if it answered at the last look.
+
+    Returns:
+        GIVE_UP: ranks wait for a coordinator unreachable past the timeout; DONE: the
+        policy returns once all exited and they have; None: go on.
+    """
+    idle = (bool(ledger.deferred) or policy.until == Until.ALL_EXITED) and idle()
+    if (ledger.deferred and idle and unreachable_for_s is not None
+            and unreachable_for_s > policy.coordinator_timeout_s):
+        return End.GIVE_UP
+    if policy.until == Until.ALL_EXITED and idle and not ledger.deferred:
+        return End.DONE
+    return None
+
+
+@dataclass
+class _Plan:
+    """The actions of one look being built (see :func:`decide`)."""
+
+    view: View
+    policy: Policy
+    restarts: dict[int, int]
+    actions: list[Action] = field(default_factory=list)
+
+    @property
+    def relaunched(self) -> set[int]:
+        return {a.rank for a in self.actions if a.kind == ActionKind.RELAUNCH}
+
+    def relaunch(self, rank: int, why: str) -> None:
+        """Relaunch ``rank`` in recover mode, within its ``max_restarts`` budget."""
+        epoch = self.view.world.epoch
+        done = self.restarts.get(rank, 0)
+        if done >= self.policy.max_restarts:
+            logger.error("epoch %d: rank %d crashed %d times; not relaunching it again",
+                         epoch, rank, done)
+            return
+        self.restarts[rank] = done + 1
+        logger.warning("epoch %d: rank %d %s; relaunching (restart %d)", epoch, rank, why,
+                       done + 1)
+        self.actions.append(Action(ActionKind.RELAUNCH, rank, why))
+
+    def on_exit(self, ex: RankExit) -> None:
+        world = self.view.world
+        epoch = -1 if world is None else world.epoch  # only for the log lines
+        if ex.code == ExitCode.REMOVED:
+            logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch,
+                        ex.rank, ex.pid)
+            return
+        if world is not None and world.states.get(ex.rank) == SlotState.FREE:
+            # never admitted: nothing to recover
+            logger.info("epoch %d: rank %d (pid %d) exited with %d before it was admitted; "
+                        "its slot is free capacity again", epoch, ex.rank, ex.pid, ex.code)
+            return
+        if world is None:  # no hint: a relaunch needs the coordinator
+            logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
+                           "unreachable", ex.rank, ex.pid, ex.code)
+            return
+        if self.policy.on_exit != OnExit.RELAUNCH:
+            logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with `%s`",
+                           epoch, ex.rank, ex.pid, ex.code,
+                           recover_command(self.view.address, ex.rank, self.view.node))
+            return
+        self.relaunch(ex.rank, f"(pid {ex.pid}) exited with {ex.code}")
+
+    def kill_frozen(self) -> None:
+        """Kill our workers the coordinator evicted but that are still alive (frozen)."""
+        world = self.view.world
+        if world is None:
+            return
+        relaunched = self.relaunched  # their live worker is the new one
+        for rank, pid in self.view.running.items():
+            if (rank not in relaunched and world.states.get(rank) == SlotState.FAILED
+                    and world.pids.get(rank) == pid):
+                logger.warning("epoch %d: rank %d (pid %d) was evicted but is alive; "
+                               "killing it", world.epoch, rank, pid)
+                self.actions.append(Action(ActionKind.KILL, rank))
+
+    def adopt_failed(self) -> None:
+        """Relaunch the failed ranks of this node that another launcher started (a `join`
+        recovered them): a rank of the node is restarted whoever launched it. Our own
+        ranks are left to their exit (the coordinator's pid for the slot is ours)."""
+        world, view = self.view.world, self.view
+        relaunched = self.relaunched
+        for rank, state in world.states.items():
+            pid = world.pids.get(rank)
+            # a live worker of ours holds the slot: one relaunched in this very look
+            # (``states`` predates it) or a frozen one (kill_frozen's)
+            if (state != SlotState.FAILED or world.nodes.get(rank) != view.node
+                    or pid is None or view.ours.get(rank) == pid or rank in view.running
+                    or rank in relaunched
+                    or self.restarts.get(rank, 0) >= self.policy.max_restarts):
+                continue
+            self.relaunch(rank, f"(pid {pid}, started by another launcher on this node) "
+                          "failed")

@@ -1,0 +1,37 @@
+"""The membership service: the coordinator that owns who is in every elastic group.
+
+Layout:
+
+- ``transitions`` — slot states and the transition table (`next_slot_state`), the
+  pure failure/admission `decide` and each member's `local_action`, `ScalePhase`.
+- ``registry`` — plain records of a group, its transition in flight, the deployment.
+- ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
+- ``service`` — `MembershipService`: handlers that take an event and return the
+  messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
+  ``dispatch`` binds each handler to the request type it names.
+- ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
+  rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
+- ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.
+- ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
+- ``errors`` — the typed errors of membership events and refusals.
+
+It imports no other elasticep package; the rank-side torch backend
+(``elasticep.distributed``) is built on top of it.
+"""
+
+from .client import CoordinatorClient
+from .service import MembershipService, Send
+
+
+def __getattr__(name: str):
+    # Lazy (torch is imported there), and so `python -m elasticep.membership.server`
+    # does not import the server module twice.
+    if name in ("Coordinator", "start_coordinator"):
+        from . import server
+
+        return getattr(server, name)
+    raise AttributeError(name)
+
+
+__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "Send",
+           "start_coordinator"]

@@ -1,0 +1,164 @@
+"""The coordinator server: sockets, threads and the store around `MembershipService`.
+
+It hosts the rendezvous TCPStore, keeps one control connection per rank (EOF there means
+death within milliseconds), runs the heartbeat clock (a frozen rank is evicted after
+`hb_timeout_s`) and hands every event to the pure :class:`MembershipService`, then
+sends the messages it returns, all under one lock so that every connection sees
+the service's messages in the order it produced them.
+
+Start it with `start_coordinator()` (in-process threads; fine for tests and the launcher)
+or as its own process: ``python -m elasticep.membership.server --host H --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import signal
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+from . import messages as m
+from .protocol import Connection
+from .service import MembershipService, Send
+
+log = logging.getLogger("elasticep.membership")
+
+
+class Coordinator:
+    """Membership server. Use `start_coordinator`; `.address` is ``"host:port"``.
+
+    Args:
+        host: interface to bind (loopback by default).
+        port: control port (0 picks a free one). The store port is always picked freely.
+        hb_interval_s: heartbeat period ranks are told to use (seconds).
+        hb_timeout_s: an active rank silent this long is evicted (seconds).
+        join_hb_timeout_s: the same for joining/ready ranks that are loading weights.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
+                 hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0) -> None:
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
+                                         join_hb_timeout_s)
+        self._lsock = socket.create_server((host, port))
+        self.address = f"{host}:{self._lsock.getsockname()[1]}"
+        self._lock = threading.RLock()
+        self._conns: dict[int, Connection] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        for target in (self._accept_loop, self._monitor_loop):
+            threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
+        log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
+
+    def begin_stop(self) -> None:
+        """The deployment is being stopped on purpose: from now on a rank that exits or
+        falls silent is not a failure (no eviction, no epoch, no warning), so a normal
+        shutdown does not read like a cascade of deaths. Call before killing the ranks."""
+        with self._lock:
+            self.service.begin_stop()
+
+    def close(self) -> None:
+        """Stop serving: close the listener and every connection (ranks see EOF)."""
+        with self._lock:
+            self._closed = True
+            self.service.close()
+            conns = [self._conns[c] for c in self.service.rank_connections()
+                     if c in self._conns]
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        for c in conns:
+            c.close()
+
+    def _deliver(self, sends: list[Send]) -> None:
+        """Send the service's commands in order (the caller holds the lock)."""
+        for s in sends:
+            conn = self._conns.get(s.conn)
+            if conn is None:
+                continue
+            conn.send(s.msg)
+            if s.close:
+                conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(Connection(sock),), daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with self._lock:
+            cid = next(self._ids)
+            self._conns[cid] = conn
+        while True:
+            try:
+                msg = conn.recv()
+            except m.ProtocolError as e:
+                with self._lock:
+                    self._deliver(self.service.malformed(cid, e))
+                continue
+            if msg is None:
+                break
+            with self._lock:
+                self._deliver(self.service.handle(cid, msg))
+        conn.close()
+        with self._lock:
+            self._deliver(self.service.closed(cid))
+            del self._conns[cid]
+
+    def _monitor_loop(self) -> None:
+        svc = self.service
+        period = min(svc.hb_interval_s, svc.hb_timeout_s) / 2
+        last = time.monotonic()
+        while not self._closed:
+            time.sleep(period)
+            now = time.monotonic()
+            stalled_s, last = now - last - period, now
+            with self._lock:
+                # not mere scheduling jitter: this process did not run
+                stalled = stalled_s if stalled_s > svc.hb_timeout_s / 2 else 0.0
+                self._deliver(svc.tick(now, stalled))
+
+
+def start_coordinator(host: str = "127.0.0.1", port: int = 0, **kwargs) -> Coordinator:
+    """Start a coordinator on background threads of this process.
+
+    Args:
+        host, port: control endpoint; port 0 picks a free port.
+        **kwargs: hb_interval_s, hb_timeout_s, join_hb_timeout_s (seconds).
+    Returns:
+        The running `Coordinator`; pass `.address` to ranks and supervisors.
+    """
+    return Coordinator(host, port, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: run a coordinator until SIGTERM/SIGINT; prints its address on stdout."""
+    ap = argparse.ArgumentParser(description="ElasticEP membership coordinator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--hb-interval-s", type=float, default=0.2)
+    ap.add_argument("--hb-timeout-s", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    c = start_coordinator(args.host, args.port, hb_interval_s=args.hb_interval_s,
+                          hb_timeout_s=args.hb_timeout_s)
+    print(c.address, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    c.close()
+
+
+if __name__ == "__main__":
+    main()

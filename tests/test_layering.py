@@ -1,0 +1,87 @@
+"""The layering of `elasticep` as a test: every import between its subpackages points
+down the one order below, so no subpackage imports one above it and no two import each
+other (no cycle). Imports inside functions and under TYPE_CHECKING count too.
+
+The order is the one docs/ARCHITECTURE.md's package list gives; a new subpackage must
+be placed in it here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import elasticep
+
+# bottom first: each subpackage (or top-level module) may import only those before it
+LAYERS = (
+    "config", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
+    "engine", "elastic", "deploy", "frontend", "entrypoints",
+)
+
+ROOT = Path(elasticep.__file__).parent
+
+
+def _layer_of(path: Path) -> str | None:
+    """The subpackage (or top-level module) that ``path`` belongs to; None for the
+    package's own ``__init__``."""
+    rel = path.relative_to(ROOT)
+    if len(rel.parts) == 1:
+        return None if rel.stem == "__init__" else rel.stem
+    return rel.parts[0]
+
+
+def _imported(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every elasticep import in ``path``, relative ones
+    resolved against the module's package."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    package = list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                out.append((node.lineno, node.module or ""))
+                continue
+            base = package[:len(package) - (node.level - 1)]
+            if node.module:
+                out.append((node.lineno, ".".join([*base, node.module])))
+            else:  # from . import a, b: each name may be a module
+                out += [(node.lineno, ".".join([*base, a.name])) for a in node.names]
+    return [(line, mod) for line, mod in out if mod.split(".")[0] == "elasticep"]
+
+
+def _edges() -> list[tuple[str, str, str]]:
+    """(importer layer, imported layer, "file:line") for every cross-subpackage import."""
+    edges = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = _layer_of(path)
+        for line, mod in _imported(path):
+            parts = mod.split(".")
+            if len(parts) < 2:
+                continue  # `import elasticep`
+            other = parts[1]
+            if me is not None and other != me:
+                edges.append((me, other, f"{path.relative_to(ROOT.parent)}:{line}"))
+    return edges
+
+
+def test_every_subpackage_has_a_layer():
+    names = {_layer_of(p) for p in ROOT.rglob("*.py")} - {None}
+    assert names <= set(LAYERS), f"place {sorted(names - set(LAYERS))} in LAYERS"
+
+
+def test_imports_point_down_only():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = [f"{where}: {me} imports {other}" for me, other, where in _edges()
+              if other in rank and rank[other] >= rank[me]]
+    assert not upward, "upward imports (or a cycle):\n" + "\n".join(upward)
+
+
+def test_the_check_resolves_relative_imports():
+    """The checker itself: a relative import resolves into its package."""
+    pkg = ROOT / "membership" / "service.py"
+    mods = {mod for _line, mod in _imported(pkg)}
+    assert "elasticep.membership.messages" in mods  # from . import messages as m
+    assert "elasticep.membership.registry" in mods  # from .registry import ...

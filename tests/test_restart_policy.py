@@ -1,0 +1,102 @@
+"""The restart policy of serve and join (`deploy/restart_policy.py`) without processes:
+one look at the node in, the actions out."""
+
+import pytest
+
+from elasticep.deploy.launcher import RankExit
+from elasticep.deploy.restart_policy import (
+    Action,
+    End,
+    Ledger,
+    OnExit,
+    Policy,
+    Until,
+    View,
+    World,
+    decide,
+    ending,
+    on_exit_for,
+)
+from elasticep.membership.transitions import SlotState
+
+RELAUNCH = Policy(OnExit.RELAUNCH)
+
+
+def _view(states: dict[int, str] | None, coord_pids=None, running=None, ours=None,
+          nodes=None, node: int = 0) -> View:
+    """A node-``node`` look; ``states`` None: the coordinator does not answer."""
+    world = None if states is None else World(
+        7, {r: SlotState(s) for r, s in states.items()}, coord_pids or {},
+        nodes if nodes is not None else dict.fromkeys(states, 0))
+    running = running or {}
+    return View(node, "127.0.0.1:29400", world, ours if ours is not None else running,
+                running)
+
+
+def _kinds(actions: list[Action]) -> list[tuple[str, int]]:
+    return [(a.kind.value, a.rank) for a in actions]
+
+
+def test_a_crash_is_relaunched_a_removal_and_a_free_slot_are_not():
+    view = _view({0: "healthy", 1: "failed", 2: "free", 3: "free"}, running={0: 10})
+    exits = [RankExit(1, 11, -9), RankExit(2, 12, 1), RankExit(3, 13, 0)]
+    actions, ledger = decide(view, exits, RELAUNCH, Ledger())
+    assert _kinds(actions) == [("relaunch", 1)]
+    assert ledger.restarts == {1: 1} and ledger.deferred == ()
+    # without --restart-failed-ranks: only logged
+    assert decide(view, exits, Policy(OnExit.LOG), Ledger())[0] == []
+
+
+def test_the_restart_budget_is_per_rank():
+    view = _view({1: "failed"})
+    actions, ledger = decide(view, [RankExit(1, 11, -9)], Policy(OnExit.RELAUNCH,
+                             max_restarts=2), Ledger({1: 2}))
+    assert actions == [] and ledger.restarts == {1: 2}
+
+
+def test_without_fault_tolerance_the_first_exit_stops_everything():
+    actions, _ = decide(_view({0: "healthy", 1: "failed"}),
+                        [RankExit(1, 11, -9), RankExit(0, 10, -9)], Policy(OnExit.STOP),
+                        Ledger())
+    assert _kinds(actions) == [("stop", 1)]
+    assert on_exit_for(False, fault_tolerant=False) == OnExit.STOP
+    with pytest.raises(ValueError):
+        on_exit_for(True, fault_tolerant=False)
+
+
+def test_exits_during_an_outage_wait_for_the_coordinator():
+    policy = Policy(OnExit.RELAUNCH, Until.ALL_EXITED, coordinator_timeout_s=30)
+    actions, ledger = decide(_view(None), [RankExit(2, 12, 3), RankExit(3, 13, 0)], policy,
+                             Ledger())
+    assert actions == [] and ledger.deferred == (2,)  # the removed one is not kept
+    assert ending(policy, ledger, idle=lambda: True, unreachable_for_s=10) is None
+    assert ending(policy, ledger, idle=lambda: True, unreachable_for_s=31) == End.GIVE_UP
+    assert ending(policy, ledger, idle=lambda: False, unreachable_for_s=31) is None
+    actions, ledger = decide(_view({2: "failed", 3: "free"}), [], policy, ledger)
+    assert _kinds(actions) == [("relaunch", 2)] and actions[0].why == "lost the coordinator"
+    assert ledger.deferred == ()
+    assert ending(policy, ledger, idle=lambda: True, unreachable_for_s=None) == End.DONE
+    assert ending(Policy(OnExit.RELAUNCH), ledger, idle=lambda: True, unreachable_for_s=None) is None
+
+
+def test_a_frozen_evicted_worker_is_killed_and_not_adopted():
+    view = _view({0: "healthy", 1: "failed"}, coord_pids={0: 10, 1: 11},
+                 running={0: 10, 1: 11})
+    actions, _ = decide(view, [], RELAUNCH, Ledger())
+    assert _kinds(actions) == [("kill", 1)]
+
+
+def test_a_failed_rank_another_launcher_started_is_adopted():
+    def look(coord_pid: int, node: int = 0, policy: Policy = RELAUNCH):
+        view = _view({0: "healthy", 1: "failed"}, coord_pids={0: 10, 1: coord_pid},
+                     running={0: 10}, ours={0: 10, 1: 11}, nodes={0: 0, 1: node})
+        return _kinds(decide(view, [], policy, Ledger())[0])
+
+    assert look(77) == [("relaunch", 1)]       # a join's pid: relaunched here
+    assert look(11) == []                      # our own: its exit decides
+    assert look(77, node=1) == []              # another node's rank
+    assert look(77, policy=Policy(OnExit.LOG)) == []
+    # relaunched for its exit in this look: not adopted a second time
+    view = _view({1: "failed"}, coord_pids={1: 77}, ours={1: 11})
+    actions, ledger = decide(view, [RankExit(1, 11, -9)], RELAUNCH, Ledger())
+    assert _kinds(actions) == [("relaunch", 1)] and ledger.restarts == {1: 1}
