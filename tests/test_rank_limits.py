@@ -129,3 +129,8 @@ def test_status_shows_each_ranks_reported_limits():
     assert body[1] == {"rank": 1, "state": "healthy", "pid": 12, "node": 0,
                        "running_requests": 0}  # no hello yet: no limits shown
     assert DeploymentStatus.from_dict(shown.to_dict()) == shown
+    # the transport a rank reported in its hello (/elastic_ep_status names it)
+    told = status.with_running({}, {0: (324_064, 1024)}, {0: "cuda_ipc"})
+    assert told.to_dict()["ranks"][0]["moe_a2a_backend"] == "cuda_ipc"
+    assert "moe_a2a_backend" not in told.to_dict()["ranks"][1]
+    assert DeploymentStatus.from_dict(told.to_dict()) == told

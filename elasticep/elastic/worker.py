@@ -180,7 +180,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                     report.peer_copies, report.reloads, report.seconds)
     channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
                             cfg.rank, log_ctx.epoch,
-                            limits=(engine.blocks.capacity_tokens, limits.max_running_requests))
+                            limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
+                            moe_a2a_backend=a2a.value)
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
                         log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,

@@ -46,6 +46,8 @@ class WorkerHello:
         max_total_tokens: its KV-cache capacity in tokens (None: not reported).
         max_running_requests: the most requests it runs at once; the front-end routes
             no more to it (None: no limit reported).
+        moe_a2a_backend: the MoE transport it runs (``cuda_ipc`` / ``all_to_all``;
+            None: not reported).
     """
 
     rank: int
@@ -53,6 +55,7 @@ class WorkerHello:
     pid: int
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
+    moe_a2a_backend: str | None = None
 
 
 def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) -> bool:
@@ -312,13 +315,16 @@ class WorkerChannel:
         send_timeout_s: how long :meth:`send_outputs` may block on a full queue (seconds).
         limits: ``(max_total_tokens, max_running_requests)`` of this rank, told in
             every hello; None: none told.
+        moe_a2a_backend: the MoE transport this rank runs, told in every hello.
     """
 
     def __init__(self, endpoints: IpcEndpoints, rank: int, epoch: int = 0,
-                 send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None):
+                 send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None,
+                 moe_a2a_backend: str | None = None):
         self.rank = rank
         self.epoch = epoch
         self.limits = limits
+        self.moe_a2a_backend = moe_a2a_backend
         self._ctx = zmq.Context()
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
@@ -340,7 +346,8 @@ class WorkerChannel:
         """
         total, running = self.limits or (None, None)
         msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
-                          max_total_tokens=total, max_running_requests=running)
+                          max_total_tokens=total, max_running_requests=running,
+                          moe_a2a_backend=self.moe_a2a_backend)
         try:
             self._dealer.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
         except zmq.Again as exc:

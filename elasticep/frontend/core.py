@@ -195,10 +195,12 @@ class Frontend:
 
     def status(self) -> DeploymentStatus:
         """The last membership snapshot with ``running_requests`` filled in per rank, and
-        the limits each rank reported in its hello (KV tokens, max running requests)."""
-        limits = {r: (h.max_total_tokens, h.max_running_requests)
-                  for r, h in self.channel.connected.items()}
-        return self._status.with_running(self.tracker.running_per_rank(), limits)
+        what each rank reported in its hello (KV tokens, max running requests, the MoE
+        transport)."""
+        hellos = self.channel.connected
+        limits = {r: (h.max_total_tokens, h.max_running_requests) for r, h in hellos.items()}
+        transports = {r: h.moe_a2a_backend for r, h in hellos.items()}
+        return self._status.with_running(self.tracker.running_per_rank(), limits, transports)
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
         """Ask membership to scale; errors of ``MembershipSource.scale`` propagate.

@@ -26,6 +26,8 @@ class RankStatus:
         max_total_tokens: its KV-cache capacity in tokens, as it reported (None where
             not known).
         max_running_requests: the most requests it runs at once, as it reported.
+        moe_a2a_backend: the MoE transport it runs, as it reported (``cuda_ipc`` or
+            ``all_to_all``; None where not known).
     """
 
     rank: int
@@ -35,12 +37,13 @@ class RankStatus:
     running_requests: int | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
+    moe_a2a_backend: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON entry (the front-end's counts and the rank's limits only where known)."""
         d: dict[str, Any] = {"rank": self.rank, "state": self.state.value, "pid": self.pid,
                              "node": self.node}
-        for name in _OPTIONAL:
+        for name in (*_OPTIONAL, "moe_a2a_backend"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d
@@ -49,9 +52,11 @@ class RankStatus:
     def from_dict(d: dict[str, Any]) -> RankStatus:
         """Parse one entry of ``ranks``. Raises KeyError / ValueError on a bad entry."""
         pid = d.get("pid")
+        backend = d.get("moe_a2a_backend")
         return RankStatus(int(d["rank"]), SlotState(d["state"]),
                           None if pid is None else int(pid), int(d.get("node", 0)),
-                          **{n: int(d[n]) for n in _OPTIONAL if d.get(n) is not None})
+                          **{n: int(d[n]) for n in _OPTIONAL if d.get(n) is not None},
+                          moe_a2a_backend=None if backend is None else str(backend))
 
 
 _OPTIONAL = ("running_requests", "max_total_tokens", "max_running_requests")
@@ -117,13 +122,15 @@ class DeploymentStatus:
 
     # ---- wire --------------------------------------------------------------------
     def with_running(self, running: dict[int, int],
-                     limits: dict[int, tuple[int | None, int | None]] | None = None
-                     ) -> DeploymentStatus:
-        """A copy with each rank's ``running_requests`` filled in from ``running``, and
-        its ``(max_total_tokens, max_running_requests)`` from ``limits`` where given."""
-        limits = limits or {}
+                     limits: dict[int, tuple[int | None, int | None]] | None = None,
+                     transports: dict[int, str | None] | None = None) -> DeploymentStatus:
+        """A copy with each rank's ``running_requests`` filled in from ``running``, its
+        ``(max_total_tokens, max_running_requests)`` from ``limits`` and its
+        ``moe_a2a_backend`` from ``transports``, where given."""
+        limits, transports = limits or {}, transports or {}
         return replace(self, ranks=tuple(
             replace(r, running_requests=running.get(r.rank, 0),
+                    moe_a2a_backend=transports.get(r.rank),
                     **dict(zip(("max_total_tokens", "max_running_requests"),
                                limits.get(r.rank, (None, None)), strict=True)))
             for r in self.ranks))
