@@ -7,7 +7,7 @@ groups each rank builds, with which options and synchronization mode.
 import pytest
 import torch.distributed as dist
 
-from elasticep.distributed import parallel_state as ps
+from elasticep.compat import parallel_state as ps
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from . import api
+from elasticep.distributed import api
 
 _GROUPS: dict[str, GroupCoordinator] = {}
 _NAME_COUNT: dict[str, int] = {}
