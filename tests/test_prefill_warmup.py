@@ -146,15 +146,16 @@ def test_warmup_step_context_sets_the_bound_keeps_exchanges_local_and_restores()
         calls.append("out")
 
     model = SimpleNamespace(executor="hooked")
-    ep = SimpleNamespace(step_max_tokens=7, local_exchange=local_exchange)
+    ep = SimpleNamespace(step_max_tokens=7, uses_step_bound=True, local_exchange=local_exchange)
     with warmup_step_context(model, ep)(64):
         assert model.executor is ep and ep.step_max_tokens == 64 and calls == ["in"]
     assert calls == ["in", "out"] and ep.step_max_tokens == 7 and model.executor == "hooked"
-    # an executor without local_exchange (the CPU one) is used as is
-    plain = SimpleNamespace(step_max_tokens=None)
+    # an executor with the defaults (the CPU one): no bound, nothing exchanged
+    from elasticep.moe.executor import ExecutorDefaults
+    plain = ExecutorDefaults()
     with warmup_step_context(model, plain)(32):
-        assert model.executor is plain and plain.step_max_tokens == 32
-    assert model.executor == "hooked" and plain.step_max_tokens is None
+        assert model.executor is plain and plain.step_max_tokens is None
+    assert model.executor == "hooked"
 
 
 def test_cuda_executors_local_exchange_copies_and_bypasses_the_transport():

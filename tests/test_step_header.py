@@ -69,16 +69,16 @@ def test_header_rejects_bad_rank_and_size():
 
 
 def test_agreed_max_tokens_sets_and_restores_only_where_supported():
-    cuda_like = SimpleNamespace(step_max_tokens=None)
+    cuda_like = SimpleNamespace(step_max_tokens=None, uses_step_bound=True)
     with agreed_max_tokens(cuda_like, 9):
         assert cuda_like.step_max_tokens == 9
     assert cuda_like.step_max_tokens is None
     with pytest.raises(RuntimeError), agreed_max_tokens(cuda_like, 3):
         raise RuntimeError("a failed step")
     assert cuda_like.step_max_tokens is None
-    cpu_like = SimpleNamespace()
+    cpu_like = SimpleNamespace(step_max_tokens=None, uses_step_bound=False)
     with agreed_max_tokens(cpu_like, 9):
-        assert not hasattr(cpu_like, "step_max_tokens")
+        assert cpu_like.step_max_tokens is None
 
 
 # ---------------------------------------------------------------------- one iteration

@@ -9,7 +9,7 @@ models layer knowing about either.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
 from elasticep.models.loader import open_weights
 from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
+from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.local_executor import ExpertSlots
 from elasticep.utils.graph_pieces import eager_boundary
 
@@ -67,7 +68,7 @@ class CheckpointExperts:
         self.reader.close()
 
 
-class HookedExecutor:
+class HookedExecutor(ExecutorDefaults):
     """The executor contract (docs/ARCHITECTURE.md) with hooks run before each layer.
 
     Hooks are Python (a fault injector, EPLB's counters), so each runs at an eager
@@ -91,7 +92,7 @@ class HookedExecutor:
 
     @property
     def graph_safe(self) -> bool:
-        return bool(getattr(self.inner, "graph_safe", False))
+        return self.inner.graph_safe
 
 
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
@@ -166,10 +167,9 @@ def warmup_step_context(model: MoECausalLM, ep: EPMoEExecutor
     @contextmanager
     def around(num_tokens: int) -> Iterator[None]:
         hooked = model.executor
-        local = getattr(ep, "local_exchange", None)
         model.executor = ep
         try:
-            with agreed_max_tokens(ep, num_tokens), local() if local else nullcontext():
+            with agreed_max_tokens(ep, num_tokens), ep.local_exchange():
                 yield
         finally:
             model.executor = hooked

@@ -140,9 +140,9 @@ def parse_header(header: torch.Tensor, M: int) -> StepHeader:
 
 @contextmanager
 def agreed_max_tokens(ep: EPMoEExecutor, max_tokens: int) -> Iterator[None]:
-    """Set the executor's per-step token bound (an executor with ``step_max_tokens``,
-    i.e. the CUDA one) for the body, then restore it; other executors are untouched."""
-    if not hasattr(ep, "step_max_tokens"):
+    """Set the executor's per-step token bound (one that ``uses_step_bound``, i.e. the
+    CUDA one) for the body, then restore it; other executors are untouched."""
+    if not ep.uses_step_bound:
         yield
         return
     before = ep.step_max_tokens

@@ -48,7 +48,7 @@ def graph_safe(model: MoECausalLM) -> bool:
     """True when the model's decode forward may be captured: its attention reads no host
     value per step (:attr:`MoECausalLM.graph_capturable`) and its executor has no host
     sync and runs every collective through an eager boundary (``executor.graph_safe``)."""
-    return model.graph_capturable and bool(getattr(model.executor, "graph_safe", False))
+    return model.graph_capturable and model.executor.graph_safe
 
 
 def capture_buckets(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[int]:
@@ -122,7 +122,7 @@ class DecodeGraphs:
         return self._ints[:b], self._ints[n:n + b], meta
 
     def _version(self) -> int:
-        return getattr(executor_of(self.model), "version", 0)
+        return executor_of(self.model).version
 
     def capture(self) -> float:
         """Capture every bucket (largest first, one shared memory pool).

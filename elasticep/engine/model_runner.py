@@ -107,7 +107,7 @@ class ModelRunner:
         g = self.graphs
         # An EP step's bucket follows the largest batch of any rank (agreed in the step
         # header), so an idle rank replays too; a single rank has no such bound.
-        agreed = getattr(executor_of(self.model), "step_max_tokens", None) or 0
+        agreed = executor_of(self.model).step_max_tokens or 0
         # decode-only steps are graphed; a step with a prefill chunk (even a 1-token
         # chunk that samples nothing) runs eagerly
         if (g is None or not (batch.items or agreed) or not graph_safe(self.model)

@@ -78,6 +78,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     """
 
     graph_safe = True
+    uses_step_bound = True
 
     def __init__(self, *args, max_tokens: int | None = None, **kwargs) -> None:
         self._shape_version = 0

@@ -27,10 +27,11 @@ from elasticep.moe.dispatch import (
     combine_pairs,
     dispatch_pairs,
 )
+from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.expert_compute import run_expert_rows
 
 
-class EPMoEExecutor:
+class EPMoEExecutor(ExecutorDefaults):
     """Expert executor over an EP group: holds this rank's slots and the metadata.
 
     Args:

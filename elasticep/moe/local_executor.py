@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.expert_compute import (
     combine_pairs,
     grouped_ok,
@@ -74,7 +75,7 @@ def run_slots(
     return combine_pairs(pair_out, weights, hidden_states.dtype)
 
 
-class LocalExpertExecutor:
+class LocalExpertExecutor(ExecutorDefaults):
     """The single-rank executor: every routed logical expert must have a local slot.
 
     Args:

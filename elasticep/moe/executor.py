@@ -1,0 +1,57 @@
+"""What a model's MoE layers call: the :class:`ExpertExecutor` protocol, and the defaults
+of its optional capabilities (:class:`ExecutorDefaults`).
+
+Callers read capabilities as attributes, never by probing for them (``hasattr``): an
+executor that lacks a feature says so with the default value.
+
+* ``graph_safe`` (bool): the forward has no host sync and every collective, if any, runs
+  through an eager boundary, so the decode forward may be captured in a CUDA graph
+  (:mod:`elasticep.engine.cuda_graph`).
+* ``version`` (int): bumped when a tensor the graphs read changes storage; a graph
+  captured at another version is stale.
+* ``uses_step_bound`` (bool) and ``step_max_tokens`` (int | None): the executor sizes its
+  exchange from the step's agreed largest batch, which the step loop sets around each
+  forward (:func:`elasticep.elastic.step_loop.agreed_max_tokens`).
+* ``local_exchange()``: a context in which no peer is involved (warm-up steps,
+  :mod:`elasticep.engine.prefill_warmup`); a no-op where nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+
+class ExpertExecutor(Protocol):
+    """The MoE layer contract (docs/ARCHITECTURE.md, "MoE layer") with its capabilities.
+
+    ``executor(layer_idx, hidden_states [T, H], topk_ids [T, k] int64, topk_weights
+    [T, k] float32) -> [T, H]`` in the hidden states' dtype.
+    """
+
+    graph_safe: bool
+    version: int
+    uses_step_bound: bool
+    step_max_tokens: int | None
+
+    def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor: ...
+
+    def local_exchange(self) -> contextlib.AbstractContextManager: ...
+
+
+class ExecutorDefaults:
+    """The capabilities of an executor that has none of them (mixed into every executor)."""
+
+    graph_safe = False
+    version = 0
+    uses_step_bound = False
+    step_max_tokens: int | None = None
+
+    @contextlib.contextmanager
+    def local_exchange(self) -> Iterator[None]:
+        """Nothing to keep local: the body runs as it is."""
+        yield
