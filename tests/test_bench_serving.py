@@ -204,3 +204,18 @@ def test_bad_flags_are_one_line_and_exit_2():
         assert p.returncode == 2, (args, p.stderr)
         assert message in p.stderr.strip().splitlines()[-1], (args, p.stderr)
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("pythonpath", [None, str(REPO)])
+def test_run_as_a_script_it_says_to_run_it_as_a_module(pythonpath, tmp_path):
+    """``python bench/serving.py`` (no flags), whether or not its imports resolve."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stdout)
+    assert "run it from the repository root as a module" in p.stderr, p.stderr
+    assert "python -m bench.serving" in p.stderr and "Traceback" not in p.stderr
