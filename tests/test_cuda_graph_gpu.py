@@ -2,7 +2,9 @@
 
 A dummy model of the demo's shape in bf16: every decode step's logits through the
 captured graph (batch padded to its bucket, padding rows on the sink block) equal the
-eager forward's, and a whole greedy generation gives the same tokens.
+eager forward's, and a whole greedy generation gives the same tokens: every token in
+fp32; in bf16 a prompt may diverge only from a near tie of the eager run, at most one
+prompt, reported (before: 90% of the tokens had to agree, whatever the margin).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _graph_checks import graph_steps_match_eager, random_prompts
+from _graph_checks import assert_greedy_tokens_match, graph_steps_match_eager, random_prompts
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
@@ -23,9 +25,10 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
-def _engine(tmp_path: Path, graphs: bool, chunk: int | None = None) -> LLMEngine:
+def _engine(tmp_path: Path, graphs: bool, chunk: int | None = None,
+            dtype: torch.dtype = torch.bfloat16) -> LLMEngine:
     shutil.copy(DEMO / "config.json", tmp_path / "config.json")
-    return LLMEngine.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda",
+    return LLMEngine.from_pretrained(tmp_path, dtype=dtype, device="cuda",
                                      load_format="dummy", progress=False,
                                      config=EngineConfig(max_total_tokens=4096, max_num_seqs=8,
                                                          enable_cuda_graph=graphs,
@@ -39,16 +42,19 @@ def test_graph_replay_equals_eager_step_by_step(tmp_path):
     assert steps >= 10 and eng.runner.graphs.replays >= steps
 
 
-def test_greedy_tokens_equal_with_and_without_graphs(tmp_path):
+# dtype -> prompts (of 3) that may diverge from a near tie: none in fp32
+@pytest.mark.parametrize("dtype, near_ties", [(torch.float32, 0), (torch.bfloat16, 1)],
+                         ids=["fp32", "bf16"])
+def test_greedy_tokens_equal_with_and_without_graphs(tmp_path, dtype, near_ties):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (7, 40, 3)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    on = _engine(tmp_path, graphs=True).generate(prompts, params)
-    off = _engine(tmp_path, graphs=False).generate(prompts, params)
+    on = _engine(tmp_path, graphs=True, dtype=dtype).generate(prompts, params)
+    eager = _engine(tmp_path, graphs=False, dtype=dtype)
+    off = eager.generate(prompts, params)
     assert [len(t) for t in on] == [24, 24, 24]
-    same = sum(a == b for x, y in zip(on, off, strict=True) for a, b in zip(x, y, strict=True))
-    # bf16 with other tilings may flip a near tie late in a sequence; most must agree
-    assert same >= 0.9 * 72, (on, off)
+    assert_greedy_tokens_match(on, off, prompts, eager, f"graphs vs eager, {dtype}",
+                               near_ties)
 
 
 def test_chunked_prefill_steps_run_eagerly_and_decode_steps_replay(tmp_path):
@@ -60,6 +66,7 @@ def test_chunked_prefill_steps_run_eagerly_and_decode_steps_replay(tmp_path):
     assert steps >= 8 and eng.runner.graphs.replays >= 1
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     on = _engine(tmp_path, graphs=True, chunk=16).generate(prompts, params)
-    off = _engine(tmp_path, graphs=True).generate(prompts, params)
-    same = sum(a == b for x, y in zip(on, off, strict=True) for a, b in zip(x, y, strict=True))
-    assert same >= 0.9 * 60, (on, off)  # bf16: other GEMM row counts may flip a near tie
+    unchunked = _engine(tmp_path, graphs=True)
+    off = unchunked.generate(prompts, params)
+    # bf16: other GEMM row counts may flip a near tie (one prompt of 5, reported)
+    assert_greedy_tokens_match(on, off, prompts, unchunked, "chunked vs unchunked, bf16", 1)
