@@ -31,6 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__" and not __package__:  # `python bench/serving.py`: a script
+    # its imports may even resolve (an editable install, $PYTHONPATH), but the usage it
+    # would print names `python -m bench.serving`: say how to run it, before anything
+    sys.exit("bench/serving.py: error: run it from the repository root as a module: "
+             "`python -m bench.serving --launch ...` or `python -m bench.serving "
+             "--base-url URL ...` (`--help` for the flags)")
+
 try:
     import httpx
 

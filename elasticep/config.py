@@ -68,6 +68,10 @@ class JoinMode(StrEnum):
     SCALE = "scale"  # a new slot in free capacity
 
 
+# The most --max-running-requests takes: a running request holds at least one 16-token
+# KV block, so 65536 of them hold 1M KV tokens on one rank, and SGLang's and vLLM's
+# defaults are in the hundreds; a larger value is a typo.
+MAX_RUNNING_REQUESTS_LIMIT = 1 << 16
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 
@@ -224,8 +228,10 @@ class DeploymentConfig(_JsonConfig):
              "--max-total-tokens must be >= 16"),
             (self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
-            (self.max_running_requests is None or self.max_running_requests >= 1,
-             f"--max-running-requests must be >= 1, got {self.max_running_requests}"),
+            (self.max_running_requests is None
+             or 1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS_LIMIT,
+             f"--max-running-requests must be in [1, {MAX_RUNNING_REQUESTS_LIMIT}], got "
+             f"{self.max_running_requests}"),
             (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}"),
             (self.chunked_prefill_size in (None, -1) or self.chunked_prefill_size >= 1,

@@ -193,7 +193,11 @@ def test_stub_engine_mode_streams_every_token_at_the_stubs_rate():
     assert 0.5 * steps_per_s * n < stub["emitted_tok_s"] <= 1.2 * steps_per_s * n, stub
 
 
-def test_bad_flags_are_one_line_and_exit_2():
+def test_bad_flags_are_one_line_and_exit_2(capsys):
+    """In this process (before: one interpreter each, 15 s of the suite): argparse's
+    ``error`` exits 2, a bad --model makes ``main`` return 2, each with one line."""
+    from bench import serving
+
     cases = [
         (["--launch", "--serve-arg=--device"], "pass --model, --model-path, --device"),
         (["--base-url", "http://127.0.0.1:1", "--stub-engine-steps-per-s", "5"],
@@ -203,8 +207,26 @@ def test_bad_flags_are_one_line_and_exit_2():
         (["--launch", "--model", str(REPO / "nowhere")], "no config.json"),
     ]
     for args, message in cases:
-        p = subprocess.run([sys.executable, "-m", "bench.serving", *args], cwd=REPO,
-                           capture_output=True, text=True, timeout=30)
-        assert p.returncode == 2, (args, p.stderr)
-        assert message in p.stderr.strip().splitlines()[-1], (args, p.stderr)
-        assert "Traceback" not in p.stderr
+        try:
+            code = serving.main(args)
+        except SystemExit as done:
+            code = done.code
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", (args, code, out, err)
+        assert message in err.strip().splitlines()[-1], (args, err)
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("pythonpath", [None, str(REPO)])
+def test_run_as_a_script_it_says_to_run_it_as_a_module(pythonpath, tmp_path):
+    """``python bench/serving.py`` (no flags), whether or not its imports resolve."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stdout)
+    assert "run it from the repository root as a module" in p.stderr, p.stderr
+    assert "python -m bench.serving" in p.stderr and "Traceback" not in p.stderr

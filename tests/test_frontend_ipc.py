@@ -15,6 +15,7 @@ from elasticep.engine.ipc import (
     RankStats,
     RankUnreachableError,
     RequestError,
+    StepFailed,
     WorkerChannel,
     WorkerHello,
 )
@@ -117,7 +118,12 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def request_ids(self) -> list[str]:
+        return list(self.running)
+
     def step(self) -> list[TokenOutput]:
+        if "poison" in self.running:
+            raise RuntimeError("sampler blew up")
         outs = []
         for rid, i in list(self.running.items()):
             done = i + 1 >= 3
@@ -128,21 +134,51 @@ class FakeEngine:
         return outs
 
 
+def _engine_worker_thread(fe: FrontendChannel, engine: FakeEngine, stop: threading.Event,
+                          raised: list[BaseException]) -> threading.Thread:
+    """``run_engine_worker`` of ``engine`` as rank 0 of ``fe``, started in a thread; what
+    it raises goes to ``raised``."""
+    def work() -> None:
+        w = WorkerChannel(fe.endpoints, rank=0)
+        try:
+            run_engine_worker(engine, w, 0, stop, idle_poll_s=0.02)
+        except Exception as exc:  # noqa: BLE001 - the test checks what it was
+            raised.append(exc)
+        finally:
+            w.close()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_engine_worker_loop_reports_a_crashed_step_before_it_raises():
+    """The ep_size=1 loop tells the front-end which requests a raising step held (as
+    the multi-rank worker does), so a poison request is failed, not resubmitted
+    blindly; before, it sent nothing and the front-end only saw the rank go."""
+    async def main() -> None:
+        fe = FrontendChannel()
+        raised: list[BaseException] = []
+        thread = _engine_worker_thread(fe, FakeEngine(), threading.Event(), raised)
+        try:
+            await collect(fe, 1)  # hello
+            fe.send(0, GenerateRequest("poison", (1,)))
+            got = await collect(fe, 1)
+            assert got == [StepFailed(0, ("poison",), "RuntimeError: sampler blew up")]
+            thread.join(5)
+        finally:
+            fe.close()
+        assert not thread.is_alive() and [str(e) for e in raised] == ["sampler blew up"]
+
+    asyncio.run(main())
+
+
 def test_engine_worker_loop_serves_requests_errors_and_resumes():
     async def main() -> None:
         fe = FrontendChannel()
         stop = threading.Event()
-        engine = FakeEngine()
-
-        def work() -> None:
-            w = WorkerChannel(fe.endpoints, rank=0)
-            try:
-                run_engine_worker(engine, w, 0, stop, idle_poll_s=0.02)
-            finally:
-                w.close()
-
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
+        raised: list[BaseException] = []
+        thread = _engine_worker_thread(fe, FakeEngine(), stop, raised)
         try:
             await collect(fe, 1)  # hello
             fe.send(0, GenerateRequest("ok", (1,), output_token_ids=(7,)))  # resumed at index 1
@@ -159,6 +195,7 @@ def test_engine_worker_loop_serves_requests_errors_and_resumes():
             thread.join(5)
             fe.close()
         assert not thread.is_alive()
+        assert raised == []
 
     asyncio.run(main())
 

@@ -649,3 +649,23 @@ def test_a_lone_surrogate_in_a_chat_message_is_a_400(live):
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["message"] == ("messages.1.content is not valid Unicode: "
                                                "surrogates not allowed at character 0")
+
+
+def test_a_request_too_long_for_the_context_names_the_field_it_came_in():
+    from elasticep.frontend.openai_protocol import (
+        ChatCompletionRequest,
+        OpenAIError,
+        resolve_max_tokens,
+    )
+
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"max_completion_tokens": 60}, "max_completion_tokens"),
+                        ({"max_tokens": 60}, "max_tokens"),
+                        ({"max_tokens": 8, "max_completion_tokens": 60},
+                         "max_completion_tokens")):
+        req = ChatCompletionRequest(model=NAME, messages=messages, **body)
+        assert req.max_tokens_param() == param
+        with pytest.raises(OpenAIError) as err:
+            resolve_max_tokens(10, req.requested_max_tokens(), 64, req.max_tokens_param())
+        assert err.value.param == param and err.value.code == "context_length_exceeded"
+    assert resolve_max_tokens(10, 54, 64, "max_completion_tokens") == 54

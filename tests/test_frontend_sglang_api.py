@@ -105,8 +105,9 @@ def test_generate_refuses_what_it_does_not_implement_naming_the_field(live):
         ({"text": PROMPT, "sampling_params": {"frequency_penalty": 0.5}},
          "sampling_params.frequency_penalty", "not supported"),
         ({"text": PROMPT, "return_logprob": True}, "return_logprob", "not supported"),
-        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 4000}}, "max_tokens",
-         "maximum context length"),
+        # the field the client sent is named (before: "max_tokens", /v1's name)
+        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 4000}},
+         "sampling_params.max_new_tokens", "maximum context length"),
         ({"input_ids": [10 ** 9]}, "input_ids", "token ids must be in"),
         ({"text": PROMPT, "bogus": 1}, "bogus", "Unrecognized request argument"),
     ]
@@ -115,6 +116,22 @@ def test_generate_refuses_what_it_does_not_implement_naming_the_field(live):
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
         assert error["param"] == param and message in error["message"], (body, error)
+    # JSON numbers no field can take (httpx's json= refuses NaN: sent as raw bytes);
+    # before: NaN was "should be greater than or equal to 0" and 1e300 "Unable to parse
+    # input string"
+    raw = [(b'{"text": "a", "sampling_params": {"temperature": NaN}}',
+            "sampling_params.temperature", "should be a finite number, got nan"),
+           (b'{"text": "a", "sampling_params": {"top_p": Infinity}}',
+            "sampling_params.top_p", "should be a finite number, got inf"),
+           (b'{"text": "a", "sampling_params": {"max_new_tokens": 1e300}}',
+            "sampling_params.max_new_tokens", "should be an integer of at most 64 bits")]
+    for content, param, message in raw:
+        r = http.post("/generate", content=content,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400, (content, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and message in error["message"], (content, error)
+        assert "string" not in error["message"] and "greater" not in error["message"]
     # the server still answers
     r = generate(http, text=PROMPT, sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 2
@@ -125,7 +142,10 @@ def test_server_and_model_info_in_sglangs_shape(live):
     assert info["model_path"] == str(DEMO) and info["served_model_name"] == NAME
     assert info["context_length"] == 1024  # min(context 1024, KV cache 1024)
     assert (info["ep_size"], info["tp_size"], info["dp_size"]) == (1, 1, 1)
-    assert info["internal_states"] == []  # bench_serving reads it as "no figures"
+    # one state per rank, as SGLang's one per scheduler (its clients read entry 0;
+    # before: an empty list, on which older bench_serving raised IndexError)
+    [state] = info["internal_states"]
+    assert (state["rank"], state["state"], state["running_requests"]) == (0, "healthy", 0)
     model = live["http"].get("/get_model_info").json()
     assert model["model_path"] == str(DEMO) and model["is_generation"] is True
 

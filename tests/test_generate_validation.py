@@ -66,7 +66,7 @@ def _validate(*argv: str):
 @pytest.mark.parametrize("argv, message", [
     (["--ep-size", "-2"], "--ep-size must be >= 1, got -2"),
     (["--max-total-tokens", "0"], "--max-total-tokens must be >= 16"),
-    (["--max-num-seqs", "0"], "--max-running-requests must be >= 1, got 0"),  # its alias
+    (["--max-num-seqs", "0"], "--max-running-requests must be in [1, 65536], got 0"),  # alias
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1, or -1 (off), got 0"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),

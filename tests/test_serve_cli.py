@@ -64,7 +64,9 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--log-stats-interval", "inf"], "--log-stats-interval must be a finite"),
     (["--log-stats-interval", "-1"], "--log-stats-interval must be a finite"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in .0, 1., got 1.5"),
-    (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+    (["--max-running-requests", "0"], "--max-running-requests must be in .1, 65536., got 0"),
+    (["--max-running-requests", "100000"],
+     "--max-running-requests must be in .1, 65536., got 100000"),
     (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be >= 1, got 0"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1, or -1 .off., got 0"),
 ])
@@ -95,6 +97,47 @@ def test_valid_flags_build_the_deployment_and_warn_on_open_host():
     assert s.local_ranks == [2, 3]
     assert (s.coordinator_host, s.coordinator_port) == ("10.0.0.1", 29400)
     assert any("--api-key" in w for w in s.warnings)
+
+
+def test_a_cuda_graph_max_bs_above_max_running_requests_is_lowered_with_a_warning(capsys):
+    from elasticep.engine.limits import rank_limits
+    from elasticep.entrypoints.deployment_args import deployment_config
+
+    s = validate(_serve("--max-running-requests", "8", "--cuda-graph-max-bs", "32"))
+    assert (s.deployment.max_running_requests, s.deployment.cuda_graph_max_bs) == (8, 8)
+    [warning] = s.warnings
+    assert warning.startswith("--cuda-graph-max-bs 32 is above --max-running-requests 8")
+    assert rank_limits(s.deployment, None).cuda_graph_max_bs == 8
+    for argv in (["--max-running-requests", "8", "--cuda-graph-max-bs", "8"],
+                 ["--cuda-graph-max-bs", "512"], ["--max-running-requests", "8"]):
+        assert validate(_serve(*argv)).warnings == (), argv
+    assert validate(_serve("--cuda-graph-max-bs", "512")).deployment.cuda_graph_max_bs == 512
+    # generate has no warnings list: the line goes to stderr
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-running-requests",
+                                      "4", "--cuda-graph-max-bs", "16"])
+    assert deployment_config(args).cuda_graph_max_bs == 4
+    assert "warning: --cuda-graph-max-bs 16 is above --max-running-requests 4" in (
+        capsys.readouterr().err)
+
+
+def _group_of(command: str, flag: str) -> argparse._ArgumentGroup:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return next(g for g in sub.choices[command]._action_groups
+                if any(flag in a.option_strings for a in g._group_actions))
+
+
+def test_help_groups_and_texts():
+    for command in ("serve", "generate"):
+        assert _group_of(command, "--log-stats-interval").title == "logging and metrics"
+        assert _group_of(command, "--heartbeat-timeout").title == "fault tolerance"
+    payload = next(a for a in _group_of("serve", "--max-payload-size")._group_actions
+                   if "--max-payload-size" in a.option_strings)
+    assert payload.help.endswith("(default: 33554432 = 32 MiB)"), payload.help
+    for flag, words in (("--max-tokens", "tokens to generate"), ("--top-p", "nucleus"),
+                        ("--top-k", "K most likely")):
+        action = next(a for a in _group_of("generate", flag)._group_actions
+                      if flag in a.option_strings)
+        assert action.help and words in action.help, (flag, action.help)
 
 
 def test_bad_flags_exit_2_with_one_line_and_no_traceback():

@@ -65,6 +65,7 @@ from elasticep.elastic.rank_model import (
 )
 from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
+from elasticep.engine import serve_loop
 from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine
@@ -226,13 +227,7 @@ def run_worker(cfg: WorkerConfig) -> int:
 def report_step_failure(loop: LockstepLoop, exc: BaseException) -> None:
     """Blame ``exc`` on the requests of the step it came from (the front-end fails a
     request that crashed two ranks, instead of resubmitting it again); best effort."""
-    ids = loop.step_request_ids()
-    if not ids:
-        return
-    try:
-        loop.channel.send_step_failed(ids, f"{type(exc).__name__}: {exc}")
-    except Exception as err:  # noqa: BLE001 - the rank exits anyway
-        logger.warning("could not report the failed step of requests %s: %r", ids, err)
+    serve_loop.report_step_failure(loop.channel, loop.step_request_ids(), exc)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -157,14 +157,16 @@ def default_max_running_requests(device: str, max_total_tokens: int) -> int:
 
 
 def cuda_graph_max_bs(d: DeploymentConfig) -> int:
-    """The largest captured decode batch: ``--cuda-graph-max-bs``, else the smaller of
-    ``--max-running-requests`` (where given) and :data:`DEFAULT_CUDA_GRAPH_MAX_BS`.
+    """The largest captured decode batch: ``--cuda-graph-max-bs`` (no larger than
+    ``--max-running-requests`` where that is given: no decode batch is bigger), else the
+    smaller of ``--max-running-requests`` (where given) and
+    :data:`DEFAULT_CUDA_GRAPH_MAX_BS`.
 
     A function of the deployment's config only (pure), never of a rank's GPU: every
     rank, joiners included, derives the same buckets and so the same exchange sizes.
     """
     if d.cuda_graph_max_bs is not None:
-        return d.cuda_graph_max_bs
+        return min(d.cuda_graph_max_bs, d.max_running_requests or d.cuda_graph_max_bs)
     if d.max_running_requests is not None:
         return min(d.max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
     return DEFAULT_CUDA_GRAPH_MAX_BS

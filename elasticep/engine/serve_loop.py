@@ -29,6 +29,8 @@ class StepEngine(Protocol):
 
     def step(self) -> list[TokenOutput]: ...
 
+    def request_ids(self) -> list[str]: ...
+
 
 def apply_messages(engine: StepEngine, channel: WorkerChannel,
                    messages: list[GenerateRequest | AbortRequest]) -> None:
@@ -61,6 +63,9 @@ def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
 
     Raises:
         FrontendUnreachableError: outputs could not be handed to the front-end.
+        Exception: whatever a step raised, after it was reported to the front-end as a
+            ``StepFailed`` for every request the engine held (as the multi-rank worker
+            does: a request that crashed two ranks is then failed, not resubmitted).
     """
     channel.hello()
     logger.info("rank %d epoch %d: engine worker serving", rank, channel.epoch)
@@ -70,7 +75,27 @@ def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
         apply_messages(engine, channel, channel.poll(0.0 if busy else idle_poll_s))
         if not engine.has_unfinished():
             continue
-        channel.send_outputs(engine.step())
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.error("rank %d epoch %d: step %d failed: %r", rank, channel.epoch, steps,
+                         exc)
+            report_step_failure(channel, engine.request_ids(), exc)
+            raise
+        channel.send_outputs(outputs)
         steps += 1
     logger.info("rank %d epoch %d: engine worker stopped after %d steps", rank,
                 channel.epoch, steps)
+
+
+def report_step_failure(channel: WorkerChannel, request_ids: list[str],
+                        exc: BaseException) -> None:
+    """Blame ``exc`` on ``request_ids`` (the step's requests) with a ``StepFailed`` to the
+    front-end, best effort: the rank exits anyway, so a failed send is only logged."""
+    if not request_ids:
+        return
+    try:
+        channel.send_step_failed(request_ids, f"{type(exc).__name__}: {exc}")
+    except Exception as err:  # noqa: BLE001 - the rank exits anyway
+        logger.warning("rank %d: could not report the failed step of requests %s: %r",
+                       channel.rank, request_ids, err)

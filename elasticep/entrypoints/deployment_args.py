@@ -8,10 +8,13 @@ checks them) or raises :class:`UsageError` with the message naming the flag.
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import replace
 
 from elasticep.config import (
     DEVICES,
     DTYPES,
+    MAX_RUNNING_REQUESTS_LIMIT,
     A2ABackend,
     Backend,
     DeploymentConfig,
@@ -62,7 +65,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
 
     Returns:
         The groups by title ("model", "memory and scheduling", "expert parallelism",
-        "fault tolerance"), so a command adds its own flags beside them.
+        "fault tolerance", "logging and metrics"), so a command adds its own flags
+        beside them.
     """
     m = p.add_argument_group("model")
     m.add_argument("--model", "--model-path", dest="model", default=str(default_model_dir()),
@@ -92,10 +96,12 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
                    help="most requests one rank runs at once; the front-end routes no more "
                         "to a rank (default: on CUDA its KV tokens / "
                         f"{KV_TOKENS_PER_REQUEST}, at most {MAX_RUNNING_REQUESTS_CAP}; "
-                        f"{CPU_MAX_RUNNING_REQUESTS} on CPU)")
+                        f"{CPU_MAX_RUNNING_REQUESTS} on CPU; at most "
+                        f"{MAX_RUNNING_REQUESTS_LIMIT})")
     _add(k, "--cuda-graph-max-bs", "largest decode batch captured in a CUDA graph (bigger "
-         "batches run eagerly); the same on every rank (default: --max-running-requests "
-         f"if given, at most {DEFAULT_CUDA_GRAPH_MAX_BS})", type=int)
+         "batches run eagerly); the same on every rank; above --max-running-requests it "
+         "is lowered to it, with a warning (default: --max-running-requests if given, at "
+         f"most {DEFAULT_CUDA_GRAPH_MAX_BS})", type=int)
     _add(k, "--chunked-prefill-size", "most prompt tokens prefilled in one step, so a long "
          "prompt shares steps with running decodes; -1 turns chunking off (default: "
          f"{DEFAULT_CHUNKED_PREFILL_SIZE} on CUDA, off on CPU)", type=int)
@@ -120,22 +126,59 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "pieces; auto = cuda_ipc on one CUDA node, else all_to_all (default: %(default)s)",
          choices=[m.value for m in A2ABackend])
     f = p.add_argument_group("fault tolerance")
-    _add(f, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
-         "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",
-         type=float, metavar="S")
     _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
          "evicted (default: %(default)s)", type=float, metavar="S")
+    g = p.add_argument_group("logging and metrics")
+    _add(g, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
+         "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",
+         type=float, metavar="S")
     return {"model": m, "memory and scheduling": k, "expert parallelism": e,
-            "fault tolerance": f}
+            "fault tolerance": f, "logging and metrics": g}
 
 
-def deployment_config(args: argparse.Namespace, **overrides: object) -> DeploymentConfig:
-    """:meth:`DeploymentConfig.from_args`, its ``ValueError`` as a :class:`UsageError`.
+def clamp_cuda_graph_max_bs(cuda_graph_max_bs: int | None, max_running_requests: int | None,
+                            ) -> tuple[int | None, str | None]:
+    """``--cuda-graph-max-bs`` no larger than ``--max-running-requests`` (pure): no rank
+    runs a bigger decode batch, so graphs above it would only cost capture time and
+    memory. SGLang warns; we lower it too.
+
+    Returns:
+        ``(cuda_graph_max_bs, warning)``: the value to use, and the warning to print
+        where it was lowered (else None).
+    """
+    if cuda_graph_max_bs is None or max_running_requests is None \
+            or cuda_graph_max_bs <= max_running_requests:
+        return cuda_graph_max_bs, None
+    return max_running_requests, (
+        f"--cuda-graph-max-bs {cuda_graph_max_bs} is above --max-running-requests "
+        f"{max_running_requests}: no decode batch is larger, so graphs are captured up to "
+        f"{max_running_requests}")
+
+
+def deployment_config(args: argparse.Namespace, warnings: list[str] | None = None,
+                      **overrides: object) -> DeploymentConfig:
+    """:meth:`DeploymentConfig.from_args`, its ``ValueError`` as a :class:`UsageError`,
+    with ``--cuda-graph-max-bs`` lowered to ``--max-running-requests``
+    (:func:`clamp_cuda_graph_max_bs`).
+
+    Args:
+        args: parsed flags of :func:`add_deployment_arguments`.
+        warnings: where a non-fatal remark is appended; None: printed to stderr.
+        overrides: fields to set instead of the flags' values.
 
     Raises:
         UsageError: a flag out of range or a bad combination, naming the flag.
     """
     try:
-        return DeploymentConfig.from_args(args, **overrides)
+        config = DeploymentConfig.from_args(args, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    graph_bs, warning = clamp_cuda_graph_max_bs(config.cuda_graph_max_bs,
+                                                config.max_running_requests)
+    if warning is None:
+        return config
+    if warnings is None:
+        print(f"elasticep: warning: {warning}", file=sys.stderr)
+    else:
+        warnings.append(warning)
+    return replace(config, cuda_graph_max_bs=graph_bs)

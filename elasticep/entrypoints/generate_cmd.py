@@ -39,10 +39,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help='JSONL file of {"prompt": ...}, run as one batch')
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate per prompt, at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: draw from the most likely tokens whose "
+                        "probabilities add up to P, in (0, 1]; 1 = all (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw from the K most likely tokens only; 0 = all (default: "
+                        "%(default)s)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     groups = add_deployment_arguments(p)  # --ep-size > 1: one worker process per rank

@@ -27,6 +27,14 @@ from elasticep.entrypoints.validate import (
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
 
 
+def _human_bytes(n: int) -> str:
+    """``33554432`` -> ``"32 MiB"`` (the largest binary unit that divides ``n``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Add every ``serve`` flag to ``p``."""
     groups = add_deployment_arguments(p)
@@ -42,8 +50,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     h.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD_SIZE,
+                   metavar="BYTES",
                    help="largest request body in bytes; larger ones get 413 (default: "
-                        "%(default)s)")
+                        f"{DEFAULT_MAX_PAYLOAD_SIZE} = {_human_bytes(DEFAULT_MAX_PAYLOAD_SIZE)})")
     n = p.add_argument_group("multi-node")
     n.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     n.add_argument("--node-rank", type=int, default=0,
@@ -102,7 +111,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     Raises:
         UsageError: with a one-line message naming the flag.
     """
-    deployment = deployment_config(args)
+    warnings: list[str] = []
+    deployment = deployment_config(args, warnings)
     raise_first_failure([
         port_check("--port", args.port),
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
@@ -126,7 +136,6 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         # node 0 may bind port 0 (any free port); other nodes must name the real one
         coord_host, coord_port = check_address("--dist-init-addr", args.dist_init_addr,
                                                allow_zero_port=args.node_rank == 0)
-    warnings = []
     if not _is_loopback(args.host) and not args.api_key:
         warnings.append(f"--host {args.host} exposes the API without --api-key; anyone "
                         "who can reach it may use it")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import socket
 import threading
 import time
@@ -154,6 +155,17 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _non_finite(value: Any) -> bool:
+    """NaN or an infinity, as a JSON number or a string pydantic read as one."""
+    try:
+        return isinstance(value, float | str) and not math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
 def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
@@ -168,6 +180,14 @@ def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]
         return f"The request body must be a JSON object{hint}", None
     if err.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    value = err.get("input")
+    if err.get("type") in _RANGE_ERRORS and _non_finite(value):
+        # NaN fails every range check: pydantic would call it out of range
+        return f"{param}: Input should be a finite number, got {value}", param
+    if err.get("type") == "int_parsing_size":
+        # pydantic says "Unable to parse input string" of a JSON number such as 1e300
+        return (f"{param}: Input should be an integer of at most 64 bits, got {value!r}",
+                param)
     return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
 
 

@@ -211,6 +211,10 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def max_tokens_param(self) -> str:
+        """The field :meth:`requested_max_tokens` came from, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class ScaleRequest(_Strict):
     """POST /scale_elastic_ep. Strict: ``"3"`` or ``true`` is not a size."""
@@ -220,11 +224,19 @@ class ScaleRequest(_Strict):
     new_ep_size: int
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
+                       param: str = "max_tokens") -> int:
     """How many tokens to generate; None means "the rest of the context".
 
+    Args:
+        prompt_len: the prompt's tokens.
+        requested: the completion tokens the client asked for; None: the rest.
+        max_model_len: the model's context length, in tokens.
+        param: the request field ``requested`` came in, named in the error (e.g.
+            ``max_completion_tokens``, or ``/generate``'s ``sampling_params.max_new_tokens``).
+
     Raises:
-        OpenAIError: 400 when prompt + max_tokens does not fit ``max_model_len`` tokens.
+        OpenAIError: 400 when prompt + ``requested`` does not fit ``max_model_len`` tokens.
     """
     if prompt_len >= max_model_len:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
@@ -236,7 +248,7 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
                           f"tokens. However, you requested {prompt_len + requested} tokens "
                           f"({prompt_len} in the prompt, {requested} for the completion).",
-                          param="max_tokens", code="context_length_exceeded")
+                          param=param, code="context_length_exceeded")
     return requested
 
 

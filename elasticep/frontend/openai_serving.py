@@ -163,7 +163,7 @@ class OpenAIServing:
             _check_unicode(m["content"], f"messages.{i}.content")
         ids = list(await self.tokenizers.run(_chat_ids, messages))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
-                                        self.max_model_len)
+                                        self.max_model_len, req.max_tokens_param())
         return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from elasticep import __version__
+from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.openai_protocol import (
     OpenAIError,
@@ -139,7 +140,8 @@ class SglangGenerateRequest(_Strict):
 
         stop = () if sp.stop is None else (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
         params = SamplingParams(
-            max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len),
+            max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len,
+                                          "sampling_params.max_new_tokens"),
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
             seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos)
         try:
@@ -207,6 +209,9 @@ def add_sglang_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig
                 "tp_size": 1, "dp_size": 1,
                 "ep_size": status.ep_size, "max_ep_size": status.max_ep_size,
                 "epoch": status.epoch, "version": f"elasticep {__version__}",
-                # SGLang lists per-scheduler states here (speculative acceptance, ...);
-                # we have none: clients read an empty list as "no such figures"
-                "internal_states": []}
+                # SGLang lists one state per scheduler here, and its clients read entry 0
+                # (older bench_serving without checking that there is one): ours are
+                # the ranks' (/elastic_ep_status's entries: state, running requests,
+                # KV tokens, max running requests), those not in a free slot
+                "internal_states": [r.to_dict() for r in status.ranks
+                                    if r.state != SlotState.FREE]}

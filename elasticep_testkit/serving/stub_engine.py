@@ -78,6 +78,10 @@ class StubEngine:
         """True while any request runs."""
         return bool(self._running)
 
+    def request_ids(self) -> list[str]:
+        """Ids of the running requests, in arrival order."""
+        return list(self._running)
+
     def step(self) -> list[TokenOutput]:
         """Wait for the next tick, then one token per running request.
 
