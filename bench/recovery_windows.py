@@ -56,7 +56,8 @@ from _ep_helpers import (  # noqa: E402
     reference,
     worker_log,
 )
-from elasticep.distributed.membership import SlotState  # noqa: E402
+
+from elasticep.membership.transitions import SlotState  # noqa: E402
 
 
 class _TmpDirs:

@@ -80,7 +80,8 @@ _FLAG = {"heartbeat_timeout_s": "--heartbeat-timeout",
          "log_stats_interval_s": "--log-stats-interval"}
 # field -> the argparse dest that sets it (DeploymentConfig.from_args)
 _DEST = {"heartbeat_timeout_s": "heartbeat_timeout",
-         "log_stats_interval_s": "log_stats_interval"}
+         "log_stats_interval_s": "log_stats_interval",
+         "coordinator_timeout_s": "coordinator_timeout"}
 
 
 def flag_of(field_name: str) -> str:
@@ -171,6 +172,9 @@ class DeploymentConfig(_JsonConfig):
             they are ready, :mod:`elasticep.engine.prefill_warmup`).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+        coordinator_timeout_s: serve's ``--coordinator-timeout`` (seconds): also the
+            longest a rank waits on a coordinator whose host still acknowledges (a
+            stalled ``serve``), keeping its state, before it gives up.
         moe_a2a_backend: the dispatch/combine transport (:class:`A2ABackend`); cuda_ipc
             needs CUDA, one node and a bounded step (chunked prefill on).
         nnodes: nodes the launch cohort is split over (``serve --nnodes``), so that the
@@ -207,6 +211,7 @@ class DeploymentConfig(_JsonConfig):
     log_stats_interval_s: float = 10.0
     nnodes: int = 1
     moe_a2a_backend: A2ABackend = A2ABackend.AUTO
+    coordinator_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
@@ -243,6 +248,8 @@ class DeploymentConfig(_JsonConfig):
             (0 <= self.log_stats_interval_s < math.inf,
              "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
+            (0 < self.coordinator_timeout_s < math.inf,
+             "--coordinator-timeout must be a finite number of seconds > 0"),
             (self.elastic_ep_backend == Backend.ELASTIC or self.max_ep_size == self.ep_size,
              "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
             (self.moe_a2a_backend != A2ABackend.CUDA_IPC

@@ -126,3 +126,16 @@ def test_the_config_module_sits_below_every_layer():
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+
+
+def test_stall_grace_follows_the_coordinator_timeout():
+    from elasticep.distributed.control import stall_grace_s
+    assert stall_grace_s(15.0, 2.0) == 15.0
+    assert stall_grace_s(1.0, 3.0) == 3.0  # never shorter than the heartbeat timeout
+    import argparse
+    args = argparse.Namespace(model="/m", coordinator_timeout=15.0, heartbeat_timeout=2.0)
+    d = DeploymentConfig.from_args(args)
+    assert d.coordinator_timeout_s == 15.0
+    assert DeploymentConfig.from_json(d.to_json()).coordinator_timeout_s == 15.0
+    with pytest.raises(ValueError, match="--coordinator-timeout"):
+        DeploymentConfig(model="/m", coordinator_timeout_s=0)

@@ -17,7 +17,7 @@ from elasticep.membership.messages import Deactivate, Ready, Recover, Register
 from elasticep.membership.protocol import parse_address
 from elasticep.membership.transitions import ACTIVE_STATES, OnFailure, SlotState
 
-from .control import RankControl
+from .control import STALL_GRACE_S, RankControl
 from .process_group import ElasticProcessGroup
 from .state import GroupState
 
@@ -67,7 +67,8 @@ class BackendOptions:
 
 
 def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int | None = None,
-            is_extension: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+            is_extension: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+            stall_grace_s: float = STALL_GRACE_S) -> None:
     """Open this process's control connection to the coordinator, or keep the open one.
 
     A process holds one connection for life: a second call (WORLD destroyed and
@@ -80,6 +81,8 @@ def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int
         world_size: initially active slots (default max_world_size).
         is_extension: this process (re)joins an existing deployment.
         timeout_s: bound of every blocking call (seconds).
+        stall_grace_s: longest wait on a stalled coordinator (seconds; see
+            :func:`elasticep.distributed.control.stall_grace_s`).
     Raises:
         ValueError: refused by the coordinator, or this process already holds another
             rank or coordinator.
@@ -93,7 +96,7 @@ def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int
                              f"{_ctl.address}; it cannot become rank {rank} of {coordinator}")
         return
     _ctl = RankControl(coordinator, rank, world_size or max_world_size, max_world_size,
-                       is_extension, timeout_s)
+                       is_extension, timeout_s, stall_grace_s)
     _store = _new_store()
 
 
@@ -107,7 +110,8 @@ def control_address() -> str | None:
 def init_process_group(coordinator: str, rank: int, world_size: int, *,
                        max_world_size: int | None = None, is_extension: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S,
-                       on_failure: str = "complete") -> ElasticProcessGroup:
+                       on_failure: str = "complete",
+                       stall_grace_s: float = STALL_GRACE_S) -> ElasticProcessGroup:
     """Connect to the coordinator and make the "elastic" WORLD group the default group.
 
     May be called again after ``torch.distributed.destroy_process_group()`` in the same
@@ -122,6 +126,7 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
             `join_group(WORLD)` when ready to be admitted.
         timeout_s: bound of every blocking call (seconds).
         on_failure: failure mode of WORLD ("complete" or "raise").
+        stall_grace_s: as :func:`connect`.
     Returns:
         The default group (also available as torch.distributed.group.WORLD).
     Raises:
@@ -130,7 +135,7 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
     """
     mws = max_world_size or world_size
     connect(coordinator, rank, mws, world_size=world_size, is_extension=is_extension,
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, stall_grace_s=stall_grace_s)
     mask = torch.zeros(mws, dtype=torch.int32)
     mask[:world_size] = 1
     opts = BackendOptions(mask, is_extension, mws, on_failure=on_failure, unique_name="world")

@@ -40,9 +40,17 @@ from elasticep.membership.protocol import Connection, connect
 
 log = logging.getLogger(__name__)
 
-# Longest wait on a coordinator whose host still acknowledges (seconds): serve's default
-# --coordinator-timeout, the time other nodes give a coordinator that went away.
+# Longest wait on a coordinator whose host still acknowledges (seconds), by default:
+# serve's default --coordinator-timeout, the time other nodes give a coordinator that
+# went away (a rank gets the deployment's own value, see stall_grace_s).
 STALL_GRACE_S = 60.0
+
+
+def stall_grace_s(coordinator_timeout_s: float, heartbeat_timeout_s: float) -> float:
+    """How long a rank waits on a stalled coordinator (pure): the deployment's
+    ``--coordinator-timeout``, and never less than its heartbeat timeout (a shorter
+    grace would end before the silence counts as one)."""
+    return max(coordinator_timeout_s, heartbeat_timeout_s)
 _TCPI_LAST_ACK_RECV = 56  # byte offset of tcpi_last_ack_recv (ms) in Linux's tcp_info
 
 
@@ -67,8 +75,10 @@ class RankControl:
     """
 
     def __init__(self, address: str, rank: int, world_size: int, max_world_size: int,
-                 is_extension: bool, timeout_s: float) -> None:
+                 is_extension: bool, timeout_s: float,
+                 stall_grace_s: float = STALL_GRACE_S) -> None:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
+        self.stall_grace_s = stall_grace_s
         self.conn: Connection = connect(address, timeout_s)
         # the address the kernel routes towards the coordinator: what peers on other
         # hosts can reach (the inner Gloo groups bind it; see gloo_device)
@@ -155,7 +165,7 @@ class RankControl:
         """Round-trip to the coordinator; raises RankEvictedError if we were evicted.
 
         While the coordinator's host still acknowledges (a stalled coordinator process,
-        see the module docstring) the ping is retried for up to :data:`STALL_GRACE_S`.
+        see the module docstring) the ping is retried for up to :attr:`stall_grace_s`.
         """
         if self.evicted:
             raise RankEvictedError(f"rank {self.rank} evicted: {self.evicted}")
@@ -165,7 +175,7 @@ class RankControl:
                 self.request(m.Ping(), timeout_s=min(self.timeout_s, 5.0))
                 break
             except TimeoutError as e:
-                if (time.monotonic() - start < STALL_GRACE_S and not self.evicted
+                if (time.monotonic() - start < self.stall_grace_s and not self.evicted
                         and peer_host_acks(self.conn.sock, 5.0)):
                     continue
                 raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
@@ -196,12 +206,12 @@ class RankControl:
                 time.sleep(min(self.hb_interval_s, 0.1))
             silent_s = time.monotonic() - self.last_ack
             limit_s = self._silence_limit_s()
-            stalled = (limit_s < silent_s < STALL_GRACE_S
+            stalled = (limit_s < silent_s < self.stall_grace_s
                        and peer_host_acks(self.conn.sock, limit_s))
             if stalled and not waiting:
                 log.warning("rank %d: coordinator silent for %.1f s, but its host acknowledges:"
                             " waiting for it (up to %g s; no step commits meanwhile)",
-                            self.rank, silent_s, STALL_GRACE_S)
+                            self.rank, silent_s, self.stall_grace_s)
             waiting = stalled
             if silent_s > limit_s and not stalled and not (self.lost or self.evicted):
                 self.lost_reason = (f"coordinator at {self.address} unreachable: no answer "

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 from elasticep.config import A2ABackend, Backend, WorkerConfig
 from elasticep.distributed.api import DEFAULT_TIMEOUT_S
+from elasticep.distributed.control import stall_grace_s
 from elasticep.elastic.exchange_setup import (
     build_exchange,
     exchange_store,
@@ -86,7 +87,8 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     if d.elastic_ep_backend == Backend.ELASTIC:
         return ed.init_process_group(
             cfg.coordinator, cfg.rank, d.ep_size, max_world_size=d.max_ep_size,
-            is_extension=cfg.join_mode is not None, on_failure="raise")
+            is_extension=cfg.join_mode is not None, on_failure="raise",
+            stall_grace_s=stall_grace_s(d.coordinator_timeout_s, d.heartbeat_timeout_s))
     if cfg.join_mode is not None:
         raise ValueError("the plain baseline group cannot take joiners")
     host, _, port = d.store_addr.rpartition(":")

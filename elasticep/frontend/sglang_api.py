@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from elasticep import __version__
-from elasticep.distributed.membership import SlotState
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.openai_protocol import (
     OpenAIError,
@@ -36,6 +35,7 @@ from elasticep.frontend.openai_protocol import (
 )
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.request_tracker import RequestEvent
+from elasticep.membership.transitions import SlotState
 
 if TYPE_CHECKING:  # http_server imports this module
     from elasticep.frontend.http_server import ServerConfig
