@@ -234,6 +234,25 @@ def test_kernels_equal_the_torch_reference_under_the_interpreter():
     assert len(got) == 7 and all(got.values()), got
 
 
+def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
+    import argparse
+
+    from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
+    from elasticep.entrypoints.validate import UsageError
+    from elasticep.moe import stream_memops
+
+    def missing():
+        raise ImportError("CUDA stream memory operations need NVIDIA's cuda-bindings "
+                          "package: pip install cuda-bindings")
+
+    monkeypatch.setattr(stream_memops, "driver", missing)
+    p = argparse.ArgumentParser()
+    add_deployment_arguments(p)
+    args = p.parse_args(["--device", "cuda", "--moe-a2a-backend", "cuda_ipc"])
+    with pytest.raises(UsageError, match="pip install cuda-bindings"):
+        deployment_config(args, warnings=[])
+
+
 if __name__ == "__main__":
     import json
     print(json.dumps(_fused_plan_cases() | _kernel_cases()))

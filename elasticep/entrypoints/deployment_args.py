@@ -33,6 +33,7 @@ from elasticep.engine.limits import (
 )
 from elasticep.entrypoints.validate import UsageError, default_model_dir
 from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.moe import stream_memops
 
 LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
                     "draws them from a fixed seed on the device, so a directory with only "
@@ -173,6 +174,11 @@ def deployment_config(args: argparse.Namespace, warnings: list[str] | None = Non
         config = DeploymentConfig.from_args(args, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if config.moe_a2a_backend == A2ABackend.CUDA_IPC:
+        try:
+            stream_memops.driver()
+        except ImportError as exc:  # say so now, not from every rank after loading
+            raise UsageError(f"--moe-a2a-backend cuda_ipc: {exc}") from None
     graph_bs, warning = clamp_cuda_graph_max_bs(config.cuda_graph_max_bs,
                                                 config.max_running_requests)
     if warning is None:
