@@ -12,6 +12,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import Scheduler
 from elasticep.engine.sequence import Sequence
+from elasticep.moe.executor import ExecutorDefaults
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,10 +109,11 @@ def test_empty_batch_still_runs_every_moe_layer():
     calls = []
     inner = eng.model.executor
 
-    def spy(layer, h, ids, w):
-        calls.append((layer, h.shape[0]))
-        return inner(layer, h, ids, w)
+    class Spy(ExecutorDefaults):  # an executor has the protocol's capability attributes
+        def __call__(self, layer, h, ids, w):
+            calls.append((layer, h.shape[0]))
+            return inner(layer, h, ids, w)
 
-    eng.model.executor = spy
+    eng.model.executor = Spy()
     assert eng.step() == [] and not eng.has_unfinished()
     assert calls == [(i, 0) for i in eng.model.config.moe_layer_ids]
