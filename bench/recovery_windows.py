@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # the tests' helpers (launch, reference, the near-tie rule): the same checks as CI's
@@ -145,34 +146,39 @@ def rejoin(tmp: _TmpDirs, _gap_s: float) -> None:
         driver.close()
 
 
-def kill_during_recovery(tmp: _TmpDirs, gap_s: float) -> None:
+def _second_fault(tmp: _TmpDirs, gap_s: float, first: Callable[[Any], None],
+                  second_rank: int, label: str, after: Callable[[Any], None] | None = None
+                  ) -> None:
+    """EP4 with redundancy: ``first(driver)`` starts a membership change, ``gap_s``
+    later rank ``second_rank`` is SIGKILLed, and ranks {0, 2} must keep serving."""
     driver = launch(tmp, ep_num_redundant_experts=16)
     try:
-        dep = driver.deployment
-        pids = dep.pids()
-        os.kill(pids[3], signal.SIGKILL)
-        _wait_state(driver, 3, SlotState.FAILED)
+        victim = driver.deployment.pids()[second_rank]
+        first(driver)
         time.sleep(gap_s)
-        os.kill(pids[1], signal.SIGKILL)
-        _check_serving(driver, [0, 2], {}, f"EP4 {{0,2}}: rank 1 killed {gap_s} s into the "
-                       "recovery from rank 3")
+        os.kill(victim, signal.SIGKILL)
+        _check_serving(driver, [0, 2], {}, f"EP4 {{0,2}}: rank {second_rank} killed {gap_s} s "
+                       f"into {label}")
+        if after is not None:
+            after(driver)
     finally:
         driver.close()
+
+
+def kill_during_recovery(tmp: _TmpDirs, gap_s: float) -> None:
+    def kill_rank_3(driver) -> None:
+        os.kill(driver.deployment.pids()[3], signal.SIGKILL)
+        _wait_state(driver, 3, SlotState.FAILED)
+
+    _second_fault(tmp, gap_s, kill_rank_3, 1, "the recovery from rank 3")
 
 
 def scale_down(tmp: _TmpDirs, gap_s: float) -> None:
-    driver = launch(tmp, ep_num_redundant_experts=16)
-    try:
-        dep = driver.deployment
-        pid1 = dep.pids()[1]
-        assert dep.scale(3)["slots"] == [3]
-        time.sleep(gap_s)
-        os.kill(pid1, signal.SIGKILL)
-        _check_serving(driver, [0, 2], {}, f"EP4 {{0,2}}: rank 1 killed {gap_s} s into the "
-                       "scale-down of rank 3")
-        _wait_state(driver, 3, SlotState.FREE)
-    finally:
-        driver.close()
+    def scale_to_3(driver) -> None:
+        assert driver.deployment.scale(3)["slots"] == [3]
+
+    _second_fault(tmp, gap_s, scale_to_3, 1, "the scale-down of rank 3",
+                  after=lambda driver: _wait_state(driver, 3, SlotState.FREE))
 
 
 CASES: dict[str, Callable[[_TmpDirs, float], None]] = {
