@@ -806,7 +806,7 @@ def test_readme_serve_table_lists_every_serve_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("### `elasticep serve`", 1)[1].split("\n#", 1)[0]
     table = {flag for row in section.splitlines() if row.startswith("| `")
-             for flag in re.findall(r"`(--[a-z-]+)", row.split(" | ")[0])}
+             for flag in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])}  # a2a: digits
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings
              if o.startswith("--") and o not in ("--help", "--model-path")}  # alias of --model
