@@ -50,7 +50,13 @@ import torch
 
 from elasticep.moe import ipc_kernels as kernels
 from elasticep.moe import stream_memops
-from elasticep.moe.padded_exchange import PaddedPlan, plan_padded, row_width, split_rows
+from elasticep.moe.padded_exchange import (
+    ROW_ALIGN,
+    PaddedPlan,
+    plan_padded,
+    row_width,
+    split_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +68,6 @@ _ALIGN = 256
 def capacity_rows(max_step_tokens: int, top_k: int) -> int:
     """``C_max``: rows per source block for the largest step (every pair of a step could go
     to one rank), rounded up to the padded layout's alignment."""
-    from elasticep.moe.padded_exchange import ROW_ALIGN
     rows = max(max_step_tokens * top_k, 1)
     return -(-rows // ROW_ALIGN) * ROW_ALIGN
 
@@ -118,8 +123,8 @@ class IpcExchange:
         # per rank: dispatch buffer, combine buffer, flags (device addresses)
         self.table = torch.zeros(G, 3, dtype=torch.int64, device=self.device)
         self.peers: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (generation, arena)
-        self._peer_views: dict[int, tuple[torch.Tensor, ...]] = {rank: self._carve(self.arena)}
-        self._set_row(rank, self.arena)
+        self._peer_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._set_row(rank, self.arena)  # this rank's own row of views and pointers
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._aborted = False
         self._lock = threading.Lock()
