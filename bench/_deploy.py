@@ -107,6 +107,7 @@ class Run:
         self.t_admitted: float | None = None
         self.pids: dict[int, int] = {}
         self.extra: dict[str, Any] = {}
+        self.event_ranks: list[int] = []  # the ranks a fault took (set by the scenario)
         self.records: list[RequestRecord] = []
         self.orphans: list[int] = []
         self.load: SteadyLoad | None = None
@@ -181,6 +182,11 @@ class Run:
                 self.extra["graph_captures"] = {
                     r: [self._captures_healthy.get(r), end.get(r)]
                     for r in sorted(set(end) | set(self._captures_healthy))}
+                # ranks in the deployment before and after that were not the event's
+                # victims (a relaunched victim counts its new process's captures)
+                kept = (set(end) & set(self._captures_healthy)) - set(self.event_ranks)
+                self.extra["survivor_recaptures"] = int(sum(
+                    end[r] - self._captures_healthy[r] for r in kept))
             self.orphans = self.serve.stop()
 
     def outcomes(self) -> Outcomes:

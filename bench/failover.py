@@ -120,6 +120,7 @@ def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
         victims = {"kill-rank0": [0], "double-kill": [victim, (victim + 1) % ep_size]}.get(
             name, [victim])
         sig = signal.SIGSTOP if name == "freeze" else signal.SIGKILL
+        run.event_ranks = victims
         t = fault(run, victims, sig, gap_s=0.1)
         run.windows["event"] = (run.t_event, t + SETTLE_S)
         run.window("degraded", t + SETTLE_S, a.degraded_s)

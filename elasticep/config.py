@@ -138,6 +138,10 @@ class DeploymentConfig(_JsonConfig):
         device: "cpu" or "cuda".
         ep_size: initial number of ranks (the launch cohort).
         max_ep_size: capacity reserved for scale-up (>= ep_size).
+        min_ep_size: the fewest ranks whose expert slots must hold every expert without
+            growing (``--min-ep-size``, in ``[1, ep_size]``); None: ``ep_size - 1`` (at
+            least 1) for the elastic backend, ``ep_size`` for none. See
+            :attr:`slot_reserve_ranks`.
         ep_num_redundant_experts: R, extra physical slots over all ranks.
         ep_dispatch_algorithm: static (nearest replica) or dynamic (spread).
         enable_eplb: rebalance experts from measured load.
@@ -190,6 +194,7 @@ class DeploymentConfig(_JsonConfig):
     device: str = "cpu"
     ep_size: int = 1
     max_ep_size: int = 1
+    min_ep_size: int | None = None
     ep_num_redundant_experts: int = 0
     ep_dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
     enable_eplb: bool = False
@@ -226,6 +231,9 @@ class DeploymentConfig(_JsonConfig):
             (self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}"),
             (self.max_ep_size >= self.ep_size,
              f"--max-ep-size ({self.max_ep_size}) must be >= --ep-size ({self.ep_size})"),
+            (self.min_ep_size is None or 1 <= self.min_ep_size <= self.ep_size,
+             f"--min-ep-size must be in [1, --ep-size ({self.ep_size})], got "
+             f"{self.min_ep_size}"),
             (self.ep_num_redundant_experts >= 0, "--ep-num-redundant-experts must be >= 0"),
             (self.eplb_rebalance_num_iterations >= 1,
              "--eplb-rebalance-num-iterations must be >= 1"),
@@ -260,6 +268,20 @@ class DeploymentConfig(_JsonConfig):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def slot_reserve_ranks(self) -> int:
+        """:attr:`min_ep_size` resolved: every rank launches with enough expert slots
+        (``ceil(E / this)``, the extra ones empty) that a membership change keeping this
+        many ranks re-homes orphans without growing the slots, so no survivor's tensors
+        change shape and no CUDA graph is captured again. The memory is taken at launch,
+        where the KV cache is sized from what is left, rather than at a failure, when it
+        may not be free."""
+        if self.min_ep_size is not None:
+            return self.min_ep_size
+        if self.elastic_ep_backend != Backend.ELASTIC:
+            return self.ep_size
+        return max(1, self.ep_size - 1)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: object) -> DeploymentConfig:

@@ -44,6 +44,9 @@ def test_json_round_trip_keeps_modes_as_enums_and_strings():
 @pytest.mark.parametrize("kwargs, message", [
     ({"ep_size": 0}, "--ep-size must be >= 1, got 0"),
     ({"ep_size": 4, "max_ep_size": 3}, r"--max-ep-size \(3\) must be >= --ep-size \(4\)"),
+    ({"ep_size": 2, "max_ep_size": 2, "min_ep_size": 3},
+     r"--min-ep-size must be in \[1, --ep-size \(2\)\], got 3"),
+    ({"min_ep_size": 0}, r"--min-ep-size must be in \[1, --ep-size \(1\)\], got 0"),
     ({"max_total_tokens": 8}, "--max-total-tokens must be >= 16"),
     ({"heartbeat_timeout_s": float("inf")}, "--heartbeat-timeout must be a finite"),
     ({"log_stats_interval_s": -1.0}, "--log-stats-interval must be a finite"),
@@ -139,3 +142,17 @@ def test_stall_grace_follows_the_coordinator_timeout():
     assert DeploymentConfig.from_json(d.to_json()).coordinator_timeout_s == 15.0
     with pytest.raises(ValueError, match="--coordinator-timeout"):
         DeploymentConfig(model="/m", coordinator_timeout_s=0)
+
+
+def test_slot_reserve_defaults_to_surviving_one_death():
+    """The elastic backend reserves slots for one failure unless told otherwise; the
+    baseline, which cannot survive one, reserves nothing."""
+    def cfg(**kw):
+        return DeploymentConfig(model="/m", **kw)
+    assert cfg(ep_size=4, max_ep_size=4).slot_reserve_ranks == 3
+    assert cfg(ep_size=1, max_ep_size=2).slot_reserve_ranks == 1
+    assert cfg(ep_size=4, max_ep_size=4, min_ep_size=4).slot_reserve_ranks == 4
+    assert cfg(ep_size=4, max_ep_size=4, elastic_ep_backend="none").slot_reserve_ranks == 4
+    args = build_parser().parse_args(["serve", "--model", "/m", "--ep-size", "4",
+                                      "--min-ep-size", "2"])
+    assert DeploymentConfig.from_args(args).slot_reserve_ranks == 2

@@ -74,7 +74,10 @@ def test_metadata_tensors_and_static_nearest_dispatch():
     for rank in range(4):
         m = ExpertLocationMetadata.from_placement(p, rank)
         assert m.physical_to_logical_map.shape == (2, 12) and m.physical_to_logical_map.dtype == torch.int64
-        assert m.logical_to_all_physical_map.shape == (2, 8, 2)
+        # padded to the layout's replica width (4 ranks x ceil(3 / 8)), not the 2 used
+        assert p.replica_width() == 4
+        assert m.logical_to_all_physical_map.shape == (2, 8, 4)
+        assert m.logical_to_all_physical_map[0, 0].tolist()[2:] == [-1, -1]
         assert m.logical_to_all_physical_map_num_valid[0].tolist() == [2, 2, 2, 2, 1, 1, 1, 1]
         d = m.logical_to_rank_dispatch_physical_map
         assert torch.all(p.phy2log.gather(1, d) == torch.arange(8)), "dispatch hits a replica"
@@ -90,3 +93,46 @@ def test_metadata_tensors_and_static_nearest_dispatch():
 def test_dispatch_map_skips_padding():
     log2phy = torch.tensor([[[5, -1], [0, 4]]])
     assert compute_rank_dispatch_map(log2phy, 2, 3, 2).tolist() == [[5, 4]]
+
+
+def test_min_ep_size_reserves_empty_slots():
+    """--min-ep-size: each rank gets ceil(E / min) slots, the launch ones filled as
+    without it and the rest EMPTY, so the survivors of a death can take the orphans."""
+    assert initial_slots_per_rank(16, 0, 2, min_ep_size=1) == 16
+    assert initial_slots_per_rank(16, 0, 4, min_ep_size=3) == 6
+    assert initial_slots_per_rank(16, 16, 4, min_ep_size=3) == 8  # redundancy covers it
+    with pytest.raises(ValueError, match="min_ep_size"):
+        initial_slots_per_rank(16, 0, 2, min_ep_size=3)
+    p = initial_placement(2, 16, 0, 4, max_ep_size=5, min_ep_size=3)
+    plain = initial_placement(2, 16, 0, 4, max_ep_size=5)
+    assert p.slots_per_rank == 6 and plain.slots_per_rank == 4
+    grid = p.phy2log.view(2, 5, 6)
+    assert torch.equal(grid[:, :, :4], plain.phy2log.view(2, 5, 4)), "launch slots as before"
+    assert bool((grid[:, :, 4:] == 16).all()), "reserved slots start empty"
+    assert int(p.replica_counts().sum()) == 2 * 16
+
+
+def test_death_within_min_ep_size_keeps_every_shape():
+    """A death, a rejoin and a scale-up down to min_ep_size ranks change no tensor shape
+    of the metadata the CUDA graphs read (the slots and the replica width stay)."""
+    from elasticep.eplb.elastic import reconcile_placement, repair_placement, scale_up_placement
+
+    p = initial_placement(3, 16, 0, 4, max_ep_size=6, min_ep_size=3)
+    shapes = _shapes(ExpertLocationMetadata.from_placement(p, 0))
+    dead = repair_placement(p, torch.tensor([True, False, True, True, False, False]))
+    assert dead.slots_per_rank == p.slots_per_rank
+    back = reconcile_placement(dead, torch.tensor([True, True, True, True, False, False]))
+    up = scale_up_placement(back, torch.ones(6, dtype=torch.bool))
+    for q in (dead, back, up):
+        assert torch.all(q.replica_counts() >= 1)
+        for r in q.live_ranks():
+            assert _shapes(ExpertLocationMetadata.from_placement(q, r)) == shapes
+    # below min_ep_size the slots must grow (and the shapes change)
+    two = repair_placement(dead, torch.tensor([True, False, False, True, False, False]))
+    assert two.slots_per_rank == 8
+
+
+def _shapes(m: ExpertLocationMetadata) -> list[tuple[int, ...]]:
+    return [tuple(getattr(m, f).shape) for f in ("physical_to_logical_map",
+            "logical_to_all_physical_map", "logical_to_all_physical_map_num_valid",
+            "logical_to_rank_dispatch_physical_map")]

@@ -125,7 +125,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     max_ep = d.max_ep_size if elastic else d.ep_size
     # The launch placement; a joiner uses it only as a stand-in until admitted.
     placement = initial_placement(mcfg.num_hidden_layers, mcfg.num_experts,
-                                  d.ep_num_redundant_experts, d.ep_size, max_ep)
+                                  d.ep_num_redundant_experts, d.ep_size, max_ep,
+                                  min_ep_size=d.slot_reserve_ranks)
     joining = cfg.join_mode is not None
     model = load_rank_weights(d.model, placement, cfg.rank, getattr(torch, d.dtype), d.device,
                               with_experts=not joining, load_format=d.load_format)

@@ -111,6 +111,12 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "serves its own requests (default: %(default)s)", type=int)
     _add(e, "--max-ep-size", "capacity reserved for scale-up (default: --ep-size)", type=int,
          default=None)
+    _add(e, "--min-ep-size", "fewest ranks that keep CUDA graphs and expert slots through "
+         "failures: each rank reserves ceil(experts / N) slots at launch, so the survivors "
+         "of a death (or a scale-down) down to N ranks take in the orphaned experts without "
+         "new tensors or a graph re-capture; below N the slots grow then. Costs expert "
+         "memory at launch, before the KV cache is sized (default: --ep-size minus 1, at "
+         "least 1; --ep-size reserves nothing)", type=int)
     _add(e, "--ep-num-redundant-experts", "extra physical expert slots (replicas) over all "
          "ranks", type=int)
     _add(e, "--ep-dispatch-algorithm", "replica choice: static = nearest, dynamic = spread",

@@ -175,9 +175,11 @@ def scale_up_placement(
 ) -> Placement:
     """Admit new ranks: their slots become live and are filled with replicas.
 
-    Existing experts stay where they are (no weight moves between old ranks). Every
-    empty live slot (all slots of the new ranks, plus spare slots left by an earlier
-    growth) is filled, local slot by local slot across ranks, with the expert of the
+    Existing experts stay where they are, and the old ranks' empty slots stay empty: they
+    are the reserve (``--min-ep-size``, or room left by an earlier growth) that lets a
+    later failure re-home orphans without growing, and filling them would add weight
+    moves to the admission. Every slot of the new ranks is filled, local slot by local
+    slot across them, with the expert of the
     largest ``weight / replicas`` that the rank does not hold yet (lowest id on ties;
     with no weight that is the expert with the fewest replicas), spreading replicas.
 
@@ -201,13 +203,13 @@ def scale_up_placement(
     if tuple(weight.shape) != (L, E):
         raise ValueError(f"weight must be [{L}, {E}], got {tuple(weight.shape)}")
     weight = weight.double().cpu()
-    live = [int(r) for r in torch.nonzero(mask).flatten()]
+    joiners = [int(r) for r in torch.nonzero(mask & ~placement.active_ranks).flatten()]
     grid = _grid(placement)
     counts = placement.replica_counts().double()
     for layer in range(L):
         count = counts[layer]
         for j in range(placement.slots_per_rank):
-            for r in live:
+            for r in joiners:
                 if int(grid[layer, r, j]) != E:
                     continue
                 score = weight[layer] / count

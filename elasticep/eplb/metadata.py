@@ -28,7 +28,8 @@ class ExpertLocationMetadata:
             ``num_logical_experts`` (see :mod:`elasticep.eplb.placement`).
         physical_to_logical_map_cpu: the same on CPU.
         logical_to_all_physical_map: [L, E, X] int64, each expert's slots ascending,
-            padded with -1.
+            padded with -1; X is at least :meth:`Placement.replica_width`, so a change of
+            membership keeps this shape (and the CUDA graphs that read it).
         logical_to_all_physical_map_num_valid: [L, E] int64, the valid entries per row.
         logical_to_rank_dispatch_physical_map: [L, E] int64, the slot ``ep_rank`` sends
             each expert's tokens to under static dispatch.
@@ -87,7 +88,7 @@ class ExpertLocationMetadata:
         """
         if not 0 <= ep_rank < placement.max_ep_size:
             raise ValueError(f"ep_rank {ep_rank} outside [0, {placement.max_ep_size})")
-        log2phy, num_valid = placement.log2phy()
+        log2phy, num_valid = placement.log2phy(placement.replica_width())
         if bool((num_valid == 0).any()):
             layer, expert = (int(x) for x in torch.nonzero(num_valid == 0)[0])
             raise ValueError(f"layer {layer}: logical expert {expert} has no slot")

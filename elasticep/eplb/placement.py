@@ -24,17 +24,27 @@ from dataclasses import dataclass
 import torch
 
 
-def initial_slots_per_rank(num_logical_experts: int, num_redundant: int, initial_ep_size: int) -> int:
-    """``ceil((E + R) / initial_ep_size)``, the slots each rank hosts at launch.
+def initial_slots_per_rank(num_logical_experts: int, num_redundant: int, initial_ep_size: int,
+                           min_ep_size: int | None = None) -> int:
+    """The slots each rank has at launch: ``ceil((E + R) / initial_ep_size)`` hold experts,
+    and with ``min_ep_size`` the count is raised to ``ceil(E / min_ep_size)``, so that
+    ``min_ep_size`` ranks can hold every expert without growing (the extra slots start
+    EMPTY: reserved memory, see :func:`initial_placement`).
 
     Raises:
-        ValueError: on a non-positive size or a negative redundancy.
+        ValueError: on a non-positive size, a negative redundancy, or ``min_ep_size``
+            outside ``[1, initial_ep_size]``.
     """
     if num_logical_experts <= 0 or initial_ep_size <= 0 or num_redundant < 0:
         raise ValueError(
             f"bad sizes: E={num_logical_experts} R={num_redundant} ep={initial_ep_size}"
         )
-    return math.ceil((num_logical_experts + num_redundant) / initial_ep_size)
+    launch = math.ceil((num_logical_experts + num_redundant) / initial_ep_size)
+    if min_ep_size is None:
+        return launch
+    if not 1 <= min_ep_size <= initial_ep_size:
+        raise ValueError(f"min_ep_size {min_ep_size} outside [1, {initial_ep_size}]")
+    return max(launch, math.ceil(num_logical_experts / min_ep_size))
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,17 +143,28 @@ class Placement:
         return out[:, :E]
 
     # ---------------------------------------------------------------- derive
-    def log2phy(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def replica_width(self) -> int:
+        """The replica count a slot layout of this shape holds when every rank hosts an
+        expert at most ``ceil(slots_per_rank / E)`` times: ``max_ep_size`` times that.
+        It depends on the shape alone, so the lookup tensors padded to it keep their
+        shape across membership changes (see :meth:`log2phy`)."""
+        return self.max_ep_size * math.ceil(self.slots_per_rank / self.num_logical_experts)
+
+    def log2phy(self, width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Invert phy2log.
+
+        Args:
+            width: the least X (the padded replica dimension), e.g.
+                :meth:`replica_width`.
 
         Returns:
             log2phy: [L, E, X] int64, the slots of each expert ascending, padded with -1
-                (X = the largest replica count, at least 1).
+                (X = the larger of ``width`` and the largest replica count, at least 1).
             logcnt: [L, E] int64, the number of valid entries of each row.
         """
         logcnt = self.replica_counts()
         L, E = logcnt.shape
-        X = max(1, int(logcnt.max()) if logcnt.numel() else 1)
+        X = max(1, width, int(logcnt.max()) if logcnt.numel() else 1)
         out = torch.full((L, E, X), -1, dtype=torch.int64)
         for layer in range(L):
             row = self.phy2log[layer]
@@ -181,12 +202,21 @@ def initial_placement(
     initial_ep_size: int,
     max_ep_size: int | None = None,
     active_ranks: torch.Tensor | None = None,
+    min_ep_size: int | None = None,
 ) -> Placement:
-    """The launch placement: the k-th live slot holds expert ``k % E``.
+    """The launch placement: the k-th launch slot holds expert ``k % E``.
 
-    With the first ``initial_ep_size`` ranks active this is ``phy2log[p] = p % E`` over
-    the live slots; consecutive slots of a rank then hold distinct experts whenever
-    ``slots_per_rank <= E``, so replicas of one expert sit on different ranks.
+    A rank's launch slots are its first ``ceil((E + R) / initial_ep_size)``; with the
+    first ``initial_ep_size`` ranks active and no ``min_ep_size`` this is ``phy2log[p] =
+    p % E`` over the live slots. Consecutive slots of a rank then hold distinct experts
+    whenever they are at most E, so replicas of one expert sit on different ranks.
+
+    ``min_ep_size`` reserves slots: every rank gets ``ceil(E / min_ep_size)`` slots when
+    that is more, the extra ones EMPTY. A membership change that keeps at least
+    ``min_ep_size`` ranks then re-homes orphans into reserved slots instead of growing
+    ``slots_per_rank``, so the executor's tensors keep their shapes and captured CUDA
+    graphs stay valid; the memory a survivor needs is taken at launch, before the KV
+    cache is sized from what is left.
 
     Args:
         num_layers: L, MoE layers.
@@ -195,6 +225,8 @@ def initial_placement(
         initial_ep_size: ranks at launch; sets ``slots_per_rank``.
         max_ep_size: rank capacity (``--max-ep-size``), default ``initial_ep_size``.
         active_ranks: [max_ep_size] bool, default the first ``initial_ep_size`` ranks.
+        min_ep_size: the fewest ranks that must hold every expert in these slots
+            (``--min-ep-size``); None: no reserve.
 
     Returns:
         The placement; ``phy2log`` is [L, slots_per_rank * max_ep_size].
@@ -202,7 +234,9 @@ def initial_placement(
     Raises:
         ValueError: on bad sizes, or when the live slots cannot hold every expert.
     """
-    spr = initial_slots_per_rank(num_logical_experts, num_redundant, initial_ep_size)
+    launch = initial_slots_per_rank(num_logical_experts, num_redundant, initial_ep_size)
+    spr = initial_slots_per_rank(num_logical_experts, num_redundant, initial_ep_size,
+                                 min_ep_size)
     M = initial_ep_size if max_ep_size is None else max_ep_size
     if M < initial_ep_size or num_layers < 0:
         raise ValueError(f"max_ep_size {M} < initial_ep_size {initial_ep_size}")
@@ -212,7 +246,8 @@ def initial_placement(
     active_ranks = active_ranks.to(torch.bool).cpu()
     if active_ranks.numel() != M:
         raise ValueError(f"active_ranks has {active_ranks.numel()} entries, want {M}")
-    live = torch.nonzero(active_ranks[torch.arange(spr * M) // spr]).flatten()
+    slot = torch.arange(spr * M)
+    live = torch.nonzero(active_ranks[slot // spr] & (slot % spr < launch)).flatten()
     if live.numel() < num_logical_experts:
         raise ValueError(f"{live.numel()} live slots cannot hold {num_logical_experts} experts")
     row = torch.full((spr * M,), num_logical_experts, dtype=torch.int64)
