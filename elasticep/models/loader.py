@@ -220,7 +220,8 @@ def load_model(
         model_dir: directory with ``config.json`` and ``*.safetensors``.
         dtype: weight/activation dtype (float32 or bfloat16).
         device: "cpu" or "cuda".
-        slot_to_logical: ``[L, S]`` int64 placement; None = all E experts in order.
+        slot_to_logical: ``[L, S]`` int64 placement, id E marking an empty slot (zeros);
+            None = all E experts in order.
         progress: show a tqdm bar on stderr.
         load_format: "auto"/"safetensors" read ``*.safetensors``; "dummy" draws every
             tensor from ``seed`` (:mod:`elasticep.models.dummy_weights`).
@@ -240,10 +241,12 @@ def load_model(
     slot_to_logical = torch.as_tensor(slot_to_logical, dtype=torch.long).clone()
     if slot_to_logical.dim() != 2 or slot_to_logical.shape[0] != n_layers:
         raise ValueError(f"slot_to_logical must be [{n_layers}, S], got {list(slot_to_logical.shape)}")
+    # id num_experts marks an EMPTY slot (a reserved one, see eplb.placement): zeros
     if slot_to_logical.numel() and not bool(
-        ((slot_to_logical >= 0) & (slot_to_logical < cfg.num_experts)).all()
+        ((slot_to_logical >= 0) & (slot_to_logical <= cfg.num_experts)).all()
     ):
-        raise ValueError(f"slot_to_logical holds ids outside [0, {cfg.num_experts})")
+        raise ValueError(f"slot_to_logical holds ids outside [0, {cfg.num_experts}] "
+                         f"({cfg.num_experts}: an empty slot)")
     num_slots = slot_to_logical.shape[1]
     slots = ExpertSlots(
         w13=[torch.empty(num_slots, 2 * inter, hid, dtype=dtype, device=device) if m else None
@@ -261,7 +264,12 @@ def load_model(
             layers.append(_layer(reader, cfg, i, dtype, device))
             if cfg.moe_layers[i]:
                 for s in range(num_slots):
-                    load_expert_into_slot(reader, cfg, slots, i, s, int(slot_to_logical[i, s]))
+                    e = int(slot_to_logical[i, s])
+                    if e == cfg.num_experts:
+                        slots.w13[i][s].zero_()
+                        slots.w2[i][s].zero_()
+                    else:
+                        load_expert_into_slot(reader, cfg, slots, i, s, e)
         final_norm = reader.get("model.norm.weight", (hid,), dtype, device)
         if reader.has("lm_head.weight") or not cfg.tie_word_embeddings:
             lm_head = reader.get("lm_head.weight", (cfg.vocab_size, hid), dtype, device)

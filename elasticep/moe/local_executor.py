@@ -99,10 +99,12 @@ class LocalExpertExecutor(ExecutorDefaults):
         """Rebuild the logical -> slot map after ``slots.slot_to_logical`` changed."""
         s2l = self.slots.slot_to_logical
         num_layers, num_slots = s2l.shape
-        l2s = torch.full((num_layers, self.num_logical_experts), -1, dtype=torch.long)
+        # one column more for id E, an empty slot's, dropped after
+        l2s = torch.full((num_layers, self.num_logical_experts + 1), -1, dtype=torch.long)
         # The first slot that holds a logical expert serves it (replicas are for EP).
         for slot in reversed(range(num_slots)):
             l2s[torch.arange(num_layers), s2l[:, slot].cpu()] = slot
+        l2s = l2s[:, :self.num_logical_experts].contiguous()
         moe = [i for i, w in enumerate(self.slots.w13) if w is not None]
         self._complete = bool((l2s[moe] >= 0).all()) if moe else True
         weights = self.slots.w13[moe[0]] if moe else None

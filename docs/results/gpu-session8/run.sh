@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Session 8's device calls (one H200), in priority order within the 600 s a call may run.
+# Each step gets what is left of the call's time; a step that cannot start in time is
+# skipped and says so. Run from the repository root with the serve wheels carried in
+# .whl/ and ELASTICEP_COMMIT set; results go to $OUT. STEPS picks the steps (names below).
+set -u
+OUT=${OUT:-/tmp/out}
+BUDGET=${BUDGET:-585}
+STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,failover}
+left() { echo $((BUDGET - SECONDS)); }
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+step() {  # step NAME SECONDS_WANTED COMMAND...
+    local name=$1 want=$2; shift 2
+    local t=$(left)
+    if [ "$t" -lt 20 ]; then echo "SKIPPED $name ($t s left)" >&2; return; fi
+    [ "$want" -lt "$t" ] && t=$want
+    echo "== $name (limit $t s, at ${SECONDS}s)" >&2
+    timeout "$t" "$@"
+    echo "== $name rc=$? at ${SECONDS}s" >&2
+}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
+    && cp models/tiny-qwen3-moe/tokenizer* /tmp/q3/
+Q3="--device cuda --model /tmp/q3 --load-format dummy --dtype bfloat16 --ignore-eos"
+
+if want gpu_tests; then
+    step gpu_tests ${GPU_S:-150} python3 -m pytest -v -p no:cacheprovider -x \
+        ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py tests/test_cuda_graph_ep_gpu.py} \
+        > "$OUT/gpu_tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30
+fi
+
+if want engine_profile; then
+    step engine_profile 90 python3 -m bench.scale --only profile --profile-batch ${PROFILE_B:-1,64} \
+        --cuda-graph on --prompt-len 256 --decode-tokens 64 --workdir /tmp/scale \
+        > "$OUT/engine_profile.jsonl" 2> /tmp/engine_profile.err
+    tail -3 /tmp/engine_profile.err
+fi
+
+if want served_profile; then
+    for c in ${PROFILE_C:-64 1}; do
+        n=$((c > 1 ? 2 * c : 2))
+        rm -rf /tmp/prof$c
+        ELASTICEP_TORCH_PROFILER_DIR=/tmp/prof$c ELASTICEP_TORCH_PROFILER_STEPS=${PROF_STEPS:-200:10} \
+        step "served_profile_c$c" 90 python3 -m bench.serving --launch $Q3 --random-input-len 256 \
+            --random-output-len 256 --random-range-ratio 1 --max-concurrency $c --num-prompts $n \
+            --serve-arg=--max-ep-size --serve-arg=2 --serve-arg=--log-stats-interval --serve-arg=1 \
+            --log-dir /tmp/servelog$c >> "$OUT/served_profile.jsonl" 2> /tmp/sp$c.err
+        tail -2 /tmp/sp$c.err
+        cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
+            || echo "no profile for c=$c"
+        grep -h "steps in\|pieces each" /tmp/servelog$c/* 2>/dev/null | cut -c1-250 | tail -6
+    done
+fi
+
+if want failover; then
+    for sc in ${SCENARIOS:-kill:0 rejoin:0 scale-up:0}; do
+        name=${sc%%:*} r=${sc##*:}
+        step "failover_${name}_r$r" 100 python3 bench/failover.py --scenario $name --ep-size 2 \
+            --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
+            --degraded-s 4 --after-s 4 --log-dir /tmp/fo_${name}_$r \
+            >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
+        tail -2 /tmp/fo.err
+        tail -1 "$OUT/failover.jsonl" | cut -c1-900
+        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_${name}_$r/* 2>/dev/null \
+            | cut -c1-220 | tail -8 >> "$OUT/failover_lines.log"
+    done
+fi
+echo "done at ${SECONDS}s"
