@@ -190,13 +190,15 @@ def _kernel_cases() -> dict:
     which also runs their pointer-table loads and the release atomics)."""
     from elasticep.moe import ipc_kernels as kern
     results = {}
-    for G, T in [(2, 7), (3, 1), (3, 20)]:
+    # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
+    # of its 1024-wide blocks and 65 programs each own a block of pairs
+    for G, T in [(2, 7), (3, 1), (3, 20), (2, 520)]:
         g = torch.Generator().manual_seed(G * 10 + T)
         hidden = torch.randn(T, H, generator=g)
         l2p = torch.randperm(G * S, generator=g)
         ids = torch.stack([torch.randperm(G * S, generator=g)[:K] for _ in range(T)])
         C = pair_capacity(T, K, S)
-        ref, fused, plain = _world(G), _world(G), _world(G)
+        ref, fused, plain = _world(G, C), _world(G, C), _world(G, C)
         for w in (ref, fused, plain):
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
@@ -231,7 +233,7 @@ def _kernel_cases() -> dict:
 def test_kernels_equal_the_torch_reference_under_the_interpreter():
     from tests._interpreted import run_interpreted
     got = run_interpreted(__file__, timeout_s=300)
-    assert len(got) == 7 and all(got.values()), got
+    assert len(got) == 8 and all(got.values()), got
 
 
 def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):

@@ -33,7 +33,7 @@ if want gpu_tests; then
 fi
 
 if want engine_profile; then
-    step engine_profile 90 python3 -m bench.scale --only profile --profile-batch ${PROFILE_B:-1,64} \
+    step engine_profile 90 python3 bench/scale.py --only profile --profile-batch ${PROFILE_B:-1,64} \
         --cuda-graph on --prompt-len 256 --decode-tokens 64 --workdir /tmp/scale \
         > "$OUT/engine_profile.jsonl" 2> /tmp/engine_profile.err
     tail -3 /tmp/engine_profile.err
