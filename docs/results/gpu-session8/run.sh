@@ -55,6 +55,24 @@ if want served_profile; then
     done
 fi
 
+if want sweep; then  # served against the engine, per ELASTICEP_LAYERS_PER_GRAPH value
+    for lpg in ${SWEEP_LPG:-0}; do
+        ELASTICEP_LAYERS_PER_GRAPH=$lpg step "sweep_lpg$lpg" ${SWEEP_S:-150} \
+            python3 -m bench.serving_sweep --concurrencies ${SWEEP_C:-1,64} \
+            --prompts-per-concurrency 2 $Q3 --random-input-len 256 --random-output-len 256 \
+            --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 \
+            --log-dir /tmp/sweep_logs$lpg | sed "s/^{/{\"layers_per_graph\": $lpg, /" \
+            >> "$OUT/sweep.jsonl" 2> /tmp/sweep$lpg.err
+        tail -2 /tmp/sweep$lpg.err
+        grep -h "pieces each\|steps in" /tmp/sweep_logs$lpg/* 2>/dev/null | cut -c1-250 \
+            | tail -4 >> "$OUT/sweep_rank_lines.log"
+        python3 -c "
+import json,sys
+for l in open('$OUT/sweep.jsonl'):
+    d=json.loads(l); print(d.get('layers_per_graph'), d['max_concurrency'], d['median_tpot_ms'], d['engine']['median_tpot_ms'], d['served_over_engine'])" 2>/dev/null | tail -2
+    done
+fi
+
 if want failover; then
     for sc in ${SCENARIOS:-kill:0 rejoin:0 scale-up:0}; do
         name=${sc%%:*} r=${sc##*:}
