@@ -28,7 +28,6 @@ their own (see :mod:`elasticep.moe.cuda_experts`), never the graphs' static ones
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -43,20 +42,6 @@ from elasticep.utils.graph_pieces import PiecewiseCapture, PiecewiseGraph
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-LAYERS_PER_GRAPH_ENV = "ELASTICEP_LAYERS_PER_GRAPH"
-
-
-def layers_per_graph_default() -> int:
-    """Decoder layers per captured graph (:func:`elasticep.utils.graph_pieces.layer_boundary`):
-    ``$ELASTICEP_LAYERS_PER_GRAPH``, else 0 (one graph for the whole step).
-
-    Raises:
-        ValueError: the variable is not a non-negative integer.
-    """
-    raw = os.environ.get(LAYERS_PER_GRAPH_ENV, "0")
-    if not raw.isdigit():
-        raise ValueError(f"{LAYERS_PER_GRAPH_ENV} must be a non-negative integer, got {raw!r}")
-    return int(raw)
 
 
 def graph_safe(model: MoECausalLM) -> bool:
@@ -93,9 +78,6 @@ class DecodeGraphs:
             tables and the attention grid.
         max_batch: the most sequences of a decode step; buckets above it are dropped.
         buckets: batch sizes to capture (ascending).
-        layers_per_graph: split each bucket's forward into graphs of this many layers,
-            launched back to back with nothing between (0: one graph); None:
-            :func:`layers_per_graph_default`.
 
     Raises:
         ValueError: the model is not on CUDA or its executor is not graph-safe.
@@ -103,8 +85,7 @@ class DecodeGraphs:
 
     def __init__(self, model: MoECausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, sink_block: int, max_seq_len: int, max_batch: int,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 layers_per_graph: int | None = None) -> None:
+                 buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
         if model.device.type != "cuda" or not graph_safe(model):
             raise ValueError("decode CUDA graphs need a CUDA model with a graph-safe executor")
         self.model = model
@@ -113,8 +94,6 @@ class DecodeGraphs:
         self.sink_block = sink_block
         self.max_seq_len = max_seq_len
         self.buckets = capture_buckets(max_batch, buckets)
-        self.layers_per_graph = (layers_per_graph_default() if layers_per_graph is None
-                                 else layers_per_graph)
         n = self.buckets[-1]
         self.width = -(-max_seq_len // block_size)
         dev = model.device
@@ -177,8 +156,7 @@ class DecodeGraphs:
                 # after the warm-ups, which may have grown the exchange buffers (a new
                 # version that this capture already points to)
                 version = self._version()
-                with PiecewiseCapture(self._pool, bound=b,
-                                      layers_per_graph=self.layers_per_graph) as cap:
+                with PiecewiseCapture(self._pool, bound=b) as cap:
                     logits = self.model.forward(ids, pos, meta, self.kv_layers)
                 self._graphs[b], self._logits[b] = cap.result, logits
                 # the version the tensors had when captured: a change during the capture

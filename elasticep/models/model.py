@@ -34,7 +34,6 @@ from elasticep.models.moe_block import (
 )
 from elasticep.models.rope import rope_cos_sin
 from elasticep.moe.local_executor import ExpertSlots
-from elasticep.utils.graph_pieces import layer_boundary
 
 
 @dataclass
@@ -220,7 +219,6 @@ class MoECausalLM:
         cos, sin = rope_cos_sin(c.rope, positions, c.rope_dim, h.dtype, seq_lens)
         mlp_out = None  # each residual add is fused into the norm that follows it
         for i, layer in enumerate(self.layers):
-            layer_boundary(i)
             cache = kv_caches[i] if kv_caches is not None else None
             h, x = add_rms_norm(h, mlp_out, layer.input_norm, c.rms_norm_eps)
             attn_out = self._attention(i, x, cos, sin, cache, meta)

@@ -44,26 +44,6 @@ def eager_boundary(op: Callable[[], None], at_capture: Callable[[], None] | None
         capture.boundary(op, at_capture)
 
 
-def layer_boundary(index: int) -> None:
-    """Mark the start of decoder layer ``index``: a capture with ``layers_per_graph``
-    ends its current graph here every that many layers and starts the next one, with
-    nothing eager between (outside a capture, or without it, this does nothing).
-
-    Why split a graph that needs no eager work: one launch of a whole decode step's
-    graph (about a thousand nodes at Qwen3-30B-A3B's 48 layers) costs the host 1.7-2.2
-    ms, measured on the H200, and the GPU waits for it. A step launched as a few graphs
-    lets the GPU run the first while the host launches the rest.
-    """
-    capture: PiecewiseCapture | None = getattr(_state, "capture", None)
-    if (capture is not None and capture.layers_per_graph and index
-            and index % capture.layers_per_graph == 0):
-        capture.boundary(_nothing, None)
-
-
-def _nothing() -> None:
-    pass
-
-
 def capturing() -> bool:
     """True inside a :class:`PiecewiseCapture` (warm-up or graph capture) on this thread."""
     return getattr(_state, "capture", None) is not None
@@ -113,19 +93,15 @@ class PiecewiseCapture:
         bound: a value the captured code reads through :func:`capture_bound` (the
             batch-size bucket), kept per thread so that a capture in a background thread
             never changes what the serving thread sees.
-        layers_per_graph: end a graph every this many decoder layers
-            (:func:`layer_boundary`); None or 0: only at eager boundaries.
 
     Must be entered on a side stream (as ``torch.cuda.graph`` does) and on one thread.
     Pieces are captured in ``thread_local`` error mode: other threads may keep running
     CUDA work (eager steps) on their own streams meanwhile.
     """
 
-    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None,
-                 layers_per_graph: int | None = None) -> None:
+    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None) -> None:
         self.pool = pool
         self.bound = bound
-        self.layers_per_graph = layers_per_graph
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._ops: list[Callable[[], None]] = []
         self.result: PiecewiseGraph | None = None
