@@ -7,6 +7,13 @@ x C prompts, stops the server, then loads one ``LLMEngine`` (graphs up to the la
 and runs the same requests at each C. Prints one JSON line per C, in bench/serving.py's
 shape, with ``engine`` and ``served_over_engine`` filled in.
 
+Both sides get the same KV cache: the engine holds the largest C requests at once, and
+unless a ``--serve-arg`` sets ``--max-total-tokens``, the server's ranks are given that
+many tokens too. Otherwise a rank sizes its cache from its share of the GPU, which with
+``--max-ep-size 2`` on one GPU is half of it, and it may hold fewer sequences than the
+engine (at the Qwen3-30B-A3B shape, fewer than 64 of 512 tokens): the comparison would
+then measure queueing, not the per-token speed of the served path.
+
     python -m bench.serving_sweep --concurrencies 1,16,64,256 --device cuda \\
         --model DIR --load-format dummy --dtype bfloat16 --ignore-eos \\
         --random-input-len 256 --random-output-len 256 --random-range-ratio 1
@@ -57,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         a.max_concurrency, a.num_prompts = c, per_c * c
         runs.append((a, serving.make_requests(a)))
     lines: list[dict[str, Any]] = []
+    kv = max(kv_tokens_for(req, a.max_concurrency) for a, req in runs)
+    flags = serving.serve_args(args)
+    if "--max-total-tokens" not in flags:
+        flags += ["--max-total-tokens", str(kv)]
     t0 = time.perf_counter()
-    serve = ServeProcess.start(serving.serve_args(args), log_dir=args.log_dir)
+    serve = ServeProcess.start(flags, log_dir=args.log_dir)
     start_s = time.perf_counter() - t0
     try:
         for a, requests in runs:
@@ -66,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                     "max_concurrency": a.max_concurrency, "num_prompts": a.num_prompts,
                     "random_input_len": a.random_input_len,
                     "random_output_len": a.random_output_len, "device": a.device,
-                    "serve_args": a.serve_arg, "serve_start_s": round(start_s, 1),
+                    "serve_args": flags[flags.index("--load-format") + 2:],
+                    "serve_start_s": round(start_s, 1),
                     **serving.bench_served(a, serve.url, requests)}
             print(json.dumps({"served": line}), file=sys.stderr, flush=True)
             lines.append(line)
     finally:
         serve.stop()  # the engine needs the device's memory
     cap = max(cs)
-    kv = max(kv_tokens_for(req, a.max_concurrency) for a, req in runs)
     t0 = time.perf_counter()
     engine = load_engine(args.model, device=args.device, dtype=args.dtype,
                          load_format=args.load_format, max_concurrency=cap,

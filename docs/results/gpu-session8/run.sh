@@ -64,7 +64,7 @@ if want sweep; then  # served against the engine, per ELASTICEP_LAYERS_PER_GRAPH
             --log-dir /tmp/sweep_logs$lpg | sed "s/^{/{\"layers_per_graph\": $lpg, /" \
             >> "$OUT/sweep.jsonl" 2> /tmp/sweep$lpg.err
         tail -2 /tmp/sweep$lpg.err
-        grep -h "pieces each\|steps in" /tmp/sweep_logs$lpg/* 2>/dev/null | cut -c1-250 \
+        grep -h "pieces each\|steps in\|limits:" /tmp/sweep_logs$lpg/* 2>/dev/null | cut -c1-250 \
             | tail -4 >> "$OUT/sweep_rank_lines.log"
         python3 -c "
 import json,sys
@@ -74,15 +74,15 @@ for l in open('$OUT/sweep.jsonl'):
 fi
 
 if want failover; then
-    for sc in ${SCENARIOS:-kill:0 rejoin:0 scale-up:0}; do
-        name=${sc%%:*} r=${sc##*:}
-        step "failover_${name}_r$r" 100 python3 bench/failover.py --scenario $name --ep-size 2 \
-            --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
-            --degraded-s 4 --after-s 4 --log-dir /tmp/fo_${name}_$r \
+    for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size
+        IFS=: read -r name r ep <<< "$sc"
+        step "failover_${name}_r${r}_ep$ep" 100 python3 bench/failover.py --scenario $name \
+            --ep-size $ep --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
+            --degraded-s 4 --after-s 4 --log-dir /tmp/fo_${name}_${r}_$ep \
             >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
         tail -2 /tmp/fo.err
         tail -1 "$OUT/failover.jsonl" | cut -c1-900
-        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_${name}_$r/* 2>/dev/null \
+        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_${name}_${r}_$ep/* 2>/dev/null \
             | cut -c1-220 | tail -8 >> "$OUT/failover_lines.log"
     done
 fi
