@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 BUDGET=${BUDGET:-585}
-STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,failover}
+STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,sweep,failover}
 left() { echo $((BUDGET - SECONDS)); }
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 step() {  # step NAME SECONDS_WANTED COMMAND...
@@ -55,22 +55,32 @@ if want served_profile; then
     done
 fi
 
-if want sweep; then  # served against the engine, per ELASTICEP_LAYERS_PER_GRAPH value
-    for lpg in ${SWEEP_LPG:-0}; do
-        ELASTICEP_LAYERS_PER_GRAPH=$lpg step "sweep_lpg$lpg" ${SWEEP_S:-150} \
-            python3 -m bench.serving_sweep --concurrencies ${SWEEP_C:-1,64} \
+if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concurrencies ...
+    for spec in ${SWEEPS:-default@@1,64}; do
+        IFS=@ read -r label assign cs <<< "$spec"
+        step "sweep_$label" ${SWEEP_S:-150} env $assign \
+            python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency 2 $Q3 --random-input-len 256 --random-output-len 256 \
             --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 \
-            --log-dir /tmp/sweep_logs$lpg | sed "s/^{/{\"layers_per_graph\": $lpg, /" \
-            >> "$OUT/sweep.jsonl" 2> /tmp/sweep$lpg.err
-        tail -2 /tmp/sweep$lpg.err
-        grep -h "pieces each\|steps in\|limits:" /tmp/sweep_logs$lpg/* 2>/dev/null | cut -c1-250 \
-            | tail -4 >> "$OUT/sweep_rank_lines.log"
-        python3 -c "
-import json,sys
-for l in open('$OUT/sweep.jsonl'):
-    d=json.loads(l); print(d.get('layers_per_graph'), d['max_concurrency'], d['median_tpot_ms'], d['engine']['median_tpot_ms'], d['served_over_engine'])" 2>/dev/null | tail -2
+            --log-dir /tmp/sweep_logs_$label | sed "s/^{/{\"label\": \"$label\", /" \
+            >> "$OUT/sweep.jsonl" 2> /tmp/sweep_$label.err
+        tail -2 /tmp/sweep_$label.err | cut -c1-300
+        grep -h "pieces each\|steps in\|limits:\|scope" /tmp/sweep_logs_$label/* 2>/dev/null \
+            | cut -c1-250 | tail -5 >> "$OUT/sweep_rank_lines.log"
     done
+    python3 -c "
+import json
+for l in open('$OUT/sweep.jsonl'):
+    d=json.loads(l); e=d['engine']
+    print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
+fi
+
+if want prefill; then
+    step prefill ${PREFILL_S:-150} python3 bench/scale.py --only prefill --workdir /tmp/scale \
+        --prefill-lens ${PREFILL_LENS:-2048,8192} --prefill-budgets 8192 --prefill-warmup \
+        > "$OUT/prefill.jsonl" 2> /tmp/prefill.err
+    tail -3 /tmp/prefill.err | cut -c1-300
+    cut -c1-400 "$OUT/prefill.jsonl"
 fi
 
 if want failover; then
