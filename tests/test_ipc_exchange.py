@@ -203,13 +203,12 @@ def _kernel_cases() -> dict:
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
         ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
-        scope = "gpu" if T % 2 else "sys"  # both forms of the signal, alternately
         pos = kern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
-                                  fused[0].active, fused[0].counter, fused[0].flags, 2, scope)
+                                  fused[0].active, fused[0].counter, fused[0].flags, 2)
         plan = plan_padded(l2p[ids], S, G, C)
         inv = kern.inverse_positions(plan.position, G * C)
         kern.dispatch_send(hidden, inv, plan.tag, K, 0, C, plain[0].W, plain[0].table,
-                           plain[0].active, plain[0].counter, plain[0].flags, 2, scope)
+                           plain[0].active, plain[0].counter, plain[0].flags, 2)
         ok = torch.equal(pos, plan.position)
         for q in range(G):
             want_rows, want_tags = split_rows(ref[q].recv0[:G * C], H)
@@ -223,7 +222,7 @@ def _kernel_cases() -> dict:
         rows0, tags0 = split_rows(ref[0].recv0[:G * C], H)
         out = (rows0 * 2).contiguous()
         kern.combine_send(out, ref[0].recv0, 0, C, plain[0].table, plain[0].active,
-                          plain[0].counter, plain[0].flags, 3, scope)
+                          plain[0].counter, plain[0].flags, 3)
         ref[0].send_combine(out, C, 1)
         for q in range(G):
             ok &= torch.equal(plain[q].recv1[:G * C], ref[q].recv1[:G * C])
@@ -235,17 +234,6 @@ def test_kernels_equal_the_torch_reference_under_the_interpreter():
     from tests._interpreted import run_interpreted
     got = run_interpreted(__file__, timeout_s=300)
     assert len(got) == 8 and all(got.values()), got
-
-
-def test_signal_scope_is_gpu_only_where_every_rank_shares_one_gpu(monkeypatch):
-    from elasticep.moe.ipc_kernels import memory_scope
-    monkeypatch.delenv("ELASTICEP_IPC_SCOPE", raising=False)
-    assert memory_scope(1) == "gpu" and memory_scope(2) == "sys" and memory_scope(8) == "sys"
-    monkeypatch.setenv("ELASTICEP_IPC_SCOPE", "sys")
-    assert memory_scope(1) == "sys"
-    monkeypatch.setenv("ELASTICEP_IPC_SCOPE", "cta")
-    with pytest.raises(ValueError, match="gpu or sys"):
-        memory_scope(1)
 
 
 def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):

@@ -71,10 +71,8 @@ def build_exchange(d: DeploymentConfig, model_config: MoEModelConfig, rank: int,
                      model_config.hidden_size, getattr(torch, d.dtype),
                      model_config.num_hidden_layers, device)
     logger.info("cuda_ipc exchange: %.1f MiB of buffers for steps of up to %d tokens over %d "
-                "slots; peer waits %s; signals at %s scope", ex.nbytes / 2**20, tokens,
-                d.max_ep_size,
-                "batched (one graph node per exchange)" if ex.batched_waits else "one by one",
-                ex.scope)
+                "slots; peer waits %s", ex.nbytes / 2**20, tokens, d.max_ep_size,
+                "batched (one graph node per exchange)" if ex.batched_waits else "one by one")
     return ex
 
 

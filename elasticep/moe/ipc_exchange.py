@@ -112,8 +112,6 @@ class IpcExchange:
             index = (self.device.index if self.device.index is not None
                      else torch.cuda.current_device())
             self.batched_waits = stream_memops.batch_works(index)
-        # the signals' memory scope: gpu where this host has one GPU (all ranks on it)
-        self.scope = kernels.memory_scope(torch.cuda.device_count() if self.cuda else 1)
         self.n_slots = 2 * num_layers
         self.W = row_width(hidden_size, dtype)
         G, C = max_ep_size, cap_rows
@@ -228,14 +226,12 @@ class IpcExchange:
         position, tag, inv = kernels.fused_plan(slots, 1, self.G, C)
         plan = PaddedPlan(position, tag, self.G, C)
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
-                              counter, flags, 0, self.scope)
+                              counter, flags, 0)
         kernels.fused_dispatch(hidden, slots, torch.zeros(1, dtype=torch.int64,
                                                           device=self.device),
-                               1, self.rank, C, self.W, table, active, counter, flags, 0,
-                               self.scope)
+                               1, self.rank, C, self.W, table, active, counter, flags, 0)
         out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
-        kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1,
-                             self.scope)
+        kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1)
         torch.cuda.synchronize(self.device)
         del scratch
 
@@ -336,7 +332,7 @@ class IpcExchange:
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,
-                                  self.flags, 2 * layer, self.scope)
+                                  self.flags, 2 * layer)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
@@ -364,8 +360,7 @@ class IpcExchange:
         if self.cuda and self.fused_dispatch and kernels.fused_dispatch_ok(hidden, topk_ids):
             return kernels.fused_dispatch(hidden, topk_ids, logical_to_physical,
                                           slots_per_rank, self.rank, C, self.W, self.table,
-                                          self.active, self.counter, self.flags, 2 * layer,
-                                          self.scope)
+                                          self.active, self.counter, self.flags, 2 * layer)
         slots = logical_to_physical[topk_ids]
         return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
 
@@ -401,8 +396,7 @@ class IpcExchange:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
         if self.cuda:
             kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
-                                 self.active, self.counter, self.flags, 2 * layer + 1,
-                                 self.scope)
+                                 self.active, self.counter, self.flags, 2 * layer + 1)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views[q][1] if q in self._peer_views else None

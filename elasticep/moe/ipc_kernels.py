@@ -31,8 +31,6 @@ the path CPU tests use (:class:`~elasticep.moe.ipc_exchange.IpcExchange` on CPU)
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from elasticep.moe.padded_exchange import split_rows
@@ -146,38 +144,28 @@ if triton is not None:
             tl.store(dst_ptr + dst_row[:, None] * dst_stride + h[None, :], v, mask=m)
 
     @triton.jit
-    def _release_own(my_flags_ptr, q, n_slots, slot, SCOPE: tl.constexpr):
+    def _release_own(my_flags_ptr, q, n_slots, slot):
         # an inactive destination: pass this rank's own wait on it
-        if SCOPE == "gpu":
-            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="gpu")
-        else:
-            tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+        tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
 
     @triton.jit
-    def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks, SCOPE: tl.constexpr):
+    def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
         # the caller's row stores must be visible before the flag: a CTA barrier, an
-        # acq_rel count of finished chunks, and a release by the last one (gpu scope where
-        # every rank runs on this GPU, system scope across GPUs; see memory_scope)
+        # acq_rel count of finished chunks, and a system-scope release by the last one
         tl.debug_barrier()
         if q != me:
-            if SCOPE == "gpu":
-                done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="gpu")
-            else:
-                done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="sys")
+            done = tl.atomic_add(counter_ptr + q, 1, sem="acq_rel", scope="sys")
             if done == chunks - 1:
                 tl.store(counter_ptr + q, 0)
                 flags = tl.load(table_ptr + 3 * q + 2).to(tl.pointer_type(tl.int32))
-                if SCOPE == "gpu":
-                    tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="gpu")
-                else:
-                    tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
+                tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
 
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
     def _dispatch_send_kernel(hidden_ptr, stride_hidden, inv_ptr, tag_ptr, table_ptr,
                               active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
                               chunks, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
                               ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_H: tl.constexpr, SCOPE: tl.constexpr):
+                              BLOCK_H: tl.constexpr):
         q = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(active_ptr + q) != 0:
@@ -194,9 +182,9 @@ if triton is not None:
                 row = (me * C + r).to(tl.int64)
                 _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, H, BLOCK_H)
                 tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32), mask=rm)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks, SCOPE)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            _release_own(my_flags_ptr, q, n_slots, slot, SCOPE)
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "n_pairs"])
     def _fused_dispatch_kernel(hidden_ptr, stride_hidden, ids_ptr, map_ptr, position_ptr,
@@ -204,8 +192,7 @@ if triton is not None:
                                n_slots, chunks, top_k, S, n_pairs, H: tl.constexpr,
                                ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                               SCOPE: tl.constexpr):
+                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         # The slot gather, the plan and the send of a decode-sized step in one launch.
         # Program (q, c) owns pairs [c*BLOCK_P, (c+1)*BLOCK_P): a pair's row in q's block
         # is the count of earlier pairs bound for q (plan_padded's order), which the
@@ -247,15 +234,15 @@ if triton is not None:
                 row = (me * C + r).to(tl.int64)
                 tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tl.zeros_like(r).to(tl.int32),
                          mask=um)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks, SCOPE)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            _release_own(my_flags_ptr, q, n_slots, slot, SCOPE)
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
     def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
                              my_flags_ptr, me, C, slot, n_slots, chunks, H: tl.constexpr,
                              ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_H: tl.constexpr, SCOPE: tl.constexpr):
+                             BLOCK_H: tl.constexpr):
         q = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(active_ptr + q) != 0:
@@ -269,9 +256,9 @@ if triton is not None:
                 real = rm & (tag != 0)
                 row = (me * C + r).to(tl.int64)
                 _copy_rows(out_ptr, src, H, dest, row, H, real, H, BLOCK_H)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks, SCOPE)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
         elif c == 0:
-            _release_own(my_flags_ptr, q, n_slots, slot, SCOPE)
+            _release_own(my_flags_ptr, q, n_slots, slot)
 
 
 BLOCK_R = 16
@@ -301,25 +288,6 @@ MAX_CHUNKS = 256  # programs per destination: a prefill's rows spread over every
 
 
 FUSED_BLOCK_P = 16  # pairs per program of the fused static dispatch
-SCOPE_ENV = "ELASTICEP_IPC_SCOPE"
-
-
-def memory_scope(device_count: int) -> str:
-    """The memory scope of the send kernels' signals: "gpu" when this host has one GPU
-    (every rank then runs on it, and its L2 is where their writes meet), "sys" otherwise
-    (peers on other GPUs read over NVLink). ``$ELASTICEP_IPC_SCOPE`` (gpu or sys)
-    overrides it. A system-scope release also drains the writes towards the host and
-    other GPUs, which ranks sharing one GPU do not need.
-
-    Raises:
-        ValueError: the variable names another scope.
-    """
-    forced = os.environ.get(SCOPE_ENV)
-    if forced is not None:
-        if forced not in ("gpu", "sys"):
-            raise ValueError(f"{SCOPE_ENV} must be gpu or sys, got {forced!r}")
-        return forced
-    return "gpu" if device_count == 1 else "sys"
 
 
 def chunks_for(C: int) -> int:
@@ -332,8 +300,7 @@ def chunks_for(C: int) -> int:
 
 def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tensor, top_k: int,
                   me: int, C: int, row_elems: int, table: torch.Tensor, active: torch.Tensor,
-                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int,
-                  scope: str = "sys") -> None:
+                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int) -> None:
     """Launch the dispatch send kernel (CUDA; see the module doc).
 
     Args:
@@ -341,8 +308,7 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
             int32; row_elems: W, elements per receive row (:func:`row_width`);
         table: [G, 3] int64 device pointers; active: [G] int32; counter: [G] int32 (zero
             between kernels); my_flags: [G, n_slots] int32, this rank's flags; slot: the
-            exchange's flag column; scope: the signals' memory scope,
-            :func:`memory_scope`.
+            exchange's flag column.
     """
     G, n_slots = my_flags.shape
     H = hidden.shape[1]
@@ -351,7 +317,7 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
     _dispatch_send_kernel[(G, chunks)](
         hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
         slot, n_slots, chunks, top_k, H=H, ROW_ELEMS=row_elems,
-        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SCOPE=scope)
+        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
 
 
 def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -363,7 +329,7 @@ def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
 def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_physical: torch.Tensor,
                    slots_per_rank: int, me: int, C: int, row_elems: int, table: torch.Tensor,
                    active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
-                   slot: int, scope: str = "sys") -> torch.Tensor:
+                   slot: int) -> torch.Tensor:
     """Gather each pair's physical slot (``logical_to_physical[topk_ids]``, the static
     dispatch map of a layer), plan and send, in one kernel (CUDA,
     :func:`fused_dispatch_ok`). Writes what :func:`dispatch_send` writes after
@@ -385,13 +351,13 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
         active, counter, my_flags, me, C, slot, n_slots, chunks, topk_ids.shape[1],
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
-        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SCOPE=scope)
+        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
     return position
 
 
 def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
                  table: torch.Tensor, active: torch.Tensor, counter: torch.Tensor,
-                 my_flags: torch.Tensor, slot: int, scope: str = "sys") -> None:
+                 my_flags: torch.Tensor, slot: int) -> None:
     """Launch the combine send kernel (CUDA).
 
     Args:
@@ -405,4 +371,4 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
     _combine_send_kernel[(G, chunks)](
         expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
         n_slots, chunks, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SCOPE=scope)
+        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
