@@ -68,12 +68,12 @@ class GroupState:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
         self.new_store, self._on_close = new_store, on_close
         self.closed = False
-        self.on_failure = OnFailure(reg["on_failure"])
+        self.on_failure: OnFailure = reg.typed("on_failure", OnFailure)
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.epoch: int = reg["epoch"]
         self.active: tuple[int, ...] = tuple(reg["active"])
-        self.states: list[SlotState] = [SlotState(s) for s in reg["states"]]
+        self.states: list[SlotState] = reg.typed("states", list[SlotState])
         self.requests: dict = {"admit": [], "remove": []}
         self.mask = mask
         self._set_mask()

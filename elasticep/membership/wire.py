@@ -79,7 +79,7 @@ class Message:
         kw = {}
         for f in fields(cls):
             if f.name in d:
-                kw[f.name] = _convert(d[f.name], hints[f.name], f"{cls.TAG}.{f.name}", d)
+                kw[f.name] = convert(d[f.name], hints[f.name], f"{cls.TAG}.{f.name}", d)
             elif not _has_default(f):
                 raise ProtocolError(f"{cls.TAG!r} message lacks field {f.name!r}", _rid(d))
         return cls(**kw)
@@ -146,15 +146,22 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _convert(value: Any, hint: Any, where: str, msg: dict) -> Any:
-    """``value`` as read from JSON, checked against (and turned into) type ``hint``."""
+def convert(value: Any, hint: Any, where: str, msg: dict) -> Any:
+    """``value`` as read from JSON, checked against (and turned into) type ``hint``.
+
+    Args:
+        where: names the value in the error (``"tag.field"``); msg: the whole message,
+            for its request id.
+    Raises:
+        ProtocolError: ``value`` is not of type ``hint``.
+    """
     origin = typing.get_origin(hint)
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
         for h in typing.get_args(hint):
             try:
-                return _convert(value, h, where, msg)
+                return convert(value, h, where, msg)
             except ProtocolError:
                 pass
     elif hint is type(None):
@@ -163,11 +170,11 @@ def _convert(value: Any, hint: Any, where: str, msg: dict) -> Any:
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
-            return [_convert(v, item, where, msg) for v in value]
+            return [convert(v, item, where, msg) for v in value]
     elif origin is dict:
         if isinstance(value, dict):
             _key, item = typing.get_args(hint)
-            return {k: _convert(v, item, where, msg) for k, v in value.items()}
+            return {k: convert(v, item, where, msg) for k, v in value.items()}
     elif isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)
