@@ -9,7 +9,9 @@ import time
 import pytest
 import zmq
 
-from elasticep.engine.ipc import (
+from elasticep.elastic.serve_loop import run_engine_worker
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.frontend_link import (
     FrontendChannel,
     OutputBatch,
     RankStats,
@@ -19,8 +21,6 @@ from elasticep.engine.ipc import (
     WorkerChannel,
     WorkerHello,
 )
-from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
-from elasticep.engine.serve_loop import run_engine_worker
 
 pytestmark = pytest.mark.timeout(30)
 

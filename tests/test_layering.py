@@ -16,7 +16,7 @@ import elasticep
 # bottom first: each subpackage (or top-level module) may import only those before it
 LAYERS = (
     "config", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
-    "engine", "elastic", "deploy", "frontend", "entrypoints",
+    "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
 )
 
 ROOT = Path(elasticep.__file__).parent
