@@ -10,8 +10,10 @@ message from an identity it can route to it, so "hello received" means "sendable
 A relaunched rank reuses its identity; ``ROUTER_HANDOVER`` lets the new connection
 take the identity over from a dead one that the ROUTER has not noticed yet.
 
-Messages are pickled dataclasses. Pickle is acceptable here because both ends are
-processes of one deployment on a private port; never expose these ports publicly.
+Each frame is one message of :mod:`.messages` (or a request of `engine.request`) as
+JSON, the wire form of :mod:`elasticep.wire`: read back, every field is checked against
+its annotation, and a frame that is not a message this socket takes is dropped with one
+log line. The ports carry no authentication: never expose them publicly.
 
 The front-end side is asyncio (it lives in the HTTP server's event loop); the worker
 side is synchronous (it lives in a plain step loop). Every call is non-blocking or
@@ -22,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import zmq
 import zmq.asyncio
 
+from elasticep import wire
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 
 from .messages import (
@@ -42,6 +44,11 @@ from .messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+# What each socket takes, by tag; anything else arriving on it is logged and dropped.
+_TO_RANK = wire.by_tag((GenerateRequest, AbortRequest))
+_HELLO = wire.by_tag((WorkerHello,))
+_OUTPUTS = wire.by_tag((OutputBatch, RequestError, StepFailed, RankStats))
 
 
 class IpcError(RuntimeError):
@@ -74,29 +81,30 @@ def _rank_of(identity: bytes) -> int | None:
         return None
 
 
-def _loads(frame: bytes) -> object | None:
-    """Unpickle one frame; a corrupt frame is logged and dropped, never raised."""
+def _decode(frame: bytes, kinds: Mapping[str, list[type[wire.Message]]],
+            where: str) -> wire.Message | None:
+    """One frame as a message of ``kinds``; anything else (not JSON, another type, a
+    mistyped field) is logged, prefixed with ``where``, and dropped, never raised."""
     try:
-        return pickle.loads(frame)
-    except Exception as exc:  # noqa: BLE001 - any garbage on the wire must not kill the loop
-        logger.warning("dropping undecodable ipc frame (%d bytes): %r", len(frame), exc)
+        return wire.decode_json(frame, kinds, "front-end link message")
+    except wire.ProtocolError as exc:
+        logger.warning("%s: dropping a frame of %d bytes: %s", where, len(frame), exc)
         return None
 
 
-def _recv_ready(sock: zmq.Socket, kinds: tuple[type, ...], where: str) -> list:
-    """Every message already queued on ``sock`` (never blocks) that is one of ``kinds``;
-    anything else is logged (prefixed with ``where``) and dropped."""
+def _recv_ready(sock: zmq.Socket, kinds: Mapping[str, list[type[wire.Message]]],
+                where: str) -> list:
+    """Every message already queued on ``sock`` (never blocks) that is one of ``kinds``
+    (see :func:`_decode` for the rest)."""
     out: list = []
     while True:
         try:
             frame = sock.recv(flags=zmq.NOBLOCK)
         except zmq.Again:
             return out
-        msg = _loads(frame)
-        if isinstance(msg, kinds):
+        msg = _decode(frame, kinds, where)
+        if msg is not None:
             out.append(msg)
-        elif msg is not None:
-            logger.warning("%s: ignoring unexpected %s", where, type(msg).__name__)
 
 
 class FrontendChannel:
@@ -152,7 +160,7 @@ class FrontendChannel:
         """
         if self._closed:
             raise IpcError("front-end channel is closed")
-        frames = [_identity(rank), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
+        frames = [_identity(rank), wire.encode_json(message)]
         try:
             self._router.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -181,8 +189,7 @@ class FrontendChannel:
         return self._drain_router() + self._drain_outputs()
 
     def _drain_outputs(self) -> list[WorkerMessage]:
-        return _recv_ready(self._pull, (OutputBatch, RequestError, StepFailed, RankStats),
-                           "output socket")
+        return _recv_ready(self._pull, _OUTPUTS, "output socket")
 
     def _drain_router(self) -> list[WorkerMessage]:
         out: list[WorkerMessage] = []
@@ -192,10 +199,12 @@ class FrontendChannel:
             except zmq.Again:
                 return out
             rank = _rank_of(frames[0])
-            msg = _loads(frames[-1])
-            if not isinstance(msg, WorkerHello) or msg.rank != rank:
-                logger.warning("ignoring unexpected message on request socket from %r",
-                               frames[0])
+            msg = _decode(frames[-1], _HELLO, f"request socket, from {frames[0]!r}")
+            if msg is None:
+                continue
+            if msg.rank != rank:
+                logger.warning("ignoring a hello of rank %d on request socket from %r",
+                               msg.rank, frames[0])
                 continue
             if msg.rank in self.connected and self.connected[msg.rank].pid != msg.pid:
                 logger.info("rank %d reconnected (pid %d -> %d, epoch %d)", msg.rank,
@@ -263,7 +272,7 @@ class WorkerChannel:
                           max_total_tokens=total, max_running_requests=running,
                           moe_a2a_backend=self.moe_a2a_backend)
         try:
-            self._dealer.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+            self._dealer.send(wire.encode_json(msg), flags=zmq.NOBLOCK)
         except zmq.Again as exc:
             raise FrontendUnreachableError(f"rank {self.rank}: hello not queued") from exc
 
@@ -271,8 +280,7 @@ class WorkerChannel:
         """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
         if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
             return []
-        return _recv_ready(self._dealer, (GenerateRequest, AbortRequest),
-                           f"rank {self.rank} epoch {self.epoch}")
+        return _recv_ready(self._dealer, _TO_RANK, f"rank {self.rank} epoch {self.epoch}")
 
     def send_outputs(self, outputs: Sequence[TokenOutput]) -> None:
         """Publish one committed step's tokens, tagged with this rank and epoch.
@@ -304,7 +312,7 @@ class WorkerChannel:
 
     def _push_msg(self, msg: WorkerMessage) -> None:
         try:
-            self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self._push.send(wire.encode_json(msg))
         except zmq.Again as exc:
             raise FrontendUnreachableError(
                 f"rank {self.rank} epoch {self.epoch}: output queue full") from exc

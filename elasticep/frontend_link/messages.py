@@ -1,5 +1,8 @@
 """The messages between the HTTP front-end and the worker ranks (besides the request
 messages of `elasticep.engine.request`), the worker's addresses, and who may be routed to.
+
+Every message is an :class:`elasticep.wire.Message`: one JSON object, whose fields are
+checked against their annotations when it is read (the control messages' convention).
 """
 
 from __future__ import annotations
@@ -8,13 +11,14 @@ from dataclasses import dataclass
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 from elasticep.membership.transitions import SlotState
+from elasticep.wire import Message
 
 # Messages the front-end sends to one rank.
 RankMessage = GenerateRequest | AbortRequest
 
 
 @dataclass(frozen=True)
-class WorkerHello:
+class WorkerHello(Message, tag="hello"):
     """A worker rank announces itself (at start, after a relaunch, or a new epoch).
 
     Attributes:
@@ -42,7 +46,7 @@ def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) ->
 
 
 @dataclass(frozen=True)
-class OutputBatch:
+class OutputBatch(Message, tag="outputs"):
     """Tokens of one committed step of one rank, published in index order per request."""
 
     rank: int
@@ -51,7 +55,7 @@ class OutputBatch:
 
 
 @dataclass(frozen=True)
-class RequestError:
+class RequestError(Message, tag="request_error"):
     """A rank refused or failed one request (for example: it does not fit the KV cache)."""
 
     rank: int
@@ -60,7 +64,7 @@ class RequestError:
 
 
 @dataclass(frozen=True)
-class StepFailed:
+class StepFailed(Message, tag="step_failed"):
     """A rank's step raised (not a membership change) and the rank is exiting.
 
     ``request_ids`` were in that step; the front-end counts it against each of them,
@@ -73,7 +77,7 @@ class StepFailed:
 
 
 @dataclass(frozen=True)
-class RankStats:
+class RankStats(Message, tag="rank_stats"):
     """A rank's running counters, sent with each of its throughput lines (every
     ``--log-stats-interval`` seconds) for ``/metrics``.
 
