@@ -11,7 +11,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
+
+from elasticep_testkit.ep_runs import (
+    assert_matches_reference,
+    generated,
+    launch,
+    reference,
+    worker_log,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
