@@ -32,6 +32,7 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 import elasticep.membership as em
 from bench._procs import Procs
+from elasticep_testkit.admission import agree_ready
 
 N = 4
 
@@ -86,10 +87,7 @@ def loop_worker(rank, addr, conn, duration_s, watch, ext):
     t_end = time.monotonic() + duration_s
     t_rec = None
     while True:
-        st = ed.get_slot_states()
-        h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(N)])
-        dist.all_reduce(h, op=dist.ReduceOp.MAX)  # agree on exactly which slots to admit
-        agreed = [s for s in watch if h[s] > 0]
+        agreed = agree_ready(watch, N)
         if agreed:
             t_rec = time.monotonic()
             ed.recover_ranks(None, agreed)

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticep.membership.transitions import SlotState
-from elasticep_testkit.ep_runs import (  # the tests' launch, reference and near-tie rule
+from elasticep_testkit.ep import (  # the tests' launch, reference and near-tie rule
     assert_matches_reference,
     generated,
     launch,

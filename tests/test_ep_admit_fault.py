@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticep_testkit.ep_runs import (
-    assert_matches_reference,
-    generated,
-    launch,
-    reference,
-    worker_log,
-)
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 

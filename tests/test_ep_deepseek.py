@@ -18,7 +18,7 @@ import pytest
 import torch
 from _deepseek_ckpt import build
 
-from elasticep_testkit.ep_runs import (
+from elasticep_testkit.ep import (
     assert_matches_reference,
     generated,
     kill_after,

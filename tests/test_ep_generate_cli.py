@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from elasticep_testkit.ep_runs import MODEL, REPO, reference, tokenizer
+from elasticep_testkit.ep import MODEL, REPO, reference, tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 ])
 def test_generate_ep2_matches_reference(tmp_path, backend, limits):
     ref, _ = reference()
-    from elasticep_testkit.ep_runs import prompts
+    from elasticep_testkit.ep import prompts
 
     texts = [tokenizer().decode(list(p)) for p in prompts()[:3]]
     f = tmp_path / "p.jsonl"

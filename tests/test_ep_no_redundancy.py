@@ -13,13 +13,7 @@ import re
 
 import pytest
 
-from elasticep_testkit.ep_runs import (
-    assert_matches_reference,
-    generated,
-    launch,
-    reference,
-    worker_log,
-)
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 

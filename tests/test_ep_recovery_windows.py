@@ -13,13 +13,7 @@ from __future__ import annotations
 import pytest
 
 from elasticep.membership.transitions import SlotState
-from elasticep_testkit.ep_runs import (
-    assert_matches_reference,
-    generated,
-    launch,
-    reference,
-    worker_log,
-)
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(300)
 

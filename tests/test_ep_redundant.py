@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from elasticep_testkit.ep_runs import (
+from elasticep_testkit.ep import (
     assert_matches_reference,
     generated,
     kill_after,

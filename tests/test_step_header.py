@@ -25,7 +25,7 @@ from elasticep.elastic.step_loop import (
     parse_header,
     step_header,
 )
-from elasticep_testkit.ep_runs import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
+from elasticep_testkit.ep import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 
 HANG_BOUND_S = 60
 

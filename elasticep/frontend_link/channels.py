@@ -32,23 +32,14 @@ import zmq.asyncio
 from elasticep import wire
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 
-from .messages import (
-    IpcEndpoints,
-    OutputBatch,
-    RankMessage,
-    RankStats,
-    RequestError,
-    StepFailed,
-    WorkerHello,
-    WorkerMessage,
-)
+from . import messages as m
 
 logger = logging.getLogger(__name__)
 
 # What each socket takes, by tag; anything else arriving on it is logged and dropped.
 _TO_RANK = wire.by_tag((GenerateRequest, AbortRequest))
-_HELLO = wire.by_tag((WorkerHello,))
-_OUTPUTS = wire.by_tag((OutputBatch, RequestError, StepFailed, RankStats))
+_HELLO = wire.by_tag((m.WorkerHello,))
+_OUTPUTS = wire.by_tag((m.OutputBatch, m.RequestError, m.StepFailed, m.RankStats))
 
 
 class IpcError(RuntimeError):
@@ -127,7 +118,7 @@ class FrontendChannel:
         self._router.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.endpoints = IpcEndpoints(
+        self.endpoints = m.IpcEndpoints(
             request_addr=self._bind(self._router, host, request_port),
             output_addr=self._bind(self._pull, host, output_port),
         )
@@ -137,7 +128,7 @@ class FrontendChannel:
         self._shadows: list[zmq.asyncio.Socket] = []
         # rank -> latest hello; a relaunched rank overwrites its entry. Replaced, never
         # mutated, so readers on other threads always see a consistent dict.
-        self.connected: dict[int, WorkerHello] = {}
+        self.connected: dict[int, m.WorkerHello] = {}
         self._closed = False
         logger.info("front-end ipc bound: requests %s, outputs %s",
                     self.endpoints.request_addr, self.endpoints.output_addr)
@@ -150,7 +141,7 @@ class FrontendChannel:
             sock.bind(f"tcp://{host}:{port}")
         return f"tcp://{host}:{port}"
 
-    def send(self, rank: int, message: RankMessage) -> None:
+    def send(self, rank: int, message: m.RankMessage) -> None:
         """Queue ``message`` for ``rank`` without blocking.
 
         Raises:
@@ -168,7 +159,7 @@ class FrontendChannel:
                 raise RankUnreachableError(rank, exc.strerror) from exc
             raise IpcError(f"send to rank {rank} failed: {exc}") from exc
 
-    async def poll(self, timeout_s: float) -> list[WorkerMessage]:
+    async def poll(self, timeout_s: float) -> list[m.WorkerMessage]:
         """Wait up to ``timeout_s`` seconds for worker messages and return all that arrived.
 
         Hellos also update :attr:`connected`. Returns an empty list on timeout.
@@ -188,11 +179,11 @@ class FrontendChannel:
         await self._poller.poll(timeout=max(0, int(timeout_s * 1000)))
         return self._drain_router() + self._drain_outputs()
 
-    def _drain_outputs(self) -> list[WorkerMessage]:
+    def _drain_outputs(self) -> list[m.WorkerMessage]:
         return _recv_ready(self._pull, _OUTPUTS, "output socket")
 
-    def _drain_router(self) -> list[WorkerMessage]:
-        out: list[WorkerMessage] = []
+    def _drain_router(self) -> list[m.WorkerMessage]:
+        out: list[m.WorkerMessage] = []
         while True:
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
@@ -241,7 +232,7 @@ class WorkerChannel:
         moe_a2a_backend: the MoE transport this rank runs, told in every hello.
     """
 
-    def __init__(self, endpoints: IpcEndpoints, rank: int, epoch: int = 0,
+    def __init__(self, endpoints: m.IpcEndpoints, rank: int, epoch: int = 0,
                  send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None,
                  moe_a2a_backend: str | None = None):
         self.rank = rank
@@ -268,15 +259,15 @@ class WorkerChannel:
             FrontendUnreachableError: the hello could not be queued.
         """
         total, running = self.limits or (None, None)
-        msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
-                          max_total_tokens=total, max_running_requests=running,
-                          moe_a2a_backend=self.moe_a2a_backend)
+        msg = m.WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
+                            max_total_tokens=total, max_running_requests=running,
+                            moe_a2a_backend=self.moe_a2a_backend)
         try:
             self._dealer.send(wire.encode_json(msg), flags=zmq.NOBLOCK)
         except zmq.Again as exc:
             raise FrontendUnreachableError(f"rank {self.rank}: hello not queued") from exc
 
-    def poll(self, timeout_s: float) -> list[RankMessage]:
+    def poll(self, timeout_s: float) -> list[m.RankMessage]:
         """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
         if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
             return []
@@ -290,7 +281,7 @@ class WorkerChannel:
         """
         if not outputs:
             return
-        self._push_msg(OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
+        self._push_msg(m.OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int) -> None:
         """Publish this rank's counters (:class:`RankStats`).
@@ -298,19 +289,19 @@ class WorkerChannel:
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
         """
-        self._push_msg(RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays))
+        self._push_msg(m.RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays))
 
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""
-        self._push_msg(RequestError(rank=self.rank, request_id=request_id, message=message))
+        self._push_msg(m.RequestError(rank=self.rank, request_id=request_id, message=message))
 
     def send_step_failed(self, request_ids: Sequence[str], message: str) -> None:
         """Tell the front-end that a step holding ``request_ids`` raised here (best
         effort: :meth:`close` gives it up to 1 s to leave before the rank exits)."""
-        self._push_msg(StepFailed(rank=self.rank, request_ids=tuple(request_ids),
-                                  message=message))
+        self._push_msg(m.StepFailed(rank=self.rank, request_ids=tuple(request_ids),
+                                    message=message))
 
-    def _push_msg(self, msg: WorkerMessage) -> None:
+    def _push_msg(self, msg: m.WorkerMessage) -> None:
         try:
             self._push.send(wire.encode_json(msg))
         except zmq.Again as exc:
