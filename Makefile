@@ -37,4 +37,4 @@ clean:
 # docs/results.md with the numbers, the machine and the plots (about 20-30 min on 2 cores).
 .PHONY: results
 results: $(STAMP)
-	$(BIN)/python bench/results.py
+	$(BIN)/python -m bench.results

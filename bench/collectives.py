@@ -11,7 +11,7 @@ Measures, in one run:
   (target <= 3 s, bounded by the heartbeat timeout);
 * rejoin pause: from the survivors' recover_ranks call to their next all_reduce result.
 
-Run: ``python bench/collectives.py [--rounds 6 --iters 30]``.
+Run: ``python -m bench.collectives [--rounds 6 --iters 30]``.
 """
 
 from __future__ import annotations
@@ -22,22 +22,17 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
 import elasticep.membership as em
-
-# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from _procs import Procs  # noqa: E402
+from bench._procs import Procs
+from elasticep_testkit.admission import agree_ready
 
 N = 4
 
@@ -92,10 +87,7 @@ def loop_worker(rank, addr, conn, duration_s, watch, ext):
     t_end = time.monotonic() + duration_s
     t_rec = None
     while True:
-        st = ed.get_slot_states()
-        h = torch.tensor([1.0 if st[s] == "ready" else 0.0 for s in range(N)])
-        dist.all_reduce(h, op=dist.ReduceOp.MAX)  # agree on exactly which slots to admit
-        agreed = [s for s in watch if h[s] > 0]
+        agreed = agree_ready(watch, N)
         if agreed:
             t_rec = time.monotonic()
             ed.recover_ranks(None, agreed)

@@ -1,7 +1,7 @@
 """Throughput of our engine (N concurrent requests) vs transformers `generate` run one
 request at a time on the same checkpoint, in the same run. Prints one JSON line.
 
-Usage: python bench/engine.py [--model DIR] [--num-requests 8] [--max-tokens 64]
+Usage: python -m bench.engine [--model DIR] [--num-requests 8] [--max-tokens 64]
        [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 3] [--threads N]
 
 ``--threads`` sets torch's intra-op threads for both sides. On a CPU shared with other
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # elasticep_testkit lives in the repository, not the wheel
+from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.request import SamplingParams
+from elasticep_testkit.prompts import gsm8k_prompts
 
-from elasticep.engine.llm_engine import LLMEngine  # noqa: E402
-from elasticep.engine.request import SamplingParams  # noqa: E402
-from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _prompts(tok, n: int) -> list[list[int]]:

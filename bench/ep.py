@@ -16,7 +16,7 @@ Prints one JSON line:
     prompts (routing counted at ep_size 1) under the launch placement with 16 redundant
     slots on 4 ranks, and after ``rebalance_placement``.
 
-Usage: python bench/ep.py [--num-prompts 16] [--max-tokens 32] [--repeats 3]
+Usage: python -m bench.ep [--num-prompts 16] [--max-tokens 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,20 +27,18 @@ import os
 import re
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # elasticep_testkit lives in the repository, not the wheel
+from elasticep.config import DeploymentConfig
+from elasticep.engine.request import SamplingParams
+from elasticep.entrypoints.batch_driver import BatchDriver
+from elasticep_testkit.prompts import gsm8k_prompts
 
-from elasticep.config import DeploymentConfig  # noqa: E402
-from elasticep.engine.request import SamplingParams  # noqa: E402
-from elasticep.entrypoints.batch_driver import BatchDriver  # noqa: E402
-from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = REPO / "models" / "tiny-qwen3-moe"
 

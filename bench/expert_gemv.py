@@ -8,7 +8,7 @@ bound is a device-to-device copy measured in the same run (2 x bytes / time).
 
 Prints one JSON line per variant. GPU only.
 
-    python bench/expert_gemv.py [--rows 8] [--experts 128]
+    python -m bench.expert_gemv [--rows 8] [--experts 128]
 """
 
 from __future__ import annotations
@@ -16,18 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
-
-from elasticep.moe.expert_compute import grouped_swiglu  # noqa: E402
-from elasticep.moe.padded_exchange import row_width, split_rows  # noqa: E402
-from elasticep.moe.small_batch_experts import swiglu_rows  # noqa: E402
-from elasticep.moe.sorted_experts import swiglu_sorted  # noqa: E402
+from bench.gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
+from elasticep.moe.expert_compute import grouped_swiglu
+from elasticep.moe.padded_exchange import row_width, split_rows
+from elasticep.moe.small_batch_experts import swiglu_rows
+from elasticep.moe.sorted_experts import swiglu_sorted
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:

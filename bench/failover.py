@@ -3,7 +3,7 @@
 It runs under a steady streaming load, prints one JSON line and optionally writes a
 tokens/s timeline PNG.
 
-Usage: python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|
+Usage: python -m bench.failover --scenario kill|freeze|kill-rank0|rejoin|scale-up|
        scale-down|double-kill [--ep-size 4] [--device cpu|cuda] [--concurrency 8]
        [--max-tokens 64] [--plot timeline.png]
 
@@ -33,15 +33,10 @@ import json
 import signal
 import sys
 import time
-from pathlib import Path
 
-# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from _deploy import Run, add_deploy_arguments, deployment_args  # noqa: E402
-
-from elasticep_testkit.harness import timeline  # noqa: E402
-from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out  # noqa: E402
+from bench._deploy import Run, add_deploy_arguments, deployment_args
+from elasticep_testkit.harness import timeline
+from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out
 
 SCENARIOS = ("kill", "freeze", "kill-rank0", "rejoin", "scale-up", "scale-down", "double-kill")
 SETTLE_S = 1.0  # after the new epoch: redo + resubmission before "degraded" is steady

@@ -29,7 +29,7 @@ Sections (each runs even if an earlier one failed; its error is recorded instead
   against none (``bench/overhead.py``), then a kill, a SIGSTOP and a kill + relaunch of
   rank 1 (``bench/failover.py --scenario kill|freeze|rejoin``).
 
-Run: ``NCCL_NVLS_ENABLE=0 python bench/gpu_run.py --out DIR`` (``--cpu`` dry-runs the
+Run: ``NCCL_NVLS_ENABLE=0 python -m bench.gpu_run --out DIR`` (``--cpu`` dry-runs the
 multi-process sections on Gloo/CPU to check the script). Writes DIR/gpu_results.json.
 """
 
@@ -50,25 +50,21 @@ from datetime import timedelta
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import elasticep.distributed as ed  # noqa: E402
-import elasticep.membership as em  # noqa: E402
-from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows  # noqa: E402
-from elasticep.moe.local_executor import run_slots  # noqa: E402
-from elasticep.moe.padded_exchange import (  # noqa: E402
+import elasticep.distributed as ed
+import elasticep.membership as em
+from bench._procs import Procs, worker
+from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows
+from elasticep.moe.local_executor import run_slots
+from elasticep.moe.padded_exchange import (
     exchange_over,
     padded_combine,
     padded_dispatch,
     pair_capacity,
 )
-
-# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from _procs import Procs, worker  # noqa: E402
-
-from elasticep_testkit.prompts import gsm8k_questions  # noqa: E402
+from elasticep_testkit.prompts import gsm8k_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPS = ("fastapi", "uvicorn", "zmq", "prometheus_client", "openai", "safetensors",
@@ -594,8 +590,9 @@ def section_generate(tmp: Path, quick: bool):
 
 
 def _bench_json(script: str, args: list[str], limit_s: float) -> dict:
-    """Run ``bench/<script> args`` and return its last JSON line (or why there is none)."""
-    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    """Run ``python -m bench.<script> args`` from the repository root and return its
+    last JSON line (or why there is none)."""
+    cmd = [sys.executable, "-m", f"bench.{script.removesuffix('.py')}", *args]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, cwd=ROOT)

@@ -3,7 +3,7 @@
 Steady-state tokens/s of `serve --elastic-ep-backend elastic` against `none` (plain
 groups), same model and load, one run. Prints one JSON line.
 
-Usage: python bench/overhead.py [--ep-size 4] [--repeats 5] [--window-s 8]
+Usage: python -m bench.overhead [--ep-size 4] [--repeats 5] [--window-s 8]
        [--concurrency 8] [--max-tokens 64] [--device cpu|cuda]
 
 Both deployments are started once and stay up; repetitions alternate A/B and B/A so
@@ -22,23 +22,18 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from _deploy import (  # noqa: E402
+from bench._deploy import (
     REQUEST_TIMEOUT_S,
     add_deploy_arguments,
     cuda_graph_on,
     deployment_args,
     machine,
 )
-
-from elasticep_testkit.harness import timeline  # noqa: E402
-from elasticep_testkit.harness.load import SteadyLoad, make_client  # noqa: E402
-from elasticep_testkit.harness.serve_process import ServeProcess  # noqa: E402
-from elasticep_testkit.prompts import gsm8k_prompts  # noqa: E402
+from elasticep_testkit.harness import timeline
+from elasticep_testkit.harness.load import SteadyLoad, make_client
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.prompts import gsm8k_prompts
 
 BACKENDS = ("elastic", "none")
 

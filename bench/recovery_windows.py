@@ -27,7 +27,7 @@ Prints one JSON line: ``{"bench": "recovery_windows", "commit", "trials", "cases
 {case: {"passes", "trials", "seconds"}}, "failures": [{"case", "trial", "reason"}]}``.
 Exit status 1 if any trial failed.
 
-Usage (from the repository root): python bench/recovery_windows.py [--trials 10]
+Usage (from the repository root): python -m bench.recovery_windows [--trials 10]
     [--cases rejoin,scale-down] [--gap-s 0.1]
 """
 
@@ -46,11 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-# the tests' helpers (launch, reference, the near-tie rule): the same checks as CI's
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]
-
-from _ep_helpers import (  # noqa: E402
+from elasticep.membership.transitions import SlotState
+from elasticep_testkit.ep import (  # the tests' launch, reference and near-tie rule
     assert_matches_reference,
     generated,
     launch,
@@ -58,7 +55,7 @@ from _ep_helpers import (  # noqa: E402
     worker_log,
 )
 
-from elasticep.membership.transitions import SlotState  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _TmpDirs:
@@ -203,7 +200,7 @@ def _commit() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python bench/recovery_windows.py",
+    ap = argparse.ArgumentParser(prog="python -m bench.recovery_windows",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=10, help="trials per case (default 10)")
     ap.add_argument("--cases", default=",".join(CASES),

@@ -2,10 +2,10 @@
 each as its own subprocess, then one page with the JSON lines, a table against the
 targets and the timeline plots (docs/results/*.png).
 
-Usage: python bench/results.py [--scenarios kill,rejoin,...] [--chaos-trials 5]
+Usage: python -m bench.results [--scenarios kill,rejoin,...] [--chaos-trials 5]
        [--skip-overhead] [--device cpu|cuda]        (or: make results)
-       python bench/results.py --rerun kill,freeze  # redo some parts, keep the rest
-       python bench/results.py --rerun none         # only redraw the page
+       python -m bench.results --rerun kill,freeze  # redo some parts, keep the rest
+       python -m bench.results --rerun none         # only redraw the page
 
 Every part's result is also kept in docs/results/results.json, which ``--rerun`` reads
 (part names: the scenarios, "overhead", "chaos"), each with the commit, time and machine
@@ -25,11 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# bench/ for its helpers, the repository for elasticep_testkit (not an installed package)
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from _deploy import machine  # noqa: E402
-from failover import SCENARIOS  # noqa: E402
+from bench._deploy import machine
+from bench.failover import SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "results.md"
@@ -121,7 +118,7 @@ def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | No
         "# Measured results",
         "",
         when,
-        "Regenerate with `make results` (= `.venv/bin/python bench/results.py`).",
+        "Regenerate with `make results` (= `.venv/bin/python -m bench.results`).",
         "",
         "Caveat: the machine is small and shared; timings vary run to run with whatever",
         "else runs. Each scenario is one run of `bench/failover.py` (EP4, demo model,",
@@ -130,9 +127,9 @@ def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | No
         "Single commands:",
         "",
         "```",
-        ".venv/bin/python bench/failover.py --scenario kill|freeze|kill-rank0|rejoin|scale-up|"
+        ".venv/bin/python -m bench.failover --scenario kill|freeze|kill-rank0|rejoin|scale-up|"
         "scale-down|double-kill --plot out.png",
-        ".venv/bin/python bench/overhead.py --repeats 5",
+        ".venv/bin/python -m bench.overhead --repeats 5",
         ".venv/bin/python -m elasticep_testkit.chaos --trials 50 --seed 1     # the long chaos run",
         ".venv/bin/pytest -q tests/test_chaos_short.py                # 2 trials, CI",
         "```",
@@ -191,14 +188,14 @@ def main() -> int:
     failover = {k: tuple(v) for k, v in saved.get("failover", {}).items()}
     for name in args.scenarios.split(","):
         if todo is None or name in todo:
-            failover[name] = (*run_json([py, "bench/failover.py", "--scenario", name,
+            failover[name] = (*run_json([py, "-m", "bench.failover", "--scenario", name,
                                          "--device", args.device, "--plot",
                                          str(PLOTS / f"{name}.png")]), stamp())
             print(f"{name}: {json.dumps(failover[name][0]) or failover[name][1]}", flush=True)
     failover = {n: failover[n] for n in SCENARIOS if n in failover}
     overhead = tuple(saved["overhead"]) if saved.get("overhead") else None
     if not args.skip_overhead and (todo is None or "overhead" in todo):
-        overhead = (*run_json([py, "bench/overhead.py", "--device", args.device]), stamp())
+        overhead = (*run_json([py, "-m", "bench.overhead", "--device", args.device]), stamp())
         print(f"overhead: {json.dumps(overhead[0]) or overhead[1]}", flush=True)
     chaos = tuple(saved["chaos"]) if saved.get("chaos") else None
     if args.chaos_trials and (todo is None or "chaos" in todo):

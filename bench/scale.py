@@ -49,11 +49,11 @@ LM head (every rank holds them), and its half of the touched experts.
 
 Usage::
 
-    python bench/scale.py --only hbm,ep1 --layers 48 --batches 1,16,64,256
-    python bench/scale.py --only ep2 --layers 48 --repeats 5
-    python bench/scale.py --only hf --hf-layers 4
-    python bench/scale.py --only ep2profile --layers 48 --profile-batch 1 --cuda-graph on
-    python bench/scale.py --only prefill --layers 48 --prefill-lens 512,2048,8192,32768
+    python -m bench.scale --only hbm,ep1 --layers 48 --batches 1,16,64,256
+    python -m bench.scale --only ep2 --layers 48 --repeats 5
+    python -m bench.scale --only hf --hf-layers 4
+    python -m bench.scale --only ep2profile --layers 48 --profile-batch 1 --cuda-graph on
+    python -m bench.scale --only prefill --layers 48 --prefill-lens 512,2048,8192,32768
 """
 
 from __future__ import annotations
@@ -69,16 +69,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-import torch  # noqa: E402
+import torch
 
-# bench/ is sys.path[0] when this file runs as a script
-from prefill import section_prefill  # noqa: E402
-
-from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings  # noqa: E402
-from elasticep.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from elasticep.engine.request import GenerateRequest, SamplingParams  # noqa: E402
-from elasticep.models import MoEModelConfig, load_model_config  # noqa: E402
-from elasticep.utils.profile_summary import summarize_profile  # noqa: E402
+from bench.prefill import section_prefill
+from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.models import MoEModelConfig, load_model_config
+from elasticep.utils.profile_summary import summarize_profile
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "bench" / "configs" / "qwen3-30b-a3b.json"

@@ -25,7 +25,7 @@ the time from the kill to rank 0's blocked replay ending, that replays afterward
 the right rows for rank 0's own region, and the GPU memory freed once rank 0 drops its
 mappings of the dead rank's buffers.
 
-Run on a GPU machine: ``python bench/spike_stream_wait.py --out DIR``. One JSON line per
+Run on a GPU machine: ``python -m bench.spike_stream_wait --out DIR``. One JSON line per
 configuration.
 """
 

@@ -6,7 +6,7 @@ before it registers) through ``elasticep_testkit.native_thread_cli``, and record
 exit status, whether it aborted ("terminate called ..." in its stderr, or status -6),
 and whether its error lines are exactly the expected one.
 
-Usage: python bench/startup_abort.py [--runs 30] [--ep-size 2] [--exit console|sys]
+Usage: python -m bench.startup_abort [--runs 30] [--ep-size 2] [--exit console|sys]
        [--no-thread]
 
 ``--exit sys`` ends serve as before the fix (``sys.exit(main())``, a normal interpreter

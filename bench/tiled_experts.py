@@ -7,7 +7,7 @@ sorted-rows kernels, and divides the SwiGLU FLOPs
 (``2 x N x 3 x H x I``) by the time, against an 8192^3 bf16 matmul measured in the same
 run. Prints one JSON line per (rows, variant). GPU only.
 
-    python bench/tiled_experts.py [--rows 2048,8192,16384,65536]
+    python -m bench.tiled_experts [--rows 2048,8192,16384,65536]
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import json
 
 import torch
 
-# bench/ is sys.path[0] when this file runs as a script
-from gpu_run import _time_cuda
-from prefill import matmul_rate
-
+from bench.gpu_run import _time_cuda
+from bench.prefill import matmul_rate
 from elasticep.moe.expert_compute import grouped_swiglu
 from elasticep.moe.sorted_experts import swiglu_sorted
 from elasticep.moe.tiled_experts import swiglu_tiled

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import elasticep.distributed as ed
 from elasticep.utils.wait import wait_until
+from elasticep_testkit.admission import agree_ready
 
 
 def _init(rank, addr, ws, mws, ext, on_failure="complete"):
@@ -97,10 +98,7 @@ def step_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, watch=(), die_in_reco
     t_end = time.monotonic() + duration_s
     i, t_rec = 0, None
     while True:
-        states = ed.get_slot_states()
-        h = torch.tensor([1.0 if states[s] == "ready" else 0.0 for s in range(mws)])
-        dist.all_reduce(h, op=dist.ReduceOp.MAX)  # agree on exactly which slots to admit
-        agreed = [s for s in watch if h[s] > 0]
+        agreed = agree_ready(watch, mws)
         if agreed:
             if rank == die_in_recover:
                 threading.Timer(0.003, os._exit, (3,)).start()

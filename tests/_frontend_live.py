@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 
-from elasticep.engine.ipc import FrontendChannel, WorkerChannel
+from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-from elasticep.engine.serve_loop import run_engine_worker
 from elasticep.frontend.http_server import HttpServer, create_server
 from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend_link import FrontendChannel, WorkerChannel
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -4,10 +4,10 @@ graphs against the eager forward, step by step."""
 from __future__ import annotations
 
 import torch
-from _ep_helpers import assert_equal_under_near_tie_rule
 
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep_testkit.ep import assert_equal_under_near_tie_rule
 
 
 def graph_steps_match_eager(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
@@ -47,7 +47,7 @@ def assert_greedy_tokens_match(got: list[list[int]], want: list[list[int]],
                                prompts: list[list[int]], ref: LLMEngine, what: str,
                                cap: int) -> list[str]:
     """Token-for-token equality of two greedy runs of ``prompts``, with a capped,
-    reported near-tie excuse (:func:`_ep_helpers.assert_equal_under_near_tie_rule`).
+    reported near-tie excuse (:func:`elasticep_testkit.ep.assert_equal_under_near_tie_rule`).
 
     A prompt may differ only from a token where ``ref`` (the engine that gave ``want``)
     has its top-2 logits within :data:`NEAR_TIE_REL` of that position's largest |logit|

@@ -16,9 +16,9 @@ from elasticep.config import (
     WorkerConfig,
 )
 from elasticep.elastic.exit_code import ExitCode
-from elasticep.engine.ipc import WorkerHello, is_routable
 from elasticep.entrypoints.cli import build_parser
 from elasticep.frontend.incremental_text import IncrementalText, cut_at_stop
+from elasticep.frontend_link import WorkerHello, is_routable
 from elasticep.membership.transitions import SlotState
 
 

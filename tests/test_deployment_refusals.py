@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from elasticep.config import DeploymentConfig
-from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.serve_cmd import layout_mismatch
 from elasticep.frontend.http_server import create_server
+from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.errors import ScaleRefusedError
 from elasticep.membership.scaling import ScaleTarget
 from elasticep.membership.status import DeploymentStatus

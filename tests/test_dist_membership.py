@@ -16,6 +16,7 @@ from elasticep.membership.messages import (
 from elasticep.membership.registry import Group, Transition
 from elasticep.membership.service import MembershipService, Send
 from elasticep.membership.transitions import (
+    OnFailure,
     Report,
     SlotState,
     decide,
@@ -58,7 +59,7 @@ def test_change_boundary_after_ops_in_flight():
 
 
 def test_transition_defers_admission_behind_failure():
-    g = Group.create("w", [0, 1, 2, 3], [0, 1, 2], "complete", set())
+    g = Group.create("w", [0, 1, 2, 3], [0, 1, 2], OnFailure.COMPLETE, set())
     g.states[3] = "ready"
     g.pending_admit = {3}
     tr = Transition.begin(g)
@@ -74,7 +75,7 @@ def test_transition_defers_admission_behind_failure():
 
 def test_late_removal_vote_does_not_undo_a_later_readmission():
     # scale-down of slot 4: one member's deactivate call lands while the removal runs
-    g = Group.create("w", [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], "complete", set())
+    g = Group.create("w", [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], OnFailure.COMPLETE, set())
     g.pending_remove = {4}
     tr = Transition.begin(g)
     assert tr.kind == "change" and tr.new_active == {0, 1, 2, 3}
@@ -118,7 +119,7 @@ def _service(n: int, active: list[int] | None = None):
         ext = r not in active
         _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=n, max_world_size=n,
                               is_extension=ext, id=1))
-        _ok(svc, r, Register("world", list(range(n)), active, "complete", ext, id=2))
+        _ok(svc, r, Register("world", list(range(n)), active, OnFailure.COMPLETE, ext, id=2))
     _ok(svc, SUP, SupervisorHello(id=1))
     return svc, svc.group("world")
 
@@ -252,5 +253,5 @@ def test_every_request_type_has_one_handler_and_its_role():
     assert {t for t, (_h, role) in table.items() if role == Role.SUPERVISOR} == {
         m.RecordLaunch, m.ClearLaunch, m.Reserve, m.Release}
     c, _g = _service(2)
-    sends = c.handle(SUP, Register("world", [0, 1], [0, 1], "complete", False, id=9))
+    sends = c.handle(SUP, Register("world", [0, 1], [0, 1], OnFailure.COMPLETE, False, id=9))
     assert [(s.conn, s.msg.ok, s.msg.code) for s in sends] == [(SUP, False, "malformed")]

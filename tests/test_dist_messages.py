@@ -11,13 +11,14 @@ import pytest
 from elasticep.membership import CoordinatorClient, start_coordinator
 from elasticep.membership import messages as m
 from elasticep.membership.protocol import Connection, encode
-from elasticep.membership.transitions import Decision, SlotState
+from elasticep.membership.transitions import Decision, OnFailure, SlotState
 
 _DECISION = Decision("failure", 3, (0, 1), (2,), 7, 8, {8: 0}, True, 9)
 _SAMPLES = {int: 5, str: "w", bool: True, float: 0.5, Decision: _DECISION,
             list[int]: [1, 2], list[SlotState]: [SlotState.HEALTHY, SlotState.FREE],
             dict[str, list[int]]: {"admit": [4], "remove": []}, dict[str, typing.Any]: {"x": 1},
-            int | None: None, list[int] | None: [3], str | None: "why"}
+            int | None: None, list[int] | None: [3], str | None: "why",
+            OnFailure: OnFailure.RAISE}
 
 
 def _all_types() -> list[type[m.Message]]:
@@ -73,6 +74,9 @@ def test_wire_form_is_unchanged():
      "peer.states: expected SlotState"),
     (b'{"t": "commit", "group": "w", "decision": {"epoch": 1}, "states": [], "requests": {}}\n',
      "commit.decision: expected Decision"),
+    (b'{"t": "register", "id": 3, "group": "w", "global_ranks": [0], "active": [0], '
+     b'"on_failure": "sometimes", "is_extension": false}\n',
+     'register.on_failure: expected OnFailure, got "sometimes"'),
 ])
 def test_malformed_messages_are_one_line_protocol_errors(wire, error):
     with pytest.raises(m.ProtocolError) as info:
@@ -81,6 +85,25 @@ def test_malformed_messages_are_one_line_protocol_errors(wire, error):
     assert info.value.rid == (3 if b'"id": 3' in wire else None)
     with pytest.raises(m.ProtocolError, match="has no field 'slot'"):
         m.Reply(id=1, ok=True)["slot"]
+
+
+def test_on_failure_is_its_enum_end_to_end():
+    """Register carries OnFailure: encoded as its value, decoded back to the enum; a
+    reply's field is read back typed (a bad value is a ProtocolError, not a ValueError
+    deep in the rank)."""
+    msg = m.Register("w", [0, 1], [0, 1], OnFailure.RAISE, False, id=4)
+    wire = msg.to_wire()
+    assert wire["on_failure"] == "raise"
+    back = m.from_wire(json.loads(json.dumps(wire)))
+    assert back == msg and type(back.on_failure) is OnFailure
+    reply = m.from_wire({"t": "reply", "id": 4, "ok": True, "on_failure": "raise",
+                         "states": ["healthy", "failed"]})
+    assert reply.typed("on_failure", OnFailure) is OnFailure.RAISE
+    assert reply.typed("states", list[SlotState]) == [SlotState.HEALTHY, SlotState.FAILED]
+    bad = m.Reply(id=5, ok=True, body={"on_failure": "sometimes"})
+    with pytest.raises(m.ProtocolError, match="reply.on_failure: expected OnFailure") as info:
+        bad.typed("on_failure", OnFailure)
+    assert info.value.rid == 5
 
 
 def test_coordinator_answers_malformed_requests_and_keeps_serving():

@@ -1,6 +1,6 @@
 """The engine on the demo model vs transformers: greedy parity, perplexity, batching.
 
-Near-tie rule (DESIGN.md, ``_ep_helpers.assert_equal_under_near_tie_rule``): fp32 on the
+Near-tie rule (DESIGN.md, ``elasticep_testkit.ep.assert_equal_under_near_tie_rule``): fp32 on the
 CPU is not batch-invariant, so a greedy token may differ only where the reference's top-2
 logit margin is below 1e-3, in at most one prompt of eight; such cases are reported.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ep_helpers import assert_equal_under_near_tie_rule
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.ep import assert_equal_under_near_tie_rule
 from elasticep_testkit.prompts import gsm8k_items
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,8 @@ the interrupted hand-over or expert transfer. Then greedy outputs equal EP1.
 from __future__ import annotations
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
+
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 

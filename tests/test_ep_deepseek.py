@@ -17,7 +17,8 @@ import re
 import pytest
 import torch
 from _deepseek_ckpt import build
-from _ep_helpers import (
+
+from elasticep_testkit.ep import (
     assert_matches_reference,
     generated,
     kill_after,

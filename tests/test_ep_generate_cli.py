@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from _ep_helpers import MODEL, REPO, reference, tokenizer
+
+from elasticep_testkit.ep import MODEL, REPO, reference, tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 ])
 def test_generate_ep2_matches_reference(tmp_path, backend, limits):
     ref, _ = reference()
-    from _ep_helpers import prompts
+    from elasticep_testkit.ep import prompts
 
     texts = [tokenizer().decode(list(p)) for p in prompts()[:3]]
     f = tmp_path / "p.jsonl"

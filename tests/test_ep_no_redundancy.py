@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
+
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 

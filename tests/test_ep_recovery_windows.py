@@ -11,9 +11,9 @@ greedy outputs.
 from __future__ import annotations
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
 
 from elasticep.membership.transitions import SlotState
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(300)
 

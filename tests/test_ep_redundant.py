@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from _ep_helpers import (
+
+from elasticep_testkit.ep import (
     assert_matches_reference,
     generated,
     kill_after,

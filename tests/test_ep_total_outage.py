@@ -14,7 +14,8 @@ import signal
 import time
 
 import pytest
-from _ep_helpers import assert_matches_reference, generated, launch, reference, worker_log
+
+from elasticep_testkit.ep import assert_matches_reference, generated, launch, reference, worker_log
 
 pytestmark = pytest.mark.timeout(240)
 

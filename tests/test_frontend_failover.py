@@ -18,10 +18,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import AbortRequest, TokenOutput
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
+from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,10 @@ import time
 import pytest
 import zmq
 
-from elasticep.engine.ipc import (
+from elasticep import wire
+from elasticep.elastic.serve_loop import run_engine_worker
+from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from elasticep.frontend_link import (
     FrontendChannel,
     OutputBatch,
     RankStats,
@@ -19,8 +22,7 @@ from elasticep.engine.ipc import (
     WorkerChannel,
     WorkerHello,
 )
-from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
-from elasticep.engine.serve_loop import run_engine_worker
+from elasticep.frontend_link.channels import _HELLO, _OUTPUTS, _TO_RANK
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,12 +88,18 @@ def test_garbage_frames_are_dropped_and_polls_time_out():
         push = ctx.socket(zmq.PUSH)
         push.connect(fe.endpoints.output_addr)
         try:
-            push.send(b"not a pickle")
-            push.send(b"\x80\x05K\x01.")  # a pickled int: wrong type
+            push.send(b"not json")
+            push.send(b"\x80\x05K\x01.")  # a pickled int: not our wire form
+            push.send(b"[1, 2]")  # JSON, not an object
+            push.send(b'{"t": "hello", "rank": 1, "epoch": 0, "pid": 5}')  # not on this socket
+            push.send(b'{"t": "outputs", "rank": 1, "epoch": 0, "outputs": [["r", "0", 5, null, null]]}')
+            push.send(b'{"t": "rank_stats", "rank": 1, "epoch": 0, "steps": 1}')  # lacks fields
+            push.send(b'{"t": "request_error", "rank": 1, "request_id": "r", "message": "m"}')
             t0 = time.monotonic()
             messages = await fe.poll(0.3)
             messages += await fe.poll(0.1)
-            assert messages == []  # both dropped, nothing raised
+            # the six bad frames are dropped, nothing raised; the good one after them arrives
+            assert messages == [RequestError(1, "r", "m")]
             assert time.monotonic() - t0 < 2
         finally:
             push.close(linger=0)
@@ -221,3 +229,32 @@ def test_parse_rank_metric_reads_per_rank_gauges():
     text = m.render()[0].decode()
     assert parse_rank_metric(text, "elasticep_cuda_graph_captures") == {0: 2.0, 3: 1.0}
     assert parse_rank_metric(text, "elasticep_nothing") == {}
+
+
+def test_link_messages_ride_the_checked_wire_form():
+    """Every front-end/worker message is a wire.Message: it round-trips through JSON,
+    a token batch travels as rows, and a mistyped field is one ProtocolError line."""
+    samples = [
+        (GenerateRequest("a", (1, 2), SamplingParams(8, 0.5, 0.9, 4, -3, ("\n",), True), (7,)),
+         _TO_RANK),
+        (GenerateRequest("b", (3,)), _TO_RANK), (AbortRequest("a"), _TO_RANK),
+        (WorkerHello(2, 5, 99, 4096, 8, "all_to_all"), _HELLO), (WorkerHello(2, 5, 99), _HELLO),
+        (OutputBatch(1, 3, (TokenOutput("a", 0, 5), TokenOutput("a", 1, None, "abort", "x"))),
+         _OUTPUTS),
+        (RequestError(1, "a", "too long"), _OUTPUTS), (StepFailed(1, ("a", "b"), "boom"), _OUTPUTS),
+        (RankStats(1, 3, 10, 1, 9), _OUTPUTS),
+    ]
+    for msg, kinds in samples:
+        back = wire.decode_json(wire.encode_json(msg), kinds)
+        assert back == msg and type(back) is type(msg)
+    batch = wire.encode_json(samples[5][0])
+    assert b'"outputs":[["a",0,5,null,null],["a",1,null,"abort","x"]]' in batch
+    with pytest.raises(wire.ProtocolError, match=r"generate\.params\.temperature: expected "
+                                                 r'float, got "hot"'):
+        wire.decode_json(b'{"t": "generate", "request_id": "a", "prompt_token_ids": [1], '
+                         b'"params": {"temperature": "hot"}}', _TO_RANK)
+    with pytest.raises(wire.ProtocolError, match="expected rows of TokenOutput"):
+        wire.decode_json(b'{"t": "outputs", "rank": 1, "epoch": 0, "outputs": [["a", true, 1, '
+                         b'null, null]]}', _OUTPUTS)
+    with pytest.raises(wire.ProtocolError, match="unknown front-end link message type 'abort'"):
+        wire.decode_json(wire.encode_json(AbortRequest("a")), _OUTPUTS, "front-end link message")

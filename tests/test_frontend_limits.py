@@ -12,12 +12,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from elasticep.engine.ipc import FrontendChannel
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.serve_args import validate
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE, create_server
 from elasticep.frontend.tokenizer import TokenizerPool
+from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.status import DeploymentStatus
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,11 +17,11 @@ import pytest
 from _frontend_live import engine_server, wait_for
 from transformers import AutoTokenizer
 
-from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.incremental_text import IncrementalText
 from elasticep.frontend.membership import ScaleInProgressError
+from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
 
 pytestmark = pytest.mark.timeout(90)

@@ -14,7 +14,6 @@ import pytest
 from _frontend_live import engine_server, wait_for
 from transformers import AutoTokenizer
 
-from elasticep.engine.ipc import FrontendChannel, WorkerChannel
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
@@ -24,6 +23,7 @@ from elasticep.frontend.openai_protocol import (
     CompletionResponse,
     completion_chunk_renderer,
 )
+from elasticep.frontend_link import FrontendChannel, WorkerChannel
 
 pytestmark = pytest.mark.timeout(90)
 

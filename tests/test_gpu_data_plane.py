@@ -55,7 +55,7 @@ def test_plan_on_cuda_equals_cpu():
 def test_two_gpu_nccl_epochs(tmp_path):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "bench/gpu_run.py", "--quick", "--only", "nccl,kill",
+    subprocess.run([sys.executable, "-m", "bench.gpu_run", "--quick", "--only", "nccl,kill",
                     "--out", str(tmp_path)], cwd=ROOT, env=env, check=True, timeout=280)
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     for r in ("rank0", "rank1"):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ep_helpers import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
+
+from elasticep_testkit.ep import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 
 WORLD, E, H, INTER, K, LAYERS, T = 4, 8, 16, 8, 2, 3, 6  # decoder layer 0 is dense
 MOE_LAYERS = (1, 2)

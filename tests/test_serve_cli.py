@@ -27,7 +27,7 @@ from elasticep.membership.scaling import (
     deployment_status,
 )
 from elasticep.membership.status import DeploymentStatus, RankStatus
-from elasticep.membership.transitions import SlotState, scale_phase
+from elasticep.membership.transitions import OnFailure, SlotState, scale_phase
 from elasticep.utils.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -602,7 +602,7 @@ def _with_world(coord, states: list[str]) -> None:
     """Give the coordinator a WORLD group in these slot states (no worker processes)."""
     from elasticep.membership.registry import Group
 
-    g = Group("world", list(range(len(states))), _states(*states), "complete")
+    g = Group("world", list(range(len(states))), _states(*states), OnFailure.COMPLETE)
     g.active = {s for s, st in enumerate(states) if st == "healthy"}
     with coord._lock:
         coord.service._groups["world"] = g  # no worker processes to register it

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _ep_helpers import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 from _loop_fakes import fake_loop
 
 from elasticep.elastic.step_loop import (
@@ -26,6 +25,7 @@ from elasticep.elastic.step_loop import (
     parse_header,
     step_header,
 )
+from elasticep_testkit.ep import finish_gloo_rank, init_gloo_rank, run_gloo_ranks
 
 HANG_BOUND_S = 60
 

@@ -32,7 +32,7 @@ from typing import Any
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
-from elasticep.engine.ipc import WorkerHello
+from elasticep.frontend_link import WorkerHello
 from elasticep.membership import Coordinator, start_coordinator
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import ACTIVE_STATES, SlotState

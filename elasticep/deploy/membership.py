@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elasticep.deploy.launcher import RankLauncher
-from elasticep.engine.ipc import WorkerHello, is_routable
+from elasticep.frontend_link import WorkerHello, is_routable
 from elasticep.membership.client import CoordinatorClient, ReconnectingClient
 from elasticep.membership.errors import ScaleNotSupportedError
 from elasticep.membership.status import DeploymentStatus, RankStatus

@@ -54,7 +54,8 @@ class BackendOptions:
     global_ranks: list[int] | None = None
 
     def __init__(self, active_ranks: torch.Tensor | None = None, is_extension: bool = False,
-                 max_group_size: int | None = None, *, on_failure: str = OnFailure.COMPLETE,
+                 max_group_size: int | None = None, *,
+                 on_failure: OnFailure | str = OnFailure.COMPLETE,
                  unique_name: str | None = None, global_ranks: list[int] | None = None) -> None:
         if on_failure not in tuple(OnFailure):
             raise ValueError(f"on_failure must be 'complete' or 'raise', got {on_failure!r}")
@@ -110,7 +111,7 @@ def control_address() -> str | None:
 def init_process_group(coordinator: str, rank: int, world_size: int, *,
                        max_world_size: int | None = None, is_extension: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S,
-                       on_failure: str = "complete",
+                       on_failure: OnFailure | str = OnFailure.COMPLETE,
                        stall_grace_s: float = STALL_GRACE_S) -> ElasticProcessGroup:
     """Connect to the coordinator and make the "elastic" WORLD group the default group.
 

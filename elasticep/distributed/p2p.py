@@ -12,6 +12,9 @@ the transfers in the order they were issued (Gloo matches transfers of one peer 
 tag in order). So isend/irecv, and batch_isend_irecv, work in any order, a ring of
 sends first included. `P2PWork.wait` waits in short slices and fails as soon as the
 peer's slot is failed or removed, or this rank lost its membership.
+
+The channels see their group only through `PeerGroup`: a few fixed facts and three
+questions to its membership, so nothing here depends on how `GroupState` keeps them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,15 +34,44 @@ import torch.distributed as dist
 from elasticep.membership.errors import RankFailureError
 from elasticep.membership.transitions import SlotState
 
+from .epoch_log import EpochLog
 from .gloo_device import new_gloo_group
 from .ops import _bytes
 from .reaper import join_at_exit
 
-if TYPE_CHECKING:  # the owner, for type hints only (it imports this module)
-    from .state import GroupState
-
 SLICE = timedelta(milliseconds=50)
 _GONE = (SlotState.FAILED, SlotState.FREE)
+
+
+@dataclass(frozen=True)
+class PeerGroup:
+    """What a group's peer channels know of the group; its owner (`GroupState`) builds
+    one, and the channels reach nothing else of it.
+
+    Args:
+        name: the group's unique name; slot: this rank's slot; size: slots in the group.
+        timeout_s: bound of every blocking wait (seconds).
+        local_addr: the address a channel's Gloo pair binds (the control connection's).
+        store: client of the coordinator's TCPStore (this rank's token is published on it);
+        new_store: makes another client of it (one per channel's rendezvous).
+        epochs: the group's committed epochs (read only here).
+        check_member: raises ValueError if this rank cannot run the named op yet.
+        check_alive: raises RankEvictedError / CoordinatorLostError once this rank lost
+            its membership.
+        slot_state: the coordinator's latest state of a slot.
+    """
+
+    name: str
+    slot: int
+    size: int
+    timeout_s: float
+    local_addr: str
+    store: object
+    new_store: Callable[[], object]
+    epochs: EpochLog
+    check_member: Callable[[str], None]
+    check_alive: Callable[[], None]
+    slot_state: Callable[[int], SlotState]
 
 
 class P2PWork(dist.Work):
@@ -89,8 +122,7 @@ class P2PWork(dist.Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
-        gs = self.channel.gs
-        limit = timeout.total_seconds() if timeout else gs.timeout_s
+        limit = timeout.total_seconds() if timeout else self.channel.group.timeout_s
         deadline = time.monotonic() + limit
         while not self._finished.wait(SLICE.total_seconds()):
             self._check_peer(deadline)
@@ -103,12 +135,12 @@ class P2PWork(dist.Work):
         return True
 
     def _check_peer(self, deadline: float, why: str = "") -> None:
-        gs = self.channel.gs
-        gs.check_alive()
-        if gs.states[self.peer] in _GONE or self.channel.stale():
-            raise RankFailureError([self.peer], gs.epoch, gs.name)
+        g = self.channel.group
+        g.check_alive()
+        if g.slot_state(self.peer) in _GONE or self.channel.stale():
+            raise RankFailureError([self.peer], g.epochs.current, g.name)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {gs.slot} group {gs.name!r}: {self.kind} with slot "
+            raise TimeoutError(f"rank {g.slot} group {g.name!r}: {self.kind} with slot "
                                f"{self.peer} did not complete in time{why}")
 
     def is_completed(self) -> bool:
@@ -128,12 +160,12 @@ class _Channel:
     one that completes the posted transfers."""
 
     def __init__(self, owner: PeerChannels, peer: int) -> None:
-        self.owner, self.gs, self.peer = owner, owner.gs, peer
-        # index into gs.epochs at creation: a later epoch without `peer` makes us stale
-        self._since = len(self.gs.epochs)
+        self.owner, self.group, self.peer = owner, owner.group, peer
+        # the epoch log's position at creation: a later epoch without `peer` makes us stale
+        self._since = self.group.epochs.mark()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.done: queue.SimpleQueue = queue.SimpleQueue()  # posted, in order
-        name = f"{self.gs.name}-{self.gs.slot}-{peer}"
+        name = f"{self.group.name}-{self.group.slot}-{peer}"
         self.threads = (
             threading.Thread(target=self._run, daemon=True, name=f"elastic-p2p-{name}"),
             threading.Thread(target=_complete_in_order, args=(self.done,), daemon=True,
@@ -148,20 +180,20 @@ class _Channel:
 
     def stale(self) -> bool:
         """True once the peer's slot was out of the group in an epoch after creation."""
-        return any(self.peer not in act for _, _, act in self.gs.epochs[self._since:])
+        return self.group.epochs.left_since(self.peer, self._since)
 
     def _run(self) -> None:
-        gs, me, peer = self.gs, self.gs.slot, self.peer
+        g, me, peer = self.group, self.group.slot, self.peer
         pg, error = None, None
         try:
-            store = gs.new_store()
+            store = g.new_store()
             key = self.owner.token_key(peer)
-            store.wait([key], timedelta(seconds=gs.timeout_s))
+            store.wait([key], timedelta(seconds=g.timeout_s))
             tokens = {me: self.owner.token, peer: store.get(key).decode()}
             lo, hi = sorted((me, peer))
-            prefix = f"elastic/{gs.name}/p2p/{lo}-{hi}/{tokens[lo]}/{tokens[hi]}/"
+            prefix = f"elastic/{g.name}/p2p/{lo}-{hi}/{tokens[lo]}/{tokens[hi]}/"
             pg = new_gloo_group(dist.PrefixStore(prefix, store), int(me > peer), 2,
-                                timedelta(seconds=gs.timeout_s), gs.ctl.local_addr)
+                                timedelta(seconds=g.timeout_s), g.local_addr)
         except Exception as e:  # noqa: BLE001 - the peer never came: its waiters decide
             error = e
         while True:
@@ -185,15 +217,15 @@ def _complete_in_order(done: queue.SimpleQueue) -> None:
 class PeerChannels:
     """A group's send/recv side: publishes this rank's token, keeps one channel per peer."""
 
-    def __init__(self, gs: GroupState) -> None:
-        self.gs = gs
+    def __init__(self, group: PeerGroup) -> None:
+        self.group = group
         self.token = f"{os.getpid()}-{secrets.token_hex(4)}"
-        gs.store.set(self.token_key(gs.slot), self.token)
+        group.store.set(self.token_key(group.slot), self.token)
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
 
     def token_key(self, slot: int) -> str:
-        return f"elastic/{self.gs.name}/p2p-token/{slot}"
+        return f"elastic/{self.group.name}/p2p-token/{slot}"
 
     def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> P2PWork:
         """Start a send ("send") or recv ("recv") of `tensor` with group slot `peer`.
@@ -202,11 +234,11 @@ class PeerChannels:
         Raises:
             ValueError: bad peer, a CUDA tensor, or this rank is not a member yet.
         """
-        gs = self.gs
-        gs.check_member(kind)
-        if not 0 <= peer < len(gs.ranks) or peer == gs.slot:
+        g = self.group
+        g.check_member(kind)
+        if not 0 <= peer < g.size or peer == g.slot:
             raise ValueError(f"{kind}: peer slot {peer} is not another slot of group "
-                             f"{gs.name!r} (size {len(gs.ranks)}, this rank is {gs.slot})")
+                             f"{g.name!r} (size {g.size}, this rank is {g.slot})")
         if tensor.is_cuda:
             raise ValueError(f"{kind} of CUDA tensors is not supported by the elastic backend")
         with self._lock:

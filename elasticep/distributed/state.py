@@ -3,7 +3,7 @@
 Consistency protocol (see `elasticep.membership.transitions` for the decision itself):
 
 * Every collective takes the next sequence number ``seq``. Its inner op runs on the
-  inner Gloo group of the epoch that covers ``seq`` (`_epoch_for`).
+  inner Gloo group of the epoch that covers ``seq`` (`EpochLog.covering`).
 * While an announced transition is not committed, the main thread neither starts an op
   nor marks one completed, so the report sent by the control thread stays true.
 * A failure decision committed after an op started makes that op re-evaluate:
@@ -37,8 +37,9 @@ from elasticep.membership.transitions import (
 
 from . import kept, nccl_inner
 from .epoch_groups import EpochComms, Superseded
+from .epoch_log import EpochLog
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
-from .p2p import PeerChannels
+from .p2p import PeerChannels, PeerGroup
 
 log = logging.getLogger(__name__)
 KEEP = 4
@@ -67,12 +68,12 @@ class GroupState:
         self.ctl, self.store, self.name, self.slot, self.ranks = ctl, store, name, slot, ranks
         self.new_store, self._on_close = new_store, on_close
         self.closed = False
-        self.on_failure = OnFailure(reg["on_failure"])
+        self.on_failure: OnFailure = reg.typed("on_failure", OnFailure)
         self.timeout_s = timeout_s
         self.cond = threading.Condition()
         self.epoch: int = reg["epoch"]
         self.active: tuple[int, ...] = tuple(reg["active"])
-        self.states: list[SlotState] = [SlotState(s) for s in reg["states"]]
+        self.states: list[SlotState] = reg.typed("states", list[SlotState])
         self.requests: dict = {"admit": [], "remove": []}
         self.mask = mask
         self._set_mask()
@@ -84,7 +85,7 @@ class GroupState:
         self.removed_at: int | None = None
         self.declared_dead = False
         self.joined = not joining
-        self.epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, self.epoch, self.active)]
+        self.epochs = EpochLog(self.epoch, self.active)
         self.comms = EpochComms(self)  # every epoch's inner groups
         # Tests set this to delay marking the next completed op, so that other survivors
         # finish it first (exercises the fetch-from-donor path deterministically).
@@ -99,7 +100,9 @@ class GroupState:
         # ops by route, for benchmarks and logs: fast (fast_all_to_all launched it),
         # run (went through `run`), lease_confirms (a coordinator round trip in `run`)
         self.counters = {"fast": 0, "run": 0, "lease_confirms": 0}
-        self.peers = PeerChannels(self)  # send/recv
+        self.peers = PeerChannels(PeerGroup(  # send/recv
+            name, slot, len(ranks), timeout_s, ctl.local_addr, store, new_store, self.epochs,
+            self.check_member, self.check_alive, lambda s: self.states[s]))
         if self.joined and slot in self.active:
             self.comms.for_epoch(self.epoch, self.active)
 
@@ -154,7 +157,7 @@ class GroupState:
             elif not was_member and self.slot in d.active and not self.joined:
                 self.joined = True
                 self.next_seq, self.last, self.started = d.boundary, d.boundary - 1, d.boundary - 1
-            self.epochs.append((d.boundary, d.epoch, d.active))
+            self.epochs.add(d.boundary, d.epoch, d.active)
             self.cond.notify_all()
         log.info("epoch %d rank %d group %s: commit %s active=%s", d.epoch, self.slot,
                  self.name, d.kind, list(d.active))
@@ -187,7 +190,7 @@ class GroupState:
                     raise errors.RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
                 action, d = OpAction.RUN, self.failure
                 if d is not None:
-                    action = local_action(d, seq, op.fetchable, op.redoable(self._epoch_for(
+                    action = local_action(d, seq, op.fetchable, op.redoable(self.epochs.covering(
                         seq)[1]), self.on_failure)
                     if action in (OpAction.DONE, OpAction.RUN):
                         self.failure, action = None, OpAction.RUN
@@ -200,7 +203,7 @@ class GroupState:
                         raise errors.RankFailureError(list(d.dead), d.epoch, self.name)
                 self.started = seq
                 gen = self.failure_gen
-                epoch, active = self._epoch_for(seq)
+                epoch, active = self.epochs.covering(seq)
             dev = comm = None
             try:
                 if action == OpAction.FETCH:
@@ -364,11 +367,6 @@ class GroupState:
                 raise TimeoutError(f"rank {self.slot} group {self.name!r}: epoch "
                                    f"{self.pending} not committed in time")
             self.cond.wait(min(left, 0.05))
-
-    def _epoch_for(self, seq: int) -> tuple[int, tuple[int, ...]]:
-        best = max((e for e in self.epochs if e[0] <= seq), key=lambda e: e[1],
-                   default=self.epochs[0])
-        return best[1], best[2]
 
     def check_gen(self, gen: int) -> None:
         """Raise as `check_alive` does, or `Superseded` if a failure decision newer than

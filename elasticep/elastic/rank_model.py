@@ -23,7 +23,7 @@ from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.local_executor import ExpertSlots
-from elasticep.utils.graph_pieces import eager_boundary
+from elasticep.utils.graph_boundary import eager_boundary
 
 # hook(layer_idx, topk_ids [T, k] int64) called before each MoE layer's dispatch
 LayerHook = Callable[[int, torch.Tensor], None]

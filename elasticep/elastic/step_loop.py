@@ -44,14 +44,14 @@ from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
+from elasticep.elastic.serve_loop import apply_messages
 from elasticep.elastic.step_profiler import StepProfiler
-from elasticep.engine.ipc import WorkerChannel
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
-from elasticep.engine.serve_loop import apply_messages
 from elasticep.engine.step_rate import GraphCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
+from elasticep.frontend_link import WorkerChannel
 from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.ipc_exchange import IpcExchange

@@ -49,6 +49,7 @@ import elasticep.distributed as ed
 from elasticep.config import A2ABackend, Backend, WorkerConfig
 from elasticep.distributed.api import DEFAULT_TIMEOUT_S
 from elasticep.distributed.control import stall_grace_s
+from elasticep.elastic import serve_loop
 from elasticep.elastic.exchange_setup import (
     build_exchange,
     exchange_store,
@@ -66,12 +67,12 @@ from elasticep.elastic.rank_model import (
 )
 from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
-from elasticep.engine import serve_loop
-from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
 from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
+from elasticep.frontend_link import IpcEndpoints, WorkerChannel
+from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 
 logger = logging.getLogger("elasticep.worker")
@@ -87,7 +88,7 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
     if d.elastic_ep_backend == Backend.ELASTIC:
         return ed.init_process_group(
             cfg.coordinator, cfg.rank, d.ep_size, max_world_size=d.max_ep_size,
-            is_extension=cfg.join_mode is not None, on_failure="raise",
+            is_extension=cfg.join_mode is not None, on_failure=OnFailure.RAISE,
             stall_grace_s=stall_grace_s(d.coordinator_timeout_s, d.heartbeat_timeout_s))
     if cfg.join_mode is not None:
         raise ValueError("the plain baseline group cannot take joiners")

@@ -4,7 +4,7 @@ A decode step in eager mode launches about a hundred kernels per layer from Pyth
 at Qwen3-30B-A3B's shape the host, not the GPU, sets the step time. Capturing the
 forward once per bucket and replaying it costs a few launches per step.
 
-The capture is piecewise (:mod:`elasticep.utils.graph_pieces`): an EP executor marks
+The capture is piecewise (:mod:`elasticep.engine.piecewise_graph`): an EP executor marks
 each token exchange as an eager boundary, so the graphs hold the attention, norms,
 router and expert GEMMs, and every collective runs eagerly between them. No graph ever
 holds a communicator, and a graph stays valid across a peer's death. A single-rank
@@ -34,10 +34,10 @@ from collections.abc import Sequence
 
 import torch
 
+from elasticep.engine.piecewise_graph import PiecewiseCapture, PiecewiseGraph
 from elasticep.models.layers import AttentionMetadata
 from elasticep.models.model import MoECausalLM
 from elasticep.models.paged_attention import PagedAttentionMetadata
-from elasticep.utils.graph_pieces import PiecewiseCapture, PiecewiseGraph
 
 logger = logging.getLogger(__name__)
 

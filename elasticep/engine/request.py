@@ -1,14 +1,17 @@
 """Typed request/response messages shared by the engine, the workers and the front-end.
 
-These are small frozen dataclasses so they can be pickled over pyzmq between the
-HTTP front-end and the worker ranks (mini-sglang style), and reused unchanged by the
-single-process engine.
+These are small frozen dataclasses (mini-sglang style). The two the front-end sends a
+rank, `GenerateRequest` and `AbortRequest`, are :class:`elasticep.wire.Message` types
+and travel as checked JSON (`elasticep.frontend_link`); `SamplingParams` and
+`TokenOutput` travel inside messages. The single-process engine uses them unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from elasticep.wire import Message
 
 # The sampler scales logits in float32 whatever the model's dtype (engine/sampler.py), so
 # a temperature below float32's smallest normal (2**-126) would be 0 or lose its precision
@@ -80,7 +83,7 @@ class SamplingParamError(ValueError):
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(Message, tag="generate"):
     """A request sent to one data-parallel rank.
 
     ``output_token_ids`` is non-empty when a request is resumed on a survivor after
@@ -95,7 +98,7 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class AbortRequest:
+class AbortRequest(Message, tag="abort"):
     """Ask a rank to drop a request (client disconnected, or stop string hit)."""
 
     request_id: str

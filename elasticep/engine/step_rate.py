@@ -2,8 +2,8 @@
 
 The graph part counts replays (how many steps ran a captured graph) and captures (how
 many times the buckets were captured, start-up included), so a failover run shows its
-re-captures as a number. Both worker loops (:mod:`elasticep.engine.serve_loop`, :mod:`elasticep.elastic.step_loop`)
-feed it once per committed step. Every ``interval_s`` with at least one step it logs
+re-captures as a number. Both worker loops (:mod:`elasticep.elastic.serve_loop`,
+:mod:`elasticep.elastic.step_loop`) feed it once per committed step. Every ``interval_s`` with at least one step it logs
 one INFO line, so a slow rank, or one that runs eagerly when it should replay its
 decode CUDA graphs (after a placement change, say), shows in its log.
 """

@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
-from elasticep.engine.ipc import FrontendChannel
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.request_tracker import RequestEvent
+from elasticep.frontend_link import FrontendChannel
 
 
 @dataclass(frozen=True)

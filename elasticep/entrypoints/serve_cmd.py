@@ -33,7 +33,6 @@ from elasticep.deploy.supervisor import (
 )
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exit_code import ExitCode
-from elasticep.engine.ipc import FrontendChannel, is_routable
 from elasticep.engine.limits import known_max_total_tokens
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
@@ -42,6 +41,7 @@ from elasticep.entrypoints.serve_args import (
 )
 from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler, make_log_dir
 from elasticep.frontend.http_server import create_server
+from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
 

@@ -23,17 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elasticep.engine.ipc import (
-    FrontendChannel,
-    IpcError,
-    OutputBatch,
-    RankStats,
-    RankUnreachableError,
-    RequestError,
-    StepFailed,
-    WorkerMessage,
-    is_routable,
-)
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership import MembershipSource
@@ -43,6 +32,17 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
     RequestTracker,
     Send,
+)
+from elasticep.frontend_link import (
+    FrontendChannel,
+    IpcError,
+    OutputBatch,
+    RankStats,
+    RankUnreachableError,
+    RequestError,
+    StepFailed,
+    WorkerMessage,
+    is_routable,
 )
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState

@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from elasticep.engine.ipc import FrontendChannel
 from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.membership import (
@@ -46,6 +45,7 @@ from elasticep.frontend.openai_protocol import (
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.wait import wait_until
 

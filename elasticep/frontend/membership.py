@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elasticep.engine.ipc import WorkerHello
+from elasticep.frontend_link import WorkerHello
 from elasticep.membership.errors import (
     ScaleInProgressError,
     ScaleNotSupportedError,

@@ -64,7 +64,7 @@ class FrontendMetrics:
             registry=r)
 
     def rank_stats(self, rank: int, steps: int, captures: int, replays: int) -> None:
-        """Record a rank's counters (a :class:`~elasticep.engine.ipc.RankStats`); a
+        """Record a rank's counters (a :class:`~elasticep.frontend_link.RankStats`); a
         rank without graphs (-1) exports no graph series."""
         label = str(rank)
         self.rank_steps.labels(rank=label).set(steps)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from . import wire
-from .transitions import Decision, SlotState
+from .transitions import Decision, OnFailure, SlotState
 from .wire import Message, ProtocolError, plain
 
 # re-exported: callers read them as m.decode_line, m.from_wire, m.message_types
@@ -81,7 +81,7 @@ class Register(_ToGroup, tag="register"):
 
     global_ranks: list[int]
     active: list[int]
-    on_failure: str
+    on_failure: OnFailure
     is_extension: bool
 
 
@@ -133,6 +133,15 @@ class Reply(Message, tag="reply"):
             return self.body[name]
         except KeyError:
             raise ProtocolError(f"reply {self.id} has no field {name!r}") from None
+
+    def typed(self, name: str, hint: Any) -> Any:
+        """A field of the answer, checked against (and turned into) type ``hint`` as a
+        message's declared fields are (``list[SlotState]``, an enum, ...).
+
+        Raises:
+            ProtocolError: the field is missing or not of type ``hint``.
+        """
+        return wire.convert(self[name], hint, f"reply.{name}", {"id": self.id})
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": self.TAG, "id": self.id, "ok": self.ok}

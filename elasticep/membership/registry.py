@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError
 from .scaling import Launch, ScaleTarget
-from .transitions import ACTIVE_STATES, Report, SlotState, TransitionKind, next_slot_state
+from .transitions import (
+    ACTIVE_STATES,
+    OnFailure,
+    Report,
+    SlotState,
+    TransitionKind,
+    next_slot_state,
+)
 
 
 @dataclass
@@ -84,7 +91,7 @@ class Group:
     name: str
     ranks: list[int]
     states: list[SlotState]
-    on_failure: str
+    on_failure: OnFailure
     epoch: int = 0
     max_epoch: int = 0
     active: set[int] = field(default_factory=set)
@@ -97,7 +104,7 @@ class Group:
     joined_from: dict[int, SlotState] = field(default_factory=dict)
 
     @staticmethod
-    def create(name: str, ranks: list[int], active: list[int], on_failure: str,
+    def create(name: str, ranks: list[int], active: list[int], on_failure: OnFailure,
                dead_global: set[int]) -> Group:
         states = [SlotState.FREE] * len(ranks)
         for s in active:

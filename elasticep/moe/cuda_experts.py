@@ -7,7 +7,7 @@ run without a host-device sync.
 
 It is also what makes EP decode capturable in CUDA graphs
 (:mod:`elasticep.engine.cuda_graph`): each all_to_all is an eager boundary
-(:func:`elasticep.utils.graph_pieces.eager_boundary`) over persistent buffers, and a
+(:func:`elasticep.utils.graph_boundary.eager_boundary`) over persistent buffers, and a
 new placement of the same shape is copied into the tensors the graphs already point to.
 """
 
@@ -32,7 +32,7 @@ from elasticep.moe.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.utils.graph_pieces import capture_bound, capturing, eager_boundary
+from elasticep.utils.graph_boundary import capture_bound, capturing, eager_boundary
 
 
 def _same_shapes(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
@@ -59,7 +59,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             :attr:`step_max_tokens` to the step's agreed maximum (from its header
             all_reduce) around each forward, so no call pays a collective for it. A
             graph capture sizes the exchange for its bucket instead
-            (:func:`~elasticep.utils.graph_pieces.capture_bound`).
+            (:func:`~elasticep.utils.graph_boundary.capture_bound`).
             None: the ranks agree on it at every call with a MAX all_reduce of a CPU
             int over the group (a host round trip on the CPU side of the group, still
             no device sync).

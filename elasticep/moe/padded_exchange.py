@@ -24,7 +24,7 @@ slots), so no pair is ever dropped (:func:`pair_capacity`).
 
 Every buffer comes from an :data:`Alloc`. By default each call allocates afresh; a CUDA
 graph capture passes :class:`ExchangeBuffers` instead, so the graph pieces and the eager
-all_to_alls between them (:mod:`elasticep.utils.graph_pieces`) meet in the same
+all_to_alls between them (:mod:`elasticep.utils.graph_boundary`) meet in the same
 storage at every replay.
 """
 

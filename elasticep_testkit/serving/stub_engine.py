@@ -3,7 +3,7 @@
 A :class:`StubEngine` steps ``steps_per_s`` times a second while it has requests and
 emits one token per running request per step (the request's prompt ids, cycled, so
 detokenization works on real text), never EOS, until each request's ``max_tokens``.
-It is driven by the real rank loop (:func:`~elasticep.engine.serve_loop.run_engine_worker`)
+It is driven by the real rank loop (:func:`~elasticep.elastic.serve_loop.run_engine_worker`)
 over the real zmq transport, so each step's tokens reach the front-end as one message,
 as a real rank sends them. :func:`rank_main` is one such rank process; the server
 program is ``python -m elasticep_testkit.serving.stub_serve``.
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticep.engine.ipc import IpcEndpoints, WorkerChannel
+from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
-from elasticep.engine.serve_loop import run_engine_worker
+from elasticep.frontend_link import IpcEndpoints, WorkerChannel
 from elasticep.utils.procs import die_with_parent
 
 STATS_EVERY_S = 1.0
@@ -41,7 +41,7 @@ class _Running:
 
 
 class StubEngine:
-    """A :class:`~elasticep.engine.serve_loop.StepEngine` that paces its steps.
+    """A :class:`~elasticep.elastic.serve_loop.StepEngine` that paces its steps.
 
     Args:
         steps_per_s: steps per second while busy (> 0).

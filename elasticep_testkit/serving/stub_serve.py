@@ -23,9 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elasticep.engine.ipc import FrontendChannel
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend_link import FrontendChannel
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.serving.stub_engine import rank_main
 

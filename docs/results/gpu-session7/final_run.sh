@@ -42,11 +42,11 @@ grep -h "MoE transport\|peer waits\|pieces each\|steps in\|warm-up\|warmup" /tmp
     | cut -c1-260 | tail -12 > "$OUT/sweep_rank_lines.log"
 cat "$OUT/sweep_rank_lines.log"
 
-step rejoin 110 python3 bench/failover.py --scenario rejoin --ep-size 2 --victim 1 --device cuda \
+step rejoin 110 python3 -m bench.failover --scenario rejoin --ep-size 2 --victim 1 --device cuda \
     --healthy-s 4 --degraded-s 5 --after-s 5 --log-dir /tmp/fo_rejoin >> "$OUT/failover.jsonl" \
     2> /tmp/fo.err
 tail -3 /tmp/fo.err
-step kill_r0 80 python3 bench/failover.py --scenario kill --ep-size 2 --victim 1 --device cuda \
+step kill_r0 80 python3 -m bench.failover --scenario kill --ep-size 2 --victim 1 --device cuda \
     --ep-num-redundant-experts 0 --healthy-s 4 --degraded-s 5 --after-s 5 \
     --log-dir /tmp/fo_kill_r0 >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
 cut -c1-700 "$OUT/failover.jsonl"

@@ -1,4 +1,6 @@
-"""Shared pieces of the multi-rank EP tests (not a test module).
+"""Shared pieces of the multi-rank EP tests and of ``bench/recovery_windows.py``: a
+``generate --ep-size`` launch, the ep_size=1 reference and the near-tie rule, and the
+Gloo rank helpers of the in-process EP tests.
 
 The ep_size=1 reference (greedy tokens plus each step's top-2 logit margin) is computed
 once per test session and reused by every EP test module.

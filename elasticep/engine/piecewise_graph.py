@@ -4,8 +4,8 @@ A decode forward of an EP rank exchanges tokens with its peers in every MoE laye
 CUDA graph that held such a collective would hold the communicator too, and could not
 be replayed once a peer died. So the forward is captured in pieces (the design vLLM
 calls piecewise capture): code marks each point that must stay eager with
-:func:`eager_boundary`, and :class:`PiecewiseCapture` ends the current graph there,
-records the eager callable, and starts the next graph. :meth:`PiecewiseGraph.replay`
+:func:`~elasticep.utils.graph_boundary.eager_boundary`, and :class:`PiecewiseCapture`
+ends the current graph there, records the eager callable, and starts the next graph. :meth:`PiecewiseGraph.replay`
 then alternates ``graph[i].replay()`` and ``op[i]()``.
 
 The eager op is called with the same tensors at every replay, so it must read and write
@@ -14,46 +14,18 @@ run again with new contents in them. At capture time the op is not run: its
 ``at_capture`` stand-in is (for an exchange, a local copy), so a capture needs no peer
 and each rank may capture on its own schedule.
 
-Outside any capture, :func:`eager_boundary` simply runs the op, so the same code serves
-the eager path.
+Outside any capture, ``eager_boundary`` simply runs the op, so the same code serves
+the eager path. Those primitives live in :mod:`elasticep.utils.graph_boundary`, below
+the layers (``moe``) that call them; the capture itself is the engine's.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
-_state = threading.local()
-
-
-def eager_boundary(op: Callable[[], None], at_capture: Callable[[], None] | None = None) -> None:
-    """Run ``op`` outside any CUDA graph.
-
-    Args:
-        op: the eager work (e.g. a collective over static buffers).
-        at_capture: what to run instead while a :class:`PiecewiseCapture` is active
-            (None: nothing). Its results feed the rest of the capture only as
-            placeholder values.
-    """
-    capture: PiecewiseCapture | None = getattr(_state, "capture", None)
-    if capture is None:
-        op()
-    else:
-        capture.boundary(op, at_capture)
-
-
-def capturing() -> bool:
-    """True inside a :class:`PiecewiseCapture` (warm-up or graph capture) on this thread."""
-    return getattr(_state, "capture", None) is not None
-
-
-def capture_bound() -> int | None:
-    """The ``bound`` of this thread's active :class:`PiecewiseCapture` (for an EP
-    executor: the tokens its exchange is sized for), or None."""
-    capture = getattr(_state, "capture", None)
-    return None if capture is None else capture.bound
+from elasticep.utils import graph_boundary
 
 
 class PiecewiseGraph:
@@ -90,7 +62,8 @@ class PiecewiseCapture:
     Args:
         pool: a memory pool handle (``torch.cuda.graph_pool_handle()``) shared by every
             piece, or None for a warm-up pass.
-        bound: a value the captured code reads through :func:`capture_bound` (the
+        bound: a value the captured code reads through
+            :func:`~elasticep.utils.graph_boundary.capture_bound` (the
             batch-size bucket), kept per thread so that a capture in a background thread
             never changes what the serving thread sees.
 
@@ -112,6 +85,9 @@ class PiecewiseCapture:
         self._graphs.append(graph)
 
     def boundary(self, op: Callable[[], None], at_capture: Callable[[], None] | None) -> None:
+        """An eager boundary inside this capture: end the current piece, run the
+        stand-in, keep ``op`` for replay and begin the next piece (only the stand-in
+        runs in a warm-up pass)."""
         if self.pool is not None:
             self._graphs[-1].capture_end()
         if at_capture is not None:
@@ -121,15 +97,13 @@ class PiecewiseCapture:
             self._begin()
 
     def __enter__(self) -> PiecewiseCapture:
-        if getattr(_state, "capture", None) is not None:
-            raise RuntimeError("piecewise captures do not nest")
-        _state.capture = self
+        graph_boundary.enter(self)  # raises if a capture is active (they do not nest)
         if self.pool is not None:
             self._begin()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _state.capture = None
+        graph_boundary.leave()
         if self.pool is None:
             return
         if exc_type is not None:  # the capture is broken already; report the first error

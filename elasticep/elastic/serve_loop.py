@@ -1,4 +1,5 @@
-"""The ep_size=1 worker loop: an :class:`LLMEngine` served over the ipc worker channel.
+"""The ep_size=1 worker loop: an :class:`LLMEngine` served over the front-end link's
+worker channel (:class:`~elasticep.frontend_link.WorkerChannel`).
 
 Each iteration takes every request and abort that arrived, runs one engine step if
 anything is unfinished, and publishes that step's tokens. With nothing to do it blocks
@@ -12,8 +13,8 @@ import logging
 import threading
 from typing import Protocol
 
-from elasticep.engine.ipc import WorkerChannel
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.frontend_link import WorkerChannel
 
 logger = logging.getLogger(__name__)
 

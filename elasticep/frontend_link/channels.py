@@ -1,4 +1,4 @@
-"""pyzmq transport between the HTTP front-end and the worker ranks.
+"""The pyzmq channels between the HTTP front-end and the worker ranks.
 
 Topology (the front-end binds, workers connect, so a relaunched rank just reconnects)::
 
@@ -10,8 +10,10 @@ message from an identity it can route to it, so "hello received" means "sendable
 A relaunched rank reuses its identity; ``ROUTER_HANDOVER`` lets the new connection
 take the identity over from a dead one that the ROUTER has not noticed yet.
 
-Messages are pickled dataclasses. Pickle is acceptable here because both ends are
-processes of one deployment on a private port; never expose these ports publicly.
+Each frame is one message of :mod:`.messages` (or a request of `engine.request`) as
+JSON, the wire form of :mod:`elasticep.wire`: read back, every field is checked against
+its annotation, and a frame that is not a message this socket takes is dropped with one
+log line. The ports carry no authentication: never expose them publicly.
 
 The front-end side is asyncio (it lives in the HTTP server's event loop); the worker
 side is synchronous (it lives in a plain step loop). Every call is non-blocking or
@@ -22,112 +24,22 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import zmq
 import zmq.asyncio
 
+from elasticep import wire
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
-from elasticep.membership.transitions import SlotState
+
+from . import messages as m
 
 logger = logging.getLogger(__name__)
 
-# Messages the front-end sends to one rank.
-RankMessage = GenerateRequest | AbortRequest
-
-
-@dataclass(frozen=True)
-class WorkerHello:
-    """A worker rank announces itself (at start, after a relaunch, or a new epoch).
-
-    Attributes:
-        max_total_tokens: its KV-cache capacity in tokens (None: not reported).
-        max_running_requests: the most requests it runs at once; the front-end routes
-            no more to it (None: no limit reported).
-        moe_a2a_backend: the MoE transport it runs (``cuda_ipc`` / ``all_to_all``;
-            None: not reported).
-    """
-
-    rank: int
-    epoch: int
-    pid: int
-    max_total_tokens: int | None = None
-    max_running_requests: int | None = None
-    moe_a2a_backend: str | None = None
-
-
-def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) -> bool:
-    """Whether requests may be sent to a rank (pure): membership says ``healthy`` and its
-    worker said hello with the pid membership reports (``pid`` None: membership knows
-    no pid), so a request never goes to a dead predecessor of the slot."""
-    return (state == SlotState.HEALTHY and hello is not None
-            and (pid is None or hello.pid == pid))
-
-
-@dataclass(frozen=True)
-class OutputBatch:
-    """Tokens of one committed step of one rank, published in index order per request."""
-
-    rank: int
-    epoch: int
-    outputs: tuple[TokenOutput, ...]
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """A rank refused or failed one request (for example: it does not fit the KV cache)."""
-
-    rank: int
-    request_id: str
-    message: str
-
-
-@dataclass(frozen=True)
-class StepFailed:
-    """A rank's step raised (not a membership change) and the rank is exiting.
-
-    ``request_ids`` were in that step; the front-end counts it against each of them,
-    so a request that crashed ranks twice is failed instead of resubmitted again.
-    """
-
-    rank: int
-    request_ids: tuple[str, ...]
-    message: str
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """A rank's running counters, sent with each of its throughput lines (every
-    ``--log-stats-interval`` seconds) for ``/metrics``.
-
-    Attributes:
-        rank, epoch: the sender and its epoch.
-        steps: committed steps since the rank started.
-        graph_captures: complete decode CUDA graph captures since start (start-up
-            included; a re-capture after a membership change adds one), or -1 where
-            the rank runs no graphs.
-        graph_replays: decode steps replayed from a graph since start (-1: no graphs).
-    """
-
-    rank: int
-    epoch: int
-    steps: int
-    graph_captures: int
-    graph_replays: int
-
-
-# Messages a worker sends to the front-end.
-WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed | RankStats
-
-
-@dataclass(frozen=True)
-class IpcEndpoints:
-    """The two addresses a worker connects to, e.g. ``tcp://127.0.0.1:5555``."""
-
-    request_addr: str
-    output_addr: str
+# What each socket takes, by tag; anything else arriving on it is logged and dropped.
+_TO_RANK = wire.by_tag((GenerateRequest, AbortRequest))
+_HELLO = wire.by_tag((m.WorkerHello,))
+_OUTPUTS = wire.by_tag((m.OutputBatch, m.RequestError, m.StepFailed, m.RankStats))
 
 
 class IpcError(RuntimeError):
@@ -160,29 +72,30 @@ def _rank_of(identity: bytes) -> int | None:
         return None
 
 
-def _loads(frame: bytes) -> object | None:
-    """Unpickle one frame; a corrupt frame is logged and dropped, never raised."""
+def _decode(frame: bytes, kinds: Mapping[str, list[type[wire.Message]]],
+            where: str) -> wire.Message | None:
+    """One frame as a message of ``kinds``; anything else (not JSON, another type, a
+    mistyped field) is logged, prefixed with ``where``, and dropped, never raised."""
     try:
-        return pickle.loads(frame)
-    except Exception as exc:  # noqa: BLE001 - any garbage on the wire must not kill the loop
-        logger.warning("dropping undecodable ipc frame (%d bytes): %r", len(frame), exc)
+        return wire.decode_json(frame, kinds, "front-end link message")
+    except wire.ProtocolError as exc:
+        logger.warning("%s: dropping a frame of %d bytes: %s", where, len(frame), exc)
         return None
 
 
-def _recv_ready(sock: zmq.Socket, kinds: tuple[type, ...], where: str) -> list:
-    """Every message already queued on ``sock`` (never blocks) that is one of ``kinds``;
-    anything else is logged (prefixed with ``where``) and dropped."""
+def _recv_ready(sock: zmq.Socket, kinds: Mapping[str, list[type[wire.Message]]],
+                where: str) -> list:
+    """Every message already queued on ``sock`` (never blocks) that is one of ``kinds``
+    (see :func:`_decode` for the rest)."""
     out: list = []
     while True:
         try:
             frame = sock.recv(flags=zmq.NOBLOCK)
         except zmq.Again:
             return out
-        msg = _loads(frame)
-        if isinstance(msg, kinds):
+        msg = _decode(frame, kinds, where)
+        if msg is not None:
             out.append(msg)
-        elif msg is not None:
-            logger.warning("%s: ignoring unexpected %s", where, type(msg).__name__)
 
 
 class FrontendChannel:
@@ -205,7 +118,7 @@ class FrontendChannel:
         self._router.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.endpoints = IpcEndpoints(
+        self.endpoints = m.IpcEndpoints(
             request_addr=self._bind(self._router, host, request_port),
             output_addr=self._bind(self._pull, host, output_port),
         )
@@ -215,7 +128,7 @@ class FrontendChannel:
         self._shadows: list[zmq.asyncio.Socket] = []
         # rank -> latest hello; a relaunched rank overwrites its entry. Replaced, never
         # mutated, so readers on other threads always see a consistent dict.
-        self.connected: dict[int, WorkerHello] = {}
+        self.connected: dict[int, m.WorkerHello] = {}
         self._closed = False
         logger.info("front-end ipc bound: requests %s, outputs %s",
                     self.endpoints.request_addr, self.endpoints.output_addr)
@@ -228,7 +141,7 @@ class FrontendChannel:
             sock.bind(f"tcp://{host}:{port}")
         return f"tcp://{host}:{port}"
 
-    def send(self, rank: int, message: RankMessage) -> None:
+    def send(self, rank: int, message: m.RankMessage) -> None:
         """Queue ``message`` for ``rank`` without blocking.
 
         Raises:
@@ -238,7 +151,7 @@ class FrontendChannel:
         """
         if self._closed:
             raise IpcError("front-end channel is closed")
-        frames = [_identity(rank), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
+        frames = [_identity(rank), wire.encode_json(message)]
         try:
             self._router.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -246,7 +159,7 @@ class FrontendChannel:
                 raise RankUnreachableError(rank, exc.strerror) from exc
             raise IpcError(f"send to rank {rank} failed: {exc}") from exc
 
-    async def poll(self, timeout_s: float) -> list[WorkerMessage]:
+    async def poll(self, timeout_s: float) -> list[m.WorkerMessage]:
         """Wait up to ``timeout_s`` seconds for worker messages and return all that arrived.
 
         Hellos also update :attr:`connected`. Returns an empty list on timeout.
@@ -266,22 +179,23 @@ class FrontendChannel:
         await self._poller.poll(timeout=max(0, int(timeout_s * 1000)))
         return self._drain_router() + self._drain_outputs()
 
-    def _drain_outputs(self) -> list[WorkerMessage]:
-        return _recv_ready(self._pull, (OutputBatch, RequestError, StepFailed, RankStats),
-                           "output socket")
+    def _drain_outputs(self) -> list[m.WorkerMessage]:
+        return _recv_ready(self._pull, _OUTPUTS, "output socket")
 
-    def _drain_router(self) -> list[WorkerMessage]:
-        out: list[WorkerMessage] = []
+    def _drain_router(self) -> list[m.WorkerMessage]:
+        out: list[m.WorkerMessage] = []
         while True:
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return out
             rank = _rank_of(frames[0])
-            msg = _loads(frames[-1])
-            if not isinstance(msg, WorkerHello) or msg.rank != rank:
-                logger.warning("ignoring unexpected message on request socket from %r",
-                               frames[0])
+            msg = _decode(frames[-1], _HELLO, f"request socket, from {frames[0]!r}")
+            if msg is None:
+                continue
+            if msg.rank != rank:
+                logger.warning("ignoring a hello of rank %d on request socket from %r",
+                               msg.rank, frames[0])
                 continue
             if msg.rank in self.connected and self.connected[msg.rank].pid != msg.pid:
                 logger.info("rank %d reconnected (pid %d -> %d, epoch %d)", msg.rank,
@@ -318,7 +232,7 @@ class WorkerChannel:
         moe_a2a_backend: the MoE transport this rank runs, told in every hello.
     """
 
-    def __init__(self, endpoints: IpcEndpoints, rank: int, epoch: int = 0,
+    def __init__(self, endpoints: m.IpcEndpoints, rank: int, epoch: int = 0,
                  send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None,
                  moe_a2a_backend: str | None = None):
         self.rank = rank
@@ -345,20 +259,19 @@ class WorkerChannel:
             FrontendUnreachableError: the hello could not be queued.
         """
         total, running = self.limits or (None, None)
-        msg = WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
-                          max_total_tokens=total, max_running_requests=running,
-                          moe_a2a_backend=self.moe_a2a_backend)
+        msg = m.WorkerHello(rank=self.rank, epoch=self.epoch, pid=os.getpid(),
+                            max_total_tokens=total, max_running_requests=running,
+                            moe_a2a_backend=self.moe_a2a_backend)
         try:
-            self._dealer.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+            self._dealer.send(wire.encode_json(msg), flags=zmq.NOBLOCK)
         except zmq.Again as exc:
             raise FrontendUnreachableError(f"rank {self.rank}: hello not queued") from exc
 
-    def poll(self, timeout_s: float) -> list[RankMessage]:
+    def poll(self, timeout_s: float) -> list[m.RankMessage]:
         """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
         if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
             return []
-        return _recv_ready(self._dealer, (GenerateRequest, AbortRequest),
-                           f"rank {self.rank} epoch {self.epoch}")
+        return _recv_ready(self._dealer, _TO_RANK, f"rank {self.rank} epoch {self.epoch}")
 
     def send_outputs(self, outputs: Sequence[TokenOutput]) -> None:
         """Publish one committed step's tokens, tagged with this rank and epoch.
@@ -368,7 +281,7 @@ class WorkerChannel:
         """
         if not outputs:
             return
-        self._push_msg(OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
+        self._push_msg(m.OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int) -> None:
         """Publish this rank's counters (:class:`RankStats`).
@@ -376,21 +289,21 @@ class WorkerChannel:
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
         """
-        self._push_msg(RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays))
+        self._push_msg(m.RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays))
 
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""
-        self._push_msg(RequestError(rank=self.rank, request_id=request_id, message=message))
+        self._push_msg(m.RequestError(rank=self.rank, request_id=request_id, message=message))
 
     def send_step_failed(self, request_ids: Sequence[str], message: str) -> None:
         """Tell the front-end that a step holding ``request_ids`` raised here (best
         effort: :meth:`close` gives it up to 1 s to leave before the rank exits)."""
-        self._push_msg(StepFailed(rank=self.rank, request_ids=tuple(request_ids),
-                                  message=message))
+        self._push_msg(m.StepFailed(rank=self.rank, request_ids=tuple(request_ids),
+                                    message=message))
 
-    def _push_msg(self, msg: WorkerMessage) -> None:
+    def _push_msg(self, msg: m.WorkerMessage) -> None:
         try:
-            self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self._push.send(wire.encode_json(msg))
         except zmq.Again as exc:
             raise FrontendUnreachableError(
                 f"rank {self.rank} epoch {self.epoch}: output queue full") from exc

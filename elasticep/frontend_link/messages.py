@@ -1,0 +1,109 @@
+"""The messages between the HTTP front-end and the worker ranks (besides the request
+messages of `elasticep.engine.request`), the worker's addresses, and who may be routed to.
+
+Every message is an :class:`elasticep.wire.Message`: one JSON object, whose fields are
+checked against their annotations when it is read (the control messages' convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.membership.transitions import SlotState
+from elasticep.wire import Message
+
+# Messages the front-end sends to one rank.
+RankMessage = GenerateRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class WorkerHello(Message, tag="hello"):
+    """A worker rank announces itself (at start, after a relaunch, or a new epoch).
+
+    Attributes:
+        max_total_tokens: its KV-cache capacity in tokens (None: not reported).
+        max_running_requests: the most requests it runs at once; the front-end routes
+            no more to it (None: no limit reported).
+        moe_a2a_backend: the MoE transport it runs (``cuda_ipc`` / ``all_to_all``;
+            None: not reported).
+    """
+
+    rank: int
+    epoch: int
+    pid: int
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    moe_a2a_backend: str | None = None
+
+
+def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) -> bool:
+    """Whether requests may be sent to a rank (pure): membership says ``healthy`` and its
+    worker said hello with the pid membership reports (``pid`` None: membership knows
+    no pid), so a request never goes to a dead predecessor of the slot."""
+    return (state == SlotState.HEALTHY and hello is not None
+            and (pid is None or hello.pid == pid))
+
+
+@dataclass(frozen=True)
+class OutputBatch(Message, tag="outputs"):
+    """Tokens of one committed step of one rank, published in index order per request."""
+
+    rank: int
+    epoch: int
+    outputs: tuple[TokenOutput, ...]
+
+
+@dataclass(frozen=True)
+class RequestError(Message, tag="request_error"):
+    """A rank refused or failed one request (for example: it does not fit the KV cache)."""
+
+    rank: int
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class StepFailed(Message, tag="step_failed"):
+    """A rank's step raised (not a membership change) and the rank is exiting.
+
+    ``request_ids`` were in that step; the front-end counts it against each of them,
+    so a request that crashed ranks twice is failed instead of resubmitted again.
+    """
+
+    rank: int
+    request_ids: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class RankStats(Message, tag="rank_stats"):
+    """A rank's running counters, sent with each of its throughput lines (every
+    ``--log-stats-interval`` seconds) for ``/metrics``.
+
+    Attributes:
+        rank, epoch: the sender and its epoch.
+        steps: committed steps since the rank started.
+        graph_captures: complete decode CUDA graph captures since start (start-up
+            included; a re-capture after a membership change adds one), or -1 where
+            the rank runs no graphs.
+        graph_replays: decode steps replayed from a graph since start (-1: no graphs).
+    """
+
+    rank: int
+    epoch: int
+    steps: int
+    graph_captures: int
+    graph_replays: int
+
+
+# Messages a worker sends to the front-end.
+WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed | RankStats
+
+
+@dataclass(frozen=True)
+class IpcEndpoints:
+    """The two addresses a worker connects to, e.g. ``tcp://127.0.0.1:5555``."""
+
+    request_addr: str
+    output_addr: str
