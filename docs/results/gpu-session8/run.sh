@@ -7,15 +7,14 @@ set -u
 OUT=${OUT:-/tmp/out}
 BUDGET=${BUDGET:-585}
 STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,sweep,failover}
-left() { echo $((BUDGET - SECONDS)); }
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
-step() {  # step NAME SECONDS_WANTED COMMAND...
-    local name=$1 want=$2; shift 2
-    local t=$(left)
-    if [ "$t" -lt 20 ]; then echo "SKIPPED $name ($t s left)" >&2; return; fi
-    [ "$want" -lt "$t" ] && t=$want
-    echo "== $name (limit $t s, at ${SECONDS}s)" >&2
-    timeout "$t" "$@"
+step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
+    local name=$1 limit=$((BUDGET - SECONDS))
+    (( $2 < limit )) && limit=$2
+    shift 2
+    if (( limit < 20 )); then echo "SKIPPED $name ($((BUDGET - SECONDS)) s left)" >&2; return; fi
+    echo "== $name (limit $limit s, at ${SECONDS}s)" >&2
+    timeout "$limit" "$@"
     echo "== $name rc=$? at ${SECONDS}s" >&2
 }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -33,7 +32,7 @@ if want gpu_tests; then
 fi
 
 if want engine_profile; then
-    step engine_profile 90 python3 bench/scale.py --only profile --profile-batch ${PROFILE_B:-1,64} \
+    step engine_profile 90 python3 -m bench.scale --only profile --profile-batch ${PROFILE_B:-1,64} \
         --cuda-graph on --prompt-len 256 --decode-tokens 64 --workdir /tmp/scale \
         > "$OUT/engine_profile.jsonl" 2> /tmp/engine_profile.err
     tail -3 /tmp/engine_profile.err
@@ -76,7 +75,7 @@ for l in open('$OUT/sweep.jsonl'):
 fi
 
 if want prefill; then
-    step prefill ${PREFILL_S:-150} python3 bench/scale.py --only prefill --workdir /tmp/scale \
+    step prefill ${PREFILL_S:-150} python3 -m bench.scale --only prefill --workdir /tmp/scale \
         --prefill-lens ${PREFILL_LENS:-2048,8192} --prefill-budgets 8192 --prefill-warmup \
         > "$OUT/prefill.jsonl" 2> /tmp/prefill.err
     tail -3 /tmp/prefill.err | cut -c1-300
@@ -86,7 +85,7 @@ fi
 if want failover; then
     for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size
         IFS=: read -r name r ep <<< "$sc"
-        step "failover_${name}_r${r}_ep$ep" 100 python3 bench/failover.py --scenario $name \
+        step "failover_${name}_r${r}_ep$ep" 100 python3 -m bench.failover --scenario $name \
             --ep-size $ep --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
             --degraded-s 4 --after-s 4 --log-dir /tmp/fo_${name}_${r}_$ep \
             >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
