@@ -85,11 +85,8 @@ class ModelRunner:
             the capture failed: that is logged, and decode runs eagerly).
         """
         ex = executor_of(self.model)
-        if hasattr(ex, "token_buckets"):
-            ex.token_buckets = tuple(capture_buckets(max_batch))
-        refresh = getattr(ex, "refresh", None)
-        if callable(refresh):
-            refresh()
+        ex.token_buckets = tuple(capture_buckets(max_batch))
+        ex.refresh()
         if self.model.device.type != "cuda" or not graph_safe(self.model):
             return None
         graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.kv_cache.block_size,

@@ -289,6 +289,4 @@ def reload_expert(
     """
     with open_weights(model_dir, load_format, seed, model.config) as reader:
         load_expert_into_slot(reader, model.config, model.experts, layer, slot, logical_expert)
-    refresh = getattr(model.executor, "refresh", None)
-    if callable(refresh):
-        refresh()
+    model.executor.refresh()

@@ -14,6 +14,10 @@ executor that lacks a feature says so with the default value.
   forward (:func:`elasticep.elastic.step_loop.agreed_max_tokens`).
 * ``local_exchange()``: a context in which no peer is involved (warm-up steps,
   :mod:`elasticep.engine.prefill_warmup`); a no-op where nothing is exchanged.
+* ``token_buckets`` (tuple of int, or None): the decode CUDA graphs' batch sizes, set by
+  the model runner; an EP executor rounds its exchange up to them.
+* ``refresh()``: rebuild what the executor derives from its slots after they changed
+  (a no-op where nothing is derived).
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ class ExpertExecutor(Protocol):
     version: int
     uses_step_bound: bool
     step_max_tokens: int | None
+    token_buckets: tuple[int, ...] | None
 
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor: ...
 
     def local_exchange(self) -> contextlib.AbstractContextManager: ...
+
+    def refresh(self) -> None: ...
 
 
 class ExecutorDefaults:
@@ -50,6 +57,10 @@ class ExecutorDefaults:
     version = 0
     uses_step_bound = False
     step_max_tokens: int | None = None
+    token_buckets: tuple[int, ...] | None = None
+
+    def refresh(self) -> None:
+        """Nothing derived from the slots: nothing to rebuild."""
 
     @contextlib.contextmanager
     def local_exchange(self) -> Iterator[None]:
