@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
+
+from elasticep.wire import Message, ProtocolError, decode, encode_json
 
 
 class StrEnum(str, Enum):
@@ -104,32 +106,39 @@ def _enum(cls: type[Enum], value: object, field_name: str) -> Enum:
                          f"{value!r}") from None
 
 
-class _JsonConfig:
-    """``to_json`` / ``from_json`` of a config dataclass (modes as their strings)."""
+class _JsonConfig(Message):
+    """``to_json`` / ``from_json`` of a config dataclass: a message of the one wire
+    convention (:mod:`elasticep.wire`, modes as their strings), so a config handed to a
+    worker or published for the other nodes is decoded with the same field checks as
+    every other internal message."""
 
     def to_json(self) -> str:
         """Serialise (for the coordinator store, or a worker's command line)."""
-        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+        return encode_json(self).decode()
 
     @classmethod
     def from_json(cls, text: str):  # -> the subclass
-        """Parse what :meth:`to_json` wrote.
+        """Parse what :meth:`to_json` wrote (the type tag may be left out: the caller
+        names the class).
 
         Raises:
-            ValueError: not JSON, unknown/missing fields, or a value out of range.
+            ValueError: not JSON, unknown/missing fields, a value of the wrong type or out
+                of range (:class:`~elasticep.wire.ProtocolError` is one).
         """
         try:
-            return cls._from_dict(json.loads(text))
-        except (TypeError, KeyError, json.JSONDecodeError) as exc:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
             raise ValueError(f"bad {cls.__name__}: {exc}") from exc
-
-    @classmethod
-    def _from_dict(cls, d: dict):
-        return cls(**d)
+        if isinstance(d, dict):
+            d.setdefault("t", cls.TAG)
+        try:
+            return decode(d, {cls.TAG: [cls]}, cls.__name__)
+        except ProtocolError as exc:
+            raise ValueError(f"bad {cls.__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
-class DeploymentConfig(_JsonConfig):
+class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     """Settings every rank of a deployment shares.
 
     Attributes:
@@ -306,7 +315,7 @@ class DeploymentConfig(_JsonConfig):
 
 
 @dataclass(frozen=True)
-class WorkerConfig(_JsonConfig):
+class WorkerConfig(_JsonConfig, tag="worker_config"):
     """What one worker process needs: the shared config plus its identity.
 
     Attributes:
@@ -333,10 +342,6 @@ class WorkerConfig(_JsonConfig):
             except ValueError:
                 raise ValueError(f"unknown join mode {self.join_mode!r} (recover or "
                                  "scale)") from None
-
-    @classmethod
-    def _from_dict(cls, d: dict) -> WorkerConfig:
-        return cls(**(d | {"deployment": DeploymentConfig(**d["deployment"])}))
 
     def with_rank(self, rank: int) -> WorkerConfig:
         """Same config for another slot."""

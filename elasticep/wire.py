@@ -16,8 +16,9 @@ every step.
 
 Who uses it: the control messages (``membership/messages.py``: a family with its own
 registry of tags and a request ``id``) and the front-end/worker link
-(``frontend_link/messages.py`` and the request messages of ``engine/request.py``). It
-imports only the standard library, so every layer may.
+(``frontend_link/messages.py`` and the request messages of ``engine/request.py``), and
+the configs a worker is started with or a node fetches (``config.py``). It imports only
+the standard library, so every layer may, ``config`` included.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ def test_from_json_refuses_unknown_fields_and_bad_values():
         DeploymentConfig.from_json('{"model": "/m", "bogus": 1}')
     with pytest.raises(ValueError, match="--ep-size must be >= 1"):
         DeploymentConfig.from_json('{"model": "/m", "ep_size": 0}')
-    with pytest.raises(ValueError, match="unknown join mode 'later'"):
+    with pytest.raises(ValueError, match='bad WorkerConfig: worker_config.join_mode: expected '
+                       '.*JoinMode.*got "later"'):
         WorkerConfig.from_json(json.dumps({"deployment": {"model": "/m"}, "rank": 0,
                                            "coordinator": "h:1", "join_mode": "later"}))
 
@@ -115,20 +116,26 @@ def test_exit_codes_are_the_statuses_the_supervisor_reads():
 
 
 def test_the_config_module_sits_below_every_layer():
-    """elastic/ and deploy/ read elasticep.config: it may import nothing of elasticep (and
-    nothing heavy), or a layer below would import upward through it."""
+    """elastic/ and deploy/ read elasticep.config: it may import nothing of elasticep but
+    the wire convention (which imports only the standard library), and nothing heavy, or a
+    layer below would import upward through it."""
     import ast
     import sys
     from pathlib import Path
 
-    import elasticep.config as module
+    import elasticep.config as config
+    import elasticep.wire as wire
 
-    tree = ast.parse(Path(module.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
-    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+    def imports(module) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        names = {alias.name for node in ast.walk(tree)
+                 if isinstance(node, ast.Import) for alias in node.names}
+        return names | {node.module for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.module}
+
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    assert {n.split(".")[0] for n in imports(config) - {"elasticep.wire"}} <= stdlib
+    assert {n.split(".")[0] for n in imports(wire)} <= stdlib
 
 
 def test_stall_grace_follows_the_coordinator_timeout():

@@ -15,7 +15,7 @@ import elasticep
 
 # bottom first: each subpackage (or top-level module) may import only those before it
 LAYERS = (
-    "config", "wire", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
+    "wire", "config", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
     "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
 )
 
