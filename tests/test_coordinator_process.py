@@ -1,0 +1,135 @@
+"""The coordinator as a child process (`membership/process.py`, issue 30 item 2): it
+serves over its socket while its parent is paused, it dies with its parent, its own
+death is reported to the parent, and a planned stop goes through the lifeline.
+
+Every process here is started by the test (a parent helper, or the coordinator child of
+this pytest process) and killed by its pid only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from elasticep.membership import CoordinatorClient
+from elasticep.membership.process import CoordinatorProcess
+from elasticep.utils.procs import pid_alive
+from elasticep.utils.wait import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+# A parent that starts a coordinator child, prints "<pid> <address>", then waits.
+PARENT = textwrap.dedent("""
+    import sys, time
+    from elasticep.membership.process import CoordinatorProcess
+    c = CoordinatorProcess.start(hb_timeout_s=2.0)
+    print(c.pid, c.address, flush=True)
+    time.sleep(600)
+""")
+
+
+def _parent_with_coordinator() -> tuple[subprocess.Popen, int, str]:
+    """Start :data:`PARENT`; returns (it, the coordinator's pid, its address)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE,
+                              text=True)
+    line = parent.stdout.readline()  # bounded by the module's timeout
+    pid, address = line.split()
+    return parent, int(pid), address
+
+
+def _kill_if_alive(pid: int) -> None:
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_serves_begins_a_planned_stop_and_closes():
+    coord = CoordinatorProcess.start()
+    try:
+        assert coord.pid != os.getpid() and coord.exit_code() is None
+        client = CoordinatorClient(coord.address, timeout_s=10)
+        assert client.store_port == coord.store_port
+        assert client.status()["groups"] == {}
+        client.close()
+        assert coord.begin_stop()
+    finally:
+        coord.close()
+    assert not pid_alive(coord.pid)
+    assert coord.exit_code() is None  # closed on purpose: no unexpected exit
+    assert not coord.begin_stop()  # idempotent after close
+    coord.close()
+
+
+def test_its_death_is_reported_to_the_parent():
+    died: list[int] = []
+    event = threading.Event()
+
+    def on_exit(code: int) -> None:
+        died.append(code)
+        event.set()
+
+    coord = CoordinatorProcess.start(on_exit=on_exit)
+    try:
+        os.kill(coord.pid, signal.SIGKILL)
+        assert event.wait(10), "on_exit was not called"
+        assert died == [-signal.SIGKILL] and coord.exit_code() == -signal.SIGKILL
+    finally:
+        coord.close()
+
+
+def test_a_port_in_use_is_the_parents_own_error():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(OSError):
+            CoordinatorProcess.start(port=taken.getsockname()[1])
+
+
+def test_it_keeps_serving_while_its_parent_is_stopped():
+    """SIGSTOP of the parent (serve's front-end) for 3 s, longer than the heartbeat
+    timeout: the coordinator answers every call meanwhile, within a fraction of it."""
+    parent, pid, address = _parent_with_coordinator()
+    try:
+        client = CoordinatorClient(address, timeout_s=5)
+        os.kill(parent.pid, signal.SIGSTOP)
+        try:
+            worst = 0.0
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                client.status()
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.1)
+        finally:
+            os.kill(parent.pid, signal.SIGCONT)
+        client.close()
+        assert worst < 1.0, f"a call took {worst:.2f} s while the parent was stopped"
+        assert pid_alive(pid)
+    finally:
+        parent.kill()
+        parent.wait(10)
+        wait_until(lambda: not pid_alive(pid), 15, "the coordinator to exit with its parent")
+        _kill_if_alive(pid)
+
+
+@pytest.mark.parametrize("stop_first", [False, True], ids=["running", "stopped"])
+def test_it_does_not_outlive_its_parent(stop_first):
+    """SIGKILL of the parent (even while it is SIGSTOPped): the child's lifeline reaches
+    EOF and it exits; its listener goes with it."""
+    parent, pid, address = _parent_with_coordinator()
+    try:
+        if stop_first:
+            os.kill(parent.pid, signal.SIGSTOP)
+        parent.kill()
+        parent.wait(10)
+        wait_until(lambda: not pid_alive(pid), 15, "the coordinator to exit with its parent")
+        with pytest.raises(OSError):
+            CoordinatorClient(address, timeout_s=2)
+    finally:
+        _kill_if_alive(pid)
