@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from elasticep.entrypoints.serve_cmd import coordinator_exit_message
 from elasticep.membership import CoordinatorClient
 from elasticep.membership.process import CoordinatorProcess
 from elasticep.utils.procs import pid_alive
@@ -133,3 +134,8 @@ def test_it_does_not_outlive_its_parent(stop_first):
             CoordinatorClient(address, timeout_s=2)
     finally:
         _kill_if_alive(pid)
+
+
+def test_serves_error_line_names_the_pid_and_how_it_ended():
+    assert "(pid 77) was killed by signal 9;" in coordinator_exit_message(77, -9)
+    assert "(pid 77) exited with 1;" in coordinator_exit_message(77, 1)

@@ -65,9 +65,9 @@ class Deployment:
     """
 
     def __init__(self, address: str, config: DeploymentConfig, *, node: int = 0,
-                 coordinator: CoordinatorProcess | None = None, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None, new_session: bool = False,
-                 outlive: bool = False) -> None:
+                 coordinator: CoordinatorProcess | None = None,
+                 log_dir: str | Path | None = None, env: dict[str, str] | None = None,
+                 new_session: bool = False, outlive: bool = False) -> None:
         self.address = address
         self.config = config
         self.node = node
