@@ -139,3 +139,31 @@ def test_it_does_not_outlive_its_parent(stop_first):
 def test_serves_error_line_names_the_pid_and_how_it_ended():
     assert "(pid 77) was killed by signal 9;" in coordinator_exit_message(77, -9)
     assert "(pid 77) exited with 1;" in coordinator_exit_message(77, 1)
+
+
+def test_generate_ends_its_batch_when_the_coordinator_dies(tmp_path_factory):
+    """`generate --ep-size`'s driver: the coordinator process dies mid-batch; every
+    request ends with an error naming it, long before the batch's own timeout."""
+    from _ep_helpers import launch, prompts
+
+    from elasticep.engine.request import SamplingParams
+
+    driver = launch(tmp_path_factory, ep_size=2)
+    try:
+        pid = driver.deployment.coordinator.pid
+        seen = [0]
+
+        def on_event(_i, _ev):
+            seen[0] += 1
+            if seen[0] == 4:
+                os.kill(pid, signal.SIGKILL)
+
+        t0 = time.monotonic()
+        outs = driver.generate([list(p) for p in prompts()[:4]],
+                               SamplingParams(max_tokens=2000, ignore_eos=True),
+                               timeout_s=100, on_event=on_event)
+        assert time.monotonic() - t0 < 60
+        assert all(o.error and "coordinator process exited with -9" in o.error
+                   for o in outs), [o.error for o in outs]
+    finally:
+        driver.close()
