@@ -19,9 +19,10 @@ import time
 
 import pytest
 
+from elasticep.deploy.probe import reach_coordinator
 from elasticep.entrypoints.serve_cmd import coordinator_exit_message
 from elasticep.membership import CoordinatorClient
-from elasticep.membership.process import CoordinatorProcess
+from elasticep.membership.process import CoordinatorProcess, _bind
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 # A parent that starts a coordinator child, prints "<pid> <address>", then waits.
 PARENT = textwrap.dedent("""
     import sys, time
-    from elasticep.membership.process import CoordinatorProcess
+    from elasticep.membership.process import CoordinatorProcess, _bind
     c = CoordinatorProcess.start(hb_timeout_s=2.0)
     print(c.pid, c.address, flush=True)
     time.sleep(600)
@@ -84,6 +85,37 @@ def test_its_death_is_reported_to_the_parent():
         assert died == [-signal.SIGKILL] and coord.exit_code() == -signal.SIGKILL
     finally:
         coord.close()
+
+
+def test_a_node_that_probes_while_it_starts_finds_it():
+    """Another node (or `join`) probing the address while the child still starts:
+    refused connects (the parent bound the port, only the child listens, once it
+    serves) are retried, never taken for something that does not speak the protocol."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    found: list[bool] = []
+    probe = threading.Thread(target=lambda: found.append(
+        reach_coordinator(f"127.0.0.1:{port}", 60.0)))
+    probe.start()
+    coord = CoordinatorProcess.start(port=port)
+    try:
+        probe.join(60)
+        assert found == [True]
+    finally:
+        coord.close()
+
+
+def test_the_parents_socket_refuses_until_the_child_listens():
+    """What the probe above relies on even when the child takes longer than a probe's
+    handshake (a loaded host: the partition test's node 1 met that): the port the
+    parent binds refuses connects; it does not accept one that nobody answers."""
+    sock = _bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(sock.getsockname(), timeout=2).close()
+    finally:
+        sock.close()
 
 
 def test_a_port_in_use_is_the_parents_own_error():

@@ -14,7 +14,10 @@ control socket (``messages.py``), as it would to a coordinator on another host.
 
 How the child is made:
 - The parent binds the control socket and hands the child its file descriptor, so a
-  bind error is the parent's own ``OSError`` and the address is known at once.
+  bind error is the parent's own ``OSError`` and the address is known at once. Only
+  the child listens on it, once it serves: until then a connect is refused, as to a
+  coordinator not up yet, so that other nodes and `join` retry instead of taking a
+  connection that never answers for something that does not speak the protocol.
 - The child is a fresh interpreter (``python -m elasticep.membership.process``, what
   multiprocessing's ``spawn`` does): never a plain fork of a process whose threads may
   hold locks.
@@ -139,7 +142,7 @@ class CoordinatorProcess:
                 served (its own error is on this process's stderr, which it shares).
             TimeoutError: it did not serve within ``ready_timeout_s``.
         """
-        listener = socket.create_server((host, port))
+        listener = _bind(host, port)
         address = f"{host}:{listener.getsockname()[1]}"
         cmd = [sys.executable, "-m", MODULE, "--host", host,
                "--listen-fd", str(listener.fileno()), "--parent-pid", str(os.getpid()),
@@ -214,6 +217,23 @@ class CoordinatorProcess:
                   "is lost", self._proc.pid, code)
         if self._on_exit is not None:
             self._on_exit(code)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port) but not listening, as
+    ``socket.create_server`` would bind it (IPv4, ``SO_REUSEADDR``).
+
+    Raises:
+        OSError: the address is in use or not local.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _end(proc: subprocess.Popen, timeout_s: float) -> None:

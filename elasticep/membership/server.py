@@ -40,9 +40,10 @@ class Coordinator:
         hb_interval_s: heartbeat period ranks are told to use (seconds).
         hb_timeout_s: an active rank silent this long is evicted (seconds).
         join_hb_timeout_s: the same for joining/ready ranks that are loading weights.
-        listener: a socket already bound and listening on ``host`` to accept on instead
-            of binding ``port`` (the parent of a coordinator process binds it, so that a
-            bind error is its own and the address is known before the child is up).
+        listener: a socket already bound on ``host`` to listen and accept on instead of
+            binding ``port`` (the parent of a coordinator process binds it, so that a
+            bind error is its own and the address is known before the child is up; it
+            listens only from here on, so nobody is accepted before the service runs).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
@@ -51,7 +52,11 @@ class Coordinator:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
-        self._lsock = listener if listener is not None else socket.create_server((host, port))
+        if listener is None:
+            listener = socket.create_server((host, port))
+        else:
+            listener.listen()  # connects were refused until now (see the argument)
+        self._lsock = listener
         self.address = f"{host}:{self._lsock.getsockname()[1]}"
         self._lock = threading.RLock()
         self._conns: dict[int, Connection] = {}
