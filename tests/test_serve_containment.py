@@ -7,7 +7,8 @@ again). The request crashes its rank, is retried once on the other, crashes that
 too and then fails with a 500 naming both ranks; the relaunched ranks get nothing back,
 the deployment comes back whole and serves the fault-free text.
 
-Then a SIGSTOP of serve for 1, 5 or 20 s costs no request and no rank, and Ctrl-C of serve while
+Then a SIGSTOP of serve for 1, 5 or 20 s costs no request and no rank (its coordinator, a
+child process, heartbeats on meanwhile), and Ctrl-C of serve while
 streams are open ends them, after the grace period, with an error event saying why, not
 with a cut connection.
 """
@@ -22,7 +23,9 @@ import openai
 import pytest
 from _serve_fixtures import MAX_TOKENS, PROMPTS, burst, start_serve, stream
 
+from elasticep.membership import CoordinatorClient
 from elasticep.membership.transitions import SlotState
+from elasticep.utils.procs import pid_alive
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -62,34 +65,68 @@ def test_poison_fails_after_one_retry_and_the_deployment_recovers(serve):
     assert "request aborted" not in serve.tail(1 << 20)
 
 
+# What a rank logs when its coordinator falls silent (distributed/control.py), and what
+# the coordinator logs when it did not run itself (membership/service.py).
+RANK_SAW_SILENCE = "coordinator silent for"
+COORDINATOR_STALLED = "coordinator: stalled for"
+
+
+def _silence_lines(serve) -> int:
+    """How many times a rank saw its coordinator silent, or the coordinator itself
+    stalled, so far."""
+    return (sum(serve.rank_log(r).count(RANK_SAW_SILENCE) for r in range(2))
+            + serve.tail(1 << 22).count(COORDINATOR_STALLED))
+
+
 @pytest.mark.parametrize("stall_s", [1.0, 5.0, 20.0])
 def test_a_stall_of_serve_costs_no_request_and_no_rank(serve, stall_s):
-    """SIGSTOP of serve (coordinator and front-end) mid-stream for 1, 5 and 20 s (the
-    heartbeat timeout is 2 s): beyond it every rank used to exit. Now the ranks wait for
-    the coordinator (its host still acknowledges), every stream ends with its fault-free
-    text, and the same rank processes serve on in the same epoch."""
+    """SIGSTOP of serve (the front-end) mid-stream for 1, 5 and 20 s (the heartbeat
+    timeout is 2 s): with the coordinator inside serve every rank used to exit. The
+    coordinator is serve's child process now, so it keeps heartbeating meanwhile: it
+    answers calls within a fraction of the timeout, no rank sees it silent and it never
+    stalls itself. After SIGCONT every stream ends with its fault-free text, and the
+    same rank processes serve on in the same epoch."""
     reference = [r.text for r in burst(serve, PROMPTS[:4], MAX_TOKENS).results(120)]
     before = serve.status()
+    coordinator = serve.coordinator_pid()
+    assert coordinator not in (None, serve.proc.pid)
+    silences = _silence_lines(serve)
     b = burst(serve, PROMPTS[:4], MAX_TOKENS)
     assert b.wait_tokens(4 * 2, 60), f"only {b.tokens()} tokens arrived"
+    client = CoordinatorClient(serve.coordinator, timeout_s=10)
     os.kill(serve.proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(stall_s)
+        end, worst, during = time.monotonic() + stall_s, 0.0, []
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            during.append(client.deployment_status())
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.1)
     finally:
         os.kill(serve.proc.pid, signal.SIGCONT)
+        client.close()
+    print(f"stall {stall_s:g} s: {len(during)} coordinator calls during it, "
+          f"the slowest {worst * 1000:.1f} ms")
+    assert worst < 1.0, f"a coordinator call took {worst:.2f} s during the stall"
+    assert all(s.epoch == before.epoch and _all_healthy(s) for s in during)
     records = b.results(120)
     assert [r.error for r in records] == [None] * 4
     assert [r.text for r in records] == reference
     after = serve.status()
     assert after.epoch == before.epoch and after.pids() == before.pids()
     assert _all_healthy(after)
+    assert serve.coordinator_pid() == coordinator
+    assert _silence_lines(serve) == silences, "a rank saw its coordinator silent"
 
 
 def test_ctrl_c_ends_open_streams_with_an_error_event(serve):
-    """Runs last: it stops the module's deployment."""
+    """Runs last: it stops the module's deployment, its coordinator process included."""
+    coordinator = serve.coordinator_pid()
+    assert coordinator is not None
     b = burst(serve, PROMPTS[:3], 900)  # far longer than the 5 s grace on 2 cores
     assert b.wait_tokens(3 * 4, 60), f"only {b.tokens()} tokens arrived"
     assert serve.interrupt(timeout_s=60) == 130
+    assert not pid_alive(coordinator), "the coordinator outlived serve's Ctrl-C"
     records = b.results(30)
     assert all(r.error is not None and "the server is shutting down" in r.error
                for r in records), [r.error for r in records]

@@ -12,8 +12,10 @@
 
     dep = Deployment.attach("10.0.0.1:29400", node=1)   # serve --node-rank 1, join
 
-Node 0 (:meth:`Deployment.start`) runs the coordinator on threads of this process,
-outside every worker, so any rank (rank 0 included) may die. Every node's ranks are
+Node 0 (:meth:`Deployment.start`) runs the coordinator as a child process
+(:class:`~elasticep.membership.process.CoordinatorProcess`): outside every worker, so
+any rank (rank 0 included) may die, and outside this process, so that no stall of the
+front-end beside it can starve heartbeats. Every node's ranks are
 fresh interpreters started and watched by :class:`~elasticep.deploy.launcher.RankLauncher`,
 which reports each death to the coordinator at once. The coordinator owns the membership
 (target size, scale phase, slot states, launch records); this class only acts on it.
@@ -33,7 +35,7 @@ from elasticep.config import Backend, DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
 from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
 from elasticep.frontend_link import WorkerHello
-from elasticep.membership import Coordinator, start_coordinator
+from elasticep.membership.process import CoordinatorProcess
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import ACTIVE_STATES, SlotState
 from elasticep.utils.procs import kill_pids, pid_alive
@@ -53,7 +55,7 @@ class Deployment:
         address: the coordinator's ``"host:port"``.
         config: the deployment's shared settings.
         node: this machine's node index.
-        coordinator: the coordinator this process runs (node 0), stopped with it.
+        coordinator: the coordinator process this one started (node 0), stopped with it.
         log_dir: worker ``r``'s output goes to ``log_dir/rank<r>.log``; None: stderr.
         env: extra environment for the workers.
         new_session: start each worker in its own session, so a terminal's Ctrl-C reaches
@@ -63,9 +65,9 @@ class Deployment:
     """
 
     def __init__(self, address: str, config: DeploymentConfig, *, node: int = 0,
-                 coordinator: Coordinator | None = None, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None, new_session: bool = False,
-                 outlive: bool = False) -> None:
+                 coordinator: CoordinatorProcess | None = None,
+                 log_dir: str | Path | None = None, env: dict[str, str] | None = None,
+                 new_session: bool = False, outlive: bool = False) -> None:
         self.address = address
         self.config = config
         self.node = node
@@ -79,7 +81,9 @@ class Deployment:
     @classmethod
     def start(cls, config: DeploymentConfig, *, host: str = "127.0.0.1", port: int = 0,
               hb_interval_s: float = 0.2, ranks: list[int] | None = None,
-              fault: str | None = None, **kwargs: Any) -> Deployment:
+              fault: str | None = None,
+              on_coordinator_exit: Callable[[int], None] | None = None,
+              **kwargs: Any) -> Deployment:
         """Node 0: start the coordinator, publish the settings and launch ``ranks``
         (default ``0..ep_size-1``). Returns at once; see :meth:`wait_healthy`.
 
@@ -91,15 +95,20 @@ class Deployment:
             hb_interval_s: heartbeat period (seconds).
             ranks: the ranks this node launches.
             fault: fault-injection spec of the launch cohort (never of a relaunch).
+            on_coordinator_exit: called with the coordinator process's exit status if it
+                dies before :meth:`stop` (from a watcher thread): the deployment cannot
+                go on without it, so the owner should stop.
             **kwargs: ``log_dir``, ``env``, ``new_session`` (see the class).
 
         Raises:
-            OSError: the coordinator cannot bind ``host:port``.
+            OSError: the coordinator cannot bind ``host:port``, or its process failed.
+            TimeoutError: its process did not come up.
         """
-        coordinator = start_coordinator(host, port, hb_interval_s=hb_interval_s,
-                                        hb_timeout_s=config.heartbeat_timeout_s)
+        coordinator = CoordinatorProcess.start(host, port, hb_interval_s=hb_interval_s,
+                                               hb_timeout_s=config.heartbeat_timeout_s,
+                                               on_exit=on_coordinator_exit)
         try:
-            config = replace(config, store_addr=f"{host}:{coordinator.store.port}")
+            config = replace(config, store_addr=f"{host}:{coordinator.store_port}")
             publish_config(coordinator.address, config)
             dep = cls(coordinator.address, config, coordinator=coordinator, **kwargs)
         except BaseException:

@@ -80,14 +80,25 @@ class BatchDriver:
         channel = FrontendChannel(host="127.0.0.1")
         config = replace(config, frontend_request_addr=channel.endpoints.request_addr,
                          frontend_output_addr=channel.endpoints.output_addr)
+        drivers: list[BatchDriver] = []  # the one built below, once it exists
+
+        def coordinator_died(code: int) -> None:
+            # its watcher thread: the ranks cannot go on without it, so end the batch now
+            # with that reason instead of at the batch's timeout
+            for d in drivers:
+                d.frontend.fail_all(f"the coordinator process exited with {code}; the "
+                                    "deployment's membership died with it")
+
         try:
-            dep = Deployment.start(config, fault=fault, env=env, log_dir=log_dir)
+            dep = Deployment.start(config, fault=fault, env=env, log_dir=log_dir,
+                                   on_coordinator_exit=coordinator_died)
         except BaseException:
             channel.close()
             raise
         try:
             dep.wait_healthy(timeout_s=ready_timeout_s)
             driver = cls(dep, channel, decode)
+            drivers.append(driver)
             driver.wait_routable(range(config.ep_size), ready_timeout_s)
         except BaseException:
             dep.stop()

@@ -1,11 +1,12 @@
 """`elasticep serve`: one command that starts a whole elastic EP deployment.
 
-Node 0 (the default) runs, in this process, the coordinator (membership, rendezvous
-store) and the HTTP front-end (OpenAI API), and launches its share of worker ranks as
-child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT) only launch
-their ranks against node 0's coordinator. A progress bar shows ranks loading; then one
+Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process, the
+coordinator (membership, rendezvous store) in a child process of its own, and its share
+of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
+only launch their ranks against node 0's coordinator. A progress bar shows ranks loading; then one
 "ready" line with the URL goes to stdout. Ctrl-C / SIGTERM stops every process this
-command started; workers also die with it through PR_SET_PDEATHSIG.
+command started; workers also die with it through PR_SET_PDEATHSIG, and the coordinator
+when its lifeline pipe from this process closes.
 """
 
 from __future__ import annotations
@@ -112,13 +113,20 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
     deployment = server = frontend = None
+    died: list[int] = []  # the coordinator process's exit status, if it died
+
+    def coordinator_died(code: int) -> None:  # its watcher thread: stop everything
+        died.append(code)
+        stop.set()
+
     try:
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
         try:  # the local ranks first: they load while the front-end starts
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
-                ranks=settings.local_ranks, log_dir=log_dir, new_session=True, fault=fault)
+                ranks=settings.local_ranks, log_dir=log_dir, new_session=True, fault=fault,
+                on_coordinator_exit=coordinator_died)
         except OSError as exc:
             raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
                           f"{exc.strerror or exc}") from exc
@@ -139,13 +147,15 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
                           f"{exc.strerror or exc}") from exc
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
-            return stop.exit_status() or 1
+            return _coordinator_died(deployment, died) or stop.exit_status() or 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
         exits = supervise(deployment, stop, Policy(on_exit_for(
             settings.restart_failed_ranks, deployment.fault_tolerant)))
+        if died:
+            return _coordinator_died(deployment, died)
         if fatal and exits:
             ex = exits[-1]
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
@@ -155,12 +165,32 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
         if frontend is not None:  # open streams end with an error event, not a cut
-            frontend.shut_down("the server is shutting down", STREAM_GRACE_S)
+            frontend.shut_down("the server is shutting down" + (
+                " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
         if server is not None:
             server.stop()
         if deployment is not None:
             deployment.stop()
         channel.close()
+
+
+def coordinator_exit_message(pid: int, code: int) -> str:
+    """serve's error when its coordinator process died (pure). It is not restarted: the
+    membership it held (epochs, slot states, the rendezvous store) died with it, and a
+    fresh one could not take the running ranks back."""
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+    return (f"elasticep serve: error: the coordinator process (pid {pid}) {how}; the "
+            "deployment's membership died with it, so serve stops every rank (its last "
+            "log lines are above)")
+
+
+def _coordinator_died(deployment: Deployment, died: list[int]) -> int:
+    """If the coordinator process died: say so on stderr and return serve's status, 1;
+    else 0."""
+    if not died:
+        return 0
+    print(coordinator_exit_message(deployment.coordinator.pid, died[0]), file=sys.stderr)
+    return 1
 
 
 def loading_exit_message(rank: int, code: int, log_tail: str) -> str:

@@ -11,6 +11,8 @@ Layout:
   ``dispatch`` binds each handler to the request type it names.
 - ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
+- ``process`` — `CoordinatorProcess`: the server as a child process of `serve` and
+  `generate` (its own GIL; a lifeline pipe stops it, and it dies with its parent).
 - ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
 - ``errors`` — the typed errors of membership events and refusals.

@@ -6,8 +6,10 @@ death within milliseconds), runs the heartbeat clock (a frozen rank is evicted a
 sends the messages it returns, all under one lock so that every connection sees
 the service's messages in the order it produced them.
 
-Start it with `start_coordinator()` (in-process threads; fine for tests and the launcher)
-or as its own process: ``python -m elasticep.membership.server --host H --port P``.
+Start it with `start_coordinator()` (in-process threads; fine for tests), as the child
+process `serve` and `generate` run (``process.CoordinatorProcess``, so that no stall of
+theirs starves heartbeats), or standalone: ``python -m elasticep.membership.server
+--host H --port P``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,23 @@ class Coordinator:
         hb_interval_s: heartbeat period ranks are told to use (seconds).
         hb_timeout_s: an active rank silent this long is evicted (seconds).
         join_hb_timeout_s: the same for joining/ready ranks that are loading weights.
+        listener: a socket already bound on ``host`` to listen and accept on instead of
+            binding ``port`` (the parent of a coordinator process binds it, so that a
+            bind error is its own and the address is known before the child is up; it
+            listens only from here on, so nobody is accepted before the service runs).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
-                 hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0) -> None:
+                 hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0,
+                 listener: socket.socket | None = None) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
-        self._lsock = socket.create_server((host, port))
+        if listener is None:
+            listener = socket.create_server((host, port))
+        else:
+            listener.listen()  # connects were refused until now (see the argument)
+        self._lsock = listener
         self.address = f"{host}:{self._lsock.getsockname()[1]}"
         self._lock = threading.RLock()
         self._conns: dict[int, Connection] = {}

@@ -308,6 +308,29 @@ class ServeProcess:
         self.seen_pids |= found
         return found
 
+    def coordinator_pid(self) -> int | None:
+        """The pid of serve's coordinator process (a child of serve running
+        ``elasticep.membership.process``), or None if none runs; remembered in
+        :attr:`seen_pids`."""
+        for pid in sorted(descendant_pids(self.proc.pid)):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue  # exited while we looked
+            if b"elasticep.membership.process" in argv:
+                self.seen_pids.add(pid)
+                return pid
+        return None
+
+    def rank_log(self, rank: int) -> str:
+        """What worker ``rank`` logged so far (every process of the slot appends to
+        ``rank<r>.log`` next to serve.log); "" if nothing yet."""
+        try:
+            return (self.log_path.parent / f"rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
     def tail(self, n_chars: int = 4000) -> str:
         """The end of serve's log."""
         try:
