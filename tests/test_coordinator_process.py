@@ -176,9 +176,8 @@ def test_serves_error_line_names_the_pid_and_how_it_ended():
 def test_generate_ends_its_batch_when_the_coordinator_dies(tmp_path_factory):
     """`generate --ep-size`'s driver: the coordinator process dies mid-batch; every
     request ends with an error naming it, long before the batch's own timeout."""
-    from _ep_helpers import launch, prompts
-
     from elasticep.engine.request import SamplingParams
+    from elasticep_testkit.ep import launch, prompts
 
     driver = launch(tmp_path_factory, ep_size=2)
     try:
