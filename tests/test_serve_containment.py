@@ -62,13 +62,21 @@ def test_poison_fails_after_one_retry_and_the_deployment_recovers(serve):
     assert "request aborted" not in serve.tail(1 << 20)
 
 
+@pytest.fixture(scope="module")
+def stall_reference(serve) -> list[str]:
+    """The fault-free texts of the stall tests' burst, computed once for the three."""
+    records = burst(serve, PROMPTS[:4], MAX_TOKENS).results(120)
+    assert [r.error for r in records] == [None] * 4
+    return [r.text for r in records]
+
+
 @pytest.mark.parametrize("stall_s", [1.0, 5.0, 20.0])
-def test_a_stall_of_serve_costs_no_request_and_no_rank(serve, stall_s):
+def test_a_stall_of_serve_costs_no_request_and_no_rank(serve, stall_reference, stall_s):
     """SIGSTOP of serve (coordinator and front-end) mid-stream for 1, 5 and 20 s (the
     heartbeat timeout is 2 s): beyond it every rank used to exit. Now the ranks wait for
     the coordinator (its host still acknowledges), every stream ends with its fault-free
     text, and the same rank processes serve on in the same epoch."""
-    reference = [r.text for r in burst(serve, PROMPTS[:4], MAX_TOKENS).results(120)]
+    reference = stall_reference
     before = serve.status()
     b = burst(serve, PROMPTS[:4], MAX_TOKENS)
     assert b.wait_tokens(4 * 2, 60), f"only {b.tokens()} tokens arrived"
