@@ -358,9 +358,10 @@ def p2p_async(rank, addr, ws, mws, ext, q):
     q.put((rank, "dead", (dead, float(got))))
 
 
-def rooted_ops(rank, addr, ws, mws, ext, q):
+def rooted_ops(rank, addr, ws, mws, ext, q, root_late_s=0.0):
     """gather / scatter / reduce to root 1 on a group with a hole (capacity mws > ws).
-    Reports ("rooted", (gathered or None, scattered, reduced))."""
+    Reports ("rooted", (gathered or None, scattered, reduced)). ``root_late_s``: the
+    root marks its reduce completed that late (the others are done by then)."""
     _init(rank, addr, ws, mws, ext)
     t = torch.tensor([rank + 1.0, -rank])
     outs = [torch.full((2,), -9.0) for _ in range(mws)] if rank == 1 else None
@@ -369,7 +370,14 @@ def rooted_ops(rank, addr, ws, mws, ext, q):
     parts = [torch.tensor([10 * s, 10 * s + 1], dtype=torch.int32) for s in range(mws)]
     dist.scatter(piece, parts if rank == 1 else None, src=1)
     red = torch.tensor([float(rank + 1)])
+    if rank == 1:
+        ed.api._gs(None)._test_hold_s = root_late_s
     dist.reduce(red, dst=1, op=dist.ReduceOp.MAX)
+    # Each worker exits once it has reported, and the coordinator takes an exit for a
+    # death: a peer that had not yet marked the reduce completed (a root slow under
+    # load) would redo it over the survivors (on_failure="complete") and get the MAX of
+    # fewer ranks. Nobody leaves this barrier before every rank completed the reduce.
+    dist.barrier()
     q.put((rank, "rooted", ([o.tolist() for o in outs] if outs else None, piece.tolist(),
                             float(red))))
 
@@ -391,6 +399,8 @@ def reinit_world(rank, addr, ws, mws, ext, q):
         t = torch.tensor([rank + 1.0])
         dist.all_reduce(t)
         sums.append(float(t))
+        if len(sums) == 2:  # before the exit (a death): as in rooted_ops
+            dist.barrier()
         dist.destroy_process_group()
     q.put((rank, "sums", tuple(sums)))
 
