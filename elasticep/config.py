@@ -269,6 +269,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
              "--coordinator-timeout must be a finite number of seconds > 0"),
             (self.elastic_ep_backend == Backend.ELASTIC or self.max_ep_size == self.ep_size,
              "--elastic-ep-backend none cannot scale: drop --max-ep-size"),
+            (self.elastic_ep_backend == Backend.ELASTIC or self.min_ep_size in (None, self.ep_size),
+             "--elastic-ep-backend none cannot survive a failure, so it reserves no expert "
+             "slots: drop --min-ep-size"),
             (self.moe_a2a_backend != A2ABackend.CUDA_IPC
              or (self.device == "cuda" and self.nnodes == 1 and self.chunked_prefill_size != -1),
              "--moe-a2a-backend cuda_ipc needs --device cuda, --nnodes 1 and chunked prefill "

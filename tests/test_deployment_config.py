@@ -47,6 +47,9 @@ def test_json_round_trip_keeps_modes_as_enums_and_strings():
     ({"ep_size": 2, "max_ep_size": 2, "min_ep_size": 3},
      r"--min-ep-size must be in \[1, --ep-size \(2\)\], got 3"),
     ({"min_ep_size": 0}, r"--min-ep-size must be in \[1, --ep-size \(1\)\], got 0"),
+    ({"elastic_ep_backend": "none", "ep_size": 2, "max_ep_size": 2, "min_ep_size": 1},
+     "--elastic-ep-backend none cannot survive a failure, so it reserves no expert slots: "
+     "drop --min-ep-size"),
     ({"max_total_tokens": 8}, "--max-total-tokens must be >= 16"),
     ({"heartbeat_timeout_s": float("inf")}, "--heartbeat-timeout must be a finite"),
     ({"log_stats_interval_s": -1.0}, "--log-stats-interval must be a finite"),

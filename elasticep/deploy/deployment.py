@@ -24,7 +24,9 @@ The ``elastic`` / ``none`` difference is :meth:`membership`'s choice, made once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import subprocess
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
@@ -312,7 +314,20 @@ class Deployment:
             except (ConnectionError, TimeoutError, OSError, ValueError, KeyError) as exc:
                 logger.warning("node %d: cannot tell which ranks are members (%s); "
                                "stopping them all", self.node, exc)
+            # A member clears its parent-death signal just after it sees itself admitted;
+            # exiting before that would take it down with us (the kernel's signal).
+            try:
+                wait_until(lambda: all(self.launcher.outlived(r) for r in kept), timeout_s,
+                           "the kept ranks to stop dying with this process")
+            except TimeoutError:
+                late = [r for r in kept if not self.launcher.outlived(r)]
+                logger.warning("node %d: ranks %s did not confirm they outlive this "
+                               "process in %.0f s; they may stop with it", self.node, late,
+                               timeout_s)
         self.stop(timeout_s, keep=kept.values())
+        for r in kept:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.launcher.outlive_marker(r))
         return kept
 
     def handed_over(self) -> list[int]:

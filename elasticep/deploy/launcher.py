@@ -17,11 +17,13 @@ launch is recorded there (node, pid) for the status and for `join`'s checks.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from elasticep.config import DeploymentConfig, WorkerConfig
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.membership.client import CoordinatorClient, ReconnectingClient
 from elasticep.membership.status import DeploymentStatus
-from elasticep.utils.procs import OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
+from elasticep.utils.procs import OUTLIVE_MARKER_ENV, OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 
 T = TypeVar("T")
@@ -131,6 +133,16 @@ class RankLauncher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
 
+    def outlive_marker(self, rank: int) -> str:
+        """The file ``rank``'s worker creates once it no longer dies with this launcher
+        (:func:`elasticep.utils.procs.outlive_parent`)."""
+        return os.path.join(tempfile.gettempdir(),
+                            f"elasticep-outlive-{os.getpid()}-r{rank}")
+
+    def outlived(self, rank: int) -> bool:
+        """True once ``rank``'s worker cleared its parent-death signal."""
+        return os.path.exists(self.outlive_marker(rank))
+
     # ------------------------------------------------------------------ records
     def _record(self, what: str, rank: int,
                 request: Callable[[CoordinatorClient], None]) -> None:
@@ -153,6 +165,10 @@ class RankLauncher:
         cmd = [sys.executable, "-m", WORKER_MODULE, "--config-json", wc.to_json()]
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid()),
                OUTLIVE_PARENT_ENV: "1" if self.outlive else "0"}
+        if self.outlive:
+            env[OUTLIVE_MARKER_ENV] = self.outlive_marker(rank)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(env[OUTLIVE_MARKER_ENV])  # a stale one of an earlier worker
         if fault is None:
             env.pop("ELASTICEP_FAULT", None)
         log = None

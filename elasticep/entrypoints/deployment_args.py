@@ -82,8 +82,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     _add(m, "--skip-server-warmup", "be ready without first running dummy prefill steps of "
          "every shape bucket up to the step budget (CUDA only; they keep kernel compilation "
          "off the request path)", action="store_true")
-    _add(m, "--device", "where weights and compute live (cuda: one GPU per rank; the expert "
-         "exchange runs over NCCL, control traffic over Gloo)", choices=DEVICES)
+    _add(m, "--device", "where weights and compute live (cuda: rank r on GPU r mod the GPU "
+         "count; the expert exchange as --moe-a2a-backend picks, control traffic over Gloo)",
+         choices=DEVICES)
     k = p.add_argument_group("memory and scheduling (per rank; SGLang's names)")
     _add(k, "--max-total-tokens", "KV-cache capacity per rank, in tokens; overrides "
          "--mem-fraction-static (default: sized from GPU memory on CUDA, "
@@ -115,8 +116,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "failures: each rank reserves ceil(experts / N) slots at launch, so the survivors "
          "of a death (or a scale-down) down to N ranks take in the orphaned experts without "
          "new tensors or a graph re-capture; below N the slots grow then. Costs expert "
-         "memory at launch, before the KV cache is sized (default: --ep-size minus 1, at "
-         "least 1; --ep-size reserves nothing)", type=int)
+         "memory at launch, before the KV cache is sized (default: one less than "
+         "--ep-size, at least 1; equal to --ep-size: no reserve)", type=int)
     _add(e, "--ep-num-redundant-experts", "extra physical expert slots (replicas) over all "
          "ranks", type=int)
     _add(e, "--ep-dispatch-algorithm", "replica choice: static = nearest, dynamic = spread",

@@ -19,6 +19,9 @@ PARENT_PID_ENV = "ELASTICEP_PARENT_PID"
 # Set ("1") by a launcher whose workers may outlive it once they are members (`join`
 # hands its admitted ranks over to the deployment): see :func:`outlive_parent`.
 OUTLIVE_PARENT_ENV = "ELASTICEP_OUTLIVE_LAUNCHER"
+# a file the worker creates once it no longer dies with its launcher (outlive_parent), so
+# a launcher about to exit can wait for it instead of killing a just-admitted member
+OUTLIVE_MARKER_ENV = "ELASTICEP_OUTLIVE_MARKER"
 
 
 def die_with_parent(expected_parent_pid: int | None = None, sig: int = signal.SIGKILL) -> None:
@@ -50,9 +53,16 @@ def outlive_parent() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0) == 0
+        cleared = libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0) == 0
     except OSError:
         return False
+    marker = os.environ.get(OUTLIVE_MARKER_ENV)
+    if cleared and marker:
+        try:
+            open(marker, "w").close()  # noqa: SIM115 - an empty file is the whole message
+        except OSError:
+            pass  # the launcher then stops waiting at its bound
+    return cleared
 
 
 def pid_alive(pid: int) -> bool:
