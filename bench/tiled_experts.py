@@ -2,7 +2,8 @@
 
 For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, 128 slots, bf16) and
 ``--rows`` (token, expert) rows routed at random (an 8192-token prefill step has 65,536),
-it times :func:`elasticep.moe.tiled_experts.swiglu_tiled` under several tiles and the
+it times :func:`elasticep.moe.tiled_experts.swiglu_tiled` under several tiles (and,
+as ``repeat``, at its default tile reading each token's row for its 8 pairs) and the
 sorted-rows kernels, and divides the SwiGLU FLOPs
 (``2 x N x 3 x H x I``) by the time, against an 8192^3 bf16 matmul measured in the same
 run. Prints one JSON line per (rows, variant). GPU only.
@@ -29,7 +30,12 @@ TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): gate/up, down
     "t128": ((128, 64, 64, 8, 3), (128, 128, 64, 8, 3)),
     "t128n128": ((128, 128, 64, 8, 3), (128, 128, 64, 8, 3)),
     "t64n128": ((64, 128, 64, 4, 3), (64, 128, 64, 4, 3)),
+    "t128s4": ((128, 128, 64, 8, 4), (128, 128, 64, 8, 4)),
+    "t128k128": ((128, 128, 128, 8, 3), (128, 128, 128, 8, 3)),
+    "t128dn256": ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3)),
+    "t64dn256": ((64, 128, 64, 4, 4), (64, 256, 64, 8, 3)),
 }
+TOP_K = 8  # the "repeat" variant: top-k pairs per token read their token's row in place
 
 
 def main() -> None:
@@ -51,10 +57,16 @@ def main() -> None:
         for name, (gu, dn) in TILES.items():
             variants[name] = (lambda r=rows, t=tags, gu=gu, dn=dn:
                               swiglu_tiled(w13, w2, r, t, gate_up_tile=gu, down_tile=dn))
+        tok = rows[::TOP_K]  # as the single-rank executor hands them over
+        ref_tok = grouped_swiglu(w13, w2, tok.repeat_interleave(TOP_K, 0), tags,
+                                 use_grouped=False).float()
+        variants["repeat"] = (lambda r=tok, t=tags:
+                              swiglu_tiled(w13, w2, r, t, row_repeat=TOP_K))
         flops = 2 * n * 3 * H * inter
         for name, fn in variants.items():
             try:
-                err = float((fn().float() - ref).norm() / ref.norm())
+                want = ref_tok if name == "repeat" else ref
+                err = float((fn().float() - want).norm() / want.norm())
                 ms = _time_cuda(fn, 10)
                 row = {"section": "tiled_experts", "rows": n, "experts": S, "variant": name,
                        "ms": round(ms, 3), "tflop_per_s": round(flops / ms / 1e9, 1),

@@ -273,3 +273,51 @@ def test_flash_prefill_with_kept_keys_equals_the_unfused_path(tmp_path, monkeypa
         caches.append(eng.runner.kv_cache.layers[0][0].clone())
     assert _rel(logits[0], logits[1]) < TOL[torch.bfloat16]
     assert _rel(caches[0], caches[1]) < TOL[torch.bfloat16]
+
+
+def test_equal_prompts_share_one_sdpa_call_and_match_one_call_each():
+    """Whole prompts of one length run as one batched SDPA call ([B, H, n, D] views of the
+    flat batch, v strided as the fused projection's slice is); each sequence's rows equal
+    those of attending that sequence alone (the per-sequence path), to bf16 rounding."""
+    from elasticep.models.layers import causal_prefill_attention
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, n, hq, hkv, D = 3, 1100, 8, 2, 128
+    T = B * n
+    q = torch.randn(T, hq, D, generator=g, device="cuda").bfloat16()
+    k = torch.randn(T, hkv, D, generator=g, device="cuda").bfloat16()
+    v_full = torch.randn(T, (hkv + 3) * D, generator=g, device="cuda").bfloat16()
+    v = v_full[:, 3 * D:].view(T, hkv, D)  # strided tokens
+    starts = [i * n for i in range(B + 1)]
+    got = causal_prefill_attention(q, k, v, starts, D**-0.5)
+    assert got.shape == (T, hq * D)
+    for i in range(B):
+        s, e = starts[i], starts[i + 1]
+        one = causal_prefill_attention(q[s:e], k[s:e], v[s:e], [0, n], D**-0.5)
+        assert _rel(got[s:e], one) < TOL[torch.bfloat16]
+    # and against the CPU reference (GQA by repeated heads)
+    ref = causal_prefill_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(),
+                                   starts, D**-0.5)
+    assert _rel(got.cpu(), ref) < TOL[torch.bfloat16]
+
+
+def test_tiled_experts_read_each_tokens_row_for_its_top_k_pairs():
+    """row_repeat = k: the tiled kernels read token t's row for pairs t*k .. t*k+k-1
+    (no [T*k, H] copy), at an 8192-token prefill's 65,536 pairs over 128 slots, against
+    the expanded rows through the per-slot loop; a stale output buffer is overwritten
+    everywhere, padding pairs with zeros."""
+    from elasticep.moe.tiled_experts import swiglu_tiled
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    T, k, S, H, inter = 8192, 8, 128, 2048, 768
+    w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).bfloat16()
+    w2 = (torch.randn(S, H, inter, generator=g, device="cuda") / inter**0.5).bfloat16()
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    tags = torch.randint(1, S + 1, (T * k,), generator=g, device="cuda")
+    tags[::97] = 0
+    ref = grouped_swiglu(w13, w2, x.repeat_interleave(k, 0), tags, use_grouped=False)
+    buf = torch.full((T * k, H), 3.0, dtype=torch.bfloat16, device="cuda")
+    got = swiglu_tiled(w13, w2, x, tags, out=buf, row_repeat=k)
+    assert bool((got[tags == 0] == 0).all())
+    assert _rel(got, ref) < TOL[torch.bfloat16] * 2
+    assert _rel(grouped_swiglu(w13, w2, x, tags, row_repeat=k), ref) < TOL[torch.bfloat16] * 2

@@ -15,7 +15,7 @@ def _interpreted_errors() -> dict[str, float]:
     from elasticep.models.fused_norm_rope import norm_rope, qkv_norm_rope_cache
 
     g = torch.Generator().manual_seed(4)
-    T, hq, hkv, D, slots = 5, 4, 2, 16, 12
+    T, hq, hkv, D, slots = 5, 9, 3, 16, 12  # 15 heads: two programs, the second masked
     qkv_full = torch.randn(T, (hq + 2 * hkv) * D + 8, generator=g)
     qkv = qkv_full[:, :(hq + 2 * hkv) * D]  # strided tokens
     wq, wk = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)

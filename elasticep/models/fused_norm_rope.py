@@ -59,20 +59,20 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
-                       D: tl.constexpr):
-        # one head's D values at src: RMSNorm (if HAS_NORM), then RoPE; returns both halves
+    def _norm_rope_rows(src, ok, wa, wb, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
+                        D: tl.constexpr):
+        # HEAD_BLOCK heads of one token, each D values at src[h] (a [HEAD_BLOCK, 1] pointer
+        # column; rows with ok False are not read): RMSNorm with the weight halves wa, wb
+        # ([HEAD_BLOCK, D/2] float32; if HAS_NORM), then RoPE; returns both halves
         half = D // 2
-        lo = tl.arange(0, D // 2)
-        a = tl.load(src + lo)
-        b = tl.load(src + half + lo)
+        lo = tl.arange(0, D // 2)[None, :]
+        a = tl.load(src + lo, mask=ok, other=0.0)
+        b = tl.load(src + half + lo, mask=ok, other=0.0)
         if HAS_NORM:
             af, bf = a.to(tl.float32), b.to(tl.float32)
-            rstd = tl.math.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
-            wa = tl.load(w_ptr + lo).to(tl.float32)
-            wb = tl.load(w_ptr + half + lo).to(tl.float32)
-            a = (wa * (af * rstd).to(a.dtype).to(tl.float32)).to(a.dtype)
-            b = (wb * (bf * rstd).to(b.dtype).to(tl.float32)).to(b.dtype)
+            rstd = tl.math.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)
+            a = (wa * (af * rstd[:, None]).to(a.dtype).to(tl.float32)).to(a.dtype)
+            b = (wb * (bf * rstd[:, None]).to(b.dtype).to(tl.float32)).to(b.dtype)
         ca = tl.load(cos_ptr + tok * D + lo).to(tl.float32)
         cb = tl.load(cos_ptr + tok * D + half + lo).to(tl.float32)
         sa = tl.load(sin_ptr + tok * D + lo).to(tl.float32)
@@ -85,47 +85,62 @@ if triton is not None:
         return out_a.to(a.dtype), out_b.to(a.dtype)
 
     @triton.jit
+    def _store_rows(dst, ok, out_a, out_b, D: tl.constexpr):
+        lo = tl.arange(0, D // 2)[None, :]
+        tl.store(dst + lo, out_a, mask=ok)
+        tl.store(dst + D // 2 + lo, out_b, mask=ok)
+
+    @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
-                          HAS_NORM: tl.constexpr, D: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
-        tok = row // heads
-        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
-        out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
-        lo = tl.arange(0, D // 2)
-        tl.store(out_ptr + row * D + lo, out_a)
-        tl.store(out_ptr + row * D + D // 2 + lo, out_b)
+                          HAS_NORM: tl.constexpr, D: tl.constexpr,
+                          HEAD_BLOCK: tl.constexpr):
+        # one token (axis 0) and HEAD_BLOCK of its heads (axis 1); tokens may be strided
+        tok = tl.program_id(0).to(tl.int64)
+        h = (tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)).to(tl.int64)[:, None]
+        ok = h < heads
+        lo = tl.arange(0, D // 2)[None, :]
+        wa = tl.load(w_ptr + lo).to(tl.float32)
+        wb = tl.load(w_ptr + D // 2 + lo).to(tl.float32)
+        out_a, out_b = _norm_rope_rows(x_ptr + tok * stride_t + h * D, ok, wa, wb, cos_ptr,
+                                       sin_ptr, tok, eps, HAS_NORM, D)
+        _store_rows(out_ptr + (tok * heads + h) * D, ok, out_a, out_b, D)
 
     @triton.jit
     def _qkv_cache_kernel(qkv_ptr, stride_t, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr,
                           k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr, hq, hkv, eps,
-                          HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr, D: tl.constexpr):
-        # one (token, head) of the fused projection: a q head goes (normed, rotated) to
-        # q; a k head to the KV cache slot of its token (and, with HAS_K_OUT, to k_out);
-        # a v head is copied there as is
-        row = tl.program_id(0).to(tl.int64)
-        nh = hq + 2 * hkv
-        tok = row // nh
-        h = row - tok * nh
+                          HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr, D: tl.constexpr,
+                          HEAD_BLOCK: tl.constexpr):
+        # one token (axis 0) and HEAD_BLOCK heads of its fused projection (axis 1): a q
+        # head goes (normed, rotated) to q; a k head to the KV cache slot of its token
+        # (and, with HAS_K_OUT, to k_out); a v head is copied there as is
+        tok = tl.program_id(0).to(tl.int64)
+        h = (tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)).to(tl.int64)[:, None]
+        is_q = h < hq
+        is_k = (h >= hq) & (h < hq + hkv)
+        is_v = (h >= hq + hkv) & (h < hq + 2 * hkv)
         src = qkv_ptr + tok * stride_t + h * D
-        lo = tl.arange(0, D // 2)
-        if h >= hq + hkv:
-            dst = v_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq - hkv)) * D
-            tl.store(dst + lo, tl.load(src + lo))
-            tl.store(dst + D // 2 + lo, tl.load(src + D // 2 + lo))
-        else:
-            if h < hq:
-                w_ptr = qw_ptr
-                dst = q_ptr + (tok * hq + h) * D
-            else:
-                w_ptr = kw_ptr
-                dst = k_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq)) * D
-            out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
-            tl.store(dst + lo, out_a)
-            tl.store(dst + D // 2 + lo, out_b)
-            if HAS_K_OUT and h >= hq:
-                k_dst = k_out_ptr + (tok * hkv + (h - hq)) * D
-                tl.store(k_dst + lo, out_a)
-                tl.store(k_dst + D // 2 + lo, out_b)
+        slot = tl.load(slot_ptr + tok)
+        lo = tl.arange(0, D // 2)[None, :]
+        v_dst = v_cache_ptr + (slot * hkv + tl.where(is_v, h - hq - hkv, 0)) * D
+        tl.store(v_dst + lo, tl.load(src + lo, mask=is_v, other=0.0), mask=is_v)
+        tl.store(v_dst + D // 2 + lo, tl.load(src + D // 2 + lo, mask=is_v, other=0.0),
+                 mask=is_v)
+        wa = tl.where(is_q, tl.load(qw_ptr + lo), tl.load(kw_ptr + lo)).to(tl.float32)
+        wb = tl.where(is_q, tl.load(qw_ptr + D // 2 + lo),
+                      tl.load(kw_ptr + D // 2 + lo)).to(tl.float32)
+        out_a, out_b = _norm_rope_rows(src, is_q | is_k, wa, wb, cos_ptr, sin_ptr, tok, eps,
+                                       HAS_NORM, D)
+        _store_rows(q_ptr + (tok * hq + tl.where(is_q, h, 0)) * D, is_q, out_a, out_b, D)
+        kh = tl.where(is_k, h - hq, 0)
+        _store_rows(k_cache_ptr + (slot * hkv + kh) * D, is_k, out_a, out_b, D)
+        if HAS_K_OUT:
+            _store_rows(k_out_ptr + (tok * hkv + kh) * D, is_k, out_a, out_b, D)
+
+
+# heads per program of the norm/RoPE kernels: one token's q, k and v heads of Qwen3-30B-A3B
+# (32 + 4 + 4) in five programs. One head a program was 287 us a layer at 8192 tokens on
+# the H200 (bench/scale.py --only prefill, session 8), some 7x its bytes at HBM speed.
+HEAD_BLOCK = 8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,9 +204,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     xc = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     T, heads = xc.shape[0], xc.shape[1]
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
-    _norm_rope_kernel[(T * heads,)](xc, xc if weight is None else weight, cos.contiguous(),
-                                    sin.contiguous(), out, heads, xc.stride(0), eps,
-                                    HAS_NORM=weight is not None, D=D)
+    _norm_rope_kernel[(T, triton.cdiv(heads, HEAD_BLOCK))](
+        xc, xc if weight is None else weight, cos.contiguous(), sin.contiguous(), out, heads,
+        xc.stride(0), eps, HAS_NORM=weight is not None, D=D, HEAD_BLOCK=HEAD_BLOCK)
     return out
 
 
@@ -241,9 +256,9 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
     T, D = qkv.shape[0], head_dim
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     w = qkv if q_norm is None else q_norm
-    _qkv_cache_kernel[(T * (num_heads + 2 * num_kv_heads),)](
+    _qkv_cache_kernel[(T, triton.cdiv(num_heads + 2 * num_kv_heads, HEAD_BLOCK))](
         qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
         sin.contiguous(), q, k_cache, v_cache, slot_mapping, q if k_out is None else k_out,
         num_heads, num_kv_heads, eps, HAS_NORM=q_norm is not None,
-        HAS_K_OUT=k_out is not None, D=D)
+        HAS_K_OUT=k_out is not None, D=D, HEAD_BLOCK=HEAD_BLOCK)
     return q

@@ -93,7 +93,8 @@ def all_slots_ok(w13: torch.Tensor, rows: torch.Tensor) -> bool:
 
 def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
                    tags: torch.Tensor, use_grouped: bool | None = None,
-                   sync_free: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                   sync_free: bool = False, out: torch.Tensor | None = None,
+                   row_repeat: int = 1) -> torch.Tensor:
     """Unweighted SwiGLU expert output of each tagged row.
 
     Args:
@@ -116,11 +117,19 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
             sync, so it can run inside a CUDA graph; meant for small models in fp32
             (the demo), and taken only within :data:`ALL_SLOTS_MAX_ELEMENTS`.
         out: [N, H] buffer for the result (else a new tensor).
+        row_repeat: ``rows`` is ``[N / row_repeat, H]`` and pair ``n`` reads row
+            ``n // row_repeat`` (a token's top-k pairs share its row). The tiled kernels
+            read it so; the other paths expand it first.
 
     Returns:
         [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` for a row of slot
         ``s``, zeros for padding rows.
     """
+    if (row_repeat > 1 and use_grouped is not False and w2.is_contiguous()
+            and tiled_rows_ok(rows, w13, w2, row_repeat)):
+        return swiglu_tiled(w13, w2, rows, tags, out, row_repeat=row_repeat)
+    if row_repeat > 1:
+        rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
     if use_grouped is not False and w2.is_contiguous():
         if small_batch_ok(rows, w13):
             return swiglu_rows(w13, w2, rows, tags, out)

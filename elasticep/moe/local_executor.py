@@ -132,12 +132,11 @@ class LocalExpertExecutor(ExecutorDefaults):
             self.refresh()
         w13, w2 = self.slots.w13[layer_idx], self.slots.w2[layer_idx]
         if self._complete and grouped_ok(hidden_states, w13):
-            T, k = topk_ids.shape
-            # row t*k + j: token t, choice j (expand + reshape: no sync, unlike a
-            # repeat_interleave that could read its repeats on the host)
-            rows = hidden_states.unsqueeze(1).expand(T, k, -1).reshape(T * k, -1)
+            # pair t*k + j: token t, choice j; the kernels read token t's row for it
+            # (prefill-sized batches) or expand it without a host sync
             tags = self._logical_to_tag[layer_idx][topk_ids].reshape(-1)
-            pair_out = grouped_swiglu(w13, w2, rows, tags, use_grouped=True)
+            pair_out = grouped_swiglu(w13, w2, hidden_states, tags, use_grouped=True,
+                                      row_repeat=topk_ids.shape[1])
             return combine_pairs(pair_out, topk_weights, hidden_states.dtype)
         slot_ids = self._logical_to_slot[layer_idx][topk_ids]
         if bool((slot_ids < 0).any()):

@@ -40,12 +40,14 @@ DOWN_TILE = (128, 128, 64, 8, 3)
 MIN_ROWS_PER_SLOT = 64
 
 
-def tiled_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def tiled_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  row_repeat: int = 1) -> bool:
     """True when :func:`swiglu_tiled` takes these inputs and they are large enough for
     it to pay (CUDA, Triton, bf16/fp16, contiguous weights, unit column stride, at least
-    :data:`MIN_ROWS_PER_SLOT` rows per slot on average)."""
+    :data:`MIN_ROWS_PER_SLOT` pairs per slot on average, ``rows.shape[0] * row_repeat``
+    pairs in all)."""
     return (triton is not None and rows.is_cuda
-            and rows.shape[0] >= MIN_ROWS_PER_SLOT * w13.shape[0]
+            and rows.shape[0] * row_repeat >= MIN_ROWS_PER_SLOT * w13.shape[0]
             and rows.dtype in (torch.bfloat16, torch.float16) and rows.dtype == w13.dtype
             and w13.is_contiguous() and w2.is_contiguous() and rows.stride(1) == 1)
 
@@ -56,11 +58,12 @@ if triton is not None:
     @triton.jit
     def _block_rows(order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S,
                     BLOCK_M: tl.constexpr):
-        # this program's slot, its rows' positions in sorted order and original row ids,
-        # which of them are real, and whether the block holds any
+        # this program's slot (S: the padding rows, sorted after every slot), its rows'
+        # positions in sorted order and original pair ids, which of them are real, and
+        # whether the block holds any
         b = tl.program_id(0)
         s = tl.load(block_slot_ptr + b)
-        s_ok = s < S
+        s_ok = s <= S
         s = tl.where(s_ok, s, 0).to(tl.int64)
         m0 = (b - tl.load(block_first_ptr + s)) * BLOCK_M
         cnt = tl.where(s_ok, tl.load(counts_ptr + s), 0)
@@ -73,11 +76,12 @@ if triton is not None:
     @triton.jit
     def _tiled_gate_up_kernel(x_ptr, x_stride, order_ptr, block_slot_ptr, block_first_ptr,
                               starts_ptr, counts_ptr, w13_ptr, act_ptr, S, H, inter,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              ROW_REPEAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
                                               starts_ptr, counts_ptr, S, BLOCK_M)
-        if live:
+        src = row // ROW_REPEAT  # pair -> its token's row of x
+        if live & (s < S):
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < inter
             base = w13_ptr + s * 2 * inter * H
@@ -86,7 +90,7 @@ if triton is not None:
             for k0 in range(0, H, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = offs_k < H
-                x = tl.load(x_ptr + row[:, None] * x_stride + offs_k[None, :],
+                x = tl.load(x_ptr + src[:, None] * x_stride + offs_k[None, :],
                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w_mask = n_ok[None, :] & k_ok[:, None]
                 wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=w_mask,
@@ -104,9 +108,13 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
                                               starts_ptr, counts_ptr, S, BLOCK_M)
-        if live:
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < H
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        if live & (s == S):  # padding rows: zeros, so the output needs no fill first
+            tl.store(out_ptr + row[:, None] * H + offs_n[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+        if live & (s < S):
             base = w2_ptr + s * H * inter
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
@@ -148,34 +156,39 @@ def block_layout(counts: torch.Tensor, n_rows: int, block_m: int
 def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
                  out: torch.Tensor | None = None,
                  gate_up_tile: tuple[int, int, int, int, int] | None = None,
-                 down_tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 down_tile: tuple[int, int, int, int, int] | None = None,
+                 row_repeat: int = 1) -> torch.Tensor:
     """Unweighted SwiGLU of each row with its own slot's expert, as two grouped GEMMs.
 
     Args:
         w13: [S, 2*I, H] gate rows then up rows, contiguous, rows' dtype and device.
         w2: [S, H, I], contiguous.
-        rows: [N, H] bf16/fp16 (:func:`tiled_rows_ok` without its size rule); any row
-            stride (the exchange's tagged rows are read in place).
+        rows: [N / row_repeat, H] bf16/fp16 (:func:`tiled_rows_ok` without its size
+            rule); any row stride (the exchange's tagged rows are read in place).
         tags: [N] int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked (a
             check would sync): a tag above S reads out of bounds.
         out: [N, H] contiguous buffer for the result, or None.
         gate_up_tile, down_tile: ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``
             (default :data:`GATE_UP_TILE`, :data:`DOWN_TILE`); both must share BLOCK_M.
+        row_repeat: pair ``n`` reads row ``n // row_repeat`` (the top-k pairs of a
+            token, ``row_repeat = k``, share its row: no ``[T*k, H]`` copy is made).
 
     Returns:
-        [N, H] in the rows' dtype; zeros for padding rows.
+        [N, H] in the rows' dtype; zeros for padding rows (the down kernel writes them).
 
     Raises:
-        ValueError: the two tiles differ in BLOCK_M.
+        ValueError: the two tiles differ in BLOCK_M, or ``tags`` is not ``row_repeat``
+            pairs per row.
     """
     bm, bn, bk, wa, sa = gate_up_tile or GATE_UP_TILE
     bm2, bn2, bk2, wb, sb = down_tile or DOWN_TILE
     if bm != bm2:
         raise ValueError(f"gate/up and down tiles must share BLOCK_M, got {bm} and {bm2}")
-    N, H = rows.shape
+    N, H = tags.shape[0], rows.shape[1]
+    if N != rows.shape[0] * row_repeat:
+        raise ValueError(f"{N} tags for {rows.shape[0]} rows of {row_repeat} pairs each")
     S, inter = w13.shape[0], w2.shape[2]
     out = rows.new_empty(N, H) if out is None else out
-    out.zero_()  # padding rows are never written by the kernels
     if N == 0:
         return out
     key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
@@ -183,11 +196,14 @@ def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: 
     counts = torch.zeros(S + 1, dtype=torch.long, device=rows.device)
     counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
     starts = torch.cumsum(counts, 0) - counts
-    block_slot, block_first, grid_blocks = block_layout(counts[:S], N, bm)
+    # the padding rows are a block group of their own (slot S), which the down kernel
+    # fills with zeros
+    block_slot, block_first, grid_blocks = block_layout(counts, N, bm)
     act = rows.new_empty(N, inter)
     _tiled_gate_up_kernel[(grid_blocks, triton.cdiv(inter, bn))](
         rows, rows.stride(0), order, block_slot, block_first, starts, counts, w13, act,
-        S, H, inter, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=wa, num_stages=sa)
+        S, H, inter, ROW_REPEAT=row_repeat, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=wa, num_stages=sa)
     _tiled_down_kernel[(grid_blocks, triton.cdiv(H, bn2))](
         act, order, block_slot, block_first, starts, counts, w2, out, S, H, inter,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=wb, num_stages=sb)
