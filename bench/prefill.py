@@ -265,6 +265,12 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
         by_kind[k] = by_kind.get(k, 0.0) + us
         by_name[s.name[:80]] = by_name.get(s.name[:80], 0.0) + us
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    # one middle layer's kernels in launch order (two residual norms a layer), so a kind's
+    # time can be pinned to its place in the layer
+    ordered = sorted(kernels, key=lambda k: k.start_us)
+    norms = [i for i, k in enumerate(ordered) if "add_rms_norm" in k.name]
+    mid = len(norms) // 2 & ~1
+    layer = ordered[norms[mid]:norms[mid + 2]] if len(norms) > mid + 2 else []
     bound = prefill_flops(cfg, [length] * 4)["total"] / rate
     row = {"section": "prefill_profile", "tokens": 4 * length, "steps": steps,
            "wall_ms": round(wall_s * 1e3, 2),
@@ -272,6 +278,7 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
            "gpu_ms_by_kind": {k: round(v / 1e3, 2) for k, v in sorted(by_kind.items())},
            "kernels": len(kernels),
            "top_kernels_ms": [[n, round(us / 1e3, 3)] for n, us in top],
+           "one_layer_us": [[k.name[:60], round(k.end_us - k.start_us, 1)] for k in layer],
            "compute_bound_ms": round(bound * 1e3, 2)}
     emit(row)
     return row

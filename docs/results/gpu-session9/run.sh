@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Session 9's device calls (one H200), in priority order within the 600 s a call may run.
+# Each step gets what is left of the call's time; a step that cannot start in time is
+# skipped and says so. Run from the repository root with the serve wheels carried in
+# .whl/ and ELASTICEP_COMMIT set; results go to $OUT. STEPS picks the steps (names below).
+set -u
+OUT=${OUT:-/tmp/out}
+BUDGET=${BUDGET:-585}
+STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,sweep,failover}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
+    local name=$1 limit=$((BUDGET - SECONDS))
+    (( $2 < limit )) && limit=$2
+    shift 2
+    if (( limit < 20 )); then echo "SKIPPED $name ($((BUDGET - SECONDS)) s left)" >&2; return; fi
+    echo "== $name (limit $limit s, at ${SECONDS}s)" >&2
+    timeout "$limit" "$@"
+    echo "== $name rc=$? at ${SECONDS}s" >&2
+}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
+    && cp models/tiny-qwen3-moe/tokenizer* /tmp/q3/
+Q3="--device cuda --model /tmp/q3 --load-format dummy --dtype bfloat16 --ignore-eos"
+
+if want gpu_tests; then
+    step gpu_tests ${GPU_S:-150} python3 -m pytest -v -p no:cacheprovider -x \
+        ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py tests/test_cuda_graph_ep_gpu.py} \
+        > "$OUT/gpu_tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30
+fi
+
+if want engine_profile; then
+    step engine_profile 90 python3 -m bench.scale --only profile --profile-batch ${PROFILE_B:-1,64} \
+        --cuda-graph on --prompt-len 256 --decode-tokens 64 --workdir /tmp/scale \
+        > "$OUT/engine_profile.jsonl" 2> /tmp/engine_profile.err
+    tail -3 /tmp/engine_profile.err
+fi
+
+if want served_profile; then
+    for c in ${PROFILE_C:-64 1}; do
+        n=$((c > 1 ? 2 * c : 2))
+        rm -rf /tmp/prof$c
+        ELASTICEP_TORCH_PROFILER_DIR=/tmp/prof$c ELASTICEP_TORCH_PROFILER_STEPS=${PROF_STEPS:-200:10} \
+        step "served_profile_c$c" 90 python3 -m bench.serving --launch $Q3 --random-input-len 256 \
+            --random-output-len 256 --random-range-ratio 1 --max-concurrency $c --num-prompts $n \
+            --serve-arg=--max-ep-size --serve-arg=2 --serve-arg=--log-stats-interval --serve-arg=1 \
+            --log-dir /tmp/servelog$c >> "$OUT/served_profile.jsonl" 2> /tmp/sp$c.err
+        tail -2 /tmp/sp$c.err
+        cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
+            || echo "no profile for c=$c"
+        grep -h "steps in\|pieces each" /tmp/servelog$c/* 2>/dev/null | cut -c1-250 | tail -6
+    done
+fi
+
+if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concurrencies ...
+    for spec in ${SWEEPS:-default@@1,64}; do
+        IFS=@ read -r label assign cs <<< "$spec"
+        step "sweep_$label" ${SWEEP_S:-150} env $assign \
+            python3 -m bench.serving_sweep --concurrencies $cs \
+            --prompts-per-concurrency 2 $Q3 --random-input-len 256 --random-output-len 256 \
+            --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 \
+            --log-dir /tmp/sweep_logs_$label | sed "s/^{/{\"label\": \"$label\", /" \
+            >> "$OUT/sweep.jsonl" 2> /tmp/sweep_$label.err
+        tail -2 /tmp/sweep_$label.err | cut -c1-300
+        grep -h "pieces each\|steps in\|limits:\|scope" /tmp/sweep_logs_$label/* 2>/dev/null \
+            | cut -c1-250 | tail -5 >> "$OUT/sweep_rank_lines.log"
+    done
+    python3 -c "
+import json
+for l in open('$OUT/sweep.jsonl'):
+    d=json.loads(l); e=d['engine']
+    print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
+fi
+
+if want tiled; then  # expert tiles at prefill sizes
+    step tiled ${TILED_S:-90} python3 -m bench.tiled_experts --rows ${TILED_ROWS:-16384,65536} \
+        > "$OUT/tiled.jsonl" 2> /tmp/tiled.err
+    tail -2 /tmp/tiled.err | cut -c1-300
+    cut -c1-200 "$OUT/tiled.jsonl"
+fi
+
+if want prefill; then
+    step prefill ${PREFILL_S:-200} python3 -m bench.scale --only prefill --workdir /tmp/scale \
+        --prefill-lens ${PREFILL_LENS:-2048,8192} --prefill-budgets ${PREFILL_BUDGETS:-8192} \
+        --prefill-warmup ${PREFILL_ARGS:-} > "$OUT/prefill.jsonl" 2> /tmp/prefill.err
+    tail -3 /tmp/prefill.err | cut -c1-300
+    cut -c1-400 "$OUT/prefill.jsonl"
+fi
+
+if want prefill_ds; then  # DeepSeek-V2-Lite shape (MLA)
+    step prefill_ds ${PREFILL_DS_S:-150} python3 -m bench.scale --only prefill \
+        --config bench/configs/deepseek-v2-lite.json --workdir /tmp/scale_ds \
+        --prefill-lens ${PREFILL_DS_LENS:-2048,8192} --prefill-budgets 8192 --prefill-warmup \
+        > "$OUT/prefill_ds.jsonl" 2> /tmp/prefill_ds.err
+    tail -3 /tmp/prefill_ds.err | cut -c1-300
+    cut -c1-400 "$OUT/prefill_ds.jsonl"
+fi
+
+if want failover; then
+    for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size
+        IFS=: read -r name r ep <<< "$sc"
+        step "failover_${name}_r${r}_ep$ep" 100 python3 -m bench.failover --scenario $name \
+            --ep-size $ep --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
+            --degraded-s 4 --after-s 4 ${FO_ARGS:-} --log-dir /tmp/fo_${name}_${r}_$ep \
+            >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
+        tail -2 /tmp/fo.err
+        tail -1 "$OUT/failover.jsonl" | cut -c1-900
+        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_${name}_${r}_$ep/* 2>/dev/null \
+            | cut -c1-220 | tail -8 >> "$OUT/failover_lines.log"
+    done
+fi
+echo "done at ${SECONDS}s"
