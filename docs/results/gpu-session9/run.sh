@@ -25,7 +25,7 @@ mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
 Q3="--device cuda --model /tmp/q3 --load-format dummy --dtype bfloat16 --ignore-eos"
 
 if want gpu_tests; then
-    step gpu_tests ${GPU_S:-150} python3 -m pytest -v -p no:cacheprovider -x \
+    step gpu_tests ${GPU_S:-150} python3 -m pytest -v -p no:cacheprovider ${PYTEST_X--x} \
         ${GPU_TESTS:-tests/test_ipc_exchange_gpu.py tests/test_cuda_graph_ep_gpu.py} \
         > "$OUT/gpu_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30
