@@ -39,6 +39,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -256,7 +257,7 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
         acts.append(ProfilerActivity.CUDA)
     with profile(activities=acts) as prof:
         wall_s, steps = run_prefill(engine, prompts, args.device)
-    kernels, _ = profile_spans(prof)
+    kernels, host = profile_spans(prof)
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for s in kernels:
@@ -271,6 +272,11 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
     norms = [i for i, k in enumerate(ordered) if "add_rms_norm" in k.name]
     mid = len(norms) // 2 & ~1
     layer = ordered[norms[mid]:norms[mid + 2]] if len(norms) > mid + 2 else []
+    # where the GPU waits on the host: before the first kernel, and the longest idle
+    # stretches between kernels (each named by the kernel that ends it)
+    t0 = min((h.start_us for h in host), default=ordered[0].start_us if ordered else 0.0)
+    gaps = sorted(((b.start_us - a.end_us, b.name[:60]) for a, b in pairwise(ordered)),
+                  reverse=True)[:8]
     bound = prefill_flops(cfg, [length] * 4)["total"] / rate
     row = {"section": "prefill_profile", "tokens": 4 * length, "steps": steps,
            "wall_ms": round(wall_s * 1e3, 2),
@@ -279,6 +285,9 @@ def profile_step(engine: LLMEngine, args, cfg: MoEModelConfig,
            "kernels": len(kernels),
            "top_kernels_ms": [[n, round(us / 1e3, 3)] for n, us in top],
            "one_layer_us": [[k.name[:60], round(k.end_us - k.start_us, 1)] for k in layer],
+           "first_kernel_after_ms": round((ordered[0].start_us - t0) / 1e3, 2) if ordered else None,
+           "last_kernel_end_ms": round((ordered[-1].end_us - t0) / 1e3, 2) if ordered else None,
+           "longest_gaps_ms": [[round(g / 1e3, 3), n] for g, n in gaps],
            "compute_bound_ms": round(bound * 1e3, 2)}
     emit(row)
     return row

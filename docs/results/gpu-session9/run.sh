@@ -98,6 +98,33 @@ if want prefill_ds; then  # DeepSeek-V2-Lite shape (MLA)
     cut -c1-400 "$OUT/prefill_ds.jsonl"
 fi
 
+if want decode_ab; then  # no decode regression: the old tree (.ab/old) and this one, interleaved
+    for round in $(seq 1 ${AB_ROUNDS:-1}); do
+        for tree in old new; do
+            if [[ $tree == old ]]; then pp=/tmp/site:$PWD/.ab/old; else pp=/tmp/site:$PWD; fi
+            step "decode_${tree}_$round" ${AB_S:-100} env PYTHONPATH=$pp python3 -m bench.scale \
+                --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
+                --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
+            sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" /tmp/ab_$tree.jsonl \
+                | grep '"ep1"' >> "$OUT/decode_ab.jsonl"
+            tail -1 /tmp/ab_$tree.err | cut -c1-200
+        done
+    done
+    python3 -c "
+import json
+for l in open('$OUT/decode_ab.jsonl'):
+    d=json.loads(l); print(d['tree'], d['round'], d['batch'], d.get('decode_step_ms'), d.get('decode_step_ms_p10_p90'), d.get('error', '')[:200])"
+fi
+
+if want ttft; then  # served TTFT of 2048-token prompts at concurrency 1
+    step ttft ${TTFT_S:-100} python3 -m bench.serving --launch $Q3 --random-input-len 2048 \
+        --random-output-len 8 --random-range-ratio 1 --max-concurrency 1 --num-prompts 8 \
+        --serve-arg=--max-ep-size --serve-arg=2 --log-dir /tmp/ttftlog > "$OUT/ttft.jsonl" 2> /tmp/ttft.err
+    tail -2 /tmp/ttft.err | cut -c1-300
+    cut -c1-700 "$OUT/ttft.jsonl"
+    grep -h "warm-up\|pieces each" /tmp/ttftlog/* 2>/dev/null | cut -c1-250 | tail -4
+fi
+
 if want failover; then
     for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size
         IFS=: read -r name r ep <<< "$sc"
