@@ -137,10 +137,18 @@ if triton is not None:
             _store_rows(k_out_ptr + (tok * hkv + kh) * D, is_k, out_a, out_b, D)
 
 
-# heads per program of the norm/RoPE kernels: one token's q, k and v heads of Qwen3-30B-A3B
-# (32 + 4 + 4) in five programs. One head a program was 287 us a layer at 8192 tokens on
-# the H200 (bench/scale.py --only prefill, session 8), some 7x its bytes at HBM speed.
+# Heads per program of the norm/RoPE kernels, by the step's token count. From
+# HEAD_BLOCK_MIN_TOKENS tokens a program takes 8 heads (Qwen3-30B-A3B's 32 + 4 + 4 q, k, v
+# heads of a token in five programs): one head a program took 287 us a layer at 8192
+# tokens on the H200, against 58 us at 8 (bench/scale.py --only prefill). Below it, one
+# head a program: at batch 1 the 8-head form was 0.16 ms a decode step slower (a
+# program per head spreads one token's few heads over more SMs).
 HEAD_BLOCK = 8
+HEAD_BLOCK_MIN_TOKENS = 128
+
+
+def _head_block(tokens: int) -> int:
+    return HEAD_BLOCK if tokens >= HEAD_BLOCK_MIN_TOKENS else 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,9 +212,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     xc = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     T, heads = xc.shape[0], xc.shape[1]
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
-    _norm_rope_kernel[(T, triton.cdiv(heads, HEAD_BLOCK))](
+    hb = _head_block(T)
+    _norm_rope_kernel[(T, triton.cdiv(heads, hb))](
         xc, xc if weight is None else weight, cos.contiguous(), sin.contiguous(), out, heads,
-        xc.stride(0), eps, HAS_NORM=weight is not None, D=D, HEAD_BLOCK=HEAD_BLOCK)
+        xc.stride(0), eps, HAS_NORM=weight is not None, D=D, HEAD_BLOCK=hb)
     return out
 
 
@@ -256,9 +265,10 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
     T, D = qkv.shape[0], head_dim
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     w = qkv if q_norm is None else q_norm
-    _qkv_cache_kernel[(T, triton.cdiv(num_heads + 2 * num_kv_heads, HEAD_BLOCK))](
+    hb = _head_block(T)
+    _qkv_cache_kernel[(T, triton.cdiv(num_heads + 2 * num_kv_heads, hb))](
         qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
         sin.contiguous(), q, k_cache, v_cache, slot_mapping, q if k_out is None else k_out,
         num_heads, num_kv_heads, eps, HAS_NORM=q_norm is not None,
-        HAS_K_OUT=k_out is not None, D=D, HEAD_BLOCK=HEAD_BLOCK)
+        HAS_K_OUT=k_out is not None, D=D, HEAD_BLOCK=hb)
     return q
