@@ -6,11 +6,14 @@ records event times and windows, and stops everything (bounded).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
+from bench import _decode_share
 from elasticep_testkit.harness import timeline
 from elasticep_testkit.harness.load import (
     Outcomes,
@@ -47,6 +50,10 @@ def add_deploy_arguments(ap: argparse.ArgumentParser) -> None:
                     help="keep serve.log and the ranks' logs here (default: a temp dir)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra flag passed to serve verbatim (repeatable)")
+    ap.add_argument("--step-rate-out", default=None,
+                    help="write the ranks' step-rate lines the decode replay shares were "
+                         "counted from here (JSON lines: window, rank, t_s from the load's "
+                         "start, the line as logged)")
 
 
 def deployment_args(args: argparse.Namespace) -> list[str]:
@@ -93,9 +100,12 @@ class Run:
             its result; pause_from / t_admitted: the window pause_s is measured over
             (a join or scale request until the new membership is committed).
         pids: rank -> worker pid signalled.
-        extra: scenario-specific JSON keys.
+        extra: scenario-specific JSON keys; :meth:`finish` adds the graph captures
+            and the decode replay shares per window (:mod:`bench._decode_share`).
         records, orphans: filled by :meth:`finish`.
     """
+
+    SHARE_WINDOWS = ("healthy", "event", "degraded", "after")  # keys always in the JSON
 
     def __init__(self, args: argparse.Namespace, serve_args: list[str]) -> None:
         self.args = args
@@ -112,6 +122,7 @@ class Run:
         self.orphans: list[int] = []
         self.load: SteadyLoad | None = None
         self.watch: StatusWatch | None = None
+        self.wall_minus_mono = time.time() - time.monotonic()  # step-rate line times
         self.serve = ServeProcess.start(serve_args, log_dir=args.log_dir)
         try:
             self.watch = StatusWatch(self.serve.coordinator)
@@ -185,9 +196,32 @@ class Run:
                 # ranks in the deployment before and after that were not the event's
                 # victims (a relaunched victim counts its new process's captures)
                 kept = (set(end) & set(self._captures_healthy)) - set(self.event_ranks)
+                # None: no rank reported graph captures (CPU, graphs off), not "0"
                 self.extra["survivor_recaptures"] = int(sum(
-                    end[r] - self._captures_healthy[r] for r in kept))
+                    end[r] - self._captures_healthy[r] for r in kept)) if end else None
             self.orphans = self.serve.stop()
+            if hasattr(self, "_captures_healthy") and "decode_steps_by_rank" not in self.extra:
+                self._decode_shares()
+
+    def _decode_shares(self) -> None:
+        """Add the decode replay share of every window to :attr:`extra` (from the ranks'
+        logs; written to ``--step-rate-out`` when given)."""
+        lines = _decode_share.read_lines(self.serve.log_path.parent)
+        self.extra.update(_decode_share.summarize(lines, self.windows, self.wall_minus_mono))
+        for w in self.SHARE_WINDOWS:
+            for key in ("decode_replays", "decode_eager", "decode_replay_share"):
+                self.extra.setdefault(f"{key}_{w}", None)
+        out = getattr(self.args, "step_rate_out", None)
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "w") as f:
+                for line in lines:
+                    mono = line.t_wall - self.wall_minus_mono
+                    f.write(json.dumps({
+                        "window": _decode_share.window_of(line, self.windows,
+                                                          self.wall_minus_mono),
+                        "rank": line.rank, "t_s": round(mono - self.t0, 3),
+                        "line": line.text}) + "\n")
 
     def outcomes(self) -> Outcomes:
         """Errors, silent losses and mismatches of every load request."""

@@ -4,8 +4,9 @@ It runs under a steady streaming load, prints one JSON line and optionally write
 tokens/s timeline PNG.
 
 Usage: python -m bench.failover --scenario kill|freeze|kill-rank0|rejoin|scale-up|
-       scale-down|double-kill [--ep-size 4] [--device cpu|cuda] [--concurrency 8]
-       [--max-tokens 64] [--plot timeline.png]
+       scale-down|double-kill [--ep-size 4] [--scale-to N] [--device cpu|cuda]
+       [--concurrency 8] [--max-tokens 64] [--plot timeline.png]
+       [--step-rate-out lines.jsonl]
 
 Timeline of one run (monotonic seconds):
   start serve -> fault-free reference pass (every prompt once) -> steady load of
@@ -24,6 +25,15 @@ until the new membership is committed + 0.5 s), outputs_identical (every complet
 request's greedy text equals the reference pass's), detect_s (fault -> the
 coordinator's epoch without the victim), admit_s (scale request or join start -> the
 new membership committed), join_s (join start -> joiners ready / admitted).
+
+Graph keys: graph_captures (rank -> [captures at the end of the healthy window, at the
+end]), survivor_recaptures (the captures added on ranks present before and after that
+were not the event's victims; null when no rank reports captures: CPU or graphs off),
+and per window w of healthy / event / degraded / after / join: decode_replays_w and
+decode_eager_w (decode steps that replayed a CUDA graph / ran eagerly, summed over the
+ranks' step-rate lines whose interval's midpoint lies in w) and decode_replay_share_w
+(replays over decode steps; null with no decode step or no such window), with
+decode_steps_by_rank (window -> rank -> [replays, eager]).
 """
 
 from __future__ import annotations
@@ -126,8 +136,10 @@ def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
                      [victim], None)
             run.window("after", t + SETTLE_S, a.after_s)
     elif name == "scale-up":
+        to = scale_target(a)
         t = join(run, ["--elastic-ep-join-mode", "scale", "--elastic-ep-join-rank-offset",
-                       str(ep_size), "--nranks", "2"], [ep_size, ep_size + 1], ep_size + 2)
+                       str(ep_size), "--nranks", str(to - ep_size)], list(range(ep_size, to)),
+                 to)
         run.windows["event"] = (run.t_event, t + SETTLE_S)
         run.window("after", t + SETTLE_S, a.after_s)
     elif name == "scale-down":
@@ -136,6 +148,18 @@ def scenario(run: Run, name: str, ep_size: int, victim: int) -> None:
         run.window("after", t + SETTLE_S, a.after_s)
     else:
         raise ValueError(f"unknown scenario {name!r}")
+
+
+def scale_target(args: argparse.Namespace) -> int:
+    """The ep size a scale-up grows to: ``--scale-to``, default ``--ep-size`` + 2.
+
+    Raises:
+        ValueError: ``--scale-to`` is not above ``--ep-size``.
+    """
+    to = args.ep_size + 2 if args.scale_to is None else args.scale_to
+    if to <= args.ep_size:
+        raise ValueError(f"--scale-to {to} must exceed --ep-size {args.ep_size}")
+    return to
 
 
 def report(run: Run, name: str) -> dict:
@@ -161,6 +185,8 @@ def report(run: Run, name: str) -> dict:
         "requests": oc.total, "completed": oc.completed, "mismatched": len(oc.mismatched),
         "epochs": sorted({s.epoch for s in run.watch.history}),
     }
+    if name == "scale-up":
+        out["scale_to"] = scale_target(run.args)
     if name in ("scale-up", "scale-down"):
         out["admit_s"] = _r(run.t_admitted - run.t_event)
     else:
@@ -184,9 +210,18 @@ def main() -> int:
                     help="rank to kill / freeze / rejoin (kill-rank0 always takes rank 0)")
     ap.add_argument("--degraded-s", type=float, default=8.0, help="degraded window, seconds")
     ap.add_argument("--after-s", type=float, default=8.0, help="after window, seconds")
+    ap.add_argument("--scale-to", type=int, default=None,
+                    help="scale-up: the ep size to grow to (default: --ep-size + 2; "
+                         "--max-ep-size is set to it), e.g. --ep-size 2 --scale-to 3")
     add_deploy_arguments(ap)
     args = ap.parse_args()
-    extra = ["--max-ep-size", str(args.ep_size + 2)] if args.scenario == "scale-up" else []
+    if args.scale_to is not None and args.scenario != "scale-up":
+        ap.error("--scale-to applies to --scenario scale-up only")
+    try:
+        extra = (["--max-ep-size", str(scale_target(args))] if args.scenario == "scale-up"
+                 else [])
+    except ValueError as exc:
+        ap.error(str(exc))
     with Run(args, deployment_args(args) + extra) as run:
         run.healthy_phase()
         scenario(run, args.scenario, args.ep_size, args.victim)

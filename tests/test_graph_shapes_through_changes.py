@@ -7,12 +7,14 @@ checked against eager on the GPU (tests/test_cuda_graph_ep_gpu.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elasticep.eplb.elastic import reconcile_placement, repair_placement, scale_up_placement
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+from tests._simulated_peers import rank0, rel_err
 
 L, E, H, INTER = 2, 16, 8, 4
 
@@ -63,3 +65,31 @@ def test_below_min_ep_size_the_slots_grow_and_the_version_moves():
     assert two.slots_per_rank > p.slots_per_rank
     _move(ex, two)
     assert ex.version != v
+
+
+@pytest.mark.parametrize("redundant", [0, 16])
+def test_rank0_through_death_rejoin_and_scale_up_computes_as_at_launch(tmp_path, redundant):
+    """The CPU half of tests/test_graph_through_membership_gpu.py: the same placements
+    and simulated peers, eagerly. Every placement keeps the executor's ``version`` (its
+    tensors' shapes), sends no pair to an inactive rank, and gives the logits of a
+    second executor that kept the launch placement (the same experts, elsewhere)."""
+    r = rank0(tmp_path, torch.float32, "cpu", redundant, cuda_graph=False)
+    version = r.ep.version
+    launch = r.placements[0][1]
+    ref = r.executor_under(launch)
+    r.add_requests(lengths=(5, 17), max_tokens=8)
+    for name, p in r.placements[1:]:
+        r.move(p)
+        assert r.ep.version == version, name
+        assert torch.equal(r.ep.metadata.physical_to_logical_map, p.phy2log), name
+        for _ in range(2):
+            batch = r.next_decode_batch()
+            bound = max(batch.num_tokens, 5)
+            err = rel_err(r.logits(batch, bound, graph=False),
+                          r.logits(batch, bound, graph=False, ex=ref))
+            assert err < 1e-5, (name, err)
+            r.commit_step(batch, bound)
+    dead = dict(r.placements)["death"]
+    assert not bool(dead.active_ranks[1]) and bool(dict(r.placements)["scale-up"].active_ranks[3])
+    if redundant == 0:  # rank 1's experts had no replica: some now sit in rank 0's reserve
+        assert not torch.equal(dead.local(0), launch.local(0))

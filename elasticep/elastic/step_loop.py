@@ -48,7 +48,7 @@ from elasticep.elastic.serve_loop import apply_messages
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
-from elasticep.engine.step_rate import GraphCounters, StepRateLog
+from elasticep.engine.step_rate import DecodeCounters, StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.frontend_link import WorkerChannel
@@ -59,10 +59,11 @@ from elasticep.moe.ipc_exchange import IpcExchange
 logger = logging.getLogger(__name__)
 
 
-def _graph_counters(engine: LLMEngine) -> GraphCounters | None:
-    """The engine's decode-graph counters, or None when it captured no decode graphs
-    (CPU, --disable-cuda-graph, a model that cannot be captured)."""
-    return getattr(getattr(engine, "runner", None), "graphs", None)
+def _decode_counters(engine: LLMEngine) -> DecodeCounters | None:
+    """The engine's decode-step counters (its model runner), or None for an engine
+    without a runner (tests' stand-ins)."""
+    runner = getattr(engine, "runner", None)
+    return runner if hasattr(runner, "decode_eager") else None
 
 
 @dataclass
@@ -201,7 +202,7 @@ class LockstepLoop:
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
-        self.rate = StepRateLog(rank, _graph_counters(engine), log_stats_interval_s)
+        self.rate = StepRateLog(rank, _decode_counters(engine), log_stats_interval_s)
         self.profiler = profiler
         self.exchange, self.exchange_store = exchange, exchange_store
         self.watchdog = None
@@ -329,11 +330,14 @@ class LockstepLoop:
             self.profiler = None  # its window is written (or it failed): no cost from here
 
     def _send_stats(self) -> None:
-        graphs = _graph_counters(self.engine)
+        d = _decode_counters(self.engine)
+        graphs = getattr(d, "graphs", None)
         send = getattr(self.channel, "send_stats", None)
         if send is not None:
             send(self.stats.steps, graphs.captures if graphs is not None else -1,
-                 graphs.replays if graphs is not None else -1)
+                 graphs.replays if graphs is not None else -1,
+                 decode_replays=d.decode_replays if d is not None else 0,
+                 decode_eager=d.decode_eager if d is not None else 0)
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:

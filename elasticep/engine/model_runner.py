@@ -80,6 +80,18 @@ class ModelRunner:
             model.dtype, model.device,
         )
         self.graphs: DecodeGraphs | None = None
+        # forwards of decode steps (see _decode_step; a redone step counts again) that
+        # replayed a captured graph, and that ran eagerly: no graph, a stale bucket (a
+        # capture running), a batch or context past the captured sizes, or all logits
+        self.decode_replays = 0
+        self.decode_eager = 0
+
+    @property
+    def graph_captures(self) -> int | None:
+        """Complete decode-graph captures since start (start-up included); None when this
+        runner has no decode graphs (CPU, ``--disable-cuda-graph``, a capture that
+        failed)."""
+        return None if self.graphs is None else self.graphs.captures
 
     def enable_cuda_graphs(self, max_batch: int, max_seq_len: int) -> float | None:
         """Capture decode graphs when the model allows it (CUDA, graph-safe executor).
@@ -107,16 +119,23 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
+    @staticmethod
+    def _decode_step(batch: ScheduledBatch) -> bool:
+        """True for a step of at least one sequence in which every sequence decodes one
+        token and samples it (a prefill chunk, even a 1-token one that samples nothing,
+        is not a decode step). An idle EP rank's empty step is none (it may replay a
+        graph all the same, counted in ``graphs.replays`` only)."""
+        return bool(batch.items) and all(
+            it.end - it.start == 1 and it.samples for it in batch.items)
+
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The decode step through a captured graph, or None when it must run eagerly."""
         g = self.graphs
         # An EP step's bucket follows the largest batch of any rank (agreed in the step
         # header), so an idle rank replays too; a single rank has no such bound.
         agreed = executor_of(self.model).step_max_tokens or 0
-        # decode-only steps are graphed; a step with a prefill chunk (even a 1-token
-        # chunk that samples nothing) runs eagerly
         if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
-                or any(it.end - it.start != 1 or not it.samples for it in batch.items)):
+                or (batch.items and not self._decode_step(batch))):
             return None
         b = g.bucket(max(len(batch.items), agreed))
         if b is None:
@@ -164,7 +183,9 @@ class ModelRunner:
         if not all_logits:
             logits = self._replay(batch)
             if logits is not None:
+                self.decode_replays += self._decode_step(batch)
                 return logits
+        self.decode_eager += self._decode_step(batch)
         input_ids, positions, meta, last = self.prepare(batch)
         return self.model.forward(
             input_ids, positions, meta, self.kv_cache.layers, None if all_logits else last

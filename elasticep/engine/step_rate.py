@@ -1,8 +1,16 @@
 """A rank's periodic throughput line: steps, generated tokens, and decode graph use.
 
-The graph part counts replays (how many steps ran a captured graph) and captures (how
-many times the buckets were captured, start-up included), so a failover run shows its
-re-captures as a number. Both worker loops (:mod:`elasticep.elastic.serve_loop`,
+The decode part counts the interval's decode steps (every sequence of the rank's batch
+decodes one token) that replayed a captured graph and those that ran eagerly, and the
+captures (how many times the buckets were captured, start-up included), so a failover
+run shows its replay share and its re-captures as numbers (``bench/failover.py`` reads
+them from this line, which reads::
+
+    rank 0 epoch 1: 90 steps in 1.0 s (11.10 ms/step), 700.2 generated tokens/s,
+    7.8 tokens/step; decode CUDA graph replays: 88 of 89 decode steps (1 eager);
+    graph captures: 1 since start (+0)
+
+on one line; a rank without graphs ends it with ``no CUDA graphs``). Both worker loops (:mod:`elasticep.elastic.serve_loop`,
 :mod:`elasticep.elastic.step_loop`) feed it once per committed step. Every ``interval_s`` with at least one step it logs
 one INFO line, so a slow rank, or one that runs eagerly when it should replay its
 decode CUDA graphs (after a placement change, say), shows in its log.
@@ -18,12 +26,21 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 
-class GraphCounters(Protocol):
-    """Running counts of an engine's decode CUDA graphs
-    (:class:`elasticep.engine.cuda_graph.DecodeGraphs` has both)."""
+class DecodeCounters(Protocol):
+    """Running counts of an engine's decode steps
+    (:class:`elasticep.engine.model_runner.ModelRunner` has them).
 
-    replays: int
-    captures: int
+    Attributes:
+        decode_replays: decode steps replayed from a captured graph since start.
+        decode_eager: decode steps run eagerly since start.
+        graph_captures: complete decode-graph captures since start; None: no graphs.
+    """
+
+    decode_replays: int
+    decode_eager: int
+
+    @property
+    def graph_captures(self) -> int | None: ...
 
 
 class StepRateLog:
@@ -31,21 +48,25 @@ class StepRateLog:
 
     Args:
         rank: for the line.
-        graphs: the engine's decode-graph counters; None for an engine without graphs
-            (the line then leaves them out).
+        decode: the engine's decode counters; None for an engine without them (the
+            line then leaves the decode part out).
         interval_s: seconds between lines; 0 or less disables the log.
         clock: monotonic seconds (tests pass a fake).
     """
 
-    def __init__(self, rank: int, graphs: GraphCounters | None, interval_s: float = 10.0,
+    def __init__(self, rank: int, decode: DecodeCounters | None, interval_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.rank, self.graphs, self.interval_s, self.clock = rank, graphs, interval_s, clock
+        self.rank, self.decode, self.interval_s, self.clock = rank, decode, interval_s, clock
         self._reset(self.clock())
 
     def _reset(self, now: float) -> None:
         self._t0, self._steps, self._tokens = now, 0, 0
-        g = self.graphs
-        self._replays0, self._captures0 = (g.replays, g.captures) if g is not None else (0, 0)
+        d = self.decode
+        if d is None:
+            self._replays0 = self._eager0 = self._captures0 = 0
+        else:
+            self._replays0, self._eager0 = d.decode_replays, d.decode_eager
+            self._captures0 = d.graph_captures or 0
 
     def step(self, tokens: int, epoch: int) -> str | None:
         """Count one committed step that generated ``tokens`` tokens.
@@ -62,11 +83,14 @@ class StepRateLog:
         line = (f"rank {self.rank} epoch {epoch}: {self._steps} steps in {dt:.1f} s "
                 f"({1000 * dt / self._steps:.2f} ms/step), {self._tokens / dt:.1f} generated "
                 f"tokens/s, {self._tokens / self._steps:.1f} tokens/step")
-        g = self.graphs
-        if g is not None:
-            line += (f"; decode CUDA graph replays: {g.replays - self._replays0} of "
-                     f"{self._steps} steps; graph captures: {g.captures} since start "
-                     f"(+{g.captures - self._captures0})")
+        d = self.decode
+        if d is not None:
+            replays, eager = d.decode_replays - self._replays0, d.decode_eager - self._eager0
+            line += (f"; decode CUDA graph replays: {replays} of {replays + eager} decode "
+                     f"steps ({eager} eager); ")
+            captures = d.graph_captures
+            line += ("no CUDA graphs" if captures is None else
+                     f"graph captures: {captures} since start (+{captures - self._captures0})")
         logger.info("%s", line)
         self._reset(now)
         return line

@@ -138,7 +138,8 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "evicted (default: %(default)s)", type=float, metavar="S")
     g = p.add_argument_group("logging and metrics")
     _add(g, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
-         "generated tokens/s, CUDA graph replays); 0 turns it off (default: %(default)s)",
+         "generated tokens/s, decode steps replayed from CUDA graphs and run eagerly); 0 turns "
+         "it off (default: %(default)s)",
          type=float, metavar="S")
     return {"model": m, "memory and scheduling": k, "expert parallelism": e,
             "fault tolerance": f, "logging and metrics": g}

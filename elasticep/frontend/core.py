@@ -314,7 +314,8 @@ class Frontend:
         elif isinstance(msg, StepFailed):
             self._dispatch(self.tracker.on_step_failed(msg.rank, msg.request_ids, msg.message))
         elif isinstance(msg, RankStats):
-            self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays)
+            self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays,
+                                    msg.decode_replays, msg.decode_eager)
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()

@@ -48,26 +48,40 @@ class FrontendMetrics:
             "elasticep_interruption_seconds",
             "Longest token gap a moved request saw across its move (seconds)",
             buckets=_GAP_BUCKETS, registry=r)
-        self.cuda_graph_captures = Gauge(
+
+        def rank_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["rank"], registry=r)
+
+        self.cuda_graph_captures = rank_gauge(
             "elasticep_cuda_graph_captures",
             "Decode CUDA graph captures of a rank since it started (start-up included; "
-            "a re-capture after a membership change adds one)", ["rank"], registry=r)
-        self.cuda_graph_replays = Gauge(
+            "a re-capture after a membership change adds one)")
+        self.cuda_graph_replays = rank_gauge(
             "elasticep_cuda_graph_replays",
-            "Decode steps a rank replayed from a CUDA graph since it started", ["rank"],
-            registry=r)
-        self.rank_steps = Gauge("elasticep_rank_steps",
-                                "Committed steps of a rank since it started", ["rank"],
-                                registry=r)
+            "Forwards a rank replayed from a decode CUDA graph since it started (an idle EP "
+            "rank's empty steps included)")
+        self.decode_replays = rank_gauge(
+            "elasticep_decode_replays",
+            "Decode steps (every sequence decodes one token) a rank replayed from a CUDA "
+            "graph since it started")
+        self.decode_eager = rank_gauge(
+            "elasticep_decode_eager",
+            "Decode steps a rank ran eagerly (no graph, a stale or too small one) since it "
+            "started")
+        self.rank_steps = rank_gauge("elasticep_rank_steps",
+                                     "Committed steps of a rank since it started")
         self.time_to_first_token_seconds = Histogram(
             "elasticep_time_to_first_token_seconds", "Time to first token (seconds)",
             registry=r)
 
-    def rank_stats(self, rank: int, steps: int, captures: int, replays: int) -> None:
+    def rank_stats(self, rank: int, steps: int, captures: int, replays: int,
+                   decode_replays: int = 0, decode_eager: int = 0) -> None:
         """Record a rank's counters (a :class:`~elasticep.frontend_link.RankStats`); a
-        rank without graphs (-1) exports no graph series."""
+        rank without graphs (-1) exports no graph series, its decode steps all the same."""
         label = str(rank)
         self.rank_steps.labels(rank=label).set(steps)
+        self.decode_replays.labels(rank=label).set(decode_replays)
+        self.decode_eager.labels(rank=label).set(decode_eager)
         if captures >= 0:
             self.cuda_graph_captures.labels(rank=label).set(captures)
             self.cuda_graph_replays.labels(rank=label).set(replays)

@@ -87,7 +87,11 @@ class RankStats(Message, tag="rank_stats"):
         graph_captures: complete decode CUDA graph captures since start (start-up
             included; a re-capture after a membership change adds one), or -1 where
             the rank runs no graphs.
-        graph_replays: decode steps replayed from a graph since start (-1: no graphs).
+        graph_replays: forwards replayed from a graph since start, an idle EP rank's
+            included (-1: no graphs).
+        decode_replays, decode_eager: decode steps (every sequence of the rank's batch
+            decodes one token) since start that replayed a graph / ran eagerly
+            (:class:`~elasticep.engine.model_runner.ModelRunner`).
     """
 
     rank: int
@@ -95,6 +99,8 @@ class RankStats(Message, tag="rank_stats"):
     steps: int
     graph_captures: int
     graph_replays: int
+    decode_replays: int = 0
+    decode_eager: int = 0
 
 
 # Messages a worker sends to the front-end.
