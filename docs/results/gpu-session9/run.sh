@@ -126,15 +126,19 @@ if want ttft; then  # served TTFT of 2048-token prompts at concurrency 1
 fi
 
 if want failover; then
-    for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size
-        IFS=: read -r name r ep <<< "$sc"
-        step "failover_${name}_r${r}_ep$ep" 100 python3 -m bench.failover --scenario $name \
+    for sc in ${SCENARIOS:-kill:0:2 rejoin:0:2 scale-up:0:2}; do  # name:redundant:ep_size[:scale_to]
+        IFS=: read -r name r ep to <<< "$sc"
+        tag=${name}_r${r}_ep$ep${to:+_to$to}
+        step "failover_$tag" ${FO_S:-100} python3 -m bench.failover --scenario $name \
             --ep-size $ep --victim 1 --device cuda --ep-num-redundant-experts $r --healthy-s 4 \
-            --degraded-s 4 --after-s 4 ${FO_ARGS:-} --log-dir /tmp/fo_${name}_${r}_$ep \
-            >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
+            --degraded-s 4 --after-s 4 ${to:+--scale-to $to} ${FO_ARGS:-} --log-dir /tmp/fo_$tag \
+            --step-rate-out "$OUT/steps_$tag.jsonl" >> "$OUT/failover.jsonl" 2>> /tmp/fo.err
         tail -2 /tmp/fo.err
-        tail -1 "$OUT/failover.jsonl" | cut -c1-900
-        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_${name}_${r}_$ep/* 2>/dev/null \
+        tail -1 "$OUT/failover.jsonl" | python3 -c "
+import json,sys
+d=json.loads(sys.stdin.read())
+print({k: d.get(k) for k in ('scenario','ep_size','scale_to','ep_num_redundant_experts','interruption_s','pause_s','failed_requests','outputs_identical','survivor_recaptures','decode_replay_share_healthy','decode_replay_share_event','decode_replay_share_degraded','decode_replay_share_after')})" 2>&1 | cut -c1-700
+        grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_$tag/* 2>/dev/null \
             | cut -c1-220 | tail -8 >> "$OUT/failover_lines.log"
     done
 fi
