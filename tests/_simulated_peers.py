@@ -119,6 +119,13 @@ class SimulatedPeers:
                               for d in p.live_ranks() if d != self.me}
 
     def __call__(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        # a graph replay calls the exchange between its pieces outside inference mode, on
+        # buffers made inside it at capture; a real collective writes them without
+        # autograd's check, and so must this stand-in
+        with torch.inference_mode():
+            self._exchange(out, inp)
+
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         p, me, layers = self.placement, self.me, self.bank.moe_layers
         G = p.max_ep_size
         C = inp.shape[0] // G
