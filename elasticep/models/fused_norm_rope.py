@@ -59,30 +59,60 @@ if triton is not None:
                  mask=mask)
 
     @triton.jit
-    def _norm_rope_rows(src, ok, wa, wb, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
-                        D: tl.constexpr):
-        # HEAD_BLOCK heads of one token, each D values at src[h] (a [HEAD_BLOCK, 1] pointer
-        # column; rows with ok False are not read): RMSNorm with the weight halves wa, wb
-        # ([HEAD_BLOCK, D/2] float32; if HAS_NORM), then RoPE; returns both halves
-        half = D // 2
-        lo = tl.arange(0, D // 2)[None, :]
-        a = tl.load(src + lo, mask=ok, other=0.0)
-        b = tl.load(src + half + lo, mask=ok, other=0.0)
-        if HAS_NORM:
-            af, bf = a.to(tl.float32), b.to(tl.float32)
-            rstd = tl.math.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)
-            a = (wa * (af * rstd[:, None]).to(a.dtype).to(tl.float32)).to(a.dtype)
-            b = (wb * (bf * rstd[:, None]).to(b.dtype).to(tl.float32)).to(b.dtype)
-        ca = tl.load(cos_ptr + tok * D + lo).to(tl.float32)
-        cb = tl.load(cos_ptr + tok * D + half + lo).to(tl.float32)
-        sa = tl.load(sin_ptr + tok * D + lo).to(tl.float32)
-        sb = tl.load(sin_ptr + tok * D + half + lo).to(tl.float32)
-        af, bf = a.to(tl.float32), b.to(tl.float32)
+    def _norm_halves(a, b, wa, wb, rstd):
+        # RMSNorm's scale and weight on both halves of a head (any shape; rstd broadcast):
+        # the norm rounded to the model dtype before the weight multiply, as in torch
+        a = (wa * (a.to(tl.float32) * rstd).to(a.dtype).to(tl.float32)).to(a.dtype)
+        b = (wb * (b.to(tl.float32) * rstd).to(b.dtype).to(tl.float32)).to(b.dtype)
+        return a, b
+
+    @triton.jit
+    def _rope_halves(a, b, ca, cb, sa, sb):
         # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a); each product is
         # rounded to the model dtype before the sum, as in the torch form
+        af, bf = a.to(tl.float32), b.to(tl.float32)
         out_a = ((af * ca).to(a.dtype).to(tl.float32) + (-bf * sa).to(a.dtype).to(tl.float32))
         out_b = ((bf * cb).to(a.dtype).to(tl.float32) + (af * sb).to(a.dtype).to(tl.float32))
         return out_a.to(a.dtype), out_b.to(a.dtype)
+
+    @triton.jit
+    def _cos_sin(cos_ptr, sin_ptr, tok, lo, D: tl.constexpr):
+        ca = tl.load(cos_ptr + tok * D + lo).to(tl.float32)
+        cb = tl.load(cos_ptr + tok * D + D // 2 + lo).to(tl.float32)
+        sa = tl.load(sin_ptr + tok * D + lo).to(tl.float32)
+        sb = tl.load(sin_ptr + tok * D + D // 2 + lo).to(tl.float32)
+        return ca, cb, sa, sb
+
+    @triton.jit
+    def _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
+                       D: tl.constexpr):
+        # one head's D values at src: RMSNorm (if HAS_NORM), then RoPE; returns both halves
+        lo = tl.arange(0, D // 2)
+        a = tl.load(src + lo)
+        b = tl.load(src + D // 2 + lo)
+        if HAS_NORM:
+            af, bf = a.to(tl.float32), b.to(tl.float32)
+            rstd = tl.math.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
+            a, b = _norm_halves(a, b, tl.load(w_ptr + lo).to(tl.float32),
+                                tl.load(w_ptr + D // 2 + lo).to(tl.float32), rstd)
+        ca, cb, sa, sb = _cos_sin(cos_ptr, sin_ptr, tok, lo, D)
+        return _rope_halves(a, b, ca, cb, sa, sb)
+
+    @triton.jit
+    def _norm_rope_rows(src, ok, wa, wb, cos_ptr, sin_ptr, tok, eps, HAS_NORM: tl.constexpr,
+                        D: tl.constexpr):
+        # as _norm_rope_row for HEAD_BLOCK heads of one token at src[h] (a [HEAD_BLOCK, 1]
+        # pointer column; rows with ok False are not read), the weight halves given as
+        # [HEAD_BLOCK, D/2] float32
+        lo = tl.arange(0, D // 2)[None, :]
+        a = tl.load(src + lo, mask=ok, other=0.0)
+        b = tl.load(src + D // 2 + lo, mask=ok, other=0.0)
+        if HAS_NORM:
+            af, bf = a.to(tl.float32), b.to(tl.float32)
+            rstd = tl.math.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)
+            a, b = _norm_halves(a, b, wa, wb, rstd[:, None])
+        ca, cb, sa, sb = _cos_sin(cos_ptr, sin_ptr, tok, lo, D)
+        return _rope_halves(a, b, ca, cb, sa, sb)
 
     @triton.jit
     def _store_rows(dst, ok, out_a, out_b, D: tl.constexpr):
@@ -92,8 +122,19 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t, eps,
-                          HAS_NORM: tl.constexpr, D: tl.constexpr,
-                          HEAD_BLOCK: tl.constexpr):
+                          HAS_NORM: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
+        tok = row // heads
+        src = x_ptr + tok * stride_t + (row - tok * heads) * D  # tokens may be strided
+        out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
+        lo = tl.arange(0, D // 2)
+        tl.store(out_ptr + row * D + lo, out_a)
+        tl.store(out_ptr + row * D + D // 2 + lo, out_b)
+
+    @triton.jit
+    def _norm_rope_block_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_t,
+                                eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
+                                HEAD_BLOCK: tl.constexpr):
         # one token (axis 0) and HEAD_BLOCK of its heads (axis 1); tokens may be strided
         tok = tl.program_id(0).to(tl.int64)
         h = (tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)).to(tl.int64)[:, None]
@@ -108,11 +149,42 @@ if triton is not None:
     @triton.jit
     def _qkv_cache_kernel(qkv_ptr, stride_t, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr,
                           k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr, hq, hkv, eps,
-                          HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr, D: tl.constexpr,
-                          HEAD_BLOCK: tl.constexpr):
-        # one token (axis 0) and HEAD_BLOCK heads of its fused projection (axis 1): a q
-        # head goes (normed, rotated) to q; a k head to the KV cache slot of its token
-        # (and, with HAS_K_OUT, to k_out); a v head is copied there as is
+                          HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr, D: tl.constexpr):
+        # one (token, head) of the fused projection: a q head goes (normed, rotated) to
+        # q; a k head to the KV cache slot of its token (and, with HAS_K_OUT, to k_out);
+        # a v head is copied there as is
+        row = tl.program_id(0).to(tl.int64)
+        nh = hq + 2 * hkv
+        tok = row // nh
+        h = row - tok * nh
+        src = qkv_ptr + tok * stride_t + h * D
+        lo = tl.arange(0, D // 2)
+        if h >= hq + hkv:
+            dst = v_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq - hkv)) * D
+            tl.store(dst + lo, tl.load(src + lo))
+            tl.store(dst + D // 2 + lo, tl.load(src + D // 2 + lo))
+        else:
+            if h < hq:
+                w_ptr = qw_ptr
+                dst = q_ptr + (tok * hq + h) * D
+            else:
+                w_ptr = kw_ptr
+                dst = k_cache_ptr + (tl.load(slot_ptr + tok) * hkv + (h - hq)) * D
+            out_a, out_b = _norm_rope_row(src, w_ptr, cos_ptr, sin_ptr, tok, eps, HAS_NORM, D)
+            tl.store(dst + lo, out_a)
+            tl.store(dst + D // 2 + lo, out_b)
+            if HAS_K_OUT and h >= hq:
+                k_dst = k_out_ptr + (tok * hkv + (h - hq)) * D
+                tl.store(k_dst + lo, out_a)
+                tl.store(k_dst + D // 2 + lo, out_b)
+
+    @triton.jit
+    def _qkv_cache_block_kernel(qkv_ptr, stride_t, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr,
+                                k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr, hq, hkv, eps,
+                                HAS_NORM: tl.constexpr, HAS_K_OUT: tl.constexpr,
+                                D: tl.constexpr, HEAD_BLOCK: tl.constexpr):
+        # _qkv_cache_kernel for one token (axis 0) and HEAD_BLOCK of its heads (axis 1),
+        # each head's role (q, k, v) a row mask
         tok = tl.program_id(0).to(tl.int64)
         h = (tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)).to(tl.int64)[:, None]
         is_q = h < hq
@@ -137,18 +209,14 @@ if triton is not None:
             _store_rows(k_out_ptr + (tok * hkv + kh) * D, is_k, out_a, out_b, D)
 
 
-# Heads per program of the norm/RoPE kernels, by the step's token count. From
-# HEAD_BLOCK_MIN_TOKENS tokens a program takes 8 heads (Qwen3-30B-A3B's 32 + 4 + 4 q, k, v
-# heads of a token in five programs): one head a program took 287 us a layer at 8192
-# tokens on the H200, against 58 us at 8 (bench/scale.py --only prefill). Below it, one
-# head a program: at batch 1 the 8-head form was 0.16 ms a decode step slower (a
-# program per head spreads one token's few heads over more SMs).
+# From BLOCK_KERNEL_MIN_TOKENS tokens the norm/RoPE kernels take HEAD_BLOCK heads a
+# program (Qwen3-30B-A3B's 32 + 4 + 4 q, k, v heads of a token in five programs): a head a
+# program took 287 us a layer at 8192 tokens on the H200, the block form 58 us
+# (bench/scale.py --only prefill). Decode-sized steps keep a program a head, the kernel
+# the decode graphs were measured with: the block form at every size cost 0.16 ms a
+# batch-1 decode step.
 HEAD_BLOCK = 8
-HEAD_BLOCK_MIN_TOKENS = 128
-
-
-def _head_block(tokens: int) -> int:
-    return HEAD_BLOCK if tokens >= HEAD_BLOCK_MIN_TOKENS else 1
+BLOCK_KERNEL_MIN_TOKENS = 128
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,10 +280,14 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     xc = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     T, heads = xc.shape[0], xc.shape[1]
     out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
-    hb = _head_block(T)
-    _norm_rope_kernel[(T, triton.cdiv(heads, hb))](
-        xc, xc if weight is None else weight, cos.contiguous(), sin.contiguous(), out, heads,
-        xc.stride(0), eps, HAS_NORM=weight is not None, D=D, HEAD_BLOCK=hb)
+    w, cos, sin = xc if weight is None else weight, cos.contiguous(), sin.contiguous()
+    if T >= BLOCK_KERNEL_MIN_TOKENS:
+        _norm_rope_block_kernel[(T, triton.cdiv(heads, HEAD_BLOCK))](
+            xc, w, cos, sin, out, heads, xc.stride(0), eps, HAS_NORM=weight is not None, D=D,
+            HEAD_BLOCK=HEAD_BLOCK)
+    else:
+        _norm_rope_kernel[(T * heads,)](xc, w, cos, sin, out, heads, xc.stride(0), eps,
+                                        HAS_NORM=weight is not None, D=D)
     return out
 
 
@@ -265,10 +337,14 @@ def qkv_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor | None,
     T, D = qkv.shape[0], head_dim
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     w = qkv if q_norm is None else q_norm
-    hb = _head_block(T)
-    _qkv_cache_kernel[(T, triton.cdiv(num_heads + 2 * num_kv_heads, hb))](
-        qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
-        sin.contiguous(), q, k_cache, v_cache, slot_mapping, q if k_out is None else k_out,
-        num_heads, num_kv_heads, eps, HAS_NORM=q_norm is not None,
-        HAS_K_OUT=k_out is not None, D=D, HEAD_BLOCK=hb)
+    args = (qkv, qkv.stride(0), w, w if k_norm is None else k_norm, cos.contiguous(),
+            sin.contiguous(), q, k_cache, v_cache, slot_mapping, q if k_out is None else k_out,
+            num_heads, num_kv_heads, eps)
+    flags = {"HAS_NORM": q_norm is not None, "HAS_K_OUT": k_out is not None, "D": D}
+    nh = num_heads + 2 * num_kv_heads
+    if T >= BLOCK_KERNEL_MIN_TOKENS:
+        _qkv_cache_block_kernel[(T, triton.cdiv(nh, HEAD_BLOCK))](*args, **flags,
+                                                                  HEAD_BLOCK=HEAD_BLOCK)
+    else:
+        _qkv_cache_kernel[(T * nh,)](*args, **flags)
     return q

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 9's device calls (one H200), in priority order within the 600 s a call may run.
+# The device calls of a session (one H200), in priority order within the 600 s a call may run.
 # Each step gets what is left of the call's time; a step that cannot start in time is
 # skipped and says so. Run from the repository root with the serve wheels carried in
 # .whl/ and ELASTICEP_COMMIT set; results go to $OUT. STEPS picks the steps (names below).
