@@ -48,3 +48,26 @@ def test_a_rank_that_died_before_writing_its_log_is_said_so():
     assert loading_exit_message(2, 1, "ValueError: x") == (
         "elasticep serve: error: rank 2 exited with 1 while loading; its log ends with:\n"
         "ValueError: x")
+
+
+def test_a_taken_port_is_refused_before_any_rank_starts(tmp_path):
+    """`--port` held by another listener: serve exits 1 with one error line naming the
+    address, before it starts a rank (no rank pid in its log, no worker log written)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        serve = subprocess.run(
+            [sys.executable, "-m", "elasticep.entrypoints.cli", "serve", "--ep-size", "2",
+             "--host", "127.0.0.1", "--port", str(port), "--dist-init-addr", "127.0.0.1:0",
+             "--log-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 1, serve.stderr[-3000:]
+    errors = [line for line in serve.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"elasticep serve: error: cannot serve HTTP on 127.0.0.1:{port} (--host/--port): "), errors
+    assert not re.findall(r"rank \d started", serve.stderr), serve.stderr[-3000:]
+    assert not list(tmp_path.rglob("rank*.log"))
+    assert serve.stdout == ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import threading
 import time
@@ -120,6 +121,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         stop.set()
 
     try:
+        # a taken --port would otherwise show only after every rank had loaded
+        check_port_free(settings.host, settings.port)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
         try:  # the local ranks first: they load while the front-end starts
@@ -172,6 +175,27 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         if deployment is not None:
             deployment.stop()
         channel.close()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` (TCP, ``SO_REUSEADDR`` as uvicorn binds) and let it go, so a
+    port another process listens on is refused before any rank starts. Port 0 (any
+    free port) always passes. It is a check, not a reservation: the HTTP server binds
+    again later, and reports a port taken in between itself.
+
+    Raises:
+        OSError: the port cannot be bound, naming ``--host/--port`` and the reason.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot serve HTTP on {host}:{port} (--host/--port): "
+                          f"{exc.strerror or exc}") from exc
 
 
 def coordinator_exit_message(pid: int, code: int) -> str:
