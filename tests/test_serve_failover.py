@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -137,6 +139,8 @@ def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, referenc
     join.proc.send_signal(signal.SIGINT)
     assert join.proc.wait(30) == 130, join.output()
     assert f"ranks [0] (pids [{before.pid}]) keep serving" in join.output()
+    # the marker files by which the kept rank confirmed it outlives the join are gone
+    assert not list(Path(tempfile.gettempdir()).glob(f"elasticep-outlive-{join.proc.pid}-r*"))
     time.sleep(3.5)  # longer than --heartbeat-timeout 3.0: a dead rank would be failed
     assert reference_results(serve, PROMPTS, MAX_TOKENS) == reference
     now = serve.rank_state(0)
@@ -148,6 +152,8 @@ def test_ctrl_c_of_a_join_hands_its_rank_over_and_detach_returns(serve, referenc
     serve.wait_for(lambda s: s.rank(0).state == SlotState.FAILED, 10, "rank 0 failed")
     detached = _join(serve, "--elastic-ep-join-mode", "recover", "--ranks", "0", "--detach")
     assert detached.proc.wait(120) == 0, detached.output()
+    assert not list(Path(tempfile.gettempdir()).glob(
+        f"elasticep-outlive-{detached.proc.pid}-r*"))
     assert "keep serving" in detached.output()
     back = serve.rank_state(0)
     assert back.state == SlotState.HEALTHY and back.pid != before.pid

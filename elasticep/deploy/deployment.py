@@ -24,9 +24,7 @@ The ``elastic`` / ``none`` difference is :meth:`membership`'s choice, made once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import subprocess
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
@@ -324,10 +322,7 @@ class Deployment:
                 logger.warning("node %d: ranks %s did not confirm they outlive this "
                                "process in %.0f s; they may stop with it", self.node, late,
                                timeout_s)
-        self.stop(timeout_s, keep=kept.values())
-        for r in kept:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.launcher.outlive_marker(r))
+        self.stop(timeout_s, keep=kept.values())  # also removes the outlive markers
         return kept
 
     def handed_over(self) -> list[int]:

@@ -284,7 +284,8 @@ class RankLauncher:
 
     def stop(self, timeout_s: float = 5.0, keep: Collection[int] = ()) -> None:
         """:meth:`detach`, then SIGTERM and SIGKILL every worker started here but those
-        whose pid is in ``keep`` (members that outlive us, see ``outlive``); idempotent."""
+        whose pid is in ``keep`` (members that outlive us, see ``outlive``), and remove
+        the workers' outlive markers; idempotent."""
         self.detach()
         with self._lock:
             pids = [p.pid for p in self.procs.values() if p.poll() is None
@@ -294,3 +295,7 @@ class RankLauncher:
         for f in self._logs:
             f.close()
         self._logs = []
+        if self.outlive:  # every worker's marker, kept or stopped: none is read again
+            for rank in list(self.procs):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.outlive_marker(rank))
