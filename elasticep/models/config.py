@@ -258,9 +258,12 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
 
 def config_cache_dir() -> Path:
     """Where :func:`load_model_config` records what it read from ``AutoConfig``:
-    ``$ELASTICEP_CONFIG_CACHE``, else ``elasticep-config-cache`` in the temp directory."""
-    return Path(os.environ.get("ELASTICEP_CONFIG_CACHE")
-                or Path(tempfile.gettempdir(), "elasticep-config-cache"))
+    ``$ELASTICEP_CONFIG_CACHE``, else ``elasticep/config`` in the user's cache directory
+    (``$XDG_CACHE_HOME``, default ``~/.cache``; not the shared temp directory, where
+    another user could plant records)."""
+    if env := os.environ.get("ELASTICEP_CONFIG_CACHE"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "elasticep", "config")
 
 
 def _cache_file(config_json: Path) -> Path:
