@@ -42,80 +42,28 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from elasticep.elastic.profiler_settings import (  # re-exported: the module's settings
+    CPU_ENV,
+    DIR_ENV,
+    STEPS_ENV,
+    ProfilerSettings,
+    profiler_settings,
+)
 from elasticep.utils.profile_summary import summarize_profile
 
 logger = logging.getLogger(__name__)
 
-DIR_ENV = "ELASTICEP_TORCH_PROFILER_DIR"
-STEPS_ENV = "ELASTICEP_TORCH_PROFILER_STEPS"
-CPU_ENV = "ELASTICEP_TORCH_PROFILER_CPU"
-DEFAULT_SKIP, DEFAULT_COUNT = 20, 10
-
-
-@dataclass(frozen=True)
-class ProfilerSettings:
-    """Where and what to profile.
-
-    Attributes:
-        out_dir: the directory of the rank files (created when the rank starts).
-        skip: working steps before the window (>= 0); the last of them is the warm-up.
-        count: working steps in the window (>= 1).
-        with_cpu: record host-side ops too (CUDA activity is always on for a CUDA rank).
-    """
-
-    out_dir: Path
-    skip: int = DEFAULT_SKIP
-    count: int = DEFAULT_COUNT
-    with_cpu: bool = True
-
-
-def profiler_settings(environ: Mapping[str, str] | None = None) -> ProfilerSettings | None:
-    """Read the profiler variables (see the module docstring).
-
-    Args:
-        environ: the environment (default ``os.environ``).
-
-    Returns:
-        The settings, or None when ``ELASTICEP_TORCH_PROFILER_DIR`` is unset or empty.
-
-    Raises:
-        ValueError: a one-line message naming the variable: STEPS not ``SKIP:COUNT``
-            with SKIP >= 0 and COUNT >= 1, CPU not 0 or 1, DIR an existing non-directory,
-            or STEPS / CPU set without DIR.
-    """
-    env = os.environ if environ is None else environ
-    out_dir = env.get(DIR_ENV, "")
-    steps, cpu = env.get(STEPS_ENV), env.get(CPU_ENV)
-    if not out_dir:
-        stray = [name for name, v in ((STEPS_ENV, steps), (CPU_ENV, cpu)) if v]
-        if stray:
-            raise ValueError(f"{stray[0]} is set but {DIR_ENV} is not: set {DIR_ENV}=DIR to "
-                             "profile, or unset both")
-        return None
-    path = Path(out_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{DIR_ENV}={out_dir!r} exists and is not a directory")
-    skip, count = DEFAULT_SKIP, DEFAULT_COUNT
-    if steps:
-        a, sep, b = steps.partition(":")
-        if not (sep and a.strip().isdigit() and b.strip().isdigit() and int(b) >= 1):
-            raise ValueError(f"{STEPS_ENV} must be SKIP:COUNT with integers SKIP >= 0 and "
-                             f"COUNT >= 1 (e.g. {DEFAULT_SKIP}:{DEFAULT_COUNT}), got {steps!r}")
-        skip, count = int(a), int(b)
-    if cpu not in (None, "", "0", "1"):
-        raise ValueError(f"{CPU_ENV} must be 0 or 1, got {cpu!r}")
-    return ProfilerSettings(path, skip, count, cpu != "0")
+__all__ = ["CPU_ENV", "DIR_ENV", "STEPS_ENV", "ProfilerSettings", "StepProfiler",
+           "profiler_settings"]
 
 
 class StepProfiler:

@@ -37,8 +37,10 @@ class _SubcommandParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every subcommand that is importable."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser with every subcommand that is importable, or with the
+    subcommand ``only`` alone (its process then imports no other subcommand's module:
+    ``generate``'s imports torch, which ``join`` needs not)."""
     parser = argparse.ArgumentParser(
         prog="elasticep",
         description="Fault-tolerant elastic expert-parallel inference for MoE models.",
@@ -47,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"elasticep {elasticep.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                                 parser_class=_SubcommandParser)
-    for module in SUBCOMMANDS.values():
+    for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -60,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `elasticep` console script; returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # a subcommand named first is the only one parsed: build only its parser
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

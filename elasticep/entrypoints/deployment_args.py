@@ -19,7 +19,6 @@ from elasticep.config import (
     Backend,
     DeploymentConfig,
     DispatchAlgorithm,
-    LoadFormat,
     field_of,
 )
 from elasticep.engine.limits import (
@@ -31,13 +30,9 @@ from elasticep.engine.limits import (
     KV_TOKENS_PER_REQUEST,
     MAX_RUNNING_REQUESTS_CAP,
 )
-from elasticep.entrypoints.validate import UsageError, default_model_dir
+from elasticep.entrypoints.validate import UsageError, add_load_format_argument, default_model_dir
 from elasticep.models.config import SUPPORTED_FAMILIES
 from elasticep.moe import stream_memops
-
-LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
-                    "draws them from a fixed seed on the device, so a directory with only "
-                    "config.json runs a real model shape (benchmarks)")
 
 Group = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -51,14 +46,6 @@ def _add(group: Group, flag: str, help: str, **kw: object) -> None:
     if kw.get("type") is int:
         kw.setdefault("metavar", "N")
     group.add_argument(flag, help=help, **kw)
-
-
-def add_load_format_argument(p: Group, default: str | None = LoadFormat.AUTO.value,
-                             help_suffix: str = "") -> None:
-    """Add ``--load-format`` (vLLM's name and choices) to ``p`` (``join`` takes it too,
-    with no default: the deployment's)."""
-    p.add_argument("--load-format", choices=[m.value for m in LoadFormat], default=default,
-                   help=LOAD_FORMAT_HELP + help_suffix)
 
 
 def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

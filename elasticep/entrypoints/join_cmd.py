@@ -30,18 +30,18 @@ from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach
 from elasticep.deploy.restart_policy import OnExit, Policy, Until
 from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
 from elasticep.elastic.exit_code import ExitCode
-from elasticep.entrypoints.deployment_args import add_load_format_argument
-from elasticep.entrypoints.serve_cmd import setup_logging
 from elasticep.entrypoints.validate import (
     UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
+    add_load_format_argument,
     apply_gloo_ifname,
     check_address,
     coordinator_timeout_check,
     env_profiler,
     make_log_dir,
     raise_first_failure,
+    setup_logging,
 )
 from elasticep.membership import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError

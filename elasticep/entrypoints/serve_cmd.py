@@ -41,7 +41,13 @@ from elasticep.entrypoints.serve_args import (
     add_serve_arguments,
     validate,
 )
-from elasticep.entrypoints.validate import UsageError, env_fault, env_profiler, make_log_dir
+from elasticep.entrypoints.validate import (
+    UsageError,
+    env_fault,
+    env_profiler,
+    make_log_dir,
+    setup_logging,
+)
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.status import DeploymentStatus
@@ -73,12 +79,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
     return p
-
-
-def setup_logging() -> None:
-    """Serve's own logs go to stderr (stdout carries only the ready line)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(levelname)s %(message)s")
 
 
 def run(args: argparse.Namespace) -> int:

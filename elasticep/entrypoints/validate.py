@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 import elasticep
-from elasticep.distributed.gloo_device import IFNAME_ENV
+from elasticep.config import LoadFormat
 from elasticep.elastic.fault_injection import ENV_VAR, parse_faults
-from elasticep.elastic.step_profiler import profiler_settings
-from elasticep.models.config import SUPPORTED_FAMILIES
+from elasticep.elastic.profiler_settings import profiler_settings
 
 Check = tuple[object, str]  # (condition, message when it is falsy)
 
@@ -61,6 +60,20 @@ def env_profiler() -> None:
         raise UsageError(str(exc)) from None
 
 
+LOAD_FORMAT_HELP = ("where weights come from: auto/safetensors read the checkpoint; dummy "
+                    "draws them from a fixed seed on the device, so a directory with only "
+                    "config.json runs a real model shape (benchmarks)")
+
+
+def add_load_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+                             default: str | None = LoadFormat.AUTO.value,
+                             help_suffix: str = "") -> None:
+    """Add ``--load-format`` (vLLM's name and choices) to ``p`` (``join`` takes it too,
+    with no default: the deployment's)."""
+    p.add_argument("--load-format", choices=[m.value for m in LoadFormat], default=default,
+                   help=LOAD_FORMAT_HELP + help_suffix)
+
+
 def add_coordinator_timeout_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup,
                                      ) -> None:
     """Add ``--coordinator-timeout`` (how long a node or a `join` tries to reach node 0)."""
@@ -95,6 +108,8 @@ def apply_gloo_ifname(args: argparse.Namespace) -> None:
         except OSError:
             raise UsageError(f"--gloo-socket-ifname: no network interface {name!r} on this "
                              "machine (see `ip link`)") from None
+    from elasticep.distributed.gloo_device import IFNAME_ENV  # imports torch.distributed
+
     os.environ[IFNAME_ENV] = args.gloo_socket_ifname
 
 
@@ -146,6 +161,8 @@ def check_device(device: str) -> None:
         UsageError: ``--device cuda`` without a CUDA device.
     """
     if device == "cuda":
+        import torch  # seconds to import: only where CUDA is asked for
+
         if not torch.cuda.is_available():
             raise UsageError("--device cuda, but this torch build sees no CUDA device "
                              "(see README: installing the CUDA build of torch)")
@@ -164,10 +181,18 @@ def check_model_dir(model: str) -> str:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"--model {model}: unreadable config.json ({exc})") from None
+    from elasticep.models.config import SUPPORTED_FAMILIES  # imports torch
+
     if model_type not in SUPPORTED_FAMILIES:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
     return str(path.resolve())
+
+
+def setup_logging() -> None:
+    """A command's own logs go to stderr (serve's stdout carries only the ready line)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(levelname)s %(message)s")
 
 
 def make_log_dir(value: str | None, prefix: str) -> Path:

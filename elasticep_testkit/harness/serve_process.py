@@ -178,7 +178,7 @@ class ServeProcess:
         serve = cls(proc, f"http://{host}:{port}", coordinator, log_path, wrap)
         try:
             serve.wait_for(lambda st: all_healthy(st) and serve.printed_ready(),
-                           ready_timeout_s, "serve's ready line", poll_s=0.5)
+                           ready_timeout_s, "serve's ready line", poll_s=0.2)
         except BaseException:
             serve.stop(timeout_s=10)
             raise

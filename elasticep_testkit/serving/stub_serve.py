@@ -23,7 +23,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elasticep.frontend.http_server import create_server
 from elasticep.frontend.membership import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel
 from elasticep.utils.wait import wait_until
@@ -67,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # imported here, not at the top: each spawned stub rank imports this module again,
+    # and the front-end's imports (torch among them) would cost it seconds of CPU
+    from elasticep.frontend.http_server import create_server
+
     channel = FrontendChannel(host=args.host)
     server, _ = create_server(args.model, channel,
                               ConnectedWorkers(lambda: channel.connected, args.ep_size),
