@@ -22,7 +22,8 @@ import pytest
 from elasticep.deploy.probe import reach_coordinator
 from elasticep.entrypoints.serve_cmd import coordinator_exit_message
 from elasticep.membership import CoordinatorClient
-from elasticep.membership.process import CoordinatorProcess, _bind
+from elasticep.membership.process import CoordinatorProcess
+from elasticep.utils.net import bind_tcp
 from elasticep.utils.procs import pid_alive
 from elasticep.utils.wait import wait_until
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 # A parent that starts a coordinator child, prints "<pid> <address>", then waits.
 PARENT = textwrap.dedent("""
     import sys, time
-    from elasticep.membership.process import CoordinatorProcess, _bind
+    from elasticep.membership.process import CoordinatorProcess
     c = CoordinatorProcess.start(hb_timeout_s=2.0)
     print(c.pid, c.address, flush=True)
     time.sleep(600)
@@ -110,7 +111,7 @@ def test_the_parents_socket_refuses_until_the_child_listens():
     """What the probe above relies on even when the child takes longer than a probe's
     handshake (a loaded host: the partition test's node 1 met that): the port the
     parent binds refuses connects; it does not accept one that nobody answers."""
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_tcp("127.0.0.1", 0, socket.AF_INET)  # as CoordinatorProcess.start binds
     try:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(sock.getsockname(), timeout=2).close()

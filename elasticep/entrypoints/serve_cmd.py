@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
+from elasticep.utils.net import bind_tcp
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -113,7 +113,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
-    deployment = server = frontend = None
+    deployment = server = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died
 
     def coordinator_died(code: int) -> None:  # its watcher thread: stop everything
@@ -121,8 +121,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         stop.set()
 
     try:
-        # a taken --port would otherwise show only after every rank had loaded
-        check_port_free(settings.host, settings.port)
+        # bound before any rank starts: a taken --port is refused at once, not after
+        # every rank has loaded, and nothing can take it meanwhile
+        try:
+            http_sock = bind_tcp(settings.host, settings.port)
+        except OSError as exc:
+            raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} "
+                          f"(--host/--port): {exc.strerror or exc}") from exc
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
         try:  # the local ranks first: they load while the front-end starts
@@ -139,15 +144,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         membership = deployment.membership(lambda: channel.connected)
         # --model as given: SGLang's bench_serving loads its tokenizer from this name
         name = args.served_model_name or dep.model
-        try:
-            server, frontend = create_server(
-                dep.model, channel, membership, served_model_name=name,
-                api_key=settings.api_key, host=settings.host, port=settings.port,
-                max_total_tokens=known_max_total_tokens(dep),
-                max_payload_size=settings.max_payload_size)
-        except OSError as exc:
-            raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} (--host/--port): "
-                          f"{exc.strerror or exc}") from exc
+        server, frontend = create_server(
+            dep.model, channel, membership, served_model_name=name,
+            api_key=settings.api_key, host=settings.host, port=settings.port,
+            max_total_tokens=known_max_total_tokens(dep),
+            max_payload_size=settings.max_payload_size, sock=http_sock)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
@@ -171,31 +172,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             frontend.shut_down("the server is shutting down" + (
                 " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
         if server is not None:
-            server.stop()
+            server.stop()  # closes http_sock too
+        elif http_sock is not None:
+            http_sock.close()
         if deployment is not None:
             deployment.stop()
         channel.close()
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Bind ``host:port`` (TCP, ``SO_REUSEADDR`` as uvicorn binds) and let it go, so a
-    port another process listens on is refused before any rank starts. Port 0 (any
-    free port) always passes. It is a check, not a reservation: the HTTP server binds
-    again later, and reports a port taken in between itself.
-
-    Raises:
-        OSError: the port cannot be bound, naming ``--host/--port`` and the reason.
-    """
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot serve HTTP on {host}:{port} (--host/--port): "
-                          f"{exc.strerror or exc}") from exc
 
 
 def coordinator_exit_message(pid: int, code: int) -> str:

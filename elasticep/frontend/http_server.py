@@ -47,6 +47,7 @@ from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
+from elasticep.utils.net import bind_tcp
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                   max_total_tokens: int | None = None,
                   frontend_config: FrontendConfig | None = None,
                   max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE,
+                  sock: socket.socket | None = None,
                   ) -> tuple[HttpServer, Frontend]:
     """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
 
@@ -348,6 +350,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         max_total_tokens: per-rank KV-cache capacity in tokens, if smaller than the context.
         frontend_config: timing of the front-end core.
         max_payload_size: largest request body in bytes (413 above it).
+        sock: the socket bound to ``host:port`` ahead of time, or None (see HttpServer).
 
     Returns:
         The (not yet started) server and its front-end.
@@ -368,7 +371,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                           sampling_defaults=model_config.sampling_defaults,
                           model_path=str(model_path), max_payload_size=max_payload_size)
     app = build_app(frontend, tokenizer, config)
-    return HttpServer(app, host=host, port=port), frontend
+    return HttpServer(app, host=host, port=port, sock=sock), frontend
 
 
 class HttpServer:
@@ -379,14 +382,16 @@ class HttpServer:
         host: interface.
         port: TCP port; 0 picks a free one.
         graceful_timeout_s: how long open streams may delay shutdown (seconds).
+        sock: a socket already bound to ``host:port`` (:func:`elasticep.utils.net.bind_tcp`),
+            which the server then owns; None: bind one here.
+
+    Raises:
+        OSError: ``sock`` is None and ``host:port`` cannot be bound.
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 graceful_timeout_s: float = 5.0) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+                 graceful_timeout_s: float = 5.0, sock: socket.socket | None = None) -> None:
+        self._sock = bind_tcp(host, port) if sock is None else sock
         self.host, self.port = host, self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", lifespan="on",

@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import IO
 
 from elasticep.config import StrEnum
+from elasticep.utils.net import bind_tcp
 
 log = logging.getLogger("elasticep.membership")
 
@@ -142,7 +143,7 @@ class CoordinatorProcess:
                 served (its own error is on this process's stderr, which it shares).
             TimeoutError: it did not serve within ``ready_timeout_s``.
         """
-        listener = _bind(host, port)
+        listener = bind_tcp(host, port, socket.AF_INET)  # as socket.create_server binds
         address = f"{host}:{listener.getsockname()[1]}"
         cmd = [sys.executable, "-m", MODULE, "--host", host,
                "--listen-fd", str(listener.fileno()), "--parent-pid", str(os.getpid()),
@@ -217,23 +218,6 @@ class CoordinatorProcess:
                   "is lost", self._proc.pid, code)
         if self._on_exit is not None:
             self._on_exit(code)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: a free port) but not listening, as
-    ``socket.create_server`` would bind it (IPv4, ``SO_REUSEADDR``).
-
-    Raises:
-        OSError: the address is in use or not local.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _end(proc: subprocess.Popen, timeout_s: float) -> None:
