@@ -128,14 +128,15 @@ class ModelRunner:
         return bool(batch.items) and all(
             it.end - it.start == 1 and it.samples for it in batch.items)
 
-    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """The decode step through a captured graph, or None when it must run eagerly."""
+    def _replay(self, batch: ScheduledBatch, decode: bool) -> torch.Tensor | None:
+        """The decode step through a captured graph, or None when it must run eagerly
+        (``decode``: :meth:`_decode_step` of ``batch``)."""
         g = self.graphs
         # An EP step's bucket follows the largest batch of any rank (agreed in the step
         # header), so an idle rank replays too; a single rank has no such bound.
         agreed = executor_of(self.model).step_max_tokens or 0
         if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
-                or (batch.items and not self._decode_step(batch))):
+                or (batch.items and not decode)):
             return None
         b = g.bucket(max(len(batch.items), agreed))
         if b is None:
@@ -180,12 +181,13 @@ class ModelRunner:
         """Run ``batch``; return float32 logits ``[N, V]`` of the last token of each
         sequence that samples this step, in batch order (or ``[T, V]`` for every
         scheduled token when ``all_logits``)."""
+        decode = self._decode_step(batch)
         if not all_logits:
-            logits = self._replay(batch)
+            logits = self._replay(batch, decode)
             if logits is not None:
-                self.decode_replays += self._decode_step(batch)
+                self.decode_replays += decode
                 return logits
-        self.decode_eager += self._decode_step(batch)
+        self.decode_eager += decode
         input_ids, positions, meta, last = self.prepare(batch)
         return self.model.forward(
             input_ids, positions, meta, self.kv_cache.layers, None if all_logits else last
