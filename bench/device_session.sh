@@ -98,10 +98,10 @@ if want prefill_ds; then  # DeepSeek-V2-Lite shape (MLA)
     cut -c1-400 "$OUT/prefill_ds.jsonl"
 fi
 
-if want decode_ab; then  # no decode regression: the old tree (.ab/old) and this one, interleaved
-    for round in $(seq 1 ${AB_ROUNDS:-1}); do
-        for tree in old new; do
-            if [[ $tree == old ]]; then pp=/tmp/site:$PWD/.ab/old; else pp=/tmp/site:$PWD; fi
+if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried) and this one
+    for round in $(seq 1 ${AB_ROUNDS:-1}); do  # AB_TREES: .ab/ names and "new", interleaved
+        for tree in ${AB_TREES:-old new}; do
+            if [[ $tree == new ]]; then pp=/tmp/site:$PWD; else pp=/tmp/site:$PWD/.ab/$tree; fi
             step "decode_${tree}_$round" ${AB_S:-100} env PYTHONPATH=$pp python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
                 --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
@@ -113,7 +113,7 @@ if want decode_ab; then  # no decode regression: the old tree (.ab/old) and this
     python3 -c "
 import json
 for l in open('$OUT/decode_ab.jsonl'):
-    d=json.loads(l); print(d['tree'], d['round'], d['batch'], d.get('decode_step_ms'), d.get('decode_step_ms_p10_p90'), d.get('error', '')[:200])"
+    d=json.loads(l); print(d['tree'], d['round'], d.get('batch'), d.get('decode_step_ms'), d.get('decode_step_ms_p10_p90'), d.get('error', '')[:200])"
 fi
 
 if want ttft; then  # served TTFT of 2048-token prompts at concurrency 1

@@ -274,6 +274,10 @@ def collectives(rank, addr, ws, mws, ext, q, leaver=None):
             if exp:
                 _check(bad, f"{phase} all_to_all_single {dtype}", out, torch.cat(exp))
         dist.barrier()
+        q.put((rank, phase + " counters", ed.group_diagnostics()["counters"]))
+        if len(ranks) == 1:  # no ring to pass a tensor around
+            q.put((rank, phase, (bad[:], mask, dist.get_world_size())))
+            continue
         # send / recv ring among active ranks
         nxt, prv = ranks[(ranks.index(rank) + 1) % len(ranks)], ranks[ranks.index(rank) - 1]
         buf = torch.zeros(4, dtype=torch.bfloat16)

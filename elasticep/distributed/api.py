@@ -279,7 +279,8 @@ def group_diagnostics(group=None) -> dict:
 
     Returns:
         {"epoch": int, "fast_path": bool (the steady-state all_to_all path is armed),
-         "counters": {"fast", "run", "lease_confirms": int} (ops by route, since start),
+         "counters": {"fast", "run", "solo", "lease_confirms": int} (ops by route since
+         start; "solo": CPU ops of a one-member epoch, done in place, counted in "run"),
          "nccl_timings": {epoch: {...}} (seconds per NCCL communicator phase)}.
     """
     gs = _gs(group)

@@ -20,29 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .solo import DoneWork
 from .state import GroupState
-
-
-class _DoneWork(dist.Work):
-    """A Work that is already complete (ops run synchronously)."""
-
-    def __init__(self, result=None) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
 
 
 def _reduce_op(opts):
@@ -73,34 +52,34 @@ class ElasticProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         for t in tensors:
             self.gs.run(ops.AllReduce(t, _reduce_op(opts)))
-        return _DoneWork(tensors)
+        return DoneWork(tensors)
 
     def broadcast(self, tensors, opts=None):
         for t in tensors:
             self.gs.run(ops.Broadcast(t, _root(opts), self._slot))
-        return _DoneWork(tensors)
+        return DoneWork(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             self.gs.run(ops.AllGather(outs, inp))
-        return _DoneWork(output_tensors)
+        return DoneWork(output_tensors)
 
     def all_gather_single(self, output, input, opts=None):
         self.gs.run(ops.AllGatherInto(output, input, self._size))
-        return _DoneWork(output)
+        return DoneWork(output)
 
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts=None):
         self.gs.run(ops.ReduceScatter(output, input, _reduce_op(opts), self._slot, self._size))
-        return _DoneWork(output)
+        return DoneWork(output)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         for out, ins in zip(output_tensors, input_tensors, strict=True):
             self.reduce_scatter_single(out, torch.cat(ins), opts)
-        return _DoneWork(output_tensors)
+        return DoneWork(output_tensors)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
@@ -109,32 +88,32 @@ class ElasticProcessGroup(dist.ProcessGroup):
             return work
         self.gs.run(ops.AllToAll(output, input, list(output_split_sizes),
                                  list(input_split_sizes), self._size))
-        return _DoneWork(output)
+        return DoneWork(output)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
         self.gs.run(ops.Barrier())
-        return _DoneWork()
+        return DoneWork()
 
     def reduce(self, tensors, opts=None):
         for t in tensors:
             self.gs.run(ops.Reduce(t, _reduce_op(opts), _root(opts), self._slot))
-        return _DoneWork(tensors)
+        return DoneWork(tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         # torch passes no output list at all on non-roots
         outputs = output_tensors or [[] for _ in input_tensors]
         for outs, inp in zip(outputs, input_tensors, strict=True):
             self.gs.run(ops.Gather(outs, inp, _root(opts), self._slot, self._size))
-        return _DoneWork(output_tensors)
+        return DoneWork(output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = _root(opts)
         ins = input_tensors if self._slot == root else [[]] * len(output_tensors)
         for out, inp in zip(output_tensors, ins, strict=True):
             self.gs.run(ops.Scatter(out, inp, root, self._slot, self._size))
-        return _DoneWork(output_tensors)
+        return DoneWork(output_tensors)
 
     # point to point (no sequence number, asynchronous; see `p2p`) -------------
     def send(self, tensors, dst: int, tag: int = 0):

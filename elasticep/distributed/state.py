@@ -40,6 +40,7 @@ from .epoch_groups import EpochComms, Superseded
 from .epoch_log import EpochLog
 from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
 from .p2p import PeerChannels, PeerGroup
+from .solo import SOLO
 
 log = logging.getLogger(__name__)
 KEEP = 4
@@ -99,7 +100,7 @@ class GroupState:
         self._fast: NcclComm | None = None
         # ops by route, for benchmarks and logs: fast (fast_all_to_all launched it),
         # run (went through `run`), lease_confirms (a coordinator round trip in `run`)
-        self.counters = {"fast": 0, "run": 0, "lease_confirms": 0}
+        self.counters = {"fast": 0, "run": 0, "solo": 0, "lease_confirms": 0}
         self.peers = PeerChannels(PeerGroup(  # send/recv
             name, slot, len(ranks), timeout_s, ctl.local_addr, store, new_store, self.epochs,
             self.check_member, self.check_alive, lambda s: self.states[s]))
@@ -219,7 +220,9 @@ class GroupState:
                         inner = self.comms.for_epoch(epoch, active).get(self, gen, deadline)
                     dev = cuda_device_of(op)
                     if dev is None:
-                        work, finalize = op.start(inner.pg, active)
+                        solo = len(active) == 1  # the op's data movement is local (solo.py)
+                        self.counters["solo"] += solo
+                        work, finalize = op.start(SOLO if solo else inner.pg, active)
                         inner.last_work = work
                         self._wait_work(work, gen, deadline)
                     else:

@@ -275,7 +275,9 @@ class LockstepLoop:
         admit, remove = self._requests()
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
+        t_header = time.perf_counter()
         dist.all_reduce(header, group=self.group)
+        t_execute = time.perf_counter()
         h = parse_header(header, self.M)
         # An admission / removal returns with the pending batch kept for a later step.
         if h.admit:
@@ -310,16 +312,25 @@ class LockstepLoop:
                 finally:
                     aborted = self.watchdog.end()
         commit = torch.tensor([step, int(aborted)], dtype=torch.int64)
+        t_commit = time.perf_counter()
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
         if int(commit[1]):
             self._redo_aborted()
             return
+        t_publish = time.perf_counter()
         self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
-        line = self.rate.step(len(outputs), self.stats.last_commit_epoch)
         self.channel.send_outputs(outputs)
+        # where a step's wall time goes: the two collectives, the forward with its
+        # sampling (and, with the exchange, the wait for the GPU), the outputs' hand-off
+        rate = self.rate
+        rate.timed("header", t_execute - t_header)
+        rate.timed("execute", t_commit - t_execute)
+        rate.timed("commit", t_publish - t_commit)
+        rate.timed("publish", time.perf_counter() - t_publish)
+        line = rate.step(len(outputs), self.stats.last_commit_epoch)
         if line is not None:
             self._send_stats()
         if self.eplb is not None and self.eplb.step():

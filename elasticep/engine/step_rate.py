@@ -8,9 +8,12 @@ them from this line, which reads::
 
     rank 0 epoch 1: 90 steps in 1.0 s (11.10 ms/step), 700.2 generated tokens/s,
     7.8 tokens/step; decode CUDA graph replays: 88 of 89 decode steps (1 eager);
-    graph captures: 1 since start (+0)
+    graph captures: 1 since start (+0); ms/step in header 0.05, execute 10.80,
+    commit 0.04, publish 0.12
 
-on one line; a rank without graphs ends it with ``no CUDA graphs``). Both worker loops (:mod:`elasticep.elastic.serve_loop`,
+on one line; a rank without graphs has ``no CUDA graphs`` there, and the timed parts
+of a step (:meth:`StepRateLog.timed`, wall seconds a step spent in each, averaged over
+the interval's steps) come last when the loop times any). Both worker loops (:mod:`elasticep.elastic.serve_loop`,
 :mod:`elasticep.elastic.step_loop`) feed it once per committed step. Every ``interval_s`` with at least one step it logs
 one INFO line, so a slow rank, or one that runs eagerly when it should replay its
 decode CUDA graphs (after a placement change, say), shows in its log.
@@ -61,12 +64,18 @@ class StepRateLog:
 
     def _reset(self, now: float) -> None:
         self._t0, self._steps, self._tokens = now, 0, 0
+        self._parts: dict[str, float] = {}
         d = self.decode
         if d is None:
             self._replays0 = self._eager0 = self._captures0 = 0
         else:
             self._replays0, self._eager0 = d.decode_replays, d.decode_eager
             self._captures0 = d.graph_captures or 0
+
+    def timed(self, part: str, seconds: float) -> None:
+        """Add ``seconds`` (wall time) to the step part ``part`` of this interval; parts
+        are listed in the line in the order first timed."""
+        self._parts[part] = self._parts.get(part, 0.0) + seconds
 
     def step(self, tokens: int, epoch: int) -> str | None:
         """Count one committed step that generated ``tokens`` tokens.
@@ -91,6 +100,9 @@ class StepRateLog:
             captures = d.graph_captures
             line += ("no CUDA graphs" if captures is None else
                      f"graph captures: {captures} since start (+{captures - self._captures0})")
+        if self._parts:
+            line += "; ms/step in " + ", ".join(
+                f"{part} {1000 * t / self._steps:.2f}" for part, t in self._parts.items())
         logger.info("%s", line)
         self._reset(now)
         return line

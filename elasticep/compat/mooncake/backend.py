@@ -25,7 +25,8 @@ import os
 import torch
 
 from elasticep.distributed import api
-from elasticep.distributed.process_group import ElasticProcessGroup, _DoneWork
+from elasticep.distributed.process_group import ElasticProcessGroup
+from elasticep.distributed.solo import DoneWork
 from elasticep.membership.errors import RankFailureError
 
 from . import launch
@@ -68,7 +69,7 @@ class MooncakeBackendOptions:
         self.auto_sync_on_failure = bool(given.get("auto_sync_on_failure", True))
 
 
-class _ResultWork(_DoneWork):
+class _ResultWork(DoneWork):
     """A complete Work with Mooncake's per-op result (`local_success`,
     `failed_ranks_hint`)."""
 
