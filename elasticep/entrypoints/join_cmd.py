@@ -215,9 +215,10 @@ def _hand_over(deployment: Deployment) -> None:
     kept = deployment.hand_over()
     if kept:
         print(f"elasticep join: ranks {sorted(kept)} (pids {[kept[r] for r in sorted(kept)]}) "
-              f"keep serving in the deployment; the coordinator tracks them, and serve "
-              f"--restart-failed-ranks on node {deployment.node} relaunches them if they "
-              f"fail", file=sys.stderr, flush=True)
+              f"keep serving in the deployment; the coordinator tracks them. If they fail, "
+              f"`elasticep join --elastic-ep-join-mode recover` relaunches them, and so "
+              f"does the serve of node {deployment.node} if it runs with "
+              f"--restart-failed-ranks", file=sys.stderr, flush=True)
 
 
 _ERROR_LINE = re.compile(r"^\w*(Error|Exception|Exit)\w*: .+")

@@ -43,16 +43,18 @@ if triton is not None:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_out
         live = mask & (offs * 0 + tag != 0)
-        return r, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
+        return r, tag != 0, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
 
     @triton.jit
     def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, w13_ptr, act_ptr, H, inter,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        r, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, w13_ptr, inter,
-                                                   2 * inter * H, BLOCK_I)
+        r, real, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, w13_ptr, inter,
+                                                         2 * inter * H, BLOCK_I)
         gate = tl.zeros([BLOCK_I], dtype=tl.float32)
         up = tl.zeros([BLOCK_I], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+        # a padding row skips the loop (its weights are masked anyway): at decode batch 1
+        # on an EP transport half the rows are padding (the empty sources' blocks)
+        for h0 in range(0, tl.where(real, H, 0), BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
             x = tl.load(x_ptr + r * x_stride + offs_h, mask=mask_h, other=0.0).to(tl.float32)
@@ -70,10 +72,10 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act_ptr, tag_ptr, tag_stride, w2_ptr, out_ptr, H, inter,
                      BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
-        r, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, w2_ptr, H, H * inter,
-                                                   BLOCK_O)
+        r, real, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, w2_ptr, H,
+                                                         H * inter, BLOCK_O)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
+        for k0 in range(0, tl.where(real, inter, 0), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < inter
             a = tl.load(act_ptr + r * inter + offs_k, mask=mask_k, other=0.0).to(tl.float32)
