@@ -137,9 +137,13 @@ if want failover; then
         tail -1 "$OUT/failover.jsonl" | python3 -c "
 import json,sys
 d=json.loads(sys.stdin.read())
-print({k: d.get(k) for k in ('scenario','ep_size','scale_to','ep_num_redundant_experts','interruption_s','pause_s','failed_requests','outputs_identical','survivor_recaptures','decode_replay_share_healthy','decode_replay_share_event','decode_replay_share_degraded','decode_replay_share_after')})" 2>&1 | cut -c1-700
+print({k: d.get(k) for k in ('scenario','ep_size','scale_to','redundant','interruption_s','pause_s','failed_requests','outputs_identical','survivor_recaptures','decode_replay_share_healthy','decode_replay_share_event','decode_replay_share_degraded','decode_replay_share_after')})" 2>&1 | cut -c1-700
         grep -h "pieces each\|changed shape\|Traceback\|Error" /tmp/fo_$tag/* 2>/dev/null \
             | cut -c1-220 | tail -8 >> "$OUT/failover_lines.log"
     done
 fi
+# The device returns at most 8 files: the step-rate files, rank lines and profiles go
+# into one archive beside the main results.
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl)$') \
+    && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz: $extras" | tr '\n' ' ')
 echo "done at ${SECONDS}s"
