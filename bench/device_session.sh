@@ -145,5 +145,5 @@ fi
 # The device returns at most 8 files: the step-rate files, rank lines and profiles go
 # into one archive beside the main results.
 (cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl)$') \
-    && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz: $extras" | tr '\n' ' ')
+    && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz:" $extras)
 echo "done at ${SECONDS}s"

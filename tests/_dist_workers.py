@@ -275,19 +275,17 @@ def collectives(rank, addr, ws, mws, ext, q, leaver=None):
                 _check(bad, f"{phase} all_to_all_single {dtype}", out, torch.cat(exp))
         dist.barrier()
         q.put((rank, phase + " counters", ed.group_diagnostics()["counters"]))
-        if len(ranks) == 1:  # no ring to pass a tensor around
-            q.put((rank, phase, (bad[:], mask, dist.get_world_size())))
-            continue
-        # send / recv ring among active ranks
-        nxt, prv = ranks[(ranks.index(rank) + 1) % len(ranks)], ranks[ranks.index(rank) - 1]
-        buf = torch.zeros(4, dtype=torch.bfloat16)
-        if ranks.index(rank) % 2 == 0:
-            dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
-            dist.recv(buf, prv)
-        else:
-            dist.recv(buf, prv)
-            dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
-        _check(bad, f"{phase} send/recv", buf, make_input(prv, torch.bfloat16, 4, 5))
+        if len(ranks) > 1:  # send / recv ring among active ranks (none for one member)
+            nxt = ranks[(ranks.index(rank) + 1) % len(ranks)]
+            prv = ranks[ranks.index(rank) - 1]
+            buf = torch.zeros(4, dtype=torch.bfloat16)
+            if ranks.index(rank) % 2 == 0:
+                dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
+                dist.recv(buf, prv)
+            else:
+                dist.recv(buf, prv)
+                dist.send(make_input(rank, torch.bfloat16, 4, 5), nxt)
+            _check(bad, f"{phase} send/recv", buf, make_input(prv, torch.bfloat16, 4, 5))
         q.put((rank, phase, (bad[:], mask, dist.get_world_size())))
 
 
