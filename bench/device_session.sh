@@ -100,7 +100,9 @@ fi
 
 if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried) and this one
     for round in $(seq 1 ${AB_ROUNDS:-1}); do  # AB_TREES: .ab/ names and "new", interleaved
-        for tree in ${AB_TREES:-old new}; do
+        trees=${AB_TREES:-old new}  # even rounds run them in reverse (ABBA): drift cancels
+        (( round % 2 == 0 )) && trees=$(tr ' ' '\n' <<< "$trees" | tac | tr '\n' ' ')
+        for tree in $trees; do
             if [[ $tree == new ]]; then pp=/tmp/site:$PWD; else pp=/tmp/site:$PWD/.ab/$tree; fi
             step "decode_${tree}_$round" ${AB_S:-100} env PYTHONPATH=$pp python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
@@ -111,9 +113,13 @@ if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried)
         done
     done
     python3 -c "
-import json
+import json, statistics as st
+by = {}
 for l in open('$OUT/decode_ab.jsonl'):
-    d=json.loads(l); print(d['tree'], d['round'], d.get('batch'), d.get('decode_step_ms'), d.get('decode_step_ms_p10_p90'), d.get('error', '')[:200])"
+    d=json.loads(l); print(d['tree'], d['round'], d.get('batch'), d.get('decode_step_ms'), d.get('decode_step_ms_p10_p90'), d.get('error', '')[:200])
+    if d.get('decode_step_ms'): by.setdefault(d['batch'], {}).setdefault(d['tree'], []).append(d['decode_step_ms'])
+for b, t in sorted(by.items()):
+    print('batch', b, {k: (round(st.median(v), 3), round(min(v), 3), round(max(v), 3), len(v)) for k, v in t.items()})"
 fi
 
 if want ttft; then  # served TTFT of 2048-token prompts at concurrency 1

@@ -33,7 +33,7 @@ KERNEL_KINDS: dict[str, tuple[str, ...]] = {
     "sampling": ("argmax", "topk", "sort", "gumbel", "multinomial"),
 }
 OTHER = "other"
-TOP = 15  # rows of each top list
+TOP = 25  # rows of each top list
 NAME_CHARS = 80  # names (templated C++ kernels) are cut to this length
 STEP_MARK = "ProfilerStep#"  # the profiler's own per-step range: not host work
 
