@@ -147,7 +147,7 @@ def summarize_spans(kernels: list[Span], steps: int, wall_s: float,
         ``kernels_per_step`` (a count over steps), ``gpu_ms_per_step_by_kind`` (the
         kinds of :data:`KERNEL_KINDS` plus ``other``), ``nccl_ms_per_step`` (the NCCL
         kernels of the ``exchange`` kind), ``top_kernels_ms_per_step`` and
-        ``host_top_ms_per_step`` (up to 15 ``[name, ms per step, count per step]``,
+        ``host_top_ms_per_step`` (up to 25 ``[name, ms per step, count per step]``,
         slowest first; host times are inclusive, so nested events overlap).
 
     Raises:
