@@ -74,6 +74,7 @@ from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.frontend_link import IpcEndpoints, WorkerChannel
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
+from elasticep.moe.peer_weights import PeerWeights
 
 logger = logging.getLogger("elasticep.worker")
 
@@ -156,8 +157,10 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         exchange.warm_kernels()
         ep.transport = exchange
         # no NCCL communicator is built for the group (ranks may share a GPU): expert
-        # weights move through the CPU group
-        ep.stage_weights_on_cpu = True
+        # weights move as device copies from the peers' mapped tensors
+        ep.peer_weights = PeerWeights(cfg.rank, store)
+        if not joining:  # a joiner publishes once admitted (it holds nothing before)
+            ep.peer_weights.publish(ep.w13, ep.w2)
         if not joining:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)
                           if elastic else torch.ones(d.ep_size, dtype=torch.bool))

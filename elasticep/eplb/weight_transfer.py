@@ -6,11 +6,18 @@ every rank already knows (ranks that neither send nor receive get zero splits, w
 is also what an elastic group gives its holes). Local copies and checkpoint reloads
 (orphans) need no communication. All ``all_to_all_single`` calls use the weights'
 dtype on CPU.
+
+Ranks of one host that map each other's memory (``peers``, e.g.
+:class:`elasticep.moe.peer_weights.PeerWeights`) skip the collective: each receiver
+copies its slots device to device from the source's tensors, and the sources do
+nothing.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,8 +25,27 @@ import torch.distributed as dist
 from elasticep.eplb.elastic import ExpertLoad, plan_expert_loads
 from elasticep.eplb.placement import Placement
 
+logger = logging.getLogger(__name__)
+
 # (layer, logical expert) -> (w13 [2*I, H], w2 [H, I]), read from the checkpoint.
 CheckpointLoader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class PeerUnavailable(RuntimeError):
+    """A source rank's weights cannot be read (its process is gone)."""
+
+
+class PeerExperts(Protocol):
+    """Other ranks' expert tensors, readable by this rank (mapped memory)."""
+
+    def experts(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s ``w13`` [S, 2*I, H] and ``w2`` [S, H, I] of MoE layer ``layer``,
+        laid out in the change's old placement.
+
+        Raises:
+            PeerUnavailable: the rank's memory cannot be read.
+        """
+        ...
 
 
 def move_expert_weights(
@@ -31,7 +57,7 @@ def move_expert_weights(
     group: dist.ProcessGroup | None,
     load_fn: CheckpointLoader | None = None,
     source_ranks: torch.Tensor | None = None,
-    stage_on_cpu: bool = False,
+    peers: PeerExperts | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[ExpertLoad]]:
     """Lay this rank's expert weights out for ``new``, fetching what it lacks.
 
@@ -50,8 +76,11 @@ def move_expert_weights(
             orphan (no live rank holds it).
         source_ranks: [max_ep_size] bool, ranks that may send (default: active in both);
             for a scale-down pass ``old.active_ranks`` so leaving ranks still send.
-        stage_on_cpu: move device weights through host memory and the group's CPU
-            backend (for groups with no device communicator, e.g. ranks sharing a GPU).
+        peers: the sources' tensors, mapped: a receiver copies from them and no rank
+            sends (every rank must pass one, or none). Returns once the copies are done,
+            so a source may free its old tensors after the caller's commit. A source
+            that cannot be read is skipped (logged): its slots keep zeros, and the
+            caller's commit, a collective that needs the missing source, fails.
 
     Returns:
         new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
@@ -77,6 +106,8 @@ def move_expert_weights(
         by_layer[x.layer].append(x)
     out13: list[torch.Tensor | None] = []
     out2: list[torch.Tensor | None] = []
+    pulled: set[torch.device] = set()  # devices with queued peer copies
+    missing: set[int] = set()
     for layer in range(L):
         a, b = w13[layer], w2[layer]
         if a is None or b is None:
@@ -88,9 +119,10 @@ def move_expert_weights(
         if stays and not any(x.rank == rank for x in by_layer[layer]):
             # Nothing lands here: keep the layer's tensors (no second copy of its experts
             # in memory; slots that became empty keep stale data, never routed to).
-            if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
+            if peers is None and any(x.source_rank not in (None, x.rank)
+                                     for x in by_layer[layer]):
                 _exchange(a, b, a, b, [x for x in by_layer[layer] if x.source_rank == rank],
-                          [], n13, n2, world, group, stage_on_cpu)
+                          [], n13, n2, world, group)
             out13.append(a)
             out2.append(b)
             continue
@@ -111,11 +143,39 @@ def move_expert_weights(
                 ca, cb = load_fn(layer, x.logical_expert)
                 new_a[x.local_slot].copy_(ca)
                 new_b[x.local_slot].copy_(cb)
-        if any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
-            _exchange(a, b, new_a, new_b, send, recv, n13, n2, world, group, stage_on_cpu)
+        if peers is not None:
+            if _pull(peers, layer, new_a, new_b, recv, missing):
+                pulled.add(new_a.device)
+        elif any(x.source_rank not in (None, x.rank) for x in by_layer[layer]):
+            _exchange(a, b, new_a, new_b, send, recv, n13, n2, world, group)
         out13.append(new_a)
         out2.append(new_b)
+    if missing:
+        logger.warning("rank %d: expert weights of ranks %s cannot be read; their slots "
+                       "stay empty, and the change's commit fails without them", rank,
+                       sorted(missing))
+    for device in pulled:  # the sources may free their tensors once the caller commits
+        torch.cuda.synchronize(device)
     return out13, out2, loads
+
+
+def _pull(peers: PeerExperts, layer: int, new_a: torch.Tensor, new_b: torch.Tensor,
+          recv: list[ExpertLoad], missing: set[int]) -> bool:
+    """Copy ``recv``'s slots of ``layer`` from the sources' mapped tensors; a source that
+    cannot be read goes into ``missing``. Returns whether a CUDA copy was queued."""
+    queued = False
+    for x in recv:
+        if x.source_rank in missing:
+            continue
+        try:
+            a, b = peers.experts(x.source_rank, layer)
+        except PeerUnavailable:
+            missing.add(x.source_rank)
+            continue
+        new_a[x.local_slot].copy_(a[x.source_local_slot], non_blocking=True)
+        new_b[x.local_slot].copy_(b[x.source_local_slot], non_blocking=True)
+        queued |= new_a.device.type == "cuda"
+    return queued
 
 
 def _exchange(
@@ -129,7 +189,6 @@ def _exchange(
     n2: int,
     world: int,
     group: dist.ProcessGroup | None,
-    stage_on_cpu: bool = False,
 ) -> None:
     """One all_to_all_single carrying whole experts (w13 then w2, flattened)."""
     per = n13 + n2
@@ -144,8 +203,6 @@ def _exchange(
     for x in recv:
         out_splits[x.source_rank] += per
     inp = torch.cat(rows) if rows else a.new_zeros(0)
-    if stage_on_cpu:
-        inp = inp.cpu()
     out = inp.new_empty(sum(out_splits))
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     out = out.to(a.device)

@@ -29,6 +29,7 @@ from elasticep.moe.dispatch import (
 )
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.expert_compute import run_expert_rows
+from elasticep.moe.peer_weights import PeerWeights
 
 
 class EPMoEExecutor(ExecutorDefaults):
@@ -65,9 +66,10 @@ class EPMoEExecutor(ExecutorDefaults):
             raise ValueError(f"group size {size} != max_ep_size {metadata.max_ep_size}")
         self.group = group
         self.dispatch_algorithm = dispatch_algorithm
-        # True where the group has no communicator for device tensors (ranks sharing a
-        # GPU, which NCCL refuses): expert weights then move through the CPU group
-        self.stage_weights_on_cpu = False
+        # other ranks' expert tensors, mapped (ranks of one host with the cuda_ipc
+        # transport): placement changes then copy device to device, and this rank
+        # publishes its tensors again after each change
+        self.peer_weights: PeerWeights | None = None
         self.set_placement(metadata, w13, w2)
 
     @property
@@ -132,13 +134,21 @@ class EPMoEExecutor(ExecutorDefaults):
         Returns:
             The load plan that was carried out.
         """
-        w13, w2, loads = move_expert_weights(
-            weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
-            load_fn, source_ranks, stage_on_cpu=self.stage_weights_on_cpu
-        )
-        commit()
+        peers = self.peer_weights
+        try:
+            w13, w2, loads = move_expert_weights(
+                weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
+                load_fn, source_ranks, peers=peers
+            )
+            commit()
+        finally:
+            if peers is not None:
+                peers.close()  # the sources' old tensors may go once everyone swapped
         device = self.metadata.physical_to_logical_map.device
         self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
+        if peers is not None:
+            # before this rank's next collective, so the next change maps these tensors
+            peers.publish(self.w13, self.w2)
         return loads
 
     def __call__(

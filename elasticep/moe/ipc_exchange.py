@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 
 import torch
@@ -57,6 +56,7 @@ from elasticep.moe.padded_exchange import (
     row_width,
     split_rows,
 )
+from elasticep.utils import cuda_ipc
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +161,8 @@ class IpcExchange:
         """Put this rank's IPC handle in the rendezvous ``store`` (a torch.distributed
         Store) under a new generation of its slot; returns the generation. A relaunched
         rank publishes anew, so survivors map the new process's memory, not the old."""
-        from torch.multiprocessing.reductions import reduce_tensor
         gen = store.add(GEN_KEY.format(rank=self.rank), 1)
-        _rebuild, args = reduce_tensor(self.arena)
-        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), pickle.dumps(args))
+        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), cuda_ipc.share(self.arena))
         return gen
 
     def map_peers(self, store, ranks: list[int]) -> list[int]:
@@ -174,7 +172,6 @@ class IpcExchange:
         Raises:
             RuntimeError: a rank has published nothing (it is not started).
         """
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
         mapped = []
         for q in ranks:
             if q == self.rank:
@@ -184,8 +181,7 @@ class IpcExchange:
                 raise RuntimeError(f"rank {q} has published no exchange buffers")
             if q in self.peers and self.peers[q][0] == gen:
                 continue
-            args = pickle.loads(store.get(HANDLE_KEY.format(rank=q, gen=gen)))
-            arena = rebuild_cuda_tensor(*args)
+            arena = cuda_ipc.open_shared(store.get(HANDLE_KEY.format(rank=q, gen=gen)))
             self.peers[q] = (gen, arena)
             self._set_row(q, arena)
             mapped.append(q)

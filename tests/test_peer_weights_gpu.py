@@ -1,0 +1,110 @@
+"""Expert moves through CUDA IPC between two processes on one GPU
+(elasticep.moe.peer_weights; GPU only).
+
+Rank 1 leaves (a scale-down EP2 -> EP1): rank 0 copies rank 1's experts device to
+device from rank 1's mapped tensors, with no collective, and ends with exactly the
+experts the new placement gives it. After the "commit", each rank drops its old tensors and
+both ranks publish again: the old tensors' memory comes back on both, including rank
+0's, which were shared but never opened (their IPC counters are given back, so nothing
+stays in torch's limbo of shared blocks).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+from elasticep_testkit.harness.serve_process import free_port
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.timeout(240)]
+
+E, N, L = 8, 2, 3
+ROWS13, H, INTER = 512, 256, 256  # w13 [S, 2*I, H], w2 [S, H, I]: 256 KiB per w13 slot in fp32
+
+
+def _value(layer: int, expert: int) -> float:
+    return 1000.0 * layer + expert + 1
+
+
+def _worker(rank: int, port: int, out) -> None:
+    try:
+        out.put((rank, _run(rank, port)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def _run(rank: int, port: int) -> str:
+    import torch.distributed as dist
+
+    from elasticep.eplb.elastic import scale_down_placement
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.eplb.weight_transfer import move_expert_weights
+    from elasticep.moe.peer_weights import PeerWeights
+
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    old = initial_placement(L, E, 0, N, max_ep_size=N)
+    new = scale_down_placement(old, [1])
+    local = old.local(rank)
+    w13 = [torch.stack([torch.full((ROWS13, H), _value(layer, e)) for e in local[layer].tolist()]
+                       ).cuda() for layer in range(L)]
+    w2 = [-t[:, :H, :INTER].clone() for t in w13]
+    peers = PeerWeights(rank, store)
+    peers.publish(w13, w2)
+    store.set(f"published/{rank}", "1")
+    store.wait([f"published/{1 - rank}"])
+    n13, n2, _loads = move_expert_weights(old, new, rank, w13, w2, group=None,
+                                          source_ranks=old.active_ranks, peers=peers)
+    peers.close()
+    if rank == 0:
+        mine = new.local(0)
+        for layer in range(L):
+            for j, e in enumerate(mine[layer].tolist()):
+                if e == new.empty:
+                    continue
+                if not (torch.all(n13[layer][j] == _value(layer, e))
+                        and torch.all(n2[layer][j] == -_value(layer, e))):
+                    return f"rank 0: layer {layer} slot {j} does not hold expert {e}"
+    store.set(f"committed/{rank}", "1")  # the change's commit: every copy is done
+    store.wait([f"committed/{1 - rank}"])
+    # the swap: the old tensors go, and each rank publishes its new ones (rank 1 has
+    # none left); rank 0's old tensors were shared but never opened
+    kept = {id(t) for t in n13 + n2}
+    nbytes = sum(t.numel() * t.element_size() for t in w13 + w2 if id(t) not in kept)
+    before = torch.cuda.memory_allocated()
+    del w13, w2
+    if rank == 0:
+        peers.publish(n13, n2)
+    else:
+        del n13, n2
+        peers.publish([None] * L, [None] * L)
+    after = torch.cuda.memory_allocated()
+    if before - after < nbytes:
+        return (f"rank {rank}: {before - after} of {nbytes} bytes freed after the swap "
+                "(shared blocks left in torch's limbo)")
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{1 - rank}"])
+    return "ok"
+
+
+def test_a_leaving_rank_s_experts_are_copied_from_its_mapped_memory():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid, 9)
+    assert results == {0: "ok", 1: "ok"}, results
