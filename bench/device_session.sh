@@ -54,6 +54,31 @@ if want served_profile; then
     done
 fi
 
+if want host_profile; then  # where a served rank's host time goes: py-spy of rank 0
+    for c in ${HP_CS:-1 64}; do
+        rm -rf /tmp/hplog$c
+        timeout ${HP_T:-120} python3 -m bench.serving --launch $Q3 --random-input-len 256 \
+            --random-output-len ${HP_OUT:-1536} --random-range-ratio 1 --max-concurrency $c \
+            --num-prompts $((2 * c)) --serve-arg=--max-ep-size --serve-arg=2 \
+            --serve-arg=--log-stats-interval --serve-arg=1 --log-dir /tmp/hplog$c \
+            >> "$OUT/host_profile_serving.jsonl" 2> /tmp/hp$c.err &
+        bench_pid=$!
+        for _ in $(seq 1 100); do  # until the rank decodes
+            grep -q "decode CUDA graph replays" /tmp/hplog$c/rank0.log 2>/dev/null && break
+            sleep 1
+        done
+        sleep 4
+        worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
+        echo "== host_profile_c$c (worker $worker, at ${SECONDS}s)" >&2
+        timeout 40 /tmp/site/bin/py-spy record -p "$worker" -d ${HP_S:-8} -r 1000 --idle \
+            --threads -f raw -o "$OUT/host_profile_c$c.txt" --nonblocking 2>&1 | tail -1
+        grep -h "ms/step in" /tmp/hplog$c/rank0.log | cut -c1-400 | tail -6 \
+            >> "$OUT/host_profile_lines.log"
+        wait $bench_pid
+        tail -1 /tmp/hp$c.err | cut -c1-200
+    done
+fi
+
 if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concurrencies ...
     for spec in ${SWEEPS:-default@@1,64}; do
         IFS=@ read -r label assign cs <<< "$spec"
@@ -150,6 +175,6 @@ print({k: d.get(k) for k in ('scenario','ep_size','scale_to','redundant','interr
 fi
 # The device returns at most 8 files: the step-rate files, rank lines and profiles go
 # into one archive beside the main results.
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt)$') \
     && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz:" $extras)
 echo "done at ${SECONDS}s"
