@@ -169,7 +169,7 @@ if want failover; then
 import json,sys
 d=json.loads(sys.stdin.read())
 print({k: d.get(k) for k in ('scenario','ep_size','scale_to','redundant','interruption_s','pause_s','failed_requests','outputs_identical','survivor_recaptures','decode_replay_share_healthy','decode_replay_share_event','decode_replay_share_degraded','decode_replay_share_after')})" 2>&1 | cut -c1-700
-        grep -h "pieces each\|changed shape\|Traceback\|Error\|reconciled in\|admitted:\|cannot be read" /tmp/fo_$tag/* 2>/dev/null \
+        grep -h "pieces each\|changed shape\|Traceback\|Error\|reconciled in\|admitted:\|cannot be read\|mapped the expert" /tmp/fo_$tag/* 2>/dev/null \
             | cut -c1-220 | tail -14 >> "$OUT/failover_lines.log"
     done
 fi

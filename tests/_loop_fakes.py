@@ -78,7 +78,8 @@ def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     engine = FakeEngine(batches, work)
-    engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), step_max_tokens=None,
+    engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), peer_weights=None,
+                                step_max_tokens=None,
                                 uses_step_bound=True)
     loop = LockstepLoop(engine, engine.ep, FakeChannel(), None, rank, False, None,
                         FaultInjector(rank, []), RankContext(rank), profiler=profiler)

@@ -41,7 +41,8 @@ def _loop(monkeypatch, peer_abort_at: set[int]):
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     engine = CommitCountingEngine([[1], [1], [1]])
-    engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), step_max_tokens=None,
+    engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), peer_weights=None,
+                                step_max_tokens=None,
                                 uses_step_bound=True)
     ex = IpcExchange(rank, M, 16, 8, torch.float32, 2, "cpu")
     loop = LockstepLoop(engine, engine.ep, FakeChannel(), None, rank, False, None,

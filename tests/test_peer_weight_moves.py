@@ -5,7 +5,8 @@ Every rank of a deployment is a pair of per-layer tensors whose slots carry the 
 the expert they hold; after a death, a scale-down, a scale-up and a rebalance, each
 rank's new slots must hold exactly the experts the new placement puts there, with no
 collective at all (no process group exists in this process), and a source that cannot
-be read must leave only its own slots empty.
+be read must leave only its own slots empty. A dead rank's orphans come from its
+still-mapped tensors, or from the checkpoint where it is not mapped.
 """
 
 from __future__ import annotations
@@ -48,16 +49,19 @@ def _check(p: Placement, rank: int, w13: list[torch.Tensor], w2: list[torch.Tens
             assert torch.all(w2[layer][j] == -want), (rank, layer, j, e)
 
 
-def _move_all(old: Placement, new: Placement, source_ranks: torch.Tensor | None = None):
-    """Every rank active in ``new`` moves with peers = the other ranks' old tensors."""
+def _move_all(old: Placement, new: Placement, source_ranks: torch.Tensor | None = None,
+              dead_mapped: bool = True):
+    """Every rank active in ``new`` moves with peers = the other ranks' old tensors (a
+    dead rank's too where ``dead_mapped``). Returns ``{rank: (w13, w2, loads, peers)}``."""
     weights = {r: _weights(old, r) for r in old.live_ranks()}
     out = {}
     for r in new.live_ranks():
         w13, w2 = weights.get(r) or _weights(_nothing(old), r)
         peers = PeerWeights(r)
-        peers.map_local({q: w for q, w in weights.items() if q != r})
-        out[r] = move_expert_weights(old, new, r, w13, w2, group=None, load_fn=_checkpoint,
-                                     source_ranks=source_ranks, peers=peers)
+        peers.map_local({q: w for q, w in weights.items()
+                         if q != r and (dead_mapped or bool(new.active_ranks[q]))})
+        out[r] = (*move_expert_weights(old, new, r, w13, w2, group=None, load_fn=_checkpoint,
+                                       source_ranks=source_ranks, peers=peers), peers)
     return out
 
 
@@ -92,9 +96,12 @@ def test_every_rank_ends_with_the_experts_of_the_new_placement(seed, change):
         weight = torch.rand(2, E, generator=torch.Generator().manual_seed(seed)) ** 4 * 1000
         new = rebalance_placement(weight, old)
     moved = _move_all(old, new, source)
-    for r, (w13, w2, _loads) in moved.items():
+    for r, (w13, w2, loads, peers) in moved.items():
         _check(new, r, w13, w2)
         assert all(t.shape[0] == new.slots_per_rank for t in w13 + w2)
+        # a dead rank's orphans come from its mapped tensors, none from the checkpoint
+        orphans = sum(x.rank == r and x.source_rank is None for x in loads)
+        assert peers.departed_copies == orphans
     peer = [x for x in moved[new.live_ranks()[0]][2] if x.source_rank not in (None, x.rank)]
     if change == "scale_up" or (change == "scale_down" and R == 0):
         assert peer, "the change should move experts between ranks"
@@ -128,7 +135,20 @@ def test_an_unreadable_source_leaves_only_its_own_slots_empty(caplog):
     assert "ranks [1] cannot be read" in caplog.text
 
 
-def test_publish_without_a_store_is_a_no_op_and_close_drops_mappings():
+def test_orphans_of_an_unmapped_dead_rank_come_from_the_checkpoint():
+    old = initial_placement(2, 8, 0, 3, max_ep_size=3)
+    mask = torch.tensor([True, False, True])
+    new = repair_placement(old, mask)
+    moved = _move_all(old, new, dead_mapped=False)
+    orphans = 0
+    for r, (w13, w2, loads, peers) in moved.items():
+        _check(new, r, w13, w2)
+        orphans += sum(x.rank == r and x.source_rank is None for x in loads)
+        assert peers.departed_copies == 0
+    assert orphans > 0
+
+
+def test_publish_without_a_store_is_a_no_op():
     p = PeerWeights(0)
     assert p.publish([torch.zeros(1)], [torch.zeros(1)]) == 0
     with pytest.raises(PeerUnavailable, match="not mapped"):

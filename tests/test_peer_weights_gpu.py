@@ -7,6 +7,10 @@ experts the new placement gives it. After the "commit", each rank drops its old 
 both ranks publish again: the old tensors' memory comes back on both, including rank
 0's, which were shared but never opened (their IPC counters are given back, so nothing
 stays in torch's limbo of shared blocks).
+
+Rank 1 is SIGKILLed after rank 0 mapped it: rank 0's repair copies rank 1's orphans
+from its still-mapped memory (no checkpoint read), equal to what rank 1 held; the next
+refresh drops the mapping.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _run(rank: int, port: int) -> str:
     store.wait([f"published/{1 - rank}"])
     n13, n2, _loads = move_expert_weights(old, new, rank, w13, w2, group=None,
                                           source_ranks=old.active_ranks, peers=peers)
-    peers.close()
+    peers.end_change()
     if rank == 0:
         mine = new.local(0)
         for layer in range(L):
@@ -93,18 +97,99 @@ def _run(rank: int, port: int) -> str:
     return "ok"
 
 
-def test_a_leaving_rank_s_experts_are_copied_from_its_mapped_memory():
+def _killed_worker(rank: int, port: int, out) -> None:
+    try:
+        out.put((rank, _run_killed(rank, port)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def _run_killed(rank: int, port: int) -> str:
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from elasticep.eplb.elastic import repair_placement
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.eplb.weight_transfer import move_expert_weights
+    from elasticep.moe.peer_weights import PeerWeights
+
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    old = initial_placement(L, E, 0, N, max_ep_size=N)
+    local = old.local(rank)
+    w13 = [torch.stack([torch.full((ROWS13, H), _value(layer, e)) for e in local[layer].tolist()]
+                       ).cuda() for layer in range(L)]
+    w2 = [-t[:, :H, :INTER].clone() for t in w13]
+    peers = PeerWeights(rank, store)
+    peers.publish(w13, w2)
+    store.set(f"published/{rank}", "1")
+    store.wait([f"published/{1 - rank}"])
+    if rank == 1:
+        store.wait(["mapped/0"])
+        store.set("pid/1", str(os.getpid()))
+        torch.cuda.synchronize()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if peers.refresh([0, 1]) != [1]:
+        return "rank 0: refresh did not map rank 1"
+    store.set("mapped/0", "1")
+    pid = int(store.get("pid/1"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        return "rank 1 did not die"
+    time.sleep(0.5)
+    mask = torch.tensor([True, False])
+    new = repair_placement(old, mask)
+
+    def no_checkpoint(layer: int, expert: int):
+        raise AssertionError(f"checkpoint read for layer {layer} expert {expert}")
+
+    n13, n2, loads = move_expert_weights(old, new, 0, w13, w2, group=None,
+                                         load_fn=no_checkpoint, peers=peers)
+    orphans = sum(x.rank == 0 and x.source_rank is None for x in loads)
+    if orphans == 0 or peers.departed_copies != orphans:
+        return f"{peers.departed_copies} of {orphans} orphans copied from rank 1's memory"
+    mine = new.local(0)
+    for layer in range(L):
+        for j, e in enumerate(mine[layer].tolist()):
+            if e != new.empty and not (torch.all(n13[layer][j] == _value(layer, e))
+                                       and torch.all(n2[layer][j] == -_value(layer, e))):
+                return f"rank 0: layer {layer} slot {j} does not hold expert {e}"
+    peers.refresh([0])
+    if peers.mapped_ranks:
+        return "rank 0 still maps the dead rank after refresh"
+    torch.cuda.synchronize()
+    return "ok"
+
+
+def _spawn(target, reporting: int) -> dict:
+    """Run ``target`` as ranks 0 and 1; the results of the first ``reporting`` ranks to
+    report (a rank that kills itself reports nothing)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=180) for _ in procs)
+        return dict(out.get(timeout=180) for _ in range(reporting))
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 os.kill(p.pid, 9)
-    assert results == {0: "ok", 1: "ok"}, results
+
+
+def test_a_dead_rank_s_orphans_are_copied_from_its_still_mapped_memory():
+    assert _spawn(_killed_worker, reporting=1) == {0: "ok"}
+
+
+def test_a_leaving_rank_s_experts_are_copied_from_its_mapped_memory():
+    assert _spawn(_worker, reporting=2) == {0: "ok", 1: "ok"}

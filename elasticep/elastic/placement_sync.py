@@ -47,6 +47,8 @@ class ChangeReport:
         changed: the placement differs from the old one.
         peer_copies: expert slots filled from another rank.
         reloads: expert slots filled from the checkpoint (orphans) by this rank.
+        departed_copies: orphans this rank copied from a dead rank's still-mapped
+            memory instead (ranks of one host, :class:`~elasticep.moe.peer_weights.PeerWeights`).
         seconds: wall time of steps 1-4.
         slots_per_rank: after the change.
     """
@@ -56,6 +58,7 @@ class ChangeReport:
     reloads: int
     seconds: float
     slots_per_rank: int
+    departed_copies: int = 0
 
 
 def agree_active_mask(local_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -97,15 +100,19 @@ def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup
         flag = torch.ones(1, dtype=torch.int64)
         dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
 
+    peers = ep.peer_weights
+    departed0 = peers.departed_copies if peers is not None else 0
     loads = ep.apply_placement(new, load_fn, source_ranks, commit=commit,
                                weights_from=weights_from)
     mine = [x for x in loads if x.rank == ep.rank]
+    departed = (peers.departed_copies if peers is not None else 0) - departed0
     return ChangeReport(
         changed=new != old,
         peer_copies=sum(x.source_rank not in (None, ep.rank) for x in mine),
-        reloads=sum(x.source_rank is None for x in mine),
+        reloads=sum(x.source_rank is None for x in mine) - departed,
         seconds=time.perf_counter() - t0,
         slots_per_rank=new.slots_per_rank,
+        departed_copies=departed,
     )
 
 

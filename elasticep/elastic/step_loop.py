@@ -199,6 +199,9 @@ class LockstepLoop:
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
         self.max_idle_wait_s = max_idle_wait_s
         self._idle_wait = idle_wait_s
+        # the peers' expert tensors are mapped anew at the first header (see
+        # _refresh_peer_weights), and after every change
+        self._peer_weights_stale = True
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
         self.stats = LoopStats()
@@ -277,6 +280,8 @@ class LockstepLoop:
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
         t_header = time.perf_counter()
         dist.all_reduce(header, group=self.group)
+        if self._peer_weights_stale:
+            self._refresh_peer_weights()
         t_execute = time.perf_counter()
         h = parse_header(header, self.M)
         # An admission / removal returns with the pending batch kept for a later step.
@@ -382,7 +387,19 @@ class LockstepLoop:
                 exc = again
         self._after_change(report, time.perf_counter() - t0)
 
+    def _refresh_peer_weights(self) -> None:
+        """Map the members' newest expert tensors and drop departed ranks' mappings (their
+        memory is freed then): after the first header past a change, which every member
+        entered after publishing (see :mod:`elasticep.moe.peer_weights`)."""
+        self._peer_weights_stale = False
+        peers = self.ep.peer_weights
+        if peers is not None:
+            mapped = peers.refresh(self._local_mask().nonzero().flatten().tolist())
+            if mapped:
+                logger.info("mapped the expert weights of ranks %s", mapped)
+
     def _after_change(self, report: placement_sync.ChangeReport, seconds: float) -> None:
+        self._peer_weights_stale = True
         self._set_epoch()
         if self.exchange is not None:
             sync_exchange(self.exchange, self.exchange_store, self._local_mask())
@@ -392,8 +409,9 @@ class LockstepLoop:
         self.stats.recovery_seconds.append(seconds)
         if self.eplb is not None:
             self.eplb.reset_generator(self._epoch())
-        logger.info("placement reconciled in %.3fs: %d checkpoint reloads, %d peer copies, "
-                    "%d slots per rank, active %s; %s", seconds, report.reloads,
+        logger.info("placement reconciled in %.3fs: %d checkpoint reloads, %d copied from "
+                    "departed ranks' memory, %d peer copies, %d slots per rank, active %s; %s",
+                    seconds, report.reloads, report.departed_copies,
                     report.peer_copies, report.slots_per_rank,
                     self.ep.placement.live_ranks(),
                     "redoing the pending step" if self.pending is not None else "no step pending")

@@ -36,14 +36,30 @@ class PeerUnavailable(RuntimeError):
 
 
 class PeerExperts(Protocol):
-    """Other ranks' expert tensors, readable by this rank (mapped memory)."""
+    """Other ranks' expert tensors, readable by this rank (mapped memory).
+
+    Attributes:
+        departed_copies: orphans copied from a departed rank's memory so far (the mover
+            adds to it).
+    """
+
+    departed_copies: int
 
     def experts(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s ``w13`` [S, 2*I, H] and ``w2`` [S, H, I] of MoE layer ``layer``,
-        laid out in the change's old placement.
+        """Live rank ``rank``'s ``w13`` [S, 2*I, H] and ``w2`` [S, H, I] of MoE layer
+        ``layer``, laid out in the change's old placement.
 
         Raises:
             PeerUnavailable: the rank's memory cannot be read.
+        """
+        ...
+
+    def departed(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`experts`, for a rank that left (died) without a handover: its last
+        tensors, where they are still mapped, so its orphans need no checkpoint read.
+
+        Raises:
+            PeerUnavailable: not mapped, or the mapping is not of its last tensors.
         """
         ...
 
@@ -77,7 +93,8 @@ def move_expert_weights(
         source_ranks: [max_ep_size] bool, ranks that may send (default: active in both);
             for a scale-down pass ``old.active_ranks`` so leaving ranks still send.
         peers: the sources' tensors, mapped: a receiver copies from them and no rank
-            sends (every rank must pass one, or none). Returns once the copies are done,
+            sends (every rank must pass one, or none). An orphan whose departed holder
+            is still mapped is copied from there too, before falling back to ``load_fn``. Returns once the copies are done,
             so a source may free its old tensors after the caller's commit. A source
             that cannot be read is skipped (logged): its slots keep zeros, and the
             caller's commit, a collective that needs the missing source, fails.
@@ -108,6 +125,7 @@ def move_expert_weights(
     out2: list[torch.Tensor | None] = []
     pulled: set[torch.device] = set()  # devices with queued peer copies
     missing: set[int] = set()
+    departed = _departed_holders(old, new, source_ranks) if peers is not None else {}
     for layer in range(L):
         a, b = w13[layer], w2[layer]
         if a is None or b is None:
@@ -140,6 +158,10 @@ def move_expert_weights(
             if x.source_rank == rank:
                 new_a[x.local_slot], new_b[x.local_slot] = a[x.source_local_slot], b[x.source_local_slot]
             elif x.source_rank is None:
+                if _copy_departed(peers, departed, x, new_a, new_b):
+                    if new_a.device.type == "cuda":
+                        pulled.add(new_a.device)
+                    continue
                 ca, cb = load_fn(layer, x.logical_expert)
                 new_a[x.local_slot].copy_(ca)
                 new_b[x.local_slot].copy_(cb)
@@ -157,6 +179,36 @@ def move_expert_weights(
     for device in pulled:  # the sources may free their tensors once the caller commits
         torch.cuda.synchronize(device)
     return out13, out2, loads
+
+
+def _departed_holders(old: Placement, new: Placement, source_ranks: torch.Tensor | None
+                      ) -> dict[int, torch.Tensor]:
+    """Ranks active in ``old`` that are no sources of this change (they died), with their
+    old slots: ``{rank: [L, S_old] int64 logical experts}``."""
+    sources = (old.active_ranks & new.active_ranks) if source_ranks is None else source_ranks
+    gone = old.active_ranks & ~sources.to(torch.bool)
+    return {int(d): old.local(int(d)) for d in gone.nonzero().flatten().tolist()}
+
+
+def _copy_departed(peers: PeerExperts | None, departed: dict[int, torch.Tensor],
+                   x: ExpertLoad, new_a: torch.Tensor, new_b: torch.Tensor) -> bool:
+    """Copy orphan ``x`` from a departed holder's mapped tensors; False if none can."""
+    if peers is None:
+        return False
+    for d, local in departed.items():
+        hits = (local[x.layer] == x.logical_expert).nonzero().flatten()
+        if hits.numel() == 0:
+            continue
+        try:
+            a, b = peers.departed(d, x.layer)
+        except PeerUnavailable:
+            continue
+        j = int(hits[0])
+        new_a[x.local_slot].copy_(a[j], non_blocking=True)
+        new_b[x.local_slot].copy_(b[j], non_blocking=True)
+        peers.departed_copies += 1
+        return True
+    return False
 
 
 def _pull(peers: PeerExperts, layer: int, new_a: torch.Tensor, new_b: torch.Tensor,

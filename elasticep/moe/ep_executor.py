@@ -143,7 +143,7 @@ class EPMoEExecutor(ExecutorDefaults):
             commit()
         finally:
             if peers is not None:
-                peers.close()  # the sources' old tensors may go once everyone swapped
+                peers.end_change()
         device = self.metadata.physical_to_logical_map.device
         self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
         if peers is not None:

@@ -3,12 +3,18 @@ placement change copies a peer's expert device to device instead of over the CPU
 
 Every rank publishes the handles of its current per-layer expert tensors (``w13``,
 ``w2``) in the rendezvous store after each placement change, under a new generation of
-its slot (:meth:`PeerWeights.publish`). During the next change a receiver maps a
-source's newest generation on first use (:meth:`PeerWeights.experts`), copies the
-slots it needs from the source's old tensors, and drops every mapping once the change
-is committed (:meth:`PeerWeights.close`). A tensor kept across a change keeps its
-share; the share of one that left is given back at the next publish
-(:func:`elasticep.utils.cuda_ipc.release`), or torch would hold its memory for good.
+its slot (:meth:`PeerWeights.publish`). Every rank maps its peers' newest generations
+at the first step after a change (:meth:`PeerWeights.refresh`); during a change a
+receiver checks that a source's mapping is of its newest generation
+(:meth:`PeerWeights.experts`) and copies the slots it needs from the source's old
+tensors. A tensor kept across a change keeps its share; the share of one that left is
+given back at the next publish (:func:`elasticep.utils.cuda_ipc.release`), or torch
+would hold its memory for good.
+
+A rank that dies stays mapped until the repair is done: its memory outlives its process
+while mapped, so the repair copies its orphans from its last tensors
+(:meth:`PeerWeights.departed`, only if the mapping is of the last generation it
+published) instead of reading the checkpoint, and the next refresh drops the mapping.
 
 Why this is safe without messages: a change's first op is a collective, and a rank
 publishes before it leaves the previous change, so the handles a receiver reads are
@@ -43,7 +49,11 @@ class PeerWeights:
     """This rank's view of its host peers' expert weights.
 
     Implements the ``peers`` argument of
-    :func:`elasticep.eplb.weight_transfer.move_expert_weights`.
+    :func:`elasticep.eplb.weight_transfer.move_expert_weights`. Mappings persist between
+    changes (:meth:`refresh` brings them to the newest generations), so that a rank that
+    dies without a handover can still be read: its memory stays allocated while a
+    survivor maps it, and the repair copies its orphans from there instead of reading
+    the checkpoint; the next :meth:`refresh` drops the mapping, which frees that memory.
 
     Args:
         rank: this rank (its slot in the store keys).
@@ -53,12 +63,14 @@ class PeerWeights:
 
     def __init__(self, rank: int, store=None) -> None:
         self.rank, self.store = rank, store
-        self._mapped: dict[int, Layers] = {}
+        self._mapped: dict[int, tuple[int, Layers]] = {}  # rank -> (generation, tensors)
+        self._checked: set[int] = set()  # live sources checked for staleness this change
         self._local: dict[int, Layers] = {}
         # this rank's published tensors and their shares: a tensor kept across a change
         # keeps its share; the share of one that left is given back (cuda_ipc.release)
         self._shares: list[tuple[weakref.ref, bytes]] = []
         self.published = 0  # generations this rank published
+        self.departed_copies = 0  # orphans copied from a departed rank's memory
 
     def publish(self, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None]) -> int:
         """Publish the handles of this rank's current per-layer tensors (None: a dense
@@ -79,6 +91,7 @@ class PeerWeights:
         current = {h for _ref, h in kept}
         # every consumer of the last generation copied before the change's commit,
         # which is behind this call: give back the shares of the tensors that left
+        # (a consumer still mapping one reads it no more: its generation is stale)
         for _ref, h in old:
             if h not in current:
                 cuda_ipc.release(h)
@@ -90,42 +103,95 @@ class PeerWeights:
         return gen
 
     def map_local(self, peers: dict[int, Layers]) -> None:
-        """One-process simulation (tests): rank ``q``'s tensors are ``peers[q]``."""
+        """One-process simulation (tests): rank ``q``'s tensors are ``peers[q]``, live or
+        departed alike."""
         self._local = dict(peers)
 
+    def refresh(self, ranks: list[int]) -> list[int]:
+        """Map the newest generation of each of ``ranks`` (the members) where it is not
+        mapped yet, and drop every other rank's mapping (a departed rank's memory is
+        freed then). Call at a boundary every member passed after its last publish (the
+        step header after a change). Returns the ranks mapped now.
+
+        A member that published nothing yet, or cannot be mapped, is skipped (logged):
+        a change maps it on first use (:meth:`experts`)."""
+        for q in [q for q in self._mapped if q not in ranks]:
+            del self._mapped[q]
+        fresh = []
+        for q in ranks:
+            if q == self.rank or self.store is None:
+                continue
+            try:
+                if self._ensure(q):
+                    fresh.append(q)
+            except PeerUnavailable as exc:
+                logger.warning("expert weights of rank %d not mapped: %s", q, exc)
+        return fresh
+
     def experts(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s ``w13`` [S, 2*I, H] and ``w2`` [S, H, I] of MoE layer ``layer``,
-        as mapped views of its memory (its newest published generation, mapped on first
-        use in this change).
+        """Live rank ``rank``'s ``w13`` [S, 2*I, H] and ``w2`` [S, H, I] of MoE layer
+        ``layer``, as mapped views of its memory (its newest published generation,
+        checked once per change).
 
         Raises:
             PeerUnavailable: the rank published nothing, or its memory cannot be mapped.
         """
         if rank in self._local:
-            w13, w2 = self._local[rank]
-        else:
-            if rank not in self._mapped:
-                self._mapped[rank] = self._open(rank)
-            w13, w2 = self._mapped[rank]
-        a, b = w13[layer], w2[layer]
+            return self._layer(rank, self._local[rank], layer)
+        if rank not in self._checked:
+            self._ensure(rank)
+            self._checked.add(rank)
+        return self._layer(rank, self._mapped[rank][1], layer)
+
+    def departed(self, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Departed rank ``rank``'s tensors of ``layer``, where the mapping is of the last
+        generation it published (a stale one may point at memory it reused).
+
+        Raises:
+            PeerUnavailable: not mapped, or mapped at an older generation.
+        """
+        if rank in self._local:
+            return self._layer(rank, self._local[rank], layer)
+        entry = self._mapped.get(rank)
+        if entry is None or self.store is None:
+            raise PeerUnavailable(f"rank {rank} is not mapped")
+        last = self.store.add(GEN_KEY.format(rank=rank), 0)
+        if entry[0] != last:
+            raise PeerUnavailable(f"rank {rank} is mapped at generation {entry[0]}, "
+                                  f"not its last ({last})")
+        return self._layer(rank, entry[1], layer)
+
+    @property
+    def mapped_ranks(self) -> list[int]:
+        """The ranks whose tensors this rank maps now (sorted)."""
+        return sorted(self._mapped)
+
+    def end_change(self) -> None:
+        """After a change (committed or not): the next one checks generations again."""
+        self._checked.clear()
+
+    @staticmethod
+    def _layer(rank: int, tensors: Layers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = tensors[0][layer], tensors[1][layer]
         if a is None or b is None:
             raise PeerUnavailable(f"rank {rank} has no experts in layer {layer}")
         return a, b
 
-    def _open(self, rank: int) -> Layers:
+    def _ensure(self, rank: int) -> bool:
+        """Map ``rank``'s newest generation unless it is mapped; True if mapped now."""
         if self.store is None:
             raise PeerUnavailable(f"rank {rank} is not mapped (no store)")
         gen = self.store.add(GEN_KEY.format(rank=rank), 0)
         if gen == 0:
             raise PeerUnavailable(f"rank {rank} has published no expert weights")
+        if rank in self._mapped and self._mapped[rank][0] == gen:
+            return False
         h13, h2 = pickle.loads(self.store.get(HANDLES_KEY.format(rank=rank, gen=gen)))
         try:
-            return ([None if h is None else cuda_ipc.open_shared(h) for h in h13],
-                    [None if h is None else cuda_ipc.open_shared(h) for h in h2])
+            tensors = ([None if h is None else cuda_ipc.open_shared(h) for h in h13],
+                       [None if h is None else cuda_ipc.open_shared(h) for h in h2])
         except RuntimeError as exc:
             raise PeerUnavailable(f"rank {rank}'s expert weights (generation {gen}) cannot "
                                   f"be mapped: {exc}") from exc
-
-    def close(self) -> None:
-        """Drop every mapping (the sources' old tensors can then be freed)."""
-        self._mapped.clear()
+        self._mapped[rank] = (gen, tensors)
+        return True
