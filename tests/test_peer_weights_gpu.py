@@ -36,25 +36,24 @@ def _value(layer: int, expert: int) -> float:
     return 1000.0 * layer + expert + 1
 
 
-def _worker(rank: int, port: int, out) -> None:
+def _worker(scenario, rank: int, port: int, out) -> None:
     try:
-        out.put((rank, _run(rank, port)))
+        out.put((rank, scenario(rank, port)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
 
-def _run(rank: int, port: int) -> str:
+def _setup(rank: int, port: int):
+    """Both ranks: the store, the EP2 launch placement, this rank's tensors (each slot
+    filled with its expert's value) published, and the peer's published too."""
     import torch.distributed as dist
 
-    from elasticep.eplb.elastic import scale_down_placement
     from elasticep.eplb.placement import initial_placement
-    from elasticep.eplb.weight_transfer import move_expert_weights
     from elasticep.moe.peer_weights import PeerWeights
 
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     old = initial_placement(L, E, 0, N, max_ep_size=N)
-    new = scale_down_placement(old, [1])
     local = old.local(rank)
     w13 = [torch.stack([torch.full((ROWS13, H), _value(layer, e)) for e in local[layer].tolist()]
                        ).cuda() for layer in range(L)]
@@ -63,18 +62,31 @@ def _run(rank: int, port: int) -> str:
     peers.publish(w13, w2)
     store.set(f"published/{rank}", "1")
     store.wait([f"published/{1 - rank}"])
+    return store, old, w13, w2, peers
+
+
+def _wrong_slot(new, rank: int, n13, n2) -> str | None:
+    """The first slot of ``rank`` that does not hold the expert ``new`` puts there."""
+    mine = new.local(rank)
+    for layer in range(L):
+        for j, e in enumerate(mine[layer].tolist()):
+            if e != new.empty and not (torch.all(n13[layer][j] == _value(layer, e))
+                                       and torch.all(n2[layer][j] == -_value(layer, e))):
+                return f"rank {rank}: layer {layer} slot {j} does not hold expert {e}"
+    return None
+
+
+def _leaving(rank: int, port: int) -> str:
+    from elasticep.eplb.elastic import scale_down_placement
+    from elasticep.eplb.weight_transfer import move_expert_weights
+
+    store, old, w13, w2, peers = _setup(rank, port)
+    new = scale_down_placement(old, [1])
     n13, n2, _loads = move_expert_weights(old, new, rank, w13, w2, group=None,
                                           source_ranks=old.active_ranks, peers=peers)
     peers.end_change()
-    if rank == 0:
-        mine = new.local(0)
-        for layer in range(L):
-            for j, e in enumerate(mine[layer].tolist()):
-                if e == new.empty:
-                    continue
-                if not (torch.all(n13[layer][j] == _value(layer, e))
-                        and torch.all(n2[layer][j] == -_value(layer, e))):
-                    return f"rank 0: layer {layer} slot {j} does not hold expert {e}"
+    if rank == 0 and (wrong := _wrong_slot(new, 0, n13, n2)):
+        return wrong
     store.set(f"committed/{rank}", "1")  # the change's commit: every copy is done
     store.wait([f"committed/{1 - rank}"])
     # the swap: the old tensors go, and each rank publishes its new ones (rank 1 has
@@ -97,35 +109,14 @@ def _run(rank: int, port: int) -> str:
     return "ok"
 
 
-def _killed_worker(rank: int, port: int, out) -> None:
-    try:
-        out.put((rank, _run_killed(rank, port)))
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
-
-
-def _run_killed(rank: int, port: int) -> str:
+def _killed(rank: int, port: int) -> str:
     import signal
     import time
 
-    import torch.distributed as dist
-
     from elasticep.eplb.elastic import repair_placement
-    from elasticep.eplb.placement import initial_placement
     from elasticep.eplb.weight_transfer import move_expert_weights
-    from elasticep.moe.peer_weights import PeerWeights
 
-    torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
-    old = initial_placement(L, E, 0, N, max_ep_size=N)
-    local = old.local(rank)
-    w13 = [torch.stack([torch.full((ROWS13, H), _value(layer, e)) for e in local[layer].tolist()]
-                       ).cuda() for layer in range(L)]
-    w2 = [-t[:, :H, :INTER].clone() for t in w13]
-    peers = PeerWeights(rank, store)
-    peers.publish(w13, w2)
-    store.set(f"published/{rank}", "1")
-    store.wait([f"published/{1 - rank}"])
+    store, old, w13, w2, peers = _setup(rank, port)
     if rank == 1:
         store.wait(["mapped/0"])
         store.set("pid/1", str(os.getpid()))
@@ -147,8 +138,7 @@ def _run_killed(rank: int, port: int) -> str:
     else:
         return "rank 1 did not die"
     time.sleep(0.5)
-    mask = torch.tensor([True, False])
-    new = repair_placement(old, mask)
+    new = repair_placement(old, torch.tensor([True, False]))
 
     def no_checkpoint(layer: int, expert: int):
         raise AssertionError(f"checkpoint read for layer {layer} expert {expert}")
@@ -158,12 +148,8 @@ def _run_killed(rank: int, port: int) -> str:
     orphans = sum(x.rank == 0 and x.source_rank is None for x in loads)
     if orphans == 0 or peers.departed_copies != orphans:
         return f"{peers.departed_copies} of {orphans} orphans copied from rank 1's memory"
-    mine = new.local(0)
-    for layer in range(L):
-        for j, e in enumerate(mine[layer].tolist()):
-            if e != new.empty and not (torch.all(n13[layer][j] == _value(layer, e))
-                                       and torch.all(n2[layer][j] == -_value(layer, e))):
-                return f"rank 0: layer {layer} slot {j} does not hold expert {e}"
+    if wrong := _wrong_slot(new, 0, n13, n2):
+        return wrong
     peers.refresh([0])
     if peers.mapped_ranks:
         return "rank 0 still maps the dead rank after refresh"
@@ -171,13 +157,13 @@ def _run_killed(rank: int, port: int) -> str:
     return "ok"
 
 
-def _spawn(target, reporting: int) -> dict:
-    """Run ``target`` as ranks 0 and 1; the results of the first ``reporting`` ranks to
+def _spawn(scenario, reporting: int) -> dict:
+    """Run ``scenario`` as ranks 0 and 1; the results of the first ``reporting`` ranks to
     report (a rank that kills itself reports nothing)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(scenario, r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -190,8 +176,8 @@ def _spawn(target, reporting: int) -> dict:
 
 
 def test_a_dead_rank_s_orphans_are_copied_from_its_still_mapped_memory():
-    assert _spawn(_killed_worker, reporting=1) == {0: "ok"}
+    assert _spawn(_killed, reporting=1) == {0: "ok"}
 
 
 def test_a_leaving_rank_s_experts_are_copied_from_its_mapped_memory():
-    assert _spawn(_worker, reporting=2) == {0: "ok", 1: "ok"}
+    assert _spawn(_leaving, reporting=2) == {0: "ok", 1: "ok"}

@@ -69,7 +69,6 @@ class PeerWeights:
         # this rank's published tensors and their shares: a tensor kept across a change
         # keeps its share; the share of one that left is given back (cuda_ipc.release)
         self._shares: list[tuple[weakref.ref, bytes]] = []
-        self.published = 0  # generations this rank published
         self.departed_copies = 0  # orphans copied from a departed rank's memory
 
     def publish(self, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None]) -> int:
@@ -99,7 +98,6 @@ class PeerWeights:
         torch.cuda.ipc_collect()  # frees those of them this rank already dropped
         gen = self.store.add(GEN_KEY.format(rank=self.rank), 1)
         self.store.set(HANDLES_KEY.format(rank=self.rank, gen=gen), pickle.dumps(handles))
-        self.published = gen
         return gen
 
     def map_local(self, peers: dict[int, Layers]) -> None:
