@@ -161,7 +161,6 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         ep.peer_weights = PeerWeights(cfg.rank, store)
         if not joining:  # a joiner publishes once admitted (it holds nothing before)
             ep.peer_weights.publish(ep.w13, ep.w2)
-        if not joining:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)
                           if elastic else torch.ones(d.ep_size, dtype=torch.bool))
     logger.info("MoE transport: %s", a2a.value)
