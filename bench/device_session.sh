@@ -99,6 +99,24 @@ for l in open('$OUT/sweep.jsonl'):
     print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
 fi
 
+if want exchange; then  # memop node cost in a graph, then the exchange per layer
+    step graph_node_cost 60 python3 -m bench.graph_node_cost --layers 48 \
+        >> "$OUT/exchange.jsonl" 2> /tmp/gnc.err
+    tail -2 /tmp/gnc.err | cut -c1-300
+    for spec in ${EXCHANGES:-"1 2 --static" "1 2 --static --block-h 1024" "1 2 --static --block-h 2048 --num-warps 8" "2 2 --static" "2 2 --static --block-h 1024" "4 4 --static"}; do
+        read -r world g rest <<< "$spec"
+        step "exchange_w${world}_g$g" ${EX_S:-60} python3 -m bench.ipc_exchange --world $world \
+            --max-ep-size $g --tokens ${EX_TOKENS:-1,16,128} $rest >> "$OUT/exchange.jsonl" 2> /tmp/ex.err
+        tail -2 /tmp/ex.err | cut -c1-300
+    done
+    python3 -c "
+import json
+for l in open('$OUT/exchange.jsonl'):
+    d=json.loads(l)
+    if d['bench'] == 'graph_node_cost': print(d); continue
+    print(d['world'], d['max_ep_size'], d['static'], d['block_h'], d['num_warps'], [(r['tokens_per_rank'], r['layer_us'], r['roundtrip_equal']) for r in d['ranks'][0].get('rows', [])], d['ranks'][0].get('error', '')[:300])"
+fi
+
 if want tiled; then  # expert tiles at prefill sizes
     step tiled ${TILED_S:-90} python3 -m bench.tiled_experts --rows ${TILED_ROWS:-16384,65536} \
         > "$OUT/tiled.jsonl" 2> /tmp/tiled.err
@@ -175,6 +193,6 @@ print({k: d.get(k) for k in ('scenario','ep_size','scale_to','redundant','interr
 fi
 # The device returns at most 8 files: the step-rate files, rank lines and profiles go
 # into one archive beside the main results.
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt)$') \
     && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz:" $extras)
 echo "done at ${SECONDS}s"

@@ -13,6 +13,12 @@ every pair came back to its sender unchanged (identity experts).
 
     python -m bench.ipc_exchange --world 2 --tokens 1,16,128
     python -m bench.ipc_exchange --world 4 --tokens 1,16,128
+    python -m bench.ipc_exchange --world 1 --max-ep-size 2 --static   # serve's EP1 step
+
+``--static`` sends through the static dispatch map (the fused gather + plan + send
+kernel that a served decode step runs) instead of a precomputed slot tensor;
+``--block-h`` and ``--num-warps`` override the send kernels' copy width and warps, to
+try other values without editing the module.
 
 Prints one JSON line per world size.
 """
@@ -54,22 +60,29 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9  # read + write
 
 
-def _rank(me: int, world: int, port: int, tokens: list[int], layers: int, replays: int,
-          results) -> None:
+def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> None:
     from bench.spike_stream_wait import replay_ms
+    from elasticep.moe import ipc_kernels
     from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
     from elasticep.moe.padded_exchange import pair_capacity
+    layers, replays, G = args.layers, args.replays, max(args.max_ep_size or world, world)
+    if args.block_h:
+        ipc_kernels.BLOCK_H = args.block_h
+    if args.num_warps:
+        ipc_kernels.NUM_WARPS = args.num_warps
     try:
         torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=(me == 0),
                               timeout=timedelta(seconds=120))
-        ex = IpcExchange(me, world, capacity_rows(max(tokens), K), H, torch.bfloat16, layers,
+        ex = IpcExchange(me, G, capacity_rows(max(tokens), K), H, torch.bfloat16, layers,
                          "cuda")
         ex.publish(store)
         ex.warm_kernels()
         _barrier(store, "published", world)
         ex.map_peers(store, list(range(world)))
-        ex.reset(torch.ones(world, dtype=torch.bool))
+        ex.reset(torch.arange(G) < world)
+        identity = torch.arange(G * S, device="cuda")  # logical expert e -> slot e
+        ex.tag_cap(S)
         gbps = _copy_gbps()
         out = {"rank": me, "copy_gbps": round(gbps, 1), "rows": []}
         g = torch.Generator().manual_seed(me)
@@ -82,10 +95,13 @@ def _rank(me: int, world: int, port: int, tokens: list[int], layers: int, replay
             def step(hidden=hidden, slots=slots, C=C) -> torch.Tensor:
                 back = None
                 for layer in range(layers):
-                    plan = ex.send_dispatch(hidden, slots, S, C, layer)
+                    if args.static:
+                        position = ex.send_dispatch_static(hidden, slots, identity, S, C, layer)
+                    else:
+                        position = ex.send_dispatch(hidden, slots, S, C, layer).position
                     rows, _ = ex.recv_dispatch(C, layer, S)
                     ex.send_combine(rows.contiguous(), C, layer)
-                    back = ex.recv_combine(C, layer)[plan.position]
+                    back = ex.recv_combine(C, layer)[position]
                 return back
 
             _barrier(store, f"eager{T}", world)
@@ -125,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,16,128")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--max-ep-size", type=int, default=0,
+                    help="slots G of the exchange (default: --world); the rest are inactive")
+    ap.add_argument("--static", action="store_true",
+                    help="send through the static dispatch map (the served decode path)")
+    ap.add_argument("--block-h", type=int, default=0, help="send kernels' BLOCK_H")
+    ap.add_argument("--num-warps", type=int, default=0, help="send kernels' num_warps")
     args = ap.parse_args(argv)
     tokens = [int(x) for x in args.tokens.split(",")]
     import socket
@@ -133,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, tokens, args.layers,
-                                             args.replays, results)) for r in range(args.world)]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, tokens, args, results)) for r in range(args.world)]
     for p in procs:
         p.start()
     outs = []
@@ -147,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive():
                 p.kill()
     outs.sort(key=lambda o: o["rank"])
-    line = {"bench": "ipc_exchange", "world": args.world, "layers": args.layers,
-            "hidden": H, "top_k": K, "ranks": outs}
+    line = {"bench": "ipc_exchange", "world": args.world,
+            "max_ep_size": max(args.max_ep_size, args.world), "static": args.static,
+            "block_h": args.block_h or None, "num_warps": args.num_warps or None,
+            "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs}
     print(json.dumps(line), flush=True)
     bad = any("error" in o or not all(r["roundtrip_equal"] for r in o["rows"]) for o in outs)
     return 1 if bad else 0

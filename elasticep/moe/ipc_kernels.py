@@ -262,7 +262,8 @@ if triton is not None:
 
 
 BLOCK_R = 16
-BLOCK_H = 256
+BLOCK_H = 256  # columns a program copies per iteration
+NUM_WARPS = 4  # of each send kernel's programs (Triton's default)
 PLAN_MAX_PAIRS = 2048  # one program's pairs (a 256-sequence decode step at top-8)
 
 
@@ -317,7 +318,7 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
     _dispatch_send_kernel[(G, chunks)](
         hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
         slot, n_slots, chunks, top_k, H=H, ROW_ELEMS=row_elems,
-        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
+        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
 
 
 def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -351,7 +352,7 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
         active, counter, my_flags, me, C, slot, n_slots, chunks, topk_ids.shape[1],
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
-        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
+        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     return position
 
 
@@ -371,4 +372,4 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
     _combine_send_kernel[(G, chunks)](
         expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
         n_slots, chunks, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H)
+        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
