@@ -103,7 +103,9 @@ if want exchange; then  # memop node cost in a graph, then the exchange per laye
     step graph_node_cost 60 python3 -m bench.graph_node_cost --layers 48 \
         >> "$OUT/exchange.jsonl" 2> /tmp/gnc.err
     tail -2 /tmp/gnc.err | cut -c1-300
-    for spec in ${EXCHANGES:-"1 2 --static" "1 2 --static --block-h 1024" "1 2 --static --block-h 2048 --num-warps 8" "2 2 --static" "2 2 --static --block-h 1024" "4 4 --static"}; do
+    # EXCHANGES: ';'-separated "world max_ep_size [flags]" specs
+    IFS=';' read -ra specs <<< "${EXCHANGES:-1 2 --static;2 2 --static;4 4 --static}"
+    for spec in "${specs[@]}"; do
         read -r world g rest <<< "$spec"
         step "exchange_w${world}_g$g" ${EX_S:-60} python3 -m bench.ipc_exchange --world $world \
             --max-ep-size $g --tokens ${EX_TOKENS:-1,16,128} $rest >> "$OUT/exchange.jsonl" 2> /tmp/ex.err
