@@ -128,6 +128,10 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
                 "roundtrip_equal": ok})
             _barrier(store, f"done{T}", world)
         results.put(out)
+        # the master holds the store: it leaves last, or a peer's last poll fails
+        store.add("left", 1)
+        if me == 0:
+            _barrier(store, "left", world)
     except Exception as exc:  # noqa: BLE001 - reported by the launcher
         import traceback
         results.put({"rank": me, "error": f"{exc!r}\n{traceback.format_exc()[-2000:]}"})
