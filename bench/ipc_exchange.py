@@ -60,6 +60,21 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e9  # read + write
 
 
+def _profiled(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict:
+    """Per replay: GPU busy, gap and the top kernels of ``n`` replays (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from elasticep.utils.profile_summary import summarize_profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    summary = summarize_profile(p, n, wall)
+    return {k: summary[k] for k in summary if not k.startswith("top_host")}
+
+
 def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> None:
     from bench.spike_stream_wait import replay_ms
     from elasticep.moe import ipc_kernels
@@ -115,6 +130,7 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
             torch.cuda.synchronize()
             _barrier(store, f"replay{T}", world)
             times = replay_ms(graph, replays)
+            prof = _profiled(graph) if args.profile and me == 0 else None
             ok = bool(torch.equal(back, hidden.repeat_interleave(K, 0)))
             remote = int((slots // S != me).sum())  # pairs this rank sent to peers
             per_layer_us = statistics.median(times) * 1e3 / layers
@@ -125,7 +141,7 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
                                      round(max(times) * 1e3 / layers, 1)],
                 "bytes_to_peers_per_layer": moved,
                 "bound_us_at_copy_bw": round(moved / (gbps * 1e9 / 2) * 1e6, 2),
-                "roundtrip_equal": ok})
+                "roundtrip_equal": ok, **({"profile": prof} if prof else {})})
             _barrier(store, f"done{T}", world)
         results.put(out)
         # the master holds the store: it leaves last, or a peer's last poll fails
@@ -149,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="slots G of the exchange (default: --world); the rest are inactive")
     ap.add_argument("--static", action="store_true",
                     help="send through the static dispatch map (the served decode path)")
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0 adds a torch.profiler summary of 5 replays per size")
     ap.add_argument("--block-h", type=int, default=0, help="send kernels' BLOCK_H")
     ap.add_argument("--num-warps", type=int, default=0, help="send kernels' num_warps")
     args = ap.parse_args(argv)
