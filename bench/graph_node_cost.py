@@ -12,8 +12,8 @@ kernel's own release does for an inactive peer) and then, by variant:
 * ``wait_only``: a wait node; the next exchange's kernel clears the flag (the reset
   folded into a kernel).
 
-Prints one JSON line: per variant the median replay time in ms and the extra
-microseconds per wait against ``kernels``.
+Prints one JSON line: per variant the median replay time in ms, the extra
+microseconds per wait against ``kernels``, and the host time of the launch itself.
 
     python -m bench.graph_node_cost --layers 48
 """
@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -66,6 +67,16 @@ def _graph(variant: str, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return g, flags
 
 
+def _launch_us(g: torch.cuda.CUDAGraph) -> float:
+    """Host microseconds of one ``replay()`` call (the launch, not the run)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    t = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure every variant; print the JSON line."""
     ap = argparse.ArgumentParser(prog="python -m bench.graph_node_cost",
@@ -74,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     from bench.spike_stream_wait import replay_ms
+    from elasticep.moe import stream_memops
+    stream_memops.batch_works(torch.cuda.current_device())  # its self-test, before any capture
     n = 2 * args.layers
-    out = {}
+    out, launch = {}, {}
     errors = {}
     for v in VARIANTS:
         try:
             g, _ = _graph(v, n)
             replay_ms(g, 5)
             out[v] = statistics.median(replay_ms(g, args.replays))
+            launch[v] = statistics.median(_launch_us(g) for _ in range(args.replays))
         except Exception as exc:  # noqa: BLE001 - a variant the driver refuses is a result
             errors[v] = repr(exc)[:200]
             torch.cuda.synchronize()
@@ -89,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     line = {"bench": "graph_node_cost", "waits": n,
             "replay_ms": {v: round(t, 4) for v, t in out.items()},
             "extra_us_per_wait": {v: round((t - base) * 1e3 / n, 2) for v, t in out.items()},
-            "errors": errors}
+            "launch_us": {v: round(t, 1) for v, t in launch.items()}, "errors": errors}
     print(json.dumps(line), flush=True)
     return 0
 

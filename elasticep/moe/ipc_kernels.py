@@ -134,12 +134,20 @@ if triton is not None:
         return lo, tl.minimum(lo + per, C)
 
     @triton.jit
+    def _col_range(H, split, part, BLOCK_H: tl.constexpr):
+        # columns [lo, hi) of a row that part ``part`` of ``split`` copies (whole
+        # BLOCK_H blocks, so the parts' loads stay aligned)
+        per = tl.cdiv(tl.cdiv(H, split), BLOCK_H) * BLOCK_H
+        lo = part * per
+        return lo, tl.minimum(lo + per, H)
+
+    @triton.jit
     def _copy_rows(src_ptr, src_row, src_stride, dst_ptr, dst_row, dst_stride, mask,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr):
-        # rows src_row -> dst_row (int64 [BLOCK_R] each, ``mask``ed), H values each
-        for h0 in range(0, H, BLOCK_H):
+                   h_lo, h_hi, BLOCK_H: tl.constexpr):
+        # rows src_row -> dst_row (int64 [BLOCK_R] each, ``mask``ed), columns [h_lo, h_hi)
+        for h0 in range(h_lo, h_hi, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            m = mask[:, None] & (h < H)[None, :]
+            m = mask[:, None] & (h < h_hi)[None, :]
             v = tl.load(src_ptr + src_row[:, None] * src_stride + h[None, :], mask=m)
             tl.store(dst_ptr + dst_row[:, None] * dst_stride + h[None, :], v, mask=m)
 
@@ -160,14 +168,17 @@ if triton is not None:
                 flags = tl.load(table_ptr + 3 * q + 2).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split"])
     def _dispatch_send_kernel(hidden_ptr, stride_hidden, inv_ptr, tag_ptr, table_ptr,
                               active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
-                              chunks, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
+                              chunks, split, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
                               ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_H: tl.constexpr):
+        # program (q, c, part): rows of chunk c bound for q, columns of part ``part``
         q = tl.program_id(0)
         c = tl.program_id(1)
+        part = tl.program_id(2)
+        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
             dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
@@ -180,16 +191,18 @@ if triton is not None:
                 tok = tl.where(real, p // top_k, 0).to(tl.int64)
                 tag = tl.load(tag_ptr + tl.where(real, p, 0), mask=real, other=0)
                 row = (me * C + r).to(tl.int64)
-                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, H, BLOCK_H)
-                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32), mask=rm)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
-        elif c == 0:
+                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, h_lo,
+                           h_hi, BLOCK_H)
+                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32),
+                         mask=rm & (part == 0))
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks * split)
+        elif (c == 0) & (part == 0):
             _release_own(my_flags_ptr, q, n_slots, slot)
 
-    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "n_pairs"])
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split", "n_pairs"])
     def _fused_dispatch_kernel(hidden_ptr, stride_hidden, ids_ptr, map_ptr, position_ptr,
                                table_ptr, active_ptr, counter_ptr, my_flags_ptr, me, C, slot,
-                               n_slots, chunks, top_k, S, n_pairs, H: tl.constexpr,
+                               n_slots, chunks, split, top_k, S, n_pairs, H: tl.constexpr,
                                ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -199,8 +212,12 @@ if triton is not None:
         # program reduces over all earlier pairs in wide vector blocks, then a cumsum
         # within its own. One serial scan over every pair per program (the first form)
         # took ~100 us a layer at 300 pairs; this is a reduction plus one block's copy.
+        # The third grid axis splits the columns of the block's rows, so a one-token
+        # step's copy runs on several SMs instead of one program's serial loop.
         q = tl.program_id(0)
         c = tl.program_id(1)
+        part = tl.program_id(2)
+        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         alive = tl.load(active_ptr + q) != 0
         dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
         dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
@@ -220,31 +237,36 @@ if triton is not None:
         phys = tl.load(map_ptr + tl.load(ids_ptr + i, mask=m, other=0), mask=m, other=0)
         hit = m & (phys // S == q)
         within = before + tl.cumsum(hit.to(tl.int64), 0) - 1
-        tl.store(position_ptr + i, q * C + within, mask=hit)
+        first_part = part == 0
+        tl.store(position_ptr + i, q * C + within, mask=hit & first_part)
         if alive:
             tok = tl.where(hit, i // top_k, 0).to(tl.int64)
             row = (me * C + within).to(tl.int64)
-            _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, hit, H, BLOCK_H)
+            _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, hit, h_lo, h_hi,
+                       BLOCK_H)
             tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
-                     (phys - q * S + 1).to(tl.int32), mask=hit)
+                     (phys - q * S + 1).to(tl.int32), mask=hit & first_part)
             lo, hi = _chunk_rows(C, chunks, c)
-            for r0 in range(lo, hi, BLOCK_R):  # this program's share of unused rows: tag 0
-                r = r0 + tl.arange(0, BLOCK_R)
-                um = (r < hi) & (r >= total)
-                row = (me * C + r).to(tl.int64)
-                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tl.zeros_like(r).to(tl.int32),
-                         mask=um)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
-        elif c == 0:
+            if first_part:
+                for r0 in range(lo, hi, BLOCK_R):  # this program's share of unused rows: tag 0
+                    r = r0 + tl.arange(0, BLOCK_R)
+                    um = (r < hi) & (r >= total)
+                    row = (me * C + r).to(tl.int64)
+                    tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
+                             tl.zeros_like(r).to(tl.int32), mask=um)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks * split)
+        elif (c == 0) & first_part:
             _release_own(my_flags_ptr, q, n_slots, slot)
 
-    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks"])
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split"])
     def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
-                             my_flags_ptr, me, C, slot, n_slots, chunks, H: tl.constexpr,
+                             my_flags_ptr, me, C, slot, n_slots, chunks, split, H: tl.constexpr,
                              ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_H: tl.constexpr):
         q = tl.program_id(0)
         c = tl.program_id(1)
+        part = tl.program_id(2)
+        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(out_ptr.dtype.element_ty))
             lo, hi = _chunk_rows(C, chunks, c)
@@ -255,9 +277,9 @@ if triton is not None:
                 tag = tl.load(recv32_ptr + src * ROW_WORDS + (ROW_WORDS - 1), mask=rm, other=0)
                 real = rm & (tag != 0)
                 row = (me * C + r).to(tl.int64)
-                _copy_rows(out_ptr, src, H, dest, row, H, real, H, BLOCK_H)
-            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks)
-        elif c == 0:
+                _copy_rows(out_ptr, src, H, dest, row, H, real, h_lo, h_hi, BLOCK_H)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks * split)
+        elif (c == 0) & (part == 0):
             _release_own(my_flags_ptr, q, n_slots, slot)
 
 
@@ -291,6 +313,17 @@ MAX_CHUNKS = 256  # programs per destination: a prefill's rows spread over every
 FUSED_BLOCK_P = 16  # pairs per program of the fused static dispatch
 
 
+SPLIT_PROGRAMS = 128  # programs per destination that a small step's column split aims at
+
+
+def split_for(chunks: int, H: int) -> int:
+    """Column parts per row block: enough that ``chunks * parts`` programs reach
+    :data:`SPLIT_PROGRAMS` for a small step (at most one ``BLOCK_H`` block a part),
+    1 for a step that already has that many chunks. One program copying a one-token
+    step's rows column block after column block took 11 us a layer on the H200."""
+    return max(1, min(-(-H // BLOCK_H), SPLIT_PROGRAMS // chunks))
+
+
 def chunks_for(C: int) -> int:
     """Programs per destination for ``C`` rows per block: one per ``BLOCK_R`` rows up to
     :data:`MAX_CHUNKS`. A program's rows are copied one block after another, so fewer,
@@ -314,10 +347,11 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
     G, n_slots = my_flags.shape
     H = hidden.shape[1]
     chunks = chunks_for(C)
+    split = split_for(chunks, H)
     elem = hidden.element_size()
-    _dispatch_send_kernel[(G, chunks)](
+    _dispatch_send_kernel[(G, chunks, split)](
         hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
-        slot, n_slots, chunks, top_k, H=H, ROW_ELEMS=row_elems,
+        slot, n_slots, chunks, split, top_k, H=H, ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
 
 
@@ -347,9 +381,10 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
     ids = topk_ids.reshape(-1).contiguous()
     position = torch.empty_like(ids)
     chunks = max(1, -(-ids.numel() // FUSED_BLOCK_P))  # one program per block of pairs
-    _fused_dispatch_kernel[(G, chunks)](
+    split = split_for(chunks, hidden.shape[1])
+    _fused_dispatch_kernel[(G, chunks, split)](
         hidden, hidden.stride(0), ids, logical_to_physical.contiguous(), position, table,
-        active, counter, my_flags, me, C, slot, n_slots, chunks, topk_ids.shape[1],
+        active, counter, my_flags, me, C, slot, n_slots, chunks, split, topk_ids.shape[1],
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
         BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
@@ -369,7 +404,8 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
     G, n_slots = my_flags.shape
     H = expert_out.shape[1]
     chunks = chunks_for(C)
-    _combine_send_kernel[(G, chunks)](
+    split = split_for(chunks, H)
+    _combine_send_kernel[(G, chunks, split)](
         expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
-        n_slots, chunks, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
+        n_slots, chunks, split, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
         BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
