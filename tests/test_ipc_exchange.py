@@ -191,8 +191,13 @@ def _kernel_cases() -> dict:
     from elasticep.moe import ipc_kernels as kern
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
-    # of its 1024-wide blocks and 65 programs each own a block of pairs
-    for G, T in [(2, 7), (3, 1), (3, 20), (2, 520)]:
+    # of its 1024-wide blocks and 65 programs each own a block of pairs. A narrower
+    # BLOCK_H splits each row's H=24 columns over programs (3 even parts at 8; at 16,
+    # a part of 16 and one of 8), as a one-token step's send does at H=2048.
+    cases = [(2, 7, 256), (3, 1, 256), (3, 20, 256), (2, 520, 256), (2, 7, 8), (3, 20, 16)]
+    for G, T, block_h in cases:
+        kern.BLOCK_H = block_h
+        assert kern.split_for(1, H) == -(-H // block_h)
         g = torch.Generator().manual_seed(G * 10 + T)
         hidden = torch.randn(T, H, generator=g)
         l2p = torch.randperm(G * S, generator=g)
@@ -226,14 +231,14 @@ def _kernel_cases() -> dict:
         ref[0].send_combine(out, C, 1)
         for q in range(G):
             ok &= torch.equal(plain[q].recv1[:G * C], ref[q].recv1[:G * C])
-        results[f"G{G}_T{T}"] = bool(ok)
+        results[f"G{G}_T{T}_h{block_h}"] = bool(ok)
     return results
 
 
 def test_kernels_equal_the_torch_reference_under_the_interpreter():
     from tests._interpreted import run_interpreted
     got = run_interpreted(__file__, timeout_s=300)
-    assert len(got) == 8 and all(got.values()), got
+    assert len(got) == 10 and all(got.values()), got
 
 
 def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):

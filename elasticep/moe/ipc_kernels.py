@@ -193,8 +193,9 @@ if triton is not None:
                 row = (me * C + r).to(tl.int64)
                 _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, h_lo,
                            h_hi, BLOCK_H)
-                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32),
-                         mask=rm & (part == 0))
+                if part == 0:
+                    tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32),
+                             mask=rm)
             _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks * split)
         elif (c == 0) & (part == 0):
             _release_own(my_flags_ptr, q, n_slots, slot)
@@ -238,16 +239,17 @@ if triton is not None:
         hit = m & (phys // S == q)
         within = before + tl.cumsum(hit.to(tl.int64), 0) - 1
         first_part = part == 0
-        tl.store(position_ptr + i, q * C + within, mask=hit & first_part)
+        if first_part:
+            tl.store(position_ptr + i, q * C + within, mask=hit)
         if alive:
             tok = tl.where(hit, i // top_k, 0).to(tl.int64)
             row = (me * C + within).to(tl.int64)
             _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, hit, h_lo, h_hi,
                        BLOCK_H)
-            tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
-                     (phys - q * S + 1).to(tl.int32), mask=hit & first_part)
             lo, hi = _chunk_rows(C, chunks, c)
             if first_part:
+                tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
+                         (phys - q * S + 1).to(tl.int32), mask=hit)
                 for r0 in range(lo, hi, BLOCK_R):  # this program's share of unused rows: tag 0
                     r = r0 + tl.arange(0, BLOCK_R)
                     um = (r < hi) & (r >= total)
