@@ -76,6 +76,62 @@ def test_dispatch_and_combine_match_the_padded_layout(G, live):
         assert torch.all(ex.flags == 0), "every wait resets its flag"
 
 
+def _steps(exs: list[IpcExchange], steps: int, T: int = 3) -> None:
+    """``steps`` whole steps (every layer's dispatch and combine) on every rank, in
+    lockstep; each pair must come back as hidden * (its local slot + 1)."""
+    G = len(exs)
+    C = pair_capacity(T, K, S)
+    for step in range(steps):
+        inputs = [_inputs(G, T, 100 * step + r, list(range(G))) for r in range(G)]
+        for layer in range(LAYERS):
+            plans = [ex.send_dispatch(*inputs[r], S, C, layer) for r, ex in enumerate(exs)]
+            received = [ex.recv_dispatch(C, layer, S) for ex in exs]
+            for ex, (rows, tags) in zip(exs, received, strict=True):
+                ex.send_combine((rows * tags.unsqueeze(1).float()).contiguous(), C, layer)
+            for r, ex in enumerate(exs):
+                hidden, slots = inputs[r]
+                got = ex.recv_combine(C, layer)[plans[r].position]
+                want = (hidden.repeat_interleave(K, 0)
+                        * (slots.reshape(-1) % S + 1).unsqueeze(1).float())
+                assert torch.equal(got, want)
+
+
+def test_send_kernels_clear_the_flags_their_waits_leave_set(monkeypatch):
+    # ELASTICEP_IPC_FLAG_RESET=kernel: a wait leaves its flag at 1 and the next
+    # exchange's send clears it; over two steps every signal finds its flag cleared
+    # (the simulation raises on a lost reset)
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", "kernel")
+    exs = _world(3)
+    for ex in exs:
+        ex.reset(torch.ones(3, dtype=torch.bool))
+        assert ex.reset_in_kernel
+    _steps(exs, steps=2)
+    last = 2 * LAYERS - 1
+    for ex in exs:  # only the last exchange's flags are still set, from every peer
+        peers = [q for q in range(3) if q != ex.rank]
+        assert torch.all(ex.flags[peers, last] == 1)
+        assert torch.all(ex.flags[:, :last] == 0)
+
+
+def test_a_lost_flag_reset_is_an_error_in_simulation(monkeypatch):
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", "kernel")
+    exs = _world(2)
+    for ex in exs:
+        ex.reset(torch.ones(2, dtype=torch.bool))
+    _steps(exs, steps=1)
+    # slot 2L-1 is still set on rank 1 (rank 0's last combine signal): a second combine
+    # send of the last layer, with no exchange between to clear it, would pass early
+    with pytest.raises(RuntimeError, match="lost reset"):
+        exs[0].send_combine(torch.zeros(2 * pair_capacity(3, K, S), H), pair_capacity(3, K, S),
+                            LAYERS - 1)
+
+
+def test_an_unknown_flag_reset_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", "both")
+    with pytest.raises(ValueError, match="expected 'memop' or 'kernel'"):
+        _world(1)
+
+
 def test_a_wait_without_its_signal_is_an_error_in_simulation():
     exs = _world(2)
     for ex in exs:
@@ -208,13 +264,17 @@ def _kernel_cases() -> dict:
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
         ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
+        fused[0].flags[:, 1] = 1  # the waits of exchange 1 left these set: reset_prev clears
         pos = kern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
-                                  fused[0].active, fused[0].counter, fused[0].flags, 2)
+                                  fused[0].active, fused[0].counter, fused[0].flags, 2,
+                                  reset_prev=True)
+        cleared = (torch.all(fused[0].flags[1:, 1] == 0)  # the peers' flags, not its own
+                   and int(fused[0].flags[0, 1]) == 1)
         plan = plan_padded(l2p[ids], S, G, C)
         inv = kern.inverse_positions(plan.position, G * C)
         kern.dispatch_send(hidden, inv, plan.tag, K, 0, C, plain[0].W, plain[0].table,
                            plain[0].active, plain[0].counter, plain[0].flags, 2)
-        ok = torch.equal(pos, plan.position)
+        ok = torch.equal(pos, plan.position) and bool(cleared)
         for q in range(G):
             want_rows, want_tags = split_rows(ref[q].recv0[:G * C], H)
             real = want_tags != 0
@@ -226,8 +286,10 @@ def _kernel_cases() -> dict:
         # combine: rank 0 returns rows (times 2) to every source, kernel vs reference
         rows0, tags0 = split_rows(ref[0].recv0[:G * C], H)
         out = (rows0 * 2).contiguous()
+        plain[0].flags[:, 2] = 1
         kern.combine_send(out, ref[0].recv0, 0, C, plain[0].table, plain[0].active,
-                          plain[0].counter, plain[0].flags, 3)
+                          plain[0].counter, plain[0].flags, 3, reset_prev=True)
+        ok &= bool(torch.all(plain[0].flags[1:, 2] == 0)) and int(plain[0].flags[0, 2]) == 1
         ref[0].send_combine(out, C, 1)
         for q in range(G):
             ok &= torch.equal(plain[q].recv1[:G * C], ref[q].recv1[:G * C])

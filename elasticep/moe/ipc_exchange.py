@@ -9,7 +9,8 @@ exchange is:
 1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
    every active destination's buffer at this rank's row block, then sets a flag there;
 2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``, then a stream write of
-   0 (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+   0 (or, with ``ELASTICEP_IPC_FLAG_RESET=kernel``, the next exchange's send kernel
+   clears it: one graph node less) (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
    time slices).
 
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 HANDLE_KEY = "elasticep/ipc_exchange/{rank}/{gen}"
 GEN_KEY = "elasticep/ipc_exchange/{rank}/generation"
+RESET_ENV = "ELASTICEP_IPC_FLAG_RESET"
 _ALIGN = 256
 
 
@@ -134,6 +136,13 @@ class IpcExchange:
         # one kernel for the static map's gather, plan and send at decode sizes
         # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
         self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
+        # who clears a waited flag: "memop", a stream write right after the wait (one
+        # batched node), or "kernel", the next exchange's send kernel (reset_prev;
+        # the wait node then only waits)
+        mode = os.environ.get(RESET_ENV, "memop")
+        if mode not in ("memop", "kernel"):
+            raise ValueError(f"{RESET_ENV}={mode!r}: expected 'memop' or 'kernel'")
+        self.reset_in_kernel = mode == "kernel"
         self.aborts = 0
 
     # ------------------------------------------------------------------ memory
@@ -288,18 +297,31 @@ class IpcExchange:
                 if q != self.rank:
                     if int(self.flags[q, slot]) != 1:
                         raise RuntimeError(f"rank {self.rank}: no signal from {q} at slot {slot}")
-                    self.flags[q, slot] = 0
+                    if not self.reset_in_kernel:
+                        self.flags[q, slot] = 0
             return
-        stream_memops.wait_and_reset32([self.flags[q, slot].data_ptr() for q in range(self.G)
-                                        if q != self.rank])
+        addrs = [self.flags[q, slot].data_ptr() for q in range(self.G) if q != self.rank]
+        if self.reset_in_kernel:
+            stream_memops.wait_all32(addrs)
+        else:
+            stream_memops.wait_and_reset32(addrs)
 
     def _signal_local(self, slot: int) -> None:
-        """CPU simulation of the kernels' flags: signal active peers, release the rest."""
+        """CPU simulation of the kernels' flags: clear the previous exchange's flags
+        (``reset_prev``), signal active peers, release the rest. A signal that finds its
+        flag still set is a lost reset (on the GPU, a wait that would pass early)."""
         for q in range(self.G):
             if q == self.rank:
                 continue
+            if self.reset_in_kernel:
+                self.flags[q, (slot - 1) % self.n_slots] = 0
             if int(self.active[q]):
-                self._peer_views[q][2][self.rank, slot] = 1
+                peer_flags = self._peer_views[q][2]
+                if self.reset_in_kernel and not self._aborted and int(
+                        peer_flags[self.rank, slot]) != 0:
+                    raise RuntimeError(f"rank {self.rank}: flag {slot} of rank {q} still set "
+                                       "from an earlier exchange (a lost reset)")
+                peer_flags[self.rank, slot] = 1
             else:
                 self.flags[q, slot] = 1
 
@@ -328,7 +350,7 @@ class IpcExchange:
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,
-                                  self.flags, 2 * layer)
+                                  self.flags, 2 * layer, self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
@@ -356,7 +378,8 @@ class IpcExchange:
         if self.cuda and self.fused_dispatch and kernels.fused_dispatch_ok(hidden, topk_ids):
             return kernels.fused_dispatch(hidden, topk_ids, logical_to_physical,
                                           slots_per_rank, self.rank, C, self.W, self.table,
-                                          self.active, self.counter, self.flags, 2 * layer)
+                                          self.active, self.counter, self.flags, 2 * layer,
+                                          self.reset_in_kernel)
         slots = logical_to_physical[topk_ids]
         return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
 
@@ -392,7 +415,8 @@ class IpcExchange:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
         if self.cuda:
             kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
-                                 self.active, self.counter, self.flags, 2 * layer + 1)
+                                 self.active, self.counter, self.flags, 2 * layer + 1,
+                                 self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views[q][1] if q in self._peer_views else None

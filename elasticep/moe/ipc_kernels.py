@@ -157,6 +157,17 @@ if triton is not None:
         tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
 
     @triton.jit
+    def _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV: tl.constexpr):
+        # The flag of the exchange before this one (waited already, still 1) goes back
+        # to 0 here instead of in a stream write after the wait: one graph node less per
+        # exchange. Program (q, 0, 0) clears q's flag before it takes part in signalling
+        # q, so the clear happens-before q's next write of that flag, which q makes only
+        # after this exchange's signal reaches it.
+        if RESET_PREV:
+            if (c == 0) & (part == 0) & (q != me):
+                tl.store(my_flags_ptr + q * n_slots + (slot + n_slots - 1) % n_slots, 0)
+
+    @triton.jit
     def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
         # the caller's row stores must be visible before the flag: a CTA barrier, an
         # acq_rel count of finished chunks, and a system-scope release by the last one
@@ -173,11 +184,12 @@ if triton is not None:
                               active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
                               chunks, split, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
                               ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_H: tl.constexpr):
+                              BLOCK_H: tl.constexpr, RESET_PREV: tl.constexpr):
         # program (q, c, part): rows of chunk c bound for q, columns of part ``part``
         q = tl.program_id(0)
         c = tl.program_id(1)
         part = tl.program_id(2)
+        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
         h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
@@ -206,7 +218,8 @@ if triton is not None:
                                n_slots, chunks, split, top_k, S, n_pairs, H: tl.constexpr,
                                ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                               RESET_PREV: tl.constexpr):
         # The slot gather, the plan and the send of a decode-sized step in one launch.
         # Program (q, c) owns pairs [c*BLOCK_P, (c+1)*BLOCK_P): a pair's row in q's block
         # is the count of earlier pairs bound for q (plan_padded's order), which the
@@ -218,6 +231,7 @@ if triton is not None:
         q = tl.program_id(0)
         c = tl.program_id(1)
         part = tl.program_id(2)
+        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
         h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         alive = tl.load(active_ptr + q) != 0
         dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
@@ -264,10 +278,11 @@ if triton is not None:
     def _combine_send_kernel(out_ptr, recv32_ptr, table_ptr, active_ptr, counter_ptr,
                              my_flags_ptr, me, C, slot, n_slots, chunks, split, H: tl.constexpr,
                              ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_H: tl.constexpr):
+                             BLOCK_H: tl.constexpr, RESET_PREV: tl.constexpr):
         q = tl.program_id(0)
         c = tl.program_id(1)
         part = tl.program_id(2)
+        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
         h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(out_ptr.dtype.element_ty))
@@ -336,7 +351,8 @@ def chunks_for(C: int) -> int:
 
 def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tensor, top_k: int,
                   me: int, C: int, row_elems: int, table: torch.Tensor, active: torch.Tensor,
-                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int) -> None:
+                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int,
+                  reset_prev: bool = False) -> None:
     """Launch the dispatch send kernel (CUDA; see the module doc).
 
     Args:
@@ -344,7 +360,9 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
             int32; row_elems: W, elements per receive row (:func:`row_width`);
         table: [G, 3] int64 device pointers; active: [G] int32; counter: [G] int32 (zero
             between kernels); my_flags: [G, n_slots] int32, this rank's flags; slot: the
-            exchange's flag column.
+            exchange's flag column;
+        reset_prev: also clear this rank's flags of column ``slot - 1`` (mod n_slots),
+            the exchange before this one, whose waits did not reset them.
     """
     G, n_slots = my_flags.shape
     H = hidden.shape[1]
@@ -354,7 +372,8 @@ def dispatch_send(hidden: torch.Tensor, inv: torch.Tensor, pair_tags: torch.Tens
     _dispatch_send_kernel[(G, chunks, split)](
         hidden, hidden.stride(0), inv, pair_tags, table, active, counter, my_flags, me, C,
         slot, n_slots, chunks, split, top_k, H=H, ROW_ELEMS=row_elems,
-        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+        ROW_WORDS=row_elems * elem // 4, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
+        RESET_PREV=reset_prev, num_warps=NUM_WARPS)
 
 
 def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -366,7 +385,7 @@ def fused_dispatch_ok(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
 def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_physical: torch.Tensor,
                    slots_per_rank: int, me: int, C: int, row_elems: int, table: torch.Tensor,
                    active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
-                   slot: int) -> torch.Tensor:
+                   slot: int, reset_prev: bool = False) -> torch.Tensor:
     """Gather each pair's physical slot (``logical_to_physical[topk_ids]``, the static
     dispatch map of a layer), plan and send, in one kernel (CUDA,
     :func:`fused_dispatch_ok`). Writes what :func:`dispatch_send` writes after
@@ -389,13 +408,14 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
         active, counter, my_flags, me, C, slot, n_slots, chunks, split, topk_ids.shape[1],
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
-        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
+        RESET_PREV=reset_prev, num_warps=NUM_WARPS)
     return position
 
 
 def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
                  table: torch.Tensor, active: torch.Tensor, counter: torch.Tensor,
-                 my_flags: torch.Tensor, slot: int) -> None:
+                 my_flags: torch.Tensor, slot: int, reset_prev: bool = False) -> None:
     """Launch the combine send kernel (CUDA).
 
     Args:
@@ -410,4 +430,4 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
     _combine_send_kernel[(G, chunks, split)](
         expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
         n_slots, chunks, split, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, RESET_PREV=reset_prev, num_warps=NUM_WARPS)

@@ -91,14 +91,18 @@ def _batch_param(kind: str, addr: int, value: int):
     return p
 
 
-def _batch_params(addrs: list[int]) -> list:
-    return [p for addr in addrs for p in (_batch_param("wait", addr, 1),
-                                          _batch_param("write", addr, 0))]
+def _batch_params(addrs: list[int], reset: bool) -> list:
+    ops = []
+    for addr in addrs:
+        ops.append(_batch_param("wait", addr, 1))
+        if reset:
+            ops.append(_batch_param("write", addr, 0))
+    return ops
 
 
-def _batched(addrs: list[int], stream: torch.cuda.Stream | None) -> None:
+def _batched(addrs: list[int], stream: torch.cuda.Stream | None, reset: bool = True) -> None:
     drv = driver()
-    ops = _batch_params(addrs)
+    ops = _batch_params(addrs, reset)
     _check(drv.cuStreamBatchMemOp(_stream(stream), len(ops), ops, 0))
 
 
@@ -148,6 +152,23 @@ def wait_and_reset32(addrs: list[int], stream: torch.cuda.Stream | None = None) 
     for addr in addrs:
         wait_value32(addr, 1, stream)
         write_value32(addr, 0, stream)
+
+
+def wait_all32(addrs: list[int], stream: torch.cuda.Stream | None = None) -> None:
+    """For each int32 at ``addrs`` in turn: wait until it equals 1, leaving it set (the
+    exchange's send kernels then clear it: ``reset_prev``), as one batched stream
+    operation where :func:`batch_works`, else one wait per flag.
+
+    Raises:
+        RuntimeError: a driver call failed.
+    """
+    if not addrs:
+        return
+    if batch_works(torch.cuda.current_device()):
+        _batched(addrs, stream, reset=False)
+        return
+    for addr in addrs:
+        wait_value32(addr, 1, stream)
 
 
 def write_value32(addr: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
