@@ -1,7 +1,7 @@
 """What a stream memory operation costs inside a CUDA graph (issue 26's idle time).
 
-A served decode step on the same-host exchange spends about 0.9 ms of GPU idle time
-around its 96 wait nodes (session 11 profile). This bench isolates that cost: one graph
+Session 11's profile put about 0.9 ms of a served decode step's GPU idle time near its
+96 wait nodes (an estimate from gaps, not a measurement). This bench isolates the cost: one graph
 of ``--layers`` x 2 "exchanges", each a tiny kernel that sets a flag (as the send
 kernel's own release does for an inactive peer) and then, by variant:
 
@@ -48,7 +48,7 @@ def _ops(variant: str, addr: int):
     return lambda: None
 
 
-def _graph(variant: str, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def _graph(variant: str, n: int) -> torch.cuda.CUDAGraph:
     flags = torch.zeros(n + 1, dtype=torch.int32, device="cuda")
     pattern = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     waits = [_ops(variant, flags[i + 1].data_ptr()) for i in range(n)]
@@ -64,7 +64,8 @@ def _graph(variant: str, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             waits[i]()
         flags[n].zero_()
     torch.cuda.synchronize()
-    return g, flags
+    g.flags = flags  # the graph reads it at every replay: keep it alive with the graph
+    return g
 
 
 def _launch_us(g: torch.cuda.CUDAGraph) -> float:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = {}
     for v in VARIANTS:
         try:
-            g, _ = _graph(v, n)
+            g = _graph(v, n)
             replay_ms(g, 5)
             out[v] = statistics.median(replay_ms(g, args.replays))
             launch[v] = statistics.median(_launch_us(g) for _ in range(args.replays))

@@ -9,10 +9,10 @@ exchange is:
 1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
    every active destination's buffer at this rank's row block, then sets a flag there;
 2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``, then a stream write of
-   0 (or, with ``ELASTICEP_IPC_FLAG_RESET=kernel``, the next exchange's send kernel
-   clears it: one graph node less) (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+   0 (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
-   time slices).
+   time slices). With ``ELASTICEP_IPC_FLAG_RESET=kernel`` the next exchange's send
+   kernel clears the flag instead: one graph node less.
 
 Nothing in it is a collective call, so the decode forward is one graph. The graph reads
 the pointer table and the ``active`` mask from device memory; the layout of the rows is
@@ -301,10 +301,7 @@ class IpcExchange:
                         self.flags[q, slot] = 0
             return
         addrs = [self.flags[q, slot].data_ptr() for q in range(self.G) if q != self.rank]
-        if self.reset_in_kernel:
-            stream_memops.wait_all32(addrs)
-        else:
-            stream_memops.wait_and_reset32(addrs)
+        stream_memops.wait_and_reset32(addrs, reset=not self.reset_in_kernel)
 
     def _signal_local(self, slot: int) -> None:
         """CPU simulation of the kernels' flags: clear the previous exchange's flags

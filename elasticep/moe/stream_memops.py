@@ -136,10 +136,12 @@ def batch_works(device_index: int) -> bool:
         return False
 
 
-def wait_and_reset32(addrs: list[int], stream: torch.cuda.Stream | None = None) -> None:
+def wait_and_reset32(addrs: list[int], stream: torch.cuda.Stream | None = None,
+                     reset: bool = True) -> None:
     """For each int32 at ``addrs`` in turn: wait until it equals 1, then write 0 (the
     exchange's per-peer flags), as one batched stream operation where
-    :func:`batch_works`, else two operations per flag.
+    :func:`batch_works`, else one or two operations per flag. ``reset=False`` leaves
+    each flag set (the exchange's send kernels then clear it: ``reset_prev``).
 
     Raises:
         RuntimeError: the driver refused a call.
@@ -147,28 +149,12 @@ def wait_and_reset32(addrs: list[int], stream: torch.cuda.Stream | None = None) 
     if not addrs:
         return
     if batch_works(torch.cuda.current_device()):
-        _batched(addrs, stream)
+        _batched(addrs, stream, reset)
         return
     for addr in addrs:
         wait_value32(addr, 1, stream)
-        write_value32(addr, 0, stream)
-
-
-def wait_all32(addrs: list[int], stream: torch.cuda.Stream | None = None) -> None:
-    """For each int32 at ``addrs`` in turn: wait until it equals 1, leaving it set (the
-    exchange's send kernels then clear it: ``reset_prev``), as one batched stream
-    operation where :func:`batch_works`, else one wait per flag.
-
-    Raises:
-        RuntimeError: a driver call failed.
-    """
-    if not addrs:
-        return
-    if batch_works(torch.cuda.current_device()):
-        _batched(addrs, stream, reset=False)
-        return
-    for addr in addrs:
-        wait_value32(addr, 1, stream)
+        if reset:
+            write_value32(addr, 0, stream)
 
 
 def write_value32(addr: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
