@@ -20,8 +20,10 @@ from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, spli
 H, K, S, LAYERS = 24, 2, 4, 3
 
 
-def _world(G: int, cap: int = 64) -> list[IpcExchange]:
-    exs = [IpcExchange(r, G, cap, H, torch.float32, LAYERS, "cpu") for r in range(G)]
+def _world(G: int, cap: int = 64, num_layers: int = LAYERS,
+           moe_layers: list[int] | None = None) -> list[IpcExchange]:
+    exs = [IpcExchange(r, G, cap, H, torch.float32, num_layers, "cpu", moe_layers=moe_layers)
+           for r in range(G)]
     for ex in exs:
         ex.map_local(dict(enumerate(exs)))
     return exs
@@ -36,8 +38,10 @@ def _inputs(G: int, T: int, seed: int, live: list[int]):
     return hidden, slots_live[picks]
 
 
+@pytest.mark.parametrize("flag_reset", ["kernel", "memop"])
 @pytest.mark.parametrize("G,live", [(2, [0, 1]), (3, [0, 1, 2]), (3, [0, 2]), (2, [0])])
-def test_dispatch_and_combine_match_the_padded_layout(G, live):
+def test_dispatch_and_combine_match_the_padded_layout(G, live, flag_reset, monkeypatch):
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
     exs = _world(G)
     mask = torch.zeros(G, dtype=torch.bool)
     mask[live] = True
@@ -72,18 +76,27 @@ def test_dispatch_and_combine_match_the_padded_layout(G, live):
         got = back[plans[r].position]
         want = hidden.repeat_interleave(K, 0) * (slots.reshape(-1) % S + 1).unsqueeze(1).float()
         assert torch.equal(got, want)
-    for ex in exs:
-        assert torch.all(ex.flags == 0), "every wait resets its flag"
+    for ex in (exs[r] for r in live):
+        if flag_reset == "memop":
+            assert torch.all(ex.flags == 0), "every wait resets its flag"
+            continue
+        # the next exchange's send clears these: only the combine's flags are set, from
+        # every peer (an inactive one's by this rank's own send, so its wait passed)
+        want = torch.zeros_like(ex.flags)
+        want[[q for q in range(G) if q != ex.rank], 2 * layer + 1] = 1
+        assert torch.equal(ex.flags, want)
 
 
-def _steps(exs: list[IpcExchange], steps: int, T: int = 3) -> None:
-    """``steps`` whole steps (every layer's dispatch and combine) on every rank, in
-    lockstep; each pair must come back as hidden * (its local slot + 1)."""
+def _steps(exs: list[IpcExchange], steps: int, T: int = 3,
+           layers: list[int] | None = None) -> None:
+    """``steps`` whole steps (each of ``layers``' dispatch and combine; default all
+    LAYERS) on every rank, in lockstep; each pair must come back as hidden * (its local
+    slot + 1)."""
     G = len(exs)
     C = pair_capacity(T, K, S)
     for step in range(steps):
         inputs = [_inputs(G, T, 100 * step + r, list(range(G))) for r in range(G)]
-        for layer in range(LAYERS):
+        for layer in (range(LAYERS) if layers is None else layers):
             plans = [ex.send_dispatch(*inputs[r], S, C, layer) for r, ex in enumerate(exs)]
             received = [ex.recv_dispatch(C, layer, S) for ex in exs]
             for ex, (rows, tags) in zip(exs, received, strict=True):
@@ -111,6 +124,31 @@ def test_send_kernels_clear_the_flags_their_waits_leave_set(monkeypatch):
         peers = [q for q in range(3) if q != ex.rank]
         assert torch.all(ex.flags[peers, last] == 1)
         assert torch.all(ex.flags[:, :last] == 0)
+
+
+def test_dense_layers_leave_no_gap_in_the_flag_columns(monkeypatch):
+    # DeepSeek-style: decoder layers 0 and 2 are dense, 1, 3 and 4 exchange. The first
+    # exchange of a step must clear the last one of the step before (a numbering by
+    # decoder layer would clear the unused column of layer 0 instead, and the second
+    # step's last combine would find its flag still set: a lost reset)
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", "kernel")
+    moe = [1, 3, 4]
+    exs = _world(2, num_layers=5, moe_layers=moe)
+    for ex in exs:
+        ex.reset(torch.ones(2, dtype=torch.bool))
+        assert ex.n_slots == 2 * len(moe)
+    _steps(exs, steps=3, layers=moe)
+    for ex in exs:
+        assert int(ex.flags[1 - ex.rank, -1]) == 1
+        assert torch.all(ex.flags[:, :-1] == 0)
+    with pytest.raises(ValueError, match="layer 2 does not exchange"):
+        exs[0].recv_dispatch(pair_capacity(3, K, S), 2, S)
+
+
+@pytest.mark.parametrize("moe_layers", [[], [2, 1], [0, 5]])
+def test_bad_moe_layers_are_refused(moe_layers):
+    with pytest.raises(ValueError, match="want increasing decoder layers"):
+        IpcExchange(0, 2, 16, H, torch.float32, 5, "cpu", moe_layers=moe_layers)
 
 
 def test_a_lost_flag_reset_is_an_error_in_simulation(monkeypatch):

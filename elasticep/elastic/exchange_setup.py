@@ -69,7 +69,8 @@ def build_exchange(d: DeploymentConfig, model_config: MoEModelConfig, rank: int,
         raise ValueError("--moe-a2a-backend cuda_ipc needs chunked prefill")
     ex = IpcExchange(rank, d.max_ep_size, capacity_rows(tokens, model_config.num_experts_per_tok),
                      model_config.hidden_size, getattr(torch, d.dtype),
-                     model_config.num_hidden_layers, device)
+                     model_config.num_hidden_layers, device,
+                     moe_layers=model_config.moe_layer_ids)
     logger.info("cuda_ipc exchange: %.1f MiB of buffers for steps of up to %d tokens over %d "
                 "slots; peer waits %s", ex.nbytes / 2**20, tokens, d.max_ep_size,
                 "batched (one graph node per exchange)" if ex.batched_waits else "one by one")

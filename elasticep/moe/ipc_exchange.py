@@ -8,11 +8,14 @@ exchange is:
 
 1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
    every active destination's buffer at this rank's row block, then sets a flag there;
-2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``, then a stream write of
-   0 (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``
+   (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
-   time slices). With ``ELASTICEP_IPC_FLAG_RESET=kernel`` the next exchange's send
-   kernel clears the flag instead: one graph node less.
+   time slices). The next exchange's send kernel sets the flag back to 0
+   (``ELASTICEP_IPC_FLAG_RESET=kernel``, the default). ``=memop`` resets it with a
+   stream write right after the wait instead: one more graph node per exchange, which
+   on the H200 cost 0.3 ms of a served one-token step (6.48 against 6.20 ms TPOT, session
+   13).
 
 Nothing in it is a collective call, so the decode forward is one graph. The graph reads
 the pointer table and the ``active`` mask from device memory; the layout of the rows is
@@ -23,7 +26,7 @@ Memory, per rank (``G = max_ep_size``, ``C_max`` rows per source block for the l
 step, ``W`` = :func:`~elasticep.moe.padded_exchange.row_width`): a dispatch buffer
 ``[G*C_max, W]`` and a combine buffer ``[G*C_max, H]`` in the model dtype (two, because a
 peer one phase ahead already writes its combine rows while this rank reads dispatch
-rows), flags ``[G, 2*num_layers]`` int32 (one column per exchange of a step: a column is
+rows), flags ``[G, 2*moe_layers]`` int32 (one column per exchange of a step: a column is
 reused only one step later, after an exchange of every rank in between) and a counter
 ``[G]``. They are one allocation, exported as one IPC handle through the rendezvous
 store.
@@ -45,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -76,7 +80,8 @@ def capacity_rows(max_step_tokens: int, top_k: int) -> int:
 
 def buffer_bytes(max_ep_size: int, cap_rows: int, hidden_size: int, dtype: torch.dtype,
                  num_layers: int) -> int:
-    """Bytes one rank allocates for the exchange (the arena of :class:`IpcExchange`)."""
+    """Bytes one rank allocates for the exchange (the arena of :class:`IpcExchange`);
+    ``num_layers``: the layers that exchange (an upper bound is fine)."""
     elem = torch.empty((), dtype=dtype).element_size()
     parts = [max_ep_size * cap_rows * row_width(hidden_size, dtype) * elem,
              max_ep_size * cap_rows * hidden_size * elem,
@@ -94,19 +99,33 @@ class IpcExchange:
         cap_rows: ``C_max`` (:func:`capacity_rows`).
         hidden_size: H.
         dtype: model dtype of the rows.
-        num_layers: decoder layers (two flag columns each).
+        num_layers: decoder layers.
         device: this rank's device. ``"cpu"`` runs the torch reference of every kernel and
             checks each wait instead of blocking (a one-process simulation for tests:
             the peers are other :class:`IpcExchange` objects given to :meth:`map_local`).
+        moe_layers: the decoder layers that exchange, in forward order (None: all
+            ``num_layers``). Each gets two flag columns, numbered in this order, so the
+            exchanges of a step use consecutive columns (dense layers, e.g. DeepSeek's
+            ``first_k_dense_replace``, leave no gap that a send's ``reset_prev`` would
+            clear instead of the column before it).
 
     Raises:
         ImportError: on CUDA without the ``cuda-bindings`` package.
+        ValueError: ``moe_layers`` is empty, out of range or not increasing.
     """
 
     def __init__(self, rank: int, max_ep_size: int, cap_rows: int, hidden_size: int,
-                 dtype: torch.dtype, num_layers: int, device: torch.device | str) -> None:
+                 dtype: torch.dtype, num_layers: int, device: torch.device | str,
+                 moe_layers: Sequence[int] | None = None) -> None:
         self.rank, self.G, self.cap_rows, self.H = rank, max_ep_size, cap_rows, hidden_size
         self.dtype, self.num_layers = dtype, num_layers
+        layers = list(range(num_layers)) if moe_layers is None else [int(x) for x in moe_layers]
+        if not layers or layers != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] \
+                < num_layers:
+            raise ValueError(f"moe_layers {layers}: want increasing decoder layers in "
+                             f"[0, {num_layers})")
+        # decoder layer -> its dispatch flag column (the combine's is the next one)
+        self._column = {layer: 2 * i for i, layer in enumerate(layers)}
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -114,10 +133,10 @@ class IpcExchange:
             index = (self.device.index if self.device.index is not None
                      else torch.cuda.current_device())
             self.batched_waits = stream_memops.batch_works(index)
-        self.n_slots = 2 * num_layers
+        self.n_slots = 2 * len(layers)
         self.W = row_width(hidden_size, dtype)
         G, C = max_ep_size, cap_rows
-        self.nbytes = buffer_bytes(G, C, hidden_size, dtype, num_layers)
+        self.nbytes = buffer_bytes(G, C, hidden_size, dtype, len(layers))
         self.arena = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         self.recv0, self.recv1, self.flags, self.counter = self._carve(self.arena)
         self.active = torch.zeros(G, dtype=torch.int32, device=self.device)
@@ -136,10 +155,10 @@ class IpcExchange:
         # one kernel for the static map's gather, plan and send at decode sizes
         # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
         self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
-        # who clears a waited flag: "memop", a stream write right after the wait (one
-        # batched node), or "kernel", the next exchange's send kernel (reset_prev;
-        # the wait node then only waits)
-        mode = os.environ.get(RESET_ENV, "memop")
+        # who clears a waited flag: "kernel", the next exchange's send kernel
+        # (reset_prev; the wait node only waits), or "memop", a stream write right
+        # after the wait (one more graph node per exchange)
+        mode = os.environ.get(RESET_ENV, "kernel")
         if mode not in ("memop", "kernel"):
             raise ValueError(f"{RESET_ENV}={mode!r}: expected 'memop' or 'kernel'")
         self.reset_in_kernel = mode == "kernel"
@@ -286,6 +305,14 @@ class IpcExchange:
         return self._aborted
 
     # ------------------------------------------------------------------ one exchange
+    def _slot(self, layer: int) -> int:
+        """The dispatch flag column of decoder ``layer`` (its combine's is one more)."""
+        try:
+            return self._column[layer]
+        except KeyError:
+            raise ValueError(f"layer {layer} does not exchange (its MoE layers: "
+                             f"{sorted(self._column)})") from None
+
     def _check_capacity(self, C: int) -> None:
         if C > self.cap_rows:
             raise ValueError(f"exchange of {C} rows per block > the {self.cap_rows} the "
@@ -329,7 +356,8 @@ class IpcExchange:
         Args:
             hidden: [T, H] model dtype; slots: [T, k] int64 physical slots;
             slots_per_rank: S; C: rows per source block (the step's capacity, the same
-                on every rank); layer: decoder layer (its flag column ``2*layer``).
+                on every rank); layer: decoder layer (a MoE one: its flag column is
+                ``2 * its position among the MoE layers``).
 
         Returns:
             The plan, for :meth:`send_combine`'s caller to read the outputs back.
@@ -347,13 +375,13 @@ class IpcExchange:
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,
-                                  self.flags, 2 * layer, self.reset_in_kernel)
+                                  self.flags, self._slot(layer), self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
             kernels.dispatch_send_reference(hidden, inv, plan.tag, slots.shape[1], self.rank,
                                             C, dests, active)
-            self._signal_local(2 * layer)
+            self._signal_local(self._slot(layer))
         return plan
 
     def send_dispatch_static(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -375,7 +403,8 @@ class IpcExchange:
         if self.cuda and self.fused_dispatch and kernels.fused_dispatch_ok(hidden, topk_ids):
             return kernels.fused_dispatch(hidden, topk_ids, logical_to_physical,
                                           slots_per_rank, self.rank, C, self.W, self.table,
-                                          self.active, self.counter, self.flags, 2 * layer,
+                                          self.active, self.counter, self.flags,
+                                          self._slot(layer),
                                           self.reset_in_kernel)
         slots = logical_to_physical[topk_ids]
         return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
@@ -386,7 +415,7 @@ class IpcExchange:
         strided view) and ``tags`` [G*C] int32, with inactive sources' tags zeroed and
         every tag clamped to ``[0, slots_per_rank]`` (a stopped peer's late write is
         never read as an index)."""
-        self._wait(2 * layer)
+        self._wait(self._slot(layer))
         rows, tags = split_rows(self.recv0[:self.G * C], self.H)
         cap = self.tag_cap(slots_per_rank)
         # an inactive source's tags become 0 and no tag exceeds S (the kernels treat a
@@ -412,7 +441,7 @@ class IpcExchange:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
         if self.cuda:
             kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
-                                 self.active, self.counter, self.flags, 2 * layer + 1,
+                                 self.active, self.counter, self.flags, self._slot(layer) + 1,
                                  self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
@@ -420,10 +449,10 @@ class IpcExchange:
                      for q in range(self.G)]
             tags = split_rows(self.recv0[:self.G * C], self.H)[1]
             kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
-            self._signal_local(2 * layer + 1)
+            self._signal_local(self._slot(layer) + 1)
 
     def recv_combine(self, C: int, layer: int) -> torch.Tensor:
         """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send
         layout (the output of flat pair ``i`` is row ``plan.position[i]``)."""
-        self._wait(2 * layer + 1)
+        self._wait(self._slot(layer) + 1)
         return self.recv1[:self.G * C]

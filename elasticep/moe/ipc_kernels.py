@@ -153,8 +153,11 @@ if triton is not None:
 
     @triton.jit
     def _release_own(my_flags_ptr, q, n_slots, slot):
-        # an inactive destination: pass this rank's own wait on it
-        tl.atomic_xchg(my_flags_ptr + q * n_slots + slot, 1, sem="release", scope="sys")
+        # An inactive destination: pass this rank's own wait on it. A plain store: that
+        # wait runs on this rank's stream after this kernel has ended, which makes the
+        # store visible, and no rows are published with it (a system-scope release here
+        # was the one fence of a one-rank step's send).
+        tl.store(my_flags_ptr + q * n_slots + slot, 1)
 
     @triton.jit
     def _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV: tl.constexpr):
