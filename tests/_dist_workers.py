@@ -47,7 +47,8 @@ def main(rank, addr, ws, mws, ext, scenario, conn, args):
 
 
 def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False):
-    """all_reduce(rank + 1) in a loop; reports ("sum", (i, sum, time, epoch, mask)).
+    """all_reduce(rank + 1) in a loop; reports ("sum", (i, sum, time, epoch, mask)), and
+    at the end ("listener", [has_pending_change() at each change-listener call]).
 
     With idle_group, an extra group that never runs an op reports its epoch and mask at
     the end. An ElasticError is reported as ("raised", name) and ends the loop.
@@ -57,6 +58,8 @@ def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False
     if idle_group:
         idle = dist.new_group(list(range(ws)), backend="elastic",
                               pg_options=ed.BackendOptions(unique_name="idle"))
+    seen: list[bool] = []  # has_pending_change() at each call of the change listener
+    ed.add_change_listener(None, lambda: seen.append(ed.has_pending_change()))
     q.put((rank, "ready", os.getpid()))
     t_end = time.monotonic() + duration_s
     i = 0
@@ -74,6 +77,7 @@ def allreduce_loop(rank, addr, ws, mws, ext, q, duration_s=3.0, idle_group=False
     except ed.ElasticError as e:
         q.put((rank, "raised", (type(e).__name__, time.time())))
         return
+    q.put((rank, "listener", list(seen)))
     q.put((rank, "done", (ed.get_current_epoch(), ed.get_active_ranks().tolist())))
     if idle is not None:
         q.put((rank, "idle", (ed.get_current_epoch(idle), ed.get_active_ranks(idle).tolist())))

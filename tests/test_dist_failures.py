@@ -87,6 +87,9 @@ def _run_kill(cl, victim, idle_group=False):
     for r in survivors:
         epoch, mask = cl.of(r, "done")[0]
         assert epoch >= 1 and mask == [0 if s == victim else 1 for s in range(4)]
+        # the failure decision reached the change listener (what wakes the exchange's
+        # watchdog; the main thread may have taken the decision by the time it looks)
+        assert len(cl.of(r, "listener")[0]) >= 1
     return survivors, t_kill
 
 

@@ -242,19 +242,25 @@ def test_step_bound_and_backend_resolution():
         DeploymentConfig(model="m", device="cuda", moe_a2a_backend="nvshmem")
 
 
-def test_watchdog_aborts_on_a_change_and_at_its_deadline():
+@pytest.mark.parametrize("poll_s", [None, 0.001])
+def test_watchdog_aborts_on_a_change_and_at_its_deadline(poll_s):
     ex = _world(2)[0]
     ex.reset(torch.ones(2, dtype=torch.bool))
     changed = {"v": False}
-    dog = StepWatchdog(ex, lambda: changed["v"], deadline_s=0.2, poll_s=0.001)
+    dog = StepWatchdog(ex, lambda: changed["v"], deadline_s=0.2, poll_s=poll_s)
     dog.begin()
     assert not dog.end()
     dog.begin()
+    time.sleep(0.02)  # the watchdog sleeps in the step by now
     changed["v"] = True
-    deadline = time.monotonic() + 1.0
-    while not ex.aborted and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert dog.end() and ex.aborted and dog.deadline_aborts == 0
+    if poll_s is None:
+        dog.notify()  # what the group's change listener does
+    t0 = time.monotonic()
+    while not ex.aborted and time.monotonic() < t0 + 1.0:
+        time.sleep(0.002)
+    # well before the 0.2 s deadline: the change released it
+    assert ex.aborted and time.monotonic() - t0 < 0.1
+    assert dog.end() and dog.deadline_aborts == 0
     changed["v"] = False
     ex.reset(torch.ones(2, dtype=torch.bool))
     dog.begin()

@@ -31,7 +31,8 @@ Engine-facing semantics (WORLD created with on_failure="raise")
   epoch's inner group. No survivor ever returns a result another survivor raised at,
   except the non-fetchable case above, where every survivor raises within the step.
 * `get_current_epoch(group)` / `get_active_ranks(group)` / `has_pending_change(group)`
-  read local state (no collective, no I/O).
+  read local state (no collective, no I/O); `add_change_listener(group, fn)` calls `fn`
+  when the last may have turned true (so a watcher need not poll it).
 * Admission: survivors call `recover_ranks(group, ranks)` (the first call triggers it,
   later calls are no-ops); ops in flight finish in the old epoch and ops from the
   boundary `max(started) + 1` run in the new one, where the joiner's `join_group`
@@ -82,6 +83,7 @@ from elasticep.membership.errors import (
 from .api import (
     BackendOptions,
     _create_backend,
+    add_change_listener,
     all_to_all_single,
     deactivate_ranks,
     get_active_ranks,
@@ -103,7 +105,7 @@ if "elastic" not in _dist.Backend.backend_list:
                                    devices=["cpu"])
 
 __all__ = [
-    "BackendOptions", "all_to_all_single", "CoordinatorLostError",
+    "BackendOptions", "add_change_listener", "all_to_all_single", "CoordinatorLostError",
     "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
     "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",

@@ -7,6 +7,7 @@ coordinator's TCPStore, created by `init_process_group`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -249,6 +250,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
 def get_active_ranks(group=None) -> torch.Tensor:
     """int32 tensor [max_group_size]: 1 for slots active in the committed epoch. No I/O."""
     return _gs(group).mask
+
+
+def add_change_listener(group, fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever :func:`has_pending_change` may have become true: a
+    transition announced, or a failure decision received. It runs on the control
+    thread with no lock held, so it must be quick and thread-safe (e.g. notify a
+    condition); an exception it raises is logged and dropped.
+    """
+    _gs(group).change_listeners.append(fn)
 
 
 def get_current_epoch(group=None) -> int:

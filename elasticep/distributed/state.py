@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -101,6 +102,9 @@ class GroupState:
         # ops by route, for benchmarks and logs: fast (fast_all_to_all launched it),
         # run (went through `run`), lease_confirms (a coordinator round trip in `run`)
         self.counters = {"fast": 0, "run": 0, "solo": 0, "lease_confirms": 0}
+        # called (on the control thread, no lock held) when a change is announced or a
+        # failure decision arrives: see `api.add_change_listener`
+        self.change_listeners: list[Callable[[], None]] = []
         self.peers = PeerChannels(PeerGroup(  # send/recv
             name, slot, len(ranks), timeout_s, ctl.local_addr, store, new_store, self.epochs,
             self.check_member, self.check_alive, lambda s: self.states[s]))
@@ -121,6 +125,7 @@ class GroupState:
                 report = m.EpochReport(self.name, msg.epoch, self.last, started,
                                        list(self.kept))
             self.ctl.send(report)
+            self._changed()
         elif isinstance(msg, m.Commit):
             with self.cond:
                 self.requests = msg.requests
@@ -162,10 +167,19 @@ class GroupState:
             self.cond.notify_all()
         log.info("epoch %d rank %d group %s: commit %s active=%s", d.epoch, self.slot,
                  self.name, d.kind, list(d.active))
+        if d.kind == TransitionKind.FAILURE:
+            self._changed()
         for seq, result in publish:
             kept.publish(self.store, kept.key(self.name, d.epoch, seq), result)
         if self.joined and self.slot in d.active:
             self.comms.for_epoch(d.epoch, d.active)
+
+    def _changed(self) -> None:
+        for fn in list(self.change_listeners):
+            try:
+                fn()
+            except Exception:  # a listener's bug must not stop the control thread
+                log.exception("group %s: a change listener raised", self.name)
 
     def on_lost(self) -> None:
         with self.cond:

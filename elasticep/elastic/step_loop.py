@@ -212,6 +212,8 @@ class LockstepLoop:
         if exchange is not None:
             changed = (lambda: ed.has_pending_change(group)) if elastic else (lambda: False)
             self.watchdog = StepWatchdog(exchange, changed, exchange_deadline_s)
+            if elastic:
+                ed.add_change_listener(group, self.watchdog.notify)
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
