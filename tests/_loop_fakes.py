@@ -39,10 +39,12 @@ class FakeEngine:
     def schedule(self) -> ScheduledBatch:
         return self.queue.pop(0) if self.queue else ScheduledBatch(())
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: ScheduledBatch, while_running=None) -> list[int]:
         self.executed.append((batch.num_tokens, self.ep.step_max_tokens))
         if self.work is not None:
             self.work()
+        if while_running is not None:
+            while_running()
         return [0] * len(batch)
 
     def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list:
@@ -55,7 +57,7 @@ class FakeChannel:
     def poll(self, timeout: float) -> list:
         return []
 
-    def send_outputs(self, outputs: list) -> None:
+    def send_outputs(self, outputs: list, epoch: int | None = None) -> None:
         pass
 
 

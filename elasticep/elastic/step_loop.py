@@ -21,7 +21,9 @@ included (they run every MoE layer's dispatch with 0 tokens). One iteration:
 
 Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
-streams a token twice. On ``EpochChangedError`` anywhere in 2-4 the step is
+streams a token twice. They go out while the next step's forward runs on the device
+(:meth:`LLMEngine.execute`'s ``while_running``), so the hand-off to the front-end is off
+the step's critical path; an iteration that forwards nothing sends them first. On ``EpochChangedError`` anywhere in 2-4 the step is
 abandoned, the placement is reconciled to the new membership
 (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2, re-executing
 the kept batch (KV writes are idempotent).
@@ -204,6 +206,8 @@ class LockstepLoop:
         self._peer_weights_stale = True
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
+        # the last committed step's outputs and its epoch, not sent yet (see the module doc)
+        self._unsent: tuple[list, int] | None = None
         self.stats = LoopStats()
         self.rate = StepRateLog(rank, _decode_counters(engine), log_stats_interval_s)
         self.profiler = profiler
@@ -261,13 +265,24 @@ class LockstepLoop:
             RankEvictedError, CoordinatorLostError: this rank must exit.
         """
         self._set_epoch()
-        while True:
-            try:
-                self._iteration()
-            except ed.RankEvictedError:
-                raise
-            except ed.EpochChangedError as exc:
-                self._recover(exc)
+        try:
+            while True:
+                try:
+                    self._iteration()
+                except ed.RankEvictedError:
+                    raise
+                except ed.EpochChangedError as exc:
+                    self._flush_outputs()
+                    self._recover(exc)
+        finally:  # committed tokens still reach the front-end when this rank leaves
+            self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        """Send the last committed step's outputs, if not sent yet."""
+        if self._unsent is not None:
+            outputs, epoch = self._unsent
+            self._unsent = None
+            self.channel.send_outputs(outputs, epoch=epoch)
 
     def _iteration(self) -> None:
         if self.profiler is not None:
@@ -286,6 +301,8 @@ class LockstepLoop:
             self._refresh_peer_weights()
         t_execute = time.perf_counter()
         h = parse_header(header, self.M)
+        if h.admit or h.remove or h.work == 0:
+            self._flush_outputs()  # no forward to send them beside
         # An admission / removal returns with the pending batch kept for a later step.
         if h.admit:
             self._admit(h.admit)
@@ -309,11 +326,11 @@ class LockstepLoop:
         aborted = False
         with agreed_max_tokens(self.ep, h.max_tokens):
             if self.watchdog is None:
-                tokens = self.engine.execute(self.pending)
+                tokens = self.engine.execute(self.pending, self._flush_outputs)
             else:
                 self.watchdog.begin()
                 try:
-                    tokens = self.engine.execute(self.pending)
+                    tokens = self.engine.execute(self.pending, self._flush_outputs)
                     if self.exchange.cuda:  # an idle rank's forward samples nothing, so
                         torch.cuda.current_stream().synchronize()  # nothing waited for it
                 finally:
@@ -329,7 +346,7 @@ class LockstepLoop:
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
-        self.channel.send_outputs(outputs)
+        self._unsent = (outputs, self.stats.last_commit_epoch)
         # where a step's wall time goes: the two collectives, the forward with its
         # sampling (and, with the exchange, the wait for the GPU), the outputs' hand-off
         rate = self.rate

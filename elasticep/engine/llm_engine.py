@@ -190,17 +190,27 @@ class LLMEngine:
         """Plan the next step (see module doc)."""
         return self.scheduler.schedule()
 
-    def execute(self, batch: ScheduledBatch) -> list[int | SamplingFailure]:
+    def execute(self, batch: ScheduledBatch,
+                while_running: Callable[[], object] | None = None
+                ) -> list[int | SamplingFailure]:
         """Forward + sample one token per scheduled sequence that :attr:`~ScheduledSeq.samples`
         (a chunk that leaves part of its prompt for later draws none), in batch order;
         mutates no request state.
 
         A row whose sampling raised gets a :class:`SamplingFailure` (see
         :func:`~elasticep.engine.sampler.sample_batch`); a forward error raises.
+
+        ``while_running`` is called once the forward is launched and before the host waits
+        for it (on CUDA, host work there overlaps the device's); also for a batch that
+        forwards nothing.
         """
         if not batch.items and not self.config.forward_empty_batches:
+            if while_running is not None:
+                while_running()
             return []
         logits = self.runner.forward(batch)
+        if while_running is not None:
+            while_running()
         seqs = [it.seq for it in batch.items if it.samples]
         return sample_batch(
             logits,

@@ -273,15 +273,18 @@ class WorkerChannel:
             return []
         return _recv_ready(self._dealer, _TO_RANK, f"rank {self.rank} epoch {self.epoch}")
 
-    def send_outputs(self, outputs: Sequence[TokenOutput]) -> None:
-        """Publish one committed step's tokens, tagged with this rank and epoch.
+    def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None) -> None:
+        """Publish one committed step's tokens, tagged with this rank and ``epoch`` (the
+        one the step committed in; None: :attr:`epoch`).
 
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
         """
         if not outputs:
             return
-        self._push_msg(m.OutputBatch(rank=self.rank, epoch=self.epoch, outputs=tuple(outputs)))
+        self._push_msg(m.OutputBatch(rank=self.rank,
+                                     epoch=self.epoch if epoch is None else epoch,
+                                     outputs=tuple(outputs)))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
                    decode_replays: int = 0, decode_eager: int = 0) -> None:
