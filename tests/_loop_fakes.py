@@ -24,7 +24,9 @@ class FakeEngine:
     """``batches[i]`` lists the token counts of the i-th scheduled batch's sequences.
 
     ``execute`` records ``(batch tokens, ep.step_max_tokens)`` in ``executed`` and runs
-    ``work`` (real torch ops, for a profiler to see) when given.
+    ``work`` (real torch ops, for a profiler to see) when given. ``events`` (shared with
+    the :class:`FakeChannel`) logs each forward's launch and end, each commit and each
+    send, in order.
     """
 
     def __init__(self, batches: list[list[int]], work: Callable[[], None] | None = None) -> None:
@@ -32,6 +34,7 @@ class FakeEngine:
         self.executed: list[tuple[int, int | None]] = []
         self.work = work
         self.ep = None
+        self.events: list[tuple] = []
 
     def has_unfinished(self) -> bool:
         return bool(self.queue)
@@ -43,27 +46,35 @@ class FakeEngine:
         self.executed.append((batch.num_tokens, self.ep.step_max_tokens))
         if self.work is not None:
             self.work()
+        self.events.append(("launched", len(self.executed)))
         if while_running is not None:
             while_running()
+        self.events.append(("done", len(self.executed)))
         return [0] * len(batch)
 
     def commit(self, batch: ScheduledBatch, tokens: list[int]) -> list:
-        return []
+        self.events.append(("commit", len(self.executed)))
+        return [f"out{len(self.executed)}"]
 
 
 class FakeChannel:
     epoch = 0
 
+    def __init__(self, events: list) -> None:
+        self.events = events
+
     def poll(self, timeout: float) -> list:
         return []
 
     def send_outputs(self, outputs: list, epoch: int | None = None) -> None:
-        pass
+        self.events.append(("send", list(outputs), epoch))
 
 
 def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int, *,
               work: Callable[[], None] | None = None,
-              profiler: StepProfiler | None = None) -> tuple[LockstepLoop, FakeEngine, list[int]]:
+              profiler: StepProfiler | None = None,
+              defer_publish: bool | None = None
+              ) -> tuple[LockstepLoop, FakeEngine, list[int]]:
     """Rank ``rank`` of 2 whose peer has ``peer_tokens`` scheduled at every step.
 
     Returns:
@@ -83,6 +94,7 @@ def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int
     engine.ep = SimpleNamespace(placement=SimpleNamespace(max_ep_size=M), peer_weights=None,
                                 step_max_tokens=None,
                                 uses_step_bound=True)
-    loop = LockstepLoop(engine, engine.ep, FakeChannel(), None, rank, False, None,
-                        FaultInjector(rank, []), RankContext(rank), profiler=profiler)
+    loop = LockstepLoop(engine, engine.ep, FakeChannel(engine.events), None, rank, False,
+                        None, FaultInjector(rank, []), RankContext(rank), profiler=profiler,
+                        defer_publish=defer_publish)
     return loop, engine, calls

@@ -199,3 +199,29 @@ def test_cuda_executor_with_step_bound_skips_all_reduce_and_matches(cuda_executo
 
 def test_cuda_executor_refuses_more_tokens_than_the_bound(cuda_executor_outputs):
     assert "5 tokens > step_max_tokens 4" in cuda_executor_outputs[0]["too_many"]
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_outputs_go_out_while_the_next_forward_runs(monkeypatch, defer):
+    # deferred (the in-graph exchange): step i's outputs are sent after step i+1's
+    # forward is launched and before it ends; the last step's when the group goes idle.
+    # Otherwise each step's right after its commit.
+    loop, engine, _ = fake_loop(monkeypatch, 0, [[1], [1], [1]], peer_tokens=0,
+                                defer_publish=defer)
+    for _ in range(3):
+        loop._iteration()
+    if defer:
+        assert loop._unsent is not None  # step 3's outputs wait for a forward or idleness
+    loop._iteration()  # nobody has work: sends what is left
+    assert loop._unsent is None
+    ev = [e[:2] for e in engine.events]
+    if defer:
+        assert ev == [("launched", 1), ("done", 1), ("commit", 1),
+                      ("launched", 2), ("send", ["out1"]), ("done", 2), ("commit", 2),
+                      ("launched", 3), ("send", ["out2"]), ("done", 3), ("commit", 3),
+                      ("send", ["out3"])]
+    else:
+        assert ev == [("launched", 1), ("done", 1), ("commit", 1), ("send", ["out1"]),
+                      ("launched", 2), ("done", 2), ("commit", 2), ("send", ["out2"]),
+                      ("launched", 3), ("done", 3), ("commit", 3), ("send", ["out3"])]
+    assert all(e[2] == 0 for e in engine.events if e[0] == "send")  # the commit's epoch

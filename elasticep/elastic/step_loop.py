@@ -21,9 +21,11 @@ included (they run every MoE layer's dispatch with 0 tokens). One iteration:
 
 Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
-streams a token twice. They go out while the next step's forward runs on the device
-(:meth:`LLMEngine.execute`'s ``while_running``), so the hand-off to the front-end is off
-the step's critical path; an iteration that forwards nothing sends them first. On ``EpochChangedError`` anywhere in 2-4 the step is
+streams a token twice. With the in-graph exchange on CUDA they go out while the next
+step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), so the
+hand-off to the front-end is off the step's critical path; an iteration that forwards
+nothing sends them first. Elsewhere the forward returns only when it is done (its
+exchanges are host collectives), so they are sent at once. On ``EpochChangedError`` anywhere in 2-4 the step is
 abandoned, the placement is reconciled to the new membership
 (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2, re-executing
 the kept batch (KV writes are idempotent).
@@ -185,6 +187,8 @@ class LockstepLoop:
         exchange_store: the store its peers' buffers are published in (for remapping
             after membership changes).
         exchange_deadline_s: the longest a step may wait on its peers (seconds).
+        defer_publish: send a step's outputs while the next forward runs (see the module
+            doc); None: when ``exchange`` runs on CUDA.
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
@@ -195,7 +199,8 @@ class LockstepLoop:
                  log_stats_interval_s: float = 10.0,
                  profiler: StepProfiler | None = None,
                  exchange: IpcExchange | None = None, exchange_store: dist.Store | None = None,
-                 exchange_deadline_s: float = 30.0) -> None:
+                 exchange_deadline_s: float = 30.0,
+                 defer_publish: bool | None = None) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
         self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
@@ -208,6 +213,8 @@ class LockstepLoop:
         self.pending: ScheduledBatch | None = None
         # the last committed step's outputs and its epoch, not sent yet (see the module doc)
         self._unsent: tuple[list, int] | None = None
+        self.defer_publish = (exchange is not None and exchange.cuda
+                              if defer_publish is None else defer_publish)
         self.stats = LoopStats()
         self.rate = StepRateLog(rank, _decode_counters(engine), log_stats_interval_s)
         self.profiler = profiler
@@ -347,6 +354,8 @@ class LockstepLoop:
         self.pending = None
         self.stats.steps += 1
         self._unsent = (outputs, self.stats.last_commit_epoch)
+        if not self.defer_publish:
+            self._flush_outputs()
         # where a step's wall time goes: the two collectives, the forward with its
         # sampling (and, with the exchange, the wait for the GPU), the outputs' hand-off
         rate = self.rate
