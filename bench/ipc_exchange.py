@@ -85,6 +85,8 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
         ipc_kernels.BLOCK_H = args.block_h
     if args.num_warps:
         ipc_kernels.NUM_WARPS = args.num_warps
+    if args.block_n:
+        ipc_kernels.FUSED_BLOCK_N = args.block_n
     try:
         torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=(me == 0),
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rank 0 adds a torch.profiler summary of 5 replays per size")
     ap.add_argument("--block-h", type=int, default=0, help="send kernels' BLOCK_H")
     ap.add_argument("--num-warps", type=int, default=0, help="send kernels' num_warps")
+    ap.add_argument("--block-n", type=int, default=0,
+                    help="fused dispatch's scan block (0: sized to the step, as served)")
     args = ap.parse_args(argv)
     tokens = [int(x) for x in args.tokens.split(",")]
     import socket
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     line = {"bench": "ipc_exchange", "world": args.world,
             "max_ep_size": max(args.max_ep_size, args.world), "static": args.static,
             "block_h": args.block_h or None, "num_warps": args.num_warps or None,
+            "block_n": args.block_n or None,
             "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs}
     print(json.dumps(line), flush=True)
     bad = any("error" in o or not all(r["roundtrip_equal"] for r in o["rows"]) for o in outs)

@@ -291,7 +291,8 @@ def _kernel_cases() -> dict:
     from elasticep.moe import ipc_kernels as kern
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
-    # of its 1024-wide blocks and 65 programs each own a block of pairs. A narrower
+    # of its widest (1024) scan blocks and 65 programs each own a block of pairs; the
+    # smaller steps scan in blocks sized to them (16 to 64 lanes). A narrower
     # BLOCK_H splits each row's H=24 columns over programs (3 even parts at 8; at 16,
     # a part of 16 and one of 8), as a one-token step's send does at H=2048.
     cases = [(2, 7, 256), (3, 1, 256), (3, 20, 256), (2, 520, 256), (2, 7, 8), (3, 20, 16)]

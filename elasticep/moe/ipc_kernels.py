@@ -331,6 +331,15 @@ MAX_CHUNKS = 256  # programs per destination: a prefill's rows spread over every
 
 
 FUSED_BLOCK_P = 16  # pairs per program of the fused static dispatch
+# pairs a program scans at once for its rows' offsets: 0 picks the step's pair count
+# rounded up to a power of two (16 to 1024); a one-token step then scans 16 lanes, not 1024
+FUSED_BLOCK_N = 0
+
+
+def _scan_block(n_pairs: int) -> int:
+    if FUSED_BLOCK_N:
+        return FUSED_BLOCK_N
+    return min(1024, max(16, 1 << max(0, n_pairs - 1).bit_length()))
 
 
 SPLIT_PROGRAMS = 128  # programs per destination that a small step's column split aims at
@@ -411,7 +420,7 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
         active, counter, my_flags, me, C, slot, n_slots, chunks, split, topk_ids.shape[1],
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
-        BLOCK_N=1024, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
+        BLOCK_N=_scan_block(ids.numel()), BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
         RESET_PREV=reset_prev, num_warps=NUM_WARPS)
     return position
 
