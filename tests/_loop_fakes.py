@@ -60,8 +60,8 @@ class FakeEngine:
 class FakeChannel:
     epoch = 0
 
-    def __init__(self, events: list) -> None:
-        self.events = events
+    def __init__(self, events: list | None = None) -> None:
+        self.events = [] if events is None else events
 
     def poll(self, timeout: float) -> list:
         return []

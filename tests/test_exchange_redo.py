@@ -70,9 +70,9 @@ def test_this_ranks_own_abort_is_voted(monkeypatch):
     loop, engine, ex, commits = _loop(monkeypatch, peer_abort_at=set())
     real_execute = engine.execute
 
-    def execute_and_abort(batch):
+    def execute_and_abort(batch, while_running=None):
         ex.abort()  # the watchdog fired while this step ran
-        return real_execute(batch)
+        return real_execute(batch, while_running)
 
     engine.execute = execute_and_abort
     loop._iteration()
