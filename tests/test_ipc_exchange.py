@@ -268,6 +268,33 @@ def test_watchdog_aborts_on_a_change_and_at_its_deadline(poll_s):
     assert dog.end() and dog.deadline_aborts == 1
 
 
+def test_an_abort_decided_as_the_step_ends_belongs_to_that_step(monkeypatch):
+    # the watchdog decides to abort at the deadline while the step is ending: end() must
+    # wait for that abort and report it (the step is redone), never let it land on the
+    # next step, which would then start with its peers masked out
+    import threading
+    ex = _world(2)[0]
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    real_abort, deciding = ex.abort, threading.Event()
+
+    def slow_abort():
+        deciding.set()
+        time.sleep(0.1)  # widens the window between the decision and the abort
+        real_abort()
+
+    monkeypatch.setattr(ex, "abort", slow_abort)
+    dog = StepWatchdog(ex, lambda: False, deadline_s=0.05)
+    dog.begin()
+    assert deciding.wait(2.0)
+    assert dog.end(), "end() returned before the abort decided for its step landed"
+    ex.reset(torch.ones(2, dtype=torch.bool))  # the redo's reset
+    dog.deadline_s = 10.0
+    dog.begin()
+    time.sleep(0.15)
+    assert not ex.aborted and ex.active.tolist() == [1, 1]
+    assert not dog.end()
+
+
 def _fused_plan_cases() -> dict:
     """fused_plan against plan_padded + inverse_positions (run under TRITON_INTERPRET=1)."""
     from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
@@ -292,7 +319,7 @@ def _kernel_cases() -> dict:
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
     # of its widest (1024) scan blocks and 65 programs each own a block of pairs; the
-    # smaller steps scan in blocks sized to them (16 to 64 lanes). A narrower
+    # smaller steps scan in narrower blocks (16 or 128 lanes). A narrower
     # BLOCK_H splits each row's H=24 columns over programs (3 even parts at 8; at 16,
     # a part of 16 and one of 8), as a one-token step's send does at H=2048.
     cases = [(2, 7, 256), (3, 1, 256), (3, 20, 256), (2, 520, 256), (2, 7, 8), (3, 20, 16)]

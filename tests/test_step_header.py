@@ -225,3 +225,45 @@ def test_outputs_go_out_while_the_next_forward_runs(monkeypatch, defer):
                       ("launched", 2), ("done", 2), ("commit", 2), ("send", ["out2"]),
                       ("launched", 3), ("done", 3), ("commit", 3), ("send", ["out3"])]
     assert all(e[2] == 0 for e in engine.events if e[0] == "send")  # the commit's epoch
+
+
+def test_an_eplb_rebalance_sends_the_steps_outputs_first(monkeypatch):
+    # a rebalance moves expert weights for seconds: the committed step's tokens must not
+    # wait behind it for the next forward
+    from types import SimpleNamespace
+
+    from elasticep.elastic import placement_sync
+    loop, engine, _ = fake_loop(monkeypatch, 0, [[1], [1]], peer_tokens=0, defer_publish=True)
+
+    class Eplb:
+        def step(self):
+            return True
+
+        def rebalance(self, placement, sync, group):
+            engine.events.append(("rebalance",))
+            return SimpleNamespace(placement=None)
+
+    loop.eplb = Eplb()
+    monkeypatch.setattr(placement_sync, "commit_placement",
+                        lambda *a: engine.events.append(("weights moved",)))
+    loop._iteration()
+    ev = [e[:2] for e in engine.events]
+    assert ev.index(("send", ["out1"])) < ev.index(("rebalance",)), ev
+
+
+def test_a_failed_last_send_keeps_the_reason_the_loop_ended(monkeypatch):
+    import elasticep.distributed as ed
+    from elasticep.frontend_link import FrontendUnreachableError
+    loop, _, _ = fake_loop(monkeypatch, 0, [[1], [1]], peer_tokens=0, defer_publish=True)
+    loop._iteration()  # a step committed, its outputs held for the next forward
+
+    def evicted():
+        raise ed.RankEvictedError("evicted")
+
+    def unreachable(outputs, epoch=None):
+        raise FrontendUnreachableError("queue full")
+
+    monkeypatch.setattr(loop, "_iteration", evicted)
+    loop.channel.send_outputs = unreachable
+    with pytest.raises(ed.RankEvictedError):  # not the send's error
+        loop.run()

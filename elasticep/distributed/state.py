@@ -124,8 +124,10 @@ class GroupState:
                     started = max(started, self.failure.last + 1)
                 report = m.EpochReport(self.name, msg.epoch, self.last, started,
                                        list(self.kept))
-            self.ctl.send(report)
-            self._changed()
+            try:
+                self.ctl.send(report)
+            finally:  # a watcher learns of the change even if the report is not sent
+                self._changed()
         elif isinstance(msg, m.Commit):
             with self.cond:
                 self.requests = msg.requests

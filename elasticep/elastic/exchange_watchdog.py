@@ -46,6 +46,7 @@ class StepWatchdog:
             exchange, changed, deadline_s, poll_s)
         self._started: float | None = None
         self._kicked = False
+        self._aborting = False
         self._cv = threading.Condition()
         self.deadline_aborts = 0
         self._thread = threading.Thread(target=self._run, name="ipc-exchange-watchdog",
@@ -62,6 +63,8 @@ class StepWatchdog:
         """The step's device work is done; True when it was aborted (redo it)."""
         with self._cv:
             self._started = None
+            while self._aborting:  # an abort decided for this step lands before we look
+                self._cv.wait()
         return self.exchange.aborted
 
     def notify(self) -> None:
@@ -85,16 +88,26 @@ class StepWatchdog:
     def _watch(self, started: float) -> None:
         # one step: returns when it ended, or after releasing its waits
         while True:
-            if self.changed():
-                logger.info("membership change during a step: releasing its exchanges")
-                self.exchange.abort()
-                return
+            changed = self.changed()
             left = started + self.deadline_s - time.monotonic()
-            if left <= 0:
-                logger.warning("step waited %.1f s on its peers' exchange rows: abandoning "
-                               "it (a peer is stalled or dead)", self.deadline_s)
-                self.deadline_aborts += 1
-                self.exchange.abort()
+            if changed or left <= 0:
+                with self._cv:
+                    if self._started is not started:
+                        return  # the step ended meanwhile: nothing to release
+                    self._aborting = True
+                try:
+                    if changed:
+                        logger.info("membership change during a step: releasing its exchanges")
+                    else:
+                        logger.warning("step waited %.1f s on its peers' exchange rows: "
+                                       "abandoning it (a peer is stalled or dead)",
+                                       self.deadline_s)
+                        self.deadline_aborts += 1
+                    self.exchange.abort()
+                finally:
+                    with self._cv:
+                        self._aborting = False
+                        self._cv.notify_all()
                 return
             with self._cv:
                 if self._started is not started:

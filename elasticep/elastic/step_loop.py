@@ -282,7 +282,10 @@ class LockstepLoop:
                     self._flush_outputs()
                     self._recover(exc)
         finally:  # committed tokens still reach the front-end when this rank leaves
-            self._flush_outputs()
+            try:
+                self._flush_outputs()
+            except Exception as err:  # noqa: BLE001 - keep the exception that ended the loop
+                logger.warning("could not send the last committed step's outputs: %r", err)
 
     def _flush_outputs(self) -> None:
         """Send the last committed step's outputs, if not sent yet."""
@@ -367,6 +370,7 @@ class LockstepLoop:
         if line is not None:
             self._send_stats()
         if self.eplb is not None and self.eplb.step():
+            self._flush_outputs()  # a rebalance moves weights for seconds: not after it
             result = self.eplb.rebalance(self.ep.placement, sync=True, group=self.group)
             placement_sync.commit_placement(self.ep, result.placement, self.group, self.load_fn)
         if self.profiler is not None and self.profiler.step_committed(

@@ -233,7 +233,9 @@ class IpcExchange:
 
     def warm_kernels(self) -> None:
         """Compile the send kernels now, not inside the first graph capture, with a
-        private self-only table, mask and flags, so nothing reaches a peer."""
+        private self-only table, mask and flags, so nothing reaches a peer: every
+        variant a step can launch (this reset mode, each fused-dispatch scan width
+        that fits the buffers)."""
         if not self.cuda:
             return
         active = torch.zeros_like(self.active)
@@ -245,17 +247,27 @@ class IpcExchange:
         table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
                                         dtype=torch.int64)
         C = 8
+        reset = self.reset_in_kernel
         hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
         slots = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         position, tag, inv = kernels.fused_plan(slots, 1, self.G, C)
         plan = PaddedPlan(position, tag, self.G, C)
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
-                              counter, flags, 0)
-        kernels.fused_dispatch(hidden, slots, torch.zeros(1, dtype=torch.int64,
-                                                          device=self.device),
-                               1, self.rank, C, self.W, table, active, counter, flags, 0)
+                              counter, flags, 0, reset)
+        l2p = torch.zeros(1, dtype=torch.int64, device=self.device)
+        prev = 0
+        for width in kernels.SCAN_BLOCKS:  # one token a pair, all to slot 0 of this rank
+            n = min(width, self.cap_rows, kernels.PLAN_MAX_PAIRS)
+            if n <= prev:
+                break
+            prev = n
+            kernels.fused_dispatch(hidden.expand(n, -1).contiguous(),
+                                   slots.expand(n, 1).contiguous(), l2p, 1, self.rank,
+                                   self.cap_rows, self.W, table, active, counter, flags, 0,
+                                   reset)
         out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
-        kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1)
+        kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1,
+                             reset)
         torch.cuda.synchronize(self.device)
         del scratch
 

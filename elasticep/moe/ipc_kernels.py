@@ -331,15 +331,17 @@ MAX_CHUNKS = 256  # programs per destination: a prefill's rows spread over every
 
 
 FUSED_BLOCK_P = 16  # pairs per program of the fused static dispatch
-# pairs a program scans at once for its rows' offsets: 0 picks the step's pair count
-# rounded up to a power of two (16 to 1024); a one-token step then scans 16 lanes, not 1024
+# pairs a program scans at once for its rows' offsets: 0 picks the first of SCAN_BLOCKS
+# that holds the step's pairs (a one-token step scans 16 lanes, not 1024); few widths,
+# since each is a kernel variant compiled at start-up (IpcExchange.warm_kernels)
 FUSED_BLOCK_N = 0
+SCAN_BLOCKS = (16, 128, 1024)
 
 
 def _scan_block(n_pairs: int) -> int:
     if FUSED_BLOCK_N:
         return FUSED_BLOCK_N
-    return min(1024, max(16, 1 << max(0, n_pairs - 1).bit_length()))
+    return next((b for b in SCAN_BLOCKS if n_pairs <= b), SCAN_BLOCKS[-1])
 
 
 SPLIT_PROGRAMS = 128  # programs per destination that a small step's column split aims at
