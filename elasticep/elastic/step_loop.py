@@ -360,7 +360,9 @@ class LockstepLoop:
         if not self.defer_publish:
             self._flush_outputs()
         # where a step's wall time goes: the two collectives, the forward with its
-        # sampling (and, with the exchange, the wait for the GPU), the outputs' hand-off
+        # sampling (and, with the exchange, the wait for the GPU), then the engine's
+        # commit and the outputs' hand-off (with defer_publish, their send is inside the
+        # next step's forward)
         rate = self.rate
         rate.timed("header", t_execute - t_header)
         rate.timed("execute", t_commit - t_execute)

@@ -275,7 +275,8 @@ class WorkerChannel:
 
     def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None) -> None:
         """Publish one committed step's tokens, tagged with this rank and ``epoch`` (the
-        one the step committed in; None: :attr:`epoch`).
+        step loop passes the epoch it read right after the step's commit; None:
+        :attr:`epoch`).
 
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
