@@ -25,10 +25,10 @@ streams a token twice. With the in-graph exchange on CUDA they go out while the 
 step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), so the
 hand-off to the front-end is off the step's critical path; an iteration that forwards
 nothing sends them first. Elsewhere the forward returns only when it is done (its
-exchanges are host collectives), so they are sent at once. On ``EpochChangedError`` anywhere in 2-4 the step is
-abandoned, the placement is reconciled to the new membership
-(:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2, re-executing
-the kept batch (KV writes are idempotent).
+exchanges are host collectives), so they are sent at once. On ``EpochChangedError``
+anywhere in 2-4 the step is abandoned, the placement is reconciled to the new
+membership (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2,
+re-executing the kept batch (KV writes are idempotent).
 """
 
 from __future__ import annotations

@@ -255,12 +255,10 @@ class IpcExchange:
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
                               counter, flags, 0, reset)
         l2p = torch.zeros(1, dtype=torch.int64, device=self.device)
-        prev = 0
-        for width in kernels.SCAN_BLOCKS:  # one token a pair, all to slot 0 of this rank
-            n = min(width, self.cap_rows, kernels.PLAN_MAX_PAIRS)
-            if n <= prev:
-                break
-            prev = n
+        # one step per scan width the buffers can take (n pairs select the width n
+        # fits), one token a pair, all to slot 0 of this rank
+        for n in sorted({min(w, self.cap_rows, kernels.PLAN_MAX_PAIRS)
+                         for w in kernels.SCAN_BLOCKS}):
             kernels.fused_dispatch(hidden.expand(n, -1).contiguous(),
                                    slots.expand(n, 1).contiguous(), l2p, 1, self.rank,
                                    self.cap_rows, self.W, table, active, counter, flags, 0,
