@@ -38,6 +38,8 @@ from elasticep.entrypoints.validate import UsageError, env_profiler
 from elasticep.utils.profile_summary import (
     Span,
     event_spans,
+    idle_gaps,
+    launch_delays,
     profile_spans,
     summarize_profile,
     summarize_spans,
@@ -73,6 +75,34 @@ def test_summary_of_hand_made_spans():
     assert json.loads(json.dumps(s)) == s
     with pytest.raises(ValueError, match="steps must be >= 1"):
         summarize_spans(spans, steps=0, wall_s=1.0)
+    # gaps: 550 -> 1000 (after the gemv, which ended last) and 1100 -> 2000
+    assert s["idle_ms_per_step"] == 0.675
+    assert s["longest_gaps_ms_per_step"] == 0.675
+    assert s["idle_by_neighbours_ms_per_step"] == [
+        ["argmax_kernel -> nvjet_gemv_bf16", 0.45, 0.5, 900.0],
+        ["nvjet_gemv_bf16 -> argmax_kernel", 0.225, 0.5, 450.0]]
+
+
+def test_idle_gaps_charge_each_gap_to_its_neighbours():
+    # two steps of: kernel a, a 2 us wait gap, kernel b; 100 us between the steps
+    spans = [Span("a", 0.0, 10.0), Span("b", 12.0, 20.0),
+             Span("a", 120.0, 130.0), Span("b", 132.0, 140.0)]
+    g = idle_gaps(spans, steps=2)
+    assert g["idle_ms_per_step"] == 0.052
+    assert g["longest_gaps_ms_per_step"] == 0.051  # the 2 longest (100, 2 us) over 2 steps
+    assert g["idle_by_neighbours_ms_per_step"] == [["b -> a", 0.05, 0.5, 100.0],
+                                                   ["a -> b", 0.002, 1.0, 2.0]]
+    assert idle_gaps([], steps=1)["idle_by_neighbours_ms_per_step"] == []
+
+
+def test_launch_delay_is_the_wait_for_the_first_kernel_after_the_call():
+    kernels = [Span("k", 50.0, 60.0), Span("k", 300.0, 310.0)]
+    host = [Span("cudaGraphLaunch", 0.0, 40.0), Span("cudaGraphLaunch", 200.0, 280.0),
+            Span("aten::mm", 0.0, 5.0)]
+    assert launch_delays(kernels, host) == {"launches": 2, "launch_host_ms": 0.06,
+                                            "launch_to_gpu_ms": 0.075}
+    assert launch_delays(kernels, [Span("aten::mm", 0.0, 5.0)]) is None
+    assert summarize_spans(kernels, 2, 0.001, host)["graph_launch"]["launches"] == 2
 
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU

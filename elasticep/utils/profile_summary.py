@@ -19,6 +19,7 @@ profiler (:mod:`elasticep.elastic.step_profiler`) and by ``bench/scale.py``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,78 @@ def _top(spans: Iterable[Span], steps: int) -> list[list]:
             for name, (us, n) in top]
 
 
+def idle_gaps(kernels: Iterable[Span], steps: int, top: int = 12) -> dict[str, Any]:
+    """Where the GPU sat idle inside a window: its gaps, by the activities around them.
+
+    A gap is a stretch between the end of the union of the spans so far and the next
+    span's start. Each is charged to the pair (the span that ended last before it, the
+    span after it), so a graph's stream wait shows as the gap between the kernel that
+    precedes the wait and the one after it, and the host's time between two steps as
+    the gap between one step's last kernel and the next step's first.
+
+    Args:
+        kernels: device spans (microsecond clock), in any order.
+        steps: steps in the window (>= 1), to give the sums per step.
+        top: how many pairs to list.
+
+    Returns:
+        ``idle_ms_per_step`` (all gaps, ms per step), ``longest_gaps_ms_per_step`` (the
+        ``steps`` longest gaps' sum per step: the between-step share when each step has
+        one long gap), and ``idle_by_neighbours_ms_per_step``: up to ``top``
+        ``["prev -> next", ms per step, count per step, mean us]``, most idle first.
+    """
+    spans = sorted(kernels, key=lambda k: k.start_us)
+    gaps: list[tuple[float, str, str]] = []
+    last: Span | None = None
+    for s in spans:
+        if last is not None and s.start_us > last.end_us:
+            gaps.append((s.start_us - last.end_us, last.name, s.name))
+        if last is None or s.end_us > last.end_us:
+            last = s
+    by_pair: dict[str, list[float]] = {}
+    for us, prev, nxt in gaps:
+        acc = by_pair.setdefault(f"{prev[:NAME_CHARS // 2]} -> {nxt[:NAME_CHARS // 2]}",
+                                 [0.0, 0])
+        acc[0] += us
+        acc[1] += 1
+    longest = sorted((g[0] for g in gaps), reverse=True)[:steps]
+    rows = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "idle_ms_per_step": round(sum(g[0] for g in gaps) / 1e3 / steps, 3),
+        "longest_gaps_ms_per_step": round(sum(longest) / 1e3 / steps, 3),
+        "idle_by_neighbours_ms_per_step": [
+            [pair, round(us / 1e3 / steps, 3), round(n / steps, 1), round(us / n, 2)]
+            for pair, (us, n) in rows],
+    }
+
+
+def launch_delays(kernels: Iterable[Span], host: Iterable[Span],
+                  launch: str = "cudaGraphLaunch") -> dict[str, Any] | None:
+    """How long a graph launch took on the host, and how soon the GPU started on it.
+
+    For each host span named ``launch``, the delay is from its start to the first
+    device span that starts after it (the profiler aligns the two clocks; a device
+    already busy with earlier work makes the delay that work's remainder).
+
+    Returns:
+        None without such spans, else ``launches``, ``launch_host_ms`` (the mean host
+        duration) and ``launch_to_gpu_ms`` (the mean delay), both in milliseconds.
+    """
+    starts = sorted(k.start_us for k in kernels)
+    calls = [h for h in host if h.name == launch]
+    if not calls or not starts:
+        return None
+    delays = []
+    for h in calls:
+        i = bisect.bisect_left(starts, h.start_us)
+        if i < len(starts):
+            delays.append(starts[i] - h.start_us)
+    n = len(calls)
+    return {"launches": n,
+            "launch_host_ms": round(sum(h.end_us - h.start_us for h in calls) / 1e3 / n, 3),
+            "launch_to_gpu_ms": round(sum(delays) / 1e3 / max(len(delays), 1), 3)}
+
+
 def summarize_spans(kernels: list[Span], steps: int, wall_s: float,
                     host: list[Span] | None = None) -> dict[str, Any]:
     """Per-step figures of a window of ``steps`` steps.
@@ -148,7 +221,9 @@ def summarize_spans(kernels: list[Span], steps: int, wall_s: float,
         kinds of :data:`KERNEL_KINDS` plus ``other``), ``nccl_ms_per_step`` (the NCCL
         kernels of the ``exchange`` kind), ``top_kernels_ms_per_step`` and
         ``host_top_ms_per_step`` (up to 25 ``[name, ms per step, count per step]``,
-        slowest first; host times are inclusive, so nested events overlap).
+        slowest first; host times are inclusive, so nested events overlap), the keys
+        of :func:`idle_gaps`, and ``graph_launch`` (:func:`launch_delays`, with host
+        events that hold a graph launch).
 
     Raises:
         ValueError: ``steps`` < 1 or a negative ``wall_s``.
@@ -174,9 +249,13 @@ def summarize_spans(kernels: list[Span], steps: int, wall_s: float,
         "gpu_ms_per_step_by_kind": {k: round(v / 1e3 / steps, 3) for k, v in by_kind.items()},
         "nccl_ms_per_step": round(nccl_us / 1e3 / steps, 3),
         "top_kernels_ms_per_step": _top(kernels, steps),
+        **idle_gaps(kernels, steps),
     }
     if host is not None:
         row["host_top_ms_per_step"] = _top(host, steps)
+        launches = launch_delays(kernels, host)
+        if launches is not None:
+            row["graph_launch"] = launches
     return row
 
 
