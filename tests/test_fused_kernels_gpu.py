@@ -6,7 +6,7 @@
   and :func:`qkv_norm_rope_cache` (q/k norm, RoPE and the KV-cache writes in one
   kernel) against norm_rope plus the cache writes;
 - :func:`swiglu_rows` (per-row expert GEMV) against the per-slot matmul loop, with
-  padding rows and repeated slots;
+  padding rows and repeated slots, and with its tag bound against the exchange's clamp;
 - :func:`swiglu_tiled` (the prefill-sized grouped GEMM) against the per-slot loop, and
   ``grouped_swiglu`` taking it at prefill sizes;
 - :func:`fused_combine` (gather, weight, sum of each token's k outputs) against the
@@ -139,6 +139,31 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
     stags.copy_(tags)
     assert srows.stride(0) > H and stags.stride(0) > 1
     assert torch.equal(swiglu_rows(w13, w2, srows, stags), got)
+
+
+@pytest.mark.parametrize("n", [4, 16, MAX_ROWS])
+def test_bounded_tags_read_as_the_exchanges_clamp(n):
+    # tags as a stopped peer might leave them (beyond S, negative) in blocks of an active
+    # and an inactive source: the kernels' bound equals torch.minimum then the plain
+    # kernels, and nothing is read out of range
+    g = torch.Generator(device="cuda").manual_seed(n)
+    S, H, inter, dtype = 4, 256, 128, torch.bfloat16
+    w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).to(dtype)
+    w2 = (torch.randn(S, H, inter, generator=g, device="cuda") / inter**0.5).to(dtype)
+    rows = torch.randn(n, H, generator=g, device="cuda").to(dtype)
+    tags = torch.randint(-3, 3 * S, (n,), generator=g, device="cuda", dtype=torch.int32)
+    tags[0], tags[-1] = S, 7 * S  # in range (block 0) and beyond S (block 1, inactive)
+    C = n // 2
+    bound = torch.tensor([[S], [0]], dtype=torch.int32, device="cuda")  # source 1 inactive
+    clamped = torch.minimum(tags.view(2, C), bound).clamp_min(0).view(-1)
+    ref = swiglu_rows(w13, w2, rows, clamped)
+    got = swiglu_rows(w13, w2, rows, tags, tag_bound=(bound.view(-1), C))
+    assert torch.equal(got, ref)
+    assert bool((got[C:] == 0).all())  # every row of the inactive source is padding
+    # through the dispatcher, which leaves the received tags as they are
+    raw = tags.clone()
+    assert torch.equal(grouped_swiglu(w13, w2, rows, tags, tag_bound=(bound, C)), ref)
+    assert torch.equal(tags, raw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

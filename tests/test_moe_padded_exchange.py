@@ -107,6 +107,27 @@ def test_all_slots_path_equals_per_slot_loop(dtype):
     assert float((got.float() - ref.float()).abs().max()) <= tol * float(ref.abs().max())
 
 
+def test_a_tag_bound_reads_each_block_clamped_and_leaves_the_tags_as_they_are():
+    """``tag_bound`` (the same-host exchange's per-source clamp, deferred to the expert
+    compute): out-of-range tags of an active source read as S, every tag of an inactive
+    source as padding; the received tags themselves are not rewritten."""
+    g = torch.Generator().manual_seed(4)
+    S, C, H, inter = 3, 6, 16, 8
+    w13 = torch.randn(S, 2 * inter, H, generator=g) / H**0.5
+    w2 = torch.randn(S, H, inter, generator=g) / inter**0.5
+    rows = torch.randn(2 * C, H, generator=g)
+    tags = torch.tensor([1, 9, 0, 3, -2, 2, 1, 2, 3, 40, 0, 1], dtype=torch.int32)
+    bound = torch.tensor([[S], [0]], dtype=torch.int32)  # source 1 is inactive
+    raw = tags.clone()
+    got = grouped_swiglu(w13, w2, rows, tags, use_grouped=False, sync_free=True,
+                         tag_bound=(bound, C))
+    assert torch.equal(tags, raw)
+    want_tags = torch.tensor([1, 3, 0, 3, -2, 2] + [0] * C, dtype=torch.int32)
+    ref = grouped_swiglu(w13, w2, rows, want_tags, use_grouped=False)
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert bool((got[C:] == 0).all())
+
+
 def test_exchange_buffers_grow_only_when_allowed():
     from elasticep.moe.padded_exchange import ExchangeBuffers
 

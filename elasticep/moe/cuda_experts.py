@@ -219,11 +219,13 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             position = t.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap, layer_idx)
         else:
             position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
-        rows, tags = t.recv_dispatch(cap, layer_idx, S)
+        # the tags' clamp to the sources' bounds is left to the expert kernels
+        rows, tags = t.recv_dispatch(cap, layer_idx, S, clamp=False)
         bufs = self._buffers if capturing() else fresh
         expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
                                     sync_free=True,
-                                    out=bufs("expert_out", rows.shape[0], rows))
+                                    out=bufs("expert_out", rows.shape[0], rows),
+                                    tag_bound=(t.tag_cap(S), cap))
         t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)

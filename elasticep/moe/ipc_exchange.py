@@ -419,18 +419,24 @@ class IpcExchange:
         slots = logical_to_physical[topk_ids]
         return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
 
-    def recv_dispatch(self, C: int, layer: int, slots_per_rank: int
+    def recv_dispatch(self, C: int, layer: int, slots_per_rank: int, clamp: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for every peer's dispatch rows of ``layer``; returns ``rows`` [G*C, H] (a
         strided view) and ``tags`` [G*C] int32, with inactive sources' tags zeroed and
         every tag clamped to ``[0, slots_per_rank]`` (a stopped peer's late write is
-        never read as an index)."""
+        never read as an index).
+
+        ``clamp=False`` leaves the tags as received: the caller then owes the clamp, by
+        passing ``(tag_cap(slots_per_rank), C)`` as the expert compute's ``tag_bound``
+        (one kernel a layer less). The combine send still reads the raw tags, which is
+        safe: it writes only to active sources, and within their own row block."""
         self._wait(self._slot(layer))
         rows, tags = split_rows(self.recv0[:self.G * C], self.H)
-        cap = self.tag_cap(slots_per_rank)
-        # an inactive source's tags become 0 and no tag exceeds S (the kernels treat a
-        # tag <= 0 as padding)
-        torch.minimum(tags.view(self.G, C), cap, out=tags.view(self.G, C))
+        if clamp:
+            cap = self.tag_cap(slots_per_rank)
+            # an inactive source's tags become 0 and no tag exceeds S (the kernels treat
+            # a tag <= 0 as padding)
+            torch.minimum(tags.view(self.G, C), cap, out=tags.view(self.G, C))
         return rows, tags
 
     def tag_cap(self, slots_per_rank: int) -> torch.Tensor:

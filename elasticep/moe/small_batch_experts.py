@@ -35,21 +35,29 @@ def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_block(tag_ptr, tag_stride, w_ptr, n_out, expert_numel, BLOCK: tl.constexpr):
+    def _row_block(tag_ptr, tag_stride, bound_ptr, block_rows, w_ptr, n_out, expert_numel,
+                   BLOCK: tl.constexpr, BOUNDED: tl.constexpr):
         # grid (row, output block): the row, the block's offsets and mask, where it is
-        # live (a padding row, tag 0, loads nothing), and its expert's weights
+        # live (a padding row, tag 0, loads nothing), and its expert's weights. BOUNDED:
+        # the tag is first cut to its source block's bound (the exchange's received
+        # tags, where a stopped or inactive peer's word must not become an index)
         r = tl.program_id(0).to(tl.int64)
         tag = tl.load(tag_ptr + r * tag_stride).to(tl.int64)
+        if BOUNDED:
+            tag = tl.minimum(tag, tl.load(bound_ptr + r // block_rows).to(tl.int64))
+            tag = tl.maximum(tag, 0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_out
         live = mask & (offs * 0 + tag != 0)
         return r, tag != 0, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, w13_ptr, act_ptr, H, inter,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        r, real, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, w13_ptr, inter,
-                                                         2 * inter * H, BLOCK_I)
+    def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, bound_ptr, block_rows, w13_ptr,
+                        act_ptr, H, inter, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BOUNDED: tl.constexpr):
+        r, real, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, bound_ptr,
+                                                         block_rows, w13_ptr, inter,
+                                                         2 * inter * H, BLOCK_I, BOUNDED)
         gate = tl.zeros([BLOCK_I], dtype=tl.float32)
         up = tl.zeros([BLOCK_I], dtype=tl.float32)
         # a padding row skips the loop (its weights are masked anyway): at decode batch 1
@@ -70,10 +78,12 @@ if triton is not None:
         tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
 
     @triton.jit
-    def _down_kernel(act_ptr, tag_ptr, tag_stride, w2_ptr, out_ptr, H, inter,
-                     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
-        r, real, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, w2_ptr, H,
-                                                         H * inter, BLOCK_O)
+    def _down_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, block_rows, w2_ptr, out_ptr, H,
+                     inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BOUNDED: tl.constexpr):
+        r, real, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, bound_ptr,
+                                                         block_rows, w2_ptr, H, H * inter,
+                                                         BLOCK_O, BOUNDED)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, tl.where(real, inter, 0), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -96,7 +106,8 @@ DOWN_TILE = (32, 256, 4)
 
 def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
                 out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
-                down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                down_tile: tuple[int, int, int] | None = None,
+                tag_bound: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Unweighted SwiGLU of each row with its own slot's expert (two Triton kernels).
 
     Args:
@@ -105,10 +116,17 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
         rows: [N, H] with ``N <= MAX_ROWS`` (:func:`small_batch_ok`); any row stride
             (the exchange's received rows are a strided view).
         tags: [N] int32/int64, ``slot + 1``, 0 for a padding row; any stride. Not
-            range-checked (a check would sync): a tag above S reads out of bounds.
+            range-checked (a check would sync): a tag above S reads out of bounds,
+            unless ``tag_bound`` bounds it.
         out: [N, H] contiguous buffer for the result, or None.
         gate_up_tile, down_tile: block sizes and warps (default :data:`GATE_UP_TILE`,
             :data:`DOWN_TILE`).
+        tag_bound: ``(bound, block_rows)``: row ``n``'s tag is read as
+            ``clamp(tags[n], 0, bound[n // block_rows])``, where ``bound`` is a
+            contiguous int32 tensor of ``ceil(N / block_rows)`` words (the same-host
+            exchange's per-source bound, :meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`:
+            ``S`` for an active source, 0 for an inactive one). This is the exchange's
+            tag clamp done in the kernels, not as a kernel of its own.
 
     Returns:
         [N, H] in the rows' dtype; zeros for padding rows.
@@ -121,10 +139,13 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
         rows = rows.contiguous()
     bi, bh, wa = gate_up_tile or GATE_UP_TILE
     bo, bk, wb = down_tile or DOWN_TILE
+    bound, block_rows = tag_bound if tag_bound is not None else (tags, 1)
     # a stride-0 row (one token expanded to its k choices) is read in place
-    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, rows.stride(0), tags, tags.stride(0), w13,
-                                                 act, H, inter, BLOCK_I=bi, BLOCK_H=bh,
-                                                 num_warps=wa)
-    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), w2, out, H, inter,
-                                          BLOCK_O=bo, BLOCK_K=bk, num_warps=wb)
+    _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, rows.stride(0), tags, tags.stride(0),
+                                                 bound, block_rows, w13, act, H, inter,
+                                                 BLOCK_I=bi, BLOCK_H=bh,
+                                                 BOUNDED=tag_bound is not None, num_warps=wa)
+    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), bound, block_rows, w2, out,
+                                          H, inter, BLOCK_O=bo, BLOCK_K=bk,
+                                          BOUNDED=tag_bound is not None, num_warps=wb)
     return out
