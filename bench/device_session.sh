@@ -194,7 +194,10 @@ print({k: d.get(k) for k in ('scenario','ep_size','scale_to','redundant','interr
     done
 fi
 # The device returns at most 8 files: the step-rate files, rank lines and profiles go
-# into one archive beside the main results.
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt)$') \
-    && [[ -n $extras ]] && tar -czf extras.tgz $extras && rm -f $extras && echo "extras.tgz:" $extras)
+# into one archive beside the main results. They are kept outside $OUT, so that several
+# runs of this script in one call (from other trees, say) add to one archive.
+KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+    && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
+    && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"

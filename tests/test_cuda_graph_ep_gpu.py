@@ -74,7 +74,7 @@ def test_ep_decode_graphs_equal_eager_through_placement_changes(tmp_path, nccl_w
     eng, ep, load_fn = _ep_engine(tmp_path, dtype)
     g = eng.runner.graphs
     assert g is not None and ep.token_buckets == tuple(g.buckets)
-    pieces = g._graphs[g.buckets[-1]].num_pieces
+    pieces = g._graphs[g.buckets[-1], None].num_pieces
     # two exchanges a layer (dispatch with its tags, combine): one graph before the
     # first exchange, one between each pair, one after the last
     assert pieces == 2 * load_model_config(tmp_path).num_hidden_layers + 1, pieces

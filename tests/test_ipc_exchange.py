@@ -14,7 +14,7 @@ from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
-from elasticep.moe.ipc_exchange import IpcExchange, buffer_bytes, capacity_rows
+from elasticep.moe.ipc_exchange import SOLO, IpcExchange, buffer_bytes, capacity_rows
 from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3
@@ -178,6 +178,45 @@ def test_a_wait_without_its_signal_is_an_error_in_simulation():
     exs[0].send_dispatch(hidden, slots, S, pair_capacity(4, K, S), 0)
     with pytest.raises(RuntimeError, match="no signal from 1"):
         exs[0].recv_dispatch(pair_capacity(4, K, S), 0, S)
+
+
+def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
+    from elasticep.engine.piecewise_graph import PiecewiseCapture
+    from elasticep.eplb.metadata import ExpertLocationMetadata
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.utils.graph_boundary import capture_variant
+
+    exs = _world(2)
+    ex = exs[0]
+    assert ex.solo  # a new exchange knows only itself
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    assert not ex.solo
+    # a wait for a peer that has not signalled: an error, except in the solo form
+    C = pair_capacity(4, K, S)
+    ex.send_dispatch(*_inputs(2, 4, 0, [0, 1]), S, C, 0)
+    with pytest.raises(RuntimeError, match="no signal from 1"):
+        ex.recv_dispatch(C, 0, S)
+    with PiecewiseCapture(bound=4, variant=SOLO):
+        assert capture_variant() == SOLO
+        ex.recv_dispatch(C, 0, S)
+    assert capture_variant() is None
+    ex.reset(torch.tensor([True, False]))
+    assert ex.solo
+    # the executor offers the form with peer slots, and names it while no peer is active
+    L, E, Hs, inter = 3, 4, H, 6
+    p = initial_placement(L, E, 0, 1, 2)
+    w13 = [torch.randn(p.slots_per_rank, 2 * inter, Hs) for _ in range(L)]
+    w2 = [torch.randn(p.slots_per_rank, Hs, inter) for _ in range(L)]
+    cu = CudaEPMoEExecutor(ExpertLocationMetadata.from_placement(p, 0), w13, w2, None)
+    assert cu.graph_variants == (None,) and cu.graph_variant() is None
+    cu.transport = ex
+    assert cu.graph_variants == (None, SOLO) and cu.graph_variant() == SOLO
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    assert cu.graph_variant() is None
+    one = IpcExchange(0, 1, 64, H, torch.float32, LAYERS, "cpu")  # no peer slot: one form
+    cu.transport = one
+    assert one.solo and cu.graph_variants == (None,) and cu.graph_variant() is None
 
 
 def test_abort_releases_every_wait_and_reset_restores_the_membership():

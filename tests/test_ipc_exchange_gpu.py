@@ -26,7 +26,7 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
 from elasticep.moe import stream_memops
-from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
+from elasticep.moe.ipc_exchange import SOLO, IpcExchange, capacity_rows
 from elasticep.moe.padded_exchange import pair_capacity
 
 pytestmark = [pytest.mark.skipif(not stream_memops.available(),
@@ -107,16 +107,25 @@ def _engine(tmp_path: Path, transport: bool):
     return eng, ep
 
 
+@pytest.mark.parametrize("form", ["solo", "plain"])
 @pytest.mark.parametrize("flag_reset", ["memop", "kernel"])
-def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, flag_reset,
+def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, flag_reset, form,
                                                                    monkeypatch):
+    # one active rank of two: the graphs replay the form without waits ("solo"), or,
+    # with the host's view of the membership forced, the form that waits on the peer
+    # (whose flags the send kernels set themselves)
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     local, _ = _engine(tmp_path / "a", transport=False)
     eng, ep = _engine(tmp_path / "b", transport=True)
     g = eng.runner.graphs
-    assert g is not None and {g._graphs[b].num_pieces for b in g.buckets} == {1}
+    assert g is not None and set(g._graphs) == {(b, v) for b in g.buckets for v in (None, SOLO)}
+    assert {p.num_pieces for p in g._graphs.values()} == {1}
+    assert ep.graph_variant() == SOLO
+    if form == "plain":
+        ep.transport.solo = False
+    want_form = SOLO if form == "solo" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in (5, 33, 17)]
     for e in (local, eng):
@@ -134,8 +143,12 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, fla
             eng.commit(b, eng.execute(b))
         steps += 1
     assert steps >= 12 and g.replays >= 10 and g.captures == 1
+    assert g._last_variant == want_form
     flags = ep.transport.flags.clone()
-    if flag_reset == "kernel":  # the last exchange's wait left the inactive peer's set
+    if flag_reset == "memop" and form == "solo":  # no wait ran, so none reset its flag
+        assert bool((flags[1] == 1).all())
+        flags[1] = 0
+    elif flag_reset == "kernel":  # the last exchange's wait left the inactive peer's set
         assert int(flags[1, -1]) == 1
         flags[1, -1] = 0
     assert int(flags.abs().sum()) == 0

@@ -18,6 +18,11 @@ a private *sink* KV block that no sequence owns, and their logits are dropped. T
 graph's attention is sized for ``max_seq_len`` keys; the kernels stop at each
 sequence's own length, read from the device.
 
+An executor may offer more than one form of the forward (``graph_variants``: the
+same-host exchange's form without waits, for a rank with no active peer). Each bucket
+is captured in every form after one warm-up, and a replay runs the form the executor
+names for the moment (``graph_variant()``).
+
 When the executor's tensors change shape (a placement with more slots per rank), every
 bucket is captured again in a background thread while the steps run eagerly, so an
 epoch change never waits on a capture; placements of the same shape are copied into the
@@ -101,9 +106,11 @@ class DecodeGraphs:
         self._tables = torch.full((n, self.width), sink_block, dtype=torch.int32, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, PiecewiseGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        # keyed by (bucket, variant)
+        self._graphs: dict[tuple[int, str | None], PiecewiseGraph] = {}
+        self._logits: dict[tuple[int, str | None], torch.Tensor] = {}
         self._versions: dict[int, int] = {}
+        self._last_variant: str | None = None
         self._pool = torch.cuda.graph_pool_handle()
         self._background: threading.Thread | None = None
         self.capture_s = 0.0
@@ -124,6 +131,9 @@ class DecodeGraphs:
     def _version(self) -> int:
         return executor_of(self.model).version
 
+    def _variant(self) -> str | None:
+        return executor_of(self.model).graph_variant()
+
     def capture(self) -> float:
         """Capture every bucket (largest first, one shared memory pool).
 
@@ -141,14 +151,15 @@ class DecodeGraphs:
         # after every replay already queued: the old graphs' memory is about to be reused
         stream.wait_stream(torch.cuda.current_stream())
         todo = sorted(self.buckets, reverse=True)
+        variants = executor_of(self.model).graph_variants
         with torch.cuda.stream(stream):
             self._ints.zero_()
             self._ints[2 * n:].fill_(self.sink_block * self.block_size)
             self._tables.fill_(self.sink_block)
             self._seq_lens.fill_(1)
             for b in todo:
-                self._graphs.pop(b, None)
-                self._logits.pop(b, None)
+                for key in [k for k in self._graphs if k[0] == b]:
+                    del self._graphs[key], self._logits[key]
                 ids, pos, meta = self._views(b)
                 for _ in range(2):  # compile kernels and create handles outside the graph
                     with PiecewiseCapture(bound=b):
@@ -156,9 +167,10 @@ class DecodeGraphs:
                 # after the warm-ups, which may have grown the exchange buffers (a new
                 # version that this capture already points to)
                 version = self._version()
-                with PiecewiseCapture(self._pool, bound=b) as cap:
-                    logits = self.model.forward(ids, pos, meta, self.kv_layers)
-                self._graphs[b], self._logits[b] = cap.result, logits
+                for variant in variants:  # never replayed together: one pool serves all
+                    with PiecewiseCapture(self._pool, bound=b, variant=variant) as cap:
+                        logits = self.model.forward(ids, pos, meta, self.kv_layers)
+                    self._graphs[b, variant], self._logits[b, variant] = cap.result, logits
                 # the version the tensors had when captured: a change during the capture
                 # leaves the bucket stale
                 self._versions[b] = version if version == self._version() else -1
@@ -166,9 +178,10 @@ class DecodeGraphs:
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
         self.captures += 1
-        pieces = sorted({self._graphs[b].num_pieces for b in todo})
-        logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each) in %.2fs",
-                    self.buckets, pieces, seconds)
+        pieces = sorted({self._graphs[b, v].num_pieces for b in todo for v in variants})
+        forms = "" if variants == (None,) else f"; forms {[v or 'plain' for v in variants]}"
+        logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each%s) in "
+                    "%.2fs", self.buckets, pieces, forms, seconds)
         return seconds
 
     def capture_in_background(self) -> None:
@@ -204,7 +217,8 @@ class DecodeGraphs:
         changed shape since its capture, or a capture is running."""
         if self._background is not None and self._background.is_alive():
             return True
-        return b not in self._graphs or self._versions.get(b) != self._version()
+        return ((b, self._variant()) not in self._graphs
+                or self._versions.get(b) != self._version())
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int],
                tables: list[list[int]], seq_lens: list[int], min_bucket: int = 0) -> torch.Tensor:
@@ -249,6 +263,10 @@ class DecodeGraphs:
         self._ints[2 * n:2 * n + b].copy_(host[2 * b:], non_blocking=True)
         self._tables[:b, :w].copy_(tab, non_blocking=True)
         self._seq_lens[:b].copy_(lens, non_blocking=True)
-        self._graphs[b].replay()
+        variant = self._variant()
+        if variant != self._last_variant:  # a membership change: say which form runs now
+            logger.info("decode CUDA graphs: replaying the %s form", variant or "plain")
+            self._last_variant = variant
+        self._graphs[b, variant].replay()
         self.replays += 1
-        return self._logits[b][:B]
+        return self._logits[b, variant][:B]

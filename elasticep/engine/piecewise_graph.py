@@ -66,15 +66,20 @@ class PiecewiseCapture:
             :func:`~elasticep.utils.graph_boundary.capture_bound` (the
             batch-size bucket), kept per thread so that a capture in a background thread
             never changes what the serving thread sees.
+        variant: which of the executor's graph variants this capture records, read
+            through :func:`~elasticep.utils.graph_boundary.capture_variant` (None:
+            the plain forward).
 
     Must be entered on a side stream (as ``torch.cuda.graph`` does) and on one thread.
     Pieces are captured in ``thread_local`` error mode: other threads may keep running
     CUDA work (eager steps) on their own streams meanwhile.
     """
 
-    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None) -> None:
+    def __init__(self, pool: tuple[int, int] | None = None, bound: int | None = None,
+                 variant: str | None = None) -> None:
         self.pool = pool
         self.bound = bound
+        self.variant = variant
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._ops: list[Callable[[], None]] = []
         self.result: PiecewiseGraph | None = None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.ipc_exchange import SOLO, IpcExchange
 from elasticep.moe.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
@@ -102,6 +102,19 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         if exchange is not None:
             exchange.tag_cap(self.metadata.num_local_physical_experts)
         self._transport = exchange
+
+    @property
+    def graph_variants(self) -> tuple[str | None, ...]:
+        """The decode forwards to capture per bucket: the plain one, and with a transport
+        that has peer slots, its :data:`~elasticep.moe.ipc_exchange.SOLO` form."""
+        t = self._transport
+        return (None, SOLO) if t is not None and t.G > 1 else (None,)
+
+    def graph_variant(self) -> str | None:
+        """The form a decode replay must use now: ``SOLO`` while the transport's
+        membership has no peer, else the plain one."""
+        t = self._transport
+        return SOLO if t is not None and t.G > 1 and t.solo else None
 
     @contextlib.contextmanager
     def local_exchange(self) -> Iterator[None]:

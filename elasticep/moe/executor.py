@@ -18,6 +18,10 @@ executor that lacks a feature says so with the default value.
   the model runner; an EP executor rounds its exchange up to them.
 * ``refresh()``: rebuild what the executor derives from its slots after they changed
   (a no-op where nothing is derived).
+* ``graph_variants`` (tuple of str or None) and ``graph_variant()``: the forms of the
+  decode forward the CUDA graphs capture per bucket, and which of them a replay must use
+  now. ``(None,)`` and None where there is one form; the same-host exchange adds
+  ``"solo"``, its forward without waits for peers, valid while no peer is active.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class ExpertExecutor(Protocol):
     uses_step_bound: bool
     step_max_tokens: int | None
     token_buckets: tuple[int, ...] | None
+    graph_variants: tuple[str | None, ...]
+
+    def graph_variant(self) -> str | None: ...
 
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor: ...
@@ -58,6 +65,11 @@ class ExecutorDefaults:
     uses_step_bound = False
     step_max_tokens: int | None = None
     token_buckets: tuple[int, ...] | None = None
+    graph_variants: tuple[str | None, ...] = (None,)
+
+    def graph_variant(self) -> str | None:
+        """One form of the forward: the plain one."""
+        return None
 
     def refresh(self) -> None:
         """Nothing derived from the slots: nothing to rebuild."""

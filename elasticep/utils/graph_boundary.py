@@ -23,6 +23,7 @@ class Capture(Protocol):
     """What an active capture offers the code it captures."""
 
     bound: int | None  # see capture_bound
+    variant: str | None  # see capture_variant
 
     def boundary(self, op: Callable[[], None], at_capture: Callable[[], None] | None) -> None:
         """End the current graph before ``op`` (kept for replay), run ``at_capture``,
@@ -70,3 +71,12 @@ def capture_bound() -> int | None:
     its exchange is sized for), or None."""
     capture = getattr(_state, "capture", None)
     return None if capture is None else capture.bound
+
+
+def capture_variant() -> str | None:
+    """The graph variant this thread's active capture records (None outside a capture,
+    and for the plain one). An executor may offer several forms of one forward (see
+    ``graph_variants`` in :mod:`elasticep.moe.executor`); the code being captured reads
+    this to know which form it is recording."""
+    capture = getattr(_state, "capture", None)
+    return None if capture is None else getattr(capture, "variant", None)
