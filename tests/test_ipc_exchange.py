@@ -408,10 +408,58 @@ def _kernel_cases() -> dict:
     return results
 
 
+def _down_send_cases() -> dict:
+    """The fused down projection and combine send (``send_combine_down``'s kernel) against
+    the expert compute plus the torch combine send, at rank 0 of in-process worlds: every
+    source active, or one inactive; garbage tags (beyond S, negative) in a source's
+    block are read as the clamp reads them."""
+    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe.expert_compute import grouped_swiglu
+    from elasticep.moe.small_batch_experts import gate_up_rows
+    results = {}
+    inter, T = 16, 3
+    for G, live, reset_prev in [(2, [0, 1], True), (3, [0, 2], False), (2, [0], True)]:
+        g = torch.Generator().manual_seed(G * 10 + len(live))
+        w13 = torch.randn(S, 2 * inter, H, generator=g) / H**0.5
+        w2 = torch.randn(S, H, inter, generator=g) / inter**0.5
+        C = pair_capacity(T, K, S)
+        mask = torch.tensor([q in live for q in range(G)])
+        worlds = _world(G, C), _world(G, C)
+        for w in worlds:
+            for ex in w:
+                ex.reset(mask)
+            for r in live:
+                hidden, slots = _inputs(G, T, r, live)
+                w[r].send_dispatch(hidden, slots, S, C, 0)
+            split_rows(w[0].recv0, H)[1][live[-1] * C] = 9 * S  # a garbage tag, kept
+            split_rows(w[0].recv0, H)[1][live[-1] * C + 1] = -5
+        ref, fused = worlds
+        rows, tags = ref[0].recv_dispatch(C, 0, S, clamp=False)
+        cap = ref[0].tag_cap(S)
+        out = grouped_swiglu(w13, w2, rows, tags, use_grouped=False, tag_bound=(cap, C))
+        ref[0].send_combine(out, C, 0)
+        rows, tags = fused[0].recv_dispatch(C, 0, S, clamp=False)
+        act = gate_up_rows(w13, rows, tags, rows.new_empty(G * C, inter),
+                           tag_bound=(cap.view(-1), C))
+        f = fused[0]
+        f.flags[:, 0] = 1  # the dispatch's waits left these set: reset_prev clears them
+        kern.down_combine_send(act, tags, cap.view(-1), w2, 0, C, f.table, f.active,
+                               f.counter, f.flags, 1, reset_prev=reset_prev)
+        ok = int(f.counter.sum()) == 0
+        for q in range(G):
+            ok &= torch.allclose(fused[q].recv1[:G * C], ref[q].recv1[:G * C], atol=1e-5)
+            if q:  # a live source is signalled; an inactive one's wait passes by itself
+                ok &= int((fused[q] if q in live else f).flags[0 if q in live else q, 1]) == 1
+                ok &= int(f.flags[q, 0]) == (0 if reset_prev else 1)
+        ok &= bool(fused[0].recv1[:G * C].abs().sum() > 0)
+        results[f"down_send_G{G}_live{len(live)}"] = bool(ok)
+    return results
+
+
 def test_kernels_equal_the_torch_reference_under_the_interpreter():
     from tests._interpreted import run_interpreted
     got = run_interpreted(__file__, timeout_s=300)
-    assert len(got) == 10 and all(got.values()), got
+    assert len(got) == 13 and all(got.values()), got
 
 
 def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
@@ -435,4 +483,4 @@ def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
 
 if __name__ == "__main__":
     import json
-    print(json.dumps(_fused_plan_cases() | _kernel_cases()))
+    print(json.dumps(_fused_plan_cases() | _kernel_cases() | _down_send_cases()))

@@ -1,7 +1,8 @@
 """The same-host exchange on a GPU (elasticep.moe.ipc_exchange; GPU only).
 
 - The send kernels against their torch reference: two exchanges of one process, mapped
-  to each other, move the same rows and tags as the CPU simulation.
+  to each other, move the same rows and tags as the CPU simulation; the fused down
+  projection and combine send returns what the expert kernels plus the combine send do.
 - The decode forward with ``transport`` is ONE graph, and its logits equal the local
   executor's (the single-rank engine) in fp32, graph and eager alike.
 - A peer that never signals blocks the replay until :meth:`IpcExchange.abort`; the
@@ -27,7 +28,7 @@ from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
 from elasticep.moe import stream_memops
 from elasticep.moe.ipc_exchange import SOLO, IpcExchange, capacity_rows
-from elasticep.moe.padded_exchange import pair_capacity
+from elasticep.moe.padded_exchange import pair_capacity, split_rows
 
 pytestmark = [pytest.mark.skipif(not stream_memops.available(),
                                  reason="needs CUDA and cuda-bindings"),
@@ -86,6 +87,64 @@ def test_send_kernels_match_the_reference(dtype, tokens, flag_reset, monkeypatch
             assert int(left[1 - ex.rank, 3]) == 1
             left[1 - ex.rank, 3] = 0
         assert int(left.abs().sum()) == 0 and int(ex.counter.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("live", [[0, 1], [0]])
+@pytest.mark.parametrize("flag_reset", ["memop", "kernel"])
+def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_reset,
+                                                                    monkeypatch):
+    # two layers, so the kernel flag reset clears the layer before; with one rank live,
+    # a late write of garbage tags into the inactive source's block is read as padding
+    from elasticep.moe.expert_compute import grouped_swiglu
+    from elasticep.moe.small_batch_experts import gate_up_rows
+
+    monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
+    dtype, inter, T = torch.bfloat16, 128, 3
+    g = torch.Generator().manual_seed(len(live))
+    w13 = [(torch.randn(S, 2 * inter, H, generator=g) / H**0.5).to(dtype).cuda() for _ in live]
+    w2 = [(torch.randn(S, H, inter, generator=g) / inter**0.5).to(dtype).cuda() for _ in live]
+    C = pair_capacity(T, K, S)
+    results = {}
+    for fused in (False, True):
+        exs = _pair("cuda", dtype)
+        mask = torch.tensor([q in live for q in range(2)])
+        for ex in exs:
+            ex.reset(mask)
+        got = []
+        for layer in (0, 1):
+            gl = torch.Generator().manual_seed(layer)
+            plans = {}
+            for r in live:
+                h = torch.randn(T, H, generator=gl).to(dtype).cuda()
+                s = torch.stack([torch.randperm(len(live) * S, generator=gl)[:K]
+                                 for _ in range(T)]).cuda()
+                plans[r] = exs[r].send_dispatch(h, s, S, C, layer).position
+            if live == [0]:
+                split_rows(exs[0].recv0, H)[1][C:2 * C] = 1 << 20
+            for r in live:
+                ex = exs[r]
+                rows, tags = ex.recv_dispatch(C, layer, S, clamp=False)
+                bound = (ex.tag_cap(S), C)
+                if fused:
+                    act = gate_up_rows(w13[r], rows, tags,
+                                       rows.new_empty(rows.shape[0], inter),
+                                       tag_bound=(bound[0].view(-1), C))
+                    ex.send_combine_down(act, tags, w2[r], C, layer, S)
+                else:
+                    out = grouped_swiglu(w13[r], w2[r], rows, tags, tag_bound=bound)
+                    ex.send_combine(out, C, layer)
+            for r in live:
+                back = exs[r].recv_combine(C, layer)
+                got.append(back[plans[r]].clone())
+        torch.cuda.synchronize()
+        results[fused] = got
+        flags = [ex.flags.clone() for ex in exs]
+        results[fused, "flags"] = [f.cpu() for f in flags]
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.equal(a, b)
+        assert float(a.float().abs().max()) > 0
+    for a, b in zip(results[False, "flags"], results[True, "flags"], strict=True):
+        assert torch.equal(a, b)  # the same flags set and cleared
 
 
 def _engine(tmp_path: Path, transport: bool):

@@ -32,6 +32,7 @@ from elasticep.moe.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
+from elasticep.moe.small_batch_experts import gate_up_rows, small_batch_ok
 from elasticep.utils.graph_boundary import capture_bound, capturing, eager_boundary
 
 
@@ -234,12 +235,18 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
         # the tags' clamp to the sources' bounds is left to the expert kernels
         rows, tags = t.recv_dispatch(cap, layer_idx, S, clamp=False)
-        bufs = self._buffers if capturing() else fresh
-        expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
-                                    sync_free=True,
-                                    out=bufs("expert_out", rows.shape[0], rows),
-                                    tag_bound=(t.tag_cap(S), cap))
-        t.send_combine(expert_out, cap, layer_idx)
+        w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
+        if t.cuda and w2.is_contiguous() and small_batch_ok(rows, w13):
+            # decode sizes: the down projection writes the sources' combine rows itself
+            act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
+                               tag_bound=(t.tag_cap(S).view(-1), cap))
+            t.send_combine_down(act, tags, w2, cap, layer_idx, S)
+        else:
+            bufs = self._buffers if capturing() else fresh
+            expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
+                                        out=bufs("expert_out", rows.shape[0], rows),
+                                        tag_bound=(t.tag_cap(S), cap))
+            t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)
 

@@ -482,6 +482,27 @@ class IpcExchange:
             kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
             self._signal_local(self._slot(layer) + 1)
 
+    def send_combine_down(self, act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
+                          C: int, layer: int, slots_per_rank: int) -> None:
+        """:meth:`send_combine` of the down projection of ``act``, computed in the send
+        kernel itself (CUDA; :func:`~elasticep.moe.ipc_kernels.down_combine_send`): for a
+        decode-sized step, one kernel where the expert compute's second kernel and the
+        combine send were two.
+
+        Args:
+            act: [G*C, I] model dtype, contiguous: ``silu(gate x) * (up x)`` of the rows
+                :meth:`recv_dispatch` returned; tags: their raw tags (``clamp=False``);
+            w2: [S, H, I] contiguous; C, layer, slots_per_rank: as in :meth:`recv_dispatch`.
+
+        Raises:
+            RuntimeError: on the CPU simulation (it has :meth:`send_combine` only).
+        """
+        if not self.cuda:
+            raise RuntimeError("send_combine_down runs on CUDA only")
+        kernels.down_combine_send(act, tags, self.tag_cap(slots_per_rank).view(-1), w2,
+                                  self.rank, C, self.table, self.active, self.counter,
+                                  self.flags, self._slot(layer) + 1, self.reset_in_kernel)
+
     def recv_combine(self, C: int, layer: int) -> torch.Tensor:
         """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send
         layout (the output of flat pair ``i`` is row ``plan.position[i]``)."""

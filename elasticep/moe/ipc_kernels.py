@@ -41,6 +41,9 @@ try:  # Triton is absent on CPU-only installs; the reference functions need none
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
+if triton is not None:
+    from elasticep.moe.small_batch_experts import DOWN_TILE, down_row_block, row_block
+
 
 def inverse_positions(position: torch.Tensor, rows: int) -> torch.Tensor:
     """Which flat pair each send row holds: ``[rows]`` int64, ``-1`` for unused rows.
@@ -303,6 +306,35 @@ if triton is not None:
             _release_own(my_flags_ptr, q, n_slots, slot)
 
 
+    @triton.jit(do_not_specialize=["me", "C", "slot"])
+    def _down_combine_send_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, w2_ptr, table_ptr,
+                                  active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
+                                  H, inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  RESET_PREV: tl.constexpr):
+        # program (row r, output block): the down projection of received row r, stored
+        # straight into its source's combine buffer, where the combine send would copy it
+        # from expert_out; then the source's flag, as the combine send sets it. Rows are
+        # in blocks of C per source, so the programs of source q are C x the blocks.
+        r = tl.program_id(0)
+        ob = tl.program_id(1)
+        q = r // C
+        within = r - q * C
+        _reset_prev(my_flags_ptr, q, me, n_slots, slot, within, ob, RESET_PREV)
+        if tl.load(active_ptr + q) != 0:
+            r64, real, offs_o, _, live, base = row_block(tag_ptr, tag_stride, bound_ptr, C,
+                                                              w2_ptr, H, H * inter, BLOCK_O,
+                                                              True)
+            acc = down_row_block(act_ptr, r64, real, offs_o, live, base, inter, BLOCK_O,
+                                 BLOCK_K)
+            dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(act_ptr.dtype.element_ty))
+            row = (me * C + within).to(tl.int64)
+            # only rows with a tag (``live``: in range and real), as the combine send
+            tl.store(dest + row * H + offs_o, acc.to(act_ptr.dtype.element_ty), mask=live)
+            _signal(table_ptr, counter_ptr, q, me, slot, n_slots, C * tl.num_programs(1))
+        elif (within == 0) & (ob == 0):
+            _release_own(my_flags_ptr, q, n_slots, slot)
+
+
 BLOCK_R = 16
 BLOCK_H = 256  # columns a program copies per iteration
 NUM_WARPS = 4  # of each send kernel's programs (Triton's default)
@@ -445,3 +477,34 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
         expert_out, recv0.view(torch.int32), table, active, counter, my_flags, me, C, slot,
         n_slots, chunks, split, H=H, ROW_WORDS=recv0.shape[1] * recv0.element_size() // 4,
         BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, RESET_PREV=reset_prev, num_warps=NUM_WARPS)
+
+
+def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor,
+                      w2: torch.Tensor, me: int, C: int, table: torch.Tensor,
+                      active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
+                      slot: int, reset_prev: bool = False) -> None:
+    """The received rows' down projection and the combine send in one kernel (CUDA).
+
+    What :func:`~elasticep.moe.small_batch_experts.swiglu_rows`' second kernel and then
+    :func:`combine_send` do, without the ``expert_out`` rows in between: each row's
+    output goes straight to its source's combine buffer, and each source is signalled
+    as :func:`combine_send` signals it.
+
+    Args:
+        act: [G*C, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
+            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`).
+        tags: [G*C] int32 as received (any stride); bound: [G] int32, each source's
+            tag bound (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
+            read as ``clamp(tag, 0, bound[source])``, and only rows with a tag left are
+            sent.
+        w2: [S, H, I] contiguous, the layer's down projections.
+        me, C, table, active, counter, my_flags, slot, reset_prev: as in
+            :func:`combine_send` (``slot``: the combine's flag column).
+    """
+    G, n_slots = my_flags.shape
+    N, inter = act.shape
+    H = w2.shape[1]
+    bo, bk, warps = DOWN_TILE
+    _down_combine_send_kernel[(N, triton.cdiv(H, bo))](
+        act, tags, tags.stride(0), bound, w2, table, active, counter, my_flags, me, C, slot,
+        n_slots, H, inter, BLOCK_O=bo, BLOCK_K=bk, RESET_PREV=reset_prev, num_warps=warps)

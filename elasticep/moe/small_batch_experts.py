@@ -35,7 +35,7 @@ def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_block(tag_ptr, tag_stride, bound_ptr, block_rows, w_ptr, n_out, expert_numel,
+    def row_block(tag_ptr, tag_stride, bound_ptr, block_rows, w_ptr, n_out, expert_numel,
                    BLOCK: tl.constexpr, BOUNDED: tl.constexpr):
         # grid (row, output block): the row, the block's offsets and mask, where it is
         # live (a padding row, tag 0, loads nothing), and its expert's weights. BOUNDED:
@@ -55,7 +55,7 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, bound_ptr, block_rows, w13_ptr,
                         act_ptr, H, inter, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                         BOUNDED: tl.constexpr):
-        r, real, offs_i, mask_i, live, base = _row_block(tag_ptr, tag_stride, bound_ptr,
+        r, real, offs_i, mask_i, live, base = row_block(tag_ptr, tag_stride, bound_ptr,
                                                          block_rows, w13_ptr, inter,
                                                          2 * inter * H, BLOCK_I, BOUNDED)
         gate = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -78,12 +78,11 @@ if triton is not None:
         tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
 
     @triton.jit
-    def _down_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, block_rows, w2_ptr, out_ptr, H,
-                     inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BOUNDED: tl.constexpr):
-        r, real, offs_o, mask_o, live, base = _row_block(tag_ptr, tag_stride, bound_ptr,
-                                                         block_rows, w2_ptr, H, H * inter,
-                                                         BLOCK_O, BOUNDED)
+    def down_row_block(act_ptr, r, real, offs_o, live, base, inter, BLOCK_O: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """One output block of row ``r``'s down projection, float32 (zeros where the
+        row is padding): ``w2[slot][offs_o] @ act[r]``. Shared by :func:`_down_kernel`
+        and the exchange's fused down-and-send kernel."""
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, tl.where(real, inter, 0), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -92,6 +91,16 @@ if triton is not None:
             w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
                         mask=live[:, None] & mask_k[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def _down_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, block_rows, w2_ptr, out_ptr, H,
+                     inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BOUNDED: tl.constexpr):
+        r, real, offs_o, mask_o, live, base = row_block(tag_ptr, tag_stride, bound_ptr,
+                                                        block_rows, w2_ptr, H, H * inter,
+                                                        BLOCK_O, BOUNDED)
+        acc = down_row_block(act_ptr, r, real, offs_o, live, base, inter, BLOCK_O, BLOCK_K)
         tl.store(out_ptr + r * H + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
@@ -135,17 +144,36 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     inter = w2.shape[2]
     act = rows.new_empty(N, inter)
     out = rows.new_empty(N, H) if out is None else out
+    bo, bk, wb = down_tile or DOWN_TILE
+    gate_up_rows(w13, rows, tags, act, gate_up_tile, tag_bound)
+    bound, block_rows = tag_bound if tag_bound is not None else (tags, 1)
+    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), bound, block_rows, w2, out,
+                                          H, inter, BLOCK_O=bo, BLOCK_K=bk,
+                                          BOUNDED=tag_bound is not None, num_warps=wb)
+    return out
+
+
+def gate_up_rows(w13: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor, act: torch.Tensor,
+                 gate_up_tile: tuple[int, int, int] | None = None,
+                 tag_bound: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """The first half of :func:`swiglu_rows`: ``act = silu(gate x) * (up x)`` per row.
+
+    Args:
+        w13, rows, tags, gate_up_tile, tag_bound: as in :func:`swiglu_rows`.
+        act: [N, I] contiguous, rows' dtype: written (zeros for padding rows).
+
+    Returns:
+        ``act``.
+    """
+    N, H = rows.shape
+    inter = act.shape[1]
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     bi, bh, wa = gate_up_tile or GATE_UP_TILE
-    bo, bk, wb = down_tile or DOWN_TILE
     bound, block_rows = tag_bound if tag_bound is not None else (tags, 1)
     # a stride-0 row (one token expanded to its k choices) is read in place
     _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, rows.stride(0), tags, tags.stride(0),
                                                  bound, block_rows, w13, act, H, inter,
                                                  BLOCK_I=bi, BLOCK_H=bh,
                                                  BOUNDED=tag_bound is not None, num_warps=wa)
-    _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), bound, block_rows, w2, out,
-                                          H, inter, BLOCK_O=bo, BLOCK_K=bk,
-                                          BOUNDED=tag_bound is not None, num_warps=wb)
-    return out
+    return act
