@@ -173,8 +173,11 @@ class DecodeGraphs:
                         logits = self.model.forward(ids, pos, meta, self.kv_layers)
                         if first is not None:
                             # one output for every form: [b, V] float32 is up to 155 MB
-                            # a bucket at Qwen3's vocabulary; a copy is a few us a step
-                            first.copy_(logits)
+                            # a bucket at Qwen3's vocabulary; a copy is a few us a step.
+                            # The forward runs in inference mode, so its outputs are
+                            # inference tensors, written to only in that mode.
+                            with torch.inference_mode():
+                                first.copy_(logits)
                     first = logits if first is None else first
                     self._graphs[b, variant], self._logits[b, variant] = cap.result, first
                 # the version the tensors had when captured: a change during the capture
