@@ -148,8 +148,10 @@ if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried)
         trees=${AB_TREES:-old new}  # even rounds run them in reverse (ABBA): drift cancels
         (( round % 2 == 0 )) && trees=$(tr ' ' '\n' <<< "$trees" | tac | tr '\n' ' ')
         for tree in $trees; do
-            if [[ $tree == new ]]; then pp=/tmp/site:$PWD; else pp=/tmp/site:$PWD/.ab/$tree; fi
-            step "decode_${tree}_$round" ${AB_S:-100} env PYTHONPATH=$pp python3 -m bench.scale \
+            # PYTHONSAFEPATH: `python -m` would put the working directory (this tree)
+            # ahead of PYTHONPATH, and every "tree" would run this one
+            if [[ $tree == new ]]; then pp=/tmp/site:$PWD; else pp=/tmp/site:$PWD/.ab/$tree:$PWD; fi
+            step "decode_${tree}_$round" ${AB_S:-100} env PYTHONSAFEPATH=1 PYTHONPATH=$pp python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
                 --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
             sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" /tmp/ab_$tree.jsonl \
