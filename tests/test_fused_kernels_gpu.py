@@ -142,7 +142,7 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
 
 
 @pytest.mark.parametrize("n", [4, 16, MAX_ROWS])
-def test_bounded_tags_read_as_the_exchanges_clamp(n):
+def test_bounded_tags_read_as_clamped_to_zero_and_the_sources_bound(n):
     # tags as a stopped peer might leave them (beyond S, negative) in blocks of an active
     # and an inactive source: the kernels' bound equals torch.minimum then the plain
     # kernels, and nothing is read out of range

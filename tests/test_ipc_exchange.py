@@ -212,8 +212,12 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     assert cu.graph_variants == (None,) and cu.graph_variant() is None
     cu.transport = ex
     assert cu.graph_variants == (None, SOLO) and cu.graph_variant() == SOLO
-    ex.reset(torch.ones(2, dtype=torch.bool))
+    ex.reset(torch.ones(2, dtype=torch.bool))  # a peer joins: the waiting form
     assert cu.graph_variant() is None
+    ex.abort()  # an aborted step keeps the form it ran in; reset decides the next
+    assert not ex.solo and cu.graph_variant() is None
+    ex.reset(torch.tensor([True, False]))  # the peer left
+    assert cu.graph_variant() == SOLO
     one = IpcExchange(0, 1, 64, H, torch.float32, LAYERS, "cpu")  # no peer slot: one form
     cu.transport = one
     assert one.solo and cu.graph_variants == (None,) and cu.graph_variant() is None

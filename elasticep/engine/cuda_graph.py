@@ -131,8 +131,11 @@ class DecodeGraphs:
     def _version(self) -> int:
         return executor_of(self.model).version
 
-    def _variant(self) -> str | None:
-        return executor_of(self.model).graph_variant()
+    def _key(self, b: int) -> tuple[int, str | None]:
+        # the form the executor names, else the plain one (valid in every membership:
+        # its waits pass where a peer is inactive), so a missing form costs speed only
+        key = (b, executor_of(self.model).graph_variant())
+        return key if key in self._graphs else (b, None)
 
     def capture(self) -> float:
         """Capture every bucket (largest first, one shared memory pool).
@@ -172,8 +175,10 @@ class DecodeGraphs:
                     with PiecewiseCapture(self._pool, bound=b, variant=variant) as cap:
                         logits = self.model.forward(ids, pos, meta, self.kv_layers)
                         if first is not None:
-                            # one output for every form: [b, V] float32 is up to 155 MB
-                            # a bucket at Qwen3's vocabulary; a copy is a few us a step.
+                            # one output kept for every form: [b, V] float32 is up to
+                            # 155 MB a bucket at Qwen3's vocabulary (the later form's own
+                            # is freed to the pool after its capture); a copy is a few
+                            # us a step.
                             # The forward runs in inference mode, so its outputs are
                             # inference tensors, written to only in that mode.
                             with torch.inference_mode():
@@ -226,8 +231,7 @@ class DecodeGraphs:
         changed shape since its capture, or a capture is running."""
         if self._background is not None and self._background.is_alive():
             return True
-        return ((b, self._variant()) not in self._graphs
-                or self._versions.get(b) != self._version())
+        return self._key(b) not in self._graphs or self._versions.get(b) != self._version()
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int],
                tables: list[list[int]], seq_lens: list[int], min_bucket: int = 0) -> torch.Tensor:
@@ -272,10 +276,10 @@ class DecodeGraphs:
         self._ints[2 * n:2 * n + b].copy_(host[2 * b:], non_blocking=True)
         self._tables[:b, :w].copy_(tab, non_blocking=True)
         self._seq_lens[:b].copy_(lens, non_blocking=True)
-        variant = self._variant()
-        if variant != self._last_variant:  # a membership change: say which form runs now
-            logger.info("decode CUDA graphs: replaying the %s form", variant or "plain")
-            self._last_variant = variant
-        self._graphs[b, variant].replay()
+        key = self._key(b)
+        if key[1] != self._last_variant:  # a membership change: say which form runs now
+            logger.info("decode CUDA graphs: replaying the %s form", key[1] or "plain")
+            self._last_variant = key[1]
+        self._graphs[key].replay()
         self.replays += 1
-        return self._logits[b, variant][:B]
+        return self._logits[key][:B]

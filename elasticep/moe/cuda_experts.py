@@ -102,6 +102,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     def transport(self, exchange: IpcExchange | None) -> None:
         if exchange is not None:
             exchange.tag_cap(self.metadata.num_local_physical_experts)
+            layer = next((i for i, w in enumerate(self.w13) if w is not None), None)
+            if layer is not None:
+                exchange.warm_expert_kernels(self.w13[layer], self.w2[layer])
         self._transport = exchange
 
     @property

@@ -121,7 +121,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         row_repeat: ``rows`` is ``[N / row_repeat, H]`` and pair ``n`` reads row
             ``n // row_repeat`` (a token's top-k pairs share its row). The tiled kernels
             read it so; the other paths expand it first.
-        tag_bound: ``(bound, block_rows)``, a ``[N / block_rows, 1]`` int32 bound of
+        tag_bound: ``(bound, block_rows)``, a ``[N / block_rows]`` (or ``[.., 1]``) int32 bound of
             each block's tags (the same-host exchange's
             :meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): the tags are read
             as ``min(tag, bound of the row's block)``. The per-row kernels apply it as
@@ -137,7 +137,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
                 and small_batch_ok(rows, w13)):
             return swiglu_rows(w13, w2, rows, tags, out, tag_bound=(bound.reshape(-1),
                                                                     block_rows))
-        tags = torch.minimum(tags.view(-1, block_rows), bound).view(-1)
+        tags = torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
     if (row_repeat > 1 and use_grouped is not False and w2.is_contiguous()
             and tiled_rows_ok(rows, w13, w2, row_repeat)):
         return swiglu_tiled(w13, w2, rows, tags, out, row_repeat=row_repeat)

@@ -45,8 +45,9 @@ exchanges are local. The step's results are then wrong, and the step loop's comm
 agreement redoes it. :meth:`reset` (every rank, at the agreed boundary after the redo
 decision, when every send of the abandoned step has completed) clears the flags and
 counters and reloads ``active`` from the membership. A late write of a stopped peer lands
-only in its own row block, which nobody reads once it is inactive: the receive side
-zeroes the tags of inactive sources, and the tags are clamped to the slot range.
+only in its own row block, which nobody reads once it is inactive: the tags of inactive
+sources read as 0 and every tag is clamped to the slot range (by one elementwise min in
+:meth:`recv_dispatch`, or, at decode sizes, by the expert kernels as they read them).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from elasticep.moe.padded_exchange import (
     row_width,
     split_rows,
 )
+from elasticep.moe.small_batch_experts import MAX_ROWS, gate_up_rows
 from elasticep.utils import cuda_ipc, graph_boundary
 
 logger = logging.getLogger(__name__)
@@ -250,14 +252,7 @@ class IpcExchange:
         that fits the buffers)."""
         if not self.cuda:
             return
-        active = torch.zeros_like(self.active)
-        active[self.rank] = 1
-        flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
-        scratch = torch.zeros_like(self.arena)
-        table = torch.zeros_like(self.table)
-        recv0, recv1, _, _ = self._carve(scratch)
-        table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
-                                        dtype=torch.int64)
+        recv0, table, active, counter, flags, scratch = self._private()
         C = 8
         reset = self.reset_in_kernel
         hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
@@ -280,6 +275,39 @@ class IpcExchange:
                              reset)
         torch.cuda.synchronize(self.device)
         del scratch
+
+    def _private(self) -> tuple[torch.Tensor, ...]:
+        """A self-only copy of the exchange's state for compiling kernels: (dispatch
+        buffer, table, active, counter, flags, the arena that holds the buffers)."""
+        active = torch.zeros_like(self.active)
+        active[self.rank] = 1
+        flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
+        scratch = torch.zeros_like(self.arena)
+        table = torch.zeros_like(self.table)
+        recv0, recv1, _, _ = self._carve(scratch)
+        table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
+                                        dtype=torch.int64)
+        return recv0, table, active, counter, flags, scratch
+
+    def warm_expert_kernels(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Compile the decode-sized expert kernels this exchange's steps launch (the
+        bounded gate/up and the fused down-and-send, for a layer's ``w13`` [S, 2I, H] and
+        ``w2`` [S, H, I]) now, not inside the first graph capture, on all-padding rows
+        read from a private self-only buffer, as served steps read theirs."""
+        if not self.cuda or not w2.is_contiguous() or w13.dtype != self.dtype:
+            return
+        C = max(1, min(8, MAX_ROWS // self.G))
+        try:
+            recv0, table, active, counter, flags, scratch = self._private()
+            rows, tags = split_rows(recv0[:self.G * C], self.H)
+            bound = torch.zeros(self.G, dtype=torch.int32, device=self.device)
+            act = gate_up_rows(w13, rows, tags, rows.new_empty(self.G * C, w2.shape[2]),
+                               tag_bound=(bound, C))
+            kernels.down_combine_send(act, tags, bound, w2, self.rank, C, table, active,
+                                      counter, flags, 1, self.reset_in_kernel)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - they then compile at first use instead
+            logger.warning("could not compile the decode expert kernels ahead: %s", exc)
 
     # ------------------------------------------------------------------ membership
     def reset(self, active: torch.Tensor) -> None:

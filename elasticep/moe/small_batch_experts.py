@@ -51,7 +51,7 @@ if triton is not None:
         live = mask & (offs * 0 + tag != 0)
         return r, tag != 0, offs, mask, live, w_ptr + tl.maximum(tag - 1, 0) * expert_numel
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_rows"])  # one variant for every step's C
     def _gate_up_kernel(x_ptr, x_stride, tag_ptr, tag_stride, bound_ptr, block_rows, w13_ptr,
                         act_ptr, H, inter, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                         BOUNDED: tl.constexpr):
@@ -93,7 +93,7 @@ if triton is not None:
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_rows"])
     def _down_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, block_rows, w2_ptr, out_ptr, H,
                      inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                      BOUNDED: tl.constexpr):

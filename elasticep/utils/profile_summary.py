@@ -182,8 +182,10 @@ def launch_delays(kernels: Iterable[Span], host: Iterable[Span],
     """How long a graph launch took on the host, and how soon the GPU started on it.
 
     For each host span named ``launch``, the delay is from its start to the first
-    device span that starts after it (the profiler aligns the two clocks; a device
-    already busy with earlier work makes the delay that work's remainder).
+    device span that starts after it (the profiler aligns the two clocks). Spans are
+    not matched by correlation id: while the GPU still runs earlier work, that work's
+    next kernel counts, so the delay is then understated. The mean is over the
+    launches with a kernel after them.
 
     Returns:
         None without such spans, else ``launches``, ``launch_host_ms`` (the mean host
