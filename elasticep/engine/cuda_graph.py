@@ -183,7 +183,8 @@ class DecodeGraphs:
                             # inference tensors, written to only in that mode.
                             with torch.inference_mode():
                                 first.copy_(logits)
-                    first = logits if first is None else first
+                    if first is None:
+                        first = logits
                     self._graphs[b, variant], self._logits[b, variant] = cap.result, first
                 # the version the tensors had when captured: a change during the capture
                 # leaves the bucket stale

@@ -239,16 +239,17 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         # the tags' clamp to the sources' bounds is left to the expert kernels
         rows, tags = t.recv_dispatch(cap, layer_idx, S, clamp=False)
         w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
+        bound = (t.tag_cap(S), cap)
         if t.cuda and w2.is_contiguous() and small_batch_ok(rows, w13):
             # decode sizes: the down projection writes the sources' combine rows itself
             act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
-                               tag_bound=(t.tag_cap(S).view(-1), cap))
+                               tag_bound=bound)
             t.send_combine_down(act, tags, w2, cap, layer_idx, S)
         else:
             bufs = self._buffers if capturing() else fresh
             expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
                                         out=bufs("expert_out", rows.shape[0], rows),
-                                        tag_bound=(t.tag_cap(S), cap))
+                                        tag_bound=bound)
             t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)

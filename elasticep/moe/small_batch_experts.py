@@ -113,6 +113,13 @@ GATE_UP_TILE = (8, 256, 4)
 DOWN_TILE = (32, 256, 4)
 
 
+def _bound_args(tags: torch.Tensor, tag_bound: tuple[torch.Tensor, int] | None
+                ) -> tuple[torch.Tensor, int]:
+    # the kernels' (bound pointer, rows per bound word); unbounded kernels read neither
+    # (BOUNDED=False), so any tensor stands in for the pointer
+    return tag_bound if tag_bound is not None else (tags, 1)
+
+
 def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
                 out: torch.Tensor | None = None, gate_up_tile: tuple[int, int, int] | None = None,
                 down_tile: tuple[int, int, int] | None = None,
@@ -146,7 +153,7 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     out = rows.new_empty(N, H) if out is None else out
     bo, bk, wb = down_tile or DOWN_TILE
     gate_up_rows(w13, rows, tags, act, gate_up_tile, tag_bound)
-    bound, block_rows = tag_bound if tag_bound is not None else (tags, 1)
+    bound, block_rows = _bound_args(tags, tag_bound)
     _down_kernel[(N, triton.cdiv(H, bo))](act, tags, tags.stride(0), bound, block_rows, w2, out,
                                           H, inter, BLOCK_O=bo, BLOCK_K=bk,
                                           BOUNDED=tag_bound is not None, num_warps=wb)
@@ -170,7 +177,7 @@ def gate_up_rows(w13: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor, act:
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     bi, bh, wa = gate_up_tile or GATE_UP_TILE
-    bound, block_rows = tag_bound if tag_bound is not None else (tags, 1)
+    bound, block_rows = _bound_args(tags, tag_bound)
     # a stride-0 row (one token expanded to its k choices) is read in place
     _gate_up_kernel[(N, triton.cdiv(inter, bi))](rows, rows.stride(0), tags, tags.stride(0),
                                                  bound, block_rows, w13, act, H, inter,

@@ -79,4 +79,4 @@ def capture_variant() -> str | None:
     ``graph_variants`` in :mod:`elasticep.moe.executor`); the code being captured reads
     this to know which form it is recording."""
     capture = getattr(_state, "capture", None)
-    return None if capture is None else getattr(capture, "variant", None)
+    return None if capture is None else capture.variant
