@@ -89,8 +89,8 @@ if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concur
             --log-dir /tmp/sweep_logs_$label | sed "s/^{/{\"label\": \"$label\", /" \
             >> "$OUT/sweep.jsonl" 2> /tmp/sweep_$label.err
         tail -2 /tmp/sweep_$label.err | cut -c1-300
-        grep -h "pieces each\|steps in\|limits:\|scope" /tmp/sweep_logs_$label/* 2>/dev/null \
-            | cut -c1-700 | tail -8 >> "$OUT/sweep_rank_lines.log"
+        grep -h "pieces each\|steps in\|limits:\|scope\|replaying\|forms" /tmp/sweep_logs_$label/* 2>/dev/null \
+            | cut -c1-700 | tail -12 >> "$OUT/sweep_rank_lines.log"
     done
     python3 -c "
 import json
