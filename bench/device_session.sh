@@ -82,6 +82,10 @@ fi
 if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concurrencies ...
     for spec in ${SWEEPS:-default@@1,64}; do
         IFS=@ read -r label assign cs <<< "$spec"
+        # tree=NAME: the package of .ab/NAME (carried) in place of this tree's; the
+        # safe path keeps `python -m` from putting this tree first
+        [[ $assign == tree=* ]] \
+            && assign="PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD/.ab/${assign#tree=}:$PWD"
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency 2 $Q3 --random-input-len 256 --random-output-len 256 \
@@ -117,6 +121,13 @@ for l in open('$OUT/exchange.jsonl'):
     d=json.loads(l)
     if d['bench'] == 'graph_node_cost': print(d); continue
     print(d['world'], d['max_ep_size'], d['static'], d['block_h'], d['num_warps'], [(r['tokens_per_rank'], r['layer_us'], r['roundtrip_equal']) for r in d['ranks'][0].get('rows', [])], d['ranks'][0].get('error', '')[:300])"
+fi
+
+if want expert_forms; then  # the exchange's decode expert forms against the engine's
+    step expert_forms ${EF_S:-90} python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
+        > "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
+    tail -2 /tmp/ef.err | cut -c1-300
+    cat "$OUT/expert_forms.jsonl"
 fi
 
 if want tiled; then  # expert tiles at prefill sizes
@@ -199,7 +210,7 @@ fi
 # into one archive beside the main results. They are kept outside $OUT, so that several
 # runs of this script in one call (from other trees, say) add to one archive.
 KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
     && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
     && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"

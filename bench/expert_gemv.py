@@ -9,6 +9,7 @@ bound is a device-to-device copy measured in the same run (2 x bytes / time).
 Prints one JSON line per variant. GPU only.
 
     python -m bench.expert_gemv [--rows 8] [--experts 128]
+    python -m bench.expert_gemv --exchange-forms 2,4   # the exchange's forms at one token
 """
 
 from __future__ import annotations
@@ -64,6 +65,88 @@ def sorted_vs_grouped(w13: torch.Tensor, w2: torch.Tensor, counts: list[int],
                               "rel_err": err}), flush=True)
 
 
+def graph_us_per_layer(layer_fn, layers: int, reps: int = 20) -> float:
+    """Microseconds per layer of ``layer_fn(l)`` for l in range(layers), captured in one
+    CUDA graph and replayed (launch gaps as in a decode step's graph, none from Python)."""
+    for layer in range(layers):  # compile and warm outside the capture
+        layer_fn(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            layer_fn(layer)
+    return cuda_ms(graph.replay, reps) * 1e3 / layers
+
+
+def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
+                   layers: int = 48, experts: int = 16) -> None:
+    """The decode expert stage of one MoE layer at one token (``rows_per_source`` pairs,
+    each on its own expert), per layer of a graph of ``layers`` layers with their own
+    weights: the in-process engine's two kernels on the pairs' rows, against the
+    same-host exchange's forms on rank 0 of ``group_size`` slots with no peer active
+    (``--ep-size 1 --max-ep-size G``): every source's block (the plain form), only its own
+    block (the solo form, :meth:`~elasticep.moe.ipc_exchange.IpcExchange.expert_rows`), and
+    the unfused expert kernels plus the combine send. Prints one JSON line."""
+    from elasticep.moe import ipc_kernels
+    from elasticep.moe.ipc_exchange import IpcExchange
+    from elasticep.moe.small_batch_experts import gate_up_rows
+
+    dev, dt, C, G = torch.device("cuda"), torch.bfloat16, rows_per_source, group_size
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = [torch.randn(experts, 2 * inter, H, device=dev, dtype=dt, generator=gen) / H**0.5
+           for _ in range(layers)]
+    w2 = [torch.randn(experts, H, inter, device=dev, dtype=dt, generator=gen) / inter**0.5
+          for _ in range(layers)]
+    ex = IpcExchange(0, G, C, H, dt, 1, dev)
+    rows, tags = split_rows(ex.recv0[:G * C], H)
+    rows.copy_(torch.randn(G * C, H, device=dev, dtype=dt, generator=gen))
+    tags.zero_()
+    tags[:C].copy_((torch.randperm(experts, device=dev, generator=gen)[:C] + 1).to(torch.int32))
+    bound = ex.tag_cap(experts)
+    own_rows, own_tags = rows[:C].contiguous(), tags[:C].contiguous()
+    act_all = rows.new_empty(G * C, inter)
+    act_own = rows.new_empty(C, inter)
+    out = rows.new_empty(G * C, H)
+
+    def send(act, t, b, layer, first):
+        ipc_kernels.down_combine_send(act, t, b, w2[layer], 0, C, ex.table, ex.active,
+                                      ex.counter, ex.flags, 1, ex.reset_in_kernel, first)
+
+    forms = {
+        "engine": lambda layer: swiglu_rows(w13[layer], w2[layer], own_rows, own_tags),
+        "plain": lambda layer: send(gate_up_rows(w13[layer], rows, tags, act_all,
+                                                 tag_bound=(bound, C)),
+                                    tags, bound.view(-1), layer, 0),
+        "solo_own_block": lambda layer: send(gate_up_rows(w13[layer], rows[:C], tags[:C],
+                                                          act_own, tag_bound=(bound, C)),
+                                             tags[:C], bound.view(-1), layer, 0),
+        "unfused": lambda layer: ipc_kernels.combine_send(
+            swiglu_rows(w13[layer], w2[layer], rows, tags, out=out, tag_bound=(bound, C)),
+            ex.recv0, 0, C, ex.table, ex.active, ex.counter, ex.flags, 1, ex.reset_in_kernel),
+    }
+    # and the dispatch send of the token's pairs, to G slots and to one (a grid of this
+    # rank alone, what a solo form's dispatch could launch)
+    one = IpcExchange(0, 1, C, H, dt, 1, dev)
+    hidden = torch.randn(1, H, device=dev, dtype=dt, generator=gen)
+    ids = torch.randperm(experts, device=dev, generator=gen)[:C].view(1, C)
+    l2p = torch.arange(experts, device=dev)
+    for name, e in (("dispatch", ex), ("dispatch_one_destination", one)):
+        forms[name] = lambda layer, e=e: ipc_kernels.fused_dispatch(
+            hidden, ids, l2p, experts, 0, C, e.W, e.table, e.active, e.counter, e.flags, 0,
+            e.reset_in_kernel)
+    result = {name: round(graph_us_per_layer(fn, layers), 2) for name, fn in forms.items()}
+    # the combine rows of the forms agree (the engine's own output is the reference)
+    ref = swiglu_rows(w13[0], w2[0], own_rows, own_tags).float()
+    errs = {}
+    for name in ("plain", "solo_own_block"):
+        ex.recv1.zero_()
+        forms[name](0)
+        errs[name] = float((ex.recv1[:C].float() - ref).abs().max() / ref.abs().max())
+    print(json.dumps({"bench": "expert_exchange_forms", "hidden": H, "inter": inter,
+                      "rows_per_source": C, "group_size": G, "layers": layers,
+                      "us_per_layer": result, "rel_err": errs}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8)
@@ -73,10 +156,17 @@ def main() -> int:
     ap.add_argument("--sorted-rows", default="64,128,256,512,2048",
                     help="row counts for the sorted-rows kernels against the grouped GEMM")
     ap.add_argument("--only-sorted", action="store_true", help="skip the tile and layout runs")
+    ap.add_argument("--exchange-forms", default="",
+                    help="only the exchange's decode expert forms, for these max_ep_size "
+                         "values (comma-separated), at one token")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("expert_gemv: needs CUDA", file=sys.stderr)
         return 2
+    if args.exchange_forms:
+        for g in args.exchange_forms.split(","):
+            exchange_forms(args.hidden, args.inter, args.rows, int(g))
+        return 0
     dev, dt = torch.device("cuda"), torch.bfloat16
     S, H, inter, n = args.experts, args.hidden, args.inter, args.rows
     w13 = torch.randn(S, 2 * inter, H, device=dev, dtype=dt) / H**0.5

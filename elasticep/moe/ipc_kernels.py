@@ -306,19 +306,20 @@ if triton is not None:
             _release_own(my_flags_ptr, q, n_slots, slot)
 
 
-    @triton.jit(do_not_specialize=["me", "C", "slot"])
+    @triton.jit(do_not_specialize=["me", "C", "q0", "slot"])
     def _down_combine_send_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, w2_ptr, table_ptr,
-                                  active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
-                                  H, inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  RESET_PREV: tl.constexpr):
+                                  active_ptr, counter_ptr, my_flags_ptr, me, C, q0, slot,
+                                  n_slots, H, inter, BLOCK_O: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, RESET_PREV: tl.constexpr):
         # program (row r, output block): the down projection of received row r, stored
         # straight into its source's combine buffer, where the combine send would copy it
         # from expert_out; then the source's flag, as the combine send sets it. Rows are
-        # in blocks of C per source, so the programs of source q are C x the blocks.
+        # in blocks of C per source, from source q0 on, so the programs of source q are
+        # C x the blocks.
         r = tl.program_id(0)
         ob = tl.program_id(1)
-        q = r // C
-        within = r - q * C
+        q = q0 + r // C
+        within = r - (q - q0) * C
         _reset_prev(my_flags_ptr, q, me, n_slots, slot, within, ob, RESET_PREV)
         if tl.load(active_ptr + q) != 0:
             r64, real, offs_o, _, live, base = row_block(tag_ptr, tag_stride, bound_ptr, C,
@@ -482,7 +483,7 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
 def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor,
                       w2: torch.Tensor, me: int, C: int, table: torch.Tensor,
                       active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
-                      slot: int, reset_prev: bool = False) -> None:
+                      slot: int, reset_prev: bool = False, first_source: int = 0) -> None:
     """The received rows' down projection and the combine send in one kernel (CUDA).
 
     What :func:`~elasticep.moe.small_batch_experts.swiglu_rows`' second kernel and then
@@ -491,20 +492,25 @@ def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor
     as :func:`combine_send` signals it.
 
     Args:
-        act: [G*C, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
-            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`).
-        tags: [G*C] int32 as received (any stride); bound: [G] int32, each source's
-            tag bound (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
+        act: [N, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
+            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`), the received rows
+            of sources ``first_source ..`` in blocks of C (N = G*C for all of them).
+        tags: [N] int32 as received (any stride); bound: [N / C] int32, those sources'
+            tag bounds (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
             read as ``clamp(tag, 0, bound[source])``, and only rows with a tag left are
             sent.
         w2: [S, H, I] contiguous, the layer's down projections.
         me, C, table, active, counter, my_flags, slot, reset_prev: as in
             :func:`combine_send` (``slot``: the combine's flag column).
+        first_source: the source of ``act``'s first block. Sources outside the rows
+            given are neither sent to nor released (the exchange's solo form, whose
+            graph waits for no peer, passes only this rank's own block).
     """
     G, n_slots = my_flags.shape
     N, inter = act.shape
     H = w2.shape[1]
     bo, bk, warps = DOWN_TILE
     _down_combine_send_kernel[(N, triton.cdiv(H, bo))](
-        act, tags, tags.stride(0), bound, w2, table, active, counter, my_flags, me, C, slot,
-        n_slots, H, inter, BLOCK_O=bo, BLOCK_K=bk, RESET_PREV=reset_prev, num_warps=warps)
+        act, tags, tags.stride(0), bound, w2, table, active, counter, my_flags, me, C,
+        first_source, slot, n_slots, H, inter, BLOCK_O=bo, BLOCK_K=bk, RESET_PREV=reset_prev,
+        num_warps=warps)
