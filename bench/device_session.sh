@@ -123,10 +123,14 @@ for l in open('$OUT/exchange.jsonl'):
     print(d['world'], d['max_ep_size'], d['static'], d['block_h'], d['num_warps'], [(r['tokens_per_rank'], r['layer_us'], r['roundtrip_equal']) for r in d['ranks'][0].get('rows', [])], d['ranks'][0].get('error', '')[:300])"
 fi
 
-if want expert_forms; then  # the exchange's decode expert forms against the engine's
-    step expert_forms ${EF_S:-90} python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
-        > "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
-    tail -2 /tmp/ef.err | cut -c1-300
+if want expert_forms; then  # the exchange's decode stages against the engine's
+    for tree in ${EF_TREES:-new}; do  # new: this tree; else .ab/NAME's package (carried)
+        pp=/tmp/site:$PWD; [[ $tree == new ]] || pp=/tmp/site:$PWD/.ab/$tree:$PWD
+        step "expert_forms_$tree" ${EF_S:-60} env PYTHONSAFEPATH=1 PYTHONPATH=$pp \
+            python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
+            | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
+        tail -2 /tmp/ef.err | cut -c1-300
+    done
     cat "$OUT/expert_forms.jsonl"
 fi
 

@@ -80,13 +80,13 @@ def graph_us_per_layer(layer_fn, layers: int, reps: int = 20) -> float:
 
 def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
                    layers: int = 48, experts: int = 16) -> None:
-    """The decode expert stage of one MoE layer at one token (``rows_per_source`` pairs,
-    each on its own expert), per layer of a graph of ``layers`` layers with their own
-    weights: the in-process engine's two kernels on the pairs' rows, against the
-    same-host exchange's forms on rank 0 of ``group_size`` slots with no peer active
-    (``--ep-size 1 --max-ep-size G``): every source's block (the plain form), only its own
-    block (the solo form, :meth:`~elasticep.moe.ipc_exchange.IpcExchange.expert_rows`), and
-    the unfused expert kernels plus the combine send. Prints one JSON line."""
+    """The decode MoE stages of one layer at one token (``rows_per_source`` pairs, each on
+    its own expert), per layer of a graph of ``layers`` layers with their own weights: the
+    in-process engine's two expert kernels on the pairs' rows, against the same-host
+    exchange on rank 0 of ``group_size`` slots with no peer active (``--ep-size 1
+    --max-ep-size G``): its expert kernels with the fused down-and-send (``plain``), the
+    unfused expert kernels plus the combine send, and the fused dispatch send, to G slots
+    and to one. Prints one JSON line."""
     from elasticep.moe import ipc_kernels
     from elasticep.moe.ipc_exchange import IpcExchange
     from elasticep.moe.small_batch_experts import gate_up_rows
@@ -104,41 +104,36 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     tags[:C].copy_((torch.randperm(experts, device=dev, generator=gen)[:C] + 1).to(torch.int32))
     bound = ex.tag_cap(experts)
     own_rows, own_tags = rows[:C].contiguous(), tags[:C].contiguous()
-    act_all = rows.new_empty(G * C, inter)
-    act_own = rows.new_empty(C, inter)
+    act = rows.new_empty(G * C, inter)
     out = rows.new_empty(G * C, H)
 
-    def send(act, t, b, layer, first):
-        ipc_kernels.down_combine_send(act, t, b, w2[layer], 0, C, ex.table, ex.active,
-                                      ex.counter, ex.flags, 1, ex.reset_in_kernel, first)
+    def plain(layer: int) -> None:
+        gate_up_rows(w13[layer], rows, tags, act, tag_bound=(bound, C))
+        ipc_kernels.down_combine_send(act, tags, bound.view(-1), w2[layer], 0, C, ex.table,
+                                      ex.active, ex.counter, ex.flags, 1, ex.reset_in_kernel)
 
     forms = {
         "engine": lambda layer: swiglu_rows(w13[layer], w2[layer], own_rows, own_tags),
-        "plain": lambda layer: send(gate_up_rows(w13[layer], rows, tags, act_all,
-                                                 tag_bound=(bound, C)),
-                                    tags, bound.view(-1), layer, 0),
-        "solo_own_block": lambda layer: send(gate_up_rows(w13[layer], rows[:C], tags[:C],
-                                                          act_own, tag_bound=(bound, C)),
-                                             tags[:C], bound.view(-1), layer, 0),
+        "plain": plain,
         "unfused": lambda layer: ipc_kernels.combine_send(
             swiglu_rows(w13[layer], w2[layer], rows, tags, out=out, tag_bound=(bound, C)),
             ex.recv0, 0, C, ex.table, ex.active, ex.counter, ex.flags, 1, ex.reset_in_kernel),
     }
-    # and the dispatch send of the token's pairs, to G slots and to one (a grid of this
-    # rank alone, what a solo form's dispatch could launch)
-    one = IpcExchange(0, 1, C, H, dt, 1, dev)
+    # the dispatch send of the token's pairs, into exchanges of their own (it rewrites
+    # the receive rows), to G slots and to one
     hidden = torch.randn(1, H, device=dev, dtype=dt, generator=gen)
     ids = torch.randperm(experts, device=dev, generator=gen)[:C].view(1, C)
     l2p = torch.arange(experts, device=dev)
-    for name, e in (("dispatch", ex), ("dispatch_one_destination", one)):
+    for name, e in (("dispatch", IpcExchange(0, G, C, H, dt, 1, dev)),
+                    ("dispatch_one_destination", IpcExchange(0, 1, C, H, dt, 1, dev))):
         forms[name] = lambda layer, e=e: ipc_kernels.fused_dispatch(
             hidden, ids, l2p, experts, 0, C, e.W, e.table, e.active, e.counter, e.flags, 0,
             e.reset_in_kernel)
     result = {name: round(graph_us_per_layer(fn, layers), 2) for name, fn in forms.items()}
-    # the combine rows of the forms agree (the engine's own output is the reference)
+    # the combine rows of the exchange's forms against the engine's output
     ref = swiglu_rows(w13[0], w2[0], own_rows, own_tags).float()
     errs = {}
-    for name in ("plain", "solo_own_block"):
+    for name in ("plain", "unfused"):
         ex.recv1.zero_()
         forms[name](0)
         errs[name] = float((ex.recv1[:C].float() - ref).abs().max() / ref.abs().max())

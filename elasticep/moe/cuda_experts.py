@@ -242,10 +242,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         bound = (t.tag_cap(S), cap)
         if t.cuda and w2.is_contiguous() and small_batch_ok(rows, w13):
             # decode sizes: the down projection writes the sources' combine rows itself
-            rows, tags, bound, first = t.expert_rows(rows, tags, cap, S)
             act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
                                tag_bound=bound)
-            t.send_combine_down(act, tags, w2, cap, layer_idx, S, first_source=first)
+            t.send_combine_down(act, tags, w2, cap, layer_idx, S)
         else:
             bufs = self._buffers if capturing() else fresh
             expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,

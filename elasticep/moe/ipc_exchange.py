@@ -293,25 +293,18 @@ class IpcExchange:
         """Compile the decode-sized expert kernels this exchange's steps launch (the
         bounded gate/up and the fused down-and-send, for a layer's ``w13`` [S, 2I, H] and
         ``w2`` [S, H, I]) now, not inside the first graph capture, on all-padding rows
-        read from a private self-only buffer, as served steps read theirs: every source's
-        block, and this rank's own (:meth:`expert_rows`' solo form, whose offset bound
-        pointer Triton may compile apart)."""
+        read from a private self-only buffer, as served steps read theirs."""
         if not self.cuda or not w2.is_contiguous() or w13.dtype != self.dtype:
             return
         C = max(1, min(8, MAX_ROWS // self.G))
         try:
             recv0, table, active, counter, flags, scratch = self._private()
-            all_rows, all_tags = split_rows(recv0[:self.G * C], self.H)
-            all_bound = torch.zeros(self.G, dtype=torch.int32, device=self.device)
-            lo = self.rank * C
-            for first, rows, tags, bound in (
-                    (0, all_rows, all_tags, all_bound),
-                    (self.rank, all_rows[lo:lo + C], all_tags[lo:lo + C],
-                     all_bound[self.rank:])):
-                act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
-                                   tag_bound=(bound, C))
-                kernels.down_combine_send(act, tags, bound, w2, self.rank, C, table, active,
-                                          counter, flags, 1, self.reset_in_kernel, first)
+            rows, tags = split_rows(recv0[:self.G * C], self.H)
+            bound = torch.zeros(self.G, dtype=torch.int32, device=self.device)
+            act = gate_up_rows(w13, rows, tags, rows.new_empty(self.G * C, w2.shape[2]),
+                               tag_bound=(bound, C))
+            kernels.down_combine_send(act, tags, bound, w2, self.rank, C, table, active,
+                                      counter, flags, 1, self.reset_in_kernel)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - they then compile at first use instead
             logger.warning("could not compile the decode expert kernels ahead: %s", exc)
@@ -517,45 +510,26 @@ class IpcExchange:
             kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
             self._signal_local(self._slot(layer) + 1)
 
-    def expert_rows(self, rows: torch.Tensor, tags: torch.Tensor, C: int, slots_per_rank: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, int], int]:
-        """The received rows the expert compute must cover, from :meth:`recv_dispatch`'s
-        ``rows`` [G*C, H] and raw ``tags`` [G*C]: ``(rows, tags, tag_bound,
-        first_source)``, with ``tag_bound`` the expert kernels' ``(bound, C)``.
-
-        Every source's block, except in the :data:`SOLO` form, which runs only while no
-        peer is active: then only this rank's own block ([C, H], ``first_source`` this
-        rank), so the kernels do not launch programs for blocks that are all padding.
-        """
-        bound = self.tag_cap(slots_per_rank)
-        if graph_boundary.capture_variant() != SOLO:
-            return rows, tags, (bound, C), 0
-        lo = self.rank * C
-        return rows[lo:lo + C], tags[lo:lo + C], (bound[self.rank:], C), self.rank
-
     def send_combine_down(self, act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
-                          C: int, layer: int, slots_per_rank: int, first_source: int = 0
-                          ) -> None:
+                          C: int, layer: int, slots_per_rank: int) -> None:
         """:meth:`send_combine` of the down projection of ``act``, computed in the send
         kernel itself (CUDA; :func:`~elasticep.moe.ipc_kernels.down_combine_send`): for a
         decode-sized step, one kernel where the expert compute's second kernel and the
         combine send were two.
 
         Args:
-            act: [N, I] model dtype, contiguous: ``silu(gate x) * (up x)`` of the rows
-                :meth:`expert_rows` returned; tags: their raw tags (``clamp=False``);
-            w2: [S, H, I] contiguous; C, layer, slots_per_rank: as in :meth:`recv_dispatch`;
-            first_source: :meth:`expert_rows`' (the source of the first block of rows).
+            act: [G*C, I] model dtype, contiguous: ``silu(gate x) * (up x)`` of the rows
+                :meth:`recv_dispatch` returned; tags: their raw tags (``clamp=False``);
+            w2: [S, H, I] contiguous; C, layer, slots_per_rank: as in :meth:`recv_dispatch`.
 
         Raises:
             RuntimeError: on the CPU simulation (it has :meth:`send_combine` only).
         """
         if not self.cuda:
             raise RuntimeError("send_combine_down runs on CUDA only")
-        bound = self.tag_cap(slots_per_rank).view(-1)[first_source:]
-        kernels.down_combine_send(act, tags, bound, w2, self.rank, C, self.table, self.active,
-                                  self.counter, self.flags, self._slot(layer) + 1,
-                                  self.reset_in_kernel, first_source)
+        kernels.down_combine_send(act, tags, self.tag_cap(slots_per_rank).view(-1), w2,
+                                  self.rank, C, self.table, self.active, self.counter,
+                                  self.flags, self._slot(layer) + 1, self.reset_in_kernel)
 
     def recv_combine(self, C: int, layer: int) -> torch.Tensor:
         """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send

@@ -145,14 +145,17 @@ if triton is not None:
         return lo, tl.minimum(lo + per, H)
 
     @triton.jit
-    def _copy_rows(src_ptr, src_row, src_stride, dst_ptr, dst_row, dst_stride, mask,
-                   h_lo, h_hi, BLOCK_H: tl.constexpr):
-        # rows src_row -> dst_row (int64 [BLOCK_R] each, ``mask``ed), columns [h_lo, h_hi)
+    def _copy_rows(src_ptr, src_row, src_stride, dst_ptr, dst_row, dst_stride, load_mask,
+                   mask, h_lo, h_hi, BLOCK_H: tl.constexpr):
+        # rows src_row -> dst_row (int64 [BLOCK_R] each), columns [h_lo, h_hi): loaded
+        # where ``load_mask``, stored where ``mask`` (a subset of it)
         for h0 in range(h_lo, h_hi, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            m = mask[:, None] & (h < h_hi)[None, :]
-            v = tl.load(src_ptr + src_row[:, None] * src_stride + h[None, :], mask=m)
-            tl.store(dst_ptr + dst_row[:, None] * dst_stride + h[None, :], v, mask=m)
+            in_cols = (h < h_hi)[None, :]
+            v = tl.load(src_ptr + src_row[:, None] * src_stride + h[None, :],
+                        mask=load_mask[:, None] & in_cols)
+            tl.store(dst_ptr + dst_row[:, None] * dst_stride + h[None, :], v,
+                     mask=mask[:, None] & in_cols)
 
     @triton.jit
     def _release_own(my_flags_ptr, q, n_slots, slot):
@@ -209,8 +212,8 @@ if triton is not None:
                 tok = tl.where(real, p // top_k, 0).to(tl.int64)
                 tag = tl.load(tag_ptr + tl.where(real, p, 0), mask=real, other=0)
                 row = (me * C + r).to(tl.int64)
-                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, h_lo,
-                           h_hi, BLOCK_H)
+                _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, real, real,
+                           h_lo, h_hi, BLOCK_H)
                 if part == 0:
                     tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1), tag.to(tl.int32),
                              mask=rm)
@@ -225,7 +228,7 @@ if triton is not None:
                                ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                               RESET_PREV: tl.constexpr):
+                               RESET_PREV: tl.constexpr, ONE_BLOCK: tl.constexpr):
         # The slot gather, the plan and the send of a decode-sized step in one launch.
         # Program (q, c) owns pairs [c*BLOCK_P, (c+1)*BLOCK_P): a pair's row in q's block
         # is the count of earlier pairs bound for q (plan_padded's order), which the
@@ -245,27 +248,33 @@ if triton is not None:
         first = c * BLOCK_P
         before = (q * 0).to(tl.int64)
         total = (q * 0).to(tl.int64)
-        for n0 in range(0, n_pairs, BLOCK_N):
-            j = n0 + tl.arange(0, BLOCK_N)
-            mj = j < n_pairs
-            dj = tl.load(map_ptr + tl.load(ids_ptr + j, mask=mj, other=0), mask=mj,
-                         other=0) // S
-            hj = (mj & (dj == q)).to(tl.int64)
-            total += tl.sum(hj, 0)
-            before += tl.sum(tl.where(j < first, hj, 0), 0)
+        if not ONE_BLOCK:  # else every pair is in this program's block: no scan
+            for n0 in range(0, n_pairs, BLOCK_N):
+                j = n0 + tl.arange(0, BLOCK_N)
+                mj = j < n_pairs
+                dj = tl.load(map_ptr + tl.load(ids_ptr + j, mask=mj, other=0), mask=mj,
+                             other=0) // S
+                hj = (mj & (dj == q)).to(tl.int64)
+                total += tl.sum(hj, 0)
+                before += tl.sum(tl.where(j < first, hj, 0), 0)
         i = first + tl.arange(0, BLOCK_P)
         m = i < n_pairs
         phys = tl.load(map_ptr + tl.load(ids_ptr + i, mask=m, other=0), mask=m, other=0)
         hit = m & (phys // S == q)
+        if ONE_BLOCK:
+            total = tl.sum(hit.to(tl.int64), 0)
         within = before + tl.cumsum(hit.to(tl.int64), 0) - 1
         first_part = part == 0
         if first_part:
             tl.store(position_ptr + i, q * C + within, mask=hit)
         if alive:
-            tok = tl.where(hit, i // top_k, 0).to(tl.int64)
+            # one block's rows are loaded for every pair, so the loads do not wait for
+            # the pairs' slots (the ids, then the map); only the stores are for this
+            # destination's pairs
+            tok = tl.where(m, i // top_k, 0).to(tl.int64)
             row = (me * C + within).to(tl.int64)
-            _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS, hit, h_lo, h_hi,
-                       BLOCK_H)
+            _copy_rows(hidden_ptr, tok, stride_hidden, dest, row, ROW_ELEMS,
+                       m if ONE_BLOCK else hit, hit, h_lo, h_hi, BLOCK_H)
             lo, hi = _chunk_rows(C, chunks, c)
             if first_part:
                 tl.store(dest32 + row * ROW_WORDS + (ROW_WORDS - 1),
@@ -300,34 +309,36 @@ if triton is not None:
                 tag = tl.load(recv32_ptr + src * ROW_WORDS + (ROW_WORDS - 1), mask=rm, other=0)
                 real = rm & (tag != 0)
                 row = (me * C + r).to(tl.int64)
-                _copy_rows(out_ptr, src, H, dest, row, H, real, h_lo, h_hi, BLOCK_H)
+                _copy_rows(out_ptr, src, H, dest, row, H, real, real, h_lo, h_hi, BLOCK_H)
             _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks * split)
         elif (c == 0) & (part == 0):
             _release_own(my_flags_ptr, q, n_slots, slot)
 
 
-    @triton.jit(do_not_specialize=["me", "C", "q0", "slot"])
+    @triton.jit(do_not_specialize=["me", "C", "slot"])
     def _down_combine_send_kernel(act_ptr, tag_ptr, tag_stride, bound_ptr, w2_ptr, table_ptr,
-                                  active_ptr, counter_ptr, my_flags_ptr, me, C, q0, slot,
-                                  n_slots, H, inter, BLOCK_O: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, RESET_PREV: tl.constexpr):
+                                  active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
+                                  H, inter, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  RESET_PREV: tl.constexpr):
         # program (row r, output block): the down projection of received row r, stored
         # straight into its source's combine buffer, where the combine send would copy it
         # from expert_out; then the source's flag, as the combine send sets it. Rows are
-        # in blocks of C per source, from source q0 on, so the programs of source q are
-        # C x the blocks.
+        # in blocks of C per source, so the programs of source q are C x the blocks.
         r = tl.program_id(0)
         ob = tl.program_id(1)
-        q = q0 + r // C
-        within = r - (q - q0) * C
+        q = r // C
+        within = r - q * C
         _reset_prev(my_flags_ptr, q, me, n_slots, slot, within, ob, RESET_PREV)
-        if tl.load(active_ptr + q) != 0:
-            r64, real, offs_o, _, live, base = row_block(tag_ptr, tag_stride, bound_ptr, C,
-                                                              w2_ptr, H, H * inter, BLOCK_O,
-                                                              True)
-            acc = down_row_block(act_ptr, r64, real, offs_o, live, base, inter, BLOCK_O,
-                                 BLOCK_K)
-            dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(act_ptr.dtype.element_ty))
+        # The source's active word is read beside the row's tag and used only for the
+        # store, so its load does not delay the weight loads (a branch around the
+        # projection would wait for it first). An inactive source's rows are padding by
+        # their bound, or after an abort, garbage that is projected but never sent.
+        alive = tl.load(active_ptr + q) != 0
+        dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(act_ptr.dtype.element_ty))
+        r64, real, offs_o, _, live, base = row_block(tag_ptr, tag_stride, bound_ptr, C,
+                                                          w2_ptr, H, H * inter, BLOCK_O, True)
+        acc = down_row_block(act_ptr, r64, real, offs_o, live, base, inter, BLOCK_O, BLOCK_K)
+        if alive:
             row = (me * C + within).to(tl.int64)
             # only rows with a tag (``live``: in range and real), as the combine send
             tl.store(dest + row * H + offs_o, acc.to(act_ptr.dtype.element_ty), mask=live)
@@ -456,7 +467,7 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
         slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
         ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
         BLOCK_N=_scan_block(ids.numel()), BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
-        RESET_PREV=reset_prev, num_warps=NUM_WARPS)
+        RESET_PREV=reset_prev, ONE_BLOCK=chunks == 1, num_warps=NUM_WARPS)
     return position
 
 
@@ -483,7 +494,7 @@ def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
 def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor,
                       w2: torch.Tensor, me: int, C: int, table: torch.Tensor,
                       active: torch.Tensor, counter: torch.Tensor, my_flags: torch.Tensor,
-                      slot: int, reset_prev: bool = False, first_source: int = 0) -> None:
+                      slot: int, reset_prev: bool = False) -> None:
     """The received rows' down projection and the combine send in one kernel (CUDA).
 
     What :func:`~elasticep.moe.small_batch_experts.swiglu_rows`' second kernel and then
@@ -492,25 +503,20 @@ def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor
     as :func:`combine_send` signals it.
 
     Args:
-        act: [N, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
-            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`), the received rows
-            of sources ``first_source ..`` in blocks of C (N = G*C for all of them).
-        tags: [N] int32 as received (any stride); bound: [N / C] int32, those sources'
-            tag bounds (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
+        act: [G*C, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
+            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`).
+        tags: [G*C] int32 as received (any stride); bound: [G] int32, each source's
+            tag bound (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
             read as ``clamp(tag, 0, bound[source])``, and only rows with a tag left are
             sent.
         w2: [S, H, I] contiguous, the layer's down projections.
         me, C, table, active, counter, my_flags, slot, reset_prev: as in
             :func:`combine_send` (``slot``: the combine's flag column).
-        first_source: the source of ``act``'s first block. Sources outside the rows
-            given are neither sent to nor released (the exchange's solo form, whose
-            graph waits for no peer, passes only this rank's own block).
     """
     G, n_slots = my_flags.shape
     N, inter = act.shape
     H = w2.shape[1]
     bo, bk, warps = DOWN_TILE
     _down_combine_send_kernel[(N, triton.cdiv(H, bo))](
-        act, tags, tags.stride(0), bound, w2, table, active, counter, my_flags, me, C,
-        first_source, slot, n_slots, H, inter, BLOCK_O=bo, BLOCK_K=bk, RESET_PREV=reset_prev,
-        num_warps=warps)
+        act, tags, tags.stride(0), bound, w2, table, active, counter, my_flags, me, C, slot,
+        n_slots, H, inter, BLOCK_O=bo, BLOCK_K=bk, RESET_PREV=reset_prev, num_warps=warps)
