@@ -88,7 +88,7 @@ if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concur
             && assign="PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD/.ab/${assign#tree=}:$PWD"
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
-            --prompts-per-concurrency 2 $Q3 --random-input-len 256 --random-output-len 256 \
+            --prompts-per-concurrency ${PPC:-2} $Q3 --random-input-len 256 --random-output-len 256 \
             --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 \
             --log-dir /tmp/sweep_logs_$label | sed "s/^{/{\"label\": \"$label\", /" \
             >> "$OUT/sweep.jsonl" 2> /tmp/sweep_$label.err
