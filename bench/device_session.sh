@@ -8,6 +8,9 @@ OUT=${OUT:-/tmp/out}
 BUDGET=${BUDGET:-585}
 STEPS=${STEPS:-gpu_tests,engine_profile,served_profile,sweep,failover}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
+# PYTHONPATH that runs tree NAME: "new" is this tree, any other the package of .ab/NAME
+# (carried). Use with PYTHONSAFEPATH=1, or `python -m` puts this tree first anyway.
+tree_path() { if [[ $1 == new ]]; then echo "/tmp/site:$PWD"; else echo "/tmp/site:$PWD/.ab/$1:$PWD"; fi; }
 step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
     local name=$1 limit=$((BUDGET - SECONDS))
     (( $2 < limit )) && limit=$2
@@ -82,10 +85,9 @@ fi
 if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concurrencies ...
     for spec in ${SWEEPS:-default@@1,64}; do
         IFS=@ read -r label assign cs <<< "$spec"
-        # tree=NAME: the package of .ab/NAME (carried) in place of this tree's; the
-        # safe path keeps `python -m` from putting this tree first
+        # tree=NAME: the package of .ab/NAME in place of this tree's (tree_path)
         [[ $assign == tree=* ]] \
-            && assign="PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD/.ab/${assign#tree=}:$PWD"
+            && assign="PYTHONSAFEPATH=1 PYTHONPATH=$(tree_path "${assign#tree=}")"
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency ${PPC:-2} $Q3 --random-input-len 256 --random-output-len 256 \
@@ -125,8 +127,7 @@ fi
 
 if want expert_forms; then  # the exchange's decode stages against the engine's
     for tree in ${EF_TREES:-new}; do  # new: this tree; else .ab/NAME's package (carried)
-        pp=/tmp/site:$PWD; [[ $tree == new ]] || pp=/tmp/site:$PWD/.ab/$tree:$PWD
-        step "expert_forms_$tree" ${EF_S:-60} env PYTHONSAFEPATH=1 PYTHONPATH=$pp \
+        step "expert_forms_$tree" ${EF_S:-60} env PYTHONSAFEPATH=1 PYTHONPATH="$(tree_path "$tree")" \
             python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
             | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
         tail -2 /tmp/ef.err | cut -c1-300
@@ -163,10 +164,8 @@ if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried)
         trees=${AB_TREES:-old new}  # even rounds run them in reverse (ABBA): drift cancels
         (( round % 2 == 0 )) && trees=$(tr ' ' '\n' <<< "$trees" | tac | tr '\n' ' ')
         for tree in $trees; do
-            # PYTHONSAFEPATH: `python -m` would put the working directory (this tree)
-            # ahead of PYTHONPATH, and every "tree" would run this one
-            if [[ $tree == new ]]; then pp=/tmp/site:$PWD; else pp=/tmp/site:$PWD/.ab/$tree:$PWD; fi
-            step "decode_${tree}_$round" ${AB_S:-100} env PYTHONSAFEPATH=1 PYTHONPATH=$pp python3 -m bench.scale \
+            step "decode_${tree}_$round" ${AB_S:-100} env PYTHONSAFEPATH=1 \
+                PYTHONPATH="$(tree_path "$tree")" python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
                 --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
             sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" /tmp/ab_$tree.jsonl \

@@ -87,7 +87,6 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     --max-ep-size G``): its expert kernels with the fused down-and-send (``plain``), the
     unfused expert kernels plus the combine send, and the fused dispatch send, to G slots
     and to one. Prints one JSON line."""
-    from elasticep.moe import ipc_kernels
     from elasticep.moe.ipc_exchange import IpcExchange
     from elasticep.moe.small_batch_experts import gate_up_rows
 
@@ -107,28 +106,26 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     act = rows.new_empty(G * C, inter)
     out = rows.new_empty(G * C, H)
 
+    # every stage through the exchange's own calls, as layer 0 of its one MoE layer
     def plain(layer: int) -> None:
         gate_up_rows(w13[layer], rows, tags, act, tag_bound=(bound, C))
-        ipc_kernels.down_combine_send(act, tags, bound.view(-1), w2[layer], 0, C, ex.table,
-                                      ex.active, ex.counter, ex.flags, 1, ex.reset_in_kernel)
+        ex.send_combine_down(act, tags, w2[layer], C, 0, experts)
 
     forms = {
         "engine": lambda layer: swiglu_rows(w13[layer], w2[layer], own_rows, own_tags),
         "plain": plain,
-        "unfused": lambda layer: ipc_kernels.combine_send(
+        "unfused": lambda layer: ex.send_combine(
             swiglu_rows(w13[layer], w2[layer], rows, tags, out=out, tag_bound=(bound, C)),
-            ex.recv0, 0, C, ex.table, ex.active, ex.counter, ex.flags, 1, ex.reset_in_kernel),
+            C, 0),
     }
-    # the dispatch send of the token's pairs, into exchanges of their own (it rewrites
-    # the receive rows), to G slots and to one
+    # the dispatch send of the token's pairs (the fused kernel at this size), into
+    # exchanges of their own (it rewrites the receive rows), to G slots and to one
     hidden = torch.randn(1, H, device=dev, dtype=dt, generator=gen)
     ids = torch.randperm(experts, device=dev, generator=gen)[:C].view(1, C)
     l2p = torch.arange(experts, device=dev)
     for name, e in (("dispatch", IpcExchange(0, G, C, H, dt, 1, dev)),
                     ("dispatch_one_destination", IpcExchange(0, 1, C, H, dt, 1, dev))):
-        forms[name] = lambda layer, e=e: ipc_kernels.fused_dispatch(
-            hidden, ids, l2p, experts, 0, C, e.W, e.table, e.active, e.counter, e.flags, 0,
-            e.reset_in_kernel)
+        forms[name] = lambda layer, e=e: e.send_dispatch_static(hidden, ids, l2p, experts, C, 0)
     result = {name: round(graph_us_per_layer(fn, layers), 2) for name, fn in forms.items()}
     # the combine rows of the exchange's forms against the engine's output
     ref = swiglu_rows(w13[0], w2[0], own_rows, own_tags).float()
