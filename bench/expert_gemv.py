@@ -86,9 +86,12 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     exchange on rank 0 of ``group_size`` slots with no peer active (``--ep-size 1
     --max-ep-size G``): its expert kernels with the fused down-and-send (``plain``), the
     unfused expert kernels plus the combine send, and the fused dispatch send, to G slots
-    and to one. Prints one JSON line."""
+    and to one; and the router's top-k kernel followed by the dispatch send against the
+    dispatch send that routes the token itself. Prints one JSON line."""
+    from elasticep.models.fused_routing import fused_softmax_topk
     from elasticep.moe.ipc_exchange import IpcExchange
     from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.softmax_topk import SoftmaxTopk
 
     dev, dt, C, G = torch.device("cuda"), torch.bfloat16, rows_per_source, group_size
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -126,6 +129,16 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     for name, e in (("dispatch", IpcExchange(0, G, C, H, dt, 1, dev)),
                     ("dispatch_one_destination", IpcExchange(0, 1, C, H, dt, 1, dev))):
         forms[name] = lambda layer, e=e: e.send_dispatch_static(hidden, ids, l2p, experts, C, 0)
+    # the router's top-k kernel then the dispatch, against the routing inside the send
+    # (Qwen3-30B-A3B: 128 logical experts, top-8, renormalised)
+    logits = torch.randn(1, 128, device=dev, dtype=dt, generator=gen)
+    rule = SoftmaxTopk(C, True)
+    l2p128 = torch.randperm(128, device=dev, generator=gen) % (G * experts)
+    e_route = IpcExchange(0, G, C, H, dt, 1, dev)
+    forms["router_then_dispatch"] = lambda layer: e_route.send_dispatch_static(
+        hidden, fused_softmax_topk(logits, C, True, 1.0, dt)[0], l2p128, experts, C, 0)
+    forms["routed_dispatch"] = lambda layer: e_route.send_dispatch_routed(
+        hidden, logits, rule, l2p128, experts, C, 0)
     result = {name: round(graph_us_per_layer(fn, layers), 2) for name, fn in forms.items()}
     # the combine rows of the exchange's forms against the engine's output
     ref = swiglu_rows(w13[0], w2[0], own_rows, own_tags).float()

@@ -412,6 +412,56 @@ def _kernel_cases() -> dict:
     return results
 
 
+def _routed_cases() -> dict:
+    """The one-token routed dispatch (routing inside the fused send kernel) against the
+    router's kernel followed by the fused dispatch, on in-process worlds: the same ids
+    and weights bit for bit, the same rows, tags, positions and flags; and the ids are
+    torch's top-k (under TRITON_INTERPRET=1)."""
+    from elasticep.models.fused_routing import fused_softmax_topk
+    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe.softmax_topk import SoftmaxTopk
+    results = {}
+    # (G, experts, k, rule): E not a power of two; every expert chosen (k = E); k at the
+    # 16 lanes of one program
+    cases = [(2, 8, 2, SoftmaxTopk(2)), (3, 12, 8, SoftmaxTopk(8, True, 2.5)),
+             (2, 8, 8, SoftmaxTopk(8, True)), (4, 16, 16, SoftmaxTopk(16, False, 0.5))]
+    for G, E, k, rule in cases:
+        kern.BLOCK_H = 256
+        g = torch.Generator().manual_seed(G * 10 + k)
+        hidden = torch.randn(1, H, generator=g)
+        logits = torch.randn(1, E, generator=g) * 3
+        l2p = torch.randperm(G * S, generator=g)[:E]  # E <= G*S: one slot each
+        C = pair_capacity(1, k, S)
+        routed, plain, ref = _world(G, C), _world(G, C), _world(G, C)
+        for w in (routed, plain, ref):
+            for ex in w:
+                ex.reset(torch.ones(G, dtype=torch.bool))
+            w[0].flags[:, 1] = 1  # the previous exchange's waits left these set
+        pos, ids, weights = kern.routed_dispatch(
+            hidden, logits, rule, l2p, S, 0, C, routed[0].W, routed[0].table, routed[0].active,
+            routed[0].counter, routed[0].flags, 2, reset_prev=True)
+        want_ids, want_w = fused_softmax_topk(logits, k, rule.norm_topk_prob,
+                                              rule.routed_scaling_factor, torch.float32)
+        want_pos = kern.fused_dispatch(hidden, want_ids, l2p, S, 0, C, plain[0].W,
+                                       plain[0].table, plain[0].active, plain[0].counter,
+                                       plain[0].flags, 2, reset_prev=True)
+        # the CPU exchange's path: the torch rule, then the reference send
+        ref_pos, ref_ids, ref_w = ref[0].send_dispatch_routed(hidden, logits, rule, l2p, S, C, 1)
+        ok = (torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+              and torch.equal(pos, want_pos) and torch.equal(ids, ref_ids)
+              and torch.equal(pos, ref_pos) and torch.allclose(weights, ref_w, rtol=1e-6, atol=0))
+        for q in range(G):
+            ok &= torch.equal(routed[q].recv0, plain[q].recv0)
+            ok &= torch.equal(routed[q].flags, plain[q].flags)
+            rows, tags = split_rows(routed[q].recv0[:G * C], H)
+            want_rows, want_tags = split_rows(ref[q].recv0[:G * C], H)
+            ok &= torch.equal(tags, want_tags) and torch.equal(rows[tags != 0],
+                                                               want_rows[tags != 0])
+        ok &= int(routed[0].counter.sum()) == 0
+        results[f"routed_G{G}_E{E}_k{k}"] = bool(ok)
+    return results
+
+
 def _down_send_cases() -> dict:
     """The fused down projection and combine send (``send_combine_down``'s kernel) against
     the expert compute plus the torch combine send, at rank 0 of in-process worlds: every
@@ -463,7 +513,7 @@ def _down_send_cases() -> dict:
 def test_kernels_equal_the_torch_reference_under_the_interpreter():
     from tests._interpreted import run_interpreted
     got = run_interpreted(__file__, timeout_s=300)
-    assert len(got) == 13 and all(got.values()), got
+    assert len(got) == 17 and all(got.values()), got
 
 
 def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
@@ -487,4 +537,5 @@ def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
 
 if __name__ == "__main__":
     import json
-    print(json.dumps(_fused_plan_cases() | _kernel_cases() | _down_send_cases()))
+    print(json.dumps(_fused_plan_cases() | _kernel_cases() | _down_send_cases()
+                     | _routed_cases()))

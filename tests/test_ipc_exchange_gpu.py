@@ -166,14 +166,22 @@ def _engine(tmp_path: Path, transport: bool):
     return eng, ep
 
 
-@pytest.mark.parametrize("form", ["solo", "plain"])
-@pytest.mark.parametrize("flag_reset", ["memop", "kernel"])
+@pytest.mark.parametrize("form,flag_reset,lens", [
+    *[(f, r, (5, 33, 17)) for f in ("solo", "plain") for r in ("memop", "kernel")],
+    # one sequence: its decode steps replay the one-token graph, whose layers route
+    # inside the dispatch send (routed_dispatch)
+    ("solo", "kernel", (9,)), ("plain", "kernel", (9,))])
 def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, flag_reset, form,
-                                                                   monkeypatch):
+                                                                   lens, monkeypatch):
     # one active rank of two: the graphs replay the form without waits ("solo"), or,
     # with the host's view of the membership forced, the form that waits on the peer
     # (whose flags the send kernels set themselves)
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
+    from elasticep.moe import ipc_kernels
+    routed_calls = []
+    real_routed = ipc_kernels.routed_dispatch
+    monkeypatch.setattr(ipc_kernels, "routed_dispatch",
+                        lambda *a, **kw: routed_calls.append(1) or real_routed(*a, **kw))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     local, _ = _engine(tmp_path / "a", transport=False)
@@ -186,7 +194,13 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, fla
         ep.transport.solo = False
     want_form = SOLO if form == "solo" else None
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in (5, 33, 17)]
+    # the one-token graphs were captured with the routing in their dispatch sends
+    assert len(routed_calls) >= load_model_config(tmp_path / "b").num_hidden_layers
+    one = []  # replays of the one-token graph of the form that runs
+    one_graph = g._graphs[(1, want_form)]
+    real_replay = one_graph.replay
+    monkeypatch.setattr(one_graph, "replay", lambda: one.append(1) or real_replay())
+    prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in lens]
     for e in (local, eng):
         for i, p in enumerate(prompts):
             e.add_request(GenerateRequest(f"r{i}", tuple(p),
@@ -195,13 +209,15 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, fla
     while eng.has_unfinished():
         a, b = local.schedule(), eng.schedule()
         want = local.runner.forward(a)
-        with agreed_max_tokens(ep, max(b.num_tokens, 3)):
+        with agreed_max_tokens(ep, max(b.num_tokens, len(lens))):
             got = eng.runner.forward(b)
             assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
             local.commit(a, local.execute(a))
             eng.commit(b, eng.execute(b))
         steps += 1
     assert steps >= 12 and g.replays >= 10 and g.captures == 1
+    # one sequence decodes through the one-token graph; three never do
+    assert len(one) >= 10 if len(lens) == 1 else not one
     assert g._last_variant == want_form
     flags = ep.transport.flags.clone()
     if flag_reset == "memop" and form == "solo":  # no wait ran, so none reset its flag
@@ -297,3 +313,39 @@ def test_fused_static_dispatch_matches_the_reference(tokens):
         real = want_tags != 0
         assert torch.equal(rows.cpu()[real], want_rows[real])
     assert int(gpu[1].flags[0, 2]) == 1 and int(gpu[0].counter.sum()) == 0
+
+
+@pytest.mark.parametrize("E,k,norm,dtype", [(128, 8, True, torch.bfloat16),
+                                            (60, 4, False, torch.bfloat16),
+                                            (64, 6, True, torch.float32)])
+def test_routed_dispatch_equals_the_router_kernel_then_the_fused_dispatch(E, k, norm, dtype):
+    # the one-token form of a decode layer (Qwen3-30B-A3B: 128 experts, top-8): the
+    # routing inside the send picks the router kernel's experts and weights bit for bit
+    # and sends the rows the fused dispatch sends, with the same flags
+    from elasticep.models.fused_routing import fused_softmax_topk
+    from elasticep.moe.softmax_topk import SoftmaxTopk
+    g = torch.Generator().manual_seed(E + k)
+    Hq, Sq = 2048, -(-E // 2)
+    hidden = torch.randn(1, Hq, generator=g).to(dtype).cuda()
+    rule = SoftmaxTopk(k, norm, 2.5 if not norm else 1.0)
+    l2p = torch.randperm(2 * Sq, generator=g)[:E].cuda()
+    C = pair_capacity(1, k, Sq)
+    for trial in range(20):  # new logits each time, the same world (flags reset by the sends)
+        logits = (torch.randn(1, E, generator=g) * 2).to(dtype).cuda()
+        got = [IpcExchange(r, 2, 64, Hq, dtype, 4, "cuda") for r in range(2)]
+        want = [IpcExchange(r, 2, 64, Hq, dtype, 4, "cuda") for r in range(2)]
+        for w in (got, want):
+            for ex in w:
+                ex.map_local(dict(enumerate(w)))
+                ex.reset(torch.ones(2, dtype=torch.bool))
+        assert got[0].routes_in_dispatch(hidden, logits, k)
+        pos, ids, weights = got[0].send_dispatch_routed(hidden, logits, rule, l2p, Sq, C, 1)
+        want_ids, want_w = fused_softmax_topk(logits, k, norm, rule.routed_scaling_factor, dtype)
+        want_pos = want[0].send_dispatch_static(hidden, want_ids, l2p, Sq, C, 1)
+        torch.cuda.synchronize()
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), trial
+        assert torch.equal(pos, want_pos)
+        for q in range(2):
+            assert torch.equal(got[q].recv0, want[q].recv0)
+            assert torch.equal(got[q].flags, want[q].flags)
+        assert int(got[1].flags[0, 2]) == 1 and int(got[0].counter.sum()) == 0

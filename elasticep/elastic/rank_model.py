@@ -23,6 +23,7 @@ from elasticep.moe.cuda_experts import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.local_executor import ExpertSlots
+from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import eager_boundary
 
 # hook(layer_idx, topk_ids [T, k] int64) called before each MoE layer's dispatch
@@ -89,6 +90,15 @@ class HookedExecutor(ExecutorDefaults):
         for hook in self.hooks:
             eager_boundary(lambda hook=hook: hook(layer_idx, topk_ids))
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
+
+    def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor, logits: torch.Tensor,
+                      rule: SoftmaxTopk) -> torch.Tensor | None:
+        """The inner executor's fused routing, while no hook is set (a hook reads the
+        layer's ``topk_ids`` before the dispatch, which routing inside it would not
+        give)."""
+        if self.hooks:
+            return None
+        return self.inner.route_and_run(layer_idx, hidden_states, logits, rule)
 
     @property
     def graph_safe(self) -> bool:

@@ -126,10 +126,12 @@ def step_header(local_work: int, admit: torch.Tensor, remove: torch.Tensor, rank
     M = admit.numel()
     if not 0 <= rank < M:
         raise ValueError(f"rank {rank} outside the {M} slots")
-    tokens = torch.zeros(M, dtype=torch.int64)
+    tokens = [0] * M
     tokens[rank] = num_tokens
-    return torch.cat([torch.tensor([local_work], dtype=torch.int64), admit.to(torch.int64),
-                      remove.to(torch.int64), tokens])
+    # one tensor from one list: a step pays this on its host path, and five small torch
+    # ops cost several times the list
+    return torch.tensor([local_work, *admit.tolist(), *remove.tolist(), *tokens],
+                        dtype=torch.int64)
 
 
 def parse_header(header: torch.Tensor, M: int) -> StepHeader:
@@ -341,8 +343,10 @@ class LockstepLoop:
                 self.watchdog.begin()
                 try:
                     tokens = self.engine.execute(self.pending, self._flush_outputs)
-                    if self.exchange.cuda:  # an idle rank's forward samples nothing, so
-                        torch.cuda.current_stream().synchronize()  # nothing waited for it
+                    # sampled tokens were read back after the whole forward; a forward
+                    # that samples nothing (an idle rank's) was waited for by nobody
+                    if self.exchange.cuda and not tokens:
+                        torch.cuda.current_stream().synchronize()
                 finally:
                     aborted = self.watchdog.end()
         commit = torch.tensor([step, int(aborted)], dtype=torch.int64)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.models.fused_norm_rope import fused_ok
+from elasticep.moe.softmax_topk import SoftmaxTopk
 
 try:
     import triton
@@ -22,6 +23,7 @@ except ImportError:  # CPU-only installs may lack triton; routing.route serves t
     triton = None
 
 if triton is not None:
+    from elasticep.moe.softmax_topk import kernel_args, softmax_topk_row
 
     @triton.jit
     def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, scale,
@@ -29,30 +31,11 @@ if triton is not None:
                              NORM: tl.constexpr, ROUND_BF16: tl.constexpr,
                              ROUND_F16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_E)
-        mask = offs < E
-        x = tl.load(logits_ptr + t * E + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = p / tl.sum(p, axis=0)
-        p = tl.where(mask, p, -1.0)
+        ids, w = softmax_topk_row(logits_ptr + t * E, E, scale, K, BLOCK_K, BLOCK_E, NORM,
+                                  ROUND_BF16, ROUND_F16)
         ks = tl.arange(0, BLOCK_K)  # k rounded up to a power of two; the rest stay 0
         k_ok = ks < K
-        w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for j in tl.static_range(K):  # k passes of arg-max, lowest id on ties
-            m = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == m, offs, BLOCK_E), axis=0)
-            w = tl.where(ks == j, m, w)
-            ids = tl.where(ks == j, idx, ids)
-            p = tl.where(offs == idx, -1.0, p)
         tl.store(ids_ptr + t * K + ks, ids.to(tl.int64), mask=k_ok)
-        if NORM:
-            w = w / (tl.sum(w, axis=0) + 1e-20)
-        w = w * scale
-        if ROUND_BF16:  # the reference models combine in the model dtype
-            w = w.to(tl.bfloat16).to(tl.float32)
-        if ROUND_F16:
-            w = w.to(tl.float16).to(tl.float32)
         tl.store(w_ptr + t * K + ks, w, mask=k_ok)
 
 
@@ -75,11 +58,10 @@ def fused_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, s
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     if T:
-        _softmax_topk_kernel[(T,)](logits.contiguous(), ids, weights, E, scale, K=top_k,
+        rule = SoftmaxTopk(top_k, norm_topk_prob, scale)
+        _softmax_topk_kernel[(T,)](logits.contiguous(), ids, weights, E, scale,
                                    BLOCK_K=triton.next_power_of_2(top_k),
-                                   BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
-                                   ROUND_BF16=model_dtype == torch.bfloat16,
-                                   ROUND_F16=model_dtype == torch.float16)
+                                   **kernel_args(rule, E, model_dtype))
     return ids, weights
 
 

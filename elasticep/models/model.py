@@ -25,14 +25,9 @@ from elasticep.models.fused_norm_rope import (
 )
 from elasticep.models.layers import AttentionMetadata, flash_prefill, paged_attention
 from elasticep.models.mla import MLAWeights, mla_attention
-from elasticep.models.moe_block import (
-    DenseMLPWeights,
-    ExpertExecutor,
-    MoEBlockWeights,
-    dense_mlp,
-    moe_block,
-)
+from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights, dense_mlp, moe_block
 from elasticep.models.rope import rope_cos_sin
+from elasticep.moe.executor import ExpertExecutor
 from elasticep.moe.local_executor import ExpertSlots
 
 

@@ -7,16 +7,13 @@ single-rank :class:`elasticep.moe.local_executor.LocalExpertExecutor` or an EP e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from elasticep.models.routing import RoutingConfig, route
-
-# executor(layer_idx, hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] fp32) -> [T, H]
-ExpertExecutor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from elasticep.models.routing import RoutingConfig, fused_rule, route_logits, router_logits
+from elasticep.moe.executor import ExpertExecutor
 
 
 @dataclass
@@ -67,8 +64,13 @@ def moe_block(
     Returns:
         ``[T, H]`` model dtype.
     """
-    ids, weights = route(x, w.router, routing, w.router_bias)
-    out = executor(layer_idx, x, ids, weights)
+    logits = router_logits(x, w.router, routing)
+    rule = fused_rule(logits, routing)
+    # an executor may route inside its own dispatch (ExecutorDefaults.route_and_run)
+    out = None if rule is None else executor.route_and_run(layer_idx, x, logits, rule)
+    if out is None:
+        ids, weights = route_logits(logits, routing, x.dtype, w.router_bias)
+        out = executor(layer_idx, x, ids, weights)
     if w.shared is not None:
         shared = dense_mlp(x, w.shared)
         if w.shared_gate is not None:

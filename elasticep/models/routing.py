@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.fused_routing import fused_route_ok, fused_softmax_topk
+from elasticep.moe.softmax_topk import SoftmaxTopk
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -96,13 +97,39 @@ def route(
     Raises:
         ValueError: ``noaux_tc`` without a correction bias.
     """
+    return route_logits(router_logits(hidden_states, router, cfg), cfg, hidden_states.dtype,
+                        correction_bias)
+
+
+def router_logits(hidden_states: torch.Tensor, router: torch.Tensor,
+                  cfg: RoutingConfig) -> torch.Tensor:
+    """``[T, E]`` router logits of ``hidden_states [T, H]``: float32 where the family
+    keeps its gate in float32 (``fp32_logits``), else the model dtype."""
     if cfg.fp32_logits:
-        logits = F.linear(hidden_states.float(), router.float())
-    else:
-        logits = F.linear(hidden_states, router)
+        return F.linear(hidden_states.float(), router.float())
+    return F.linear(hidden_states, router)
+
+
+def fused_rule(logits: torch.Tensor, cfg: RoutingConfig) -> SoftmaxTopk | None:
+    """The rule as an executor's fused routing takes it (``route_and_run``), where the
+    fused kernels implement it for these ``logits`` (from :func:`router_logits`); else
+    None. Those kernels pick what :func:`route_logits` picks for them, bit for bit."""
+    if cfg.fp32_logits or not fused_route_ok(logits, cfg.scoring_func, cfg.topk_method,
+                                             cfg.top_k):
+        return None
+    return SoftmaxTopk(cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+def route_logits(logits: torch.Tensor, cfg: RoutingConfig, model_dtype: torch.dtype,
+                 correction_bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` from the router logits (``[T, E]``, from :func:`router_logits`);
+    ``model_dtype``: the hidden states' dtype (the weights are rounded through it).
+    Returns and raises as :func:`route`."""
+    if not cfg.fp32_logits:
         if fused_route_ok(logits, cfg.scoring_func, cfg.topk_method, cfg.top_k):
             return fused_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob,
-                                      cfg.routed_scaling_factor, hidden_states.dtype)
+                                      cfg.routed_scaling_factor, model_dtype)
         logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if cfg.scoring_func == "softmax" else torch.sigmoid(logits)
     t, per_group = scores.shape[0], cfg.num_experts // cfg.n_group  # t is 0 on an idle EP rank
@@ -121,7 +148,7 @@ def route(
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * cfg.routed_scaling_factor
-    if hidden_states.dtype != torch.float32:
+    if model_dtype != torch.float32:
         # the reference models combine with weights in the model dtype
-        weights = weights.to(hidden_states.dtype).float()
+        weights = weights.to(model_dtype).float()
     return ids, weights

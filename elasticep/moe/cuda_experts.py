@@ -33,6 +33,7 @@ from elasticep.moe.padded_exchange import (
     pair_capacity,
 )
 from elasticep.moe.small_batch_experts import gate_up_rows, small_batch_ok
+from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import capture_bound, capturing, eager_boundary
 
 
@@ -223,6 +224,43 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
 
+    def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor,
+                      logits: torch.Tensor, rule: SoftmaxTopk) -> torch.Tensor | None:
+        """Route a one-token step inside the same-host exchange's dispatch send, then run
+        the layer as ``__call__`` does; None where that does not apply (the caller then
+        routes and calls ``__call__``), decided from shapes and settings alone.
+
+        It applies to a step of one token on the transport (CUDA) with the static
+        dispatch map: the router's own kernel is not launched, so a decode layer runs
+        one kernel fewer (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`).
+
+        Args:
+            hidden_states: [T, H] model dtype; logits: [T, E] router logits of the
+                layer, model dtype; rule: the layer's softmax top-k rule (the caller
+                vouches that it is the model's routing).
+
+        Returns:
+            [T, H] model dtype, as ``__call__``, or None.
+        """
+        t = self._transport
+        if (t is None or self._local_only or self.dispatch_algorithm != "static"
+                or (capturing() and not _stream_capturing())
+                or not t.routes_in_dispatch(hidden_states, logits, rule.top_k)):
+            return None
+        w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
+        if w13 is None or w2 is None:
+            raise ValueError(f"layer {layer_idx} has no experts")
+        max_tokens = self._max_tokens(1)
+        if max_tokens < 1:
+            raise ValueError(f"1 token > step_max_tokens {max_tokens}")
+        S = self.metadata.num_local_physical_experts
+        cap = pair_capacity(max_tokens, rule.top_k, S)
+        l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
+        position, _, weights = t.send_dispatch_routed(hidden_states, logits, rule, l2p, S,
+                                                      cap, layer_idx)
+        return self._experts_and_combine(layer_idx, position, weights, hidden_states.dtype,
+                                         cap)
+
     def _via_transport(self, layer_idx: int, hidden_states: torch.Tensor,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, cap: int,
                        slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,6 +274,15 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             position = t.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap, layer_idx)
         else:
             position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
+        return self._experts_and_combine(layer_idx, position, topk_weights,
+                                         hidden_states.dtype, cap)
+
+    def _experts_and_combine(self, layer_idx: int, position: torch.Tensor,
+                             topk_weights: torch.Tensor, dtype: torch.dtype,
+                             cap: int) -> torch.Tensor:
+        # after the dispatch send: the received rows through the local experts, back to
+        # their sources, and this rank's pairs combined
+        t, S = self.transport, self.metadata.num_local_physical_experts
         # the tags' clamp to the sources' bounds is left to the expert kernels
         rows, tags = t.recv_dispatch(cap, layer_idx, S, clamp=False)
         w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
@@ -252,7 +299,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
                                         tag_bound=bound)
             t.send_combine(expert_out, cap, layer_idx)
         back = t.recv_combine(cap, layer_idx)
-        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=position)
+        return combine_pairs(back, topk_weights, dtype, rows=position)
 
 
 def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:

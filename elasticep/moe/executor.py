@@ -22,6 +22,11 @@ executor that lacks a feature says so with the default value.
   decode forward the CUDA graphs capture per bucket, and which of them a replay must use
   now. ``(None,)`` and None where there is one form; the same-host exchange adds
   ``"solo"``, its forward without waits for peers, valid while no peer is active.
+* ``route_and_run(layer_idx, hidden_states, logits, rule)``: the layer from its router
+  logits, with the softmax top-k ``rule`` (:class:`~elasticep.moe.softmax_topk.SoftmaxTopk`)
+  applied inside the executor's own kernels; None where the executor does not do that
+  for this call, and the caller routes and calls it as usual. The same-host exchange
+  routes a one-token step inside its dispatch send (one kernel a layer fewer).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+
+from elasticep.moe.softmax_topk import SoftmaxTopk
 
 
 class ExpertExecutor(Protocol):
@@ -56,6 +63,9 @@ class ExpertExecutor(Protocol):
 
     def refresh(self) -> None: ...
 
+    def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor, logits: torch.Tensor,
+                      rule: SoftmaxTopk) -> torch.Tensor | None: ...
+
 
 class ExecutorDefaults:
     """The capabilities of an executor that has none of them (mixed into every executor)."""
@@ -73,6 +83,11 @@ class ExecutorDefaults:
 
     def refresh(self) -> None:
         """Nothing derived from the slots: nothing to rebuild."""
+
+    def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor, logits: torch.Tensor,
+                      rule: SoftmaxTopk) -> torch.Tensor | None:
+        """No routing of its own: None (the caller routes)."""
+        return None
 
     @contextlib.contextmanager
     def local_exchange(self) -> Iterator[None]:

@@ -69,6 +69,7 @@ from elasticep.moe.padded_exchange import (
     split_rows,
 )
 from elasticep.moe.small_batch_experts import MAX_ROWS, gate_up_rows
+from elasticep.moe.softmax_topk import SoftmaxTopk, softmax_topk_reference
 from elasticep.utils import cuda_ipc, graph_boundary
 
 logger = logging.getLogger(__name__)
@@ -461,6 +462,41 @@ class IpcExchange:
                                           self.reset_in_kernel)
         slots = logical_to_physical[topk_ids]
         return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
+
+    def routes_in_dispatch(self, hidden: torch.Tensor, logits: torch.Tensor,
+                           top_k: int) -> bool:
+        """Whether :meth:`send_dispatch_routed` routes this step inside its send kernel
+        (CUDA, one token: :func:`~elasticep.moe.ipc_kernels.routed_dispatch_ok`)."""
+        return self.cuda and self.fused_dispatch and kernels.routed_dispatch_ok(
+            hidden, logits, top_k)
+
+    def send_dispatch_routed(self, hidden: torch.Tensor, logits: torch.Tensor,
+                             rule: SoftmaxTopk, logical_to_physical: torch.Tensor,
+                             slots_per_rank: int, C: int, layer: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route the step's tokens by the softmax top-k ``rule`` and send them as
+        :meth:`send_dispatch_static` does. Where :meth:`routes_in_dispatch` holds, one
+        kernel does both (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`); elsewhere
+        the torch rule (:func:`~elasticep.moe.softmax_topk.softmax_topk_reference`) picks
+        the experts first.
+
+        Args:
+            hidden: [T, H] model dtype; logits: [T, E] router logits; rule: the layer's
+                rule; the rest as :meth:`send_dispatch_static`.
+
+        Returns:
+            ``position`` [T*k] int64 (as :meth:`send_dispatch_static`), ``topk_ids``
+            [T, k] int64 and ``topk_weights`` [T, k] float32.
+        """
+        self._check_capacity(C)
+        if self.routes_in_dispatch(hidden, logits, rule.top_k):
+            return kernels.routed_dispatch(hidden, logits, rule, logical_to_physical,
+                                           slots_per_rank, self.rank, C, self.W, self.table,
+                                           self.active, self.counter, self.flags,
+                                           self._slot(layer), self.reset_in_kernel)
+        ids, weights = softmax_topk_reference(logits, rule, hidden.dtype)
+        return (self.send_dispatch_static(hidden, ids, logical_to_physical, slots_per_rank,
+                                          C, layer), ids, weights)
 
     def recv_dispatch(self, C: int, layer: int, slots_per_rank: int, clamp: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.padded_exchange import split_rows
+from elasticep.moe.softmax_topk import SoftmaxTopk
 
 try:  # Triton is absent on CPU-only installs; the reference functions need none
     import triton
@@ -43,6 +44,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 
 if triton is not None:
     from elasticep.moe.small_batch_experts import DOWN_TILE, down_row_block, row_block
+    from elasticep.moe.softmax_topk import kernel_args, softmax_topk_row
 
 
 def inverse_positions(position: torch.Tensor, rows: int) -> torch.Tensor:
@@ -224,11 +226,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split", "n_pairs"])
     def _fused_dispatch_kernel(hidden_ptr, stride_hidden, ids_ptr, map_ptr, position_ptr,
                                table_ptr, active_ptr, counter_ptr, my_flags_ptr, me, C, slot,
-                               n_slots, chunks, split, top_k, S, n_pairs, H: tl.constexpr,
-                               ROW_ELEMS: tl.constexpr, ROW_WORDS: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                               RESET_PREV: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                               n_slots, chunks, split, top_k, S, n_pairs, logits_ptr, w_ptr, E,
+                               scale, H: tl.constexpr, ROW_ELEMS: tl.constexpr,
+                               ROW_WORDS: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_H: tl.constexpr, RESET_PREV: tl.constexpr,
+                               ONE_BLOCK: tl.constexpr, ROUTE: tl.constexpr, K: tl.constexpr,
+                               BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                               ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr):
         # The slot gather, the plan and the send of a decode-sized step in one launch.
         # Program (q, c) owns pairs [c*BLOCK_P, (c+1)*BLOCK_P): a pair's row in q's block
         # is the count of earlier pairs bound for q (plan_padded's order), which the
@@ -259,7 +264,15 @@ if triton is not None:
                 before += tl.sum(tl.where(j < first, hj, 0), 0)
         i = first + tl.arange(0, BLOCK_P)
         m = i < n_pairs
-        phys = tl.load(map_ptr + tl.load(ids_ptr + i, mask=m, other=0), mask=m, other=0)
+        if ROUTE:  # a one-token step routed here: its k pairs are lanes 0..k-1
+            ids, w = softmax_topk_row(logits_ptr, E, scale, K, BLOCK_P, BLOCK_E, NORM,
+                                      ROUND_BF16, ROUND_F16)
+            if (q == 0) & (part == 0):
+                tl.store(ids_ptr + i, ids.to(tl.int64), mask=m)
+                tl.store(w_ptr + i, w, mask=m)
+        else:
+            ids = tl.load(ids_ptr + i, mask=m, other=0)
+        phys = tl.load(map_ptr + ids, mask=m, other=0)
         hit = m & (phys // S == q)
         if ONE_BLOCK:
             total = tl.sum(hit.to(tl.int64), 0)
@@ -456,19 +469,74 @@ def fused_dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, logical_to_phys
     Returns:
         position: [T*k] int64, each pair's row in the ``[G*C]`` layout.
     """
-    G, n_slots = my_flags.shape
     ids = topk_ids.reshape(-1).contiguous()
     position = torch.empty_like(ids)
+    _launch_fused(hidden, ids, topk_ids.shape[1], position, logical_to_physical, slots_per_rank,
+                  me, C, row_elems, table, active, counter, my_flags, slot, reset_prev)
+    return position
+
+
+def routed_dispatch_ok(hidden: torch.Tensor, logits: torch.Tensor, top_k: int) -> bool:
+    """Whether :func:`routed_dispatch` takes this step: CUDA, one token, its k pairs in
+    one program of the fused dispatch, E within one block of lanes."""
+    return (triton is not None and hidden.is_cuda and hidden.shape[0] == 1
+            and logits.shape[0] == 1 and top_k <= FUSED_BLOCK_P and logits.shape[1] <= 4096
+            and logits.is_contiguous() and hidden.stride(1) == 1)
+
+
+def routed_dispatch(hidden: torch.Tensor, logits: torch.Tensor, rule: SoftmaxTopk,
+                    logical_to_physical: torch.Tensor, slots_per_rank: int, me: int, C: int,
+                    row_elems: int, table: torch.Tensor, active: torch.Tensor,
+                    counter: torch.Tensor, my_flags: torch.Tensor, slot: int,
+                    reset_prev: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route a one-token step (the softmax top-k ``rule`` on its ``logits``) and send it as
+    :func:`fused_dispatch` sends, in one kernel (CUDA, :func:`routed_dispatch_ok`): the
+    router's own kernel (:func:`~elasticep.models.fused_routing.fused_softmax_topk`) is
+    not launched. Both run :func:`~elasticep.moe.softmax_topk.softmax_topk_row`, so the
+    experts, weights and rows are those of the two kernels in turn.
+
+    Args:
+        hidden: [1, H] model dtype; logits: [1, E] router logits (contiguous);
+        rule: the layer's routing rule; the rest as :func:`fused_dispatch`.
+
+    Returns:
+        ``position`` [k] int64 (as :func:`fused_dispatch`), ``topk_ids`` [1, k] int64 and
+        ``topk_weights`` [1, k] float32 (as the router's kernel returns them).
+    """
+    k = rule.top_k
+    ids = torch.empty(1, k, dtype=torch.int64, device=hidden.device)
+    weights = torch.empty(1, k, dtype=torch.float32, device=hidden.device)
+    position = torch.empty(k, dtype=torch.int64, device=hidden.device)
+    _launch_fused(hidden, ids.view(-1), k, position, logical_to_physical, slots_per_rank, me,
+                  C, row_elems, table, active, counter, my_flags, slot, reset_prev,
+                  route=(logits, weights, rule))
+    return position, ids, weights
+
+
+def _launch_fused(hidden: torch.Tensor, ids: torch.Tensor, top_k: int, position: torch.Tensor,
+                  logical_to_physical: torch.Tensor, slots_per_rank: int, me: int, C: int,
+                  row_elems: int, table: torch.Tensor, active: torch.Tensor,
+                  counter: torch.Tensor, my_flags: torch.Tensor, slot: int, reset_prev: bool,
+                  route: tuple[torch.Tensor, torch.Tensor, SoftmaxTopk] | None = None) -> None:
+    G, n_slots = my_flags.shape
     chunks = max(1, -(-ids.numel() // FUSED_BLOCK_P))  # one program per block of pairs
     split = split_for(chunks, hidden.shape[1])
+    if route is None:  # the routing constexprs are unused: one compiled form for all rules
+        logits, weights, E, scale = ids, position, 1, 1.0
+        rule_args = dict(K=1, BLOCK_E=1, NORM=False, ROUND_BF16=False, ROUND_F16=False)
+    else:
+        logits, weights, rule = route
+        E, scale = logits.shape[1], float(rule.routed_scaling_factor)
+        rule_args = kernel_args(rule, E, hidden.dtype)
     _fused_dispatch_kernel[(G, chunks, split)](
         hidden, hidden.stride(0), ids, logical_to_physical.contiguous(), position, table,
-        active, counter, my_flags, me, C, slot, n_slots, chunks, split, topk_ids.shape[1],
-        slots_per_rank, ids.numel(), H=hidden.shape[1], ROW_ELEMS=row_elems,
-        ROW_WORDS=row_elems * hidden.element_size() // 4, BLOCK_P=FUSED_BLOCK_P,
-        BLOCK_N=_scan_block(ids.numel()), BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H,
-        RESET_PREV=reset_prev, ONE_BLOCK=chunks == 1, num_warps=NUM_WARPS)
-    return position
+        active, counter, my_flags, me, C, slot, n_slots, chunks, split, top_k,
+        slots_per_rank, ids.numel(), logits, weights, E, scale, H=hidden.shape[1],
+        ROW_ELEMS=row_elems, ROW_WORDS=row_elems * hidden.element_size() // 4,
+        BLOCK_P=FUSED_BLOCK_P, BLOCK_N=_scan_block(ids.numel()), BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H, RESET_PREV=reset_prev, ONE_BLOCK=chunks == 1,
+        ROUTE=route is not None, num_warps=NUM_WARPS, **rule_args)
 
 
 def combine_send(expert_out: torch.Tensor, recv0: torch.Tensor, me: int, C: int,
