@@ -73,8 +73,11 @@ if want host_profile; then  # where a served rank's host time goes: py-spy of ra
         sleep 4
         worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
         echo "== host_profile_c$c (worker $worker, at ${SECONDS}s)" >&2
-        timeout 40 /tmp/site/bin/py-spy record -p "$worker" -d ${HP_S:-8} -r 1000 --idle \
-            --threads -f raw -o "$OUT/host_profile_c$c.txt" --nonblocking 2>&1 | tail -1
+        # HP_NB=0: py-spy pauses the rank at each sample (slower, but whole stacks; a
+        # non-blocking sample can tear a stack between frames)
+        timeout 40 /tmp/site/bin/py-spy record -p "$worker" -d ${HP_S:-8} -r ${HP_RATE:-1000} \
+            --idle --threads -f raw -o "$OUT/host_profile_c$c.txt" \
+            $([[ ${HP_NB:-1} == 1 ]] && echo --nonblocking) 2>&1 | tail -1
         grep -h "ms/step in" /tmp/hplog$c/rank0.log | cut -c1-400 | tail -6 \
             >> "$OUT/host_profile_lines.log"
         wait $bench_pid
@@ -91,12 +94,12 @@ if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concur
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency ${PPC:-2} $Q3 --random-input-len 256 --random-output-len 256 \
-            --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 \
+            --random-range-ratio 1 --serve-arg=--max-ep-size --serve-arg=2 ${SWEEP_EXTRA:-} \
             --log-dir /tmp/sweep_logs_$label | sed "s/^{/{\"label\": \"$label\", /" \
             >> "$OUT/sweep.jsonl" 2> /tmp/sweep_$label.err
         tail -2 /tmp/sweep_$label.err | cut -c1-300
         grep -h "pieces each\|steps in\|limits:\|scope\|replaying\|forms" /tmp/sweep_logs_$label/* 2>/dev/null \
-            | cut -c1-700 | tail -12 >> "$OUT/sweep_rank_lines.log"
+            | cut -c1-700 | tail -${SWEEP_LINES:-12} | sed "s/^/$label /" >> "$OUT/sweep_rank_lines.log"
     done
     python3 -c "
 import json

@@ -32,6 +32,7 @@ their own (see :mod:`elasticep.moe.cuda_experts`), never the graphs' static ones
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -149,12 +150,36 @@ class DecodeGraphs:
             The capture time in seconds.
         """
         t0 = time.perf_counter()
-        n = self.buckets[-1]
         stream = torch.cuda.Stream()
         # after every replay already queued: the old graphs' memory is about to be reused
         stream.wait_stream(torch.cuda.current_stream())
         todo = sorted(self.buckets, reverse=True)
         variants = executor_of(self.model).graph_variants
+        # Garbage collected during a capture may hold an older CUDA graph (or another
+        # object that frees device resources), whose destruction a capturing stream
+        # refuses; that poisons the capture. Collect now, and not while capturing.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets(stream, todo, variants)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        stream.synchronize()
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        self.captures += 1
+        pieces = sorted({self._graphs[b, v].num_pieces for b in todo for v in variants})
+        forms = "" if variants == (None,) else f"; forms {[v or 'plain' for v in variants]}"
+        logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each%s) in "
+                    "%.2fs", self.buckets, pieces, forms, seconds)
+        return seconds
+
+    def _capture_buckets(self, stream: torch.cuda.Stream, todo: list[int],
+                         variants: Sequence[str | None]) -> None:
+        # capture()'s work: each bucket of ``todo`` in every form, on ``stream``
+        n = self.buckets[-1]
         with torch.cuda.stream(stream):
             self._ints.zero_()
             self._ints[2 * n:].fill_(self.sink_block * self.block_size)
@@ -189,15 +214,6 @@ class DecodeGraphs:
                 # the version the tensors had when captured: a change during the capture
                 # leaves the bucket stale
                 self._versions[b] = version if version == self._version() else -1
-        stream.synchronize()
-        seconds = time.perf_counter() - t0
-        self.capture_s += seconds
-        self.captures += 1
-        pieces = sorted({self._graphs[b, v].num_pieces for b in todo for v in variants})
-        forms = "" if variants == (None,) else f"; forms {[v or 'plain' for v in variants]}"
-        logger.info("captured decode CUDA graphs for batch sizes %s (%s pieces each%s) in "
-                    "%.2fs", self.buckets, pieces, forms, seconds)
-        return seconds
 
     def capture_in_background(self) -> None:
         """Start capturing every bucket in a daemon thread, unless one is running.

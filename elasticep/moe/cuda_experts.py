@@ -244,8 +244,12 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         """
         t = self._transport
         if (t is None or self._local_only or self.dispatch_algorithm != "static"
-                or (capturing() and not _stream_capturing())
                 or not t.routes_in_dispatch(hidden_states, logits, rule.top_k)):
+            return None
+        if capturing() and not _stream_capturing():
+            # a warm-up pass before a capture, which takes the padded path's local
+            # stand-in: the routed send is compiled here, not inside the capture
+            t.warm_routed_dispatch(logits, rule)
             return None
         w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
         if w13 is None or w2 is None:

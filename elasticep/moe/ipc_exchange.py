@@ -167,6 +167,7 @@ class IpcExchange:
         # per slot count S: [G, 1] int32, S for active sources and 0 for the rest (one
         # elementwise min masks and clamps the received tags; refreshed by reset)
         self._tag_caps: dict[int, torch.Tensor] = {}
+        self._warm_routes: set[tuple] = set()  # (rule, experts, dtype) compiled
         # one kernel for the static map's gather, plan and send at decode sizes
         # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
         self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
@@ -276,6 +277,24 @@ class IpcExchange:
                              reset)
         torch.cuda.synchronize(self.device)
         del scratch
+
+    def warm_routed_dispatch(self, logits: torch.Tensor, rule: SoftmaxTopk) -> None:
+        """Compile the one-token routed dispatch for ``rule`` and ``logits``' expert count
+        and dtype now (the first time only), not inside the first graph capture, on a
+        private self-only state as :meth:`warm_kernels` does. The executor calls it from
+        the warm-up passes that precede each capture, where the rule is first known."""
+        key = (rule, logits.shape[1], logits.dtype)
+        if not self.cuda or key in self._warm_routes:
+            return
+        recv0, table, active, counter, flags, scratch = self._private()
+        hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
+        l2p = torch.zeros(logits.shape[1], dtype=torch.int64, device=self.device)
+        kernels.routed_dispatch(hidden, torch.zeros_like(logits[:1]).contiguous(), rule, l2p,
+                                1, self.rank, self.cap_rows, self.W, table, active, counter,
+                                flags, 0, self.reset_in_kernel)
+        torch.cuda.synchronize(self.device)
+        del scratch
+        self._warm_routes.add(key)
 
     def _private(self) -> tuple[torch.Tensor, ...]:
         """A self-only copy of the exchange's state for compiling kernels: (dispatch
