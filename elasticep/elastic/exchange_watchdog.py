@@ -26,18 +26,22 @@ class StepWatchdog:
     While a step runs (between :meth:`begin` and :meth:`end`) a daemon thread ends the
     step's waits through :meth:`IpcExchange.abort` once ``changed()`` is true (the
     coordinator announced a membership change) or the step is older than
-    ``deadline_s``. It looks at ``changed()`` when a step begins and whenever
-    :meth:`notify` is called (the group's change listener, on the control thread), and
-    otherwise sleeps until the deadline: a thread that woke every millisecond to poll
-    took the GIL from the step loop about six times in a one-token step (a 1 ms poller
-    slowed a loop of small torch calls by 7 % on a 2-core host).
+    ``deadline_s``. The thread looks at ``changed()`` whenever :meth:`notify` is called
+    (the group's change listener, on the control thread); :meth:`begin` looks at it on
+    the caller's thread and wakes the watchdog only when a change is already pending.
+    Otherwise the thread sleeps until the running step's deadline, or for
+    ``deadline_s`` while none runs, so it wakes at most once a deadline and never at
+    every step: a waking thread takes the GIL from the step loop (a 1 ms poller slowed
+    a loop of small torch calls by 7 % on a 2-core host), and a wake at each step's
+    start was served right after the step's device wait, on the step's host path.
 
     Args:
         exchange: the rank's exchange.
         changed: returns True once a membership change is pending (cheap, thread-safe).
         deadline_s: the longest a step may wait on peers before it is abandoned, seconds.
-        poll_s: also look at ``changed()`` this often while a step runs, seconds (None:
-            only on :meth:`notify`; for a ``changed`` that nothing notifies about).
+        poll_s: also look at ``changed()`` this often, seconds (None: only on
+            :meth:`notify` and :meth:`begin`; for a ``changed`` that nothing notifies
+            about).
     """
 
     def __init__(self, exchange: IpcExchange, changed: Callable[[], bool], deadline_s: float,
@@ -57,7 +61,8 @@ class StepWatchdog:
         """A step starts (its exchanges may block from now on)."""
         with self._cv:
             self._started = time.monotonic()
-            self._cv.notify()
+        if self.changed():  # announced before this step: release it at once
+            self.notify()
 
     def end(self) -> bool:
         """The step's device work is done; True when it was aborted (redo it)."""
@@ -76,44 +81,48 @@ class StepWatchdog:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._started is None:
-                    self._cv.wait()
                 started = self._started
-                self._kicked = False
-            self._watch(started)
-            with self._cv:
-                if self._started is started and self.exchange.aborted:
-                    self._started = None  # released: nothing more to do for this step
-
-    def _watch(self, started: float) -> None:
-        # one step: returns when it ended, or after releasing its waits
-        while True:
-            changed = self.changed()
-            left = started + self.deadline_s - time.monotonic()
-            if changed or left <= 0:
-                with self._cv:
-                    if self._started is not started:
-                        return  # the step ended meanwhile: nothing to release
-                    self._aborting = True
-                try:
-                    if changed:
-                        logger.info("membership change during a step: releasing its exchanges")
-                    else:
-                        logger.warning("step waited %.1f s on its peers' exchange rows: "
-                                       "abandoning it (a peer is stalled or dead)",
-                                       self.deadline_s)
-                        self.deadline_aborts += 1
-                    self.exchange.abort()
-                finally:
-                    with self._cv:
-                        self._aborting = False
-                        self._cv.notify_all()
-                return
-            with self._cv:
-                if self._started is not started:
-                    return
+                if started is None:
+                    self._kicked = False  # nothing to release; the next begin() looks
                 if not self._kicked:
-                    self._cv.wait(left if self.poll_s is None else min(left, self.poll_s))
+                    # until the running step is due, or (none runs) until the latest
+                    # moment one that begins now can be due: no wake per step
+                    wait = (self.deadline_s if started is None
+                            else started + self.deadline_s - time.monotonic())
+                    if self.poll_s is not None:
+                        wait = min(wait, self.poll_s)
+                    if wait > 0:
+                        self._cv.wait(wait)
+                started, kicked = self._started, self._kicked
                 self._kicked = False
-                if self._started is not started:
-                    return
+            if started is None:
+                continue
+            due = time.monotonic() >= started + self.deadline_s
+            if (kicked or self.poll_s is not None or due) and self._release(started, due):
+                with self._cv:
+                    if self._started is started and self.exchange.aborted:
+                        self._started = None  # released: nothing more to do for this step
+
+    def _release(self, started: float, due: bool) -> bool:
+        # the step that began at ``started``: end its waits if a change is pending or
+        # it is due; False when neither holds or the step ended meanwhile
+        changed = self.changed()
+        if not (changed or due):
+            return False
+        with self._cv:
+            if self._started is not started:
+                return False  # the step ended meanwhile: nothing to release
+            self._aborting = True
+        try:
+            if changed:
+                logger.info("membership change during a step: releasing its exchanges")
+            else:
+                logger.warning("step waited %.1f s on its peers' exchange rows: "
+                               "abandoning it (a peer is stalled or dead)", self.deadline_s)
+                self.deadline_aborts += 1
+            self.exchange.abort()
+        finally:
+            with self._cv:
+                self._aborting = False
+                self._cv.notify_all()
+        return True
