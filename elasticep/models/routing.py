@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.fused_routing import fused_route_ok, fused_softmax_topk
-from elasticep.moe.softmax_topk import SoftmaxTopk
+from elasticep.moe.softmax_topk import SoftmaxTopk, finish_weights
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -145,10 +145,5 @@ def route_logits(logits: torch.Tensor, cfg: RoutingConfig, model_dtype: torch.dt
         group_scores = choice.view(t, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
         ids = torch.topk(_keep_best_groups(choice, group_scores, cfg, float("-inf")), cfg.top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * cfg.routed_scaling_factor
-    if model_dtype != torch.float32:
-        # the reference models combine with weights in the model dtype
-        weights = weights.to(model_dtype).float()
-    return ids, weights
+    return ids, finish_weights(weights, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                               model_dtype)

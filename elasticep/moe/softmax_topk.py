@@ -55,12 +55,22 @@ def softmax_topk_reference(logits: torch.Tensor, rule: SoftmaxTopk,
         order equal scores differently from :func:`softmax_topk_row`.
     """
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), rule.top_k, dim=-1)
-    if rule.norm_topk_prob:
+    return ids, finish_weights(weights, rule.norm_topk_prob, rule.routed_scaling_factor,
+                               model_dtype)
+
+
+def finish_weights(weights: torch.Tensor, norm_topk_prob: bool, routed_scaling_factor: float,
+                   model_dtype: torch.dtype) -> torch.Tensor:
+    """The chosen experts' ``[T, k]`` float32 scores as combine weights (every routing
+    rule ends so, as the HF routers do): renormalised to sum to 1 if ``norm_topk_prob``,
+    times ``routed_scaling_factor``, rounded through ``model_dtype`` unless float32 (the
+    reference models combine in the model dtype). Returns ``[T, k]`` float32."""
+    if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * rule.routed_scaling_factor
+    weights = weights * routed_scaling_factor
     if model_dtype != torch.float32:
         weights = weights.to(model_dtype).float()
-    return ids, weights
+    return weights
 
 
 if triton is not None:
