@@ -311,6 +311,37 @@ def test_watchdog_aborts_on_a_change_and_at_its_deadline(poll_s):
     assert dog.end() and dog.deadline_aborts == 1
 
 
+def test_the_watchdog_thread_does_not_wake_at_every_step():
+    # a wake per step takes the GIL from the step loop right after the step's device
+    # wait: steps begin and end without waking it, and a change during one still
+    # releases that step at once
+    import threading
+    ex = _world(2)[0]
+    ex.reset(torch.ones(2, dtype=torch.bool))
+    callers: list[str] = []
+    changed = {"v": False}
+
+    def look() -> bool:
+        callers.append(threading.current_thread().name)
+        return changed["v"]
+
+    dog = StepWatchdog(ex, look, deadline_s=5.0)
+    for _ in range(200):
+        dog.begin()
+        time.sleep(0.0005)
+        assert not dog.end()
+    assert callers.count("ipc-exchange-watchdog") == 0
+    assert callers.count(threading.current_thread().name) == 200  # begin() looked itself
+    dog.begin()
+    changed["v"] = True
+    dog.notify()  # the group's change listener
+    t0 = time.monotonic()
+    while not ex.aborted and time.monotonic() < t0 + 1.0:
+        time.sleep(0.002)
+    assert ex.aborted and time.monotonic() - t0 < 0.1
+    assert dog.end() and dog.deadline_aborts == 0
+
+
 def test_an_abort_decided_as_the_step_ends_belongs_to_that_step(monkeypatch):
     # the watchdog decides to abort at the deadline while the step is ending: end() must
     # wait for that abort and report it (the step is redone), never let it land on the
