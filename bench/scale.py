@@ -76,6 +76,7 @@ from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_setting
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.models import MoEModelConfig, load_model_config
+from elasticep.moe.executor import ExecutorDefaults
 from elasticep.utils.profile_summary import summarize_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,10 +180,12 @@ def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
     return parts
 
 
-class RoutingRecorder:
+class RoutingRecorder(ExecutorDefaults):
     """Wraps a model's executor; while ``on``, keeps each MoE layer's ``topk_ids``.
 
-    Recording adds no sync: the ids are copied on the device and counted afterwards.
+    Recording adds no sync: the ids are copied on the device and counted afterwards. It
+    routes nothing itself (``route_and_run`` is the default's None), so every layer
+    passes it the ids.
     """
 
     def __init__(self, inner) -> None:

@@ -342,6 +342,12 @@ def test_the_watchdog_thread_does_not_wake_at_every_step():
     assert dog.end() and dog.deadline_aborts == 0
 
 
+@pytest.mark.parametrize("deadline_s,poll_s", [(0.0, None), (-1.0, None), (1.0, 0.0)])
+def test_a_watchdog_that_would_spin_is_refused(deadline_s, poll_s):
+    with pytest.raises(ValueError, match="must be positive"):
+        StepWatchdog(_world(2)[0], lambda: False, deadline_s=deadline_s, poll_s=poll_s)
+
+
 def test_an_abort_decided_as_the_step_ends_belongs_to_that_step(monkeypatch):
     # the watchdog decides to abort at the deadline while the step is ending: end() must
     # wait for that abort and report it (the step is redone), never let it land on the

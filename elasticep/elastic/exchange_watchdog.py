@@ -39,13 +39,19 @@ class StepWatchdog:
         exchange: the rank's exchange.
         changed: returns True once a membership change is pending (cheap, thread-safe).
         deadline_s: the longest a step may wait on peers before it is abandoned, seconds.
-        poll_s: also look at ``changed()`` this often, seconds (None: only on
-            :meth:`notify` and :meth:`begin`; for a ``changed`` that nothing notifies
-            about).
+        poll_s: also wake this often, seconds, and look at ``changed()`` if a step runs
+            (None: only on :meth:`notify` and :meth:`begin`; for a ``changed`` that
+            nothing notifies about).
+
+    Raises:
+        ValueError: a ``deadline_s`` or ``poll_s`` that is not positive.
     """
 
     def __init__(self, exchange: IpcExchange, changed: Callable[[], bool], deadline_s: float,
                  poll_s: float | None = None) -> None:
+        if deadline_s <= 0 or (poll_s is not None and poll_s <= 0):
+            raise ValueError(f"the watchdog's deadline ({deadline_s} s) and poll interval "
+                             f"({poll_s} s) must be positive")
         self.exchange, self.changed, self.deadline_s, self.poll_s = (
             exchange, changed, deadline_s, poll_s)
         self._started: float | None = None
@@ -89,7 +95,7 @@ class StepWatchdog:
                     # moment one that begins now can be due: no wake per step
                     wait = (self.deadline_s if started is None
                             else started + self.deadline_s - time.monotonic())
-                    if self.poll_s is not None:
+                    if self.poll_s is not None:  # idle too: a step's begin() wakes nobody
                         wait = min(wait, self.poll_s)
                     if wait > 0:
                         self._cv.wait(wait)

@@ -343,9 +343,10 @@ class LockstepLoop:
                 self.watchdog.begin()
                 try:
                     tokens = self.engine.execute(self.pending, self._flush_outputs)
-                    # sampled tokens were read back after the whole forward; a forward
-                    # that samples nothing (an idle rank's) was waited for by nobody
-                    if self.exchange.cuda and not tokens:
+                    # a sampled token was read back after the whole forward; a forward
+                    # that samples nothing (an idle rank's), or whose every row failed
+                    # on the host before its read, was waited for by nobody
+                    if self.exchange.cuda and not any(type(t) is int for t in tokens):
                         torch.cuda.current_stream().synchronize()
                 finally:
                     aborted = self.watchdog.end()

@@ -246,10 +246,12 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         if (t is None or self._local_only or self.dispatch_algorithm != "static"
                 or not t.routes_in_dispatch(hidden_states, logits, rule.top_k)):
             return None
+        S = self.metadata.num_local_physical_experts
+        l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
         if capturing() and not _stream_capturing():
             # a warm-up pass before a capture, which takes the padded path's local
             # stand-in: the routed send is compiled here, not inside the capture
-            t.warm_routed_dispatch(logits, rule)
+            t.warm_routed_dispatch(logits, rule, l2p, S)
             return None
         w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
         if w13 is None or w2 is None:
@@ -257,9 +259,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         max_tokens = self._max_tokens(1)
         if max_tokens < 1:
             raise ValueError(f"1 token > step_max_tokens {max_tokens}")
-        S = self.metadata.num_local_physical_experts
         cap = pair_capacity(max_tokens, rule.top_k, S)
-        l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
         position, _, weights = t.send_dispatch_routed(hidden_states, logits, rule, l2p, S,
                                                       cap, layer_idx)
         return self._experts_and_combine(layer_idx, position, weights, hidden_states.dtype,

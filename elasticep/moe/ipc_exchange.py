@@ -167,7 +167,7 @@ class IpcExchange:
         # per slot count S: [G, 1] int32, S for active sources and 0 for the rest (one
         # elementwise min masks and clamps the received tags; refreshed by reset)
         self._tag_caps: dict[int, torch.Tensor] = {}
-        self._warm_routes: set[tuple] = set()  # (rule, experts, dtype) compiled
+        self._warm_routes: set[tuple] = set()  # the routed send's compiled forms
         # one kernel for the static map's gather, plan and send at decode sizes
         # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
         self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
@@ -278,22 +278,40 @@ class IpcExchange:
         torch.cuda.synchronize(self.device)
         del scratch
 
-    def warm_routed_dispatch(self, logits: torch.Tensor, rule: SoftmaxTopk) -> None:
-        """Compile the one-token routed dispatch for ``rule`` and ``logits``' expert count
-        and dtype now (the first time only), not inside the first graph capture, on a
-        private self-only state as :meth:`warm_kernels` does. The executor calls it from
-        the warm-up passes that precede each capture, where the rule is first known."""
-        key = (rule, logits.shape[1], logits.dtype)
+    def warm_routed_dispatch(self, logits: torch.Tensor, rule: SoftmaxTopk,
+                             logical_to_physical: torch.Tensor, slots_per_rank: int) -> None:
+        """Compile the one-token routed dispatch now (once per form), not inside the first
+        graph capture. The executor calls it from the warm-up passes before each capture,
+        where the rule is first known, with the layer's own map and slot count: Triton
+        compiles a form per integer argument equal to 1 and per pointer alignment, so
+        stand-ins would compile a form that served steps never use.
+
+        It launches on a private self-only state of ``k`` rows a source (nothing reaches
+        a peer, and the memory it takes is a few rows, since the KV cache is already
+        sized by then). A failure is logged and left to the capture, which then compiles
+        the kernel itself or fails into eager decode as any capture failure does."""
+        key = (rule, logits.shape[1], logits.dtype, slots_per_rank == 1,
+               logical_to_physical.data_ptr() % 16 == 0, self.reset_in_kernel)
         if not self.cuda or key in self._warm_routes:
             return
-        recv0, table, active, counter, flags, scratch = self._private()
-        hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
-        l2p = torch.zeros(logits.shape[1], dtype=torch.int64, device=self.device)
-        kernels.routed_dispatch(hidden, torch.zeros_like(logits[:1]).contiguous(), rule, l2p,
-                                1, self.rank, self.cap_rows, self.W, table, active, counter,
-                                flags, 0, self.reset_in_kernel)
-        torch.cuda.synchronize(self.device)
-        del scratch
+        try:
+            k = rule.top_k
+            recv0 = torch.zeros(self.G * k, self.W, dtype=self.dtype, device=self.device)
+            recv1 = torch.zeros(self.G * k, self.H, dtype=self.dtype, device=self.device)
+            flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
+            active = torch.zeros_like(self.active)
+            active[self.rank] = 1
+            table = torch.zeros_like(self.table)
+            table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(),
+                                             flags.data_ptr()], dtype=torch.int64)
+            hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
+            kernels.routed_dispatch(hidden, torch.zeros_like(logits[:1]).contiguous(), rule,
+                                    logical_to_physical, slots_per_rank, self.rank, k, self.W,
+                                    table, active, counter, flags, 0, self.reset_in_kernel)
+            torch.cuda.synchronize(self.device)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            logger.warning("could not compile the routed dispatch before the capture: %s", exc)
+            return
         self._warm_routes.add(key)
 
     def _private(self) -> tuple[torch.Tensor, ...]:
