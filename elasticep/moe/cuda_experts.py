@@ -164,6 +164,15 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         self.metadata = dataclasses.replace(
             metadata, **{f: getattr(old, f).copy_(getattr(metadata, f)) for f in fields})
 
+    def _checked_bound(self, layer_idx: int, T: int) -> int:
+        # the step's token bound for a call of T tokens on a layer that has experts
+        if self.w13[layer_idx] is None or self.w2[layer_idx] is None:
+            raise ValueError(f"layer {layer_idx} has no experts")
+        max_tokens = self._max_tokens(T)
+        if T > max_tokens:
+            raise ValueError(f"{T} tokens > step_max_tokens {max_tokens}")
+        return max_tokens
+
     def _max_tokens(self, T: int) -> int:
         bucket = capture_bound()
         if bucket is not None:  # a graph capture sizes the exchange for its bucket
@@ -189,13 +198,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         Shapes and result as :meth:`EPMoEExecutor.__call__`; tensors on the CUDA
         device of the weights. Expert ids are not range-checked (that would sync).
         """
-        w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
-        if w13 is None or w2 is None:
-            raise ValueError(f"layer {layer_idx} has no experts")
         T, k = topk_ids.shape
-        max_tokens = self._max_tokens(T)
-        if T > max_tokens:
-            raise ValueError(f"{T} tokens > step_max_tokens {max_tokens}")
+        max_tokens = self._checked_bound(layer_idx, T)
         meta = self.metadata
         S = meta.num_local_physical_experts
         on_transport = (self._transport is not None and not self._local_only
@@ -219,8 +223,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         bufs = self._buffers if capturing() else fresh
         rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
                                            self._exchange_boundary, bufs)
-        expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
-                                    out=bufs("expert_out", rows.shape[0], rows))
+        expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
+                                    sync_free=True, out=bufs("expert_out", rows.shape[0], rows))
         back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
         return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
 
@@ -253,13 +257,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             # stand-in: the routed send is compiled here, not inside the capture
             t.warm_routed_dispatch(logits, rule, l2p, S)
             return None
-        w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
-        if w13 is None or w2 is None:
-            raise ValueError(f"layer {layer_idx} has no experts")
-        max_tokens = self._max_tokens(1)
-        if max_tokens < 1:
-            raise ValueError(f"1 token > step_max_tokens {max_tokens}")
-        cap = pair_capacity(max_tokens, rule.top_k, S)
+        cap = pair_capacity(self._checked_bound(layer_idx, 1), rule.top_k, S)
         position, _, weights = t.send_dispatch_routed(hidden_states, logits, rule, l2p, S,
                                                       cap, layer_idx)
         return self._experts_and_combine(layer_idx, position, weights, hidden_states.dtype,

@@ -296,33 +296,33 @@ class IpcExchange:
             return
         try:
             k = rule.top_k
-            recv0 = torch.zeros(self.G * k, self.W, dtype=self.dtype, device=self.device)
-            recv1 = torch.zeros(self.G * k, self.H, dtype=self.dtype, device=self.device)
-            flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
-            active = torch.zeros_like(self.active)
-            active[self.rank] = 1
-            table = torch.zeros_like(self.table)
-            table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(),
-                                             flags.data_ptr()], dtype=torch.int64)
+            _, table, active, counter, flags, scratch = self._private(k)
             hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
             kernels.routed_dispatch(hidden, torch.zeros_like(logits[:1]).contiguous(), rule,
                                     logical_to_physical, slots_per_rank, self.rank, k, self.W,
                                     table, active, counter, flags, 0, self.reset_in_kernel)
             torch.cuda.synchronize(self.device)
+            del scratch
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             logger.warning("could not compile the routed dispatch before the capture: %s", exc)
             return
         self._warm_routes.add(key)
 
-    def _private(self) -> tuple[torch.Tensor, ...]:
+    def _private(self, rows: int | None = None) -> tuple:
         """A self-only copy of the exchange's state for compiling kernels: (dispatch
-        buffer, table, active, counter, flags, the arena that holds the buffers)."""
+        buffer, table, active, counter, flags, what holds the buffers). ``rows``: that
+        many rows a source instead of ``cap_rows`` (a copy of the whole arena)."""
         active = torch.zeros_like(self.active)
         active[self.rank] = 1
         flags, counter = torch.zeros_like(self.flags), torch.zeros_like(self.counter)
-        scratch = torch.zeros_like(self.arena)
         table = torch.zeros_like(self.table)
-        recv0, recv1, _, _ = self._carve(scratch)
+        if rows is None:
+            scratch = torch.zeros_like(self.arena)
+            recv0, recv1, _, _ = self._carve(scratch)
+        else:
+            recv0 = torch.zeros(self.G * rows, self.W, dtype=self.dtype, device=self.device)
+            recv1 = torch.zeros(self.G * rows, self.H, dtype=self.dtype, device=self.device)
+            scratch = (recv0, recv1)
         table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
                                         dtype=torch.int64)
         return recv0, table, active, counter, flags, scratch
