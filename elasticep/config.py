@@ -177,6 +177,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
         load_format: auto/safetensors (read the checkpoint) or dummy (weights drawn
             from a fixed seed, the same on every rank, so a relaunched or scaled-in
             rank holds the same experts; only config.json is needed).
+        quantization: None, or "fp8": quantize an unquantized checkpoint to block FP8
+            (128 x 128 blocks, DeepSeek-V3's format) while loading (SGLang's and vLLM's
+            ``--quantization``). A block-FP8 checkpoint is read as such without it.
         disable_cuda_graph: never replay decode CUDA graphs (CUDA ranks capture them
             per batch-size bucket otherwise, the EP exchanges running eagerly between
             the graph pieces).
@@ -220,6 +223,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     num_threads: int = 1
     store_addr: str = ""
     load_format: LoadFormat = LoadFormat.AUTO
+    quantization: str | None = None
     disable_cuda_graph: bool = False
     skip_server_warmup: bool = False
     log_stats_interval_s: float = 10.0
@@ -238,6 +242,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
                                  f"{getattr(self, name)!r}")
         checks = [
             (self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}"),
+            (self.quantization in (None, "fp8"),
+             f"--quantization must be fp8 (or unset), got {self.quantization!r}"),
             (self.max_ep_size >= self.ep_size,
              f"--max-ep-size ({self.max_ep_size}) must be >= --ep-size ({self.ep_size})"),
             (self.min_ep_size is None or 1 <= self.min_ep_size <= self.ep_size,

@@ -42,13 +42,15 @@ class CheckpointExperts:
         load_format: as :func:`elasticep.models.loader.open_weights`; with "dummy" an
             orphan is drawn again from ``seed``, bit-identical to its lost copy.
         seed: the dummy weights' seed.
+        quantization: the deployment's ``--quantization`` (an orphan is rounded through
+            FP8 exactly as at launch).
     """
 
     def __init__(self, model: MoECausalLM, model_dir: str | Path, load_format: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, quantization: str | None = None) -> None:
         self.config = model.config
         self.dtype, self.device = model.dtype, model.device
-        self.reader = open_weights(model_dir, load_format, seed, model.config)
+        self.reader = open_weights(model_dir, load_format, seed, model.config, quantization)
         self.num_loaded = 0
 
     def __call__(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +110,7 @@ class HookedExecutor(ExecutorDefaults):
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
                       dtype: torch.dtype, device: str = "cpu",
                       with_experts: bool = True, load_format: str = "auto",
-                      seed: int = 0) -> MoECausalLM:
+                      seed: int = 0, quantization: str | None = None) -> MoECausalLM:
     """Load this rank's share of the model: every non-expert weight plus its local slots.
 
     Needs no process group, so a worker loads before it joins the group (a long load
@@ -123,7 +125,8 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
             makes it (or an explicit "cuda:N") the current device, which the rank's
             NCCL communicators use.
         with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
-        load_format, seed: where weights come from (:func:`elasticep.models.loader.open_weights`).
+        load_format, seed, quantization: where weights come from and how they are
+            quantized (:func:`elasticep.models.loader.open_weights`).
 
     Raises:
         ValueError: bad checkpoint or placement.
@@ -133,7 +136,7 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
         torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
         device = f"cuda:{torch.cuda.current_device()}"
     return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False,
-                      load_format=load_format, seed=seed)
+                      load_format=load_format, seed=seed, quantization=quantization)
 
 
 def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,

@@ -131,7 +131,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                                   min_ep_size=d.slot_reserve_ranks)
     joining = cfg.join_mode is not None
     model = load_rank_weights(d.model, placement, cfg.rank, getattr(torch, d.dtype), d.device,
-                              with_experts=not joining, load_format=d.load_format)
+                              with_experts=not joining, load_format=d.load_format,
+                              quantization=d.quantization)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
     a2a = resolve_a2a_backend(d)
@@ -164,7 +165,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)
                           if elastic else torch.ones(d.ep_size, dtype=torch.bool))
     logger.info("MoE transport: %s", a2a.value)
-    load_fn = CheckpointExperts(model, d.model, d.load_format)
+    load_fn = CheckpointExperts(model, d.model, d.load_format, quantization=d.quantization)
     if faults.has_layer_faults:  # each hook is an eager break in a captured decode graph
         hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None

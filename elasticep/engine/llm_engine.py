@@ -130,15 +130,17 @@ class LLMEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         progress: bool = True,
         load_format: str = "auto",
+        quantization: str | None = None,
     ) -> LLMEngine:
         """Load ``model_dir`` with every expert local and wrap it in an engine.
 
-        ``load_format`` "dummy" draws the weights from a seed (config.json only).
+        ``load_format`` "dummy" draws the weights from a seed (config.json only);
+        ``quantization`` "fp8" rounds an unquantized checkpoint through block FP8.
         """
         from elasticep.models.loader import load_model
 
         model = load_model(model_dir, dtype=dtype, device=device, progress=progress,
-                           load_format=load_format)
+                           load_format=load_format, quantization=quantization)
         return cls(model, config, detokenize)
 
     def add_request(self, req: GenerateRequest) -> None:

@@ -63,6 +63,10 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
                         "default: the embedded demo model")
     _add(m, "--dtype", "weight/activation dtype (default: %(default)s)", choices=DTYPES)
     add_load_format_argument(m)
+    _add(m, "--quantization", "quantize an unquantized checkpoint's linear weights to "
+         "block-scaled FP8 (e4m3, 128x128 blocks: DeepSeek-V3's format) while loading; a "
+         "block-FP8 checkpoint is read as such without this flag, and any other "
+         "quantization_config is refused", choices=["fp8"])
     _add(m, "--disable-cuda-graph", "run decode eagerly instead of replaying CUDA graphs "
          "captured at start-up per batch-size bucket (CUDA only; with expert parallelism the "
          "exchanges between ranks stay outside the graphs)", action="store_true")

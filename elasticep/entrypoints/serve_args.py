@@ -20,6 +20,7 @@ from elasticep.entrypoints.validate import (
     check_address,
     check_device,
     check_model_dir,
+    check_quantization,
     coordinator_timeout_check,
     port_check,
     raise_first_failure,
@@ -131,6 +132,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     check_device(args.device)
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model))
+    check_quantization(deployment.model, deployment.quantization)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
         # node 0 may bind port 0 (any free port); other nodes must name the real one

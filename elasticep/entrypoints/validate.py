@@ -189,6 +189,22 @@ def check_model_dir(model: str) -> str:
     return str(path.resolve())
 
 
+def check_quantization(model_dir: str, quantization: str | None) -> None:
+    """The checkpoint's ``quantization_config`` (and ``--quantization``) is one we load.
+
+    Raises:
+        UsageError: an unsupported method or FP8 variant, in one line that names it and
+            what is supported.
+    """
+    from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
+
+    path = Path(model_dir) / "config.json"
+    try:
+        parse_quantization(json.loads(path.read_text()), quantization, where=f"--model {model_dir}")
+    except UnsupportedQuantizationError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def setup_logging() -> None:
     """A command's own logs go to stderr (serve's stdout carries only the ready line)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,20 +26,23 @@ from elasticep.config import LoadFormat
 from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
 from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
+from elasticep.models.fp8_reader import Fp8BlockReader
 from elasticep.models.mla import MLAWeights
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
+from elasticep.models.quantization import parse_quantization
 from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
 
 # vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
 LOAD_FORMATS = tuple(f.value for f in LoadFormat)
 
-WeightReader = CheckpointReader | DummyWeightReader
+WeightReader = CheckpointReader | DummyWeightReader | Fp8BlockReader
 
 
 def open_weights(model_dir: str | Path, load_format: str = "auto", seed: int = 0,
-                 config: MoEModelConfig | None = None) -> WeightReader:
+                 config: MoEModelConfig | None = None,
+                 quantization: str | None = None) -> WeightReader:
     """The weight reader of ``model_dir`` for ``load_format`` (use it as a context manager).
 
     Args:
@@ -46,18 +50,32 @@ def open_weights(model_dir: str | Path, load_format: str = "auto", seed: int = 0
         load_format: one of :data:`LOAD_FORMATS`.
         seed: the dummy weights' seed (ignored otherwise).
         config: the parsed config, if the caller has it.
+        quantization: ``--quantization`` (None or "fp8": quantize an unquantized
+            checkpoint to block FP8 while reading).
+
+    Returns:
+        A reader; for a block-FP8 checkpoint (or with ``quantization``) an
+        :class:`~elasticep.models.fp8_reader.Fp8BlockReader` that dequantizes exactly.
 
     Raises:
-        ValueError: unknown format, or what the reader raises (no safetensors, bad config).
+        ValueError: unknown format, or what the reader raises (no safetensors, bad config);
+            :class:`~elasticep.models.quantization.UnsupportedQuantizationError` for a
+            quantization we cannot read.
     """
-    if load_format in ("auto", "safetensors"):
-        return CheckpointReader(model_dir)
-    if load_format != "dummy":
+    if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     cfg = config or load_model_config(model_dir)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return DummyWeightReader(model_dir, cfg, seed=seed,
-                             std=float(raw.get("initializer_range") or DEFAULT_STD))
+    quant = parse_quantization(raw, quantization, str(Path(model_dir) / "config.json"))
+    reader: WeightReader
+    if load_format in ("auto", "safetensors"):
+        reader = CheckpointReader(model_dir)
+    else:
+        reader = DummyWeightReader(model_dir, cfg, seed=seed,
+                                   std=float(raw.get("initializer_range") or DEFAULT_STD))
+        if quant is not None:  # drawn weights are unquantized: round them through FP8
+            quant = replace(quant, online=True)
+    return reader if quant is None else Fp8BlockReader(reader, quant)
 
 
 def _moe_prefixes(cfg: MoEModelConfig, layer: int) -> list[str]:
@@ -213,6 +231,7 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> MoECausalLM:
     """Load a checkpoint for one rank.
 
@@ -226,13 +245,17 @@ def load_model(
         load_format: "auto"/"safetensors" read ``*.safetensors``; "dummy" draws every
             tensor from ``seed`` (:mod:`elasticep.models.dummy_weights`).
         seed: the dummy weights' seed.
+        quantization: None, or "fp8" to quantize an unquantized checkpoint to block FP8
+            while loading (a block-FP8 checkpoint is read as such either way). FP8
+            weights are dequantized exactly into ``dtype``.
 
     Returns:
         A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the
         loaded slots (replace ``model.executor`` for expert parallelism).
 
     Raises:
-        ValueError: unsupported family, missing tensor, wrong shape or bad placement.
+        ValueError: unsupported family or quantization, missing tensor, wrong shape or
+            bad placement.
     """
     cfg = load_model_config(model_dir)
     n_layers, hid, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.moe_intermediate_size
@@ -255,7 +278,7 @@ def load_model(
             for m in cfg.moe_layers],
         slot_to_logical=slot_to_logical,
     )
-    with open_weights(model_dir, load_format, seed, cfg) as reader:
+    with open_weights(model_dir, load_format, seed, cfg, quantization) as reader:
         embed = reader.get("model.embed_tokens.weight", (cfg.vocab_size, hid), dtype, device)
         layers = []
         bar = tqdm(range(n_layers), desc=f"loading {Path(model_dir).name}", unit="layer",
@@ -281,12 +304,12 @@ def load_model(
 
 def reload_expert(
     model: MoECausalLM, model_dir: str | Path, layer: int, slot: int, logical_expert: int,
-    load_format: str = "auto", seed: int = 0,
+    load_format: str = "auto", seed: int = 0, quantization: str | None = None,
 ) -> None:
     """Reload one expert of ``model`` from its checkpoint into ``slot`` (orphan reload).
 
     Refreshes the model's executor map when it has one (``refresh()``).
     """
-    with open_weights(model_dir, load_format, seed, model.config) as reader:
+    with open_weights(model_dir, load_format, seed, model.config, quantization) as reader:
         load_expert_into_slot(reader, model.config, model.experts, layer, slot, logical_expert)
     model.executor.refresh()
