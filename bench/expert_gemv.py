@@ -2,7 +2,7 @@
 
 For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, bf16) and a few rows,
 each on its own expert (as at decode batch 1: 8 rows, 8 experts), it times
-:func:`elasticep.moe.small_batch_experts.swiglu_rows` under several tile choices and
+:func:`elasticep.moe.experts.small_batch_experts.swiglu_rows` under several tile choices and
 the grouped GEMM path, and divides the expert bytes they must read by the time. The
 bound is a device-to-device copy measured in the same run (2 x bytes / time).
 
@@ -21,10 +21,10 @@ import sys
 import torch
 
 from bench.gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
-from elasticep.moe.expert_compute import grouped_swiglu
-from elasticep.moe.padded_exchange import row_width, split_rows
-from elasticep.moe.small_batch_experts import swiglu_rows
-from elasticep.moe.sorted_experts import swiglu_sorted
+from elasticep.moe.exchange.padded_exchange import row_width, split_rows
+from elasticep.moe.experts.expert_compute import grouped_swiglu
+from elasticep.moe.experts.small_batch_experts import swiglu_rows
+from elasticep.moe.experts.sorted_experts import swiglu_sorted
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
@@ -89,8 +89,8 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     and to one; and the router's top-k kernel followed by the dispatch send against the
     dispatch send that routes the token itself. Prints one JSON line."""
     from elasticep.models.fused_routing import fused_softmax_topk
-    from elasticep.moe.ipc_exchange import IpcExchange
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
     from elasticep.moe.softmax_topk import SoftmaxTopk
 
     dev, dt, C, G = torch.device("cuda"), torch.bfloat16, rows_per_source, group_size

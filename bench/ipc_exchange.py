@@ -1,7 +1,7 @@
 """Microbench of the same-host exchange (``--moe-a2a-backend cuda_ipc``), end to end.
 
 ``G`` processes (default: all on GPU 0, as ranks share one GPU in this project's test
-topology) each build an :class:`~elasticep.moe.ipc_exchange.IpcExchange`, publish and map
+topology) each build an :class:`~elasticep.moe.exchange.ipc_exchange.IpcExchange`, publish and map
 their buffers through a TCPStore on 127.0.0.1, then capture one CUDA graph of
 ``--layers`` x (dispatch, an identity "expert", combine): the product's kernels, signals
 and waits, with nothing else in the graph. Per tokens-per-rank value it reports the
@@ -77,9 +77,9 @@ def _profiled(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict:
 
 def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> None:
     from bench.spike_stream_wait import replay_ms
-    from elasticep.moe import ipc_kernels
-    from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
-    from elasticep.moe.padded_exchange import pair_capacity
+    from elasticep.moe.exchange import ipc_kernels
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange, capacity_rows
+    from elasticep.moe.exchange.padded_exchange import pair_capacity
     layers, replays, G = args.layers, args.replays, max(args.max_ep_size or world, world)
     if args.block_h:
         ipc_kernels.BLOCK_H = args.block_h

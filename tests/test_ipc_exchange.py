@@ -1,4 +1,4 @@
-"""The same-host exchange (elasticep.moe.ipc_exchange) simulated in one process on CPU:
+"""The same-host exchange (elasticep.moe.exchange.ipc_exchange) simulated in one process on CPU:
 its torch reference path must move exactly the rows the padded all_to_all moves, mask
 inactive sources, and let an aborted step run to its end. The kernels themselves and
 the stream waits are compared with this reference in tests/test_ipc_exchange_gpu.py."""
@@ -14,8 +14,8 @@ from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange, buffer_bytes, capacity_rows
-from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, split_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, buffer_bytes, capacity_rows
+from elasticep.moe.exchange.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3
 
@@ -184,7 +184,7 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     from elasticep.engine.piecewise_graph import PiecewiseCapture
     from elasticep.eplb.metadata import ExpertLocationMetadata
     from elasticep.eplb.placement import initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
     from elasticep.utils.graph_boundary import capture_variant
 
     exs = _world(2)
@@ -377,7 +377,7 @@ def test_an_abort_decided_as_the_step_ends_belongs_to_that_step(monkeypatch):
 
 def _fused_plan_cases() -> dict:
     """fused_plan against plan_padded + inverse_positions (run under TRITON_INTERPRET=1)."""
-    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
+    from elasticep.moe.exchange.ipc_kernels import fused_plan, inverse_positions
     results = {}
     for G, T, k, S in [(2, 1, 8, 64), (2, 64, 8, 64), (4, 5, 2, 4), (1, 16, 2, 4)]:
         g = torch.Generator().manual_seed(G * 100 + T)
@@ -395,7 +395,7 @@ def _kernel_cases() -> dict:
     """The Triton send kernels (the fused static dispatch, the dispatch and the combine
     sends) against the torch reference, on in-process pairs (under TRITON_INTERPRET=1,
     which also runs their pointer-table loads and the release atomics)."""
-    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe.exchange import ipc_kernels as kern
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
     # of its widest (1024) scan blocks and 65 programs each own a block of pairs; the
@@ -455,7 +455,7 @@ def _routed_cases() -> dict:
     and weights bit for bit, the same rows, tags, positions and flags; and the ids are
     torch's top-k (under TRITON_INTERPRET=1)."""
     from elasticep.models.fused_routing import fused_softmax_topk
-    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe.exchange import ipc_kernels as kern
     from elasticep.moe.softmax_topk import SoftmaxTopk
     results = {}
     # (G, experts, k, rule): E not a power of two; every expert chosen (k = E); k at the
@@ -504,9 +504,9 @@ def _down_send_cases() -> dict:
     the expert compute plus the torch combine send, at rank 0 of in-process worlds: every
     source active, or one inactive; garbage tags (beyond S, negative) in a source's
     block are read as the clamp reads them."""
-    from elasticep.moe import ipc_kernels as kern
-    from elasticep.moe.expert_compute import grouped_swiglu
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.exchange import ipc_kernels as kern
+    from elasticep.moe.experts.expert_compute import grouped_swiglu
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
     results = {}
     inter, T = 16, 3
     for G, live, reset_prev in [(2, [0, 1], True), (3, [0, 2], False), (2, [0], True)]:
@@ -558,7 +558,7 @@ def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
 
     from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
     from elasticep.entrypoints.validate import UsageError
-    from elasticep.moe import stream_memops
+    from elasticep.moe.exchange import stream_memops
 
     def missing():
         raise ImportError("CUDA stream memory operations need NVIDIA's cuda-bindings "

@@ -1,4 +1,4 @@
-"""The same-host exchange on a GPU (elasticep.moe.ipc_exchange; GPU only).
+"""The same-host exchange on a GPU (elasticep.moe.exchange.ipc_exchange; GPU only).
 
 - The send kernels against their torch reference: two exchanges of one process, mapped
   to each other, move the same rows and tags as the CPU simulation; the fused down
@@ -26,9 +26,9 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
-from elasticep.moe import stream_memops
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange, capacity_rows
-from elasticep.moe.padded_exchange import pair_capacity, split_rows
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, capacity_rows
+from elasticep.moe.exchange.padded_exchange import pair_capacity, split_rows
 
 pytestmark = [pytest.mark.skipif(not stream_memops.available(),
                                  reason="needs CUDA and cuda-bindings"),
@@ -95,8 +95,8 @@ def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_
                                                                     monkeypatch):
     # two layers, so the kernel flag reset clears the layer before; with one rank live,
     # a late write of garbage tags into the inactive source's block is read as padding
-    from elasticep.moe.expert_compute import grouped_swiglu
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.experts.expert_compute import grouped_swiglu
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
 
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
     dtype, inter, T = torch.bfloat16, 128, 3
@@ -177,7 +177,7 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, fla
     # with the host's view of the membership forced, the form that waits on the peer
     # (whose flags the send kernels set themselves)
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
-    from elasticep.moe import ipc_kernels
+    from elasticep.moe.exchange import ipc_kernels
     routed_calls = []
     real_routed = ipc_kernels.routed_dispatch
     monkeypatch.setattr(ipc_kernels, "routed_dispatch",
@@ -277,8 +277,8 @@ def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
 
 @pytest.mark.parametrize("G,T,k,S", [(2, 1, 8, 64), (2, 256, 8, 64), (4, 37, 8, 32)])
 def test_fused_plan_matches_the_torch_plan(G, T, k, S):
-    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
-    from elasticep.moe.padded_exchange import plan_padded
+    from elasticep.moe.exchange.ipc_kernels import fused_plan, inverse_positions
+    from elasticep.moe.exchange.padded_exchange import plan_padded
     g = torch.Generator().manual_seed(T)
     slots = torch.stack([torch.randperm(G * S, generator=g)[:k] for _ in range(T)]).cuda()
     C = pair_capacity(T, k, S)
@@ -300,7 +300,7 @@ def test_fused_static_dispatch_matches_the_reference(tokens):
     gpu = _pair("cuda", torch.bfloat16, cap=512)
     pos = gpu[0].send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C, 1)
     torch.cuda.synchronize()
-    from elasticep.moe.padded_exchange import plan_padded, split_rows
+    from elasticep.moe.exchange.padded_exchange import plan_padded, split_rows
     assert torch.equal(pos.cpu(), plan_padded(l2p[ids], S, 2, C).position)
     for q in range(2):
         want_rows, want_tags = split_rows(ref[q].recv0[:2 * C], H)

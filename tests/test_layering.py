@@ -85,3 +85,44 @@ def test_the_check_resolves_relative_imports():
     mods = {mod for _line, mod in _imported(pkg)}
     assert "elasticep.membership.messages" in mods  # from . import messages as m
     assert "elasticep.membership.registry" in mods  # from .registry import ...
+
+
+# The rooms of `moe`: the exchange moves rows and computes nothing on them, the expert
+# kernels compute and move nothing, so neither imports the other.
+MOE = ROOT / "moe"
+# The fused one-token forms still live in the same-host exchange (routing inside the
+# dispatch send, the down projection inside the combine send); they leave it for a
+# module of their own, and these two lines go with them.
+FUSED_FORMS = {
+    ("moe/exchange/ipc_exchange.py", "elasticep.moe.experts.small_batch_experts"),
+    ("moe/exchange/ipc_kernels.py", "elasticep.moe.experts.small_batch_experts"),
+}
+
+
+def _room_imports(room: str, forbidden: str) -> list[str]:
+    """"file:line imports module" for every import of ``forbidden`` (a dotted prefix) in
+    the modules under ``moe/<room>/``, less the known fused forms."""
+    found = []
+    for path in sorted((MOE / room).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for line, mod in _imported(path):
+            if (mod == forbidden or mod.startswith(forbidden + ".")) and (rel, mod) not in FUSED_FORMS:
+                found.append(f"{rel}:{line} imports {mod}")
+    return found
+
+
+def test_the_exchange_imports_no_expert_kernel():
+    found = _room_imports("exchange", "elasticep.moe.experts")
+    assert not found, "the exchange imports expert kernels:\n" + "\n".join(found)
+
+
+def test_the_expert_kernels_import_no_exchange():
+    found = _room_imports("experts", "elasticep.moe.exchange")
+    assert not found, "expert kernels import the exchange:\n" + "\n".join(found)
+
+
+def test_the_rooms_check_sees_imports():
+    """The checker itself: the executor that joins the rooms imports both."""
+    mods = {mod for _line, mod in _imported(MOE / "cuda_executor.py")}
+    assert "elasticep.moe.exchange.ipc_exchange" in mods
+    assert "elasticep.moe.experts.expert_compute" in mods

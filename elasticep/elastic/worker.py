@@ -11,7 +11,7 @@
    tolerance, a plain torch.distributed group over the coordinator's TCPStore: Gloo on
    CPU, ``"cpu:gloo,cuda:nccl"`` on CUDA so the MoE all_to_alls of CUDA tensors run on
    NCCL and the step loop's CPU collectives on Gloo) and plugs the EP executor of the
-   weights' device (:func:`~elasticep.moe.cuda_experts.make_ep_executor`) over WORLD
+   weights' device (:func:`~elasticep.moe.cuda_executor.make_ep_executor`) over WORLD
    into the model; a joiner
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its

@@ -1,8 +1,8 @@
 """The EP executor for CUDA: fixed-capacity exchange + grouped GEMM.
 
 :class:`CudaEPMoEExecutor` is the :class:`EPMoEExecutor` whose dispatch and combine use
-:mod:`elasticep.moe.padded_exchange` and whose local experts run as grouped GEMMs
-(:func:`elasticep.moe.expert_compute.grouped_swiglu`), so a decode step's MoE layers
+:mod:`elasticep.moe.exchange.padded_exchange` and whose local experts run as grouped GEMMs
+(:func:`elasticep.moe.experts.expert_compute.grouped_swiglu`), so a decode step's MoE layers
 run without a host-device sync.
 
 It is also what makes EP decode capturable in CUDA graphs
@@ -20,11 +20,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
     fresh,
@@ -32,7 +32,8 @@ from elasticep.moe.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.moe.small_batch_experts import gate_up_rows, small_batch_ok
+from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.experts.small_batch_experts import gate_up_rows, small_batch_ok
 from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import capture_bound, capturing, eager_boundary
 
@@ -111,7 +112,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     @property
     def graph_variants(self) -> tuple[str | None, ...]:
         """The decode forwards to capture per bucket: the plain one, and with a transport
-        that has peer slots, its :data:`~elasticep.moe.ipc_exchange.SOLO` form."""
+        that has peer slots, its :data:`~elasticep.moe.exchange.ipc_exchange.SOLO` form."""
         t = self._transport
         return (None, SOLO) if t is not None and t.G > 1 else (None,)
 
@@ -236,7 +237,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
 
         It applies to a step of one token on the transport (CUDA) with the static
         dispatch map: the router's own kernel is not launched, so a decode layer runs
-        one kernel fewer (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`).
+        one kernel fewer (:func:`~elasticep.moe.exchange.ipc_kernels.routed_dispatch`).
 
         Args:
             hidden_states: [T, H] model dtype; logits: [T, E] router logits of the
@@ -314,7 +315,8 @@ def _stream_capturing() -> bool:
 
 def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],
                      w2: list[torch.Tensor | None], group: dist.ProcessGroup | None,
-                     dispatch_algorithm: str = "static") -> EPMoEExecutor:
+                     dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
+                     ) -> EPMoEExecutor:
     """The EP executor for where the metadata lives: CUDA -> :class:`CudaEPMoEExecutor`
     (capacity agreed per call unless ``step_max_tokens`` is set), else the CPU
     :class:`EPMoEExecutor`. Raises as they do."""

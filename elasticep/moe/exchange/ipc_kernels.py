@@ -1,4 +1,4 @@
-"""Send kernels of the same-host expert exchange (:mod:`elasticep.moe.ipc_exchange`).
+"""Send kernels of the same-host expert exchange (:mod:`elasticep.moe.exchange.ipc_exchange`).
 
 Each kernel writes this rank's rows straight into every active destination's receive
 buffer, at this rank's own row block, then signals the destination. Grid
@@ -18,7 +18,7 @@ Layout (C rows per source block, the step's capacity, the same on every rank):
 
 * dispatch: destination ``q``'s receive buffer ``[G*C_max, W]`` gets, in rows
   ``me*C .. me*C + C``, the pairs this rank routes to ``q`` in
-  :func:`~elasticep.moe.padded_exchange.plan_padded` order, each row the token's hidden
+  :func:`~elasticep.moe.exchange.padded_exchange.plan_padded` order, each row the token's hidden
   state then its int32 tag (``local slot + 1``; 0 for the block's unused rows, whose
   values are left as they are);
 * combine: rank ``q``'s combine buffer ``[G*C_max, H]`` gets, in rows
@@ -26,14 +26,14 @@ Layout (C rows per source block, the step's capacity, the same on every rank):
   rows with a non-zero tag).
 
 The torch functions here are the reference the GPU tests compare the kernels with, and
-the path CPU tests use (:class:`~elasticep.moe.ipc_exchange.IpcExchange` on CPU).
+the path CPU tests use (:class:`~elasticep.moe.exchange.ipc_exchange.IpcExchange` on CPU).
 """
 
 from __future__ import annotations
 
 import torch
 
-from elasticep.moe.padded_exchange import split_rows
+from elasticep.moe.exchange.padded_exchange import split_rows
 from elasticep.moe.softmax_topk import SoftmaxTopk
 
 try:  # Triton is absent on CPU-only installs; the reference functions need none
@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 if triton is not None:
-    from elasticep.moe.small_batch_experts import DOWN_TILE, down_row_block, row_block
+    from elasticep.moe.experts.small_batch_experts import DOWN_TILE, down_row_block, row_block
     from elasticep.moe.softmax_topk import kernel_args, softmax_topk_row
 
 
@@ -52,7 +52,7 @@ def inverse_positions(position: torch.Tensor, rows: int) -> torch.Tensor:
 
     Args:
         position: [T*k] int64, each pair's row in the ``[G*C]`` send layout
-            (:attr:`~elasticep.moe.padded_exchange.PaddedPlan.position`).
+            (:attr:`~elasticep.moe.exchange.padded_exchange.PaddedPlan.position`).
         rows: G*C.
     """
     inv = torch.full((rows,), -1, dtype=torch.int64, device=position.device)
@@ -373,7 +373,7 @@ def plan_ok(slots: torch.Tensor) -> bool:
 
 def fused_plan(slots: torch.Tensor, slots_per_rank: int, group_size: int, capacity: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`~elasticep.moe.padded_exchange.plan_padded` and :func:`inverse_positions`
+    """:func:`~elasticep.moe.exchange.padded_exchange.plan_padded` and :func:`inverse_positions`
     in one kernel (CUDA, :func:`plan_ok`): ``(position [T*k] int64, tag [T*k] int32,
     inv [G*C] int64)``, equal to theirs."""
     flat = slots.reshape(-1).contiguous()
@@ -565,16 +565,16 @@ def down_combine_send(act: torch.Tensor, tags: torch.Tensor, bound: torch.Tensor
                       slot: int, reset_prev: bool = False) -> None:
     """The received rows' down projection and the combine send in one kernel (CUDA).
 
-    What :func:`~elasticep.moe.small_batch_experts.swiglu_rows`' second kernel and then
+    What :func:`~elasticep.moe.experts.small_batch_experts.swiglu_rows`' second kernel and then
     :func:`combine_send` do, without the ``expert_out`` rows in between: each row's
     output goes straight to its source's combine buffer, and each source is signalled
     as :func:`combine_send` signals it.
 
     Args:
         act: [G*C, I] model dtype, contiguous: the rows' ``silu(gate x) * (up x)``
-            (:func:`~elasticep.moe.small_batch_experts.gate_up_rows`).
+            (:func:`~elasticep.moe.experts.small_batch_experts.gate_up_rows`).
         tags: [G*C] int32 as received (any stride); bound: [G] int32, each source's
-            tag bound (:meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): a tag is
+            tag bound (:meth:`~elasticep.moe.exchange.ipc_exchange.IpcExchange.tag_cap`): a tag is
             read as ``clamp(tag, 0, bound[source])``, and only rows with a tag left are
             sent.
         w2: [S, H, I] contiguous, the layer's down projections.

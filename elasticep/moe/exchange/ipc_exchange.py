@@ -1,15 +1,15 @@
 """The same-host expert exchange: peers write into each other's mapped buffers, inside a
 CUDA graph (``--moe-a2a-backend cuda_ipc``).
 
-The padded all_to_all (:mod:`elasticep.moe.padded_exchange`) is an eager collective
+The padded all_to_all (:mod:`elasticep.moe.exchange.padded_exchange`) is an eager collective
 between graph pieces: a decode step of a 48-layer model is 97 pieces around 96 NCCL
 calls. Here, ranks of one host map each other's receive buffers with CUDA IPC, and one
 exchange is:
 
-1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
+1. a send kernel (:mod:`elasticep.moe.exchange.ipc_kernels`) that writes this rank's rows into
    every active destination's buffer at this rank's row block, then sets a flag there;
 2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``
-   (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+   (:mod:`elasticep.moe.exchange.stream_memops`; the stream waits without holding an SM, which
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
    time slices). The next exchange's send kernel sets the flag back to 0
    (``ELASTICEP_IPC_FLAG_RESET=kernel``, the default). ``=memop`` resets it with a
@@ -25,11 +25,11 @@ peer sends to a rank that runs it.
 
 Nothing in it is a collective call, so the decode forward is one graph. The graph reads
 the pointer table and the ``active`` mask from device memory; the layout of the rows is
-:func:`~elasticep.moe.padded_exchange.plan_padded`'s, so the grouped GEMM and the combine
+:func:`~elasticep.moe.exchange.padded_exchange.plan_padded`'s, so the grouped GEMM and the combine
 are the padded path's.
 
 Memory, per rank (``G = max_ep_size``, ``C_max`` rows per source block for the largest
-step, ``W`` = :func:`~elasticep.moe.padded_exchange.row_width`): a dispatch buffer
+step, ``W`` = :func:`~elasticep.moe.exchange.padded_exchange.row_width`): a dispatch buffer
 ``[G*C_max, W]`` and a combine buffer ``[G*C_max, H]`` in the model dtype (two, because a
 peer one phase ahead already writes its combine rows while this rank reads dispatch
 rows), flags ``[G, 2*moe_layers]`` int32 (one column per exchange of a step: a column is
@@ -59,16 +59,16 @@ from collections.abc import Sequence
 
 import torch
 
-from elasticep.moe import ipc_kernels as kernels
-from elasticep.moe import stream_memops
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange import ipc_kernels as kernels
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.padded_exchange import (
     ROW_ALIGN,
     PaddedPlan,
     plan_padded,
     row_width,
     split_rows,
 )
-from elasticep.moe.small_batch_experts import MAX_ROWS, gate_up_rows
+from elasticep.moe.experts.small_batch_experts import MAX_ROWS, gate_up_rows
 from elasticep.moe.softmax_topk import SoftmaxTopk, softmax_topk_reference
 from elasticep.utils import cuda_ipc, graph_boundary
 
@@ -480,7 +480,7 @@ class IpcExchange:
                              layer: int) -> torch.Tensor:
         """:meth:`send_dispatch` for the static dispatch map: each pair goes to slot
         ``logical_to_physical[topk_ids]``. A decode-sized step on CUDA does the gather,
-        the plan and the send in one kernel (:func:`~elasticep.moe.ipc_kernels.fused_dispatch`).
+        the plan and the send in one kernel (:func:`~elasticep.moe.exchange.ipc_kernels.fused_dispatch`).
 
         Args:
             topk_ids: [T, k] int64 logical experts; logical_to_physical: [E] int64
@@ -503,7 +503,7 @@ class IpcExchange:
     def routes_in_dispatch(self, hidden: torch.Tensor, logits: torch.Tensor,
                            top_k: int) -> bool:
         """Whether :meth:`send_dispatch_routed` routes this step inside its send kernel
-        (CUDA, one token: :func:`~elasticep.moe.ipc_kernels.routed_dispatch_ok`)."""
+        (CUDA, one token: :func:`~elasticep.moe.exchange.ipc_kernels.routed_dispatch_ok`)."""
         return self.cuda and self.fused_dispatch and kernels.routed_dispatch_ok(
             hidden, logits, top_k)
 
@@ -513,7 +513,7 @@ class IpcExchange:
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route the step's tokens by the softmax top-k ``rule`` and send them as
         :meth:`send_dispatch_static` does. Where :meth:`routes_in_dispatch` holds, one
-        kernel does both (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`); elsewhere
+        kernel does both (:func:`~elasticep.moe.exchange.ipc_kernels.routed_dispatch`); elsewhere
         the torch rule (:func:`~elasticep.moe.softmax_topk.softmax_topk_reference`) picks
         the experts first.
 
@@ -586,7 +586,7 @@ class IpcExchange:
     def send_combine_down(self, act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
                           C: int, layer: int, slots_per_rank: int) -> None:
         """:meth:`send_combine` of the down projection of ``act``, computed in the send
-        kernel itself (CUDA; :func:`~elasticep.moe.ipc_kernels.down_combine_send`): for a
+        kernel itself (CUDA; :func:`~elasticep.moe.exchange.ipc_kernels.down_combine_send`): for a
         decode-sized step, one kernel where the expert compute's second kernel and the
         combine send were two.
 
