@@ -395,6 +395,7 @@ def _kernel_cases() -> dict:
     """The Triton send kernels (the fused static dispatch, the dispatch and the combine
     sends) against the torch reference, on in-process pairs (under TRITON_INTERPRET=1,
     which also runs their pointer-table loads and the release atomics)."""
+    from elasticep.moe import fused_exchange_kernels as fkern
     from elasticep.moe.exchange import ipc_kernels as kern
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
@@ -417,9 +418,9 @@ def _kernel_cases() -> dict:
                 ex.reset(torch.ones(G, dtype=torch.bool))
         ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
         fused[0].flags[:, 1] = 1  # the waits of exchange 1 left these set: reset_prev clears
-        pos = kern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
-                                  fused[0].active, fused[0].counter, fused[0].flags, 2,
-                                  reset_prev=True)
+        pos = fkern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
+                                   fused[0].active, fused[0].counter, fused[0].flags, 2,
+                                   reset_prev=True)
         cleared = (torch.all(fused[0].flags[1:, 1] == 0)  # the peers' flags, not its own
                    and int(fused[0].flags[0, 1]) == 1)
         plan = plan_padded(l2p[ids], S, G, C)
@@ -455,7 +456,9 @@ def _routed_cases() -> dict:
     and weights bit for bit, the same rows, tags, positions and flags; and the ids are
     torch's top-k (under TRITON_INTERPRET=1)."""
     from elasticep.models.fused_routing import fused_softmax_topk
+    from elasticep.moe import fused_exchange_kernels as fkern
     from elasticep.moe.exchange import ipc_kernels as kern
+    from elasticep.moe.fused_exchange import FusedForms
     from elasticep.moe.softmax_topk import SoftmaxTopk
     results = {}
     # (G, experts, k, rule): E not a power of two; every expert chosen (k = E); k at the
@@ -474,16 +477,17 @@ def _routed_cases() -> dict:
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
             w[0].flags[:, 1] = 1  # the previous exchange's waits left these set
-        pos, ids, weights = kern.routed_dispatch(
+        pos, ids, weights = fkern.routed_dispatch(
             hidden, logits, rule, l2p, S, 0, C, routed[0].W, routed[0].table, routed[0].active,
             routed[0].counter, routed[0].flags, 2, reset_prev=True)
         want_ids, want_w = fused_softmax_topk(logits, k, rule.norm_topk_prob,
                                               rule.routed_scaling_factor, torch.float32)
-        want_pos = kern.fused_dispatch(hidden, want_ids, l2p, S, 0, C, plain[0].W,
-                                       plain[0].table, plain[0].active, plain[0].counter,
-                                       plain[0].flags, 2, reset_prev=True)
+        want_pos = fkern.fused_dispatch(hidden, want_ids, l2p, S, 0, C, plain[0].W,
+                                        plain[0].table, plain[0].active, plain[0].counter,
+                                        plain[0].flags, 2, reset_prev=True)
         # the CPU exchange's path: the torch rule, then the reference send
-        ref_pos, ref_ids, ref_w = ref[0].send_dispatch_routed(hidden, logits, rule, l2p, S, C, 1)
+        ref_pos, ref_ids, ref_w = FusedForms(ref[0]).send_dispatch_routed(hidden, logits, rule,
+                                                                          l2p, S, C, 1)
         ok = (torch.equal(ids, want_ids) and torch.equal(weights, want_w)
               and torch.equal(pos, want_pos) and torch.equal(ids, ref_ids)
               and torch.equal(pos, ref_pos) and torch.allclose(weights, ref_w, rtol=1e-6, atol=0))
@@ -504,7 +508,7 @@ def _down_send_cases() -> dict:
     the expert compute plus the torch combine send, at rank 0 of in-process worlds: every
     source active, or one inactive; garbage tags (beyond S, negative) in a source's
     block are read as the clamp reads them."""
-    from elasticep.moe.exchange import ipc_kernels as kern
+    from elasticep.moe import fused_exchange_kernels as fkern
     from elasticep.moe.experts.expert_compute import grouped_swiglu
     from elasticep.moe.experts.small_batch_experts import gate_up_rows
     results = {}
@@ -534,8 +538,8 @@ def _down_send_cases() -> dict:
                            tag_bound=(cap.view(-1), C))
         f = fused[0]
         f.flags[:, 0] = 1  # the dispatch's waits left these set: reset_prev clears them
-        kern.down_combine_send(act, tags, cap.view(-1), w2, 0, C, f.table, f.active,
-                               f.counter, f.flags, 1, reset_prev=reset_prev)
+        fkern.down_combine_send(act, tags, cap.view(-1), w2, 0, C, f.table, f.active,
+                                f.counter, f.flags, 1, reset_prev=reset_prev)
         ok = int(f.counter.sum()) == 0
         for q in range(G):
             ok &= torch.allclose(fused[q].recv1[:G * C], ref[q].recv1[:G * C], atol=1e-5)
