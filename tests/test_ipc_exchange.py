@@ -223,6 +223,35 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     assert one.solo and cu.graph_variants == (None,) and cu.graph_variant() is None
 
 
+def test_the_executor_over_the_transport_equals_its_padded_path():
+    """CudaEPMoEExecutor on CPU tensors with a CPU exchange of one live rank of two: the
+    transport's path (the fused forms' owner falls back to the plain sends on CPU, the
+    expert compute, the combine) returns what the padded path returns, layer by layer."""
+    from elasticep.eplb.metadata import ExpertLocationMetadata
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
+    L, E, inter, k, T = 3, 4, 6, 2, 5
+    p = initial_placement(L, E, 0, 1, 2)
+    g = torch.Generator().manual_seed(0)
+    w13 = [torch.randn(p.slots_per_rank, 2 * inter, H, generator=g) for _ in range(L)]
+    w2 = [torch.randn(p.slots_per_rank, H, inter, generator=g) for _ in range(L)]
+    meta = ExpertLocationMetadata.from_placement(p, 0)
+    padded = CudaEPMoEExecutor(meta, w13, w2, None, max_tokens=8)
+    via = CudaEPMoEExecutor(meta, w13, w2, None, max_tokens=8)
+    ex = IpcExchange(0, 2, capacity_rows(8, k), H, torch.float32, L, "cpu")
+    ex.reset(torch.tensor([True, False]))
+    via.transport = ex
+    hidden = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    for layer in range(L):
+        with padded.local_exchange():  # the padded layout, copied locally
+            want = padded(layer, hidden, ids, weights)
+        got = via(layer, hidden, ids, weights)
+        assert torch.equal(got, want) and float(want.abs().max()) > 1
+    assert int(ex.flags[1].sum()) > 0  # the sends released the inactive peer's waits
+
+
 def test_abort_releases_every_wait_and_reset_restores_the_membership():
     exs = _world(3)
     full = torch.ones(3, dtype=torch.bool)
