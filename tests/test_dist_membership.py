@@ -241,7 +241,7 @@ def test_every_request_type_has_one_handler_and_its_role():
     """The service's handlers name the request they answer (no table of names): the 18
     request types, rank requests only from ranks, launch records only from supervisors."""
     from elasticep.membership import messages as m
-    from elasticep.membership.dispatch import Role, handler_table
+    from elasticep.membership.handlers import Role, handler_table
 
     table = handler_table(MembershipService(store_port=1))
     requests = {t for t in m.message_types() if t not in (

@@ -8,7 +8,7 @@ Layout:
 - ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
 - ``service`` — `MembershipService`: handlers that take an event and return the
   messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
-  ``dispatch`` binds each handler to the request type it names.
+  ``handlers`` binds each handler to the request type it names.
 - ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
 - ``process`` — `CoordinatorProcess`: the server as a child process of `serve` and

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import messages as m
-from .dispatch import Role, dispatch, handler_table, handles
 from .errors import MembershipRequestError
+from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
 from .supervisor_requests import SupervisorRequests
 from .transitions import ACTIVE_STATES, Report, SlotState, decide, state_after_death
