@@ -71,7 +71,7 @@ from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
-from elasticep.frontend_link import IpcEndpoints, WorkerChannel
+from elasticep.frontend_link import LinkEndpoints, WorkerChannel
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
@@ -185,7 +185,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool))
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
-    channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
+    channel = WorkerChannel(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
                             cfg.rank, log_ctx.epoch,
                             limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
                             moe_a2a_backend=a2a.value)
