@@ -15,8 +15,8 @@ import elasticep
 
 # bottom first: each subpackage (or top-level module) may import only those before it
 LAYERS = (
-    "wire", "config", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
-    "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
+    "enums", "wire", "config", "utils", "membership", "distributed", "compat", "eplb", "moe",
+    "models", "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
 )
 
 ROOT = Path(elasticep.__file__).parent

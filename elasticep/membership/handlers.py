@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from elasticep.config import StrEnum
+from elasticep.enums import StrEnum
 
 from . import messages as m
 
