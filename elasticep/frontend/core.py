@@ -31,7 +31,7 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
-    Send,
+    SendToRank,
 )
 from elasticep.frontend_link import (
     FrontendChannel,
@@ -320,7 +320,7 @@ class Frontend:
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()
 
-    def _dispatch(self, sends: list[Send]) -> None:
+    def _dispatch(self, sends: list[SendToRank]) -> None:
         """Send the tracker's commands; a rank we cannot reach loses its requests."""
         lost: set[int] = set()
         for send in sends:

@@ -22,7 +22,7 @@ It imports no other elasticep package; the rank-side torch backend
 """
 
 from .client import CoordinatorClient
-from .service import MembershipService, Send
+from .service import MembershipService, SendOnConn
 
 
 def __getattr__(name: str):
@@ -35,5 +35,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "Send",
+__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "SendOnConn",
            "start_coordinator"]
