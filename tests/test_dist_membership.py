@@ -3,9 +3,9 @@
 import pytest
 
 from elasticep.membership.messages import (
+    ControlMessage,
     Deactivate,
     EpochReport,
-    Message,
     RankHello,
     Ready,
     Register,
@@ -102,7 +102,7 @@ def test_joiner_for_active_slot_is_refused():
 SUP = 100  # the connection id of the supervisor in these tests (ranks use their rank)
 
 
-def _ok(svc: MembershipService, conn: int, msg: Message) -> list[SendOnConn]:
+def _ok(svc: MembershipService, conn: int, msg: ControlMessage) -> list[SendOnConn]:
     """Hand ``msg`` to the service as if it came on ``conn``; fail on any refusal."""
     sends = svc.handle(conn, msg)
     refused = [s.msg for s in sends if isinstance(s.msg, Reply) and not s.msg.ok]

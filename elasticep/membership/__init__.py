@@ -13,7 +13,7 @@ Layout:
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
 - ``process`` — `CoordinatorProcess`: the server as a child process of `serve` and
   `generate` (its own GIL; a lifeline pipe stops it, and it dies with its parent).
-- ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.
+- ``messages`` (+ ``control_wire``) / ``protocol`` — the typed control messages, JSON lines.
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
 - ``errors`` — the typed errors of membership events and refusals.
 

@@ -36,7 +36,7 @@ class SendOnConn:
     then close that connection if ``close``."""
 
     conn: int
-    msg: m.Message
+    msg: m.ControlMessage
     close: bool = False
 
 
@@ -94,7 +94,7 @@ class MembershipService(SupervisorRequests):
         self._stopping = False  # the deployment is shutting down: exits are not failures
 
     # ------------------------------------------------------------------ events
-    def handle(self, conn: int, msg: m.Message) -> list[SendOnConn]:
+    def handle(self, conn: int, msg: m.ControlMessage) -> list[SendOnConn]:
         """Answer one message that arrived on connection ``conn``.
 
         A request the service refuses (a bad field, a rank message on a supervisor
@@ -172,7 +172,7 @@ class MembershipService(SupervisorRequests):
         return [p.conn for p in self._procs.values()]
 
     # ------------------------------------------------------------------ plumbing
-    def _send(self, conn: int, msg: m.Message, close: bool = False) -> None:
+    def _send(self, conn: int, msg: m.ControlMessage, close: bool = False) -> None:
         self._out.append(SendOnConn(conn, msg, close))
 
     def _flush(self) -> list[SendOnConn]:
@@ -190,7 +190,7 @@ class MembershipService(SupervisorRequests):
         self._proc_dead(p, why)
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: int, peer: _Proc | _Supervisor | None, msg: m.Message) -> None:
+    def _handle(self, conn: int, peer: _Proc | _Supervisor | None, msg: m.ControlMessage) -> None:
         if isinstance(msg, m.Heartbeat):
             if isinstance(peer, _Proc):
                 peer.last_hb = self._clock()
