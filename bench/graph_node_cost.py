@@ -32,7 +32,7 @@ VARIANTS = ("kernels", "batch", "batch_nobarrier", "pair", "wait_only")
 
 
 def _ops(variant: str, addr: int):
-    from elasticep.moe import stream_memops as sm
+    from elasticep.moe.exchange import stream_memops as sm
     drv = sm.driver()
     if variant == "batch":
         return lambda: sm.wait_and_reset32([addr])
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     from bench.spike_stream_wait import replay_ms
-    from elasticep.moe import stream_memops
+    from elasticep.moe.exchange import stream_memops
     stream_memops.batch_works(torch.cuda.current_device())  # its self-test, before any capture
     n = 2 * args.layers
     out, launch = {}, {}

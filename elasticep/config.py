@@ -19,18 +19,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 
+from elasticep.enums import StrEnum
 from elasticep.wire import Message, ProtocolError, decode, encode_json
-
-
-class StrEnum(str, Enum):
-    """A mode: compares equal to its string, prints as it, and is JSON's string (as
-    Python 3.11's ``enum.StrEnum``, which 3.10 lacks)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class Backend(StrEnum):

@@ -120,13 +120,14 @@ def test_exit_codes_are_the_statuses_the_supervisor_reads():
 
 def test_the_config_module_sits_below_every_layer():
     """elastic/ and deploy/ read elasticep.config: it may import nothing of elasticep but
-    the wire convention (which imports only the standard library), and nothing heavy, or a
-    layer below would import upward through it."""
+    the wire convention and the mode base (which import only the standard library), and
+    nothing heavy, or a layer below would import upward through it."""
     import ast
     import sys
     from pathlib import Path
 
     import elasticep.config as config
+    import elasticep.enums as enums
     import elasticep.wire as wire
 
     def imports(module) -> set[str]:
@@ -137,8 +138,10 @@ def test_the_config_module_sits_below_every_layer():
                         if isinstance(node, ast.ImportFrom) and node.module}
 
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    assert {n.split(".")[0] for n in imports(config) - {"elasticep.wire"}} <= stdlib
+    assert {n.split(".")[0] for n in imports(config) - {"elasticep.wire", "elasticep.enums"}
+            } <= stdlib
     assert {n.split(".")[0] for n in imports(wire)} <= stdlib
+    assert {n.split(".")[0] for n in imports(enums)} <= stdlib
 
 
 def test_stall_grace_follows_the_coordinator_timeout():

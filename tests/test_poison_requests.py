@@ -25,7 +25,7 @@ from elasticep.engine.request import (
 )
 from elasticep.engine.sampler import SamplingFailure, sample_batch
 from elasticep.frontend.openai_protocol import CompletionRequest, OpenAIError
-from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, Send
+from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, SendToRank
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,18 +158,18 @@ def _tracker():
 
 def test_first_crash_is_retried_second_fails_the_request():
     tr, events, sends = _tracker()
-    assert sends == [Send(0, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10)))]
+    assert sends == [SendToRank(0, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10)))]
     assert tr.on_outputs(0, [TokenOutput("p", 0, 4)]) == []
     # rank 0's step raised: the report comes first, then membership shows it failed
     assert tr.on_step_failed(0, ["p"], "RuntimeError: boom") == []
     moved = tr.update_ranks({0: "failed", 1: "healthy", 2: "healthy"})
-    assert moved == [Send(1, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10),
+    assert moved == [SendToRank(1, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10),
                                              output_token_ids=(4,)))]
     # the retry crashes rank 1 too; this time membership moves it before the report comes
     again = tr.update_ranks({0: "failed", 1: "failed", 2: "healthy"})
     assert [s.rank for s in again] == [2]
     assert POISON_CRASHES == 2
-    assert tr.on_step_failed(1, ["p"], "RuntimeError: boom") == [Send(2, AbortRequest("p"))]
+    assert tr.on_step_failed(1, ["p"], "RuntimeError: boom") == [SendToRank(2, AbortRequest("p"))]
     assert tr.num_running == 0
     last = events[-1]
     assert last.finish_reason == "abort" and not last.refused

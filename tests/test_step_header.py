@@ -127,7 +127,7 @@ def _weights():
 
 def _worker(rank: int, port: int, outdir: str) -> None:
     from elasticep.eplb import ExpertLocationMetadata, initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
     from elasticep.moe.ep_executor import EPMoEExecutor
 
     init_gloo_rank(rank, port, WORLD)

@@ -28,9 +28,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticep.config import StrEnum
 from elasticep.deploy.launcher import RankExit
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.enums import StrEnum
 from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.deploy.supervisor")

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.engine.limits import max_step_tokens
 from elasticep.models.config import MoEModelConfig
-from elasticep.moe import stream_memops
-from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.ipc_exchange import IpcExchange, capacity_rows
 
 logger = logging.getLogger(__name__)
 

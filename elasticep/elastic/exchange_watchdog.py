@@ -1,5 +1,5 @@
 """The host watchdog of a step that waits on its peers inside the GPU (the same-host
-exchange, :mod:`elasticep.moe.ipc_exchange`).
+exchange, :mod:`elasticep.moe.exchange.ipc_exchange`).
 
 A stream blocked on a peer that died or stopped never ends by itself, and the host
 thread is blocked behind it (reading the sampled tokens). :class:`StepWatchdog` runs
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
 
 logger = logging.getLogger(__name__)
 

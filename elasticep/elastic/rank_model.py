@@ -19,7 +19,7 @@ from elasticep.elastic.step_loop import agreed_max_tokens
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
 from elasticep.models.loader import open_weights
-from elasticep.moe.cuda_experts import make_ep_executor
+from elasticep.moe.cuda_executor import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.local_executor import ExpertSlots

@@ -54,11 +54,11 @@ from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.engine.step_rate import DecodeCounters, StepRateLog
 from elasticep.eplb import EPLBManager
-from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.frontend_link import WorkerChannel
 from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
+from elasticep.moe.weight_transfer import CheckpointLoader
 
 logger = logging.getLogger(__name__)
 

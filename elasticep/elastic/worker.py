@@ -11,7 +11,7 @@
    tolerance, a plain torch.distributed group over the coordinator's TCPStore: Gloo on
    CPU, ``"cpu:gloo,cuda:nccl"`` on CUDA so the MoE all_to_alls of CUDA tensors run on
    NCCL and the step loop's CPU collectives on Gloo) and plugs the EP executor of the
-   weights' device (:func:`~elasticep.moe.cuda_experts.make_ep_executor`) over WORLD
+   weights' device (:func:`~elasticep.moe.cuda_executor.make_ep_executor`) over WORLD
    into the model; a joiner
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its
@@ -71,7 +71,7 @@ from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
-from elasticep.frontend_link import IpcEndpoints, WorkerChannel
+from elasticep.frontend_link import LinkEndpoints, WorkerChannel
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
@@ -186,7 +186,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool))
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
-    channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
+    channel = WorkerChannel(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
                             cfg.rank, log_ctx.epoch,
                             limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
                             moe_a2a_backend=a2a.value)

@@ -32,7 +32,7 @@ from elasticep.engine.limits import (
 )
 from elasticep.entrypoints.validate import UsageError, add_load_format_argument, default_model_dir
 from elasticep.models.config import SUPPORTED_FAMILIES
-from elasticep.moe import stream_memops
+from elasticep.moe.exchange import stream_memops
 
 Group = argparse.ArgumentParser | argparse._ArgumentGroup
 

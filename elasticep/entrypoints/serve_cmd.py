@@ -111,7 +111,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     spec); returns when stopped."""
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
+    # Workers of other nodes must reach the link sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
     deployment = server = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died

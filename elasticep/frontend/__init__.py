@@ -1,7 +1,7 @@
 """The HTTP front-end: the OpenAI API, request routing over data-parallel ranks, resuming
 a dead rank's requests on survivors, and the membership view it routes by.
 
-- ``core``: :class:`Frontend`, the asyncio core (ipc pump, membership watcher, streams);
+- ``core``: :class:`Frontend`, the asyncio core (link pump, membership watcher, streams);
 - ``request_tracker``: pure routing and resume decisions (no I/O, injected clock);
 - ``http_server`` / ``openai_serving`` / ``openai_protocol``: FastAPI app and schemas;
 - ``incremental_text``: streamed detokenization; ``metrics``: Prometheus metrics;

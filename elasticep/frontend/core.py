@@ -1,9 +1,9 @@
-"""The front-end's event-loop core: ipc pump, membership watcher, request streams.
+"""The front-end's event-loop core: link pump, membership watcher, request streams.
 
 Everything here runs on one asyncio loop (the HTTP server's), so the
 :class:`RequestTracker` needs no locks. Two background tasks feed it:
 
-- the *output pump* waits on the ipc channel and hands token batches, request errors
+- the *output pump* waits on the link channel and hands token batches, request errors
   and hellos to the tracker;
 - the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
   seconds (in a thread, with a timeout) and applies rank state changes, which moves
@@ -31,11 +31,11 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
-    Send,
+    SendToRank,
 )
 from elasticep.frontend_link import (
     FrontendChannel,
-    IpcError,
+    LinkError,
     OutputBatch,
     RankStats,
     RankUnreachableError,
@@ -72,7 +72,7 @@ class Frontend:
     """Routes requests to ranks and streams their tokens back.
 
     Args:
-        channel: the bound front-end ipc channel.
+        channel: the bound front-end link channel.
         membership: where rank states come from.
         decode: token ids -> text.
         metrics: metrics to update.
@@ -287,7 +287,7 @@ class Frontend:
                     stream.put(RequestEvent(stream.request_id, (), "", "abort", 0,
                                             error=f"no progress for {timeout} s"))
 
-    # ---- ipc -----------------------------------------------------------------------
+    # ---- link ----------------------------------------------------------------------
     async def _pump_outputs(self) -> None:
         while True:
             try:
@@ -320,7 +320,7 @@ class Frontend:
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()
 
-    def _dispatch(self, sends: list[Send]) -> None:
+    def _dispatch(self, sends: list[SendToRank]) -> None:
         """Send the tracker's commands; a rank we cannot reach loses its requests."""
         lost: set[int] = set()
         for send in sends:
@@ -331,7 +331,7 @@ class Frontend:
                     logger.warning("epoch %s: %s; moving its requests",
                                    self._status.epoch, exc)
                     lost.add(send.rank)
-            except IpcError as exc:  # closed channel during shutdown
+            except LinkError as exc:  # closed channel during shutdown
                 logger.warning("epoch %s: dropping %s for rank %d: %s",
                                self._status.epoch, type(send.message).__name__,
                                send.rank, exc)

@@ -341,7 +341,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
 
     Args:
         model_path: HF checkpoint directory (tokenizer files and config.json).
-        channel: the bound front-end ipc channel (workers connect to its endpoints).
+        channel: the bound front-end link channel (workers connect to its endpoints).
         membership: rank states and scaling.
         served_model_name: the ``model`` name clients use; default: ``model_path``.
         api_key: protect every endpoint but ``/health`` with this bearer token.

@@ -9,12 +9,12 @@ everything that serves: the worker loops, the deployment, the front-end, the com
 from .channels import (
     FrontendChannel,
     FrontendUnreachableError,
-    IpcError,
+    LinkError,
     RankUnreachableError,
     WorkerChannel,
 )
 from .messages import (
-    IpcEndpoints,
+    LinkEndpoints,
     OutputBatch,
     RankMessage,
     RankStats,
@@ -26,7 +26,7 @@ from .messages import (
 )
 
 __all__ = [
-    "FrontendChannel", "FrontendUnreachableError", "IpcEndpoints", "IpcError", "OutputBatch",
+    "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError", "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
     "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable",
 ]

@@ -108,7 +108,7 @@ WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed | RankStat
 
 
 @dataclass(frozen=True)
-class IpcEndpoints:
+class LinkEndpoints:
     """The two addresses a worker connects to, e.g. ``tcp://127.0.0.1:5555``."""
 
     request_addr: str

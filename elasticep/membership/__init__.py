@@ -8,12 +8,12 @@ Layout:
 - ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
 - ``service`` — `MembershipService`: handlers that take an event and return the
   messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
-  ``dispatch`` binds each handler to the request type it names.
+  ``handlers`` binds each handler to the request type it names.
 - ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
 - ``process`` — `CoordinatorProcess`: the server as a child process of `serve` and
   `generate` (its own GIL; a lifeline pipe stops it, and it dies with its parent).
-- ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.
+- ``messages`` (+ ``control_wire``) / ``protocol`` — the typed control messages, JSON lines.
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
 - ``errors`` — the typed errors of membership events and refusals.
 
@@ -22,7 +22,7 @@ It imports no other elasticep package; the rank-side torch backend
 """
 
 from .client import CoordinatorClient
-from .service import MembershipService, Send
+from .service import MembershipService, SendOnConn
 
 
 def __getattr__(name: str):
@@ -35,5 +35,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "Send",
+__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "SendOnConn",
            "start_coordinator"]

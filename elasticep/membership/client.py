@@ -52,7 +52,7 @@ class CoordinatorClient:
         # port of the coordinator's rendezvous TCPStore (on the coordinator's host)
         self.store_port: int = int(self._call(m.SupervisorHello())["store_port"])
 
-    def _call(self, msg: m.Message) -> m.Reply:
+    def _call(self, msg: m.ControlMessage) -> m.Reply:
         """Send ``msg`` and wait for its reply (ProtocolError if the answer is malformed)."""
         rid = next(self._ids)
         if not self.conn.send(replace(msg, id=rid)):

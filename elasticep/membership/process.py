@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from elasticep.config import StrEnum
+from elasticep.enums import StrEnum
 from elasticep.utils.net import bind_tcp
 
 log = logging.getLogger("elasticep.membership")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import messages as m
 from .protocol import Connection
-from .service import MembershipService, Send
+from .service import MembershipService, SendOnConn
 
 log = logging.getLogger("elasticep.membership")
 
@@ -87,7 +87,7 @@ class Coordinator:
         for c in conns:
             c.close()
 
-    def _deliver(self, sends: list[Send]) -> None:
+    def _deliver(self, sends: list[SendOnConn]) -> None:
         """Send the service's commands in order (the caller holds the lock)."""
         for s in sends:
             conn = self._conns.get(s.conn)

@@ -13,8 +13,8 @@ import logging
 from typing import Any
 
 from . import messages as m
-from .dispatch import Role, handles
 from .errors import JoinRefusedError
+from .handlers import Role, handles
 from .registry import DeploymentRecords, Group
 from .scaling import ProcInfo, ScaleTarget, check_join, deployment_status
 from .transitions import SlotState

@@ -2,7 +2,7 @@
 
 ``cuStreamWaitValue32`` blocks a stream (not an SM) until a word in device memory holds a
 value; ``cuStreamWriteValue32`` stores one from the stream's queue. Both can be captured
-in a CUDA graph, which is what lets :mod:`elasticep.moe.ipc_exchange` wait for a peer's
+in a CUDA graph, which is what lets :mod:`elasticep.moe.exchange.ipc_exchange` wait for a peer's
 rows inside the graph of a decode step. A wait's value is fixed when it is captured,
 so a flag is written back to 0 after each wait (reset after use).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from elasticep.config import StrEnum
+from elasticep.enums import StrEnum
 
 from . import messages as m
 
@@ -22,10 +22,10 @@ class Role(StrEnum):
     SUPERVISOR = "supervisor"  # a launcher, the front-end, `join` (`SupervisorHello`)
 
 
-Handler = Callable[[Any, m.Message], "dict | None"]
+Handler = Callable[[Any, m.ControlMessage], "dict | None"]
 
 
-def handles(msg_type: type[m.Message], role: Role | None = None) -> Callable:
+def handles(msg_type: type[m.ControlMessage], role: Role | None = None) -> Callable:
     """Mark a method ``(self, peer, msg) -> reply fields or None`` as the handler of
     ``msg_type`` requests, accepted only from ``role`` connections (None: any)."""
 
@@ -36,13 +36,13 @@ def handles(msg_type: type[m.Message], role: Role | None = None) -> Callable:
     return mark
 
 
-def handler_table(service: object) -> dict[type[m.Message], tuple[Handler, Role | None]]:
+def handler_table(service: object) -> dict[type[m.ControlMessage], tuple[Handler, Role | None]]:
     """request type -> (the bound handler of ``service``, the role it must come from).
 
     Raises:
         ValueError: two methods handle one type.
     """
-    table: dict[type[m.Message], tuple[Handler, Role | None]] = {}
+    table: dict[type[m.ControlMessage], tuple[Handler, Role | None]] = {}
     for name in dir(type(service)):
         marked = getattr(getattr(type(service), name), "handles", None)
         if marked is None:
@@ -54,8 +54,8 @@ def handler_table(service: object) -> dict[type[m.Message], tuple[Handler, Role 
     return table
 
 
-def dispatch(table: dict[type[m.Message], tuple[Handler, Role | None]], peer: Any,
-             msg: m.Message) -> dict | None:
+def dispatch(table: dict[type[m.ControlMessage], tuple[Handler, Role | None]], peer: Any,
+             msg: m.ControlMessage) -> dict | None:
     """Run the handler of ``msg`` (a request other than hello and hb) for ``peer``.
 
     Raises:

@@ -1,7 +1,7 @@
 """The MoE combine in one Triton kernel: gather each token's k expert outputs, weight
 them and sum.
 
-The torch form (:func:`elasticep.moe.expert_compute.combine_pairs`) is a gather (on the
+The torch form (:func:`elasticep.moe.experts.expert_compute.combine_pairs`) is a gather (on the
 EP path, the pair rows come back in the exchange's layout), a float32 cast, a multiply,
 a sum over k and a cast back: four or five kernels per MoE layer that each move a few
 kilobytes at decode. Here it is one. The products and the sum are in float32 like the

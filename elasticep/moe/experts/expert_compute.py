@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elasticep.moe.fused_combine import fused_combine, fused_combine_ok
-from elasticep.moe.small_batch_experts import small_batch_ok, swiglu_rows
-from elasticep.moe.sorted_experts import sorted_rows_ok, swiglu_sorted
-from elasticep.moe.tiled_experts import swiglu_tiled, tiled_rows_ok
+from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
+from elasticep.moe.experts.small_batch_experts import small_batch_ok, swiglu_rows
+from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
+from elasticep.moe.experts.tiled_experts import swiglu_tiled, tiled_rows_ok
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -105,13 +105,13 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         tags: [N] int32/int64, ``local slot + 1``; 0 marks a padding row.
         use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
             it where :func:`grouped_ok`. Unless False, on CUDA up to
-            :data:`~elasticep.moe.small_batch_experts.MAX_ROWS` rows take the per-row
-            GEMV kernels of :mod:`elasticep.moe.small_batch_experts`, more rows in
-            bf16/fp16 the sorted-rows kernels of :mod:`elasticep.moe.sorted_experts`
+            :data:`~elasticep.moe.experts.small_batch_experts.MAX_ROWS` rows take the per-row
+            GEMV kernels of :mod:`elasticep.moe.experts.small_batch_experts`, more rows in
+            bf16/fp16 the sorted-rows kernels of :mod:`elasticep.moe.experts.sorted_experts`
             (22-28 % faster than the grouped GEMM from 128 to 2048 rows at Qwen3-30B-A3B's
             expert shape, ``bench/expert_gemv.py``), and prefill-sized batches (from
-            :data:`~elasticep.moe.tiled_experts.MIN_ROWS_PER_SLOT` rows per slot) the
-            tiled grouped GEMM of :mod:`elasticep.moe.tiled_experts`, instead.
+            :data:`~elasticep.moe.experts.tiled_experts.MIN_ROWS_PER_SLOT` rows per slot) the
+            tiled grouped GEMM of :mod:`elasticep.moe.experts.tiled_experts`, instead.
         sync_free: where grouped GEMM is not used, run every slot over every row
             (S batched matmul pairs, then pick each row's own slot) instead of the
             per-slot loop that reads slot counts on the host. S times the FLOPs, no
@@ -123,7 +123,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
             read it so; the other paths expand it first.
         tag_bound: ``(bound, block_rows)``, a ``[N / block_rows]`` (or ``[.., 1]``) int32 bound of
             each block's tags (the same-host exchange's
-            :meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`): the tags are read
+            :meth:`~elasticep.moe.exchange.ipc_exchange.IpcExchange.tag_cap`): the tags are read
             as ``min(tag, bound of the row's block)``. The per-row kernels apply it as
             they read a tag; the other paths clamp a copy first.
 
@@ -187,7 +187,7 @@ def combine_pairs(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dt
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum of each token's k expert outputs.
 
-    On CUDA this is one kernel (:func:`elasticep.moe.fused_combine.fused_combine`); the
+    On CUDA this is one kernel (:func:`elasticep.moe.experts.fused_combine.fused_combine`); the
     torch form below is its reference.
 
     Args:

@@ -2,7 +2,7 @@
 
 A prefill step of Qwen3-30B-A3B at 8192 tokens sends 65,536 (token, expert) rows through
 each MoE layer, about 512 per expert. The sorted-rows kernels
-(:mod:`elasticep.moe.sorted_experts`) give one program a whole slot and walk its rows
+(:mod:`elasticep.moe.experts.sorted_experts`) give one program a whole slot and walk its rows
 serially, so at this size each program re-reads its weight block once per row tile and
 most of the GPU waits on few long programs (measured: 318 of 407 ms of an 8192-token
 step, ``bench/scale.py --only prefill``). Here the grid is the usual grouped-GEMM grid,
@@ -14,7 +14,7 @@ The block -> slot map is built on the device from the per-slot counts (``cumsum`
 ``searchsorted`` over a grid sized for the worst case, ``ceil(N / BLOCK_M) + S``
 blocks), so there is no host sync. Programs past the last block return at once.
 
-Rounding follows the torch form (:func:`elasticep.moe.expert_compute.swiglu_expert`):
+Rounding follows the torch form (:func:`elasticep.moe.experts.expert_compute.swiglu_expert`):
 gate and up rounded to the model dtype, SiLU rounded, their product rounded; the down
 projection accumulates in float32 and rounds once.
 """
@@ -53,7 +53,7 @@ def tiled_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 if triton is not None:
-    from elasticep.moe.sorted_experts import swiglu_store
+    from elasticep.moe.experts.sorted_experts import swiglu_store
 
     @triton.jit
     def _block_rows(order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S,

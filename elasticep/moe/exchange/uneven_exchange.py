@@ -9,20 +9,18 @@ Each (token, choice) pair picks one physical slot of its logical expert:
 The pairs are then exchanged with ``all_to_all_single``: first the per-rank pair counts
 (int64, one entry per rank of the group), then the hidden rows and their local slot ids
 with those uneven splits. Ranks that host no chosen slot, inactive ones included, get
-zero splits. :func:`combine_pairs` runs the reverse exchange.
+zero splits. :func:`return_pairs` runs the reverse exchange.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.metadata import ExpertLocationMetadata
-
-DispatchAlgorithm = Literal["static", "dynamic"]
 
 
 def choose_physical_slots(
@@ -57,7 +55,7 @@ def choose_physical_slots(
 
 @dataclass
 class DispatchState:
-    """What :func:`combine_pairs` needs to undo :func:`dispatch_pairs`.
+    """What :func:`return_pairs` needs to undo :func:`dispatch_pairs`.
 
     Attributes:
         order: [N] int64, the flat (token, choice) index of each sent row.
@@ -89,7 +87,7 @@ def dispatch_pairs(
     Returns:
         recv_hidden: [N_recv, H] rows this rank must run, grouped by sender.
         recv_local_slots: [N_recv] int64 local slot of each row.
-        state: for :func:`combine_pairs`.
+        state: for :func:`return_pairs`.
     """
     k = slots.shape[1]
     flat = slots.reshape(-1)
@@ -111,7 +109,7 @@ def dispatch_pairs(
     return recv_hidden, recv_local, DispatchState(order, send_splits, recv_splits)
 
 
-def combine_pairs(
+def return_pairs(
     expert_out: torch.Tensor, state: DispatchState, num_pairs: int, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Return expert outputs to their senders, in the senders' (token, choice) order.

@@ -17,7 +17,7 @@ from elasticep.wire import ProtocolError, convert, plain
 
 from .transitions import Decision
 
-__all__ = ["Message", "ProtocolError", "convert", "decode_line", "from_wire",
+__all__ = ["ControlMessage", "ProtocolError", "convert", "decode_line", "from_wire",
            "message_types", "plain"]
 
 _BY_TAG: dict[str, list[type[_wire.Message]]] = {}
@@ -27,7 +27,7 @@ _wire.register_codec(Decision, Decision.to_dict, Decision.from_dict)
 
 
 @dataclass(frozen=True)
-class Message(_wire.Message):
+class ControlMessage(_wire.Message):
     """Base of every control message. ``id`` is set on requests that expect a Reply."""
 
     REGISTRY: ClassVar[dict[str, list[type[_wire.Message]]] | None] = _BY_TAG
@@ -36,7 +36,7 @@ class Message(_wire.Message):
     id: int | None = field(default=None, kw_only=True)
 
 
-def from_wire(d: Any) -> Message:
+def from_wire(d: Any) -> ControlMessage:
     """Turn one decoded JSON value into its control message.
 
     Raises:
@@ -46,11 +46,11 @@ def from_wire(d: Any) -> Message:
     return _wire.decode(d, _BY_TAG, "control message")
 
 
-def message_types() -> list[type[Message]]:
+def message_types() -> list[type[ControlMessage]]:
     """Every registered message class (one per wire type and variant)."""
     return [c for cs in _BY_TAG.values() for c in cs]
 
 
-def decode_line(line: bytes) -> Message:
+def decode_line(line: bytes) -> ControlMessage:
     """Parse one JSON line into its control message. Raises ProtocolError."""
     return _wire.decode_json(line, _BY_TAG, "control message")

@@ -1,7 +1,7 @@
 """SwiGLU experts for a few rows: one matrix-vector product per (row, expert) pair.
 
 At decode batch 1 a MoE layer of Qwen3-30B-A3B has 8 rows, each for its own expert.
-The grouped GEMM (:func:`elasticep.moe.expert_compute.grouped_swiglu`) then needs a
+The grouped GEMM (:func:`elasticep.moe.experts.expert_compute.grouped_swiglu`) then needs a
 sort, a count, offsets and a scatter around two GEMMs whose tiles are mostly padding;
 here two kernels read each row's slot from its tag and stream that expert's weights
 once (memory-bound GEMV, the regime of decode): ``act = silu(gate x) * (up x)``, then
@@ -140,7 +140,7 @@ def swiglu_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
         tag_bound: ``(bound, block_rows)``: row ``n``'s tag is read as
             ``clamp(tags[n], 0, bound[n // block_rows])``, where ``bound`` is a
             contiguous int32 tensor of ``ceil(N / block_rows)`` words (the same-host
-            exchange's per-source bound, :meth:`~elasticep.moe.ipc_exchange.IpcExchange.tag_cap`:
+            exchange's per-source bound, :meth:`~elasticep.moe.exchange.ipc_exchange.IpcExchange.tag_cap`:
             ``S`` for an active source, 0 for an inactive one). This is the exchange's
             tag clamp done in the kernels, not as a kernel of its own.
 

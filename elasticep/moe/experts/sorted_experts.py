@@ -2,7 +2,7 @@
 
 At decode batch 16 of Qwen3-30B-A3B a layer has 128 (token, expert) rows spread over
 about 80 of its 128 experts: one to a few rows per expert. The per-row kernels
-(:mod:`elasticep.moe.small_batch_experts`) would read an expert once per row, and
+(:mod:`elasticep.moe.experts.small_batch_experts`) would read an expert once per row, and
 ``torch._grouped_mm`` runs GEMM tiles that are nearly all padding. Here the rows are
 sorted by slot on the device (an argsort and a count, no host sync) and a program owns
 one slot and one block of output features: it streams that expert's weights once and

@@ -1,6 +1,6 @@
 """Fixed-capacity token exchange of expert parallelism (the GPU dispatch/combine).
 
-The CPU path (:mod:`elasticep.moe.dispatch`) first exchanges per-rank pair counts and
+The CPU path (:mod:`elasticep.moe.exchange.uneven_exchange`) first exchanges per-rank pair counts and
 then moves rows with uneven splits; on a GPU those counts would have to reach the host
 (a device sync per layer). Here every rank instead sends exactly ``capacity`` rows to
 every rank of the group, so ``all_to_all_single`` needs no split sizes and everything
@@ -235,7 +235,7 @@ def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchang
     Returns:
         [G*C, H] in the send layout: the output of flat pair ``i`` is row
         ``plan.position[i]``, which the combine reads in place
-        (:func:`elasticep.moe.expert_compute.combine_pairs` with ``rows=plan.position``).
+        (:func:`elasticep.moe.experts.expert_compute.combine_pairs` with ``rows=plan.position``).
     """
     back = alloc("back", expert_out.shape[0], expert_out)
     exchange(back, expert_out.contiguous())

@@ -1,8 +1,8 @@
 """The EP executor for CUDA: fixed-capacity exchange + grouped GEMM.
 
 :class:`CudaEPMoEExecutor` is the :class:`EPMoEExecutor` whose dispatch and combine use
-:mod:`elasticep.moe.padded_exchange` and whose local experts run as grouped GEMMs
-(:func:`elasticep.moe.expert_compute.grouped_swiglu`), so a decode step's MoE layers
+:mod:`elasticep.moe.exchange.padded_exchange` and whose local experts run as grouped GEMMs
+(:func:`elasticep.moe.experts.expert_compute.grouped_swiglu`), so a decode step's MoE layers
 run without a host-device sync.
 
 It is also what makes EP decode capturable in CUDA graphs
@@ -20,11 +20,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
     fresh,
@@ -32,7 +32,9 @@ from elasticep.moe.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.moe.small_batch_experts import gate_up_rows, small_batch_ok
+from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.experts.small_batch_experts import gate_up_rows, small_batch_ok
+from elasticep.moe.fused_exchange import FusedForms
 from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import capture_bound, capturing, eager_boundary
 
@@ -90,6 +92,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
         self._transport: IpcExchange | None = None
+        self._fused: FusedForms | None = None  # the transport's fused sends
         self._local_only = False
 
     @property
@@ -101,17 +104,18 @@ class CudaEPMoEExecutor(EPMoEExecutor):
 
     @transport.setter
     def transport(self, exchange: IpcExchange | None) -> None:
+        fused = None
         if exchange is not None:
             exchange.tag_cap(self.metadata.num_local_physical_experts)
+            fused = FusedForms(exchange)
             layer = next((i for i, w in enumerate(self.w13) if w is not None), None)
-            if layer is not None:
-                exchange.warm_expert_kernels(self.w13[layer], self.w2[layer])
-        self._transport = exchange
+            fused.warm(*((self.w13[layer], self.w2[layer]) if layer is not None else ()))
+        self._transport, self._fused = exchange, fused
 
     @property
     def graph_variants(self) -> tuple[str | None, ...]:
         """The decode forwards to capture per bucket: the plain one, and with a transport
-        that has peer slots, its :data:`~elasticep.moe.ipc_exchange.SOLO` form."""
+        that has peer slots, its :data:`~elasticep.moe.exchange.ipc_exchange.SOLO` form."""
         t = self._transport
         return (None, SOLO) if t is not None and t.G > 1 else (None,)
 
@@ -236,7 +240,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
 
         It applies to a step of one token on the transport (CUDA) with the static
         dispatch map: the router's own kernel is not launched, so a decode layer runs
-        one kernel fewer (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`).
+        one kernel fewer (:func:`~elasticep.moe.fused_exchange_kernels.routed_dispatch`).
 
         Args:
             hidden_states: [T, H] model dtype; logits: [T, E] router logits of the
@@ -246,7 +250,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         Returns:
             [T, H] model dtype, as ``__call__``, or None.
         """
-        t = self._transport
+        t = self._fused
         if (t is None or self._local_only or self.dispatch_algorithm != "static"
                 or not t.routes_in_dispatch(hidden_states, logits, rule.top_k)):
             return None
@@ -273,7 +277,8 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         t, S = self.transport, self.metadata.num_local_physical_experts
         if slots is None:
             l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
-            position = t.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap, layer_idx)
+            position = self._fused.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap,
+                                                        layer_idx)
         else:
             position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
         return self._experts_and_combine(layer_idx, position, topk_weights,
@@ -293,7 +298,7 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             # decode sizes: the down projection writes the sources' combine rows itself
             act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
                                tag_bound=bound)
-            t.send_combine_down(act, tags, w2, cap, layer_idx, S)
+            self._fused.send_combine_down(act, tags, w2, cap, layer_idx, S)
         else:
             bufs = self._buffers if capturing() else fresh
             expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
@@ -314,7 +319,8 @@ def _stream_capturing() -> bool:
 
 def make_ep_executor(metadata: ExpertLocationMetadata, w13: list[torch.Tensor | None],
                      w2: list[torch.Tensor | None], group: dist.ProcessGroup | None,
-                     dispatch_algorithm: str = "static") -> EPMoEExecutor:
+                     dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
+                     ) -> EPMoEExecutor:
     """The EP executor for where the metadata lives: CUDA -> :class:`CudaEPMoEExecutor`
     (capacity agreed per call unless ``step_max_tokens`` is set), else the CPU
     :class:`EPMoEExecutor`. Raises as they do."""

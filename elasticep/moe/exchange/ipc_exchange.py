@@ -1,15 +1,15 @@
 """The same-host expert exchange: peers write into each other's mapped buffers, inside a
 CUDA graph (``--moe-a2a-backend cuda_ipc``).
 
-The padded all_to_all (:mod:`elasticep.moe.padded_exchange`) is an eager collective
+The padded all_to_all (:mod:`elasticep.moe.exchange.padded_exchange`) is an eager collective
 between graph pieces: a decode step of a 48-layer model is 97 pieces around 96 NCCL
 calls. Here, ranks of one host map each other's receive buffers with CUDA IPC, and one
 exchange is:
 
-1. a send kernel (:mod:`elasticep.moe.ipc_kernels`) that writes this rank's rows into
+1. a send kernel (:mod:`elasticep.moe.exchange.ipc_kernels`) that writes this rank's rows into
    every active destination's buffer at this rank's row block, then sets a flag there;
 2. per peer ``q``, a stream wait until ``flags_me[q, slot] == 1``
-   (:mod:`elasticep.moe.stream_memops`; the stream waits without holding an SM, which
+   (:mod:`elasticep.moe.exchange.stream_memops`; the stream waits without holding an SM, which
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
    time slices). The next exchange's send kernel sets the flag back to 0
    (``ELASTICEP_IPC_FLAG_RESET=kernel``, the default). ``=memop`` resets it with a
@@ -25,11 +25,11 @@ peer sends to a rank that runs it.
 
 Nothing in it is a collective call, so the decode forward is one graph. The graph reads
 the pointer table and the ``active`` mask from device memory; the layout of the rows is
-:func:`~elasticep.moe.padded_exchange.plan_padded`'s, so the grouped GEMM and the combine
+:func:`~elasticep.moe.exchange.padded_exchange.plan_padded`'s, so the grouped GEMM and the combine
 are the padded path's.
 
 Memory, per rank (``G = max_ep_size``, ``C_max`` rows per source block for the largest
-step, ``W`` = :func:`~elasticep.moe.padded_exchange.row_width`): a dispatch buffer
+step, ``W`` = :func:`~elasticep.moe.exchange.padded_exchange.row_width`): a dispatch buffer
 ``[G*C_max, W]`` and a combine buffer ``[G*C_max, H]`` in the model dtype (two, because a
 peer one phase ahead already writes its combine rows while this rank reads dispatch
 rows), flags ``[G, 2*moe_layers]`` int32 (one column per exchange of a step: a column is
@@ -59,17 +59,15 @@ from collections.abc import Sequence
 
 import torch
 
-from elasticep.moe import ipc_kernels as kernels
-from elasticep.moe import stream_memops
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange import ipc_kernels as kernels
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.padded_exchange import (
     ROW_ALIGN,
     PaddedPlan,
     plan_padded,
     row_width,
     split_rows,
 )
-from elasticep.moe.small_batch_experts import MAX_ROWS, gate_up_rows
-from elasticep.moe.softmax_topk import SoftmaxTopk, softmax_topk_reference
 from elasticep.utils import cuda_ipc, graph_boundary
 
 logger = logging.getLogger(__name__)
@@ -167,10 +165,6 @@ class IpcExchange:
         # per slot count S: [G, 1] int32, S for active sources and 0 for the rest (one
         # elementwise min masks and clamps the received tags; refreshed by reset)
         self._tag_caps: dict[int, torch.Tensor] = {}
-        self._warm_routes: set[tuple] = set()  # the routed send's compiled forms
-        # one kernel for the static map's gather, plan and send at decode sizes
-        # (ELASTICEP_FUSED_DISPATCH=0: three, as the general path)
-        self.fused_dispatch = os.environ.get("ELASTICEP_FUSED_DISPATCH", "1") != "0"
         # who clears a waited flag: "kernel", the next exchange's send kernel
         # (reset_prev; the wait node only waits), or "memop", a stream write right
         # after the wait (one more graph node per exchange)
@@ -249,12 +243,12 @@ class IpcExchange:
 
     def warm_kernels(self) -> None:
         """Compile the send kernels now, not inside the first graph capture, with a
-        private self-only table, mask and flags, so nothing reaches a peer: every
-        variant a step can launch (this reset mode, each fused-dispatch scan width
-        that fits the buffers)."""
+        private self-only table, mask and flags, so nothing reaches a peer (for this
+        reset mode; the fused forms warm their own kernels,
+        :meth:`elasticep.moe.fused_exchange.FusedForms.warm`)."""
         if not self.cuda:
             return
-        recv0, table, active, counter, flags, scratch = self._private()
+        recv0, table, active, counter, flags, scratch = self.private_state()
         C = 8
         reset = self.reset_in_kernel
         hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
@@ -263,52 +257,13 @@ class IpcExchange:
         plan = PaddedPlan(position, tag, self.G, C)
         kernels.dispatch_send(hidden, inv, plan.tag, 1, self.rank, C, self.W, table, active,
                               counter, flags, 0, reset)
-        l2p = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # one step per scan width the buffers can take (n pairs select the width n
-        # fits), one token a pair, all to slot 0 of this rank
-        for n in sorted({min(w, self.cap_rows, kernels.PLAN_MAX_PAIRS)
-                         for w in kernels.SCAN_BLOCKS}):
-            kernels.fused_dispatch(hidden.expand(n, -1).contiguous(),
-                                   slots.expand(n, 1).contiguous(), l2p, 1, self.rank,
-                                   self.cap_rows, self.W, table, active, counter, flags, 0,
-                                   reset)
         out = torch.zeros(self.G * C, self.H, dtype=self.dtype, device=self.device)
         kernels.combine_send(out, recv0, self.rank, C, table, active, counter, flags, 1,
                              reset)
         torch.cuda.synchronize(self.device)
         del scratch
 
-    def warm_routed_dispatch(self, logits: torch.Tensor, rule: SoftmaxTopk,
-                             logical_to_physical: torch.Tensor, slots_per_rank: int) -> None:
-        """Compile the one-token routed dispatch now (once per form), not inside the first
-        graph capture. The executor calls it from the warm-up passes before each capture,
-        where the rule is first known, with the layer's own map and slot count: Triton
-        compiles a form per integer argument equal to 1 and per pointer alignment, so
-        stand-ins would compile a form that served steps never use.
-
-        It launches on a private self-only state of ``k`` rows a source (nothing reaches
-        a peer, and the memory it takes is a few rows, since the KV cache is already
-        sized by then). A failure is logged and left to the capture, which then compiles
-        the kernel itself or fails into eager decode as any capture failure does."""
-        key = (rule, logits.shape[1], logits.dtype, slots_per_rank == 1,
-               logical_to_physical.data_ptr() % 16 == 0, self.reset_in_kernel)
-        if not self.cuda or key in self._warm_routes:
-            return
-        try:
-            k = rule.top_k
-            _, table, active, counter, flags, scratch = self._private(k)
-            hidden = torch.zeros(1, self.H, dtype=self.dtype, device=self.device)
-            kernels.routed_dispatch(hidden, torch.zeros_like(logits[:1]).contiguous(), rule,
-                                    logical_to_physical, slots_per_rank, self.rank, k, self.W,
-                                    table, active, counter, flags, 0, self.reset_in_kernel)
-            torch.cuda.synchronize(self.device)
-            del scratch
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-            logger.warning("could not compile the routed dispatch before the capture: %s", exc)
-            return
-        self._warm_routes.add(key)
-
-    def _private(self, rows: int | None = None) -> tuple:
+    def private_state(self, rows: int | None = None) -> tuple:
         """A self-only copy of the exchange's state for compiling kernels: (dispatch
         buffer, table, active, counter, flags, what holds the buffers). ``rows``: that
         many rows a source instead of ``cap_rows`` (a copy of the whole arena)."""
@@ -326,26 +281,6 @@ class IpcExchange:
         table[self.rank] = torch.tensor([recv0.data_ptr(), recv1.data_ptr(), flags.data_ptr()],
                                         dtype=torch.int64)
         return recv0, table, active, counter, flags, scratch
-
-    def warm_expert_kernels(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Compile the decode-sized expert kernels this exchange's steps launch (the
-        bounded gate/up and the fused down-and-send, for a layer's ``w13`` [S, 2I, H] and
-        ``w2`` [S, H, I]) now, not inside the first graph capture, on all-padding rows
-        read from a private self-only buffer, as served steps read theirs."""
-        if not self.cuda or not w2.is_contiguous() or w13.dtype != self.dtype:
-            return
-        C = max(1, min(8, MAX_ROWS // self.G))
-        try:
-            recv0, table, active, counter, flags, scratch = self._private()
-            rows, tags = split_rows(recv0[:self.G * C], self.H)
-            bound = torch.zeros(self.G, dtype=torch.int32, device=self.device)
-            act = gate_up_rows(w13, rows, tags, rows.new_empty(self.G * C, w2.shape[2]),
-                               tag_bound=(bound, C))
-            kernels.down_combine_send(act, tags, bound, w2, self.rank, C, table, active,
-                                      counter, flags, 1, self.reset_in_kernel)
-            torch.cuda.synchronize(self.device)
-        except Exception as exc:  # noqa: BLE001 - they then compile at first use instead
-            logger.warning("could not compile the decode expert kernels ahead: %s", exc)
 
     # ------------------------------------------------------------------ membership
     def reset(self, active: torch.Tensor) -> None:
@@ -394,7 +329,7 @@ class IpcExchange:
         return self._aborted
 
     # ------------------------------------------------------------------ one exchange
-    def _slot(self, layer: int) -> int:
+    def flag_column(self, layer: int) -> int:
         """The dispatch flag column of decoder ``layer`` (its combine's is one more)."""
         try:
             return self._column[layer]
@@ -402,7 +337,7 @@ class IpcExchange:
             raise ValueError(f"layer {layer} does not exchange (its MoE layers: "
                              f"{sorted(self._column)})") from None
 
-    def _check_capacity(self, C: int) -> None:
+    def check_capacity(self, C: int) -> None:
         if C > self.cap_rows:
             raise ValueError(f"exchange of {C} rows per block > the {self.cap_rows} the "
                              "buffers hold (a step larger than the deployment's step bound)")
@@ -456,7 +391,7 @@ class IpcExchange:
         Raises:
             ValueError: ``C`` exceeds the buffers.
         """
-        self._check_capacity(C)
+        self.check_capacity(C)
         if kernels.plan_ok(slots):
             position, tag, inv = kernels.fused_plan(slots, slots_per_rank, self.G, C)
             plan = PaddedPlan(position, tag, self.G, C)
@@ -466,74 +401,14 @@ class IpcExchange:
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,
-                                  self.flags, self._slot(layer), self.reset_in_kernel)
+                                  self.flags, self.flag_column(layer), self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
             kernels.dispatch_send_reference(hidden, inv, plan.tag, slots.shape[1], self.rank,
                                             C, dests, active)
-            self._signal_local(self._slot(layer))
+            self._signal_local(self.flag_column(layer))
         return plan
-
-    def send_dispatch_static(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                             logical_to_physical: torch.Tensor, slots_per_rank: int, C: int,
-                             layer: int) -> torch.Tensor:
-        """:meth:`send_dispatch` for the static dispatch map: each pair goes to slot
-        ``logical_to_physical[topk_ids]``. A decode-sized step on CUDA does the gather,
-        the plan and the send in one kernel (:func:`~elasticep.moe.ipc_kernels.fused_dispatch`).
-
-        Args:
-            topk_ids: [T, k] int64 logical experts; logical_to_physical: [E] int64
-                (the layer's row of the static dispatch map); the rest as
-                :meth:`send_dispatch`.
-
-        Returns:
-            [T*k] int64, each pair's row in the ``[G*C]`` layout (for the combine).
-        """
-        self._check_capacity(C)
-        if self.cuda and self.fused_dispatch and kernels.fused_dispatch_ok(hidden, topk_ids):
-            return kernels.fused_dispatch(hidden, topk_ids, logical_to_physical,
-                                          slots_per_rank, self.rank, C, self.W, self.table,
-                                          self.active, self.counter, self.flags,
-                                          self._slot(layer),
-                                          self.reset_in_kernel)
-        slots = logical_to_physical[topk_ids]
-        return self.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
-
-    def routes_in_dispatch(self, hidden: torch.Tensor, logits: torch.Tensor,
-                           top_k: int) -> bool:
-        """Whether :meth:`send_dispatch_routed` routes this step inside its send kernel
-        (CUDA, one token: :func:`~elasticep.moe.ipc_kernels.routed_dispatch_ok`)."""
-        return self.cuda and self.fused_dispatch and kernels.routed_dispatch_ok(
-            hidden, logits, top_k)
-
-    def send_dispatch_routed(self, hidden: torch.Tensor, logits: torch.Tensor,
-                             rule: SoftmaxTopk, logical_to_physical: torch.Tensor,
-                             slots_per_rank: int, C: int, layer: int
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route the step's tokens by the softmax top-k ``rule`` and send them as
-        :meth:`send_dispatch_static` does. Where :meth:`routes_in_dispatch` holds, one
-        kernel does both (:func:`~elasticep.moe.ipc_kernels.routed_dispatch`); elsewhere
-        the torch rule (:func:`~elasticep.moe.softmax_topk.softmax_topk_reference`) picks
-        the experts first.
-
-        Args:
-            hidden: [T, H] model dtype; logits: [T, E] router logits; rule: the layer's
-                rule; the rest as :meth:`send_dispatch_static`.
-
-        Returns:
-            ``position`` [T*k] int64 (as :meth:`send_dispatch_static`), ``topk_ids``
-            [T, k] int64 and ``topk_weights`` [T, k] float32.
-        """
-        self._check_capacity(C)
-        if self.routes_in_dispatch(hidden, logits, rule.top_k):
-            return kernels.routed_dispatch(hidden, logits, rule, logical_to_physical,
-                                           slots_per_rank, self.rank, C, self.W, self.table,
-                                           self.active, self.counter, self.flags,
-                                           self._slot(layer), self.reset_in_kernel)
-        ids, weights = softmax_topk_reference(logits, rule, hidden.dtype)
-        return (self.send_dispatch_static(hidden, ids, logical_to_physical, slots_per_rank,
-                                          C, layer), ids, weights)
 
     def recv_dispatch(self, C: int, layer: int, slots_per_rank: int, clamp: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,7 +421,7 @@ class IpcExchange:
         passing ``(tag_cap(slots_per_rank), C)`` as the expert compute's ``tag_bound``
         (one kernel a layer less). The combine send still reads the raw tags, which is
         safe: it writes only to active sources, and within their own row block."""
-        self._wait(self._slot(layer))
+        self._wait(self.flag_column(layer))
         rows, tags = split_rows(self.recv0[:self.G * C], self.H)
         if clamp:
             cap = self.tag_cap(slots_per_rank)
@@ -573,7 +448,7 @@ class IpcExchange:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
         if self.cuda:
             kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
-                                 self.active, self.counter, self.flags, self._slot(layer) + 1,
+                                 self.active, self.counter, self.flags, self.flag_column(layer) + 1,
                                  self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
@@ -581,31 +456,10 @@ class IpcExchange:
                      for q in range(self.G)]
             tags = split_rows(self.recv0[:self.G * C], self.H)[1]
             kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
-            self._signal_local(self._slot(layer) + 1)
-
-    def send_combine_down(self, act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
-                          C: int, layer: int, slots_per_rank: int) -> None:
-        """:meth:`send_combine` of the down projection of ``act``, computed in the send
-        kernel itself (CUDA; :func:`~elasticep.moe.ipc_kernels.down_combine_send`): for a
-        decode-sized step, one kernel where the expert compute's second kernel and the
-        combine send were two.
-
-        Args:
-            act: [G*C, I] model dtype, contiguous: ``silu(gate x) * (up x)`` of the rows
-                :meth:`recv_dispatch` returned; tags: their raw tags (``clamp=False``);
-            w2: [S, H, I] contiguous; C, layer, slots_per_rank: as in :meth:`recv_dispatch`.
-
-        Raises:
-            RuntimeError: on the CPU simulation (it has :meth:`send_combine` only).
-        """
-        if not self.cuda:
-            raise RuntimeError("send_combine_down runs on CUDA only")
-        kernels.down_combine_send(act, tags, self.tag_cap(slots_per_rank).view(-1), w2,
-                                  self.rank, C, self.table, self.active, self.counter,
-                                  self.flags, self._slot(layer) + 1, self.reset_in_kernel)
+            self._signal_local(self.flag_column(layer) + 1)
 
     def recv_combine(self, C: int, layer: int) -> torch.Tensor:
         """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send
         layout (the output of flat pair ``i`` is row ``plan.position[i]``)."""
-        self._wait(self._slot(layer) + 1)
+        self._wait(self.flag_column(layer) + 1)
         return self.recv1[:self.G * C]
