@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from elasticep.models.quantization import Fp8BlockQuantization
-from elasticep.moe import fp8_block
+from elasticep.moe.experts import fp8_block
 
 
 def read_all(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.models import load_model
 from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
-from elasticep.moe import fp8_block
+from elasticep.moe.experts import fp8_block
 from elasticep_testkit.ep import assert_equal_under_near_tie_rule, prompts
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ or a :class:`~elasticep.models.dummy_weights.DummyWeightReader` and keeps its in
 (``has``, ``get``, ``get_row``, ``get_optional``), so the loader, the orphan reload and a
 joining rank read FP8 checkpoints unchanged. A weight ``<name>`` stored as
 float8_e4m3fn with ``<name>_scale_inv`` beside it is dequantized exactly
-(:func:`elasticep.moe.fp8_block.dequantize`) into the dtype the caller asks for. With
+(:func:`elasticep.moe.experts.fp8_block.dequantize`) into the dtype the caller asks for. With
 ``online`` quantization (``--quantization fp8``, or dummy weights of an FP8 config), each
 weight the format quantizes is rounded through block FP8 on the way, so the model holds
 what an FP8 checkpoint made from the same weights would hold, bit for bit.
@@ -17,7 +17,7 @@ import torch
 
 from elasticep.models.config import unsupported
 from elasticep.models.quantization import Fp8BlockQuantization
-from elasticep.moe import fp8_block
+from elasticep.moe.experts import fp8_block
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -4,7 +4,7 @@ One format is supported: block-scaled FP8, as DeepSeek-V3/R1 and the Qwen3 ``-FP
 checkpoints ship it (``config.json``'s ``quantization_config``: ``quant_method: fp8``,
 ``fmt: e4m3``, ``activation_scheme: dynamic``, ``weight_block_size: [128, 128]``; every
 quantized ``<name>`` tensor has a float32 ``<name>_scale_inv`` beside it, see
-:mod:`elasticep.moe.fp8_block`). ``--quantization fp8`` (SGLang's and vLLM's flag)
+:mod:`elasticep.moe.experts.fp8_block`). ``--quantization fp8`` (SGLang's and vLLM's flag)
 quantizes an unquantized checkpoint to the same format while it loads.
 
 Everything else that declares a ``quantization_config`` (AWQ, GPTQ, compressed-tensors,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elasticep.moe.fp8_block import BLOCK
+from elasticep.moe.experts.fp8_block import BLOCK
 
 QUANTIZATION_CHOICES = ("fp8",)
 SUPPORTED = ("block-scaled FP8 (quant_method fp8, fmt e4m3, activation_scheme dynamic, "
