@@ -310,3 +310,24 @@ def test_uneven_blocks_match_transformers_logits(tmp_path):
 
     got = run_batched(ours, [ids[0].tolist()], split=1)[0]
     assert rel_err(got, want) < 1e-4
+
+
+# --- elastic paths: an orphan reloaded, or read for a peer, is the expert it replaces ---
+
+def test_orphan_reload_and_joiner_read_are_bit_identical(fp8_ckpt, fp8_model):
+    from elasticep.elastic.rank_model import CheckpointExperts
+    from elasticep.models import reload_expert
+
+    part = load_model(fp8_ckpt, progress=False, slot_to_logical=torch.tensor([[0, 1]] * 6))
+    reload_expert(part, fp8_ckpt, layer=4, slot=1, logical_expert=11)
+    assert torch.equal(part.experts.w13[4][1], fp8_model.experts.w13[4][11])
+    assert torch.equal(part.experts.w2[4][1], fp8_model.experts.w2[4][11])
+    w13, w2 = CheckpointExperts(part, fp8_ckpt)(2, 7)
+    assert torch.equal(w13, fp8_model.experts.w13[2][7]) and torch.equal(w2, fp8_model.experts.w2[2][7])
+    # online: a reload rounds through FP8 exactly as the launch did
+    online = load_model(MODEL, progress=False, quantization="fp8",
+                        slot_to_logical=torch.tensor([[5]] * 6))
+    w13, _ = CheckpointExperts(online, MODEL, quantization="fp8")(3, 5)
+    assert torch.equal(w13, online.experts.w13[3][0])
+    plain, _ = CheckpointExperts(online, MODEL)(3, 5)
+    assert not torch.equal(plain, w13)
