@@ -27,6 +27,7 @@ from elasticep.engine.request import SamplingParams
 from elasticep.models import load_model
 from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.expert_compute import dense_weights
 from elasticep_testkit.ep import assert_equal_under_near_tie_rule, prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -167,13 +168,14 @@ def fp8_model(fp8_ckpt):
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
+    """Every weight as the forward pass sees it (packed FP8 experts dequantized)."""
     out = {"embed": model.embed, "lm_head": model.lm_head}
     for i, layer in enumerate(model.layers):
         out[f"{i}.qkv"] = layer.attn.qkv
         out[f"{i}.o"] = layer.attn.o
         out[f"{i}.router"] = layer.moe.router
-        out[f"{i}.w13"] = model.experts.w13[i]
-        out[f"{i}.w2"] = model.experts.w2[i]
+        out[f"{i}.w13"], out[f"{i}.w2"] = dense_weights(model.experts.w13[i],
+                                                        model.experts.w2[i], torch.float32)
     return out
 
 
@@ -183,6 +185,14 @@ def test_loader_dequantizes_exactly(fp8_ckpt, fp8_model, dequantized_ckpt):
     for name, w in want.items():
         assert torch.equal(ours[name], w), name
     stored = read_all(fp8_ckpt)
+    # the experts stay FP8: each slot holds the stored bytes and scales, packed
+    q13, s13 = fp8_block.unpack(fp8_model.experts.w13[3], 512)
+    gate = "model.layers.3.mlp.experts.9.gate_proj.weight"
+    up = "model.layers.3.mlp.experts.9.up_proj.weight"
+    assert fp8_model.experts.w13[3].dtype == torch.uint8
+    assert torch.equal(q13[9].view(torch.uint8),
+                       torch.cat([stored[gate], stored[up]]).view(torch.uint8))
+    assert torch.equal(s13[9], torch.cat([stored[gate + "_scale_inv"], stored[up + "_scale_inv"]]))
     # what stayed unconverted is the original weight; the rest really moved through FP8
     assert "model.layers.0.self_attn.o_proj.weight_scale_inv" not in stored
     assert "model.layers.1.self_attn.o_proj.weight_scale_inv" in stored
@@ -224,7 +234,7 @@ def test_dummy_weights_of_an_fp8_config_are_fp8_values(tmp_path):
                                      "weight_block_size": [128, 128]}
     (only / "config.json").write_text(json.dumps(config))
     model = load_model(only, load_format="dummy", progress=False)
-    w = model.experts.w13[2][5]
+    w = dense_weights(model.experts.w13[2], model.experts.w2[2], torch.float32)[0][5]
     q, s = fp8_block.quantize(w)
     assert torch.equal(fp8_block.dequantize(q, s), w)  # already on the FP8 grid
     assert not torch.equal(model.layers[0].moe.router,

@@ -18,11 +18,10 @@ import torch.distributed as dist
 from elasticep.elastic.step_loop import agreed_max_tokens
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
-from elasticep.models.loader import open_weights
+from elasticep.models.loader import alloc_expert_slots, experts_fp8, open_weights
 from elasticep.moe.cuda_executor import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
-from elasticep.moe.local_executor import ExpertSlots
 from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import eager_boundary
 
@@ -31,7 +30,8 @@ LayerHook = Callable[[int, torch.Tensor], None]
 
 
 class CheckpointExperts:
-    """``load_fn(layer, expert) -> (w13 [2*I, H], w2 [H, I])`` read from the checkpoint.
+    """``load_fn(layer, expert) -> (w13 [2*I, H], w2 [H, I])`` read from the checkpoint
+    (for FP8 experts, the packed slot rows with their scales, as the model holds them).
 
     The reader stays open for the worker's life (safetensors maps files lazily), so an
     orphan reload after a failure pays no index parsing.
@@ -51,18 +51,16 @@ class CheckpointExperts:
         self.config = model.config
         self.dtype, self.device = model.dtype, model.device
         self.reader = open_weights(model_dir, load_format, seed, model.config, quantization)
+        self.fp8 = experts_fp8(self.reader, model.config)  # packed slots, as the model's
         self.num_loaded = 0
 
     def __call__(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         n = c.num_hidden_layers
-        slots = ExpertSlots(
-            w13=[torch.empty(1, 2 * c.moe_intermediate_size, c.hidden_size, dtype=self.dtype,
-                             device=self.device) if i == layer else None for i in range(n)],
-            w2=[torch.empty(1, c.hidden_size, c.moe_intermediate_size, dtype=self.dtype,
-                            device=self.device) if i == layer else None for i in range(n)],
-            slot_to_logical=torch.zeros(n, 1, dtype=torch.long),
-        )
+        slots = alloc_expert_slots(c, torch.zeros(n, 1, dtype=torch.long), self.dtype,
+                                   self.device, self.fp8)
+        slots.w13 = [w if i == layer else None for i, w in enumerate(slots.w13)]
+        slots.w2 = [w if i == layer else None for i, w in enumerate(slots.w2)]
         load_expert_into_slot(self.reader, c, slots, layer, 0, expert)
         self.num_loaded += 1
         return slots.w13[layer][0], slots.w2[layer][0]

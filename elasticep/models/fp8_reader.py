@@ -82,6 +82,34 @@ class Fp8BlockReader:
         """Like :meth:`get`, but None when the key is absent."""
         return self.get(key, shape, dtype, device) if self.has(key) else None
 
+    def expert_fp8(self, key: str) -> bool:
+        """Whether expert weight ``key`` is FP8 in this checkpoint (stored with its
+        scales, or quantized while loading): such experts are kept packed with their
+        scales (:func:`get_fp8`), not dequantized."""
+        return self.quant.online or self.inner.has(key + SCALE_SUFFIX)
+
+    def get_fp8(self, key: str, shape: tuple[int, int], device: torch.device | str,
+                row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key`` (or row ``row`` of a stacked one) as block FP8: ``(q [shape]
+        float8_e4m3fn, scale_inv [ceil(shape / 128)] float32)`` on ``device``, as stored,
+        or quantized now (online).
+
+        Raises:
+            ValueError: missing tensor, wrong shape or dtype, scales of the wrong shape.
+        """
+        if self._stored_fp8(key):
+            if row is None:
+                q, scale = self.inner.get_stored(key), self.inner.get_stored(key + SCALE_SUFFIX)
+            else:
+                q = self.inner.get_row_stored(key, row)
+                scale = self.inner.get_row_stored(key + SCALE_SUFFIX, row)
+            w = self._dequantized(key, q, scale, shape, torch.float32, "cpu")  # checks it all
+            del w
+            return q.to(device), scale.float().to(device)
+        w = (self.inner.get(key, shape, torch.float32, device) if row is None
+             else self.inner.get_row(key, row, shape, torch.float32, device))
+        return fp8_block.quantize(w, self.quant.block)
+
     def _maybe_online(self, key: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.quant.online and self.quant.quantizes(key, tuple(w.shape)):
             return fp8_block.fake_quantize(w, dtype, self.quant.block)

@@ -32,6 +32,7 @@ from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECau
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
 from elasticep.models.quantization import parse_quantization
 from elasticep.models.rope import deinterleave_rows
+from elasticep.moe.experts import fp8_block
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
 
 # vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
@@ -121,7 +122,9 @@ def load_expert_into_slot(
     hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
     dtype, device = w13.dtype, w13.device
     kind, prefix = _expert_keys(cfg, reader, layer)
-    if kind == "fused":
+    if fp8_block.is_packed(w13):
+        _load_fp8_expert(reader, cfg, kind, prefix, logical_expert, w13[slot], w2[slot])
+    elif kind == "fused":
         w13[slot].copy_(
             reader.get_row(f"{prefix}.experts.gate_up_proj", logical_expert, (2 * inter, hid), dtype, device)
         )
@@ -136,6 +139,74 @@ def load_expert_into_slot(
         w13[slot, inter:].copy_(reader.get(f"{p}.{names[1]}.weight", (inter, hid), dtype, device))
         w2[slot].copy_(reader.get(f"{p}.{names[2]}.weight", (hid, inter), dtype, device))
     slots.slot_to_logical[layer, slot] = logical_expert
+
+
+def _per_expert_names(reader: WeightReader, prefix: str) -> tuple[str, str, str]:
+    # mixtral's w1/w3/w2 or the qwen/deepseek gate/up/down projections
+    if reader.has(f"{prefix}.experts.0.w1.weight"):
+        return "w1", "w3", "w2"
+    return "gate_proj", "up_proj", "down_proj"
+
+
+def _load_fp8_expert(reader: Fp8BlockReader, cfg: MoEModelConfig, kind: str, prefix: str,
+                     expert: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Read one expert as block FP8 into its packed slot rows ``w13 [2I + e, H]`` and
+    ``w2 [H + e', I]`` (uint8). The gate and up halves' scale grids stack into the fused
+    weight's because I is a multiple of the block (:func:`fp8_experts_packable`)."""
+    hid, inter, dev = cfg.hidden_size, cfg.moe_intermediate_size, w13.device
+    if kind == "fused":
+        q13, s13 = reader.get_fp8(f"{prefix}.experts.gate_up_proj", (2 * inter, hid), dev,
+                                  row=expert)
+        q2, s2 = reader.get_fp8(f"{prefix}.experts.down_proj", (hid, inter), dev, row=expert)
+    else:
+        g, u, d = _per_expert_names(reader, prefix)
+        p = f"{prefix}.experts.{expert}"
+        qg, sg = reader.get_fp8(f"{p}.{g}.weight", (inter, hid), dev)
+        qu, su = reader.get_fp8(f"{p}.{u}.weight", (inter, hid), dev)
+        q13, s13 = torch.cat([qg, qu]), torch.cat([sg, su])
+        q2, s2 = reader.get_fp8(f"{p}.{d}.weight", (hid, inter), dev)
+    fp8_block.pack(q13, s13, out=w13)
+    fp8_block.pack(q2, s2, out=w2)
+
+
+def fp8_experts_packable(cfg: MoEModelConfig) -> bool:
+    """Whether ``cfg``'s experts can be kept as packed FP8 slots: the gate/up split falls
+    on a scale block (I a multiple of 128) and both weights pack 4-byte aligned. Other
+    shapes keep FP8 experts dequantized (exact, at twice the bytes)."""
+    hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    return (inter % fp8_block.BLOCK[0] == 0 and fp8_block.packable(2 * inter, hid)
+            and fp8_block.packable(hid, inter))
+
+
+def alloc_expert_slots(cfg: MoEModelConfig, slot_to_logical: torch.Tensor, dtype: torch.dtype,
+                       device: torch.device | str, fp8: bool) -> ExpertSlots:
+    """Uninitialised expert slots for ``slot_to_logical [L, S]``: per MoE layer ``w13 [S,
+    2I, H]`` and ``w2 [S, H, I]`` of ``dtype``, or with ``fp8`` packed FP8 slots (uint8
+    ``[S, 2I + e, H]`` and ``[S, H + e', I]``, weights and block scales together,
+    :mod:`elasticep.moe.experts.fp8_block`)."""
+    hid, inter, S = cfg.hidden_size, cfg.moe_intermediate_size, slot_to_logical.shape[1]
+    if fp8:
+        r13, r2, dt = fp8_block.packed_rows(2 * inter, hid), fp8_block.packed_rows(hid, inter), torch.uint8
+    else:
+        r13, r2, dt = 2 * inter, hid, dtype
+    return ExpertSlots(
+        w13=[torch.empty(S, r13, hid, dtype=dt, device=device) if m else None
+             for m in cfg.moe_layers],
+        w2=[torch.empty(S, r2, inter, dtype=dt, device=device) if m else None
+            for m in cfg.moe_layers],
+        slot_to_logical=slot_to_logical,
+    )
+
+
+def experts_fp8(reader: WeightReader, cfg: MoEModelConfig) -> bool:
+    """Whether this checkpoint's experts load as packed FP8 slots."""
+    layer = next((i for i, m in enumerate(cfg.moe_layers) if m), None)
+    if not isinstance(reader, Fp8BlockReader) or layer is None or not fp8_experts_packable(cfg):
+        return False
+    kind, prefix = _expert_keys(cfg, reader, layer)
+    key = (f"{prefix}.experts.gate_up_proj" if kind == "fused"
+           else f"{prefix}.experts.0.{_per_expert_names(reader, prefix)[0]}.weight")
+    return reader.expert_fp8(key)
 
 
 def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
@@ -247,7 +318,9 @@ def load_model(
         seed: the dummy weights' seed.
         quantization: None, or "fp8" to quantize an unquantized checkpoint to block FP8
             while loading (a block-FP8 checkpoint is read as such either way). FP8
-            weights are dequantized exactly into ``dtype``.
+            experts stay FP8, packed with their scales into their slots (where the
+            shape allows, :func:`fp8_experts_packable`); every other FP8 weight is
+            dequantized exactly into ``dtype``.
 
     Returns:
         A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the
@@ -258,7 +331,7 @@ def load_model(
             bad placement.
     """
     cfg = load_model_config(model_dir)
-    n_layers, hid, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.moe_intermediate_size
+    n_layers, hid = cfg.num_hidden_layers, cfg.hidden_size
     if slot_to_logical is None:
         slot_to_logical = torch.arange(cfg.num_experts).repeat(n_layers, 1)
     slot_to_logical = torch.as_tensor(slot_to_logical, dtype=torch.long).clone()
@@ -271,14 +344,8 @@ def load_model(
         raise ValueError(f"slot_to_logical holds ids outside [0, {cfg.num_experts}] "
                          f"({cfg.num_experts}: an empty slot)")
     num_slots = slot_to_logical.shape[1]
-    slots = ExpertSlots(
-        w13=[torch.empty(num_slots, 2 * inter, hid, dtype=dtype, device=device) if m else None
-             for m in cfg.moe_layers],
-        w2=[torch.empty(num_slots, hid, inter, dtype=dtype, device=device) if m else None
-            for m in cfg.moe_layers],
-        slot_to_logical=slot_to_logical,
-    )
     with open_weights(model_dir, load_format, seed, cfg, quantization) as reader:
+        slots = alloc_expert_slots(cfg, slot_to_logical, dtype, device, experts_fp8(reader, cfg))
         embed = reader.get("model.embed_tokens.weight", (cfg.vocab_size, hid), dtype, device)
         layers = []
         bar = tqdm(range(n_layers), desc=f"loading {Path(model_dir).name}", unit="layer",
@@ -288,7 +355,7 @@ def load_model(
             if cfg.moe_layers[i]:
                 for s in range(num_slots):
                     e = int(slot_to_logical[i, s])
-                    if e == cfg.num_experts:
+                    if e == cfg.num_experts:  # zeros: packed FP8 zeros too (scale 0)
                         slots.w13[i][s].zero_()
                         slots.w2[i][s].zero_()
                     else:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_rows import fp8_rows_ok, swiglu_rows_fp8
+from elasticep.moe.experts.fp8_sorted import fp8_sorted_ok, swiglu_sorted_fp8
 from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
 from elasticep.moe.experts.small_batch_experts import small_batch_ok, swiglu_rows
 from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
@@ -59,6 +62,7 @@ def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     Returns:
         [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` per row.
     """
+    w13, w2 = dense_weights(w13, w2, rows.dtype)
     out = torch.empty_like(rows)
     if rows.shape[0] == 0:
         return out
@@ -75,9 +79,36 @@ def run_expert_rows(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
 
 
 def grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """True when ``torch._grouped_mm`` takes these inputs (CUDA bf16, 16-byte aligned rows)."""
+    """True when :func:`grouped_swiglu` runs these inputs on the device with no host sync:
+    ``torch._grouped_mm`` (CUDA bf16, 16-byte aligned rows), or packed FP8 slots
+    (:mod:`elasticep.moe.experts.fp8_block`) on CUDA, which the FP8 kernels take."""
+    if fp8_block.is_packed(w13):
+        return x.is_cuda and fp8_sorted_ok(x, w13[:0, :0].view(fp8_block.FP8_DTYPE))
     return (HAS_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16
             and w13.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w13.shape[1] % 16 == 0)
+
+
+def dense_weights(w13: torch.Tensor, w2: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [S, 2I, H], w2 [S, H, I])`` as plain weights: packed FP8 slots are
+    dequantized exactly into ``dtype`` (the torch reference path), others returned as
+    they are."""
+    if not fp8_block.is_packed(w13):
+        return w13, w2
+    inter, hidden = w2.shape[2], w13.shape[2]
+    return (fp8_block.dequantize_packed(w13, 2 * inter, dtype),
+            fp8_block.dequantize_packed(w2, hidden, dtype))
+
+
+def _swiglu_fp8(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
+                out: torch.Tensor | None) -> torch.Tensor:
+    # packed FP8 slots on the device: weights dequantized in registers
+    inter, hidden = w2.shape[2], w13.shape[2]
+    q13, s13 = fp8_block.unpack(w13, 2 * inter)
+    q2, s2 = fp8_block.unpack(w2, hidden)
+    if fp8_rows_ok(rows, q13):
+        return swiglu_rows_fp8(q13, s13, q2, s2, rows, tags.contiguous(), out)
+    return swiglu_sorted_fp8(q13, s13, q2, s2, rows, tags, out)
 
 
 # Above this many [S, N, max(2I, H)] intermediate elements the all-slots path of
@@ -99,8 +130,12 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     """Unweighted SwiGLU expert output of each tagged row.
 
     Args:
-        w13: [S, 2*I, H] gate rows then up rows (model dtype, rows' device).
-        w2: [S, H, I].
+        w13: [S, 2*I, H] gate rows then up rows (model dtype, rows' device), or packed
+            FP8 slots (uint8, :mod:`elasticep.moe.experts.fp8_block`): on CUDA the FP8
+            kernels (:mod:`~elasticep.moe.experts.fp8_rows` up to their row bound,
+            :mod:`~elasticep.moe.experts.fp8_sorted` above) read them, elsewhere they are
+            dequantized exactly and take the paths below.
+        w2: [S, H, I], packed too when ``w13`` is.
         rows: [N, H] model dtype.
         tags: [N] int32/int64, ``local slot + 1``; 0 marks a padding row.
         use_grouped: force (True) or forbid (False) ``torch._grouped_mm``; None picks
@@ -131,6 +166,17 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
         [N, H] model dtype: ``w2[s] @ (silu(gate_s x) * (up_s x))`` for a row of slot
         ``s``, zeros for padding rows.
     """
+    if fp8_block.is_packed(w13):
+        if tag_bound is not None:
+            bound, block_rows = tag_bound
+            tags = torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
+        if row_repeat > 1:
+            rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
+        if rows.is_cuda and use_grouped is not False and fp8_sorted_ok(rows, w13[:0, :0].view(
+                fp8_block.FP8_DTYPE)):
+            return _swiglu_fp8(w13, w2, rows, tags, out)
+        w13, w2 = dense_weights(w13, w2, rows.dtype)
+        row_repeat, tag_bound = 1, None
     if tag_bound is not None:
         bound, block_rows = tag_bound
         if (row_repeat == 1 and use_grouped is not False and w2.is_contiguous()

@@ -104,3 +104,78 @@ def fake_quantize(w: torch.Tensor, dtype: torch.dtype | None = None,
     ``dtype`` (default ``w``'s)."""
     q, s = quantize(w, block)
     return dequantize(q, s, dtype or w.dtype, block)
+
+
+# --- packed expert slots -----------------------------------------------------------------
+#
+# An expert slot of an FP8 model holds its weights and its block scales in one byte
+# tensor: ``[S, R + extra, C]`` uint8, rows ``0..R-1`` the float8_e4m3fn weights and the
+# ``extra`` rows after them the float32 scales' bytes (zero-padded). Every mover of
+# expert slots (a peer copy over CUDA IPC, a collective, an orphan reload, a reserved
+# empty slot) moves slot rows of a tensor whatever their bytes mean, so the scales travel
+# with their weights by construction: no mover needs to know FP8 exists.
+
+
+def packed_rows(rows: int, cols: int, block: tuple[int, int] = BLOCK) -> int:
+    """Rows of a packed slot holding a ``[rows, cols]`` FP8 weight and its scales."""
+    n_scales = scale_shape((rows, cols), block)
+    return rows + -(-4 * n_scales[0] * n_scales[1] // cols)
+
+
+def packable(rows: int, cols: int) -> bool:
+    """Whether a ``[rows, cols]`` weight packs with its scales 4-byte aligned (the scale
+    region of every slot then views as float32 in place)."""
+    return rows % 4 == 0 and cols % 4 == 0
+
+
+def is_packed(w: torch.Tensor | None) -> bool:
+    """True for a packed FP8 slot tensor (uint8; unquantized slots are float)."""
+    return w is not None and w.dtype == torch.uint8
+
+
+def pack(q: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack ``q [..., R, C]`` float8_e4m3fn and ``scale_inv [..., r, c]`` float32 into
+    ``[..., packed_rows(R, C), C]`` uint8 (into ``out`` if given).
+
+    Raises:
+        ValueError: ``q`` is not FP8, the scales have the wrong shape, or the weight does
+            not pack (:func:`packable`).
+    """
+    R, C = q.shape[-2:]
+    if q.dtype != FP8_DTYPE or tuple(scale_inv.shape) != scale_shape(q.shape):
+        raise ValueError(f"pack needs float8_e4m3fn [..., R, C] and scales "
+                         f"{list(scale_shape(q.shape))}, got {q.dtype} and "
+                         f"{list(scale_inv.shape)}")
+    if not packable(R, C):
+        raise ValueError(f"a [{R}, {C}] FP8 weight does not pack (rows and columns must be "
+                         "multiples of 4)")
+    lead = q.shape[:-2]
+    if out is None:
+        out = torch.zeros(*lead, packed_rows(R, C), C, dtype=torch.uint8, device=q.device)
+    out[..., :R, :] = q.view(torch.uint8)
+    flat = scale_inv.float().reshape(*lead, -1).contiguous().view(torch.uint8)
+    tail = out[..., R:, :].reshape(*lead, -1)
+    tail[..., :flat.shape[-1]] = flat
+    tail[..., flat.shape[-1]:] = 0
+    out[..., R:, :] = tail.reshape(out[..., R:, :].shape)
+    return out
+
+
+def unpack(p: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a packed ``[S, R + extra, C]`` slot tensor: ``(q [S, R, C]``
+    float8_e4m3fn, ``scale_inv [S, ceil(R/128), ceil(C/128)]`` float32), sharing its
+    memory (no copy; the slot stride of both is the packed slot's)."""
+    S, _, C = p.shape
+    r, c = scale_shape((rows, C))
+    q = p[:, :rows, :].view(FP8_DTYPE)
+    tail = p[:, rows:, :]
+    # the scale bytes of every slot start 4-byte aligned (packable), so the region views
+    # as float32 in place: [S, extra * C / 4] with the packed slot stride
+    s = torch.as_strided(tail, (S, tail.shape[1] * C), (p.stride(0), 1), tail.storage_offset())
+    return q, s.view(torch.float32)[:, : r * c].unflatten(1, (r, c))
+
+
+def dequantize_packed(p: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[S, rows, C]`` weights of a packed slot tensor, dequantized to ``dtype``."""
+    q, s = unpack(p, rows)
+    return dequantize(q, s, dtype)

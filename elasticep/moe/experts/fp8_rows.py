@@ -40,22 +40,22 @@ def fp8_rows_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
     """True when :func:`swiglu_rows_fp8` takes these inputs (CUDA or the Triton
     interpreter, FP8 weights, few rows)."""
     return (triton is not None and 0 < rows.shape[0] <= MAX_ROWS
-            and w13.dtype == fp8_block.FP8_DTYPE and w13.is_contiguous())
+            and w13.dtype == fp8_block.FP8_DTYPE)
 
 
 if triton is not None:
 
     @triton.jit
-    def _fp8_gate_up_kernel(x_ptr, x_stride, tag_ptr, w13_ptr, s13_ptr, act_ptr, H, inter,
-                            s_rows, s_cols, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr):
+    def _fp8_gate_up_kernel(x_ptr, x_stride, tag_ptr, w13_ptr, w_slot, s13_ptr, s_slot, act_ptr,
+                            H, inter, s_cols, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         tag = tl.load(tag_ptr + r).to(tl.int64)
         slot = tl.maximum(tag - 1, 0)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask_i = offs_i < inter
         live = mask_i & (offs_i * 0 + tag != 0)
-        w = w13_ptr + slot * (2 * inter * H)
-        s = s13_ptr + slot * (s_rows * s_cols)
+        w = w13_ptr + slot * w_slot
+        s = s13_ptr + slot * s_slot
         # the scale rows of this tile's gate and up rows (up starts at row `inter`,
         # which need not be a block boundary)
         s_gate = s + (offs_i // CHUNK) * s_cols
@@ -81,16 +81,16 @@ if triton is not None:
         tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)
 
     @triton.jit
-    def _fp8_down_kernel(act_ptr, tag_ptr, w2_ptr, s2_ptr, out_ptr, H, inter, s_rows, s_cols,
-                         BLOCK_O: tl.constexpr, CHUNK: tl.constexpr):
+    def _fp8_down_kernel(act_ptr, tag_ptr, w2_ptr, w_slot, s2_ptr, s_slot, out_ptr, H, inter,
+                         s_cols, BLOCK_O: tl.constexpr, CHUNK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         tag = tl.load(tag_ptr + r).to(tl.int64)
         slot = tl.maximum(tag - 1, 0)
         offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask_o = offs_o < H
         live = mask_o & (offs_o * 0 + tag != 0)
-        w = w2_ptr + slot * (H * inter)
-        s_row = s2_ptr + slot * (s_rows * s_cols) + (offs_o // CHUNK) * s_cols
+        w = w2_ptr + slot * w_slot
+        s_row = s2_ptr + slot * s_slot + (offs_o // CHUNK) * s_cols
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for k0 in range(0, tl.where(tag != 0, inter, 0), CHUNK):
             offs_k = k0 + tl.arange(0, CHUNK)
@@ -119,10 +119,12 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
     """Unweighted SwiGLU of each row with its own slot's FP8 expert (two Triton kernels).
 
     Args:
-        w13: ``[S, 2I, H]`` float8_e4m3fn, contiguous: gate rows then up rows.
-        w13_scale: ``[S, ceil(2I/128), ceil(H/128)]`` float32 block scales.
-        w2: ``[S, H, I]`` float8_e4m3fn, contiguous.
-        w2_scale: ``[S, ceil(H/128), ceil(I/128)]`` float32.
+        w13: ``[S, 2I, H]`` float8_e4m3fn: gate rows then up rows; each slot contiguous,
+            any slot stride (a packed slot's view, :func:`fp8_block.unpack`).
+        w13_scale: ``[S, ceil(2I/128), ceil(H/128)]`` float32 block scales, each slot
+            contiguous, any slot stride.
+        w2: ``[S, H, I]`` float8_e4m3fn, as ``w13``.
+        w2_scale: ``[S, ceil(H/128), ceil(I/128)]`` float32, as ``w13_scale``.
         rows: ``[N, H]`` bf16/fp16/fp32 activations, ``N <= MAX_ROWS``, unit column stride.
         tags: ``[N]`` contiguous int32/int64, ``slot + 1``, 0 for a padding row. Not
             range-checked (a check would sync the host): a tag above S reads out of bounds.
@@ -144,11 +146,11 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
     bi, wa = GATE_UP_TILE
     bo, wb = DOWN_TILE
     _fp8_gate_up_kernel[(N, triton.cdiv(inter, bi))](
-        rows, rows.stride(0), tags, w13, w13_scale, act, H, inter, w13_scale.shape[1],
-        w13_scale.shape[2], BLOCK_I=bi, CHUNK=_CHUNK, num_warps=wa)
+        rows, rows.stride(0), tags, w13, w13.stride(0), w13_scale, w13_scale.stride(0), act, H,
+        inter, w13_scale.shape[2], BLOCK_I=bi, CHUNK=_CHUNK, num_warps=wa)
     _fp8_down_kernel[(N, triton.cdiv(H, bo))](
-        act, tags, w2, w2_scale, out, H, inter, w2_scale.shape[1], w2_scale.shape[2],
-        BLOCK_O=bo, CHUNK=_CHUNK, num_warps=wb)
+        act, tags, w2, w2.stride(0), w2_scale, w2_scale.stride(0), out, H, inter,
+        w2_scale.shape[2], BLOCK_O=bo, CHUNK=_CHUNK, num_warps=wb)
     return out
 
 
