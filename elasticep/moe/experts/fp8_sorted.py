@@ -59,8 +59,8 @@ if triton is not None:
                 c = h0 // CHUNK
                 sg = tl.load(s_gate + c, mask=i_ok, other=0.0)
                 su = tl.load(s_up + c, mask=i_ok, other=0.0)
-                gate += tl.dot(x, tl.trans(wg.to(dt))) * sg[None, :]
-                up += tl.dot(x, tl.trans(wu.to(dt))) * su[None, :]
+                gate += tl.dot(x, tl.trans(wg.to(tl.float32).to(dt))) * sg[None, :]
+                up += tl.dot(x, tl.trans(wu.to(tl.float32).to(dt))) * su[None, :]
             swiglu_store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_i[None, :],
                          gate, up, m_ok[:, None] & i_ok[None, :])
 
@@ -87,7 +87,7 @@ if triton is not None:
                 w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
                             mask=o_ok[:, None] & k_ok[None, :], other=0.0)
                 sc = tl.load(s_row + k0 // CHUNK, mask=o_ok, other=0.0)
-                acc += tl.dot(a, tl.trans(w.to(dt))) * sc[None, :]
+                acc += tl.dot(a, tl.trans(w.to(tl.float32).to(dt))) * sc[None, :]
             tl.store(out_ptr + row.to(tl.int64)[:, None] * H + offs_o[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
 
