@@ -30,7 +30,7 @@ from elasticep.models.fp8_reader import Fp8BlockReader
 from elasticep.models.mla import MLAWeights
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
-from elasticep.models.quantization import parse_quantization
+from elasticep.models.quantization import experts_packable, parse_quantization
 from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
@@ -170,12 +170,8 @@ def _load_fp8_expert(reader: Fp8BlockReader, cfg: MoEModelConfig, kind: str, pre
 
 
 def fp8_experts_packable(cfg: MoEModelConfig) -> bool:
-    """Whether ``cfg``'s experts can be kept as packed FP8 slots: the gate/up split falls
-    on a scale block (I a multiple of 128) and both weights pack 4-byte aligned. Other
-    shapes keep FP8 experts dequantized (exact, at twice the bytes)."""
-    hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    return (inter % fp8_block.BLOCK[0] == 0 and fp8_block.packable(2 * inter, hid)
-            and fp8_block.packable(hid, inter))
+    """:func:`~elasticep.models.quantization.experts_packable` of ``cfg``'s experts."""
+    return experts_packable(cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def alloc_expert_slots(cfg: MoEModelConfig, slot_to_logical: torch.Tensor, dtype: torch.dtype,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_block import BLOCK
 
 QUANTIZATION_CHOICES = ("fp8",)
@@ -113,3 +114,12 @@ def parse_quantization(raw: dict, requested: str | None = None,
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise refuse("a modules_to_not_convert that is not a list of module names")
     return Fp8BlockQuantization(block=tuple(block), modules_to_not_convert=tuple(skip))
+
+
+def experts_packable(hidden: int, inter: int) -> bool:
+    """Whether FP8 experts of this shape stay FP8, packed with their scales in their slots
+    (:mod:`elasticep.moe.experts.fp8_block`): the gate/up split falls on a scale block
+    (``inter`` a multiple of 128) and both weights pack 4-byte aligned. Other shapes keep
+    FP8 experts dequantized (exact, at the bytes of the model dtype)."""
+    return (inter % BLOCK[0] == 0 and fp8_block.packable(2 * inter, hidden)
+            and fp8_block.packable(hidden, inter))

@@ -15,13 +15,15 @@ import torch.nn.functional as F
 
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_rows import fp8_rows_ok, swiglu_rows_fp8
-from elasticep.moe.experts.fp8_sorted import fp8_sorted_ok, swiglu_sorted_fp8
+from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
+from elasticep.moe.experts.fp8_sorted import triton as _fp8_triton
 from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
 from elasticep.moe.experts.small_batch_experts import small_batch_ok, swiglu_rows
 from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
 from elasticep.moe.experts.tiled_experts import swiglu_tiled, tiled_rows_ok
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+FP8_KERNELS = _fp8_triton is not None  # the FP8 expert kernels are Triton
 
 
 def swiglu_expert(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
@@ -83,7 +85,7 @@ def grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
     ``torch._grouped_mm`` (CUDA bf16, 16-byte aligned rows), or packed FP8 slots
     (:mod:`elasticep.moe.experts.fp8_block`) on CUDA, which the FP8 kernels take."""
     if fp8_block.is_packed(w13):
-        return x.is_cuda and fp8_sorted_ok(x, w13[:0, :0].view(fp8_block.FP8_DTYPE))
+        return x.is_cuda and FP8_KERNELS
     return (HAS_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16
             and w13.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w13.shape[1] % 16 == 0)
 
@@ -172,8 +174,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
             tags = torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
         if row_repeat > 1:
             rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
-        if rows.is_cuda and use_grouped is not False and fp8_sorted_ok(rows, w13[:0, :0].view(
-                fp8_block.FP8_DTYPE)):
+        if rows.is_cuda and use_grouped is not False and FP8_KERNELS:
             return _swiglu_fp8(w13, w2, rows, tags, out)
         w13, w2 = dense_weights(w13, w2, rows.dtype)
         row_repeat, tag_bound = 1, None
