@@ -51,7 +51,7 @@ try:
         gsm8k_requests,
         random_requests,
     )
-    from elasticep_testkit.serving.metrics import first_errors, summarize
+    from elasticep_testkit.serving.metrics import DIFFERENCES_FROM_SGLANG, first_errors, summarize
 except ModuleNotFoundError as _exc:  # run as a script, not from the repository root
     sys.exit(f"bench/serving.py: error: {_exc}; run it from the repository root as "
              "`python -m bench.serving ...`")
@@ -207,7 +207,9 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
     ``ttft_first_ms`` is the TTFT of that first request, sent alone (the first request
     a server started with ``--launch`` sees: what a cold kernel, compiled on the request
     path, costs), and ``ttft_first_over_median`` its ratio to the measured run's
-    ``median_ttft_ms`` (at concurrency 1, the steady TTFT).
+    ``median_ttft_ms`` (at concurrency 1, the steady TTFT): one request, so a noisy
+    figure. ``differences_from_sglang`` lists where the metrics depart from
+    bench_serving's (see :mod:`elasticep_testkit.serving.metrics`).
     """
     model = served_model(base_url)
     warm = warmup_requests(args, requests)
@@ -228,7 +230,8 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
         base_url, model, requests, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout_s=args.request_timeout))
-    out: dict[str, Any] = {"model_id": model, **summarize(results, duration)}
+    out: dict[str, Any] = {"model_id": model, **summarize(results, duration),
+                           "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG)}
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)
     out["ttft_first_over_median"] = (round(out["ttft_first_ms"] / out["median_ttft_ms"], 3)
