@@ -338,8 +338,12 @@ def test_stub_engine_mode_streams_every_token_at_the_stubs_rate():
     stub = line["stub"]
     assert stub["emitted_tokens"] == n * out_len  # everything the ranks sent arrived
     assert stub["nominal_tok_s"] == steps_per_s * n
-    # loose bounds: a shared 2-core machine; one token per request per 25 ms step
-    assert 0.5 * 25 < line["median_tpot_ms"] < 3 * 25, line["median_tpot_ms"]
+    # one token per request per 25 ms step. Below: a stub step never comes early (a late
+    # one is not made up by a burst), so TPOT is at least the period, less the client's
+    # timestamp jitter spread over 19 gaps. Above: the stub ranks, the front-end and the
+    # client share 2 cores with other jobs, and a preempted step is late; 2x still fails
+    # a front-end that holds each token for a step.
+    assert 0.95 * 25 < line["median_tpot_ms"] < 2 * 25, line["median_tpot_ms"]
     assert 0.3 < stub["served_over_nominal"] <= 1.05, stub
     assert 0.5 * steps_per_s * n < stub["emitted_tok_s"] <= 1.2 * steps_per_s * n, stub
 
