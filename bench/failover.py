@@ -46,6 +46,7 @@ import signal
 import sys
 import time
 
+from bench._commit import commit
 from bench._deploy import Run, add_deploy_arguments, deployment_args
 from elasticep_testkit.harness import timeline
 from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out
@@ -232,7 +233,7 @@ def main() -> int:
         if args.plot:
             run.plot(args.plot, f"{args.scenario}: EP{args.ep_size}, "
                                 f"{args.concurrency} streams, {args.device}")
-    print(json.dumps(line), flush=True)
+    print(json.dumps({"commit": commit(), **line}), flush=True)
     return 0
 
 

@@ -25,7 +25,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/serving.py`: a s
 try:
     import httpx
 
+    from bench._commit import commit
     from elasticep.frontend.tokenizer import TokenIdsOnlyTokenizer, load_tokenizer
     from elasticep_testkit.harness.serve_process import ServeProcess
     from elasticep_testkit.serving import stub_engine
@@ -133,22 +133,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not ok:
             ap.error(message)  # one line, exit 2
     return args
-
-
-def commit() -> str:
-    """``$ELASTICEP_COMMIT`` if set (a copied tree may carry a stale .git), else the
-    repository's short commit, ``-dirty`` when tracked files changed."""
-    if os.environ.get("ELASTICEP_COMMIT"):
-        return os.environ["ELASTICEP_COMMIT"]
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    try:
-        head = git("rev-parse", "--short", "HEAD") or "unknown"
-        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
-                       else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
