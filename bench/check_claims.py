@@ -14,7 +14,10 @@ them, and the ``command`` that produced them. The check:
    is the minimum and maximum of every selected row: a range covers every recorded run,
    not a chosen subset); ``count``, if given, is the number of selected rows;
 3. every selected row names its commit (its own ``commit`` field, or that of the last
-   ``section: meta`` row before it) and that commit is one of ``commits``;
+   ``section: meta`` row before it) and that commit is one of ``commits``; for records
+   written before the benches stamped one, ``record_commit`` names it, and then every
+   record file's name must contain it (the device sessions name each file by the
+   commit that ran it);
 4. every figure with a unit of measure (``ms``, ``us``, ``x``, ``%``, ``tok/s``, or
    seconds with a decimal point) in the scanned docs, outside fenced code blocks, lies
    inside a claim's text or a ``[[not_measured]]`` entry (a default, an example log
@@ -34,10 +37,12 @@ import json
 import math
 import re
 import sys
-import tomllib
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = "docs/results/claims.toml"
@@ -46,7 +51,8 @@ NOT_SCANNED = ("docs/results.md",)
 # a figure with a unit of measure; integers in seconds are settings ("5 s to finish")
 FIGURE = re.compile(r"(?<![\w.])(?:\d[\d,]*\.\d+\s?(?:ms|us|µs|s|x|%|tok/s)"
                     r"|\d[\d,]*\s?(?:ms|us|µs|x|%|tok/s))(?![\w/])")
-NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+# a printed number (not the digit of a name such as EP2)
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 
 
 @dataclass
@@ -63,6 +69,7 @@ class Claim:
     where: dict[str, Any] = field(default_factory=dict)
     pointer: str | None = None
     count: int | None = None
+    record_commit: str | None = None
     note: str = ""
 
 
@@ -112,6 +119,9 @@ def load_rows(root: Path, claim: Claim) -> tuple[list[dict], list[str]]:
         if not paths:
             problems.append(f"record {pattern} does not exist")
         for path in paths:
+            if claim.record_commit and claim.record_commit not in Path(path).name:
+                problems.append(f"record {Path(path).name} is not named by "
+                                f"record_commit {claim.record_commit}")
             text = Path(path).read_text()
             if claim.pointer is not None:
                 data = dig(json.loads(text), claim.pointer)
@@ -133,8 +143,11 @@ def same(printed: str, value: Any) -> bool:
     """Whether ``value`` rounds to the printed number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return False
-    want = float(printed.replace(",", ""))
-    return math.isclose(round(float(value), decimals(printed)), want, abs_tol=1e-9)
+    want = Decimal(printed.replace(",", ""))
+    # half up, on the value as written in the record (23.595 prints as 23.60)
+    got = Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals(printed)),
+                                               rounding=ROUND_HALF_UP)
+    return got == want
 
 
 def check_claim(root: Path, claim: Claim, doc_text: str) -> list[str]:
@@ -173,6 +186,7 @@ def check_claim(root: Path, claim: Claim, doc_text: str) -> list[str]:
     else:
         out.append(f"{where}: unknown kind {claim.kind!r}")
     for r in picked:
+        r = r if r.get("commit") else {**r, "commit": claim.record_commit}
         if not r.get("commit"):
             out.append(f"{where}: a row names no commit")
             break
