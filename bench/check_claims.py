@@ -18,7 +18,8 @@ them, and the ``command`` that produced them. The check:
    written before the benches stamped one, ``record_commit`` names it, and then every
    record file's name must contain it (the device sessions name each file by the
    commit that ran it);
-4. every figure with a unit of measure (``ms``, ``us``, ``x``, ``%``, ``tok/s``, or
+4. ``docs/results/README.md`` holds the registry as a table (``--table`` writes it);
+5. every figure with a unit of measure (``ms``, ``us``, ``x``, ``%``, ``tok/s``, or
    seconds with a decimal point) in the scanned docs, outside fenced code blocks, lies
    inside a claim's text or a ``[[not_measured]]`` entry (a default, an example log
    line: each says why).
@@ -46,6 +47,9 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = "docs/results/claims.toml"
+INDEX = "docs/results/README.md"  # holds table(claims) between these two lines
+TABLE_BEGIN = "<!-- claims table: python -m bench.check_claims --table -->"
+TABLE_END = "<!-- end of the claims table -->"
 SCANNED = ("README.md", "docs/*.md", "docs/design/*.md", "docs/results/README.md")
 NOT_SCANNED = ("docs/results.md",)
 # a figure with a unit of measure; integers in seconds are settings ("5 s to finish")
@@ -196,6 +200,20 @@ def check_claim(root: Path, claim: Claim, doc_text: str) -> list[str]:
     return out
 
 
+def table(claims: list[Claim]) -> str:
+    """The claims as a Markdown table: each figure beside its record, commit and command."""
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|")
+    rows = ["| doc | figure | record | commit | command |", "|---|---|---|---|---|"]
+    for c in claims:
+        records = ", ".join(f"`{r}`" for r in c.records)
+        if c.pointer:
+            records += f" (`{c.pointer}`)"
+        rows.append(f"| {c.doc} | {cell(c.text)} | {records} | {', '.join(c.commits)} | "
+                    f"`{cell(c.command)}` |")
+    return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
+
+
 def code_free(text: str) -> str:
     """``text`` with fenced code blocks blanked (same offsets)."""
     return re.sub(r"```.*?```", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text,
@@ -243,8 +261,12 @@ def check(root: Path = REPO) -> tuple[list[str], int]:
             problems.append(f"{a['doc']}: {a['text']!r}: a not_measured entry says no why")
         elif a["text"] not in texts.get(a["doc"], ""):
             problems.append(f"{a['doc']}: {a['text']!r}: not_measured, but not in the doc")
+    if table(claims) not in texts.get(INDEX, ""):
+        problems.append(f"{INDEX}: its claims table is not the registry's (write it with "
+                        "`python -m bench.check_claims --table`)")
     for doc in scanned_docs(root):
-        covered = [c.text for c in claims if c.doc == doc]
+        # the index's table repeats every claim's figure
+        covered = [c.text for c in claims if c.doc == doc or doc == INDEX]
         covered += [a["text"] for a in allowed if a["doc"] == doc]
         problems += unclaimed_figures(doc, texts[doc], covered)
     return problems, len(claims)
@@ -255,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.check_claims",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(REPO), help="the tree to check (default: this)")
+    ap.add_argument("--table", action="store_true",
+                    help=f"print the claims table for {INDEX} and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        registry = tomllib.loads((Path(args.root) / REGISTRY).read_text())
+        print(table([Claim(**c) for c in registry.get("claim", [])]))
+        return 0
     problems, n = check(Path(args.root))
     for p in problems:
         print(p, file=sys.stderr)
