@@ -320,7 +320,9 @@ def test_bench_against_serve_of_the_demo_model_gives_one_sane_json_line(tmp_path
     ratios = line["served_over_engine"]
     assert ratios["output_throughput"] == pytest.approx(
         line["output_throughput"] / engine["output_throughput"], abs=0.002)
-    assert ratios["median_tpot_ms"] > 0
+    assert ratios["median_tpot_ms"] == pytest.approx(
+        line["median_tpot_ms"] / engine["median_tpot_ms"], abs=0.002)
+    assert line["differences_from_sglang"] and "empty text" in line["differences_from_sglang"][0]
 
 
 @pytest.mark.slow
