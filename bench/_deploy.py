@@ -277,7 +277,8 @@ class Run:
     def meta(self) -> dict[str, Any]:
         """JSON keys describing the setup."""
         a = self.args
-        return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
+        return {"model": Path(a.model).name if a.model else "tiny-qwen3-moe",
+                "ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
                 "device": a.device, "cuda_graph": cuda_graph_on(a),
                 "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "orphans": self.orphans, "machine": machine(),
