@@ -11,6 +11,15 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
 # PYTHONPATH that runs tree NAME: "new" is this tree, any other the package of .ab/NAME
 # (carried). Use with PYTHONSAFEPATH=1, or `python -m` puts this tree first anyway.
 tree_path() { if [[ $1 == new ]]; then echo "/tmp/site:$PWD"; else echo "/tmp/site:$PWD/.ab/$1:$PWD"; fi; }
+# The commit tree NAME was cut from, for its records' "commit" (the bench scripts read
+# $ELASTICEP_COMMIT; a base tree's lines must not carry this tree's commit): "new" is
+# $ELASTICEP_COMMIT, any other the first line of .ab/NAME/COMMIT (written beside the
+# carried package: `git rev-parse --short REV > .ab/NAME/COMMIT`). Fails without one.
+tree_commit() {
+    if [[ $1 == new ]]; then echo "${ELASTICEP_COMMIT:?set ELASTICEP_COMMIT}"
+    elif [[ -s .ab/$1/COMMIT ]]; then head -1 ".ab/$1/COMMIT"
+    else echo "no .ab/$1/COMMIT: the records of tree $1 would carry no commit" >&2; return 1; fi
+}
 step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
     local name=$1 limit=$((BUDGET - SECONDS))
     (( $2 < limit )) && limit=$2
@@ -89,8 +98,10 @@ if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concur
     for spec in ${SWEEPS:-default@@1,64}; do
         IFS=@ read -r label assign cs <<< "$spec"
         # tree=NAME: the package of .ab/NAME in place of this tree's (tree_path)
-        [[ $assign == tree=* ]] \
-            && assign="PYTHONSAFEPATH=1 PYTHONPATH=$(tree_path "${assign#tree=}")"
+        if [[ $assign == tree=* ]]; then
+            c=$(tree_commit "${assign#tree=}") || { echo "SKIPPED sweep_$label" >&2; continue; }
+            assign="PYTHONSAFEPATH=1 PYTHONPATH=$(tree_path "${assign#tree=}") ELASTICEP_COMMIT=$c"
+        fi
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency ${PPC:-2} $Q3 --random-input-len 256 --random-output-len 256 \
@@ -130,9 +141,11 @@ fi
 
 if want expert_forms; then  # the exchange's decode stages against the engine's
     for tree in ${EF_TREES:-new}; do  # new: this tree; else .ab/NAME's package (carried)
+        c=$(tree_commit "$tree") || { echo "SKIPPED expert_forms_$tree" >&2; continue; }
         step "expert_forms_$tree" ${EF_S:-60} env PYTHONSAFEPATH=1 PYTHONPATH="$(tree_path "$tree")" \
-            python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
-            | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
+            ELASTICEP_COMMIT="$c" python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
+            | sed "s/^{/{\"tree\": \"$tree\", \"tree_commit\": \"$c\", /" \
+            >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
         tail -2 /tmp/ef.err | cut -c1-300
     done
     cat "$OUT/expert_forms.jsonl"
@@ -167,11 +180,14 @@ if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried)
         trees=${AB_TREES:-old new}  # even rounds run them in reverse (ABBA): drift cancels
         (( round % 2 == 0 )) && trees=$(tr ' ' '\n' <<< "$trees" | tac | tr '\n' ' ')
         for tree in $trees; do
+            c=$(tree_commit "$tree") || { echo "SKIPPED decode_${tree}_$round" >&2; continue; }
             step "decode_${tree}_$round" ${AB_S:-100} env PYTHONSAFEPATH=1 \
-                PYTHONPATH="$(tree_path "$tree")" python3 -m bench.scale \
+                PYTHONPATH="$(tree_path "$tree")" ELASTICEP_COMMIT="$c" python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
                 --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
-            sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" /tmp/ab_$tree.jsonl \
+            # each line names the commit of the tree that ran it
+            sed "s/^{/{\"tree\": \"$tree\", \"tree_commit\": \"$c\", \"round\": $round, /" \
+                /tmp/ab_$tree.jsonl \
                 | grep '"ep1"' >> "$OUT/decode_ab.jsonl"
             tail -1 /tmp/ab_$tree.err | cut -c1-200
         done

@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from bench._commit import commit
 from bench.gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
 from elasticep.moe.exchange.padded_exchange import row_width, split_rows
 from elasticep.moe.experts.expert_compute import grouped_swiglu
@@ -150,7 +151,7 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
         ex.recv1.zero_()
         forms[name](0)
         errs[name] = float((ex.recv1[:C].float() - ref).abs().max() / ref.abs().max())
-    print(json.dumps({"bench": "expert_exchange_forms", "hidden": H, "inter": inter,
+    print(json.dumps({"bench": "expert_exchange_forms", "commit": commit(), "hidden": H, "inter": inter,
                       "rows_per_source": C, "group_size": G, "layers": layers,
                       "us_per_layer": result, "rel_err": errs}), flush=True)
 

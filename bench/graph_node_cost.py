@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from bench._commit import commit
+
 VARIANTS = ("kernels", "batch", "batch_nobarrier", "pair", "wait_only")
 
 
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             errors[v] = repr(exc)[:200]
             torch.cuda.synchronize()
     base = out["kernels"]
-    line = {"bench": "graph_node_cost", "waits": n,
+    line = {"bench": "graph_node_cost", "commit": commit(), "waits": n,
             "replay_ms": {v: round(t, 4) for v, t in out.items()},
             "extra_us_per_wait": {v: round((t - base) * 1e3 / n, 2) for v, t in out.items()},
             "launch_us": {v: round(t, 1) for v, t in launch.items()}, "errors": errors}

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench._commit import commit
+
 H, K, S = 2048, 8, 32  # Qwen3-30B-A3B's hidden size and top-k; slots per rank
 
 
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_ep_size": max(args.max_ep_size, args.world), "static": args.static,
             "block_h": args.block_h or None, "num_warps": args.num_warps or None,
             "block_n": args.block_n or None,
-            "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs}
+            "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs,
+            "commit": commit()}
     print(json.dumps(line), flush=True)
     bad = any("error" in o or not all(r["roundtrip_equal"] for r in o["rows"]) for o in outs)
     return 1 if bad else 0

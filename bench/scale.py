@@ -62,11 +62,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench._commit import commit
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
@@ -95,18 +96,6 @@ def emit(row: dict) -> None:
     if OUT_FILE is not None:
         with OUT_FILE.open("a") as f:
             f.write(json.dumps(row) + "\n")
-
-
-def git_commit() -> str:
-    """The commit measured: ``$ELASTICEP_COMMIT`` (a copied tree may carry a stale .git),
-    else ``git rev-parse``."""
-    if os.environ.get("ELASTICEP_COMMIT"):
-        return os.environ["ELASTICEP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=REPO, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def model_dir(config: Path, layers: int | None, root: Path) -> Path:
@@ -658,7 +647,7 @@ def main() -> None:
     only = args.only.split(",")
     global OUT_FILE
     OUT_FILE = Path(args.out) if args.out else None
-    meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
+    meta = {"section": "meta", "commit": commit(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
     emit(meta)
     bw = section_hbm(args)["hbm_bytes_per_s"]  # every bound needs it

@@ -13,9 +13,9 @@ exchange is:
    is what ranks sharing one GPU need: spinning kernels of two processes take turns in
    time slices). The next exchange's send kernel sets the flag back to 0
    (``ELASTICEP_IPC_FLAG_RESET=kernel``, the default). ``=memop`` resets it with a
-   stream write right after the wait instead: one more graph node per exchange, which
-   on the H200 cost 0.3 ms of a served one-token step (6.48 against 6.20 ms TPOT, session
-   13).
+   stream write right after the wait instead: one more graph node per exchange, and
+   every node of a one-token decode graph costs its launch, where the kernel's reset
+   is a store the send kernel makes anyway.
 
 While no peer is active (``--ep-size 1`` with room to grow), every wait is for a peer
 whose flag the send kernel sets itself. The decode graphs then replay a variant captured
@@ -74,8 +74,8 @@ logger = logging.getLogger(__name__)
 
 # The graph variant of a decode step in which no peer is active: it holds no wait. A
 # wait for an inactive peer passes at once (the send kernel sets that flag itself), but
-# each stream wait node still stalls the graph: on the H200, the 96 of a 48-layer
-# Qwen3-30B-A3B step cost 0.6 ms of a 5.7 ms served step at one token (session 14).
+# each stream wait node is still a node the graph stops at, two per MoE layer, which
+# at one token is a share of the step worth a second capture.
 SOLO = "solo"
 HANDLE_KEY = "elasticep/ipc_exchange/{rank}/{gen}"
 GEN_KEY = "elasticep/ipc_exchange/{rank}/generation"

@@ -106,7 +106,7 @@ if triton is not None:
 
 # (BLOCK_I, BLOCK_H, warps) of the gate/up kernel and (BLOCK_O, BLOCK_K, warps) of the
 # down kernel. bench/expert_gemv.py on an H200 at Qwen3-30B-A3B's expert shape
-# (2026-12-01, docs/results_gpu.md): the fastest of 40 pairs at 64 rows and within 1 %
+# (2026-12-01, docs/results/notes/gpu.md): the fastest of 40 pairs at 64 rows and within 1 %
 # of the fastest at 8; 23 % (8 rows) and 10 % (64 rows) faster than (16, 256, 4) +
 # (32, 128, 4).
 GATE_UP_TILE = (8, 256, 4)

@@ -111,7 +111,7 @@ if triton is not None:
 
 # (BLOCK_M, BLOCK_I, BLOCK_H, warps) of gate/up and (BLOCK_M, BLOCK_O, BLOCK_K, warps) of
 # down. bench/expert_gemv.py on an H200 at Qwen3-30B-A3B's expert shape (2026-12-01,
-# docs/results_gpu.md): 16-row tiles were the fastest of five from 128 to 512 rows over
+# docs/results/notes/gpu.md): 16-row tiles were the fastest of five from 128 to 512 rows over
 # 128 experts (1-4 rows an expert); 32-row tiles won by 15 % at 2048 rows (16 an
 # expert), hence DENSE_TILE from ROWS_PER_SLOT_DENSE rows per slot on.
 GATE_UP_TILE = (16, 64, 128, 4)
