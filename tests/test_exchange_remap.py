@@ -24,7 +24,7 @@ from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.step_loop import LockstepLoop, step_header
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
 from elasticep.utils import cuda_ipc
 from tests._loop_fakes import FakeChannel, FakeEngine
 

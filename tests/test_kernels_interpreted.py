@@ -50,8 +50,8 @@ def _norm_rope_errors() -> dict[str, float]:
 
 
 def _combine_errors() -> dict[str, float]:
-    from elasticep.moe import fused_combine as fc
-    from elasticep.moe.expert_compute import combine_pairs
+    from elasticep.moe.experts import fused_combine as fc
+    from elasticep.moe.experts.expert_compute import combine_pairs
 
     g = torch.Generator().manual_seed(2)
     T, k, H = 5, 3, 40  # H below one block: the column mask
@@ -68,7 +68,7 @@ def _combine_errors() -> dict[str, float]:
 
 
 def _swiglu_rows_errors() -> dict[str, float]:
-    from elasticep.moe.small_batch_experts import swiglu_rows
+    from elasticep.moe.experts.small_batch_experts import swiglu_rows
 
     g = torch.Generator().manual_seed(3)
     S, inter, H, N = 3, 24, 40, 6
