@@ -119,6 +119,36 @@ for l in open('$OUT/sweep.jsonl'):
     print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
 fi
 
+if want fp8_kernels; then  # the FP8 expert kernels against their reference, then timed
+    step fp8_tests ${FP8T_S:-120} python3 -m pytest -v -p no:cacheprovider \
+        tests/test_fp8_rows_gpu.py > "$OUT/fp8_tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.log" | tail -12
+    step fp8_experts ${FP8E_S:-90} python3 -m bench.fp8_experts --rows 1,8,64 \
+        > "$OUT/fp8_experts.jsonl" 2> /tmp/fp8e.err
+    tail -2 /tmp/fp8e.err | cut -c1-300
+    python3 -c "
+import json
+for l in open('$OUT/fp8_experts.jsonl'):
+    d=json.loads(l); print(d['hidden'], d['rows'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
+fi
+
+if want fp8_decode; then  # the decode step in FP8 and bf16 on one shape, one run each
+    mkdir -p /tmp/q3f && cp bench/configs/${FP8_CONFIG:-qwen3-30b-a3b-fp8}.json /tmp/q3f/config.json
+    for cfg in ${FP8_CONFIGS:-qwen3-30b-a3b-fp8 qwen3-30b-a3b}; do
+        step "decode_$cfg" ${FP8D_S:-150} python3 -m bench.scale --only hbm,ep1 \
+            --config bench/configs/$cfg.json --layers ${FP8_LAYERS:-48} \
+            --batches ${FP8_BATCHES:-1,16,64,256} --decode-tokens ${FP8_TOKENS:-32} --cuda-graph on \
+            --workdir /tmp/scale_$cfg > /tmp/fp8d_$cfg.jsonl 2> /tmp/fp8d_$cfg.err
+        sed "s/^{/{\"model_config\": \"$cfg\", /" /tmp/fp8d_$cfg.jsonl >> "$OUT/fp8_decode.jsonl"
+        tail -2 /tmp/fp8d_$cfg.err | cut -c1-300
+    done
+    python3 -c "
+import json
+for l in open('$OUT/fp8_decode.jsonl'):
+    d=json.loads(l)
+    if d.get('section') == 'ep1': print(d['model_config'], d.get('batch'), d.get('decode_step_ms'), 'x bound', d.get('x_hbm_bound'), d.get('error', '')[:300])"
+fi
+
 if want exchange; then  # memop node cost in a graph, then the exchange per layer
     step graph_node_cost 60 python3 -m bench.graph_node_cost --layers 48 \
         >> "$OUT/exchange.jsonl" 2> /tmp/gnc.err
@@ -232,7 +262,7 @@ fi
 # into one archive beside the main results. They are kept outside $OUT, so that several
 # runs of this script in one call (from other trees, say) add to one archive.
 KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
     && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
     && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"

@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
 import torch
 
+from bench._commit import commit
 from bench.expert_gemv import copy_bandwidth
 from bench.gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_rows import swiglu_rows_fp8, swiglu_rows_fp8_reference
 from elasticep.moe.experts.small_batch_experts import swiglu_rows
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def measure(hidden: int, inter: int, slots: int, n: int, copy_bw: float) -> dict:
@@ -58,7 +50,7 @@ def measure(hidden: int, inter: int, slots: int, n: int, copy_bw: float) -> dict
     fp8_ms = cuda_ms(lambda: swiglu_rows_fp8(q13, s13, q2, s2, rows, tags), 50)
     bf16_ms = cuda_ms(lambda: swiglu_rows(w13, w2, rows, tags), 50)
     return {
-        "bench": "fp8_experts", "commit": _commit(), "device": torch.cuda.get_device_name(),
+        "bench": "fp8_experts", "commit": commit(), "device": torch.cuda.get_device_name(),
         "hidden": hidden, "moe_intermediate": inter, "slots": slots, "rows": n,
         "experts_touched": touched, "copy_bw_GBps": round(copy_bw / 1e9, 1),
         "fp8_us": round(fp8_ms * 1e3, 2), "bf16_us": round(bf16_ms * 1e3, 2),
