@@ -25,6 +25,7 @@ from elasticep.entrypoints.validate import (
     raise_first_failure,
 )
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
+from elasticep.frontend.tool_parsers import TOOL_CALL_PARSERS
 
 
 def _human_bytes(n: int) -> str:
@@ -47,6 +48,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: --model exactly as given, as "
                         "in SGLang and vLLM, so clients that load the tokenizer from the "
                         "served name find it)")
+    h.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="the format of the model's tool calls, parsed into `tool_calls` on "
+                        "/v1/chat/completions (default: the one the model family's chat "
+                        "template uses: qwen3 for Qwen2/Qwen3 MoE, deepseekv3 for DeepSeek)")
     h.add_argument("--host", default="127.0.0.1",
                    help="interface of the OpenAI API (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000,
@@ -80,6 +85,7 @@ class ServeSettings:
         restart_failed_ranks: relaunch crashed local ranks.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         warnings: non-fatal remarks to print.
+        tool_call_parser: ``--tool-call-parser``; None: the family's.
         served_model_name: the ``model`` clients send: ``--served-model-name``, else
             ``--model`` exactly as given (not the resolved directory).
     """
@@ -97,6 +103,7 @@ class ServeSettings:
     coordinator_timeout_s: float = 60.0
     warnings: tuple[str, ...] = ()
     served_model_name: str = ""
+    tool_call_parser: str | None = None
 
     @property
     def local_ranks(self) -> list[int]:
@@ -155,4 +162,5 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         warnings=tuple(warnings),
         # as given: clients send what they typed, and SGLang's bench_serving loads its
         # tokenizer from this name
-        served_model_name=args.served_model_name or args.model)
+        served_model_name=args.served_model_name or args.model,
+        tool_call_parser=args.tool_call_parser)

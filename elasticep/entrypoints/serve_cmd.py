@@ -143,7 +143,8 @@ def _serve_head(settings: ServeSettings, stop: StopEvent,
             dep.model, channel, membership, served_model_name=name,
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
-            max_payload_size=settings.max_payload_size, sock=http_sock)
+            max_payload_size=settings.max_payload_size, sock=http_sock,
+            tool_call_parser=settings.tool_call_parser)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1

@@ -14,7 +14,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from elasticep.engine.request import SamplingParamError, SamplingParams
 from elasticep.models.config import SamplingDefaults
@@ -185,15 +192,63 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call's function: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """A call an earlier assistant turn made (sent back in ``messages``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool fields only where set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -208,8 +263,19 @@ class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
 
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the chat template renders; None without tools or with
+        ``tool_choice`` "none" (the model is then not told of them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_tokens_param(self) -> str:
         """The field :meth:`requested_max_tokens` came from, for error messages."""
@@ -310,9 +376,28 @@ def completion_chunk_renderer(rid: str, created: int, model: str,
     return render
 
 
+class ToolCallOut(BaseModel):
+    """A call in a response; ``index`` is set in stream deltas (its place among the
+    choice's calls)."""
+
+    index: int | None = None
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_calls(self, handler: Any) -> dict[str, Any]:
+        # a reply without tools keeps the shape it had before tool calls existed
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Choice):
