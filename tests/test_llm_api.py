@@ -4,9 +4,13 @@ One deployment for the module (about 20 s to start on 2 cores)."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from elasticep.config import DeploymentConfig
+from elasticep.engine.request import GrammarSpec
 from elasticep.entrypoints.llm import deployment_settings
 from elasticep.entrypoints.validate import UsageError
 from elasticep.utils.procs import pid_alive
@@ -22,7 +26,10 @@ from elasticep_testkit.ep import (
 
 pytestmark = pytest.mark.timeout(150)
 
-N = 4  # prompts through the kill
+N = 4  # prompts through the kill (and as many JSON-schema requests)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +45,20 @@ def llm(tmp_path_factory):
 
 def test_generate_returns_every_output_through_a_rank_kill(llm):
     """Every prompt's greedy tokens equal the ep_size=1 reference (near-tie rule), with
-    vLLM's output shape, although rank 1 died under the call."""
+    vLLM's output shape, although rank 1 died under the call; and JSON-schema requests in
+    the same batch, some resumed on rank 0 mid-object (their tokens replayed into the
+    grammar there), all end in JSON that validates."""
     from elasticep import SamplingParams
 
     ids = prompts()[:N]
     texts = [tokenizer().decode(p) for p in ids]
     assert [list(tokenizer()(t).input_ids) for t in texts] == [list(p) for p in ids]
-    outs = llm.generate(texts, SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    greedy = SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True)
+    schema = SamplingParams(max_tokens=48, temperature=0.9, seed=3,
+                            grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    outs = llm.generate(texts + texts, [greedy] * N + [schema] * N, use_tqdm=False)
+    assert llm._running().frontend.tracker.resubmitted_total >= N // 2  # rank 1's half
+    outs, constrained = outs[:N], outs[N:]
     assert [o.prompt for o in outs] == texts
     assert [o.prompt_token_ids for o in outs] == [list(p) for p in ids]
     got = [o.outputs[0].token_ids for o in outs]
@@ -55,6 +68,9 @@ def test_generate_returns_every_output_through_a_rank_kill(llm):
         (c,) = o.outputs
         assert (c.index, c.finish_reason, c.logprobs, o.finished) == (0, "length", None, True)
         assert c.text == tokenizer().decode(c.token_ids, skip_special_tokens=True)
+    for o in constrained:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     status = llm.deployment.status()
     assert [(r.rank, r.state.value) for r in status.ranks] == [(0, "healthy"), (1, "failed")]
 

@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from elasticep.engine.request import SamplingParamError, SamplingParams
+from elasticep.engine.grammar import check_grammar
+from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
 from elasticep.models.config import SamplingDefaults
 
 
@@ -66,6 +67,22 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: free text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints; unsupported ones accept only their default."""
 
@@ -83,6 +100,10 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, SGLang's regex and ebnf extensions
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # field -> the only value we implement; anything else is a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
@@ -113,6 +134,34 @@ class _SamplingFields(_Strict):
                 raise OpenAIError(400, f"{name}={value!r} is not supported (only "
                                   f"{default!r})", param=name)
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured-output constraint the request asks for, parsed; None: free text.
+
+        Raises:
+            OpenAIError: 400 naming the field: two constraints at once, a json_schema
+                format without a schema, or a schema / regex / EBNF that does not parse.
+        """
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise OpenAIError(400, 'response_format of type "json_schema" needs '
+                                  "json_schema.schema", param="response_format")
+            asked.append(("response_format", GrammarSpec(
+                "json_schema", json.dumps(fmt.json_schema.schema_))))
+        for name in ("regex", "ebnf"):
+            if getattr(self, name) is not None:
+                asked.append((name, GrammarSpec(name, getattr(self, name))))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise OpenAIError(400, f"send one structured-output constraint, not "
+                              f"{' and '.join(n for n, _ in asked)}", param=asked[1][0])
+        name, spec = asked[0]
+        return checked_grammar(spec, name)
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -141,7 +190,8 @@ class _SamplingFields(_Strict):
 
         params = SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"),
                                 top_p=pick("top_p"), top_k=max(pick("top_k"), 0), seed=self.seed,
-                                stop=self.stop_strings(), ignore_eos=self.ignore_eos)
+                                stop=self.stop_strings(), ignore_eos=self.ignore_eos,
+                                grammar=self.grammar_spec())
         try:
             params.validate()
         except SamplingParamError as exc:
@@ -288,6 +338,19 @@ class ScaleRequest(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     new_ep_size: int
+
+
+def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """``spec`` once it parses (the ranks would refuse it later).
+
+    Raises:
+        OpenAIError: 400 naming ``param`` with the grammar library's reason.
+    """
+    try:
+        check_grammar(spec)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+    return spec
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
