@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import threading
 
+import jsonschema
 import openai
 import pytest
-from _frontend_live import wait_for
+from _frontend_live import engine_server, wait_for
 
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
@@ -115,8 +116,13 @@ class ScriptedEngine:
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+    # a bounded name: the demo model, forced into a free string, would run to max_tokens
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -187,16 +193,54 @@ def test_streamed_calls_arrive_as_deltas(served):
     assert chunks[0].choices[0].delta.role == "assistant"
 
 
-def test_tool_choice_none_and_unsupported_choices(served):
-    """``none``: the template is not told of the tools and nothing is parsed; a choice
-    that would need a grammar to force the call is a 400 naming the field."""
+def test_tool_choice_none_and_bad_choices(served):
+    """``none``: the template is not told of the tools and nothing is parsed; a named
+    function that is not offered, or a forced call plus a response format, is a 400
+    naming the field."""
     client, engine = served
     plain = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
                                            tool_choice="none")
     assert "# Tools" not in engine.prompts[-1]
     assert plain.choices[0].message.content == ScriptedEngine.CALL
     assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="tool_choice") as err:
-        client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
-                                       tool_choice="required")
-    assert err.value.body["param"] == "tool_choice"
+    for extra in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                  {"tool_choice": "required", "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice") as err:
+            client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
+                                           **extra)
+        assert err.value.body["param"] == "tool_choice"
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The real demo model (one in-process engine rank) with the Qwen3-style template."""
+    model = demo_with_chat_template(tmp_path_factory.mktemp("m") / "tiny-real-tools")
+    with engine_server(model, "tiny") as (server, *_):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_a_forced_call_from_the_real_model_round_trips(real):
+    """``tool_choice`` "required" and a named function make the demo model itself write
+    a call (the grammar forces the format, the name and arguments that follow the
+    function's schema); its answer to the tool's result is plain text."""
+    tools = [WEATHER, TIME]
+    first = real.chat.completions.create(model="tiny", messages=ASK, tools=tools,
+                                         tool_choice="required", max_tokens=64)
+    (choice,) = first.choices
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(real.chat.completions.create(model="tiny", messages=ASK, tools=tools,
+                                               tool_choice=named, max_tokens=64, stream=True))
+    (delta,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert delta.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == \
+        "tool_calls"
+    jsonschema.validate(json.loads(delta.function.arguments), WEATHER["function"]["parameters"])
+    follow_up = [*ASK, choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+    answer = real.chat.completions.create(model="tiny", messages=follow_up, tools=tools,
+                                          max_tokens=8)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

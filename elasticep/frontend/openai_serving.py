@@ -12,14 +12,14 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import GrammarSpec, SamplingParams
 from elasticep.frontend.core import Frontend, RequestStream
 from elasticep.frontend.openai_protocol import (
     ChatChoice,
@@ -32,6 +32,7 @@ from elasticep.frontend.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     FunctionCall,
+    NamedToolChoice,
     OpenAIError,
     ToolCallOut,
     Usage,
@@ -47,7 +48,12 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
 )
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
-from elasticep.frontend.tool_parsers import ToolCall, ToolCallParser, make_parser
+from elasticep.frontend.tool_parsers import (
+    ToolCall,
+    ToolCallParser,
+    forced_call_grammar,
+    make_parser,
+)
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
@@ -213,6 +219,13 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         parser = self._tool_parser(req)
         ids, params = await self._chat_inputs(req)
+        forced = self._forced_call(req)
+        if forced is not None:
+            if params.grammar is not None:
+                raise OpenAIError(400, f"tool_choice={req.tool_choice!r} forces a tool call, "
+                                  "which leaves no room for a structured-output constraint",
+                                  param="tool_choice")
+            params = replace(params, grammar=forced)
         rid, created = new_id("chatcmpl"), now()
         stream = self.submit(rid, ids, params)
         first = [True]
@@ -263,13 +276,33 @@ class OpenAIServing:
         """
         if req.tools_for_template() is None:
             return None
-        if req.tool_choice not in (None, "auto"):
-            raise OpenAIError(400, f"tool_choice={req.tool_choice!r} is not supported (only "
-                              '"auto" and "none")', param="tool_choice")
         if self.tool_call_parser is None:
             raise OpenAIError(400, f"The model `{self.model_name}` has no known tool-call "
                               "format (serve --tool-call-parser names one)", param="tools")
         return make_parser(self.tool_call_parser)
+
+    def _forced_call(self, req: ChatCompletionRequest) -> GrammarSpec | None:
+        """The grammar that forces one call where ``tool_choice`` is "required" (any of
+        the tools) or names a function (that one); None otherwise.
+
+        Raises:
+            OpenAIError: 400 for a named function that is not among ``tools``, or
+                parameters whose schema the grammar library refuses.
+        """
+        choice = req.tool_choice
+        tools = req.tools_for_template()
+        if tools is None or choice in (None, "auto") or self.tool_call_parser is None:
+            return None
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.get("name")
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise OpenAIError(400, f"tool_choice names function {name!r}, which is not "
+                                  "among tools", param="tool_choice")
+        try:
+            return forced_call_grammar(self.tool_call_parser, tools)
+        except ValueError as exc:
+            raise OpenAIError(400, f"tools: {exc}", param="tools") from None
 
     # ---- plumbing ------------------------------------------------------------------
     def sse(self, stream: RequestStream, endpoint: str, render: Callable[[RequestEvent], str],

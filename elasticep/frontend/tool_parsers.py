@@ -18,6 +18,11 @@ The formats are the ones the families' chat templates teach their models:
 
   and V3.1's shorter call, ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``.
 
+``tool_choice`` "required" or a named function is forced rather than hoped for: the
+request gets a grammar (:func:`forced_call_grammar`) that admits exactly one call block
+of the format, to one of the offered functions, with arguments that follow its JSON
+schema.
+
 A streaming parser releases text as content until a block's opening tag could be
 starting, holds it back until the block closes, then releases the whole call as one
 delta (OpenAI's stream allows a call's name and arguments in one chunk). A block that
@@ -30,10 +35,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolCallParser", "parser_for_family",
-           "make_parser"]
+from elasticep.engine.request import GrammarSpec
+
+__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolCallParser", "forced_call_grammar",
+           "make_parser", "parser_for_family"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +199,53 @@ def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def _call_parts(fmt: _Format, name: str, parameters: Mapping[str, Any] | None,
+                ) -> tuple[str, dict[str, Any], str]:
+    """(text before the JSON, its schema, text after) of one call to ``name`` (pure)."""
+    args = dict(parameters) if parameters else {"type": "object"}
+    if fmt is QWEN3:
+        body = {"type": "object", "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": name}, "arguments": args}}
+        return f"{fmt.begin}\n", body, f"\n{fmt.end}"
+    begin, end = fmt.section
+    return (f"{begin}{fmt.begin}function<｜tool▁sep｜>{name}\n```json\n", args,
+            f"\n```{fmt.end}{end}")
+
+
+def forced_call_grammar(parser: str, tools: Sequence[Mapping[str, Any]]) -> GrammarSpec:
+    """The grammar of exactly one call, in ``parser``'s format, to one of ``tools``
+    (OpenAI's tool definitions: ``{"type": "function", "function": {"name",
+    "parameters"}}``), as EBNF.
+
+    Raises:
+        ValueError: an unknown parser, no tools, or a parameters schema xgrammar cannot
+            take (its reason).
+    """
+    import xgrammar as xgr
+
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}")
+    if not tools:
+        raise ValueError("no tools to call")
+    fmt = TOOL_CALL_PARSERS[parser]
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        before, schema, after = _call_parts(fmt, fn["name"], fn.get("parameters"))
+        try:
+            body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        except RuntimeError as exc:
+            raise ValueError(f"function {fn['name']!r}: parameters: "
+                             f"{str(exc).strip().rsplit(': ', 1)[-1]}") from None
+        calls.append(xgr.Grammar.concat(_literal(before), body, _literal(after)))
+    return GrammarSpec("ebnf", str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)))
+
+
+def _literal(text: str) -> Any:
+    """The xgrammar ``Grammar`` of exactly ``text``."""
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
