@@ -9,15 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "GrammarSpec", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 if TYPE_CHECKING:
-    from elasticep.engine.request import SamplingParams
+    from elasticep.engine.request import GrammarSpec, SamplingParams
     from elasticep.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 
 _LAZY = {"LLM": "elasticep.entrypoints.llm", "RequestOutput": "elasticep.entrypoints.llm",
          "CompletionOutput": "elasticep.entrypoints.llm",
-         "SamplingParams": "elasticep.engine.request"}
+         "SamplingParams": "elasticep.engine.request",
+         "GrammarSpec": "elasticep.engine.request"}
 
 
 def __getattr__(name: str) -> Any:

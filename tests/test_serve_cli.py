@@ -88,17 +88,6 @@ def test_unsupported_family_is_refused(tmp_path):
         validate(_serve("--model", str(tmp_path)))
 
 
-def test_the_served_name_is_model_as_given(monkeypatch):
-    """Clients send ``--model`` as they typed it (the resolved path was served: a 404),
-    or ``--served-model-name``."""
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    s = validate(_serve("--model", "models/tiny-qwen3-moe/"))
-    assert s.served_model_name == "models/tiny-qwen3-moe/"
-    assert Path(s.deployment.model).is_absolute()  # the ranks get the resolved directory
-    s = validate(_serve("--model", "models/tiny-qwen3-moe", "--served-model-name", "tiny"))
-    assert s.served_model_name == "tiny"
-
-
 def test_valid_flags_build_the_deployment_and_warn_on_open_host():
     s = validate(_serve("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts",
                         "16", "--host", "0.0.0.0", "--nnodes", "2", "--node-rank", "1",

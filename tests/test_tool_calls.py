@@ -225,7 +225,7 @@ def test_a_forced_call_from_the_real_model_round_trips(real):
     function's schema); its answer to the tool's result is plain text."""
     tools = [WEATHER, TIME]
     first = real.chat.completions.create(model="tiny", messages=ASK, tools=tools,
-                                         tool_choice="required", max_tokens=64)
+                                         tool_choice="required", max_tokens=160)
     (choice,) = first.choices
     assert choice.finish_reason == "tool_calls", choice.message
     (call,) = choice.message.tool_calls
@@ -233,7 +233,7 @@ def test_a_forced_call_from_the_real_model_round_trips(real):
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     named = {"type": "function", "function": {"name": "get_weather"}}
     chunks = list(real.chat.completions.create(model="tiny", messages=ASK, tools=tools,
-                                               tool_choice=named, max_tokens=64, stream=True))
+                                               tool_choice=named, max_tokens=160, stream=True))
     (delta,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
     assert delta.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == \
         "tool_calls"
