@@ -21,16 +21,16 @@ Differences from vLLM a user should know: :class:`SamplingParams` is the engine'
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tqdm import tqdm
 
 from elasticep.config import DeploymentConfig
+from elasticep.deploy import Deployment
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import check_model_dir, default_model_dir, env_fault
@@ -38,7 +38,6 @@ from elasticep.frontend.tokenizer import load_tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "GenerationError"]
 
-logger = logging.getLogger(__name__)
 
 # the flag spellings (``heartbeat_timeout`` for ``--heartbeat-timeout``) of the fields
 # whose names carry a unit
@@ -165,7 +164,7 @@ class LLM:
         return self._running().deployment.config
 
     @property
-    def deployment(self):  # -> elasticep.deploy.Deployment
+    def deployment(self) -> Deployment:
         """The running deployment (its ranks, e.g. to kill or relaunch one)."""
         return self._running().deployment
 
@@ -298,7 +297,8 @@ class LLM:
         self.shutdown()
 
 
-def _shutdown_at_exit(llm: LLM):  # -> Callable[[], None]
+def _shutdown_at_exit(llm: LLM) -> Callable[[], None]:
+    """An atexit hook that shuts ``llm`` down if it still exists (held weakly)."""
     ref = weakref.ref(llm)
 
     def stop() -> None:
