@@ -25,6 +25,13 @@ from pydantic import (
 
 from elasticep.engine.grammar import check_grammar
 from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from elasticep.frontend.openai_tools import (
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    ToolCallOut,
+)
 from elasticep.models.config import SamplingDefaults
 
 
@@ -65,22 +72,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-class JsonSchemaFormat(_Strict):
-    """``response_format.json_schema``: OpenAI's named schema."""
-
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    """``response_format``: free text, any JSON object, or JSON that follows a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -242,21 +233,6 @@ class TextPart(_Strict):
     text: str
 
 
-class FunctionCall(BaseModel):
-    """A call's function: its name and its arguments as JSON text (OpenAI's shape)."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallIn(_Strict):
-    """A call an earlier assistant turn made (sent back in ``messages``)."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -280,25 +256,6 @@ class ChatMessage(_Strict):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
-
-
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    """One entry of ``tools``: a function the model may call."""
-
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"] = "function"
-    function: dict[str, str]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -437,16 +394,6 @@ def completion_chunk_renderer(rid: str, created: int, model: str,
                 f"{json.dumps(text, ensure_ascii=False)}{tail}")
 
     return render
-
-
-class ToolCallOut(BaseModel):
-    """A call in a response; ``index`` is set in stream deltas (its place among the
-    choice's calls)."""
-
-    index: int | None = None
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ChatDelta(BaseModel):

@@ -12,14 +12,21 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from elasticep.engine.request import GrammarSpec, SamplingParams
+from elasticep.engine.request import SamplingParams
+from elasticep.frontend.chat_tools import (
+    call_deltas,
+    finish_reason,
+    reply_message,
+    tool_parser,
+    with_forced_call,
+)
 from elasticep.frontend.core import Frontend, RequestStream
 from elasticep.frontend.openai_protocol import (
     ChatChoice,
@@ -31,10 +38,7 @@ from elasticep.frontend.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    FunctionCall,
-    NamedToolChoice,
     OpenAIError,
-    ToolCallOut,
     Usage,
     completion_chunk_renderer,
     error_body,
@@ -48,12 +52,7 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
 )
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
-from elasticep.frontend.tool_parsers import (
-    ToolCall,
-    ToolCallParser,
-    forced_call_grammar,
-    make_parser,
-)
+from elasticep.frontend.tool_parsers import ToolCall
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
@@ -217,15 +216,9 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
-        parser = self._tool_parser(req)
+        parser = tool_parser(req, self.tool_call_parser, self.model_name)
         ids, params = await self._chat_inputs(req)
-        forced = self._forced_call(req)
-        if forced is not None:
-            if params.grammar is not None:
-                raise OpenAIError(400, f"tool_choice={req.tool_choice!r} forces a tool call, "
-                                  "which leaves no room for a structured-output constraint",
-                                  param="tool_choice")
-            params = replace(params, grammar=forced)
+        params = with_forced_call(req, self.tool_call_parser, params)
         rid, created = new_id("chatcmpl"), now()
         stream = self.submit(rid, ids, params)
         first = [True]
@@ -236,7 +229,7 @@ class OpenAIServing:
             if usage is None:
                 # the role rides on the first token's chunk: still one chunk per token
                 delta = ChatDelta(role="assistant" if first[0] else None, content=text,
-                                  tool_calls=_call_deltas(calls, parser) if calls else None)
+                                  tool_calls=call_deltas(calls, parser) if calls else None)
                 first[0] = False
                 choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name,
@@ -249,60 +242,17 @@ class OpenAIServing:
             if e.finish_reason is not None:
                 more, last = parser.finish()
                 text, calls = text + more, calls + last
-            return chunk(text, _finish_reason(e.finish_reason, parser), calls=calls)
+            return chunk(text, finish_reason(e.finish_reason, parser), calls=calls)
 
         if req.stream:
             return self.sse(stream, "chat", render,
                             _usage_tail(chunk, len(ids), req.include_usage()))
         result = await self.collect(stream, raw, "chat")
-        message = ChatDelta(role="assistant", content=result.text)
-        if parser is not None:
-            content, calls = parser.parse(result.text)
-            message = ChatDelta(role="assistant", content=content or None, tool_calls=[
-                ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                for c in calls])
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=message,
-                                finish_reason=_finish_reason(result.finish_reason, parser))],
+            choices=[ChatChoice(message=reply_message(result.text, parser),
+                                finish_reason=finish_reason(result.finish_reason, parser))],
             usage=_usage(len(ids), result.num_tokens)).model_dump())
-
-    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
-        """A fresh parser when the request lets the model call tools, else None.
-
-        Raises:
-            OpenAIError: 400 for tools on a model without a tool-call format, or a
-                ``tool_choice`` that would need a grammar to force the call.
-        """
-        if req.tools_for_template() is None:
-            return None
-        if self.tool_call_parser is None:
-            raise OpenAIError(400, f"The model `{self.model_name}` has no known tool-call "
-                              "format (serve --tool-call-parser names one)", param="tools")
-        return make_parser(self.tool_call_parser)
-
-    def _forced_call(self, req: ChatCompletionRequest) -> GrammarSpec | None:
-        """The grammar that forces one call where ``tool_choice`` is "required" (any of
-        the tools) or names a function (that one); None otherwise.
-
-        Raises:
-            OpenAIError: 400 for a named function that is not among ``tools``, or
-                parameters whose schema the grammar library refuses.
-        """
-        choice = req.tool_choice
-        tools = req.tools_for_template()
-        if tools is None or choice in (None, "auto") or self.tool_call_parser is None:
-            return None
-        if isinstance(choice, NamedToolChoice):
-            name = choice.function.get("name")
-            tools = [t for t in tools if t["function"]["name"] == name]
-            if not tools:
-                raise OpenAIError(400, f"tool_choice names function {name!r}, which is not "
-                                  "among tools", param="tool_choice")
-        try:
-            return forced_call_grammar(self.tool_call_parser, tools)
-        except ValueError as exc:
-            raise OpenAIError(400, f"tools: {exc}", param="tools") from None
 
     # ---- plumbing ------------------------------------------------------------------
     def sse(self, stream: RequestStream, endpoint: str, render: Callable[[RequestEvent], str],
@@ -400,21 +350,6 @@ def _check_unicode(text: str, param: str) -> None:
     problem = unicode_problem(text)
     if problem:
         raise OpenAIError(400, f"{param} {problem}", param=param)
-
-
-def _finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
-    """OpenAI's "tool_calls" where a completion that stopped by itself called tools."""
-    if reason == "stop" and parser is not None and parser.calls:
-        return "tool_calls"
-    return reason
-
-
-def _call_deltas(calls: list[ToolCall], parser: ToolCallParser | None) -> list[ToolCallOut]:
-    """Stream deltas of calls just completed, indexed by their place among all calls."""
-    first = len(parser.calls) - len(calls) if parser is not None else 0
-    return [ToolCallOut(index=first + i, id=c.id,
-                        function=FunctionCall(name=c.name, arguments=c.arguments))
-            for i, c in enumerate(calls)]
 
 
 def _usage_tail(chunk: Callable[..., str], prompt_len: int,
