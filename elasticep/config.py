@@ -136,7 +136,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
         dtype: "float32" or "bfloat16".
         device: "cpu" or "cuda".
         ep_size: initial number of ranks (the launch cohort).
-        max_ep_size: capacity reserved for scale-up (>= ep_size).
+        max_ep_size: capacity reserved for scale-up (>= ep_size); None (the default):
+            ``ep_size``, no reserve, so ``DeploymentConfig(model=m, ep_size=2)`` is whole.
         min_ep_size: the fewest ranks whose expert slots must hold every expert without
             growing (``--min-ep-size``, in ``[1, ep_size]``); None: ``ep_size - 1`` (at
             least 1) for the elastic backend, ``ep_size`` for none. See
@@ -195,7 +196,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     dtype: str = "float32"
     device: str = "cpu"
     ep_size: int = 1
-    max_ep_size: int = 1
+    max_ep_size: int | None = None  # an int once constructed (__post_init__)
     min_ep_size: int | None = None
     ep_num_redundant_experts: int = 0
     ep_dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
@@ -222,6 +223,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     coordinator_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.max_ep_size is None:  # no scale-up reserve unless asked for
+            object.__setattr__(self, "max_ep_size", self.ep_size)
         for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
                           ("elastic_ep_backend", Backend), ("load_format", LoadFormat),
                           ("moe_a2a_backend", A2ABackend)):

@@ -68,7 +68,7 @@ from elasticep.elastic.rank_model import (
 from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.limits import measure_rank_limits
-from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.llm_engine import LLMEngine, grammar_compiler_for
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.frontend_link import LinkEndpoints, WorkerChannel
@@ -174,7 +174,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                            EPLBConfig(True, d.eplb_rebalance_num_iterations), rank=cfg.rank)
         hooked.hooks.append(eplb.record)
     engine = LLMEngine(model, limits.engine_config(forward_empty_batches=True,
-                                                   enable_cuda_graph=not d.disable_cuda_graph))
+                                                   enable_cuda_graph=not d.disable_cuda_graph),
+                       grammar_compiler=grammar_compiler_for(d.model, mcfg))
     warm_up_prefill(engine, warmup_step_context(model, ep), skip=d.skip_server_warmup)
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from elasticep.engine.grammar import GrammarCompiler, Grammars
 from elasticep.engine.kv_cache import BlockManager
 from elasticep.engine.model_runner import ModelRunner
 from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
@@ -87,6 +88,14 @@ def max_sequence_len(model_config: MoEModelConfig, config: EngineConfig | None) 
     return min(limits)
 
 
+def grammar_compiler_for(model_dir: str | Path, model_config: MoEModelConfig,
+                         ) -> Callable[[], GrammarCompiler]:
+    """The structured-output backend of a model directory, to build when first needed
+    (its tokenizer's vocabulary over the logits' width, EOS as the stop tokens)."""
+    return lambda: GrammarCompiler(str(model_dir), model_config.vocab_size,
+                                   model_config.eos_token_ids)
+
+
 class LLMEngine:
     """Continuous-batching engine over one :class:`MoECausalLM`.
 
@@ -94,6 +103,9 @@ class LLMEngine:
         model: the loaded model (any executor).
         config: engine limits.
         detokenize: ids -> text, needed only for ``stop`` strings.
+        grammar_compiler: builds the structured-output backend at the first request with
+            a grammar (:class:`~elasticep.engine.grammar.GrammarCompiler`); None: such
+            requests are refused.
     """
 
     def __init__(
@@ -101,6 +113,7 @@ class LLMEngine:
         model: MoECausalLM,
         config: EngineConfig | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        grammar_compiler: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -110,6 +123,7 @@ class LLMEngine:
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.detokenize = detokenize
+        self.grammars = Grammars(grammar_compiler)
         self.eos_ids = set(model.config.eos_token_ids)
         self.max_seq_len = max_sequence_len(model.config, self.config)
         self._arrival = itertools.count()
@@ -141,7 +155,7 @@ class LLMEngine:
 
         model = load_model(model_dir, dtype=dtype, device=device, progress=progress,
                            load_format=load_format, quantization=quantization)
-        return cls(model, config, detokenize)
+        return cls(model, config, detokenize, grammar_compiler_for(model_dir, model.config))
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request (a resumed one carries its ``output_token_ids``).
@@ -168,6 +182,8 @@ class LLMEngine:
                 f"{self.model.config.max_position_embeddings}, KV cache {self.blocks.capacity_tokens} "
                 f"tokens, longest sequence {self.max_seq_len}"
             )
+        if req.params.grammar is not None:  # a resumed request's tokens replayed into it
+            self.grammars.add(req.request_id, req.params.grammar, req.output_token_ids)
         seq = Sequence.from_request(req, next(self._arrival))
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -175,6 +191,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request; True if it was known."""
         seq = self._seqs.pop(request_id, None)
+        self.grammars.drop(request_id)
         if seq is None:
             return False
         self.scheduler.remove(request_id)
@@ -214,6 +231,7 @@ class LLMEngine:
         if while_running is not None:
             while_running()
         seqs = [it.seq for it in batch.items if it.samples]
+        self.grammars.mask(logits, [s.request_id for s in seqs])
         return sample_batch(
             logits,
             [s.params for s in seqs],
@@ -247,15 +265,18 @@ class LLMEngine:
                 log.warning("request %s failed: sampling raised %s", seq.request_id, tok.message)
                 self.scheduler.finish(seq, "abort")
                 self._seqs.pop(seq.request_id, None)
+                self.grammars.drop(seq.request_id)
                 outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids), None,
                                            "abort", error=f"sampling failed: {tok.message}"))
                 continue
             seq.num_cached_tokens = it.end
             seq.output_token_ids.append(int(tok))
-            reason = self._finish_reason(seq, int(tok))
+            complete = self.grammars.accept(seq.request_id, int(tok))
+            reason = "stop" if complete else self._finish_reason(seq, int(tok))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
+                self.grammars.drop(seq.request_id)
             outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason))
         return outputs
 

@@ -20,6 +20,24 @@ MIN_TEMPERATURE = 2.0**-126
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+# the grammar kinds of structured output: OpenAI's response_format types json_schema
+# and json_object, and SGLang's regex and ebnf
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint (:mod:`elasticep.engine.grammar`).
+
+    Attributes:
+        kind: one of :data:`GRAMMAR_KINDS`.
+        spec: the JSON schema (JSON text), the regex or the EBNF; "" for json_object.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, named as in the OpenAI API.
@@ -34,6 +52,8 @@ class SamplingParams:
         stop: stop strings; generation ends when the decoded text contains one (empty
             strings are ignored, as the front-end's detokenizer does).
         ignore_eos: keep generating after EOS.
+        grammar: structured output: every token obeys this grammar, and the request
+            ends once the grammar is complete (even with ``ignore_eos``); None: free.
 
     Raises:
         ValueError: from :meth:`validate` when a field is out of range.
@@ -46,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         """Raise :class:`SamplingParamError` (a ValueError) naming the first bad field.
@@ -64,6 +85,8 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "must be >= 0"),
             ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
              "must be a 64-bit signed integer"),
+            ("grammar", self.grammar is None or self.grammar.kind in GRAMMAR_KINDS,
+             f"kind must be one of {', '.join(GRAMMAR_KINDS)}"),
         )
         for name, ok, rule in checks:
             if not ok:

@@ -163,7 +163,7 @@ def validate(args: argparse.Namespace
         field, _, rest = str(exc).partition(" ")
         raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     checks.check_device(args.device)
-    deployment = replace(deployment, model=checks.check_model_dir(args.model))
+    deployment = replace(deployment, model=checks.check_model_dir(args.model, args.load_format))
     checks.check_quantization(deployment.model, deployment.quantization)
     if args.prompt is not None:
         problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)

@@ -26,6 +26,7 @@ from elasticep.entrypoints.validate import (
     raise_first_failure,
 )
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
+from elasticep.frontend.tool_parsers import TOOL_CALL_PARSERS
 
 
 def _human_bytes(n: int) -> str:
@@ -44,6 +45,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="relaunch a rank of this node that crashed (never one removed by a "
              "scale-down; a rank dying while loading at start-up still stops serve)")
     h = p.add_argument_group("HTTP")
+    h.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model exactly as given, as "
+                        "in SGLang and vLLM, so clients that load the tokenizer from the "
+                        "served name find it)")
+    h.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="the format of the model's tool calls, parsed into `tool_calls` on "
+                        "/v1/chat/completions (default: the one the model family's chat "
+                        "template uses: qwen3 for Qwen2/Qwen3 MoE, deepseekv3 for DeepSeek)")
     h.add_argument("--host", default="127.0.0.1",
                    help="interface of the OpenAI API (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000,
@@ -77,6 +86,9 @@ class ServeSettings:
         restart_failed_ranks: relaunch crashed local ranks.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         warnings: non-fatal remarks to print.
+        tool_call_parser: ``--tool-call-parser``; None: the family's.
+        served_model_name: the ``model`` clients send: ``--served-model-name``, else
+            ``--model`` exactly as given (not the resolved directory).
     """
 
     deployment: DeploymentConfig
@@ -91,6 +103,8 @@ class ServeSettings:
     restart_failed_ranks: bool
     coordinator_timeout_s: float = 60.0
     warnings: tuple[str, ...] = ()
+    served_model_name: str = ""
+    tool_call_parser: str | None = None
 
     @property
     def local_ranks(self) -> list[int]:
@@ -131,7 +145,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     ])
     check_device(args.device)
     apply_gloo_ifname(args)
-    deployment = replace(deployment, model=check_model_dir(args.model))
+    deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))
     check_quantization(deployment.model, deployment.quantization)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
@@ -147,4 +161,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
-        warnings=tuple(warnings))
+        warnings=tuple(warnings),
+        # as given: clients send what they typed, and SGLang's bench_serving loads its
+        # tokenizer from this name
+        served_model_name=args.served_model_name or args.model,
+        tool_call_parser=args.tool_call_parser)

@@ -72,10 +72,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n\n")[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: --model as given, as in "
-                        "SGLang and vLLM, so clients that load the tokenizer from the "
-                        "served name find it)")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
     return p
@@ -98,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     try:
         if settings.node_rank == 0:
-            return _serve_head(settings, args, stop, log_dir, fault)
+            return _serve_head(settings, stop, log_dir, fault)
         return _serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
 
 
-def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
+def _serve_head(settings: ServeSettings, stop: StopEvent,
                 log_dir: Path, fault: str | None) -> int:
     """Node 0: coordinator + front-end + local ranks (``fault``: their fault-injection
     spec); returns when stopped."""
@@ -142,13 +138,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
         membership = deployment.membership(lambda: channel.connected)
-        # --model as given: SGLang's bench_serving loads its tokenizer from this name
-        name = args.served_model_name or dep.model
+        name = settings.served_model_name
         server, frontend = create_server(
             dep.model, channel, membership, served_model_name=name,
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
-            max_payload_size=settings.max_payload_size, sock=http_sock)
+            max_payload_size=settings.max_payload_size, sock=http_sock,
+            tool_call_parser=settings.tool_call_parser)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1

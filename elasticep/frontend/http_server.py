@@ -45,6 +45,7 @@ from elasticep.frontend.openai_protocol import (
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.frontend.tool_parsers import parser_for_family
 from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.net import bind_tcp
@@ -72,6 +73,8 @@ class ServerConfig:
         port: TCP port; 0 picks a free one.
         max_payload_size: largest request body in bytes; a larger one gets 413
             (``serve --max-payload-size``, the name of SGLang's router flag).
+        tool_call_parser: the model's tool-call format on chat completions (a key of
+            :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: none.
     """
 
     model_name: str
@@ -82,6 +85,7 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     model_path: str = ""
     max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE
+    tool_call_parser: str | None = None
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -220,7 +224,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     app = FastAPI(title="ElasticEP", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len,
-                            config.sampling_defaults)
+                            config.sampling_defaults, config.tool_call_parser)
     created = int(time.time())
     app.add_middleware(BodyLimitMiddleware, limit=config.max_payload_size)
     if config.api_key:  # outermost: no body is read before the key is checked
@@ -336,6 +340,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                   frontend_config: FrontendConfig | None = None,
                   max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE,
                   sock: socket.socket | None = None,
+                  tool_call_parser: str | None = None,
                   ) -> tuple[HttpServer, Frontend]:
     """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
 
@@ -351,6 +356,8 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         frontend_config: timing of the front-end core.
         max_payload_size: largest request body in bytes (413 above it).
         sock: the socket bound to ``host:port`` ahead of time, or None (see HttpServer).
+        tool_call_parser: the tool-call format (``serve --tool-call-parser``); None: the
+            one the model family's chat template implies, if any.
 
     Returns:
         The (not yet started) server and its front-end.
@@ -369,7 +376,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
                           sampling_defaults=model_config.sampling_defaults,
-                          model_path=str(model_path), max_payload_size=max_payload_size)
+                          model_path=str(model_path), max_payload_size=max_payload_size,
+                          tool_call_parser=tool_call_parser
+                          or parser_for_family(model_config.model_type))
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port, sock=sock), frontend
 

@@ -14,9 +14,24 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from elasticep.engine.request import SamplingParamError, SamplingParams
+from elasticep.engine.grammar import check_grammar
+from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from elasticep.frontend.openai_tools import (
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    ToolCallOut,
+)
 from elasticep.models.config import SamplingDefaults
 
 
@@ -76,6 +91,10 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, SGLang's regex and ebnf extensions
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # field -> the only value we implement; anything else is a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
@@ -106,6 +125,34 @@ class _SamplingFields(_Strict):
                 raise OpenAIError(400, f"{name}={value!r} is not supported (only "
                                   f"{default!r})", param=name)
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured-output constraint the request asks for, parsed; None: free text.
+
+        Raises:
+            OpenAIError: 400 naming the field: two constraints at once, a json_schema
+                format without a schema, or a schema / regex / EBNF that does not parse.
+        """
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise OpenAIError(400, 'response_format of type "json_schema" needs '
+                                  "json_schema.schema", param="response_format")
+            asked.append(("response_format", GrammarSpec(
+                "json_schema", json.dumps(fmt.json_schema.schema_))))
+        for name in ("regex", "ebnf"):
+            if getattr(self, name) is not None:
+                asked.append((name, GrammarSpec(name, getattr(self, name))))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise OpenAIError(400, f"send one structured-output constraint, not "
+                              f"{' and '.join(n for n, _ in asked)}", param=asked[1][0])
+        name, spec = asked[0]
+        return checked_grammar(spec, name)
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -134,7 +181,8 @@ class _SamplingFields(_Strict):
 
         params = SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"),
                                 top_p=pick("top_p"), top_k=max(pick("top_k"), 0), seed=self.seed,
-                                stop=self.stop_strings(), ignore_eos=self.ignore_eos)
+                                stop=self.stop_strings(), ignore_eos=self.ignore_eos,
+                                grammar=self.grammar_spec())
         try:
             params.validate()
         except SamplingParamError as exc:
@@ -186,14 +234,28 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool fields only where set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -208,8 +270,19 @@ class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
 
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the chat template renders; None without tools or with
+        ``tool_choice`` "none" (the model is then not told of them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_tokens_param(self) -> str:
         """The field :meth:`requested_max_tokens` came from, for error messages."""
@@ -222,6 +295,19 @@ class ScaleRequest(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     new_ep_size: int
+
+
+def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """``spec`` once it parses (the ranks would refuse it later).
+
+    Raises:
+        OpenAIError: 400 naming ``param`` with the grammar library's reason.
+    """
+    try:
+        check_grammar(spec)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+    return spec
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
@@ -313,6 +399,15 @@ def completion_chunk_renderer(rid: str, created: int, model: str,
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_calls(self, handler: Any) -> dict[str, Any]:
+        # a reply without tools keeps the shape it had before tool calls existed
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Choice):

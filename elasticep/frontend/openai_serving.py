@@ -20,6 +20,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from elasticep.engine.request import SamplingParams
+from elasticep.frontend.chat_tools import (
+    call_deltas,
+    finish_reason,
+    reply_message,
+    tool_parser,
+    with_forced_call,
+)
 from elasticep.frontend.core import Frontend, RequestStream
 from elasticep.frontend.openai_protocol import (
     ChatChoice,
@@ -45,6 +52,7 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
 )
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
+from elasticep.frontend.tool_parsers import ToolCall
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
@@ -94,16 +102,21 @@ class OpenAIServing:
         max_model_len: prompt + completion tokens must fit this (context and KV cache).
         sampling_defaults: the model's ``generation_config.json`` sampling values, for
             the fields a request leaves unset.
+        tool_call_parser: the format of the model's tool calls (a key of
+            :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: requests
+            with ``tools`` get a 400.
     """
 
     def __init__(self, frontend: Frontend, tokenizer: Any, model_name: str,
                  max_model_len: int,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(),
+                 tool_call_parser: str | None = None) -> None:
         self.frontend = frontend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.sampling_defaults = sampling_defaults
+        self.tool_call_parser = tool_call_parser
         # Tokenizing a long prompt (or rendering a chat template) can take seconds: it
         # runs off the event loop, so that the other requests' streams, their checks and
         # /health go on meanwhile, and on a pool, so that it holds up one thread only.
@@ -158,10 +171,10 @@ class OpenAIServing:
             raise OpenAIError(400, f"The model `{self.model_name}` has no chat template, so "
                               "chat completions are unavailable; use /v1/completions.",
                               param="messages", code="chat_template_missing")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
-        ids = list(await self.tokenizers.run(_chat_ids, messages))
+        ids = list(await self.tokenizers.run(_chat_ids, messages, req.tools_for_template()))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len, req.max_tokens_param())
         return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
@@ -203,29 +216,42 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
+        parser = tool_parser(req, self.tool_call_parser, self.model_name)
         ids, params = await self._chat_inputs(req)
+        params = with_forced_call(req, self.tool_call_parser, params)
         rid, created = new_id("chatcmpl"), now()
         stream = self.submit(rid, ids, params)
         first = [True]
 
-        def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
+        def chunk(text: str, finish: str | None, usage: Usage | None = None,
+                  calls: list[ToolCall] | None = None) -> str:
             choices = []
             if usage is None:
                 # the role rides on the first token's chunk: still one chunk per token
-                delta = ChatDelta(role="assistant" if first[0] else None, content=text)
+                delta = ChatDelta(role="assistant" if first[0] else None, content=text,
+                                  tool_calls=call_deltas(calls, parser) if calls else None)
                 first[0] = False
                 choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name,
                                        choices=choices, usage=usage).model_dump_json()
 
+        def render(e: RequestEvent) -> str:
+            if parser is None:
+                return chunk(e.text, e.finish_reason)
+            text, calls = parser.push(e.text)
+            if e.finish_reason is not None:
+                more, last = parser.finish()
+                text, calls = text + more, calls + last
+            return chunk(text, finish_reason(e.finish_reason, parser), calls=calls)
+
         if req.stream:
-            return self.sse(stream, "chat", lambda e: chunk(e.text, e.finish_reason),
+            return self.sse(stream, "chat", render,
                             _usage_tail(chunk, len(ids), req.include_usage()))
         result = await self.collect(stream, raw, "chat")
-        message = ChatDelta(role="assistant", content=result.text)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=message, finish_reason=result.finish_reason)],
+            choices=[ChatChoice(message=reply_message(result.text, parser),
+                                finish_reason=finish_reason(result.finish_reason, parser))],
             usage=_usage(len(ids), result.num_tokens)).model_dump())
 
     # ---- plumbing ------------------------------------------------------------------
@@ -298,10 +324,12 @@ def _encode(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt ids of chat ``messages`` (the model's chat template, then tokens)."""
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt ids of chat ``messages`` (the model's chat template, given ``tools``,
+    then tokens)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
         raise OpenAIError(400, f"chat template failed on these messages: {exc}",

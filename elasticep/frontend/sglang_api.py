@@ -4,7 +4,8 @@
 
 ``/generate`` takes one prompt (``text`` or ``input_ids``) and ``sampling_params``
 (``max_new_tokens``, default 128 as SGLang's; ``temperature``, ``top_p``, ``top_k`` (-1
-disables), ``stop``, ``ignore_eos``, ``sampling_seed``). Fields SGLang has but we do not
+disables), ``stop``, ``ignore_eos``, ``sampling_seed``, and one structured-output
+constraint of ``json_schema``, ``regex``, ``ebnf``). Fields SGLang has but we do not
 implement accept only their default value; anything else is a 400 naming the field.
 The answer is ``{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency"}}``; streamed (``"stream": true``),
@@ -26,10 +27,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from elasticep import __version__
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import GrammarSpec, SamplingParams
 from elasticep.frontend.openai_protocol import (
     OpenAIError,
     _Strict,
+    checked_grammar,
     new_id,
     resolve_max_tokens,
 )
@@ -81,7 +83,24 @@ class SglangSamplingParams(_Strict):
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "min_p", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
         "repetition_penalty", "stop_token_ids", "skip_special_tokens",
-        "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex", "ebnf")
+        "spaces_between_special_tokens", "no_stop_trim")
+
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """SGLang's structured output: one of ``json_schema`` (JSON text), ``regex``,
+        ``ebnf``; None: free text.
+
+        Raises:
+            OpenAIError: 400 naming the field: two at once, or one that does not parse.
+        """
+        asked = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(asked) > 1:
+            raise OpenAIError(400, f"send one of json_schema, regex and ebnf, not "
+                              f"{' and '.join(asked)}", param=f"sampling_params.{asked[1]}")
+        if not asked:
+            return None
+        return checked_grammar(GrammarSpec(asked[0], getattr(self, asked[0])),
+                               f"sampling_params.{asked[0]}")
 
 
 class SglangGenerateRequest(_Strict):
@@ -143,7 +162,8 @@ class SglangGenerateRequest(_Strict):
             max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len,
                                           "sampling_params.max_new_tokens"),
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
-            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos)
+            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos,
+            grammar=sp.grammar_spec())
         try:
             params.validate()
         except ValueError as exc:
