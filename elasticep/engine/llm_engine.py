@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from elasticep.engine.kv_cache import BlockManager
+from elasticep.engine.logprobs import token_logprobs
 from elasticep.engine.model_runner import ModelRunner
-from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
-from elasticep.engine.sampler import SamplingFailure, sample_batch
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenLogprobs, TokenOutput
+from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from elasticep.engine.sequence import Sequence, SequenceStatus
 from elasticep.models.config import MoEModelConfig
@@ -114,6 +115,10 @@ class LLMEngine:
         self.max_seq_len = max_sequence_len(model.config, self.config)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        # what the last execute computed besides the tokens, for commit: request id ->
+        # the sampled token's logprobs, and -> {prompt position: logprobs}
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
+        self._step_prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         self.cuda_graph_capture_s: float | None = None
         if self.config.enable_cuda_graph:
             self.cuda_graph_capture_s = self.runner.enable_cuda_graphs(
@@ -204,20 +209,58 @@ class LLMEngine:
         for it (on CUDA, host work there overlaps the device's); also for a batch that
         forwards nothing.
         """
+        self._step_logprobs = {}
+        self._step_prompt_logprobs = {}
         if not batch.items and not self.config.forward_empty_batches:
             if while_running is not None:
                 while_running()
             return []
-        logits = self.runner.forward(batch)
+        # a prompt whose logprobs are asked for needs the logits of every position
+        scoring = [it for it in batch.items if it.seq.wants_prompt_logprobs
+                   and it.start < len(it.seq.prompt_token_ids) - 1]
+        all_logits = self.runner.forward(batch, all_logits=True) if scoring else None
+        if all_logits is not None:
+            ends = list(itertools.accumulate(it.end - it.start for it in batch.items))
+            logits = all_logits[[e - 1 for it, e in zip(batch.items, ends, strict=True)
+                                 if it.samples]]
+        else:
+            logits = self.runner.forward(batch)
         if while_running is not None:
             while_running()
         seqs = [it.seq for it in batch.items if it.samples]
-        return sample_batch(
+        tokens = sample_batch(
             logits,
             [s.params for s in seqs],
             [s.request_id for s in seqs],
             [len(s.output_token_ids) for s in seqs],
+            RowTokens([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                      self.eos_ids),
         )
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.params.logprobs is not None and type(t) is int]
+        if rows:
+            lps = token_logprobs(logits[rows], [int(tokens[i]) for i in rows],  # type: ignore[arg-type]
+                                 [seqs[i].params.logprobs or 0 for i in rows])
+            self._step_logprobs = {seqs[i].request_id: lp for i, lp in zip(rows, lps, strict=True)}
+        if all_logits is not None:
+            self._score_prompts(batch, all_logits, scoring)
+        return tokens
+
+    def _score_prompts(self, batch: ScheduledBatch, all_logits: torch.Tensor,
+                       scoring: list[ScheduledSeq]) -> None:
+        """The logprobs of the prompt tokens that ``scoring``'s chunks predict: the logits
+        at position p score prompt token p + 1 (position 0 has none, as in vLLM)."""
+        offset = {id(it): o for it, o in zip(
+            batch.items, itertools.accumulate((it.end - it.start for it in batch.items),
+                                              initial=0), strict=False)}
+        for it in scoring:
+            prompt = it.seq.prompt_token_ids
+            positions = range(it.start, min(it.end, len(prompt) - 1))
+            rows = [offset[id(it)] + p - it.start for p in positions]
+            lps = token_logprobs(all_logits[rows], [prompt[p + 1] for p in positions],
+                                 [it.seq.params.prompt_logprobs or 0] * len(rows))
+            self._step_prompt_logprobs[it.seq.request_id] = {
+                p + 1: lp for p, lp in zip(positions, lps, strict=True)}
 
     def commit(self, batch: ScheduledBatch,
                tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
@@ -234,6 +277,9 @@ class LLMEngine:
         if len(tokens) != len(sampling):
             raise ValueError(f"{len(tokens)} tokens for {len(sampling)} sampling sequences")
         for it in batch.items:
+            scored = self._step_prompt_logprobs.get(it.seq.request_id)
+            if scored is not None and it.seq.status is SequenceStatus.RUNNING:
+                it.seq.prompt_logprobs.update(scored)
             if not it.samples and it.seq.status is SequenceStatus.RUNNING:
                 it.seq.num_cached_tokens = it.end  # a prefill chunk: the rest comes later
         outputs = []
@@ -254,12 +300,17 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason))
+            first = len(seq.output_token_ids) == 1 and seq.wants_prompt_logprobs
+            outputs.append(TokenOutput(
+                seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason,
+                logprobs=self._step_logprobs.get(seq.request_id),
+                prompt_logprobs=tuple(seq.prompt_logprobs[p] for p in sorted(seq.prompt_logprobs))
+                if first else None))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in self.eos_ids and not p.ignore_eos:
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.detokenize is not None:
             text = self.detokenize(seq.output_token_ids)
