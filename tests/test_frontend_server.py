@@ -187,7 +187,10 @@ BAD_BODIES = [
     ({"model": NAME, "prompt": "hi", "bogus": 1}, "bogus"),
     ({"model": NAME, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": 7}, "temperature"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n=2"),
+    ({"model": NAME, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "echo"),
     ({"model": NAME, "prompt": "hi " * 1100}, "context length"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 5000}, "context length"),
     ({"model": NAME, "prompt": [1, 2, 99999]}, "token ids"),
@@ -587,8 +590,8 @@ def test_a_long_tokenization_leaves_the_server_answering_the_others():
             # that request is inside the tokenizer: the others are still answered
             assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == NAME
             bad = httpx.post(server.url + "/v1/completions", timeout=5,
-                             json={"model": NAME, "prompt": "hi", "n": 3})
-            assert bad.status_code == 400 and "n=3" in bad.json()["error"]["message"]
+                             json={"model": NAME, "prompt": "hi", "n": 3, "best_of": 2})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
             tok.go.set()
             # then it goes on as before: tokenized, checked, and (no rank is connected) 503
             assert slow.result(30).status_code == 503

@@ -11,16 +11,19 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import SamplingParams, TokenLogprobs
+from elasticep.frontend.completion_choices import CompletionChoices
 from elasticep.frontend.core import Frontend, RequestStream
+from elasticep.frontend.logprobs_format import ChatLogprobs, chat_logprobs
+from elasticep.frontend.merged_stream import MergedStream
 from elasticep.frontend.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -55,11 +58,35 @@ TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
 
 @dataclass
 class _Result:
+    """One request's whole output, gathered from its events."""
+
     text: str
     num_tokens: int
     finish_reason: str | None
     error: str | None
     refused: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @classmethod
+    async def gather(cls, stream: RequestStream) -> _Result:
+        """Read ``stream`` to its final event (closing it)."""
+        parts: list[str] = []
+        r = cls("", 0, None, "stream ended early")
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                parts.append(event.text)
+                r.token_ids += event.token_ids
+                r.logprobs += event.logprobs
+                if event.prompt_logprobs is not None:
+                    r.prompt_logprobs = event.prompt_logprobs
+                if event.finish_reason is not None:
+                    r.num_tokens, r.finish_reason = event.num_generated, event.finish_reason
+                    r.error, r.refused = event.error, event.refused
+                    break
+        r.text = "".join(parts)
+        return r
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -119,12 +146,34 @@ class OpenAIServing:
                               f"`{self.model_name}`.", param="model", code="model_not_found")
 
     async def _completion_inputs(self, req: CompletionRequest,
-                                 ) -> tuple[list[int], SamplingParams]:
+                                 ) -> list[tuple[list[int], list[SamplingParams]]]:
+        """Each prompt's ids and the params of its ``n`` choices (choice j seeded
+        ``seed + j``); ``max_tokens`` 0 (echo only) runs 1 token, which is dropped."""
         self.check_model(req.model)
         req.check_supported()
-        ids = await self.encode_prompt(req.single_prompt(), "prompt")
-        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+        out = []
+        for prompt in req.prompts():
+            ids = await self.encode_prompt(prompt, "prompt")
+            max_tokens = resolve_max_tokens(len(ids), req.max_tokens or (
+                None if req.max_tokens is None else 1), self.max_model_len)
+            out.append((ids, [self.check_token_ids(
+                req.to_sampling_params(max_tokens, self.sampling_defaults, j))
+                for j in range(req.n)]))
+        return out
+
+    def check_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params``, once its ``stop_token_ids`` and ``logit_bias`` name tokens of the
+        vocabulary.
+
+        Raises:
+            OpenAIError: 400 naming the field otherwise.
+        """
+        vocab = len(self.tokenizer)
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(not 0 <= t < vocab for t in ids):
+                raise OpenAIError(400, f"{name} token ids must be in [0, {vocab})", param=name)
+        return params
 
     async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
         """The token ids of a text prompt (tokenized off the event loop) or of an id list
@@ -164,7 +213,8 @@ class OpenAIServing:
         ids = list(await self.tokenizers.run(_chat_ids, messages))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len, req.max_tokens_param())
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+        return ids, self.check_token_ids(req.to_sampling_params(max_tokens,
+                                                                self.sampling_defaults))
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
         """Route a request; the stream of its events (close it: see ``Frontend.submit``).
@@ -181,10 +231,14 @@ class OpenAIServing:
 
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        """POST /v1/completions."""
-        ids, params = await self._completion_inputs(req)
+        """POST /v1/completions: every prompt times ``n`` choices (:mod:`completion_choices`)."""
+        inputs = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
-        stream = self.submit(rid, ids, params)
+        choices = CompletionChoices(req, inputs, self.token_text, self.tokenizer.decode)
+        streams = self.submit_all(
+            [f"{rid}-{k}" if choices.many else rid for k in range(choices.count)],
+            choices.requests())
+        prompt_tokens = sum(len(ids) for ids, _ in inputs)
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
             choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
@@ -192,14 +246,44 @@ class OpenAIServing:
                                       choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            render = completion_chunk_renderer(rid, created, self.model_name)
-            return self.sse(stream, "completions", lambda e: render(e.text, e.finish_reason),
-                            _usage_tail(chunk, len(ids), req.include_usage()))
-        result = await self.collect(stream, raw, "completions")
+            tail = _usage_tail(chunk, prompt_tokens, req.include_usage(),
+                               0 if choices.echo_only else None)
+            if choices.plain:
+                render = completion_chunk_renderer(rid, created, self.model_name)
+                return self.sse(streams[0], "completions",
+                                lambda e: render(e.text, e.finish_reason), tail)
+            index = {s.request_id: k for k, s in enumerate(streams)}
+
+            def render_choice(e: RequestEvent) -> str:
+                return CompletionResponse(id=rid, created=created, model=self.model_name,
+                                          choices=[choices.streamed(index[e.request_id], e)],
+                                          ).model_dump_json()
+
+            return self.sse(MergedStream(streams), "completions", render_choice, tail)
+        results = await self.collect_many(streams, raw, "completions")
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
-            usage=_usage(len(ids), result.num_tokens)).model_dump())
+            choices=[choices.whole(k, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs)
+                     for k, r in enumerate(results)],
+            usage=_usage(prompt_tokens, 0 if choices.echo_only
+                         else sum(r.num_tokens for r in results))).model_dump())
+
+    def submit_all(self, request_ids: list[str],
+                   requests: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+        """:meth:`submit` each request; if one fails, those already routed are aborted.
+
+        Raises:
+            OpenAIError: as :meth:`submit`.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for rid, (ids, params) in zip(request_ids, requests, strict=True):
+                streams.append(self.submit(rid, ids, params))
+        except BaseException:
+            for s in streams:
+                s.close_now()
+            raise
+        return streams
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -208,36 +292,50 @@ class OpenAIServing:
         stream = self.submit(rid, ids, params)
         first = [True]
 
-        def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
+        def logprobs(lps: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
+            if params.logprobs is None:
+                return None
+            return chat_logprobs(self.token_text, lps, params.logprobs)
+
+        def chunk(text: str, finish: str | None, usage: Usage | None = None,
+                  lps: Sequence[TokenLogprobs] = ()) -> str:
             choices = []
             if usage is None:
                 # the role rides on the first token's chunk: still one chunk per token
                 delta = ChatDelta(role="assistant" if first[0] else None, content=text)
                 first[0] = False
-                choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
+                choices = [ChatStreamChoice(delta=delta, finish_reason=finish,
+                                            logprobs=logprobs(lps))]
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name,
                                        choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            return self.sse(stream, "chat", lambda e: chunk(e.text, e.finish_reason),
+            return self.sse(stream, "chat",
+                            lambda e: chunk(e.text, e.finish_reason, lps=e.logprobs),
                             _usage_tail(chunk, len(ids), req.include_usage()))
         result = await self.collect(stream, raw, "chat")
         message = ChatDelta(role="assistant", content=result.text)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=message, finish_reason=result.finish_reason)],
+            choices=[ChatChoice(message=message, finish_reason=result.finish_reason,
+                                logprobs=logprobs(result.logprobs))],
             usage=_usage(len(ids), result.num_tokens)).model_dump())
 
     # ---- plumbing ------------------------------------------------------------------
-    def sse(self, stream: RequestStream, endpoint: str, render: Callable[[RequestEvent], str],
+    def sse(self, stream: RequestStream | MergedStream, endpoint: str,
+            render: Callable[[RequestEvent], str | None],
             tail: Callable[[int], str | None] = lambda _: None) -> StreamingResponse:
-        """An SSE response: ``render(event)`` per token event, an error chunk if the
-        request fails, ``tail(tokens)`` (if not None) once it finished, then ``[DONE]``.
+        """An SSE response: ``render(event)`` per token event (None: no chunk), an error
+        chunk if a request fails, ``tail(tokens)`` (if not None; ``tokens`` summed over
+        the requests of a merged stream) once every request finished, then ``[DONE]``.
         ``endpoint`` labels the request metric."""
         metrics = self.frontend.metrics
+        members = len(stream.streams) if isinstance(stream, MergedStream) else 1
 
         async def body() -> AsyncIterator[str]:
-            outcome, num_tokens = "aborted", 0
+            outcome = "aborted"
+            generated: dict[str, int] = {}
+            finished: set[str] = set()
             try:
                 async with contextlib.aclosing(stream):
                     async for event in stream:
@@ -245,10 +343,15 @@ class OpenAIServing:
                             outcome = "error"
                             yield _sse_line(_error_json(event))
                             break
-                        num_tokens = event.num_generated
-                        yield _sse_line(render(event))
+                        generated[event.request_id] = event.num_generated
+                        line = render(event)
+                        if line is not None:
+                            yield _sse_line(line)
                         if event.finish_reason is not None:
-                            outcome = "finished"
+                            finished.add(event.request_id)
+                            if len(finished) == members:
+                                outcome = "finished"
+                num_tokens = sum(generated.values())
                 last = tail(num_tokens) if outcome == "finished" else None
                 if last is not None:
                     yield _sse_line(last)
@@ -261,37 +364,55 @@ class OpenAIServing:
 
     async def collect(self, stream: RequestStream, raw: Request, endpoint: str) -> _Result:
         """Gather a whole result, aborting the request if the client disconnects."""
+        return (await self.collect_many([stream], raw, endpoint))[0]
 
-        async def gather() -> _Result:
-            parts: list[str] = []
-            async with contextlib.aclosing(stream):
-                async for event in stream:
-                    parts.append(event.text)
-                    if event.finish_reason is not None:
-                        return _Result("".join(parts), event.num_generated,
-                                       event.finish_reason, event.error, event.refused)
-            return _Result("".join(parts), 0, None, "stream ended early")
+    async def collect_many(self, streams: list[RequestStream], raw: Request,
+                           endpoint: str) -> list[_Result]:
+        """Gather every request's whole result, in order; all are aborted if the client
+        disconnects, and the others once one fails.
 
-        task = asyncio.create_task(gather())
+        Raises:
+            OpenAIError: 499 (client gone), 400 (a request refused by its rank), 500 (a
+                request failed).
+        """
+
+        async def gather_all() -> list[_Result]:
+            tasks = [asyncio.create_task(_Result.gather(s)) for s in streams]
+            try:
+                results = []
+                for t in tasks:  # in order; a failed one ends the wait for the rest
+                    results.append(await t)
+                    if results[-1].error:
+                        break
+                return results
+            finally:
+                for t in tasks:
+                    t.cancel()  # closes the stream, which aborts the request
+
+        task = asyncio.create_task(gather_all())
         gone = asyncio.create_task(_wait_disconnect(raw))
         try:
             done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not task.done():
-                task.cancel()  # closes the stream, which aborts the request
+                task.cancel()
         if task not in done:
             self.frontend.metrics.requests.labels(endpoint, "aborted").inc()
-            logger.info("request %s: client disconnected; aborted", stream.request_id)
+            logger.info("request %s: client disconnected; aborted", streams[0].request_id)
             raise OpenAIError(499, "client disconnected")
-        result = task.result()
-        outcome = "error" if result.error else "finished"
-        self.frontend.metrics.requests.labels(endpoint, outcome).inc()
-        if result.refused:  # the engine's own check of the request: the client's error
-            raise OpenAIError(400, result.error or "request refused")
-        if result.error:
-            raise OpenAIError(500, result.error, type="server_error")
-        return result
+        results = task.result()
+        failed = next((r for r in results if r.error), None)
+        self.frontend.metrics.requests.labels(endpoint, "error" if failed else "finished").inc()
+        if failed is not None and failed.refused:  # the engine's own check: the client's error
+            raise OpenAIError(400, failed.error or "request refused")
+        if failed is not None:
+            raise OpenAIError(500, failed.error or "request failed", type="server_error")
+        return results
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it (its decode alone)."""
+        return self.tokenizer.decode([token_id])
 
 
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
@@ -324,10 +445,13 @@ def _check_unicode(text: str, param: str) -> None:
         raise OpenAIError(400, f"{param} {problem}", param=param)
 
 
-def _usage_tail(chunk: Callable[..., str], prompt_len: int,
-                include_usage: bool) -> Callable[[int], str | None]:
-    """The usage chunk after the last token, when the request asked for it."""
-    return lambda n: chunk("", None, _usage(prompt_len, n)) if include_usage else None
+def _usage_tail(chunk: Callable[..., str], prompt_len: int, include_usage: bool,
+                completion_tokens: int | None = None) -> Callable[[int], str | None]:
+    """The usage chunk after the last token, when the request asked for it (with
+    ``completion_tokens`` in place of the tokens generated, when not None)."""
+    return lambda n: (chunk("", None, _usage(prompt_len, n if completion_tokens is None
+                                                          else completion_tokens))
+                      if include_usage else None)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
