@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _frontend_live import engine_server, wait_for
+from _frontend_live import engine_server, make_chat_model, wait_for
 from transformers import AutoTokenizer
 
 from elasticep.engine.request import SamplingParams
@@ -32,22 +31,6 @@ NAME = "tiny"
 MAX_TOKENS = 10
 PROMPTS = ["The quick brown fox", "Tom has 3 apples and buys 4 more. How many"]
 CHAT = [{"role": "user", "content": "How many legs does a cat have?"}]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def make_chat_model(dst: Path) -> Path:
-    """The demo model plus a chat template (weights are symlinked, not copied)."""
-    dst.mkdir()
-    for f in DEMO.iterdir():
-        if f.suffix == ".safetensors":
-            (dst / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, dst / f.name)
-    cfg = json.loads((dst / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def demo_with(dst: Path, name: str, **changes) -> Path:
