@@ -203,3 +203,18 @@ def test_logprobs_match_transformers(engine, prompt):
         assert [v for _, v in o.logprobs.top] == pytest.approx(top.values.tolist(), abs=2e-4)
         assert o.logprobs.top[0][0] == o.token_id  # greedy: the top token
     assert all(len(s.top) == 2 for s in scored) and outs[1].prompt_logprobs is None
+
+
+def test_prompt_logprobs_gathered_over_prefill_chunks(engine, prompt):
+    """A prompt prefilled in chunks of 5 tokens scores the same tokens as one prefill."""
+    from elasticep.engine.llm_engine import EngineConfig
+
+    chunked = LLMEngine(engine.model, EngineConfig(chunked_prefill_size=5, enable_cuda_graph=False))
+    p = SamplingParams(max_tokens=2, prompt_logprobs=1, logprobs=0)
+    whole = _run(engine, GenerateRequest("c1", tuple(prompt), p))
+    parts = _run(chunked, GenerateRequest("c1", tuple(prompt), p))
+    assert [o.token_id for o in parts] == [o.token_id for o in whole]
+    a, b = whole[0].prompt_logprobs, parts[0].prompt_logprobs
+    assert [s.token_id for s in b] == list(prompt[1:]) == [s.token_id for s in a]
+    assert [s.logprob for s in b] == pytest.approx([s.logprob for s in a], abs=1e-4)
+    assert parts[1].logprobs.top == () and parts[1].prompt_logprobs is None
