@@ -96,6 +96,12 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(live, hf_logprobs):
     assert sum(lp.token_logprobs[1:]) == pytest.approx(sum(want), abs=1e-3)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
     assert all(len(d) in (1, 2) for d in lp.top_logprobs[1:])
+    # streamed: one chunk with the same text and logprobs
+    chunks = list(live["client"].completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1, temperature=0,
+        stream=True))
+    assert [(c.choices[0].text, c.choices[0].logprobs.token_logprobs) for c in chunks] == \
+        [(c.text, lp.token_logprobs)]
 
 
 def test_completion_logprobs_streamed_and_whole_agree_with_transformers(live, hf_logprobs):

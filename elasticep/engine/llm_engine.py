@@ -295,12 +295,12 @@ class LLMEngine:
                                            "abort", error=f"sampling failed: {tok.message}"))
                 continue
             seq.num_cached_tokens = it.end
+            first = seq.wants_prompt_logprobs
             seq.output_token_ids.append(int(tok))
             reason = self._finish_reason(seq, int(tok))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            first = len(seq.output_token_ids) == 1 and seq.wants_prompt_logprobs
             outputs.append(TokenOutput(
                 seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason,
                 logprobs=self._step_logprobs.get(seq.request_id),

@@ -48,9 +48,10 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """True while the prompt's logprobs are still to be published: asked for, and
-        the request did not come back with outputs (those went out with its first)."""
-        return self.params.prompt_logprobs is not None and self.num_resumed_outputs == 0
+        """True while the prompt's logprobs are still to be published (with the first
+        output): asked for, and no output yet (a resumed request's went out with its
+        first output on its first rank)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @classmethod
     def from_request(cls, req: GenerateRequest, arrival: int) -> Sequence:
