@@ -26,6 +26,7 @@ import torch
 from elasticep.engine.kv_cache import BlockManager
 from elasticep.engine.logprobs import token_logprobs
 from elasticep.engine.model_runner import ModelRunner
+from elasticep.engine.prompt_scoring import PromptScoring
 from elasticep.engine.request import GenerateRequest, SamplingParams, TokenLogprobs, TokenOutput
 from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
@@ -215,16 +216,12 @@ class LLMEngine:
             if while_running is not None:
                 while_running()
             return []
-        # a prompt whose logprobs are asked for needs the logits of every position
-        scoring = [it for it in batch.items if it.seq.wants_prompt_logprobs
-                   and it.start < len(it.seq.prompt_token_ids) - 1]
-        all_logits = self.runner.forward(batch, all_logits=True) if scoring else None
-        if all_logits is not None:
-            ends = list(itertools.accumulate(it.end - it.start for it in batch.items))
-            logits = all_logits[[e - 1 for it, e in zip(batch.items, ends, strict=True)
-                                 if it.samples]]
-        else:
+        scoring = PromptScoring.of(batch)  # a prompt whose logprobs are asked for
+        if scoring is None:
             logits = self.runner.forward(batch)
+        else:
+            out = self.runner.forward_rows(batch, scoring.rows)
+            logits, scored = out[:scoring.num_sampling], out[scoring.num_sampling:]
         if while_running is not None:
             while_running()
         seqs = [it.seq for it in batch.items if it.samples]
@@ -242,25 +239,9 @@ class LLMEngine:
             lps = token_logprobs(logits[rows], [int(tokens[i]) for i in rows],  # type: ignore[arg-type]
                                  [seqs[i].params.logprobs or 0 for i in rows])
             self._step_logprobs = {seqs[i].request_id: lp for i, lp in zip(rows, lps, strict=True)}
-        if all_logits is not None:
-            self._score_prompts(batch, all_logits, scoring)
+        if scoring is not None:
+            self._step_prompt_logprobs = scoring.logprobs(scored)
         return tokens
-
-    def _score_prompts(self, batch: ScheduledBatch, all_logits: torch.Tensor,
-                       scoring: list[ScheduledSeq]) -> None:
-        """The logprobs of the prompt tokens that ``scoring``'s chunks predict: the logits
-        at position p score prompt token p + 1 (position 0 has none, as in vLLM)."""
-        offset = {id(it): o for it, o in zip(
-            batch.items, itertools.accumulate((it.end - it.start for it in batch.items),
-                                              initial=0), strict=False)}
-        for it in scoring:
-            prompt = it.seq.prompt_token_ids
-            positions = range(it.start, min(it.end, len(prompt) - 1))
-            rows = [offset[id(it)] + p - it.start for p in positions]
-            lps = token_logprobs(all_logits[rows], [prompt[p + 1] for p in positions],
-                                 [it.seq.params.prompt_logprobs or 0] * len(rows))
-            self._step_prompt_logprobs[it.seq.request_id] = {
-                p + 1: lp for p, lp in zip(positions, lps, strict=True)}
 
     def commit(self, batch: ScheduledBatch,
                tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
