@@ -115,6 +115,8 @@ def test_generate_refuses_what_it_does_not_implement_naming_the_field(live):
          "top_logprobs_num", "must be in [0, 20]"),
         ({"text": PROMPT, "return_logprob": True, "logprob_start_len": 99},
          "logprob_start_len", "below the prompt"),
+        ({"text": PROMPT, "sampling_params": {"stop_token_ids": [10 ** 6]}},
+         "sampling_params.stop_token_ids", "token ids must be in"),
         # the field the client sent is named (before: "max_tokens", /v1's name)
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 4000}},
          "sampling_params.max_new_tokens", "maximum context length"),

@@ -131,8 +131,9 @@ def test_chat_logprobs_and_top_logprobs(live):
     chunks = list(live["client"].chat.completions.create(**kw, stream=True))
     assert [t.logprob for c in chunks for t in c.choices[0].logprobs.content] == \
         [t.logprob for t in content]
-    bad = live["http"].post("/v1/chat/completions", json={**kw, "logprobs": False})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+    for body in ({**kw, "logprobs": False}, {**kw, "top_logprobs": 21}):
+        bad = live["http"].post("/v1/chat/completions", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
 
 
 def test_n_and_batched_prompts(live):
@@ -176,12 +177,20 @@ def test_logit_bias_stop_token_ids_and_special_tokens(live):
     stopped = live["http"].post("/v1/completions", json={**body, "stop_token_ids": [0]}).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] == 1
+    # an ordinary token as a stop token: the text ends before it
+    ref = live["refs"]["greedy"][0]
+    stop = ref[3]
+    cut = ref.index(stop)
+    got = live["client"].completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12,
+                                            temperature=0, extra_body={"stop_token_ids": [stop]})
+    assert got.choices[0].text == _text(live, ref[:cut])
+    assert got.usage.completion_tokens == cut + 1 and got.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", -1),
     ("min_p", 1.5), ("min_tokens", 50), ("stop_token_ids", [99999]), ("logit_bias", {"x": 1}),
-    ("logprobs", 21), ("best_of", 4)])
+    ("logprobs", 21), ("best_of", 4), ("max_tokens", 0)])
 def test_out_of_range_is_a_400_naming_the_field(live, field, value):
     r = live["http"].post("/v1/completions", json={"model": NAME, "prompt": "hi",
                                                    "max_tokens": 16, field: value})

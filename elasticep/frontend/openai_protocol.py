@@ -89,6 +89,8 @@ class _SamplingFields(_Strict):
 
     # field -> the only value we implement; anything else is a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+    # an engine field's name -> the request field it comes from, for error messages
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
     # fields whose JSON null means "not sent", as in OpenAI's API and vLLM (clients that
     # serialise every field send them): the default, or the model's, then applies
     NULL_IS_UNSET: ClassVar[tuple[str, ...]] = (
@@ -178,7 +180,8 @@ class _SamplingFields(_Strict):
         try:
             params.validate()
         except SamplingParamError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError(400, str(exc), param=self.PARAM_NAMES.get(exc.param, exc.param)
+                              ) from exc
         return params
 
 
@@ -199,6 +202,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "suffix": None}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 
     def check_supported(self) -> None:
         """As :meth:`_SamplingFields.check_supported`, and ``best_of`` (vLLM's: draw
@@ -265,6 +269,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "n": 1}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """Raises:

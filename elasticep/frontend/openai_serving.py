@@ -106,18 +106,19 @@ class OpenAIServing:
                 for j in range(req.n)]))
         return out
 
-    def check_token_ids(self, params: SamplingParams) -> SamplingParams:
+    def check_token_ids(self, params: SamplingParams, prefix: str = "") -> SamplingParams:
         """``params``, once its ``stop_token_ids`` and ``logit_bias`` name tokens of the
         vocabulary.
 
         Raises:
-            OpenAIError: 400 naming the field otherwise.
+            OpenAIError: 400 naming the field (after ``prefix``) otherwise.
         """
         vocab = len(self.tokenizer)
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", [t for t, _ in params.logit_bias])):
             if any(not 0 <= t < vocab for t in ids):
-                raise OpenAIError(400, f"{name} token ids must be in [0, {vocab})", param=name)
+                raise OpenAIError(400, f"{prefix}{name} token ids must be in [0, {vocab})",
+                                  param=f"{prefix}{name}")
         return params
 
     async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:

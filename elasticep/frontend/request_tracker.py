@@ -337,7 +337,10 @@ class RequestTracker:
                 self._on_interruption(now - req.last_token_at)
         req.last_token_at = now
         req.generated.append(out.token_id)
-        text = req.text.push(out.token_id)
+        # a stop token id ends the request without its text (vLLM's default), as EOS
+        # does with skip_special_tokens
+        stop_token = out.finish_reason == "stop" and out.token_id in req.params.stop_token_ids
+        text = "" if stop_token else req.text.push(out.token_id)
         finish = out.finish_reason
         sends: list[Send] = []
         if req.text.stopped:

@@ -217,7 +217,7 @@ def add_sglang_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig
         prompt, param = req.prompt()
         ids = await serving.encode_prompt(prompt, param)
         params = serving.check_token_ids(req.to_sampling_params(
-            len(ids), serving.max_model_len, serving.sampling_defaults))
+            len(ids), serving.max_model_len, serving.sampling_defaults), "sampling_params.")
         rid = req.rid or new_id("gen")
         start = time.perf_counter()
         stream = serving.submit(rid, ids, params)
