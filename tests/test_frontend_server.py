@@ -170,7 +170,7 @@ BAD_BODIES = [
     ({"model": NAME, "prompt": "hi", "bogus": 1}, "bogus"),
     ({"model": NAME, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": 7}, "temperature"),
-    ({"model": NAME, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": NAME, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": NAME, "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "echo"),

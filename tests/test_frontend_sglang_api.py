@@ -168,7 +168,7 @@ def test_completions_accept_best_of_one_as_bench_serving_sends_it(live):
     r = live["http"].post("/v1/completions", json={**body, "best_of": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
-    r = live["http"].post("/v1/completions", json={**body, "best_of": 2})
+    r = live["http"].post("/v1/completions", json={**body, "best_of": 2, "n": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 
 

@@ -159,6 +159,21 @@ def test_n_and_batched_prompts(live):
     assert [c.text for c in by_ids.choices] == [_text(live, r) for r in live["refs"]["greedy"]]
 
 
+def test_best_of_returns_the_most_likely_candidates(live):
+    """best_of 3, n 2 is the 2 of the 3 candidates (seeds 40..42) with the highest sum of
+    token logprobs, best first; without logprobs asked, none are returned."""
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=40)
+    every = live["client"].completions.create(**kw, n=3, logprobs=0).choices
+    ranked = sorted(every, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = live["client"].completions.create(**kw, n=2, extra_body={"best_of": 3})
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)
+    assert len({c.text for c in every}) == 3  # three different candidates
+    streamed = live["http"].post("/v1/completions", json={**kw, "best_of": 3, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+
+
 def test_concurrent_batches_do_not_mix(live):
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda _: [c.text for c in live["client"].completions.create(
@@ -190,7 +205,7 @@ def test_logit_bias_stop_token_ids_and_special_tokens(live):
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", -1),
     ("min_p", 1.5), ("min_tokens", 50), ("stop_token_ids", [99999]), ("logit_bias", {"x": 1}),
-    ("logprobs", 21), ("best_of", 4), ("max_tokens", 0)])
+    ("logprobs", 21), ("best_of", 0), ("max_tokens", 0)])
 def test_out_of_range_is_a_400_naming_the_field(live, field, value):
     r = live["http"].post("/v1/completions", json={"model": NAME, "prompt": "hi",
                                                    "max_tokens": 16, field: value})

@@ -1,6 +1,8 @@
 """The choices of one ``/v1/completions`` request: prompts times ``n``, echo, logprobs.
 
-Choice ``k`` is prompt ``k // n``'s ``(k % n)``-th sample (vLLM's order). With ``echo``
+Choice ``k`` is prompt ``k // n``'s ``(k % n)``-th sample (vLLM's order). With
+``best_of`` above ``n``, ``best_of`` candidates are drawn per prompt and the ``n`` with
+the highest cumulative logprob are returned, best first (vLLM's definition). With ``echo``
 a choice's text starts with its prompt (the client's string, or the decode of its
 ids), and with ``logprobs`` too its logprobs start with the prompt's tokens, the first
 one with ``None``. ``max_tokens`` 0 with ``echo`` scores the prompt only: the rank draws
@@ -10,11 +12,14 @@ one token, which is left out of the text, the logprobs and the usage (as vLLM do
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.frontend.logprobs_format import CompletionLogprobs, TokenText, completion_logprobs
 from elasticep.frontend.openai_protocol import CompletionChoice, CompletionRequest
 from elasticep.frontend.request_tracker import RequestEvent
+
+T = TypeVar("T", bound=Any)  # a result with ``logprobs``
 
 
 class CompletionChoices:
@@ -32,8 +37,8 @@ class CompletionChoices:
                  token_text: TokenText, decode: Callable[[list[int]], str]) -> None:
         self.req = req
         self.inputs = inputs
-        self.n = req.n
-        self.count = len(inputs) * req.n
+        self.n = req.draws  # candidates per prompt
+        self.count = len(inputs) * self.n
         self.many = self.count > 1
         self.echo_only = req.echo and req.max_tokens == 0
         # one choice, nothing added to its text: the fast streaming renderer serves it
@@ -50,9 +55,11 @@ class CompletionChoices:
 
     def whole(self, k: int, text: str, finish_reason: str | None,
               logprobs: Sequence[TokenLogprobs],
-              prompt_logprobs: Sequence[TokenLogprobs] | None) -> CompletionChoice:
-        """Choice ``k`` from its whole result."""
-        return self._choice(k, text, finish_reason, logprobs, prompt_logprobs, True)
+              prompt_logprobs: Sequence[TokenLogprobs] | None,
+              index: int | None = None) -> CompletionChoice:
+        """Candidate ``k`` from its whole result, as the choice ``index`` (default k)."""
+        choice = self._choice(k, text, finish_reason, logprobs, prompt_logprobs, True)
+        return choice if index is None else choice.model_copy(update={"index": index})
 
     def streamed(self, k: int, event: RequestEvent) -> CompletionChoice:
         """Choice ``k``'s chunk for one of its events (its first also carries the echo)."""
@@ -82,3 +89,22 @@ class CompletionChoices:
                 self._offsets[k] = out.text_offset[-1] + len(out.tokens[-1])
         self._offsets.setdefault(k, 0)
         return CompletionChoice(index=k, text=text, finish_reason=finish_reason, logprobs=out)
+
+
+def best_candidates(results: Sequence[T], draws: int, n: int,
+                    ) -> list[tuple[int, T]]:
+    """``(candidate index, result)`` of the ``n`` best of each prompt's ``draws``
+    candidates, by the sum of their tokens' logprobs (ties: the earlier), prompts in
+    order; all of them, in order, when ``draws == n``.
+
+    Args:
+        results: ``[prompts * draws]`` with a ``logprobs`` list each.
+    """
+    out: list[tuple[int, T]] = []
+    for start in range(0, len(results), draws):
+        cands = list(enumerate(results[start:start + draws], start))
+        if draws > n:
+            cands = sorted(cands, key=lambda c: -sum(t.logprob for t in c[1].logprobs))[:n]
+        out += cands
+    return out
+

@@ -1,8 +1,7 @@
 """OpenAI-compatible request/response models (completions and chat completions).
 
 Requests are strict: an unknown field is a 400, and so is a known OpenAI field whose
-non-default value we do not implement (``suffix``, ``best_of`` above ``n``, chat's
-``n > 1``), so a client never silently gets something other than what it asked for.
+non-default value we do not implement (``suffix``, chat's ``n > 1``), so a client never silently gets something other than what it asked for.
 vLLM's sampling extensions (``repetition_penalty``, ``min_p``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
 ``ignore_eos``, ``top_k``) are taken under vLLM's names. Errors use the
@@ -205,25 +204,33 @@ class CompletionRequest(_SamplingFields):
     PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 
     def check_supported(self) -> None:
-        """As :meth:`_SamplingFields.check_supported`, and ``best_of`` (vLLM's: draw
-        ``best_of`` candidates, return the ``n`` best) only where it equals ``n``.
+        """As :meth:`_SamplingFields.check_supported`, and ``best_of`` as vLLM defines it
+        (draw ``best_of`` candidates per prompt, return the ``n`` with the highest
+        cumulative logprob): at least ``n``, and not streamed when above it.
 
         Raises:
             OpenAIError: 400 naming the field.
         """
         super().check_supported()
-        if self.best_of is not None and self.best_of != self.n:
-            if self.best_of < self.n:
-                raise OpenAIError(400, f"best_of must be >= n ({self.n}), got {self.best_of}",
-                                  param="best_of")
-            raise OpenAIError(400, f"best_of={self.best_of} above n={self.n} is not supported "
-                              "(every candidate drawn is returned: use n)", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise OpenAIError(400, f"best_of must be >= n ({self.n}), got {self.best_of}",
+                              param="best_of")
+        if self.draws > self.n and self.stream:
+            raise OpenAIError(400, "best_of above n cannot be streamed (the best are known "
+                              "only at the end)", param="best_of")
         if self.max_tokens == 0 and not self.echo:
             raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo, to score the "
                               "prompt)", param="max_tokens")
 
+    @property
+    def draws(self) -> int:
+        """Candidates drawn per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return self.logprobs, self.logprobs if self.echo else None
+        # best_of ranks candidates by their tokens' logprobs: the ranks compute them
+        logprobs = 0 if self.logprobs is None and self.draws > self.n else self.logprobs
+        return logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of the request (a single one is a batch of one).

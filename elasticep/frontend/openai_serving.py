@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from elasticep.engine.request import SamplingParams, TokenLogprobs
-from elasticep.frontend.completion_choices import CompletionChoices
+from elasticep.frontend.completion_choices import CompletionChoices, best_candidates
 from elasticep.frontend.core import Frontend, RequestStream
 from elasticep.frontend.logprobs_format import ChatLogprobs, chat_logprobs
 from elasticep.frontend.merged_stream import MergedStream
@@ -92,8 +92,9 @@ class OpenAIServing:
 
     async def _completion_inputs(self, req: CompletionRequest,
                                  ) -> list[tuple[list[int], list[SamplingParams]]]:
-        """Each prompt's ids and the params of its ``n`` choices (choice j seeded
-        ``seed + j``); ``max_tokens`` 0 (echo only) runs 1 token, which is dropped."""
+        """Each prompt's ids and the params of its ``best_of`` (else ``n``) candidates
+        (candidate j seeded ``seed + j``); ``max_tokens`` 0 (echo only) runs 1 token,
+        which is dropped."""
         self.check_model(req.model)
         req.check_supported()
         out = []
@@ -103,7 +104,7 @@ class OpenAIServing:
                 None if req.max_tokens is None else 1), self.max_model_len)
             out.append((ids, [self.check_token_ids(
                 req.to_sampling_params(max_tokens, self.sampling_defaults, j))
-                for j in range(req.n)]))
+                for j in range(req.draws)]))
         return out
 
     def check_token_ids(self, params: SamplingParams, prefix: str = "") -> SamplingParams:
@@ -207,12 +208,13 @@ class OpenAIServing:
 
             return self.sse(MergedStream(streams), "completions", render_choice, tail)
         results = await self.collect_many(streams, raw, "completions")
+        kept = best_candidates(results, req.draws, req.n)
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[choices.whole(k, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs)
-                     for k, r in enumerate(results)],
+            choices=[choices.whole(k, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs,
+                                   index=i) for i, (k, r) in enumerate(kept)],
             usage=_usage(prompt_tokens, 0 if choices.echo_only
-                         else sum(r.num_tokens for r in results))).model_dump())
+                         else sum(r.num_tokens for _, r in kept))).model_dump())
 
     def submit_all(self, request_ids: list[str],
                    requests: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
