@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from elasticep import wire
 from elasticep.wire import Message
 
 # The sampler scales logits in float32 whatever the model's dtype (engine/sampler.py), so
@@ -205,3 +206,35 @@ class TokenOutput:
     error: str | None = None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+
+# A step's tokens travel as rows ``[request_id, index, token_id, finish_reason, error]``
+# (the per-token hot path: no repeated keys); a token with logprobs appends its
+# ``logprobs`` and ``prompt_logprobs`` as two more items.
+_ROW_TYPES = ((str,), (int,), (int, type(None)), (str, type(None)), (str, type(None)))
+
+
+def _token_output_row(o: TokenOutput) -> list:
+    row = [o.request_id, o.index, o.token_id, o.finish_reason, o.error]
+    if o.logprobs is not None or o.prompt_logprobs is not None:
+        row += [wire.plain(o.logprobs), wire.plain(o.prompt_logprobs)]
+    return row
+
+
+def _token_output_from_row(row: object) -> TokenOutput:
+    """Raises:
+        TypeError / ValueError: not a row of :class:`TokenOutput`.
+    """
+    if type(row) is not list or len(row) not in (5, 7):
+        raise ValueError("a token output is a row of 5 or 7 items")
+    if not all(type(v) in kinds for v, kinds in zip(row, _ROW_TYPES, strict=False)):
+        raise TypeError("a token output row has a mistyped field")
+    logprobs = prompt = None
+    if len(row) == 7:
+        logprobs = wire.convert(row[5], TokenLogprobs | None, "logprobs", {})
+        prompt = wire.convert(row[6], tuple[TokenLogprobs, ...] | None, "prompt_logprobs", {})
+    return TokenOutput(row[0], row[1], row[2], row[3], row[4], logprobs, prompt)
+
+
+wire.register_codec(TokenOutput, _token_output_row, _token_output_from_row)
+
