@@ -11,7 +11,13 @@ import zmq
 
 from elasticep import wire
 from elasticep.elastic.serve_loop import run_engine_worker
-from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from elasticep.engine.request import (
+    AbortRequest,
+    GenerateRequest,
+    SamplingParams,
+    TokenLogprobs,
+    TokenOutput,
+)
 from elasticep.frontend_link import (
     FrontendChannel,
     OutputBatch,
@@ -243,6 +249,9 @@ def test_link_messages_ride_the_checked_wire_form():
          _OUTPUTS),
         (RequestError(1, "a", "too long"), _OUTPUTS), (StepFailed(1, ("a", "b"), "boom"), _OUTPUTS),
         (RankStats(1, 3, 10, 1, 9), _OUTPUTS),
+        # logprobs ride as two more items of the token's row
+        (OutputBatch(1, 3, (TokenOutput("a", 0, 5, logprobs=TokenLogprobs(5, -0.5, ((5, -0.5),)),
+                                        prompt_logprobs=(TokenLogprobs(2, -3.0),)),)), _OUTPUTS),
     ]
     for msg, kinds in samples:
         back = wire.decode_json(wire.encode_json(msg), kinds)
@@ -253,7 +262,7 @@ def test_link_messages_ride_the_checked_wire_form():
                                                  r'float, got "hot"'):
         wire.decode_json(b'{"t": "generate", "request_id": "a", "prompt_token_ids": [1], '
                          b'"params": {"temperature": "hot"}}', _TO_RANK)
-    with pytest.raises(wire.ProtocolError, match="expected rows of TokenOutput"):
+    with pytest.raises(wire.ProtocolError, match=r'expected TokenOutput, got \["a", true'):
         wire.decode_json(b'{"t": "outputs", "rank": 1, "epoch": 0, "outputs": [["a", true, 1, '
                          b'null, null]]}', _OUTPUTS)
     with pytest.raises(wire.ProtocolError, match="unknown front-end link message type 'abort'"):

@@ -15,6 +15,7 @@ import torch
 
 from elasticep.elastic.fault_injection import FaultInjector, FaultSpec, PoisonFault, parse_faults
 from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.logits_processing import process_logits
 from elasticep.engine.request import (
     MIN_TEMPERATURE,
     AbortRequest,
@@ -23,7 +24,7 @@ from elasticep.engine.request import (
     SamplingParams,
     TokenOutput,
 )
-from elasticep.engine.sampler import SamplingFailure, sample_batch
+from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.frontend.openai_protocol import CompletionRequest, OpenAIError
 from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, SendToRank
 
@@ -215,8 +216,12 @@ _VALUES = {
     "seed": [None, 0, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**30],
     "max_tokens": [None, 0, 1, 16, 1019, 1020, 10**9],
     "n": [None, 1, 2],
-    "presence_penalty": [0.0, -0.0, 1e-300, float("nan"), 2.0],
-    "frequency_penalty": [0.0, float("inf")],
+    "presence_penalty": [0.0, -0.0, 1e-300, float("nan"), 2.0, -2.5],
+    "frequency_penalty": [0.0, float("inf"), 1.5],
+    "repetition_penalty": [None, 0, 1, 1.3, 1e-30, float("inf")],
+    "min_p": [None, 0.0, 0.2, 1.0, 1.1],
+    "min_tokens": [None, 0, 2, 100],
+    "stop_token_ids": [None, [], [5], [-1]],
     "logit_bias": [None, {}, {"5": 1e39}],
     "logprobs": [None, 0, 5],
     "stop": [None, "", [""], ["a", ""], "x" * 64],
@@ -248,9 +253,11 @@ def test_fuzzed_requests_are_refused_or_sample_cleanly():
             outcomes["refused"] += 1
             continue
         dt = rng.choice(list(logits))
-        got = sample_batch(logits[dt], [params] * 3, [f"f{i}"] * 3, [0, 1, 2])
+        rows = RowTokens([[1, 5, 7]] * 3, [[], [5], [5, 9]], {0})
+        got = sample_batch(logits[dt], [params] * 3, [f"f{i}"] * 3, [0, 1, 2], rows)
         assert all(isinstance(t, int) and 0 <= t < 100 for t in got), (body, got)
         if params.temperature == 0 or params.temperature < 1e-20 or params.top_k == 1:
-            assert got == logits[dt].float().argmax(-1).tolist(), body
+            processed = process_logits(logits[dt], [params] * 3, rows.prompts, rows.outputs)
+            assert got == processed.argmax(-1).tolist(), body
         outcomes["sampled"] += 1
     assert outcomes["refused"] > 300 and outcomes["sampled"] > 300, outcomes

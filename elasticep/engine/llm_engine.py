@@ -25,9 +25,11 @@ import torch
 
 from elasticep.engine.grammar import GrammarCompiler, Grammars
 from elasticep.engine.kv_cache import BlockManager
+from elasticep.engine.logprobs import token_logprobs
 from elasticep.engine.model_runner import ModelRunner
-from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
-from elasticep.engine.sampler import SamplingFailure, sample_batch
+from elasticep.engine.prompt_scoring import PromptScoring
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenLogprobs, TokenOutput
+from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from elasticep.engine.sequence import Sequence, SequenceStatus
 from elasticep.models.config import MoEModelConfig
@@ -128,6 +130,10 @@ class LLMEngine:
         self.max_seq_len = max_sequence_len(model.config, self.config)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        # what the last execute computed besides the tokens, for commit: request id ->
+        # the sampled token's logprobs, and -> {prompt position: logprobs}
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
+        self._step_prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         self.cuda_graph_capture_s: float | None = None
         if self.config.enable_cuda_graph:
             self.cuda_graph_capture_s = self.runner.enable_cuda_graphs(
@@ -223,21 +229,41 @@ class LLMEngine:
         for it (on CUDA, host work there overlaps the device's); also for a batch that
         forwards nothing.
         """
+        self._step_logprobs = {}
+        self._step_prompt_logprobs = {}
         if not batch.items and not self.config.forward_empty_batches:
             if while_running is not None:
                 while_running()
             return []
-        logits = self.runner.forward(batch)
+        scoring = PromptScoring.of(batch)  # a prompt whose logprobs are asked for
+        if scoring is None:
+            logits = self.runner.forward(batch)
+        else:
+            out = self.runner.forward_rows(batch, scoring.rows)
+            logits, scored = out[:scoring.num_sampling], out[scoring.num_sampling:]
         if while_running is not None:
             while_running()
         seqs = [it.seq for it in batch.items if it.samples]
+        # structured output: a grammar's mask applies before sampling (and so before the
+        # logprobs of those rows, which are over the tokens the grammar allows)
         self.grammars.mask(logits, [s.request_id for s in seqs])
-        return sample_batch(
+        tokens = sample_batch(
             logits,
             [s.params for s in seqs],
             [s.request_id for s in seqs],
             [len(s.output_token_ids) for s in seqs],
+            RowTokens([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                      self.eos_ids),
         )
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.params.logprobs is not None and type(t) is int]
+        if rows:
+            lps = token_logprobs(logits[rows], [int(tokens[i]) for i in rows],  # type: ignore[arg-type]
+                                 [seqs[i].params.logprobs or 0 for i in rows])
+            self._step_logprobs = {seqs[i].request_id: lp for i, lp in zip(rows, lps, strict=True)}
+        if scoring is not None:
+            self._step_prompt_logprobs = scoring.logprobs(scored)
+        return tokens
 
     def commit(self, batch: ScheduledBatch,
                tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
@@ -254,6 +280,9 @@ class LLMEngine:
         if len(tokens) != len(sampling):
             raise ValueError(f"{len(tokens)} tokens for {len(sampling)} sampling sequences")
         for it in batch.items:
+            scored = self._step_prompt_logprobs.get(it.seq.request_id)
+            if scored is not None and it.seq.status is SequenceStatus.RUNNING:
+                it.seq.prompt_logprobs.update(scored)
             if not it.samples and it.seq.status is SequenceStatus.RUNNING:
                 it.seq.num_cached_tokens = it.end  # a prefill chunk: the rest comes later
         outputs = []
@@ -270,6 +299,7 @@ class LLMEngine:
                                            "abort", error=f"sampling failed: {tok.message}"))
                 continue
             seq.num_cached_tokens = it.end
+            first = seq.wants_prompt_logprobs
             seq.output_token_ids.append(int(tok))
             complete = self.grammars.accept(seq.request_id, int(tok))
             reason = "stop" if complete else self._finish_reason(seq, int(tok))
@@ -277,12 +307,16 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
                 self.grammars.drop(seq.request_id)
-            outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason))
+            outputs.append(TokenOutput(
+                seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason,
+                logprobs=self._step_logprobs.get(seq.request_id),
+                prompt_logprobs=tuple(seq.prompt_logprobs[p] for p in sorted(seq.prompt_logprobs))
+                if first else None))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in self.eos_ids and not p.ignore_eos:
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.detokenize is not None:
             text = self.detokenize(seq.output_token_ids)

@@ -28,6 +28,7 @@ from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.request_tracker import (
+    DecodeWith,
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
@@ -77,16 +78,20 @@ class Frontend:
         decode: token ids -> text.
         metrics: metrics to update.
         config: timing.
+        decode_with: token ids -> text with the detokenizer's options as keywords
+            (:class:`RequestTracker`); None: ``decode`` for every request.
     """
 
     def __init__(self, channel: FrontendChannel, membership: MembershipSource, decode: Decode,
                  metrics: FrontendMetrics | None = None,
-                 config: FrontendConfig | None = None) -> None:
+                 config: FrontendConfig | None = None,
+                 decode_with: DecodeWith | None = None) -> None:
         self.channel = channel
         self.membership = membership
         self.metrics = metrics or FrontendMetrics()
         self.config = config or FrontendConfig()
-        self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
+        self.tracker = RequestTracker(decode, on_interruption=self._on_interruption,
+                                      decode_with=decode_with)
         self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
         self._unreachable: set[int] = set()
@@ -383,10 +388,18 @@ class RequestStream:
 
     async def aclose(self) -> None:
         """Stop following the request; aborts it on its rank unless it finished."""
+        self.close_now()
+
+    def close_now(self) -> None:
+        """:meth:`aclose` from synchronous code (one request of a batch could not be
+        submitted: the others are dropped)."""
         self._done = True
-        await self._close(abort=True)
+        self._close_sync(abort=True)
 
     async def _close(self, abort: bool) -> None:
+        self._close_sync(abort)
+
+    def _close_sync(self, abort: bool) -> None:
         if not self.open:
             return
         self.open = False

@@ -372,7 +372,8 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     tokenizer.model_max_length = 1 << 62
     frontend = Frontend(channel, membership,
                         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                        config=frontend_config)
+                        config=frontend_config,
+                        decode_with=lambda ids, **options: tokenizer.decode(ids, **options))
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
                           sampling_defaults=model_config.sampling_defaults,

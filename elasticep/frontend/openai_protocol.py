@@ -1,8 +1,10 @@
 """OpenAI-compatible request/response models (completions and chat completions).
 
 Requests are strict: an unknown field is a 400, and so is a known OpenAI field whose
-non-default value we do not implement (``n > 1``, ``logprobs``, penalties, ...), so a
-client never silently gets something other than what it asked for. Errors use the
+non-default value we do not implement (``suffix``, chat's ``n > 1``), so a client never silently gets something other than what it asked for.
+vLLM's sampling extensions (``repetition_penalty``, ``min_p``, ``min_tokens``,
+``stop_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``ignore_eos``, ``top_k``) are taken under vLLM's names. Errors use the
 OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -18,13 +20,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    field_validator,
     model_serializer,
     model_validator,
 )
 
 from elasticep.engine.grammar import check_grammar
 from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from elasticep.frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 from elasticep.frontend.openai_tools import (
     NamedToolChoice,
     ResponseFormat,
@@ -89,6 +91,12 @@ class _SamplingFields(_Strict):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     # structured output: OpenAI's response_format, SGLang's regex and ebnf extensions
@@ -97,13 +105,16 @@ class _SamplingFields(_Strict):
     ebnf: str | None = None
 
     # field -> the only value we implement; anything else is a 400 naming the field
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+    # an engine field's name -> the request field it comes from, for error messages
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
     # fields whose JSON null means "not sent", as in OpenAI's API and vLLM (clients that
     # serialise every field send them): the default, or the model's, then applies
     NULL_IS_UNSET: ClassVar[tuple[str, ...]] = (
         "temperature", "top_p", "top_k", "n", "stream", "presence_penalty",
-        "frequency_penalty", "ignore_eos", "max_tokens", "max_completion_tokens", "echo")
+        "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+        "skip_special_tokens", "spaces_between_special_tokens", "ignore_eos", "max_tokens",
+        "max_completion_tokens", "echo", "logprobs")
 
     @model_validator(mode="before")
     @classmethod
@@ -161,14 +172,33 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` of the engine's params (None: not asked)."""
+        return None, None
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs.
+
+        Raises:
+            OpenAIError: 400 naming ``logit_bias`` for a key that is not a token id.
+        """
+        try:
+            return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids (integers as strings)",
+                              param="logit_bias") from None
+
     def to_sampling_params(self, max_tokens: int,
-                           defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+                           defaults: SamplingDefaults = SamplingDefaults(),
+                           seed_offset: int = 0) -> SamplingParams:
         """Engine sampling params with the resolved ``max_tokens``.
 
         Args:
             max_tokens: completion tokens.
             defaults: the model's ``generation_config.json`` values, used for the
                 sampling fields the request does not send (then OpenAI's defaults).
+            seed_offset: added to ``seed`` (choice ``j`` of ``n`` draws with ``seed + j``,
+                as vLLM's, so that seeded choices differ).
 
         Raises:
             OpenAIError: 400 when a value is out of the engine's range.
@@ -179,53 +209,92 @@ class _SamplingFields(_Strict):
                 return getattr(self, name)
             return model_value
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"),
-                                top_p=pick("top_p"), top_k=max(pick("top_k"), 0), seed=self.seed,
-                                stop=self.stop_strings(), ignore_eos=self.ignore_eos,
-                                grammar=self.grammar_spec())
+        logprobs, prompt_logprobs = self.logprob_counts()
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
+            top_k=max(pick("top_k"), 0),
+            seed=None if self.seed is None else self.seed + seed_offset,
+            stop=self.stop_strings(), ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logit_bias=self.logit_bias_pairs(), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            grammar=self.grammar_spec())
         try:
             params.validate()
         except SamplingParamError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError(400, str(exc), param=self.PARAM_NAMES.get(exc.param, exc.param)
+                              ) from exc
         return params
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt`` is text or token ids (one prompt only)."""
+    """POST /v1/completions. ``prompt`` is text or token ids, or a batch of either: each
+    prompt gets ``n`` choices, choice ``i * n + j`` being prompt i's j-th (vLLM's order).
+
+    ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, the
+    prompt tokens' logprobs first); ``max_tokens`` 0 is allowed with ``echo`` only, to
+    score a prompt (lm-eval-harness's loglikelihood requests).
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None, "best_of": None,
-        "suffix": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "suffix": None}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one_is_the_default(cls, value: int | None) -> int | None:
-        # best_of 1 (one candidate per choice) is what every request gets; SGLang's
-        # bench_serving sends it on every completion
-        return None if value == 1 else value
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, unwrapped from a one-element batch.
+    def check_supported(self) -> None:
+        """As :meth:`_SamplingFields.check_supported`, and ``best_of`` as vLLM defines it
+        (draw ``best_of`` candidates per prompt, return the ``n`` with the highest
+        cumulative logprob): at least ``n``, and not streamed when above it.
 
         Raises:
-            OpenAIError: 400 for an empty prompt or a batch of several prompts.
+            OpenAIError: 400 naming the field.
+        """
+        super().check_supported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise OpenAIError(400, f"best_of must be >= n ({self.n}), got {self.best_of}",
+                              param="best_of")
+        if self.draws > self.n and self.stream:
+            raise OpenAIError(400, "best_of above n cannot be streamed (the best are known "
+                              "only at the end)", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo, to score the "
+                              "prompt)", param="max_tokens")
+
+    @property
+    def draws(self) -> int:
+        """Candidates drawn per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        # best_of ranks candidates by their tokens' logprobs: the ranks compute them
+        logprobs = 0 if self.logprobs is None and self.draws > self.n else self.logprobs
+        return logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (a single one is a batch of one).
+
+        Raises:
+            OpenAIError: 400 for an empty batch or an empty prompt.
         """
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "only one prompt per request is supported",
-                                  param="prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
+        batch = (prompt if isinstance(prompt, list) and prompt
+                 and isinstance(prompt[0], str | list) else [prompt])
+        if not batch:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        return prompt
+        for i, p in enumerate(batch):
+            if len(p) == 0:
+                where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+                raise OpenAIError(400, f"{where} must not be empty", param="prompt")
+        return batch
 
 
 class TextPart(_Strict):
@@ -265,10 +334,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "n": 1}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """Raises:
+            OpenAIError: 400 for ``top_logprobs`` without ``logprobs`` (OpenAI's rule).
+        """
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -346,10 +423,9 @@ class Usage(BaseModel):
 
 
 class _Choice(BaseModel):
-    """Fields every choice shares (one choice per request: ``n`` is 1)."""
+    """Fields every choice shares."""
 
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None
 
 
@@ -363,6 +439,7 @@ class _Response(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -412,10 +489,12 @@ class ChatDelta(BaseModel):
 
 class ChatChoice(_Choice):
     message: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatStreamChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):

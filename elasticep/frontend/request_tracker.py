@@ -31,12 +31,19 @@ tested. The caller (the front-end event loop) feeds it events and sends the
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from elasticep.engine.request import (
+    AbortRequest,
+    GenerateRequest,
+    SamplingParams,
+    TokenLogprobs,
+    TokenOutput,
+)
 from elasticep.frontend.incremental_text import Decode, IncrementalText
 from elasticep.membership.transitions import SlotState
 
@@ -64,6 +71,9 @@ class RequestEvent:
         num_generated: tokens delivered so far, this event included.
         refused: with ``error``: the engine refused the request itself (a client error,
             HTTP 400), not a failure of the deployment.
+        logprobs: the logprobs of ``token_ids`` (when the request asked for them).
+        prompt_logprobs: with the first token, when the request asked for them: the
+            prompt tokens' logprobs (positions 1..P-1).
     """
 
     request_id: str
@@ -73,7 +83,13 @@ class RequestEvent:
     num_generated: int
     error: str | None = None
     refused: bool = False
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
+
+# token ids -> text with the tokenizer's options (``skip_special_tokens``,
+# ``spaces_between_special_tokens``) as keyword arguments
+DecodeWith = Callable[..., str]
 
 Sink = Callable[[RequestEvent], None]
 
@@ -112,11 +128,16 @@ class RequestTracker:
         clock: monotonic seconds; injectable for tests.
         on_interruption: called with the stream gap (seconds) a resubmitted request
             saw, when its first token after the move is delivered.
+        decode_with: token ids -> text with the detokenizer options as keywords, for
+            requests whose ``skip_special_tokens`` / ``spaces_between_special_tokens``
+            differ from ``decode``'s (True and True); None: ``decode`` for every one.
     """
 
     def __init__(self, decode: Decode, clock: Callable[[], float] = time.monotonic,
-                 on_interruption: Callable[[float], None] | None = None) -> None:
+                 on_interruption: Callable[[float], None] | None = None,
+                 decode_with: DecodeWith | None = None) -> None:
         self._decode = decode
+        self._decode_with = decode_with
         self._clock = clock
         self._on_interruption = on_interruption
         self._requests: dict[str, _Tracked] = {}
@@ -168,7 +189,8 @@ class RequestTracker:
         if not self.healthy_ranks():
             raise NoRankAvailableError("no healthy rank can take the request")
         req = _Tracked(request_id, tuple(prompt_token_ids), params, sink,
-                       IncrementalText(self._decode, params.stop), last_token_at=self._clock())
+                       IncrementalText(self._decoder(params), params.stop),
+                       last_token_at=self._clock())
         self._requests[request_id] = req
         return self._place_waiting()
 
@@ -252,6 +274,15 @@ class RequestTracker:
         return sends
 
     # ---- internals -----------------------------------------------------------------
+    def _decoder(self, params: SamplingParams) -> Decode:
+        """The detokenizer of a request with ``params``' options."""
+        if self._decode_with is None or (params.skip_special_tokens
+                                         and params.spaces_between_special_tokens):
+            return self._decode
+        return functools.partial(
+            self._decode_with, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+
     def _pick_rank(self) -> int | None:
         """The healthy rank with the fewest requests among those with room, or None."""
         load = self.running_per_rank()
@@ -306,7 +337,10 @@ class RequestTracker:
                 self._on_interruption(now - req.last_token_at)
         req.last_token_at = now
         req.generated.append(out.token_id)
-        text = req.text.push(out.token_id)
+        # a stop token id ends the request without its text (vLLM's default), as EOS
+        # does with skip_special_tokens
+        stop_token = out.finish_reason == "stop" and out.token_id in req.params.stop_token_ids
+        text = "" if stop_token else req.text.push(out.token_id)
         finish = out.finish_reason
         sends: list[SendToRank] = []
         if req.text.stopped:
@@ -321,7 +355,9 @@ class RequestTracker:
             text += req.text.finish()
             del self._requests[req.request_id]
         self._emit(req, RequestEvent(req.request_id, (out.token_id,), text, finish,
-                                     len(req.generated)))
+                                     len(req.generated),
+                                     logprobs=() if out.logprobs is None else (out.logprobs,),
+                                     prompt_logprobs=out.prompt_logprobs))
         return sends
 
     def _finish_error(self, req: _Tracked, message: str, refused: bool = False) -> None:
