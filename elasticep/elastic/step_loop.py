@@ -167,10 +167,10 @@ class LockstepLoop:
         engine: the rank's engine (``forward_empty_batches=True``).
         ep: the rank's EP executor (placement and expert weights).
         channel: connected worker channel to the front-end.
-        group: the WORLD group (elastic, or the plain baseline group when ``elastic``
-            is False).
+        group: the WORLD group (elastic, or the plain baseline group when
+            ``fault_tolerant`` is False).
         rank: this rank.
-        elastic: the group is the fault-tolerant elastic backend.
+        fault_tolerant: the group is the fault-tolerant elastic backend.
         load_fn: checkpoint reader for orphan reloads.
         faults: fault injector (tests).
         log_ctx: updated with the epoch on every change.
@@ -194,7 +194,7 @@ class LockstepLoop:
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
-                 group: dist.ProcessGroup | None, rank: int, elastic: bool,
+                 group: dist.ProcessGroup | None, rank: int, fault_tolerant: bool,
                  load_fn: CheckpointLoader | None, faults: FaultInjector,
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
                  idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
@@ -204,7 +204,8 @@ class LockstepLoop:
                  exchange_deadline_s: float = 30.0,
                  defer_publish: bool | None = None) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
-        self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
+        self.rank, self.fault_tolerant, self.load_fn = rank, fault_tolerant, load_fn
+        self.faults = faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
         self.max_idle_wait_s = max_idle_wait_s
         self._idle_wait = idle_wait_s
@@ -223,17 +224,18 @@ class LockstepLoop:
         self.exchange, self.exchange_store = exchange, exchange_store
         self.watchdog = None
         if exchange is not None:
-            changed = (lambda: ed.has_pending_change(group)) if elastic else (lambda: False)
+            changed = ((lambda: ed.has_pending_change(group)) if fault_tolerant
+                       else (lambda: False))
             self.watchdog = StepWatchdog(exchange, changed, exchange_deadline_s)
-            if elastic:
+            if fault_tolerant:
                 ed.add_change_listener(group, self.watchdog.notify)
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
-        return ed.get_current_epoch(self.group) if self.elastic else 0
+        return ed.get_current_epoch(self.group) if self.fault_tolerant else 0
 
     def _local_mask(self) -> torch.Tensor:
-        if not self.elastic:
+        if not self.fault_tolerant:
             return torch.ones(self.M, dtype=torch.bool)
         return ed.get_active_ranks(self.group).to(torch.bool)
 
@@ -246,7 +248,7 @@ class LockstepLoop:
         """[M] int64 admission / removal votes of this rank (from the coordinator's push)."""
         admit = torch.zeros(self.M, dtype=torch.int64)
         remove = torch.zeros(self.M, dtype=torch.int64)
-        if self.elastic:
+        if self.fault_tolerant:
             req = ed.get_pending_requests(self.group)
             states = ed.get_slot_states(self.group)
             for r in req.get("admit", []):
