@@ -33,7 +33,7 @@ from typing import Any
 
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
-from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
+from elasticep.deploy.membership_backends import CoordinatorMembership, LaunchedRanks
 from elasticep.frontend_link import WorkerHello
 from elasticep.membership.process import CoordinatorProcess
 from elasticep.membership.status import DeploymentStatus
