@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
-from elasticep.elastic.step_loop import LockstepLoop, step_header
+from elasticep.elastic.step_header import step_header
+from elasticep.elastic.step_loop import LockstepLoop
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
 

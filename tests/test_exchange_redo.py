@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
-from elasticep.elastic.step_loop import LockstepLoop, step_header
+from elasticep.elastic.step_header import step_header
+from elasticep.elastic.step_loop import LockstepLoop
 from elasticep.moe.exchange.ipc_exchange import IpcExchange
 from tests._loop_fakes import FakeChannel, FakeEngine
 

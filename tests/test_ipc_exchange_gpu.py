@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from elasticep.elastic.rank_model import attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from _loop_fakes import fake_loop
 
-from elasticep.elastic.step_loop import (
+from elasticep.elastic.step_header import (
     agreed_max_tokens,
     parse_header,
     step_header,

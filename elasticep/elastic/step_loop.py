@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +47,7 @@ from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.serve_loop import apply_messages
+from elasticep.elastic.step_header import agreed_max_tokens, parse_header, step_header
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
@@ -85,79 +84,6 @@ class LoopStats:
     # the cut, and nothing in an epoch the coordinator made without it
     last_commit_epoch: int = -1
     last_commit_time: float = 0.0
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """The agreed (summed) step header.
-
-    Attributes:
-        work: ranks with unfinished work (0 = the whole group is idle).
-        admit: slots some rank asked to admit.
-        remove: slots some rank asked to remove.
-        tokens: [M] scheduled tokens of each slot's rank (0 for idle or absent ranks).
-    """
-
-    work: int
-    admit: list[int]
-    remove: list[int]
-    tokens: list[int]
-
-    @property
-    def max_tokens(self) -> int:
-        """The most tokens any rank forwards this step (the exchange capacity bound)."""
-        return max(self.tokens, default=0)
-
-
-def step_header(local_work: int, admit: torch.Tensor, remove: torch.Tensor, rank: int,
-                num_tokens: int) -> torch.Tensor:
-    """This rank's contribution to the header all_reduce (SUM).
-
-    Args:
-        local_work: 1 when this rank has unfinished work or a pending batch, else 0.
-        admit, remove: [M] int64 votes of this rank.
-        rank: this rank's slot (< M).
-        num_tokens: tokens of this rank's pending batch (0 without one).
-
-    Returns:
-        [1 + 3*M] int64: ``[local_work, admit, remove, tokens]`` with ``tokens`` zero
-        except ``num_tokens`` at ``rank``.
-    """
-    M = admit.numel()
-    if not 0 <= rank < M:
-        raise ValueError(f"rank {rank} outside the {M} slots")
-    tokens = [0] * M
-    tokens[rank] = num_tokens
-    # one tensor from one list: a step pays this on its host path, and five small torch
-    # ops cost several times the list
-    return torch.tensor([local_work, *admit.tolist(), *remove.tolist(), *tokens],
-                        dtype=torch.int64)
-
-
-def parse_header(header: torch.Tensor, M: int) -> StepHeader:
-    """Read the summed header of :func:`step_header` (``[1 + 3*M]``)."""
-    if header.numel() != 1 + 3 * M:
-        raise ValueError(f"header of {header.numel()} entries, want {1 + 3 * M}")
-    h = header.tolist()
-    return StepHeader(work=h[0],
-                      admit=[r for r in range(M) if h[1 + r] > 0],
-                      remove=[r for r in range(M) if h[1 + M + r] > 0],
-                      tokens=h[1 + 2 * M:])
-
-
-@contextmanager
-def agreed_max_tokens(ep: EPMoEExecutor, max_tokens: int) -> Iterator[None]:
-    """Set the executor's per-step token bound (one that ``uses_step_bound``, i.e. the
-    CUDA one) for the body, then restore it; other executors are untouched."""
-    if not ep.uses_step_bound:
-        yield
-        return
-    before = ep.step_max_tokens
-    ep.step_max_tokens = max_tokens
-    try:
-        yield
-    finally:
-        ep.step_max_tokens = before
 
 
 class LockstepLoop:
@@ -478,43 +404,3 @@ class LockstepLoop:
         if self.rank in ranks:
             raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
         self._after_change(report, time.perf_counter() - t0)
-
-
-def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
-                     load_fn: CheckpointLoader | None, timeout_s: float,
-                     on_member: Callable[[], object] | None = None,
-                     ) -> placement_sync.ChangeReport:
-    """Joiner side of an admission: block in ``join_group``, then run the same first ops
-    as the survivors (:func:`placement_sync.share_placement`, then
-    :func:`placement_sync.reconcile`).
-
-    A member that dies during the hand-over or the expert transfer makes the survivors
-    abandon the admission and recover onto the new membership (`LockstepLoop._recover`:
-    share the placement again, then reconcile); the joiner does the same instead of
-    dying with them. If every rank had died (the coordinator admitted the ready joiners
-    itself), nobody shares a placement and the joiners rebuild it from the checkpoint
-    (:func:`placement_sync.rebuild`); if the last member dies after the hand-over,
-    :func:`placement_sync.reconcile` reads every expert from the checkpoint too.
-
-    ``on_member`` runs as soon as ``join_group`` returns: the rank is a member from then
-    on (the coordinator shows it healthy), before the placement and experts arrive.
-
-    Raises:
-        TimeoutError: not admitted within ``timeout_s``.
-        RankEvictedError: this rank left the group meanwhile.
-    """
-    ed.join_group(group, timeout_s=timeout_s)
-    if on_member is not None:
-        on_member()
-    holds = False  # this joiner holds the survivors' placement
-    while True:
-        try:
-            # False: every rank had died, and all members are joiners with nothing to share
-            holds = placement_sync.share_placement(ep, holds, group) or holds
-            settle = placement_sync.reconcile if holds else placement_sync.rebuild
-            return settle(ep, ed.get_active_ranks(group).to(torch.bool), group, load_fn)
-        except ed.RankEvictedError:
-            raise
-        except ed.EpochChangedError as exc:
-            logger.warning("admission interrupted (%s); reconciling over ranks %s", exc,
-                           ed.get_active_ranks(group).nonzero().flatten().tolist())
