@@ -1,7 +1,8 @@
 """The lockstep step loop of one EP rank, and its redo after a failure.
 
 Every active rank runs the same sequence of collectives on the WORLD group, idle ranks
-included (they run every MoE layer's dispatch with 0 tokens). One iteration:
+included (they run every MoE layer's dispatch with 0 tokens). One iteration
+(:meth:`LockstepLoop.step`: agree, then execute, then commit and publish):
 
 1. when no batch is pending: take requests/aborts from the front-end and, if this rank
    has work, schedule (once: the ScheduledBatch is kept until committed, so a batch
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -43,15 +44,16 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 from elasticep.elastic import placement_sync
 from elasticep.elastic.exchange_setup import sync_exchange
-from elasticep.elastic.exchange_watchdog import StepWatchdog
+from elasticep.elastic.exchange_watchdog import StepWatchdog, WatchedStep
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.serve_loop import apply_messages
-from elasticep.elastic.step_header import agreed_max_tokens, parse_header, step_header
+from elasticep.elastic.step_header import StepHeader, agreed_max_tokens, parse_header, step_header
 from elasticep.elastic.step_profiler import StepProfiler
+from elasticep.elastic.step_stats import LoopStats, StepTimers
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
-from elasticep.engine.step_rate import DecodeCounters, StepRateLog
+from elasticep.engine.step_rate import StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.frontend_link import WorkerChannel
 from elasticep.membership.transitions import SlotState
@@ -60,30 +62,6 @@ from elasticep.moe.exchange.ipc_exchange import IpcExchange
 from elasticep.moe.weight_transfer import CheckpointLoader
 
 logger = logging.getLogger(__name__)
-
-
-def _decode_counters(engine: LLMEngine) -> DecodeCounters | None:
-    """The engine's decode-step counters (its model runner), or None for an engine
-    without a runner (tests' stand-ins)."""
-    runner = getattr(engine, "runner", None)
-    return runner if hasattr(runner, "decode_eager") else None
-
-
-@dataclass
-class LoopStats:
-    """Counters of one rank's loop (logged at exit; read by tests and bench)."""
-
-    steps: int = 0
-    redos: int = 0
-    recoveries: int = 0
-    reloads: int = 0
-    peer_copies: int = 0
-    recovery_seconds: list[float] = field(default_factory=list)
-    # the epoch this rank was at, and the wall-clock time (time.time()), when it last
-    # committed a step: a partition test checks that a cut-off rank commits nothing after
-    # the cut, and nothing in an epoch the coordinator made without it
-    last_commit_epoch: int = -1
-    last_commit_time: float = 0.0
 
 
 class LockstepLoop:
@@ -145,7 +123,7 @@ class LockstepLoop:
         self.defer_publish = (exchange is not None and exchange.cuda
                               if defer_publish is None else defer_publish)
         self.stats = LoopStats()
-        self.rate = StepRateLog(rank, _decode_counters(engine), log_stats_interval_s)
+        self.rate = StepRateLog(rank, engine.runner, log_stats_interval_s)
         self.profiler = profiler
         self.exchange, self.exchange_store = exchange, exchange_store
         self.watchdog = None
@@ -205,7 +183,7 @@ class LockstepLoop:
         try:
             while True:
                 try:
-                    self._iteration()
+                    self.step()
                 except ed.RankEvictedError:
                     raise
                 except ed.EpochChangedError as exc:
@@ -224,9 +202,31 @@ class LockstepLoop:
             self._unsent = None
             self.channel.send_outputs(outputs, epoch=epoch)
 
-    def _iteration(self) -> None:
+    def step(self) -> None:
+        """One iteration of the loop: agree on the step's header with every active rank,
+        then (when the group has work and no membership change is due) execute the
+        batch and commit and publish it. Each phase's wall time goes to the rate log.
+
+        Raises:
+            EpochChangedError: the membership changed during the step (:meth:`run`
+                recovers and redoes the kept batch).
+            RankRemovedError, RankEvictedError, CoordinatorLostError: as :meth:`run`.
+        """
         if self.profiler is not None:
             self.profiler.iteration_started()
+        timers = StepTimers()
+        agreed = self._agree(timers)
+        if agreed is None:
+            return
+        h, num_tokens = agreed
+        timers.enter("execute")
+        tokens, aborted = self._execute(h)
+        self._commit_and_publish(h, num_tokens, tokens, aborted, timers)
+
+    def _agree(self, timers: StepTimers) -> tuple[StepHeader, int] | None:
+        """Schedule this rank's batch (once: it is kept until committed) and agree on the
+        header; act on an agreed admission, removal or idleness here. Returns the header
+        and this rank's batch tokens, or None when the iteration ends with no forward."""
         if self.pending is None:
             apply_messages(self.engine, self.channel, self.channel.poll(0.0))
             if self.engine.has_unfinished():
@@ -235,56 +235,62 @@ class LockstepLoop:
         admit, remove = self._requests()
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
-        t_header = time.perf_counter()
+        timers.enter("header")
         dist.all_reduce(header, group=self.group)
         if self._peer_weights_stale:
             self._refresh_peer_weights()
-        t_execute = time.perf_counter()
         h = parse_header(header, self.M)
         if h.admit or h.remove or h.work == 0:
             self._flush_outputs()  # no forward to send them beside
         # An admission / removal returns with the pending batch kept for a later step.
         if h.admit:
             self._admit(h.admit)
-            return
+            return None
         if h.remove:
             self._remove(h.remove)
-            return
+            return None
         if h.work == 0:
             # Nobody has work: wait for a request, backing off while idle so idle ranks
             # cost little CPU; bounded, so membership changes are seen soon.
             self._idle_wait = min(self.max_idle_wait_s, self._idle_wait * 2)
             apply_messages(self.engine, self.channel, self.channel.poll(self._idle_wait))
-            return
+            return None
         self._idle_wait = self.idle_wait_s
+        return h, num_tokens
+
+    def _execute(self, h: StepHeader) -> tuple[list, bool]:
+        """Forward the kept batch (an empty one on an idle rank) under the agreed token
+        bound, watched when the exchange waits inside the GPU; returns the sampled tokens
+        and whether a watchdog released the step's waits (then it must be redone)."""
         if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
-        step = self.stats.steps
-        self.faults.at_step(step)
+        self.faults.at_step(self.stats.steps)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
-        aborted = False
-        with agreed_max_tokens(self.ep, h.max_tokens):
-            if self.watchdog is None:
-                tokens = self.engine.execute(self.pending, self._flush_outputs)
-            else:
-                self.watchdog.begin()
-                try:
-                    tokens = self.engine.execute(self.pending, self._flush_outputs)
-                    # a sampled token was read back after the whole forward; a forward
-                    # that samples nothing (an idle rank's), or whose every row failed
-                    # on the host before its read, was waited for by nobody
-                    if self.exchange.cuda and not any(type(t) is int for t in tokens):
-                        torch.cuda.current_stream().synchronize()
-                finally:
-                    aborted = self.watchdog.end()
-        commit = torch.tensor([step, int(aborted)], dtype=torch.int64)
-        t_commit = time.perf_counter()
+        watch = self.watchdog.watch() if self.watchdog is not None else nullcontext(
+            WatchedStep())
+        with agreed_max_tokens(self.ep, h.max_tokens), watch as watched:
+            tokens = self.engine.execute(self.pending, self._flush_outputs)
+            # a sampled token was read back after the whole forward; a forward that
+            # samples nothing (an idle rank's), or whose every row failed on the host
+            # before its read, was waited for by nobody
+            if (self.watchdog is not None and self.exchange.cuda
+                    and not any(type(t) is int for t in tokens)):
+                torch.cuda.current_stream().synchronize()
+        return tokens, watched.aborted
+
+    def _commit_and_publish(self, h: StepHeader, num_tokens: int, tokens: list,
+                            aborted: bool, timers: StepTimers) -> None:
+        """Commit the step with every rank (any abort vote redoes it instead), then
+        commit it in the engine and hand its outputs to the front-end (now, or beside
+        the next forward); then the rate log, EPLB and the profiler see it."""
+        commit = torch.tensor([self.stats.steps, int(aborted)], dtype=torch.int64)
+        timers.enter("commit")
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
         if int(commit[1]):
             self._redo_aborted()
             return
-        t_publish = time.perf_counter()
+        timers.enter("publish")
         self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
@@ -292,17 +298,9 @@ class LockstepLoop:
         self._unsent = (outputs, self.stats.last_commit_epoch)
         if not self.defer_publish:
             self._flush_outputs()
-        # where a step's wall time goes: the two collectives, the forward with its
-        # sampling (and, with the exchange, the wait for the GPU), then the engine's
-        # commit and the outputs' hand-off (with defer_publish, their send is inside the
-        # next step's forward)
-        rate = self.rate
-        rate.timed("header", t_execute - t_header)
-        rate.timed("execute", t_commit - t_execute)
-        rate.timed("commit", t_publish - t_commit)
-        rate.timed("publish", time.perf_counter() - t_publish)
-        line = rate.step(len(outputs), self.stats.last_commit_epoch)
-        if line is not None:
+        for phase, seconds in timers.durations().items():
+            self.rate.timed(phase, seconds)
+        if self.rate.step(len(outputs), self.stats.last_commit_epoch) is not None:
             self._send_stats()
         if self.eplb is not None and self.eplb.step():
             self._flush_outputs()  # a rebalance moves weights for seconds: not after it
@@ -313,14 +311,11 @@ class LockstepLoop:
             self.profiler = None  # its window is written (or it failed): no cost from here
 
     def _send_stats(self) -> None:
-        d = _decode_counters(self.engine)
-        graphs = getattr(d, "graphs", None)
-        send = getattr(self.channel, "send_stats", None)
-        if send is not None:
-            send(self.stats.steps, graphs.captures if graphs is not None else -1,
-                 graphs.replays if graphs is not None else -1,
-                 decode_replays=d.decode_replays if d is not None else 0,
-                 decode_eager=d.decode_eager if d is not None else 0)
+        d = self.engine.runner
+        graphs = d.graphs
+        self.channel.send_stats(self.stats.steps, graphs.captures if graphs is not None else -1,
+                                graphs.replays if graphs is not None else -1,
+                                decode_replays=d.decode_replays, decode_eager=d.decode_eager)
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:
@@ -331,7 +326,6 @@ class LockstepLoop:
         logger.warning("step %d abandoned: a rank's exchange passed its deadline; redoing it",
                        self.stats.steps)
         self.exchange.reset(self._local_mask())
-
 
     def _recover(self, exc: ed.EpochChangedError) -> None:
         """Survivors: reconcile the placement to the new membership; retried on new failures."""
