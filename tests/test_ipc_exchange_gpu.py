@@ -27,7 +27,8 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
 from elasticep.moe.exchange import stream_memops
-from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, capacity_rows
+from elasticep.moe.exchange.ipc_buffers import capacity_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
 from elasticep.moe.exchange.padded_exchange import pair_capacity, split_rows
 from elasticep.moe.fused_exchange import FusedForms
 
