@@ -45,11 +45,9 @@ class IpcBuffers:
     table, and the peers' mapped arenas.
 
     Args:
-        rank: this rank (its row block in every peer's buffers).
-        max_ep_size: G, slots of the deployment.
-        cap_rows: ``C_max`` (:func:`capacity_rows`).
-        hidden_size: H.
-        dtype: model dtype of the rows.
+        rank, max_ep_size, cap_rows, hidden_size, dtype: as
+            :class:`~elasticep.moe.exchange.ipc_exchange.IpcExchange` takes them (this
+            rank's row block, G, ``C_max`` of :func:`capacity_rows`, H, the rows' dtype).
         n_slots: flag columns (two per exchanging layer).
         device: this rank's device (``"cpu"``: the one-process simulation, whose peers
             are other objects given to :meth:`map_local`).
