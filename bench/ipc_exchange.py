@@ -81,7 +81,8 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
     from bench.spike_stream_wait import replay_ms
     from elasticep.moe import fused_exchange_kernels
     from elasticep.moe.exchange import ipc_kernels
-    from elasticep.moe.exchange.ipc_exchange import IpcExchange, capacity_rows
+    from elasticep.moe.exchange.ipc_buffers import capacity_rows
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange
     from elasticep.moe.exchange.padded_exchange import pair_capacity
     from elasticep.moe.fused_exchange import FusedForms
     layers, replays, G = args.layers, args.replays, max(args.max_ep_size or world, world)

@@ -17,7 +17,7 @@ import httpx
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.frontend.http_server import HttpServer, create_server
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.incremental_text import IncrementalText
-from elasticep.frontend.membership import ScaleInProgressError
+from elasticep.frontend.membership_source import ScaleInProgressError
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend.openai_protocol import (
     CompletionChoice,
     CompletionResponse,

@@ -14,7 +14,8 @@ from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
-from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, buffer_bytes, capacity_rows
+from elasticep.moe.exchange.ipc_buffers import buffer_bytes, capacity_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
 from elasticep.moe.exchange.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3

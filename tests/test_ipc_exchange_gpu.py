@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from elasticep.elastic.rank_model import attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
 from elasticep.moe.exchange import stream_memops
-from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, capacity_rows
+from elasticep.moe.exchange.ipc_buffers import capacity_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
 from elasticep.moe.exchange.padded_exchange import pair_capacity, split_rows
 from elasticep.moe.fused_exchange import FusedForms
 

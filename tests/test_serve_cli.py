@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import elasticep
+from elasticep.config import JoinMode
 from elasticep.distributed.gloo_device import gloo_devices
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
@@ -194,7 +195,8 @@ def test_a_log_dir_that_cannot_be_made_is_a_flag_error_before_anything_starts(tm
      ("scale", [4, 5])),
 ])
 def test_join_ranks(argv, expected):
-    assert parse_mode_and_ranks(_join(*argv)) == expected
+    mode, ranks = parse_mode_and_ranks(_join(*argv))
+    assert (mode, ranks) == expected and type(mode) is JoinMode
 
 
 @pytest.mark.parametrize("argv", [

@@ -31,9 +31,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elasticep.config import Backend, DeploymentConfig
+from elasticep.config import Backend, DeploymentConfig, JoinMode
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
-from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
+from elasticep.deploy.membership_backends import CoordinatorMembership, LaunchedRanks
 from elasticep.frontend_link import WorkerHello
 from elasticep.membership.process import CoordinatorProcess
 from elasticep.membership.status import DeploymentStatus
@@ -132,12 +132,12 @@ class Deployment:
         return cls(address, fetch_config(address, config_timeout_s), node=node, **kwargs)
 
     # ------------------------------------------------------------------ ranks
-    def launch(self, ranks: list[int], join_mode: str | None = None,
+    def launch(self, ranks: list[int], join_mode: JoinMode | None = None,
                fault: str | None = None) -> list[int]:
         """Start a worker for each of ``ranks``; returns their pids.
 
         Args:
-            join_mode: None (launch cohort), "recover" or "scale".
+            join_mode: None (launch cohort), recover or scale.
             fault: fault-injection spec (None also drops an inherited one).
         """
         return [self.launcher.spawn(r, join_mode, fault) for r in ranks]
@@ -158,7 +158,7 @@ class Deployment:
                 raise ValueError(f"rank {r} outside [0, {self.config.max_ep_size})")
         for r in ranks:
             self.kill_stale(r)
-        pids = self.launch(list(ranks), "recover")
+        pids = self.launch(list(ranks), JoinMode.RECOVER)
         self.launcher.request_admission(list(ranks))
         return pids
 
@@ -205,7 +205,7 @@ class Deployment:
         """
         result = self.membership().scale(new_ep_size)
         if start_joiners and new_ep_size > result["old_ep_size"]:
-            self.launch([r for r in result["slots"] if self.launcher.exited(r)], "scale")
+            self.launch([r for r in result["slots"] if self.launcher.exited(r)], JoinMode.SCALE)
         return result
 
     # ------------------------------------------------------------------ membership

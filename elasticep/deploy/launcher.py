@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from elasticep.config import DeploymentConfig, WorkerConfig
+from elasticep.config import DeploymentConfig, JoinMode, WorkerConfig
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.membership.client import CoordinatorClient, ReconnectingClient
 from elasticep.membership.status import DeploymentStatus
@@ -152,12 +152,13 @@ class RankLauncher:
             logger.debug("%s: could not %s of rank %d: %s", self.label, what, rank, exc)
 
     # ------------------------------------------------------------------ workers
-    def spawn(self, rank: int, join_mode: str | None = None, fault: str | None = None) -> int:
+    def spawn(self, rank: int, join_mode: JoinMode | None = None, fault: str | None = None
+              ) -> int:
         """Start a worker for ``rank``; returns its pid.
 
         Args:
             rank: global slot.
-            join_mode: None (launch cohort), "recover" or "scale".
+            join_mode: None (launch cohort), recover or scale.
             fault: fault-injection spec for this worker; None also drops an inherited
                 ``ELASTICEP_FAULT`` (a relaunch must not crash again).
         """

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
 from elasticep.models.loader import alloc_expert_slots, experts_fp8, open_weights

@@ -58,6 +58,7 @@ from elasticep.elastic.exchange_setup import (
 )
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.join import join_as_new_rank
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
 from elasticep.elastic.rank_model import (
     CheckpointExperts,
@@ -65,7 +66,7 @@ from elasticep.elastic.rank_model import (
     load_rank_weights,
     warmup_step_context,
 )
-from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
+from elasticep.elastic.step_loop import LockstepLoop
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine, grammar_compiler_for

@@ -25,6 +25,7 @@ import re
 import sys
 import threading
 
+from elasticep.config import JoinMode
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
 from elasticep.deploy.restart_policy import OnExit, Policy, Until
@@ -71,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dist-init-addr", required=True,
                    help="HOST:PORT of the deployment's coordinator (printed by serve)")
-    p.add_argument("--elastic-ep-join-mode", choices=("recover", "scale"), default=None,
+    p.add_argument("--elastic-ep-join-mode", choices=[m.value for m in JoinMode], default=None,
                    help="recover: relaunch failed ranks; scale: new ranks in free capacity")
     p.add_argument("--elastic-ep-rejoin", action="store_true",
                    help="alias of --elastic-ep-join-mode recover")
@@ -100,18 +101,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def parse_mode_and_ranks(args: argparse.Namespace) -> tuple[str, list[int]]:
+def parse_mode_and_ranks(args: argparse.Namespace) -> tuple[JoinMode, list[int]]:
     """The join mode and the slots, from the flags (no I/O).
 
     Raises:
         JoinError: missing or contradictory flags.
     """
-    mode = args.elastic_ep_join_mode
+    mode = None if args.elastic_ep_join_mode is None else JoinMode(args.elastic_ep_join_mode)
     if args.elastic_ep_rejoin:
-        if mode == "scale":
+        if mode == JoinMode.SCALE:
             raise JoinError("--elastic-ep-rejoin means recover mode; it contradicts "
                             "--elastic-ep-join-mode scale")
-        mode = "recover"
+        mode = JoinMode.RECOVER
     if mode is None:
         raise JoinError("give --elastic-ep-join-mode recover|scale (or --elastic-ep-rejoin)")
     offset = args.elastic_ep_join_rank_offset
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     detached = False
     try:
-        if mode == "recover":
+        if mode == JoinMode.RECOVER:
             deployment.relaunch(*ranks)  # a frozen old worker on this node is killed first
         else:
             deployment.launch(ranks, mode)
@@ -254,7 +255,7 @@ def _others(waiting: list[int], arrived: list[int], status: DeploymentStatus | N
     return "".join(f"; {p}" for p in parts)
 
 
-def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event,
+def _report_progress(deployment, mode: JoinMode, ranks: list[int], stop: threading.Event,
                      members: bool = False) -> list[int]:
     """Print one line when the ranks are in (recover, or ``members``: healthy; scale:
     ready to admit), and one error line for each rank that exits first; the others go on.
@@ -262,7 +263,7 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
     Returns:
         The ranks that got in; empty if stopped or every rank exited first.
     """
-    members = members or mode == "recover"
+    members = members or mode == JoinMode.RECOVER
     goal = (SlotState.HEALTHY,) if members else (SlotState.READY, SlotState.HEALTHY)
     waiting = list(ranks)
     while waiting and not stop.wait(0.2):

@@ -25,7 +25,7 @@ from typing import Any
 
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.incremental_text import Decode
-from elasticep.frontend.membership import MembershipSource
+from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.request_tracker import (
     DecodeWith,

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
 from elasticep.frontend.core import Frontend, FrontendConfig
-from elasticep.frontend.membership import (
+from elasticep.frontend.membership_source import (
     MembershipSource,
     ScaleInProgressError,
     ScaleNotSupportedError,

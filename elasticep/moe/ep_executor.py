@@ -151,13 +151,8 @@ class EPMoEExecutor(ExecutorDefaults):
             peers.publish(self.w13, self.w2)
         return loads
 
-    def __call__(
-        self,
-        layer_idx: int,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         """Route ``hidden_states`` through the experts of all ranks.
 
         Args:

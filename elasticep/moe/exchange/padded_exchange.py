@@ -1,8 +1,8 @@
 """Fixed-capacity token exchange of expert parallelism (the GPU dispatch/combine).
 
-The CPU path (:mod:`elasticep.moe.exchange.uneven_exchange`) first exchanges per-rank pair counts and
-then moves rows with uneven splits; on a GPU those counts would have to reach the host
-(a device sync per layer). Here every rank instead sends exactly ``capacity`` rows to
+The CPU path (:mod:`elasticep.moe.exchange.uneven_exchange`) first exchanges per-rank
+pair counts and then moves rows with uneven splits; on a GPU those counts would have to
+reach the host (a device sync per layer). Here every rank instead sends exactly ``capacity`` rows to
 every rank of the group, so ``all_to_all_single`` needs no split sizes and everything
 stays on the device:
 
