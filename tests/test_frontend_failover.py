@@ -46,7 +46,7 @@ class ScriptedMembership:
              "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
                        for r, s in sorted(self.states.items())]})
 
-    def scale(self, new_ep_size: int) -> None:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> None:
         raise ValueError("not in this test")
 
 

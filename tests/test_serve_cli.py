@@ -662,7 +662,7 @@ def test_scale_through_the_coordinator(coordinator):
     try:
         assert c.deployment_status().ep_size == 4
         assert c.scale(6) == {"old_ep_size": 4, "slots": [4, 5],
-                              "scale_phase": "waiting_for_joiners"}
+                              "scale_phase": "waiting_for_joiners", "operation_id": "op-1"}
         st = c.deployment_status()
         assert st.ep_size == 6 and st.scale_phase == "waiting_for_joiners"
         with pytest.raises(ScaleInProgressError):

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,16 +203,31 @@ class Frontend:
         return self._status.with_running(self.tracker.running_per_rank(), limits, transports)
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
-        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate.
+        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
+        return await self.change_membership(lambda m: m.scale(new_ep_size))
+
+    async def change_membership(self, change: Callable[[MembershipSource], Any]) -> Any:
+        """Run ``change(membership)`` (a scale or a retirement) in a worker thread;
+        its errors propagate.
 
         The snapshot is refreshed before returning, so a client that reads
-        ``/elastic_ep_status`` after its POST sees the scale's phase (read your writes).
+        ``/elastic_ep_status`` after its POST sees the change's phase (read your writes).
+
+        Raises:
+            asyncio.TimeoutError: membership did not answer within the status timeout.
         """
-        result = await asyncio.wait_for(asyncio.to_thread(self.membership.scale, new_ep_size),
+        result = await asyncio.wait_for(asyncio.to_thread(change, self.membership),
                                         self.config.status_timeout_s)
         await self.refresh_membership()
         self._wake_membership.set()
         return result
+
+    async def operation(self, operation_id: str) -> dict[str, Any]:
+        """A scale or retire operation's phase and slot states
+        (``MembershipSource.operation``; its errors propagate)."""
+        return await asyncio.wait_for(
+            asyncio.to_thread(self.membership.operation, operation_id),
+            self.config.status_timeout_s)
 
     # ---- membership ----------------------------------------------------------------
     async def refresh_membership(self) -> None:

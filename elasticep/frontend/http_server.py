@@ -9,7 +9,6 @@ raises out of a handler.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -31,18 +30,15 @@ from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.membership import (
     MembershipSource,
-    ScaleInProgressError,
-    ScaleNotSupportedError,
-    ScaleRefusedError,
 )
 from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    ScaleRequest,
     error_body,
 )
 from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.scale_api import add_scale_routes
 from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.frontend_link import FrontendChannel
@@ -265,6 +261,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         return await serving.chat(req, raw)
 
     add_sglang_routes(app, serving, config)  # /generate, /get_server_info, /get_model_info
+    add_scale_routes(app, frontend)  # POST /scale_elastic_ep, GET /scale_elastic_ep/{id}
 
     model_card = {"id": config.model_name, "object": "model", "created": created,
                   "owned_by": "elasticep", "max_model_len": config.max_model_len}
@@ -304,27 +301,6 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
         return frontend.status().to_dict()
-
-    @app.post("/scale_elastic_ep")
-    async def scale(req: ScaleRequest) -> JSONResponse:
-        max_ep = frontend.status().max_ep_size
-        if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
-            cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
-            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}]{cap}, got "
-                              f"{req.new_ep_size}", param="new_ep_size")
-        try:
-            result = await frontend.scale(req.new_ep_size)
-        except ScaleInProgressError as exc:
-            raise OpenAIError(409, str(exc), code="scale_in_progress") from exc
-        except ScaleRefusedError as exc:
-            raise OpenAIError(409, str(exc), code="scale_refused") from exc
-        except (ScaleNotSupportedError, ValueError) as exc:
-            raise OpenAIError(400, str(exc), param="new_ep_size") from exc
-        except asyncio.TimeoutError as exc:
-            raise OpenAIError(504, "membership did not answer in time",
-                              type="server_error") from exc
-        return JSONResponse({"status": "accepted", "new_ep_size": req.new_ep_size,
-                             **(result or {})})
 
     return app
 

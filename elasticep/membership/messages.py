@@ -13,6 +13,7 @@ coordinator -> rank          reply, hb_ack, announce, commit, peer, evicted
 supervisor -> coordinator    hello (:class:`SupervisorHello`, ``"role": "supervisor"``),
                              status, report_death, request_admission, request_deactivation,
                              publish_deployment, deployment_config, deployment_status, scale,
+                             retire, operation,
                              record_launch, clear_launch, reserve, release
 ===========================  ===============================================================
 
@@ -233,6 +234,9 @@ class PublishDeployment(Message, tag="publish_deployment"):
     config: str
     ep_size: int
     max_ep_size: int
+    # the fewest healthy ranks whose expert slots hold every expert (a retirement that
+    # keeps fewer is refused); 1: not known
+    min_holding_ranks: int = 1
 
 
 class GetDeploymentConfig(Message, tag="deployment_config"):
@@ -245,9 +249,29 @@ class GetDeploymentStatus(Message, tag="deployment_status"):
 
 @dataclass(frozen=True)
 class Scale(Message, tag="scale"):
-    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase."""
+    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase,
+    operation_id (``operation_id`` given again with the same size: the same operation,
+    nothing changes)."""
 
     new_ep_size: int
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Retire(Message, tag="retire"):
+    """Retire the slots ``ranks``, or every slot whose last launch was on ``node`` (one
+    of the two). Answer: as :class:`Scale`'s."""
+
+    ranks: list[int] | None = None
+    node: int | None = None
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GetOperation(Message, tag="operation"):
+    """Answer: the operation's phase and per-slot states (``operations.op_view``)."""
+
+    operation_id: str
 
 
 @dataclass(frozen=True)
