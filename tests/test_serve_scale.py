@@ -49,6 +49,52 @@ def _relaunched(rank: int, old_pid: int):
     return lambda s: s.rank(rank).state == SlotState.HEALTHY and s.rank(rank).pid != old_pid
 
 
+def test_retire_rank_1_under_load_then_join_it_back(serve, reference):
+    """Retire rank 1 of EP4 (not the highest) under streaming load, by operation id;
+    then `join` in recover mode takes the slot back in place. No request fails, and
+    every text is the fault-free run's."""
+    url = f"{serve.url}/scale_elastic_ep"
+    load = SteadyLoad(serve.client, serve.model_name(), PROMPTS, 3, MAX_TOKENS)
+    seen: list[tuple[str, str]] = []
+    try:
+        time.sleep(1.0)  # the streams are running on every rank
+        body = {"retire_ranks": [1], "operation_id": "retire-1"}
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert reply.json() == {"status": "accepted", "retire_ranks": [1], "old_ep_size": 4,
+                                "slots": [1], "scale_phase": "draining",
+                                "operation_id": "retire-1"}
+        again = httpx.post(url, json=body, timeout=30)  # a retry: same operation
+        assert again.status_code == 200 and again.json()["repeated"] is True, again.text
+        conflict = httpx.post(url, json={**body, "retire_ranks": [2]}, timeout=30)
+        assert conflict.status_code == 409, conflict.text
+
+        def done() -> bool:
+            op = httpx.get(f"{url}/retire-1", timeout=10).json()
+            state = (op["phase"], op["ranks"][0]["state"])
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            return op["phase"] == "done"
+
+        wait_until(done, 60, "rank 1 safe to terminate", poll_s=0.05)
+        st = serve.status()
+        assert st.ep_size == 3 and st.healthy_ranks() == [0, 2, 3] and not st.degraded()
+        assert httpx.get(f"{url}/nope", timeout=10).status_code == 404
+        join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "1",
+                          coordinator_timeout_s=JOIN_COORDINATOR_TIMEOUT_S)
+        serve.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3] and s.ep_size == 4
+                       and s.scale_phase == ScalePhase.IDLE, 120, "rank 1 back",
+                       watch=(join,))
+    finally:
+        records = load.stop(RESULTS_TIMEOUT_S)
+    assert seen[-1] == ("done", "safe_to_terminate"), seen
+    assert all(phase in ("draining", "retiring", "done") for phase, _ in seen), seen
+    assert records, "the load sent no request"
+    assert_complete(records, MAX_TOKENS)
+    assert [(r.prompt_idx, r.text) for r in records] == [
+        (r.prompt_idx, reference[r.prompt_idx]) for r in records]
+
+
 def test_scale_up_then_down_under_load(serve, reference):
     # three streams kept busy through the whole scale, round robin over the prompts
     load = SteadyLoad(serve.client, serve.model_name(), PROMPTS, 3, MAX_TOKENS)
