@@ -42,6 +42,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--restart-failed-ranks", action="store_true",
         help="relaunch a rank of this node that crashed (never one removed by a "
              "scale-down; a rank dying while loading at start-up still stops serve)")
+    groups["fault tolerance"].add_argument(
+        "--max-restarts", type=int, default=5, metavar="N",
+        help="with --restart-failed-ranks: relaunch a rank at most N times within "
+             "--restart-window; one over it is relaunched once its oldest restart "
+             "leaves the window (default: %(default)s)")
+    groups["fault tolerance"].add_argument(
+        "--restart-window", type=float, default=600.0, metavar="SECONDS",
+        help="the window of --max-restarts (default: %(default)s)")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1",
                    help="interface of the OpenAI API (default: %(default)s)")
@@ -75,6 +83,8 @@ class ServeSettings:
             any free port) and where other nodes find it.
         restart_failed_ranks: relaunch crashed local ranks.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
+        max_restarts, restart_window_s: the restart budget (relaunches per rank within
+            the window, seconds).
         warnings: non-fatal remarks to print.
     """
 
@@ -89,6 +99,8 @@ class ServeSettings:
     coordinator_port: int
     restart_failed_ranks: bool
     coordinator_timeout_s: float = 60.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
     warnings: tuple[str, ...] = ()
 
     @property
@@ -118,6 +130,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
+        (args.max_restarts >= 0, "--max-restarts must be >= 0"),
+        (args.restart_window > 0, "--restart-window must be > 0 seconds"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
@@ -145,4 +159,5 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         warnings=tuple(warnings))

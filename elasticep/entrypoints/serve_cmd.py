@@ -24,7 +24,13 @@ from tqdm import tqdm
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
-from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
+from elasticep.deploy.restart_policy import (
+    Policy,
+    Until,
+    on_exit_for,
+    recover_command,
+    restart_budget,
+)
 from elasticep.deploy.supervisor import (
     CoordinatorUnreachableError,
     StopEvent,
@@ -156,8 +162,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
-        exits = supervise(deployment, stop, Policy(on_exit_for(
-            settings.restart_failed_ranks, deployment.fault_tolerant)))
+        policy = Policy(on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
+                        max_restarts=settings.max_restarts,
+                        restart_window_s=settings.restart_window_s)
+        exits = supervise(deployment, stop, policy,
+                          on_look=lambda ledger, now: frontend.set_status_extra(
+                              "restart_budget", restart_budget(policy, ledger, now)))
         if died:
             return _coordinator_died(deployment, died)
         if fatal and exits:
@@ -350,7 +360,9 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         try:
             exits = supervise(deployment, stop, Policy(
                 on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
-                Until.ALL_EXITED, coordinator_timeout_s=settings.coordinator_timeout_s))
+                Until.ALL_EXITED, max_restarts=settings.max_restarts,
+                restart_window_s=settings.restart_window_s,
+                coordinator_timeout_s=settings.coordinator_timeout_s))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)

@@ -97,6 +97,8 @@ class Frontend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
         self._ready = False  # latched once every rank of the target size was routable
+        # what the serving command adds to /elastic_ep_status (e.g. its restart budget)
+        self._status_extra: dict[str, Any] = {}
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -188,6 +190,14 @@ class Frontend:
         was routable at the same time. Latched: a later failure makes it degraded, not
         "starting" again."""
         return self._ready
+
+    def set_status_extra(self, key: str, value: Any) -> None:
+        """Show ``value`` under ``key`` in ``/elastic_ep_status`` (any thread)."""
+        self._status_extra = {**self._status_extra, key: value}
+
+    def status_extra(self) -> dict[str, Any]:
+        """What :meth:`set_status_extra` added, by key."""
+        return dict(self._status_extra)
 
     def can_serve(self) -> bool:
         """True while at least one rank can take requests (never once :meth:`fail_all`)."""

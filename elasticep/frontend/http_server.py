@@ -300,7 +300,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
-        return frontend.status().to_dict()
+        return {**frontend.status().to_dict(), **frontend.status_extra()}
 
     return app
 
