@@ -17,6 +17,7 @@ from elasticep.membership.messages import (
     EpochReport,
     GetDeploymentStatus,
     GetOperation,
+    Heartbeat,
     Message,
     PublishDeployment,
     RankHello,
@@ -228,3 +229,123 @@ def test_drain_node_retires_every_rank_launched_there():
     op = _ok(svc, SUP, GetOperation("op-1", id=14))["operation"]
     assert op["request"] == {"drain_node": 1} and op["phase"] == "done"
     assert _status(svc).healthy_ranks() == [0, 1, 2, 3]
+
+
+def test_a_grow_waiting_for_joiners_says_so_and_gives_up_after_the_scale_timeout():
+    """POST 4 -> 6 with no `join`: it waited forever. Now the status names the slots it
+    waits for, and past --elastic-ep-scale-timeout the slots are freed (ep_size 4 again)
+    and the operation reads timed_out."""
+    clock = [0.0]
+    svc = MembershipService(store_port=1, clock=lambda: clock[0])
+    for r in range(4):
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=4, max_world_size=6,
+                              is_extension=False, id=1))
+        _ok(svc, r, Register("world", list(range(6)), list(range(4)), OnFailure.COMPLETE,
+                             False, id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    _ok(svc, SUP, PublishDeployment("{}", 4, 6, 1, 30.0, id=2))
+    reply = _ok(svc, SUP, Scale(6, operation_id="grow", id=3))
+    assert reply["scale_phase"] == "waiting_for_joiners" and reply["slots"] == [4, 5]
+    st = _status(svc)
+    assert st.waiting_slots == (4, 5) and st.to_dict()["waiting_slots"] == [4, 5]
+
+    def tick(now: float) -> None:
+        clock[0] = now
+        for r in range(4):  # the members stay alive meanwhile
+            svc.handle(r, Heartbeat())
+        svc.tick(now)
+
+    tick(29.0)
+    assert _status(svc).ep_size == 6  # not yet
+    tick(30.5)
+    st = _status(svc)
+    assert st.ep_size == 4 and st.scale_phase == "idle" and st.waiting_slots == ()
+    assert not st.degraded() and svc.group("world").requests["admit"] == []
+    op = _ok(svc, SUP, GetOperation("grow", id=4))["operation"]
+    assert op["phase"] == "timed_out" and [r["state"] for r in op["ranks"]] == [
+        "joining", "joining"]
+    assert _ok(svc, SUP, Scale(5, id=5))["slots"] == [4]  # a new grow may start
+
+
+# ---- the HTTP routes over the real service ---------------------------------------------
+class ServiceMembership:
+    """A ``MembershipSource`` that hands each call to a :class:`MembershipService` (no
+    sockets): the front-end's routes meet the coordinator's real decisions."""
+
+    def __init__(self, svc: MembershipService) -> None:
+        self.svc = svc
+
+    def _call(self, msg: Message) -> dict:
+        from elasticep.membership.client import _REFUSALS, MembershipRequestError
+
+        reply = [s.msg for s in self.svc.handle(SUP, msg) if isinstance(s.msg, Reply)][-1]
+        if not reply.ok:
+            raise _REFUSALS.get(reply.code, MembershipRequestError)(reply.error)
+        return reply.body
+
+    def status(self) -> DeploymentStatus:
+        return DeploymentStatus.from_dict(self._call(GetDeploymentStatus(id=1))["status"])
+
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
+        return self._call(Scale(new_ep_size, operation_id, id=1))
+
+    def retire(self, ranks=None, node=None, operation_id=None) -> dict:
+        return self._call(Retire(ranks, node, operation_id, id=1))
+
+    def operation(self, operation_id: str) -> dict:
+        return self._call(GetOperation(operation_id, id=1))["operation"]
+
+
+def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
+    from pathlib import Path
+
+    import httpx
+
+    from elasticep.frontend.http_server import create_server
+    from elasticep.frontend_link import FrontendChannel
+
+    svc = MembershipService(store_port=1, clock=lambda: 0.0)
+    for r in range(3):
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=3, max_world_size=4,
+                              is_extension=False, id=1))
+        _ok(svc, r, Register("world", list(range(4)), list(range(3)), OnFailure.COMPLETE,
+                             False, id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    _ok(svc, SUP, PublishDeployment("{}", 3, 4, 2, id=2))
+    channel = FrontendChannel()
+    model = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+    server, frontend = create_server(model, channel, ServiceMembership(svc),
+                                     served_model_name="tiny")
+    frontend.coordinator_address = "10.0.0.1:29500"
+    server.start()
+    url = server.url + "/scale_elastic_ep"
+    try:
+        r = httpx.post(url, json={"retire_ranks": [0, 1]})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "scale_refused"
+        r = httpx.post(url, json={"drain_node": 0})
+        assert r.status_code == 409 and "no healthy rank" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"retire_ranks": [3]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "retire_ranks"
+        assert httpx.get(url + "/op-1").status_code == 404
+        r = httpx.post(url, json={"new_ep_size": 4, "operation_id": "g"})
+        assert r.status_code == 200, r.text
+        join = ("elasticep join --dist-init-addr 10.0.0.1:29500 --elastic-ep-join-mode scale "
+                "--ranks 3")
+        assert r.json() == {"status": "accepted", "new_ep_size": 4, "old_ep_size": 3,
+                            "slots": [3], "scale_phase": "waiting_for_joiners",
+                            "operation_id": "g", "waiting_for_joiners": {
+                                "slots": [3], "join_command": join}}
+        health = httpx.get(server.url + "/health").json()
+        assert health["waiting_for_joiners"] == {"slots": [3], "join_command": join}
+        assert httpx.get(server.url + "/elastic_ep_status").json()["waiting_slots"] == [3]
+        r = httpx.post(url, json={"new_ep_size": 3, "operation_id": "g"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "operation_conflict"
+        r = httpx.post(url, json={"retire_ranks": [2]})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "scale_in_progress"
+        op = httpx.get(url + "/g").json()
+        assert op == {"operation_id": "g", "request": {"new_ep_size": 4},
+                      "phase": "waiting_for_joiners",
+                      "ranks": [{"rank": 3, "state": "joining"}]}
+    finally:
+        server.stop()
+        channel.close()

@@ -78,7 +78,8 @@ def publish_config(coordinator: str, config: DeploymentConfig) -> None:
     client = CoordinatorClient(coordinator)
     try:
         client.publish_deployment(config.to_json(), config.ep_size, config.max_ep_size,
-                                  min_holding_ranks(config))
+                                  min_holding_ranks(config),
+                                  config.elastic_ep_scale_timeout_s)
     finally:
         client.close()
 

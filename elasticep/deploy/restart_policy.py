@@ -187,6 +187,15 @@ def recover_command(address: str, rank: int | list[int], node: int = 0) -> str:
             f"--ranks {ranks}{node_flag}")
 
 
+def scale_command(address: str, ranks: list[int], node: int = 0) -> str:
+    """The `join` command line that starts the joiners a grow waits for (slots
+    ``ranks``) on node ``node``, for the deployment whose coordinator is at
+    ``address``."""
+    node_flag = f" --node-rank {node}" if node else ""
+    return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode scale "
+            f"--ranks {','.join(str(r) for r in ranks)}{node_flag}")
+
+
 def decide(view: View, exits: Sequence[RankExit], policy: Policy,
            ledger: Ledger) -> tuple[list[Action], Ledger]:
     """The actions for one look at the node, in the order to carry them out.

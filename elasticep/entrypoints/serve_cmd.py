@@ -155,6 +155,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
             max_payload_size=settings.max_payload_size, sock=http_sock)
+        frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1

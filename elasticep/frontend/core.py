@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elasticep.deploy.restart_policy import scale_command
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership import MembershipSource
@@ -97,6 +98,8 @@ class Frontend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
         self._ready = False  # latched once every rank of the target size was routable
+        # the coordinator's "host:port", for the `join` commands the API suggests
+        self.coordinator_address: str | None = None
         # what the serving command adds to /elastic_ep_status (e.g. its restart budget)
         self._status_extra: dict[str, Any] = {}
 
@@ -190,6 +193,16 @@ class Frontend:
         was routable at the same time. Latched: a later failure makes it degraded, not
         "starting" again."""
         return self._ready
+
+    def waiting_for_joiners(self) -> dict[str, Any] | None:
+        """The slots a grow waits for and the `join` that starts them, or None."""
+        slots = list(self._status.waiting_slots)
+        if not slots:
+            return None
+        out: dict[str, Any] = {"slots": slots}
+        if self.coordinator_address is not None:
+            out["join_command"] = scale_command(self.coordinator_address, slots)
+        return out
 
     def set_status_extra(self, key: str, value: Any) -> None:
         """Show ``value`` under ``key`` in ``/elastic_ep_status`` (any thread)."""

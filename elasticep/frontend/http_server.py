@@ -286,6 +286,9 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
                 "epoch": status.epoch, "ep_size": status.ep_size,
                 "healthy_ranks": len(status.healthy_ranks()),
                 "running_requests": frontend.tracker.num_running}
+        waiting = frontend.waiting_for_joiners()
+        if waiting is not None:  # a grow needs `join`: say which slots, and how
+            body["waiting_for_joiners"] = waiting
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
         elif not frontend.ready:

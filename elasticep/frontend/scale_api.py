@@ -77,6 +77,9 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
                 return m.retire(ranks=req.retire_ranks, node=req.drain_node,
                                 operation_id=op_id)
         result = await _answer(lambda: frontend.change_membership(change), which)
+        waiting = frontend.waiting_for_joiners()
+        if result.get("scale_phase") == "waiting_for_joiners" and waiting is not None:
+            result["waiting_for_joiners"] = waiting  # the grow needs `join`: say how
         return JSONResponse({"status": "accepted", which: getattr(req, which), **result})
 
     @app.get("/scale_elastic_ep/{operation_id}")

@@ -97,15 +97,18 @@ class CoordinatorClient:
 
     # ---- the deployment (see scaling.py) -----------------------------------------
     def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int,
-                           min_holding_ranks: int = 1) -> None:
+                           min_holding_ranks: int = 1, scale_timeout_s: float = 600.0,
+                           ) -> None:
         """Node 0: publish the settings every later rank and joiner reads, and the initial
         target size (kept if one is set already).
 
         Args:
             min_holding_ranks: the fewest healthy ranks whose expert slots hold every
                 expert; a retirement that keeps fewer is refused (1: no limit known).
+            scale_timeout_s: how long a grow waits for its joiners (seconds).
         """
-        self._call(m.PublishDeployment(config_json, ep_size, max_ep_size, min_holding_ranks))
+        self._call(m.PublishDeployment(config_json, ep_size, max_ep_size, min_holding_ranks,
+                                       scale_timeout_s))
 
     def deployment_config(self) -> str | None:
         """The published settings (JSON text), or None if nothing was published yet."""

@@ -237,6 +237,8 @@ class PublishDeployment(Message, tag="publish_deployment"):
     # the fewest healthy ranks whose expert slots hold every expert (a retirement that
     # keeps fewer is refused); 1: not known
     min_holding_ranks: int = 1
+    # seconds a grow waits for its joiners before it gives up and frees their slots
+    scale_timeout_s: float = 600.0
 
 
 class GetDeploymentConfig(Message, tag="deployment_config"):

@@ -132,6 +132,7 @@ class OperationLog:
     day)."""
 
     ops: dict[str, Operation] = field(default_factory=dict)
+    timed_out: set[str] = field(default_factory=set)  # grows that gave up
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def repeat(self, op_id: str | None, request: Mapping[str, Any]) -> Operation | None:

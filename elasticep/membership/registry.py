@@ -205,6 +205,7 @@ class DeploymentRecords:
     # scale and retire operations by id; the fewest healthy ranks holding every expert
     operations: OperationLog = field(default_factory=OperationLog)
     min_holding_ranks: int = 1
+    scale_timeout_s: float = 600.0
 
     def live_launches(self) -> dict[int, Launch]:
         """rank -> live launched worker."""

@@ -78,6 +78,8 @@ class ScaleTarget:
     members: set[int] | None = None
     # slots a retirement took out: `join` in recover mode may bring them back
     retired: set[int] = field(default_factory=set)
+    # clock time after which a grow still waiting for joiners gives up (None: no grow)
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.members is None:
@@ -209,6 +211,31 @@ class ScaleTarget:
         logger.info("retire ranks %s: ep_size %d -> %d", retire, old, self.ep_size)
         return ScalePlan((), tuple(remove), self._reply(old, retire, states), free)
 
+    def waiting_slots(self, states: Sequence[SlotState]) -> list[int]:
+        """The slots a grow brings in whose joiner is not ready yet (pure)."""
+        return sorted(s for s in self.up if states[s] not in (SlotState.READY,
+                                                              SlotState.HEALTHY))
+
+    def give_up(self, now: float, states: Sequence[SlotState]) -> ScalePlan | None:
+        """Past its deadline, a grow that still waits for joiners gives up: the slots
+        not admitted yet are withdrawn (their admission too) and the target shrinks by
+        them; admitted ones stay.
+
+        Returns:
+            The withdrawal, or None if no grow waits past its deadline.
+        """
+        if (self.deadline is None or now < self.deadline
+                or self.phase(states) != ScalePhase.WAITING_FOR_JOINERS):
+            return None
+        old = self.ep_size
+        slots = sorted(s for s in self.up if states[s] != SlotState.HEALTHY)
+        self.up -= set(slots)
+        self._set_members(self.members - set(slots))
+        self.deadline = None
+        logger.warning("scale to ep_size %d timed out waiting for joiners of slots %s; "
+                       "ep_size is %d", old, slots, self.ep_size)
+        return ScalePlan(remove=tuple(slots), reply=self._reply(old, slots, states))
+
     def readmit(self, rank: int) -> None:
         """A retired slot comes back through ``join`` in recover mode: it is in the
         target again."""
@@ -298,7 +325,7 @@ def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Seq
     shown = shown_slots(states, ranks, procs, launches)
     return DeploymentStatus(epoch, target.ep_size, target.max_ep_size, phase, tuple(
         RankStatus(ranks[s], st, pid, nodes.get(ranks[s], 0))
-        for s, (st, pid) in enumerate(shown)))
+        for s, (st, pid) in enumerate(shown)), tuple(target.waiting_slots(states)))
 
 
 def check_join(mode: str, want: Sequence[int], states: Sequence[SlotState],

@@ -34,6 +34,7 @@ class SupervisorRequests:
     _procs: dict[int, Any]
     _deployment: DeploymentRecords
     _max_world_size: int | None
+    _clock: Any
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str) -> Group:
@@ -84,6 +85,7 @@ class SupervisorRequests:
         if d.target is None:
             d.target = ScaleTarget(msg.ep_size, msg.max_ep_size)
         d.min_holding_ranks = msg.min_holding_ranks
+        d.scale_timeout_s = msg.scale_timeout_s
         return {}
 
     @handles(m.GetDeploymentConfig)
@@ -151,6 +153,7 @@ class SupervisorRequests:
         for slot in plan.free:
             self._groups[WORLD].set_state(slot, SlotState.FREE)
         if plan.admit:
+            self._target().deadline = self._clock() + self._deployment.scale_timeout_s
             self._request_admission(None, m.RequestAdmission(WORLD, list(plan.admit)))
         if plan.remove:  # a withdrawn joiner's admission is withdrawn the same way
             self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
@@ -174,7 +177,24 @@ class SupervisorRequests:
         alive = {s: (procs[r].alive if r in procs else False)
                  or (r in launches and (r not in procs or launches[r].pid != procs[r].pid))
                  for s, r in enumerate(ranks)}
-        return {"operation": op_view(op, states, alive)}
+        return {"operation": op_view(op, states, alive,
+                                     op.id in self._deployment.operations.timed_out)}
+
+    def _expire_scale(self, now: float) -> None:
+        """A grow still waiting for joiners past ``--elastic-ep-scale-timeout`` gives up:
+        its slots not admitted are freed, and its operation reads ``timed_out``."""
+        target = self._deployment.target
+        _epoch, states, _ranks = self._world_view() if target else (0, None, [])
+        if target is None or states is None:
+            return
+        plan = target.give_up(now, states)
+        if plan is None:
+            return
+        self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
+        ops = self._deployment.operations
+        for op in ops.ops.values():
+            if not op.leaving and set(op.slots) & set(plan.remove):
+                ops.timed_out.add(op.id)
 
     @handles(m.RecordLaunch, Role.SUPERVISOR)
     def _record_launch(self, sup, msg: m.RecordLaunch) -> dict:
