@@ -131,3 +131,31 @@ def test_the_restart_budget_is_a_rate():
     for t in (1000.0, 2000.0, 3000.0):  # a crash a while: always relaunched
         actions, ledger = look(t, ledger, crash)
         assert _kinds(actions) == [("relaunch", 1)]
+
+
+def test_an_exit_after_admission_is_never_called_one_before_it(caplog, capsys):
+    """`join scale` logged "exited with -9 before it was admitted" for a rank that had
+    been healthy; and it never said when its loaded ranks were admitted."""
+    import logging
+
+    from elasticep.entrypoints.join_cmd import AdmissionReport
+
+    report = AdmissionReport([4, 5])
+    healthy = _view({4: "healthy", 5: "ready"}, coord_pids={4: 14, 5: 15},
+                    running={4: 14, 5: 15})
+    _, ledger = decide(healthy, [], Policy(OnExit.LOG), Ledger())
+    assert ledger.admitted == {4: 14}
+    report(ledger, 0.0)
+    report(ledger, 0.1)  # once
+    assert capsys.readouterr().out == "admitted: ranks [4] are members (healthy)\n"
+    gone = _view({4: "free", 5: "free"}, coord_pids={4: 14, 5: 15})
+    with caplog.at_level(logging.INFO, logger="elasticep.deploy.supervisor"):
+        _, ledger = decide(gone, [RankExit(4, 14, -9), RankExit(5, 15, -9)],
+                           Policy(OnExit.LOG), ledger)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "epoch 7: rank 4 (pid 14) exited with -9 after it left the deployment; its slot is "
+        "free capacity again",
+        "epoch 7: rank 5 (pid 15) exited with -9 before it was admitted; its slot is free "
+        "capacity again"]
+    assert ledger.admitted == {}

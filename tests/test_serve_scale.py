@@ -112,6 +112,9 @@ def test_scale_up_then_down_under_load(serve, reference):
         st = serve.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3, 4, 5]
                             and s.scale_phase == ScalePhase.IDLE, 120, "EP6", watch=(join,))
         assert st.ep_size == 6
+        # join said when its loaded ranks became members, not only that they loaded
+        wait_until(lambda: "admitted: ranks [4, 5] are members" in join.output(), 10,
+                   "join to report the admission", poll_s=0.1, last=join.output)
         time.sleep(1.0)  # new ranks take requests once their workers said hello
         # six more streams on top of the load's three: a new request goes to the rank
         # running the fewest (lowest id on ties), so the joined ranks 4 and 5 take some

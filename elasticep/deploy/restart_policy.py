@@ -147,11 +147,13 @@ class Ledger:
     """What the loop remembers between looks: per rank, the times of its relaunches
     still inside the restart window; the ranks that exited while the coordinator did
     not answer (relaunched once it does); the ranks over their budget (relaunched once
-    it allows)."""
+    it allows); and rank -> pid of each worker of ours seen as a member (healthy), so an
+    exit is never called one "before it was admitted" once it was."""
 
     restarts: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
     deferred: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
+    admitted: Mapping[int, int] = field(default_factory=dict)
 
     def recent(self, now: float, window_s: float) -> dict[int, int]:
         """rank -> relaunches within the last ``window_s`` seconds before ``now``."""
@@ -212,6 +214,8 @@ def decide(view: View, exits: Sequence[RankExit], policy: Policy,
     plan = _Plan(view, policy, {r: tuple(t for t in ts if view.now - t < policy.restart_window_s)
                                 for r, ts in ledger.restarts.items()})
     plan.waiting = list(ledger.waiting)
+    plan.admitted = dict(ledger.admitted)
+    plan.see_members()
     deferred = list(ledger.deferred)
     world = view.world
     relaunching = policy.on_exit == OnExit.RELAUNCH
@@ -273,10 +277,20 @@ class _Plan:
     restarts: dict[int, tuple[float, ...]]
     actions: list[Action] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
+    admitted: dict[int, int] = field(default_factory=dict)
 
     def ledger(self, deferred: list[int]) -> Ledger:
         return Ledger({r: ts for r, ts in self.restarts.items() if ts}, tuple(deferred),
-                      tuple(self.waiting))
+                      tuple(self.waiting), dict(self.admitted))
+
+    def see_members(self) -> None:
+        """Note our live workers that the coordinator shows healthy (admitted)."""
+        world = self.view.world
+        if world is None:
+            return
+        for rank, pid in self.view.running.items():
+            if world.states.get(rank) == SlotState.HEALTHY and world.pids.get(rank) == pid:
+                self.admitted[rank] = pid
 
     @property
     def relaunched(self) -> set[int]:
@@ -319,10 +333,13 @@ class _Plan:
             logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch,
                         ex.rank, ex.pid)
             return
+        was_member = self.admitted.pop(ex.rank, None) == ex.pid
         if world is not None and world.states.get(ex.rank) == SlotState.FREE:
-            # never admitted: nothing to recover
-            logger.info("epoch %d: rank %d (pid %d) exited with %d before it was admitted; "
-                        "its slot is free capacity again", epoch, ex.rank, ex.pid, ex.code)
+            # nothing to recover: its slot is free capacity (never admitted, or removed)
+            logger.info("epoch %d: rank %d (pid %d) exited with %d %s; its slot is free "
+                        "capacity again", epoch, ex.rank, ex.pid, ex.code,
+                        "after it left the deployment" if was_member
+                        else "before it was admitted")
             return
         if world is None:  # no hint: a relaunch needs the coordinator
             logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
