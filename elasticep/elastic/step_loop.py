@@ -392,7 +392,8 @@ class LockstepLoop:
             send(self.stats.steps, graphs.captures if graphs is not None else -1,
                  graphs.replays if graphs is not None else -1,
                  decode_replays=d.decode_replays if d is not None else 0,
-                 decode_eager=d.decode_eager if d is not None else 0)
+                 decode_eager=d.decode_eager if d is not None else 0,
+                 experts_held=_experts_held(self.ep.placement, self.rank))
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:
@@ -476,6 +477,14 @@ class LockstepLoop:
         if self.rank in ranks:
             raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
         self._after_change(report, time.perf_counter() - t0)
+
+
+def _experts_held(placement, rank: int) -> int:
+    """Slots of ``rank`` that hold an expert, the most over MoE layers."""
+    local = placement.local(rank)
+    if local.numel() == 0:
+        return 0
+    return int((local != placement.empty).sum(dim=1).max())
 
 
 def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
@@ -57,6 +58,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    h.add_argument("--metrics-api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /metrics (default: /metrics "
+                        "is open to loopback clients and otherwise takes --api-key)")
+    h.add_argument("--event-log", default=None, metavar="FILE",
+                   help="append every membership and recovery event (deaths, rejoins, "
+                        "scales, with their phases) to FILE as JSON lines")
     h.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD_SIZE,
                    metavar="BYTES",
                    help="largest request body in bytes; larger ones get 413 (default: "
@@ -85,6 +92,7 @@ class ServeSettings:
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         max_restarts, restart_window_s: the restart budget (relaunches per rank within
             the window, seconds).
+        metrics_api_key: ``/metrics``' own key; event_log: the ``--event-log`` file.
         warnings: non-fatal remarks to print.
     """
 
@@ -101,6 +109,8 @@ class ServeSettings:
     coordinator_timeout_s: float = 60.0
     max_restarts: int = 5
     restart_window_s: float = 600.0
+    metrics_api_key: str | None = None
+    event_log: str | None = None
     warnings: tuple[str, ...] = ()
 
     @property
@@ -131,6 +141,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
         (args.max_restarts >= 0, "--max-restarts must be >= 0"),
+        (args.event_log is None or Path(args.event_log).parent.is_dir(),
+         f"--event-log {args.event_log}: its directory does not exist"),
         (args.restart_window > 0, "--restart-window must be > 0 seconds"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
@@ -160,4 +172,5 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+        metrics_api_key=args.metrics_api_key, event_log=args.event_log,
         warnings=tuple(warnings))

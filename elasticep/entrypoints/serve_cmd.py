@@ -53,6 +53,7 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
+from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.client import CoordinatorClient
@@ -156,8 +157,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             dep.model, channel, membership, served_model_name=name,
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
-            max_payload_size=settings.max_payload_size, sock=http_sock)
+            max_payload_size=settings.max_payload_size, sock=http_sock,
+            metrics_api_key=settings.metrics_api_key)
         frontend.coordinator_address = deployment.address  # named in `join` hints
+        if settings.event_log is not None:
+            frontend.event_log = EventLog(settings.event_log)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1

@@ -25,9 +25,11 @@ from typing import Any
 
 from elasticep.deploy.restart_policy import scale_command
 from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.recovery_timeline import Event, RecoveryTimeline
 from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
@@ -88,6 +90,10 @@ class Frontend:
         self.metrics = metrics or FrontendMetrics()
         self.config = config or FrontendConfig()
         self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
+        self.metrics.num_queue_reqs.set_function(lambda: self.tracker.num_waiting)
+        # the phases of deaths, rejoins and scales (metrics and --event-log)
+        self.timeline = RecoveryTimeline()
+        self.event_log: EventLog | None = None
         self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
         self._unreachable: set[int] = set()
@@ -229,9 +235,14 @@ class Frontend:
         """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
         return await self.change_membership(lambda m: m.scale(new_ep_size))
 
-    async def change_membership(self, change: Callable[[MembershipSource], Any]) -> Any:
+    async def change_membership(self, change: Callable[[MembershipSource], Any],
+                                kind: str | None = None) -> Any:
         """Run ``change(membership)`` (a scale or a retirement) in a worker thread;
         its errors propagate.
+
+        Args:
+            kind: grow, shrink or retire: times the change (``elasticep_scale_seconds``,
+                the event log) unless it repeats a recorded operation.
 
         The snapshot is refreshed before returning, so a client that reads
         ``/elastic_ep_status`` after its POST sees the change's phase (read your writes).
@@ -241,6 +252,10 @@ class Frontend:
         """
         result = await asyncio.wait_for(asyncio.to_thread(change, self.membership),
                                         self.config.status_timeout_s)
+        if kind is not None and not (result or {}).get("repeated"):
+            self._record(self.timeline.on_scale(time.monotonic(), kind, {
+                k: v for k, v in (result or {}).items()
+                if k in ("operation_id", "slots", "old_ep_size")}))
         await self.refresh_membership()
         self._wake_membership.set()
         return result
@@ -275,12 +290,21 @@ class Frontend:
             states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
                             else state.value)
             self._count_transition(rank, state, epoch)
+        self._record(self.timeline.on_status(time.monotonic(), status))
+        self.metrics.ranks(status.ranks)
         self.metrics.epoch.set(epoch)
         for state in SlotState:
             self.metrics.slots.labels(state.value).set(
                 sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
         before = self.tracker.resubmitted_total
+        # requests on ranks that stop taking them now resume on others (update_ranks)
+        for rank, n in self.tracker.running_per_rank().items():
+            state = states.get(rank)
+            if n and state != SlotState.HEALTHY:
+                cause = {SlotState.FAILED.value: "failure",
+                         "connecting": "unreachable"}.get(state, "drain")
+                self.metrics.requests_resumed.labels(cause).inc(n)
         # each rank's own limit, from its latest hello (engine.limits)
         self._dispatch(self.tracker.set_capacity(
             {r: h.max_running_requests for r, h in self.channel.connected.items()
@@ -346,6 +370,8 @@ class Frontend:
 
     def _handle(self, msg: WorkerMessage) -> None:
         if isinstance(msg, OutputBatch):
+            self._record(self.timeline.on_output(time.monotonic(), msg.rank, msg.epoch,
+                                                 len(msg.outputs)))
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
         elif isinstance(msg, RequestError):
             self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
@@ -354,6 +380,8 @@ class Frontend:
         elif isinstance(msg, RankStats):
             self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays,
                                     msg.decode_replays, msg.decode_eager)
+            if msg.experts_held >= 0:
+                self.metrics.rank_experts_held.labels(str(msg.rank)).set(msg.experts_held)
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()
@@ -377,6 +405,13 @@ class Frontend:
             self._unreachable |= lost
             self._apply_status(self._status)
 
+    def _record(self, events: list[Event]) -> None:
+        """Observe the timeline's events in the metrics and append them to the event log."""
+        for event in events:
+            self.metrics.observe(event)
+            if self.event_log is not None:
+                self.event_log.write(event)
+
     def _on_interruption(self, seconds: float) -> None:
         self.metrics.interruption_seconds.observe(seconds)
 
@@ -394,6 +429,7 @@ class RequestStream:
         self._frontend = frontend
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._start = self.last_progress = time.monotonic()
+        self._first_token_at: float | None = None
         self._done = False
 
     def put(self, event: RequestEvent) -> None:
@@ -410,10 +446,17 @@ class RequestStream:
         # no timeout here: the front-end's stall watch puts an error event instead
         event = await self._queue.get()
         metrics = self._frontend.metrics
+        now = time.monotonic()
         if event.num_generated == 1 and event.token_ids:
-            metrics.time_to_first_token_seconds.observe(time.monotonic() - self._start)
+            self._first_token_at = now
+            metrics.time_to_first_token_seconds.observe(now - self._start)
         metrics.generation_tokens.inc(len(event.token_ids))
         if event.finish_reason is not None:
+            if event.error is None:
+                metrics.e2e_request_latency_seconds.observe(now - self._start)
+                if self._first_token_at is not None and event.num_generated > 1:
+                    metrics.time_per_output_token_seconds.observe(
+                        (now - self._first_token_at) / (event.num_generated - 1))
             self._done = True
             # a request the tracker finished needs no abort; an error may (timeout)
             await self._close(abort=event.error is not None)

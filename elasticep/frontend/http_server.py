@@ -68,6 +68,7 @@ class ServerConfig:
         port: TCP port; 0 picks a free one.
         max_payload_size: largest request body in bytes; a larger one gets 413
             (``serve --max-payload-size``, the name of SGLang's router flag).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
     """
 
     model_name: str
@@ -78,6 +79,7 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     model_path: str = ""
     max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE
+    metrics_api_key: str | None = None
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -86,21 +88,48 @@ _ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "c
                     "/generate": "generate"}
 
 
-class ApiKeyMiddleware:
-    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation)."""
+METRICS_PATH = "/metrics"
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation).
+
+    ``/health`` is open. ``/metrics`` takes ``metrics_api_key`` where given (a scraper
+    then needs no API key); without one it is open to loopback clients (a sidecar
+    scraper) and otherwise takes the API key. Every other path takes the API key.
+
+    Args:
+        api_key: the API's key, or None (only ``/metrics`` is checked).
+        metrics_api_key: ``/metrics``' own key, or None.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, metrics_api_key: str | None = None,
+                 ) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = None if api_key is None else api_key.encode()
+        self._metrics = None if metrics_api_key is None else metrics_api_key.encode()
+
+    def _key_for(self, scope: Any) -> bytes | None:
+        """The key this request needs, or None (open)."""
+        if scope.get("path") in OPEN_PATHS:
+            return None
+        if scope.get("path") == METRICS_PATH:
+            if self._metrics is not None:
+                return self._metrics
+            client = scope.get("client") or ("", 0)
+            return None if client[0] in _LOOPBACK else self._expected
+        return self._expected
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # /health stays open: load balancers probe it without credentials (as vLLM's).
-        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+        expected = self._key_for(scope) if scope["type"] == "http" else None
+        if expected is not None:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             # the scheme is case-insensitive (RFC 9110 section 11.1)
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                                      self._expected):
+                                                                      expected):
                 response = JSONResponse(
                     error_body("Invalid or missing API key (use 'Authorization: Bearer <key>').",
                                code="invalid_api_key"), status_code=401)
@@ -219,8 +248,9 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
                             config.sampling_defaults)
     created = int(time.time())
     app.add_middleware(BodyLimitMiddleware, limit=config.max_payload_size)
-    if config.api_key:  # outermost: no body is read before the key is checked
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_key or config.metrics_api_key:  # outermost: no body read before the key
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           metrics_api_key=config.metrics_api_key)
 
     def count_rejected(request: Request, status: int) -> None:
         # one label per route, named by its template ("/v1/models/{model_id:path}"): a
@@ -315,6 +345,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                   frontend_config: FrontendConfig | None = None,
                   max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE,
                   sock: socket.socket | None = None,
+                  metrics_api_key: str | None = None,
                   ) -> tuple[HttpServer, Frontend]:
     """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
 
@@ -330,6 +361,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         frontend_config: timing of the front-end core.
         max_payload_size: largest request body in bytes (413 above it).
         sock: the socket bound to ``host:port`` ahead of time, or None (see HttpServer).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
 
     Returns:
         The (not yet started) server and its front-end.
@@ -348,7 +380,8 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
                           sampling_defaults=model_config.sampling_defaults,
-                          model_path=str(model_path), max_payload_size=max_payload_size)
+                          model_path=str(model_path), max_payload_size=max_payload_size,
+                          metrics_api_key=metrics_api_key)
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port, sock=sock), frontend
 

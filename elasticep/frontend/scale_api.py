@@ -63,7 +63,9 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     async def scale(req: ScaleRequest) -> JSONResponse:
         which = req.which()
         op_id = req.operation_id
+        kind = "retire"
         if which == "new_ep_size":
+            kind = "grow" if req.new_ep_size > frontend.status().ep_size else "shrink"
             max_ep = frontend.status().max_ep_size
             if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
                 cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
@@ -76,7 +78,7 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
             def change(m: MembershipSource) -> dict[str, Any] | None:
                 return m.retire(ranks=req.retire_ranks, node=req.drain_node,
                                 operation_id=op_id)
-        result = await _answer(lambda: frontend.change_membership(change), which)
+        result = await _answer(lambda: frontend.change_membership(change, kind), which)
         waiting = frontend.waiting_for_joiners()
         if result.get("scale_phase") == "waiting_for_joiners" and waiting is not None:
             result["waiting_for_joiners"] = waiting  # the grow needs `join`: say how
