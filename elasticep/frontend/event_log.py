@@ -3,7 +3,7 @@
 The lines are :class:`~elasticep.frontend.recovery_timeline.Event` s, with the wall-clock
 time added (``time``, Unix seconds) beside the monotonic ``t`` their durations use: the
 timeline of a production incident, the same one ``/metrics`` observes, which
-``python -m elasticep.entrypoints.plot_events`` draws.
+``python -m elasticep_testkit.plot_events`` draws.
 """
 
 from __future__ import annotations
