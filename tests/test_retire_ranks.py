@@ -83,6 +83,8 @@ def test_retire_refusals_change_nothing():
         t.retire([6], states)
     with pytest.raises(ValueError, match="distinct"):
         t.retire([2, 2], states)
+    with pytest.raises(ScaleInProgressError, match="rank 1 is joining"):
+        t.retire([1], _states("healthy", "joining", "healthy", "healthy", "free", "free"))
     assert t.members == {0, 1, 2, 3} and not t.down and not t.retired
     t.plan(5, states)  # a grow waits for its joiner: no retirement meanwhile
     with pytest.raises(ScaleInProgressError):

@@ -174,7 +174,7 @@ class ScaleTarget:
         Raises:
             ValueError: a slot is outside the capacity, listed twice, or not in the target
                 (free capacity or retired already).
-            ScaleInProgressError: a scale is still running.
+            ScaleInProgressError: a scale is still running, or a slot is being joined.
             ScaleRefusedError: no healthy rank would be left, or fewer than
                 ``min_holding_ranks`` (they could not hold every expert).
         """
@@ -187,6 +187,9 @@ class ScaleTarget:
             if r not in self.members:
                 raise ValueError(f"rank {r} is {states[r].value}, not in the deployment's "
                                  f"target (ranks {sorted(self.members)})")
+            if states[r] in (SlotState.JOINING, SlotState.READY):
+                raise ScaleInProgressError(f"rank {r} is {states[r].value} (being taken "
+                                           "back); retire it once it is healthy or failed")
         phase = self.phase(states)
         if phase != ScalePhase.IDLE:
             raise ScaleInProgressError(f"a scale to ep_size {self.ep_size} is in progress "
