@@ -149,7 +149,7 @@ def test_plot_events_draws_a_png(tmp_path):
     ("/v1/models", "127.0.0.1", ("k", "m"), b"k"),
     ("/metrics", "10.0.0.9", ("k", "m"), b"m"),      # its own key, not the API's
     ("/metrics", "10.0.0.9", ("k", None), b"k"),     # no metrics key: the API's
-    ("/metrics", "127.0.0.1", ("k", None), None),    # ... except from loopback
+    ("/metrics", "127.0.0.1", ("k", None), b"k"),    # loopback too (a proxy is loopback)
     ("/metrics", "10.0.0.9", (None, "m"), b"m"),
     ("/v1/models", "10.0.0.9", (None, "m"), None),   # no API key: the API is open
 ])

@@ -59,8 +59,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     h.add_argument("--metrics-api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /metrics (default: /metrics "
-                        "is open to loopback clients and otherwise takes --api-key)")
+                   help="require 'Authorization: Bearer KEY' on /metrics instead of "
+                        "--api-key, so a scraper holds no API key (default: /metrics takes "
+                        "--api-key, and is open without one)")
     h.add_argument("--event-log", default=None, metavar="FILE",
                    help="append every membership and recovery event (deaths, rejoins, "
                         "scales, with their phases) to FILE as JSON lines")

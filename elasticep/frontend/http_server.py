@@ -89,15 +89,13 @@ _ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "c
 
 
 METRICS_PATH = "/metrics"
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 class ApiKeyMiddleware:
     """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation).
 
     ``/health`` is open. ``/metrics`` takes ``metrics_api_key`` where given (a scraper
-    then needs no API key); without one it is open to loopback clients (a sidecar
-    scraper) and otherwise takes the API key. Every other path takes the API key.
+    then holds no API key), else the API key. Every other path takes the API key.
 
     Args:
         api_key: the API's key, or None (only ``/metrics`` is checked).
@@ -114,11 +112,8 @@ class ApiKeyMiddleware:
         """The key this request needs, or None (open)."""
         if scope.get("path") in OPEN_PATHS:
             return None
-        if scope.get("path") == METRICS_PATH:
-            if self._metrics is not None:
-                return self._metrics
-            client = scope.get("client") or ("", 0)
-            return None if client[0] in _LOOPBACK else self._expected
+        if scope.get("path") == METRICS_PATH and self._metrics is not None:
+            return self._metrics
         return self._expected
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
