@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +27,7 @@ from _serve_fixtures import (
     stream,
 )
 
+from elasticep.frontend.event_log import read_events
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import ScalePhase, SlotState
 from elasticep.utils.procs import pid_alive
@@ -33,9 +36,12 @@ from elasticep_testkit.harness.load import SteadyLoad
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+# every membership and recovery event of the module's deployment, as serve writes them
+EVENTS = Path(tempfile.mkdtemp(prefix="elasticep-scale-events-")) / "events.jsonl"
 serve = serve_fixture("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
                       "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
-                      "--restart-failed-ranks")
+                      "--restart-failed-ranks", "--event-log", str(EVENTS),
+                      "--log-stats-interval", "1")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +94,19 @@ def test_retire_rank_1_under_load_then_join_it_back(serve, reference):
     finally:
         records = load.stop(RESULTS_TIMEOUT_S)
     assert seen[-1] == ("done", "safe_to_terminate"), seen
+    # the same story in the event log and /metrics
+    events = read_events(EVENTS)
+    rank1 = [e["state"] for e in events if e["event"] == "rank_state" and e["rank"] == 1]
+    assert rank1[-1] == "healthy" and "free" in rank1, rank1
+    done = [e for e in events if e["event"] == "scale_done" and e["kind"] == "retire"]
+    assert len(done) == 1 and 0 < done[0]["seconds"] < 60, done
+    text = httpx.get(f"{serve.url}/metrics", timeout=10).text
+    assert 'elasticep_scale_seconds_count{kind="retire"} 1.0' in text
+    assert 'elasticep_rank_state{rank="1",state="healthy"} 1.0' in text
+    # 32 slots per layer (16 experts + 16 redundant) over EP4: the ranks that stayed hold
+    # all 8 of theirs (the rejoined one holds what the reconcile gave it)
+    held = serve.rank_metric("elasticep_rank_experts_held")
+    assert all(held.get(r) == 8 for r in (0, 2, 3)), held
     assert all(phase in ("draining", "retiring", "done") for phase, _ in seen), seen
     assert records, "the load sent no request"
     assert_complete(records, MAX_TOKENS)
