@@ -227,8 +227,10 @@ class ScaleTarget:
         Returns:
             The withdrawal, or None if no grow waits past its deadline.
         """
-        if (self.deadline is None or now < self.deadline
-                or self.phase(states) != ScalePhase.WAITING_FOR_JOINERS):
+        if self.deadline is None or now < self.deadline:
+            return None
+        if self.phase(states) != ScalePhase.WAITING_FOR_JOINERS:
+            self.deadline = None  # every joiner is in (or being admitted): no timeout
             return None
         old = self.ep_size
         slots = sorted(s for s in self.up if states[s] != SlotState.HEALTHY)
