@@ -69,11 +69,13 @@ DEVICES = ("cpu", "cuda")
 
 # field -> the flag that sets it, where the names differ beyond "_" -> "-"
 _FLAG = {"heartbeat_timeout_s": "--heartbeat-timeout",
-         "log_stats_interval_s": "--log-stats-interval"}
+         "log_stats_interval_s": "--log-stats-interval",
+         "elastic_ep_scale_timeout_s": "--elastic-ep-scale-timeout"}
 # field -> the argparse dest that sets it (DeploymentConfig.from_args)
 _DEST = {"heartbeat_timeout_s": "heartbeat_timeout",
          "log_stats_interval_s": "log_stats_interval",
-         "coordinator_timeout_s": "coordinator_timeout"}
+         "coordinator_timeout_s": "coordinator_timeout",
+         "elastic_ep_scale_timeout_s": "elastic_ep_scale_timeout"}
 
 
 def flag_of(field_name: str) -> str:
@@ -162,6 +164,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
+        elastic_ep_scale_timeout_s: how long a grow waits for its joiners before it
+            gives up and frees their slots (seconds; SGLang's ``--elastic-ep-scale-timeout``).
         num_threads: torch intra-op threads per rank.
         store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
             baseline group (elastic_ep_backend none) rendezvouses there directly.
@@ -211,6 +215,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
     heartbeat_timeout_s: float = 2.0
+    elastic_ep_scale_timeout_s: float = 600.0
     num_threads: int = 1
     store_addr: str = ""
     load_format: LoadFormat = LoadFormat.AUTO
@@ -261,6 +266,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             (self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (0 < self.heartbeat_timeout_s < math.inf,
              "--heartbeat-timeout must be a finite number of seconds > 0"),
+            (0 < self.elastic_ep_scale_timeout_s < math.inf,
+             "--elastic-ep-scale-timeout must be a finite number of seconds > 0"),
             (0 <= self.log_stats_interval_s < math.inf,
              "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),

@@ -84,7 +84,8 @@ class FakeChannel:
         self.events.append(("send", list(outputs), epoch))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
-                   decode_replays: int = 0, decode_eager: int = 0) -> None:
+                   decode_replays: int = 0, decode_eager: int = 0,
+                   experts_held: int = -1) -> None:
         self.stats = (steps, graph_captures, graph_replays, decode_replays, decode_eager)
 
 

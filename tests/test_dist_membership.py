@@ -247,7 +247,7 @@ def test_every_request_type_has_one_handler_and_its_role():
     requests = {t for t in m.message_types() if t not in (
         m.RankHello, m.SupervisorHello, m.Heartbeat, m.Reply, m.HeartbeatAck, m.Announce,
         m.Commit, m.Peer, m.Evicted)}
-    assert set(table) == requests and len(table) == 18
+    assert set(table) == requests and len(table) == 20
     assert {t for t, (_h, role) in table.items() if role == Role.RANK} == {
         m.Register, m.Ready, m.Recover, m.Deactivate, m.EpochReport, m.Ping}
     assert {t for t, (_h, role) in table.items() if role == Role.SUPERVISOR} == {

@@ -32,7 +32,7 @@ def _sample(cls: type[m.ControlMessage]) -> m.ControlMessage:
 
 
 def test_every_type_round_trips_through_one_json_line():
-    assert len(_all_types()) == 27
+    assert len(_all_types()) == 29
     for cls in _all_types():
         msg = _sample(cls)
         line = encode(msg)

@@ -264,7 +264,7 @@ class FakeMembership:
              "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
                        {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         raise ScaleInProgressError("already scaling to 4")
 
 
@@ -304,7 +304,7 @@ class RecordingMembership:
              "ranks": [{"rank": r, "state": "healthy", "pid": 100 + r, "node": 0}
                        for r in range(4)]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         self.asked.append(new_ep_size)
         return {}
 
@@ -332,8 +332,14 @@ def test_scale_request_is_strict_and_names_the_problem(recording_server):
 
     assert "new_ep_size" in refused({"new_ep_size": "3"})  # a string is not a size
     assert "new_ep_size" in refused({"new_ep_size": True})
-    assert refused({"ep_size": 3}) == ("Unrecognized request argument supplied: ep_size; "
-                                       "new_ep_size: Field required")
+    assert refused({"ep_size": 3}) == "Unrecognized request argument supplied: ep_size"
+    assert refused({}) == ("give exactly one of new_ep_size, retire_ranks and drain_node "
+                           "(got none)")
+    assert refused({"new_ep_size": 3, "drain_node": 1}) == (
+        "give exactly one of new_ep_size, retire_ranks and drain_node (got ['new_ep_size', "
+        "'drain_node'])")
+    assert "retire_ranks" in refused({"retire_ranks": []})
+    assert "retire_ranks" in refused({"retire_ranks": ["1"]})
     assert refused({"new_ep_size": 6}) == ("new_ep_size must be in [1, 4] (serve "
                                            "--max-ep-size 4 caps growth), got 6")
     assert membership.asked == []
@@ -364,7 +370,7 @@ class ScriptedMembership:
              "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
                        for r, s in enumerate(self.states)]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         raise ScaleInProgressError("not in this test")
 
 

@@ -16,7 +16,7 @@ from _frontend_live import engine_server, wait_for
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
 from elasticep.frontend.http_server import create_server
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend.tool_parsers import make_parser, parser_for_family
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep_testkit.chat_templates import demo_with_chat_template

@@ -189,15 +189,15 @@ class Deployment:
 
     def scale(self, new_ep_size: int, start_joiners: bool = False) -> dict[str, Any]:
         """Make ``new_ep_size`` the target, as ``POST /scale_elastic_ep`` does: growing
-        admits the joiners of slots ``[ep_size, new)``, shrinking drains and removes the
-        active slots ``[new, max_ep_size)``.
+        admits the joiners of the lowest free slots (``[ep_size, new)`` unless ranks were
+        retired), shrinking drains and removes the highest active slots of the target.
 
         Args:
             start_joiners: also start the new slots' joiners here (join mode "scale");
                 serve leaves that to `elasticep join`.
 
         Returns:
-            {"old_ep_size", "slots", "scale_phase"}.
+            {"old_ep_size", "slots", "scale_phase", "operation_id"}.
 
         Raises:
             ScaleNotSupportedError: backend ``none``; ScaleInProgressError, ValueError:

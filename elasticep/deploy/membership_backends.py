@@ -43,7 +43,7 @@ class CoordinatorMembership:
         """
         return self._client.call(CoordinatorClient.deployment_status)
 
-    def scale(self, new_ep_size: int) -> dict[str, Any]:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict[str, Any]:
         """Make ``new_ep_size`` the target (see :meth:`CoordinatorClient.scale`).
 
         Raises:
@@ -51,7 +51,16 @@ class CoordinatorMembership:
             ValueError: ``new_ep_size`` outside ``[1, max_ep_size]``.
             ConnectionError / TimeoutError: the coordinator is unreachable.
         """
-        return self._client.call(lambda c: c.scale(new_ep_size))
+        return self._client.call(lambda c: c.scale(new_ep_size, operation_id))
+
+    def retire(self, ranks: list[int] | None = None, node: int | None = None,
+               operation_id: str | None = None) -> dict[str, Any]:
+        """Retire chosen slots or a node's (see :meth:`CoordinatorClient.retire`)."""
+        return self._client.call(lambda c: c.retire(ranks, node, operation_id))
+
+    def operation(self, operation_id: str) -> dict[str, Any]:
+        """An operation's phase and slot states (:meth:`CoordinatorClient.operation`)."""
+        return self._client.call(lambda c: c.operation(operation_id))
 
     def close(self) -> None:
         """Close the coordinator connection."""
@@ -95,9 +104,22 @@ class LaunchedRanks:
         epoch = max((h.epoch for h in hellos.values()), default=0)
         return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=tuple(ranks))
 
-    def scale(self, new_ep_size: int) -> dict[str, Any]:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict[str, Any]:
         """Raises:
             ScaleNotSupportedError: always (HTTP 400).
         """
         raise ScaleNotSupportedError("--elastic-ep-backend none has no coordinator-managed "
                                      "membership and cannot scale")
+
+    def retire(self, ranks: list[int] | None = None, node: int | None = None,
+               operation_id: str | None = None) -> dict[str, Any]:
+        """Raises:
+            ScaleNotSupportedError: always (HTTP 400).
+        """
+        return self.scale(0)
+
+    def operation(self, operation_id: str) -> dict[str, Any]:
+        """Raises:
+            ScaleNotSupportedError: always (HTTP 400).
+        """
+        return self.scale(0)

@@ -127,6 +127,10 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     f = p.add_argument_group("fault tolerance")
     _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
          "evicted (default: %(default)s)", type=float, metavar="S")
+    f.add_argument("--elastic-ep-scale-timeout", "--scale-timeout", type=float, metavar="S",
+                   default=DeploymentConfig.elastic_ep_scale_timeout_s,
+                   help="seconds a grow (POST /scale_elastic_ep) waits for its joiners "
+                        "before it gives up and frees their slots (default: %(default)s)")
     g = p.add_argument_group("logging and metrics")
     _add(g, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
          "generated tokens/s, decode steps replayed from CUDA graphs and run eagerly); 0 turns "

@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         if args.detach:
             detached = True  # the finally below hands the members over
             return 0 if len(joined) == len(ranks) else 1
-        exits = supervise(deployment, stop, Policy(OnExit.LOG, Until.ALL_EXITED))
+        exits = supervise(deployment, stop, Policy(OnExit.LOG, Until.ALL_EXITED),
+                          on_look=AdmissionReport(joined if mode == JoinMode.SCALE else []))
         if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
             if reason:
@@ -253,6 +254,24 @@ def _others(waiting: list[int], arrived: list[int], status: DeploymentStatus | N
     if joining:
         parts.append(f"still joining: ranks {joining}")
     return "".join(f"; {p}" for p in parts)
+
+
+class AdmissionReport:
+    """Prints one ``admitted:`` line when ranks that were only loaded (scale mode: ready,
+    waiting for the target to cover them) become members; a supervisor callback.
+
+    Args:
+        ranks: the ranks still to report.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.pending = set(ranks)
+
+    def __call__(self, ledger, now: float) -> None:
+        admitted = sorted(r for r in self.pending if r in ledger.admitted)
+        if admitted:
+            self.pending -= set(admitted)
+            print(f"admitted: ranks {admitted} are members (healthy)", flush=True)
 
 
 def _report_progress(deployment, mode: JoinMode, ranks: list[int], stop: threading.Event,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
@@ -44,6 +45,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--restart-failed-ranks", action="store_true",
         help="relaunch a rank of this node that crashed (never one removed by a "
              "scale-down; a rank dying while loading at start-up still stops serve)")
+    groups["fault tolerance"].add_argument(
+        "--max-restarts", type=int, default=5, metavar="N",
+        help="with --restart-failed-ranks: relaunch a rank at most N times within "
+             "--restart-window; one over it is relaunched once its oldest restart "
+             "leaves the window (default: %(default)s)")
+    groups["fault tolerance"].add_argument(
+        "--restart-window", type=float, default=600.0, metavar="SECONDS",
+        help="the window of --max-restarts (default: %(default)s)")
     h = p.add_argument_group("HTTP")
     h.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model exactly as given, as "
@@ -59,6 +68,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    h.add_argument("--metrics-api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /metrics instead of "
+                        "--api-key, so a scraper holds no API key (default: /metrics takes "
+                        "--api-key, and is open without one)")
+    h.add_argument("--event-log", default=None, metavar="FILE",
+                   help="append every membership and recovery event (deaths, rejoins, "
+                        "scales, with their phases) to FILE as JSON lines")
     h.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD_SIZE,
                    metavar="BYTES",
                    help="largest request body in bytes; larger ones get 413 (default: "
@@ -85,6 +101,9 @@ class ServeSettings:
             any free port) and where other nodes find it.
         restart_failed_ranks: relaunch crashed local ranks.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
+        max_restarts, restart_window_s: the restart budget (relaunches per rank within
+            the window, seconds).
+        metrics_api_key: ``/metrics``' own key; event_log: the ``--event-log`` file.
         warnings: non-fatal remarks to print.
         tool_call_parser: ``--tool-call-parser``; None: the family's.
         served_model_name: the ``model`` clients send: ``--served-model-name``, else
@@ -102,6 +121,10 @@ class ServeSettings:
     coordinator_port: int
     restart_failed_ranks: bool
     coordinator_timeout_s: float = 60.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    metrics_api_key: str | None = None
+    event_log: str | None = None
     warnings: tuple[str, ...] = ()
     served_model_name: str = ""
     tool_call_parser: str | None = None
@@ -133,6 +156,10 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
+        (args.max_restarts >= 0, "--max-restarts must be >= 0"),
+        (args.event_log is None or Path(args.event_log).parent.is_dir(),
+         f"--event-log {args.event_log}: its directory does not exist"),
+        (args.restart_window > 0, "--restart-window must be > 0 seconds"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
@@ -161,6 +188,8 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+        metrics_api_key=args.metrics_api_key, event_log=args.event_log,
         warnings=tuple(warnings),
         # as given: clients send what they typed, and SGLang's bench_serving loads its
         # tokenizer from this name

@@ -24,7 +24,13 @@ from tqdm import tqdm
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
-from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
+from elasticep.deploy.restart_policy import (
+    Policy,
+    Until,
+    on_exit_for,
+    recover_command,
+    restart_budget,
+)
 from elasticep.deploy.supervisor import (
     CoordinatorUnreachableError,
     StopEvent,
@@ -47,8 +53,11 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
+from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
+from elasticep.membership.client import CoordinatorClient
+from elasticep.membership.errors import JoinRefusedError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
 from elasticep.utils.net import bind_tcp
@@ -144,7 +153,11 @@ def _serve_head(settings: ServeSettings, stop: StopEvent,
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
             max_payload_size=settings.max_payload_size, sock=http_sock,
+            metrics_api_key=settings.metrics_api_key,
             tool_call_parser=settings.tool_call_parser)
+        frontend.coordinator_address = deployment.address  # named in `join` hints
+        if settings.event_log is not None:
+            frontend.event_log = EventLog(settings.event_log)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
@@ -152,8 +165,12 @@ def _serve_head(settings: ServeSettings, stop: StopEvent,
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
-        exits = supervise(deployment, stop, Policy(on_exit_for(
-            settings.restart_failed_ranks, deployment.fault_tolerant)))
+        policy = Policy(on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
+                        max_restarts=settings.max_restarts,
+                        restart_window_s=settings.restart_window_s)
+        exits = supervise(deployment, stop, policy,
+                          on_look=lambda ledger, now: frontend.set_status_extra(
+                              "restart_budget", restart_budget(policy, ledger, now)))
         if died:
             return _coordinator_died(deployment, died)
         if fatal and exits:
@@ -277,25 +294,46 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
 
 def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
                  node: int) -> str | None:
-    """Why this node cannot start ``ranks`` as the launch cohort, or None (pure).
+    """Why this node cannot start ``ranks``, or None (pure).
 
-    A slot some process has held already (its pid is known) is in use: started again,
-    a rank would be refused by the coordinator and die with a traceback, after loading.
-    That happens when a node's ``serve`` is run again after the node died: its slots are
-    ``failed``, and only a `join` in recover mode takes them back.
+    A slot a live process holds (a member, or a joiner loading) is in use: started
+    again, a rank would be refused by the coordinator and die with a traceback, after
+    loading. Failed and free slots are not: a node's ``serve`` run again after the node
+    died (or was drained) takes them back in place (:func:`rejoin_ranks`).
 
     Returns:
-        One line naming the slots, their states and pids, and the `join` command for
-        failed ones.
+        One line naming the slots in use, their states and pids.
     """
-    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None]
+    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None
+            and status.rank(r).state not in (SlotState.FAILED, SlotState.FREE)]
     if not held:
         return None
     names = ", ".join(f"rank {r.rank} is {r.state.value} (pid {r.pid})" for r in held)
-    failed = [r.rank for r in held if r.state == SlotState.FAILED]
-    hint = (f"; bring failed ranks back with `{recover_command(address, failed, node)}`"
-            if failed else "")
-    return f"{names} in the running deployment at {address}{hint}"
+    return (f"{names} in the running deployment at {address}; a node's serve run again "
+            "takes back only failed or retired slots (stop the process holding them first)")
+
+
+def rejoin_ranks(status: DeploymentStatus, ranks: list[int]) -> list[int]:
+    """The slots of ``ranks`` this node takes back in recover mode rather than start as
+    the launch cohort (pure): the failed ones (the node died) and the free ones (the
+    node was drained). An orchestrator restarting a node's pod runs the same ``serve``
+    again, and this makes that work as `join ... --elastic-ep-join-mode recover` would.
+    """
+    return [r for r in ranks if status.rank(r).state in (SlotState.FAILED, SlotState.FREE)]
+
+
+def _claim_for_recovery(address: str, ranks: list[int]) -> str | None:
+    """Check with the coordinator that ``ranks`` may be taken back in recover mode (a
+    retired slot comes back into the target); returns why not, or None. The launch
+    records of the relaunch then keep a second `join` off them."""
+    client = CoordinatorClient(address)
+    try:
+        client.reserve(ranks, "recover")
+    except JoinRefusedError as exc:
+        return str(exc)
+    finally:
+        client.close()
+    return None
 
 
 def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: str,
@@ -334,19 +372,34 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
             print(f"elasticep serve: error: node {settings.node_rank}: {mismatch}",
                   file=sys.stderr)
             return 2
-        taken = ranks_in_use(deployment.deployment_status(), ranks, address,
-                             settings.node_rank)
+        status = deployment.deployment_status()
+        taken = ranks_in_use(status, ranks, address, settings.node_rank)
         if taken:
             print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
             return 2
-        deployment.launch(ranks, fault=fault)
-        print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
-              f"{address}", flush=True)
+        rejoin = rejoin_ranks(status, ranks)
+        if rejoin:
+            refused = _claim_for_recovery(address, rejoin)
+            if refused:
+                print(f"elasticep serve: error: node {settings.node_rank}: {refused}",
+                      file=sys.stderr)
+                return 2
+            deployment.relaunch(*rejoin)  # recover mode, admitted at a step boundary
+        fresh = [r for r in ranks if r not in rejoin]
+        if fresh:
+            deployment.launch(fresh, fault=fault)
+        what = (f"launched ranks {fresh}" if not rejoin else
+                f"rejoins ranks {rejoin} in place (recover mode)"
+                + (f" and launched ranks {fresh}" if fresh else ""))
+        print(f"ready: node {settings.node_rank} {what} for coordinator {address}",
+              flush=True)
         fatal = not deployment.fault_tolerant
         try:
             exits = supervise(deployment, stop, Policy(
                 on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
-                Until.ALL_EXITED, coordinator_timeout_s=settings.coordinator_timeout_s))
+                Until.ALL_EXITED, max_restarts=settings.max_restarts,
+                restart_window_s=settings.restart_window_s,
+                coordinator_timeout_s=settings.coordinator_timeout_s))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)

@@ -37,13 +37,38 @@ class MembershipSource(Protocol):
         """Current membership snapshot (see class doc)."""
         ...
 
-    def scale(self, new_ep_size: int) -> dict[str, Any] | None:
+    def scale(self, new_ep_size: int, operation_id: str | None = None,
+              ) -> dict[str, Any] | None:
         """Start growing or shrinking to ``new_ep_size`` active ranks; returns at once.
+
+        Args:
+            operation_id: the operation's id; a repeat with it changes nothing.
 
         Raises:
             ScaleInProgressError: a change is already running.
             ScaleNotSupportedError: the deployment cannot scale.
             ValueError: ``new_ep_size`` is out of range or joiners are missing.
+        """
+        ...
+
+    def retire(self, ranks: list[int] | None = None, node: int | None = None,
+               operation_id: str | None = None) -> dict[str, Any] | None:
+        """Start retiring the slots ``ranks``, or every slot of ``node``; returns at once.
+
+        Raises:
+            ScaleInProgressError: a change is already running.
+            ScaleRefusedError: too few healthy ranks would be left.
+            ScaleNotSupportedError: the deployment cannot scale.
+            ValueError: a slot is not in the target, or the node runs none.
+        """
+        ...
+
+    def operation(self, operation_id: str) -> dict[str, Any]:
+        """A scale or retire operation's phase and slot states.
+
+        Raises:
+            OperationNotFoundError: no operation has this id.
+            ScaleNotSupportedError: the deployment cannot scale.
         """
         ...
 
@@ -67,5 +92,14 @@ class ConnectedWorkers:
         epoch = max((h.epoch for h in hellos.values()), default=0)
         return DeploymentStatus(epoch, self._ep_size, self._ep_size, ranks=ranks)
 
-    def scale(self, new_ep_size: int) -> dict[str, Any] | None:
+    def scale(self, new_ep_size: int, operation_id: str | None = None,
+              ) -> dict[str, Any] | None:
         raise ScaleNotSupportedError("this deployment has no coordinator and cannot scale")
+
+    def retire(self, ranks: list[int] | None = None, node: int | None = None,
+               operation_id: str | None = None) -> dict[str, Any] | None:
+        raise ScaleNotSupportedError("this deployment has no coordinator and cannot retire "
+                                     "ranks")
+
+    def operation(self, operation_id: str) -> dict[str, Any]:
+        raise ScaleNotSupportedError("this deployment has no coordinator and no operations")

@@ -367,11 +367,30 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ScaleRequest(_Strict):
-    """POST /scale_elastic_ep. Strict: ``"3"`` or ``true`` is not a size."""
+    """POST /scale_elastic_ep: one of ``new_ep_size`` (grow or shrink from the top),
+    ``retire_ranks`` (those slots leave) or ``drain_node`` (every slot of that node
+    leaves), and an optional ``operation_id`` (a repeat with the same id changes
+    nothing). Strict: ``"3"`` or ``true`` is not a size."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    new_ep_size: int
+    new_ep_size: int | None = None
+    retire_ranks: list[int] | None = Field(None, min_length=1)
+    drain_node: int | None = Field(None, ge=0)
+    operation_id: str | None = Field(None, min_length=1, max_length=128)
+
+    def which(self) -> str:
+        """The one change field given.
+
+        Raises:
+            OpenAIError: none or several (400).
+        """
+        given = [n for n in ("new_ep_size", "retire_ranks", "drain_node")
+                 if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise OpenAIError(400, "give exactly one of new_ep_size, retire_ranks and "
+                              f"drain_node (got {given or 'none'})")
+        return given[0]
 
 
 def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:

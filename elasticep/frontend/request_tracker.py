@@ -151,6 +151,11 @@ class RequestTracker:
         """Requests in flight, parked ones included."""
         return len(self._requests)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not on any rank: waiting for one with room (or moved, not placed)."""
+        return sum(req.rank is None for req in self._requests.values())
+
     def healthy_ranks(self) -> list[int]:
         """Ranks new requests may be routed to, ascending."""
         return sorted(r for r, s in self._states.items() if s == SlotState.HEALTHY)

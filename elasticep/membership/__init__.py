@@ -5,7 +5,8 @@ Layout:
 - ``transitions`` — slot states and the transition table (`next_slot_state`), the
   pure failure/admission `decide` and each member's `local_action`, `ScalePhase`.
 - ``registry`` — plain records of a group, its transition in flight, the deployment.
-- ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
+- ``scaling`` / ``status`` — pure scale plans and retirements, join checks, the
+  `DeploymentStatus` view; ``operations`` — scale and retire operations by id (pure).
 - ``service`` — `MembershipService`: handlers that take an event and return the
   messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
   ``handlers`` binds each handler to the request type it names.

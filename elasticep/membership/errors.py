@@ -90,3 +90,15 @@ class ScaleNotSupportedError(MembershipRequestError):
     """This deployment cannot change its size (HTTP 400)."""
 
     code = "scale_not_supported"
+
+
+class OperationNotFoundError(MembershipRequestError):
+    """No scale or retire operation has this id (HTTP 404)."""
+
+    code = "operation_not_found"
+
+
+class OperationConflictError(MembershipRequestError):
+    """An operation id is reused for another request (HTTP 409)."""
+
+    code = "operation_conflict"

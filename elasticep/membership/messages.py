@@ -13,6 +13,7 @@ coordinator -> rank          reply, hb_ack, announce, commit, peer, evicted
 supervisor -> coordinator    hello (:class:`SupervisorHello`, ``"role": "supervisor"``),
                              status, report_death, request_admission, request_deactivation,
                              publish_deployment, deployment_config, deployment_status, scale,
+                             retire, operation,
                              record_launch, clear_launch, reserve, release
 ===========================  ===============================================================
 
@@ -234,6 +235,11 @@ class PublishDeployment(ControlMessage, tag="publish_deployment"):
     config: str
     ep_size: int
     max_ep_size: int
+    # the fewest healthy ranks whose expert slots hold every expert (a retirement that
+    # keeps fewer is refused); 1: not known
+    min_holding_ranks: int = 1
+    # seconds a grow waits for its joiners before it gives up and frees their slots
+    scale_timeout_s: float = 600.0
 
 
 class GetDeploymentConfig(ControlMessage, tag="deployment_config"):
@@ -246,9 +252,29 @@ class GetDeploymentStatus(ControlMessage, tag="deployment_status"):
 
 @dataclass(frozen=True)
 class Scale(ControlMessage, tag="scale"):
-    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase."""
+    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase,
+    operation_id (``operation_id`` given again with the same size: the same operation,
+    nothing changes)."""
 
     new_ep_size: int
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Retire(ControlMessage, tag="retire"):
+    """Retire the slots ``ranks``, or every slot whose last launch was on ``node`` (one
+    of the two). Answer: as :class:`Scale`'s."""
+
+    ranks: list[int] | None = None
+    node: int | None = None
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GetOperation(ControlMessage, tag="operation"):
+    """Answer: the operation's phase and per-slot states (``operations.op_view``)."""
+
+    operation_id: str
 
 
 @dataclass(frozen=True)

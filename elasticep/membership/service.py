@@ -151,6 +151,7 @@ class MembershipService(SupervisorRequests):
                 log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
                             now - p.last_hb)
                 self._evict(p, "heartbeat timeout")
+        self._expire_scale(now)
         return self._flush()
 
     def begin_stop(self) -> None:

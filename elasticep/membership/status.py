@@ -72,6 +72,7 @@ class DeploymentStatus:
         max_ep_size: capacity (slots ``[0, max_ep_size)``).
         scale_phase: where a scale stands.
         ranks: one entry per slot, by rank.
+        waiting_slots: the slots a grow waits for (no ready joiner yet), sorted.
     """
 
     epoch: int = 0
@@ -79,6 +80,7 @@ class DeploymentStatus:
     max_ep_size: int = 0
     scale_phase: ScalePhase = ScalePhase.IDLE
     ranks: tuple[RankStatus, ...] = field(default_factory=tuple)
+    waiting_slots: tuple[int, ...] = ()
 
     # ---- reading -----------------------------------------------------------------
     def rank(self, rank: int) -> RankStatus:
@@ -137,13 +139,17 @@ class DeploymentStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body."""
-        return {"epoch": self.epoch, "ep_size": self.ep_size, "max_ep_size": self.max_ep_size,
-                "scale_phase": self.scale_phase.value,
-                "ranks": [r.to_dict() for r in self.ranks]}
+        out = {"epoch": self.epoch, "ep_size": self.ep_size, "max_ep_size": self.max_ep_size,
+               "scale_phase": self.scale_phase.value,
+               "ranks": [r.to_dict() for r in self.ranks]}
+        if self.waiting_slots:
+            out["waiting_slots"] = list(self.waiting_slots)
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> DeploymentStatus:
         """Parse the JSON body. Raises KeyError / ValueError on a malformed body."""
         return DeploymentStatus(int(d["epoch"]), int(d["ep_size"]), int(d["max_ep_size"]),
                                 ScalePhase(d["scale_phase"]),
-                                tuple(RankStatus.from_dict(r) for r in d["ranks"]))
+                                tuple(RankStatus.from_dict(r) for r in d["ranks"]),
+                                tuple(int(s) for s in d.get("waiting_slots", ())))
