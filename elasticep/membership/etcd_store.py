@@ -1,0 +1,181 @@
+"""The membership state in etcd (``--membership-store etcd://...``), through etcd's JSON
+gateway with the ``etcd3gw`` client (see docs/design/ha_membership.md for why).
+
+Keys, all under ``/elasticep/<prefix>/``:
+- ``owner`` — the id of the deployment that claimed the prefix (a second deployment
+  with the same prefix is refused);
+- ``state`` — the :class:`MembershipState` JSON; its ``mod_revision`` is the revision a
+  commit must name (fencing);
+- ``leader`` — the elected coordinator, held by a lease (``election.py``).
+
+:class:`EtcdKV` sends each request to one member and moves to the next member when one
+does not answer, so a dead member costs one timeout, not the deployment.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import etcd3gw
+from etcd3gw import exceptions as etcd_errors
+
+from .durable_state import MembershipState
+from .errors import FencedCommitError, PrefixInUseError, StoreUnavailableError
+from .store import StoreSpec
+
+log = logging.getLogger("elasticep.membership")
+
+REQUEST_TIMEOUT_S = 1.0  # one member's answer; a commit needs a quorum's, well under this
+
+
+def b64(data: str | bytes) -> str:
+    """etcd's gateway wants keys and values in base64."""
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+class EtcdKV:
+    """The few etcd v3 calls the coordinator uses, over every member given.
+
+    Args:
+        endpoints: ``(host, port)`` of the etcd members' client URLs.
+        timeout_s: how long one member may take to answer (seconds).
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]],
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise ValueError("EtcdKV needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout_s,
+                                             api_path="/v3/") for h, p in endpoints]
+        self._current = 0
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to the v3 API ``path`` (``"kv/txn"``) on the first member that
+        answers, starting with the one that answered last.
+
+        Raises:
+            StoreUnavailableError: no member answered (all down, or no quorum).
+        """
+        errors = []
+        n = len(self._clients)
+        for i in range(n):
+            k = (self._current + i) % n
+            c = self._clients[k]
+            try:
+                out = c.post(c.get_url(path), json=body)
+            except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
+                    etcd_errors.InternalServerError) as e:
+                errors.append(f"{c.host}:{c.port}: {type(e).__name__}")
+                continue
+            self._current = k
+            return out
+        raise StoreUnavailableError("no etcd member answered (" + "; ".join(errors) + ")")
+
+    def get(self, key: str) -> tuple[bytes | None, int, int]:
+        """``(value, mod_revision, create_revision)`` of ``key``; ``(None, 0, 0)`` if
+        it does not exist."""
+        kvs = self.post("kv/range", {"key": b64(key)}).get("kvs") or []
+        if not kvs:
+            return None, 0, 0
+        kv = kvs[0]
+        return (unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)),
+                int(kv.get("create_revision", 0)))
+
+    def txn(self, compare: list[dict], success: list[dict],
+            failure: Sequence[dict] = ()) -> tuple[bool, dict]:
+        """One etcd transaction: ``(succeeded, response)``."""
+        out = self.post("kv/txn", {"compare": compare, "success": success,
+                                   "failure": list(failure)})
+        return bool(out.get("succeeded", False)), out
+
+    def status(self) -> dict:
+        """The answering member's status (raises StoreUnavailableError if none)."""
+        return self.post("maintenance/status", {})
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.session.close()
+
+
+def _put(key: str, value: str | bytes, lease: int | None = None) -> dict:
+    req: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease is not None:
+        req["lease"] = lease
+    return {"request_put": req}
+
+
+def _range(key: str) -> dict:
+    return {"request_range": {"key": b64(key)}}
+
+
+class EtcdMembershipStore:
+    """:class:`~elasticep.membership.store.MembershipStore` on etcd.
+
+    Args:
+        spec: the parsed ``--membership-store`` (kind ``etcd``).
+        kv: an :class:`EtcdKV` to use instead of opening one on ``spec.endpoints``.
+    """
+
+    def __init__(self, spec: StoreSpec, kv: EtcdKV | None = None) -> None:
+        self.spec = spec
+        self.kv = kv if kv is not None else EtcdKV(spec.endpoints)
+        self.root = f"/elasticep/{spec.prefix}/"
+
+    def key(self, name: str) -> str:
+        """The full key of record ``name`` (``owner``, ``state``, ``leader``)."""
+        return self.root + name
+
+    def claim(self, deployment_id: str) -> None:
+        owner = self.key("owner")
+        ok, out = self.txn_create(owner, deployment_id)
+        if ok:
+            log.info("membership store: prefix %s claimed by deployment %s", self.root,
+                     deployment_id)
+            return
+        held = _range_value(out)
+        if held != deployment_id.encode():
+            raise PrefixInUseError(
+                f"etcd prefix {self.root} is held by deployment "
+                f"{(held or b'?').decode(errors='replace')!r}; give this deployment another "
+                f"prefix (etcd://HOST:PORT/PREFIX) or remove the old one's keys")
+
+    def txn_create(self, key: str, value: str, lease: int | None = None) -> tuple[bool, dict]:
+        """Create ``key`` if it does not exist; on failure the response holds its value."""
+        return self.kv.txn([{"key": b64(key), "result": "EQUAL", "target": "CREATE",
+                             "create_revision": 0}], [_put(key, value, lease)], [_range(key)])
+
+    def load(self) -> tuple[MembershipState | None, int]:
+        value, mod_rev, _ = self.kv.get(self.key("state"))
+        return (None if value is None else MembershipState.from_json(value)), mod_rev
+
+    def commit(self, state: MembershipState, expected_revision: int) -> int:
+        key = self.key("state")
+        ok, out = self.kv.txn([{"key": b64(key), "result": "EQUAL", "target": "MOD",
+                                "mod_revision": expected_revision}],
+                              [_put(key, state.to_json())])
+        if not ok:
+            raise FencedCommitError(f"membership state under {self.root} changed since "
+                                    f"revision {expected_revision}: another coordinator "
+                                    "committed, this one is deposed")
+        return int(out["header"]["revision"])
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def _range_value(txn_out: dict) -> bytes | None:
+    """The value the failure branch's range read, if any."""
+    for r in txn_out.get("responses", []):
+        kvs = (r.get("response_range") or {}).get("kvs") or []
+        if kvs:
+            return unb64(kvs[0].get("value", ""))
+    return None

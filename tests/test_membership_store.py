@@ -1,0 +1,102 @@
+"""The membership-store seam without a network: the durable state's JSON round trip
+(through a live service, a transition in flight included), the embedded store's fencing
+and claim, and the parsing of ``--membership-store``."""
+
+import pytest
+
+from elasticep.membership.durable_state import MembershipState
+from elasticep.membership.errors import FencedCommitError, PrefixInUseError
+from elasticep.membership.messages import (
+    EpochReport,
+    PublishDeployment,
+    RankHello,
+    Register,
+    Reply,
+    SupervisorHello,
+)
+from elasticep.membership.service import MembershipService
+from elasticep.membership.store import MemoryStore, StoreSpec, parse_store_url
+from elasticep.membership.transitions import OnFailure, SlotState
+
+SUP = 100
+
+
+def _ok(svc, conn, msg):
+    sends = svc.handle(conn, msg)
+    refused = [s.msg for s in sends if isinstance(s.msg, Reply) and not s.msg.ok]
+    assert not refused, refused
+    return sends
+
+
+def _service_mid_failure() -> MembershipService:
+    """4 ranks, WORLD registered, a deployment published, a scale target set, and
+    rank 2 dead with its failure transition announced but not committed."""
+    svc = MembershipService(store_port=1, clock=lambda: 0.0)
+    for r in range(3):  # slot 3 is free capacity
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=4, max_world_size=4,
+                              is_extension=False, id=1))
+        _ok(svc, r, Register("world", [0, 1, 2, 3], [0, 1, 2], OnFailure.COMPLETE, False,
+                             id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    _ok(svc, SUP, PublishDeployment('{"model": "tiny"}', 3, 4, id=2))
+    svc.closed(2)
+    g = svc.group("world")
+    assert g.transition is not None and g.transition.dead == {2}
+    _ok(svc, 0, EpochReport("world", g.transition.epoch, 5, 5, [4, 5]))
+    return svc
+
+
+def test_durable_state_round_trips_through_json_and_a_new_service():
+    svc = _service_mid_failure()
+    state = svc.durable_state()
+    assert MembershipState.from_json(state.to_json()) == state
+    g = state.groups["world"]
+    assert g["states"] == ["healthy", "healthy", "failed", "free"]
+    assert g["transition"]["dead"] == [2] and g["transition"]["new_active"] == [0, 1]
+    assert state.target == {"ep_size": 3, "max_ep_size": 4, "up": [], "down": []}
+
+    fresh = MembershipService(store_port=1, clock=lambda: 0.0)
+    fresh.restore(MembershipState.from_json(state.to_json()))
+    assert fresh.durable_state() == state
+    world = fresh.group("world")
+    assert world.states[2] == SlotState.FAILED and world.epoch == 0
+    assert world.transition.reports == {}  # re-collected from the reconnected ranks
+
+
+def test_unknown_state_format_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="unknown format 99"):
+        MembershipState.from_json('{"format": 99}')
+
+
+def test_memory_store_fences_a_stale_writer_and_refuses_a_second_owner():
+    store = MemoryStore()
+    store.claim("dep-a")
+    store.claim("dep-a")  # a replica of the same deployment
+    with pytest.raises(PrefixInUseError):
+        store.claim("dep-b")
+    state, rev = store.load()
+    assert state is None and rev == 0
+    s1 = MembershipState(max_world_size=4)
+    rev1 = store.commit(s1, rev)
+    with pytest.raises(FencedCommitError):
+        store.commit(MembershipState(max_world_size=8), rev)  # read before rev1
+    assert store.load() == (s1, rev1)
+
+
+@pytest.mark.parametrize("url, spec", [
+    (None, StoreSpec()),
+    ("embedded", StoreSpec()),
+    ("etcd://10.0.0.1:2379", StoreSpec("etcd", (("10.0.0.1", 2379),), "elasticep")),
+    ("etcd://a:1,b:2/prod/x/", StoreSpec("etcd", (("a", 1), ("b", 2)), "prod/x")),
+    ("etcd://[::1]:2379", StoreSpec("etcd", (("::1", 2379),), "elasticep")),
+])
+def test_parse_store_url(url, spec):
+    assert parse_store_url(url) == spec
+
+
+@pytest.mark.parametrize("url", ["redis://a:1", "etcd://", "etcd://a", "etcd://a:0",
+                                 "etcd://a:1,b", "a:1"])
+def test_parse_store_url_refuses_in_one_line(url):
+    with pytest.raises(ValueError, match="membership-store") as e:
+        parse_store_url(url)
+    assert "\n" not in str(e.value)
