@@ -155,6 +155,7 @@ def test_one_member_down_changes_nothing_and_quorum_loss_commits_nothing(cluster
             time.sleep(0.05)
         assert not lease.is_leader  # it stops counting itself a leader on its own clock
     finally:
+        lease.resign()
         cluster.restart(0)
         cluster.restart(1)
     cluster.wait_writable(20)
@@ -166,3 +167,69 @@ def test_one_member_down_changes_nothing_and_quorum_loss_commits_nothing(cluster
         state == MembershipState(max_world_size=3) and now > rev)
     store.commit(MembershipState(max_world_size=4), now)
     assert store.load()[0] == MembershipState(max_world_size=4)
+
+
+def test_the_coordinator_commits_each_change_and_a_successor_takes_over(cluster):
+    """A coordinator with an etcd store commits what it is told; a second one on the
+    same prefix takes that state over, and the first, deposed, can commit no more."""
+    from elasticep.membership import CoordinatorClient, start_coordinator
+
+    prefix = _prefix()
+    first = start_coordinator(membership_store=_store(cluster, prefix))
+    second = None
+    try:
+        client = CoordinatorClient(first.address)
+        client.publish_deployment('{"model": "a"}', 2, 4)
+        client.close()
+        assert first.wait_committed(5)
+        state, rev = _store(cluster, prefix).load()
+        assert state.config == '{"model": "a"}' and state.target["ep_size"] == 2
+        assert first.store_health().ok and first.store_health().revision == rev
+
+        second = start_coordinator(membership_store=_store(cluster, prefix))
+        client = CoordinatorClient(second.address)
+        assert client.deployment_config() == '{"model": "a"}'  # taken over
+        client.publish_deployment('{"model": "b"}', 2, 4)
+        client.close()
+        assert second.wait_committed(5)
+        assert _store(cluster, prefix).load()[0].config == '{"model": "b"}'
+
+        client = CoordinatorClient(first.address)  # the deposed one changes something
+        client.publish_deployment('{"model": "c"}', 2, 4)
+        client.close()
+        first.wait_committed(5)
+        health = first.store_health()
+        assert health.deposed and not health.ok and "deposed" in health.reason
+        assert _store(cluster, prefix).load()[0].config == '{"model": "b"}'
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess:
+    from elasticep_testkit.harness.serve_process import cli_command
+
+    return subprocess.run(cli_command("serve", "--ep-size", "2", "--port", "0",
+                                      "--dist-init-addr", "127.0.0.1:0", *flags),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_serve_with_etcd_unreachable_exits_2_in_one_line():
+    url = f"etcd://127.0.0.1:{free_port()}"
+    serve = _serve("--membership-store", url)
+    assert serve.returncode == 2, serve.stderr[-3000:]
+    errors = [line for line in serve.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"elasticep serve: error: --membership-store: no etcd member answered "
+                      f"({url[7:]}: ConnectionFailedError)"], serve.stderr[-3000:]
+
+
+def test_serve_on_a_prefix_another_deployment_holds_exits_2(cluster):
+    prefix = _prefix()
+    _store(cluster, prefix).claim("the-other-deployment")
+    serve = _serve("--membership-store", f"{cluster.url}/{prefix}")
+    assert serve.returncode == 2, serve.stderr[-3000:]
+    assert serve.stderr.strip().splitlines()[-1].startswith(
+        f"elasticep serve: error: --membership-store: etcd prefix /elasticep/{prefix}/ is "
+        "held by deployment 'the-other-deployment'"), serve.stderr[-3000:]
+

@@ -100,3 +100,43 @@ def test_parse_store_url_refuses_in_one_line(url):
     with pytest.raises(ValueError, match="membership-store") as e:
         parse_store_url(url)
     assert "\n" not in str(e.value)
+
+
+class _FlakyStore(MemoryStore):
+    """The embedded store, but its commits fail as an unreachable etcd's do while
+    ``down`` is set (a fake of the MembershipStore protocol, not of etcd)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def commit(self, state, expected_revision):
+        if self.down:
+            from elasticep.membership.errors import StoreUnavailableError
+
+            raise StoreUnavailableError("no etcd member answered (test)")
+        return super().commit(state, expected_revision)
+
+
+def test_the_persister_reports_an_unavailable_store_and_catches_up_when_it_is_back():
+    from elasticep.membership.persister import StatePersister
+
+    store = _FlakyStore()
+    current = [MembershipState(max_world_size=1)]
+    p = StatePersister(store, lambda: current[0], revision=0)
+    try:
+        assert p.wait_committed(5) and store.load()[0] == current[0]
+        store.down = True
+        current[0] = MembershipState(max_world_size=2)
+        p.changed()
+        assert not p.wait_committed(1.0)
+        health = p.health()
+        assert not health.ok and not health.deposed
+        assert health.reason == "membership store unavailable: no etcd member answered (test)"
+        current[0] = MembershipState(max_world_size=3)  # changes go on meanwhile
+        p.changed()
+        store.down = False
+        assert p.wait_committed(5)  # the retry commits the newest state
+        assert store.load()[0] == MembershipState(max_world_size=3) and p.health().ok
+    finally:
+        p.close()

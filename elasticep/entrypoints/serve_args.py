@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
 from elasticep.entrypoints.validate import (
+    UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
     apply_gloo_ifname,
@@ -25,6 +26,7 @@ from elasticep.entrypoints.validate import (
     raise_first_failure,
 )
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
+from elasticep.membership.store import parse_store_url
 
 
 def _human_bytes(n: int) -> str:
@@ -61,6 +63,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
     add_coordinator_timeout_argument(n)
     add_gloo_ifname_argument(n)
+    n.add_argument("--membership-store", default="embedded",
+                   metavar="embedded|etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="where the coordinator keeps the membership: embedded = in its "
+                        "own process (nothing to install); etcd:// = committed to etcd "
+                        "under /elasticep/PREFIX/ (default prefix elasticep), fenced by "
+                        "a leader lease; etcd unreachable or the prefix held by another "
+                        "deployment: exit 2 (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class ServeSettings:
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
             any free port) and where other nodes find it.
         restart_failed_ranks: relaunch crashed local ranks.
+        membership_store: the validated ``--membership-store`` value.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         warnings: non-fatal remarks to print.
     """
@@ -90,6 +100,7 @@ class ServeSettings:
     restart_failed_ranks: bool
     coordinator_timeout_s: float = 60.0
     warnings: tuple[str, ...] = ()
+    membership_store: str = "embedded"
 
     @property
     def local_ranks(self) -> list[int]:
@@ -128,6 +139,13 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
     ])
+    try:
+        store = parse_store_url(args.membership_store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if store.kind != "embedded" and args.node_rank != 0:
+        warnings.append("--membership-store: only node 0 runs a coordinator yet; this "
+                        "node's flag is not used")
     check_device(args.device)
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model))
@@ -145,4 +163,4 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
-        warnings=tuple(warnings))
+        warnings=tuple(warnings), membership_store=args.membership_store)

@@ -179,3 +179,21 @@ def _range_value(txn_out: dict) -> bytes | None:
         if kvs:
             return unb64(kvs[0].get("value", ""))
     return None
+
+
+def open_etcd_store(spec: StoreSpec, deployment_id: str) -> EtcdMembershipStore:
+    """Connect to etcd and claim ``spec.prefix`` for ``deployment_id``: what `serve`
+    does before it starts anything, so a bad store is refused at once.
+
+    Raises:
+        StoreUnavailableError: no member answered.
+        PrefixInUseError: another deployment holds the prefix.
+    """
+    store = EtcdMembershipStore(spec)
+    try:
+        store.kv.status()
+        store.claim(deployment_id)
+    except BaseException:
+        store.close()
+        raise
+    return store
