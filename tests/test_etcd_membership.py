@@ -233,3 +233,52 @@ def test_serve_on_a_prefix_another_deployment_holds_exits_2(cluster):
         f"elasticep serve: error: --membership-store: etcd prefix /elasticep/{prefix}/ is "
         "held by deployment 'the-other-deployment'"), serve.stderr[-3000:]
 
+
+
+def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(cluster):
+    """serve --membership-store etcd://: ready as usual, its status names the store and
+    the leader, the published deployment is in etcd; with 2 of 3 members down it still
+    answers, /health says why it is degraded, and it is whole again once they are back."""
+    import httpx
+
+    from tests._serve_fixtures import start_serve
+
+    prefix = _prefix()
+    with start_serve("--ep-size", "2", "--membership-store", f"{cluster.url}/{prefix}") as s:
+        store = s.status().membership_store
+        assert store is not None and store.kind == "etcd" and store.ok, store
+        assert store.leader is not None and store.revision > 0
+        state, _ = _store(cluster, prefix).load()
+        assert state.target["ep_size"] == 2 and '"ep_size":2' in state.config
+        assert state.groups["world"]["active"] == [0, 1]
+
+        def complete() -> str:
+            out = s.client.completions.create(model=s.model_name(), prompt="1 + 1 =",
+                                              max_tokens=4, temperature=0)
+            return out.choices[0].text
+
+        before = complete()
+        health = httpx.get(f"{s.url}/health", timeout=10).json()
+        assert "membership_store" not in health and not health["degraded"], health
+        cluster.kill(0)
+        cluster.kill(1)
+        try:
+            assert complete() == before
+            # a change while etcd has no quorum: serving goes on, the store says why
+            code, body = s.scale(1)
+            assert code == 200, body
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                health = httpx.get(f"{s.url}/health", timeout=10).json()
+                if "membership_store" in health:
+                    break
+                time.sleep(0.2)
+            assert health["membership_store"].startswith(
+                "membership store unavailable: no etcd member answered"), health
+            assert health["status"] == "ok" and health["degraded"]
+            assert complete()
+        finally:
+            cluster.restart(0)
+            cluster.restart(1)
+        s.wait_for(lambda st: st.membership_store.ok, 20, "the store to catch up")
+        assert _store(cluster, prefix).load()[0].target["ep_size"] == 1

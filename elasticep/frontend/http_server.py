@@ -289,6 +289,10 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
                 "epoch": status.epoch, "ep_size": status.ep_size,
                 "healthy_ranks": len(status.healthy_ranks()),
                 "running_requests": frontend.tracker.num_running}
+        store = status.membership_store
+        if store is not None and not store.ok:  # serving goes on; no change is kept
+            body["degraded"] = True
+            body["membership_store"] = store.reason
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
         elif not frontend.ready:

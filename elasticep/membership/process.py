@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         hb_timeout_s=args.hb_timeout_s,
                         join_hb_timeout_s=args.join_hb_timeout_s,
                         listener=socket.socket(fileno=args.listen_fd),
-                        membership_store=store)
+                        membership_store=store, lease=lease)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

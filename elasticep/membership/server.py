@@ -25,9 +25,11 @@ import time
 import torch.distributed as dist
 
 from . import messages as m
+from .election import LeaderLease
 from .persister import StatePersister, StoreHealth
 from .protocol import Connection
 from .service import MembershipService, Send
+from .status import StoreStatus
 from .store import MembershipStore
 
 log = logging.getLogger("elasticep.membership")
@@ -49,12 +51,14 @@ class Coordinator:
         membership_store: where the durable state is committed after each change
             (``store.py``; claimed by the caller). Its committed state, if any, is
             taken over first. None: memory only (the embedded default).
+        lease: this replica's leader lease, shown in the status while it holds it.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
                  hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0,
                  listener: socket.socket | None = None,
-                 membership_store: MembershipStore | None = None) -> None:
+                 membership_store: MembershipStore | None = None,
+                 lease: LeaderLease | None = None) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
@@ -66,6 +70,8 @@ class Coordinator:
                 self.service.restore(state)
             self._persister = StatePersister(membership_store, self._durable_state,
                                              revision)
+            self.service.store_status = self._store_status
+        self._lease = lease
         if listener is None:
             listener = socket.create_server((host, port))
         else:
@@ -94,6 +100,14 @@ class Coordinator:
         """Block until the membership as of now is in the store (True at once without
         one); False after ``timeout_s`` seconds."""
         return self._persister is None or self._persister.wait_committed(timeout_s)
+
+    def _store_status(self) -> StoreStatus | None:
+        h = self.store_health()
+        if h is None:
+            return None
+        lease = self._lease
+        leader = lease.candidate if lease is not None and lease.is_leader else None
+        return StoreStatus("etcd", h.ok, h.reason, h.revision, leader)
 
     def _durable_state(self):
         with self._lock:
