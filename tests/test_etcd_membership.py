@@ -260,6 +260,9 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
         before = complete()
         health = httpx.get(f"{s.url}/health", timeout=10).json()
         assert "membership_store" not in health and not health["degraded"], health
+        metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert "elasticep_membership_store_ok 1.0" in metrics
+        assert f'elasticep_coordinator_leader{{replica="{store.leader}"}} 1.0' in metrics
         cluster.kill(0)
         cluster.kill(1)
         try:
@@ -276,6 +279,8 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
             assert health["membership_store"].startswith(
                 "membership store unavailable: no etcd member answered"), health
             assert health["status"] == "ok" and health["degraded"]
+            metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+            assert "elasticep_membership_store_ok 0.0" in metrics
             assert complete()
         finally:
             cluster.restart(0)

@@ -242,6 +242,7 @@ class Frontend:
             self.metrics.slots.labels(state.value).set(
                 sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
+        self.metrics.store_status(status.membership_store)
         before = self.tracker.resubmitted_total
         # each rank's own limit, from its latest hello (engine.limits)
         self._dispatch(self.tracker.set_capacity(

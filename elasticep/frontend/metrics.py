@@ -15,6 +15,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from elasticep.membership.status import StoreStatus
+
 # Stream gaps after a failure are expected between ~10 ms and a few seconds.
 _GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -38,6 +40,16 @@ class FrontendMetrics:
                            "state; free = unused capacity", ["state"], registry=r)
         self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
                                   registry=r)
+        self.membership_store_ok = Gauge(
+            "elasticep_membership_store_ok", "1 while the newest membership is committed "
+            "to --membership-store (etcd), 0 while it cannot be; absent when embedded",
+            registry=r)
+        self.membership_store_revision = Gauge(
+            "elasticep_membership_store_revision",
+            "Store revision of the coordinator's last commit (etcd)", registry=r)
+        self.coordinator_leader = Gauge(
+            "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
+            "leader lease (etcd)", ["replica"], registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",
                                      "Ranks seen entering state failed", registry=r)
         self.rank_recoveries = Counter("elasticep_rank_recoveries",
@@ -85,6 +97,16 @@ class FrontendMetrics:
         if captures >= 0:
             self.cuda_graph_captures.labels(rank=label).set(captures)
             self.cuda_graph_replays.labels(rank=label).set(replays)
+
+    def store_status(self, store: StoreStatus | None) -> None:
+        """Record the membership store's state (None, the embedded default: nothing)."""
+        if store is None:
+            return
+        self.membership_store_ok.set(int(store.ok))
+        self.membership_store_revision.set(store.revision)
+        self.coordinator_leader.clear()
+        if store.leader is not None:
+            self.coordinator_leader.labels(store.leader).set(1)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
