@@ -143,3 +143,36 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_CANDIDATE = """
+import sys, time
+from elasticep.membership.election import LeaderLease
+from elasticep.membership.etcd_store import EtcdMembershipStore
+from elasticep.membership.store import parse_store_url
+store = EtcdMembershipStore(parse_store_url(sys.argv[1]))
+LeaderLease(store, sys.argv[2], int(sys.argv[3])).campaign(timeout_s=30)
+print("leader", flush=True)
+time.sleep(600)
+"""
+
+
+def spawn_leader(url: str, name: str, ttl_s: int) -> subprocess.Popen:
+    """A process that wins the leader lease of ``url`` (``etcd://.../PREFIX``) as
+    ``name`` and then only keeps it alive: kill it (by its pid) to fail it over.
+
+    Raises:
+        RuntimeError: it did not say it leads (its stderr is in the message).
+    """
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.getcwd(), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    proc = subprocess.Popen([sys.executable, "-c", _CANDIDATE, url, name, str(ttl_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    if proc.stdout.readline().strip() != "leader":
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise RuntimeError(f"leader process did not lead: {err[-2000:]}")
+    return proc

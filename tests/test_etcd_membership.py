@@ -7,7 +7,6 @@ commits nothing until quorum returns."""
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -22,7 +21,7 @@ from elasticep.membership.errors import (
 )
 from elasticep.membership.etcd_store import EtcdKV, EtcdMembershipStore
 from elasticep.membership.store import parse_store_url
-from elasticep_testkit.etcd_cluster import EtcdCluster
+from elasticep_testkit.etcd_cluster import EtcdCluster, spawn_leader
 from elasticep_testkit.harness.serve_process import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,25 +93,10 @@ def test_a_second_deployment_on_the_same_prefix_is_refused(cluster):
     _store(cluster, _prefix()).claim("dep-2")  # its own prefix is fine
 
 
-_CANDIDATE = """
-import sys, time
-from elasticep.membership.election import LeaderLease
-from elasticep.membership.etcd_store import EtcdMembershipStore
-from elasticep.membership.store import parse_store_url
-lease = LeaderLease(EtcdMembershipStore(parse_store_url(sys.argv[1])), "killed", int(sys.argv[2]))
-lease.campaign(timeout_s=20)
-print("leader", flush=True)
-time.sleep(60)
-"""
-
-
 def test_a_new_leader_within_ttl_plus_1s_of_a_sigkilled_one(cluster):
     prefix = _prefix()
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", _CANDIDATE, f"{cluster.url}/{prefix}",
-                             str(TTL_S)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = spawn_leader(f"{cluster.url}/{prefix}", "killed", TTL_S)
     try:
-        assert proc.stdout.readline().strip() == "leader"
         standby = LeaderLease(_store(cluster, prefix), "standby", TTL_S)
         assert not standby.try_acquire() and standby.leader() == "killed"
         os.kill(proc.pid, signal.SIGKILL)
