@@ -231,7 +231,7 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
     with start_serve("--ep-size", "2", "--membership-store", f"{cluster.url}/{prefix}") as s:
         store = s.status().membership_store
         assert store is not None and store.kind == "etcd" and store.ok, store
-        assert store.leader is not None and store.revision > 0
+        assert store.leader == s.coordinator and store.revision > 0  # its control address
         state, _ = _store(cluster, prefix).load()
         assert state.target["ep_size"] == 2 and '"ep_size":2' in state.config
         assert state.groups["world"]["active"] == [0, 1]
@@ -270,4 +270,6 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
             cluster.restart(0)
             cluster.restart(1)
         s.wait_for(lambda st: st.membership_store.ok, 20, "the store to catch up")
+        s.wait_for(lambda st: st.membership_store.leader == s.coordinator, 10,
+                   "the coordinator to lead again")
         assert _store(cluster, prefix).load()[0].target["ep_size"] == 1

@@ -46,16 +46,21 @@ class LeaderLease:
         candidate: this replica's id (its control address, say), written as the value.
         ttl_s: lease TTL in whole seconds (``lease_ttl_s``).
         on_lost: called once, on the keep-alive thread, if leadership is lost.
+        recampaign: after a loss, campaign again on that thread until elected or
+            :meth:`resign` (a replica that lost its lease only to an etcd outage takes
+            it back when etcd does; one that lost it to a successor stays a standby,
+            and its commits are fenced).
         clock: monotonic seconds.
     """
 
     def __init__(self, store: EtcdMembershipStore, candidate: str, ttl_s: int,
-                 on_lost: Callable[[], None] | None = None,
+                 on_lost: Callable[[], None] | None = None, recampaign: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.candidate = candidate
         self.ttl_s = ttl_s
         self._on_lost = on_lost
+        self._recampaign = recampaign
         self._clock = clock
         self._lease: int | None = None
         self._valid_until = 0.0
@@ -152,8 +157,15 @@ class LeaderLease:
             if ttl <= 0:
                 break
             self._valid_until = sent + self.ttl_s
-        if self._lease == lease and not self._stop.is_set():
-            self._lease = None
-            log.warning("coordinator %s: lost the leader lease", self.candidate)
-            if self._on_lost is not None:
-                self._on_lost()
+        if self._lease != lease or self._stop.is_set():
+            return
+        self._lease = None
+        log.warning("coordinator %s: lost the leader lease", self.candidate)
+        if self._on_lost is not None:
+            self._on_lost()
+        while self._recampaign and not self._stop.wait(POLL_S):
+            try:
+                if self.try_acquire():  # its own keep-alive thread takes over
+                    return
+            except StoreUnavailableError:
+                pass  # etcd still away: keep trying

@@ -283,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     store = lease = None
     if args.membership_store:
         try:
+            port = socket.socket(fileno=os.dup(args.listen_fd))
+            address = f"{args.host}:{port.getsockname()[1]}"
+            port.close()
             store, lease = _lead(args.membership_store, args.deployment_id,
-                                 args.hb_timeout_s, args.listen_fd)
+                                 args.hb_timeout_s, address)
         except (MembershipStoreError, TimeoutError) as e:
             print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
             return 2
@@ -319,19 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _lead(url: str, deployment_id: str, hb_timeout_s: float, listen_fd: int):
-    """Open the etcd store, claim its prefix and win the leader lease (this is the
-    only replica today, so a lease still held is a crashed predecessor's: it expires
-    within the TTL). Returns ``(store, lease)``."""
+def _lead(url: str, deployment_id: str, hb_timeout_s: float, address: str):
+    """Open the etcd store, claim its prefix and win the leader lease as ``address``
+    (the control endpoint; this is the only replica today, so a lease still held is a
+    crashed predecessor's: it expires within the TTL). Returns ``(store, lease)``."""
     from .election import LeaderLease, lease_ttl_s
     from .etcd_store import open_etcd_store
     from .store import parse_store_url
 
     store = open_etcd_store(parse_store_url(url), deployment_id)
-    me = f"{socket.gethostname()}:{os.getpid()}:fd{listen_fd}"
     ttl = lease_ttl_s(hb_timeout_s)
-    lease = LeaderLease(store, me, ttl, on_lost=lambda: log.error(
-        "coordinator: lost the leader lease; its commits are fenced from now on"))
+    lease = LeaderLease(store, address, ttl, recampaign=True, on_lost=lambda: log.error(
+        "coordinator: lost the leader lease; campaigning again (a successor's commits "
+        "would fence this one's)"))
     lease.campaign(timeout_s=ttl + 5)
     return store, lease
 
