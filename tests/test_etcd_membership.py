@@ -83,6 +83,24 @@ def test_a_deposed_leader_cannot_commit(cluster):
     lease_b.resign()
 
 
+def test_a_leader_whose_lease_expired_campaigns_again(cluster):
+    """Its lease gone in etcd (revoked here, as an expiry during an outage would): with
+    ``recampaign`` it notices at its next keep-alive and takes the free key back."""
+    store = _store(cluster, _prefix())
+    lost = []
+    lease = LeaderLease(store, "coord", TTL_S, on_lost=lambda: lost.append(1),
+                        recampaign=True)
+    assert lease.try_acquire()
+    first = lease._lease
+    store.kv.post("kv/lease/revoke", {"ID": first})
+    deadline = time.monotonic() + TTL_S + 1
+    while not (lost and lease.is_leader) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == [1] and lease.is_leader and lease._lease != first
+    assert lease.leader() == "coord"
+    lease.resign()
+
+
 def test_a_second_deployment_on_the_same_prefix_is_refused(cluster):
     prefix = _prefix()
     first, replica, second = (_store(cluster, prefix) for _ in range(3))
@@ -266,6 +284,9 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
             metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
             assert "elasticep_membership_store_ok 0.0" in metrics
             assert complete()
+            # past the lease TTL without etcd, it stops counting itself the leader
+            s.wait_for(lambda st: st.membership_store.leader is None, 10,
+                       "the leader to give up its lease on its own clock")
         finally:
             cluster.restart(0)
             cluster.restart(1)
