@@ -22,7 +22,7 @@ from elasticep.membership.errors import (
 from elasticep.membership.etcd_store import EtcdKV, EtcdMembershipStore
 from elasticep.membership.store import parse_store_url
 from elasticep_testkit.etcd_cluster import EtcdCluster, spawn_leader
-from elasticep_testkit.harness.serve_process import free_port
+from elasticep_testkit.harness.serve_process import cli_command, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -209,9 +209,20 @@ def test_the_coordinator_commits_each_change_and_a_successor_takes_over(cluster)
             second.close()
 
 
-def _serve(*flags: str) -> subprocess.CompletedProcess:
-    from elasticep_testkit.harness.serve_process import cli_command
+def test_join_with_no_coordinator_elected_says_so(cluster):
+    prefix = _prefix()
+    join = subprocess.run(cli_command("join", "--membership-store", f"{cluster.url}/{prefix}",
+                                      "--elastic-ep-join-mode", "recover", "--ranks", "0",
+                                      "--coordinator-timeout", "0.5"),
+                          capture_output=True, text=True, timeout=60)
+    assert join.returncode == 1, join.stderr[-3000:]
+    assert join.stderr.strip().splitlines()[-1] == (
+        f"elasticep join: error: --membership-store: no coordinator leads under "
+        f"/elasticep/{prefix}/ (waited 0.5 s): is serve running with this "
+        "--membership-store?"), join.stderr[-3000:]
 
+
+def _serve(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cli_command("serve", "--ep-size", "2", "--port", "0",
                                       "--dist-init-addr", "127.0.0.1:0", *flags),
                           capture_output=True, text=True, timeout=60)
@@ -259,6 +270,16 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
                                               max_tokens=4, temperature=0)
             return out.choices[0].text
 
+        # `join` finds the coordinator through etcd: it reaches it and is refused there
+        # (slot 0 is healthy, nothing to recover)
+        join = subprocess.run(cli_command("join", "--membership-store",
+                                          f"{cluster.url}/{prefix}",
+                                          "--elastic-ep-join-mode", "recover", "--ranks", "0"),
+                              capture_output=True, text=True, timeout=60)
+        assert join.returncode == 2, join.stderr[-3000:]
+        assert f"coordinator {s.coordinator} found through etcd" in join.stderr
+        assert join.stderr.strip().splitlines()[-1].startswith(
+            "elasticep join: error: rank 0 "), join.stderr[-3000:]
         before = complete()
         health = httpx.get(f"{s.url}/health", timeout=10).json()
         assert "membership_store" not in health and not health["degraded"], health
@@ -294,3 +315,17 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
         s.wait_for(lambda st: st.membership_store.leader == s.coordinator, 10,
                    "the coordinator to lead again")
         assert _store(cluster, prefix).load()[0].target["ep_size"] == 1
+
+
+def test_another_node_finds_the_coordinator_through_etcd_or_says_why(cluster):
+    """Node 1 without --dist-init-addr looks the coordinator up in etcd: with no
+    coordinator elected under the prefix it exits 1 naming the prefix."""
+    prefix = _prefix()
+    node1 = subprocess.run(cli_command("serve", "--ep-size", "2", "--nnodes", "2",
+                                       "--node-rank", "1", "--coordinator-timeout", "0.5",
+                                       "--membership-store", f"{cluster.url}/{prefix}"),
+                           capture_output=True, text=True, timeout=60)
+    assert node1.returncode == 1, node1.stderr[-3000:]
+    assert node1.stderr.strip().splitlines()[-1] == (
+        f"elasticep serve: error: no coordinator leads under /elasticep/{prefix}/ (waited "
+        "0.5 s): is serve running with this --membership-store?"), node1.stderr[-3000:]

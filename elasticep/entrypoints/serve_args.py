@@ -81,7 +81,8 @@ class ServeSettings:
         host, port, api_key, max_payload_size: the HTTP server.
         nnodes, node_rank: this node's place; ranks are split evenly over nodes.
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
-            any free port) and where other nodes find it.
+            any free port) and where other nodes find it (port 0 on nodes 1..: the
+            leader elected in ``membership_store``).
         restart_failed_ranks: relaunch crashed local ranks.
         membership_store: the validated ``--membership-store`` value.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
@@ -124,6 +125,12 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     """
     warnings: list[str] = []
     deployment = deployment_config(args, warnings)
+    try:
+        store = parse_store_url(args.membership_store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    # nodes 1.. may find the coordinator as the leader elected in etcd
+    finds_coordinator = store.kind == "etcd" and args.node_rank > 0
     raise_first_failure([
         port_check("--port", args.port),
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
@@ -133,19 +140,16 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
          f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
-        (args.nnodes == 1 or args.dist_init_addr,
-         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
+        (args.nnodes == 1 or args.dist_init_addr or finds_coordinator,
+         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0; "
+         "nodes 1.. may find it with --membership-store etcd://...)"),
         (deployment.elastic_ep_backend == Backend.ELASTIC or not args.restart_failed_ranks,
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
     ])
-    try:
-        store = parse_store_url(args.membership_store)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if store.kind != "embedded" and args.node_rank != 0:
-        warnings.append("--membership-store: only node 0 runs a coordinator yet; this "
-                        "node's flag is not used")
+    if finds_coordinator and args.dist_init_addr:
+        warnings.append("--membership-store is not used on this node: --dist-init-addr "
+                        "names the coordinator (no standby coordinator runs on nodes 1.. yet)")
     check_device(args.device)
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model))

@@ -51,7 +51,7 @@ from elasticep.entrypoints.validate import (
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.errors import MembershipStoreError
-from elasticep.membership.etcd_store import open_etcd_store
+from elasticep.membership.etcd_store import find_coordinator, open_etcd_store
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
+    except MembershipStoreError as exc:  # etcd gone while a node looked for the leader
+        print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
 
 
 def check_membership_store(settings: ServeSettings, deployment_id: str) -> None:
@@ -349,6 +352,8 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
     (``fault``: their fault-injection spec)."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
+    if settings.coordinator_port == 0:  # no --dist-init-addr: the leader in etcd
+        address = find_coordinator(settings.membership_store, settings.coordinator_timeout_s)
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
         return stop.exit_status() or 1
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,

@@ -169,3 +169,25 @@ class LeaderLease:
                     return
             except StoreUnavailableError:
                 pass  # etcd still away: keep trying
+
+
+def find_leader(store: EtcdMembershipStore, timeout_s: float) -> str:
+    """The id of the elected coordinator (its control address, ``HOST:PORT``), waiting
+    up to ``timeout_s`` seconds for one to be elected: how `join` finds the coordinator
+    from ``--membership-store`` alone.
+
+    Raises:
+        StoreUnavailableError: etcd did not answer.
+        TimeoutError: no leader within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    key = store.key("leader")
+    while True:
+        value, _, _ = store.kv.get(key)
+        if value is not None:
+            return value.decode()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no coordinator leads under {store.root} (waited "
+                               f"{timeout_s:g} s): is serve running with this "
+                               "--membership-store?")
+        time.sleep(POLL_S)

@@ -24,7 +24,7 @@ from etcd3gw import exceptions as etcd_errors
 
 from .durable_state import MembershipState
 from .errors import FencedCommitError, PrefixInUseError, StoreUnavailableError
-from .store import StoreSpec
+from .store import StoreSpec, parse_store_url
 
 log = logging.getLogger("elasticep.membership")
 
@@ -197,3 +197,22 @@ def open_etcd_store(spec: StoreSpec, deployment_id: str) -> EtcdMembershipStore:
         store.close()
         raise
     return store
+
+
+def find_coordinator(url: str, timeout_s: float) -> str:
+    """The address (``HOST:PORT``) of the coordinator elected under ``url``
+    (``--membership-store etcd://...``), waiting up to ``timeout_s`` seconds for one.
+
+    Raises:
+        StoreUnavailableError: etcd did not answer.
+        TimeoutError: no coordinator leads there within ``timeout_s``.
+    """
+    from .election import find_leader  # election imports this module
+
+    store = EtcdMembershipStore(parse_store_url(url))
+    try:
+        address = find_leader(store, timeout_s)
+    finally:
+        store.close()
+    log.info("coordinator %s found through etcd (%s)", address, store.root)
+    return address
