@@ -101,14 +101,23 @@ def test_a_leader_whose_lease_expired_campaigns_again(cluster):
     lease.resign()
 
 
-def test_a_second_deployment_on_the_same_prefix_is_refused(cluster):
+def test_a_second_deployment_on_the_same_prefix_is_refused_while_the_first_runs(cluster):
     prefix = _prefix()
     first, replica, second = (_store(cluster, prefix) for _ in range(3))
     first.claim("dep-1")
+    lease = LeaderLease(first, "coord-1", TTL_S)
+    assert lease.try_acquire()
+    first.commit(MembershipState(max_world_size=4), 0)
     replica.claim("dep-1")  # another node of the same deployment
-    with pytest.raises(PrefixInUseError, match="held by deployment 'dep-1'"):
+    with pytest.raises(PrefixInUseError, match="held by deployment 'dep-1', whose "
+                                               "coordinator is running"):
         second.claim("dep-2")
     _store(cluster, _prefix()).claim("dep-2")  # its own prefix is fine
+    # dep-1 stops (its coordinator resigns): dep-2 takes the prefix over, from nothing
+    lease.resign()
+    second.claim("dep-2")
+    assert second.load() == (None, 0)
+    assert second.kv.get(second.key("owner"))[0] == b"dep-2"
 
 
 def test_a_new_leader_within_ttl_plus_1s_of_a_sigkilled_one(cluster):
@@ -225,7 +234,7 @@ def test_join_with_no_coordinator_elected_says_so(cluster):
 def _serve(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cli_command("serve", "--ep-size", "2", "--port", "0",
                                       "--dist-init-addr", "127.0.0.1:0", *flags),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=40)
 
 
 def test_serve_with_etcd_unreachable_exits_2_in_one_line():
@@ -239,12 +248,19 @@ def test_serve_with_etcd_unreachable_exits_2_in_one_line():
 
 def test_serve_on_a_prefix_another_deployment_holds_exits_2(cluster):
     prefix = _prefix()
-    _store(cluster, prefix).claim("the-other-deployment")
-    serve = _serve("--membership-store", f"{cluster.url}/{prefix}")
+    other = _store(cluster, prefix)
+    other.claim("the-other-deployment")
+    lease = LeaderLease(other, "its-coordinator", TTL_S)
+    assert lease.try_acquire()  # it runs
+    try:
+        serve = _serve("--membership-store", f"{cluster.url}/{prefix}")
+    finally:
+        lease.resign()
     assert serve.returncode == 2, serve.stderr[-3000:]
-    assert serve.stderr.strip().splitlines()[-1].startswith(
+    assert serve.stderr.strip().splitlines()[-1] == (
         f"elasticep serve: error: --membership-store: etcd prefix /elasticep/{prefix}/ is "
-        "held by deployment 'the-other-deployment'"), serve.stderr[-3000:]
+        "held by deployment 'the-other-deployment', whose coordinator is running; give this "
+        "deployment another prefix (etcd://HOST:PORT/PREFIX)"), serve.stderr[-3000:]
 
 
 

@@ -135,6 +135,10 @@ class EtcdMembershipStore:
         return self.root + name
 
     def claim(self, deployment_id: str) -> None:
+        """See :class:`~elasticep.membership.store.MembershipStore`. A prefix whose
+        deployment has no elected coordinator (it stopped, or died a lease TTL ago) is
+        taken over: its state is deleted in the same transaction, so its coordinator,
+        should it come back, finds its commits fenced."""
         owner = self.key("owner")
         ok, out = self.txn_create(owner, deployment_id)
         if ok:
@@ -142,11 +146,21 @@ class EtcdMembershipStore:
                      deployment_id)
             return
         held = _range_value(out)
-        if held != deployment_id.encode():
-            raise PrefixInUseError(
-                f"etcd prefix {self.root} is held by deployment "
-                f"{(held or b'?').decode(errors='replace')!r}; give this deployment another "
-                f"prefix (etcd://HOST:PORT/PREFIX) or remove the old one's keys")
+        if held == deployment_id.encode():
+            return
+        leader = self.key("leader")
+        ok, _ = self.kv.txn(
+            [{"key": b64(owner), "result": "EQUAL", "target": "VALUE", "value": b64(held or b"")},
+             {"key": b64(leader), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            [_put(owner, deployment_id), {"request_delete_range": {"key": b64(self.key("state"))}}])
+        name = (held or b"?").decode(errors="replace")
+        if ok:
+            log.warning("membership store: prefix %s taken over from deployment %s, which "
+                        "has no coordinator", self.root, name)
+            return
+        raise PrefixInUseError(
+            f"etcd prefix {self.root} is held by deployment {name!r}, whose coordinator is "
+            f"running; give this deployment another prefix (etcd://HOST:PORT/PREFIX)")
 
     def txn_create(self, key: str, value: str, lease: int | None = None) -> tuple[bool, dict]:
         """Create ``key`` if it does not exist; on failure the response holds its value."""
