@@ -80,6 +80,27 @@ def test_a_deposed_leader_cannot_commit(cluster):
     while lease_a.is_leader and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not lease_a.is_leader
+    lease_a.resign()  # its lease is gone already: nothing to revoke, no error
+    lease_b.resign()
+
+
+def test_a_deposed_leader_cannot_commit_even_before_its_successor_has(cluster):
+    """With ``leader_id`` the commit also needs the lease: the deposed leader's commit
+    on an unchanged revision fails, and the successor's goes through."""
+    prefix = _prefix()
+    a = EtcdMembershipStore(parse_store_url(f"{cluster.url}/{prefix}"), leader_id="node-a")
+    b = EtcdMembershipStore(parse_store_url(f"{cluster.url}/{prefix}"), leader_id="node-b")
+    lease_a = LeaderLease(a, "node-a", TTL_S)
+    assert lease_a.try_acquire()
+    rev = a.commit(MembershipState(max_world_size=2), 0)
+    b.kv.post("kv/lease/revoke", {"ID": lease_a._lease})
+    lease_b = LeaderLease(b, "node-b", TTL_S)
+    assert lease_b.try_acquire()
+    with pytest.raises(FencedCommitError, match="node-a no longer leads"):
+        a.commit(MembershipState(max_world_size=9), rev)  # nobody committed since rev
+    b.commit(MembershipState(max_world_size=3), rev)
+    assert b.load()[0].max_world_size == 3
+    lease_a.resign()
     lease_b.resign()
 
 

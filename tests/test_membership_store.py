@@ -140,3 +140,47 @@ def test_the_persister_reports_an_unavailable_store_and_catches_up_when_it_is_ba
         assert store.load()[0] == MembershipState(max_world_size=3) and p.health().ok
     finally:
         p.close()
+
+
+def test_a_commit_that_timed_out_but_went_through_is_adopted_not_taken_for_a_rival():
+    """etcd loses quorum; a write reported as failed is applied later (a lone member
+    logged it and committed it once quorum returned). When etcd is back the next
+    commit names a stale revision and is fenced, but the stored state is the
+    persister's own, so it adopts that revision and goes on, not deposed."""
+    from elasticep.membership.errors import StoreUnavailableError
+    from elasticep.membership.persister import StatePersister
+
+    class _OutageStore(MemoryStore):
+        down = late = False
+
+        def commit(self, state, expected_revision):
+            if self.down and self.late:
+                self.late = False
+                super().commit(state, expected_revision)
+                raise StoreUnavailableError("timed out (applied all the same)")
+            if self.down:
+                raise StoreUnavailableError("no quorum")
+            return super().commit(state, expected_revision)
+
+        def load(self):
+            if self.down:
+                raise StoreUnavailableError("no quorum")
+            return super().load()
+
+    store = _OutageStore()
+    current = [MembershipState(max_world_size=1)]
+    p = StatePersister(store, lambda: current[0], revision=0)
+    try:
+        assert p.wait_committed(5)
+        store.down = store.late = True
+        current[0] = MembershipState(max_world_size=2)
+        p.changed()
+        assert not p.wait_committed(1.0) and not p.health().ok
+        current[0] = MembershipState(max_world_size=3)
+        p.changed()
+        store.down = False
+        assert p.wait_committed(5)
+        assert MemoryStore.load(store) == (MembershipState(max_world_size=3), 3)
+        assert p.health().ok and not p.health().deposed
+    finally:
+        p.close()

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .errors import StoreUnavailableError
+from .errors import MembershipStoreError, StoreUnavailableError
 from .etcd_store import EtcdMembershipStore
 
 log = logging.getLogger("elasticep.membership")
@@ -139,8 +139,8 @@ class LeaderLease:
     def _revoke(self, lease: int) -> None:
         try:
             self.store.kv.post("kv/lease/revoke", {"ID": lease})
-        except StoreUnavailableError:
-            pass  # it expires on its own after the TTL
+        except MembershipStoreError:
+            pass  # unreachable: it expires on its own after the TTL; unknown: it did
 
     def _keep_alive(self, lease: int) -> None:
         period = self.ttl_s / 3
@@ -152,6 +152,9 @@ class LeaderLease:
             except StoreUnavailableError as e:
                 log.warning("coordinator %s: lease keep-alive failed: %s", self.candidate, e)
                 ttl = 0 if self._clock() >= self._valid_until else None
+            except MembershipStoreError as e:  # etcd answered: the lease is not there
+                log.warning("coordinator %s: lease keep-alive refused: %s", self.candidate, e)
+                ttl = 0
             if ttl is None:
                 continue  # retry; still within the TTL
             if ttl <= 0:
@@ -167,8 +170,8 @@ class LeaderLease:
             try:
                 if self.try_acquire():  # its own keep-alive thread takes over
                     return
-            except StoreUnavailableError:
-                pass  # etcd still away: keep trying
+            except MembershipStoreError as e:  # etcd still away: keep trying
+                log.debug("coordinator %s: campaign: %s", self.candidate, e)
 
 
 def find_leader(store: EtcdMembershipStore, timeout_s: float) -> str:

@@ -23,7 +23,12 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
 from .durable_state import MembershipState
-from .errors import FencedCommitError, PrefixInUseError, StoreUnavailableError
+from .errors import (
+    FencedCommitError,
+    MembershipStoreError,
+    PrefixInUseError,
+    StoreUnavailableError,
+)
 from .store import StoreSpec, parse_store_url
 
 log = logging.getLogger("elasticep.membership")
@@ -64,6 +69,8 @@ class EtcdKV:
 
         Raises:
             StoreUnavailableError: no member answered (all down, or no quorum).
+            MembershipStoreError: a member answered with an error (a lease it does not
+                know, a malformed request).
         """
         errors = []
         n = len(self._clients)
@@ -76,6 +83,9 @@ class EtcdKV:
                     etcd_errors.InternalServerError) as e:
                 errors.append(f"{c.host}:{c.port}: {type(e).__name__}")
                 continue
+            except etcd_errors.Etcd3Exception as e:
+                raise MembershipStoreError(f"etcd at {c.host}:{c.port} refused {path}: "
+                                           f"{' '.join(str(e).split())[:200]}") from None
             self._current = k
             return out
         raise StoreUnavailableError("no etcd member answered (" + "; ".join(errors) + ")")
@@ -123,12 +133,18 @@ class EtcdMembershipStore:
     Args:
         spec: the parsed ``--membership-store`` (kind ``etcd``).
         kv: an :class:`EtcdKV` to use instead of opening one on ``spec.endpoints``.
+        leader_id: if set, a commit also requires the ``leader`` key to name this id
+            (the candidate of this replica's lease), so a replica whose lease passed to
+            another cannot commit even before its successor has (fencing on the
+            revision alone would then depose the successor instead).
     """
 
-    def __init__(self, spec: StoreSpec, kv: EtcdKV | None = None) -> None:
+    def __init__(self, spec: StoreSpec, kv: EtcdKV | None = None,
+                 leader_id: str | None = None) -> None:
         self.spec = spec
         self.kv = kv if kv is not None else EtcdKV(spec.endpoints)
         self.root = f"/elasticep/{spec.prefix}/"
+        self.leader_id = leader_id
 
     def key(self, name: str) -> str:
         """The full key of record ``name`` (``owner``, ``state``, ``leader``)."""
@@ -173,13 +189,16 @@ class EtcdMembershipStore:
 
     def commit(self, state: MembershipState, expected_revision: int) -> int:
         key = self.key("state")
-        ok, out = self.kv.txn([{"key": b64(key), "result": "EQUAL", "target": "MOD",
-                                "mod_revision": expected_revision}],
-                              [_put(key, state.to_json())])
+        compare = [{"key": b64(key), "result": "EQUAL", "target": "MOD",
+                    "mod_revision": expected_revision}]
+        if self.leader_id is not None:
+            compare.append({"key": b64(self.key("leader")), "result": "EQUAL",
+                            "target": "VALUE", "value": b64(self.leader_id)})
+        ok, out = self.kv.txn(compare, [_put(key, state.to_json())])
         if not ok:
             raise FencedCommitError(f"membership state under {self.root} changed since "
-                                    f"revision {expected_revision}: another coordinator "
-                                    "committed, this one is deposed")
+                                    f"revision {expected_revision}, or {self.leader_id} no "
+                                    "longer leads: this coordinator is deposed")
         return int(out["header"]["revision"])
 
     def close(self) -> None:

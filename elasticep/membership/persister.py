@@ -60,7 +60,9 @@ class StatePersister:
         self._snapshot = snapshot
         self._revision = revision
         self._committed: MembershipState | None = None
-        self._attempted: MembershipState | None = None  # the commit of unknown outcome
+        # states sent since the last confirmed commit: a commit that timed out may still
+        # be applied (a lone member logged it and commits it once quorum is back)
+        self._unconfirmed: list[MembershipState] = []
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._health = StoreHealth(True, None, revision)
@@ -98,11 +100,16 @@ class StatePersister:
                 return
             state = self._snapshot()
             if state == self._committed:
+                if not self._health.ok:  # a late write of ours was found to be it
+                    self._set(StoreHealth(True, None, self._revision))
                 continue
-            self._attempted = state
+            self._unconfirmed.append(state)
             try:
                 self._revision = self._store.commit(state, self._revision)
             except FencedCommitError as e:
+                if self._adopt_own_write():
+                    self._wake.set()  # our own late write moved the revision: go on
+                    continue
                 log.error("coordinator: %s; committing no more", e)
                 self._set(StoreHealth(False, str(e), self._revision, deposed=True))
                 return
@@ -112,27 +119,32 @@ class StatePersister:
                                 "retrying every %.1f s)", e, RETRY_S)
                 self._set(StoreHealth(False, f"membership store unavailable: {e}",
                                       self._revision))
-                self._reload()
+                self._adopt_own_write()
                 self._wake.set()
                 self._closed.wait(RETRY_S)
                 continue
+            self._unconfirmed.clear()
             if not self._health.ok:
                 log.info("coordinator: membership store answers again (revision %d)",
                          self._revision)
             self._committed = state
             self._set(StoreHealth(True, None, self._revision))
 
-    def _reload(self) -> None:
-        """After a commit of unknown outcome: read what is there. If it is what we
-        tried to write, that commit went through and the next one names its revision;
-        anything else at a newer revision is another coordinator's, and the next commit
-        is fenced."""
+    def _adopt_own_write(self) -> bool:
+        """After a commit of unknown outcome, or a fenced one: read what is there. If it
+        is a state this coordinator sent since its last confirmed commit, that write went
+        through late: the next commit names its revision (returns True). Anything else
+        at a newer revision is another coordinator's, and the next commit is fenced."""
         try:
             stored, rev = self._store.load()
         except MembershipStoreError:
-            return
-        if rev != self._revision and stored is not None and stored == self._attempted:
-            self._revision, self._committed = rev, stored
+            return False
+        if rev == self._revision or stored is None or stored not in self._unconfirmed:
+            return False
+        log.info("coordinator: a commit of unknown outcome went through (revision %d)", rev)
+        self._revision, self._committed = rev, stored
+        self._unconfirmed.clear()
+        return True
 
     def _set(self, health: StoreHealth) -> None:
         with self._idle:

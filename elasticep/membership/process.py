@@ -331,6 +331,7 @@ def _lead(url: str, deployment_id: str, hb_timeout_s: float, address: str):
     from .store import parse_store_url
 
     store = open_etcd_store(parse_store_url(url), deployment_id)
+    store.leader_id = address  # its commits need its lease (see EtcdMembershipStore)
     ttl = lease_ttl_s(hb_timeout_s)
     lease = LeaderLease(store, address, ttl, recampaign=True, on_lost=lambda: log.error(
         "coordinator: lost the leader lease; campaigning again (a successor's commits "
