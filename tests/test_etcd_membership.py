@@ -252,6 +252,15 @@ def test_join_with_no_coordinator_elected_says_so(cluster):
         "--membership-store?"), join.stderr[-3000:]
 
 
+def test_join_needs_an_address_or_a_store():
+    join = subprocess.run(cli_command("join", "--elastic-ep-join-mode", "recover", "--ranks",
+                                      "0"), capture_output=True, text=True, timeout=60)
+    assert join.returncode == 2
+    assert join.stderr.strip().splitlines()[-1] == (
+        "elasticep join: error: give --dist-init-addr HOST:PORT (printed by serve) or "
+        "--membership-store etcd://..."), join.stderr[-3000:]
+
+
 def _serve(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cli_command("serve", "--ep-size", "2", "--port", "0",
                                       "--dist-init-addr", "127.0.0.1:0", *flags),
