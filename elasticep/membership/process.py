@@ -291,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         except (MembershipStoreError, TimeoutError) as e:
             print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
             return 2
-    coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
-                        hb_timeout_s=args.hb_timeout_s,
-                        join_hb_timeout_s=args.join_hb_timeout_s,
-                        listener=socket.socket(fileno=args.listen_fd),
-                        membership_store=store, lease=lease)
+    try:
+        coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
+                            hb_timeout_s=args.hb_timeout_s,
+                            join_hb_timeout_s=args.join_hb_timeout_s,
+                            listener=socket.socket(fileno=args.listen_fd),
+                            membership_store=store, lease=lease)
+    except MembershipStoreError as e:  # etcd went away between the claim and the load
+        print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
