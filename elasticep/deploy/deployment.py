@@ -83,6 +83,7 @@ class Deployment:
               hb_interval_s: float = 0.2, ranks: list[int] | None = None,
               fault: str | None = None,
               on_coordinator_exit: Callable[[int], None] | None = None,
+              membership_store: str | None = None, deployment_id: str | None = None,
               **kwargs: Any) -> Deployment:
         """Node 0: start the coordinator, publish the settings and launch ``ranks``
         (default ``0..ep_size-1``). Returns at once; see :meth:`wait_healthy`.
@@ -98,6 +99,8 @@ class Deployment:
             on_coordinator_exit: called with the coordinator process's exit status if it
                 dies before :meth:`stop` (from a watcher thread): the deployment cannot
                 go on without it, so the owner should stop.
+            membership_store, deployment_id: ``--membership-store`` (None: embedded)
+                and the id this deployment claims its prefix with.
             **kwargs: ``log_dir``, ``env``, ``new_session`` (see the class).
 
         Raises:
@@ -106,7 +109,9 @@ class Deployment:
         """
         coordinator = CoordinatorProcess.start(host, port, hb_interval_s=hb_interval_s,
                                                hb_timeout_s=config.heartbeat_timeout_s,
-                                               on_exit=on_coordinator_exit)
+                                               on_exit=on_coordinator_exit,
+                                               membership_store=membership_store,
+                                               deployment_id=deployment_id)
         try:
             config = replace(config, store_addr=f"{host}:{coordinator.store_port}")
             publish_config(coordinator.address, config)

@@ -45,8 +45,10 @@ from elasticep.entrypoints.validate import (
     setup_logging,
 )
 from elasticep.membership import CoordinatorClient
-from elasticep.membership.errors import JoinRefusedError
+from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
+from elasticep.membership.etcd_store import find_coordinator
 from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.join")
@@ -70,8 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "join", help="add ranks to a running deployment (rejoin a failed rank, or scale up)",
         description=__doc__.split("\n\n", 1)[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dist-init-addr", required=True,
-                   help="HOST:PORT of the deployment's coordinator (printed by serve)")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT of the deployment's coordinator (printed by serve); "
+                        "not needed with --membership-store etcd://")
+    p.add_argument("--membership-store", default=None,
+                   metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="find the coordinator as the leader elected in etcd (serve's "
+                        "--membership-store) instead of --dist-init-addr")
     p.add_argument("--elastic-ep-join-mode", choices=[m.value for m in JoinMode], default=None,
                    help="recover: relaunch failed ranks; scale: new ranks in free capacity")
     p.add_argument("--elastic-ep-rejoin", action="store_true",
@@ -142,14 +149,30 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         mode, ranks = parse_mode_and_ranks(args)
-        check_address("--dist-init-addr", args.dist_init_addr)
         raise_first_failure([coordinator_timeout_check(args)])
+        try:
+            store = parse_store_url(args.membership_store)
+        except ValueError as exc:
+            raise JoinError(str(exc)) from None
+        if args.dist_init_addr is None and store.kind != "etcd":
+            raise JoinError("give --dist-init-addr HOST:PORT (printed by serve) or "
+                            "--membership-store etcd://...")
+        if args.dist_init_addr is None:
+            args.dist_init_addr = find_coordinator(args.membership_store,
+                                                   args.coordinator_timeout)
+        check_address("--dist-init-addr", args.dist_init_addr)
         apply_gloo_ifname(args)
         env_profiler()
         log_dir = make_log_dir(args.log_dir, "elasticep-join-logs-")
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
+    except MembershipStoreError as exc:
+        print(f"elasticep join: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
+    except TimeoutError as exc:  # no coordinator leads in etcd
+        print(f"elasticep join: error: --membership-store: {exc}", file=sys.stderr)
+        return 1
 
     stop = stop_on_signals()
     client = None

@@ -15,6 +15,7 @@ from pathlib import Path
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
 from elasticep.entrypoints.validate import (
+    UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
     apply_gloo_ifname,
@@ -28,6 +29,7 @@ from elasticep.entrypoints.validate import (
 )
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
 from elasticep.frontend.tool_parsers import TOOL_CALL_PARSERS
+from elasticep.membership.store import parse_store_url
 
 
 def _human_bytes(n: int) -> str:
@@ -87,6 +89,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
     add_coordinator_timeout_argument(n)
     add_gloo_ifname_argument(n)
+    n.add_argument("--membership-store", default="embedded",
+                   metavar="embedded|etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="where the coordinator keeps the membership: embedded = in its "
+                        "own process (nothing to install); etcd:// = committed to etcd "
+                        "under /elasticep/PREFIX/ (default prefix elasticep), fenced by "
+                        "a leader lease; etcd unreachable or the prefix held by another "
+                        "deployment: exit 2 (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,10 @@ class ServeSettings:
         host, port, api_key, max_payload_size: the HTTP server.
         nnodes, node_rank: this node's place; ranks are split evenly over nodes.
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
-            any free port) and where other nodes find it.
+            any free port) and where other nodes find it (port 0 on nodes 1..: the
+            leader elected in ``membership_store``).
         restart_failed_ranks: relaunch crashed local ranks.
+        membership_store: the validated ``--membership-store`` value.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
         max_restarts, restart_window_s: the restart budget (relaunches per rank within
             the window, seconds).
@@ -128,6 +139,7 @@ class ServeSettings:
     warnings: tuple[str, ...] = ()
     served_model_name: str = ""
     tool_call_parser: str | None = None
+    membership_store: str = "embedded"
 
     @property
     def local_ranks(self) -> list[int]:
@@ -151,6 +163,12 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     """
     warnings: list[str] = []
     deployment = deployment_config(args, warnings)
+    try:
+        store = parse_store_url(args.membership_store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    # nodes 1.. may find the coordinator as the leader elected in etcd
+    finds_coordinator = store.kind == "etcd" and args.node_rank > 0
     raise_first_failure([
         port_check("--port", args.port),
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
@@ -164,12 +182,16 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
          f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
-        (args.nnodes == 1 or args.dist_init_addr,
-         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
+        (args.nnodes == 1 or args.dist_init_addr or finds_coordinator,
+         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0; "
+         "nodes 1.. may find it with --membership-store etcd://...)"),
         (deployment.elastic_ep_backend == Backend.ELASTIC or not args.restart_failed_ranks,
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
     ])
+    if finds_coordinator and args.dist_init_addr:
+        warnings.append("--membership-store is not used on this node: --dist-init-addr "
+                        "names the coordinator (no standby coordinator runs on nodes 1.. yet)")
     check_device(args.device)
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))
@@ -190,7 +212,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         coordinator_timeout_s=args.coordinator_timeout,
         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
         metrics_api_key=args.metrics_api_key, event_log=args.event_log,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), membership_store=args.membership_store,
         # as given: clients send what they typed, and SGLang's bench_serving loads its
         # tokenizer from this name
         served_model_name=args.served_model_name or args.model,

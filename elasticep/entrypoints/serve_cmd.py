@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,8 +58,10 @@ from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.client import CoordinatorClient
-from elasticep.membership.errors import JoinRefusedError
+from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
+from elasticep.membership.etcd_store import find_coordinator, open_etcd_store
 from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
 from elasticep.utils.net import bind_tcp
 
@@ -100,18 +103,40 @@ def run(args: argparse.Namespace) -> int:
     for warning in settings.warnings:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
+    deployment_id = uuid.uuid4().hex
+    try:  # before anything starts: a bad store costs nothing to find out
+        check_membership_store(settings, deployment_id)
+    except MembershipStoreError as exc:
+        print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
     stop = stop_on_signals()
     try:
         if settings.node_rank == 0:
-            return _serve_head(settings, stop, log_dir, fault)
+            return _serve_head(settings, args, stop, log_dir, fault, deployment_id)
         return _serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
+    except MembershipStoreError as exc:  # etcd gone while a node looked for the leader
+        print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
 
 
-def _serve_head(settings: ServeSettings, stop: StopEvent,
-                log_dir: Path, fault: str | None) -> int:
+def check_membership_store(settings: ServeSettings, deployment_id: str) -> None:
+    """Node 0 with ``--membership-store etcd://``: reach etcd and claim the prefix for
+    ``deployment_id`` (the coordinator process claims it again with the same id).
+
+    Raises:
+        StoreUnavailableError: no etcd member answered.
+        PrefixInUseError: another deployment holds the prefix.
+    """
+    spec = parse_store_url(settings.membership_store)
+    if spec.kind == "etcd" and settings.node_rank == 0:
+        open_etcd_store(spec, deployment_id).close()
+
+
+def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
+                log_dir: Path, fault: str | None, deployment_id: str) -> int:
     """Node 0: coordinator + front-end + local ranks (``fault``: their fault-injection
     spec); returns when stopped."""
     dep = settings.deployment
@@ -139,7 +164,8 @@ def _serve_head(settings: ServeSettings, stop: StopEvent,
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
                 ranks=settings.local_ranks, log_dir=log_dir, new_session=True, fault=fault,
-                on_coordinator_exit=coordinator_died)
+                on_coordinator_exit=coordinator_died,
+                membership_store=settings.membership_store, deployment_id=deployment_id)
         except OSError as exc:
             raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
                           f"{exc.strerror or exc}") from exc
@@ -359,6 +385,8 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
     (``fault``: their fault-injection spec)."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
+    if settings.coordinator_port == 0:  # no --dist-init-addr: the leader in etcd
+        address = find_coordinator(settings.membership_store, settings.coordinator_timeout_s)
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
         return stop.exit_status() or 1
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,

@@ -303,6 +303,7 @@ class Frontend:
             self.metrics.slots.labels(state.value).set(
                 sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
+        self.metrics.store_status(status.membership_store)
         before = self.tracker.resubmitted_total
         # requests on ranks that stop taking them now resume on others (update_ranks)
         for rank, n in self.tracker.running_per_rank().items():

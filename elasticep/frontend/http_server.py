@@ -318,6 +318,10 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         waiting = frontend.waiting_for_joiners()
         if waiting is not None:  # a grow needs `join`: say which slots, and how
             body["waiting_for_joiners"] = waiting
+        store = status.membership_store
+        if store is not None and not store.ok:  # serving goes on; no change is kept
+            body["degraded"] = True
+            body["membership_store"] = store.reason
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
         elif not frontend.ready:

@@ -20,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from elasticep.membership.status import StoreStatus
 from elasticep.membership.transitions import SlotState
 
 # Stream gaps after a failure are expected between ~10 ms and a few seconds.
@@ -58,6 +59,16 @@ class FrontendMetrics:
                            "state; free = unused capacity", ["state"], registry=r)
         self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
                                   registry=r)
+        self.membership_store_ok = Gauge(
+            "elasticep_membership_store_ok", "1 while the newest membership is committed "
+            "to --membership-store (etcd), 0 while it cannot be; absent when embedded",
+            registry=r)
+        self.membership_store_revision = Gauge(
+            "elasticep_membership_store_revision",
+            "Store revision of the coordinator's last commit (etcd)", registry=r)
+        self.coordinator_leader = Gauge(
+            "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
+            "leader lease (etcd)", ["replica"], registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",
                                      "Ranks seen entering state failed", registry=r)
         self.rank_recoveries = Counter("elasticep_rank_recoveries",
@@ -165,6 +176,16 @@ class FrontendMetrics:
             for state in SlotState:
                 self.rank_state.labels(label, state.value).set(float(e.state == state))
             self.rank_node.labels(label).set(e.node)
+
+    def store_status(self, store: StoreStatus | None) -> None:
+        """Record the membership store's state (None, the embedded default: nothing)."""
+        if store is None:
+            return
+        self.membership_store_ok.set(int(store.ok))
+        self.membership_store_revision.set(store.revision)
+        self.coordinator_leader.clear()
+        if store.leader is not None:
+            self.coordinator_leader.labels(store.leader).set(1)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

@@ -16,6 +16,9 @@ Layout:
   `generate` (its own GIL; a lifeline pipe stops it, and it dies with its parent).
 - ``messages`` (+ ``control_wire``) / ``protocol`` — the typed control messages, JSON lines.
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
+- ``durable_state`` / ``store`` / ``etcd_store`` / ``election`` / ``persister`` — the
+  coordinator's durable state as JSON, the store seam (``--membership-store``), etcd's
+  fenced commits and prefix claim, the leader lease, and the write-behind committer.
 - ``errors`` — the typed errors of membership events and refusals.
 
 It imports no other elasticep package; the rank-side torch backend

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import messages as m
+from .durable_state import MembershipState, group_record, target_record
 from .errors import MembershipRequestError
 from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
@@ -167,6 +168,22 @@ class MembershipService(SupervisorRequests):
         """The registered group ``name`` (its plain records; read them, do not change
         them). Raises ValueError (one line) for a group nobody registered."""
         return self._group(name)
+
+    def durable_state(self) -> MembershipState:
+        """What a standby coordinator needs to take over (``durable_state.py``)."""
+        d = self._deployment
+        return MembershipState({n: group_record(g) for n, g in self._groups.items()},
+                               self._max_world_size, d.config, target_record(d.target))
+
+    def restore(self, state: MembershipState) -> None:
+        """Take over ``state`` as a new leader, before any rank reconnects: groups,
+        capacity and the deployment's config and target. A transition that was in
+        flight is restarted at a fresh epoch once the ranks are back (its reports
+        answered the old leader's announcement)."""
+        self._groups = {n: state.group(n) for n in state.groups}
+        self._max_world_size = state.max_world_size
+        self._deployment.config = state.config
+        self._deployment.target = state.scale_target()
 
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""

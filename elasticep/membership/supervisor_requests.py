@@ -10,6 +10,8 @@ names the request type it answers (``dispatch.handles``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from . import messages as m
@@ -18,6 +20,7 @@ from .handlers import Role, handles
 from .operations import Operation, op_view
 from .registry import DeploymentRecords, Group
 from .scaling import ProcInfo, ScalePlan, ScaleTarget, check_join, deployment_status
+from .status import StoreStatus
 from .transitions import SlotState
 
 log = logging.getLogger("elasticep.membership")
@@ -35,6 +38,9 @@ class SupervisorRequests:
     _deployment: DeploymentRecords
     _max_world_size: int | None
     _clock: Any
+    # what the server says of its --membership-store, added to every status (the
+    # embedded default: None, no entry)
+    store_status: Callable[[], StoreStatus | None] = staticmethod(lambda: None)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str) -> Group:
@@ -110,9 +116,9 @@ class SupervisorRequests:
     def _deployment_status(self, sup, msg: m.GetDeploymentStatus) -> dict:
         epoch, states, ranks = self._world_view()
         d = self._deployment
-        return {"status": deployment_status(epoch, states, ranks, self._target(),
-                                            self._proc_infos(), d.live_launches(),
-                                            d.nodes).to_dict()}
+        status = deployment_status(epoch, states, ranks, self._target(), self._proc_infos(),
+                                   d.live_launches(), d.nodes)
+        return {"status": replace(status, membership_store=self.store_status()).to_dict()}
 
     @handles(m.Scale)
     def _scale(self, sup, msg: m.Scale) -> dict:
