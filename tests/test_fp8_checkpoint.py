@@ -341,3 +341,12 @@ def test_orphan_reload_and_joiner_read_are_bit_identical(fp8_ckpt, fp8_model):
     assert torch.equal(w13, online.experts.w13[3][0])
     plain, _ = CheckpointExperts(online, MODEL)(3, 5)
     assert not torch.equal(plain, w13)
+
+
+def test_llm_refuses_an_unsupported_quantization_before_any_rank_starts(tmp_path):
+    from elasticep import LLM
+    from elasticep.entrypoints.validate import UsageError
+
+    ckpt = _with_quant_config(tmp_path, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(UsageError, match="quantization method 'gptq' is not supported"):
+        LLM(model=str(ckpt), ep_size=1)

@@ -167,7 +167,8 @@ class LLMEngine:
         """Queue a request (a resumed one carries its ``output_token_ids``).
 
         Raises:
-            ValueError: bad sampling params, duplicate id, empty prompt, a resumed request
+            ValueError: bad sampling params, duplicate id, empty prompt, a token id outside
+                the vocabulary, a resumed request
                 that is already complete, or a prompt (plus resumed tokens) longer than the
                 context, the sliding window or the whole KV cache.
         """
@@ -177,6 +178,12 @@ class LLMEngine:
         n = len(req.prompt_token_ids) + len(req.output_token_ids)
         if not req.prompt_token_ids:
             raise ValueError(f"request {req.request_id!r} has an empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in (*req.prompt_token_ids, *req.output_token_ids)
+                    if not 0 <= t < vocab), None)
+        if bad is not None:  # an out-of-range id would index past the embedding table
+            raise ValueError(f"request {req.request_id!r}: token id {bad} is outside the "
+                             f"vocabulary [0, {vocab})")
         if len(req.output_token_ids) >= req.params.max_tokens:
             raise ValueError(
                 f"request {req.request_id!r} already has {len(req.output_token_ids)} of "

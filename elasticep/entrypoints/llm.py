@@ -33,7 +33,12 @@ from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints.batch_driver import BatchDriver
-from elasticep.entrypoints.validate import check_model_dir, default_model_dir, env_fault
+from elasticep.entrypoints.validate import (
+    check_model_dir,
+    check_quantization,
+    default_model_dir,
+    env_fault,
+)
 from elasticep.frontend.tokenizer import load_tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "GenerationError"]
@@ -147,6 +152,7 @@ class LLM:
         self.model = model  # as given, as vLLM and serve name it
         config = deployment_settings(check_model_dir(model, kwargs.get(
             "load_format", "auto")), {"ep_size": ep_size, **kwargs})
+        check_quantization(config.model, config.quantization)  # before any rank starts
         self.tokenizer = load_tokenizer(tokenizer or config.model)
         self._lock = threading.Lock()  # one batch at a time: the driver owns one loop
         self._driver: BatchDriver | None = BatchDriver.launch(
