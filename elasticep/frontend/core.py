@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
@@ -43,6 +44,7 @@ from elasticep.frontend_link import (
     StepFailed,
     WorkerMessage,
     is_routable,
+    monotonic_us,
 )
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
@@ -87,6 +89,7 @@ class Frontend:
         self.metrics = metrics or FrontendMetrics()
         self.config = config or FrontendConfig()
         self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
+        self.first_token_trace = FirstTokenTrace(monotonic_us)
         self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
         self._unreachable: set[int] = set()
@@ -162,8 +165,13 @@ class Frontend:
 
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams) -> RequestStream:
+               params: SamplingParams, arrived_us: int | None = None,
+               tokenized_us: int | None = None) -> RequestStream:
         """Route a request now and return the stream of its events.
+
+        ``arrived_us`` and ``tokenized_us`` (``monotonic_us`` stamps of the HTTP
+        handler's start and of its prompt's tokens; None: now) start its first-token
+        trace (:mod:`elasticep.frontend.first_token_trace`).
 
         Always close the stream (``async with contextlib.aclosing(stream)``): closing it
         before the final event (client gone) aborts the request on its rank.
@@ -175,7 +183,9 @@ class Frontend:
         if self.closed_reason is not None:
             raise NoRankAvailableError(self.closed_reason)
         stream = RequestStream(self, request_id)
-        self._dispatch(self.tracker.add(request_id, prompt_token_ids, params, stream.put))
+        sends = self.tracker.add(request_id, prompt_token_ids, params, stream.put)
+        self.first_token_trace.arrived(request_id, arrived_us, tokenized_us)
+        self._dispatch(sends)
         self.metrics.requests_running.inc()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         stream.open = True
@@ -308,7 +318,11 @@ class Frontend:
 
     def _handle(self, msg: WorkerMessage) -> None:
         if isinstance(msg, OutputBatch):
+            firsts = (self.first_token_trace.rank_batch(msg.first_tokens, msg.sent_us)
+                      if msg.first_tokens else ())
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
+            if firsts:
+                self.first_token_trace.delivered(firsts)
         elif isinstance(msg, RequestError):
             self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
         elif isinstance(msg, StepFailed):
@@ -326,6 +340,8 @@ class Frontend:
         for send in sends:
             try:
                 self.channel.send(send.rank, send.message)
+                if type(send.message) is GenerateRequest:
+                    self.first_token_trace.routed(send.message.request_id)
             except RankUnreachableError as exc:
                 if isinstance(send.message, GenerateRequest):
                     logger.warning("epoch %s: %s; moving its requests",
@@ -391,6 +407,7 @@ class RequestStream:
             return
         self.open = False
         self._frontend._streams.pop(self.request_id, None)
+        self._frontend.first_token_trace.closed(self.request_id)
         self._frontend.metrics.requests_running.dec()
         if abort:
             self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))

@@ -301,6 +301,12 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         data, content_type = frontend.metrics.render()
         return Response(data, media_type=content_type)
 
+    @app.get("/debug/first_token_trace")
+    async def first_token_trace(reset: bool = False) -> dict[str, Any]:
+        # where first tokens spent their time (frontend/first_token_trace.py); the
+        # benchmark resets it before its measured run and reads it after
+        return frontend.first_token_trace.summary(reset=reset)
+
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
         return frontend.status().to_dict()

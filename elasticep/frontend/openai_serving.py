@@ -45,6 +45,7 @@ from elasticep.frontend.request_tracker import (
     RequestEvent,
 )
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
+from elasticep.frontend_link import monotonic_us
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
@@ -166,14 +167,17 @@ class OpenAIServing:
                                         self.max_model_len, req.max_tokens_param())
         return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
 
-    def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams,
+               arrived_us: int | None = None) -> RequestStream:
         """Route a request; the stream of its events (close it: see ``Frontend.submit``).
+        ``arrived_us``: when its handler began (``monotonic_us``), for the first-token
+        trace; its prompt counts as tokenized now.
 
         Raises:
             OpenAIError: 503 with no healthy rank, 409 for a request id in flight.
         """
         try:
-            return self.frontend.submit(request_id, ids, params)
+            return self.frontend.submit(request_id, ids, params, arrived_us, monotonic_us())
         except NoRankAvailableError as exc:
             raise OpenAIError(503, str(exc), type="service_unavailable") from exc
         except DuplicateRequestError as exc:
@@ -182,9 +186,10 @@ class OpenAIServing:
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
+        arrived = monotonic_us()
         ids, params = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
-        stream = self.submit(rid, ids, params)
+        stream = self.submit(rid, ids, params, arrived)
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
             choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
@@ -203,9 +208,10 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
+        arrived = monotonic_us()
         ids, params = await self._chat_inputs(req)
         rid, created = new_id("chatcmpl"), now()
-        stream = self.submit(rid, ids, params)
+        stream = self.submit(rid, ids, params, arrived)
         first = [True]
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
@@ -235,6 +241,7 @@ class OpenAIServing:
         request fails, ``tail(tokens)`` (if not None) once it finished, then ``[DONE]``.
         ``endpoint`` labels the request metric."""
         metrics = self.frontend.metrics
+        trace = self.frontend.first_token_trace
 
         async def body() -> AsyncIterator[str]:
             outcome, num_tokens = "aborted", 0
@@ -247,6 +254,8 @@ class OpenAIServing:
                             break
                         num_tokens = event.num_generated
                         yield _sse_line(render(event))
+                        if num_tokens == 1:  # resumed here: the server wrote the chunk
+                            trace.written(stream.request_id)
                         if event.finish_reason is not None:
                             outcome = "finished"
                 last = tail(num_tokens) if outcome == "finished" else None

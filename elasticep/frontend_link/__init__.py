@@ -14,6 +14,7 @@ from .channels import (
     WorkerChannel,
 )
 from .messages import (
+    FirstTokenTimes,
     IpcEndpoints,
     OutputBatch,
     RankMessage,
@@ -23,10 +24,11 @@ from .messages import (
     WorkerHello,
     WorkerMessage,
     is_routable,
+    monotonic_us,
 )
 
 __all__ = [
-    "FrontendChannel", "FrontendUnreachableError", "IpcEndpoints", "IpcError", "OutputBatch",
+    "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "IpcEndpoints", "IpcError", "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
-    "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable",
+    "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable", "monotonic_us",
 ]
