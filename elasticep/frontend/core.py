@@ -387,6 +387,23 @@ class RequestStream:
             raise StopAsyncIteration
         # no timeout here: the front-end's stall watch puts an error event instead
         event = await self._queue.get()
+        self._account(event)
+        return event
+
+    def ready(self) -> list[RequestEvent]:
+        """The events already queued behind the last one returned, up to the final one,
+        without waiting: a writer that fell behind (several steps' tokens arrived while
+        it wrote) sends them in one write, so its cost per token falls as the load
+        rises instead of the backlog growing."""
+        out: list[RequestEvent] = []
+        while not self._done and not self._queue.empty():
+            event = self._queue.get_nowait()
+            self._account(event)
+            out.append(event)
+        return out
+
+    def _account(self, event: RequestEvent) -> None:
+        """Count a taken event in the metrics; close the stream after its final one."""
         metrics = self._frontend.metrics
         if event.num_generated == 1 and event.token_ids:
             metrics.time_to_first_token_seconds.observe(time.monotonic() - self._start)
@@ -394,15 +411,14 @@ class RequestStream:
         if event.finish_reason is not None:
             self._done = True
             # a request the tracker finished needs no abort; an error may (timeout)
-            await self._close(abort=event.error is not None)
-        return event
+            self._close(abort=event.error is not None)
 
     async def aclose(self) -> None:
         """Stop following the request; aborts it on its rank unless it finished."""
         self._done = True
-        await self._close(abort=True)
+        self._close(abort=True)
 
-    async def _close(self, abort: bool) -> None:
+    def _close(self, abort: bool) -> None:
         if not self.open:
             return
         self.open = False

@@ -244,24 +244,31 @@ class OpenAIServing:
         trace = self.frontend.first_token_trace
 
         async def body() -> AsyncIterator[str]:
-            outcome, num_tokens = "aborted", 0
+            outcome, num_tokens, written = "aborted", 0, False
             try:
                 async with contextlib.aclosing(stream):
                     async for event in stream:
-                        if event.error is not None:
-                            outcome = "error"
-                            yield _sse_line(_error_json(event))
-                            break
-                        num_tokens = event.num_generated
-                        yield _sse_line(render(event))
-                        if num_tokens == 1:  # resumed here: the server wrote the chunk
+                        # one chunk per token event, but one write for every event
+                        # queued by then: each write costs the loop the whole ASGI
+                        # send path, more than rendering the events it carries
+                        lines = []
+                        for e in (event, *stream.ready()):
+                            if e.error is not None:
+                                outcome = "error"
+                                lines.append(_sse_line(_error_json(e)))
+                                break
+                            num_tokens = e.num_generated
+                            lines.append(_sse_line(render(e)))
+                            if e.finish_reason is not None:
+                                outcome = "finished"
+                        yield "".join(lines)
+                        if not written and num_tokens:  # resumed here: the chunk is out
+                            written = True
                             trace.written(stream.request_id)
-                        if event.finish_reason is not None:
-                            outcome = "finished"
+                        if outcome == "error":
+                            break
                 last = tail(num_tokens) if outcome == "finished" else None
-                if last is not None:
-                    yield _sse_line(last)
-                yield "data: [DONE]\n\n"
+                yield ("" if last is None else _sse_line(last)) + "data: [DONE]\n\n"
             finally:
                 metrics.requests.labels(endpoint, outcome).inc()
 
