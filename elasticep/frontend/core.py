@@ -315,6 +315,11 @@ class Frontend:
                     logger.exception("epoch %s: failed to handle %s from rank %s",
                                      self._status.epoch, type(msg).__name__,
                                      getattr(msg, "rank", "?"))
+            # poll returns at once while messages wait, without passing through the
+            # loop: yield here, or a pump that is always behind starves the streams'
+            # writers and the HTTP handlers, and clients get their tokens in one burst
+            # at the end (seen at 256 streams on stub ranks)
+            await asyncio.sleep(0)
 
     def _handle(self, msg: WorkerMessage) -> None:
         if isinstance(msg, OutputBatch):

@@ -44,7 +44,7 @@ from elasticep.frontend.openai_protocol import (
 )
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.sglang_api import add_sglang_routes
-from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.frontend.tokenizer import load_tokenizer, streaming_decode
 from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.net import bind_tcp
@@ -369,8 +369,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62
-    frontend = Frontend(channel, membership,
-                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    frontend = Frontend(channel, membership, streaming_decode(tokenizer),
                         config=frontend_config)
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
