@@ -126,3 +126,28 @@ def test_the_scheduler_with_ample_blocks_follows_the_plan_step_by_step(chunk):
                 it.seq.output_token_ids.append(1)
                 if len(it.seq.output_token_ids) >= rng.randrange(3, 12):
                     sched.finish(it.seq, "length")
+
+
+def test_max_num_batched_tokens_flag_sets_the_budget_and_bounds_the_exchange():
+    from elasticep.config import DeploymentConfig
+    from elasticep.engine import limits as L
+    from elasticep.entrypoints.cli import build_parser
+    from elasticep.entrypoints.deployment_args import deployment_config
+
+    args = build_parser("serve").parse_args(
+        ["serve", "--device", "cuda", "--max-num-batched-tokens", "2048",
+         "--chunked-prefill-size", "1024", "--max-running-requests", "256",
+         "--moe-a2a-backend", "all_to_all"])
+    d = deployment_config(args)
+    assert d.max_num_batched_tokens == 2048
+    engine = L.rank_limits(d, 100_000).engine_config()
+    assert (engine.max_batch_tokens, engine.chunked_prefill_size) == (2048, 1024)
+    assert L.max_step_tokens(d) == 2048  # prefill never takes a step past the budget
+    many = DeploymentConfig(model="m", device="cuda", max_num_batched_tokens=128,
+                            max_running_requests=512)
+    assert L.max_step_tokens(many) == 512  # decodes alone may exceed it
+    # not given: as before the flag, the larger of 4096 and the chunk
+    default = DeploymentConfig(model="m", device="cuda", chunked_prefill_size=16384)
+    assert L.rank_limits(default, 100_000).engine_config().max_batch_tokens == 16384
+    with pytest.raises(ValueError, match="--max-num-batched-tokens must be >= 1"):
+        DeploymentConfig(model="m", max_num_batched_tokens=0)
