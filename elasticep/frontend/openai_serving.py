@@ -52,6 +52,9 @@ from elasticep.utils.text import unicode_problem
 logger = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
+# text prompts up to this many characters are encoded on the loop (under a
+# millisecond), longer ones on the pool (TokenizerPool.run's inline)
+INLINE_PROMPT_CHARS = 1024
 
 
 @dataclass
@@ -138,7 +141,8 @@ class OpenAIServing:
         if isinstance(prompt, str):
             _check_unicode(prompt, param)
             try:
-                ids = list(await self.tokenizers.run(_encode, prompt))
+                ids = list(await self.tokenizers.run(
+                    _encode, prompt, inline=len(prompt) <= INLINE_PROMPT_CHARS))
             except NoTokenizerError as exc:
                 raise OpenAIError(400, str(exc), param=param) from None
         else:
