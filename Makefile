@@ -16,14 +16,26 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu ; fi
 	# the runtime package plus the test extra (elasticep_testkit's openai/httpx, pytest) and ruff
 	$(BIN)/pip install -q -e '.[test,dev]'
+	$(MAKE) etcd
 	touch $(STAMP)
+
+# etcd for --membership-store etcd:// and its tests (tests/test_etcd_membership.py start a
+# 3-member cluster on 127.0.0.1): Debian's etcd-server, whose package starts no service
+# here. The embedded coordinator, the default, needs none of it.
+.PHONY: etcd
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends etcd-server; }
+	@etcd --version | head -1
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) etcd
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
 	$(BIN)/python -m pytest -q --durations=15 tests
 

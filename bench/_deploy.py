@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _decode_share
+from elasticep.utils.procs import pid_alive
 from elasticep_testkit.harness import timeline
 from elasticep_testkit.harness.load import (
     Outcomes,
@@ -86,6 +87,40 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {os.cpu_count()} cores"
+
+
+def survivor_recaptures(captures_before: dict[int, float], captures_after: dict[int, float],
+                        pids_before: dict[int, int], pids_after: dict[int, int],
+                        victims: list[int]) -> dict[str, Any]:
+    """CUDA graph re-captures on the ranks that lived through the run.
+
+    A survivor is a rank that was not a victim of the event and ran the same process
+    (the same pid) at the end of the healthy window and at the end: a joiner had no
+    process before, and a rank that died and was relaunched has a new pid (the
+    captures gauge of a rank keeps its last value after it dies, and a relaunched
+    rank's counts start anew, so neither says whether it re-captured).
+
+    Args:
+        captures_before, captures_after: rank -> ``elasticep_cuda_graph_captures`` at
+            the end of the healthy window and at the end.
+        pids_before, pids_after: rank -> pid of its running worker at those times.
+        victims: the ranks the event took.
+
+    Returns:
+        ``survivor_recaptures`` (captures added on the survivors; None when no rank
+        reports captures: CPU, or graphs off), ``survivor_ranks`` (sorted), and
+        ``relaunched_non_victims`` (ranks that were no victim but run a new process:
+        a failure the scenario did not plan).
+    """
+    kept = sorted(r for r, pid in pids_before.items()
+                  if r not in victims and pids_after.get(r) == pid
+                  and r in captures_before and r in captures_after)
+    relaunched = sorted(r for r, pid in pids_before.items()
+                        if r not in victims and r in pids_after and pids_after[r] != pid)
+    total = (int(sum(captures_after[r] - captures_before[r] for r in kept))
+             if captures_after else None)
+    return {"survivor_recaptures": total, "survivor_ranks": kept,
+            "relaunched_non_victims": relaunched}
 
 
 class Run:
@@ -170,12 +205,21 @@ class Run:
         captures at its end, against which :meth:`finish` counts re-captures)."""
         self.window("healthy", self.t0 + self.args.warmup_s, self.args.healthy_s)
         self._captures_healthy = self._captures()
+        self._pids_healthy = self._live_pids()
 
     def _captures(self) -> dict[int, float]:
         try:
             return self.serve.rank_metric("elasticep_cuda_graph_captures")
         except Exception:  # noqa: BLE001 - a diagnostic only; serve may be down
             return {}
+
+    def _live_pids(self) -> dict[int, int]:
+        """rank -> worker pid, for the ranks whose named process is running now."""
+        try:
+            named = self.serve.status().pids()
+        except Exception:  # noqa: BLE001 - a diagnostic only; serve may be down
+            return {}
+        return {r: p for r, p in named.items() if pid_alive(p)}
 
     def finish(self) -> None:
         """Stop the load (in-flight requests finish), the watch and serve. Idempotent."""
@@ -193,12 +237,9 @@ class Run:
                 self.extra["graph_captures"] = {
                     r: [self._captures_healthy.get(r), end.get(r)]
                     for r in sorted(set(end) | set(self._captures_healthy))}
-                # ranks in the deployment before and after that were not the event's
-                # victims (a relaunched victim counts its new process's captures)
-                kept = (set(end) & set(self._captures_healthy)) - set(self.event_ranks)
-                # None: no rank reported graph captures (CPU, graphs off), not "0"
-                self.extra["survivor_recaptures"] = int(sum(
-                    end[r] - self._captures_healthy[r] for r in kept)) if end else None
+                self.extra.update(survivor_recaptures(
+                    self._captures_healthy, end, self._pids_healthy, self._live_pids(),
+                    self.event_ranks))
             self.orphans = self.serve.stop()
             if hasattr(self, "_captures_healthy") and "decode_steps_by_rank" not in self.extra:
                 self._decode_shares()
@@ -236,7 +277,8 @@ class Run:
     def meta(self) -> dict[str, Any]:
         """JSON keys describing the setup."""
         a = self.args
-        return {"ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
+        return {"model": Path(a.model).name if a.model else "tiny-qwen3-moe",
+                "ep_size": a.ep_size, "redundant": a.ep_num_redundant_experts,
                 "device": a.device, "cuda_graph": cuda_graph_on(a),
                 "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "orphans": self.orphans, "machine": machine(),

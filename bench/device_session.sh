@@ -11,6 +11,15 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
 # PYTHONPATH that runs tree NAME: "new" is this tree, any other the package of .ab/NAME
 # (carried). Use with PYTHONSAFEPATH=1, or `python -m` puts this tree first anyway.
 tree_path() { if [[ $1 == new ]]; then echo "/tmp/site:$PWD"; else echo "/tmp/site:$PWD/.ab/$1:$PWD"; fi; }
+# The commit tree NAME was cut from, for its records' "commit" (the bench scripts read
+# $ELASTICEP_COMMIT; a base tree's lines must not carry this tree's commit): "new" is
+# $ELASTICEP_COMMIT, any other the first line of .ab/NAME/COMMIT (written beside the
+# carried package: `git rev-parse --short REV > .ab/NAME/COMMIT`). Fails without one.
+tree_commit() {
+    if [[ $1 == new ]]; then echo "${ELASTICEP_COMMIT:?set ELASTICEP_COMMIT}"
+    elif [[ -s .ab/$1/COMMIT ]]; then head -1 ".ab/$1/COMMIT"
+    else echo "no .ab/$1/COMMIT: the records of tree $1 would carry no commit" >&2; return 1; fi
+}
 step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
     local name=$1 limit=$((BUDGET - SECONDS))
     (( $2 < limit )) && limit=$2
@@ -89,8 +98,10 @@ if want sweep; then  # served against the engine; SWEEPS: label@VAR=value@concur
     for spec in ${SWEEPS:-default@@1,64}; do
         IFS=@ read -r label assign cs <<< "$spec"
         # tree=NAME: the package of .ab/NAME in place of this tree's (tree_path)
-        [[ $assign == tree=* ]] \
-            && assign="PYTHONSAFEPATH=1 PYTHONPATH=$(tree_path "${assign#tree=}")"
+        if [[ $assign == tree=* ]]; then
+            c=$(tree_commit "${assign#tree=}") || { echo "SKIPPED sweep_$label" >&2; continue; }
+            assign="PYTHONSAFEPATH=1 PYTHONPATH=$(tree_path "${assign#tree=}") ELASTICEP_COMMIT=$c"
+        fi
         step "sweep_$label" ${SWEEP_S:-150} env $assign \
             python3 -m bench.serving_sweep --concurrencies $cs \
             --prompts-per-concurrency ${PPC:-2} $Q3 --random-input-len 256 --random-output-len 256 \
@@ -106,6 +117,36 @@ import json
 for l in open('$OUT/sweep.jsonl'):
     d=json.loads(l); e=d['engine']
     print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
+fi
+
+if want fp8_kernels; then  # the FP8 expert kernels against their reference, then timed
+    step fp8_tests ${FP8T_S:-120} python3 -m pytest -v -p no:cacheprovider \
+        tests/test_fp8_rows_gpu.py > "$OUT/fp8_tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.log" | tail -12
+    step fp8_experts ${FP8E_S:-90} python3 -m bench.fp8_experts --rows 1,8,64 \
+        > "$OUT/fp8_experts.jsonl" 2> /tmp/fp8e.err
+    tail -2 /tmp/fp8e.err | cut -c1-300
+    python3 -c "
+import json
+for l in open('$OUT/fp8_experts.jsonl'):
+    d=json.loads(l); print(d['hidden'], d['rows'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
+fi
+
+if want fp8_decode; then  # the decode step in FP8 and bf16 on one shape, one run each
+    mkdir -p /tmp/q3f && cp bench/configs/${FP8_CONFIG:-qwen3-30b-a3b-fp8}.json /tmp/q3f/config.json
+    for cfg in ${FP8_CONFIGS:-qwen3-30b-a3b-fp8 qwen3-30b-a3b}; do
+        step "decode_$cfg" ${FP8D_S:-150} python3 -m bench.scale --only hbm,ep1 \
+            --config bench/configs/$cfg.json --layers ${FP8_LAYERS:-48} \
+            --batches ${FP8_BATCHES:-1,16,64,256} --decode-tokens ${FP8_TOKENS:-32} --cuda-graph on \
+            --workdir /tmp/scale_$cfg > /tmp/fp8d_$cfg.jsonl 2> /tmp/fp8d_$cfg.err
+        sed "s/^{/{\"model_config\": \"$cfg\", /" /tmp/fp8d_$cfg.jsonl >> "$OUT/fp8_decode.jsonl"
+        tail -2 /tmp/fp8d_$cfg.err | cut -c1-300
+    done
+    python3 -c "
+import json
+for l in open('$OUT/fp8_decode.jsonl'):
+    d=json.loads(l)
+    if d.get('section') == 'ep1': print(d['model_config'], d.get('batch'), d.get('decode_step_ms'), 'x bound', d.get('x_hbm_bound'), d.get('error', '')[:300])"
 fi
 
 if want exchange; then  # memop node cost in a graph, then the exchange per layer
@@ -130,9 +171,11 @@ fi
 
 if want expert_forms; then  # the exchange's decode stages against the engine's
     for tree in ${EF_TREES:-new}; do  # new: this tree; else .ab/NAME's package (carried)
+        c=$(tree_commit "$tree") || { echo "SKIPPED expert_forms_$tree" >&2; continue; }
         step "expert_forms_$tree" ${EF_S:-60} env PYTHONSAFEPATH=1 PYTHONPATH="$(tree_path "$tree")" \
-            python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
-            | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
+            ELASTICEP_COMMIT="$c" python3 -m bench.expert_gemv --exchange-forms ${EF_G:-2,4} \
+            | sed "s/^{/{\"tree\": \"$tree\", \"tree_commit\": \"$c\", /" \
+            >> "$OUT/expert_forms.jsonl" 2> /tmp/ef.err
         tail -2 /tmp/ef.err | cut -c1-300
     done
     cat "$OUT/expert_forms.jsonl"
@@ -167,11 +210,14 @@ if want decode_ab; then  # no decode regression: older trees (.ab/NAME, carried)
         trees=${AB_TREES:-old new}  # even rounds run them in reverse (ABBA): drift cancels
         (( round % 2 == 0 )) && trees=$(tr ' ' '\n' <<< "$trees" | tac | tr '\n' ' ')
         for tree in $trees; do
+            c=$(tree_commit "$tree") || { echo "SKIPPED decode_${tree}_$round" >&2; continue; }
             step "decode_${tree}_$round" ${AB_S:-100} env PYTHONSAFEPATH=1 \
-                PYTHONPATH="$(tree_path "$tree")" python3 -m bench.scale \
+                PYTHONPATH="$(tree_path "$tree")" ELASTICEP_COMMIT="$c" python3 -m bench.scale \
                 --only ep1 --batches ${AB_BATCHES:-1,64,256} --decode-tokens 48 --cuda-graph on \
                 --workdir /tmp/scale_ab > /tmp/ab_$tree.jsonl 2> /tmp/ab_$tree.err
-            sed "s/^{/{\"tree\": \"$tree\", \"round\": $round, /" /tmp/ab_$tree.jsonl \
+            # each line names the commit of the tree that ran it
+            sed "s/^{/{\"tree\": \"$tree\", \"tree_commit\": \"$c\", \"round\": $round, /" \
+                /tmp/ab_$tree.jsonl \
                 | grep '"ep1"' >> "$OUT/decode_ab.jsonl"
             tail -1 /tmp/ab_$tree.err | cut -c1-200
         done
@@ -216,7 +262,7 @@ fi
 # into one archive beside the main results. They are kept outside $OUT, so that several
 # runs of this script in one call (from other trees, say) add to one archive.
 KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
     && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
     && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"

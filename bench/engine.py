@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench._commit import commit
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep_testkit.prompts import gsm8k_prompts
@@ -82,7 +83,7 @@ def main() -> None:
 
     ours_tps, ref_tps = statistics.median(ours_runs), statistics.median(ref_runs)
     print(json.dumps({
-        "bench": "engine",
+        "bench": "engine", "commit": commit(),
         "model": Path(args.model).name,
         "device": args.device,
         "dtype": args.dtype,

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench._commit import commit
 from elasticep.config import DeploymentConfig
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints.batch_driver import BatchDriver
@@ -166,6 +167,7 @@ def main() -> None:
         elastic.close()
     before, after = _eplb_imbalance(tok, 64, args.max_tokens)
     result["eplb_imbalance_before"], result["eplb_imbalance_after"] = before, after
+    result = {"commit": commit(), **result}
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}),
           flush=True)
 

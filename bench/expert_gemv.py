@@ -2,7 +2,7 @@
 
 For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, bf16) and a few rows,
 each on its own expert (as at decode batch 1: 8 rows, 8 experts), it times
-:func:`elasticep.moe.small_batch_experts.swiglu_rows` under several tile choices and
+:func:`elasticep.moe.experts.small_batch_experts.swiglu_rows` under several tile choices and
 the grouped GEMM path, and divides the expert bytes they must read by the time. The
 bound is a device-to-device copy measured in the same run (2 x bytes / time).
 
@@ -20,11 +20,12 @@ import sys
 
 import torch
 
+from bench._commit import commit
 from bench.gpu_run import _time_cuda as cuda_ms  # noqa: E402 - one CUDA-event median timer
-from elasticep.moe.expert_compute import grouped_swiglu
-from elasticep.moe.padded_exchange import row_width, split_rows
-from elasticep.moe.small_batch_experts import swiglu_rows
-from elasticep.moe.sorted_experts import swiglu_sorted
+from elasticep.moe.exchange.padded_exchange import row_width, split_rows
+from elasticep.moe.experts.expert_compute import grouped_swiglu
+from elasticep.moe.experts.small_batch_experts import swiglu_rows
+from elasticep.moe.experts.sorted_experts import swiglu_sorted
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
@@ -89,8 +90,9 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     and to one; and the router's top-k kernel followed by the dispatch send against the
     dispatch send that routes the token itself. Prints one JSON line."""
     from elasticep.models.fused_routing import fused_softmax_topk
-    from elasticep.moe.ipc_exchange import IpcExchange
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
+    from elasticep.moe.fused_exchange import FusedForms
     from elasticep.moe.softmax_topk import SoftmaxTopk
 
     dev, dt, C, G = torch.device("cuda"), torch.bfloat16, rows_per_source, group_size
@@ -100,6 +102,7 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     w2 = [torch.randn(experts, H, inter, device=dev, dtype=dt, generator=gen) / inter**0.5
           for _ in range(layers)]
     ex = IpcExchange(0, G, C, H, dt, 1, dev)
+    fex = FusedForms(ex)
     rows, tags = split_rows(ex.recv0[:G * C], H)
     rows.copy_(torch.randn(G * C, H, device=dev, dtype=dt, generator=gen))
     tags.zero_()
@@ -112,7 +115,7 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     # every stage through the exchange's own calls, as layer 0 of its one MoE layer
     def plain(layer: int) -> None:
         gate_up_rows(w13[layer], rows, tags, act, tag_bound=(bound, C))
-        ex.send_combine_down(act, tags, w2[layer], C, 0, experts)
+        fex.send_combine_down(act, tags, w2[layer], C, 0, experts)
 
     forms = {
         "engine": lambda layer: swiglu_rows(w13[layer], w2[layer], own_rows, own_tags),
@@ -128,13 +131,14 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     l2p = torch.arange(experts, device=dev)
     for name, e in (("dispatch", IpcExchange(0, G, C, H, dt, 1, dev)),
                     ("dispatch_one_destination", IpcExchange(0, 1, C, H, dt, 1, dev))):
-        forms[name] = lambda layer, e=e: e.send_dispatch_static(hidden, ids, l2p, experts, C, 0)
+        forms[name] = lambda layer, e=FusedForms(e): e.send_dispatch_static(
+            hidden, ids, l2p, experts, C, 0)
     # the router's top-k kernel then the dispatch, against the routing inside the send
     # (Qwen3-30B-A3B: 128 logical experts, top-8, renormalised)
     logits = torch.randn(1, 128, device=dev, dtype=dt, generator=gen)
     rule = SoftmaxTopk(C, True)
     l2p128 = torch.randperm(128, device=dev, generator=gen) % (G * experts)
-    e_route = IpcExchange(0, G, C, H, dt, 1, dev)
+    e_route = FusedForms(IpcExchange(0, G, C, H, dt, 1, dev))
     forms["router_then_dispatch"] = lambda layer: e_route.send_dispatch_static(
         hidden, fused_softmax_topk(logits, C, True, 1.0, dt)[0], l2p128, experts, C, 0)
     forms["routed_dispatch"] = lambda layer: e_route.send_dispatch_routed(
@@ -147,7 +151,7 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
         ex.recv1.zero_()
         forms[name](0)
         errs[name] = float((ex.recv1[:C].float() - ref).abs().max() / ref.abs().max())
-    print(json.dumps({"bench": "expert_exchange_forms", "hidden": H, "inter": inter,
+    print(json.dumps({"bench": "expert_exchange_forms", "commit": commit(), "hidden": H, "inter": inter,
                       "rows_per_source": C, "group_size": G, "layers": layers,
                       "us_per_layer": result, "rel_err": errs}), flush=True)
 

@@ -27,8 +27,10 @@ coordinator's epoch without the victim), admit_s (scale request or join start ->
 new membership committed), join_s (join start -> joiners ready / admitted).
 
 Graph keys: graph_captures (rank -> [captures at the end of the healthy window, at the
-end]), survivor_recaptures (the captures added on ranks present before and after that
-were not the event's victims; null when no rank reports captures: CPU or graphs off),
+end]), survivor_recaptures (the captures added on the survivors: ranks that were not
+the event's victims and ran the same worker pid at the end of the healthy window and at
+the end; null when no rank reports captures: CPU or graphs off), survivor_ranks, and
+relaunched_non_victims (ranks no fault was aimed at that run a new process at the end),
 and per window w of healthy / event / degraded / after / join: decode_replays_w and
 decode_eager_w (decode steps that replayed a CUDA graph / ran eagerly, summed over the
 ranks' step-rate lines whose interval's midpoint lies in w) and decode_replay_share_w
@@ -44,6 +46,7 @@ import signal
 import sys
 import time
 
+from bench._commit import commit
 from bench._deploy import Run, add_deploy_arguments, deployment_args
 from elasticep_testkit.harness import timeline
 from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out
@@ -230,7 +233,7 @@ def main() -> int:
         if args.plot:
             run.plot(args.plot, f"{args.scenario}: EP{args.ep_size}, "
                                 f"{args.concurrency} streams, {args.device}")
-    print(json.dumps(line), flush=True)
+    print(json.dumps({"commit": commit(), **line}), flush=True)
     return 0
 
 

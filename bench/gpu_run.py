@@ -56,14 +56,14 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 import elasticep.membership as em
 from bench._procs import Procs, worker
-from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows
-from elasticep.moe.local_executor import run_slots
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange.padded_exchange import (
     exchange_over,
     padded_combine,
     padded_dispatch,
     pair_capacity,
 )
+from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows
+from elasticep.moe.local_executor import run_slots
 from elasticep_testkit.prompts import gsm8k_questions
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,11 +28,13 @@ import time
 
 import torch
 
+from bench._commit import commit
+
 VARIANTS = ("kernels", "batch", "batch_nobarrier", "pair", "wait_only")
 
 
 def _ops(variant: str, addr: int):
-    from elasticep.moe import stream_memops as sm
+    from elasticep.moe.exchange import stream_memops as sm
     drv = sm.driver()
     if variant == "batch":
         return lambda: sm.wait_and_reset32([addr])
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)
     from bench.spike_stream_wait import replay_ms
-    from elasticep.moe import stream_memops
+    from elasticep.moe.exchange import stream_memops
     stream_memops.batch_works(torch.cuda.current_device())  # its self-test, before any capture
     n = 2 * args.layers
     out, launch = {}, {}
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             errors[v] = repr(exc)[:200]
             torch.cuda.synchronize()
     base = out["kernels"]
-    line = {"bench": "graph_node_cost", "waits": n,
+    line = {"bench": "graph_node_cost", "commit": commit(), "waits": n,
             "replay_ms": {v: round(t, 4) for v, t in out.items()},
             "extra_us_per_wait": {v: round((t - base) * 1e3 / n, 2) for v, t in out.items()},
             "launch_us": {v: round(t, 1) for v, t in launch.items()}, "errors": errors}

@@ -1,7 +1,7 @@
 """Microbench of the same-host exchange (``--moe-a2a-backend cuda_ipc``), end to end.
 
 ``G`` processes (default: all on GPU 0, as ranks share one GPU in this project's test
-topology) each build an :class:`~elasticep.moe.ipc_exchange.IpcExchange`, publish and map
+topology) each build an :class:`~elasticep.moe.exchange.ipc_exchange.IpcExchange`, publish and map
 their buffers through a TCPStore on 127.0.0.1, then capture one CUDA graph of
 ``--layers`` x (dispatch, an identity "expert", combine): the product's kernels, signals
 and waits, with nothing else in the graph. Per tokens-per-rank value it reports the
@@ -35,6 +35,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench._commit import commit
 
 H, K, S = 2048, 8, 32  # Qwen3-30B-A3B's hidden size and top-k; slots per rank
 
@@ -77,16 +79,19 @@ def _profiled(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict:
 
 def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> None:
     from bench.spike_stream_wait import replay_ms
-    from elasticep.moe import ipc_kernels
-    from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
-    from elasticep.moe.padded_exchange import pair_capacity
+    from elasticep.moe import fused_exchange_kernels
+    from elasticep.moe.exchange import ipc_kernels
+    from elasticep.moe.exchange.ipc_buffers import capacity_rows
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange
+    from elasticep.moe.exchange.padded_exchange import pair_capacity
+    from elasticep.moe.fused_exchange import FusedForms
     layers, replays, G = args.layers, args.replays, max(args.max_ep_size or world, world)
     if args.block_h:
         ipc_kernels.BLOCK_H = args.block_h
     if args.num_warps:
         ipc_kernels.NUM_WARPS = args.num_warps
     if args.block_n:
-        ipc_kernels.FUSED_BLOCK_N = args.block_n
+        fused_exchange_kernels.FUSED_BLOCK_N = args.block_n
     try:
         torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=(me == 0),
@@ -100,6 +105,8 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
         ex.reset(torch.arange(G) < world)
         identity = torch.arange(G * S, device="cuda")  # logical expert e -> slot e
         ex.tag_cap(S)
+        fused = FusedForms(ex)
+        fused.warm()
         gbps = _copy_gbps()
         out = {"rank": me, "copy_gbps": round(gbps, 1), "rows": []}
         g = torch.Generator().manual_seed(me)
@@ -113,7 +120,7 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
                 back = None
                 for layer in range(layers):
                     if args.static:
-                        position = ex.send_dispatch_static(hidden, slots, identity, S, C, layer)
+                        position = fused.send_dispatch_static(hidden, slots, identity, S, C, layer)
                     else:
                         position = ex.send_dispatch(hidden, slots, S, C, layer).position
                     rows, _ = ex.recv_dispatch(C, layer, S)
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_ep_size": max(args.max_ep_size, args.world), "static": args.static,
             "block_h": args.block_h or None, "num_warps": args.num_warps or None,
             "block_n": args.block_n or None,
-            "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs}
+            "layers": args.layers, "hidden": H, "top_k": K, "ranks": outs,
+            "commit": commit()}
     print(json.dumps(line), flush=True)
     bad = any("error" in o or not all(r["roundtrip_equal"] for r in o["rows"]) for o in outs)
     return 1 if bad else 0

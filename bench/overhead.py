@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+from bench._commit import commit
 from bench._deploy import (
     REQUEST_TIMEOUT_S,
     add_deploy_arguments,
@@ -98,7 +99,7 @@ def main() -> int:
     med = {b: statistics.median(runs[b]) for b in BACKENDS}
     common = sorted(set(texts["elastic"]) & set(texts["none"]))
     print(json.dumps({
-        "bench": "overhead",
+        "bench": "overhead", "commit": commit(),
         "tokens_per_s_elastic": round(med["elastic"], 1),
         "tokens_per_s_none": round(med["none"], 1),
         "ratio": round(med["elastic"] / med["none"], 3),

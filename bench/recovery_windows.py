@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench._commit import commit
 from elasticep.membership.transitions import SlotState
 from elasticep_testkit.ep import (  # the tests' launch, reference and near-tie rule
     assert_matches_reference,
@@ -191,14 +191,6 @@ CASES: dict[str, Callable[[_TmpDirs, float], None]] = {
 }
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.recovery_windows",
                                  description=__doc__.split("\n\n")[0])
@@ -214,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.trials < 1:
         ap.error(f"unknown cases {sorted(unknown)}" if unknown else "--trials must be >= 1")
     reference()  # once, before any deployment holds the cores
-    out = {"bench": "recovery_windows", "commit": _commit(), "trials": args.trials,
+    out = {"bench": "recovery_windows", "commit": commit(), "trials": args.trials,
            "gap_s": args.gap_s, "cases": {}, "failures": []}
     with tempfile.TemporaryDirectory(prefix="recovery-windows-") as root:
         tmp = _TmpDirs(Path(root))

@@ -62,20 +62,23 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench._commit import commit
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 
 from bench.prefill import section_prefill
 from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings
+from elasticep.engine.limits import expert_bytes_per_slot
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.models import MoEModelConfig, load_model_config
+from elasticep.models.quantization import experts_packable
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.utils.profile_summary import summarize_profile
 
@@ -93,18 +96,6 @@ def emit(row: dict) -> None:
     if OUT_FILE is not None:
         with OUT_FILE.open("a") as f:
             f.write(json.dumps(row) + "\n")
-
-
-def git_commit() -> str:
-    """The commit measured: ``$ELASTICEP_COMMIT`` (a copied tree may carry a stale .git),
-    else ``git rev-parse``."""
-    if os.environ.get("ELASTICEP_COMMIT"):
-        return os.environ["ELASTICEP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=REPO, timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def model_dir(config: Path, layers: int | None, root: Path) -> Path:
@@ -159,16 +150,24 @@ def reset_memory(device: str) -> None:
 
 def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
                ctx_lens: list[int]) -> dict[str, int]:
-    """The bytes one decode step must read (see the module docstring), by part."""
+    """The bytes one decode step must read (see the module docstring), by part.
+
+    An FP8 model (``cfg.quantization``) whose experts stay FP8 (packed with their block
+    scales) counts 1 byte a routed expert weight plus its scales; its other weights are
+    held dequantized in the model dtype and count ``elem`` bytes, as they are read."""
+    fp8 = cfg.quantization is not None and experts_packable(cfg.hidden_size,
+                                                            cfg.moe_intermediate_size)
+    n_moe = sum(cfg.moe_layers)
+    per_expert = (expert_bytes_per_slot(cfg, torch.bfloat16, fp8=True) // max(n_moe, 1) if fp8
+                  else 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem)
     H, D = cfg.hidden_size, cfg.head_dim
     qkvo = (2 * cfg.num_attention_heads * D * H) + (2 * cfg.num_key_value_heads * D * H)
     kv_per_token = 2 * cfg.num_key_value_heads * D
     if cfg.mla is not None:  # MLA: its own projections; the cache holds one latent row
         qkvo, kv_per_token = cfg.mla.weight_params(H), cfg.mla.cache_width
-    n_moe = sum(cfg.moe_layers)
     parts = {
         "attention_weights": cfg.num_hidden_layers * qkvo * elem,
-        "experts": sum(touched_per_layer) * 3 * H * cfg.moe_intermediate_size * elem,
+        "experts": sum(touched_per_layer) * per_expert,
         # shared experts on every MoE layer, dense MLPs on the others (DeepSeek, qwen2_moe)
         "dense_mlps": (n_moe * cfg.shared_expert_intermediate_size
                        + (cfg.num_hidden_layers - n_moe) * cfg.intermediate_size) * 3 * H * elem,
@@ -648,7 +647,7 @@ def main() -> None:
     only = args.only.split(",")
     global OUT_FILE
     OUT_FILE = Path(args.out) if args.out else None
-    meta = {"section": "meta", "commit": git_commit(), "torch": torch.__version__,
+    meta = {"section": "meta", "commit": commit(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
     emit(meta)
     bw = section_hbm(args)["hbm_bytes_per_s"]  # every bound needs it

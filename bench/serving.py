@@ -27,7 +27,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ if __name__ == "__main__" and not __package__:  # `python bench/serving.py`: a s
 try:
     import httpx
 
+    from bench._commit import commit
     from elasticep.frontend.tokenizer import TokenIdsOnlyTokenizer, load_tokenizer
     from elasticep_testkit.harness.serve_process import ServeProcess
     from elasticep_testkit.serving import stub_engine
@@ -53,7 +53,7 @@ try:
         gsm8k_requests,
         random_requests,
     )
-    from elasticep_testkit.serving.metrics import first_errors, summarize
+    from elasticep_testkit.serving.metrics import DIFFERENCES_FROM_SGLANG, first_errors, summarize
 except ModuleNotFoundError as _exc:  # run as a script, not from the repository root
     sys.exit(f"bench/serving.py: error: {_exc}; run it from the repository root as "
              "`python -m bench.serving ...`")
@@ -137,22 +137,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def commit() -> str:
-    """``$ELASTICEP_COMMIT`` if set (a copied tree may carry a stale .git), else the
-    repository's short commit, ``-dirty`` when tracked files changed."""
-    if os.environ.get("ELASTICEP_COMMIT"):
-        return os.environ["ELASTICEP_COMMIT"]
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    try:
-        head = git("rev-parse", "--short", "HEAD") or "unknown"
-        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
-                       else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
     """The run's requests from the dataset flags (token ids for a tokenizer-less model)."""
     tok = load_tokenizer(args.model)
@@ -209,7 +193,9 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
     ``ttft_first_ms`` is the TTFT of that first request, sent alone (the first request
     a server started with ``--launch`` sees: what a cold kernel, compiled on the request
     path, costs), and ``ttft_first_over_median`` its ratio to the measured run's
-    ``median_ttft_ms`` (at concurrency 1, the steady TTFT).
+    ``median_ttft_ms`` (at concurrency 1, the steady TTFT): one request, so a noisy
+    figure. ``differences_from_sglang`` lists where the metrics depart from
+    bench_serving's (see :mod:`elasticep_testkit.serving.metrics`).
     """
     model = served_model(base_url)
     warm = warmup_requests(args, requests)
@@ -231,7 +217,8 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
         base_url, model, requests, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout_s=args.request_timeout))
-    out: dict[str, Any] = {"model_id": model, **summarize(results, duration)}
+    out: dict[str, Any] = {"model_id": model, **summarize(results, duration),
+                           "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG)}
     out["first_token_trace"] = first_token_trace(base_url)
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from bench import serving
+from bench._commit import commit
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.serving.engine_baseline import kv_tokens_for, load_engine, run_engine
 from elasticep_testkit.serving.metrics import summarize
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     start_s = time.perf_counter() - t0
     try:
         for a, requests in runs:
-            line = {"bench": "serving", "commit": serving.commit(),
+            line = {"bench": "serving", "commit": commit(),
                     "max_concurrency": a.max_concurrency, "num_prompts": a.num_prompts,
                     "random_input_len": a.random_input_len,
                     "random_output_len": a.random_output_len, "device": a.device,

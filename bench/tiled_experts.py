@@ -2,7 +2,7 @@
 
 For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, 128 slots, bf16) and
 ``--rows`` (token, expert) rows routed at random (an 8192-token prefill step has 65,536),
-it times :func:`elasticep.moe.tiled_experts.swiglu_tiled` under several tiles (and,
+it times :func:`elasticep.moe.experts.tiled_experts.swiglu_tiled` under several tiles (and,
 as ``repeat``, at its default tile reading each token's row for its 8 pairs) and the
 sorted-rows kernels, and divides the SwiGLU FLOPs
 (``2 x N x 3 x H x I``) by the time, against an 8192^3 bf16 matmul measured in the same
@@ -20,9 +20,9 @@ import torch
 
 from bench.gpu_run import _time_cuda
 from bench.prefill import matmul_rate
-from elasticep.moe.expert_compute import grouped_swiglu
-from elasticep.moe.sorted_experts import swiglu_sorted
-from elasticep.moe.tiled_experts import swiglu_tiled
+from elasticep.moe.experts.expert_compute import grouped_swiglu
+from elasticep.moe.experts.sorted_experts import swiglu_sorted
+from elasticep.moe.experts.tiled_experts import swiglu_tiled
 
 TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): gate/up, down
     "t64": ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4)),

@@ -19,18 +19,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 
+from elasticep.enums import StrEnum
 from elasticep.wire import Message, ProtocolError, decode, encode_json
-
-
-class StrEnum(str, Enum):
-    """A mode: compares equal to its string, prints as it, and is JSON's string (as
-    Python 3.11's ``enum.StrEnum``, which 3.10 lacks)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class Backend(StrEnum):
@@ -79,11 +69,13 @@ DEVICES = ("cpu", "cuda")
 
 # field -> the flag that sets it, where the names differ beyond "_" -> "-"
 _FLAG = {"heartbeat_timeout_s": "--heartbeat-timeout",
-         "log_stats_interval_s": "--log-stats-interval"}
+         "log_stats_interval_s": "--log-stats-interval",
+         "elastic_ep_scale_timeout_s": "--elastic-ep-scale-timeout"}
 # field -> the argparse dest that sets it (DeploymentConfig.from_args)
 _DEST = {"heartbeat_timeout_s": "heartbeat_timeout",
          "log_stats_interval_s": "log_stats_interval",
-         "coordinator_timeout_s": "coordinator_timeout"}
+         "coordinator_timeout_s": "coordinator_timeout",
+         "elastic_ep_scale_timeout_s": "elastic_ep_scale_timeout"}
 
 
 def flag_of(field_name: str) -> str:
@@ -146,7 +138,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
         dtype: "float32" or "bfloat16".
         device: "cpu" or "cuda".
         ep_size: initial number of ranks (the launch cohort).
-        max_ep_size: capacity reserved for scale-up (>= ep_size).
+        max_ep_size: capacity reserved for scale-up (>= ep_size); None (the default):
+            ``ep_size``, no reserve, so ``DeploymentConfig(model=m, ep_size=2)`` is whole.
         min_ep_size: the fewest ranks whose expert slots must hold every expert without
             growing (``--min-ep-size``, in ``[1, ep_size]``); None: ``ep_size - 1`` (at
             least 1) for the elastic backend, ``ep_size`` for none. See
@@ -174,12 +167,17 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
+        elastic_ep_scale_timeout_s: how long a grow waits for its joiners before it
+            gives up and frees their slots (seconds; SGLang's ``--elastic-ep-scale-timeout``).
         num_threads: torch intra-op threads per rank.
         store_addr: "host:port" of the coordinator's rendezvous TCPStore; the plain
             baseline group (elastic_ep_backend none) rendezvouses there directly.
         load_format: auto/safetensors (read the checkpoint) or dummy (weights drawn
             from a fixed seed, the same on every rank, so a relaunched or scaled-in
             rank holds the same experts; only config.json is needed).
+        quantization: None, or "fp8": quantize an unquantized checkpoint to block FP8
+            (128 x 128 blocks, DeepSeek-V3's format) while loading (SGLang's and vLLM's
+            ``--quantization``). A block-FP8 checkpoint is read as such without it.
         disable_cuda_graph: never replay decode CUDA graphs (CUDA ranks capture them
             per batch-size bucket otherwise, the EP exchanges running eagerly between
             the graph pieces).
@@ -205,7 +203,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     dtype: str = "float32"
     device: str = "cpu"
     ep_size: int = 1
-    max_ep_size: int = 1
+    max_ep_size: int | None = None  # an int once constructed (__post_init__)
     min_ep_size: int | None = None
     ep_num_redundant_experts: int = 0
     ep_dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC
@@ -221,9 +219,11 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
     heartbeat_timeout_s: float = 2.0
+    elastic_ep_scale_timeout_s: float = 600.0
     num_threads: int = 1
     store_addr: str = ""
     load_format: LoadFormat = LoadFormat.AUTO
+    quantization: str | None = None
     disable_cuda_graph: bool = False
     skip_server_warmup: bool = False
     log_stats_interval_s: float = 10.0
@@ -232,6 +232,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     coordinator_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.max_ep_size is None:  # no scale-up reserve unless asked for
+            object.__setattr__(self, "max_ep_size", self.ep_size)
         for name, cls in (("ep_dispatch_algorithm", DispatchAlgorithm),
                           ("elastic_ep_backend", Backend), ("load_format", LoadFormat),
                           ("moe_a2a_backend", A2ABackend)):
@@ -242,6 +244,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
                                  f"{getattr(self, name)!r}")
         checks = [
             (self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}"),
+            (self.quantization in (None, "fp8"),
+             f"--quantization must be fp8 (or unset), got {self.quantization!r}"),
             (self.max_ep_size >= self.ep_size,
              f"--max-ep-size ({self.max_ep_size}) must be >= --ep-size ({self.ep_size})"),
             (self.min_ep_size is None or 1 <= self.min_ep_size <= self.ep_size,
@@ -268,6 +272,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             (self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (0 < self.heartbeat_timeout_s < math.inf,
              "--heartbeat-timeout must be a finite number of seconds > 0"),
+            (0 < self.elastic_ep_scale_timeout_s < math.inf,
+             "--elastic-ep-scale-timeout must be a finite number of seconds > 0"),
             (0 <= self.log_stats_interval_s < math.inf,
              "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),

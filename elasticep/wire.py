@@ -4,8 +4,9 @@ its checked decoding.
 A message is a frozen dataclass sent as one JSON object: ``"t"`` names its type (the
 class's ``TAG``) and every other key is a field of the class, under the same name. Field
 values may be ints, floats, strs, bools, None, enums (sent as their values), lists,
-tuples (sent as lists), dicts with str keys, nested dataclasses (sent as objects of
-their fields) and the types given a codec with :func:`register_codec`.
+tuples (``tuple[X, ...]``, or of fixed length such as ``tuple[int, float]``; sent as
+lists), dicts with str keys, nested dataclasses (sent as objects of their fields) and
+the types given a codec with :func:`register_codec`.
 
 Decoding checks every field against the class's annotation (the fields drive it; no
 per-type code), so an unknown type, a missing or extra field or a value of the wrong
@@ -205,6 +206,18 @@ def convert(value: Any, hint: Any, where: str, msg: dict) -> Any:
     return converter(hint)(value, where, msg)
 
 
+def _fixed_tuple(args: tuple[Any, ...], fail: Callable[..., typing.NoReturn]) -> Converter:
+    """A ``tuple[X, Y, ...]`` of fixed length (a ``(token id, logprob)`` pair): a JSON
+    list of exactly that many items, each checked against its own type."""
+    items = [converter(a) for a in args]
+
+    def fixed(v: Any, w: str, m: dict) -> tuple:
+        if not isinstance(v, list) or len(v) != len(items):
+            fail(v, w, m)
+        return tuple(conv(x, w, m) for conv, x in zip(items, v, strict=True))
+    return fixed
+
+
 @functools.cache
 def converter(hint: Any) -> Converter:
     """The compiled check of type ``hint`` (see :func:`convert`), built once per type."""
@@ -221,9 +234,12 @@ def converter(hint: Any) -> Converter:
         return _union(args, fail)
     if hint is type(None):
         return lambda v, w, m: None if v is None else fail(v, w, m)
+    if origin is tuple and args and Ellipsis not in args:
+        return _fixed_tuple(args, fail)
     if origin in (list, tuple):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            raise TypeError(f"only tuple[X, ...] fields are supported, not {hint}")
+            raise TypeError(f"only tuple[X, ...] and tuple[X, Y] fields are supported, "
+                            f"not {hint}")
         item, make = converter(args[0]), (list if origin is list else tuple)
         if _flat(args[0]):
             return _rows(args[0], make, fail)

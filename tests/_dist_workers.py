@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.distributed.op_injection import FinishLate, inject
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.admission import agree_ready
 
@@ -152,7 +153,7 @@ def engine_steps(rank, addr, ws, mws, ext, q, duration_s=3.0, hold=None):
             dist.all_to_all_single(out, data, recv.tolist(), send.tolist())
             op = "commit"
             if hold is not None and (rank, step) == tuple(hold):
-                ed.api._gs(None)._test_hold_s = 1.0  # finish this commit op late
+                inject(None, FinishLate(1.0))  # finish this commit op late
                 q.put((rank, "holding", step))
             c = torch.tensor([out.sum().item() + 1000.0 * step,
                               float(time.monotonic() > t_end)])
@@ -377,7 +378,7 @@ def rooted_ops(rank, addr, ws, mws, ext, q, root_late_s=0.0):
     dist.scatter(piece, parts if rank == 1 else None, src=1)
     red = torch.tensor([float(rank + 1)])
     if rank == 1:
-        ed.api._gs(None)._test_hold_s = root_late_s
+        inject(None, FinishLate(root_late_s))
     dist.reduce(red, dst=1, op=dist.ReduceOp.MAX)
     # Each worker exits once it has reported, and the coordinator takes an exit for a
     # death: a peer that had not yet marked the reduce completed (a root slow under

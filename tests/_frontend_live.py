@@ -4,6 +4,8 @@ a model directory: what the front-end API tests share (not a test module)."""
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +17,26 @@ import httpx
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.frontend.http_server import HttpServer, create_server
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def make_chat_model(dst: Path) -> Path:
+    """The demo model plus a chat template (weights are symlinked, not copied)."""
+    dst.mkdir()
+    for f in DEMO.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

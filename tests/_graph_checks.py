@@ -22,7 +22,7 @@ def graph_steps_match_eager(eng: LLMEngine, prompts: list[list[int]], max_tokens
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(GenerateRequest(f"r{i}", tuple(p), params))
-    steps = 0
+    steps, worst = 0, 0.0
     while eng.has_unfinished():
         batch = eng.schedule()
         if all(it.end - it.start == 1 for it in batch.items):
@@ -33,7 +33,10 @@ def graph_steps_match_eager(eng: LLMEngine, prompts: list[list[int]], max_tokens
             steps += 1
             err = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
             assert err < tol, (steps, float(err))
+            worst = max(worst, float(err))
         eng.commit(batch, eng.execute(batch))
+    # the observed error, in the log of a GPU run (-v -s): what tol could be tightened to
+    print(f"graph vs eager: {steps} decode steps, worst relative max error {worst:.2e}")
     return steps
 
 

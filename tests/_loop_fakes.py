@@ -2,7 +2,9 @@
 
 The engine serves batches given up front, the channel carries nothing, and
 ``dist.all_reduce`` is replaced by "add a fixed peer's header", so a test can run
-``loop._iteration()`` one step at a time.
+``loop.step()`` one step at a time. The fakes have what the loop reads of the real
+engine and channel (:class:`~elasticep.engine.llm_engine.LLMEngine`,
+:class:`~elasticep.frontend_link.WorkerChannel`), so the loop never asks what they have.
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ import torch.distributed as dist
 
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
-from elasticep.elastic.step_loop import LockstepLoop, step_header
+from elasticep.elastic.step_header import step_header
+from elasticep.elastic.step_loop import LockstepLoop
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
+
+
+class FakeRunner:
+    """The model runner's decode counters (:class:`~elasticep.engine.step_rate.DecodeCounters`)
+    of an engine with no decode graphs and no decode step."""
+
+    decode_replays = 0
+    decode_eager = 0
+    graphs = None
+    graph_captures = None
 
 
 class FakeEngine:
@@ -34,6 +47,7 @@ class FakeEngine:
         self.executed: list[tuple[int, int | None]] = []
         self.work = work
         self.ep = None
+        self.runner = FakeRunner()
         self.events: list[tuple] = []
 
     def has_unfinished(self) -> bool:
@@ -69,6 +83,11 @@ class FakeChannel:
     def send_outputs(self, outputs: list, epoch: int | None = None,
                      first_tokens: tuple = ()) -> None:
         self.events.append(("send", list(outputs), epoch))
+
+    def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
+                   decode_replays: int = 0, decode_eager: int = 0,
+                   experts_held: int = -1) -> None:
+        self.stats = (steps, graph_captures, graph_replays, decode_replays, decode_eager)
 
 
 def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int, *,

@@ -2,7 +2,7 @@
 
 The graph tests of issue 27 need a rank whose placement goes through a death, a rejoin
 and a scale-up, without more processes. Here rank 0 is a real model with a real
-:class:`~elasticep.moe.cuda_experts.CudaEPMoEExecutor`; its padded all_to_all (an eager
+:class:`~elasticep.moe.cuda_executor.CudaEPMoEExecutor`; its padded all_to_all (an eager
 boundary, also between the pieces of a replayed graph) is :class:`SimulatedPeers`,
 which computes what idle peers would answer: every other active rank sends only
 padding rows and runs its own experts (its slots under the current placement, weights
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import ScheduledBatch
@@ -31,9 +31,9 @@ from elasticep.eplb.elastic import reconcile_placement, repair_placement
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.models.config import load_model_config
-from elasticep.moe.cuda_experts import CudaEPMoEExecutor
-from elasticep.moe.expert_compute import grouped_swiglu
-from elasticep.moe.padded_exchange import split_rows
+from elasticep.moe.cuda_executor import CudaEPMoEExecutor
+from elasticep.moe.exchange.padded_exchange import split_rows
+from elasticep.moe.experts.expert_compute import grouped_swiglu
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 EP_SIZE, MAX_EP_SIZE, MIN_EP_SIZE, VICTIM = 3, 4, 2, 1
@@ -93,7 +93,7 @@ class ExpertBank:
 
 class SimulatedPeers:
     """The padded all_to_all of rank ``me`` against idle simulated peers (an
-    :data:`~elasticep.moe.padded_exchange.Exchange`).
+    :data:`~elasticep.moe.exchange.padded_exchange.Exchange`).
 
     A call whose rows are wider than ``hidden_size`` (they carry the tag) is a dispatch,
     else the combine of the last dispatch. Dispatches go layer by layer over the bank's

@@ -111,7 +111,7 @@ def test_membership_check_compares_and_is_never_vacuous():
 
 @pytest.mark.slow
 @pytest.mark.timeout(270)
-def test_two_chaos_trials_keep_every_invariant():
+def test_the_short_chaos_trials_keep_every_invariant():
     proc = subprocess.Popen([sys.executable, "-m", "elasticep_testkit.chaos", *SHORT], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import ScheduledBatch

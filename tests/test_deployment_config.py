@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from elasticep.config import (
 )
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.entrypoints.cli import build_parser
+from elasticep.entrypoints.serve_args import validate as serve_validate
 from elasticep.frontend.incremental_text import IncrementalText, cut_at_stop
 from elasticep.frontend_link import WorkerHello, is_routable
 from elasticep.membership.transitions import SlotState
@@ -120,13 +122,14 @@ def test_exit_codes_are_the_statuses_the_supervisor_reads():
 
 def test_the_config_module_sits_below_every_layer():
     """elastic/ and deploy/ read elasticep.config: it may import nothing of elasticep but
-    the wire convention (which imports only the standard library), and nothing heavy, or a
-    layer below would import upward through it."""
+    the wire convention and the mode base (which import only the standard library), and
+    nothing heavy, or a layer below would import upward through it."""
     import ast
     import sys
     from pathlib import Path
 
     import elasticep.config as config
+    import elasticep.enums as enums
     import elasticep.wire as wire
 
     def imports(module) -> set[str]:
@@ -137,8 +140,10 @@ def test_the_config_module_sits_below_every_layer():
                         if isinstance(node, ast.ImportFrom) and node.module}
 
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    assert {n.split(".")[0] for n in imports(config) - {"elasticep.wire"}} <= stdlib
+    assert {n.split(".")[0] for n in imports(config) - {"elasticep.wire", "elasticep.enums"}
+            } <= stdlib
     assert {n.split(".")[0] for n in imports(wire)} <= stdlib
+    assert {n.split(".")[0] for n in imports(enums)} <= stdlib
 
 
 def test_stall_grace_follows_the_coordinator_timeout():
@@ -166,3 +171,15 @@ def test_slot_reserve_defaults_to_surviving_one_death():
     args = build_parser().parse_args(["serve", "--model", "/m", "--ep-size", "4",
                                       "--min-ep-size", "2"])
     assert DeploymentConfig.from_args(args).slot_reserve_ranks == 2
+
+
+def test_the_served_name_is_model_as_given(monkeypatch):
+    """Clients send ``--model`` as they typed it (the resolved path was served: a 404),
+    or ``--served-model-name``."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    s = serve_validate(build_parser().parse_args(["serve", "--model", "models/tiny-qwen3-moe/"]))
+    assert s.served_model_name == "models/tiny-qwen3-moe/"
+    assert Path(s.deployment.model).is_absolute()  # the ranks get the resolved directory
+    s = serve_validate(build_parser().parse_args(
+        ["serve", "--model", "models/tiny-qwen3-moe", "--served-model-name", "tiny"]))
+    assert s.served_model_name == "tiny"

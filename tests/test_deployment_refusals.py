@@ -61,7 +61,7 @@ class TargetMembership:
              "ranks": [{"rank": r, "state": s.value, "pid": None, "node": 0}
                        for r, s in enumerate(self.states)]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         return self.target.plan(new_ep_size, self.states).reply
 
 

@@ -3,9 +3,9 @@
 import pytest
 
 from elasticep.membership.messages import (
+    ControlMessage,
     Deactivate,
     EpochReport,
-    Message,
     RankHello,
     Ready,
     Register,
@@ -14,7 +14,7 @@ from elasticep.membership.messages import (
     SupervisorHello,
 )
 from elasticep.membership.registry import Group, Transition
-from elasticep.membership.service import MembershipService, Send
+from elasticep.membership.service import MembershipService, SendOnConn
 from elasticep.membership.transitions import (
     OnFailure,
     Report,
@@ -102,7 +102,7 @@ def test_joiner_for_active_slot_is_refused():
 SUP = 100  # the connection id of the supervisor in these tests (ranks use their rank)
 
 
-def _ok(svc: MembershipService, conn: int, msg: Message) -> list[Send]:
+def _ok(svc: MembershipService, conn: int, msg: ControlMessage) -> list[SendOnConn]:
     """Hand ``msg`` to the service as if it came on ``conn``; fail on any refusal."""
     sends = svc.handle(conn, msg)
     refused = [s.msg for s in sends if isinstance(s.msg, Reply) and not s.msg.ok]
@@ -241,13 +241,13 @@ def test_every_request_type_has_one_handler_and_its_role():
     """The service's handlers name the request they answer (no table of names): the 18
     request types, rank requests only from ranks, launch records only from supervisors."""
     from elasticep.membership import messages as m
-    from elasticep.membership.dispatch import Role, handler_table
+    from elasticep.membership.handlers import Role, handler_table
 
     table = handler_table(MembershipService(store_port=1))
     requests = {t for t in m.message_types() if t not in (
         m.RankHello, m.SupervisorHello, m.Heartbeat, m.Reply, m.HeartbeatAck, m.Announce,
         m.Commit, m.Peer, m.Evicted)}
-    assert set(table) == requests and len(table) == 18
+    assert set(table) == requests and len(table) == 20
     assert {t for t, (_h, role) in table.items() if role == Role.RANK} == {
         m.Register, m.Ready, m.Recover, m.Deactivate, m.EpochReport, m.Ping}
     assert {t for t, (_h, role) in table.items() if role == Role.SUPERVISOR} == {

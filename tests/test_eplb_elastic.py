@@ -18,7 +18,7 @@ from elasticep.eplb.elastic import (
 from elasticep.eplb.manager import compute_imbalance, rank_loads
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
-from elasticep.eplb.weight_transfer import move_expert_weights
+from elasticep.moe.weight_transfer import move_expert_weights
 
 
 def _assert_sound(p: Placement) -> None:

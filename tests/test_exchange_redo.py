@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.log_context import RankContext
-from elasticep.elastic.step_loop import LockstepLoop, step_header
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.elastic.step_header import step_header
+from elasticep.elastic.step_loop import LockstepLoop
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
 from tests._loop_fakes import FakeChannel, FakeEngine
 
 
@@ -53,15 +54,15 @@ def _loop(monkeypatch, peer_abort_at: set[int]):
 
 def test_a_peer_abort_vote_redoes_the_step_and_resets_the_exchange(monkeypatch):
     loop, engine, ex, commits = _loop(monkeypatch, peer_abort_at={1})
-    loop._iteration()  # step 0: clean
+    loop.step()  # step 0: clean
     assert engine.committed == 1 and loop.stats.steps == 1
     ex.flags.fill_(1)  # what a released step leaves behind
-    loop._iteration()  # step 1: the peer's watchdog released its waits
+    loop.step()  # step 1: the peer's watchdog released its waits
     assert commits[-1] == [1, 1]
     assert engine.committed == 1 and loop.stats.steps == 1 and loop.stats.redos == 1
     assert loop.pending is not None, "the batch is kept for the redo"
     assert int(ex.flags.sum()) == 0 and not ex.aborted
-    loop._iteration()  # the redo of step 1 commits
+    loop.step()  # the redo of step 1 commits
     assert commits[-1] == [1, 0] and engine.committed == 2 and loop.stats.steps == 2
     assert [n for n, _ in engine.executed] == [1, 1, 1]
 
@@ -75,6 +76,6 @@ def test_this_ranks_own_abort_is_voted(monkeypatch):
         return real_execute(batch, while_running)
 
     engine.execute = execute_and_abort
-    loop._iteration()
+    loop.step()
     assert commits[-1] == [0, 1] and engine.committed == 0 and loop.stats.redos == 1
     assert not ex.aborted and ex.active.tolist() == [1, 1]

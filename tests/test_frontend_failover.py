@@ -46,7 +46,7 @@ class ScriptedMembership:
              "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
                        for r, s in sorted(self.states.items())]})
 
-    def scale(self, new_ep_size: int) -> None:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> None:
         raise ValueError("not in this test")
 
 
@@ -58,6 +58,7 @@ class FakeRank:
         self.served: list[str] = []
         self.bad_resume: list[str] = []
         self.emitted = 0
+        self.epoch = 0  # the epoch its step outputs carry
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(endpoints,), daemon=True)
         self._thread.start()
@@ -84,7 +85,7 @@ class FakeRank:
                 running[rid] = (script, i + 1, max_tokens)
                 if last:
                     del running[rid]
-            channel.send_outputs(outs)
+            channel.send_outputs(outs, epoch=self.epoch)
             self.emitted += len(outs)
         channel.close()
 
@@ -109,7 +110,7 @@ def cluster():
         assert time.monotonic() < deadline, "ranks never became routable"
         time.sleep(0.05)
     yield {"server": server, "client": client, "membership": membership, "ranks": ranks,
-           "channel": channel, "scripts": scripts, "tok": tok}
+           "channel": channel, "scripts": scripts, "tok": tok, "frontend": frontend}
     server.stop()
     for r in ranks.values():
         r.kill()
@@ -161,3 +162,112 @@ def test_relaunched_rank_takes_new_requests(cluster):
     metrics = httpx.get(cluster["server"].url + "/metrics").text
     assert "elasticep_rank_recoveries_total 1.0" in metrics
     assert "elasticep_epoch 2.0" in metrics
+
+
+def _wait(pred, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_recovery_phases_in_metrics_match_the_event_log(cluster, tmp_path):
+    """A death (rank 1 stops mid-stream, then the survivors' epoch) and its rejoin
+    (joining, ready, healthy): every phase lands in a histogram of /metrics with the
+    duration the --event-log line gives; names and types follow Prometheus'."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from elasticep.frontend.event_log import EventLog, read_events
+
+    client, ranks, membership = cluster["client"], cluster["ranks"], cluster["membership"]
+    url = cluster["server"].url
+    frontend = cluster["frontend"]
+
+    def scrape() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(
+            httpx.get(url + "/metrics").text)}
+
+    before = scrape()  # the module's earlier tests observed a death too
+    frontend.event_log = EventLog(tmp_path / "events.jsonl")
+    try:
+        ranks[0].epoch = ranks[1].epoch = membership.epoch
+        with ThreadPoolExecutor(len(TEXTS)) as pool:
+            futures = [pool.submit(stream_text, client, p) for p in TEXTS]
+            _wait(lambda: ranks[1].emitted >= 4, "rank 1 midway")
+            ranks[1].kill()
+            membership.states[1] = "failed"
+            _wait(lambda: frontend.status().rank(1).state == "failed", "failure seen")
+            time.sleep(0.1)
+            ranks[0].epoch = membership.epoch = 3  # the survivors commit and step on
+            for fut in futures:
+                fut.result(timeout=20)
+        membership.states[1] = "joining"
+        _wait(lambda: frontend.status().rank(1).state == "joining", "joining seen")
+        time.sleep(0.1)
+        membership.states[1] = "ready"
+        _wait(lambda: frontend.status().rank(1).state == "ready", "ready seen")
+        ranks[1] = FakeRank(cluster["channel"].endpoints, 1, cluster["scripts"])
+        ranks[0].epoch = ranks[1].epoch = 4
+        membership.epoch, membership.states[1] = 4, "healthy"
+        _wait(lambda: not httpx.get(url + "/health").json()["degraded"], "rank 1 back")
+        stream_text(client, list(TEXTS)[0])
+    finally:
+        frontend.event_log.close()
+        frontend.event_log = None
+    families = scrape()
+    kinds = {name: families[name].type for name in (
+        "elasticep_death_phase_seconds", "elasticep_rejoin_phase_seconds",
+        "elasticep_scale_seconds", "elasticep_e2e_request_latency_seconds",
+        "elasticep_time_per_output_token_seconds", "elasticep_num_queue_reqs",
+        "elasticep_requests_resumed", "elasticep_rank_state", "elasticep_rank_node",
+        "elasticep_rank_experts_held")}
+    assert kinds == {
+        "elasticep_death_phase_seconds": "histogram", "elasticep_rejoin_phase_seconds":
+        "histogram", "elasticep_scale_seconds": "histogram",
+        "elasticep_e2e_request_latency_seconds": "histogram",
+        "elasticep_time_per_output_token_seconds": "histogram",
+        "elasticep_num_queue_reqs": "gauge", "elasticep_requests_resumed": "counter",
+        "elasticep_rank_state": "gauge", "elasticep_rank_node": "gauge",
+        "elasticep_rank_experts_held": "gauge"}
+
+    def samples(family: str, suffix: str) -> dict[str, float]:
+        """label -> value now, less the value before the scenario."""
+        def read(fams: dict) -> dict[str, float]:
+            return {s.labels.get("phase", s.labels.get("cause", "")): s.value
+                    for s in fams[family].samples if s.name == family + suffix} \
+                if family in fams else {}
+        old = read(before)
+        return {k: v - old.get(k, 0.0) for k, v in read(families).items()}
+
+    events = read_events(tmp_path / "events.jsonl")
+    logged: dict[str, list[float]] = {}  # rank 1's phases
+    total: dict[str, float] = {}  # every phase logged (rank 0's death in the module's
+    for e in events:              # first test ends its phases here: its epoch is new)
+        if "seconds" in e:
+            total[e["event"]] = total.get(e["event"], 0.0) + e["seconds"]
+            if e.get("rank") == 1 or 1 in e.get("ranks", ()):
+                logged.setdefault(e["event"], []).append(e["seconds"])
+    death_sum = samples("elasticep_death_phase_seconds", "_sum")
+    rejoin_sum = samples("elasticep_rejoin_phase_seconds", "_sum")
+    for phase in ("detected", "agreed", "placement_repaired", "first_token"):
+        assert len(logged[f"death_{phase}"]) == 1, (phase, events)
+        assert death_sum[phase] == pytest.approx(total[f"death_{phase}"], abs=1e-5)
+    for phase in ("loaded", "admitted", "pause"):
+        assert len(logged[f"rejoin_{phase}"]) == 1, (phase, events)
+        assert rejoin_sum[phase] == pytest.approx(total[f"rejoin_{phase}"], abs=1e-5)
+    # the phases are ordered as they happen, and took what the script waited
+    d = {p: logged[f"death_{p}"][0] for p in ("agreed", "placement_repaired", "first_token")}
+    assert 0.1 <= d["agreed"] <= d["placement_repaired"] <= d["first_token"] < 5
+    assert 0.1 <= logged["rejoin_loaded"][0] < 5
+    states = [(e["rank"], e["state"]) for e in events if e["event"] == "rank_state"]
+    assert states == [(1, "failed"), (1, "joining"), (1, "ready"), (1, "healthy")]
+    assert all(isinstance(e["time"], float) for e in events)
+    # its requests resumed on rank 0 (moved when its channel broke, before the snapshot)
+    resumed = samples("elasticep_requests_resumed", "_total")
+    assert sum(resumed.values()) >= 1 and set(resumed) <= {"failure", "unreachable"}
+    assert samples("elasticep_e2e_request_latency_seconds", "_count")[""] >= 5
+    node = {s.labels["rank"]: s.value for s in families["elasticep_rank_node"].samples}
+    assert node == {"0": 0.0, "1": 0.0}
+    state = {(s.labels["rank"], s.labels["state"]): s.value
+             for s in families["elasticep_rank_state"].samples if s.value}
+    assert state == {("0", "healthy"): 1.0, ("1", "healthy"): 1.0}

@@ -62,7 +62,7 @@ class NoRanks:
         return DeploymentStatus.from_dict({"epoch": 0, "ep_size": 1, "max_ep_size": 1,
                                            "scale_phase": "idle", "ranks": []})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         raise ValueError("not in this test")
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,13 +13,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _frontend_live import engine_server, wait_for
+from _frontend_live import engine_server, make_chat_model, wait_for
 from transformers import AutoTokenizer
 
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.incremental_text import IncrementalText
-from elasticep.frontend.membership import ScaleInProgressError
+from elasticep.frontend.membership_source import ScaleInProgressError
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
 
@@ -32,22 +31,6 @@ NAME = "tiny"
 MAX_TOKENS = 10
 PROMPTS = ["The quick brown fox", "Tom has 3 apples and buys 4 more. How many"]
 CHAT = [{"role": "user", "content": "How many legs does a cat have?"}]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def make_chat_model(dst: Path) -> Path:
-    """The demo model plus a chat template (weights are symlinked, not copied)."""
-    dst.mkdir()
-    for f in DEMO.iterdir():
-        if f.suffix == ".safetensors":
-            (dst / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, dst / f.name)
-    cfg = json.loads((dst / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def demo_with(dst: Path, name: str, **changes) -> Path:
@@ -187,7 +170,10 @@ BAD_BODIES = [
     ({"model": NAME, "prompt": "hi", "bogus": 1}, "bogus"),
     ({"model": NAME, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": 7}, "temperature"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, "n=2"),
+    ({"model": NAME, "prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+    ({"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "echo"),
     ({"model": NAME, "prompt": "hi " * 1100}, "context length"),
     ({"model": NAME, "prompt": "hi", "max_tokens": 5000}, "context length"),
     ({"model": NAME, "prompt": [1, 2, 99999]}, "token ids"),
@@ -278,7 +264,7 @@ class FakeMembership:
              "ranks": [{"rank": 0, "state": "failed", "pid": None, "node": 0},
                        {"rank": 1, "state": "joining", "pid": 1234, "node": 0}]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         raise ScaleInProgressError("already scaling to 4")
 
 
@@ -318,7 +304,7 @@ class RecordingMembership:
              "ranks": [{"rank": r, "state": "healthy", "pid": 100 + r, "node": 0}
                        for r in range(4)]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         self.asked.append(new_ep_size)
         return {}
 
@@ -346,8 +332,14 @@ def test_scale_request_is_strict_and_names_the_problem(recording_server):
 
     assert "new_ep_size" in refused({"new_ep_size": "3"})  # a string is not a size
     assert "new_ep_size" in refused({"new_ep_size": True})
-    assert refused({"ep_size": 3}) == ("Unrecognized request argument supplied: ep_size; "
-                                       "new_ep_size: Field required")
+    assert refused({"ep_size": 3}) == "Unrecognized request argument supplied: ep_size"
+    assert refused({}) == ("give exactly one of new_ep_size, retire_ranks and drain_node "
+                           "(got none)")
+    assert refused({"new_ep_size": 3, "drain_node": 1}) == (
+        "give exactly one of new_ep_size, retire_ranks and drain_node (got ['new_ep_size', "
+        "'drain_node'])")
+    assert "retire_ranks" in refused({"retire_ranks": []})
+    assert "retire_ranks" in refused({"retire_ranks": ["1"]})
     assert refused({"new_ep_size": 6}) == ("new_ep_size must be in [1, 4] (serve "
                                            "--max-ep-size 4 caps growth), got 6")
     assert membership.asked == []
@@ -378,7 +370,7 @@ class ScriptedMembership:
              "ranks": [{"rank": r, "state": s, "pid": os.getpid(), "node": 0}
                        for r, s in enumerate(self.states)]})
 
-    def scale(self, new_ep_size: int) -> dict:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         raise ScaleInProgressError("not in this test")
 
 
@@ -587,8 +579,8 @@ def test_a_long_tokenization_leaves_the_server_answering_the_others():
             # that request is inside the tokenizer: the others are still answered
             assert httpx.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == NAME
             bad = httpx.post(server.url + "/v1/completions", timeout=5,
-                             json={"model": NAME, "prompt": "hi", "n": 3})
-            assert bad.status_code == 400 and "n=3" in bad.json()["error"]["message"]
+                             json={"model": NAME, "prompt": "hi", "n": 3, "best_of": 2})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
             tok.go.set()
             # then it goes on as before: tokenized, checked, and (no rank is connected) 503
             assert slow.result(30).status_code == 503

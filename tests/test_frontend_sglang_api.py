@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend.openai_protocol import (
     CompletionChoice,
     CompletionResponse,
@@ -102,9 +102,21 @@ def test_generate_refuses_what_it_does_not_implement_naming_the_field(live):
         ({}, "text", "exactly one of text and input_ids"),
         ({"text": [PROMPT, PROMPT]}, "text", "only one prompt"),
         ({"text": PROMPT, "sampling_params": {"n": 2}}, "sampling_params.n", "n=2"),
-        ({"text": PROMPT, "sampling_params": {"frequency_penalty": 0.5}},
-         "sampling_params.frequency_penalty", "not supported"),
-        ({"text": PROMPT, "return_logprob": True}, "return_logprob", "not supported"),
+        ({"text": PROMPT, "sampling_params": {"no_stop_trim": True}},
+         "sampling_params.no_stop_trim", "not supported"),
+        ({"text": PROMPT, "return_routed_experts": True}, "return_routed_experts",
+         "not supported"),
+        # out of range: the SGLang name of the field
+        ({"text": PROMPT, "sampling_params": {"frequency_penalty": 2.5}},
+         "sampling_params.frequency_penalty", "must be in [-2, 2]"),
+        ({"text": PROMPT, "sampling_params": {"min_new_tokens": 999}},
+         "sampling_params.min_new_tokens", "min_tokens must be"),
+        ({"text": PROMPT, "return_logprob": True, "top_logprobs_num": 50},
+         "top_logprobs_num", "must be in [0, 20]"),
+        ({"text": PROMPT, "return_logprob": True, "logprob_start_len": 99},
+         "logprob_start_len", "below the prompt"),
+        ({"text": PROMPT, "sampling_params": {"stop_token_ids": [10 ** 6]}},
+         "sampling_params.stop_token_ids", "token ids must be in"),
         # the field the client sent is named (before: "max_tokens", /v1's name)
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 4000}},
          "sampling_params.max_new_tokens", "maximum context length"),
@@ -156,7 +168,7 @@ def test_completions_accept_best_of_one_as_bench_serving_sends_it(live):
     r = live["http"].post("/v1/completions", json={**body, "best_of": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
-    r = live["http"].post("/v1/completions", json={**body, "best_of": 2})
+    r = live["http"].post("/v1/completions", json={**body, "best_of": 2, "n": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 
 

@@ -13,7 +13,7 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
-    Send,
+    SendToRank,
 )
 
 
@@ -147,7 +147,7 @@ def test_failed_rank_requests_resume_on_survivor_without_gaps_or_duplicates():
     # what each rank has been asked to generate: rid -> next index it will produce
     progress: dict[int, dict[str, int]] = {0: {}, 1: {}, 2: {}}
 
-    def apply(sends: list[Send]) -> None:
+    def apply(sends: list[SendToRank]) -> None:
         for s in sends:
             if isinstance(s.message, GenerateRequest):
                 progress[s.rank][s.message.request_id] = len(s.message.output_token_ids)
@@ -191,16 +191,16 @@ def test_draining_rank_gets_abort_and_parked_requests_resume():
     tr = RequestTracker(byte_decode)
     tr.update_ranks({0: "healthy", 1: "healthy"})
     c = Client()
-    assert tr.add("a", [7], params(), c) == [Send(0, GenerateRequest("a", (7,), params()))]
+    assert tr.add("a", [7], params(), c) == [SendToRank(0, GenerateRequest("a", (7,), params()))]
     tr.on_outputs(0, [out("a", 0, 65)])
     sends = tr.update_ranks({0: "draining", 1: "healthy"})
-    assert sends == [Send(0, AbortRequest("a")),
-                     Send(1, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
+    assert sends == [SendToRank(0, AbortRequest("a")),
+                     SendToRank(1, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
     # the only survivor fails: the request is parked, not failed
     assert tr.update_ranks({0: "free", 1: "failed"}) == []
     assert tr.rank_of("a") is None and tr.num_running == 1
     sends = tr.update_ranks({0: "free", 1: "failed", 2: "healthy"})
-    assert sends == [Send(2, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
+    assert sends == [SendToRank(2, GenerateRequest("a", (7,), params(), output_token_ids=(65,)))]
     tr.on_outputs(2, [out("a", 1, 66, "stop")])
     assert c.text == "AB" and c.finish == "stop"
 
@@ -213,19 +213,19 @@ def test_a_rank_is_never_sent_more_requests_than_its_max_running_requests():
     assert tr.set_capacity({0: 2, 1: 1}) == []
     clients = {rid: Client() for rid in "abcde"}
     sent = [tr.add(rid, [7], params(), c) for rid, c in clients.items()]
-    assert sent[:3] == [[Send(0, GenerateRequest("a", (7,), params()))],
-                        [Send(1, GenerateRequest("b", (7,), params()))],
-                        [Send(0, GenerateRequest("c", (7,), params()))]]
+    assert sent[:3] == [[SendToRank(0, GenerateRequest("a", (7,), params()))],
+                        [SendToRank(1, GenerateRequest("b", (7,), params()))],
+                        [SendToRank(0, GenerateRequest("c", (7,), params()))]]
     assert sent[3:] == [[], []]  # d and e wait: both ranks are full
     assert tr.running_per_rank() == {0: 2, 1: 1} and tr.num_running == 5
     assert tr.rank_of("d") is None and tr.rank_of("e") is None
     # b finishes on rank 1: d, the oldest waiting, takes its place; e still waits
     sends = tr.on_outputs(1, [out("b", 0, 65, "stop")])
-    assert sends == [Send(1, GenerateRequest("d", (7,), params()))]
+    assert sends == [SendToRank(1, GenerateRequest("d", (7,), params()))]
     assert clients["b"].finish == "stop" and tr.rank_of("e") is None
     # a client leaves rank 0: e goes there
-    assert tr.abort("a") == [Send(0, AbortRequest("a")),
-                             Send(0, GenerateRequest("e", (7,), params()))]
+    assert tr.abort("a") == [SendToRank(0, AbortRequest("a")),
+                             SendToRank(0, GenerateRequest("e", (7,), params()))]
     assert tr.running_per_rank() == {0: 2, 1: 1}
     assert tr.resubmitted_total == 0  # waiting requests were sent once, not moved
 
@@ -243,12 +243,12 @@ def test_requests_of_a_failed_rank_wait_for_room_on_the_survivors():
     assert tr.rank_of("b") is None and tr.running_per_rank() == {0: 1, 1: 0}
     # "a" finishes: "b" resumes on rank 0 from its delivered token
     sends = tr.on_outputs(0, [out("a", 0, 65, "stop")])
-    assert sends == [Send(0, GenerateRequest("b", (8,), params(), output_token_ids=(66,)))]
+    assert sends == [SendToRank(0, GenerateRequest("b", (8,), params(), output_token_ids=(66,)))]
     assert tr.resubmitted_total == 1
     # a rank that reports a larger capacity takes more at once
     assert tr.set_capacity({0: 4}) == []
     c = Client()
-    assert tr.add("c", [9], params(), c) == [Send(0, GenerateRequest("c", (9,), params()))]
+    assert tr.add("c", [9], params(), c) == [SendToRank(0, GenerateRequest("c", (9,), params()))]
 
 
 def test_a_refused_request_makes_room_for_a_waiting_one():
@@ -258,7 +258,7 @@ def test_a_refused_request_makes_room_for_a_waiting_one():
     a, b = Client(), Client()
     tr.add("a", [7], params(), a)
     assert tr.add("b", [7], params(), b) == []
-    assert tr.on_error(0, "a", "prompt too long") == [Send(0, GenerateRequest("b", (7,),
+    assert tr.on_error(0, "a", "prompt too long") == [SendToRank(0, GenerateRequest("b", (7,),
                                                                               params()))]
     assert a.events[-1].refused and tr.rank_of("b") == 0
 
@@ -271,7 +271,7 @@ def test_stop_string_aborts_on_rank_and_trims_text():
     tr.add("a", [1], params(stop=("\n\n",)), c)
     word = toks("ab\n\ncd")
     sends = tr.on_outputs(0, [out("a", i, t) for i, t in enumerate(word)])
-    assert sends == [Send(0, AbortRequest("a"))]
+    assert sends == [SendToRank(0, AbortRequest("a"))]
     assert c.text == "ab" and c.finish == "stop" and len(c.events) == 4
     assert tr.num_running == 0
 
@@ -282,7 +282,7 @@ def test_client_abort_and_rank_errors():
     c1, c2 = Client(), Client()
     tr.add("a", [1], params(), c1)
     tr.add("b", [1], params(), c2)
-    assert tr.abort("a") == [Send(0, AbortRequest("a"))]
+    assert tr.abort("a") == [SendToRank(0, AbortRequest("a"))]
     assert tr.abort("a") == []
     tr.on_outputs(0, [out("a", 0, 65)])
     assert c1.events == []
@@ -304,5 +304,5 @@ def test_overshooting_rank_is_cut_at_max_tokens():
     c = Client()
     tr.add("a", [1], params(max_tokens=2), c)
     sends = tr.on_outputs(0, [out("a", i, 65) for i in range(4)])
-    assert sends == [Send(0, AbortRequest("a"))]
+    assert sends == [SendToRank(0, AbortRequest("a"))]
     assert c.tokens == [65, 65] and c.finish == "length"

@@ -22,8 +22,8 @@ import torch
 from elasticep.models.fused_norm_rope import add_rms_norm, norm_rope, rms_norm
 from elasticep.models.layers import rms_norm as rms_norm_reference
 from elasticep.models.rope import apply_rope
-from elasticep.moe.expert_compute import grouped_swiglu
-from elasticep.moe.small_batch_experts import MAX_ROWS, small_batch_ok, swiglu_rows
+from elasticep.moe.experts.expert_compute import grouped_swiglu
+from elasticep.moe.experts.small_batch_experts import MAX_ROWS, small_batch_ok, swiglu_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -131,7 +131,7 @@ def test_swiglu_rows_matches_per_slot_loop(dtype, n):
     buf = torch.empty_like(rows)
     assert torch.equal(grouped_swiglu(w13, w2, rows, tags, out=buf), got)
     # rows and tags as the exchange receives them: strided views of one buffer, read in place
-    from elasticep.moe.padded_exchange import row_width, split_rows
+    from elasticep.moe.exchange.padded_exchange import row_width, split_rows
 
     recv = torch.zeros(n, row_width(H, dtype), dtype=dtype, device="cuda")
     srows, stags = split_rows(recv, H)
@@ -194,7 +194,7 @@ def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
 @pytest.mark.parametrize("T,k,H", [(1, 8, 2048), (5, 2, 300), (64, 8, 256), (0, 2, 64)])
 @pytest.mark.parametrize("gather", [False, True])
 def test_fused_combine_matches_torch_form(dtype, T, k, H, gather):
-    from elasticep.moe.fused_combine import fused_combine, fused_combine_ok
+    from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
 
     g = torch.Generator(device="cuda").manual_seed(T * k + H)
     n = 2 * T * k + 3 if gather else T * k
@@ -215,7 +215,7 @@ def _tagged_rows(n: int, S: int, H: int, inter: int, dtype: torch.dtype, max_tag
     """Experts ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and ``n`` strided exchange rows with
     their tags (random in ``[0, max_tag]``; the first ``big_slot[1]`` rows on tag
     ``big_slot[0]``; the last row padding), as the exchange delivers them."""
-    from elasticep.moe.padded_exchange import row_width, split_rows
+    from elasticep.moe.exchange.padded_exchange import row_width, split_rows
 
     g = torch.Generator(device="cuda").manual_seed(n + S)
     w13 = (torch.randn(S, 2 * inter, H, generator=g, device="cuda") / H**0.5).to(dtype)
@@ -236,7 +236,7 @@ def _tagged_rows(n: int, S: int, H: int, inter: int, dtype: torch.dtype, max_tag
 def test_swiglu_sorted_matches_per_slot_loop(dtype, n, S):
     """The sorted-rows kernels against the per-slot loop: padding rows give zeros, a slot
     with more rows than a tile, strided rows read in place, the given buffer written."""
-    from elasticep.moe.sorted_experts import sorted_rows_ok, swiglu_sorted
+    from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
 
     H = 256
     # slot 0 (tag 1) gets more rows than one BLOCK_M tile
@@ -257,7 +257,7 @@ def test_swiglu_tiled_matches_per_slot_loop(dtype, n, S):
     padding rows give zeros, one slot far larger than the rest, empty slots, strided
     rows read in place, the given buffer written; grouped_swiglu takes it from
     MIN_ROWS_PER_SLOT rows per slot on."""
-    from elasticep.moe.tiled_experts import MIN_ROWS_PER_SLOT, swiglu_tiled, tiled_rows_ok
+    from elasticep.moe.experts.tiled_experts import MIN_ROWS_PER_SLOT, swiglu_tiled, tiled_rows_ok
 
     H = 2048
     # slots above S/2 stay empty; slot 1 (tag 2) gets a third of the rows
@@ -334,7 +334,7 @@ def test_tiled_experts_read_each_tokens_row_for_its_top_k_pairs():
     (no [T*k, H] copy), at an 8192-token prefill's 65,536 pairs over 128 slots, against
     the expanded rows through the per-slot loop; a stale output buffer is overwritten
     everywhere, padding pairs with zeros."""
-    from elasticep.moe.tiled_experts import swiglu_tiled
+    from elasticep.moe.experts.tiled_experts import swiglu_tiled
 
     g = torch.Generator(device="cuda").manual_seed(6)
     T, k, S, H, inter = 8192, 8, 128, 2048, 768

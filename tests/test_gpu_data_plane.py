@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticep.moe.expert_compute import grouped_swiglu, run_expert_rows
-from elasticep.moe.padded_exchange import pair_capacity, plan_padded
+from elasticep.moe.exchange.padded_exchange import pair_capacity, plan_padded
+from elasticep.moe.experts.expert_compute import grouped_swiglu, run_expert_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROOT = Path(__file__).resolve().parents[1]

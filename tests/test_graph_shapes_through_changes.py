@@ -13,7 +13,7 @@ import torch
 from elasticep.eplb.elastic import reconcile_placement, repair_placement, scale_up_placement
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement, initial_placement
-from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+from elasticep.moe.cuda_executor import CudaEPMoEExecutor
 from tests._simulated_peers import rank0, rel_err
 
 L, E, H, INTER = 2, 16, 8, 4

@@ -1,4 +1,4 @@
-"""The same-host exchange (elasticep.moe.ipc_exchange) simulated in one process on CPU:
+"""The same-host exchange (elasticep.moe.exchange.ipc_exchange) simulated in one process on CPU:
 its torch reference path must move exactly the rows the padded all_to_all moves, mask
 inactive sources, and let an aborted step run to its end. The kernels themselves and
 the stream waits are compared with this reference in tests/test_ipc_exchange_gpu.py."""
@@ -14,8 +14,9 @@ from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange, buffer_bytes, capacity_rows
-from elasticep.moe.padded_exchange import pack, pair_capacity, plan_padded, split_rows
+from elasticep.moe.exchange.ipc_buffers import buffer_bytes, capacity_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3
 
@@ -184,7 +185,7 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     from elasticep.engine.piecewise_graph import PiecewiseCapture
     from elasticep.eplb.metadata import ExpertLocationMetadata
     from elasticep.eplb.placement import initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
     from elasticep.utils.graph_boundary import capture_variant
 
     exs = _world(2)
@@ -221,6 +222,35 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     one = IpcExchange(0, 1, 64, H, torch.float32, LAYERS, "cpu")  # no peer slot: one form
     cu.transport = one
     assert one.solo and cu.graph_variants == (None,) and cu.graph_variant() is None
+
+
+def test_the_executor_over_the_transport_equals_its_padded_path():
+    """CudaEPMoEExecutor on CPU tensors with a CPU exchange of one live rank of two: the
+    transport's path (the fused forms' owner falls back to the plain sends on CPU, the
+    expert compute, the combine) returns what the padded path returns, layer by layer."""
+    from elasticep.eplb.metadata import ExpertLocationMetadata
+    from elasticep.eplb.placement import initial_placement
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
+    L, E, inter, k, T = 3, 4, 6, 2, 5
+    p = initial_placement(L, E, 0, 1, 2)
+    g = torch.Generator().manual_seed(0)
+    w13 = [torch.randn(p.slots_per_rank, 2 * inter, H, generator=g) for _ in range(L)]
+    w2 = [torch.randn(p.slots_per_rank, H, inter, generator=g) for _ in range(L)]
+    meta = ExpertLocationMetadata.from_placement(p, 0)
+    padded = CudaEPMoEExecutor(meta, w13, w2, None, max_tokens=8)
+    via = CudaEPMoEExecutor(meta, w13, w2, None, max_tokens=8)
+    ex = IpcExchange(0, 2, capacity_rows(8, k), H, torch.float32, L, "cpu")
+    ex.reset(torch.tensor([True, False]))
+    via.transport = ex
+    hidden = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    for layer in range(L):
+        with padded.local_exchange():  # the padded layout, copied locally
+            want = padded(layer, hidden, ids, weights)
+        got = via(layer, hidden, ids, weights)
+        assert torch.equal(got, want) and float(want.abs().max()) > 1
+    assert int(ex.flags[1].sum()) > 0  # the sends released the inactive peer's waits
 
 
 def test_abort_releases_every_wait_and_reset_restores_the_membership():
@@ -377,7 +407,7 @@ def test_an_abort_decided_as_the_step_ends_belongs_to_that_step(monkeypatch):
 
 def _fused_plan_cases() -> dict:
     """fused_plan against plan_padded + inverse_positions (run under TRITON_INTERPRET=1)."""
-    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
+    from elasticep.moe.exchange.ipc_kernels import fused_plan, inverse_positions
     results = {}
     for G, T, k, S in [(2, 1, 8, 64), (2, 64, 8, 64), (4, 5, 2, 4), (1, 16, 2, 4)]:
         g = torch.Generator().manual_seed(G * 100 + T)
@@ -395,7 +425,8 @@ def _kernel_cases() -> dict:
     """The Triton send kernels (the fused static dispatch, the dispatch and the combine
     sends) against the torch reference, on in-process pairs (under TRITON_INTERPRET=1,
     which also runs their pointer-table loads and the release atomics)."""
-    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe import fused_exchange_kernels as fkern
+    from elasticep.moe.exchange import ipc_kernels as kern
     results = {}
     # (2, 520): 1040 pairs, so the fused kernel's reduction over earlier pairs spans two
     # of its widest (1024) scan blocks and 65 programs each own a block of pairs; the
@@ -417,9 +448,9 @@ def _kernel_cases() -> dict:
                 ex.reset(torch.ones(G, dtype=torch.bool))
         ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
         fused[0].flags[:, 1] = 1  # the waits of exchange 1 left these set: reset_prev clears
-        pos = kern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
-                                  fused[0].active, fused[0].counter, fused[0].flags, 2,
-                                  reset_prev=True)
+        pos = fkern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
+                                   fused[0].active, fused[0].counter, fused[0].flags, 2,
+                                   reset_prev=True)
         cleared = (torch.all(fused[0].flags[1:, 1] == 0)  # the peers' flags, not its own
                    and int(fused[0].flags[0, 1]) == 1)
         plan = plan_padded(l2p[ids], S, G, C)
@@ -455,7 +486,9 @@ def _routed_cases() -> dict:
     and weights bit for bit, the same rows, tags, positions and flags; and the ids are
     torch's top-k (under TRITON_INTERPRET=1)."""
     from elasticep.models.fused_routing import fused_softmax_topk
-    from elasticep.moe import ipc_kernels as kern
+    from elasticep.moe import fused_exchange_kernels as fkern
+    from elasticep.moe.exchange import ipc_kernels as kern
+    from elasticep.moe.fused_exchange import FusedForms
     from elasticep.moe.softmax_topk import SoftmaxTopk
     results = {}
     # (G, experts, k, rule): E not a power of two; every expert chosen (k = E); k at the
@@ -474,16 +507,17 @@ def _routed_cases() -> dict:
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
             w[0].flags[:, 1] = 1  # the previous exchange's waits left these set
-        pos, ids, weights = kern.routed_dispatch(
+        pos, ids, weights = fkern.routed_dispatch(
             hidden, logits, rule, l2p, S, 0, C, routed[0].W, routed[0].table, routed[0].active,
             routed[0].counter, routed[0].flags, 2, reset_prev=True)
         want_ids, want_w = fused_softmax_topk(logits, k, rule.norm_topk_prob,
                                               rule.routed_scaling_factor, torch.float32)
-        want_pos = kern.fused_dispatch(hidden, want_ids, l2p, S, 0, C, plain[0].W,
-                                       plain[0].table, plain[0].active, plain[0].counter,
-                                       plain[0].flags, 2, reset_prev=True)
+        want_pos = fkern.fused_dispatch(hidden, want_ids, l2p, S, 0, C, plain[0].W,
+                                        plain[0].table, plain[0].active, plain[0].counter,
+                                        plain[0].flags, 2, reset_prev=True)
         # the CPU exchange's path: the torch rule, then the reference send
-        ref_pos, ref_ids, ref_w = ref[0].send_dispatch_routed(hidden, logits, rule, l2p, S, C, 1)
+        ref_pos, ref_ids, ref_w = FusedForms(ref[0]).send_dispatch_routed(hidden, logits, rule,
+                                                                          l2p, S, C, 1)
         ok = (torch.equal(ids, want_ids) and torch.equal(weights, want_w)
               and torch.equal(pos, want_pos) and torch.equal(ids, ref_ids)
               and torch.equal(pos, ref_pos) and torch.allclose(weights, ref_w, rtol=1e-6, atol=0))
@@ -504,9 +538,9 @@ def _down_send_cases() -> dict:
     the expert compute plus the torch combine send, at rank 0 of in-process worlds: every
     source active, or one inactive; garbage tags (beyond S, negative) in a source's
     block are read as the clamp reads them."""
-    from elasticep.moe import ipc_kernels as kern
-    from elasticep.moe.expert_compute import grouped_swiglu
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe import fused_exchange_kernels as fkern
+    from elasticep.moe.experts.expert_compute import grouped_swiglu
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
     results = {}
     inter, T = 16, 3
     for G, live, reset_prev in [(2, [0, 1], True), (3, [0, 2], False), (2, [0], True)]:
@@ -534,8 +568,8 @@ def _down_send_cases() -> dict:
                            tag_bound=(cap.view(-1), C))
         f = fused[0]
         f.flags[:, 0] = 1  # the dispatch's waits left these set: reset_prev clears them
-        kern.down_combine_send(act, tags, cap.view(-1), w2, 0, C, f.table, f.active,
-                               f.counter, f.flags, 1, reset_prev=reset_prev)
+        fkern.down_combine_send(act, tags, cap.view(-1), w2, 0, C, f.table, f.active,
+                                f.counter, f.flags, 1, reset_prev=reset_prev)
         ok = int(f.counter.sum()) == 0
         for q in range(G):
             ok &= torch.allclose(fused[q].recv1[:G * C], ref[q].recv1[:G * C], atol=1e-5)
@@ -558,7 +592,7 @@ def test_cuda_ipc_without_cuda_bindings_is_a_usage_error(monkeypatch):
 
     from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
     from elasticep.entrypoints.validate import UsageError
-    from elasticep.moe import stream_memops
+    from elasticep.moe.exchange import stream_memops
 
     def missing():
         raise ImportError("CUDA stream memory operations need NVIDIA's cuda-bindings "

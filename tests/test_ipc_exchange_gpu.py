@@ -1,4 +1,4 @@
-"""The same-host exchange on a GPU (elasticep.moe.ipc_exchange; GPU only).
+"""The same-host exchange on a GPU (elasticep.moe.exchange.ipc_exchange; GPU only).
 
 - The send kernels against their torch reference: two exchanges of one process, mapped
   to each other, move the same rows and tags as the CPU simulation; the fused down
@@ -21,14 +21,16 @@ import pytest
 import torch
 
 from elasticep.elastic.rank_model import attach_ep_executor, load_rank_weights
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
-from elasticep.moe import stream_memops
-from elasticep.moe.ipc_exchange import SOLO, IpcExchange, capacity_rows
-from elasticep.moe.padded_exchange import pair_capacity, split_rows
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.ipc_buffers import capacity_rows
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.padded_exchange import pair_capacity, split_rows
+from elasticep.moe.fused_exchange import FusedForms
 
 pytestmark = [pytest.mark.skipif(not stream_memops.available(),
                                  reason="needs CUDA and cuda-bindings"),
@@ -95,8 +97,8 @@ def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_
                                                                     monkeypatch):
     # two layers, so the kernel flag reset clears the layer before; with one rank live,
     # a late write of garbage tags into the inactive source's block is read as padding
-    from elasticep.moe.expert_compute import grouped_swiglu
-    from elasticep.moe.small_batch_experts import gate_up_rows
+    from elasticep.moe.experts.expert_compute import grouped_swiglu
+    from elasticep.moe.experts.small_batch_experts import gate_up_rows
 
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
     dtype, inter, T = torch.bfloat16, 128, 3
@@ -129,7 +131,7 @@ def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_
                     act = gate_up_rows(w13[r], rows, tags,
                                        rows.new_empty(rows.shape[0], inter),
                                        tag_bound=(bound[0].view(-1), C))
-                    ex.send_combine_down(act, tags, w2[r], C, layer, S)
+                    FusedForms(ex).send_combine_down(act, tags, w2[r], C, layer, S)
                 else:
                     out = grouped_swiglu(w13[r], w2[r], rows, tags, tag_bound=bound)
                     ex.send_combine(out, C, layer)
@@ -177,10 +179,10 @@ def test_transport_decode_is_one_graph_and_equals_the_local_engine(tmp_path, fla
     # with the host's view of the membership forced, the form that waits on the peer
     # (whose flags the send kernels set themselves)
     monkeypatch.setenv("ELASTICEP_IPC_FLAG_RESET", flag_reset)
-    from elasticep.moe import ipc_kernels
+    from elasticep.moe import fused_exchange_kernels
     routed_calls = []
-    real_routed = ipc_kernels.routed_dispatch
-    monkeypatch.setattr(ipc_kernels, "routed_dispatch",
+    real_routed = fused_exchange_kernels.routed_dispatch
+    monkeypatch.setattr(fused_exchange_kernels, "routed_dispatch",
                         lambda *a, **kw: routed_calls.append(1) or real_routed(*a, **kw))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -277,8 +279,8 @@ def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
 
 @pytest.mark.parametrize("G,T,k,S", [(2, 1, 8, 64), (2, 256, 8, 64), (4, 37, 8, 32)])
 def test_fused_plan_matches_the_torch_plan(G, T, k, S):
-    from elasticep.moe.ipc_kernels import fused_plan, inverse_positions
-    from elasticep.moe.padded_exchange import plan_padded
+    from elasticep.moe.exchange.ipc_kernels import fused_plan, inverse_positions
+    from elasticep.moe.exchange.padded_exchange import plan_padded
     g = torch.Generator().manual_seed(T)
     slots = torch.stack([torch.randperm(G * S, generator=g)[:k] for _ in range(T)]).cuda()
     C = pair_capacity(T, k, S)
@@ -298,9 +300,9 @@ def test_fused_static_dispatch_matches_the_reference(tokens):
     ref = _pair("cpu", torch.bfloat16, cap=512)
     ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
     gpu = _pair("cuda", torch.bfloat16, cap=512)
-    pos = gpu[0].send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C, 1)
+    pos = FusedForms(gpu[0]).send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C, 1)
     torch.cuda.synchronize()
-    from elasticep.moe.padded_exchange import plan_padded, split_rows
+    from elasticep.moe.exchange.padded_exchange import plan_padded, split_rows
     assert torch.equal(pos.cpu(), plan_padded(l2p[ids], S, 2, C).position)
     for q in range(2):
         want_rows, want_tags = split_rows(ref[q].recv0[:2 * C], H)
@@ -334,10 +336,11 @@ def test_routed_dispatch_equals_the_router_kernel_then_the_fused_dispatch(E, k, 
             for ex in w:
                 ex.map_local(dict(enumerate(w)))
                 ex.reset(torch.ones(2, dtype=torch.bool))
-        assert got[0].routes_in_dispatch(hidden, logits, k)
-        pos, ids, weights = got[0].send_dispatch_routed(hidden, logits, rule, l2p, Sq, C, 1)
+        assert FusedForms(got[0]).routes_in_dispatch(hidden, logits, k)
+        pos, ids, weights = FusedForms(got[0]).send_dispatch_routed(hidden, logits, rule, l2p,
+                                                                    Sq, C, 1)
         want_ids, want_w = fused_softmax_topk(logits, k, norm, rule.routed_scaling_factor, dtype)
-        want_pos = want[0].send_dispatch_static(hidden, want_ids, l2p, Sq, C, 1)
+        want_pos = FusedForms(want[0]).send_dispatch_static(hidden, want_ids, l2p, Sq, C, 1)
         torch.cuda.synchronize()
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), trial
         assert torch.equal(pos, want_pos)

@@ -15,8 +15,8 @@ import elasticep
 
 # bottom first: each subpackage (or top-level module) may import only those before it
 LAYERS = (
-    "wire", "config", "utils", "membership", "distributed", "compat", "eplb", "moe", "models",
-    "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
+    "enums", "wire", "config", "utils", "membership", "distributed", "compat", "eplb", "moe",
+    "models", "engine", "frontend_link", "elastic", "deploy", "frontend", "entrypoints",
 )
 
 ROOT = Path(elasticep.__file__).parent
@@ -85,3 +85,42 @@ def test_the_check_resolves_relative_imports():
     mods = {mod for _line, mod in _imported(pkg)}
     assert "elasticep.membership.messages" in mods  # from . import messages as m
     assert "elasticep.membership.registry" in mods  # from .registry import ...
+
+
+# The rooms of `moe`: the exchange moves rows and computes nothing on them (it imports
+# nothing of moe outside itself: no expert kernel, no routing rule, no executor), and the
+# expert kernels compute and move nothing, so they import no exchange. What fuses the two
+# (moe/fused_exchange*.py) and the executors sit in moe/ itself, above both.
+MOE = ROOT / "moe"
+
+
+def _room_imports(room: str, forbidden: str, allowed: str = "") -> list[str]:
+    """"file:line imports module" for every import under ``forbidden`` (a dotted prefix)
+    in the modules under ``moe/<room>/``, less those under ``allowed``."""
+    def under(mod: str, prefix: str) -> bool:
+        return bool(prefix) and (mod == prefix or mod.startswith(prefix + "."))
+    found = []
+    for path in sorted((MOE / room).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for line, mod in _imported(path):
+            if under(mod, forbidden) and not under(mod, allowed):
+                found.append(f"{rel}:{line} imports {mod}")
+    return found
+
+
+def test_the_exchange_imports_nothing_of_moe_outside_itself():
+    found = _room_imports("exchange", "elasticep.moe", allowed="elasticep.moe.exchange")
+    assert not found, "the exchange imports expert kernels, routing or executors:\n" + \
+        "\n".join(found)
+
+
+def test_the_expert_kernels_import_no_exchange():
+    found = _room_imports("experts", "elasticep.moe.exchange")
+    assert not found, "expert kernels import the exchange:\n" + "\n".join(found)
+
+
+def test_the_rooms_check_sees_imports():
+    """The checker itself: the executor that joins the rooms imports both."""
+    mods = {mod for _line, mod in _imported(MOE / "cuda_executor.py")}
+    assert "elasticep.moe.exchange.ipc_exchange" in mods
+    assert "elasticep.moe.experts.expert_compute" in mods

@@ -103,18 +103,22 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(config_only, tmp_path):
     assert "Traceback" not in run.stderr
 
 
-def test_safetensors_format_needs_weights(config_only, tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model",
-         str(config_only), "--prompts-file", str(tmp_path / "none.jsonl"), "--max-tokens", "2"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert run.returncode == 2 and "no such file" in run.stderr
+def test_a_config_only_directory_is_refused_at_start_with_the_fix(config_only, tmp_path):
+    """generate and serve refuse a directory with only config.json unless --load-format
+    dummy: exit 2, one line that names the flag (the rank used to die reading weights)."""
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model",
-         str(config_only), "--prompts-file", str(tmp_path / "p.jsonl"), "--max-tokens", "2"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert run.returncode == 2 and "no *.safetensors files" in run.stderr
+    for cmd in (["generate", "--prompts-file", str(tmp_path / "p.jsonl"), "--max-tokens", "2"],
+                ["serve", "--port", "0"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "elasticep.entrypoints.cli", *cmd, "--model",
+             str(config_only)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert run.returncode == 2, run.stderr
+        (line,) = run.stderr.strip().splitlines()
+        assert "no *.safetensors files" in line and "add --load-format dummy" in line, line
+    from elasticep.entrypoints.validate import check_model_dir
+
+    # with the flag the directory passes (the other tests here run it)
+    assert check_model_dir(str(config_only), "dummy") == str(config_only.resolve())
 
 
 def test_relaunched_rank_draws_the_same_experts(config_only):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from elasticep.eplb.elastic import repair_placement
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import initial_placement
-from elasticep.moe.dispatch import choose_physical_slots
-from elasticep.moe.expert_compute import run_expert_rows
+from elasticep.moe.exchange.uneven_exchange import choose_physical_slots
+from elasticep.moe.experts.expert_compute import run_expert_rows
 
 
 def _ids(T=64, E=8, k=2, seed=0):

@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticep.moe.expert_compute import combine_pairs, grouped_swiglu
-from elasticep.moe.local_executor import run_slots
-from elasticep.moe.padded_exchange import (
+from elasticep.moe.exchange.padded_exchange import (
     ROW_ALIGN,
     pack,
     pair_capacity,
@@ -20,6 +18,8 @@ from elasticep.moe.padded_exchange import (
     row_width,
     split_rows,
 )
+from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.local_executor import run_slots
 
 
 def test_capacity_bounds_and_alignment():
@@ -129,7 +129,7 @@ def test_a_tag_bound_reads_each_block_clamped_and_leaves_the_tags_as_they_are():
 
 
 def test_exchange_buffers_grow_only_when_allowed():
-    from elasticep.moe.padded_exchange import ExchangeBuffers
+    from elasticep.moe.exchange.padded_exchange import ExchangeBuffers
 
     allowed = [False]
     bufs = ExchangeBuffers(lambda: allowed[0])
@@ -152,7 +152,7 @@ def test_cuda_ep_executor_copies_a_same_shape_placement_in_place():
     the same shapes; a placement with more slots per rank bumps ``version``."""
     from elasticep.eplb.metadata import ExpertLocationMetadata
     from elasticep.eplb.placement import Placement, initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
 
     L, E, H, inter = 2, 4, 8, 6
     p = initial_placement(L, E, 0, 1, 1)

@@ -11,7 +11,7 @@ import json
 import torch
 from _interpreted import run_interpreted
 
-from elasticep.moe.tiled_experts import block_layout
+from elasticep.moe.experts.tiled_experts import block_layout
 
 
 def test_block_layout_maps_every_row_block_to_its_slot():
@@ -26,9 +26,9 @@ def test_block_layout_maps_every_row_block_to_its_slot():
 def _interpreted_errors() -> dict[str, float]:
     """Relative error of swiglu_tiled and swiglu_sorted against the per-slot loop, per
     kernel and case (fp32)."""
-    from elasticep.moe.expert_compute import grouped_swiglu
-    from elasticep.moe.sorted_experts import swiglu_sorted
-    from elasticep.moe.tiled_experts import swiglu_tiled
+    from elasticep.moe.experts.expert_compute import grouped_swiglu
+    from elasticep.moe.experts.sorted_experts import swiglu_sorted
+    from elasticep.moe.experts.tiled_experts import swiglu_tiled
 
     errs = {}
     for name, (S, N, big) in {"one_big_slot": (5, 300, 100), "empty_slots": (9, 90, 0),

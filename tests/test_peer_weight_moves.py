@@ -1,5 +1,5 @@
 """Placement changes that copy experts from the peers' mapped tensors (``peers`` of
-:func:`elasticep.eplb.weight_transfer.move_expert_weights`), simulated in one process.
+:func:`elasticep.moe.weight_transfer.move_expert_weights`), simulated in one process.
 
 Every rank of a deployment is a pair of per-layer tensors whose slots carry the id of
 the expert they hold; after a death, a scale-down, a scale-up and a rebalance, each
@@ -19,8 +19,8 @@ import torch
 from elasticep.eplb.elastic import repair_placement, scale_down_placement, scale_up_placement
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
-from elasticep.eplb.weight_transfer import PeerUnavailable, move_expert_weights
 from elasticep.moe.peer_weights import PeerWeights
+from elasticep.moe.weight_transfer import PeerUnavailable, move_expert_weights
 
 ROWS13, H, INTER = 6, 3, 3  # w13 [S, 2*I, H], w2 [S, H, I]
 

@@ -78,7 +78,7 @@ def _wrong_slot(new, rank: int, n13, n2) -> str | None:
 
 def _leaving(rank: int, port: int) -> str:
     from elasticep.eplb.elastic import scale_down_placement
-    from elasticep.eplb.weight_transfer import move_expert_weights
+    from elasticep.moe.weight_transfer import move_expert_weights
 
     store, old, w13, w2, peers = _setup(rank, port)
     new = scale_down_placement(old, [1])
@@ -114,7 +114,7 @@ def _killed(rank: int, port: int) -> str:
     import time
 
     from elasticep.eplb.elastic import repair_placement
-    from elasticep.eplb.weight_transfer import move_expert_weights
+    from elasticep.moe.weight_transfer import move_expert_weights
 
     store, old, w13, w2, peers = _setup(rank, port)
     if rank == 1:

@@ -15,6 +15,7 @@ import torch
 
 from elasticep.elastic.fault_injection import FaultInjector, FaultSpec, PoisonFault, parse_faults
 from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.logits_processing import process_logits
 from elasticep.engine.request import (
     MIN_TEMPERATURE,
     AbortRequest,
@@ -23,9 +24,9 @@ from elasticep.engine.request import (
     SamplingParams,
     TokenOutput,
 )
-from elasticep.engine.sampler import SamplingFailure, sample_batch
+from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.frontend.openai_protocol import CompletionRequest, OpenAIError
-from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, Send
+from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, SendToRank
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,18 +159,18 @@ def _tracker():
 
 def test_first_crash_is_retried_second_fails_the_request():
     tr, events, sends = _tracker()
-    assert sends == [Send(0, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10)))]
+    assert sends == [SendToRank(0, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10)))]
     assert tr.on_outputs(0, [TokenOutput("p", 0, 4)]) == []
     # rank 0's step raised: the report comes first, then membership shows it failed
     assert tr.on_step_failed(0, ["p"], "RuntimeError: boom") == []
     moved = tr.update_ranks({0: "failed", 1: "healthy", 2: "healthy"})
-    assert moved == [Send(1, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10),
+    assert moved == [SendToRank(1, GenerateRequest("p", (1, 2, 3), SamplingParams(max_tokens=10),
                                              output_token_ids=(4,)))]
     # the retry crashes rank 1 too; this time membership moves it before the report comes
     again = tr.update_ranks({0: "failed", 1: "failed", 2: "healthy"})
     assert [s.rank for s in again] == [2]
     assert POISON_CRASHES == 2
-    assert tr.on_step_failed(1, ["p"], "RuntimeError: boom") == [Send(2, AbortRequest("p"))]
+    assert tr.on_step_failed(1, ["p"], "RuntimeError: boom") == [SendToRank(2, AbortRequest("p"))]
     assert tr.num_running == 0
     last = events[-1]
     assert last.finish_reason == "abort" and not last.refused
@@ -215,8 +216,12 @@ _VALUES = {
     "seed": [None, 0, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**30],
     "max_tokens": [None, 0, 1, 16, 1019, 1020, 10**9],
     "n": [None, 1, 2],
-    "presence_penalty": [0.0, -0.0, 1e-300, float("nan"), 2.0],
-    "frequency_penalty": [0.0, float("inf")],
+    "presence_penalty": [0.0, -0.0, 1e-300, float("nan"), 2.0, -2.5],
+    "frequency_penalty": [0.0, float("inf"), 1.5],
+    "repetition_penalty": [None, 0, 1, 1.3, 1e-30, float("inf")],
+    "min_p": [None, 0.0, 0.2, 1.0, 1.1],
+    "min_tokens": [None, 0, 2, 100],
+    "stop_token_ids": [None, [], [5], [-1]],
     "logit_bias": [None, {}, {"5": 1e39}],
     "logprobs": [None, 0, 5],
     "stop": [None, "", [""], ["a", ""], "x" * 64],
@@ -248,9 +253,11 @@ def test_fuzzed_requests_are_refused_or_sample_cleanly():
             outcomes["refused"] += 1
             continue
         dt = rng.choice(list(logits))
-        got = sample_batch(logits[dt], [params] * 3, [f"f{i}"] * 3, [0, 1, 2])
+        rows = RowTokens([[1, 5, 7]] * 3, [[], [5], [5, 9]], {0})
+        got = sample_batch(logits[dt], [params] * 3, [f"f{i}"] * 3, [0, 1, 2], rows)
         assert all(isinstance(t, int) and 0 <= t < 100 for t in got), (body, got)
         if params.temperature == 0 or params.temperature < 1e-20 or params.top_k == 1:
-            assert got == logits[dt].float().argmax(-1).tolist(), body
+            processed = process_logits(logits[dt], [params] * 3, rows.prompts, rows.outputs)
+            assert got == processed.argmax(-1).tolist(), body
         outcomes["sampled"] += 1
     assert outcomes["refused"] > 300 and outcomes["sampled"] > 300, outcomes

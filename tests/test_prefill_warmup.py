@@ -161,8 +161,8 @@ def test_warmup_step_context_sets_the_bound_keeps_exchanges_local_and_restores()
 def test_cuda_executors_local_exchange_copies_and_bypasses_the_transport():
     from elasticep.eplb import ExpertLocationMetadata
     from elasticep.eplb.placement import initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
-    from elasticep.moe.ipc_exchange import IpcExchange
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange
     placement = initial_placement(2, 4, 0, 1, 2)
     meta = ExpertLocationMetadata.from_placement(placement, 0, "cpu")
     S = placement.slots_per_rank

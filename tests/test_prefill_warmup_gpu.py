@@ -19,7 +19,7 @@ import torch
 from test_cuda_graph_ep_gpu import nccl_world  # noqa: F401 - the one-rank NCCL group fixture
 
 from elasticep.elastic.rank_model import attach_ep_executor, load_rank_weights, warmup_step_context
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.prefill_warmup import count_triton_compiles, engine_plan, warm_up_prefill
 from elasticep.engine.request import GenerateRequest, SamplingParams

@@ -16,6 +16,7 @@ from elasticep.deploy.restart_policy import (
     decide,
     ending,
     on_exit_for,
+    restart_budget,
 )
 from elasticep.membership.transitions import SlotState
 
@@ -42,7 +43,7 @@ def test_a_crash_is_relaunched_a_removal_and_a_free_slot_are_not():
     exits = [RankExit(1, 11, -9), RankExit(2, 12, 1), RankExit(3, 13, 0)]
     actions, ledger = decide(view, exits, RELAUNCH, Ledger())
     assert _kinds(actions) == [("relaunch", 1)]
-    assert ledger.restarts == {1: 1} and ledger.deferred == ()
+    assert ledger.restarts == {1: (0.0,)} and ledger.deferred == ()
     # without --restart-failed-ranks: only logged
     assert decide(view, exits, Policy(OnExit.LOG), Ledger())[0] == []
 
@@ -50,8 +51,8 @@ def test_a_crash_is_relaunched_a_removal_and_a_free_slot_are_not():
 def test_the_restart_budget_is_per_rank():
     view = _view({1: "failed"})
     actions, ledger = decide(view, [RankExit(1, 11, -9)], Policy(OnExit.RELAUNCH,
-                             max_restarts=2), Ledger({1: 2}))
-    assert actions == [] and ledger.restarts == {1: 2}
+                             max_restarts=2), Ledger({1: (0.0, 0.0)}))
+    assert actions == [] and ledger.restarts == {1: (0.0, 0.0)} and ledger.waiting == (1,)
 
 
 def test_without_fault_tolerance_the_first_exit_stops_everything():
@@ -99,4 +100,62 @@ def test_a_failed_rank_another_launcher_started_is_adopted():
     # relaunched for its exit in this look: not adopted a second time
     view = _view({1: "failed"}, coord_pids={1: 77}, ours={1: 11})
     actions, ledger = decide(view, [RankExit(1, 11, -9)], RELAUNCH, Ledger())
-    assert _kinds(actions) == [("relaunch", 1)] and ledger.restarts == {1: 1}
+    assert _kinds(actions) == [("relaunch", 1)] and ledger.restarts == {1: (0.0,)}
+
+
+def test_the_restart_budget_is_a_rate():
+    """--max-restarts 2 --restart-window 100: a third crash within 100 s waits until the
+    oldest relaunch leaves the window, then the rank is relaunched; crashes far apart are
+    always relaunched (the old budget of 5 for serve's lifetime never reset)."""
+    policy = Policy(OnExit.RELAUNCH, max_restarts=2, restart_window_s=100.0)
+
+    def look(now: float, ledger: Ledger, exits=()) -> tuple[list, Ledger]:
+        view = View(0, "127.0.0.1:29400", World(7, {1: SlotState.FAILED}, {1: 11}, {1: 0}),
+                    {1: 11}, {}, now)
+        return decide(view, list(exits), policy, ledger)
+
+    crash = [RankExit(1, 11, -9)]
+    actions, ledger = look(0.0, Ledger(), crash)
+    actions2, ledger = look(10.0, ledger, crash)
+    assert _kinds(actions + actions2) == [("relaunch", 1), ("relaunch", 1)]
+    actions, ledger = look(20.0, ledger, crash)  # third within the window: it waits
+    assert actions == [] and ledger.waiting == (1,)
+    assert restart_budget(policy, ledger, 20.0) == {
+        "max_restarts": 2, "restart_window_s": 100.0, "enabled": True,
+        "recent_restarts": {"1": 2}, "waiting_for_budget": [1]}
+    actions, ledger = look(99.0, ledger)
+    assert actions == []
+    actions, ledger = look(100.5, ledger)  # the relaunch at 0 s left the window
+    assert _kinds(actions) == [("relaunch", 1)] and ledger.waiting == ()
+    assert ledger.restarts == {1: (10.0, 100.5)}
+    for t in (1000.0, 2000.0, 3000.0):  # a crash a while: always relaunched
+        actions, ledger = look(t, ledger, crash)
+        assert _kinds(actions) == [("relaunch", 1)]
+
+
+def test_an_exit_after_admission_is_never_called_one_before_it(caplog, capsys):
+    """`join scale` logged "exited with -9 before it was admitted" for a rank that had
+    been healthy; and it never said when its loaded ranks were admitted."""
+    import logging
+
+    from elasticep.entrypoints.join_cmd import AdmissionReport
+
+    report = AdmissionReport([4, 5])
+    healthy = _view({4: "healthy", 5: "ready"}, coord_pids={4: 14, 5: 15},
+                    running={4: 14, 5: 15})
+    _, ledger = decide(healthy, [], Policy(OnExit.LOG), Ledger())
+    assert ledger.admitted == {4: 14}
+    report(ledger, 0.0)
+    report(ledger, 0.1)  # once
+    assert capsys.readouterr().out == "admitted: ranks [4] are members (healthy)\n"
+    gone = _view({4: "free", 5: "free"}, coord_pids={4: 14, 5: 15})
+    with caplog.at_level(logging.INFO, logger="elasticep.deploy.supervisor"):
+        _, ledger = decide(gone, [RankExit(4, 14, -9), RankExit(5, 15, -9)],
+                           Policy(OnExit.LOG), ledger)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "epoch 7: rank 4 (pid 14) exited with -9 after it left the deployment; its slot is "
+        "free capacity again",
+        "epoch 7: rank 5 (pid 15) exited with -9 before it was admitted; its slot is free "
+        "capacity again"]
+    assert ledger.admitted == {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import elasticep
+from elasticep.config import JoinMode
 from elasticep.distributed.gloo_device import gloo_devices
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.join_cmd import JoinError, parse_mode_and_ranks
@@ -194,7 +195,8 @@ def test_a_log_dir_that_cannot_be_made_is_a_flag_error_before_anything_starts(tm
      ("scale", [4, 5])),
 ])
 def test_join_ranks(argv, expected):
-    assert parse_mode_and_ranks(_join(*argv)) == expected
+    mode, ranks = parse_mode_and_ranks(_join(*argv))
+    assert (mode, ranks) == expected and type(mode) is JoinMode
 
 
 @pytest.mark.parametrize("argv", [
@@ -662,7 +664,7 @@ def test_scale_through_the_coordinator(coordinator):
     try:
         assert c.deployment_status().ep_size == 4
         assert c.scale(6) == {"old_ep_size": 4, "slots": [4, 5],
-                              "scale_phase": "waiting_for_joiners"}
+                              "scale_phase": "waiting_for_joiners", "operation_id": "op-1"}
         st = c.deployment_status()
         assert st.ep_size == 6 and st.scale_phase == "waiting_for_joiners"
         with pytest.raises(ScaleInProgressError):
@@ -877,27 +879,34 @@ def test_node_with_a_wrong_coordinator_address_exits_within_its_timeout(http_por
 
 
 
-def test_a_node_run_again_over_its_held_slots_is_refused_with_the_join_that_works():
-    """Node 1 died and its `serve --node-rank 1` was run again: it said "ready", loaded,
-    and its rank died with the coordinator's is_extension traceback. Slots never held
-    (pid None) start as before."""
-    from elasticep.entrypoints.serve_cmd import ranks_in_use
+def test_a_node_run_again_takes_its_failed_or_drained_slots_back_in_place():
+    """Node 1 died and its `serve --node-rank 1` was run again (as an orchestrator
+    restarts a pod): it was refused and told to use `join ... recover`. Now its failed
+    and free slots are taken back in recover mode; slots never held (pid None) start as
+    the launch cohort; a slot a live process holds is still refused."""
+    from elasticep.entrypoints.serve_cmd import ranks_in_use, rejoin_ranks
 
     fresh = DeploymentStatus.from_dict(
         {"epoch": 0, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",
          "ranks": [{"rank": r, "state": "healthy", "pid": 10 + r if r < 2 else None,
                     "node": r // 2} for r in range(4)]})
     assert ranks_in_use(fresh, [2, 3], "h:29400", 1) is None
+    assert rejoin_ranks(fresh, [2, 3]) == []
     later = DeploymentStatus.from_dict(
         {**fresh.to_dict(), "epoch": 2,
          "ranks": [{"rank": 0, "state": "healthy", "pid": 10, "node": 0},
                    {"rank": 1, "state": "healthy", "pid": 11, "node": 0},
                    {"rank": 2, "state": "failed", "pid": 12, "node": 1},
-                   {"rank": 3, "state": "healthy", "pid": 23, "node": 1}]})
-    assert ranks_in_use(later, [2, 3], "h:29400", 1) == (
-        "rank 2 is failed (pid 12), rank 3 is healthy (pid 23) in the running deployment at "
-        "h:29400; bring failed ranks back with `elasticep join --dist-init-addr h:29400 "
-        "--elastic-ep-join-mode recover --ranks 2 --node-rank 1`")
+                   {"rank": 3, "state": "free", "pid": None, "node": 1}]})
+    assert ranks_in_use(later, [2, 3], "h:29400", 1) is None
+    assert rejoin_ranks(later, [2, 3]) == [2, 3]
+    held = DeploymentStatus.from_dict(
+        {**later.to_dict(), "ranks": [*later.to_dict()["ranks"][:3],
+                                      {"rank": 3, "state": "healthy", "pid": 23, "node": 1}]})
+    assert ranks_in_use(held, [2, 3], "h:29400", 1) == (
+        "rank 3 is healthy (pid 23) in the running deployment at h:29400; a node's serve "
+        "run again takes back only failed or retired slots (stop the process holding them "
+        "first)")
 
 
 def test_a_stalled_startup_names_the_ranks_still_waited_for(tmp_path):

@@ -1,5 +1,8 @@
 """Two `elasticep serve` nodes on one machine over 127.0.0.1: node 0 runs the coordinator,
-the API and ranks 0-1; node 1 only launches ranks 2-3 with the settings of node 0."""
+the API and ranks 0-1; node 1 only launches ranks 2-3 with the settings of node 0.
+
+The node is drained, its `serve` exits, and the same `serve` run again takes its slots
+back in place (as an orchestrator replacing a pod does); then a remote rank dies."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import signal
 import subprocess
 
+import httpx
 import pytest
 from _serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, burst, prompts, start_serve
 
@@ -20,17 +24,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PROMPTS = prompts(4)
 
 
-def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
+def _node1(coord: str, log_path) -> subprocess.Popen:
+    """`serve --node-rank 1` (the same flags every time it is started)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cli_command(
+            "serve", "--ep-size", "4", "--nnodes", "2", "--node-rank", "1", "--min-ep-size", "2",
+            "--dist-init-addr", coord, "--heartbeat-timeout", "3.0",
+            "--coordinator-timeout", "15"),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_two_nodes_serve_drain_rejoin_and_survive_a_remote_rank_death(tmp_path):
     coord = f"127.0.0.1:{free_port()}"
-    node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115
     # node 1 first: it waits for the coordinator that node 0 is about to bind
-    node1 = subprocess.Popen(cli_command("serve", "--ep-size", "4", "--nnodes", "2", "--node-rank", "1",
-                                 "--dist-init-addr", coord, "--heartbeat-timeout", "3.0",
-                                 "--coordinator-timeout", "15"),
-                             stdout=node1_log, stderr=subprocess.STDOUT, start_new_session=True)
+    node1 = _node1(coord, tmp_path / "node1.log")
     serve = None
     try:
         serve = start_serve("--ep-size", "4", "--nnodes", "2", "--node-rank", "0",
+                            "--min-ep-size", "2",
                             "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
                             coordinator=coord)
         st = serve.status()
@@ -39,6 +50,25 @@ def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
         first = burst(serve, PROMPTS, 16).results(RESULTS_TIMEOUT_S)
         assert_complete(first, 16)
         reference = [r.text for r in first]
+        # drain node 1 under load: its requests move to node 0, its serve exits 0 once
+        # its ranks left
+        b = burst(serve, PROMPTS, 16)
+        assert b.wait_tokens(8, 60), f"only {b.tokens()} tokens arrived"
+        url = f"{serve.url}/scale_elastic_ep"
+        r = httpx.post(url, json={"drain_node": 1, "operation_id": "drain-1"}, timeout=30)
+        assert r.status_code == 200 and r.json()["slots"] == [2, 3], r.text
+        assert [x.text for x in b.results(RESULTS_TIMEOUT_S)] == reference
+        wait_until(lambda: httpx.get(f"{url}/drain-1", timeout=10).json()["phase"] == "done",
+                   60, "node 1 safe to terminate", poll_s=0.1)
+        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        assert serve.status().healthy_ranks() == [0, 1]
+        # the same serve again: it takes ranks 2 and 3 back in place
+        node1 = _node1(coord, tmp_path / "node1-again.log")
+        b = burst(serve, PROMPTS, 16)
+        serve.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3] and s.ep_size == 4,
+                       120, "node 1 back")
+        assert [x.text for x in b.results(RESULTS_TIMEOUT_S)] == reference
+        assert "rejoins ranks [2, 3] in place" in (tmp_path / "node1-again.log").read_text()
         victim = serve.rank_state(3)
         b = burst(serve, PROMPTS, 16)
         assert b.wait_tokens(8, 60), f"only {b.tokens()} tokens arrived"
@@ -51,8 +81,8 @@ def test_two_nodes_serve_and_survive_a_remote_rank_death(tmp_path):
         assert serve.interrupt(timeout_s=30) == 130  # Ctrl-C: 128 + SIGINT
         # node 1's ranks lose the coordinator and stop; node 1 tries to reach it for
         # --coordinator-timeout, then exits non-zero with one line saying so
-        assert node1.wait(45) == 1, (tmp_path / "node1.log").read_text()[-3000:]
-        log = (tmp_path / "node1.log").read_text()
+        assert node1.wait(45) == 1, (tmp_path / "node1-again.log").read_text()[-3000:]
+        log = (tmp_path / "node1-again.log").read_text()
         assert "exited with 3; relaunch it with" not in log, log[-3000:]  # no vain hints
         last = [ln for ln in log.splitlines() if ln.strip()][-1]
         assert last.startswith("elasticep serve: error: node 1: lost the coordinator: no "

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +27,7 @@ from _serve_fixtures import (
     stream,
 )
 
+from elasticep.frontend.event_log import read_events
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import ScalePhase, SlotState
 from elasticep.utils.procs import pid_alive
@@ -33,9 +36,12 @@ from elasticep_testkit.harness.load import SteadyLoad
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+# every membership and recovery event of the module's deployment, as serve writes them
+EVENTS = Path(tempfile.mkdtemp(prefix="elasticep-scale-events-")) / "events.jsonl"
 serve = serve_fixture("--ep-size", "4", "--max-ep-size", "6", "--ep-num-redundant-experts", "16",
                       "--heartbeat-timeout", "3.0", "--max-total-tokens", "2048",
-                      "--restart-failed-ranks")
+                      "--restart-failed-ranks", "--event-log", str(EVENTS),
+                      "--log-stats-interval", "1")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,65 @@ def reference(serve):
 def _relaunched(rank: int, old_pid: int):
     """A status predicate: ``rank`` is healthy again, in a new process."""
     return lambda s: s.rank(rank).state == SlotState.HEALTHY and s.rank(rank).pid != old_pid
+
+
+def test_retire_rank_1_under_load_then_join_it_back(serve, reference):
+    """Retire rank 1 of EP4 (not the highest) under streaming load, by operation id;
+    then `join` in recover mode takes the slot back in place. No request fails, and
+    every text is the fault-free run's."""
+    url = f"{serve.url}/scale_elastic_ep"
+    load = SteadyLoad(serve.client, serve.model_name(), PROMPTS, 3, MAX_TOKENS)
+    seen: list[tuple[str, str]] = []
+    try:
+        time.sleep(1.0)  # the streams are running on every rank
+        body = {"retire_ranks": [1], "operation_id": "retire-1"}
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert reply.json() == {"status": "accepted", "retire_ranks": [1], "old_ep_size": 4,
+                                "slots": [1], "scale_phase": "draining",
+                                "operation_id": "retire-1"}
+        again = httpx.post(url, json=body, timeout=30)  # a retry: same operation
+        assert again.status_code == 200 and again.json()["repeated"] is True, again.text
+        conflict = httpx.post(url, json={**body, "retire_ranks": [2]}, timeout=30)
+        assert conflict.status_code == 409, conflict.text
+
+        def done() -> bool:
+            op = httpx.get(f"{url}/retire-1", timeout=10).json()
+            state = (op["phase"], op["ranks"][0]["state"])
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            return op["phase"] == "done"
+
+        wait_until(done, 60, "rank 1 safe to terminate", poll_s=0.05)
+        st = serve.status()
+        assert st.ep_size == 3 and st.healthy_ranks() == [0, 2, 3] and not st.degraded()
+        assert httpx.get(f"{url}/nope", timeout=10).status_code == 404
+        join = serve.join("--elastic-ep-join-mode", "recover", "--ranks", "1",
+                          coordinator_timeout_s=JOIN_COORDINATOR_TIMEOUT_S)
+        serve.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3] and s.ep_size == 4
+                       and s.scale_phase == ScalePhase.IDLE, 120, "rank 1 back",
+                       watch=(join,))
+    finally:
+        records = load.stop(RESULTS_TIMEOUT_S)
+    assert seen[-1] == ("done", "safe_to_terminate"), seen
+    # the same story in the event log and /metrics
+    events = read_events(EVENTS)
+    rank1 = [e["state"] for e in events if e["event"] == "rank_state" and e["rank"] == 1]
+    assert rank1[-1] == "healthy" and "free" in rank1, rank1
+    done = [e for e in events if e["event"] == "scale_done" and e["kind"] == "retire"]
+    assert len(done) == 1 and 0 < done[0]["seconds"] < 60, done
+    text = httpx.get(f"{serve.url}/metrics", timeout=10).text
+    assert 'elasticep_scale_seconds_count{kind="retire"} 1.0' in text
+    assert 'elasticep_rank_state{rank="1",state="healthy"} 1.0' in text
+    # 32 slots per layer (16 experts + 16 redundant) over EP4: the ranks that stayed hold
+    # all 8 of theirs (the rejoined one holds what the reconcile gave it)
+    held = serve.rank_metric("elasticep_rank_experts_held")
+    assert all(held.get(r) == 8 for r in (0, 2, 3)), held
+    assert all(phase in ("draining", "retiring", "done") for phase, _ in seen), seen
+    assert records, "the load sent no request"
+    assert_complete(records, MAX_TOKENS)
+    assert [(r.prompt_idx, r.text) for r in records] == [
+        (r.prompt_idx, reference[r.prompt_idx]) for r in records]
 
 
 def test_scale_up_then_down_under_load(serve, reference):
@@ -66,6 +131,9 @@ def test_scale_up_then_down_under_load(serve, reference):
         st = serve.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3, 4, 5]
                             and s.scale_phase == ScalePhase.IDLE, 120, "EP6", watch=(join,))
         assert st.ep_size == 6
+        # join said when its loaded ranks became members, not only that they loaded
+        wait_until(lambda: "admitted: ranks [4, 5] are members" in join.output(), 10,
+                   "join to report the admission", poll_s=0.1, last=join.output)
         time.sleep(1.0)  # new ranks take requests once their workers said hello
         # six more streams on top of the load's three: a new request goes to the rank
         # running the fewest (lowest id on ties), so the joined ranks 4 and 5 take some

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from _loop_fakes import fake_loop
 
-from elasticep.elastic.step_loop import (
+from elasticep.elastic.step_header import (
     agreed_max_tokens,
     parse_header,
     step_header,
@@ -86,7 +86,7 @@ def _run_one_iteration(monkeypatch, rank: int, mine: list[int], peer_tokens: int
     """One iteration of ``rank`` of 2 with one batch of ``mine`` sequences' tokens, the
     peer having ``peer_tokens`` scheduled."""
     loop, engine, calls = fake_loop(monkeypatch, rank, [mine] if mine else [], peer_tokens)
-    loop._iteration()
+    loop.step()
     return engine, loop.ep, loop, calls
 
 
@@ -127,7 +127,7 @@ def _weights():
 
 def _worker(rank: int, port: int, outdir: str) -> None:
     from elasticep.eplb import ExpertLocationMetadata, initial_placement
-    from elasticep.moe.cuda_experts import CudaEPMoEExecutor
+    from elasticep.moe.cuda_executor import CudaEPMoEExecutor
     from elasticep.moe.ep_executor import EPMoEExecutor
 
     init_gloo_rank(rank, port, WORLD)
@@ -209,10 +209,10 @@ def test_outputs_go_out_while_the_next_forward_runs(monkeypatch, defer):
     loop, engine, _ = fake_loop(monkeypatch, 0, [[1], [1], [1]], peer_tokens=0,
                                 defer_publish=defer)
     for _ in range(3):
-        loop._iteration()
+        loop.step()
     if defer:
         assert loop._unsent is not None  # step 3's outputs wait for a forward or idleness
-    loop._iteration()  # nobody has work: sends what is left
+    loop.step()  # nobody has work: sends what is left
     assert loop._unsent is None
     ev = [e[:2] for e in engine.events]
     if defer:
@@ -246,7 +246,7 @@ def test_an_eplb_rebalance_sends_the_steps_outputs_first(monkeypatch):
     loop.eplb = Eplb()
     monkeypatch.setattr(placement_sync, "commit_placement",
                         lambda *a: engine.events.append(("weights moved",)))
-    loop._iteration()
+    loop.step()
     ev = [e[:2] for e in engine.events]
     assert ev.index(("send", ["out1"])) < ev.index(("rebalance",)), ev
 
@@ -255,7 +255,7 @@ def test_a_failed_last_send_keeps_the_reason_the_loop_ended(monkeypatch):
     import elasticep.distributed as ed
     from elasticep.frontend_link import FrontendUnreachableError
     loop, _, _ = fake_loop(monkeypatch, 0, [[1], [1]], peer_tokens=0, defer_publish=True)
-    loop._iteration()  # a step committed, its outputs held for the next forward
+    loop.step()  # a step committed, its outputs held for the next forward
 
     def evicted():
         raise ed.RankEvictedError("evicted")
@@ -263,7 +263,7 @@ def test_a_failed_last_send_keeps_the_reason_the_loop_ended(monkeypatch):
     def unreachable(outputs, epoch=None):
         raise FrontendUnreachableError("queue full")
 
-    monkeypatch.setattr(loop, "_iteration", evicted)
+    monkeypatch.setattr(loop, "step", evicted)
     loop.channel.send_outputs = unreachable
     with pytest.raises(ed.RankEvictedError):  # not the send's error
         loop.run()

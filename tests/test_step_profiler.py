@@ -211,7 +211,7 @@ def test_loop_profiles_the_window_and_writes_both_files(monkeypatch, tmp_path):
     prof = StepProfiler(ProfilerSettings(tmp_path, skip=4, count=3), rank=0)
     loop = _loop(monkeypatch, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], prof)
     for i in range(9):
-        loop._iteration()
+        loop.step()
         assert (tmp_path / "rank0.json").exists() == (i >= 6), i  # steps 4..6, then written
     assert loop.profiler is None and prof.finished and loop.stats.steps == 9
     row = json.loads((tmp_path / "rank0.json").read_text())
@@ -237,7 +237,7 @@ def test_a_failing_profiler_is_dropped_after_one_line(monkeypatch, tmp_path, cap
     loop = _loop(monkeypatch, [1, 2, 3, 4], prof)
     with caplog.at_level(logging.ERROR):
         for _ in range(4):
-            loop._iteration()
+            loop.step()
     assert loop.stats.steps == 4 and loop.profiler is None
     assert [r.getMessage() for r in caplog.records] == [
         "rank 0: torch profiler failed, profiling dropped: RuntimeError: CUPTI said no"]

@@ -2,7 +2,7 @@
 generate alike), the coordinator of node 0, and the restart policy.
 
 Imports downward only (distributed, elastic's configs and worker entry point, engine's
-ipc types); the entrypoints build on it.
+link types); the entrypoints build on it.
 """
 
 from elasticep.deploy.deployment import Deployment

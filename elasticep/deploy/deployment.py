@@ -31,9 +31,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elasticep.config import Backend, DeploymentConfig
+from elasticep.config import Backend, DeploymentConfig, JoinMode
 from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
-from elasticep.deploy.membership import CoordinatorMembership, LaunchedRanks
+from elasticep.deploy.membership_backends import CoordinatorMembership, LaunchedRanks
 from elasticep.frontend_link import WorkerHello
 from elasticep.membership.process import CoordinatorProcess
 from elasticep.membership.status import DeploymentStatus
@@ -83,6 +83,7 @@ class Deployment:
               hb_interval_s: float = 0.2, ranks: list[int] | None = None,
               fault: str | None = None,
               on_coordinator_exit: Callable[[int], None] | None = None,
+              membership_store: str | None = None, deployment_id: str | None = None,
               **kwargs: Any) -> Deployment:
         """Node 0: start the coordinator, publish the settings and launch ``ranks``
         (default ``0..ep_size-1``). Returns at once; see :meth:`wait_healthy`.
@@ -98,6 +99,8 @@ class Deployment:
             on_coordinator_exit: called with the coordinator process's exit status if it
                 dies before :meth:`stop` (from a watcher thread): the deployment cannot
                 go on without it, so the owner should stop.
+            membership_store, deployment_id: ``--membership-store`` (None: embedded)
+                and the id this deployment claims its prefix with.
             **kwargs: ``log_dir``, ``env``, ``new_session`` (see the class).
 
         Raises:
@@ -106,7 +109,9 @@ class Deployment:
         """
         coordinator = CoordinatorProcess.start(host, port, hb_interval_s=hb_interval_s,
                                                hb_timeout_s=config.heartbeat_timeout_s,
-                                               on_exit=on_coordinator_exit)
+                                               on_exit=on_coordinator_exit,
+                                               membership_store=membership_store,
+                                               deployment_id=deployment_id)
         try:
             config = replace(config, store_addr=f"{host}:{coordinator.store_port}")
             publish_config(coordinator.address, config)
@@ -132,12 +137,12 @@ class Deployment:
         return cls(address, fetch_config(address, config_timeout_s), node=node, **kwargs)
 
     # ------------------------------------------------------------------ ranks
-    def launch(self, ranks: list[int], join_mode: str | None = None,
+    def launch(self, ranks: list[int], join_mode: JoinMode | None = None,
                fault: str | None = None) -> list[int]:
         """Start a worker for each of ``ranks``; returns their pids.
 
         Args:
-            join_mode: None (launch cohort), "recover" or "scale".
+            join_mode: None (launch cohort), recover or scale.
             fault: fault-injection spec (None also drops an inherited one).
         """
         return [self.launcher.spawn(r, join_mode, fault) for r in ranks]
@@ -158,7 +163,7 @@ class Deployment:
                 raise ValueError(f"rank {r} outside [0, {self.config.max_ep_size})")
         for r in ranks:
             self.kill_stale(r)
-        pids = self.launch(list(ranks), "recover")
+        pids = self.launch(list(ranks), JoinMode.RECOVER)
         self.launcher.request_admission(list(ranks))
         return pids
 
@@ -189,15 +194,15 @@ class Deployment:
 
     def scale(self, new_ep_size: int, start_joiners: bool = False) -> dict[str, Any]:
         """Make ``new_ep_size`` the target, as ``POST /scale_elastic_ep`` does: growing
-        admits the joiners of slots ``[ep_size, new)``, shrinking drains and removes the
-        active slots ``[new, max_ep_size)``.
+        admits the joiners of the lowest free slots (``[ep_size, new)`` unless ranks were
+        retired), shrinking drains and removes the highest active slots of the target.
 
         Args:
             start_joiners: also start the new slots' joiners here (join mode "scale");
                 serve leaves that to `elasticep join`.
 
         Returns:
-            {"old_ep_size", "slots", "scale_phase"}.
+            {"old_ep_size", "slots", "scale_phase", "operation_id"}.
 
         Raises:
             ScaleNotSupportedError: backend ``none``; ScaleInProgressError, ValueError:
@@ -205,7 +210,7 @@ class Deployment:
         """
         result = self.membership().scale(new_ep_size)
         if start_joiners and new_ep_size > result["old_ep_size"]:
-            self.launch([r for r in result["slots"] if self.launcher.exited(r)], "scale")
+            self.launch([r for r in result["slots"] if self.launcher.exited(r)], JoinMode.SCALE)
         return result
 
     # ------------------------------------------------------------------ membership

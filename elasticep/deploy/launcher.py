@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import queue
 import subprocess
@@ -30,10 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from elasticep.config import DeploymentConfig, WorkerConfig
+from elasticep.config import DeploymentConfig, JoinMode, WorkerConfig
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.eplb.placement import initial_slots_per_rank
 from elasticep.membership.client import CoordinatorClient, ReconnectingClient
 from elasticep.membership.status import DeploymentStatus
+from elasticep.models.config import load_model_config
 from elasticep.utils.procs import OUTLIVE_MARKER_ENV, OUTLIVE_PARENT_ENV, PARENT_PID_ENV, kill_pids
 from elasticep.utils.wait import wait_until
 
@@ -49,6 +52,22 @@ def exit_log_level(code: int) -> int:
     return logging.INFO if code == ExitCode.REMOVED else logging.WARNING
 
 
+def min_holding_ranks(config: DeploymentConfig) -> int:
+    """The fewest ranks whose expert slots hold every logical expert without growing:
+    ``ceil(E / slots_per_rank)`` with the slots each rank launches with (1 when the
+    model's config cannot be read here: the coordinator then refuses only a retirement
+    that leaves no healthy rank)."""
+    try:
+        mcfg = load_model_config(config.model)
+        slots = initial_slots_per_rank(mcfg.num_experts, config.ep_num_redundant_experts,
+                                       config.ep_size, config.slot_reserve_ranks)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("cannot size the expert slots from %s (%s); a retirement is only "
+                       "refused when it leaves no healthy rank", config.model, exc)
+        return 1
+    return max(1, math.ceil(mcfg.num_experts / slots))
+
+
 def publish_config(coordinator: str, config: DeploymentConfig) -> None:
     """Node 0: make the settings, and the initial target size, known to every later rank
     and joiner.
@@ -58,7 +77,9 @@ def publish_config(coordinator: str, config: DeploymentConfig) -> None:
     """
     client = CoordinatorClient(coordinator)
     try:
-        client.publish_deployment(config.to_json(), config.ep_size, config.max_ep_size)
+        client.publish_deployment(config.to_json(), config.ep_size, config.max_ep_size,
+                                  min_holding_ranks(config),
+                                  config.elastic_ep_scale_timeout_s)
     finally:
         client.close()
 
@@ -152,12 +173,13 @@ class RankLauncher:
             logger.debug("%s: could not %s of rank %d: %s", self.label, what, rank, exc)
 
     # ------------------------------------------------------------------ workers
-    def spawn(self, rank: int, join_mode: str | None = None, fault: str | None = None) -> int:
+    def spawn(self, rank: int, join_mode: JoinMode | None = None, fault: str | None = None
+              ) -> int:
         """Start a worker for ``rank``; returns its pid.
 
         Args:
             rank: global slot.
-            join_mode: None (launch cohort), "recover" or "scale".
+            join_mode: None (launch cohort), recover or scale.
             fault: fault-injection spec for this worker; None also drops an inherited
                 ``ELASTICEP_FAULT`` (a relaunch must not crash again).
         """

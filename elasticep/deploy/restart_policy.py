@@ -12,8 +12,10 @@ The rules (``--restart-failed-ranks`` is :attr:`OnExit.RELAUNCH`):
 * a rank that exits with status 0 was removed on purpose (planned scale-down): never
   restarted, nor is any slot the coordinator marks free;
 * any other exit (crash, SIGKILL, evicted) is relaunched in join mode ``recover``, at
-  most ``max_restarts`` times per rank; one that exits while the coordinator does not
-  answer waits for it (deferred);
+  most ``max_restarts`` times per rank within any ``restart_window_s`` (a rate, as a
+  pod's restarts: a rank that crashes once a day is always relaunched, one in a crash
+  loop waits until its oldest relaunch in the window ages out); one that exits while
+  the coordinator does not answer waits for it (deferred);
 * a rank the coordinator evicted while its process is still alive (frozen) is killed
   first, so the relaunch does not race a zombie of itself;
 * a failed rank of this node that another launcher started (a `join`) is relaunched too;
@@ -28,9 +30,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticep.config import StrEnum
 from elasticep.deploy.launcher import RankExit
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.enums import StrEnum
 from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.deploy.supervisor")
@@ -90,7 +92,9 @@ class Policy:
     Attributes:
         on_exit: what a rank's exit leads to.
         until: when the loop returns.
-        max_restarts: relaunches per rank before giving up on it.
+        max_restarts: relaunches per rank within ``restart_window_s`` (``--max-restarts``);
+            a rank over it waits until its oldest relaunch leaves the window.
+        restart_window_s: the window of that budget (seconds; ``--restart-window``).
         coordinator_timeout_s: with RELAUNCH, how long ranks that exited while the
             coordinator was unreachable wait for it (seconds; ``--coordinator-timeout``).
     """
@@ -98,7 +102,12 @@ class Policy:
     on_exit: OnExit = OnExit.LOG
     until: Until = Until.STOPPED
     max_restarts: int = 5
+    restart_window_s: float = 600.0
     coordinator_timeout_s: float = 60.0
+
+    def budget(self) -> dict[str, float]:
+        """The budget as ``/elastic_ep_status`` shows it."""
+        return {"max_restarts": self.max_restarts, "restart_window_s": self.restart_window_s}
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class View:
         world: the coordinator's view, or None if it did not answer.
         ours: rank -> pid of the latest worker started here for it.
         running: rank -> pid of those still alive.
+        now: the time of the look (monotonic seconds), for the restart budget.
     """
 
     node: int
@@ -129,15 +139,26 @@ class View:
     world: World | None
     ours: Mapping[int, int] = field(default_factory=dict)
     running: Mapping[int, int] = field(default_factory=dict)
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
 class Ledger:
-    """What the loop remembers between looks: relaunches per rank, and the ranks that
-    exited while the coordinator did not answer (relaunched once it does)."""
+    """What the loop remembers between looks: per rank, the times of its relaunches
+    still inside the restart window; the ranks that exited while the coordinator did
+    not answer (relaunched once it does); the ranks over their budget (relaunched once
+    it allows); and rank -> pid of each worker of ours seen as a member (healthy), so an
+    exit is never called one "before it was admitted" once it was."""
 
-    restarts: Mapping[int, int] = field(default_factory=dict)
+    restarts: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
     deferred: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    admitted: Mapping[int, int] = field(default_factory=dict)
+
+    def recent(self, now: float, window_s: float) -> dict[int, int]:
+        """rank -> relaunches within the last ``window_s`` seconds before ``now``."""
+        counts = {r: sum(now - t < window_s for t in ts) for r, ts in self.restarts.items()}
+        return {r: n for r, n in counts.items() if n}
 
 
 @dataclass(frozen=True)
@@ -149,6 +170,15 @@ class Action:
     why: str = ""
 
 
+def restart_budget(policy: Policy, ledger: Ledger, now: float) -> dict:
+    """The restart budget as ``/elastic_ep_status`` shows it: the flags, and per rank
+    the relaunches inside the window and whether it waits for the budget."""
+    return {**policy.budget(), "enabled": policy.on_exit == OnExit.RELAUNCH,
+            "recent_restarts": {str(r): n for r, n in
+                                sorted(ledger.recent(now, policy.restart_window_s).items())},
+            "waiting_for_budget": sorted(ledger.waiting)}
+
+
 def recover_command(address: str, rank: int | list[int], node: int = 0) -> str:
     """The `join` command line that relaunches ``rank`` (or several) of the deployment
     whose coordinator is at ``address`` (``"host:port"``), from node ``node``: printed in
@@ -157,6 +187,15 @@ def recover_command(address: str, rank: int | list[int], node: int = 0) -> str:
     ranks = ",".join(str(r) for r in ([rank] if isinstance(rank, int) else rank))
     return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode recover "
             f"--ranks {ranks}{node_flag}")
+
+
+def scale_command(address: str, ranks: list[int], node: int = 0) -> str:
+    """The `join` command line that starts the joiners a grow waits for (slots
+    ``ranks``) on node ``node``, for the deployment whose coordinator is at
+    ``address``."""
+    node_flag = f" --node-rank {node}" if node else ""
+    return (f"elasticep join --dist-init-addr {address} --elastic-ep-join-mode scale "
+            f"--ranks {','.join(str(r) for r in ranks)}{node_flag}")
 
 
 def decide(view: View, exits: Sequence[RankExit], policy: Policy,
@@ -172,7 +211,11 @@ def decide(view: View, exits: Sequence[RankExit], policy: Policy,
     Returns:
         (actions, the ledger for the next look). A STOP action is the last one.
     """
-    plan = _Plan(view, policy, dict(ledger.restarts))
+    plan = _Plan(view, policy, {r: tuple(t for t in ts if view.now - t < policy.restart_window_s)
+                                for r, ts in ledger.restarts.items()})
+    plan.waiting = list(ledger.waiting)
+    plan.admitted = dict(ledger.admitted)
+    plan.see_members()
     deferred = list(ledger.deferred)
     world = view.world
     relaunching = policy.on_exit == OnExit.RELAUNCH
@@ -182,7 +225,7 @@ def decide(view: View, exits: Sequence[RankExit], policy: Policy,
                          "no fault tolerance: stopping the deployment", ex.rank, ex.pid,
                          ex.code)
             plan.actions.append(Action(ActionKind.STOP, ex.rank))
-            return plan.actions, Ledger(plan.restarts, tuple(deferred))
+            return plan.actions, plan.ledger(deferred)
         if world is None and relaunching and ex.code != ExitCode.REMOVED:
             logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
                            "unreachable; relaunching it when the coordinator answers "
@@ -197,8 +240,9 @@ def decide(view: View, exits: Sequence[RankExit], policy: Policy,
             for rank in deferred:
                 plan.relaunch(rank, "lost the coordinator")
             deferred.clear()
+            plan.retry_waiting()
             plan.adopt_failed()
-    return plan.actions, Ledger(plan.restarts, tuple(deferred))
+    return plan.actions, plan.ledger(deferred)
 
 
 def ending(policy: Policy, ledger: Ledger, idle: Callable[[], bool],
@@ -230,25 +274,57 @@ class _Plan:
 
     view: View
     policy: Policy
-    restarts: dict[int, int]
+    restarts: dict[int, tuple[float, ...]]
     actions: list[Action] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    admitted: dict[int, int] = field(default_factory=dict)
+
+    def ledger(self, deferred: list[int]) -> Ledger:
+        return Ledger({r: ts for r, ts in self.restarts.items() if ts}, tuple(deferred),
+                      tuple(self.waiting), dict(self.admitted))
+
+    def see_members(self) -> None:
+        """Note our live workers that the coordinator shows healthy (admitted)."""
+        world = self.view.world
+        if world is None:
+            return
+        for rank, pid in self.view.running.items():
+            if world.states.get(rank) == SlotState.HEALTHY and world.pids.get(rank) == pid:
+                self.admitted[rank] = pid
 
     @property
     def relaunched(self) -> set[int]:
         return {a.rank for a in self.actions if a.kind == ActionKind.RELAUNCH}
 
     def relaunch(self, rank: int, why: str) -> None:
-        """Relaunch ``rank`` in recover mode, within its ``max_restarts`` budget."""
-        epoch = self.view.world.epoch
-        done = self.restarts.get(rank, 0)
-        if done >= self.policy.max_restarts:
-            logger.error("epoch %d: rank %d crashed %d times; not relaunching it again",
-                         epoch, rank, done)
+        """Relaunch ``rank`` in recover mode, within its budget of ``max_restarts`` per
+        ``restart_window_s``; over it, the rank waits until the budget allows."""
+        epoch, now, p = self.view.world.epoch, self.view.now, self.policy
+        times = self.restarts.get(rank, ())
+        if len(times) >= p.max_restarts:
+            if rank not in self.waiting:
+                wait_s = min(times) + p.restart_window_s - now
+                logger.error("epoch %d: rank %d %s, and it was relaunched %d times in the "
+                             "last %g s (--max-restarts %d --restart-window %g); relaunching "
+                             "it in %.0f s", epoch, rank, why, len(times),
+                             p.restart_window_s, p.max_restarts, p.restart_window_s, wait_s)
+                self.waiting.append(rank)
             return
-        self.restarts[rank] = done + 1
-        logger.warning("epoch %d: rank %d %s; relaunching (restart %d)", epoch, rank, why,
-                       done + 1)
+        if rank in self.waiting:
+            self.waiting.remove(rank)
+        self.restarts[rank] = (*times, now)
+        logger.warning("epoch %d: rank %d %s; relaunching (restart %d in the last %g s)",
+                       epoch, rank, why, len(times) + 1, p.restart_window_s)
         self.actions.append(Action(ActionKind.RELAUNCH, rank, why))
+
+    def retry_waiting(self) -> None:
+        """Relaunch the ranks over their budget once it allows (and still failed)."""
+        world = self.view.world
+        for rank in list(self.waiting):
+            if world.states.get(rank) != SlotState.FAILED or rank in self.view.running:
+                self.waiting.remove(rank)  # taken back by someone else, or scaled away
+            elif len(self.restarts.get(rank, ())) < self.policy.max_restarts:
+                self.relaunch(rank, "waited for its restart budget")
 
     def on_exit(self, ex: RankExit) -> None:
         world = self.view.world
@@ -257,10 +333,13 @@ class _Plan:
             logger.info("epoch %d: rank %d (pid %d) left after a planned removal", epoch,
                         ex.rank, ex.pid)
             return
+        was_member = self.admitted.pop(ex.rank, None) == ex.pid
         if world is not None and world.states.get(ex.rank) == SlotState.FREE:
-            # never admitted: nothing to recover
-            logger.info("epoch %d: rank %d (pid %d) exited with %d before it was admitted; "
-                        "its slot is free capacity again", epoch, ex.rank, ex.pid, ex.code)
+            # nothing to recover: its slot is free capacity (never admitted, or removed)
+            logger.info("epoch %d: rank %d (pid %d) exited with %d %s; its slot is free "
+                        "capacity again", epoch, ex.rank, ex.pid, ex.code,
+                        "after it left the deployment" if was_member
+                        else "before it was admitted")
             return
         if world is None:  # no hint: a relaunch needs the coordinator
             logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
@@ -298,8 +377,7 @@ class _Plan:
             # (``states`` predates it) or a frozen one (kill_frozen's)
             if (state != SlotState.FAILED or world.nodes.get(rank) != view.node
                     or pid is None or view.ours.get(rank) == pid or rank in view.running
-                    or rank in relaunched
-                    or self.restarts.get(rank, 0) >= self.policy.max_restarts):
+                    or rank in relaunched or rank in self.waiting):
                 continue
             self.relaunch(rank, f"(pid {pid}, started by another launcher on this node) "
                           "failed")

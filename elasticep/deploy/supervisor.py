@@ -24,6 +24,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from elasticep.deploy.deployment import Deployment
 from elasticep.deploy.launcher import RankExit
@@ -113,7 +114,8 @@ def _drain(exits: queue.Queue, most: int | None) -> list[RankExit]:
 
 
 def supervise(dep: Deployment, stop: threading.Event, policy: Policy = Policy(),
-              poll_s: float = 0.2) -> list[RankExit]:
+              poll_s: float = 0.2,
+              on_look: Callable[[Ledger, float], None] | None = None) -> list[RankExit]:
     """Watch this node's ranks of ``dep`` until ``stop`` is set.
 
     Args:
@@ -124,6 +126,8 @@ def supervise(dep: Deployment, stop: threading.Event, policy: Policy = Policy(),
             other than 0: their ranks exit when the coordinator is gone), the restart
             budget and the coordinator timeout.
         poll_s: loop period (seconds).
+        on_look: called after each look with the ledger and the time (monotonic
+            seconds), e.g. to show the restart budget.
 
     Returns:
         Every exit seen, in order (with ``OnExit.STOP``: the fatal one last).
@@ -150,9 +154,12 @@ def supervise(dep: Deployment, stop: threading.Event, policy: Policy = Policy(),
         # the first exit is fatal without fault tolerance: the later ones stay queued
         exits = _drain(dep.exits, 1 if policy.on_exit == OnExit.STOP else None)
         seen += exits
+        now = time.monotonic()
         view = View(dep.node, dep.address, world, dep.pids(live_only=False),
-                    dep.pids(live_only=True))
+                    dep.pids(live_only=True), now)
         actions, ledger = decide(view, exits, policy, ledger)
+        if on_look is not None:
+            on_look(ledger, now)
         for action in actions:
             if action.kind == ActionKind.STOP:
                 stop.set()

@@ -109,7 +109,7 @@ class RankControl:
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests
-    def request(self, msg: m.Message, timeout_s: float | None = None) -> m.Reply:
+    def request(self, msg: m.ControlMessage, timeout_s: float | None = None) -> m.Reply:
         """Send a request and wait for its reply (read its fields as ``reply["name"]``).
 
         Raises:
@@ -153,7 +153,7 @@ class RankControl:
             self._early.pop(name, None)
             self._detached.add(name)
 
-    def send(self, msg: m.Message) -> None:
+    def send(self, msg: m.ControlMessage) -> None:
         """Send a message that expects no reply (a report)."""
         self.conn.send(msg)
 

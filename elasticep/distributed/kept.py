@@ -1,6 +1,6 @@
 """Kept results: how a survivor that missed an op gets its result from a donor.
 
-A member keeps the results of its last fetchable ops (`state.KEEP` of them). When a
+A member keeps the results of its last fetchable ops (`op_run.KEEP` of them). When a
 failure decision names it the donor of an op another survivor did not complete, it
 publishes that result in the coordinator's store under :func:`key`; the survivor
 fetches it from there (:func:`fetch`) instead of redoing the op without the dead rank.

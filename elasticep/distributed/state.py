@@ -9,7 +9,7 @@ Consistency protocol (see `elasticep.membership.transitions` for the decision it
 * A failure decision committed after an op started makes that op re-evaluate:
   its inner work is abandoned (the inner group is reaped later) and `local_action`
   says fetch / run / raise.
-* Completed ops of fetchable kinds keep their result (last `KEEP` ops) so that a
+* Completed ops of fetchable kinds keep their result (last `op_run.KEEP` ops) so that a
   survivor that missed the op can take it from a donor through the store.
 """
 
@@ -20,7 +20,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,28 +29,25 @@ from elasticep.membership import messages as m
 from elasticep.membership.transitions import (
     Decision,
     OnFailure,
-    OpAction,
     SlotState,
     TransitionKind,
-    local_action,
 )
 
-from . import kept, nccl_inner
+from . import kept
 from .epoch_groups import EpochComms, Superseded
 from .epoch_log import EpochLog
-from .nccl_inner import NcclComm, cuda_device_of, wait_cuda_work
+from .nccl_inner import NcclComm
+from .op_injection import NO_FAULTS, OpInjector
+from .op_run import OpRun
 from .p2p import PeerChannels, PeerGroup
-from .solo import SOLO
 
 log = logging.getLogger(__name__)
-KEEP = 4
-SLICE = timedelta(milliseconds=50)
 _A2A_OPTS = dist.AllToAllOptions()
 _FAST_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64,
                           torch.int32, torch.int64, torch.uint8, torch.int8})
 
 
-class GroupState:
+class GroupState(OpRun):
     """Per-group state shared by the main thread and the control thread.
 
     Args:
@@ -89,9 +85,8 @@ class GroupState:
         self.joined = not joining
         self.epochs = EpochLog(self.epoch, self.active)
         self.comms = EpochComms(self)  # every epoch's inner groups
-        # Tests set this to delay marking the next completed op, so that other survivors
-        # finish it first (exercises the fetch-from-donor path deterministically).
-        self._test_hold_s = 0.0
+        # called between an op's result and its completion (op_injection: tests only)
+        self.injector: OpInjector = NO_FAULTS
         self._used_epoch = self.epoch
         # Set by the first CUDA op: from then on every epoch's inner group also builds
         # its NCCL communicator as soon as the epoch commits (overlapping the decision).
@@ -188,101 +183,7 @@ class GroupState:
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ main thread
-    def run(self, op) -> None:
-        """Execute one collective `op` (an `ops.Op`) consistently; see module docstring.
-
-        Raises:
-            RankFailureError: ranks died and this op cannot be completed consistently.
-            RankEvictedError / RankRemovedError: this rank is no longer a member.
-            TimeoutError: no progress within timeout_s.
-        """
-        deadline = time.monotonic() + self.timeout_s
-        self.counters["run"] += 1
-        self.check_member(op.kind)
-        while True:
-            with self.cond:
-                self._wait_quiet(deadline)
-                seq = self.next_seq
-                if self.removed_at is not None and seq >= self.removed_at:
-                    raise errors.RankRemovedError(f"rank {self.slot} removed from {self.name!r}")
-                action, d = OpAction.RUN, self.failure
-                if d is not None:
-                    action = local_action(d, seq, op.fetchable, op.redoable(self.epochs.covering(
-                        seq)[1]), self.on_failure)
-                    if action in (OpAction.DONE, OpAction.RUN):
-                        self.failure, action = None, OpAction.RUN
-                    elif action == OpAction.RAISE:
-                        self.failure = None
-                        self.next_seq, self.last, self.started = d.base, d.base - 1, d.base - 1
-                        self.kept.clear()
-                        log.warning("epoch %d rank %d group %s: op %d (%s) raises", d.epoch,
-                                    self.slot, self.name, seq, op.kind)
-                        raise errors.RankFailureError(list(d.dead), d.epoch, self.name)
-                self.started = seq
-                gen = self.failure_gen
-                epoch, active = self.epochs.covering(seq)
-            dev = comm = None
-            try:
-                if action == OpAction.FETCH:
-                    result = kept.fetch(self.store, kept.key(self.name, d.epoch, seq),
-                                        lambda g=gen: self.check_gen(g), deadline,
-                                        f"rank {self.slot}: kept result of op {seq}")
-                else:
-                    if epoch != self._used_epoch:  # first op of a new epoch on this rank
-                        self.comms.reap_below(epoch)
-                        self._used_epoch = epoch
-                    inner = self.comms.ready(epoch)  # fast path: built and ready
-                    if inner is None:
-                        inner = self.comms.for_epoch(epoch, active).get(self, gen, deadline)
-                    dev = cuda_device_of(op)
-                    if dev is None:
-                        solo = len(active) == 1  # the op's data movement is local (solo.py)
-                        self.counters["solo"] += solo
-                        work, finalize = op.start(SOLO if solo else inner.pg, active)
-                        inner.last_work = work
-                        self._wait_work(work, gen, deadline)
-                    else:
-                        comm = inner.cuda(self, dev, gen, deadline)
-                        work, finalize = op.start(comm.pg, active)
-                        comm.last_work = work
-                        if self._stream_ordered(op):
-                            work.wait()  # stream-ordered: no host wait (see nccl_inner)
-                        else:
-                            wait_cuda_work(work, lambda g=gen: self.check_gen(g), deadline,
-                                           f"rank {self.slot} group {self.name!r} op {seq}")
-                    result = finalize()
-                    if self._test_hold_s:  # failure injection: finish late, once
-                        time.sleep(self._test_hold_s)
-                        self._test_hold_s = 0.0
-            except Superseded:
-                continue
-            with self.cond:
-                self._wait_quiet(deadline)
-                if self.failure_gen != gen:
-                    continue  # the decision counted this op as not completed
-                if not self.ctl.lease_fresh():
-                    self.counters["lease_confirms"] += 1
-                    # unlocked: the control thread may need the lock meanwhile (a push),
-                    # and a stalled coordinator can make this wait long (control.py)
-                    self.cond.release()
-                    try:
-                        self.ctl.confirm_membership()
-                    finally:
-                        self.cond.acquire()
-                    self._wait_quiet(deadline)
-                    if self.failure_gen != gen:
-                        continue  # a decision arrived while we confirmed: as above
-                self.last, self.next_seq = seq, seq + 1
-                if (dev is not None and action == OpAction.RUN and epoch == self.epoch
-                        and len(active) == len(self.ranks) and self._stream_ordered(op)):
-                    self._fast = comm
-                if op.fetchable:
-                    self.kept[seq] = result  # private buffers: no copy needed
-                    while len(self.kept) > KEEP:
-                        self.kept.popitem(last=False)
-            op.apply(result)
-            return
-
+    # (one collective through `run`: see op_run.OpRun)
     def fast_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                         out_splits: list[int], in_splits: list[int]):
         """Launch a stream-ordered CUDA all_to_all_single with none of `run`'s per-op
@@ -319,11 +220,6 @@ class GroupState:
         finally:
             self.cond.release()
         return work
-
-    def _stream_ordered(self, op) -> bool:
-        """True if a CUDA `op` is waited on by the caller's stream, not the host."""
-        return (not op.fetchable and self.on_failure == OnFailure.RAISE
-                and nccl_inner.ASYNC_UNFETCHABLE)
 
     def check_member(self, what: str) -> None:
         """Raise ValueError if this rank cannot run `what` on the group yet (or any more)."""
@@ -394,21 +290,6 @@ class GroupState:
             self.check_alive()
             if self.failure_gen != gen:
                 raise Superseded
-
-    def _wait_work(self, work, gen: int, deadline: float) -> None:
-        while True:
-            try:
-                work.wait(SLICE)
-                return
-            except Exception:
-                errored = work.is_completed()
-            self.check_gen(gen)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.slot} group {self.name!r}: op timed out "
-                                   f"(epoch {self.epoch})")
-            if errored:  # the inner group broke: wait for the coordinator's decision
-                with self.cond:
-                    self.cond.wait(0.05)
 
     def _set_mask(self) -> None:
         m = torch.zeros(self.mask.numel(), dtype=self.mask.dtype)

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from elasticep.config import A2ABackend, DeploymentConfig
 from elasticep.engine.limits import max_step_tokens
 from elasticep.models.config import MoEModelConfig
-from elasticep.moe import stream_memops
-from elasticep.moe.ipc_exchange import IpcExchange, capacity_rows
+from elasticep.moe.exchange import stream_memops
+from elasticep.moe.exchange.ipc_buffers import capacity_rows
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The host watchdog of a step that waits on its peers inside the GPU (the same-host
-exchange, :mod:`elasticep.moe.ipc_exchange`).
+exchange, :mod:`elasticep.moe.exchange.ipc_exchange`).
 
 A stream blocked on a peer that died or stopped never ends by itself, and the host
 thread is blocked behind it (reading the sampled tokens). :class:`StepWatchdog` runs
@@ -10,14 +10,24 @@ step loop then redoes the step (its commit carries the abort vote).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WatchedStep:
+    """One step under a watchdog: ``aborted`` is True when its waits were released (the
+    step must be redone); False until the watch ends, and for a step nobody watched."""
+
+    aborted: bool = False
 
 
 class StepWatchdog:
@@ -69,6 +79,17 @@ class StepWatchdog:
             self._started = time.monotonic()
         if self.changed():  # announced before this step: release it at once
             self.notify()
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[WatchedStep]:
+        """:meth:`begin` and :meth:`end` around the body, the step's device work; the
+        yielded object's ``aborted`` is :meth:`end`'s answer once the body is left."""
+        step = WatchedStep()
+        self.begin()
+        try:
+            yield step
+        finally:
+            step.aborted = self.end()
 
     def end(self) -> bool:
         """The step's device work is done; True when it was aborted (redo it)."""

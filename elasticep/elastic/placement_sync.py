@@ -33,8 +33,8 @@ from elasticep.eplb import (
     reconcile_placement,
     scale_down_placement,
 )
-from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.moe.ep_executor import EPMoEExecutor
+from elasticep.moe.weight_transfer import CheckpointLoader
 
 logger = logging.getLogger(__name__)
 

@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elasticep.elastic.step_loop import agreed_max_tokens
+from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
-from elasticep.models.loader import open_weights
-from elasticep.moe.cuda_experts import make_ep_executor
+from elasticep.models.loader import alloc_expert_slots, experts_fp8, open_weights
+from elasticep.moe.cuda_executor import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
-from elasticep.moe.local_executor import ExpertSlots
 from elasticep.moe.softmax_topk import SoftmaxTopk
 from elasticep.utils.graph_boundary import eager_boundary
 
@@ -31,7 +30,8 @@ LayerHook = Callable[[int, torch.Tensor], None]
 
 
 class CheckpointExperts:
-    """``load_fn(layer, expert) -> (w13 [2*I, H], w2 [H, I])`` read from the checkpoint.
+    """``load_fn(layer, expert) -> (w13 [2*I, H], w2 [H, I])`` read from the checkpoint
+    (for FP8 experts, the packed slot rows with their scales, as the model holds them).
 
     The reader stays open for the worker's life (safetensors maps files lazily), so an
     orphan reload after a failure pays no index parsing.
@@ -42,25 +42,25 @@ class CheckpointExperts:
         load_format: as :func:`elasticep.models.loader.open_weights`; with "dummy" an
             orphan is drawn again from ``seed``, bit-identical to its lost copy.
         seed: the dummy weights' seed.
+        quantization: the deployment's ``--quantization`` (an orphan is rounded through
+            FP8 exactly as at launch).
     """
 
     def __init__(self, model: MoECausalLM, model_dir: str | Path, load_format: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, quantization: str | None = None) -> None:
         self.config = model.config
         self.dtype, self.device = model.dtype, model.device
-        self.reader = open_weights(model_dir, load_format, seed, model.config)
+        self.reader = open_weights(model_dir, load_format, seed, model.config, quantization)
+        self.fp8 = experts_fp8(self.reader, model.config)  # packed slots, as the model's
         self.num_loaded = 0
 
     def __call__(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         n = c.num_hidden_layers
-        slots = ExpertSlots(
-            w13=[torch.empty(1, 2 * c.moe_intermediate_size, c.hidden_size, dtype=self.dtype,
-                             device=self.device) if i == layer else None for i in range(n)],
-            w2=[torch.empty(1, c.hidden_size, c.moe_intermediate_size, dtype=self.dtype,
-                            device=self.device) if i == layer else None for i in range(n)],
-            slot_to_logical=torch.zeros(n, 1, dtype=torch.long),
-        )
+        slots = alloc_expert_slots(c, torch.zeros(n, 1, dtype=torch.long), self.dtype,
+                                   self.device, self.fp8)
+        slots.w13 = [w if i == layer else None for i, w in enumerate(slots.w13)]
+        slots.w2 = [w if i == layer else None for i, w in enumerate(slots.w2)]
         load_expert_into_slot(self.reader, c, slots, layer, 0, expert)
         self.num_loaded += 1
         return slots.w13[layer][0], slots.w2[layer][0]
@@ -108,7 +108,7 @@ class HookedExecutor(ExecutorDefaults):
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
                       dtype: torch.dtype, device: str = "cpu",
                       with_experts: bool = True, load_format: str = "auto",
-                      seed: int = 0) -> MoECausalLM:
+                      seed: int = 0, quantization: str | None = None) -> MoECausalLM:
     """Load this rank's share of the model: every non-expert weight plus its local slots.
 
     Needs no process group, so a worker loads before it joins the group (a long load
@@ -123,7 +123,8 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
             makes it (or an explicit "cuda:N") the current device, which the rank's
             NCCL communicators use.
         with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
-        load_format, seed: where weights come from (:func:`elasticep.models.loader.open_weights`).
+        load_format, seed, quantization: where weights come from and how they are
+            quantized (:func:`elasticep.models.loader.open_weights`).
 
     Raises:
         ValueError: bad checkpoint or placement.
@@ -133,7 +134,7 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
         torch.cuda.set_device(rank % torch.cuda.device_count() if device == "cuda" else device)
         device = f"cuda:{torch.cuda.current_device()}"
     return load_model(model_dir, dtype=dtype, device=device, slot_to_logical=local, progress=False,
-                      load_format=load_format, seed=seed)
+                      load_format=load_format, seed=seed, quantization=quantization)
 
 
 def attach_ep_executor(model: MoECausalLM, placement: Placement, rank: int,

@@ -5,7 +5,7 @@ Each iteration takes every request and abort that arrived, runs one engine step 
 anything is unfinished, and publishes that step's tokens (with the rank's times of the
 first tokens among them: :mod:`.first_token_clock`). With nothing to do it blocks
 in ``poll`` for at most ``idle_poll_s`` so a stop request is noticed quickly. The
-multi-rank elastic worker makes the same ipc calls around its lockstep step.
+multi-rank elastic worker makes the same link calls around its lockstep step.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
 
     Args:
         engine: a single-process engine.
-        channel: the connected worker side of the ipc transport (not closed here).
+        channel: the connected worker side of the front-end link (not closed here).
         rank: this worker's rank, for logs (the channel carries it on the wire).
         stop_event: set it to make the loop return after the current step.
         idle_poll_s: longest wait for a message while idle (seconds).

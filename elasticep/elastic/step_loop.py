@@ -1,7 +1,8 @@
 """The lockstep step loop of one EP rank, and its redo after a failure.
 
 Every active rank runs the same sequence of collectives on the WORLD group, idle ranks
-included (they run every MoE layer's dispatch with 0 tokens). One iteration:
+included (they run every MoE layer's dispatch with 0 tokens). One iteration
+(:meth:`LockstepLoop.step`: agree, then execute, then commit and publish):
 
 1. when no batch is pending: take requests/aborts from the front-end and, if this rank
    has work, schedule (once: the ScheduledBatch is kept until committed, so a batch
@@ -35,9 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -45,120 +44,25 @@ import torch.distributed as dist
 import elasticep.distributed as ed
 from elasticep.elastic import placement_sync
 from elasticep.elastic.exchange_setup import sync_exchange
-from elasticep.elastic.exchange_watchdog import StepWatchdog
+from elasticep.elastic.exchange_watchdog import StepWatchdog, WatchedStep
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.first_token_clock import FirstTokenClock
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.serve_loop import apply_messages
+from elasticep.elastic.step_header import StepHeader, agreed_max_tokens, parse_header, step_header
 from elasticep.elastic.step_profiler import StepProfiler
+from elasticep.elastic.step_stats import LoopStats, StepTimers
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.scheduler import ScheduledBatch
-from elasticep.engine.step_rate import DecodeCounters, StepRateLog
+from elasticep.engine.step_rate import StepRateLog
 from elasticep.eplb import EPLBManager
-from elasticep.eplb.weight_transfer import CheckpointLoader
 from elasticep.frontend_link import WorkerChannel
 from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange
+from elasticep.moe.weight_transfer import CheckpointLoader
 
 logger = logging.getLogger(__name__)
-
-
-def _decode_counters(engine: LLMEngine) -> DecodeCounters | None:
-    """The engine's decode-step counters (its model runner), or None for an engine
-    without a runner (tests' stand-ins)."""
-    runner = getattr(engine, "runner", None)
-    return runner if hasattr(runner, "decode_eager") else None
-
-
-@dataclass
-class LoopStats:
-    """Counters of one rank's loop (logged at exit; read by tests and bench)."""
-
-    steps: int = 0
-    redos: int = 0
-    recoveries: int = 0
-    reloads: int = 0
-    peer_copies: int = 0
-    recovery_seconds: list[float] = field(default_factory=list)
-    # the epoch this rank was at, and the wall-clock time (time.time()), when it last
-    # committed a step: a partition test checks that a cut-off rank commits nothing after
-    # the cut, and nothing in an epoch the coordinator made without it
-    last_commit_epoch: int = -1
-    last_commit_time: float = 0.0
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """The agreed (summed) step header.
-
-    Attributes:
-        work: ranks with unfinished work (0 = the whole group is idle).
-        admit: slots some rank asked to admit.
-        remove: slots some rank asked to remove.
-        tokens: [M] scheduled tokens of each slot's rank (0 for idle or absent ranks).
-    """
-
-    work: int
-    admit: list[int]
-    remove: list[int]
-    tokens: list[int]
-
-    @property
-    def max_tokens(self) -> int:
-        """The most tokens any rank forwards this step (the exchange capacity bound)."""
-        return max(self.tokens, default=0)
-
-
-def step_header(local_work: int, admit: torch.Tensor, remove: torch.Tensor, rank: int,
-                num_tokens: int) -> torch.Tensor:
-    """This rank's contribution to the header all_reduce (SUM).
-
-    Args:
-        local_work: 1 when this rank has unfinished work or a pending batch, else 0.
-        admit, remove: [M] int64 votes of this rank.
-        rank: this rank's slot (< M).
-        num_tokens: tokens of this rank's pending batch (0 without one).
-
-    Returns:
-        [1 + 3*M] int64: ``[local_work, admit, remove, tokens]`` with ``tokens`` zero
-        except ``num_tokens`` at ``rank``.
-    """
-    M = admit.numel()
-    if not 0 <= rank < M:
-        raise ValueError(f"rank {rank} outside the {M} slots")
-    tokens = [0] * M
-    tokens[rank] = num_tokens
-    # one tensor from one list: a step pays this on its host path, and five small torch
-    # ops cost several times the list
-    return torch.tensor([local_work, *admit.tolist(), *remove.tolist(), *tokens],
-                        dtype=torch.int64)
-
-
-def parse_header(header: torch.Tensor, M: int) -> StepHeader:
-    """Read the summed header of :func:`step_header` (``[1 + 3*M]``)."""
-    if header.numel() != 1 + 3 * M:
-        raise ValueError(f"header of {header.numel()} entries, want {1 + 3 * M}")
-    h = header.tolist()
-    return StepHeader(work=h[0],
-                      admit=[r for r in range(M) if h[1 + r] > 0],
-                      remove=[r for r in range(M) if h[1 + M + r] > 0],
-                      tokens=h[1 + 2 * M:])
-
-
-@contextmanager
-def agreed_max_tokens(ep: EPMoEExecutor, max_tokens: int) -> Iterator[None]:
-    """Set the executor's per-step token bound (one that ``uses_step_bound``, i.e. the
-    CUDA one) for the body, then restore it; other executors are untouched."""
-    if not ep.uses_step_bound:
-        yield
-        return
-    before = ep.step_max_tokens
-    ep.step_max_tokens = max_tokens
-    try:
-        yield
-    finally:
-        ep.step_max_tokens = before
 
 
 class LockstepLoop:
@@ -168,10 +72,10 @@ class LockstepLoop:
         engine: the rank's engine (``forward_empty_batches=True``).
         ep: the rank's EP executor (placement and expert weights).
         channel: connected worker channel to the front-end.
-        group: the WORLD group (elastic, or the plain baseline group when ``elastic``
-            is False).
+        group: the WORLD group (elastic, or the plain baseline group when
+            ``fault_tolerant`` is False).
         rank: this rank.
-        elastic: the group is the fault-tolerant elastic backend.
+        fault_tolerant: the group is the fault-tolerant elastic backend.
         load_fn: checkpoint reader for orphan reloads.
         faults: fault injector (tests).
         log_ctx: updated with the epoch on every change.
@@ -195,7 +99,7 @@ class LockstepLoop:
     """
 
     def __init__(self, engine: LLMEngine, ep: EPMoEExecutor, channel: WorkerChannel,
-                 group: dist.ProcessGroup | None, rank: int, elastic: bool,
+                 group: dist.ProcessGroup | None, rank: int, fault_tolerant: bool,
                  load_fn: CheckpointLoader | None, faults: FaultInjector,
                  log_ctx: RankContext, eplb: EPLBManager | None = None,
                  idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
@@ -205,7 +109,8 @@ class LockstepLoop:
                  exchange_deadline_s: float = 30.0,
                  defer_publish: bool | None = None) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
-        self.rank, self.elastic, self.load_fn, self.faults = rank, elastic, load_fn, faults
+        self.rank, self.fault_tolerant, self.load_fn = rank, fault_tolerant, load_fn
+        self.faults = faults
         self.log_ctx, self.eplb, self.idle_wait_s = log_ctx, eplb, idle_wait_s
         self.max_idle_wait_s = max_idle_wait_s
         self._idle_wait = idle_wait_s
@@ -221,22 +126,23 @@ class LockstepLoop:
         self.defer_publish = (exchange is not None and exchange.cuda
                               if defer_publish is None else defer_publish)
         self.stats = LoopStats()
-        self.rate = StepRateLog(rank, _decode_counters(engine), log_stats_interval_s)
+        self.rate = StepRateLog(rank, engine.runner, log_stats_interval_s)
         self.profiler = profiler
         self.exchange, self.exchange_store = exchange, exchange_store
         self.watchdog = None
         if exchange is not None:
-            changed = (lambda: ed.has_pending_change(group)) if elastic else (lambda: False)
+            changed = ((lambda: ed.has_pending_change(group)) if fault_tolerant
+                       else (lambda: False))
             self.watchdog = StepWatchdog(exchange, changed, exchange_deadline_s)
-            if elastic:
+            if fault_tolerant:
                 ed.add_change_listener(group, self.watchdog.notify)
 
     # ------------------------------------------------------------------ membership view
     def _epoch(self) -> int:
-        return ed.get_current_epoch(self.group) if self.elastic else 0
+        return ed.get_current_epoch(self.group) if self.fault_tolerant else 0
 
     def _local_mask(self) -> torch.Tensor:
-        if not self.elastic:
+        if not self.fault_tolerant:
             return torch.ones(self.M, dtype=torch.bool)
         return ed.get_active_ranks(self.group).to(torch.bool)
 
@@ -249,7 +155,7 @@ class LockstepLoop:
         """[M] int64 admission / removal votes of this rank (from the coordinator's push)."""
         admit = torch.zeros(self.M, dtype=torch.int64)
         remove = torch.zeros(self.M, dtype=torch.int64)
-        if self.elastic:
+        if self.fault_tolerant:
             req = ed.get_pending_requests(self.group)
             states = ed.get_slot_states(self.group)
             for r in req.get("admit", []):
@@ -280,7 +186,7 @@ class LockstepLoop:
         try:
             while True:
                 try:
-                    self._iteration()
+                    self.step()
                 except ed.RankEvictedError:
                     raise
                 except ed.EpochChangedError as exc:
@@ -306,9 +212,31 @@ class LockstepLoop:
             self._unsent = None
             self.channel.send_outputs(outputs, epoch=epoch, first_tokens=first_tokens)
 
-    def _iteration(self) -> None:
+    def step(self) -> None:
+        """One iteration of the loop: agree on the step's header with every active rank,
+        then (when the group has work and no membership change is due) execute the
+        batch and commit and publish it. Each phase's wall time goes to the rate log.
+
+        Raises:
+            EpochChangedError: the membership changed during the step (:meth:`run`
+                recovers and redoes the kept batch).
+            RankRemovedError, RankEvictedError, CoordinatorLostError: as :meth:`run`.
+        """
         if self.profiler is not None:
             self.profiler.iteration_started()
+        timers = StepTimers()
+        agreed = self._agree(timers)
+        if agreed is None:
+            return
+        h, num_tokens = agreed
+        timers.enter("execute")
+        tokens, aborted = self._execute(h)
+        self._commit_and_publish(h, num_tokens, tokens, aborted, timers)
+
+    def _agree(self, timers: StepTimers) -> tuple[StepHeader, int] | None:
+        """Schedule this rank's batch (once: it is kept until committed) and agree on the
+        header; act on an agreed admission, removal or idleness here. Returns the header
+        and this rank's batch tokens, or None when the iteration ends with no forward."""
         if self.pending is None:
             self._take_messages(0.0)
             if self.engine.has_unfinished():
@@ -317,58 +245,64 @@ class LockstepLoop:
         admit, remove = self._requests()
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
-        t_header = time.perf_counter()
+        timers.enter("header")
         self.first_tokens.step_started()
         dist.all_reduce(header, group=self.group)
         if self._peer_weights_stale:
             self._refresh_peer_weights()
-        t_execute = time.perf_counter()
         h = parse_header(header, self.M)
         if h.admit or h.remove or h.work == 0:
             self._flush_outputs()  # no forward to send them beside
         # An admission / removal returns with the pending batch kept for a later step.
         if h.admit:
             self._admit(h.admit)
-            return
+            return None
         if h.remove:
             self._remove(h.remove)
-            return
+            return None
         if h.work == 0:
             # Nobody has work: wait for a request, backing off while idle so idle ranks
             # cost little CPU; bounded, so membership changes are seen soon.
             self._idle_wait = min(self.max_idle_wait_s, self._idle_wait * 2)
             self._take_messages(self._idle_wait)
-            return
+            return None
         self._idle_wait = self.idle_wait_s
+        return h, num_tokens
+
+    def _execute(self, h: StepHeader) -> tuple[list, bool]:
+        """Forward the kept batch (an empty one on an idle rank) under the agreed token
+        bound, watched when the exchange waits inside the GPU; returns the sampled tokens
+        and whether a watchdog released the step's waits (then it must be redone)."""
         if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
         self.first_tokens.scheduled(it.seq.request_id for it in self.pending.items)
-        step = self.stats.steps
-        self.faults.at_step(step)
+        self.faults.at_step(self.stats.steps)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
-        aborted = False
-        with agreed_max_tokens(self.ep, h.max_tokens):
-            if self.watchdog is None:
-                tokens = self.engine.execute(self.pending, self._flush_outputs)
-            else:
-                self.watchdog.begin()
-                try:
-                    tokens = self.engine.execute(self.pending, self._flush_outputs)
-                    # a sampled token was read back after the whole forward; a forward
-                    # that samples nothing (an idle rank's), or whose every row failed
-                    # on the host before its read, was waited for by nobody
-                    if self.exchange.cuda and not any(type(t) is int for t in tokens):
-                        torch.cuda.current_stream().synchronize()
-                finally:
-                    aborted = self.watchdog.end()
-        commit = torch.tensor([step, int(aborted)], dtype=torch.int64)
-        t_commit = time.perf_counter()
+        watch = self.watchdog.watch() if self.watchdog is not None else nullcontext(
+            WatchedStep())
+        with agreed_max_tokens(self.ep, h.max_tokens), watch as watched:
+            tokens = self.engine.execute(self.pending, self._flush_outputs)
+            # a sampled token was read back after the whole forward; a forward that
+            # samples nothing (an idle rank's), or whose every row failed on the host
+            # before its read, was waited for by nobody
+            if (self.watchdog is not None and self.exchange.cuda
+                    and not any(type(t) is int for t in tokens)):
+                torch.cuda.current_stream().synchronize()
+        return tokens, watched.aborted
+
+    def _commit_and_publish(self, h: StepHeader, num_tokens: int, tokens: list,
+                            aborted: bool, timers: StepTimers) -> None:
+        """Commit the step with every rank (any abort vote redoes it instead), then
+        commit it in the engine and hand its outputs to the front-end (now, or beside
+        the next forward); then the rate log, EPLB and the profiler see it."""
+        commit = torch.tensor([self.stats.steps, int(aborted)], dtype=torch.int64)
+        timers.enter("commit")
         dist.all_reduce(commit, op=dist.ReduceOp.MAX, group=self.group)
         if int(commit[1]):
             self._redo_aborted()
             return
-        t_publish = time.perf_counter()
+        timers.enter("publish")
         self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
@@ -377,17 +311,9 @@ class LockstepLoop:
                         self.first_tokens.committed(outputs, self.stats.steps))
         if not self.defer_publish:
             self._flush_outputs()
-        # where a step's wall time goes: the two collectives, the forward with its
-        # sampling (and, with the exchange, the wait for the GPU), then the engine's
-        # commit and the outputs' hand-off (with defer_publish, their send is inside the
-        # next step's forward)
-        rate = self.rate
-        rate.timed("header", t_execute - t_header)
-        rate.timed("execute", t_commit - t_execute)
-        rate.timed("commit", t_publish - t_commit)
-        rate.timed("publish", time.perf_counter() - t_publish)
-        line = rate.step(len(outputs), self.stats.last_commit_epoch)
-        if line is not None:
+        for phase, seconds in timers.durations().items():
+            self.rate.timed(phase, seconds)
+        if self.rate.step(len(outputs), self.stats.last_commit_epoch) is not None:
             self._send_stats()
         if self.eplb is not None and self.eplb.step():
             self._flush_outputs()  # a rebalance moves weights for seconds: not after it
@@ -398,14 +324,12 @@ class LockstepLoop:
             self.profiler = None  # its window is written (or it failed): no cost from here
 
     def _send_stats(self) -> None:
-        d = _decode_counters(self.engine)
-        graphs = getattr(d, "graphs", None)
-        send = getattr(self.channel, "send_stats", None)
-        if send is not None:
-            send(self.stats.steps, graphs.captures if graphs is not None else -1,
-                 graphs.replays if graphs is not None else -1,
-                 decode_replays=d.decode_replays if d is not None else 0,
-                 decode_eager=d.decode_eager if d is not None else 0)
+        d = self.engine.runner
+        graphs = d.graphs
+        self.channel.send_stats(self.stats.steps, graphs.captures if graphs is not None else -1,
+                                graphs.replays if graphs is not None else -1,
+                                decode_replays=d.decode_replays, decode_eager=d.decode_eager,
+                                experts_held=_experts_held(self.ep.placement, self.rank))
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:
@@ -416,7 +340,6 @@ class LockstepLoop:
         logger.warning("step %d abandoned: a rank's exchange passed its deadline; redoing it",
                        self.stats.steps)
         self.exchange.reset(self._local_mask())
-
 
     def _recover(self, exc: ed.EpochChangedError) -> None:
         """Survivors: reconcile the placement to the new membership; retried on new failures."""
@@ -491,41 +414,9 @@ class LockstepLoop:
         self._after_change(report, time.perf_counter() - t0)
 
 
-def join_as_new_rank(ep: EPMoEExecutor, group: dist.ProcessGroup | None,
-                     load_fn: CheckpointLoader | None, timeout_s: float,
-                     on_member: Callable[[], object] | None = None,
-                     ) -> placement_sync.ChangeReport:
-    """Joiner side of an admission: block in ``join_group``, then run the same first ops
-    as the survivors (:func:`placement_sync.share_placement`, then
-    :func:`placement_sync.reconcile`).
-
-    A member that dies during the hand-over or the expert transfer makes the survivors
-    abandon the admission and recover onto the new membership (`LockstepLoop._recover`:
-    share the placement again, then reconcile); the joiner does the same instead of
-    dying with them. If every rank had died (the coordinator admitted the ready joiners
-    itself), nobody shares a placement and the joiners rebuild it from the checkpoint
-    (:func:`placement_sync.rebuild`); if the last member dies after the hand-over,
-    :func:`placement_sync.reconcile` reads every expert from the checkpoint too.
-
-    ``on_member`` runs as soon as ``join_group`` returns: the rank is a member from then
-    on (the coordinator shows it healthy), before the placement and experts arrive.
-
-    Raises:
-        TimeoutError: not admitted within ``timeout_s``.
-        RankEvictedError: this rank left the group meanwhile.
-    """
-    ed.join_group(group, timeout_s=timeout_s)
-    if on_member is not None:
-        on_member()
-    holds = False  # this joiner holds the survivors' placement
-    while True:
-        try:
-            # False: every rank had died, and all members are joiners with nothing to share
-            holds = placement_sync.share_placement(ep, holds, group) or holds
-            settle = placement_sync.reconcile if holds else placement_sync.rebuild
-            return settle(ep, ed.get_active_ranks(group).to(torch.bool), group, load_fn)
-        except ed.RankEvictedError:
-            raise
-        except ed.EpochChangedError as exc:
-            logger.warning("admission interrupted (%s); reconciling over ranks %s", exc,
-                           ed.get_active_ranks(group).nonzero().flatten().tolist())
+def _experts_held(placement, rank: int) -> int:
+    """Slots of ``rank`` that hold an expert, the most over MoE layers."""
+    local = placement.local(rank)
+    if local.numel() == 0:
+        return 0
+    return int((local != placement.empty).sum(dim=1).max())

@@ -11,7 +11,7 @@
    tolerance, a plain torch.distributed group over the coordinator's TCPStore: Gloo on
    CPU, ``"cpu:gloo,cuda:nccl"`` on CUDA so the MoE all_to_alls of CUDA tensors run on
    NCCL and the step loop's CPU collectives on Gloo) and plugs the EP executor of the
-   weights' device (:func:`~elasticep.moe.cuda_experts.make_ep_executor`) over WORLD
+   weights' device (:func:`~elasticep.moe.cuda_executor.make_ep_executor`) over WORLD
    into the model; a joiner
    (``join_mode`` "recover" or "scale") loads no expert, registers ready and blocks in
    ``join_group`` until the survivors admit it, then receives the placement and its
@@ -58,6 +58,7 @@ from elasticep.elastic.exchange_setup import (
 )
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.join import join_as_new_rank
 from elasticep.elastic.log_context import RankContext, setup_worker_logging
 from elasticep.elastic.rank_model import (
     CheckpointExperts,
@@ -65,13 +66,13 @@ from elasticep.elastic.rank_model import (
     load_rank_weights,
     warmup_step_context,
 )
-from elasticep.elastic.step_loop import LockstepLoop, join_as_new_rank
+from elasticep.elastic.step_loop import LockstepLoop
 from elasticep.elastic.step_profiler import StepProfiler
 from elasticep.engine.limits import measure_rank_limits
-from elasticep.engine.llm_engine import LLMEngine
+from elasticep.engine.llm_engine import LLMEngine, grammar_compiler_for
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
-from elasticep.frontend_link import IpcEndpoints, WorkerChannel
+from elasticep.frontend_link import LinkEndpoints, WorkerChannel
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
@@ -131,7 +132,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                                   min_ep_size=d.slot_reserve_ranks)
     joining = cfg.join_mode is not None
     model = load_rank_weights(d.model, placement, cfg.rank, getattr(torch, d.dtype), d.device,
-                              with_experts=not joining, load_format=d.load_format)
+                              with_experts=not joining, load_format=d.load_format,
+                              quantization=d.quantization)
     logger.info("weights loaded: %d local slots per layer (%s)", model.experts.num_slots,
                 "joiner: experts come from peers" if joining else "launch placement")
     a2a = resolve_a2a_backend(d)
@@ -164,7 +166,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)
                           if elastic else torch.ones(d.ep_size, dtype=torch.bool))
     logger.info("MoE transport: %s", a2a.value)
-    load_fn = CheckpointExperts(model, d.model, d.load_format)
+    load_fn = CheckpointExperts(model, d.model, d.load_format, quantization=d.quantization)
     if faults.has_layer_faults:  # each hook is an eager break in a captured decode graph
         hooked.hooks.append(lambda layer, _ids: faults.at_layer(layer))
     eplb = None
@@ -173,7 +175,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                            EPLBConfig(True, d.eplb_rebalance_num_iterations), rank=cfg.rank)
         hooked.hooks.append(eplb.record)
     engine = LLMEngine(model, limits.engine_config(forward_empty_batches=True,
-                                                   enable_cuda_graph=not d.disable_cuda_graph))
+                                                   enable_cuda_graph=not d.disable_cuda_graph),
+                       grammar_compiler=grammar_compiler_for(d.model, mcfg))
     warm_up_prefill(engine, warmup_step_context(model, ep), skip=d.skip_server_warmup)
     if joining:
         logger.info("waiting for admission (%s)", cfg.join_mode)
@@ -185,7 +188,7 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool))
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
-    channel = WorkerChannel(IpcEndpoints(d.frontend_request_addr, d.frontend_output_addr),
+    channel = WorkerChannel(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
                             cfg.rank, log_ctx.epoch,
                             limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
                             moe_a2a_backend=a2a.value)

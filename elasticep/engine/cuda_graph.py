@@ -27,7 +27,7 @@ When the executor's tensors change shape (a placement with more slots per rank),
 bucket is captured again in a background thread while the steps run eagerly, so an
 epoch change never waits on a capture; placements of the same shape are copied into the
 captured tensors in place and need no capture. The eager steps meanwhile use buffers of
-their own (see :mod:`elasticep.moe.cuda_experts`), never the graphs' static ones.
+their own (see :mod:`elasticep.moe.cuda_executor`), never the graphs' static ones.
 """
 
 from __future__ import annotations

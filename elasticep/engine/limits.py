@@ -35,6 +35,8 @@ from elasticep.engine.cuda_graph import DEFAULT_BUCKETS
 from elasticep.engine.llm_engine import EngineConfig
 from elasticep.models.config import MoEModelConfig
 from elasticep.models.model import kv_cache_shapes
+from elasticep.models.quantization import experts_packable
+from elasticep.moe.experts import fp8_block
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +103,25 @@ def kv_bytes_per_token(config: MoEModelConfig, dtype: torch.dtype) -> int:
     return config.num_hidden_layers * per_layer * torch.empty((), dtype=dtype).element_size()
 
 
-def expert_bytes_per_slot(config: MoEModelConfig, dtype: torch.dtype) -> int:
+def expert_bytes_per_slot(config: MoEModelConfig, dtype: torch.dtype, fp8: bool = False) -> int:
     """Bytes of one physical expert slot over all MoE layers: gate, up and down
-    projections, ``3 * hidden_size * moe_intermediate_size`` values a layer (pure)."""
-    n = len(config.moe_layer_ids) * 3 * config.hidden_size * config.moe_intermediate_size
+    projections, ``3 * hidden_size * moe_intermediate_size`` values a layer (pure); with
+    ``fp8``, the packed FP8 slot's bytes (1 a weight plus the block scales,
+    :func:`~elasticep.moe.experts.fp8_block.packed_rows`)."""
+    hid, inter = config.hidden_size, config.moe_intermediate_size
+    if fp8:
+        per_layer = (fp8_block.packed_rows(2 * inter, hid) * hid
+                     + fp8_block.packed_rows(hid, inter) * inter)
+        return len(config.moe_layer_ids) * per_layer
+    n = len(config.moe_layer_ids) * 3 * hid * inter
     return n * torch.empty((), dtype=dtype).element_size()
+
+
+def experts_stored_fp8(d: DeploymentConfig, config: MoEModelConfig) -> bool:
+    """Whether this deployment's ranks hold their experts as packed FP8 slots (pure):
+    an FP8 checkpoint or ``--quantization fp8``, on a shape that packs."""
+    return ((config.quantization is not None or d.quantization == "fp8")
+            and experts_packable(config.hidden_size, config.moe_intermediate_size))
 
 
 def ranks_sharing_gpu(rank: int, max_ep_size: int, gpu_count: int) -> int:
@@ -259,7 +275,8 @@ def kv_tokens_of_rank(d: DeploymentConfig, model_config: MoEModelConfig, rank: i
     """
     dtype = getattr(torch, d.dtype)
     weights = (memory.allocated_bytes
-               + missing_expert_slots * expert_bytes_per_slot(model_config, dtype))
+               + missing_expert_slots * expert_bytes_per_slot(
+                   model_config, dtype, experts_stored_fp8(d, model_config)))
     return kv_tokens_for_memory(
         memory.total_bytes, d.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
         ranks_sharing_gpu(rank, d.max_ep_size, memory.gpu_count), weights,

@@ -23,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from elasticep.engine.grammar import GrammarCompiler, Grammars
 from elasticep.engine.kv_cache import BlockManager
+from elasticep.engine.logprobs import token_logprobs
 from elasticep.engine.model_runner import ModelRunner
-from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
-from elasticep.engine.sampler import SamplingFailure, sample_batch
+from elasticep.engine.prompt_scoring import PromptScoring
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenLogprobs, TokenOutput
+from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from elasticep.engine.sequence import Sequence, SequenceStatus
 from elasticep.models.config import MoEModelConfig
@@ -87,6 +90,14 @@ def max_sequence_len(model_config: MoEModelConfig, config: EngineConfig | None) 
     return min(limits)
 
 
+def grammar_compiler_for(model_dir: str | Path, model_config: MoEModelConfig,
+                         ) -> Callable[[], GrammarCompiler]:
+    """The structured-output backend of a model directory, to build when first needed
+    (its tokenizer's vocabulary over the logits' width, EOS as the stop tokens)."""
+    return lambda: GrammarCompiler(str(model_dir), model_config.vocab_size,
+                                   model_config.eos_token_ids)
+
+
 class LLMEngine:
     """Continuous-batching engine over one :class:`MoECausalLM`.
 
@@ -94,6 +105,9 @@ class LLMEngine:
         model: the loaded model (any executor).
         config: engine limits.
         detokenize: ids -> text, needed only for ``stop`` strings.
+        grammar_compiler: builds the structured-output backend at the first request with
+            a grammar (:class:`~elasticep.engine.grammar.GrammarCompiler`); None: such
+            requests are refused.
     """
 
     def __init__(
@@ -101,6 +115,7 @@ class LLMEngine:
         model: MoECausalLM,
         config: EngineConfig | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        grammar_compiler: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -110,10 +125,15 @@ class LLMEngine:
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(model, num_blocks, self.config.block_size)
         self.detokenize = detokenize
+        self.grammars = Grammars(grammar_compiler)
         self.eos_ids = set(model.config.eos_token_ids)
         self.max_seq_len = max_sequence_len(model.config, self.config)
         self._arrival = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        # what the last execute computed besides the tokens, for commit: request id ->
+        # the sampled token's logprobs, and -> {prompt position: logprobs}
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
+        self._step_prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         self.cuda_graph_capture_s: float | None = None
         if self.config.enable_cuda_graph:
             self.cuda_graph_capture_s = self.runner.enable_cuda_graphs(
@@ -130,16 +150,18 @@ class LLMEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         progress: bool = True,
         load_format: str = "auto",
+        quantization: str | None = None,
     ) -> LLMEngine:
         """Load ``model_dir`` with every expert local and wrap it in an engine.
 
-        ``load_format`` "dummy" draws the weights from a seed (config.json only).
+        ``load_format`` "dummy" draws the weights from a seed (config.json only);
+        ``quantization`` "fp8" rounds an unquantized checkpoint through block FP8.
         """
         from elasticep.models.loader import load_model
 
         model = load_model(model_dir, dtype=dtype, device=device, progress=progress,
-                           load_format=load_format)
-        return cls(model, config, detokenize)
+                           load_format=load_format, quantization=quantization)
+        return cls(model, config, detokenize, grammar_compiler_for(model_dir, model.config))
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request (a resumed one carries its ``output_token_ids``).
@@ -166,6 +188,8 @@ class LLMEngine:
                 f"{self.model.config.max_position_embeddings}, KV cache {self.blocks.capacity_tokens} "
                 f"tokens, longest sequence {self.max_seq_len}"
             )
+        if req.params.grammar is not None:  # a resumed request's tokens replayed into it
+            self.grammars.add(req.request_id, req.params.grammar, req.output_token_ids)
         seq = Sequence.from_request(req, next(self._arrival))
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -173,6 +197,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request; True if it was known."""
         seq = self._seqs.pop(request_id, None)
+        self.grammars.drop(request_id)
         if seq is None:
             return False
         self.scheduler.remove(request_id)
@@ -204,20 +229,41 @@ class LLMEngine:
         for it (on CUDA, host work there overlaps the device's); also for a batch that
         forwards nothing.
         """
+        self._step_logprobs = {}
+        self._step_prompt_logprobs = {}
         if not batch.items and not self.config.forward_empty_batches:
             if while_running is not None:
                 while_running()
             return []
-        logits = self.runner.forward(batch)
+        scoring = PromptScoring.of(batch)  # a prompt whose logprobs are asked for
+        if scoring is None:
+            logits = self.runner.forward(batch)
+        else:
+            out = self.runner.forward_rows(batch, scoring.rows)
+            logits, scored = out[:scoring.num_sampling], out[scoring.num_sampling:]
         if while_running is not None:
             while_running()
         seqs = [it.seq for it in batch.items if it.samples]
-        return sample_batch(
+        # structured output: a grammar's mask applies before sampling (and so before the
+        # logprobs of those rows, which are over the tokens the grammar allows)
+        self.grammars.mask(logits, [s.request_id for s in seqs])
+        tokens = sample_batch(
             logits,
             [s.params for s in seqs],
             [s.request_id for s in seqs],
             [len(s.output_token_ids) for s in seqs],
+            RowTokens([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                      self.eos_ids),
         )
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.params.logprobs is not None and type(t) is int]
+        if rows:
+            lps = token_logprobs(logits[rows], [int(tokens[i]) for i in rows],  # type: ignore[arg-type]
+                                 [seqs[i].params.logprobs or 0 for i in rows])
+            self._step_logprobs = {seqs[i].request_id: lp for i, lp in zip(rows, lps, strict=True)}
+        if scoring is not None:
+            self._step_prompt_logprobs = scoring.logprobs(scored)
+        return tokens
 
     def commit(self, batch: ScheduledBatch,
                tokens: Seq[int | SamplingFailure]) -> list[TokenOutput]:
@@ -234,6 +280,9 @@ class LLMEngine:
         if len(tokens) != len(sampling):
             raise ValueError(f"{len(tokens)} tokens for {len(sampling)} sampling sequences")
         for it in batch.items:
+            scored = self._step_prompt_logprobs.get(it.seq.request_id)
+            if scored is not None and it.seq.status is SequenceStatus.RUNNING:
+                it.seq.prompt_logprobs.update(scored)
             if not it.samples and it.seq.status is SequenceStatus.RUNNING:
                 it.seq.num_cached_tokens = it.end  # a prefill chunk: the rest comes later
         outputs = []
@@ -245,21 +294,29 @@ class LLMEngine:
                 log.warning("request %s failed: sampling raised %s", seq.request_id, tok.message)
                 self.scheduler.finish(seq, "abort")
                 self._seqs.pop(seq.request_id, None)
+                self.grammars.drop(seq.request_id)
                 outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids), None,
                                            "abort", error=f"sampling failed: {tok.message}"))
                 continue
             seq.num_cached_tokens = it.end
+            first = seq.wants_prompt_logprobs
             seq.output_token_ids.append(int(tok))
-            reason = self._finish_reason(seq, int(tok))
+            complete = self.grammars.accept(seq.request_id, int(tok))
+            reason = "stop" if complete else self._finish_reason(seq, int(tok))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(TokenOutput(seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason))
+                self.grammars.drop(seq.request_id)
+            outputs.append(TokenOutput(
+                seq.request_id, len(seq.output_token_ids) - 1, int(tok), reason,
+                logprobs=self._step_logprobs.get(seq.request_id),
+                prompt_logprobs=tuple(seq.prompt_logprobs[p] for p in sorted(seq.prompt_logprobs))
+                if first else None))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in self.eos_ids and not p.ignore_eos:
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
         if p.stop and self.detokenize is not None:
             text = self.detokenize(seq.output_token_ids)

@@ -192,3 +192,16 @@ class ModelRunner:
         return self.model.forward(
             input_ids, positions, meta, self.kv_cache.layers, None if all_logits else last
         )
+
+    def forward_rows(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
+        """Run ``batch`` eagerly; return float32 logits ``[len(rows), V]`` of the scheduled
+        tokens at the flat indices ``rows`` (prompt scoring: only those rows go through
+        the LM head)."""
+        self.decode_eager += self._decode_step(batch)
+        input_ids, positions, meta, _ = self.prepare(batch)
+        idx = torch.tensor(rows, dtype=torch.long)
+        if self.model.device.type == "cuda":
+            idx = idx.pin_memory()
+        return self.model.forward(input_ids, positions, meta, self.kv_cache.layers,
+                                  idx.to(self.model.device, non_blocking=True))
+

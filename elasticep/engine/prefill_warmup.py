@@ -6,7 +6,7 @@ shape pays for whatever is done once per shape: a Triton kernel compiled for a n
 specialization of its arguments, cuBLAS picking (and lazily loading) a GEMM kernel for
 a new row count, the caching allocator growing to the step's activations. On an H200 a
 process's first 8192-token step took 3-8 s and a first 16 x 128 step 0.8-1.0 s, against
-65-190 ms warm (docs/results_gpu.md, session 6).
+65-190 ms warm (docs/results/notes/gpu.md, session 6).
 
 So before its hello (the ready line of ``serve`` waits on it), a rank runs dummy steps
 that cover every step it may be given, by a bounded set of buckets

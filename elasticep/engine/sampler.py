@@ -20,17 +20,23 @@ made NaNs, and a NaN argmax picked token 0); top-p always keeps the top token, e
 for a ``top_p`` that rounds to 0 in float32; a ``top_k`` beyond int64 counts as
 "disabled". A row whose sampling still raises fails alone (:class:`SamplingFailure`),
 so one request's values never take the batch, or the rank, down with it.
+
+Penalties, ``logit_bias``, ``min_tokens`` and ``min_p`` (:mod:`logits_processing`) run
+here too. The sampler is never inside a captured CUDA graph: a decode graph's replay
+returns the logits and this module samples them eagerly, so every parameter holds on
+the graph path exactly as on the eager one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from elasticep.engine.logits_processing import min_p_filter, process_logits
 from elasticep.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,8 +108,10 @@ def filter_logits(
     top_p: torch.Tensor,
     max_top_k: int,
     any_top_p: bool,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scale by temperature and mask what top-k, then top-p, remove (to -inf).
+    """Scale by temperature and mask what min-p, then top-k, then top-p remove (to -inf),
+    in vLLM's order.
 
     Top-p keeps the smallest set of most likely tokens whose mass (after top-k) reaches
     ``top_p``, always the top token; ties at a threshold are all kept.
@@ -116,6 +124,7 @@ def filter_logits(
         max_top_k: host int, the largest enabled ``top_k`` (0 if none), so that no
             device value is read on the host.
         any_top_p: host bool, some row has ``top_p < 1``.
+        min_p: ``[R]`` float32 in [0, 1] (0 disables), or None when no row sets it.
 
     Returns:
         ``[R, V]`` float32, at most 0 (each row's top logit maps to 0).
@@ -123,6 +132,8 @@ def filter_logits(
     x = logits.float()
     # the top logit goes to 0 first, so x / T is finite or -inf for every T > 0
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
+    if min_p is not None:
+        x = min_p_filter(x, min_p)
     V = x.shape[1]
     use_top_k = 0 < max_top_k < V
     if any_top_p:
@@ -164,29 +175,58 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+@dataclass(frozen=True)
+class RowTokens:
+    """What the logits processors of one batch read besides the params.
+
+    Attributes:
+        prompts: ``[B]`` each row's prompt token ids.
+        outputs: ``[B]`` each row's output token ids so far.
+        eos_ids: the model's EOS token ids.
+    """
+
+    prompts: Sequence[Sequence[int]]
+    outputs: Sequence[Sequence[int]]
+    eos_ids: Collection[int] = ()
+
+    def rows(self, i: int, j: int) -> RowTokens:
+        """Rows ``i:j`` only."""
+        return RowTokens(self.prompts[i:j], self.outputs[i:j], self.eos_ids)
+
+
 def sample_batch_tensor(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     request_ids: Sequence[str],
     token_indices: Sequence[int],
+    tokens: RowTokens | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [B, V]`` on its device; pure, no host sync.
 
-    Greedy rows (``temperature == 0``) take the argmax (first index on ties); the others
-    a Gumbel-max draw over :func:`filter_logits`, keyed by :func:`rng_key`.
+    Rows with penalties, a logit bias or ``min_tokens`` first go through
+    :func:`~elasticep.engine.logits_processing.process_logits`. Greedy rows
+    (``temperature == 0``) then take the argmax (first index on ties); the others a
+    Gumbel-max draw over :func:`filter_logits`, keyed by :func:`rng_key`.
 
     Args:
         logits: ``[B, V]`` any float dtype, any device.
         params, request_ids, token_indices: per row; ``token_indices[i]`` is the index
             among the request's outputs of the token being drawn.
+        tokens: the rows' prompt and output tokens; needed only when a row's params
+            need processing.
 
     Returns:
         ``[B]`` int64 token ids on ``logits.device``.
 
     Raises:
-        ValueError: the per-row lists do not match the batch size.
+        ValueError: the per-row lists do not match the batch size, or a row needs
+            processing and ``tokens`` is None.
     """
     _check_rows(logits, params, request_ids, token_indices)
+    if any(p.needs_processing for p in params):
+        if tokens is None:
+            raise ValueError("penalties, logit_bias and min_tokens need the rows' tokens")
+        logits = process_logits(logits, params, tokens.prompts, tokens.outputs, tokens.eos_ids)
     ids = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if not rows:
@@ -197,13 +237,14 @@ def sample_batch_tensor(
     ints = torch.tensor([rows,
                          [rng_key(request_ids[i], params[i].seed, token_indices[i]) for i in rows],
                          [_top_k(p.top_k, V) for p in sampled]], dtype=torch.int64)
-    floats = torch.tensor([[p.temperature for p in sampled], [p.top_p for p in sampled]],
-                          dtype=torch.float32)
+    floats = torch.tensor([[p.temperature for p in sampled], [p.top_p for p in sampled],
+                           [p.min_p for p in sampled]], dtype=torch.float32)
     ints, floats = _to_device(ints, dev), _to_device(floats, dev)
     row_idx, keys, top_k = ints
     enabled_k = [p.top_k for p in sampled if 0 < p.top_k < V]
     x = filter_logits(logits.index_select(0, row_idx), floats[0], top_k, floats[1],
-                      max(enabled_k, default=0), any(p.top_p < 1.0 for p in sampled))
+                      max(enabled_k, default=0), any(p.top_p < 1.0 for p in sampled),
+                      floats[2] if any(p.min_p > 0 for p in sampled) else None)
     gumbel = -torch.log(-torch.log(uniform_noise(keys, V)))
     return ids.index_copy(0, row_idx, torch.argmax(x.double() + gumbel, dim=-1))
 
@@ -218,6 +259,7 @@ def sample_batch(
     params: Sequence[SamplingParams],
     request_ids: Sequence[str],
     token_indices: Sequence[int],
+    tokens: RowTokens | None = None,
 ) -> list[int | SamplingFailure]:
     """:func:`sample_batch_tensor`, then one device-to-host transfer of the ids.
 
@@ -233,7 +275,7 @@ def sample_batch(
     """
     B = _check_rows(logits, params, request_ids, token_indices)
     try:
-        return sample_batch_tensor(logits, params, request_ids, token_indices).tolist()
+        return sample_batch_tensor(logits, params, request_ids, token_indices, tokens).tolist()
     except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, fail only those
         logger.warning("sampling a batch of %d rows raised %s: %s; sampling each row alone",
                        B, type(exc).__name__, exc)
@@ -241,7 +283,8 @@ def sample_batch(
     for i in range(B):
         try:
             out += sample_batch_tensor(logits[i:i + 1], params[i:i + 1], request_ids[i:i + 1],
-                                       token_indices[i:i + 1]).tolist()
+                                       token_indices[i:i + 1],
+                                       None if tokens is None else tokens.rows(i, i + 1)).tolist()
         except Exception as exc:  # noqa: BLE001 - this row's request fails, not the step
             out.append(SamplingFailure(f"{type(exc).__name__}: {exc}"))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -29,6 +29,9 @@ class Sequence:
         block_table: KV-cache block ids, in order.
         num_cached_tokens: how many leading tokens have their K/V in the cache.
         num_resumed_outputs: outputs that came with the request (not re-published).
+        prompt_logprobs: prompt position -> the logprobs of the prompt token there,
+            gathered over prefill chunks when ``params.prompt_logprobs`` is set (a
+            recomputed chunk rewrites its positions).
     """
 
     request_id: str
@@ -41,6 +44,14 @@ class Sequence:
     num_cached_tokens: int = 0
     num_resumed_outputs: int = 0
     finish_reason: str | None = None
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while the prompt's logprobs are still to be published (with the first
+        output): asked for, and no output yet (a resumed request's went out with its
+        first output on its first rank)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @classmethod
     def from_request(cls, req: GenerateRequest, arrival: int) -> Sequence:

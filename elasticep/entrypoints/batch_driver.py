@@ -126,14 +126,14 @@ class BatchDriver:
 
         self.loop.run_until_complete(wait())
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 timeout_s: float = 600.0,
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams], timeout_s: float = 600.0,
                  on_event: Callable[[int, RequestEvent], None] | None = None) -> list[Completion]:
         """Run every prompt to completion, spread over the healthy ranks.
 
         Args:
             prompts: token ids per prompt.
-            params: sampling settings shared by all prompts.
+            params: sampling settings shared by all prompts, or one per prompt.
             timeout_s: bound of the whole batch (seconds).
             on_event: called on the driver's loop with (prompt index, event), e.g. to
                 inject a failure after some tokens.
@@ -144,10 +144,16 @@ class BatchDriver:
         Raises:
             TimeoutError: the batch did not finish in time.
             NoRankAvailableError: no healthy rank.
+            ValueError: a list of params whose length is not the number of prompts.
         """
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) \
+            else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+
         async def one(i: int, ids: Sequence[int]) -> Completion:
             self._ids += 1
-            stream = self.frontend.submit(f"batch-{self._ids}-{i}", list(ids), params)
+            stream = self.frontend.submit(f"batch-{self._ids}-{i}", list(ids), per_prompt[i])
             tokens: list[int] = []
             text, finish, error = "", None, None
             async with contextlib.aclosing(stream):

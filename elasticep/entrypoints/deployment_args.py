@@ -33,7 +33,7 @@ from elasticep.engine.limits import (
 )
 from elasticep.entrypoints.validate import UsageError, add_load_format_argument, default_model_dir
 from elasticep.models.config import SUPPORTED_FAMILIES
-from elasticep.moe import stream_memops
+from elasticep.moe.exchange import stream_memops
 
 Group = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -64,6 +64,10 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
                         "default: the embedded demo model")
     _add(m, "--dtype", "weight/activation dtype (default: %(default)s)", choices=DTYPES)
     add_load_format_argument(m)
+    _add(m, "--quantization", "quantize an unquantized checkpoint's linear weights to "
+         "block-scaled FP8 (e4m3, 128x128 blocks: DeepSeek-V3's format) while loading; a "
+         "block-FP8 checkpoint is read as such without this flag, and any other "
+         "quantization_config is refused", choices=["fp8"])
     _add(m, "--disable-cuda-graph", "run decode eagerly instead of replaying CUDA graphs "
          "captured at start-up per batch-size bucket (CUDA only; with expert parallelism the "
          "exchanges between ranks stay outside the graphs)", action="store_true")
@@ -129,6 +133,10 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     f = p.add_argument_group("fault tolerance")
     _add(f, "--heartbeat-timeout", "seconds without heartbeat before a frozen rank is "
          "evicted (default: %(default)s)", type=float, metavar="S")
+    f.add_argument("--elastic-ep-scale-timeout", "--scale-timeout", type=float, metavar="S",
+                   default=DeploymentConfig.elastic_ep_scale_timeout_s,
+                   help="seconds a grow (POST /scale_elastic_ep) waits for its joiners "
+                        "before it gives up and frees their slots (default: %(default)s)")
     g = p.add_argument_group("logging and metrics")
     _add(g, "--log-stats-interval", "seconds between each rank's throughput log line (steps, "
          "generated tokens/s, decode steps replayed from CUDA graphs and run eagerly); 0 turns "

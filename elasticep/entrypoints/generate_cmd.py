@@ -163,7 +163,8 @@ def validate(args: argparse.Namespace
         field, _, rest = str(exc).partition(" ")
         raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     checks.check_device(args.device)
-    deployment = replace(deployment, model=checks.check_model_dir(args.model))
+    deployment = replace(deployment, model=checks.check_model_dir(args.model, args.load_format))
+    checks.check_quantization(deployment.model, deployment.quantization)
     if args.prompt is not None:
         problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
         if problem:
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             outs = _generate_ep(dep, args.fault, ids, params, tok.decode)
         else:
             model = load_model(dep.model, dtype=getattr(torch, dep.dtype), device=dep.device,
-                               load_format=dep.load_format)
+                               load_format=dep.load_format, quantization=dep.quantization)
             limits = measure_rank_limits(dep, model.config, rank=0)
             log.info("limits: %d KV tokens, max_running_requests %d",
                      limits.max_total_tokens, limits.max_running_requests)

@@ -25,6 +25,7 @@ import re
 import sys
 import threading
 
+from elasticep.config import JoinMode
 from elasticep.deploy import Deployment, fetch_config
 from elasticep.deploy.probe import NotACoordinatorError, coordinator_lost, reach_coordinator
 from elasticep.deploy.restart_policy import OnExit, Policy, Until
@@ -44,8 +45,10 @@ from elasticep.entrypoints.validate import (
     setup_logging,
 )
 from elasticep.membership import CoordinatorClient
-from elasticep.membership.errors import JoinRefusedError
+from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
+from elasticep.membership.etcd_store import find_coordinator
 from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
 
 logger = logging.getLogger("elasticep.join")
@@ -69,9 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "join", help="add ranks to a running deployment (rejoin a failed rank, or scale up)",
         description=__doc__.split("\n\n", 1)[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dist-init-addr", required=True,
-                   help="HOST:PORT of the deployment's coordinator (printed by serve)")
-    p.add_argument("--elastic-ep-join-mode", choices=("recover", "scale"), default=None,
+    p.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT of the deployment's coordinator (printed by serve); "
+                        "not needed with --membership-store etcd://")
+    p.add_argument("--membership-store", default=None,
+                   metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="find the coordinator as the leader elected in etcd (serve's "
+                        "--membership-store) instead of --dist-init-addr")
+    p.add_argument("--elastic-ep-join-mode", choices=[m.value for m in JoinMode], default=None,
                    help="recover: relaunch failed ranks; scale: new ranks in free capacity")
     p.add_argument("--elastic-ep-rejoin", action="store_true",
                    help="alias of --elastic-ep-join-mode recover")
@@ -100,18 +108,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def parse_mode_and_ranks(args: argparse.Namespace) -> tuple[str, list[int]]:
+def parse_mode_and_ranks(args: argparse.Namespace) -> tuple[JoinMode, list[int]]:
     """The join mode and the slots, from the flags (no I/O).
 
     Raises:
         JoinError: missing or contradictory flags.
     """
-    mode = args.elastic_ep_join_mode
+    mode = None if args.elastic_ep_join_mode is None else JoinMode(args.elastic_ep_join_mode)
     if args.elastic_ep_rejoin:
-        if mode == "scale":
+        if mode == JoinMode.SCALE:
             raise JoinError("--elastic-ep-rejoin means recover mode; it contradicts "
                             "--elastic-ep-join-mode scale")
-        mode = "recover"
+        mode = JoinMode.RECOVER
     if mode is None:
         raise JoinError("give --elastic-ep-join-mode recover|scale (or --elastic-ep-rejoin)")
     offset = args.elastic_ep_join_rank_offset
@@ -141,14 +149,30 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         mode, ranks = parse_mode_and_ranks(args)
-        check_address("--dist-init-addr", args.dist_init_addr)
         raise_first_failure([coordinator_timeout_check(args)])
+        try:
+            store = parse_store_url(args.membership_store)
+        except ValueError as exc:
+            raise JoinError(str(exc)) from None
+        if args.dist_init_addr is None and store.kind != "etcd":
+            raise JoinError("give --dist-init-addr HOST:PORT (printed by serve) or "
+                            "--membership-store etcd://...")
+        if args.dist_init_addr is None:
+            args.dist_init_addr = find_coordinator(args.membership_store,
+                                                   args.coordinator_timeout)
+        check_address("--dist-init-addr", args.dist_init_addr)
         apply_gloo_ifname(args)
         env_profiler()
         log_dir = make_log_dir(args.log_dir, "elasticep-join-logs-")
     except (JoinError, UsageError) as exc:
         print(f"elasticep join: error: {exc}", file=sys.stderr)
         return 2
+    except MembershipStoreError as exc:
+        print(f"elasticep join: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
+    except TimeoutError as exc:  # no coordinator leads in etcd
+        print(f"elasticep join: error: --membership-store: {exc}", file=sys.stderr)
+        return 1
 
     stop = stop_on_signals()
     client = None
@@ -183,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     detached = False
     try:
-        if mode == "recover":
+        if mode == JoinMode.RECOVER:
             deployment.relaunch(*ranks)  # a frozen old worker on this node is killed first
         else:
             deployment.launch(ranks, mode)
@@ -194,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         if args.detach:
             detached = True  # the finally below hands the members over
             return 0 if len(joined) == len(ranks) else 1
-        exits = supervise(deployment, stop, Policy(OnExit.LOG, Until.ALL_EXITED))
+        exits = supervise(deployment, stop, Policy(OnExit.LOG, Until.ALL_EXITED),
+                          on_look=AdmissionReport(joined if mode == JoinMode.SCALE else []))
         if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
             reason = coordinator_lost(args.dist_init_addr, args.coordinator_timeout, stop)
             if reason:
@@ -254,7 +279,25 @@ def _others(waiting: list[int], arrived: list[int], status: DeploymentStatus | N
     return "".join(f"; {p}" for p in parts)
 
 
-def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Event,
+class AdmissionReport:
+    """Prints one ``admitted:`` line when ranks that were only loaded (scale mode: ready,
+    waiting for the target to cover them) become members; a supervisor callback.
+
+    Args:
+        ranks: the ranks still to report.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.pending = set(ranks)
+
+    def __call__(self, ledger, now: float) -> None:
+        admitted = sorted(r for r in self.pending if r in ledger.admitted)
+        if admitted:
+            self.pending -= set(admitted)
+            print(f"admitted: ranks {admitted} are members (healthy)", flush=True)
+
+
+def _report_progress(deployment, mode: JoinMode, ranks: list[int], stop: threading.Event,
                      members: bool = False) -> list[int]:
     """Print one line when the ranks are in (recover, or ``members``: healthy; scale:
     ready to admit), and one error line for each rank that exits first; the others go on.
@@ -262,7 +305,7 @@ def _report_progress(deployment, mode: str, ranks: list[int], stop: threading.Ev
     Returns:
         The ranks that got in; empty if stopped or every rank exited first.
     """
-    members = members or mode == "recover"
+    members = members or mode == JoinMode.RECOVER
     goal = (SlotState.HEALTHY,) if members else (SlotState.READY, SlotState.HEALTHY)
     waiting = list(ranks)
     while waiting and not stop.wait(0.2):

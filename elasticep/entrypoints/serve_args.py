@@ -10,21 +10,26 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from elasticep.config import Backend, DeploymentConfig
 from elasticep.entrypoints.deployment_args import add_deployment_arguments, deployment_config
 from elasticep.entrypoints.validate import (
+    UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
     apply_gloo_ifname,
     check_address,
     check_device,
     check_model_dir,
+    check_quantization,
     coordinator_timeout_check,
     port_check,
     raise_first_failure,
 )
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE
+from elasticep.frontend.tool_parsers import TOOL_CALL_PARSERS
+from elasticep.membership.store import parse_store_url
 
 
 def _human_bytes(n: int) -> str:
@@ -42,13 +47,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--restart-failed-ranks", action="store_true",
         help="relaunch a rank of this node that crashed (never one removed by a "
              "scale-down; a rank dying while loading at start-up still stops serve)")
+    groups["fault tolerance"].add_argument(
+        "--max-restarts", type=int, default=5, metavar="N",
+        help="with --restart-failed-ranks: relaunch a rank at most N times within "
+             "--restart-window; one over it is relaunched once its oldest restart "
+             "leaves the window (default: %(default)s)")
+    groups["fault tolerance"].add_argument(
+        "--restart-window", type=float, default=600.0, metavar="SECONDS",
+        help="the window of --max-restarts (default: %(default)s)")
     h = p.add_argument_group("HTTP")
+    h.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model exactly as given, as "
+                        "in SGLang and vLLM, so clients that load the tokenizer from the "
+                        "served name find it)")
+    h.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="the format of the model's tool calls, parsed into `tool_calls` on "
+                        "/v1/chat/completions (default: the one the model family's chat "
+                        "template uses: qwen3 for Qwen2/Qwen3 MoE, deepseekv3 for DeepSeek)")
     h.add_argument("--host", default="127.0.0.1",
                    help="interface of the OpenAI API (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000,
                    help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    h.add_argument("--metrics-api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /metrics instead of "
+                        "--api-key, so a scraper holds no API key (default: /metrics takes "
+                        "--api-key, and is open without one)")
+    h.add_argument("--event-log", default=None, metavar="FILE",
+                   help="append every membership and recovery event (deaths, rejoins, "
+                        "scales, with their phases) to FILE as JSON lines")
     h.add_argument("--max-payload-size", type=int, default=DEFAULT_MAX_PAYLOAD_SIZE,
                    metavar="BYTES",
                    help="largest request body in bytes; larger ones get 413 (default: "
@@ -61,6 +89,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of the coordinator (node 0 binds it; others connect)")
     add_coordinator_timeout_argument(n)
     add_gloo_ifname_argument(n)
+    n.add_argument("--membership-store", default="embedded",
+                   metavar="embedded|etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="where the coordinator keeps the membership: embedded = in its "
+                        "own process (nothing to install); etcd:// = committed to etcd "
+                        "under /elasticep/PREFIX/ (default prefix elasticep), fenced by "
+                        "a leader lease; etcd unreachable or the prefix held by another "
+                        "deployment: exit 2 (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -72,10 +107,18 @@ class ServeSettings:
         host, port, api_key, max_payload_size: the HTTP server.
         nnodes, node_rank: this node's place; ranks are split evenly over nodes.
         coordinator_host, coordinator_port: where node 0 binds the coordinator (port 0:
-            any free port) and where other nodes find it.
+            any free port) and where other nodes find it (port 0 on nodes 1..: the
+            leader elected in ``membership_store``).
         restart_failed_ranks: relaunch crashed local ranks.
+        membership_store: the validated ``--membership-store`` value.
         coordinator_timeout_s: how long nodes 1.. try to reach the coordinator (seconds).
+        max_restarts, restart_window_s: the restart budget (relaunches per rank within
+            the window, seconds).
+        metrics_api_key: ``/metrics``' own key; event_log: the ``--event-log`` file.
         warnings: non-fatal remarks to print.
+        tool_call_parser: ``--tool-call-parser``; None: the family's.
+        served_model_name: the ``model`` clients send: ``--served-model-name``, else
+            ``--model`` exactly as given (not the resolved directory).
     """
 
     deployment: DeploymentConfig
@@ -89,7 +132,14 @@ class ServeSettings:
     coordinator_port: int
     restart_failed_ranks: bool
     coordinator_timeout_s: float = 60.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    metrics_api_key: str | None = None
+    event_log: str | None = None
     warnings: tuple[str, ...] = ()
+    served_model_name: str = ""
+    tool_call_parser: str | None = None
+    membership_store: str = "embedded"
 
     @property
     def local_ranks(self) -> list[int]:
@@ -113,24 +163,39 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     """
     warnings: list[str] = []
     deployment = deployment_config(args, warnings)
+    try:
+        store = parse_store_url(args.membership_store)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    # nodes 1.. may find the coordinator as the leader elected in etcd
+    finds_coordinator = store.kind == "etcd" and args.node_rank > 0
     raise_first_failure([
         port_check("--port", args.port),
         (args.max_payload_size >= 1, "--max-payload-size must be >= 1 byte"),
         (args.nnodes >= 1, "--nnodes must be >= 1"),
         coordinator_timeout_check(args),
+        (args.max_restarts >= 0, "--max-restarts must be >= 0"),
+        (args.event_log is None or Path(args.event_log).parent.is_dir(),
+         f"--event-log {args.event_log}: its directory does not exist"),
+        (args.restart_window > 0, "--restart-window must be > 0 seconds"),
         (0 <= args.node_rank < args.nnodes,
          f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})"),
         (args.nnodes >= 1 and args.ep_size % args.nnodes == 0,  # (no modulo by 0)
          f"--ep-size ({args.ep_size}) must be a multiple of --nnodes ({args.nnodes})"),
-        (args.nnodes == 1 or args.dist_init_addr,
-         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0)"),
+        (args.nnodes == 1 or args.dist_init_addr or finds_coordinator,
+         "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0; "
+         "nodes 1.. may find it with --membership-store etcd://...)"),
         (deployment.elastic_ep_backend == Backend.ELASTIC or not args.restart_failed_ranks,
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
     ])
+    if finds_coordinator and args.dist_init_addr:
+        warnings.append("--membership-store is not used on this node: --dist-init-addr "
+                        "names the coordinator (no standby coordinator runs on nodes 1.. yet)")
     check_device(args.device)
     apply_gloo_ifname(args)
-    deployment = replace(deployment, model=check_model_dir(args.model))
+    deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))
+    check_quantization(deployment.model, deployment.quantization)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
         # node 0 may bind port 0 (any free port); other nodes must name the real one
@@ -145,4 +210,10 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         nnodes=args.nnodes, node_rank=args.node_rank, coordinator_host=coord_host,
         coordinator_port=coord_port, restart_failed_ranks=args.restart_failed_ranks,
         coordinator_timeout_s=args.coordinator_timeout,
-        warnings=tuple(warnings))
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+        metrics_api_key=args.metrics_api_key, event_log=args.event_log,
+        warnings=tuple(warnings), membership_store=args.membership_store,
+        # as given: clients send what they typed, and SGLang's bench_serving loads its
+        # tokenizer from this name
+        served_model_name=args.served_model_name or args.model,
+        tool_call_parser=args.tool_call_parser)

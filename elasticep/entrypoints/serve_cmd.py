@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from tqdm import tqdm
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
-from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
+from elasticep.deploy.restart_policy import (
+    Policy,
+    Until,
+    on_exit_for,
+    recover_command,
+    restart_budget,
+)
 from elasticep.deploy.supervisor import (
     CoordinatorUnreachableError,
     StopEvent,
@@ -48,9 +55,14 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
+from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
+from elasticep.membership.client import CoordinatorClient
+from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
+from elasticep.membership.etcd_store import find_coordinator, open_etcd_store
 from elasticep.membership.status import DeploymentStatus
+from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
 from elasticep.utils.net import bind_tcp
 
@@ -73,10 +85,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n\n")[1], epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: --model as given, as in "
-                        "SGLang and vLLM, so clients that load the tokenizer from the "
-                        "served name find it)")
     p.add_argument("--log-dir", default=None,
                    help="where worker logs go (default: a new temporary directory)")
     return p
@@ -99,14 +107,36 @@ def run(args: argparse.Namespace) -> int:
     for warning in settings.warnings:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
+    deployment_id = uuid.uuid4().hex
+    try:  # before anything starts: a bad store costs nothing to find out
+        check_membership_store(settings, deployment_id)
+    except MembershipStoreError as exc:
+        print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
     stop = stop_on_signals()
     try:
         if settings.node_rank == 0:
-            return _serve_head(settings, args, stop, log_dir, fault)
+            return _serve_head(settings, args, stop, log_dir, fault, deployment_id)
         return _serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
+    except MembershipStoreError as exc:  # etcd gone while a node looked for the leader
+        print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+        return 2
+
+
+def check_membership_store(settings: ServeSettings, deployment_id: str) -> None:
+    """Node 0 with ``--membership-store etcd://``: reach etcd and claim the prefix for
+    ``deployment_id`` (the coordinator process claims it again with the same id).
+
+    Raises:
+        StoreUnavailableError: no etcd member answered.
+        PrefixInUseError: another deployment holds the prefix.
+    """
+    spec = parse_store_url(settings.membership_store)
+    if spec.kind == "etcd" and settings.node_rank == 0:
+        open_etcd_store(spec, deployment_id).close()
 
 
 def gpu_fit_problem(d: DeploymentConfig) -> str | None:
@@ -130,12 +160,12 @@ def gpu_fit_problem(d: DeploymentConfig) -> str | None:
 
 
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,
-                log_dir: Path, fault: str | None) -> int:
+                log_dir: Path, fault: str | None, deployment_id: str) -> int:
     """Node 0: coordinator + front-end + local ranks (``fault``: their fault-injection
     spec); returns when stopped."""
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    # Workers of other nodes must reach the ipc sockets: bind where the coordinator is.
+    # Workers of other nodes must reach the link sockets: bind where the coordinator is.
     channel = FrontendChannel(host=settings.coordinator_host)
     deployment = server = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died
@@ -158,7 +188,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
                 ranks=settings.local_ranks, log_dir=log_dir, new_session=True, fault=fault,
-                on_coordinator_exit=coordinator_died)
+                on_coordinator_exit=coordinator_died,
+                membership_store=settings.membership_store, deployment_id=deployment_id)
         except OSError as exc:
             raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
                           f"{exc.strerror or exc}") from exc
@@ -166,13 +197,17 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
         membership = deployment.membership(lambda: channel.connected)
-        # --model as given: SGLang's bench_serving loads its tokenizer from this name
-        name = args.served_model_name or dep.model
+        name = settings.served_model_name
         server, frontend = create_server(
             dep.model, channel, membership, served_model_name=name,
             api_key=settings.api_key, host=settings.host, port=settings.port,
             max_total_tokens=known_max_total_tokens(dep),
-            max_payload_size=settings.max_payload_size, sock=http_sock)
+            max_payload_size=settings.max_payload_size, sock=http_sock,
+            metrics_api_key=settings.metrics_api_key,
+            tool_call_parser=settings.tool_call_parser)
+        frontend.coordinator_address = deployment.address  # named in `join` hints
+        if settings.event_log is not None:
+            frontend.event_log = EventLog(settings.event_log)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
@@ -180,8 +215,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
-        exits = supervise(deployment, stop, Policy(on_exit_for(
-            settings.restart_failed_ranks, deployment.fault_tolerant)))
+        policy = Policy(on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
+                        max_restarts=settings.max_restarts,
+                        restart_window_s=settings.restart_window_s)
+        exits = supervise(deployment, stop, policy,
+                          on_look=lambda ledger, now: frontend.set_status_extra(
+                              "restart_budget", restart_budget(policy, ledger, now)))
         if died:
             return _coordinator_died(deployment, died)
         if fatal and exits:
@@ -305,25 +344,46 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
 
 def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
                  node: int) -> str | None:
-    """Why this node cannot start ``ranks`` as the launch cohort, or None (pure).
+    """Why this node cannot start ``ranks``, or None (pure).
 
-    A slot some process has held already (its pid is known) is in use: started again,
-    a rank would be refused by the coordinator and die with a traceback, after loading.
-    That happens when a node's ``serve`` is run again after the node died: its slots are
-    ``failed``, and only a `join` in recover mode takes them back.
+    A slot a live process holds (a member, or a joiner loading) is in use: started
+    again, a rank would be refused by the coordinator and die with a traceback, after
+    loading. Failed and free slots are not: a node's ``serve`` run again after the node
+    died (or was drained) takes them back in place (:func:`rejoin_ranks`).
 
     Returns:
-        One line naming the slots, their states and pids, and the `join` command for
-        failed ones.
+        One line naming the slots in use, their states and pids.
     """
-    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None]
+    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None
+            and status.rank(r).state not in (SlotState.FAILED, SlotState.FREE)]
     if not held:
         return None
     names = ", ".join(f"rank {r.rank} is {r.state.value} (pid {r.pid})" for r in held)
-    failed = [r.rank for r in held if r.state == SlotState.FAILED]
-    hint = (f"; bring failed ranks back with `{recover_command(address, failed, node)}`"
-            if failed else "")
-    return f"{names} in the running deployment at {address}{hint}"
+    return (f"{names} in the running deployment at {address}; a node's serve run again "
+            "takes back only failed or retired slots (stop the process holding them first)")
+
+
+def rejoin_ranks(status: DeploymentStatus, ranks: list[int]) -> list[int]:
+    """The slots of ``ranks`` this node takes back in recover mode rather than start as
+    the launch cohort (pure): the failed ones (the node died) and the free ones (the
+    node was drained). An orchestrator restarting a node's pod runs the same ``serve``
+    again, and this makes that work as `join ... --elastic-ep-join-mode recover` would.
+    """
+    return [r for r in ranks if status.rank(r).state in (SlotState.FAILED, SlotState.FREE)]
+
+
+def _claim_for_recovery(address: str, ranks: list[int]) -> str | None:
+    """Check with the coordinator that ``ranks`` may be taken back in recover mode (a
+    retired slot comes back into the target); returns why not, or None. The launch
+    records of the relaunch then keep a second `join` off them."""
+    client = CoordinatorClient(address)
+    try:
+        client.reserve(ranks, "recover")
+    except JoinRefusedError as exc:
+        return str(exc)
+    finally:
+        client.close()
+    return None
 
 
 def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: str,
@@ -349,6 +409,8 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
     (``fault``: their fault-injection spec)."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
+    if settings.coordinator_port == 0:  # no --dist-init-addr: the leader in etcd
+        address = find_coordinator(settings.membership_store, settings.coordinator_timeout_s)
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
         return stop.exit_status() or 1
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
@@ -362,19 +424,34 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
             print(f"elasticep serve: error: node {settings.node_rank}: {mismatch}",
                   file=sys.stderr)
             return 2
-        taken = ranks_in_use(deployment.deployment_status(), ranks, address,
-                             settings.node_rank)
+        status = deployment.deployment_status()
+        taken = ranks_in_use(status, ranks, address, settings.node_rank)
         if taken:
             print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
             return 2
-        deployment.launch(ranks, fault=fault)
-        print(f"ready: node {settings.node_rank} launched ranks {ranks} for coordinator "
-              f"{address}", flush=True)
+        rejoin = rejoin_ranks(status, ranks)
+        if rejoin:
+            refused = _claim_for_recovery(address, rejoin)
+            if refused:
+                print(f"elasticep serve: error: node {settings.node_rank}: {refused}",
+                      file=sys.stderr)
+                return 2
+            deployment.relaunch(*rejoin)  # recover mode, admitted at a step boundary
+        fresh = [r for r in ranks if r not in rejoin]
+        if fresh:
+            deployment.launch(fresh, fault=fault)
+        what = (f"launched ranks {fresh}" if not rejoin else
+                f"rejoins ranks {rejoin} in place (recover mode)"
+                + (f" and launched ranks {fresh}" if fresh else ""))
+        print(f"ready: node {settings.node_rank} {what} for coordinator {address}",
+              flush=True)
         fatal = not deployment.fault_tolerant
         try:
             exits = supervise(deployment, stop, Policy(
                 on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
-                Until.ALL_EXITED, coordinator_timeout_s=settings.coordinator_timeout_s))
+                Until.ALL_EXITED, max_restarts=settings.max_restarts,
+                restart_window_s=settings.restart_window_s,
+                coordinator_timeout_s=settings.coordinator_timeout_s))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)

@@ -168,11 +168,19 @@ def check_device(device: str) -> None:
                              "(see README: installing the CUDA build of torch)")
 
 
-def check_model_dir(model: str) -> str:
-    """Resolve a checkpoint directory and check its family.
+def check_model_dir(model: str, load_format: str | LoadFormat = LoadFormat.AUTO) -> str:
+    """Resolve a checkpoint directory and check its family, and that it holds weights
+    unless ``load_format`` is dummy.
+
+    Args:
+        model: ``--model`` as given.
+        load_format: ``--load-format``; auto/safetensors need ``*.safetensors`` files
+            (or their index) beside ``config.json``.
 
     Raises:
-        UsageError: missing directory/config.json, or an unsupported ``model_type``.
+        UsageError: missing directory/config.json, an unsupported ``model_type``, or a
+            config-only directory without ``--load-format dummy`` (the rank would die
+            reading weights otherwise, long after start).
     """
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
@@ -186,7 +194,32 @@ def check_model_dir(model: str) -> str:
     if model_type not in SUPPORTED_FAMILIES:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+    if LoadFormat(load_format) != LoadFormat.DUMMY and not has_weights(path):
+        raise UsageError(f"--model {model}: no *.safetensors files, only config.json; add "
+                         "--load-format dummy to run this shape with random weights")
     return str(path.resolve())
+
+
+def check_quantization(model_dir: str, quantization: str | None) -> None:
+    """The checkpoint's ``quantization_config`` (and ``--quantization``) is one we load.
+
+    Raises:
+        UsageError: an unsupported method or FP8 variant, in one line that names it and
+            what is supported.
+    """
+    from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
+
+    path = Path(model_dir) / "config.json"
+    try:
+        parse_quantization(json.loads(path.read_text()), quantization, where=f"--model {model_dir}")
+    except UnsupportedQuantizationError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def has_weights(model_dir: Path) -> bool:
+    """True when ``model_dir`` holds a safetensors checkpoint (files or their index)."""
+    return ((model_dir / "model.safetensors.index.json").is_file()
+            or any(model_dir.glob("*.safetensors")))
 
 
 def setup_logging() -> None:

@@ -6,7 +6,6 @@
   (peer copies or checkpoint reloads) a change needs.
 - ``rebalance``: the elasticity-aware, move-minimising load rebalance.
 - ``metadata``: :class:`ExpertLocationMetadata` and its broadcast from a healthy rank.
-- ``weight_transfer``: moving expert weights to match a new placement.
 - ``manager``: :class:`EPLBManager` (sliding-window counts, periodic rebalance).
 """
 
@@ -33,7 +32,6 @@ from elasticep.eplb.metadata import (
 )
 from elasticep.eplb.placement import Placement, initial_placement, initial_slots_per_rank
 from elasticep.eplb.rebalance import rebalance_placement
-from elasticep.eplb.weight_transfer import move_expert_weights
 
 __all__ = [
     "EPLBConfig",
@@ -46,7 +44,6 @@ __all__ = [
     "compute_imbalance",
     "initial_placement",
     "initial_slots_per_rank",
-    "move_expert_weights",
     "plan_expert_loads",
     "rank_loads",
     "rebalance_experts",

@@ -1,11 +1,11 @@
 """The HTTP front-end: the OpenAI API, request routing over data-parallel ranks, resuming
 a dead rank's requests on survivors, and the membership view it routes by.
 
-- ``core``: :class:`Frontend`, the asyncio core (ipc pump, membership watcher, streams);
+- ``core``: :class:`Frontend`, the asyncio core (link pump, membership watcher, streams);
 - ``request_tracker``: pure routing and resume decisions (no I/O, injected clock);
 - ``http_server`` / ``openai_serving`` / ``openai_protocol``: FastAPI app and schemas;
 - ``incremental_text``: streamed detokenization; ``metrics``: Prometheus metrics;
-- ``membership``: the ``MembershipSource`` protocol it polls (the deployment supplies one).
+- ``membership_source``: the ``MembershipSource`` protocol it polls (the deployment supplies one).
 
 It knows nothing of how ranks are started (``elasticep.deploy``) or of the CLI.
 """

@@ -1,9 +1,9 @@
-"""The front-end's event-loop core: ipc pump, membership watcher, request streams.
+"""The front-end's event-loop core: link pump, membership watcher, request streams.
 
 Everything here runs on one asyncio loop (the HTTP server's), so the
 :class:`RequestTracker` needs no locks. Two background tasks feed it:
 
-- the *output pump* waits on the ipc channel and hands token batches, request errors
+- the *output pump* waits on the link channel and hands token batches, request errors
   and hellos to the tracker;
 - the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
   seconds (in a thread, with a timeout) and applies rank state changes, which moves
@@ -19,24 +19,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elasticep.deploy.restart_policy import scale_command
 from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.incremental_text import Decode
-from elasticep.frontend.membership import MembershipSource
+from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.recovery_timeline import Event, RecoveryTimeline
+from elasticep.frontend.request_stream import RequestStream
 from elasticep.frontend.request_tracker import (
+    DecodeWith,
     NoRankAvailableError,
     RequestEvent,
     RequestTracker,
-    Send,
+    SendToRank,
 )
 from elasticep.frontend_link import (
     FrontendChannel,
-    IpcError,
+    LinkError,
     OutputBatch,
     RankStats,
     RankUnreachableError,
@@ -74,21 +79,29 @@ class Frontend:
     """Routes requests to ranks and streams their tokens back.
 
     Args:
-        channel: the bound front-end ipc channel.
+        channel: the bound front-end link channel.
         membership: where rank states come from.
         decode: token ids -> text.
         metrics: metrics to update.
         config: timing.
+        decode_with: token ids -> text with the detokenizer's options as keywords
+            (:class:`RequestTracker`); None: ``decode`` for every request.
     """
 
     def __init__(self, channel: FrontendChannel, membership: MembershipSource, decode: Decode,
                  metrics: FrontendMetrics | None = None,
-                 config: FrontendConfig | None = None) -> None:
+                 config: FrontendConfig | None = None,
+                 decode_with: DecodeWith | None = None) -> None:
         self.channel = channel
         self.membership = membership
         self.metrics = metrics or FrontendMetrics()
         self.config = config or FrontendConfig()
-        self.tracker = RequestTracker(decode, on_interruption=self._on_interruption)
+        self.tracker = RequestTracker(decode, on_interruption=self._on_interruption,
+                                      decode_with=decode_with)
+        self.metrics.num_queue_reqs.set_function(lambda: self.tracker.num_waiting)
+        # the phases of deaths, rejoins and scales (metrics and --event-log)
+        self.timeline = RecoveryTimeline()
+        self.event_log: EventLog | None = None
         self.first_token_trace = FirstTokenTrace(monotonic_us)
         self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
@@ -100,6 +113,10 @@ class Frontend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed_reason: str | None = None  # set by fail_all: the deployment is stopping
         self._ready = False  # latched once every rank of the target size was routable
+        # the coordinator's "host:port", for the `join` commands the API suggests
+        self.coordinator_address: str | None = None
+        # what the serving command adds to /elastic_ep_status (e.g. its restart budget)
+        self._status_extra: dict[str, Any] = {}
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -199,6 +216,24 @@ class Frontend:
         "starting" again."""
         return self._ready
 
+    def waiting_for_joiners(self) -> dict[str, Any] | None:
+        """The slots a grow waits for and the `join` that starts them, or None."""
+        slots = list(self._status.waiting_slots)
+        if not slots:
+            return None
+        out: dict[str, Any] = {"slots": slots}
+        if self.coordinator_address is not None:
+            out["join_command"] = scale_command(self.coordinator_address, slots)
+        return out
+
+    def set_status_extra(self, key: str, value: Any) -> None:
+        """Show ``value`` under ``key`` in ``/elastic_ep_status`` (any thread)."""
+        self._status_extra = {**self._status_extra, key: value}
+
+    def status_extra(self) -> dict[str, Any]:
+        """What :meth:`set_status_extra` added, by key."""
+        return dict(self._status_extra)
+
     def can_serve(self) -> bool:
         """True while at least one rank can take requests (never once :meth:`fail_all`)."""
         return self.closed_reason is None and bool(self.tracker.healthy_ranks())
@@ -213,16 +248,40 @@ class Frontend:
         return self._status.with_running(self.tracker.running_per_rank(), limits, transports)
 
     async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
-        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate.
+        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
+        return await self.change_membership(lambda m: m.scale(new_ep_size))
+
+    async def change_membership(self, change: Callable[[MembershipSource], Any],
+                                kind: str | None = None) -> Any:
+        """Run ``change(membership)`` (a scale or a retirement) in a worker thread;
+        its errors propagate.
+
+        Args:
+            kind: grow, shrink or retire: times the change (``elasticep_scale_seconds``,
+                the event log) unless it repeats a recorded operation.
 
         The snapshot is refreshed before returning, so a client that reads
-        ``/elastic_ep_status`` after its POST sees the scale's phase (read your writes).
+        ``/elastic_ep_status`` after its POST sees the change's phase (read your writes).
+
+        Raises:
+            asyncio.TimeoutError: membership did not answer within the status timeout.
         """
-        result = await asyncio.wait_for(asyncio.to_thread(self.membership.scale, new_ep_size),
+        result = await asyncio.wait_for(asyncio.to_thread(change, self.membership),
                                         self.config.status_timeout_s)
+        if kind is not None and not (result or {}).get("repeated"):
+            self._record(self.timeline.on_scale(time.monotonic(), kind, {
+                k: v for k, v in (result or {}).items()
+                if k in ("operation_id", "slots", "old_ep_size")}))
         await self.refresh_membership()
         self._wake_membership.set()
         return result
+
+    async def operation(self, operation_id: str) -> dict[str, Any]:
+        """A scale or retire operation's phase and slot states
+        (``MembershipSource.operation``; its errors propagate)."""
+        return await asyncio.wait_for(
+            asyncio.to_thread(self.membership.operation, operation_id),
+            self.config.status_timeout_s)
 
     # ---- membership ----------------------------------------------------------------
     async def refresh_membership(self) -> None:
@@ -247,12 +306,22 @@ class Frontend:
             states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
                             else state.value)
             self._count_transition(rank, state, epoch)
+        self._record(self.timeline.on_status(time.monotonic(), status))
+        self.metrics.ranks(status.ranks)
         self.metrics.epoch.set(epoch)
         for state in SlotState:
             self.metrics.slots.labels(state.value).set(
                 sum(entry.state == state for entry in status.ranks))
         self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
+        self.metrics.store_status(status.membership_store)
         before = self.tracker.resubmitted_total
+        # requests on ranks that stop taking them now resume on others (update_ranks)
+        for rank, n in self.tracker.running_per_rank().items():
+            state = states.get(rank)
+            if n and state != SlotState.HEALTHY:
+                cause = {SlotState.FAILED.value: "failure",
+                         "connecting": "unreachable"}.get(state, "drain")
+                self.metrics.requests_resumed.labels(cause).inc(n)
         # each rank's own limit, from its latest hello (engine.limits)
         self._dispatch(self.tracker.set_capacity(
             {r: h.max_running_requests for r, h in self.channel.connected.items()
@@ -297,7 +366,7 @@ class Frontend:
                     stream.put(RequestEvent(stream.request_id, (), "", "abort", 0,
                                             error=f"no progress for {timeout} s"))
 
-    # ---- ipc -----------------------------------------------------------------------
+    # ---- link ----------------------------------------------------------------------
     async def _pump_outputs(self) -> None:
         while True:
             try:
@@ -323,6 +392,8 @@ class Frontend:
 
     def _handle(self, msg: WorkerMessage) -> None:
         if isinstance(msg, OutputBatch):
+            self._record(self.timeline.on_output(time.monotonic(), msg.rank, msg.epoch,
+                                                 len(msg.outputs)))
             firsts = (self.first_token_trace.rank_batch(msg.first_tokens, msg.sent_us)
                       if msg.first_tokens else ())
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
@@ -335,11 +406,13 @@ class Frontend:
         elif isinstance(msg, RankStats):
             self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays,
                                     msg.decode_replays, msg.decode_eager)
+            if msg.experts_held >= 0:
+                self.metrics.rank_experts_held.labels(str(msg.rank)).set(msg.experts_held)
         else:  # a (re)connected worker: it may make a healthy rank routable
             self._unreachable.discard(msg.rank)
             self._wake_membership.set()
 
-    def _dispatch(self, sends: list[Send]) -> None:
+    def _dispatch(self, sends: list[SendToRank]) -> None:
         """Send the tracker's commands; a rank we cannot reach loses its requests."""
         lost: set[int] = set()
         for send in sends:
@@ -352,7 +425,7 @@ class Frontend:
                     logger.warning("epoch %s: %s; moving its requests",
                                    self._status.epoch, exc)
                     lost.add(send.rank)
-            except IpcError as exc:  # closed channel during shutdown
+            except LinkError as exc:  # closed channel during shutdown
                 logger.warning("epoch %s: dropping %s for rank %d: %s",
                                self._status.epoch, type(send.message).__name__,
                                send.rank, exc)
@@ -360,75 +433,12 @@ class Frontend:
             self._unreachable |= lost
             self._apply_status(self._status)
 
+    def _record(self, events: list[Event]) -> None:
+        """Observe the timeline's events in the metrics and append them to the event log."""
+        for event in events:
+            self.metrics.observe(event)
+            if self.event_log is not None:
+                self.event_log.write(event)
+
     def _on_interruption(self, seconds: float) -> None:
         self.metrics.interruption_seconds.observe(seconds)
-
-
-class RequestStream:
-    """Async iterator over one request's :class:`RequestEvent` s, ending after the final one.
-
-    A request that makes no progress for ``token_timeout_s`` ends with an error event
-    (put by the front-end's stall watch, within a second or a quarter of the timeout).
-    """
-
-    def __init__(self, frontend: Frontend, request_id: str) -> None:
-        self.request_id = request_id
-        self.open = False  # True once submitted, False once finished or closed
-        self._frontend = frontend
-        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._start = self.last_progress = time.monotonic()
-        self._done = False
-
-    def put(self, event: RequestEvent) -> None:
-        """The tracker's sink (runs on the loop thread)."""
-        self.last_progress = time.monotonic()
-        self._queue.put_nowait(event)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestEvent:
-        if self._done:
-            raise StopAsyncIteration
-        # no timeout here: the front-end's stall watch puts an error event instead
-        event = await self._queue.get()
-        self._account(event)
-        return event
-
-    def ready(self) -> list[RequestEvent]:
-        """The events already queued behind the last one returned, up to the final one,
-        without waiting: a writer that fell behind (several steps' tokens arrived while
-        it wrote) sends them in one write, so its cost per token falls as the load
-        rises instead of the backlog growing."""
-        out: list[RequestEvent] = []
-        while not self._done and not self._queue.empty():
-            event = self._queue.get_nowait()
-            self._account(event)
-            out.append(event)
-        return out
-
-    def _account(self, event: RequestEvent) -> None:
-        """Count a taken event in the metrics; close the stream after its final one."""
-        metrics = self._frontend.metrics
-        if event.num_generated == 1 and event.token_ids:
-            metrics.time_to_first_token_seconds.observe(time.monotonic() - self._start)
-        metrics.generation_tokens.inc(len(event.token_ids))
-        if event.finish_reason is not None:
-            self._done = True
-            # a request the tracker finished needs no abort; an error may (timeout)
-            self._close(abort=event.error is not None)
-
-    async def aclose(self) -> None:
-        """Stop following the request; aborts it on its rank unless it finished."""
-        self._done = True
-        self._close(abort=True)
-
-    def _close(self, abort: bool) -> None:
-        if not self.open:
-            return
-        self.open = False
-        self._frontend._streams.pop(self.request_id, None)
-        self._frontend.first_token_trace.closed(self.request_id)
-        self._frontend.metrics.requests_running.dec()
-        if abort:
-            self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))

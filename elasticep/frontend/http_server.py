@@ -9,7 +9,6 @@ raises out of a handler.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -29,22 +28,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
 from elasticep.frontend.core import Frontend, FrontendConfig
-from elasticep.frontend.membership import (
+from elasticep.frontend.membership_source import (
     MembershipSource,
-    ScaleInProgressError,
-    ScaleNotSupportedError,
-    ScaleRefusedError,
 )
 from elasticep.frontend.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    ScaleRequest,
     error_body,
 )
 from elasticep.frontend.openai_serving import OpenAIServing
+from elasticep.frontend.scale_api import add_scale_routes
 from elasticep.frontend.sglang_api import add_sglang_routes
 from elasticep.frontend.tokenizer import load_tokenizer, streaming_decode
+from elasticep.frontend.tool_parsers import parser_for_family
 from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
 from elasticep.utils.net import bind_tcp
@@ -72,6 +69,9 @@ class ServerConfig:
         port: TCP port; 0 picks a free one.
         max_payload_size: largest request body in bytes; a larger one gets 413
             (``serve --max-payload-size``, the name of SGLang's router flag).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
+        tool_call_parser: the model's tool-call format on chat completions (a key of
+            :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: none.
     """
 
     model_name: str
@@ -82,6 +82,8 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     model_path: str = ""
     max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE
+    metrics_api_key: str | None = None
+    tool_call_parser: str | None = None
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -90,21 +92,43 @@ _ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "c
                     "/generate": "generate"}
 
 
-class ApiKeyMiddleware:
-    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation)."""
+METRICS_PATH = "/metrics"
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation).
+
+    ``/health`` is open. ``/metrics`` takes ``metrics_api_key`` where given (a scraper
+    then holds no API key), else the API key. Every other path takes the API key.
+
+    Args:
+        api_key: the API's key, or None (only ``/metrics`` is checked).
+        metrics_api_key: ``/metrics``' own key, or None.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, metrics_api_key: str | None = None,
+                 ) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = None if api_key is None else api_key.encode()
+        self._metrics = None if metrics_api_key is None else metrics_api_key.encode()
+
+    def _key_for(self, scope: Any) -> bytes | None:
+        """The key this request needs, or None (open)."""
+        if scope.get("path") in OPEN_PATHS:
+            return None
+        if scope.get("path") == METRICS_PATH and self._metrics is not None:
+            return self._metrics
+        return self._expected
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # /health stays open: load balancers probe it without credentials (as vLLM's).
-        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+        expected = self._key_for(scope) if scope["type"] == "http" else None
+        if expected is not None:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             # the scheme is case-insensitive (RFC 9110 section 11.1)
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                                      self._expected):
+                                                                      expected):
                 response = JSONResponse(
                     error_body("Invalid or missing API key (use 'Authorization: Bearer <key>').",
                                code="invalid_api_key"), status_code=401)
@@ -220,11 +244,12 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     app = FastAPI(title="ElasticEP", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     serving = OpenAIServing(frontend, tokenizer, config.model_name, config.max_model_len,
-                            config.sampling_defaults)
+                            config.sampling_defaults, config.tool_call_parser)
     created = int(time.time())
     app.add_middleware(BodyLimitMiddleware, limit=config.max_payload_size)
-    if config.api_key:  # outermost: no body is read before the key is checked
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_key or config.metrics_api_key:  # outermost: no body read before the key
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           metrics_api_key=config.metrics_api_key)
 
     def count_rejected(request: Request, status: int) -> None:
         # one label per route, named by its template ("/v1/models/{model_id:path}"): a
@@ -265,6 +290,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         return await serving.chat(req, raw)
 
     add_sglang_routes(app, serving, config)  # /generate, /get_server_info, /get_model_info
+    add_scale_routes(app, frontend)  # POST /scale_elastic_ep, GET /scale_elastic_ep/{id}
 
     model_card = {"id": config.model_name, "object": "model", "created": created,
                   "owned_by": "elasticep", "max_model_len": config.max_model_len}
@@ -289,6 +315,13 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
                 "epoch": status.epoch, "ep_size": status.ep_size,
                 "healthy_ranks": len(status.healthy_ranks()),
                 "running_requests": frontend.tracker.num_running}
+        waiting = frontend.waiting_for_joiners()
+        if waiting is not None:  # a grow needs `join`: say which slots, and how
+            body["waiting_for_joiners"] = waiting
+        store = status.membership_store
+        if store is not None and not store.ok:  # serving goes on; no change is kept
+            body["degraded"] = True
+            body["membership_store"] = store.reason
         if frontend.closed_reason is not None:  # the deployment is stopping
             body["reason"] = frontend.closed_reason
         elif not frontend.ready:
@@ -309,28 +342,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
-        return frontend.status().to_dict()
-
-    @app.post("/scale_elastic_ep")
-    async def scale(req: ScaleRequest) -> JSONResponse:
-        max_ep = frontend.status().max_ep_size
-        if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
-            cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
-            raise OpenAIError(400, f"new_ep_size must be in [1, {max_ep}]{cap}, got "
-                              f"{req.new_ep_size}", param="new_ep_size")
-        try:
-            result = await frontend.scale(req.new_ep_size)
-        except ScaleInProgressError as exc:
-            raise OpenAIError(409, str(exc), code="scale_in_progress") from exc
-        except ScaleRefusedError as exc:
-            raise OpenAIError(409, str(exc), code="scale_refused") from exc
-        except (ScaleNotSupportedError, ValueError) as exc:
-            raise OpenAIError(400, str(exc), param="new_ep_size") from exc
-        except asyncio.TimeoutError as exc:
-            raise OpenAIError(504, "membership did not answer in time",
-                              type="server_error") from exc
-        return JSONResponse({"status": "accepted", "new_ep_size": req.new_ep_size,
-                             **(result or {})})
+        return {**frontend.status().to_dict(), **frontend.status_extra()}
 
     return app
 
@@ -342,12 +354,14 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
                   frontend_config: FrontendConfig | None = None,
                   max_payload_size: int = DEFAULT_MAX_PAYLOAD_SIZE,
                   sock: socket.socket | None = None,
+                  metrics_api_key: str | None = None,
+                  tool_call_parser: str | None = None,
                   ) -> tuple[HttpServer, Frontend]:
     """Everything the serve glue needs: tokenizer, limits, Frontend, app and server.
 
     Args:
         model_path: HF checkpoint directory (tokenizer files and config.json).
-        channel: the bound front-end ipc channel (workers connect to its endpoints).
+        channel: the bound front-end link channel (workers connect to its endpoints).
         membership: rank states and scaling.
         served_model_name: the ``model`` name clients use; default: ``model_path``.
         api_key: protect every endpoint but ``/health`` with this bearer token.
@@ -357,6 +371,9 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         frontend_config: timing of the front-end core.
         max_payload_size: largest request body in bytes (413 above it).
         sock: the socket bound to ``host:port`` ahead of time, or None (see HttpServer).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
+        tool_call_parser: the tool-call format (``serve --tool-call-parser``); None: the
+            one the model family's chat template implies, if any.
 
     Returns:
         The (not yet started) server and its front-end.
@@ -370,11 +387,15 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62
     frontend = Frontend(channel, membership, streaming_decode(tokenizer),
-                        config=frontend_config)
+                        config=frontend_config,
+                        decode_with=lambda ids, **options: tokenizer.decode(ids, **options))
     config = ServerConfig(model_name=served_model_name or str(model_path),
                           max_model_len=max_model_len, api_key=api_key, host=host, port=port,
                           sampling_defaults=model_config.sampling_defaults,
-                          model_path=str(model_path), max_payload_size=max_payload_size)
+                          model_path=str(model_path), max_payload_size=max_payload_size,
+                          metrics_api_key=metrics_api_key,
+                          tool_call_parser=tool_call_parser
+                          or parser_for_family(model_config.model_type))
     app = build_app(frontend, tokenizer, config)
     return HttpServer(app, host=host, port=port, sock=sock), frontend
 

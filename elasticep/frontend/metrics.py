@@ -1,10 +1,15 @@
 """Prometheus metrics of the front-end; every name starts with ``elasticep_``.
 
 Each :class:`FrontendMetrics` owns its registry, so several servers (tests) can live in
-one process without clashing on metric names.
+one process without clashing on metric names. Names follow Prometheus' conventions:
+durations in ``_seconds`` histograms, counters exposed as ``_total``. The phases of a
+death, a rejoin and a scale come from ``recovery_timeline`` events (:meth:`observe`), the
+same events ``--event-log`` writes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,8 +20,24 @@ from prometheus_client import (
     generate_latest,
 )
 
+from elasticep.membership.status import StoreStatus
+from elasticep.membership.transitions import SlotState
+
 # Stream gaps after a failure are expected between ~10 ms and a few seconds.
 _GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# phases of a recovery, a rejoin (weights load for minutes) and a scale
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                  600.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# recovery_timeline event -> (histogram attribute, its label)
+_PHASES = {"death_detected": ("death_phase_seconds", "detected"),
+           "death_agreed": ("death_phase_seconds", "agreed"),
+           "death_placement_repaired": ("death_phase_seconds", "placement_repaired"),
+           "death_first_token": ("death_phase_seconds", "first_token"),
+           "rejoin_loaded": ("rejoin_phase_seconds", "loaded"),
+           "rejoin_admitted": ("rejoin_phase_seconds", "admitted"),
+           "rejoin_pause": ("rejoin_phase_seconds", "pause")}
 
 
 class FrontendMetrics:
@@ -38,6 +59,16 @@ class FrontendMetrics:
                            "state; free = unused capacity", ["state"], registry=r)
         self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
                                   registry=r)
+        self.membership_store_ok = Gauge(
+            "elasticep_membership_store_ok", "1 while the newest membership is committed "
+            "to --membership-store (etcd), 0 while it cannot be; absent when embedded",
+            registry=r)
+        self.membership_store_revision = Gauge(
+            "elasticep_membership_store_revision",
+            "Store revision of the coordinator's last commit (etcd)", registry=r)
+        self.coordinator_leader = Gauge(
+            "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
+            "leader lease (etcd)", ["replica"], registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",
                                      "Ranks seen entering state failed", registry=r)
         self.rank_recoveries = Counter("elasticep_rank_recoveries",
@@ -73,6 +104,46 @@ class FrontendMetrics:
         self.time_to_first_token_seconds = Histogram(
             "elasticep_time_to_first_token_seconds", "Time to first token (seconds)",
             registry=r)
+        self.e2e_request_latency_seconds = Histogram(
+            "elasticep_e2e_request_latency_seconds",
+            "From a request's arrival to its last token (seconds)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token_seconds = Histogram(
+            "elasticep_time_per_output_token_seconds",
+            "A request's time per output token after its first (seconds)",
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.num_queue_reqs = Gauge("elasticep_num_queue_reqs",
+                                    "Requests waiting for a rank with room", registry=r)
+        self.requests_resumed = Counter(
+            "elasticep_requests_resumed",
+            "Requests moved off a rank with their tokens so far, to go on on another; "
+            "cause = failure (the rank died), unreachable (its channel broke) or drain "
+            "(it is leaving)", ["cause"], registry=r)
+        self.death_phase_seconds = Histogram(
+            "elasticep_death_phase_seconds",
+            "Phases of a rank's death as the front-end saw them (seconds): detected (its "
+            "last step output to the slot shown failed), then from that moment agreed "
+            "(the survivors' new epoch), placement_repaired (their first step in it), "
+            "first_token (the first token after it)", ["phase"],
+            buckets=_PHASE_BUCKETS, registry=r)
+        self.rejoin_phase_seconds = Histogram(
+            "elasticep_rejoin_phase_seconds",
+            "Phases of a rank's rejoin (seconds): loaded (joining to ready), admitted "
+            "(ready to healthy), pause (the gap in step outputs across its admission)",
+            ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.scale_seconds = Histogram(
+            "elasticep_scale_seconds",
+            "From an accepted scale request to its scale phase idle (seconds); kind = "
+            "grow, shrink or retire", ["kind"], buckets=_PHASE_BUCKETS, registry=r)
+        self.rank_state = Gauge("elasticep_rank_state",
+                                "1 for the state each rank (slot) is in, 0 for the others",
+                                ["rank", "state"], registry=r)
+        self.rank_node = Gauge("elasticep_rank_node", "The node of each rank's last launch",
+                               ["rank"], registry=r)
+        self.rank_experts_held = Gauge(
+            "elasticep_rank_experts_held",
+            "Expert slots of a rank that hold an expert (the most over MoE layers), as it "
+            "last reported", ["rank"], registry=r)
 
     def rank_stats(self, rank: int, steps: int, captures: int, replays: int,
                    decode_replays: int = 0, decode_eager: int = 0) -> None:
@@ -85,6 +156,36 @@ class FrontendMetrics:
         if captures >= 0:
             self.cuda_graph_captures.labels(rank=label).set(captures)
             self.cuda_graph_replays.labels(rank=label).set(replays)
+
+    def observe(self, event: Any) -> None:
+        """Observe a ``recovery_timeline.Event`` that ends a phase (others are ignored)."""
+        if event.seconds is None:
+            return
+        if event.name == "scale_done":
+            self.scale_seconds.labels(event.attrs.get("kind", "unknown")).observe(
+                event.seconds)
+            return
+        target = _PHASES.get(event.name)
+        if target is not None:
+            getattr(self, target[0]).labels(target[1]).observe(event.seconds)
+
+    def ranks(self, entries: Any) -> None:
+        """Set the per-rank gauges from the status' ``RankStatus`` entries."""
+        for e in entries:
+            label = str(e.rank)
+            for state in SlotState:
+                self.rank_state.labels(label, state.value).set(float(e.state == state))
+            self.rank_node.labels(label).set(e.node)
+
+    def store_status(self, store: StoreStatus | None) -> None:
+        """Record the membership store's state (None, the embedded default: nothing)."""
+        if store is None:
+            return
+        self.membership_store_ok.set(int(store.ok))
+        self.membership_store_revision.set(store.revision)
+        self.coordinator_leader.clear()
+        if store.leader is not None:
+            self.coordinator_leader.labels(store.leader).set(1)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

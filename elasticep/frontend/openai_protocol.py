@@ -1,8 +1,10 @@
 """OpenAI-compatible request/response models (completions and chat completions).
 
 Requests are strict: an unknown field is a 400, and so is a known OpenAI field whose
-non-default value we do not implement (``n > 1``, ``logprobs``, penalties, ...), so a
-client never silently gets something other than what it asked for. Errors use the
+non-default value we do not implement (``suffix``, chat's ``n > 1``), so a client never silently gets something other than what it asked for.
+vLLM's sampling extensions (``repetition_penalty``, ``min_p``, ``min_tokens``,
+``stop_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``ignore_eos``, ``top_k``) are taken under vLLM's names. Errors use the
 OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -14,9 +16,24 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
 
-from elasticep.engine.request import SamplingParamError, SamplingParams
+from elasticep.engine.grammar import check_grammar
+from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from elasticep.frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from elasticep.frontend.openai_tools import (
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
+    ToolCallOut,
+)
 from elasticep.models.config import SamplingDefaults
 
 
@@ -74,17 +91,30 @@ class _SamplingFields(_Strict):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, SGLang's regex and ebnf extensions
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # field -> the only value we implement; anything else is a 400 naming the field
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+    # an engine field's name -> the request field it comes from, for error messages
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
     # fields whose JSON null means "not sent", as in OpenAI's API and vLLM (clients that
     # serialise every field send them): the default, or the model's, then applies
     NULL_IS_UNSET: ClassVar[tuple[str, ...]] = (
         "temperature", "top_p", "top_k", "n", "stream", "presence_penalty",
-        "frequency_penalty", "ignore_eos", "max_tokens", "max_completion_tokens", "echo")
+        "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+        "skip_special_tokens", "spaces_between_special_tokens", "ignore_eos", "max_tokens",
+        "max_completion_tokens", "echo", "logprobs")
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +136,34 @@ class _SamplingFields(_Strict):
                 raise OpenAIError(400, f"{name}={value!r} is not supported (only "
                                   f"{default!r})", param=name)
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured-output constraint the request asks for, parsed; None: free text.
+
+        Raises:
+            OpenAIError: 400 naming the field: two constraints at once, a json_schema
+                format without a schema, or a schema / regex / EBNF that does not parse.
+        """
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise OpenAIError(400, 'response_format of type "json_schema" needs '
+                                  "json_schema.schema", param="response_format")
+            asked.append(("response_format", GrammarSpec(
+                "json_schema", json.dumps(fmt.json_schema.schema_))))
+        for name in ("regex", "ebnf"):
+            if getattr(self, name) is not None:
+                asked.append((name, GrammarSpec(name, getattr(self, name))))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise OpenAIError(400, f"send one structured-output constraint, not "
+                              f"{' and '.join(n for n, _ in asked)}", param=asked[1][0])
+        name, spec = asked[0]
+        return checked_grammar(spec, name)
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -114,14 +172,33 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` of the engine's params (None: not asked)."""
+        return None, None
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs.
+
+        Raises:
+            OpenAIError: 400 naming ``logit_bias`` for a key that is not a token id.
+        """
+        try:
+            return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids (integers as strings)",
+                              param="logit_bias") from None
+
     def to_sampling_params(self, max_tokens: int,
-                           defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+                           defaults: SamplingDefaults = SamplingDefaults(),
+                           seed_offset: int = 0) -> SamplingParams:
         """Engine sampling params with the resolved ``max_tokens``.
 
         Args:
             max_tokens: completion tokens.
             defaults: the model's ``generation_config.json`` values, used for the
                 sampling fields the request does not send (then OpenAI's defaults).
+            seed_offset: added to ``seed`` (choice ``j`` of ``n`` draws with ``seed + j``,
+                as vLLM's, so that seeded choices differ).
 
         Raises:
             OpenAIError: 400 when a value is out of the engine's range.
@@ -132,52 +209,92 @@ class _SamplingFields(_Strict):
                 return getattr(self, name)
             return model_value
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"),
-                                top_p=pick("top_p"), top_k=max(pick("top_k"), 0), seed=self.seed,
-                                stop=self.stop_strings(), ignore_eos=self.ignore_eos)
+        logprobs, prompt_logprobs = self.logprob_counts()
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
+            top_k=max(pick("top_k"), 0),
+            seed=None if self.seed is None else self.seed + seed_offset,
+            stop=self.stop_strings(), ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logit_bias=self.logit_bias_pairs(), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            grammar=self.grammar_spec())
         try:
             params.validate()
         except SamplingParamError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError(400, str(exc), param=self.PARAM_NAMES.get(exc.param, exc.param)
+                              ) from exc
         return params
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt`` is text or token ids (one prompt only)."""
+    """POST /v1/completions. ``prompt`` is text or token ids, or a batch of either: each
+    prompt gets ``n`` choices, choice ``i * n + j`` being prompt i's j-th (vLLM's order).
+
+    ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, the
+    prompt tokens' logprobs first); ``max_tokens`` 0 is allowed with ``echo`` only, to
+    score a prompt (lm-eval-harness's loglikelihood requests).
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **_SamplingFields.UNSUPPORTED, "echo": False, "logprobs": None, "best_of": None,
-        "suffix": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "suffix": None}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one_is_the_default(cls, value: int | None) -> int | None:
-        # best_of 1 (one candidate per choice) is what every request gets; SGLang's
-        # bench_serving sends it on every completion
-        return None if value == 1 else value
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, unwrapped from a one-element batch.
+    def check_supported(self) -> None:
+        """As :meth:`_SamplingFields.check_supported`, and ``best_of`` as vLLM defines it
+        (draw ``best_of`` candidates per prompt, return the ``n`` with the highest
+        cumulative logprob): at least ``n``, and not streamed when above it.
 
         Raises:
-            OpenAIError: 400 for an empty prompt or a batch of several prompts.
+            OpenAIError: 400 naming the field.
+        """
+        super().check_supported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise OpenAIError(400, f"best_of must be >= n ({self.n}), got {self.best_of}",
+                              param="best_of")
+        if self.draws > self.n and self.stream:
+            raise OpenAIError(400, "best_of above n cannot be streamed (the best are known "
+                              "only at the end)", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo, to score the "
+                              "prompt)", param="max_tokens")
+
+    @property
+    def draws(self) -> int:
+        """Candidates drawn per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        # best_of ranks candidates by their tokens' logprobs: the ranks compute them
+        logprobs = 0 if self.logprobs is None and self.draws > self.n else self.logprobs
+        return logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (a single one is a batch of one).
+
+        Raises:
+            OpenAIError: 400 for an empty batch or an empty prompt.
         """
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "only one prompt per request is supported",
-                                  param="prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
+        batch = (prompt if isinstance(prompt, list) and prompt
+                 and isinstance(prompt[0], str | list) else [prompt])
+        if not batch:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        return prompt
+        for i, p in enumerate(batch):
+            if len(p) == 0:
+                where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+                raise OpenAIError(400, f"{where} must not be empty", param="prompt")
+        return batch
 
 
 class TextPart(_Strict):
@@ -186,14 +303,28 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool fields only where set)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -203,13 +334,32 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
 
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **_SamplingFields.UNSUPPORTED, "logprobs": False, "top_logprobs": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "n": 1}
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """Raises:
+            OpenAIError: 400 for ``top_logprobs`` without ``logprobs`` (OpenAI's rule).
+        """
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the chat template renders; None without tools or with
+        ``tool_choice`` "none" (the model is then not told of them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_tokens_param(self) -> str:
         """The field :meth:`requested_max_tokens` came from, for error messages."""
@@ -217,11 +367,43 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ScaleRequest(_Strict):
-    """POST /scale_elastic_ep. Strict: ``"3"`` or ``true`` is not a size."""
+    """POST /scale_elastic_ep: one of ``new_ep_size`` (grow or shrink from the top),
+    ``retire_ranks`` (those slots leave) or ``drain_node`` (every slot of that node
+    leaves), and an optional ``operation_id`` (a repeat with the same id changes
+    nothing). Strict: ``"3"`` or ``true`` is not a size."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    new_ep_size: int
+    new_ep_size: int | None = None
+    retire_ranks: list[int] | None = Field(None, min_length=1)
+    drain_node: int | None = Field(None, ge=0)
+    operation_id: str | None = Field(None, min_length=1, max_length=128)
+
+    def which(self) -> str:
+        """The one change field given.
+
+        Raises:
+            OpenAIError: none or several (400).
+        """
+        given = [n for n in ("new_ep_size", "retire_ranks", "drain_node")
+                 if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise OpenAIError(400, "give exactly one of new_ep_size, retire_ranks and "
+                              f"drain_node (got {given or 'none'})")
+        return given[0]
+
+
+def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """``spec`` once it parses (the ranks would refuse it later).
+
+    Raises:
+        OpenAIError: 400 naming ``param`` with the grammar library's reason.
+    """
+    try:
+        check_grammar(spec)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+    return spec
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
@@ -260,10 +442,9 @@ class Usage(BaseModel):
 
 
 class _Choice(BaseModel):
-    """Fields every choice shares (one choice per request: ``n`` is 1)."""
+    """Fields every choice shares."""
 
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None
 
 
@@ -277,6 +458,7 @@ class _Response(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -313,14 +495,25 @@ def completion_chunk_renderer(rid: str, created: int, model: str,
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_calls(self, handler: Any) -> dict[str, Any]:
+        # a reply without tools keeps the shape it had before tool calls existed
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Choice):
     message: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatStreamChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):

@@ -7,20 +7,25 @@ character or a possible stop string is incomplete), then an optional usage chunk
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import SamplingParams, TokenLogprobs
+from elasticep.frontend.chat_tools import (
+    call_deltas,
+    finish_reason,
+    reply_message,
+    tool_parser,
+    with_forced_call,
+)
+from elasticep.frontend.completion_choices import CompletionChoices, best_candidates
 from elasticep.frontend.core import Frontend, RequestStream
+from elasticep.frontend.logprobs_format import ChatLogprobs, chat_logprobs
+from elasticep.frontend.merged_stream import MergedStream
 from elasticep.frontend.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -34,7 +39,6 @@ from elasticep.frontend.openai_protocol import (
     OpenAIError,
     Usage,
     completion_chunk_renderer,
-    error_body,
     new_id,
     now,
     resolve_max_tokens,
@@ -44,7 +48,13 @@ from elasticep.frontend.request_tracker import (
     NoRankAvailableError,
     RequestEvent,
 )
+from elasticep.frontend.response_streams import (
+    RequestResult,
+    collect_results,
+    sse_response,
+)
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
+from elasticep.frontend.tool_parsers import ToolCall
 from elasticep.frontend_link import monotonic_us
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
@@ -55,36 +65,6 @@ TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
 # text prompts up to this many characters are encoded on the loop (under a
 # millisecond), longer ones on the pool (TokenizerPool.run's inline)
 INLINE_PROMPT_CHARS = 1024
-
-
-@dataclass
-class _Result:
-    text: str
-    num_tokens: int
-    finish_reason: str | None
-    error: str | None
-    refused: bool = False
-
-
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """Streams while listening for the client's disconnect, whatever the ASGI version.
-
-    Starlette only listens for ``http.disconnect`` on old ASGI spec versions; otherwise a
-    gone client is noticed at the next write, which never comes while a request waits
-    (for example parked during an outage). Cancelling the body iterator on disconnect
-    lets the request's stream abort it on its rank.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with anyio.create_task_group() as group:
-            async def run_stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-                group.cancel_scope.cancel()
-
-            group.start_soon(run_stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
 
 
 class OpenAIServing:
@@ -98,16 +78,21 @@ class OpenAIServing:
         max_model_len: prompt + completion tokens must fit this (context and KV cache).
         sampling_defaults: the model's ``generation_config.json`` sampling values, for
             the fields a request leaves unset.
+        tool_call_parser: the format of the model's tool calls (a key of
+            :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: requests
+            with ``tools`` get a 400.
     """
 
     def __init__(self, frontend: Frontend, tokenizer: Any, model_name: str,
                  max_model_len: int,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(),
+                 tool_call_parser: str | None = None) -> None:
         self.frontend = frontend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.sampling_defaults = sampling_defaults
+        self.tool_call_parser = tool_call_parser
         # Tokenizing a long prompt (or rendering a chat template) can take seconds: it
         # runs off the event loop, so that the other requests' streams, their checks and
         # /health go on meanwhile, and on a pool, so that it holds up one thread only.
@@ -123,12 +108,36 @@ class OpenAIServing:
                               f"`{self.model_name}`.", param="model", code="model_not_found")
 
     async def _completion_inputs(self, req: CompletionRequest,
-                                 ) -> tuple[list[int], SamplingParams]:
+                                 ) -> list[tuple[list[int], list[SamplingParams]]]:
+        """Each prompt's ids and the params of its ``best_of`` (else ``n``) candidates
+        (candidate j seeded ``seed + j``); ``max_tokens`` 0 (echo only) runs 1 token,
+        which is dropped."""
         self.check_model(req.model)
         req.check_supported()
-        ids = await self.encode_prompt(req.single_prompt(), "prompt")
-        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.max_model_len)
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+        out = []
+        for prompt in req.prompts():
+            ids = await self.encode_prompt(prompt, "prompt")
+            max_tokens = resolve_max_tokens(len(ids), req.max_tokens or (
+                None if req.max_tokens is None else 1), self.max_model_len)
+            out.append((ids, [self.check_token_ids(
+                req.to_sampling_params(max_tokens, self.sampling_defaults, j))
+                for j in range(req.draws)]))
+        return out
+
+    def check_token_ids(self, params: SamplingParams, prefix: str = "") -> SamplingParams:
+        """``params``, once its ``stop_token_ids`` and ``logit_bias`` name tokens of the
+        vocabulary.
+
+        Raises:
+            OpenAIError: 400 naming the field (after ``prefix``) otherwise.
+        """
+        vocab = len(self.tokenizer)
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(not 0 <= t < vocab for t in ids):
+                raise OpenAIError(400, f"{prefix}{name} token ids must be in [0, {vocab})",
+                                  param=f"{prefix}{name}")
+        return params
 
     async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
         """The token ids of a text prompt (tokenized off the event loop) or of an id list
@@ -163,13 +172,14 @@ class OpenAIServing:
             raise OpenAIError(400, f"The model `{self.model_name}` has no chat template, so "
                               "chat completions are unavailable; use /v1/completions.",
                               param="messages", code="chat_template_missing")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
-        ids = list(await self.tokenizers.run(_chat_ids, messages))
+        ids = list(await self.tokenizers.run(_chat_ids, messages, req.tools_for_template()))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len, req.max_tokens_param())
-        return ids, req.to_sampling_params(max_tokens, self.sampling_defaults)
+        return ids, self.check_token_ids(req.to_sampling_params(max_tokens,
+                                                                self.sampling_defaults))
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams,
                arrived_us: int | None = None) -> RequestStream:
@@ -189,11 +199,15 @@ class OpenAIServing:
 
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        """POST /v1/completions."""
+        """POST /v1/completions: every prompt times ``n`` choices (:mod:`completion_choices`)."""
         arrived = monotonic_us()
-        ids, params = await self._completion_inputs(req)
+        inputs = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
-        stream = self.submit(rid, ids, params, arrived)
+        choices = CompletionChoices(req, inputs, self.token_text, self.tokenizer.decode)
+        streams = self.submit_all(
+            [f"{rid}-{k}" if choices.many else rid for k in range(choices.count)],
+            choices.requests(), arrived)
+        prompt_tokens = sum(len(ids) for ids, _ in inputs)
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
             choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
@@ -201,137 +215,138 @@ class OpenAIServing:
                                       choices=choices, usage=usage).model_dump_json()
 
         if req.stream:
-            render = completion_chunk_renderer(rid, created, self.model_name)
-            return self.sse(stream, "completions", lambda e: render(e.text, e.finish_reason),
-                            _usage_tail(chunk, len(ids), req.include_usage()))
-        result = await self.collect(stream, raw, "completions")
+            tail = _usage_tail(chunk, prompt_tokens, req.include_usage(),
+                               0 if choices.echo_only else None)
+            if choices.plain:
+                render = completion_chunk_renderer(rid, created, self.model_name)
+                return self.sse(streams[0], "completions",
+                                lambda e: render(e.text, e.finish_reason), tail)
+            index = {s.request_id: k for k, s in enumerate(streams)}
+
+            def render_choice(e: RequestEvent) -> str:
+                return CompletionResponse(id=rid, created=created, model=self.model_name,
+                                          choices=[choices.streamed(index[e.request_id], e)],
+                                          ).model_dump_json()
+
+            return self.sse(MergedStream(streams), "completions", render_choice, tail)
+        results = await self.collect_many(streams, raw, "completions")
+        kept = best_candidates(results, req.draws, req.n)
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
-            usage=_usage(len(ids), result.num_tokens)).model_dump())
+            choices=[choices.whole(k, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs,
+                                   index=i) for i, (k, r) in enumerate(kept)],
+            usage=_usage(prompt_tokens, 0 if choices.echo_only
+                         else sum(r.num_tokens for _, r in kept))).model_dump())
+
+    def submit_all(self, request_ids: list[str],
+                   requests: list[tuple[list[int], SamplingParams]],
+                   arrived_us: int | None = None) -> list[RequestStream]:
+        """:meth:`submit` each request (all arrived at ``arrived_us``: one HTTP request);
+        if one fails, those already routed are aborted.
+
+        Raises:
+            OpenAIError: as :meth:`submit`.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for rid, (ids, params) in zip(request_ids, requests, strict=True):
+                streams.append(self.submit(rid, ids, params, arrived_us))
+        except BaseException:
+            for s in streams:
+                s.close_now()
+            raise
+        return streams
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         arrived = monotonic_us()
+        parser = tool_parser(req, self.tool_call_parser, self.model_name)
         ids, params = await self._chat_inputs(req)
+        params = with_forced_call(req, self.tool_call_parser, params)
         rid, created = new_id("chatcmpl"), now()
         stream = self.submit(rid, ids, params, arrived)
         first = [True]
 
-        def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
+        def logprobs(lps: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
+            if params.logprobs is None:
+                return None
+            return chat_logprobs(self.token_text, lps, params.logprobs)
+
+        def chunk(text: str, finish: str | None, usage: Usage | None = None,
+                  calls: list[ToolCall] | None = None,
+                  lps: Sequence[TokenLogprobs] = ()) -> str:
             choices = []
             if usage is None:
                 # the role rides on the first token's chunk: still one chunk per token
-                delta = ChatDelta(role="assistant" if first[0] else None, content=text)
+                delta = ChatDelta(role="assistant" if first[0] else None, content=text,
+                                  tool_calls=call_deltas(calls, parser) if calls else None)
                 first[0] = False
-                choices = [ChatStreamChoice(delta=delta, finish_reason=finish)]
+                choices = [ChatStreamChoice(delta=delta, finish_reason=finish,
+                                            logprobs=logprobs(lps))]
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name,
                                        choices=choices, usage=usage).model_dump_json()
 
+        def render(e: RequestEvent) -> str:
+            if parser is None:
+                return chunk(e.text, e.finish_reason, lps=e.logprobs)
+            text, calls = parser.push(e.text)
+            if e.finish_reason is not None:
+                more, last = parser.finish()
+                text, calls = text + more, calls + last
+            return chunk(text, finish_reason(e.finish_reason, parser), calls=calls,
+                         lps=e.logprobs)
+
         if req.stream:
-            return self.sse(stream, "chat", lambda e: chunk(e.text, e.finish_reason),
+            return self.sse(stream, "chat", render,
                             _usage_tail(chunk, len(ids), req.include_usage()))
         result = await self.collect(stream, raw, "chat")
-        message = ChatDelta(role="assistant", content=result.text)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=message, finish_reason=result.finish_reason)],
+            choices=[ChatChoice(message=reply_message(result.text, parser),
+                                finish_reason=finish_reason(result.finish_reason, parser),
+                                logprobs=logprobs(result.logprobs))],
             usage=_usage(len(ids), result.num_tokens)).model_dump())
 
     # ---- plumbing ------------------------------------------------------------------
-    def sse(self, stream: RequestStream, endpoint: str, render: Callable[[RequestEvent], str],
+    def sse(self, stream: RequestStream | MergedStream, endpoint: str,
+            render: Callable[[RequestEvent], str | None],
             tail: Callable[[int], str | None] = lambda _: None) -> StreamingResponse:
-        """An SSE response: ``render(event)`` per token event, an error chunk if the
-        request fails, ``tail(tokens)`` (if not None) once it finished, then ``[DONE]``.
-        ``endpoint`` labels the request metric."""
-        metrics = self.frontend.metrics
-        trace = self.frontend.first_token_trace
+        """:func:`~elasticep.frontend.response_streams.sse_response` on this front-end's
+        metrics and first-token trace."""
+        return sse_response(stream, endpoint, render, tail, self.frontend.metrics,
+                            self.frontend.first_token_trace)
 
-        async def body() -> AsyncIterator[str]:
-            outcome, num_tokens, written = "aborted", 0, False
-            try:
-                async with contextlib.aclosing(stream):
-                    async for event in stream:
-                        # one chunk per token event, but one write for every event
-                        # queued by then: each write costs the loop the whole ASGI
-                        # send path, more than rendering the events it carries
-                        lines = []
-                        for e in (event, *stream.ready()):
-                            if e.error is not None:
-                                outcome = "error"
-                                lines.append(_sse_line(_error_json(e)))
-                                break
-                            num_tokens = e.num_generated
-                            lines.append(_sse_line(render(e)))
-                            if e.finish_reason is not None:
-                                outcome = "finished"
-                        yield "".join(lines)
-                        if not written and num_tokens:  # resumed here: the chunk is out
-                            written = True
-                            trace.written(stream.request_id)
-                        if outcome == "error":
-                            break
-                last = tail(num_tokens) if outcome == "finished" else None
-                yield ("" if last is None else _sse_line(last)) + "data: [DONE]\n\n"
-            finally:
-                metrics.requests.labels(endpoint, outcome).inc()
-
-        return DisconnectAwareStreamingResponse(body(), media_type="text/event-stream",
-                                                headers={"Cache-Control": "no-cache"})
-
-    async def collect(self, stream: RequestStream, raw: Request, endpoint: str) -> _Result:
+    async def collect(self, stream: RequestStream, raw: Request, endpoint: str,
+                      ) -> RequestResult:
         """Gather a whole result, aborting the request if the client disconnects."""
+        return (await self.collect_many([stream], raw, endpoint))[0]
 
-        async def gather() -> _Result:
-            parts: list[str] = []
-            async with contextlib.aclosing(stream):
-                async for event in stream:
-                    parts.append(event.text)
-                    if event.finish_reason is not None:
-                        return _Result("".join(parts), event.num_generated,
-                                       event.finish_reason, event.error, event.refused)
-            return _Result("".join(parts), 0, None, "stream ended early")
+    async def collect_many(self, streams: list[RequestStream], raw: Request,
+                           endpoint: str) -> list[RequestResult]:
+        """:func:`~elasticep.frontend.response_streams.collect_results` on this
+        front-end's metrics."""
+        return await collect_results(streams, raw, endpoint, self.frontend.metrics)
 
-        task = asyncio.create_task(gather())
-        gone = asyncio.create_task(_wait_disconnect(raw))
-        try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not task.done():
-                task.cancel()  # closes the stream, which aborts the request
-        if task not in done:
-            self.frontend.metrics.requests.labels(endpoint, "aborted").inc()
-            logger.info("request %s: client disconnected; aborted", stream.request_id)
-            raise OpenAIError(499, "client disconnected")
-        result = task.result()
-        outcome = "error" if result.error else "finished"
-        self.frontend.metrics.requests.labels(endpoint, outcome).inc()
-        if result.refused:  # the engine's own check of the request: the client's error
-            raise OpenAIError(400, result.error or "request refused")
-        if result.error:
-            raise OpenAIError(500, result.error, type="server_error")
-        return result
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it (its decode alone)."""
+        return self.tokenizer.decode([token_id])
 
 
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt ids of chat ``messages`` (the model's chat template, then tokens)."""
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt ids of chat ``messages`` (the model's chat template, given ``tools``,
+    then tokens)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - jinja raises many types on bad input
         raise OpenAIError(400, f"chat template failed on these messages: {exc}",
                           param="messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -344,22 +359,15 @@ def _check_unicode(text: str, param: str) -> None:
         raise OpenAIError(400, f"{param} {problem}", param=param)
 
 
-def _usage_tail(chunk: Callable[..., str], prompt_len: int,
-                include_usage: bool) -> Callable[[int], str | None]:
-    """The usage chunk after the last token, when the request asked for it."""
-    return lambda n: chunk("", None, _usage(prompt_len, n)) if include_usage else None
+def _usage_tail(chunk: Callable[..., str], prompt_len: int, include_usage: bool,
+                completion_tokens: int | None = None) -> Callable[[int], str | None]:
+    """The usage chunk after the last token, when the request asked for it (with
+    ``completion_tokens`` in place of the tokens generated, when not None)."""
+    return lambda n: (chunk("", None, _usage(prompt_len, n if completion_tokens is None
+                                                          else completion_tokens))
+                      if include_usage else None)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens)
-
-
-def _sse_line(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-def _error_json(event: RequestEvent) -> str:
-    return json.dumps(error_body(event.error or "request failed",
-                                 type="invalid_request_error" if event.refused
-                                 else "server_error"))

@@ -2,7 +2,7 @@
 
 Pure logic with no sockets and no clocks of its own, so every failure case is unit
 tested. The caller (the front-end event loop) feeds it events and sends the
-:class:`Send` commands it returns, in order:
+:class:`SendToRank` commands it returns, in order:
 
 - :meth:`RequestTracker.add` routes a new request to the healthy rank with the fewest
   running requests, among those below their ``max_running_requests``
@@ -31,12 +31,19 @@ tested. The caller (the front-end event loop) feeds it events and sends the
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticep.engine.request import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from elasticep.engine.request import (
+    AbortRequest,
+    GenerateRequest,
+    SamplingParams,
+    TokenLogprobs,
+    TokenOutput,
+)
 from elasticep.frontend.incremental_text import Decode, IncrementalText
 from elasticep.membership.transitions import SlotState
 
@@ -44,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Send:
+class SendToRank:
     """A command for the caller: send ``message`` to ``rank`` (best effort)."""
 
     rank: int
@@ -64,6 +71,9 @@ class RequestEvent:
         num_generated: tokens delivered so far, this event included.
         refused: with ``error``: the engine refused the request itself (a client error,
             HTTP 400), not a failure of the deployment.
+        logprobs: the logprobs of ``token_ids`` (when the request asked for them).
+        prompt_logprobs: with the first token, when the request asked for them: the
+            prompt tokens' logprobs (positions 1..P-1).
     """
 
     request_id: str
@@ -73,7 +83,13 @@ class RequestEvent:
     num_generated: int
     error: str | None = None
     refused: bool = False
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
+
+# token ids -> text with the tokenizer's options (``skip_special_tokens``,
+# ``spaces_between_special_tokens``) as keyword arguments
+DecodeWith = Callable[..., str]
 
 Sink = Callable[[RequestEvent], None]
 
@@ -112,11 +128,16 @@ class RequestTracker:
         clock: monotonic seconds; injectable for tests.
         on_interruption: called with the stream gap (seconds) a resubmitted request
             saw, when its first token after the move is delivered.
+        decode_with: token ids -> text with the detokenizer options as keywords, for
+            requests whose ``skip_special_tokens`` / ``spaces_between_special_tokens``
+            differ from ``decode``'s (True and True); None: ``decode`` for every one.
     """
 
     def __init__(self, decode: Decode, clock: Callable[[], float] = time.monotonic,
-                 on_interruption: Callable[[float], None] | None = None) -> None:
+                 on_interruption: Callable[[float], None] | None = None,
+                 decode_with: DecodeWith | None = None) -> None:
         self._decode = decode
+        self._decode_with = decode_with
         self._clock = clock
         self._on_interruption = on_interruption
         self._requests: dict[str, _Tracked] = {}
@@ -130,6 +151,11 @@ class RequestTracker:
         """Requests in flight, parked ones included."""
         return len(self._requests)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not on any rank: waiting for one with room (or moved, not placed)."""
+        return sum(req.rank is None for req in self._requests.values())
+
     def healthy_ranks(self) -> list[int]:
         """Ranks new requests may be routed to, ascending."""
         return sorted(r for r, s in self._states.items() if s == SlotState.HEALTHY)
@@ -142,7 +168,7 @@ class RequestTracker:
                 counts[req.rank] = counts.get(req.rank, 0) + 1
         return counts
 
-    def set_capacity(self, capacity: Mapping[int, int]) -> list[Send]:
+    def set_capacity(self, capacity: Mapping[int, int]) -> list[SendToRank]:
         """Set each rank's most running requests (a rank missing: no limit); returns the
         sends of waiting requests that now have room."""
         self._capacity = dict(capacity)
@@ -155,7 +181,7 @@ class RequestTracker:
 
     # ---- inputs --------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            sink: Sink) -> list[Send]:
+            sink: Sink) -> list[SendToRank]:
         """Track a new request and route it (or keep it waiting, behind earlier ones,
         while every healthy rank is full).
 
@@ -168,13 +194,14 @@ class RequestTracker:
         if not self.healthy_ranks():
             raise NoRankAvailableError("no healthy rank can take the request")
         req = _Tracked(request_id, tuple(prompt_token_ids), params, sink,
-                       IncrementalText(self._decode, params.stop), last_token_at=self._clock())
+                       IncrementalText(self._decoder(params), params.stop),
+                       last_token_at=self._clock())
         self._requests[request_id] = req
         return self._place_waiting()
 
-    def on_outputs(self, rank: int, outputs: Sequence[TokenOutput]) -> list[Send]:
+    def on_outputs(self, rank: int, outputs: Sequence[TokenOutput]) -> list[SendToRank]:
         """Deliver a rank's committed tokens; return aborts for requests a stop string ended."""
-        sends: list[Send] = []
+        sends: list[SendToRank] = []
         for out in outputs:
             req = self._requests.get(out.request_id)
             if req is None or req.rank != rank:
@@ -189,7 +216,7 @@ class RequestTracker:
                 sends.extend(self._deliver(req, req.pending.pop(len(req.generated))))
         return sends + self._place_waiting()
 
-    def on_error(self, rank: int, request_id: str, message: str) -> list[Send]:
+    def on_error(self, rank: int, request_id: str, message: str) -> list[SendToRank]:
         """A rank refused a request: fail it (a retry elsewhere would fail the same way);
         returns the sends of waiting requests that now have room."""
         req = self._requests.get(request_id)
@@ -198,7 +225,7 @@ class RequestTracker:
         return self._place_waiting()
 
     def on_step_failed(self, rank: int, request_ids: Sequence[str], message: str,
-                       ) -> list[Send]:
+                       ) -> list[SendToRank]:
         """A step holding ``request_ids`` raised on ``rank`` (the rank is exiting).
 
         Each request counts the crash; at :data:`POISON_CRASHES` it fails as a server
@@ -206,7 +233,7 @@ class RequestTracker:
         resubmitted to meanwhile (if the report came after the membership change).
         Below that nothing happens here: the rank's failure resubmits the request.
         """
-        sends: list[Send] = []
+        sends: list[SendToRank] = []
         for request_id in request_ids:
             req = self._requests.get(request_id)
             if req is None:
@@ -215,7 +242,7 @@ class RequestTracker:
             if len(req.crashed_ranks) < POISON_CRASHES:
                 continue
             if req.rank is not None and req.rank != rank:
-                sends.append(Send(req.rank, AbortRequest(request_id)))
+                sends.append(SendToRank(req.rank, AbortRequest(request_id)))
             self._finish_error(req, f"the request's step raised on {len(req.crashed_ranks)} "
                                f"ranks {req.crashed_ranks}, so it is not retried again; "
                                f"last error: {message}")
@@ -228,30 +255,39 @@ class RequestTracker:
         if req is not None:
             self._finish_error(req, message)
 
-    def abort(self, request_id: str) -> list[Send]:
+    def abort(self, request_id: str) -> list[SendToRank]:
         """Forget a request (client gone); returns the abort for its rank, if any."""
         req = self._requests.pop(request_id, None)
         if req is None or req.rank is None:
             return []
-        return [Send(req.rank, AbortRequest(request_id)), *self._place_waiting()]
+        return [SendToRank(req.rank, AbortRequest(request_id)), *self._place_waiting()]
 
-    def update_ranks(self, states: Mapping[int, str]) -> list[Send]:
+    def update_ranks(self, states: Mapping[int, str]) -> list[SendToRank]:
         """Apply a membership snapshot (rank -> state); move requests off unhealthy ranks.
 
         Ranks missing from ``states`` count as free capacity. Returns aborts for the old ranks
         that may still be alive (anything but "failed") followed by the resubmissions.
         """
         self._states = dict(states)
-        sends: list[Send] = []
+        sends: list[SendToRank] = []
         for req in self._requests.values():
             if req.rank is not None and self._states.get(req.rank) == SlotState.HEALTHY:
                 continue
             if req.rank is not None and self._states.get(req.rank) != SlotState.FAILED:
-                sends.append(Send(req.rank, AbortRequest(req.request_id)))
+                sends.append(SendToRank(req.rank, AbortRequest(req.request_id)))
             sends.extend(self._resubmit(req))
         return sends
 
     # ---- internals -----------------------------------------------------------------
+    def _decoder(self, params: SamplingParams) -> Decode:
+        """The detokenizer of a request with ``params``' options."""
+        if self._decode_with is None or (params.skip_special_tokens
+                                         and params.spaces_between_special_tokens):
+            return self._decode
+        return functools.partial(
+            self._decode_with, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+
     def _pick_rank(self) -> int | None:
         """The healthy rank with the fewest requests among those with room, or None."""
         load = self.running_per_rank()
@@ -259,10 +295,10 @@ class RequestTracker:
                 if r not in self._capacity or load.get(r, 0) < self._capacity[r]]
         return min(room, key=lambda r: (load.get(r, 0), r)) if room else None
 
-    def _place_waiting(self) -> list[Send]:
+    def _place_waiting(self) -> list[SendToRank]:
         """Send waiting requests (none sent yet, or moved off a rank) to ranks with room,
         oldest first, until none has room."""
-        sends: list[Send] = []
+        sends: list[SendToRank] = []
         for req in [r for r in self._requests.values() if r.rank is None]:
             rank = self._pick_rank()
             if rank is None:
@@ -270,19 +306,19 @@ class RequestTracker:
             sends.extend(self._send_to(req, rank))
         return sends
 
-    def _send_to(self, req: _Tracked, rank: int) -> list[Send]:
+    def _send_to(self, req: _Tracked, rank: int) -> list[SendToRank]:
         req.rank = rank
         if not req.moved:  # its first send
-            return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids,
+            return [SendToRank(rank, GenerateRequest(req.request_id, req.prompt_token_ids,
                                                req.params))]
         req.resubmissions += 1
         self.resubmitted_total += 1
         logger.info("request %s moved to rank %d with %d generated tokens",
                     req.request_id, rank, len(req.generated))
-        return [Send(rank, GenerateRequest(req.request_id, req.prompt_token_ids, req.params,
+        return [SendToRank(rank, GenerateRequest(req.request_id, req.prompt_token_ids, req.params,
                                            output_token_ids=tuple(req.generated)))]
 
-    def _resubmit(self, req: _Tracked) -> list[Send]:
+    def _resubmit(self, req: _Tracked) -> list[SendToRank]:
         old = req.rank
         req.rank = None  # so it does not count towards the old rank's load
         req.pending.clear()  # buffered tokens came from the old rank
@@ -298,7 +334,7 @@ class RequestTracker:
     def _is_done(self, req: _Tracked) -> bool:
         return req.request_id not in self._requests
 
-    def _deliver(self, req: _Tracked, out: TokenOutput) -> list[Send]:
+    def _deliver(self, req: _Tracked, out: TokenOutput) -> list[SendToRank]:
         now = self._clock()
         if req.moved:
             req.moved = False
@@ -306,22 +342,27 @@ class RequestTracker:
                 self._on_interruption(now - req.last_token_at)
         req.last_token_at = now
         req.generated.append(out.token_id)
-        text = req.text.push(out.token_id)
+        # a stop token id ends the request without its text (vLLM's default), as EOS
+        # does with skip_special_tokens
+        stop_token = out.finish_reason == "stop" and out.token_id in req.params.stop_token_ids
+        text = "" if stop_token else req.text.push(out.token_id)
         finish = out.finish_reason
-        sends: list[Send] = []
+        sends: list[SendToRank] = []
         if req.text.stopped:
             finish = "stop"
             if out.finish_reason is None:
-                sends.append(Send(req.rank, AbortRequest(req.request_id)))
+                sends.append(SendToRank(req.rank, AbortRequest(req.request_id)))
         elif finish is None and len(req.generated) >= req.params.max_tokens:
             # Defensive: a rank that overshoots max_tokens must not overshoot the client.
             finish = "length"
-            sends.append(Send(req.rank, AbortRequest(req.request_id)))
+            sends.append(SendToRank(req.rank, AbortRequest(req.request_id)))
         if finish is not None:
             text += req.text.finish()
             del self._requests[req.request_id]
         self._emit(req, RequestEvent(req.request_id, (out.token_id,), text, finish,
-                                     len(req.generated)))
+                                     len(req.generated),
+                                     logprobs=() if out.logprobs is None else (out.logprobs,),
+                                     prompt_logprobs=out.prompt_logprobs))
         return sends
 
     def _finish_error(self, req: _Tracked, message: str, refused: bool = False) -> None:

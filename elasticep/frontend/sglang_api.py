@@ -4,8 +4,16 @@
 
 ``/generate`` takes one prompt (``text`` or ``input_ids``) and ``sampling_params``
 (``max_new_tokens``, default 128 as SGLang's; ``temperature``, ``top_p``, ``top_k`` (-1
-disables), ``stop``, ``ignore_eos``, ``sampling_seed``). Fields SGLang has but we do not
-implement accept only their default value; anything else is a 400 naming the field.
+disables), ``min_p``, ``min_new_tokens``, ``frequency_penalty``, ``presence_penalty``,
+``repetition_penalty``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``,
+``logit_bias``, ``skip_special_tokens``, ``spaces_between_special_tokens``, and one
+structured-output constraint of ``json_schema``, ``regex``, ``ebnf``). Fields
+SGLang has but we do not implement accept only their default value; anything else is a
+400 naming the field. ``return_logprob`` adds ``meta_info.output_token_logprobs``
+(``[logprob, token id, text or None]`` per token) and, with ``top_logprobs_num``,
+``output_top_logprobs``; ``logprob_start_len`` >= 0 adds the prompt's from that
+position (``input_token_logprobs``, ``input_top_logprobs``; the first prompt token's
+logprob is None); ``return_text_in_logprobs`` fills in the texts.
 The answer is ``{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency"}}``; streamed (``"stream": true``),
 one such object per token as ``data: {...}`` with the text so far (SGLang's default,
@@ -18,7 +26,9 @@ Errors are OpenAI error JSON, as on the rest of the server.
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -26,10 +36,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from elasticep import __version__
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams, TokenLogprobs
+from elasticep.frontend.logprobs_format import TokenText, sglang_logprobs
 from elasticep.frontend.openai_protocol import (
     OpenAIError,
     _Strict,
+    checked_grammar,
     new_id,
     resolve_max_tokens,
 )
@@ -76,12 +88,28 @@ class SglangSamplingParams(_Strict):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     # SGLang's fields we do not implement: only their default value is accepted
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "min_p", "min_new_tokens", "n", "frequency_penalty", "presence_penalty",
-        "repetition_penalty", "stop_token_ids", "skip_special_tokens",
-        "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex", "ebnf")
+        "n", "no_stop_trim")
+
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """SGLang's structured output: one of ``json_schema`` (JSON text), ``regex``,
+        ``ebnf``; None: free text.
+
+        Raises:
+            OpenAIError: 400 naming the field: two at once, or one that does not parse.
+        """
+        asked = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(asked) > 1:
+            raise OpenAIError(400, f"send one of json_schema, regex and ebnf, not "
+                              f"{' and '.join(asked)}", param=f"sampling_params.{asked[1]}")
+        if not asked:
+            return None
+        return checked_grammar(GrammarSpec(asked[0], getattr(self, asked[0])),
+                               f"sampling_params.{asked[0]}")
 
 
 class SglangGenerateRequest(_Strict):
@@ -100,9 +128,7 @@ class SglangGenerateRequest(_Strict):
     lora_path: str | None = None
     image_data: Any = None
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "return_logprob", "top_logprobs_num", "return_routed_experts", "lora_path",
-        "image_data")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("return_routed_experts", "lora_path", "image_data")
 
     def prompt(self) -> tuple[str | list[int], str]:
         """The one prompt and the field it came in (unwrapped from a batch of one).
@@ -139,16 +165,56 @@ class SglangGenerateRequest(_Strict):
             return model_value
 
         stop = () if sp.stop is None else (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
+        try:
+            bias = tuple((int(k), float(v)) for k, v in (sp.logit_bias or {}).items())
+        except ValueError:
+            raise OpenAIError(400, "sampling_params.logit_bias keys must be token ids",
+                              param="sampling_params.logit_bias") from None
+        if self.logprob_start_len >= prompt_len:
+            raise OpenAIError(400, f"logprob_start_len must be below the prompt's {prompt_len} "
+                              "tokens", param="logprob_start_len")
+        top = self.top_logprobs_num if self.return_logprob else None
         params = SamplingParams(
             max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len,
                                           "sampling_params.max_new_tokens"),
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
-            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos)
+            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos,
+            min_p=sp.min_p, min_tokens=sp.min_new_tokens,
+            frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            stop_token_ids=tuple(sp.stop_token_ids or ()), logit_bias=bias,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            logprobs=top,
+            prompt_logprobs=top if top is not None and self.logprob_start_len >= 0 else None,
+            grammar=sp.grammar_spec())
         try:
             params.validate()
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+        except SamplingParamError as exc:
+            param = {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num",
+                     "min_tokens": "sampling_params.min_new_tokens"}.get(
+                exc.param, f"sampling_params.{exc.param}")
+            raise OpenAIError(400, str(exc), param=param) from exc
         return params
+
+    def logprobs_meta(self, token_text: TokenText, output: Sequence[TokenLogprobs],
+                      prompt_ids: Sequence[int],
+                      prompt: Sequence[TokenLogprobs] | None) -> dict[str, Any]:
+        """The logprob fields of ``meta_info`` (none unless ``return_logprob``)."""
+        if not self.return_logprob:
+            return {}
+        text = token_text if self.return_text_in_logprobs else None
+        lps, tops = sglang_logprobs(text, output)
+        meta: dict[str, Any] = {"output_token_logprobs": lps, "output_top_logprobs": tops}
+        if self.logprob_start_len >= 0:
+            start = self.logprob_start_len
+            # the first prompt token has no logprob (nothing predicts it)
+            first = [TokenLogprobs(prompt_ids[0], math.nan)] if start == 0 else []
+            ins, in_tops = sglang_logprobs(text, first + list(prompt or ())[max(start - 1, 0):])
+            if start == 0:
+                ins[0][0], in_tops[0] = None, None
+            meta |= {"input_token_logprobs": ins, "input_top_logprobs": in_tops}
+        return meta
 
 
 def finish_reason(reason: str | None, num_tokens: int, error: str | None = None,
@@ -170,29 +236,37 @@ def add_sglang_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig
     async def generate(req: SglangGenerateRequest, raw: Request) -> Response:
         prompt, param = req.prompt()
         ids = await serving.encode_prompt(prompt, param)
-        params = req.to_sampling_params(len(ids), serving.max_model_len,
-                                        serving.sampling_defaults)
+        params = serving.check_token_ids(req.to_sampling_params(
+            len(ids), serving.max_model_len, serving.sampling_defaults), "sampling_params.")
         rid = req.rid or new_id("gen")
         start = time.perf_counter()
         stream = serving.submit(rid, ids, params)
 
-        def meta(num_tokens: int, reason: str | None) -> dict[str, Any]:
+        def meta(num_tokens: int, reason: str | None, lps: Sequence[TokenLogprobs],
+                 prompt_lps: Sequence[TokenLogprobs] | None) -> dict[str, Any]:
             return {"id": rid, "finish_reason": finish_reason(reason, num_tokens),
                     "prompt_tokens": len(ids), "completion_tokens": num_tokens,
-                    "cached_tokens": 0, "e2e_latency": round(time.perf_counter() - start, 6)}
+                    "cached_tokens": 0, "e2e_latency": round(time.perf_counter() - start, 6),
+                    **req.logprobs_meta(serving.token_text, lps, ids, prompt_lps)}
 
         if req.stream:
+            # SGLang's default stream: each chunk has everything so far
             parts: list[str] = []
+            lps: list[TokenLogprobs] = []
+            prompt_lps: list[tuple[TokenLogprobs, ...] | None] = [None]
 
             def render(event: RequestEvent) -> str:
                 parts.append(event.text)
-                return json.dumps({"text": "".join(parts),
-                                   "meta_info": meta(event.num_generated, event.finish_reason)})
+                lps.extend(event.logprobs)
+                if event.prompt_logprobs is not None:
+                    prompt_lps[0] = event.prompt_logprobs
+                return json.dumps({"text": "".join(parts), "meta_info": meta(
+                    event.num_generated, event.finish_reason, lps, prompt_lps[0])})
 
             return serving.sse(stream, "generate", render)
         result = await serving.collect(stream, raw, "generate")
-        return JSONResponse({"text": result.text,
-                             "meta_info": meta(result.num_tokens, result.finish_reason)})
+        return JSONResponse({"text": result.text, "meta_info": meta(
+            result.num_tokens, result.finish_reason, result.logprobs, result.prompt_logprobs)})
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

@@ -9,13 +9,13 @@ everything that serves: the worker loops, the deployment, the front-end, the com
 from .channels import (
     FrontendChannel,
     FrontendUnreachableError,
-    IpcError,
+    LinkError,
     RankUnreachableError,
     WorkerChannel,
 )
 from .messages import (
     FirstTokenTimes,
-    IpcEndpoints,
+    LinkEndpoints,
     OutputBatch,
     RankMessage,
     RankStats,
@@ -28,7 +28,8 @@ from .messages import (
 )
 
 __all__ = [
-    "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "IpcEndpoints", "IpcError", "OutputBatch",
+    "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError",
+    "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
     "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable", "monotonic_us",
 ]

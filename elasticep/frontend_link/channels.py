@@ -42,11 +42,11 @@ _HELLO = wire.by_tag((m.WorkerHello,))
 _OUTPUTS = wire.by_tag((m.OutputBatch, m.RequestError, m.StepFailed, m.RankStats))
 
 
-class IpcError(RuntimeError):
+class LinkError(RuntimeError):
     """Base class of transport errors."""
 
 
-class RankUnreachableError(IpcError):
+class RankUnreachableError(LinkError):
     """The front-end has no live connection to the rank, or its queue is full."""
 
     def __init__(self, rank: int, reason: str) -> None:
@@ -54,7 +54,7 @@ class RankUnreachableError(IpcError):
         self.rank = rank
 
 
-class FrontendUnreachableError(IpcError):
+class FrontendUnreachableError(LinkError):
     """A worker could not hand its outputs to the front-end within the send timeout."""
 
 
@@ -118,7 +118,7 @@ class FrontendChannel:
         self._router.setsockopt(zmq.LINGER, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.endpoints = m.IpcEndpoints(
+        self.endpoints = m.LinkEndpoints(
             request_addr=self._bind(self._router, host, request_port),
             output_addr=self._bind(self._pull, host, output_port),
         )
@@ -130,7 +130,7 @@ class FrontendChannel:
         # mutated, so readers on other threads always see a consistent dict.
         self.connected: dict[int, m.WorkerHello] = {}
         self._closed = False
-        logger.info("front-end ipc bound: requests %s, outputs %s",
+        logger.info("front-end link bound: requests %s, outputs %s",
                     self.endpoints.request_addr, self.endpoints.output_addr)
 
     @staticmethod
@@ -147,17 +147,17 @@ class FrontendChannel:
         Raises:
             RankUnreachableError: the rank never said hello, its connection is gone,
                 or its send queue is full.
-            IpcError: the channel is closed or the socket failed.
+            LinkError: the channel is closed or the socket failed.
         """
         if self._closed:
-            raise IpcError("front-end channel is closed")
+            raise LinkError("front-end channel is closed")
         frames = [_identity(rank), wire.encode_json(message)]
         try:
             self._router.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise RankUnreachableError(rank, exc.strerror) from exc
-            raise IpcError(f"send to rank {rank} failed: {exc}") from exc
+            raise LinkError(f"send to rank {rank} failed: {exc}") from exc
 
     async def poll(self, timeout_s: float) -> list[m.WorkerMessage]:
         """Wait up to ``timeout_s`` seconds for worker messages and return all that arrived.
@@ -165,7 +165,7 @@ class FrontendChannel:
         Hellos also update :attr:`connected`. Returns an empty list on timeout.
         """
         if self._closed:
-            raise IpcError("front-end channel is closed")
+            raise LinkError("front-end channel is closed")
         if self._poller is None:
             self._poller = zmq.asyncio.Poller()
             self._shadows = [zmq.asyncio.Socket.from_socket(s) for s in (self._router, self._pull)]
@@ -232,7 +232,7 @@ class WorkerChannel:
         moe_a2a_backend: the MoE transport this rank runs, told in every hello.
     """
 
-    def __init__(self, endpoints: m.IpcEndpoints, rank: int, epoch: int = 0,
+    def __init__(self, endpoints: m.LinkEndpoints, rank: int, epoch: int = 0,
                  send_timeout_s: float = 5.0, limits: tuple[int, int] | None = None,
                  moe_a2a_backend: str | None = None):
         self.rank = rank
@@ -292,14 +292,15 @@ class WorkerChannel:
                                      sent_us=m.monotonic_us()))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
-                   decode_replays: int = 0, decode_eager: int = 0) -> None:
+                   decode_replays: int = 0, decode_eager: int = 0,
+                   experts_held: int = -1) -> None:
         """Publish this rank's counters (:class:`RankStats`; the arguments are its fields).
 
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
         """
         self._push_msg(m.RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays,
-                                   decode_replays, decode_eager))
+                                   decode_replays, decode_eager, experts_held))
 
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""

@@ -132,6 +132,8 @@ class RankStats(Message, tag="rank_stats"):
         decode_replays, decode_eager: decode steps (every sequence of the rank's batch
             decodes one token) since start that replayed a graph / ran eagerly
             (:class:`~elasticep.engine.model_runner.ModelRunner`).
+        experts_held: its expert slots that hold an expert (the most over MoE layers),
+            or -1 where not known.
     """
 
     rank: int
@@ -141,6 +143,7 @@ class RankStats(Message, tag="rank_stats"):
     graph_replays: int
     decode_replays: int = 0
     decode_eager: int = 0
+    experts_held: int = -1
 
 
 # Messages a worker sends to the front-end.
@@ -148,7 +151,7 @@ WorkerMessage = WorkerHello | OutputBatch | RequestError | StepFailed | RankStat
 
 
 @dataclass(frozen=True)
-class IpcEndpoints:
+class LinkEndpoints:
     """The two addresses a worker connects to, e.g. ``tcp://127.0.0.1:5555``."""
 
     request_addr: str

@@ -5,16 +5,20 @@ Layout:
 - ``transitions`` — slot states and the transition table (`next_slot_state`), the
   pure failure/admission `decide` and each member's `local_action`, `ScalePhase`.
 - ``registry`` — plain records of a group, its transition in flight, the deployment.
-- ``scaling`` / ``status`` — pure scale plans, join checks, the `DeploymentStatus` view.
+- ``scaling`` / ``status`` — pure scale plans and retirements, join checks, the
+  `DeploymentStatus` view; ``operations`` — scale and retire operations by id (pure).
 - ``service`` — `MembershipService`: handlers that take an event and return the
   messages to send (no sockets, no threads); ``supervisor_requests`` its supervisor half;
-  ``dispatch`` binds each handler to the request type it names.
+  ``handlers`` binds each handler to the request type it names.
 - ``server`` — `Coordinator` / `start_coordinator`: the sockets, heartbeat clock and
   rendezvous TCPStore around the service (``python -m elasticep.membership.server``).
 - ``process`` — `CoordinatorProcess`: the server as a child process of `serve` and
   `generate` (its own GIL; a lifeline pipe stops it, and it dies with its parent).
-- ``messages`` (+ ``wire``) / ``protocol`` — the typed control messages, JSON lines.
+- ``messages`` (+ ``control_wire``) / ``protocol`` — the typed control messages, JSON lines.
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
+- ``durable_state`` / ``store`` / ``etcd_store`` / ``election`` / ``persister`` — the
+  coordinator's durable state as JSON, the store seam (``--membership-store``), etcd's
+  fenced commits and prefix claim, the leader lease, and the write-behind committer.
 - ``errors`` — the typed errors of membership events and refusals.
 
 It imports no other elasticep package; the rank-side torch backend
@@ -22,7 +26,7 @@ It imports no other elasticep package; the rank-side torch backend
 """
 
 from .client import CoordinatorClient
-from .service import MembershipService, Send
+from .service import MembershipService, SendOnConn
 
 
 def __getattr__(name: str):
@@ -35,5 +39,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "Send",
+__all__ = ["Coordinator", "CoordinatorClient", "MembershipService", "SendOnConn",
            "start_coordinator"]

@@ -25,6 +25,8 @@ from . import messages as m
 from .errors import (
     JoinRefusedError,
     MembershipRequestError,
+    OperationConflictError,
+    OperationNotFoundError,
     ScaleInProgressError,
     ScaleRefusedError,
 )
@@ -34,7 +36,8 @@ from .status import DeploymentStatus
 T = TypeVar("T")
 
 _REFUSALS = {cls.code: cls for cls in (ScaleInProgressError, ScaleRefusedError,
-                                       JoinRefusedError, m.ProtocolError)}
+                                       JoinRefusedError, OperationConflictError,
+                                       OperationNotFoundError, m.ProtocolError)}
 
 
 class CoordinatorClient:
@@ -52,7 +55,7 @@ class CoordinatorClient:
         # port of the coordinator's rendezvous TCPStore (on the coordinator's host)
         self.store_port: int = int(self._call(m.SupervisorHello())["store_port"])
 
-    def _call(self, msg: m.Message) -> m.Reply:
+    def _call(self, msg: m.ControlMessage) -> m.Reply:
         """Send ``msg`` and wait for its reply (ProtocolError if the answer is malformed)."""
         rid = next(self._ids)
         if not self.conn.send(replace(msg, id=rid)):
@@ -93,10 +96,19 @@ class CoordinatorClient:
         self._call(m.RequestDeactivation(group, list(ranks)))
 
     # ---- the deployment (see scaling.py) -----------------------------------------
-    def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int) -> None:
+    def publish_deployment(self, config_json: str, ep_size: int, max_ep_size: int,
+                           min_holding_ranks: int = 1, scale_timeout_s: float = 600.0,
+                           ) -> None:
         """Node 0: publish the settings every later rank and joiner reads, and the initial
-        target size (kept if one is set already)."""
-        self._call(m.PublishDeployment(config_json, ep_size, max_ep_size))
+        target size (kept if one is set already).
+
+        Args:
+            min_holding_ranks: the fewest healthy ranks whose expert slots hold every
+                expert; a retirement that keeps fewer is refused (1: no limit known).
+            scale_timeout_s: how long a grow waits for its joiners (seconds).
+        """
+        self._call(m.PublishDeployment(config_json, ep_size, max_ep_size, min_holding_ranks,
+                                       scale_timeout_s))
 
     def deployment_config(self) -> str | None:
         """The published settings (JSON text), or None if nothing was published yet."""
@@ -111,18 +123,54 @@ class CoordinatorClient:
         """
         return DeploymentStatus.from_dict(self._call(m.GetDeploymentStatus())["status"])
 
-    def scale(self, new_ep_size: int) -> dict[str, Any]:
+    def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict[str, Any]:
         """Make ``new_ep_size`` the target: admit the joiners of the new slots, or drain
-        the slots ``[new_ep_size, max_ep_size)``. Returns at once.
+        the highest slots of the target. Returns at once.
+
+        Args:
+            operation_id: the operation's id (None: the coordinator makes one up); a
+                repeat with the same id and size changes nothing.
 
         Returns:
-            {"old_ep_size": int, "slots": [int], "scale_phase": str}.
+            {"old_ep_size": int, "slots": [int], "scale_phase": str, "operation_id": str}
+            (and "repeated": true for a repeat).
 
         Raises:
-            ScaleInProgressError: a scale is running; MembershipRequestError: out of range.
+            ScaleInProgressError: a scale is running; OperationConflictError: the id
+            names another request; MembershipRequestError: out of range.
         """
-        reply = self._call(m.Scale(int(new_ep_size)))
-        return {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase")}
+        return self._operation_reply(self._call(m.Scale(int(new_ep_size), operation_id)))
+
+    def retire(self, ranks: list[int] | None = None, node: int | None = None,
+               operation_id: str | None = None) -> dict[str, Any]:
+        """Retire the slots ``ranks``, or every slot of ``node`` (give one): they drain
+        (experts and requests move to the others), then leave. Returns at once.
+
+        Returns:
+            As :meth:`scale`.
+
+        Raises:
+            ScaleRefusedError: no healthy rank would be left, or too few to hold every
+            expert; ScaleInProgressError, OperationConflictError,
+            MembershipRequestError: as :meth:`scale`, or a slot not in the target.
+        """
+        return self._operation_reply(self._call(m.Retire(
+            None if ranks is None else [int(r) for r in ranks], node, operation_id)))
+
+    def operation(self, operation_id: str) -> dict[str, Any]:
+        """The operation's phase and per-slot states (``operations.op_view``).
+
+        Raises:
+            OperationNotFoundError: no operation has this id.
+        """
+        return dict(self._call(m.GetOperation(operation_id))["operation"])
+
+    @staticmethod
+    def _operation_reply(reply: m.Reply) -> dict[str, Any]:
+        out = {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase", "operation_id")}
+        if reply.body.get("repeated"):
+            out["repeated"] = True
+        return out
 
     def record_launch(self, rank: int, node: int, pid: int) -> None:
         """A launcher on ``node`` started worker ``pid`` for ``rank`` (it shows as joining

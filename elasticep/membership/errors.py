@@ -8,6 +8,10 @@ Hierarchy::
       RankEvictedError           this process is no longer a member (frozen too long)
         RankRemovedError         ... because deactivate_ranks removed it (planned)
       CoordinatorLostError       the control connection to the coordinator broke
+    MembershipStoreError(RuntimeError)  the durable store (--membership-store) failed
+      StoreUnavailableError      no endpoint answered (unreachable, or no quorum)
+      FencedCommitError          another leader committed since this one read (deposed)
+      PrefixInUseError           another deployment owns the store prefix
 """
 
 from __future__ import annotations
@@ -90,3 +94,32 @@ class ScaleNotSupportedError(MembershipRequestError):
     """This deployment cannot change its size (HTTP 400)."""
 
     code = "scale_not_supported"
+
+
+class OperationNotFoundError(MembershipRequestError):
+    """No scale or retire operation has this id (HTTP 404)."""
+
+    code = "operation_not_found"
+
+
+class OperationConflictError(MembershipRequestError):
+    """An operation id is reused for another request (HTTP 409)."""
+
+    code = "operation_conflict"
+
+
+class MembershipStoreError(RuntimeError):
+    """The durable membership store (``--membership-store``) refused or failed a call."""
+
+
+class StoreUnavailableError(MembershipStoreError):
+    """No store endpoint answered in time: all unreachable, or no quorum."""
+
+
+class FencedCommitError(MembershipStoreError):
+    """A commit was refused because the state changed since this coordinator last read
+    it: another leader committed, so this one is deposed and must not act on its view."""
+
+
+class PrefixInUseError(MembershipStoreError):
+    """Another deployment already keeps its membership under this store prefix."""

@@ -13,10 +13,11 @@ coordinator -> rank          reply, hb_ack, announce, commit, peer, evicted
 supervisor -> coordinator    hello (:class:`SupervisorHello`, ``"role": "supervisor"``),
                              status, report_death, request_admission, request_deactivation,
                              publish_deployment, deployment_config, deployment_status, scale,
+                             retire, operation,
                              record_launch, clear_launch, reserve, release
 ===========================  ===============================================================
 
-The base class and the decoding live in ``wire.py``.
+The base class and the decoding live in ``control_wire.py``.
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from . import wire
+from . import control_wire
+from .control_wire import ControlMessage, ProtocolError, plain
 from .transitions import Decision, OnFailure, SlotState
-from .wire import Message, ProtocolError, plain
 
 # re-exported: callers read them as m.decode_line, m.from_wire, m.message_types
-decode_line, from_wire, message_types = wire.decode_line, wire.from_wire, wire.message_types
+decode_line, from_wire, message_types = (control_wire.decode_line, control_wire.from_wire,
+                                         control_wire.message_types)
 
 
 # ---------------------------------------------------------------------- shared fields
 # A class that adds no field to its base needs no @dataclass of its own.
 @dataclass(frozen=True)
-class _ToGroup(Message):
+class _ToGroup(ControlMessage):
     group: str
 
 
@@ -51,14 +53,14 @@ class _SlotView(_ToGroup):
 
 
 @dataclass(frozen=True)
-class _Launch(Message):
+class _Launch(ControlMessage):
     rank: int
     pid: int
 
 
 # ---------------------------------------------------------------------- rank -> coordinator
 @dataclass(frozen=True)
-class RankHello(Message, tag="hello"):
+class RankHello(ControlMessage, tag="hello"):
     """A rank's first request: it takes global rank ``rank``. Answer: store_port,
     hb_interval_s. ``is_extension``: a joiner (may only take a failed/free slot)."""
 
@@ -69,7 +71,7 @@ class RankHello(Message, tag="hello"):
     is_extension: bool
 
 
-class Heartbeat(Message, tag="hb"):
+class Heartbeat(ControlMessage, tag="hb"):
     """Sent every ``hb_interval_s`` seconds; answered with :class:`HeartbeatAck`."""
 
 
@@ -108,13 +110,13 @@ class Deactivate(_GroupSlots, tag="deactivate"):
     """A member asks to remove the active slots ``ranks``. Answer: removing (slots)."""
 
 
-class Ping(Message, tag="ping"):
+class Ping(ControlMessage, tag="ping"):
     """A round trip that confirms this rank is still a member (empty answer)."""
 
 
 # ---------------------------------------------------------------------- coordinator -> rank
 @dataclass(frozen=True)
-class Reply(Message, tag="reply"):
+class Reply(ControlMessage, tag="reply"):
     """The answer to the request with the same ``id``.
 
     ``ok`` False: ``error`` says why, ``code`` names the refusal (see
@@ -141,7 +143,7 @@ class Reply(Message, tag="reply"):
         Raises:
             ProtocolError: the field is missing or not of type ``hint``.
         """
-        return wire.convert(self[name], hint, f"reply.{name}", {"id": self.id})
+        return control_wire.convert(self[name], hint, f"reply.{name}", {"id": self.id})
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": self.TAG, "id": self.id, "ok": self.ok}
@@ -152,13 +154,13 @@ class Reply(Message, tag="reply"):
         return {**out, **plain(self.body)}
 
     @classmethod
-    def _from_fields(cls, d: dict[str, Any]) -> Message:
+    def _from_fields(cls, d: dict[str, Any]) -> ControlMessage:
         head = {k: d[k] for k in ("t", "id", "ok", "error", "code") if k in d}
         return replace(super()._from_fields(head),
                        body={k: v for k, v in d.items() if k not in head})
 
 
-class HeartbeatAck(Message, tag="hb_ack"):
+class HeartbeatAck(ControlMessage, tag="hb_ack"):
     """The coordinator received a heartbeat (the rank's lease is fresh)."""
 
 
@@ -187,7 +189,7 @@ class Peer(_SlotView, tag="peer"):
 
 
 @dataclass(frozen=True)
-class Evicted(Message, tag="evicted"):
+class Evicted(ControlMessage, tag="evicted"):
     """The coordinator dropped this rank (heartbeat timeout, reported dead)."""
 
     reason: str
@@ -199,19 +201,19 @@ GroupPush = Announce | Commit | Peer
 
 # ---------------------------------------------------------------------- supervisor -> coordinator
 @dataclass(frozen=True)
-class SupervisorHello(Message, tag="hello"):
+class SupervisorHello(ControlMessage, tag="hello"):
     """A launcher, front-end or `join` connects. Answer: store_port."""
 
     MATCH: ClassVar[tuple[tuple[str, Any], ...]] = (("role", "supervisor"),)
     role: str = "supervisor"
 
 
-class GetStatus(Message, tag="status"):
+class GetStatus(ControlMessage, tag="status"):
     """Answer: max_world_size, ranks, groups (``CoordinatorClient.status``)."""
 
 
 @dataclass(frozen=True)
-class ReportDeath(Message, tag="report_death"):
+class ReportDeath(ControlMessage, tag="report_death"):
     """Declare global rank ``rank`` dead; with ``pid``, only if that pid holds the slot."""
 
     rank: int
@@ -227,27 +229,52 @@ class RequestDeactivation(_GroupSlots, tag="request_deactivation"):
 
 
 @dataclass(frozen=True)
-class PublishDeployment(Message, tag="publish_deployment"):
+class PublishDeployment(ControlMessage, tag="publish_deployment"):
     """Node 0 publishes the deployment's settings (JSON text) and its initial size."""
 
     config: str
     ep_size: int
     max_ep_size: int
+    # the fewest healthy ranks whose expert slots hold every expert (a retirement that
+    # keeps fewer is refused); 1: not known
+    min_holding_ranks: int = 1
+    # seconds a grow waits for its joiners before it gives up and frees their slots
+    scale_timeout_s: float = 600.0
 
 
-class GetDeploymentConfig(Message, tag="deployment_config"):
+class GetDeploymentConfig(ControlMessage, tag="deployment_config"):
     """Answer: config (the published JSON text, or null)."""
 
 
-class GetDeploymentStatus(Message, tag="deployment_status"):
+class GetDeploymentStatus(ControlMessage, tag="deployment_status"):
     """Answer: status (the ``/elastic_ep_status`` object, ``DeploymentStatus``)."""
 
 
 @dataclass(frozen=True)
-class Scale(Message, tag="scale"):
-    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase."""
+class Scale(ControlMessage, tag="scale"):
+    """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase,
+    operation_id (``operation_id`` given again with the same size: the same operation,
+    nothing changes)."""
 
     new_ep_size: int
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Retire(ControlMessage, tag="retire"):
+    """Retire the slots ``ranks``, or every slot whose last launch was on ``node`` (one
+    of the two). Answer: as :class:`Scale`'s."""
+
+    ranks: list[int] | None = None
+    node: int | None = None
+    operation_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GetOperation(ControlMessage, tag="operation"):
+    """Answer: the operation's phase and per-slot states (``operations.op_view``)."""
+
+    operation_id: str
 
 
 @dataclass(frozen=True)
@@ -262,7 +289,7 @@ class ClearLaunch(_Launch, tag="clear_launch"):
 
 
 @dataclass(frozen=True)
-class Reserve(Message, tag="reserve"):
+class Reserve(ControlMessage, tag="reserve"):
     """Claim the slots ``ranks`` for a join in ``mode`` ("recover" | "scale"); ``who``
     names the claimant in refusals. Answer: ep_size."""
 
@@ -272,7 +299,7 @@ class Reserve(Message, tag="reserve"):
 
 
 @dataclass(frozen=True)
-class Release(Message, tag="release"):
+class Release(ControlMessage, tag="release"):
     """Drop this connection's claims of ``ranks`` (None: all of them)."""
 
     ranks: list[int] | None = None

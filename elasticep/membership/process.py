@@ -54,8 +54,10 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from elasticep.config import StrEnum
+from elasticep.enums import StrEnum
 from elasticep.utils.net import bind_tcp
+
+from .errors import MembershipStoreError
 
 log = logging.getLogger("elasticep.membership")
 
@@ -127,7 +129,9 @@ class CoordinatorProcess:
     def start(cls, host: str = "127.0.0.1", port: int = 0, *, hb_interval_s: float = 0.2,
               hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0,
               ready_timeout_s: float = READY_TIMEOUT_S,
-              on_exit: Callable[[int], None] | None = None) -> CoordinatorProcess:
+              on_exit: Callable[[int], None] | None = None,
+              membership_store: str | None = None,
+              deployment_id: str | None = None) -> CoordinatorProcess:
         """Start the child and wait until it serves.
 
         Args:
@@ -137,6 +141,9 @@ class CoordinatorProcess:
             ready_timeout_s: bound on the child's start-up (seconds).
             on_exit: called with the child's exit status (negative: a signal) if it
                 ends before :meth:`close`, from a watcher thread.
+            membership_store: ``--membership-store`` (``etcd://...``; None: embedded):
+                the child claims its prefix for ``deployment_id``, campaigns for the
+                leader lease and commits the membership there after each change.
 
         Raises:
             OSError: ``host:port`` cannot be bound, or the child exited before it
@@ -149,6 +156,9 @@ class CoordinatorProcess:
                "--listen-fd", str(listener.fileno()), "--parent-pid", str(os.getpid()),
                "--hb-interval-s", repr(hb_interval_s), "--hb-timeout-s", repr(hb_timeout_s),
                "--join-hb-timeout-s", repr(join_hb_timeout_s)]
+        if membership_store and membership_store != "embedded":
+            cmd += ["--membership-store", membership_store,
+                    "--deployment-id", deployment_id or "elasticep"]
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     pass_fds=(listener.fileno(),), start_new_session=True)
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hb-interval-s", type=float, required=True)
     ap.add_argument("--hb-timeout-s", type=float, required=True)
     ap.add_argument("--join-hb-timeout-s", type=float, required=True)
+    ap.add_argument("--membership-store", default=None)
+    ap.add_argument("--deployment-id", default="elasticep")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(levelname)s %(message)s")
@@ -268,10 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from .server import Coordinator  # imports torch (the TCPStore): after the checks
 
-    coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
-                        hb_timeout_s=args.hb_timeout_s,
-                        join_hb_timeout_s=args.join_hb_timeout_s,
-                        listener=socket.socket(fileno=args.listen_fd))
+    store = lease = None
+    if args.membership_store:
+        try:
+            port = socket.socket(fileno=os.dup(args.listen_fd))
+            address = f"{args.host}:{port.getsockname()[1]}"
+            port.close()
+            store, lease = _lead(args.membership_store, args.deployment_id,
+                                 args.hb_timeout_s, address)
+        except (MembershipStoreError, TimeoutError) as e:
+            print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
+            return 2
+    try:
+        coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
+                            hb_timeout_s=args.hb_timeout_s,
+                            join_hb_timeout_s=args.join_hb_timeout_s,
+                            listener=socket.socket(fileno=args.listen_fd),
+                            membership_store=store, lease=lease)
+    except MembershipStoreError as e:  # etcd went away between the claim and the load
+        print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -293,7 +321,27 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("coordinator: parent pid %d is gone; closing", args.parent_pid)
             break
     coord.close()
+    if lease is not None:
+        lease.resign()
     return 0
+
+
+def _lead(url: str, deployment_id: str, hb_timeout_s: float, address: str):
+    """Open the etcd store, claim its prefix and win the leader lease as ``address``
+    (the control endpoint; this is the only replica today, so a lease still held is a
+    crashed predecessor's: it expires within the TTL). Returns ``(store, lease)``."""
+    from .election import LeaderLease, lease_ttl_s
+    from .etcd_store import open_etcd_store
+    from .store import parse_store_url
+
+    store = open_etcd_store(parse_store_url(url), deployment_id)
+    store.leader_id = address  # its commits need its lease (see EtcdMembershipStore)
+    ttl = lease_ttl_s(hb_timeout_s)
+    lease = LeaderLease(store, address, ttl, recampaign=True, on_lost=lambda: log.error(
+        "coordinator: lost the leader lease; campaigning again (a successor's commits "
+        "would fence this one's)"))
+    lease.campaign(timeout_s=ttl + 5)
+    return store, lease
 
 
 if __name__ == "__main__":

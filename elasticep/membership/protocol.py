@@ -10,10 +10,10 @@ import json
 import socket
 import threading
 
-from .messages import Message, decode_line
+from .messages import ControlMessage, decode_line
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: ControlMessage) -> bytes:
     """Serialise one message to a single newline-terminated line of UTF-8 JSON."""
     return (json.dumps(msg.to_wire(), separators=(",", ":")) + "\n").encode()
 
@@ -27,7 +27,7 @@ class Connection:
         self._rfile = sock.makefile("rb")
         self._send_lock = threading.Lock()
 
-    def send(self, msg: Message) -> bool:
+    def send(self, msg: ControlMessage) -> bool:
         """Send one message. Returns False (instead of raising) if the peer is gone."""
         data = encode(msg)
         try:
@@ -37,7 +37,7 @@ class Connection:
         except OSError:
             return False
 
-    def recv(self) -> Message | None:
+    def recv(self) -> ControlMessage | None:
         """Block for the next message; None on EOF or a broken connection.
 
         Raises:

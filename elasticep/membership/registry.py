@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import JoinRefusedError
+from .operations import OperationLog
 from .scaling import Launch, ScaleTarget
 from .transitions import (
     ACTIVE_STATES,
@@ -201,6 +202,10 @@ class DeploymentRecords:
     launches: dict[int, tuple[int, Launch]] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     reservations: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # scale and retire operations by id; the fewest healthy ranks holding every expert
+    operations: OperationLog = field(default_factory=OperationLog)
+    min_holding_ranks: int = 1
+    scale_timeout_s: float = 600.0
 
     def live_launches(self) -> dict[int, Launch]:
         """rank -> live launched worker."""

@@ -25,8 +25,12 @@ import time
 import torch.distributed as dist
 
 from . import messages as m
+from .election import LeaderLease
+from .persister import StatePersister, StoreHealth
 from .protocol import Connection
-from .service import MembershipService, Send
+from .service import MembershipService, SendOnConn
+from .status import StoreStatus
+from .store import MembershipStore
 
 log = logging.getLogger("elasticep.membership")
 
@@ -44,21 +48,36 @@ class Coordinator:
             binding ``port`` (the parent of a coordinator process binds it, so that a
             bind error is its own and the address is known before the child is up; it
             listens only from here on, so nobody is accepted before the service runs).
+        membership_store: where the durable state is committed after each change
+            (``store.py``; claimed by the caller). Its committed state, if any, is
+            taken over first. None: memory only (the embedded default).
+        lease: this replica's leader lease, shown in the status while it holds it.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
                  hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None,
+                 membership_store: MembershipStore | None = None,
+                 lease: LeaderLease | None = None) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
+        self._lock = threading.RLock()
+        self._persister: StatePersister | None = None
+        if membership_store is not None:
+            state, revision = membership_store.load()
+            if state is not None:
+                self.service.restore(state)
+            self._persister = StatePersister(membership_store, self._durable_state,
+                                             revision)
+            self.service.store_status = self._store_status
+        self._lease = lease
         if listener is None:
             listener = socket.create_server((host, port))
         else:
             listener.listen()  # connects were refused until now (see the argument)
         self._lsock = listener
         self.address = f"{host}:{self._lsock.getsockname()[1]}"
-        self._lock = threading.RLock()
         self._conns: dict[int, Connection] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -73,8 +92,31 @@ class Coordinator:
         with self._lock:
             self.service.begin_stop()
 
+    def store_health(self) -> StoreHealth | None:
+        """The membership store's health (None without ``membership_store``)."""
+        return None if self._persister is None else self._persister.health()
+
+    def wait_committed(self, timeout_s: float) -> bool:
+        """Block until the membership as of now is in the store (True at once without
+        one); False after ``timeout_s`` seconds."""
+        return self._persister is None or self._persister.wait_committed(timeout_s)
+
+    def _store_status(self) -> StoreStatus | None:
+        h = self.store_health()
+        if h is None:
+            return None
+        lease = self._lease
+        leader = lease.candidate if lease is not None and lease.is_leader else None
+        return StoreStatus("etcd", h.ok, h.reason, h.revision, leader)
+
+    def _durable_state(self):
+        with self._lock:
+            return self.service.durable_state()
+
     def close(self) -> None:
         """Stop serving: close the listener and every connection (ranks see EOF)."""
+        if self._persister is not None:
+            self._persister.close()
         with self._lock:
             self._closed = True
             self.service.close()
@@ -87,8 +129,11 @@ class Coordinator:
         for c in conns:
             c.close()
 
-    def _deliver(self, sends: list[Send]) -> None:
-        """Send the service's commands in order (the caller holds the lock)."""
+    def _deliver(self, sends: list[SendOnConn], changed: bool = True) -> None:
+        """Send the service's commands in order (the caller holds the lock), and have
+        the state committed if the event may have ``changed`` it."""
+        if changed and self._persister is not None:
+            self._persister.changed()
         for s in sends:
             conn = self._conns.get(s.conn)
             if conn is None:
@@ -119,7 +164,8 @@ class Coordinator:
             if msg is None:
                 break
             with self._lock:
-                self._deliver(self.service.handle(cid, msg))
+                self._deliver(self.service.handle(cid, msg),
+                              changed=not isinstance(msg, m.Heartbeat))
         conn.close()
         with self._lock:
             self._deliver(self.service.closed(cid))
@@ -136,7 +182,8 @@ class Coordinator:
             with self._lock:
                 # not mere scheduling jitter: this process did not run
                 stalled = stalled_s if stalled_s > svc.hb_timeout_s / 2 else 0.0
-                self._deliver(svc.tick(now, stalled))
+                sends = svc.tick(now, stalled)
+                self._deliver(sends, changed=bool(sends))
 
 
 def start_coordinator(host: str = "127.0.0.1", port: int = 0, **kwargs) -> Coordinator:

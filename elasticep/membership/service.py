@@ -4,7 +4,7 @@ It owns the membership of every group (epochs, slot states through the transitio
 table, transitions announce -> collect reports -> `transitions.decide` -> commit) and
 the deployment records, and answers supervisors (``supervisor_requests.py``). Each
 handler takes one event (a message from a connection, a closed connection, a clock
-tick) and RETURNS the :class:`Send` commands the caller must deliver, in order, like
+tick) and RETURNS the :class:`SendOnConn` commands the caller must deliver, in order, like
 ``frontend/request_tracker.py``. Connections are plain ids chosen by the caller.
 
 The socket server around it (accept loop, one reader thread per connection, the
@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import messages as m
-from .dispatch import Role, dispatch, handler_table, handles
+from .durable_state import MembershipState, group_record, target_record
 from .errors import MembershipRequestError
+from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
 from .supervisor_requests import SupervisorRequests
 from .transitions import ACTIVE_STATES, Report, SlotState, decide, state_after_death
@@ -31,12 +32,12 @@ log = logging.getLogger("elasticep.membership")
 
 
 @dataclass(frozen=True)
-class Send:
+class SendOnConn:
     """A command for the caller: send ``msg`` on connection ``conn`` (best effort),
     then close that connection if ``close``."""
 
     conn: int
-    msg: m.Message
+    msg: m.ControlMessage
     close: bool = False
 
 
@@ -88,13 +89,13 @@ class MembershipService(SupervisorRequests):
         self._max_world_size: int | None = None
         self._deployment = DeploymentRecords()
         self._supervisors = itertools.count(1)
-        self._out: list[Send] = []
+        self._out: list[SendOnConn] = []
         self._handlers = handler_table(self)
         self._closed = False
         self._stopping = False  # the deployment is shutting down: exits are not failures
 
     # ------------------------------------------------------------------ events
-    def handle(self, conn: int, msg: m.Message) -> list[Send]:
+    def handle(self, conn: int, msg: m.ControlMessage) -> list[SendOnConn]:
         """Answer one message that arrived on connection ``conn``.
 
         A request the service refuses (a bad field, a rank message on a supervisor
@@ -114,13 +115,13 @@ class MembershipService(SupervisorRequests):
             self._refuse(conn, msg.id, e)
         return self._flush()
 
-    def malformed(self, conn: int, e: m.ProtocolError) -> list[Send]:
+    def malformed(self, conn: int, e: m.ProtocolError) -> list[SendOnConn]:
         """A line on ``conn`` was no valid message: refuse it if its id could be read."""
         log.warning("coordinator: bad control message: %s", e)
         self._refuse(conn, e.rid, e)
         return self._flush()
 
-    def closed(self, conn: int) -> list[Send]:
+    def closed(self, conn: int) -> list[SendOnConn]:
         """Connection ``conn`` reached EOF: a rank's death (unless stopping), or a
         supervisor's records going away."""
         peer = self._peers.pop(conn, None)
@@ -130,7 +131,7 @@ class MembershipService(SupervisorRequests):
             self._deployment.drop_owner(peer.id)
         return self._flush()
 
-    def tick(self, now: float, stalled_s: float = 0.0) -> list[Send]:
+    def tick(self, now: float, stalled_s: float = 0.0) -> list[SendOnConn]:
         """Evict every rank silent past its limit at time ``now`` (clock seconds).
 
         Args:
@@ -151,6 +152,7 @@ class MembershipService(SupervisorRequests):
                 log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
                             now - p.last_hb)
                 self._evict(p, "heartbeat timeout")
+        self._expire_scale(now)
         return self._flush()
 
     def begin_stop(self) -> None:
@@ -167,15 +169,31 @@ class MembershipService(SupervisorRequests):
         them). Raises ValueError (one line) for a group nobody registered."""
         return self._group(name)
 
+    def durable_state(self) -> MembershipState:
+        """What a standby coordinator needs to take over (``durable_state.py``)."""
+        d = self._deployment
+        return MembershipState({n: group_record(g) for n, g in self._groups.items()},
+                               self._max_world_size, d.config, target_record(d.target))
+
+    def restore(self, state: MembershipState) -> None:
+        """Take over ``state`` as a new leader, before any rank reconnects: groups,
+        capacity and the deployment's config and target. A transition that was in
+        flight is restarted at a fresh epoch once the ranks are back (its reports
+        answered the old leader's announcement)."""
+        self._groups = {n: state.group(n) for n in state.groups}
+        self._max_world_size = state.max_world_size
+        self._deployment.config = state.config
+        self._deployment.target = state.scale_target()
+
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""
         return [p.conn for p in self._procs.values()]
 
     # ------------------------------------------------------------------ plumbing
-    def _send(self, conn: int, msg: m.Message, close: bool = False) -> None:
-        self._out.append(Send(conn, msg, close))
+    def _send(self, conn: int, msg: m.ControlMessage, close: bool = False) -> None:
+        self._out.append(SendOnConn(conn, msg, close))
 
-    def _flush(self) -> list[Send]:
+    def _flush(self) -> list[SendOnConn]:
         out, self._out = self._out, []
         return out
 
@@ -190,7 +208,7 @@ class MembershipService(SupervisorRequests):
         self._proc_dead(p, why)
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: int, peer: _Proc | _Supervisor | None, msg: m.Message) -> None:
+    def _handle(self, conn: int, peer: _Proc | _Supervisor | None, msg: m.ControlMessage) -> None:
         if isinstance(msg, m.Heartbeat):
             if isinstance(peer, _Proc):
                 peer.last_hb = self._clock()

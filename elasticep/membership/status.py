@@ -63,6 +63,34 @@ _OPTIONAL = ("running_requests", "max_total_tokens", "max_running_requests")
 
 
 @dataclass(frozen=True)
+class StoreStatus:
+    """Where the membership is kept (``--membership-store``) and how that goes.
+
+    Attributes:
+        kind: ``"etcd"`` (the embedded default shows no entry).
+        ok: the newest membership is committed there.
+        reason: why not, in one line (None when ok).
+        revision: the store revision of the coordinator's last commit or read.
+        leader: the id of the coordinator that answered, if it holds the leader lease.
+    """
+
+    kind: str
+    ok: bool
+    reason: str | None = None
+    revision: int = 0
+    leader: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ok": self.ok, "reason": self.reason,
+                "revision": self.revision, "leader": self.leader}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> StoreStatus:
+        return StoreStatus(str(d["kind"]), bool(d["ok"]), d.get("reason"),
+                           int(d.get("revision", 0)), d.get("leader"))
+
+
+@dataclass(frozen=True)
 class DeploymentStatus:
     """The ``/elastic_ep_status`` body.
 
@@ -72,6 +100,9 @@ class DeploymentStatus:
         max_ep_size: capacity (slots ``[0, max_ep_size)``).
         scale_phase: where a scale stands.
         ranks: one entry per slot, by rank.
+        waiting_slots: the slots a grow waits for (no ready joiner yet), sorted.
+        membership_store: the store's state with ``--membership-store etcd://``; None
+            with the embedded coordinator (and then absent from the JSON).
     """
 
     epoch: int = 0
@@ -79,6 +110,8 @@ class DeploymentStatus:
     max_ep_size: int = 0
     scale_phase: ScalePhase = ScalePhase.IDLE
     ranks: tuple[RankStatus, ...] = field(default_factory=tuple)
+    waiting_slots: tuple[int, ...] = ()
+    membership_store: StoreStatus | None = None
 
     # ---- reading -----------------------------------------------------------------
     def rank(self, rank: int) -> RankStatus:
@@ -137,13 +170,21 @@ class DeploymentStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body."""
-        return {"epoch": self.epoch, "ep_size": self.ep_size, "max_ep_size": self.max_ep_size,
-                "scale_phase": self.scale_phase.value,
-                "ranks": [r.to_dict() for r in self.ranks]}
+        out = {"epoch": self.epoch, "ep_size": self.ep_size, "max_ep_size": self.max_ep_size,
+               "scale_phase": self.scale_phase.value,
+               "ranks": [r.to_dict() for r in self.ranks]}
+        if self.waiting_slots:
+            out["waiting_slots"] = list(self.waiting_slots)
+        if self.membership_store is not None:
+            out["membership_store"] = self.membership_store.to_dict()
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> DeploymentStatus:
         """Parse the JSON body. Raises KeyError / ValueError on a malformed body."""
+        store = d.get("membership_store")
         return DeploymentStatus(int(d["epoch"]), int(d["ep_size"]), int(d["max_ep_size"]),
                                 ScalePhase(d["scale_phase"]),
-                                tuple(RankStatus.from_dict(r) for r in d["ranks"]))
+                                tuple(RankStatus.from_dict(r) for r in d["ranks"]),
+                                tuple(int(s) for s in d.get("waiting_slots", ())),
+                                None if store is None else StoreStatus.from_dict(store))

@@ -10,13 +10,17 @@ names the request type it answers (``dispatch.handles``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from . import messages as m
-from .dispatch import Role, handles
 from .errors import JoinRefusedError
+from .handlers import Role, handles
+from .operations import Operation, op_view
 from .registry import DeploymentRecords, Group
-from .scaling import ProcInfo, ScaleTarget, check_join, deployment_status
+from .scaling import ProcInfo, ScalePlan, ScaleTarget, check_join, deployment_status
+from .status import StoreStatus
 from .transitions import SlotState
 
 log = logging.getLogger("elasticep.membership")
@@ -33,6 +37,10 @@ class SupervisorRequests:
     _procs: dict[int, Any]
     _deployment: DeploymentRecords
     _max_world_size: int | None
+    _clock: Any
+    # what the server says of its --membership-store, added to every status (the
+    # embedded default: None, no entry)
+    store_status: Callable[[], StoreStatus | None] = staticmethod(lambda: None)
 
     # ------------------------------------------------------------------ groups
     def _group(self, name: str) -> Group:
@@ -82,6 +90,8 @@ class SupervisorRequests:
         d.config = msg.config
         if d.target is None:
             d.target = ScaleTarget(msg.ep_size, msg.max_ep_size)
+        d.min_holding_ranks = msg.min_holding_ranks
+        d.scale_timeout_s = msg.scale_timeout_s
         return {}
 
     @handles(m.GetDeploymentConfig)
@@ -106,25 +116,91 @@ class SupervisorRequests:
     def _deployment_status(self, sup, msg: m.GetDeploymentStatus) -> dict:
         epoch, states, ranks = self._world_view()
         d = self._deployment
-        return {"status": deployment_status(epoch, states, ranks, self._target(),
-                                            self._proc_infos(), d.live_launches(),
-                                            d.nodes).to_dict()}
+        status = deployment_status(epoch, states, ranks, self._target(), self._proc_infos(),
+                                   d.live_launches(), d.nodes)
+        return {"status": replace(status, membership_store=self.store_status()).to_dict()}
 
     @handles(m.Scale)
     def _scale(self, sup, msg: m.Scale) -> dict:
+        request = {"new_ep_size": msg.new_ep_size}
+        return self._operation(msg.operation_id, request,
+                               lambda states: self._target().plan(msg.new_ep_size, states))
+
+    @handles(m.Retire)
+    def _retire(self, sup, msg: m.Retire) -> dict:
+        if (msg.ranks is None) == (msg.node is None):
+            raise ValueError("give either retire_ranks or drain_node")
+        request = ({"retire_ranks": list(msg.ranks)} if msg.ranks is not None
+                   else {"drain_node": msg.node})
+
+        def plan(states: list[SlotState]) -> ScalePlan:
+            target = self._target()
+            ranks = msg.ranks
+            if ranks is None:
+                ranks = sorted(r for r in target.members
+                               if self._deployment.nodes.get(r, 0) == msg.node)
+                if not ranks:
+                    raise ValueError(f"node {msg.node} runs no rank of the deployment")
+            return target.retire(ranks, states, self._deployment.min_holding_ranks)
+
+        return self._operation(msg.operation_id, request, plan)
+
+    def _operation(self, op_id: str | None, request: dict, plan_fn) -> dict:
+        """Run one scale or retire request as an operation: a repeat of a recorded one
+        (same id, same request) answers it again and changes nothing."""
+        ops = self._deployment.operations
+        repeated = ops.repeat(op_id, request)
+        if repeated is not None:
+            return {**repeated.reply, "repeated": True}
         epoch, states, _ranks = self._world_view()
         if states is None:
             raise ValueError("the deployment has no ranks yet; wait for serve's ready line")
-        plan = self._target().plan(msg.new_ep_size, states)
+        plan = plan_fn(states)
         for slot in plan.free:
             self._groups[WORLD].set_state(slot, SlotState.FREE)
         if plan.admit:
-            self._request_admission(sup, m.RequestAdmission(WORLD, list(plan.admit)))
+            self._target().deadline = self._clock() + self._deployment.scale_timeout_s
+            self._request_admission(None, m.RequestAdmission(WORLD, list(plan.admit)))
         if plan.remove:  # a withdrawn joiner's admission is withdrawn the same way
-            self._request_deactivation(sup, m.RequestDeactivation(WORLD, list(plan.remove)))
-        log.info("coordinator: epoch %d: scale to ep_size %d: %s", epoch,
-                 self._target().ep_size, plan.reply)
-        return plan.reply
+            self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
+        op_id = op_id or ops.new_id()
+        reply = {**plan.reply, "operation_id": op_id}
+        ops.add(Operation(op_id, request, tuple(sorted(plan.reply["slots"])),
+                          leaving=not plan.admit, reply=reply))
+        log.info("coordinator: epoch %d: operation %s %s: ep_size %d: %s", epoch, op_id,
+                 request, self._target().ep_size, plan.reply)
+        return reply
+
+    @handles(m.GetOperation)
+    def _get_operation(self, sup, msg: m.GetOperation) -> dict:
+        op = self._deployment.operations.get(msg.operation_id)
+        _epoch, states, ranks = self._world_view()
+        if states is None:
+            states = [SlotState.FREE] * self._target().max_ep_size
+        procs = self._proc_infos()
+        launches = self._deployment.live_launches()
+        # a registered process, or a launched worker that has not registered yet
+        alive = {s: (procs[r].alive if r in procs else False)
+                 or (r in launches and (r not in procs or launches[r].pid != procs[r].pid))
+                 for s, r in enumerate(ranks)}
+        return {"operation": op_view(op, states, alive,
+                                     op.id in self._deployment.operations.timed_out)}
+
+    def _expire_scale(self, now: float) -> None:
+        """A grow still waiting for joiners past ``--elastic-ep-scale-timeout`` gives up:
+        its slots not admitted are freed, and its operation reads ``timed_out``."""
+        target = self._deployment.target
+        _epoch, states, _ranks = self._world_view() if target else (0, None, [])
+        if target is None or states is None:
+            return
+        plan = target.give_up(now, states)
+        if plan is None:
+            return
+        self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
+        ops = self._deployment.operations
+        for op in ops.ops.values():
+            if not op.leaving and set(op.slots) & set(plan.remove):
+                ops.timed_out.add(op.id)
 
     @handles(m.RecordLaunch, Role.SUPERVISOR)
     def _record_launch(self, sup, msg: m.RecordLaunch) -> dict:
@@ -150,6 +226,10 @@ class SupervisorRequests:
         except JoinRefusedError:
             self._deployment.release(sup.id, msg.ranks)
             raise
+        if msg.mode == "recover":  # a retired slot comes back into the target in place
+            for r in msg.ranks:
+                if r in self._target().retired:
+                    self._target().readmit(r)
         return {"ep_size": self._target().ep_size}
 
     @handles(m.Release, Role.SUPERVISOR)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from elasticep.config import StrEnum
+from elasticep.enums import StrEnum
 
 
 class SlotState(str, Enum):

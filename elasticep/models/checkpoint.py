@@ -81,10 +81,33 @@ class CheckpointReader:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
-        """Read ``key``, check it is ``shape`` and convert it to ``dtype`` on ``device``."""
-        tensor = self._handle(key).get_tensor(key)
+        """Read ``key``, check it is ``shape`` and convert it to ``dtype`` on ``device``.
+
+        Raises:
+            ValueError: also for a tensor stored quantized (FP8, or integers where a
+                float weight belongs): converting its raw values would be garbage; the
+                FP8 reader (:mod:`elasticep.models.fp8_reader`) reads those.
+        """
+        tensor = self.get_stored(key)
         _check_shape(key, tuple(tensor.shape), shape)
+        _check_plain(key, tensor.dtype, self.model_dir)
         return tensor.to(device=device, dtype=dtype)
+
+    def get_stored(self, key: str) -> torch.Tensor:
+        """``key`` as stored: its own dtype, on the CPU, no shape check."""
+        return self._handle(key).get_tensor(key)
+
+    def get_row_stored(self, key: str, row: int) -> torch.Tensor:
+        """``key[row]`` of a stacked tensor as stored (its own dtype, on the CPU).
+
+        Raises:
+            ValueError: ``row`` is outside the stack.
+        """
+        sl = self._handle(key).get_slice(key)
+        n = sl.get_shape()[0]
+        if not 0 <= row < n:
+            raise unsupported(f"tensor {key!r} has {n} experts, expert {row} requested")
+        return sl[row]
 
     def get_row(
         self,
@@ -95,12 +118,10 @@ class CheckpointReader:
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         """Read only ``key[row]`` of a stacked tensor (fused expert layout)."""
-        sl = self._handle(key).get_slice(key)
-        full = tuple(sl.get_shape())
-        _check_shape(key, full[1:], shape)
-        if not 0 <= row < full[0]:
-            raise unsupported(f"tensor {key!r} has {full[0]} experts, expert {row} requested")
-        return sl[row].to(device=device, dtype=dtype)
+        tensor = self.get_row_stored(key, row)
+        _check_shape(key, tuple(tensor.shape), shape)
+        _check_plain(key, tensor.dtype, self.model_dir)
+        return tensor.to(device=device, dtype=dtype)
 
     def get_optional(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
@@ -123,6 +144,18 @@ def _open(path: Path) -> Any:
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"checkpoint file {path} is not a readable safetensors file "
                          f"(truncated or corrupt?): {exc}") from None
+
+
+_PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_plain(key: str, dtype: torch.dtype, model_dir: Path) -> None:
+    """Refuse to convert a tensor stored quantized as if it were a plain float weight."""
+    if dtype not in _PLAIN_DTYPES:
+        raise ValueError(
+            f"tensor {key!r} in {model_dir} is stored as {str(dtype).removeprefix('torch.')}, "
+            "which is not a plain float weight, and config.json declares no quantization we "
+            "read for it (supported: block-scaled FP8 with its '<name>_scale_inv' scales)")
 
 
 def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticep.models.mla import MLAConfig
+from elasticep.models.quantization import Fp8BlockQuantization, parse_quantization
 from elasticep.models.rope import RopeConfig, parse_rope
 from elasticep.models.routing import RoutingConfig
 
@@ -76,6 +77,8 @@ class MoEModelConfig:
         sampling_defaults: ``generation_config.json``'s temperature, top_p and top_k.
         attention_window: sliding-window size, or None. We implement full attention only,
             so the engine caps sequences at this length (where the two agree).
+        quantization: the checkpoint's stored quantization (block FP8), or None for an
+            unquantized one (``--quantization fp8`` is the deployment's, not this).
     """
 
     model_type: str
@@ -102,6 +105,7 @@ class MoEModelConfig:
     attention_window: int | None = None
     mla: MLAConfig | None = None
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    quantization: Fp8BlockQuantization | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -408,4 +412,5 @@ def _parse(model_dir: str | Path, path: Path, raw: dict, model_type: str,
         attention_window=int(window) if window else None,
         mla=mla,
         sampling_defaults=_sampling_defaults(gen, Path(model_dir) / "generation_config.json"),
+        quantization=parse_quantization(raw, where=str(path)),
     )

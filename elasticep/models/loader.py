@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,20 +26,24 @@ from elasticep.config import LoadFormat
 from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
 from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
+from elasticep.models.fp8_reader import Fp8BlockReader
 from elasticep.models.mla import MLAWeights
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
+from elasticep.models.quantization import experts_packable, parse_quantization
 from elasticep.models.rope import deinterleave_rows
+from elasticep.moe.experts import fp8_block
 from elasticep.moe.local_executor import ExpertSlots, LocalExpertExecutor
 
 # vLLM's names: "auto" and "safetensors" read the checkpoint; "dummy" draws from a seed.
 LOAD_FORMATS = tuple(f.value for f in LoadFormat)
 
-WeightReader = CheckpointReader | DummyWeightReader
+WeightReader = CheckpointReader | DummyWeightReader | Fp8BlockReader
 
 
 def open_weights(model_dir: str | Path, load_format: str = "auto", seed: int = 0,
-                 config: MoEModelConfig | None = None) -> WeightReader:
+                 config: MoEModelConfig | None = None,
+                 quantization: str | None = None) -> WeightReader:
     """The weight reader of ``model_dir`` for ``load_format`` (use it as a context manager).
 
     Args:
@@ -46,18 +51,32 @@ def open_weights(model_dir: str | Path, load_format: str = "auto", seed: int = 0
         load_format: one of :data:`LOAD_FORMATS`.
         seed: the dummy weights' seed (ignored otherwise).
         config: the parsed config, if the caller has it.
+        quantization: ``--quantization`` (None or "fp8": quantize an unquantized
+            checkpoint to block FP8 while reading).
+
+    Returns:
+        A reader; for a block-FP8 checkpoint (or with ``quantization``) an
+        :class:`~elasticep.models.fp8_reader.Fp8BlockReader` that dequantizes exactly.
 
     Raises:
-        ValueError: unknown format, or what the reader raises (no safetensors, bad config).
+        ValueError: unknown format, or what the reader raises (no safetensors, bad config);
+            :class:`~elasticep.models.quantization.UnsupportedQuantizationError` for a
+            quantization we cannot read.
     """
-    if load_format in ("auto", "safetensors"):
-        return CheckpointReader(model_dir)
-    if load_format != "dummy":
+    if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     cfg = config or load_model_config(model_dir)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return DummyWeightReader(model_dir, cfg, seed=seed,
-                             std=float(raw.get("initializer_range") or DEFAULT_STD))
+    quant = parse_quantization(raw, quantization, str(Path(model_dir) / "config.json"))
+    reader: WeightReader
+    if load_format in ("auto", "safetensors"):
+        reader = CheckpointReader(model_dir)
+    else:
+        reader = DummyWeightReader(model_dir, cfg, seed=seed,
+                                   std=float(raw.get("initializer_range") or DEFAULT_STD))
+        if quant is not None:  # drawn weights are unquantized: round them through FP8
+            quant = replace(quant, online=True)
+    return reader if quant is None else Fp8BlockReader(reader, quant)
 
 
 def _moe_prefixes(cfg: MoEModelConfig, layer: int) -> list[str]:
@@ -103,7 +122,9 @@ def load_expert_into_slot(
     hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
     dtype, device = w13.dtype, w13.device
     kind, prefix = _expert_keys(cfg, reader, layer)
-    if kind == "fused":
+    if fp8_block.is_packed(w13):
+        _load_fp8_expert(reader, cfg, kind, prefix, logical_expert, w13[slot], w2[slot])
+    elif kind == "fused":
         w13[slot].copy_(
             reader.get_row(f"{prefix}.experts.gate_up_proj", logical_expert, (2 * inter, hid), dtype, device)
         )
@@ -118,6 +139,70 @@ def load_expert_into_slot(
         w13[slot, inter:].copy_(reader.get(f"{p}.{names[1]}.weight", (inter, hid), dtype, device))
         w2[slot].copy_(reader.get(f"{p}.{names[2]}.weight", (hid, inter), dtype, device))
     slots.slot_to_logical[layer, slot] = logical_expert
+
+
+def _per_expert_names(reader: WeightReader, prefix: str) -> tuple[str, str, str]:
+    # mixtral's w1/w3/w2 or the qwen/deepseek gate/up/down projections
+    if reader.has(f"{prefix}.experts.0.w1.weight"):
+        return "w1", "w3", "w2"
+    return "gate_proj", "up_proj", "down_proj"
+
+
+def _load_fp8_expert(reader: Fp8BlockReader, cfg: MoEModelConfig, kind: str, prefix: str,
+                     expert: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Read one expert as block FP8 into its packed slot rows ``w13 [2I + e, H]`` and
+    ``w2 [H + e', I]`` (uint8). The gate and up halves' scale grids stack into the fused
+    weight's because I is a multiple of the block (:func:`fp8_experts_packable`)."""
+    hid, inter, dev = cfg.hidden_size, cfg.moe_intermediate_size, w13.device
+    if kind == "fused":
+        q13, s13 = reader.get_fp8(f"{prefix}.experts.gate_up_proj", (2 * inter, hid), dev,
+                                  row=expert)
+        q2, s2 = reader.get_fp8(f"{prefix}.experts.down_proj", (hid, inter), dev, row=expert)
+    else:
+        g, u, d = _per_expert_names(reader, prefix)
+        p = f"{prefix}.experts.{expert}"
+        qg, sg = reader.get_fp8(f"{p}.{g}.weight", (inter, hid), dev)
+        qu, su = reader.get_fp8(f"{p}.{u}.weight", (inter, hid), dev)
+        q13, s13 = torch.cat([qg, qu]), torch.cat([sg, su])
+        q2, s2 = reader.get_fp8(f"{p}.{d}.weight", (hid, inter), dev)
+    fp8_block.pack(q13, s13, out=w13)
+    fp8_block.pack(q2, s2, out=w2)
+
+
+def fp8_experts_packable(cfg: MoEModelConfig) -> bool:
+    """:func:`~elasticep.models.quantization.experts_packable` of ``cfg``'s experts."""
+    return experts_packable(cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+def alloc_expert_slots(cfg: MoEModelConfig, slot_to_logical: torch.Tensor, dtype: torch.dtype,
+                       device: torch.device | str, fp8: bool) -> ExpertSlots:
+    """Uninitialised expert slots for ``slot_to_logical [L, S]``: per MoE layer ``w13 [S,
+    2I, H]`` and ``w2 [S, H, I]`` of ``dtype``, or with ``fp8`` packed FP8 slots (uint8
+    ``[S, 2I + e, H]`` and ``[S, H + e', I]``, weights and block scales together,
+    :mod:`elasticep.moe.experts.fp8_block`)."""
+    hid, inter, S = cfg.hidden_size, cfg.moe_intermediate_size, slot_to_logical.shape[1]
+    if fp8:
+        r13, r2, dt = fp8_block.packed_rows(2 * inter, hid), fp8_block.packed_rows(hid, inter), torch.uint8
+    else:
+        r13, r2, dt = 2 * inter, hid, dtype
+    return ExpertSlots(
+        w13=[torch.empty(S, r13, hid, dtype=dt, device=device) if m else None
+             for m in cfg.moe_layers],
+        w2=[torch.empty(S, r2, inter, dtype=dt, device=device) if m else None
+            for m in cfg.moe_layers],
+        slot_to_logical=slot_to_logical,
+    )
+
+
+def experts_fp8(reader: WeightReader, cfg: MoEModelConfig) -> bool:
+    """Whether this checkpoint's experts load as packed FP8 slots."""
+    layer = next((i for i, m in enumerate(cfg.moe_layers) if m), None)
+    if not isinstance(reader, Fp8BlockReader) or layer is None or not fp8_experts_packable(cfg):
+        return False
+    kind, prefix = _expert_keys(cfg, reader, layer)
+    key = (f"{prefix}.experts.gate_up_proj" if kind == "fused"
+           else f"{prefix}.experts.0.{_per_expert_names(reader, prefix)[0]}.weight")
+    return reader.expert_fp8(key)
 
 
 def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
@@ -213,6 +298,7 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> MoECausalLM:
     """Load a checkpoint for one rank.
 
@@ -226,16 +312,22 @@ def load_model(
         load_format: "auto"/"safetensors" read ``*.safetensors``; "dummy" draws every
             tensor from ``seed`` (:mod:`elasticep.models.dummy_weights`).
         seed: the dummy weights' seed.
+        quantization: None, or "fp8" to quantize an unquantized checkpoint to block FP8
+            while loading (a block-FP8 checkpoint is read as such either way). FP8
+            experts stay FP8, packed with their scales into their slots (where the
+            shape allows, :func:`fp8_experts_packable`); every other FP8 weight is
+            dequantized exactly into ``dtype``.
 
     Returns:
         A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the
         loaded slots (replace ``model.executor`` for expert parallelism).
 
     Raises:
-        ValueError: unsupported family, missing tensor, wrong shape or bad placement.
+        ValueError: unsupported family or quantization, missing tensor, wrong shape or
+            bad placement.
     """
     cfg = load_model_config(model_dir)
-    n_layers, hid, inter = cfg.num_hidden_layers, cfg.hidden_size, cfg.moe_intermediate_size
+    n_layers, hid = cfg.num_hidden_layers, cfg.hidden_size
     if slot_to_logical is None:
         slot_to_logical = torch.arange(cfg.num_experts).repeat(n_layers, 1)
     slot_to_logical = torch.as_tensor(slot_to_logical, dtype=torch.long).clone()
@@ -248,14 +340,8 @@ def load_model(
         raise ValueError(f"slot_to_logical holds ids outside [0, {cfg.num_experts}] "
                          f"({cfg.num_experts}: an empty slot)")
     num_slots = slot_to_logical.shape[1]
-    slots = ExpertSlots(
-        w13=[torch.empty(num_slots, 2 * inter, hid, dtype=dtype, device=device) if m else None
-             for m in cfg.moe_layers],
-        w2=[torch.empty(num_slots, hid, inter, dtype=dtype, device=device) if m else None
-            for m in cfg.moe_layers],
-        slot_to_logical=slot_to_logical,
-    )
-    with open_weights(model_dir, load_format, seed, cfg) as reader:
+    with open_weights(model_dir, load_format, seed, cfg, quantization) as reader:
+        slots = alloc_expert_slots(cfg, slot_to_logical, dtype, device, experts_fp8(reader, cfg))
         embed = reader.get("model.embed_tokens.weight", (cfg.vocab_size, hid), dtype, device)
         layers = []
         bar = tqdm(range(n_layers), desc=f"loading {Path(model_dir).name}", unit="layer",
@@ -265,7 +351,7 @@ def load_model(
             if cfg.moe_layers[i]:
                 for s in range(num_slots):
                     e = int(slot_to_logical[i, s])
-                    if e == cfg.num_experts:
+                    if e == cfg.num_experts:  # zeros: packed FP8 zeros too (scale 0)
                         slots.w13[i][s].zero_()
                         slots.w2[i][s].zero_()
                     else:
@@ -281,12 +367,12 @@ def load_model(
 
 def reload_expert(
     model: MoECausalLM, model_dir: str | Path, layer: int, slot: int, logical_expert: int,
-    load_format: str = "auto", seed: int = 0,
+    load_format: str = "auto", seed: int = 0, quantization: str | None = None,
 ) -> None:
     """Reload one expert of ``model`` from its checkpoint into ``slot`` (orphan reload).
 
     Refreshes the model's executor map when it has one (``refresh()``).
     """
-    with open_weights(model_dir, load_format, seed, model.config) as reader:
+    with open_weights(model_dir, load_format, seed, model.config, quantization) as reader:
         load_expert_into_slot(reader, model.config, model.experts, layer, slot, logical_expert)
     model.executor.refresh()

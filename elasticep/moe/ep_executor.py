@@ -17,19 +17,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.elastic import ExpertLoad
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement
-from elasticep.eplb.weight_transfer import CheckpointLoader, move_expert_weights
-from elasticep.moe.dispatch import (
-    DispatchAlgorithm,
+from elasticep.moe.exchange.uneven_exchange import (
     choose_physical_slots,
-    combine_pairs,
     dispatch_pairs,
+    return_pairs,
 )
 from elasticep.moe.executor import ExecutorDefaults
-from elasticep.moe.expert_compute import run_expert_rows
+from elasticep.moe.experts.expert_compute import run_expert_rows
 from elasticep.moe.peer_weights import PeerWeights
+from elasticep.moe.weight_transfer import CheckpointLoader, move_expert_weights
 
 
 class EPMoEExecutor(ExecutorDefaults):
@@ -55,7 +55,7 @@ class EPMoEExecutor(ExecutorDefaults):
         w13: list[torch.Tensor | None],
         w2: list[torch.Tensor | None],
         group: dist.ProcessGroup | None,
-        dispatch_algorithm: DispatchAlgorithm = "static",
+        dispatch_algorithm: DispatchAlgorithm = DispatchAlgorithm.STATIC,
     ) -> None:
         if dispatch_algorithm not in ("static", "dynamic"):
             raise ValueError(f"unknown dispatch algorithm {dispatch_algorithm!r}")
@@ -151,13 +151,8 @@ class EPMoEExecutor(ExecutorDefaults):
             peers.publish(self.w13, self.w2)
         return loads
 
-    def __call__(
-        self,
-        layer_idx: int,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         """Route ``hidden_states`` through the experts of all ranks.
 
         Args:
@@ -190,7 +185,7 @@ class EPMoEExecutor(ExecutorDefaults):
             hidden_states, slots, self.metadata.num_local_physical_experts, self.metadata.max_ep_size, self.group
         )
         expert_out = run_expert_rows(w13, w2, rows, local)
-        pairs = combine_pairs(expert_out, state, T * k, self.group)
+        pairs = return_pairs(expert_out, state, T * k, self.group)
         # Weighted sum in fp32, like the dense reference, then back to the model dtype.
         out = (pairs.view(T, k, hidden_states.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1)
         return out.to(hidden_states.dtype)

@@ -11,7 +11,7 @@ executor that lacks a feature says so with the default value.
   captured at another version is stale.
 * ``uses_step_bound`` (bool) and ``step_max_tokens`` (int | None): the executor sizes its
   exchange from the step's agreed largest batch, which the step loop sets around each
-  forward (:func:`elasticep.elastic.step_loop.agreed_max_tokens`).
+  forward (:func:`elasticep.elastic.step_header.agreed_max_tokens`).
 * ``local_exchange()``: a context in which no peer is involved (warm-up steps,
   :mod:`elasticep.engine.prefill_warmup`); a no-op where nothing is exchanged.
 * ``token_buckets`` (tuple of int, or None): the decode CUDA graphs' batch sizes, set by

@@ -7,7 +7,7 @@ Implements the executor contract of docs/ARCHITECTURE.md ("MoE layer"):
 Expert weights live in *physical slots*; :class:`ExpertSlots` holds, per decoder layer,
 ``w13 [S, 2*I, H]`` (gate rows then up rows), ``w2 [S, H, I]`` and the row
 ``slot_to_logical[layer] [S]``. The expert compute itself is
-:mod:`elasticep.moe.expert_compute`, shared with the EP executors: grouped GEMM on CUDA
+:mod:`elasticep.moe.experts.expert_compute`, shared with the EP executors: grouped GEMM on CUDA
 (no host sync), per-expert matmuls on the CPU.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from elasticep.moe.executor import ExecutorDefaults
-from elasticep.moe.expert_compute import (
+from elasticep.moe.experts.expert_compute import (
     combine_pairs,
     grouped_ok,
     grouped_swiglu,
@@ -65,7 +65,7 @@ def run_slots(
 
     Returns:
         ``[T, H]`` model dtype: ``sum_j weights[t, j] * expert_{slot_ids[t, j]}(h_t)``,
-        summed in float32 (:func:`~elasticep.moe.expert_compute.combine_pairs`).
+        summed in float32 (:func:`~elasticep.moe.experts.expert_compute.combine_pairs`).
     """
     (T, k), H = slot_ids.shape, hidden_states.shape[1]
     # row t*k + j: token t, choice j; then the weighted sum over k (no index_add_, whose

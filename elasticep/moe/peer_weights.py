@@ -20,7 +20,7 @@ Why this is safe without messages: a change's first op is a collective, and a ra
 publishes before it leaves the previous change, so the handles a receiver reads are
 those of the source's current tensors; a source keeps its old tensors until the
 change's commit, which every receiver enters only after its copies finished
-(:func:`elasticep.eplb.weight_transfer.move_expert_weights` waits for them). A source
+(:func:`elasticep.moe.weight_transfer.move_expert_weights` waits for them). A source
 that died before the receiver mapped it cannot be opened: the receiver skips its slots,
 and the commit, a collective that needs the dead source, cannot succeed, so the change
 is redone on the new membership.
@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from elasticep.eplb.weight_transfer import PeerUnavailable
+from elasticep.moe.weight_transfer import PeerUnavailable
 from elasticep.utils import cuda_ipc
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class PeerWeights:
     """This rank's view of its host peers' expert weights.
 
     Implements the ``peers`` argument of
-    :func:`elasticep.eplb.weight_transfer.move_expert_weights`. Mappings persist between
+    :func:`elasticep.moe.weight_transfer.move_expert_weights`. Mappings persist between
     changes (:meth:`refresh` brings them to the newest generations), so that a rank that
     dies without a handover can still be read: its memory stays allocated while a
     survivor maps it, and the repair copies its orphans from there instead of reading

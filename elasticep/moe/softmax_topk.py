@@ -7,7 +7,7 @@ optionally renormalised to sum to 1, times ``routed_scaling_factor``, and rounde
 the model dtype as the reference models combine. Two kernels run it:
 :func:`elasticep.models.fused_routing.fused_softmax_topk` (routing alone) and the
 same-host exchange's fused dispatch, which routes a one-token step inside its send
-(:func:`elasticep.moe.ipc_kernels.fused_dispatch`), so a decode layer launches one
+(:func:`elasticep.moe.fused_exchange_kernels.routed_dispatch`), so a decode layer launches one
 kernel fewer. Both call :func:`softmax_topk_row`, so they pick the same experts with the
 same weights bit for bit.
 """

@@ -91,45 +91,40 @@ async def stream_one(base: tuple[str, int], model: str, req: BenchRequest,
                      ignore_eos: bool) -> RequestResult:
     """Send one request to ``base`` (host, port) and time its events; errors are
     recorded, never raised."""
-    res = RequestResult(prompt_len=req.prompt_len)
-    res.start = last = time.perf_counter()
-    events = 0
+    start = time.perf_counter()
+    messages: list[tuple[float, bool]] = []  # (arrival, is a token event): see metrics
     usage = None
+    error = None
     try:
         async for status, pieces in _post_stream(*base, "/v1/completions",
                                                  request_body(model, req, ignore_eos)):
             if status != 200:
                 body = b"".join([p async for p in pieces]).decode(errors="replace")
-                res.error = f"HTTP {status}: {body[:300]}"
+                error = f"HTTP {status}: {body[:300]}"
                 break
             buf = b""
             async for piece in pieces:
+                now = time.perf_counter()  # every message of this piece arrived by now
                 buf += piece
-                *messages, buf = buf.split(b"\n\n")
-                for message in messages:
+                *complete, buf = buf.split(b"\n\n")
+                for message in complete:
                     if not message.startswith(b"data: "):
                         continue
                     data = message[6:]
                     if data == b"[DONE]":
+                        messages.append((now, False))
                         continue
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        res.error = str(chunk["error"].get("message", chunk["error"]))
-                        continue
+                        error = str(chunk["error"].get("message", chunk["error"]))
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-                    if not chunk.get("choices"):
-                        continue
-                    now = time.perf_counter()
-                    if events == 0:
-                        res.ttft = now - res.start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    events += 1
+                    messages.append((now, "error" not in chunk and bool(chunk.get("choices"))))
     except (OSError, ValueError, asyncio.IncompleteReadError, _HttpError) as exc:
-        res.error = repr(exc)
-    res.e2e = last - res.start
+        error = repr(exc)
+    res = RequestResult.from_events(req.prompt_len, start, messages)
+    res.error = error
+    events = sum(is_token for _, is_token in messages)
     if usage is not None:
         res.output_tokens = int(usage["completion_tokens"])
         res.prompt_len = int(usage["prompt_tokens"])

@@ -11,15 +11,24 @@ client of the server would see them, without the transport.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-from elasticep.engine.request import GenerateRequest, SamplingParams
+from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
 from elasticep_testkit.serving.datasets import BenchRequest
 from elasticep_testkit.serving.metrics import RequestResult
+
+
+class SteppedEngine(Protocol):
+    """What :func:`run_engine` uses of :class:`LLMEngine`."""
+
+    def add_request(self, req: GenerateRequest) -> None: ...
+
+    def step(self) -> list[TokenOutput]: ...
 
 
 def kv_tokens_for(requests: Sequence[BenchRequest], max_concurrency: int,
@@ -42,9 +51,21 @@ def load_engine(model: str | Path, *, device: str, dtype: str, load_format: str,
                                      config=config, progress=False, load_format=load_format)
 
 
-def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int,
-               ignore_eos: bool) -> tuple[list[RequestResult], float]:
+def run_engine(engine: SteppedEngine, requests: Sequence[BenchRequest],
+               max_concurrency: int, ignore_eos: bool,
+               clock: Callable[[], float] = time.perf_counter,
+               ) -> tuple[list[RequestResult], float]:
     """Run every request greedily through ``engine``, ``max_concurrency`` at a time.
+
+    A request starts when it is added; its tokens arrive when the ``step()`` that made
+    them returns, and its E2E ends at the step that finished it (no stream follows).
+
+    Args:
+        engine: an :class:`LLMEngine` (or anything with its ``add_request``/``step``).
+        requests: what to run, in order of admission.
+        max_concurrency: most requests in the engine at once.
+        ignore_eos: ask for exactly ``output_len`` tokens.
+        clock: seconds, monotonic (``time.perf_counter``).
 
     Returns:
         (results in request order, seconds from the first admission to the last token).
@@ -56,7 +77,7 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     last: dict[str, float] = {}
     pending = list(range(len(requests)))[::-1]  # pop() takes them in order
     running: set[str] = set()
-    t0 = time.perf_counter()
+    t0 = clock()
     while pending or running:
         while pending and len(running) < max_concurrency:
             i = pending.pop()
@@ -64,10 +85,10 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
             req = requests[i]
             engine.add_request(GenerateRequest(rid, req.prompt_ids, SamplingParams(
                 max_tokens=req.output_len, temperature=0.0, ignore_eos=ignore_eos)))
-            results[i].start = last[rid] = time.perf_counter()
+            results[i].start = last[rid] = clock()
             running.add(rid)
         outputs = engine.step()
-        now = time.perf_counter()
+        now = clock()
         for out in outputs:
             res = results[int(out.request_id.rsplit("-", 1)[1])]
             if res.ttft is None:

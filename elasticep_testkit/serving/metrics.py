@@ -1,13 +1,22 @@
 """The summary of one serving benchmark run, as SGLang's ``bench_serving`` reports it
 (pure functions over per-request timings; every time in seconds, reported in ms).
 
+- A token event: an SSE message whose JSON has a non-empty ``choices`` list.
 - TTFT: request sent -> first token event.
+- ITL: every gap between two consecutive token events of one request.
+- E2E: request sent -> the last SSE message of the stream (``data: [DONE]`` included),
+  as bench_serving's ``latency``.
 - TPOT: per request ``(E2E - TTFT) / (output tokens - 1)``, requests with more than one
-  output token only.
-- ITL: every gap between two token events of one request.
-- E2E: request sent -> last event.
+  output token only; output tokens are the server's ``usage.completion_tokens``.
 - ``concurrency``: the sum of E2E over the duration (how many requests were in flight
   on average), as bench_serving computes it.
+
+One difference from bench_serving, also written into each JSON line
+(:data:`DIFFERENCES_FROM_SGLANG`): bench_serving counts only chunks with non-empty text
+as token events; here every chunk with a choice counts, empty text included, because
+this server sends exactly one chunk per generated token and leaves the text empty while
+a UTF-8 character or a possible stop string is incomplete (skipping those chunks would
+merge two ITL gaps into one).
 """
 
 from __future__ import annotations
@@ -16,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+DIFFERENCES_FROM_SGLANG = (
+    "token events: every SSE chunk with a choice counts, empty text included (this server "
+    "sends one chunk per token); bench_serving skips chunks with empty text",
+)
 
 
 @dataclass
@@ -28,7 +42,7 @@ class RequestResult:
         start: when it was sent (``time.perf_counter()`` seconds).
         ttft: seconds to the first token event; None if none came.
         itl: seconds between consecutive token events.
-        e2e: seconds from ``start`` to the last event.
+        e2e: seconds from ``start`` to the last message of the stream.
         error: why it failed, or None.
     """
 
@@ -39,6 +53,33 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     e2e: float = 0.0
     error: str | None = None
+
+    @classmethod
+    def from_events(cls, prompt_len: int, start: float,
+                    messages: list[tuple[float, bool]]) -> RequestResult:
+        """A request's timings from its stream's messages (no counts: the caller sets
+        ``output_tokens`` from the server's usage, or from the token events).
+
+        Args:
+            prompt_len: prompt tokens.
+            start: when the request was sent, seconds.
+            messages: ``(arrival time in seconds, is a token event)`` of every SSE
+                message of the stream, in arrival order (``[DONE]`` included, as not a
+                token event).
+
+        Returns:
+            ttft (None without a token event), itl (gaps between consecutive token
+            events) and e2e (``start`` -> the last message; 0 without one), each in
+            seconds.
+        """
+        token_times = [t for t, is_token in messages if is_token]
+        res = cls(prompt_len=prompt_len, start=start)
+        if token_times:
+            res.ttft = token_times[0] - start
+            res.itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+        if messages:
+            res.e2e = messages[-1][0] - start
+        return res
 
     @property
     def tpot(self) -> float | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
-from elasticep.frontend_link import IpcEndpoints, WorkerChannel
+from elasticep.frontend_link import LinkEndpoints, WorkerChannel
 from elasticep.utils.procs import die_with_parent
 
 STATS_EVERY_S = 1.0
@@ -140,7 +140,7 @@ def stats_path(log_dir: Path, rank: int) -> Path:
     return Path(log_dir) / f"stub_rank{rank}.json"
 
 
-def rank_main(rank: int, endpoints: IpcEndpoints, steps_per_s: float, log_dir: str,
+def rank_main(rank: int, endpoints: LinkEndpoints, steps_per_s: float, log_dir: str,
               parent_pid: int) -> None:
     """One stub rank process: serve a :class:`StubEngine` until SIGTERM or the parent's
     exit (it dies with the server process)."""

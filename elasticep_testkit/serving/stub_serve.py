@@ -23,7 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from elasticep.frontend.membership import ConnectedWorkers
+from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.serving.stub_engine import rank_main

@@ -1,0 +1,123 @@
+"""The coordinator's durable state as plain JSON: what a new leader must reload to go on.
+
+It is the part of :class:`~elasticep.membership.service.MembershipService` that outlives
+a coordinator process: every group's epoch, active set, slot states, pending work and
+transition in flight, the deployment's published config and its scale target (size
+and the slots a scale brings in or takes out). Connections, processes and heartbeat
+clocks are not in it: they are rebuilt by the ranks reconnecting.
+
+A transition in flight is kept without its reports: the reports were answers to an
+announcement of the old leader, so the new leader restarts the transition at a fresh
+epoch (``Transition.restart``) and collects them again.
+
+Pure: no sockets, no store. ``to_json``/``from_json`` are inverse, and
+``MembershipState.from_json(s.to_json()) == s``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .registry import Group, Transition
+from .scaling import ScaleTarget
+from .transitions import OnFailure, SlotState, TransitionKind
+
+FORMAT = 1  # bump when a field changes meaning; an unknown format is refused
+
+
+def _slots(xs: set[int]) -> list[int]:
+    return sorted(xs)
+
+
+def transition_record(tr: Transition) -> dict:
+    """The durable fields of ``tr`` (no ``waiting`` or ``reports``)."""
+    return {"epoch": tr.epoch, "kind": tr.kind.value, "old_active": _slots(tr.old_active),
+            "new_active": _slots(tr.new_active), "dead": _slots(tr.dead),
+            "admitted": _slots(tr.admitted), "removed": _slots(tr.removed)}
+
+
+def transition_from_record(d: dict) -> Transition:
+    return Transition(d["epoch"], TransitionKind(d["kind"]), set(d["old_active"]),
+                      set(d["new_active"]), dead=set(d["dead"]), admitted=set(d["admitted"]),
+                      removed=set(d["removed"]))
+
+
+def group_record(g: Group) -> dict:
+    """Every field of ``g`` as JSON-able data (slot states by value)."""
+    return {"name": g.name, "ranks": list(g.ranks), "states": [s.value for s in g.states],
+            "on_failure": g.on_failure.value, "epoch": g.epoch, "max_epoch": g.max_epoch,
+            "active": _slots(g.active),
+            "transition": None if g.transition is None else transition_record(g.transition),
+            "pending_dead": _slots(g.pending_dead), "pending_admit": _slots(g.pending_admit),
+            "pending_remove": _slots(g.pending_remove),
+            "requests": {k: sorted(v) for k, v in g.requests.items()},
+            "joined_from": {str(s): st.value for s, st in sorted(g.joined_from.items())}}
+
+
+def group_from_record(d: dict) -> Group:
+    """Inverse of :func:`group_record`. The states are taken as recorded (they went
+    through the transition table when they were made)."""
+    tr = d["transition"]
+    return Group(d["name"], list(d["ranks"]), [SlotState(s) for s in d["states"]],
+                 OnFailure(d["on_failure"]), epoch=d["epoch"], max_epoch=d["max_epoch"],
+                 active=set(d["active"]),
+                 transition=None if tr is None else transition_from_record(tr),
+                 pending_dead=set(d["pending_dead"]), pending_admit=set(d["pending_admit"]),
+                 pending_remove=set(d["pending_remove"]),
+                 requests={k: list(v) for k, v in d["requests"].items()},
+                 joined_from={int(s): SlotState(st) for s, st in d["joined_from"].items()})
+
+
+@dataclass(frozen=True)
+class MembershipState:
+    """One consistent picture of the coordinator's durable state.
+
+    Attributes:
+        groups: group name -> :func:`group_record` of it.
+        max_world_size: capacity fixed by the first rank's hello (None before it).
+        config: the deployment settings node 0 published (JSON text), or None.
+        target: ``{"ep_size", "max_ep_size", "up", "down"}`` of the scale target, or None.
+    """
+
+    groups: dict[str, dict] = field(default_factory=dict)
+    max_world_size: int | None = None
+    config: str | None = None
+    target: dict | None = None
+
+    def to_json(self) -> str:
+        """Canonical JSON text (sorted keys), so equal states give equal text."""
+        return json.dumps({"format": FORMAT, "groups": self.groups,
+                           "max_world_size": self.max_world_size, "config": self.config,
+                           "target": self.target}, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str | bytes) -> MembershipState:
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            ValueError: not JSON, or a format this version does not know.
+        """
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"membership state of unknown format "
+                             f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}"
+                             f" (this version reads format {FORMAT})")
+        return MembershipState(d["groups"], d["max_world_size"], d["config"], d["target"])
+
+    def group(self, name: str) -> Group:
+        """A fresh :class:`Group` built from the record of ``name`` (KeyError if none)."""
+        return group_from_record(self.groups[name])
+
+    def scale_target(self) -> ScaleTarget | None:
+        t = self.target
+        return None if t is None else ScaleTarget(t["ep_size"], t["max_ep_size"],
+                                                  set(t["up"]), set(t["down"]))
+
+
+def target_record(t: ScaleTarget | None) -> dict | None:
+    """JSON-able form of a scale target (None stays None)."""
+    if t is None:
+        return None
+    return {"ep_size": t.ep_size, "max_ep_size": t.max_ep_size, "up": _slots(t.up),
+            "down": _slots(t.down)}

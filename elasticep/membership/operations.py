@@ -1,0 +1,171 @@
+"""Scale and retire operations an orchestrator polls by id (pure: no sockets, no torch).
+
+Every ``POST /scale_elastic_ep`` (a new size, chosen ranks to retire, or a node to drain)
+is one *operation*: the coordinator records it under an id (the caller's
+``operation_id``, or one it makes up) with the slots it moves. ``GET
+/scale_elastic_ep/{id}`` reads it back: its phase and, per slot, one of the states an
+orchestrator acts on (:class:`RankOpState`). Asking again with the same id and the same
+request changes nothing and answers the same operation, so a client that retries after
+a lost answer cannot retire twice; the same id with another request is refused.
+
+Nothing here is stored apart from the slot states: an operation's phase and rank states
+are derived from them each time it is read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticep.config import StrEnum
+
+from .errors import OperationConflictError, OperationNotFoundError
+from .transitions import SlotState
+
+
+class RankOpState(StrEnum):
+    """What an orchestrator may do with one slot an operation moves."""
+
+    JOINING = "joining"    # a grow waits for this slot's joiner, or admits it
+    ACTIVE = "active"      # a member serving requests and holding experts
+    DRAINING = "draining"  # its experts and requests are moving to the others
+    RETIRED = "retired"    # out of the group, holds nothing; its process is still exiting
+    SAFE_TO_TERMINATE = "safe_to_terminate"  # out of the group, no process left: stop the pod
+
+
+class OpPhase(StrEnum):
+    """Where an operation stands."""
+
+    WAITING_FOR_JOINERS = "waiting_for_joiners"  # a grow's slot has no ready joiner yet
+    ADMITTING = "admitting"   # every joiner is ready, some are not members yet
+    DRAINING = "draining"     # a leaving slot is still a member
+    RETIRING = "retiring"     # every leaving slot is out; some process still exits
+    DONE = "done"             # every slot reached its end state
+    TIMED_OUT = "timed_out"   # a grow gave up waiting for its joiners (its slots freed)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One recorded scale or retire request.
+
+    Attributes:
+        id: the operation id.
+        request: the request's fields as the caller gave them (``new_ep_size``,
+            ``retire_ranks`` or ``drain_node``), compared on a repeat.
+        slots: the slots it moves, sorted.
+        leaving: True when the slots leave (retire, drain, shrink), False when they
+            come in (grow).
+        reply: the answer to the request that started it.
+    """
+
+    id: str
+    request: dict[str, Any]
+    slots: tuple[int, ...]
+    leaving: bool
+    reply: dict[str, Any] = field(default_factory=dict)
+
+
+def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankOpState:
+    """The operation state of one slot it moves (pure).
+
+    Args:
+        state: the slot's state.
+        leaving: the operation takes the slot out (else it brings it in).
+        process_alive: a worker process of the slot still runs.
+    """
+    if state == SlotState.HEALTHY:
+        return RankOpState.ACTIVE
+    if state == SlotState.DRAINING:
+        return RankOpState.DRAINING
+    if not leaving:
+        return RankOpState.JOINING
+    return RankOpState.RETIRED if process_alive else RankOpState.SAFE_TO_TERMINATE
+
+
+def op_phase(op: Operation, ranks: Mapping[int, RankOpState], timed_out: bool = False,
+             ) -> OpPhase:
+    """An operation's phase from its slots' states (pure).
+
+    Args:
+        op: the operation.
+        ranks: slot -> its :func:`rank_op_state`.
+        timed_out: a grow that gave up (see ``--elastic-ep-scale-timeout``).
+    """
+    if timed_out:
+        return OpPhase.TIMED_OUT
+    states = [ranks[s] for s in op.slots]
+    if op.leaving:
+        if any(st in (RankOpState.ACTIVE, RankOpState.DRAINING) for st in states):
+            return OpPhase.DRAINING
+        if any(st == RankOpState.RETIRED for st in states):
+            return OpPhase.RETIRING
+        return OpPhase.DONE
+    if any(st == RankOpState.JOINING for st in states):
+        return OpPhase.WAITING_FOR_JOINERS
+    return OpPhase.DONE
+
+
+def op_view(op: Operation, states: Sequence[SlotState], alive: Mapping[int, bool],
+            timed_out: bool = False) -> dict[str, Any]:
+    """The ``GET /scale_elastic_ep/{id}`` body (pure).
+
+    Args:
+        op: the operation.
+        states: slot state per slot, now.
+        alive: slot -> a worker process of it still runs.
+        timed_out: see :func:`op_phase`.
+
+    Returns:
+        ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``.
+    """
+    ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False)) for s in op.slots}
+    return {"operation_id": op.id, "request": dict(op.request),
+            "phase": op_phase(op, ranks, timed_out).value,
+            "ranks": [{"rank": s, "state": ranks[s].value} for s in op.slots]}
+
+
+@dataclass
+class OperationLog:
+    """Every operation of this coordinator, by id (kept for its lifetime: a handful a
+    day)."""
+
+    ops: dict[str, Operation] = field(default_factory=dict)
+    timed_out: set[str] = field(default_factory=set)  # grows that gave up
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def repeat(self, op_id: str | None, request: Mapping[str, Any]) -> Operation | None:
+        """The operation a repeated request names, or None for a new request.
+
+        Raises:
+            OperationConflictError: ``op_id`` names an operation of another request.
+        """
+        if op_id is None or op_id not in self.ops:
+            return None
+        op = self.ops[op_id]
+        if op.request != dict(request):
+            raise OperationConflictError(f"operation {op_id!r} was {op.request}, not "
+                                         f"{dict(request)}; use a new operation_id")
+        return op
+
+    def new_id(self) -> str:
+        """An id no operation has yet."""
+        while True:
+            op_id = f"op-{next(self._ids)}"
+            if op_id not in self.ops:
+                return op_id
+
+    def add(self, op: Operation) -> Operation:
+        """Record ``op`` (its id must be new)."""
+        self.ops[op.id] = op
+        return op
+
+    def get(self, op_id: str) -> Operation:
+        """Raises:
+            OperationNotFoundError: no operation has this id.
+        """
+        try:
+            return self.ops[op_id]
+        except KeyError:
+            raise OperationNotFoundError(f"no operation {op_id!r}") from None

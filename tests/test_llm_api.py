@@ -1,0 +1,141 @@
+"""``from elasticep import LLM, SamplingParams``: the offline API on a real EP2 deployment
+of the demo model, through a rank kill; its outputs' shape, chat, and a clean shutdown.
+One deployment for the module (about 20 s to start on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from elasticep.config import DeploymentConfig
+from elasticep.engine.request import GrammarSpec
+from elasticep.entrypoints.llm import deployment_settings
+from elasticep.entrypoints.validate import UsageError
+from elasticep.utils.procs import pid_alive
+from elasticep_testkit.chat_templates import QWEN3_STYLE
+from elasticep_testkit.ep import (
+    GREEDY,
+    MODEL,
+    assert_matches_reference,
+    prompts,
+    reference_for,
+    tokenizer,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+N = 4  # prompts through the kill (and as many JSON-schema requests)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from elasticep import LLM
+
+    # rank 1 SIGKILLs itself at the 6th working step: mid-stream for every prompt
+    engine = LLM(model=str(MODEL), ep_size=2, fault="kill:rank=1:step=6",
+                 log_dir=str(tmp_path_factory.mktemp("llm-logs")), heartbeat_timeout=10.0)
+    yield engine
+    engine.shutdown()
+
+
+def test_generate_returns_every_output_through_a_rank_kill(llm):
+    """Every prompt's greedy tokens equal the ep_size=1 reference (near-tie rule), with
+    vLLM's output shape, although rank 1 died under the call; and JSON-schema requests in
+    the same batch, some resumed on rank 0 mid-object (their tokens replayed into the
+    grammar there), all end in JSON that validates."""
+    from elasticep import SamplingParams
+
+    ids = prompts()[:N]
+    texts = [tokenizer().decode(p) for p in ids]
+    assert [list(tokenizer()(t).input_ids) for t in texts] == [list(p) for p in ids]
+    greedy = SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True)
+    schema = SamplingParams(max_tokens=48, temperature=0.9, seed=3,
+                            grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    outs = llm.generate(texts + texts, [greedy] * N + [schema] * N, use_tqdm=False)
+    assert llm._running().frontend.tracker.resubmitted_total >= N // 2  # rank 1's half
+    outs, constrained = outs[:N], outs[N:]
+    assert [o.prompt for o in outs] == texts
+    assert [o.prompt_token_ids for o in outs] == [list(p) for p in ids]
+    got = [o.outputs[0].token_ids for o in outs]
+    ref = reference_for(str(MODEL), ids)
+    assert_matches_reference(got, "LLM.generate EP2, rank 1 killed at step 6", ref)
+    for o in outs:
+        (c,) = o.outputs
+        assert (c.index, c.finish_reason, c.logprobs, o.finished) == (0, "length", None, True)
+        assert c.text == tokenizer().decode(c.token_ids, skip_special_tokens=True)
+    for o in constrained:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    status = llm.deployment.status()
+    assert [(r.rank, r.state.value) for r in status.ranks] == [(0, "healthy"), (1, "failed")]
+
+
+def test_prompt_forms_and_per_prompt_params(llm):
+    """Token ids, vLLM's dict prompts and one SamplingParams per prompt."""
+    from elasticep import SamplingParams
+
+    ids = list(prompts()[0])
+    outs = llm.generate([ids, {"prompt_token_ids": ids}, {"prompt": "The cat"}],
+                        [SamplingParams(max_tokens=3, ignore_eos=True),
+                         SamplingParams(max_tokens=5, ignore_eos=True),
+                         SamplingParams(max_tokens=2, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 2]
+    assert outs[1].outputs[0].token_ids[:3] == outs[0].outputs[0].token_ids  # greedy
+    assert (outs[0].prompt, outs[2].prompt) == (None, "The cat")
+    one = llm.generate(ids, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # one id list: one prompt
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(["a"], SamplingParams(top_p=0.0), use_tqdm=False)
+
+
+def test_chat_renders_the_template_and_answers(llm):
+    from elasticep import SamplingParams
+
+    conversation = [{"role": "user", "content": "How many legs does a cat have?"}]
+    with pytest.raises(ValueError, match="no chat template"):  # the demo model has none
+        llm.chat(conversation)
+    (out,) = llm.chat(conversation, SamplingParams(max_tokens=4, ignore_eos=True),
+                      chat_template=QWEN3_STYLE, use_tqdm=False)
+    assert out.prompt == ("<|im_start|>user\nHow many legs does a cat have?<|im_end|>\n"
+                          "<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tokenizer().encode(out.prompt, add_special_tokens=False)
+    (same,) = llm.generate(out.prompt_token_ids, SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_shutdown_stops_every_process_it_started(llm):
+    dep = llm.deployment
+    pids = [*dep.pids().values(), dep.coordinator.pid]
+    assert pid_alive(pids[0])
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert not any(pid_alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["a"])
+
+
+def test_settings_take_flag_names_and_default_the_capacity():
+    cfg = deployment_settings("/m", {"ep_size": 2, "heartbeat_timeout": 3.0})
+    assert (cfg.ep_size, cfg.max_ep_size, cfg.heartbeat_timeout_s) == (2, 2, 3.0)
+    assert DeploymentConfig(model="/m", ep_size=3).max_ep_size == 3  # no reserve unless asked
+    assert DeploymentConfig(model="/m", ep_size=2, max_ep_size=4).max_ep_size == 4
+    with pytest.raises(TypeError, match="'ep_sise'"):
+        deployment_settings("/m", {"ep_sise": 2})
+    with pytest.raises(ValueError, match="--max-ep-size"):
+        deployment_settings("/m", {"ep_size": 2, "max_ep_size": 1})
+
+
+def test_a_config_only_directory_is_refused_before_anything_starts(tmp_path):
+    from elasticep import LLM
+
+    (tmp_path / "config.json").write_text((MODEL / "config.json").read_text())
+    with pytest.raises(UsageError, match="--load-format dummy"):
+        LLM(model=str(tmp_path))
