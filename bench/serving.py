@@ -2,7 +2,9 @@
 against a running `elasticep serve` (``--base-url``) or one it starts (``--launch``),
 one JSON line of throughput and latency (TTFT, TPOT, ITL, E2E: mean, median, p99 in ms),
 and the TTFT of the first request, sent alone before the warm-up (``ttft_first_ms``,
-``ttft_first_over_median``: a fresh ``--launch`` server's cold start on the request path).
+``ttft_first_over_median``: a fresh ``--launch`` server's cold start on the request path),
+and where the measured run's first tokens spent their time (``first_token_trace``: per
+stage p50/p99 from the server's ``/debug/first_token_trace``).
 
 Run it from the repository root as a module (it imports ``elasticep_testkit``):
 
@@ -208,6 +210,7 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
 
     first = warm_up(warm[:1])
     warm_up(warm)
+    first_token_trace(base_url, reset=True)  # the measured run's requests only
     ranks = stub_ranks(args)
     before = stub_engine.read_stats(stub_dir, ranks) if stub_dir else None
     results, duration = asyncio.run(run_requests(
@@ -216,6 +219,7 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
         timeout_s=args.request_timeout))
     out: dict[str, Any] = {"model_id": model, **summarize(results, duration),
                            "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG)}
+    out["first_token_trace"] = first_token_trace(base_url)
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)
     out["ttft_first_over_median"] = (round(out["ttft_first_ms"] / out["median_ttft_ms"], 3)
@@ -228,6 +232,17 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
             min(args.max_concurrency or len(requests), len(requests)),
             out["total_output_tokens"], duration)
     return out
+
+
+def first_token_trace(base_url: str, reset: bool = False) -> dict[str, Any] | None:
+    """The server's first-token breakdown (``GET /debug/first_token_trace``: per stage
+    p50/p99 in ms, and the rank's steps to a first token) of the requests traced since
+    the last reset, then reset it if ``reset``; None from a server without it."""
+    key = os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{base_url}/debug/first_token_trace",
+                  params={"reset": "true"} if reset else None, headers=headers, timeout=30)
+    return r.json() if r.status_code == 200 else None
 
 
 def stub_ranks(args: argparse.Namespace) -> int:

@@ -161,6 +161,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             smaller of max_running_requests (where given) and 256.
         chunked_prefill_size: most prefill tokens of one step (SGLang's meaning); -1:
             no chunking; None: 8192 on CUDA, no chunking on CPU.
+        max_num_batched_tokens: most tokens of one step, decodes included (vLLM's
+            meaning; :mod:`elasticep.engine.admission`); None: the larger of 4096 and
+            the chunk.
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
@@ -212,6 +215,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     max_running_requests: int | None = None
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
+    max_num_batched_tokens: int | None = None
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
     heartbeat_timeout_s: float = 2.0
@@ -260,6 +264,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
              f"{self.max_running_requests}"),
             (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (self.chunked_prefill_size in (None, -1) or self.chunked_prefill_size >= 1,
              f"--chunked-prefill-size must be >= 1, or -1 (off), got "
              f"{self.chunked_prefill_size}"),

@@ -80,7 +80,8 @@ class FakeChannel:
     def poll(self, timeout: float) -> list:
         return []
 
-    def send_outputs(self, outputs: list, epoch: int | None = None) -> None:
+    def send_outputs(self, outputs: list, epoch: int | None = None,
+                     first_tokens: tuple = ()) -> None:
         self.events.append(("send", list(outputs), epoch))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,

@@ -348,6 +348,21 @@ def test_stub_engine_mode_streams_every_token_at_the_stubs_rate():
     assert 0.95 * 25 < line["median_tpot_ms"] < 2 * 25, line["median_tpot_ms"]
     assert 0.3 < stub["served_over_nominal"] <= 1.05, stub
     assert 0.5 * steps_per_s * n < stub["emitted_tok_s"] <= 1.2 * steps_per_s * n, stub
+    # the first-token trace, in steps: every request's first token came from the rank's
+    # next step after it took the request (the stub admits at once), and the
+    # front-end's own stages (HTTP, tokenizer, routing, delivery, SSE write) added less
+    # than one step to the median request's first token
+    trace = line["first_token_trace"]
+    assert trace["requests"] == n, trace
+    assert trace["rank_steps"] == {"p50": 1, "p99": 1, "max": 1}, trace
+    assert set(trace["stages_ms"]) == {
+        "http_to_tokenized", "tokenized_to_routed", "routed_to_rank", "rank_to_scheduled",
+        "scheduled_to_committed", "committed_to_published", "published_to_frontend",
+        "frontend_to_delivered", "delivered_to_written"}
+    assert all(v is not None and 0 <= v["p50"] <= v["p99"]
+               for v in trace["stages_ms"].values()), trace
+    step_ms = 1000 / steps_per_s
+    assert trace["frontend_ms"]["p50"] / step_ms <= 1, trace
 
 
 def test_bad_flags_are_one_line_and_exit_2(capsys):

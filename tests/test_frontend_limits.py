@@ -126,3 +126,28 @@ def test_a_tokenizer_that_cannot_be_copied_gets_one_thread():
         assert seen == (True, [3])
     finally:
         pool.close()
+
+
+def test_a_short_call_runs_on_the_loop_with_its_own_copy_and_a_long_one_on_the_pool():
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    pool = TokenizerPool(tok, 2)
+
+    def where(t, p):
+        return threading.current_thread() is threading.main_thread(), t is tok, t.encode(p)
+
+    async def both():
+        return (await pool.run(where, "a short prompt", inline=True),
+                await pool.run(where, "a short prompt"))
+
+    try:
+        inline, pooled = asyncio.run(both())
+    finally:
+        pool.close()
+    assert inline == (True, False, tok.encode("a short prompt"))  # the loop's own copy
+    assert pooled == (False, False, tok.encode("a short prompt"))
+    single = TokenizerPool(object(), 1)  # no copy: nothing inline, the pool's thread
+    try:
+        assert asyncio.run(single.run(lambda t, p: threading.current_thread()
+                                      is threading.main_thread(), "x", inline=True)) is False
+    finally:
+        single.close()

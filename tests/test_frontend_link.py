@@ -70,7 +70,8 @@ def test_round_trip_unreachable_and_relaunch():
             w.send_error("q", "too long")
             w.send_stats(steps=40, graph_captures=1, graph_replays=38)
             got = await collect(fe, 3)
-            assert got == [OutputBatch(3, 7, (TokenOutput("r", 1, 9),)),
+            assert got[0].sent_us > 0  # stamped at the send, for the first-token trace
+            assert got == [OutputBatch(3, 7, (TokenOutput("r", 1, 9),), sent_us=got[0].sent_us),
                            RequestError(3, "q", "too long"), RankStats(3, 7, 40, 1, 38)]
             w.close()
             # a relaunched rank reuses its identity and gets the next messages

@@ -2,7 +2,8 @@
 worker channel (:class:`~elasticep.frontend_link.WorkerChannel`).
 
 Each iteration takes every request and abort that arrived, runs one engine step if
-anything is unfinished, and publishes that step's tokens. With nothing to do it blocks
+anything is unfinished, and publishes that step's tokens (with the rank's times of the
+first tokens among them: :mod:`.first_token_clock`). With nothing to do it blocks
 in ``poll`` for at most ``idle_poll_s`` so a stop request is noticed quickly. The
 multi-rank elastic worker makes the same link calls around its lockstep step.
 """
@@ -13,6 +14,7 @@ import logging
 import threading
 from typing import Protocol
 
+from elasticep.elastic.first_token_clock import FirstTokenClock
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 from elasticep.frontend_link import WorkerChannel
 
@@ -71,11 +73,16 @@ def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
     channel.hello()
     logger.info("rank %d epoch %d: engine worker serving", rank, channel.epoch)
     steps = 0
+    clock = FirstTokenClock()
     while not stop_event.is_set():
         busy = engine.has_unfinished()
-        apply_messages(engine, channel, channel.poll(0.0 if busy else idle_poll_s))
+        messages = channel.poll(0.0 if busy else idle_poll_s)
+        if messages:
+            clock.received(messages, steps)
+            apply_messages(engine, channel, messages)
         if not engine.has_unfinished():
             continue
+        clock.step_started()
         try:
             outputs = engine.step()
         except Exception as exc:
@@ -83,8 +90,8 @@ def run_engine_worker(engine: StepEngine, channel: WorkerChannel, rank: int,
                          exc)
             report_step_failure(channel, engine.request_ids(), exc)
             raise
-        channel.send_outputs(outputs)
         steps += 1
+        channel.send_outputs(outputs, first_tokens=clock.committed(outputs, steps))
     logger.info("rank %d epoch %d: engine worker stopped after %d steps", rank,
                 channel.epoch, steps)
 

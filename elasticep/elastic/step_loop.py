@@ -46,6 +46,7 @@ from elasticep.elastic import placement_sync
 from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.exchange_watchdog import StepWatchdog, WatchedStep
 from elasticep.elastic.fault_injection import FaultInjector
+from elasticep.elastic.first_token_clock import FirstTokenClock
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.serve_loop import apply_messages
 from elasticep.elastic.step_header import StepHeader, agreed_max_tokens, parse_header, step_header
@@ -118,8 +119,10 @@ class LockstepLoop:
         self._peer_weights_stale = True
         self.M = ep.placement.max_ep_size
         self.pending: ScheduledBatch | None = None
-        # the last committed step's outputs and its epoch, not sent yet (see the module doc)
-        self._unsent: tuple[list, int] | None = None
+        # the last committed step's outputs, its epoch and the first tokens' times among
+        # them, not sent yet (see the module doc)
+        self._unsent: tuple[list, int, tuple] | None = None
+        self.first_tokens = FirstTokenClock()
         self.defer_publish = (exchange is not None and exchange.cuda
                               if defer_publish is None else defer_publish)
         self.stats = LoopStats()
@@ -195,12 +198,19 @@ class LockstepLoop:
             except Exception as err:  # noqa: BLE001 - keep the exception that ended the loop
                 logger.warning("could not send the last committed step's outputs: %r", err)
 
+    def _take_messages(self, timeout_s: float) -> None:
+        """Hand the requests and aborts that arrive within ``timeout_s`` to the engine."""
+        messages = self.channel.poll(timeout_s)
+        if messages:
+            self.first_tokens.received(messages, self.stats.steps)
+            apply_messages(self.engine, self.channel, messages)
+
     def _flush_outputs(self) -> None:
         """Send the last committed step's outputs, if not sent yet."""
         if self._unsent is not None:
-            outputs, epoch = self._unsent
+            outputs, epoch, first_tokens = self._unsent
             self._unsent = None
-            self.channel.send_outputs(outputs, epoch=epoch)
+            self.channel.send_outputs(outputs, epoch=epoch, first_tokens=first_tokens)
 
     def step(self) -> None:
         """One iteration of the loop: agree on the step's header with every active rank,
@@ -228,7 +238,7 @@ class LockstepLoop:
         header; act on an agreed admission, removal or idleness here. Returns the header
         and this rank's batch tokens, or None when the iteration ends with no forward."""
         if self.pending is None:
-            apply_messages(self.engine, self.channel, self.channel.poll(0.0))
+            self._take_messages(0.0)
             if self.engine.has_unfinished():
                 self.pending = self.engine.schedule()
         local_work = int(self.engine.has_unfinished() or self.pending is not None)
@@ -236,6 +246,7 @@ class LockstepLoop:
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
         timers.enter("header")
+        self.first_tokens.step_started()
         dist.all_reduce(header, group=self.group)
         if self._peer_weights_stale:
             self._refresh_peer_weights()
@@ -253,7 +264,7 @@ class LockstepLoop:
             # Nobody has work: wait for a request, backing off while idle so idle ranks
             # cost little CPU; bounded, so membership changes are seen soon.
             self._idle_wait = min(self.max_idle_wait_s, self._idle_wait * 2)
-            apply_messages(self.engine, self.channel, self.channel.poll(self._idle_wait))
+            self._take_messages(self._idle_wait)
             return None
         self._idle_wait = self.idle_wait_s
         return h, num_tokens
@@ -264,6 +275,7 @@ class LockstepLoop:
         and whether a watchdog released the step's waits (then it must be redone)."""
         if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
+        self.first_tokens.scheduled(it.seq.request_id for it in self.pending.items)
         self.faults.at_step(self.stats.steps)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
@@ -295,7 +307,8 @@ class LockstepLoop:
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
-        self._unsent = (outputs, self.stats.last_commit_epoch)
+        self._unsent = (outputs, self.stats.last_commit_epoch,
+                        self.first_tokens.committed(outputs, self.stats.steps))
         if not self.defer_publish:
             self._flush_outputs()
         for phase, seconds in timers.durations().items():

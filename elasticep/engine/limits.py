@@ -51,6 +51,9 @@ KV_TOKENS_PER_REQUEST = 256
 MAX_RUNNING_REQUESTS_CAP = 1024
 DEFAULT_CUDA_GRAPH_MAX_BS = DEFAULT_BUCKETS[-1]  # 256
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # CUDA; CPU: no chunking, as before the flag
+# a step's tokens when --max-num-batched-tokens is not given: at least this, and at
+# least the chunk (a smaller budget would only shrink the chunk)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineConfig.max_batch_tokens
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,25 @@ class RankLimits:
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph; the same on
             every rank (:func:`cuda_graph_max_bs`).
         chunked_prefill_size: most prefill tokens per step, None: no chunking.
+        max_num_batched_tokens: most tokens per step, decodes included
+            (:mod:`elasticep.engine.admission`); None: :func:`max_num_batched_tokens`'s
+            default for the chunk.
     """
 
     max_total_tokens: int
     max_running_requests: int
     cuda_graph_max_bs: int
     chunked_prefill_size: int | None
+    max_num_batched_tokens: int | None = None
 
     def engine_config(self, **kw: object) -> EngineConfig:
         """The engine's config with these limits (``kw``: its other fields).
 
         With chunking on, a step admits up to ``chunked_prefill_size`` prefill tokens
-        (SGLang's meaning of the flag), not only the engine's default budget.
+        (SGLang's meaning of the flag), within the step's budget.
         """
-        budget = max(EngineConfig.max_batch_tokens, self.chunked_prefill_size or 0)
+        budget = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                    self.chunked_prefill_size or 0)
         return EngineConfig(max_total_tokens=self.max_total_tokens,
                             max_num_seqs=self.max_running_requests,
                             cuda_graph_max_bs=self.cuda_graph_max_bs,
@@ -201,15 +209,18 @@ def max_step_tokens(d: DeploymentConfig) -> int | None:
     same-host exchange's buffers; None where it is unbounded (chunked prefill off: one
     prompt may fill a step).
 
-    With chunking, the scheduler admits prefill tokens within the engine's per-step
-    budget and runs at most ``max_running_requests`` decodes, so a step holds at most
-    the larger of the two (and of the chunk size, to be safe against a larger budget).
+    With chunking, the scheduler admits prefill tokens within the step's budget
+    (``--max-num-batched-tokens``) and runs at most ``max_running_requests`` decodes,
+    so a step holds at most the larger of the two (by default, with the chunk size
+    too, to be safe against a larger budget).
     """
     chunk = chunked_prefill_size(d)
     if chunk is None:
         return None
     running = d.max_running_requests or MAX_RUNNING_REQUESTS_CAP
-    return max(EngineConfig.max_batch_tokens, chunk, running)
+    if d.max_num_batched_tokens is not None:  # prefill never takes a step past it
+        return max(d.max_num_batched_tokens, running)
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk, running)
 
 
 def known_max_total_tokens(d: DeploymentConfig) -> int | None:
@@ -231,7 +242,8 @@ def rank_limits(d: DeploymentConfig, kv_tokens: int | None) -> RankLimits:
     """
     total = d.max_total_tokens or kv_tokens or CPU_MAX_TOTAL_TOKENS
     running = d.max_running_requests or default_max_running_requests(d.device, total)
-    return RankLimits(total, running, cuda_graph_max_bs(d), chunked_prefill_size(d))
+    return RankLimits(total, running, cuda_graph_max_bs(d), chunked_prefill_size(d),
+                      d.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -299,3 +311,4 @@ def measure_rank_limits(d: DeploymentConfig, model_config: MoEModelConfig, rank:
                     "come -> %d tokens", memory, d.mem_fraction_static or
                     DEFAULT_MEM_FRACTION_STATIC, missing_expert_slots, kv_tokens)
     return rank_limits(d, kv_tokens)
+

@@ -11,14 +11,18 @@ prefill tokens are capped at that size: a long prompt is computed over several s
 ``[start, end)`` a chunk at a time, while every running decode still gets its token
 each step. A sequence whose prefill is not finished samples nothing
 (:attr:`ScheduledSeq.samples`) and holds blocks only for the chunks computed so far.
-Chunks go to partly prefilled sequences first (oldest first), then to admissions.
+Chunks go to partly prefilled sequences first (oldest first), then to admissions. The
+token arithmetic is :mod:`elasticep.engine.admission`'s pure policy; this class adds the
+KV blocks and preemption.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from elasticep.engine.admission import StepBudget, take_chunks
 from elasticep.engine.kv_cache import BlockManager
 from elasticep.engine.sequence import Sequence, SequenceStatus
 
@@ -67,13 +71,13 @@ class Scheduler:
             prompt in one step.
 
     Raises:
-        ValueError: ``chunked_prefill_size`` is not None and below 1.
+        ValueError: ``chunked_prefill_size`` is not None and below 1, or
+            ``max_batch_tokens`` below 1 (:class:`~elasticep.engine.admission.StepBudget`).
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int,
                  chunked_prefill_size: int | None = None) -> None:
-        if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {chunked_prefill_size}")
+        self.budget = StepBudget(max_batch_tokens, chunked_prefill_size)
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -118,20 +122,22 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> ScheduledBatch:
-        """Plan one step: grow running sequences, preempting the newest on shortage, then admit."""
-        chunk = self.chunked_prefill_size
+        """Plan one step by :mod:`elasticep.engine.admission`'s policy: every running
+        decode, then prefill chunks within the step's budget (partly prefilled prompts
+        first, then admissions in arrival order), preempting the newest running
+        sequence when KV blocks run short."""
+        budget = self.budget
+        chunked = budget.chunked_prefill_size is not None
         # Prefill tokens this step may still take. Counting the decodes before any
         # preemption only makes it smaller than it could be, never too large.
-        prefill = self.max_batch_tokens - sum(1 for s in self.running if s.num_new_tokens == 1)
-        if chunk is not None:
-            prefill = min(prefill, chunk)
+        prefill = budget.prefill_tokens(sum(1 for s in self.running if s.num_new_tokens == 1))
         items: list[ScheduledSeq] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = seq.num_new_tokens  # 1 for a decode; more only for a partly prefilled one
-            chunked = chunk is not None and n > 1
-            if chunked:
+            is_chunk = chunked and n > 1
+            if is_chunk:
                 n = min(n, prefill)
                 if n < 1:
                     continue  # no prefill budget left this step: it keeps its blocks
@@ -144,20 +150,14 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self.blocks.grow(seq.block_table, end)
                 items.append(ScheduledSeq(seq, seq.num_cached_tokens, end))
-                if chunked:
+                if is_chunk:
                     prefill -= n
-        budget = self.max_batch_tokens - sum(it.end - it.start for it in items)
-        if chunk is not None:
-            budget = min(budget, prefill)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        if not chunked:  # whole prompts: what the decodes left (after any preemption)
+            prefill = budget.max_num_batched_tokens - sum(it.end - it.start for it in items)
+        free = self.max_num_seqs - len(self.running)
+        needs = [seq.num_new_tokens for seq in itertools.islice(self.waiting, max(0, free))]
+        for need in take_chunks(needs, prefill, chunked, not items):
             seq = self.waiting[0]
-            need = seq.num_new_tokens
-            if chunk is not None:
-                need = min(need, budget)
-                if need < 1:
-                    break
-            elif need > budget and items:
-                break
             start = seq.num_cached_tokens  # 0: waiting sequences hold no blocks
             if not self.blocks.can_grow(seq.block_table, start + need):
                 break
@@ -166,5 +166,4 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append(ScheduledSeq(seq, start, start + need))
-            budget -= need
         return ScheduledBatch(tuple(items))

@@ -26,6 +26,7 @@ from elasticep.engine.limits import (
     CPU_MAX_TOTAL_TOKENS,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MEM_FRACTION_STATIC,
     KV_TOKENS_PER_REQUEST,
     MAX_RUNNING_REQUESTS_CAP,
@@ -98,6 +99,11 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
     _add(k, "--chunked-prefill-size", "most prompt tokens prefilled in one step, so a long "
          "prompt shares steps with running decodes; -1 turns chunking off (default: "
          f"{DEFAULT_CHUNKED_PREFILL_SIZE} on CUDA, off on CPU)", type=int)
+    _add(k, "--max-num-batched-tokens", "most tokens one step forwards, decodes included: "
+         "every running decode gets its token each step and new prompts' chunks fill the "
+         "rest, so a new request starts in the next step and the step (hence the running "
+         "streams' inter-token latency) stays bounded (default: the larger of "
+         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} and --chunked-prefill-size)", type=int)
     e = p.add_argument_group("expert parallelism")
     _add(e, "--ep-size", "number of ranks to start; each hosts a share of the experts and "
          "serves its own requests (default: %(default)s)", type=int)

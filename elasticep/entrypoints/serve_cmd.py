@@ -42,6 +42,7 @@ from elasticep.deploy.supervisor import (
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.limits import known_max_total_tokens
+from elasticep.engine.memory_fit import deployment_fit_problem
 from elasticep.entrypoints.serve_args import (
     ServeSettings,
     add_serve_arguments,
@@ -94,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
         settings = validate(args)
+        problem = gpu_fit_problem(settings.deployment)
+        if problem is not None:
+            raise UsageError(problem)
         fault = env_fault()
         env_profiler()
         log_dir = make_log_dir(args.log_dir, "elasticep-logs-")
@@ -133,6 +137,26 @@ def check_membership_store(settings: ServeSettings, deployment_id: str) -> None:
     spec = parse_store_url(settings.membership_store)
     if spec.kind == "etcd" and settings.node_rank == 0:
         open_etcd_store(spec, deployment_id).close()
+
+
+def gpu_fit_problem(d: DeploymentConfig) -> str | None:
+    """Why this node's GPUs cannot hold the deployment's ranks, or None: the pure check
+    of :func:`~elasticep.engine.limits.deployment_fit_problem` on the GPUs' sizes, read
+    before any rank loads (minutes) and without a CUDA context in serve's process."""
+    if d.device != "cuda":
+        return None
+    import torch
+
+    from elasticep.eplb.placement import initial_slots_per_rank
+    from elasticep.models.config import load_model_config
+
+    if not torch.cuda.is_available():
+        return None  # the ranks say so themselves
+    mcfg = load_model_config(d.model)
+    slots = initial_slots_per_rank(mcfg.num_experts, d.ep_num_redundant_experts, d.ep_size,
+                                   min_ep_size=d.slot_reserve_ranks)
+    total = torch.cuda.get_device_properties(0).total_memory
+    return deployment_fit_problem(d, mcfg, slots, total, torch.cuda.device_count())
 
 
 def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEvent,

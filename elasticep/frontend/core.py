@@ -26,6 +26,7 @@ from typing import Any
 from elasticep.deploy.restart_policy import scale_command
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.event_log import EventLog
+from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
@@ -48,6 +49,7 @@ from elasticep.frontend_link import (
     StepFailed,
     WorkerMessage,
     is_routable,
+    monotonic_us,
 )
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
@@ -100,6 +102,7 @@ class Frontend:
         # the phases of deaths, rejoins and scales (metrics and --event-log)
         self.timeline = RecoveryTimeline()
         self.event_log: EventLog | None = None
+        self.first_token_trace = FirstTokenTrace(monotonic_us)
         self._status = DeploymentStatus()
         self._states: dict[int, str] = {}
         self._unreachable: set[int] = set()
@@ -179,8 +182,13 @@ class Frontend:
 
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams) -> RequestStream:
+               params: SamplingParams, arrived_us: int | None = None,
+               tokenized_us: int | None = None) -> RequestStream:
         """Route a request now and return the stream of its events.
+
+        ``arrived_us`` and ``tokenized_us`` (``monotonic_us`` stamps of the HTTP
+        handler's start and of its prompt's tokens; None: now) start its first-token
+        trace (:mod:`elasticep.frontend.first_token_trace`).
 
         Always close the stream (``async with contextlib.aclosing(stream)``): closing it
         before the final event (client gone) aborts the request on its rank.
@@ -192,7 +200,9 @@ class Frontend:
         if self.closed_reason is not None:
             raise NoRankAvailableError(self.closed_reason)
         stream = RequestStream(self, request_id)
-        self._dispatch(self.tracker.add(request_id, prompt_token_ids, params, stream.put))
+        sends = self.tracker.add(request_id, prompt_token_ids, params, stream.put)
+        self.first_token_trace.arrived(request_id, arrived_us, tokenized_us)
+        self._dispatch(sends)
         self.metrics.requests_running.inc()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         stream.open = True
@@ -374,12 +384,21 @@ class Frontend:
                     logger.exception("epoch %s: failed to handle %s from rank %s",
                                      self._status.epoch, type(msg).__name__,
                                      getattr(msg, "rank", "?"))
+            # poll returns at once while messages wait, without passing through the
+            # loop: yield here, or a pump that is always behind starves the streams'
+            # writers and the HTTP handlers, and clients get their tokens in one burst
+            # at the end (seen at 256 streams on stub ranks)
+            await asyncio.sleep(0)
 
     def _handle(self, msg: WorkerMessage) -> None:
         if isinstance(msg, OutputBatch):
             self._record(self.timeline.on_output(time.monotonic(), msg.rank, msg.epoch,
                                                  len(msg.outputs)))
+            firsts = (self.first_token_trace.rank_batch(msg.first_tokens, msg.sent_us)
+                      if msg.first_tokens else ())
             self._dispatch(self.tracker.on_outputs(msg.rank, msg.outputs))
+            if firsts:
+                self.first_token_trace.delivered(firsts)
         elif isinstance(msg, RequestError):
             self._dispatch(self.tracker.on_error(msg.rank, msg.request_id, msg.message))
         elif isinstance(msg, StepFailed):
@@ -399,6 +418,8 @@ class Frontend:
         for send in sends:
             try:
                 self.channel.send(send.rank, send.message)
+                if type(send.message) is GenerateRequest:
+                    self.first_token_trace.routed(send.message.request_id)
             except RankUnreachableError as exc:
                 if isinstance(send.message, GenerateRequest):
                     logger.warning("epoch %s: %s; moving its requests",

@@ -40,7 +40,7 @@ from elasticep.frontend.openai_protocol import (
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.scale_api import add_scale_routes
 from elasticep.frontend.sglang_api import add_sglang_routes
-from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.frontend.tokenizer import load_tokenizer, streaming_decode
 from elasticep.frontend.tool_parsers import parser_for_family
 from elasticep.frontend_link import FrontendChannel
 from elasticep.models.config import SamplingDefaults, load_model_config
@@ -334,6 +334,12 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
         data, content_type = frontend.metrics.render()
         return Response(data, media_type=content_type)
 
+    @app.get("/debug/first_token_trace")
+    async def first_token_trace(reset: bool = False) -> dict[str, Any]:
+        # where first tokens spent their time (frontend/first_token_trace.py); the
+        # benchmark resets it before its measured run and reads it after
+        return frontend.first_token_trace.summary(reset=reset)
+
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:
         return {**frontend.status().to_dict(), **frontend.status_extra()}
@@ -380,8 +386,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
     # Prompt lengths are checked against max_model_len with a clear 400; the tokenizer's
     # own limit would only print a transformers warning into the server log.
     tokenizer.model_max_length = 1 << 62
-    frontend = Frontend(channel, membership,
-                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    frontend = Frontend(channel, membership, streaming_decode(tokenizer),
                         config=frontend_config,
                         decode_with=lambda ids, **options: tokenizer.decode(ids, **options))
     config = ServerConfig(model_name=served_model_name or str(model_path),

@@ -54,6 +54,18 @@ class MergedStream:
             self._left -= 1
         raise StopAsyncIteration
 
+    def ready(self) -> list[RequestEvent]:
+        """The members' events already queued, without waiting (see
+        :meth:`RequestStream.ready`)."""
+        out: list[RequestEvent] = []
+        while self._left and not self._queue.empty():
+            event = self._queue.get_nowait()
+            if event is None:
+                self._left -= 1
+            else:
+                out.append(event)
+        return out
+
     async def aclose(self) -> None:
         """Stop following every member; aborts those not finished."""
         for task in self._tasks:

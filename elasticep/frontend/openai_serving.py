@@ -55,12 +55,16 @@ from elasticep.frontend.response_streams import (
 )
 from elasticep.frontend.tokenizer import NoTokenizerError, TokenizerPool
 from elasticep.frontend.tool_parsers import ToolCall
+from elasticep.frontend_link import monotonic_us
 from elasticep.models.config import SamplingDefaults
 from elasticep.utils.text import unicode_problem
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
+# text prompts up to this many characters are encoded on the loop (under a
+# millisecond), longer ones on the pool (TokenizerPool.run's inline)
+INLINE_PROMPT_CHARS = 1024
 
 
 class OpenAIServing:
@@ -146,7 +150,8 @@ class OpenAIServing:
         if isinstance(prompt, str):
             _check_unicode(prompt, param)
             try:
-                ids = list(await self.tokenizers.run(_encode, prompt))
+                ids = list(await self.tokenizers.run(
+                    _encode, prompt, inline=len(prompt) <= INLINE_PROMPT_CHARS))
             except NoTokenizerError as exc:
                 raise OpenAIError(400, str(exc), param=param) from None
         else:
@@ -176,14 +181,17 @@ class OpenAIServing:
         return ids, self.check_token_ids(req.to_sampling_params(max_tokens,
                                                                 self.sampling_defaults))
 
-    def submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams,
+               arrived_us: int | None = None) -> RequestStream:
         """Route a request; the stream of its events (close it: see ``Frontend.submit``).
+        ``arrived_us``: when its handler began (``monotonic_us``), for the first-token
+        trace; its prompt counts as tokenized now.
 
         Raises:
             OpenAIError: 503 with no healthy rank, 409 for a request id in flight.
         """
         try:
-            return self.frontend.submit(request_id, ids, params)
+            return self.frontend.submit(request_id, ids, params, arrived_us, monotonic_us())
         except NoRankAvailableError as exc:
             raise OpenAIError(503, str(exc), type="service_unavailable") from exc
         except DuplicateRequestError as exc:
@@ -192,12 +200,13 @@ class OpenAIServing:
     # ---- endpoints -----------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions: every prompt times ``n`` choices (:mod:`completion_choices`)."""
+        arrived = monotonic_us()
         inputs = await self._completion_inputs(req)
         rid, created = new_id("cmpl"), now()
         choices = CompletionChoices(req, inputs, self.token_text, self.tokenizer.decode)
         streams = self.submit_all(
             [f"{rid}-{k}" if choices.many else rid for k in range(choices.count)],
-            choices.requests())
+            choices.requests(), arrived)
         prompt_tokens = sum(len(ids) for ids, _ in inputs)
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None) -> str:
@@ -230,8 +239,10 @@ class OpenAIServing:
                          else sum(r.num_tokens for _, r in kept))).model_dump())
 
     def submit_all(self, request_ids: list[str],
-                   requests: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
-        """:meth:`submit` each request; if one fails, those already routed are aborted.
+                   requests: list[tuple[list[int], SamplingParams]],
+                   arrived_us: int | None = None) -> list[RequestStream]:
+        """:meth:`submit` each request (all arrived at ``arrived_us``: one HTTP request);
+        if one fails, those already routed are aborted.
 
         Raises:
             OpenAIError: as :meth:`submit`.
@@ -239,7 +250,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for rid, (ids, params) in zip(request_ids, requests, strict=True):
-                streams.append(self.submit(rid, ids, params))
+                streams.append(self.submit(rid, ids, params, arrived_us))
         except BaseException:
             for s in streams:
                 s.close_now()
@@ -248,11 +259,12 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
+        arrived = monotonic_us()
         parser = tool_parser(req, self.tool_call_parser, self.model_name)
         ids, params = await self._chat_inputs(req)
         params = with_forced_call(req, self.tool_call_parser, params)
         rid, created = new_id("chatcmpl"), now()
-        stream = self.submit(rid, ids, params)
+        stream = self.submit(rid, ids, params, arrived)
         first = [True]
 
         def logprobs(lps: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
@@ -300,8 +312,9 @@ class OpenAIServing:
             render: Callable[[RequestEvent], str | None],
             tail: Callable[[int], str | None] = lambda _: None) -> StreamingResponse:
         """:func:`~elasticep.frontend.response_streams.sse_response` on this front-end's
-        metrics."""
-        return sse_response(stream, endpoint, render, tail, self.frontend.metrics)
+        metrics and first-token trace."""
+        return sse_response(stream, endpoint, render, tail, self.frontend.metrics,
+                            self.frontend.first_token_trace)
 
     async def collect(self, stream: RequestStream, raw: Request, endpoint: str,
                       ) -> RequestResult:

@@ -46,6 +46,24 @@ class RequestStream:
             raise StopAsyncIteration
         # no timeout here: the front-end's stall watch puts an error event instead
         event = await self._queue.get()
+        self._account(event)
+        return event
+
+    def ready(self) -> list[RequestEvent]:
+        """The events already queued behind the last one returned, up to the final one,
+        without waiting: a writer that fell behind (several steps' tokens arrived while
+        it wrote) sends them in one write, so its cost per token falls as the load
+        rises instead of the backlog growing."""
+        out: list[RequestEvent] = []
+        while not self._done and not self._queue.empty():
+            event = self._queue.get_nowait()
+            self._account(event)
+            out.append(event)
+        return out
+
+    def _account(self, event: RequestEvent) -> None:
+        """Time and count a taken event in the metrics; close the stream after its final
+        one."""
         metrics = self._frontend.metrics
         now = time.monotonic()
         if event.num_generated == 1 and event.token_ids:
@@ -60,8 +78,7 @@ class RequestStream:
                         (now - self._first_token_at) / (event.num_generated - 1))
             self._done = True
             # a request the tracker finished needs no abort; an error may (timeout)
-            await self._close(abort=event.error is not None)
-        return event
+            self._close_sync(abort=event.error is not None)
 
     async def aclose(self) -> None:
         """Stop following the request; aborts it on its rank unless it finished."""
@@ -73,14 +90,12 @@ class RequestStream:
         self._done = True
         self._close_sync(abort=True)
 
-    async def _close(self, abort: bool) -> None:
-        self._close_sync(abort)
-
     def _close_sync(self, abort: bool) -> None:
         if not self.open:
             return
         self.open = False
         self._frontend._streams.pop(self.request_id, None)
+        self._frontend.first_token_trace.closed(self.request_id)
         self._frontend.metrics.requests_running.dec()
         if abort:
             self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from elasticep.engine.request import TokenLogprobs
 from elasticep.frontend.core import RequestStream
+from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.merged_stream import MergedStream
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.openai_protocol import OpenAIError, error_body
@@ -85,37 +86,54 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
 def sse_response(stream: RequestStream | MergedStream, endpoint: str,
                  render: Callable[[RequestEvent], str | None],
                  tail: Callable[[int], str | None], metrics: FrontendMetrics,
-                 ) -> StreamingResponse:
+                 trace: FirstTokenTrace | None = None) -> StreamingResponse:
     """An SSE response: ``render(event)`` per token event (None: no chunk), an error
     chunk if a request fails, ``tail(tokens)`` (if not None; ``tokens`` summed over
     the requests of a merged stream) once every request finished, then ``[DONE]``.
-    ``endpoint`` labels the request metric in ``metrics``."""
+    ``endpoint`` labels the request metric in ``metrics``; ``trace`` (if given) is told
+    when each request's first token was written.
+
+    One chunk per token event, but one write for every event queued by then
+    (``stream.ready()``): each write costs the loop the whole ASGI send path, more than
+    rendering the events it carries, so a writer that fell behind catches up."""
     members = len(stream.streams) if isinstance(stream, MergedStream) else 1
 
     async def body() -> AsyncIterator[str]:
         outcome = "aborted"
         generated: dict[str, int] = {}
         finished: set[str] = set()
+        written: set[str] = set()
         try:
             async with contextlib.aclosing(stream):
                 async for event in stream:
-                    if event.error is not None:
-                        outcome = "error"
-                        yield _sse_line(_error_json(event))
+                    lines: list[str] = []
+                    first: list[str] = []  # requests whose first token this write carries
+                    for e in (event, *stream.ready()):
+                        if e.error is not None:
+                            outcome = "error"
+                            lines.append(_sse_line(_error_json(e)))
+                            break
+                        generated[e.request_id] = e.num_generated
+                        if e.num_generated and e.request_id not in written:
+                            written.add(e.request_id)
+                            first.append(e.request_id)
+                        line = render(e)
+                        if line is not None:
+                            lines.append(_sse_line(line))
+                        if e.finish_reason is not None:
+                            finished.add(e.request_id)
+                            if len(finished) == members:
+                                outcome = "finished"
+                    if lines:
+                        yield "".join(lines)
+                    if trace is not None:  # resumed here: the chunk is out
+                        for rid in first:
+                            trace.written(rid)
+                    if outcome == "error":
                         break
-                    generated[event.request_id] = event.num_generated
-                    line = render(event)
-                    if line is not None:
-                        yield _sse_line(line)
-                    if event.finish_reason is not None:
-                        finished.add(event.request_id)
-                        if len(finished) == members:
-                            outcome = "finished"
             num_tokens = sum(generated.values())
             last = tail(num_tokens) if outcome == "finished" else None
-            if last is not None:
-                yield _sse_line(last)
-            yield "data: [DONE]\n\n"
+            yield ("" if last is None else _sse_line(last)) + "data: [DONE]\n\n"
         finally:
             metrics.requests.labels(endpoint, outcome).inc()
 

@@ -14,6 +14,7 @@ from .channels import (
     WorkerChannel,
 )
 from .messages import (
+    FirstTokenTimes,
     LinkEndpoints,
     OutputBatch,
     RankMessage,
@@ -23,10 +24,12 @@ from .messages import (
     WorkerHello,
     WorkerMessage,
     is_routable,
+    monotonic_us,
 )
 
 __all__ = [
-    "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError", "OutputBatch",
+    "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError",
+    "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
-    "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable",
+    "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable", "monotonic_us",
 ]

@@ -273,10 +273,12 @@ class WorkerChannel:
             return []
         return _recv_ready(self._dealer, _TO_RANK, f"rank {self.rank} epoch {self.epoch}")
 
-    def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None) -> None:
+    def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None,
+                     first_tokens: Sequence[m.FirstTokenTimes] = ()) -> None:
         """Publish one committed step's tokens, tagged with this rank and ``epoch`` (the
         step loop passes the epoch it read right after the step's commit; None:
-        :attr:`epoch`).
+        :attr:`epoch`), the rank's times of the first tokens among them, and the time
+        of the send (``sent_us``).
 
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
@@ -285,7 +287,9 @@ class WorkerChannel:
             return
         self._push_msg(m.OutputBatch(rank=self.rank,
                                      epoch=self.epoch if epoch is None else epoch,
-                                     outputs=tuple(outputs)))
+                                     outputs=tuple(outputs),
+                                     first_tokens=tuple(first_tokens),
+                                     sent_us=m.monotonic_us()))
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
                    decode_replays: int = 0, decode_eager: int = 0,

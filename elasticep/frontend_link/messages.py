@@ -7,6 +7,7 @@ checked against their annotations when it is read (the control messages' convent
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
@@ -45,13 +46,52 @@ def is_routable(state: SlotState, pid: int | None, hello: WorkerHello | None) ->
             and (pid is None or hello.pid == pid))
 
 
+def monotonic_us() -> int:
+    """The host's ``CLOCK_MONOTONIC`` in microseconds: the clock of
+    :class:`FirstTokenTimes` and of the front-end's first-token stamps."""
+    return time.monotonic_ns() // 1000
+
+
+@dataclass(frozen=True)
+class FirstTokenTimes:
+    """A rank's side of one request's first token (:mod:`elasticep.elastic.first_token_clock`).
+
+    Times are microseconds of the host's ``CLOCK_MONOTONIC`` (:func:`monotonic_us`), which every process of one host shares, so the front-end can subtract its
+    own stamps from them; across hosts only the differences within one side mean
+    anything. Integers, so a list of these travels as rows.
+
+    Attributes:
+        request_id: the request.
+        received_us: the rank took the request off the link.
+        scheduled_us: the step that computed its first prompt chunk began.
+        committed_us: the step that drew its first token committed.
+        steps: steps the rank committed from receipt to that token, that one included
+            (1: admitted into the rank's next step).
+    """
+
+    request_id: str
+    received_us: int
+    scheduled_us: int
+    committed_us: int
+    steps: int
+
+
 @dataclass(frozen=True)
 class OutputBatch(Message, tag="outputs"):
-    """Tokens of one committed step of one rank, published in index order per request."""
+    """Tokens of one committed step of one rank, published in index order per request.
+
+    Attributes:
+        first_tokens: the rank's times of the requests whose first token on this rank
+            is in ``outputs``.
+        sent_us: when the rank handed the batch to the link (``CLOCK_MONOTONIC``
+            microseconds; 0: not stamped).
+    """
 
     rank: int
     epoch: int
     outputs: tuple[TokenOutput, ...]
+    first_tokens: tuple[FirstTokenTimes, ...] = ()
+    sent_us: int = 0
 
 
 @dataclass(frozen=True)
