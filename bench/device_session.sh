@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS_WANTED COMMAND...: at most what is left of BUDGET
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-mkdir -p /tmp/q3 && cp bench/configs/qwen3-30b-a3b.json /tmp/q3/config.json \
+rm -rf /tmp/q3 && mkdir -p /tmp/q3 && cp bench/configs/${Q3_CONFIG:-qwen3-30b-a3b}.json /tmp/q3/config.json \
     && cp models/tiny-qwen3-moe/tokenizer* /tmp/q3/
 Q3="--device cuda --model /tmp/q3 --load-format dummy --dtype bfloat16 --ignore-eos"
 
