@@ -46,7 +46,6 @@ from elasticep.entrypoints.validate import (
 )
 from elasticep.membership import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
-from elasticep.membership.etcd_store import find_coordinator
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
@@ -158,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
             raise JoinError("give --dist-init-addr HOST:PORT (printed by serve) or "
                             "--membership-store etcd://...")
         if args.dist_init_addr is None:
+            from elasticep.membership.etcd_store import find_coordinator
+
             args.dist_init_addr = find_coordinator(args.membership_store,
                                                    args.coordinator_timeout)
         check_address("--dist-init-addr", args.dist_init_addr)

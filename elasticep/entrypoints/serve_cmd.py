@@ -60,7 +60,6 @@ from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.client import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
-from elasticep.membership.etcd_store import find_coordinator, open_etcd_store
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
@@ -136,6 +135,9 @@ def check_membership_store(settings: ServeSettings, deployment_id: str) -> None:
     """
     spec = parse_store_url(settings.membership_store)
     if spec.kind == "etcd" and settings.node_rank == 0:
+        # etcd's client only where etcd is asked for: the embedded default needs none
+        from elasticep.membership.etcd_store import open_etcd_store
+
         open_etcd_store(spec, deployment_id).close()
 
 
@@ -410,6 +412,8 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     (``fault``: their fault-injection spec)."""
     address = f"{settings.coordinator_host}:{settings.coordinator_port}"
     if settings.coordinator_port == 0:  # no --dist-init-addr: the leader in etcd
+        from elasticep.membership.etcd_store import find_coordinator
+
         address = find_coordinator(settings.membership_store, settings.coordinator_timeout_s)
     if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
         return stop.exit_status() or 1

@@ -23,9 +23,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .errors import MembershipStoreError, StoreUnavailableError
-from .etcd_store import EtcdMembershipStore
+
+if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
+    from .etcd_store import EtcdMembershipStore
 
 log = logging.getLogger("elasticep.membership")
 
