@@ -95,6 +95,33 @@ def test_prompt_forms_and_per_prompt_params(llm):
         llm.generate(["a"], SamplingParams(top_p=0.0), use_tqdm=False)
 
 
+def test_logprobs_in_vllm_shape_match_the_engine(llm):
+    """``logprobs`` / ``prompt_logprobs`` come back as vLLM's per-position dicts, equal
+    (within float32 rounding over a different batch) to the log-softmax of the
+    in-process engine's logits at the same positions."""
+    import torch
+
+    from elasticep import SamplingParams
+    from elasticep.engine.llm_engine import LLMEngine
+
+    ids = list(prompts()[1])
+    out = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2,
+                                             prompt_logprobs=1), use_tqdm=False)[0]
+    gen = out.outputs[0]
+    ref = torch.log_softmax(LLMEngine.from_pretrained(MODEL, progress=False).prompt_logits(
+        ids + gen.token_ids[:-1]).float(), -1)
+    assert len(gen.logprobs) == 4 and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    for j, (tok, lp) in enumerate(zip(gen.token_ids, gen.logprobs, strict=True)):
+        assert 2 <= len(lp) <= 3 and tok in lp  # the token and its 2 alternatives
+        for t, v in lp.items():
+            assert abs(v - float(ref[len(ids) - 1 + j, t])) < 1e-3
+    assert gen.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in
+                                                       zip(gen.token_ids, gen.logprobs, strict=True)))
+    for pos in (1, len(ids) - 1):
+        assert abs(out.prompt_logprobs[pos][ids[pos]] - float(ref[pos - 1, ids[pos]])) < 1e-3
+
+
 def test_chat_renders_the_template_and_answers(llm):
     from elasticep import SamplingParams
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.request_tracker import RequestEvent
@@ -38,12 +38,17 @@ class Completion:
         text: streamed text (stop strings cut).
         finish_reason: "stop", "length" or "abort".
         error: set when the request failed.
+        logprobs: each generated token's logprob and alternatives, when the request
+            asked for them (``SamplingParams.logprobs``), else empty.
+        prompt_logprobs: the prompt tokens' (positions 1..P-1), when asked for.
     """
 
     token_ids: list[int]
     text: str
     finish_reason: str | None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class BatchDriver:
@@ -155,15 +160,20 @@ class BatchDriver:
             self._ids += 1
             stream = self.frontend.submit(f"batch-{self._ids}-{i}", list(ids), per_prompt[i])
             tokens: list[int] = []
+            lps: list[TokenLogprobs] = []
+            prompt_lps = None
             text, finish, error = "", None, None
             async with contextlib.aclosing(stream):
                 async for ev in stream:
                     if on_event is not None:
                         on_event(i, ev)
                     tokens.extend(ev.token_ids)
+                    lps.extend(ev.logprobs)
+                    if ev.prompt_logprobs is not None:
+                        prompt_lps = ev.prompt_logprobs
                     text += ev.text
                     finish, error = ev.finish_reason, ev.error
-            return Completion(tokens, text, finish, error)
+            return Completion(tokens, text, finish, error, tuple(lps), prompt_lps)
 
         async def run() -> list[Completion]:
             return await asyncio.wait_for(

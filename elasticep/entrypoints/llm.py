@@ -15,7 +15,7 @@ the survivors as prompt + generated tokens. Keyword arguments are the deployment
 
 Differences from vLLM a user should know: :class:`SamplingParams` is the engine's own
 (greedy by default: ``temperature`` 0, ``max_tokens`` 16); ``logprobs`` and
-``cumulative_logprob`` stay None until the engine returns log-probabilities.
+``prompt_logprobs`` return vLLM's per-position ``{token id: logprob}`` dicts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
-from elasticep.engine.request import SamplingParams
+from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import (
     check_model_dir,
@@ -64,8 +64,11 @@ class CompletionOutput:
         index: its index among the prompt's completions (0: one completion per prompt).
         text: the generated text, special tokens skipped and stop strings cut.
         token_ids: the generated ids (EOS included where generation stopped on it).
-        cumulative_logprob: None (no log-probabilities yet).
-        logprobs: None (no log-probabilities yet).
+        cumulative_logprob: the sum of the generated tokens' logprobs, when
+            ``SamplingParams.logprobs`` asked for them; else None.
+        logprobs: per generated token, ``{token id: logprob}`` of the token and its
+            ``logprobs`` most likely alternatives (vLLM's shape, raw logprobs before
+            penalties and temperature); None unless asked for.
         finish_reason: "stop" (EOS or a stop string) or "length".
     """
 
@@ -88,6 +91,8 @@ class RequestOutput:
         prompt_token_ids: the prompt's ids.
         outputs: its completions (one).
         finished: always True (outputs are returned whole).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: None for the first
+            prompt token, then ``{token id: logprob}`` per prompt token (vLLM's shape).
     """
 
     request_id: str
@@ -95,6 +100,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def _by_token(lp: TokenLogprobs) -> dict[int, float]:
+    """vLLM's per-position form: the token's logprob and its alternatives', by id."""
+    return {lp.token_id: lp.logprob, **{t: v for t, v in lp.top if t != lp.token_id}}
 
 
 class GenerationError(RuntimeError):
@@ -284,8 +295,15 @@ class LLM:
         outs = []
         for text, prompt_ids, c in zip(texts, ids, done, strict=True):
             self._requests += 1
+            wants = (params if isinstance(params, SamplingParams) else params[len(outs)])
+            lps = [_by_token(lp) for lp in c.logprobs] if wants.logprobs is not None else None
+            prompt_lps = ([None, *(_by_token(lp) for lp in c.prompt_logprobs)]
+                          if c.prompt_logprobs is not None else None)
             outs.append(RequestOutput(str(self._requests), text, prompt_ids, [CompletionOutput(
-                0, c.text, list(c.token_ids), finish_reason=c.finish_reason)]))
+                0, c.text, list(c.token_ids),
+                cumulative_logprob=(sum(lp.logprob for lp in c.logprobs)
+                                    if lps is not None else None),
+                logprobs=lps, finish_reason=c.finish_reason)], prompt_logprobs=prompt_lps))
         return outs
 
     # ---- lifecycle -------------------------------------------------------------------
