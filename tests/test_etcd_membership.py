@@ -334,7 +334,7 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
         health = httpx.get(f"{s.url}/health", timeout=10).json()
         assert "membership_store" not in health and not health["degraded"], health
         metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
-        assert "elasticep_membership_store_ok 1.0" in metrics
+        assert 'elasticep_membership_store_ok{store="etcd"} 1.0' in metrics
         assert f'elasticep_coordinator_leader{{replica="{store.leader}"}} 1.0' in metrics
         cluster.kill(0)
         cluster.kill(1)
@@ -352,7 +352,7 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
                 "membership store unavailable: no etcd member answered"), health
             assert health["status"] == "ok" and health["degraded"]
             metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
-            assert "elasticep_membership_store_ok 0.0" in metrics
+            assert 'elasticep_membership_store_ok{store="etcd"} 0.0' in metrics
             assert complete()
             # past the lease TTL without etcd, it stops counting itself the leader
             s.wait_for(lambda st: st.membership_store.leader is None, 10,

@@ -156,3 +156,17 @@ def test_plot_events_draws_a_png(tmp_path):
 def test_who_may_read_metrics(path, client, keys, needs):
     mw = ApiKeyMiddleware(None, api_key=keys[0], metrics_api_key=keys[1])
     assert mw._key_for({"type": "http", "path": path, "client": (client, 5)}) == needs
+
+
+def test_the_membership_store_gauges_are_absent_without_a_store():
+    """The embedded default exports no ``membership_store_ok`` sample (a 0 there would
+    page an operator who never asked for etcd); a store's status sets it."""
+    from elasticep.membership.status import StoreStatus
+
+    m = FrontendMetrics()
+    m.store_status(None)
+    assert "elasticep_membership_store_ok{" not in m.render()[0].decode()
+    m.store_status(StoreStatus("etcd", True, None, 7, "replica-0"))
+    text = m.render()[0].decode()
+    assert 'elasticep_membership_store_ok{store="etcd"} 1.0' in text
+    assert 'elasticep_membership_store_revision{store="etcd"} 7.0' in text

@@ -61,11 +61,11 @@ class FrontendMetrics:
                                   registry=r)
         self.membership_store_ok = Gauge(
             "elasticep_membership_store_ok", "1 while the newest membership is committed "
-            "to --membership-store (etcd), 0 while it cannot be; absent when embedded",
-            registry=r)
+            "to --membership-store (etcd), 0 while it cannot be; absent when embedded "
+            "(a labelled gauge has no sample until it is set)", ["store"], registry=r)
         self.membership_store_revision = Gauge(
             "elasticep_membership_store_revision",
-            "Store revision of the coordinator's last commit (etcd)", registry=r)
+            "Store revision of the coordinator's last commit (etcd)", ["store"], registry=r)
         self.coordinator_leader = Gauge(
             "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
             "leader lease (etcd)", ["replica"], registry=r)
@@ -181,8 +181,8 @@ class FrontendMetrics:
         """Record the membership store's state (None, the embedded default: nothing)."""
         if store is None:
             return
-        self.membership_store_ok.set(int(store.ok))
-        self.membership_store_revision.set(store.revision)
+        self.membership_store_ok.labels(store.kind).set(int(store.ok))
+        self.membership_store_revision.labels(store.kind).set(store.revision)
         self.coordinator_leader.clear()
         if store.leader is not None:
             self.coordinator_leader.labels(store.leader).set(1)
