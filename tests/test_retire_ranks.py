@@ -269,6 +269,26 @@ def test_a_grow_waiting_for_joiners_says_so_and_gives_up_after_the_scale_timeout
     assert _ok(svc, SUP, Scale(5, id=5))["slots"] == [4]  # a new grow may start
 
 
+def test_a_waiting_grow_replaced_by_a_later_operation_reads_superseded():
+    """A grow 4 -> 6 still waiting for its joiners, then the target lowered back to 4:
+    the grow's operation used to read waiting_for_joiners forever; it is superseded."""
+    svc = MembershipService(store_port=1, clock=lambda: 0.0)
+    for r in range(4):
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=4, max_world_size=6,
+                              is_extension=False, id=1))
+        _ok(svc, r, Register("world", list(range(6)), list(range(4)), OnFailure.COMPLETE,
+                             False, id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    _ok(svc, SUP, PublishDeployment("{}", 4, 6, 1, 30.0, id=2))
+    _ok(svc, SUP, Scale(6, operation_id="grow", id=3))
+    assert _ok(svc, SUP, GetOperation("grow", id=4))["operation"]["phase"] == \
+        "waiting_for_joiners"
+    _ok(svc, SUP, Scale(4, operation_id="back", id=5))
+    assert _status(svc).ep_size == 4
+    assert _ok(svc, SUP, GetOperation("grow", id=6))["operation"]["phase"] == "superseded"
+    assert _ok(svc, SUP, GetOperation("back", id=7))["operation"]["phase"] == "done"
+
+
 # ---- the HTTP routes over the real service ---------------------------------------------
 class ServiceMembership:
     """A ``MembershipSource`` that hands each call to a :class:`MembershipService` (no

@@ -44,6 +44,7 @@ class OpPhase(StrEnum):
     RETIRING = "retiring"     # every leaving slot is out; some process still exits
     DONE = "done"             # every slot reached its end state
     TIMED_OUT = "timed_out"   # a grow gave up waiting for its joiners (its slots freed)
+    SUPERSEDED = "superseded"  # a later operation replaced a grow that still waited
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,19 @@ def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankO
 
 
 def op_phase(op: Operation, ranks: Mapping[int, RankOpState], timed_out: bool = False,
-             ) -> OpPhase:
+             superseded: bool = False) -> OpPhase:
     """An operation's phase from its slots' states (pure).
 
     Args:
         op: the operation.
         ranks: slot -> its :func:`rank_op_state`.
         timed_out: a grow that gave up (see ``--elastic-ep-scale-timeout``).
+        superseded: a grow replaced by a later operation before all its joiners were in.
     """
     if timed_out:
         return OpPhase.TIMED_OUT
+    if superseded:
+        return OpPhase.SUPERSEDED
     states = [ranks[s] for s in op.slots]
     if op.leaving:
         if any(st in (RankOpState.ACTIVE, RankOpState.DRAINING) for st in states):
@@ -108,21 +112,21 @@ def op_phase(op: Operation, ranks: Mapping[int, RankOpState], timed_out: bool = 
 
 
 def op_view(op: Operation, states: Sequence[SlotState], alive: Mapping[int, bool],
-            timed_out: bool = False) -> dict[str, Any]:
+            timed_out: bool = False, superseded: bool = False) -> dict[str, Any]:
     """The ``GET /scale_elastic_ep/{id}`` body (pure).
 
     Args:
         op: the operation.
         states: slot state per slot, now.
         alive: slot -> a worker process of it still runs.
-        timed_out: see :func:`op_phase`.
+        timed_out, superseded: see :func:`op_phase`.
 
     Returns:
         ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``.
     """
     ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False)) for s in op.slots}
     return {"operation_id": op.id, "request": dict(op.request),
-            "phase": op_phase(op, ranks, timed_out).value,
+            "phase": op_phase(op, ranks, timed_out, superseded).value,
             "ranks": [{"rank": s, "state": ranks[s].value} for s in op.slots]}
 
 
@@ -133,6 +137,7 @@ class OperationLog:
 
     ops: dict[str, Operation] = field(default_factory=dict)
     timed_out: set[str] = field(default_factory=set)  # grows that gave up
+    superseded: set[str] = field(default_factory=set)  # grows a later operation replaced
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def repeat(self, op_id: str | None, request: Mapping[str, Any]) -> Operation | None:
@@ -156,8 +161,15 @@ class OperationLog:
             if op_id not in self.ops:
                 return op_id
 
-    def add(self, op: Operation) -> Operation:
-        """Record ``op`` (its id must be new)."""
+    def add(self, op: Operation, states: Sequence[SlotState] = ()) -> Operation:
+        """Record ``op`` (its id must be new). A grow that still waited for a joiner
+        (one of its slots not healthy in ``states``, the slot states before ``op``) is
+        superseded: ``op`` set a new target, so that grow never finishes as asked."""
+        for old in self.ops.values():
+            if (not old.leaving and old.id not in self.timed_out
+                    and any(s < len(states) and states[s] != SlotState.HEALTHY
+                            for s in old.slots)):
+                self.superseded.add(old.id)
         self.ops[op.id] = op
         return op
 

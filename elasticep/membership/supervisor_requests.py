@@ -166,7 +166,7 @@ class SupervisorRequests:
         op_id = op_id or ops.new_id()
         reply = {**plan.reply, "operation_id": op_id}
         ops.add(Operation(op_id, request, tuple(sorted(plan.reply["slots"])),
-                          leaving=not plan.admit, reply=reply))
+                          leaving=not plan.admit, reply=reply), states)
         log.info("coordinator: epoch %d: operation %s %s: ep_size %d: %s", epoch, op_id,
                  request, self._target().ep_size, plan.reply)
         return reply
@@ -183,8 +183,9 @@ class SupervisorRequests:
         alive = {s: (procs[r].alive if r in procs else False)
                  or (r in launches and (r not in procs or launches[r].pid != procs[r].pid))
                  for s, r in enumerate(ranks)}
-        return {"operation": op_view(op, states, alive,
-                                     op.id in self._deployment.operations.timed_out)}
+        ops = self._deployment.operations
+        return {"operation": op_view(op, states, alive, op.id in ops.timed_out,
+                                     op.id in ops.superseded)}
 
     def _expire_scale(self, now: float) -> None:
         """A grow still waiting for joiners past ``--elastic-ep-scale-timeout`` gives up:
