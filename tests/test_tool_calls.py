@@ -209,6 +209,13 @@ def test_tool_choice_none_and_bad_choices(served):
             client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
                                            **extra)
         assert err.value.body["param"] == "tool_choice"
+    # a forced call with no tools, and two tools of one name
+    with pytest.raises(openai.BadRequestError, match="needs tools") as err:
+        client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required")
+    assert err.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="two functions are named") as err:
+        client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, WEATHER])
+    assert err.value.body["param"] == "tools"
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,18 @@ def with_forced_call(req: ChatCompletionRequest, parser: str | None,
     of the tools) or names a function (that one); ``params`` unchanged otherwise.
 
     Raises:
-        OpenAIError: 400 naming the field: a named function that is not among ``tools``,
+        OpenAIError: 400 naming the field: two tools of one name, a forced call with no
+            tools, a named function that is not among ``tools``,
             a forced call beside a structured-output constraint, or parameters whose
             schema the grammar library refuses.
     """
     choice = req.tool_choice
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise OpenAIError(400, f"tools: two functions are named {dup!r}", param="tools")
+    if not names and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        raise OpenAIError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
     tools = req.tools_for_template()
     if tools is None or choice in (None, "auto") or parser is None:
         return params
