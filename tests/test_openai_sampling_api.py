@@ -205,7 +205,7 @@ def test_logit_bias_stop_token_ids_and_special_tokens(live):
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", -1),
     ("min_p", 1.5), ("min_tokens", 50), ("stop_token_ids", [99999]), ("logit_bias", {"x": 1}),
-    ("logprobs", 21), ("best_of", 0), ("max_tokens", 0)])
+    ("logprobs", 21), ("best_of", 0), ("max_tokens", 0), ("n", 129), ("best_of", 129)])
 def test_out_of_range_is_a_400_naming_the_field(live, field, value):
     r = live["http"].post("/v1/completions", json={"model": NAME, "prompt": "hi",
                                                    "max_tokens": 16, field: value})

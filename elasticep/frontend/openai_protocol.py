@@ -83,7 +83,8 @@ class _SamplingFields(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables it")
-    n: int = Field(1, ge=1)
+    # OpenAI's own bound on n: more would let one request occupy every rank's slots
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -244,7 +245,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = None
+    best_of: int | None = Field(None, le=128)  # below n: a 400 (check_supported)
     suffix: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingFields.UNSUPPORTED, "suffix": None}
