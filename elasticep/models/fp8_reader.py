@@ -60,9 +60,7 @@ class Fp8BlockReader:
         """``key`` as a ``shape`` tensor of ``dtype`` on ``device``, dequantized if it is
         stored as block FP8 (or rounded through it, with online quantization)."""
         if self._stored_fp8(key):
-            q = self.inner.get_stored(key)
-            scale = self.inner.get_stored(key + SCALE_SUFFIX)
-            return self._dequantized(key, q, scale, shape, dtype, device)
+            return self._dequantized(*self._stored(key, shape, None), dtype, device)
         return self._maybe_online(key, self.inner.get(key, shape, torch.float32, device),
                                   dtype)
 
@@ -71,9 +69,7 @@ class Fp8BlockReader:
         """Row ``row`` of a stacked (fused-expert) tensor; its scales are the same row of
         ``<key>_scale_inv``."""
         if self._stored_fp8(key):
-            q = self.inner.get_row_stored(key, row)
-            scale = self.inner.get_row_stored(key + SCALE_SUFFIX, row)
-            return self._dequantized(key, q, scale, shape, dtype, device)
+            return self._dequantized(*self._stored(key, shape, row), dtype, device)
         return self._maybe_online(key, self.inner.get_row(key, row, shape, torch.float32, device),
                                   dtype)
 
@@ -98,13 +94,7 @@ class Fp8BlockReader:
             ValueError: missing tensor, wrong shape or dtype, scales of the wrong shape.
         """
         if self._stored_fp8(key):
-            if row is None:
-                q, scale = self.inner.get_stored(key), self.inner.get_stored(key + SCALE_SUFFIX)
-            else:
-                q = self.inner.get_row_stored(key, row)
-                scale = self.inner.get_row_stored(key + SCALE_SUFFIX, row)
-            w = self._dequantized(key, q, scale, shape, torch.float32, "cpu")  # checks it all
-            del w
+            q, scale = self._stored(key, shape, row)
             return q.to(device), scale.float().to(device)
         w = (self.inner.get(key, shape, torch.float32, device) if row is None
              else self.inner.get_row(key, row, shape, torch.float32, device))
@@ -115,9 +105,15 @@ class Fp8BlockReader:
             return fp8_block.fake_quantize(w, dtype, self.quant.block)
         return w.to(dtype)
 
-    def _dequantized(self, key: str, q: torch.Tensor, scale: torch.Tensor,
-                     shape: tuple[int, ...], dtype: torch.dtype,
-                     device: torch.device | str) -> torch.Tensor:
+    def _stored(self, key: str, shape: tuple[int, ...],
+                row: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key`` (or its row ``row``) and its scales as stored, checked: the shape, the
+        FP8 encoding and the scales' dtype and shape."""
+        if row is None:
+            q, scale = self.inner.get_stored(key), self.inner.get_stored(key + SCALE_SUFFIX)
+        else:
+            q = self.inner.get_row_stored(key, row)
+            scale = self.inner.get_row_stored(key + SCALE_SUFFIX, row)
         if tuple(q.shape) != tuple(shape):
             raise unsupported(f"tensor {key!r} has shape {list(q.shape)}, expected {list(shape)}")
         if q.dtype != fp8_block.FP8_DTYPE:
@@ -125,9 +121,14 @@ class Fp8BlockReader:
                              f"{str(q.dtype).removeprefix('torch.')}, not float8_e4m3fn")
         if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"scales {key + SCALE_SUFFIX!r} are {scale.dtype}, not float32")
-        try:
-            w = fp8_block.dequantize(q.to(device), scale.to(device), torch.float32,
-                                     self.quant.block)
-        except ValueError as exc:
-            raise ValueError(f"tensor {key!r}: {exc}") from None
-        return w.to(dtype)
+        want = fp8_block.scale_shape(q.shape, self.quant.block)
+        if tuple(scale.shape) != want:
+            raise ValueError(f"tensor {key!r}: block scales of a {list(q.shape)} weight must "
+                             f"be {list(want)} for {self.quant.block[0]}x{self.quant.block[1]} "
+                             f"blocks, got {list(scale.shape)}")
+        return q, scale
+
+    def _dequantized(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                     device: torch.device | str) -> torch.Tensor:
+        return fp8_block.dequantize(q.to(device), scale.to(device), torch.float32,
+                                    self.quant.block).to(dtype)

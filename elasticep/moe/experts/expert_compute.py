@@ -102,6 +102,12 @@ def dense_weights(w13: torch.Tensor, w2: torch.Tensor,
             fp8_block.dequantize_packed(w2, hidden, dtype))
 
 
+def _bounded_tags(tags: torch.Tensor, tag_bound: tuple[torch.Tensor, int]) -> torch.Tensor:
+    # each row's tag cut to its block's bound (grouped_swiglu's ``tag_bound``), as a copy
+    bound, block_rows = tag_bound
+    return torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
+
+
 def _swiglu_fp8(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
                 out: torch.Tensor | None) -> torch.Tensor:
     # packed FP8 slots on the device: weights dequantized in registers
@@ -170,8 +176,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     """
     if fp8_block.is_packed(w13):
         if tag_bound is not None:
-            bound, block_rows = tag_bound
-            tags = torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
+            tags = _bounded_tags(tags, tag_bound)
         if row_repeat > 1:
             rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
         if rows.is_cuda and use_grouped is not False and FP8_KERNELS:
@@ -184,7 +189,7 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
                 and small_batch_ok(rows, w13)):
             return swiglu_rows(w13, w2, rows, tags, out, tag_bound=(bound.reshape(-1),
                                                                     block_rows))
-        tags = torch.minimum(tags.view(-1, block_rows), bound.reshape(-1, 1)).view(-1)
+        tags = _bounded_tags(tags, tag_bound)
     if (row_repeat > 1 and use_grouped is not False and w2.is_contiguous()
             and tiled_rows_ok(rows, w13, w2, row_repeat)):
         return swiglu_tiled(w13, w2, rows, tags, out, row_repeat=row_repeat)
