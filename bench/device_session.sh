@@ -58,6 +58,7 @@ if want served_profile; then
         step "served_profile_c$c" 90 python3 -m bench.serving --launch $Q3 --random-input-len 256 \
             --random-output-len 256 --random-range-ratio 1 --max-concurrency $c --num-prompts $n \
             --serve-arg=--max-ep-size --serve-arg=2 --serve-arg=--log-stats-interval --serve-arg=1 \
+            ${SP_EXTRA:---serve-arg=--max-total-tokens --serve-arg=131296} \
             --log-dir /tmp/servelog$c >> "$OUT/served_profile.jsonl" 2> /tmp/sp$c.err
         tail -2 /tmp/sp$c.err
         cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
