@@ -11,7 +11,7 @@ stays on the device:
 * each row's first ``H`` columns are the token's hidden state and its last 4 bytes an
   int32 tag: ``local slot + 1`` for a real row, ``0`` for padding. Zero means "empty"
   on purpose: an elastic group zero-fills the rows of inactive ranks, which therefore
-  read as padding too. ``W`` (:func:`row_width`) pads the row to a multiple of 16 bytes.
+  read as padding too. ``W`` (:func:`row_width`) pads the row to a multiple of 16 elements.
 
 The tag rides in the row instead of a tensor of its own so that a dispatch is one
 all_to_all, not two: at decode batch sizes an all_to_all costs its latency (tens of
@@ -156,11 +156,19 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     return PaddedPlan(position, tag, group_size, capacity)
 
 
+# A row's element count is a multiple of this. Triton specializes an integer argument
+# only when it is divisible by 16, and the expert kernels that read the received rows
+# in place (row stride W) can prove their loads aligned, and issue them as 16-byte
+# vectors, only then: W = 2056 (Qwen3's 2048 values and the tag, bf16) is not.
+ROW_ELEMS_ALIGN = 16
+
+
 def row_width(hidden_size: int, dtype: torch.dtype) -> int:
     """Columns of an exchanged row: ``hidden_size`` values, then room for the int32 tag,
-    rounded up so a row is a multiple of 16 bytes (aligned rows for the GEMMs)."""
+    rounded up to a multiple of :data:`ROW_ELEMS_ALIGN` elements (so also of 16 bytes)."""
     size = torch.empty((), dtype=dtype).element_size()
-    return -(-(hidden_size * size + 4) // 16) * 16 // size
+    values = hidden_size + -(-4 // size)  # the tag takes 4 bytes: 2 bf16 or 1 fp32 value
+    return -(-values // ROW_ELEMS_ALIGN) * ROW_ELEMS_ALIGN
 
 
 def split_rows(buf: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
