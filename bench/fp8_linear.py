@@ -29,6 +29,8 @@ import torch
 
 from bench._commit import commit
 from bench.expert_gemv import copy_bandwidth
+from bench.fp8_experts import versus_bound
+from bench.spike_stream_wait import replay_ms
 from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton, plan, sm_count
 from elasticep.moe.experts import fp8_block
 
@@ -56,14 +58,7 @@ def graph_us(fn, copies: int) -> float:
     with torch.cuda.graph(graph):
         for c in range(CALLS):
             fn(c % copies)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    times = replay_ms(graph, 20)
     return sorted(times)[len(times) // 2] * 1e3 / CALLS
 
 
@@ -88,12 +83,7 @@ def measure(name: str, n: int, k: int, m: int, copy_bw: float, sweep: bool) -> d
         "bench": "fp8_linear", "commit": commit(), "device": torch.cuda.get_device_name(),
         "shape": name, "n": n, "k": k, "m": m, "tile": list(tile),
         "copy_bw_GBps": round(copy_bw / 1e9, 1),
-        "fp8_us": round(fp8_us, 2), "bf16_us": round(bf16_us, 2),
-        "fp8_over_bf16": round(fp8_us / bf16_us, 3),
-        "fp8_bound_us": round(fp8_bytes / copy_bw * 1e6, 2),
-        "bf16_bound_us": round(bf16_bytes / copy_bw * 1e6, 2),
-        "fp8_x_bound": round(fp8_us / 1e6 / (fp8_bytes / copy_bw), 2),
-        "bf16_x_bound": round(bf16_us / 1e6 / (bf16_bytes / copy_bw), 2),
+        **versus_bound(fp8_us, bf16_us, fp8_bytes, bf16_bytes, copy_bw),
         "fp8_rel_err_vs_reference": err,
     }
     if m >= 1024:

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elasticep.models.linear import Weight, linear
 from elasticep.models.routing import RoutingConfig, fused_rule, route_logits, router_logits
 from elasticep.moe.executor import ExpertExecutor
 
 
 @dataclass
 class DenseMLPWeights:
-    """SwiGLU MLP: gate/up ``[I, H]``, down ``[H, I]``."""
+    """SwiGLU MLP: gate/up ``[I, H]``, down ``[H, I]``, plain or block FP8."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 @dataclass
@@ -45,7 +46,7 @@ class MoEBlockWeights:
 
 def dense_mlp(x: torch.Tensor, w: DenseMLPWeights) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` for ``x [T, H]``."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    return linear(F.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
 def moe_block(
