@@ -6,11 +6,13 @@ model with those weights dequantized at load (the path before them) computes: eq
 logits (the reference matmul is that path's float32 matmul) and the same greedy
 tokens, on the demo model, and on tiny DeepSeek-V2-Lite/V3 FP8 checkpoints against the
 plain checkpoints of their dequantized weights (plain q_proj, query LoRA, MLA's rotary
-rows permuted inside their scale blocks, shared experts, a dense first layer). Its dense projections take 1 byte a weight plus their scales.
+rows permuted inside their scale blocks, shared experts, a dense first layer). Its dense projections take 1 byte a weight plus their scales, and
+``bench/scale.py``'s HBM bound counts exactly those bytes.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ from _deepseek_ckpt import build
 from _fp8_ckpt import write_dequantized, write_fp8_checkpoint
 from _model_helpers import rel_err, run_batched
 
+from bench.step_bytes import step_bytes
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
-from elasticep.models import load_model
+from elasticep.models import load_model, load_model_config
 from elasticep.models.linear import Fp8Weight, dense, weight_bytes
 from elasticep.models.loader import _deinterleaved
 from elasticep.models.mla import MLAWeights
@@ -32,7 +35,7 @@ from elasticep_testkit.ep import prompts
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 ATTN = ("q", "k", "v", "o", "qkv", "q_a", "q_b", "kv_a", "kv_b")
 MLP = ("gate", "up", "down")
 
@@ -100,7 +103,7 @@ def test_demo_model_fp8_projections_compute_the_dequantized_model():
     logits = run_batched(fp8, ids, split=1)
     for got, want in zip(logits, run_batched(old, ids, split=1), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert LLMEngine(fp8).generate(ids, GREEDY) == LLMEngine(old).generate(ids, GREEDY)
+    assert LLMEngine(fp8).generate(ids[:2], GREEDY) == LLMEngine(old).generate(ids[:2], GREEDY)
     # and they are FP8's logits, not the unquantized model's
     plain = run_batched(load_model(MODEL, progress=False), ids[:1], split=1)[0]
     assert rel_err(logits[0], plain) > 1e-3
@@ -127,6 +130,26 @@ def test_deepseek_fp8_checkpoint_computes_its_dequantized_weights(variant, tmp_p
     for got, want in zip(run_batched(fp8, ids, split=1), run_batched(old, ids, split=1), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert LLMEngine(fp8).generate(ids, GREEDY) == LLMEngine(old).generate(ids, GREEDY)
+    # the HBM bound's bytes are the bytes this model holds (kv_b at float32's 4)
+    parts = step_bytes(fp8.config, 4, [0, 0], [])
+    assert parts["attention_weights"] + parts["dense_mlps"] == sum(map(weight_bytes, ps.values()))
+
+
+def test_step_bytes_counts_the_fp8_projections_a_model_holds(tmp_path):
+    config = json.loads((MODEL / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.layers.0.self_attn.o_proj"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path, load_format="dummy", progress=False, dtype=torch.bfloat16)
+    ps = projections(model)
+    assert isinstance(ps["0.o"], torch.Tensor) and isinstance(ps["1.o"], Fp8Weight)
+    parts = step_bytes(model.config, 2, [0] * 6, [])
+    assert parts["attention_weights"] == sum(map(weight_bytes, ps.values()))
+    assert parts["dense_mlps"] == 0
+    plain = step_bytes(load_model_config(MODEL), 2, [0] * 6, [])
+    assert plain["attention_weights"] == 6 * 2 * (512 + 256) * 256
 
 
 def test_rotary_rows_keep_their_scales_only_inside_a_block():

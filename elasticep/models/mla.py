@@ -60,13 +60,19 @@ class MLAConfig:
         """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def projection_shapes(self, hidden_size: int) -> dict[str, tuple[int, int]]:
+        """``[out, in]`` of each of one layer's MLA projections, by HF module name."""
+        q_out = self.num_heads * self.qk_head_dim
+        q = ({"q_proj": (q_out, hidden_size)} if self.q_lora_rank is None else
+             {"q_a_proj": (self.q_lora_rank, hidden_size), "q_b_proj": (q_out, self.q_lora_rank)})
+        return {**q, "kv_a_proj_with_mqa": (self.cache_width, hidden_size),
+                "kv_b_proj": (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                              self.kv_lora_rank),
+                "o_proj": (hidden_size, self.num_heads * self.v_head_dim)}
+
     def weight_params(self, hidden_size: int) -> int:
         """Parameters of one layer's MLA projections (the attention weights a step reads)."""
-        q_out = self.num_heads * self.qk_head_dim
-        q = hidden_size * q_out if self.q_lora_rank is None else self.q_lora_rank * (hidden_size + q_out)
-        kv = hidden_size * self.cache_width + self.kv_lora_rank * self.num_heads * (
-            self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + self.num_heads * self.v_head_dim * hidden_size
+        return sum(n * k for n, k in self.projection_shapes(hidden_size).values())
 
     def full_kv_width(self) -> int:
         """Values per token per layer that plain MHA with these heads would cache (K and V)."""
