@@ -46,9 +46,13 @@ DECODE_MAX_M = 64
 DECODE_TILE = (32, 4, 4)
 # prefill tiles (BLOCK_M, BLOCK_N, warps, stages)
 PREFILL_TILE = (128, 128, 8, 3)
-# split K until the grid has about this many programs per SM, keeping at least
-# MIN_SPLIT_CHUNKS scale blocks in each program
-PROGRAMS_PER_SM = 2
+# Split K until the grid has about this many programs per SM, keeping at least
+# MIN_SPLIT_CHUNKS scale blocks in each program. A split costs a second kernel, and a
+# program already keeps its next stages' loads in flight, so only grids with fewer tiles
+# than SMs split (Qwen3-30B-A3B's o_proj and DeepSeek-V3's q_a and kv_a at decode sizes;
+# not the fused qkv). These tiles are not tuned on a GPU yet: `python -m
+# bench.fp8_linear --sweep` times the alternatives.
+PROGRAMS_PER_SM = 1
 MIN_SPLIT_CHUNKS = 4
 MAX_SPLIT = 16
 
