@@ -227,11 +227,13 @@ def _deinterleaved(w: Weight, heads: int, head_dim: int, rope_start: int, dt) ->
 
 
 def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
-    return DenseMLPWeights(
+    w = DenseMLPWeights(
         gate=_proj(reader, f"{p}.gate_proj.weight", (inter, hid), dt, dev),
         up=_proj(reader, f"{p}.up_proj.weight", (inter, hid), dt, dev),
         down=_proj(reader, f"{p}.down_proj.weight", (hid, inter), dt, dev),
     )
+    w.fuse_gate_up()
+    return w
 
 
 def _mla(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> MLAWeights:
