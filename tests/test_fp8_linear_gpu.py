@@ -1,13 +1,21 @@
 """The FP8 dense projection kernels compiled on the GPU against their torch reference, at
-Qwen3-30B-A3B's and DeepSeek-V3's projection shapes (bf16 and fp16 activations), and
-their CUDA-graph safety (captured once, replayed on new inputs, equal to eager calls)."""
+Qwen3-30B-A3B's and DeepSeek-V3's projection shapes (bf16 and fp16 activations), their
+CUDA-graph safety (captured once, replayed on new inputs, equal to eager calls), and the
+demo model with FP8 projections decoding through the engine's graphs in bf16."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from _graph_checks import assert_greedy_tokens_match, graph_steps_match_eager, random_prompts
+from test_fp8_dense import dequantized_copy
 from test_fp8_linear import make_case, rounding_bound
 
+from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep.engine.request import SamplingParams
+from elasticep.models import load_model
 from elasticep.models.fp8_linear import fp8_linear, fp8_linear_reference, fp8_linear_triton, plan
 from elasticep.models.linear import Fp8Weight, linear
 
@@ -60,3 +68,23 @@ def test_cuda_graph_replay_equals_eager_calls():
         eager = fp8_linear(static, q, s, b)
         assert torch.equal(out, eager), seed  # the same sum order: bit for bit
         assert not torch.equal(out, fp8_linear(x, q, s, b))
+
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+
+
+def test_fp8_demo_model_decodes_through_graphs_as_its_dequantized_copy():
+    cfg = EngineConfig(max_total_tokens=4096, max_num_seqs=8, enable_cuda_graph=True)
+    load = dict(dtype=torch.bfloat16, device="cuda", quantization="fp8")
+    eng = LLMEngine(load_model(DEMO, progress=False, **load), cfg)
+    assert isinstance(eng.model.layers[0].attn.qkv, Fp8Weight)
+    assert eng.runner.graphs is not None
+    # the graphs replay the FP8 kernels as the eager forward runs them
+    assert graph_steps_match_eager(eng, random_prompts((5, 33, 17, 64, 2)), 12) >= 10
+    # greedy text against the projections dequantized to bf16 at load (the path before
+    # them): other roundings, so a prompt may part at a near tie (one of three, reported)
+    prompts = random_prompts((7, 40, 3), seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = LLMEngine(dequantized_copy(DEMO, **load), EngineConfig(max_total_tokens=4096))
+    assert_greedy_tokens_match(eng.generate(prompts, params), ref.generate(prompts, params),
+                               prompts, ref, "FP8 projections vs dequantized, bf16", 1)
