@@ -95,7 +95,9 @@ def cat_rows(parts: list[Fp8Weight]) -> Fp8Weight | None:
     would not stack)."""
     if any(p.shape[0] % _BLOCK_ROWS for p in parts[:-1]):
         return None
-    return Fp8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale_inv for p in parts]))
+    # concatenated as bytes: not every torch build concatenates float8 tensors
+    q = torch.cat([p.q.view(torch.uint8) for p in parts]).view(fp8_block.FP8_DTYPE)
+    return Fp8Weight(q, torch.cat([p.scale_inv for p in parts]))
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

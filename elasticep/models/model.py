@@ -65,14 +65,11 @@ class AttentionWeights:
         sizes = [w.shape[0] for w in parts]
         if all(isinstance(w, torch.Tensor) for w in parts):
             self.qkv = torch.cat(parts)
-            self.q, self.k, self.v = self.qkv.split(sizes)
         elif all(isinstance(w, Fp8Weight) for w in parts):
             self.qkv = cat_rows(parts)
-            if self.qkv is None:
-                return
-            self.q, self.k, self.v = self.qkv.split(sizes)
-        else:
+        if self.qkv is None:
             return
+        self.q, self.k, self.v = self.qkv.split(sizes)
         if self.q_bias is not None:
             self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
             self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(sizes)
