@@ -111,7 +111,9 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
 
 if triton is not None:
 
-    @triton.jit
+    # M follows the decode batch (every captured bucket) and split_chunks the plan: one
+    # compiled kernel serves them all instead of one per value
+    @triton.jit(do_not_specialize=["M", "split_chunks"])
     def _fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride, s_ptr, s_stride, b_ptr, out_ptr,
                            out_stride, part_ptr, M, N, K, split_chunks,
                            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -145,7 +147,7 @@ if triton is not None:
             part = part_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
             tl.store(part, acc, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _split_sum_kernel(part_ptr, b_ptr, out_ptr, out_stride, M, N, HAS_BIAS: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
