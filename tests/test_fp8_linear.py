@@ -65,6 +65,21 @@ def test_reference_is_the_blockwise_sum():
         fp8_linear_reference(x, q, s[:1])
 
 
+def test_decode_plans_read_each_weight_byte_once():
+    from elasticep.models.fp8_linear import plan
+
+    # shapes of Qwen3-30B-A3B (qkv, o) and DeepSeek-V3 (kv_a, o) on an H100's 132 SMs
+    for (n, k), want_split in zip(((5120, 2048), (2048, 4096), (576, 7168), (7168, 16384)),
+                                  (1, 3, 8, 1), strict=True):
+        for m in range(1, 65):
+            bm, bn, split, _, _ = plan(m, n, k, 132)
+            # one M tile: each weight tile is loaded by one program per K range (the K
+            # ranges of a split are disjoint runs of whole scale blocks, at least 4)
+            assert bm >= m and split * 4 <= -(-k // 128), (m, n, k)
+        # K is split only where the output tiles are fewer than the SMs
+        assert plan(1, n, k, 132)[2] == want_split, (n, k)
+
+
 def _interpreted_errors() -> dict[str, float]:
     from elasticep.models.fp8_linear import fp8_linear_triton, plan
 
