@@ -26,6 +26,7 @@ import json
 import sys
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from bench._commit import commit
 from bench.expert_gemv import copy_bandwidth
@@ -43,7 +44,7 @@ SHAPES = {
 }
 SWEEP = [(16, 16, 1, 4, 4), (16, 32, 1, 4, 4), (16, 64, 1, 4, 4), (16, 32, 2, 4, 4),
          (16, 32, 4, 4, 4), (16, 64, 4, 4, 3), (64, 64, 1, 4, 3), (64, 128, 1, 4, 3),
-         (128, 128, 1, 8, 3), (128, 256, 1, 8, 3)]
+         (64, 128, 1, 4, 4), (128, 128, 1, 8, 2), (128, 128, 1, 8, 3), (128, 64, 1, 4, 3)]
 L2_MULTIPLE = 4  # weight copies span this many L2 caches
 CALLS = 20  # calls per graph replay
 
@@ -90,9 +91,17 @@ def measure(name: str, n: int, k: int, m: int, copy_bw: float, sweep: bool) -> d
         rec["fp8_tflops"] = round(2 * m * n * k / fp8_us / 1e6, 1)
         rec["bf16_tflops"] = round(2 * m * n * k / bf16_us / 1e6, 1)
     if sweep:
-        best = min((graph_us(lambda i, t=t: fp8_linear_triton(x, *q[i], tile=t), copies), t)
-                   for t in SWEEP if (t[0] >= m or m > 64) and (t[0] <= 64 or m > 64))
-        rec["best_tile"], rec["best_us"] = list(best[1]), round(best[0], 2)
+        timed, too_big = [], []
+        for t in SWEEP:
+            if m <= 64 and not m <= t[0] <= 64:  # decode: one M tile, as plan's
+                continue
+            try:
+                timed.append((graph_us(lambda i, t=t: fp8_linear_triton(x, *q[i], tile=t),
+                                       copies), t))
+            except OutOfResources:  # more shared memory than the GPU has
+                too_big.append(list(t))
+        best = min(timed)
+        rec["best_tile"], rec["best_us"], rec["tiles_too_big"] = list(best[1]), round(best[0], 2), too_big
     return rec
 
 
