@@ -125,9 +125,9 @@ for l in open('$OUT/sweep.jsonl'):
     print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
 fi
 
-if want fp8_kernels; then  # the FP8 expert kernels against their reference, then timed
-    step fp8_tests ${FP8T_S:-120} python3 -m pytest -v -p no:cacheprovider \
-        tests/test_fp8_rows_gpu.py > "$OUT/fp8_tests.log" 2>&1
+if want fp8_kernels; then  # the FP8 expert and dense kernels against their reference, then timed
+    step fp8_tests ${FP8T_S:-150} python3 -m pytest -v -p no:cacheprovider \
+        tests/test_fp8_rows_gpu.py tests/test_fp8_linear_gpu.py > "$OUT/fp8_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.log" | tail -12
     step fp8_experts ${FP8E_S:-90} python3 -m bench.fp8_experts --rows 1,8,64 \
         > "$OUT/fp8_experts.jsonl" 2> /tmp/fp8e.err
@@ -136,6 +136,13 @@ if want fp8_kernels; then  # the FP8 expert kernels against their reference, the
 import json
 for l in open('$OUT/fp8_experts.jsonl'):
     d=json.loads(l); print(d['hidden'], d['rows'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
+    step fp8_linear ${FP8L_S:-120} python3 -m bench.fp8_linear --m ${FP8L_M:-1,16,64,8192} \
+        > "$OUT/fp8_linear.jsonl" 2> /tmp/fp8l.err
+    tail -2 /tmp/fp8l.err | cut -c1-300
+    python3 -c "
+import json
+for l in open('$OUT/fp8_linear.jsonl'):
+    d=json.loads(l); print(d['shape'], d['m'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
 fi
 
 if want fp8_decode; then  # the decode step in FP8 and bf16 on one shape, one run each
@@ -268,7 +275,7 @@ fi
 # into one archive beside the main results. They are kept outside $OUT, so that several
 # runs of this script in one call (from other trees, say) add to one archive.
 KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_linear.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
     && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
     && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"
