@@ -63,6 +63,10 @@ if want served_profile; then
         tail -2 /tmp/sp$c.err
         cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
             || echo "no profile for c=$c"
+        # the chrome trace too (SP_TRACE=1): the summary names a gap, the trace's host
+        # events say what the host did in it
+        [[ ${SP_TRACE:-0} == 1 ]] && gzip -c /tmp/prof$c/rank0.trace.json \
+            > "$OUT/served_profile_c${c}_rank0.trace.json.gz" 2>/dev/null
         grep -h "steps in\|pieces each" /tmp/servelog$c/* 2>/dev/null | cut -c1-250 | tail -6
     done
 fi
