@@ -311,8 +311,8 @@ class ServiceMembership:
     def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         return self._call(Scale(new_ep_size, operation_id, id=1))
 
-    def retire(self, ranks=None, node=None, operation_id=None) -> dict:
-        return self._call(Retire(ranks, node, operation_id, id=1))
+    def retire(self, ranks=None, node=None, operation_id=None, keep_processes=False) -> dict:
+        return self._call(Retire(ranks, node, operation_id, keep_processes, id=1))
 
     def operation(self, operation_id: str) -> dict:
         return self._call(GetOperation(operation_id, id=1))["operation"]
@@ -349,6 +349,8 @@ def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
         r = httpx.post(url, json={"retire_ranks": [3]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "retire_ranks"
         assert httpx.get(url + "/op-1").status_code == 404
+        r = httpx.post(url, json={"new_ep_size": 2, "keep_processes": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "keep_processes"
         r = httpx.post(url, json={"new_ep_size": 4, "operation_id": "g"})
         assert r.status_code == 200, r.text
         join = ("elasticep join --dist-init-addr 10.0.0.1:29500 --elastic-ep-join-mode scale "

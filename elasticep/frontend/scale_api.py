@@ -3,7 +3,8 @@
 
 A POST names one change: ``{"new_ep_size": K}`` (grow, or shrink from the top, as
 SGLang's), ``{"retire_ranks": [r, ...]}`` or ``{"drain_node": n}`` (those slots drain:
-their experts and requests move to the others, then they leave and their workers exit).
+their experts and requests move to the others, then they leave and their workers exit,
+or stay up idle with ``"keep_processes": true``).
 Its answer carries an ``operation_id`` (the caller's, or a new one); the GET reads the
 operation's phase and each slot's state (``active | draining | retired |
 safe_to_terminate``, ``joining`` for a grow). The same POST again with the same
@@ -65,6 +66,9 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
         op_id = req.operation_id
         kind = "retire"
         if which == "new_ep_size":
+            if req.keep_processes:
+                raise OpenAIError(400, "keep_processes applies to retire_ranks and drain_node "
+                                  "(a shrink's workers always exit)", param="keep_processes")
             kind = "grow" if req.new_ep_size > frontend.status().ep_size else "shrink"
             max_ep = frontend.status().max_ep_size
             if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
@@ -77,12 +81,15 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
         else:
             def change(m: MembershipSource) -> dict[str, Any] | None:
                 return m.retire(ranks=req.retire_ranks, node=req.drain_node,
-                                operation_id=op_id)
+                                operation_id=op_id, keep_processes=req.keep_processes)
         result = await _answer(lambda: frontend.change_membership(change, kind), which)
         waiting = frontend.waiting_for_joiners()
         if result.get("scale_phase") == "waiting_for_joiners" and waiting is not None:
             result["waiting_for_joiners"] = waiting  # the grow needs `join`: say how
-        return JSONResponse({"status": "accepted", which: getattr(req, which), **result})
+        asked = {which: getattr(req, which)}
+        if req.keep_processes:
+            asked["keep_processes"] = True
+        return JSONResponse({"status": "accepted", **asked, **result})
 
     @app.get("/scale_elastic_ep/{operation_id}")
     async def operation(operation_id: str) -> JSONResponse:

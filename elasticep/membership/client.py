@@ -142,9 +142,11 @@ class CoordinatorClient:
         return self._operation_reply(self._call(m.Scale(int(new_ep_size), operation_id)))
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any]:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any]:
         """Retire the slots ``ranks``, or every slot of ``node`` (give one): they drain
-        (experts and requests move to the others), then leave. Returns at once.
+        (experts and requests move to the others), then leave; their workers exit, or
+        stay up idle with ``keep_processes``. Returns at once.
 
         Returns:
             As :meth:`scale`.
@@ -155,7 +157,8 @@ class CoordinatorClient:
             MembershipRequestError: as :meth:`scale`, or a slot not in the target.
         """
         return self._operation_reply(self._call(m.Retire(
-            None if ranks is None else [int(r) for r in ranks], node, operation_id)))
+            None if ranks is None else [int(r) for r in ranks], node, operation_id,
+            bool(keep_processes))))
 
     def operation(self, operation_id: str) -> dict[str, Any]:
         """The operation's phase and per-slot states (``operations.op_view``).

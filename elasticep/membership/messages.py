@@ -263,11 +263,13 @@ class Scale(ControlMessage, tag="scale"):
 @dataclass(frozen=True)
 class Retire(ControlMessage, tag="retire"):
     """Retire the slots ``ranks``, or every slot whose last launch was on ``node`` (one
-    of the two). Answer: as :class:`Scale`'s."""
+    of the two). Answer: as :class:`Scale`'s. ``keep_processes``: their workers stay up,
+    idle, once out of the group, instead of exiting."""
 
     ranks: list[int] | None = None
     node: int | None = None
     operation_id: str | None = None
+    keep_processes: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ class RankOpState(StrEnum):
     ACTIVE = "active"      # a member serving requests and holding experts
     DRAINING = "draining"  # its experts and requests are moving to the others
     RETIRED = "retired"    # out of the group, holds nothing; its process is still exiting
-    SAFE_TO_TERMINATE = "safe_to_terminate"  # out of the group, no process left: stop the pod
+    # out of the group and no process left, or (keep_processes) only an idle one that
+    # holds no request and no expert: stopping it or its pod loses nothing
+    SAFE_TO_TERMINATE = "safe_to_terminate"
 
 
 class OpPhase(StrEnum):
@@ -67,14 +69,22 @@ class Operation:
     leaving: bool
     reply: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def keeps_processes(self) -> bool:
+        """The retired slots' workers stay up, idle (``keep_processes``)."""
+        return bool(self.request.get("keep_processes"))
 
-def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankOpState:
+
+def rank_op_state(state: SlotState, leaving: bool, process_alive: bool,
+                  keep_process: bool = False) -> RankOpState:
     """The operation state of one slot it moves (pure).
 
     Args:
         state: the slot's state.
         leaving: the operation takes the slot out (else it brings it in).
         process_alive: a worker process of the slot still runs.
+        keep_process: the slot's worker stays up once out (``keep_processes``): a live
+            one is not exiting, it idles, and may be stopped at once.
     """
     if state == SlotState.HEALTHY:
         return RankOpState.ACTIVE
@@ -82,7 +92,9 @@ def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankO
         return RankOpState.DRAINING
     if not leaving:
         return RankOpState.JOINING
-    return RankOpState.RETIRED if process_alive else RankOpState.SAFE_TO_TERMINATE
+    if process_alive and not keep_process:
+        return RankOpState.RETIRED
+    return RankOpState.SAFE_TO_TERMINATE
 
 
 def op_phase(op: Operation, ranks: Mapping[int, RankOpState], timed_out: bool = False,
@@ -122,12 +134,19 @@ def op_view(op: Operation, states: Sequence[SlotState], alive: Mapping[int, bool
         timed_out, superseded: see :func:`op_phase`.
 
     Returns:
-        ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``.
+        ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``; with
+        ``keep_processes`` each rank also says ``process_running`` (its idle worker is
+        still up, for the orchestrator to stop).
     """
-    ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False)) for s in op.slots}
+    keep = op.keeps_processes
+    ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False), keep)
+             for s in op.slots}
+    entries: list[dict[str, Any]] = [{"rank": s, "state": ranks[s].value} for s in op.slots]
+    if keep:
+        for e in entries:
+            e["process_running"] = alive.get(e["rank"], False)
     return {"operation_id": op.id, "request": dict(op.request),
-            "phase": op_phase(op, ranks, timed_out, superseded).value,
-            "ranks": [{"rank": s, "state": ranks[s].value} for s in op.slots]}
+            "phase": op_phase(op, ranks, timed_out, superseded).value, "ranks": entries}
 
 
 @dataclass
