@@ -19,7 +19,9 @@ Phases (seconds; all measured on the front-end's monotonic clock):
   ``healthy``), ``pause`` (the gap in step outputs across the epoch change that
   admitted it);
 * a scale: from the accepted request to the scale phase ``idle`` again, by kind
-  (``grow``, ``shrink``, ``retire``).
+  (``grow``, ``shrink``, ``retire``). A grow that a later request replaced while it
+  waited for joiners (the coordinator's answer names it ``superseded``) never finishes:
+  it ends as ``scale_superseded``, which no histogram observes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class Event:
     Attributes:
         t: when (monotonic seconds).
         name: ``rank_state``, ``epoch``, ``scale_requested``, or a phase's end:
-            ``death_<phase>``, ``rejoin_<phase>``, ``scale_done``.
+            ``death_<phase>``, ``rejoin_<phase>``, ``scale_done``,
+            ``scale_superseded``.
         attrs: its details (rank, state, epoch, kind, ...), JSON-ready.
         seconds: the phase's duration, for a phase's end; None otherwise.
     """
@@ -79,7 +82,8 @@ class RecoveryTimeline:
     joining_since: dict[int, float] = field(default_factory=dict)
     ready_since: dict[int, float] = field(default_factory=dict)
     admitted_at: dict[int, int] = field(default_factory=dict)  # rank -> its epoch
-    scales: list[tuple[float, str]] = field(default_factory=list)
+    # open scales: (accepted at, kind, operation id)
+    scales: list[tuple[float, str, str | None]] = field(default_factory=list)
     last_output: dict[int, float] = field(default_factory=dict)  # rank -> time
     last_step: tuple[float, int] | None = None  # (time, epoch) of the latest output
 
@@ -107,9 +111,9 @@ class RecoveryTimeline:
                                               rank=d.rank, epoch=status.epoch))
         self.epoch = status.epoch if self.epoch is None else max(self.epoch, status.epoch)
         if self.scales and status.scale_phase == ScalePhase.IDLE:
-            for t, kind in self.scales:
+            for t, kind, op_id in self.scales:
                 events.append(self._phase(now, "scale_done", t, kind=kind,
-                                          ep_size=status.ep_size))
+                                          operation_id=op_id, ep_size=status.ep_size))
             self.scales = []
         return events
 
@@ -163,9 +167,17 @@ class RecoveryTimeline:
         return events
 
     def on_scale(self, now: float, kind: str, attrs: Mapping[str, Any]) -> list[Event]:
-        """A scale of ``kind`` (grow, shrink, retire) was accepted at ``now``."""
-        self.scales.append((now, kind))
-        return [Event(now, "scale_requested", {"kind": kind, **attrs})]
+        """A scale of ``kind`` (grow, shrink, retire) was accepted at ``now``; ``attrs``
+        is the coordinator's answer (``operation_id``, and ``superseded``: the open
+        grows it replaced, which end here untimed)."""
+        events = [Event(now, "scale_requested", {"kind": kind, **attrs})]
+        gone = set(attrs.get("superseded", ()))
+        for t, old_kind, op_id in [s for s in self.scales if s[2] in gone]:
+            self.scales.remove((t, old_kind, op_id))
+            events.append(self._phase(now, "scale_superseded", t, kind=old_kind,
+                                      operation_id=op_id))
+        self.scales.append((now, kind, attrs.get("operation_id")))
+        return events
 
     @staticmethod
     def _phase(now: float, name: str, since: float, **attrs: Any) -> Event:

@@ -64,12 +64,19 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     async def scale(req: ScaleRequest) -> JSONResponse:
         which = req.which()
         op_id = req.operation_id
-        kind = "retire"
+
+        def kind(result: dict[str, Any]) -> str | None:
+            return "retire"
         if which == "new_ep_size":
             if req.keep_processes:
                 raise OpenAIError(400, "keep_processes applies to retire_ranks and drain_node "
                                   "(a shrink's workers always exit)", param="keep_processes")
-            kind = "grow" if req.new_ep_size > frontend.status().ep_size else "shrink"
+
+            def kind(result: dict[str, Any]) -> str | None:
+                # the coordinator's size, not this front-end's snapshot of it
+                old = result.get("old_ep_size", req.new_ep_size)
+                return (None if req.new_ep_size == old
+                        else "grow" if req.new_ep_size > old else "shrink")
             max_ep = frontend.status().max_ep_size
             if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
                 cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
@@ -89,6 +96,9 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
         asked = {which: getattr(req, which)}
         if req.keep_processes:
             asked["keep_processes"] = True
+        if which == "new_ep_size" and kind(result) is None:  # the size it has: a no-op
+            return JSONResponse({"status": "unchanged", **asked, **result, "message":
+                                 f"ep_size is {req.new_ep_size} already: nothing to do"})
         return JSONResponse({"status": "accepted", **asked, **result})
 
     @app.get("/scale_elastic_ep/{operation_id}")

@@ -254,7 +254,8 @@ class GetDeploymentStatus(ControlMessage, tag="deployment_status"):
 class Scale(ControlMessage, tag="scale"):
     """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase,
     operation_id (``operation_id`` given again with the same size: the same operation,
-    nothing changes)."""
+    nothing changes), and superseded (the ids of the waiting grows it replaced), if
+    any."""
 
     new_ep_size: int
     operation_id: str | None = None

@@ -180,15 +180,21 @@ class OperationLog:
             if op_id not in self.ops:
                 return op_id
 
+    def superseding(self, states: Sequence[SlotState]) -> list[str]:
+        """The grows a new operation would supersede, given ``states`` (the slot states
+        before it): those that still wait for a joiner (a slot not healthy), neither
+        timed out nor superseded already. The new operation sets a new target, so they
+        never finish as asked."""
+        return sorted(old.id for old in self.ops.values()
+                      if not old.leaving and old.id not in self.timed_out
+                      and old.id not in self.superseded
+                      and any(s < len(states) and states[s] != SlotState.HEALTHY
+                              for s in old.slots))
+
     def add(self, op: Operation, states: Sequence[SlotState] = ()) -> Operation:
-        """Record ``op`` (its id must be new). A grow that still waited for a joiner
-        (one of its slots not healthy in ``states``, the slot states before ``op``) is
-        superseded: ``op`` set a new target, so that grow never finishes as asked."""
-        for old in self.ops.values():
-            if (not old.leaving and old.id not in self.timed_out
-                    and any(s < len(states) and states[s] != SlotState.HEALTHY
-                            for s in old.slots)):
-                self.superseded.add(old.id)
+        """Record ``op`` (its id must be new); the grows it supersedes
+        (:meth:`superseding` of ``states``) read ``superseded`` from now on."""
+        self.superseded.update(self.superseding(states))
         self.ops[op.id] = op
         return op
 

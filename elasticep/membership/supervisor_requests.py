@@ -170,6 +170,9 @@ class SupervisorRequests:
             self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
         op_id = op_id or ops.new_id()
         reply = {**plan.reply, "operation_id": op_id}
+        superseded = ops.superseding(states)
+        if superseded:  # grows that will never finish as asked: say so, not time them
+            reply["superseded"] = superseded
         ops.add(Operation(op_id, request, tuple(sorted(plan.reply["slots"])),
                           leaving=not plan.admit, reply=reply), states)
         log.info("coordinator: epoch %d: operation %s %s: ep_size %d: %s", epoch, op_id,
