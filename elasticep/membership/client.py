@@ -133,7 +133,8 @@ class CoordinatorClient:
 
         Returns:
             {"old_ep_size": int, "slots": [int], "scale_phase": str, "operation_id": str}
-            (and "repeated": true for a repeat).
+            (and "repeated": true for a repeat; "superseded": [str], the ids of the
+            waiting grows it replaced).
 
         Raises:
             ScaleInProgressError: a scale is running; OperationConflictError: the id
@@ -171,8 +172,9 @@ class CoordinatorClient:
     @staticmethod
     def _operation_reply(reply: m.Reply) -> dict[str, Any]:
         out = {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase", "operation_id")}
-        if reply.body.get("repeated"):
-            out["repeated"] = True
+        for k in ("superseded", "repeated"):  # present only when they say something
+            if reply.body.get(k):
+                out[k] = reply.body[k]
         return out
 
     def record_launch(self, rank: int, node: int, pid: int) -> None:

@@ -8,13 +8,14 @@ orchestrator acts on (:class:`RankOpState`). Asking again with the same id and t
 request changes nothing and answers the same operation, so a client that retries after
 a lost answer cannot retire twice; the same id with another request is refused.
 
-Nothing here is stored apart from the slot states: an operation's phase and rank states
-are derived from them each time it is read.
+An operation's phase and rank states are derived from the slot states each time it is
+read; the log itself (requests, slots, answers, which grows timed out or were
+superseded) is part of the coordinator's durable state (``durable_state.py``), so a
+coordinator that takes over answers the same ids.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,7 +158,7 @@ class OperationLog:
     ops: dict[str, Operation] = field(default_factory=dict)
     timed_out: set[str] = field(default_factory=set)  # grows that gave up
     superseded: set[str] = field(default_factory=set)  # grows a later operation replaced
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    next_id: int = 1  # of the next id made up (``op-N``)
 
     def repeat(self, op_id: str | None, request: Mapping[str, Any]) -> Operation | None:
         """The operation a repeated request names, or None for a new request.
@@ -176,7 +177,8 @@ class OperationLog:
     def new_id(self) -> str:
         """An id no operation has yet."""
         while True:
-            op_id = f"op-{next(self._ids)}"
+            op_id = f"op-{self.next_id}"
+            self.next_id += 1
             if op_id not in self.ops:
                 return op_id
 
