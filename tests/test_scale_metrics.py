@@ -24,9 +24,16 @@ def _scale_counts(server) -> dict[str, float]:
 
 
 def test_the_coordinator_names_the_operations_a_request_superseded():
+    from elasticep.membership.client import CoordinatorClient
+    from elasticep.membership.messages import Reply
+
     svc = _growable(4, 6)
     assert "superseded" not in _ok(svc, SUP, Scale(6, operation_id="grow", id=3))
-    assert _ok(svc, SUP, Scale(4, operation_id="back", id=4))["superseded"] == ["grow"]
+    reply = [s.msg for s in svc.handle(SUP, Scale(4, operation_id="back", id=4))
+             if isinstance(s.msg, Reply)][-1]
+    assert reply.ok and reply.body["superseded"] == ["grow"]
+    # and the client the front-end talks through passes it on
+    assert CoordinatorClient._operation_reply(reply)["superseded"] == ["grow"]
 
 
 def test_a_superseded_grow_is_not_timed_as_a_grow(tmp_path):
