@@ -57,6 +57,17 @@ async def _answer(call: Callable[[], Awaitable[dict[str, Any] | None]], param: s
                           type="server_error") from exc
 
 
+def _kind(req: ScaleRequest, result: dict[str, Any]) -> str | None:
+    """What ``req`` was, from the coordinator's answer ``result`` (its size, not this
+    front-end's snapshot of it): grow, shrink or retire; None for the size it has."""
+    if req.new_ep_size is None:
+        return "retire"
+    old = result.get("old_ep_size", req.new_ep_size)
+    if req.new_ep_size == old:
+        return None
+    return "grow" if req.new_ep_size > old else "shrink"
+
+
 def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     """Register the scale routes on ``app`` (see the module doc)."""
 
@@ -64,19 +75,10 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     async def scale(req: ScaleRequest) -> JSONResponse:
         which = req.which()
         op_id = req.operation_id
-
-        def kind(result: dict[str, Any]) -> str | None:
-            return "retire"
         if which == "new_ep_size":
             if req.keep_processes:
                 raise OpenAIError(400, "keep_processes applies to retire_ranks and drain_node "
                                   "(a shrink's workers always exit)", param="keep_processes")
-
-            def kind(result: dict[str, Any]) -> str | None:
-                # the coordinator's size, not this front-end's snapshot of it
-                old = result.get("old_ep_size", req.new_ep_size)
-                return (None if req.new_ep_size == old
-                        else "grow" if req.new_ep_size > old else "shrink")
             max_ep = frontend.status().max_ep_size
             if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
                 cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
@@ -89,14 +91,15 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
             def change(m: MembershipSource) -> dict[str, Any] | None:
                 return m.retire(ranks=req.retire_ranks, node=req.drain_node,
                                 operation_id=op_id, keep_processes=req.keep_processes)
-        result = await _answer(lambda: frontend.change_membership(change, kind), which)
+        result = await _answer(lambda: frontend.change_membership(
+            change, lambda answer: _kind(req, answer)), which)
         waiting = frontend.waiting_for_joiners()
         if result.get("scale_phase") == "waiting_for_joiners" and waiting is not None:
             result["waiting_for_joiners"] = waiting  # the grow needs `join`: say how
         asked = {which: getattr(req, which)}
         if req.keep_processes:
             asked["keep_processes"] = True
-        if which == "new_ep_size" and kind(result) is None:  # the size it has: a no-op
+        if _kind(req, result) is None:  # the size it has: a no-op
             return JSONResponse({"status": "unchanged", **asked, **result, "message":
                                  f"ep_size is {req.new_ep_size} already: nothing to do"})
         return JSONResponse({"status": "accepted", **asked, **result})
