@@ -75,3 +75,33 @@ def test_a_request_for_the_current_size_is_no_scale(tmp_path):
         frontend.event_log.close()
     assert [(e["event"], e.get("kind")) for e in read_events(tmp_path / "events.jsonl")
             if "scale" in e["event"]] == [("scale_requested", "shrink")]
+
+
+def test_a_grow_that_timed_out_is_not_timed_as_a_grow():
+    """Grow 4 -> 6, one joiner admitted, the other never came: past the scale timeout
+    the deployment is idle at 5. That grow did not finish as asked: it ends as
+    scale_timed_out, and no histogram observes it; a grow that got all it asked does."""
+    from elasticep.frontend.metrics import FrontendMetrics
+    from elasticep.frontend.recovery_timeline import RecoveryTimeline
+    from elasticep.membership.status import DeploymentStatus
+
+    def status(ep_size: int, phase: str) -> DeploymentStatus:
+        return DeploymentStatus.from_dict({"epoch": 1, "ep_size": ep_size, "max_ep_size": 6,
+                                           "scale_phase": phase, "ranks": []})
+
+    tl, m = RecoveryTimeline(), FrontendMetrics()
+    events = tl.on_status(0.0, status(4, "idle"))
+    events += tl.on_scale(1.0, "grow", {"operation_id": "g", "old_ep_size": 4,
+                                        "slots": [4, 5]})
+    events += tl.on_status(2.0, status(6, "waiting_for_joiners"))
+    events += tl.on_status(31.0, status(5, "idle"))
+    events += tl.on_scale(40.0, "grow", {"operation_id": "h", "old_ep_size": 5, "slots": [5]})
+    events += tl.on_status(45.0, status(6, "idle"))
+    for e in events:
+        m.observe(e)
+    assert [(e.name, e.attrs.get("operation_id"), e.seconds) for e in events
+            if e.seconds is not None] == [("scale_timed_out", "g", 30.0),
+                                          ("scale_done", "h", 5.0)]
+    text = m.render()[0].decode()
+    assert 'elasticep_scale_seconds_count{kind="grow"} 1.0' in text
+    assert 'elasticep_scale_seconds_sum{kind="grow"} 5.0' in text

@@ -135,8 +135,8 @@ class FrontendMetrics:
         self.scale_seconds = Histogram(
             "elasticep_scale_seconds",
             "From an accepted scale request to its scale phase idle (seconds); kind = "
-            "grow, shrink or retire (a grow superseded while it waited, and a request "
-            "for the current size, are not observed)", ["kind"], buckets=_PHASE_BUCKETS,
+            "grow, shrink or retire (a grow superseded or timed out while it waited, and "
+            "a request for the current size, are not observed)", ["kind"], buckets=_PHASE_BUCKETS,
             registry=r)
         self.rank_state = Gauge("elasticep_rank_state",
                                 "1 for the state each rank (slot) is in, 0 for the others",
