@@ -414,10 +414,13 @@ class LockstepLoop:
     def _remove(self, ranks: list[int]) -> None:
         t0 = time.perf_counter()
         logger.info("draining ranks %s", ranks)
+        # read with the removal request: the commit that applies it may clear it
+        keep = self.rank in ed.get_pending_requests(self.group).get("keep", [])
         report = placement_sync.drain(self.ep, ranks, self.group)
         ed.deactivate_ranks(self.group, ranks)
         if self.rank in ranks:
-            raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
+            raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down",
+                                      keep_process=keep)
         self._after_change(report, time.perf_counter() - t0)
 
 

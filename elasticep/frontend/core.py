@@ -252,12 +252,14 @@ class Frontend:
         return await self.change_membership(lambda m: m.scale(new_ep_size))
 
     async def change_membership(self, change: Callable[[MembershipSource], Any],
-                                kind: str | None = None) -> Any:
+                                kind: Callable[[dict[str, Any]], str | None] | None = None,
+                                ) -> Any:
         """Run ``change(membership)`` (a scale or a retirement) in a worker thread;
         its errors propagate.
 
         Args:
-            kind: grow, shrink or retire: times the change (``elasticep_scale_seconds``,
+            kind: names the change from the coordinator's answer (grow, shrink or
+                retire; None: a no-op), which times it (``elasticep_scale_seconds``,
                 the event log) unless it repeats a recorded operation.
 
         The snapshot is refreshed before returning, so a client that reads
@@ -268,10 +270,11 @@ class Frontend:
         """
         result = await asyncio.wait_for(asyncio.to_thread(change, self.membership),
                                         self.config.status_timeout_s)
-        if kind is not None and not (result or {}).get("repeated"):
-            self._record(self.timeline.on_scale(time.monotonic(), kind, {
+        name = None if kind is None or (result or {}).get("repeated") else kind(result or {})
+        if name is not None:
+            self._record(self.timeline.on_scale(time.monotonic(), name, {
                 k: v for k, v in (result or {}).items()
-                if k in ("operation_id", "slots", "old_ep_size")}))
+                if k in ("operation_id", "slots", "old_ep_size", "superseded")}))
         await self.refresh_membership()
         self._wake_membership.set()
         return result

@@ -371,7 +371,8 @@ class ScaleRequest(_Strict):
     """POST /scale_elastic_ep: one of ``new_ep_size`` (grow or shrink from the top),
     ``retire_ranks`` (those slots leave) or ``drain_node`` (every slot of that node
     leaves), and an optional ``operation_id`` (a repeat with the same id changes
-    nothing). Strict: ``"3"`` or ``true`` is not a size."""
+    nothing); ``keep_processes`` leaves retired ranks' workers up, idle. Strict: ``"3"``
+    or ``true`` is not a size."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -379,6 +380,7 @@ class ScaleRequest(_Strict):
     retire_ranks: list[int] | None = Field(None, min_length=1)
     drain_node: int | None = Field(None, ge=0)
     operation_id: str | None = Field(None, min_length=1, max_length=128)
+    keep_processes: bool = False
 
     def which(self) -> str:
         """The one change field given.

@@ -1,7 +1,8 @@
 """One request's stream of events on the front-end: :class:`RequestStream`.
 
-It times the request for ``/metrics`` (time to first token, time per output token,
-end-to-end latency) and, when it ends early, aborts it on its rank through the
+It times the sequence for ``/metrics`` (time to first token, time per output token;
+the end-to-end latency is the whole HTTP request's, observed where it is answered, in
+``response_streams``) and, when it ends early, aborts it on its rank through the
 :class:`~elasticep.frontend.core.Frontend` that opened it.
 """
 
@@ -29,7 +30,8 @@ class RequestStream:
         self.open = False  # True once submitted, False once finished or closed
         self._frontend = frontend
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._start = self.last_progress = time.monotonic()
+        # monotonic seconds of its submission
+        self.started = self.last_progress = time.monotonic()
         self._first_token_at: float | None = None
         self._done = False
 
@@ -68,14 +70,13 @@ class RequestStream:
         now = time.monotonic()
         if event.num_generated == 1 and event.token_ids:
             self._first_token_at = now
-            metrics.time_to_first_token_seconds.observe(now - self._start)
+            metrics.time_to_first_token_seconds.observe(now - self.started)
         metrics.generation_tokens.inc(len(event.token_ids))
         if event.finish_reason is not None:
-            if event.error is None:
-                metrics.e2e_request_latency_seconds.observe(now - self._start)
-                if self._first_token_at is not None and event.num_generated > 1:
-                    metrics.time_per_output_token_seconds.observe(
-                        (now - self._first_token_at) / (event.num_generated - 1))
+            if (event.error is None and self._first_token_at is not None
+                    and event.num_generated > 1):
+                metrics.time_per_output_token_seconds.observe(
+                    (now - self._first_token_at) / (event.num_generated - 1))
             self._done = True
             # a request the tracker finished needs no abort; an error may (timeout)
             self._close_sync(abort=event.error is not None)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import messages as m
-from .durable_state import MembershipState, group_record, target_record
+from .durable_state import MembershipState, deployment_fields, group_record
 from .errors import MembershipRequestError
 from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
@@ -171,19 +171,17 @@ class MembershipService(SupervisorRequests):
 
     def durable_state(self) -> MembershipState:
         """What a standby coordinator needs to take over (``durable_state.py``)."""
-        d = self._deployment
         return MembershipState({n: group_record(g) for n, g in self._groups.items()},
-                               self._max_world_size, d.config, target_record(d.target))
+                               self._max_world_size, **deployment_fields(self._deployment))
 
     def restore(self, state: MembershipState) -> None:
         """Take over ``state`` as a new leader, before any rank reconnects: groups,
-        capacity and the deployment's config and target. A transition that was in
-        flight is restarted at a fresh epoch once the ranks are back (its reports
-        answered the old leader's announcement)."""
+        capacity and the deployment's config, target, limits and operations. A
+        transition that was in flight is restarted at a fresh epoch once the ranks are
+        back (its reports answered the old leader's announcement)."""
         self._groups = {n: state.group(n) for n in state.groups}
         self._max_world_size = state.max_world_size
-        self._deployment.config = state.config
-        self._deployment.target = state.scale_target()
+        state.apply_deployment(self._deployment, self._clock())
 
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""
