@@ -27,16 +27,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
+from elasticep.frontend.api_errors import OpenAIError, error_body
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.membership_source import (
     MembershipSource,
 )
-from elasticep.frontend.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    error_body,
-)
+from elasticep.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.scale_api import add_scale_routes
 from elasticep.frontend.sglang_api import add_sglang_routes
