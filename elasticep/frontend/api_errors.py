@@ -1,13 +1,18 @@
 """The error every HTTP API of the front-end answers, in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``, and the request checks that the
-OpenAI and SGLang APIs share, which raise it."""
+OpenAI and SGLang APIs share, which raise it; and a body that fails its schema as one
+such error line (:func:`validation_message`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 from elasticep.engine.grammar import check_grammar
 from elasticep.engine.request import GrammarSpec
+
+if TYPE_CHECKING:
+    from fastapi.exceptions import RequestValidationError
 
 
 class OpenAIError(Exception):
@@ -80,3 +85,51 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
                           f"({prompt_len} in the prompt, {requested} for the completion).",
                           param=param, code="context_length_exceeded")
     return requested
+
+
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _non_finite(value: Any) -> bool:
+    """NaN or an infinity, as a JSON number or a string pydantic read as one."""
+    try:
+        return isinstance(value, float | str) and not math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
+def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]:
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
+    if param is None and err.get("type") == "model_attributes_type":
+        # FastAPI parses the body as JSON only when the Content-Type says so (curl -d
+        # sends a form type): name that, not pydantic's "valid dictionary" wording
+        hint = "" if "json" in content_type else (
+            f" (it came as Content-Type {content_type or 'none'!r}: send "
+            "'Content-Type: application/json')")
+        return f"The request body must be a JSON object{hint}", None
+    if err.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    value = err.get("input")
+    if err.get("type") in _RANGE_ERRORS and _non_finite(value):
+        # NaN fails every range check: pydantic would call it out of range
+        return f"{param}: Input should be a finite number, got {value}", param
+    if err.get("type") == "int_parsing_size":
+        # pydantic says "Unable to parse input string" of a JSON number such as 1e300
+        return (f"{param}: Input should be an integer of at most 64 bits, got {value!r}",
+                param)
+    return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
+
+
+def validation_message(exc: RequestValidationError, content_type: str = "",
+                        ) -> tuple[str, str | None]:
+    """Every problem of the body in one line, unknown fields first (a misspelt field is
+    usually why a required one is missing); ``param`` names the first. ``content_type``:
+    the request's header, named when a JSON body was not parsed as JSON."""
+    errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+    if not errors:
+        return "invalid request", None
+    parts = [_one_error(e, content_type) for e in errors]
+    return "; ".join(dict.fromkeys(m for m, _ in parts)), parts[0][1]
