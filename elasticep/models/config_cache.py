@@ -22,8 +22,8 @@ from typing import Any
 
 
 def config_cache_dir() -> Path:
-    """Where :func:`~elasticep.models.config.load_model_config` records what it read from ``AutoConfig``:
-    ``$ELASTICEP_CONFIG_CACHE``, else ``elasticep/config`` in the user's cache directory
+    """Where :func:`~elasticep.models.config.load_model_config` records what it read
+    from ``AutoConfig``: ``$ELASTICEP_CONFIG_CACHE``, else ``elasticep/config`` in the user's cache directory
     (``$XDG_CACHE_HOME``, default ``~/.cache``; not the shared temp directory, where
     another user could plant records)."""
     if env := os.environ.get("ELASTICEP_CONFIG_CACHE"):
