@@ -85,14 +85,16 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     uses_step_bound = True
 
     def __init__(self, *args, max_tokens: int | None = None, **kwargs) -> None:
+        # set before the base constructor, whose set_placement reads them
         self._shape_version = 0
+        self._placed = False  # a placement was set: graphs may point to its tensors
+        self._transport: IpcExchange | None = None
+        self._fused: FusedForms | None = None  # the transport's fused sends
         super().__init__(*args, **kwargs)
         self.step_max_tokens = max_tokens
         self.token_buckets: tuple[int, ...] | None = None
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
-        self._transport: IpcExchange | None = None
-        self._fused: FusedForms | None = None  # the transport's fused sends
         self._local_only = False
 
     @property
@@ -149,14 +151,17 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         The copy briefly holds both sets of expert weights (the new ones were fetched
         before this call).
         """
-        if getattr(self, "_transport", None) is not None:
+        if self._transport is not None:
             self._transport.tag_cap(metadata.num_local_physical_experts)
-        old = getattr(self, "metadata", None)
-        old13, old2 = getattr(self, "w13", None), getattr(self, "w2", None)
+        if not self._placed:  # the first placement: nothing to keep
+            super().set_placement(metadata, w13, w2)
+            self._placed = True
+            self._shape_version += 1
+            return
+        old, old13, old2 = self.metadata, self.w13, self.w2
         super().set_placement(metadata, w13, w2)
         fields = _device_fields(metadata)
-        if (old is None or old13 is None or old2 is None
-                or not _same_shapes(old13, self.w13) or not _same_shapes(old2, self.w2)
+        if (not _same_shapes(old13, self.w13) or not _same_shapes(old2, self.w2)
                 or not _same_shapes([getattr(old, f) for f in fields],
                                     [getattr(metadata, f) for f in fields])):
             self._shape_version += 1
