@@ -306,7 +306,7 @@ class LockstepLoop:
         self.channel.send_stats(self.stats.steps, graphs.captures if graphs is not None else -1,
                                 graphs.replays if graphs is not None else -1,
                                 decode_replays=d.decode_replays, decode_eager=d.decode_eager,
-                                experts_held=_experts_held(self.ep.placement, self.rank))
+                                experts_held=self.ep.placement.experts_held(self.rank))
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:
@@ -389,11 +389,3 @@ class LockstepLoop:
         if self.rank in ranks:
             raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
         self._after_change(report, time.perf_counter() - t0)
-
-
-def _experts_held(placement, rank: int) -> int:
-    """Slots of ``rank`` that hold an expert, the most over MoE layers."""
-    local = placement.local(rank)
-    if local.numel() == 0:
-        return 0
-    return int((local != placement.empty).sum(dim=1).max())
