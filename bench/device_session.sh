@@ -58,6 +58,7 @@ if want served_profile; then
         step "served_profile_c$c" 90 python3 -m bench.serving --launch $Q3 --random-input-len 256 \
             --random-output-len 256 --random-range-ratio 1 --max-concurrency $c --num-prompts $n \
             --serve-arg=--max-ep-size --serve-arg=2 --serve-arg=--log-stats-interval --serve-arg=1 \
+            ${SP_EXTRA:---serve-arg=--max-total-tokens --serve-arg=131296} \
             --log-dir /tmp/servelog$c >> "$OUT/served_profile.jsonl" 2> /tmp/sp$c.err
         tail -2 /tmp/sp$c.err
         cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
@@ -80,12 +81,17 @@ if want host_profile; then  # where a served rank's host time goes: py-spy of ra
             sleep 1
         done
         sleep 4
-        worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
-        echo "== host_profile_c$c (worker $worker, at ${SECONDS}s)" >&2
+        # HP_WHO=frontend: the serve process (HTTP front-end, tokenizer, detokenizer)
+        if [[ ${HP_WHO:-rank} == frontend ]]; then
+            worker=$(pgrep -f "elasticep.entrypoints.cli serve" | head -1)
+        else
+            worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
+        fi
+        echo "== host_profile_c$c (${HP_WHO:-rank} $worker, at ${SECONDS}s)" >&2
         # HP_NB=0: py-spy pauses the rank at each sample (slower, but whole stacks; a
         # non-blocking sample can tear a stack between frames)
         timeout 40 /tmp/site/bin/py-spy record -p "$worker" -d ${HP_S:-8} -r ${HP_RATE:-1000} \
-            --idle --threads -f raw -o "$OUT/host_profile_c$c.txt" \
+            --idle --threads -f raw -o "$OUT/host_profile_${HP_WHO:-rank}_c$c.txt" \
             $([[ ${HP_NB:-1} == 1 ]] && echo --nonblocking) 2>&1 | tail -1
         grep -h "ms/step in" /tmp/hplog$c/rank0.log | cut -c1-400 | tail -6 \
             >> "$OUT/host_profile_lines.log"

@@ -24,8 +24,10 @@ Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
 streams a token twice. With the in-graph exchange on CUDA they go out while the next
 step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), so the
-hand-off to the front-end is off the step's critical path; an iteration that forwards
-nothing sends them first. Elsewhere the forward returns only when it is done (its
+hand-off to the front-end is off the step's critical path. Before a step that carries
+a prefill chunk they are sent first: its forward runs eagerly, and its launch keeps the
+host until nearly its end, which would hold the first tokens of the step before for a
+whole prefill. An iteration that forwards nothing sends them first too. Elsewhere the forward returns only when it is done (its
 exchanges are host collectives), so they are sent at once. On ``EpochChangedError``
 anywhere in 2-4 the step is abandoned, the placement is reconciled to the new
 membership (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2,
@@ -253,6 +255,11 @@ class LockstepLoop:
         if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
         self.first_tokens.scheduled(it.seq.request_id for it in self.pending.items)
+        if not self.pending.one_token_each:
+            # an eager forward (prefill) returns to the host only near its end: the last
+            # step's tokens, often new requests' first ones, would wait that long (an
+            # idle rank's empty batch sends its few leftovers here too, at no cost)
+            self._flush_outputs()
         self.faults.at_step(self.stats.steps)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
