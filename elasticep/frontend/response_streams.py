@@ -20,11 +20,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from elasticep.engine.request import TokenLogprobs
+from elasticep.frontend.api_errors import OpenAIError, error_body
 from elasticep.frontend.core import RequestStream
 from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.merged_stream import MergedStream
 from elasticep.frontend.metrics import FrontendMetrics
-from elasticep.frontend.openai_protocol import OpenAIError, error_body
 from elasticep.frontend.request_tracker import RequestEvent
 
 logger = logging.getLogger(__name__)

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from elasticep.frontend.api_errors import OpenAIError
 from elasticep.frontend.core import Frontend
 from elasticep.frontend.membership_source import (
     MembershipSource,
@@ -32,7 +33,7 @@ from elasticep.frontend.membership_source import (
     ScaleNotSupportedError,
     ScaleRefusedError,
 )
-from elasticep.frontend.openai_protocol import OpenAIError, ScaleRequest
+from elasticep.frontend.openai_protocol import ScaleRequest
 from elasticep.membership.errors import OperationConflictError, OperationNotFoundError
 
 
