@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _graph_checks import assert_greedy_tokens_match, graph_steps_match_eager, random_prompts
+from _graph_checks import graph_steps_match_eager, random_prompts
 from test_fp8_dense import dequantized_copy
 from test_fp8_linear import make_case, rounding_bound
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
+from elasticep.engine.sequence import Sequence
 from elasticep.models import load_model
 from elasticep.models.fp8_linear import fp8_linear, fp8_linear_reference, fp8_linear_triton, plan
 from elasticep.models.linear import Fp8Weight, linear
@@ -73,7 +75,21 @@ def test_cuda_graph_replay_equals_eager_calls():
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
-def test_fp8_demo_model_decodes_through_graphs_as_its_dequantized_copy():
+def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:
+    """``[sum(lengths), V]`` float32 logits (CPU) of one prefill step of random whole
+    prompts (fixed seed) through ``model``."""
+    eng = LLMEngine(model, EngineConfig(max_total_tokens=4096, max_num_seqs=16,
+                                        enable_cuda_graph=False))
+    gen = torch.Generator().manual_seed(sum(lengths))
+    seqs = [Sequence(f"p{i}", torch.randint(10, 1000, (n,), generator=gen).tolist(), [],
+                     SamplingParams(), -1) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        eng.blocks.grow(seq.block_table, seq.num_tokens)
+    batch = ScheduledBatch(tuple(ScheduledSeq(q, 0, q.num_tokens) for q in seqs))
+    return eng.runner.forward(batch, all_logits=True).float().cpu()
+
+
+def test_fp8_demo_model_decodes_through_graphs_and_is_as_close_as_its_dequantized_copy():
     cfg = EngineConfig(max_total_tokens=4096, max_num_seqs=8, enable_cuda_graph=True)
     load = dict(dtype=torch.bfloat16, device="cuda", quantization="fp8")
     eng = LLMEngine(load_model(DEMO, progress=False, **load), cfg)
@@ -81,10 +97,19 @@ def test_fp8_demo_model_decodes_through_graphs_as_its_dequantized_copy():
     assert eng.runner.graphs is not None
     # the graphs replay the FP8 kernels as the eager forward runs them
     assert graph_steps_match_eager(eng, random_prompts((5, 33, 17, 64, 2)), 12) >= 10
-    # greedy text against the projections dequantized to bf16 at load (the path before
-    # them): other roundings, so a prompt may part at a near tie (one of three, reported)
-    prompts = random_prompts((7, 40, 3), seed=1)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = LLMEngine(dequantized_copy(DEMO, **load), EngineConfig(max_total_tokens=4096))
-    assert_greedy_tokens_match(eng.generate(prompts, params), ref.generate(prompts, params),
-                               prompts, ref, "FP8 projections vs dequantized, bf16", 1)
+    # Against the same FP8 weights dequantized in float32 on the CPU (the torch
+    # references): the kernel path (FP8 weights, bf16 activations) must be no further from
+    # it than the path it replaces (the weights dequantized to bf16 at load, which rounds
+    # every weight). Greedy text is no yardstick between these two: on this small model
+    # bf16 margins are thin, and the two roundings part early (seen on an H100).
+    lengths = [7, 40, 3, 128]
+    ref = _prefill_logits(load_model(DEMO, progress=False, quantization="fp8"), lengths)
+    fp8 = _prefill_logits(eng.model, lengths)
+    old = _prefill_logits(dequantized_copy(DEMO, **load), lengths)
+    err_fp8 = float((fp8 - ref).norm() / ref.norm())
+    err_old = float((old - ref).norm() / ref.norm())
+    agree = float((fp8.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"FP8 kernel path: norm rel err {err_fp8:.3e} (dequantized bf16: {err_old:.3e}), "
+          f"argmax agreement {agree:.4f}")
+    assert err_fp8 < 5e-2 and agree > 0.9, (err_fp8, agree)
+    assert err_fp8 <= 1.25 * err_old, (err_fp8, err_old)
