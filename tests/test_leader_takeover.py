@@ -116,7 +116,7 @@ def test_an_epoch_the_store_missed_gets_a_fresh_one_over_the_stored_members():
     for r in (1, 2):
         assert _announced(_resume(svc, 10 + r, r, 0)) == {10 + r: 5}
     for r in range(3):
-        sends = svc.handle(10 + r, EpochReport("world", 5, 9, 9, []))
+        _ok(svc, 10 + r, EpochReport("world", 5, 9, 9, []))
     assert svc.group("world").epoch == 5 and svc.group("world").active == {0, 1, 2}
 
 
