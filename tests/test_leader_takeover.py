@@ -55,13 +55,17 @@ def _announced(sends) -> dict[int, int]:
 
 
 def _resume(svc, conn, rank, seen, pid=None):
-    return svc.handle(conn, RankHello(rank, pid or 200 + rank, 3, 3, False,
+    return svc.handle(conn, RankHello(rank, pid or 100 + rank, 3, 3, False,
                                       resume={"world": seen}, id=1))
 
 
 def test_resuming_ranks_are_taken_back_in_place_with_the_new_store_port():
     clock = Clock()
     svc = _new_leader(_old_leader(), clock)
+    # before they are back, the status names the old leader's pids (the front-end
+    # keeps routing to them)
+    assert {r: p["pid"] for r, p in svc._status(None, None)["ranks"].items()} == {
+        "0": 100, "1": 101, "2": 102}
     clock.now = 100.0  # long after the restore: only the deadlines matter
     for r in range(3):
         (reply,) = [s.msg for s in _resume(svc, 10 + r, r, 0)]
@@ -124,7 +128,10 @@ def test_a_second_hello_for_a_taken_back_slot_is_refused():
     svc = _new_leader(_old_leader(), Clock())
     _resume(svc, 10, 0, 0)
     (reply,) = [s.msg for s in _resume(svc, 11, 0, 0, pid=999)]
-    assert not reply.ok and "already held by live pid 200" in reply.error
+    assert not reply.ok and "already held by live pid 100" in reply.error
+    # another process than the one the old leader had in a slot is not taken back
+    (reply,) = [s.msg for s in _resume(svc, 11, 1, 0, pid=999)]
+    assert not reply.ok and "was held by pid 101, not 999" in reply.error
     # and a rank the old leader never had is no member here
     (reply,) = [s.msg for s in svc.handle(12, RankHello(0, 5, 3, 4, False, resume={}, id=1))]
     assert not reply.ok and "max_world_size 4" in reply.error

@@ -111,10 +111,13 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
                                 "rank 3 failed")
             assert st.epoch > after.epoch and st.healthy_ranks() == [0, 1, 2]
         finally:
+            # node 1 first: the leader is its replica now, and its ranks serve on after
+            # node 0 stops (serve.stop waits for every rank pid it saw)
+            if node1.poll() is None:
+                node1.send_signal(signal.SIGINT)
             if serve is not None:
                 serve.stop()
             if node1.poll() is None:
-                node1.send_signal(signal.SIGINT)
                 try:
                     node1.wait(30)
                 except subprocess.TimeoutExpired:

@@ -121,7 +121,7 @@ def leader_finder(config: DeploymentConfig, timeout_s: float) -> Callable[[], st
         return None
     from elasticep.membership.etcd_store import find_coordinator  # etcd only if asked
 
-    return functools.partial(find_coordinator, url, timeout_s)
+    return functools.partial(find_coordinator, url, timeout_s, quiet=True)
 
 
 class RankLauncher:

@@ -325,7 +325,7 @@ class RankControl:
         while time.monotonic() < deadline:
             try:
                 address = find_coordinator(self.membership_store,
-                                           max(deadline - time.monotonic(), 0.1))
+                                           max(deadline - time.monotonic(), 0.1), quiet=True)
                 conn = connect(address, RESUME_CONNECT_S)
                 hello = self._handshake(conn, m.RankHello(
                     self.rank, os.getpid(), self.world_size, self.max_world_size, False,

@@ -78,18 +78,23 @@ class MembershipState:
         max_world_size: capacity fixed by the first rank's hello (None before it).
         config: the deployment settings node 0 published (JSON text), or None.
         target: ``{"ep_size", "max_ep_size", "up", "down"}`` of the scale target, or None.
+        pids: global rank (as text) -> pid of each live rank process: a new leader shows
+            them (and routes to them) while the ranks reconnect, and takes a rank back
+            only as that process. Absent from states written before it existed.
     """
 
     groups: dict[str, dict] = field(default_factory=dict)
     max_world_size: int | None = None
     config: str | None = None
     target: dict | None = None
+    pids: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys), so equal states give equal text."""
         return json.dumps({"format": FORMAT, "groups": self.groups,
                            "max_world_size": self.max_world_size, "config": self.config,
-                           "target": self.target}, sort_keys=True, separators=(",", ":"))
+                           "target": self.target, "pids": self.pids},
+                          sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str | bytes) -> MembershipState:
@@ -103,7 +108,8 @@ class MembershipState:
             raise ValueError(f"membership state of unknown format "
                              f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}"
                              f" (this version reads format {FORMAT})")
-        return MembershipState(d["groups"], d["max_world_size"], d["config"], d["target"])
+        return MembershipState(d["groups"], d["max_world_size"], d["config"], d["target"],
+                               d.get("pids") or {})
 
     def group(self, name: str) -> Group:
         """A fresh :class:`Group` built from the record of ``name`` (KeyError if none)."""

@@ -165,7 +165,9 @@ class MembershipService(Takeover, SupervisorRequests):
         """What a standby coordinator needs to take over (``durable_state.py``)."""
         d = self._deployment
         return MembershipState({n: group_record(g) for n, g in self._groups.items()},
-                               self._max_world_size, d.config, target_record(d.target))
+                               self._max_world_size, d.config, target_record(d.target),
+                               {str(r): p.pid for r, p in self._procs.items()
+                                if p.alive and p.pid})
 
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""

@@ -76,7 +76,8 @@ class Takeover:
     def restore(self, state: MembershipState) -> None:
         """Take over ``state`` as a new leader, before any rank reconnects: groups,
         capacity and the deployment's config and target, and a placeholder for every
-        rank the state holds a slot for (see the module docstring). A transition that
+        rank the state holds a slot for, with the pid it names (see the module
+        docstring). A transition that
         was in flight is restarted at a fresh epoch once its first member is back."""
         self._groups = {n: state.group(n) for n in state.groups}
         self._max_world_size = state.max_world_size
@@ -89,7 +90,8 @@ class Takeover:
                     continue
                 p = self._procs.get(rank)
                 if p is None:
-                    p = self._procs[rank] = RankProc(rank, 0, _NO_CONN - rank, last_hb=now,
+                    p = self._procs[rank] = RankProc(rank, state.pids.get(str(rank), 0),
+                                                     _NO_CONN - rank, last_hb=now,
                                                      resuming=True)
                 p.groups.add(g.name)
         self._takeover = {n for n, g in self._groups.items() if g.transition is not None}
@@ -105,6 +107,8 @@ class Takeover:
                     "took over (declared dead meanwhile?)")
         if not p.resuming:
             return f"slot {msg.rank} is already held by live pid {p.pid}"
+        if p.pid and msg.pid != p.pid:
+            return f"slot {msg.rank} was held by pid {p.pid}, not {msg.pid}"
         for name in msg.resume:
             g = self._groups.get(name)
             if g is None or name not in p.groups:
