@@ -77,12 +77,13 @@ def test_resuming_ranks_are_taken_back_in_place_with_the_new_store_port():
 
 def test_a_rank_not_back_within_the_heartbeat_timeout_fails_and_the_rest_go_on():
     clock = Clock()
+    clock.now = 50.0  # the takeover, long after the ranks' last heartbeat to the old one
     svc = _new_leader(_old_leader(), clock)
-    clock.now = 1.0
+    clock.now = 51.0
     _resume(svc, 10, 0, 0)
     _resume(svc, 11, 1, 0)
-    assert svc.tick(HB_S - 0.1) == []  # within the deadline counted from the restore
-    sends = svc.tick(HB_S + 0.1)  # rank 2 never came back
+    assert svc.tick(50 + HB_S - 0.1) == []  # within the deadline counted from the restore
+    sends = svc.tick(51 + HB_S - 0.1)  # rank 2 never came back
     announces = {s.conn: s.msg for s in sends if isinstance(s.msg, Announce)}
     assert set(announces) == {10, 11} and all(a.epoch == 1 for a in announces.values())
     for conn in (10, 11):

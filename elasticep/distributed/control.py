@@ -140,9 +140,11 @@ class RankControl:
         ev, box = threading.Event(), []
         msg = replace(msg, id=rid)
         with self._lock:  # a resume swaps the connection under it: sent once on either
-            self._replies[rid] = (ev, box, msg)
-            sent = self.conn.send(msg)
-        if not sent and not self.membership_store:
+            lost, sent = self.lost, False  # (lost is set before the waiters are cleared)
+            if not lost:
+                self._replies[rid] = (ev, box, msg)
+                sent = self.conn.send(msg)
+        if lost or not (sent or self.membership_store):  # else: sent again on resume
             with self._lock:
                 self._replies.pop(rid, None)
             raise CoordinatorLostError(f"rank {self.rank}: coordinator connection is closed")

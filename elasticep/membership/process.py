@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s: %(levelname)s %(message)s")
     if os.getppid() != args.parent_pid:  # the parent died while we started
         return 1
+    from .election import campaign_for
     from .server import Coordinator  # imports torch (the TCPStore): after the checks
 
     stop = threading.Event()
@@ -351,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             port = socket.socket(fileno=os.dup(args.listen_fd))
             address = f"{args.host}:{port.getsockname()[1]}"
             port.close()
-            store, lease = _lead(args.membership_store, args.deployment_id,
-                                 args.hb_timeout_s, address,
-                                 gone if args.standby else None)
+            store, lease = campaign_for(args.membership_store, args.deployment_id,
+                                        args.hb_timeout_s, address,
+                                        gone if args.standby else None,
+                                        on_deposed=lambda _who: stop.set())
         except (MembershipStoreError, TimeoutError) as e:
             print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
             return 2
@@ -374,44 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != args.parent_pid:
             log.warning("coordinator: parent pid %d is gone; closing", args.parent_pid)
             break
-    coord.close()
+    coord.close()  # deposed: its ranks see EOF and resume with the leader
     if lease is not None:
         lease.resign()
     return 0
-
-
-def _lead(url: str, deployment_id: str, hb_timeout_s: float, address: str,
-          standby_until: Callable[[], bool] | None = None):
-    """Open the etcd store and win the leader lease as ``address`` (the control
-    endpoint). Returns ``(store, lease)``, or ``(store, None)`` if ``standby_until``
-    said stop first.
-
-    The first replica (``standby_until`` None, node 0's at start) claims the prefix for
-    ``deployment_id`` and must win within the TTL and a margin (a lease still held is a
-    crashed predecessor's). A standby claims nothing (the prefix is its deployment's)
-    and campaigns until elected or ``standby_until()`` is true."""
-    from .election import LeaderLease, lease_ttl_s
-    from .etcd_store import EtcdMembershipStore, open_etcd_store
-    from .store import parse_store_url
-
-    spec = parse_store_url(url)
-    store = (open_etcd_store(spec, deployment_id) if standby_until is None
-             else EtcdMembershipStore(spec))
-    store.leader_id = address  # its commits need its lease (see EtcdMembershipStore)
-    ttl = lease_ttl_s(hb_timeout_s)
-    lease = LeaderLease(store, address, ttl, recampaign=True, on_lost=lambda: log.error(
-        "coordinator: lost the leader lease; campaigning again (a successor's commits "
-        "would fence this one's)"))
-    if standby_until is None:
-        lease.campaign(timeout_s=ttl + 5)
-        return store, lease
-    while not standby_until():
-        try:
-            lease.campaign(timeout_s=PARENT_POLL_S)
-            return store, lease
-        except TimeoutError:
-            continue
-    return store, None
 
 
 if __name__ == "__main__":
