@@ -43,7 +43,7 @@ def local_address_towards(address: str) -> str:
 
 
 class CoordinatorReplica:
-    """See the module docstring. Use :meth:`standby` or :meth:`adopt`.
+    """See the module docstring. Use :meth:`standby` or :meth:`leader`.
 
     Args:
         host: the interface its control endpoint binds (reachable by the other nodes).

@@ -191,9 +191,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     ])
     check_device(args.device)
     apply_gloo_ifname(args)
-    deployment = replace(deployment, model=check_model_dir(args.model, args.load_format),
-                         membership_store=args.membership_store if store.kind == "etcd"
-                         else "")
+    deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))
     check_quantization(deployment.model, deployment.quantization)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:

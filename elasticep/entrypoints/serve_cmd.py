@@ -421,7 +421,7 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
                                    new_session=True)
     dep = deployment.config
-    if dep.membership_store:  # a standby coordinator on every node (etcd)
+    if dep.membership_store.startswith("etcd://"):  # a standby coordinator on each node
         deployment.replica = CoordinatorReplica.standby(
             local_address_towards(address), dep.membership_store,
             hb_timeout_s=dep.heartbeat_timeout_s)
