@@ -35,47 +35,22 @@ import time
 
 from bench._commit import commit
 from elasticep.membership.election import lease_ttl_s
-from elasticep.membership.etcd_store import EtcdMembershipStore
-from elasticep.membership.store import parse_store_url
 from elasticep.utils.wait import wait_until
-from elasticep_testkit.etcd_cluster import EtcdCluster
+from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
 from elasticep_testkit.harness.load import Batch, RequestRecord
-from elasticep_testkit.harness.serve_process import ServeProcess, cli_command, descendant_pids
+from elasticep_testkit.harness.serve_process import ServeProcess, cli_command, coordinator_pids
 from elasticep_testkit.prompts import gsm8k_questions
 
 RESULTS_TIMEOUT_S = 180.0
 STANDBY_WARMUP_S = 8.0  # a fresh replica imports torch before it can campaign
 
 
-def leader(url: str) -> str | None:
-    """The ``leader`` key under ``url`` (a replica's control address), or None."""
-    store = EtcdMembershipStore(parse_store_url(url))
-    try:
-        value, _, _ = store.kv.get(store.key("leader"))
-    finally:
-        store.close()
-    return None if value is None else value.decode()
-
-
-def replicas(roots: list[int]) -> set[int]:
-    """The pids of every coordinator replica under ``roots`` (by module name)."""
-    out = set()
-    for root in roots:
-        for pid in descendant_pids(root):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"elasticep.membership.process" in f.read().split(b"\0"):
-                        out.add(pid)
-            except OSError:
-                continue
-    return out
-
-
 def leader_pid(roots: list[int], address: str) -> int:
-    """The pid of the replica listening at ``address`` (``/proc/PID/net`` is shared on
-    one host, so the listener is matched through the replica's own fds)."""
+    """The pid of the replica listening at ``address``: ``/proc/PID/net/tcp`` lists every
+    socket of the network namespace, so the listener is matched against the replica's
+    own file descriptors."""
     port = int(address.rpartition(":")[2])
-    for pid in replicas(roots):
+    for pid in set().union(*(coordinator_pids(r) for r in roots)):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
@@ -107,9 +82,10 @@ def one_run(serve: ServeProcess, url: str, roots: list[int], prompts: list[str],
             args: argparse.Namespace) -> dict:
     """Kill the leader under a burst of streams; the times (seconds from the kill), the
     kill's monotonic time and the burst's records."""
-    wait_until(lambda: len(replicas(roots)) >= 2, 60, "a standby replica", poll_s=0.2)
+    wait_until(lambda: sum(len(coordinator_pids(r)) for r in roots) >= 2, 60,
+               "a standby replica", poll_s=0.2)
     time.sleep(STANDBY_WARMUP_S)
-    old = leader(url)
+    old = leader_of(url)
     victim = leader_pid(roots, old)
     b = Batch(serve.client, serve.model_name(), prompts, args.max_tokens)
     b.wait_tokens(args.concurrency * 4, 60)
@@ -117,7 +93,7 @@ def one_run(serve: ServeProcess, url: str, roots: list[int], prompts: list[str],
     killed = time.monotonic()
 
     def elected() -> str | None:
-        now = leader(url)
+        now = leader_of(url)
         return None if now in (None, old) else now
 
     new = wait_until(elected, 30, "a new leader", poll_s=0.02)

@@ -16,11 +16,9 @@ import pytest
 from _serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, burst, prompts, start_serve
 
 from elasticep.membership.election import lease_ttl_s
-from elasticep.membership.etcd_store import EtcdMembershipStore
-from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
-from elasticep_testkit.etcd_cluster import EtcdCluster
-from elasticep_testkit.harness.serve_process import cli_command, descendant_pids
+from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
+from elasticep_testkit.harness.serve_process import cli_command, coordinator_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -28,28 +26,6 @@ HB_TIMEOUT_S = 2.0
 TTL_S = lease_ttl_s(HB_TIMEOUT_S)
 PROMPTS = prompts(4)
 MAX_TOKENS = 16
-
-
-def _leader(url: str) -> str | None:
-    store = EtcdMembershipStore(parse_store_url(url))
-    try:
-        value, _, _ = store.kv.get(store.key("leader"))
-    finally:
-        store.close()
-    return None if value is None else value.decode()
-
-
-def _replica_pids(root: int) -> set[int]:
-    """The coordinator replica processes under ``root`` (by their module name)."""
-    out = set()
-    for pid in descendant_pids(root):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"elasticep.membership.process" in f.read().split(b"\0"):
-                    out.add(pid)
-        except OSError:
-            continue
-    return out
 
 
 def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
@@ -69,16 +45,16 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
             assert_complete(first, MAX_TOKENS)
             reference = [r.text for r in first]
             before = serve.status()
-            old = _leader(url)
+            old = leader_of(url)
             assert old == serve.coordinator == before.membership_store.leader
-            (killed,) = _replica_pids(serve.proc.pid)
-            assert _replica_pids(node1.pid), "node 1 runs no standby replica"
+            (killed,) = coordinator_pids(serve.proc.pid)
+            assert coordinator_pids(node1.pid), "node 1 runs no standby replica"
 
             b = burst(serve, PROMPTS, MAX_TOKENS)
             assert b.wait_tokens(8, 60), f"only {b.tokens()} tokens arrived"
             os.kill(killed, signal.SIGKILL)
             killed_at = time.monotonic()
-            while (new := _leader(url)) in (None, old) and time.monotonic() - killed_at < 10:
+            while (new := leader_of(url)) in (None, old) and time.monotonic() - killed_at < 10:
                 time.sleep(0.05)
             took = time.monotonic() - killed_at
             assert new not in (None, old) and took <= TTL_S + 1, (new, took)
@@ -96,7 +72,7 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
             assert "lost the coordinator at" in serve.rank_log(0)
             # node 0 keeps serving and runs a fresh standby in place of the dead replica
             assert serve.proc.poll() is None
-            serve.wait_for(lambda s: bool(_replica_pids(serve.proc.pid) - {killed}), 20,
+            serve.wait_for(lambda s: bool(coordinator_pids(serve.proc.pid) - {killed}), 20,
                            "node 0's replacement replica")
 
             # a rank kill after the failover is survived as before
