@@ -54,9 +54,9 @@ def _announced(sends) -> dict[int, int]:
     return {s.conn: s.msg.epoch for s in sends if isinstance(s.msg, Announce) and s.conn > 0}
 
 
-def _resume(svc, conn, rank, seen, pid=None):
+def _resume(svc, conn, rank, epoch, pid=None, pending=0):
     return svc.handle(conn, RankHello(rank, pid or 100 + rank, 3, 3, False,
-                                      resume={"world": seen}, id=1))
+                                      resume={"world": [epoch, pending]}, id=1))
 
 
 def test_resuming_ranks_are_taken_back_in_place_with_the_new_store_port():
@@ -101,10 +101,10 @@ def test_a_transition_in_flight_is_restarted_at_a_fresh_epoch():
     assert old.group("world").transition.epoch == 1
     clock = Clock()
     svc = _new_leader(old, clock)
-    sends = _resume(svc, 10, 0, 1)  # rank 0 saw the announcement of epoch 1
+    sends = _resume(svc, 10, 0, 0, pending=1)  # it saw the announcement of epoch 1
     # (rank 1, not back yet, is sent nothing: its placeholder has no connection)
     assert _announced(sends) == {10: 2}
-    assert _announced(_resume(svc, 11, 1, 1)) == {11: 2}
+    assert _announced(_resume(svc, 11, 1, 0, pending=1)) == {11: 2}
     _ok(svc, 10, EpochReport("world", 2, 7, 7, []))
     sends = _ok(svc, 11, EpochReport("world", 2, 7, 7, []))
     commits = [s for s in sends if isinstance(s.msg, Commit)]
@@ -123,6 +123,19 @@ def test_an_epoch_the_store_missed_gets_a_fresh_one_over_the_stored_members():
     for r in range(3):
         _ok(svc, 10 + r, EpochReport("world", 5, 9, 9, []))
     assert svc.group("world").epoch == 5 and svc.group("world").active == {0, 1, 2}
+
+
+def test_a_rank_left_waiting_for_a_commit_gets_a_fresh_epoch():
+    """The store holds epoch 1 with no transition, but the old leader had announced
+    epoch 2 (only in memory) before it died: a rank that reported for it would wait for
+    its commit forever, so a fresh epoch is announced."""
+    old = _old_leader()
+    g = old.group("world")
+    g.epoch = g.max_epoch = 1  # as if epoch 1 had committed (same members)
+    svc = _new_leader(old, Clock())
+    assert _announced(_resume(svc, 10, 0, 1)) == {}  # at the stored epoch: nothing to do
+    assert _announced(_resume(svc, 11, 1, 1)) == {}
+    assert _announced(_resume(svc, 12, 2, 1, pending=2)) == {10: 3, 11: 3, 12: 3}
 
 
 def test_a_second_hello_for_a_taken_back_slot_is_refused():

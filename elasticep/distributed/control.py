@@ -23,7 +23,7 @@ apart (``TCP_INFO``'s time since the last ACK): a cut or a dead host sends none.
 
 With a membership store (``--membership-store etcd://...``) a lost coordinator is a
 leader change, not the end: the rank looks the new leader up in etcd, says hello to it
-with ``resume`` (its groups and the newest epoch it saw in each) and goes on as the
+with ``resume`` (its groups and the epochs it saw in each) and goes on as the
 member it was, for up to :attr:`RankControl.stall_grace_s`. Requests waiting for an
 answer are sent again on the new connection; meanwhile no lease is fresh, so no step
 commits. The new leader runs its own rendezvous TCPStore: the hello's answer names its
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 # serve's default --coordinator-timeout, the time other nodes give a coordinator that
 # went away (a rank gets the deployment's own value, see stall_grace_s).
 STALL_GRACE_S = 60.0
+RESUME_CONNECT_S = 1.0  # one attempt to reach the leader etcd names (a live one: ms)
+RESUME_RETRY_S = 0.1  # between attempts (the old leader's key lives up to its TTL)
 
 
 def stall_grace_s(coordinator_timeout_s: float, heartbeat_timeout_s: float) -> float:
@@ -64,8 +66,6 @@ def stall_grace_s(coordinator_timeout_s: float, heartbeat_timeout_s: float) -> f
     ``--coordinator-timeout``, and never less than its heartbeat timeout (a shorter
     grace would end before the silence counts as one)."""
     return max(coordinator_timeout_s, heartbeat_timeout_s)
-RESUME_CONNECT_S = 1.0  # one attempt to reach the leader etcd names (a live one: ms)
-RESUME_RETRY_S = 0.1  # between attempts (the old leader's key lives up to its TTL)
 _TCPI_LAST_ACK_RECV = 56  # byte offset of tcpi_last_ack_recv (ms) in Linux's tcp_info
 
 
@@ -303,11 +303,11 @@ class RankControl:
         self.hb_timeout_s: float = float(hello["hb_timeout_s"])
         self.join_hb_timeout_s: float = float(hello["join_hb_timeout_s"])
 
-    def _seen_epochs(self) -> dict[str, int]:
-        """group -> the newest epoch this rank saw there (committed or announced)."""
+    def _seen_epochs(self) -> dict[str, list[int]]:
+        """group -> [its committed epoch here, the announced one awaiting a commit or 0]."""
         with self._lock:
             groups = dict(self.groups)
-        return {name: max(gs.epoch, gs.pending or 0) for name, gs in groups.items()
+        return {name: [gs.epoch, gs.pending or 0] for name, gs in groups.items()
                 if not gs.closed}
 
     def _resume(self) -> bool:

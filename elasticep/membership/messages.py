@@ -65,8 +65,9 @@ class RankHello(ControlMessage, tag="hello"):
     hb_interval_s. ``is_extension``: a joiner (may only take a failed/free slot).
 
     ``resume``: set when a rank that lost its leader (``--membership-store``) says hello
-    to the new one: group name -> the newest epoch it saw there (committed or
-    announced). The new leader takes it back as the member it was (``takeover.py``).
+    to the new one: group name -> ``[committed epoch, announced epoch it still waits to
+    see committed, or 0]``. The new leader takes it back as the member it was
+    (``takeover.py``).
     """
 
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"id", "resume"})
@@ -75,7 +76,7 @@ class RankHello(ControlMessage, tag="hello"):
     world_size: int
     max_world_size: int
     is_extension: bool
-    resume: dict[str, int] | None = None
+    resume: dict[str, list[int]] | None = None
 
 
 class Heartbeat(ControlMessage, tag="hb"):

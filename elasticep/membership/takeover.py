@@ -15,11 +15,11 @@ hello, so that
 
 A transition that was in flight when the old leader died is restarted at a fresh epoch
 once its first member is back (its reports answered the old leader's announcement);
-members that come back later are sent its announcement. A rank that saw an epoch the
-store does not hold (the old leader committed it in memory and died before its
-write-behind reached etcd) makes the new leader announce a fresh epoch over the stored
-active set, so that every member converges on one membership at an epoch newer than
-anything it saw.
+members that come back later are sent its announcement. A rank at an epoch the store
+does not hold (the old leader committed it in memory and died before its write-behind
+reached etcd), or waiting for a commit that never came, makes the new leader announce a
+fresh epoch over the stored active set, so that every member converges on one
+membership at an epoch newer than anything it saw.
 """
 
 from __future__ import annotations
@@ -128,26 +128,30 @@ class Takeover:
         self._send(conn, m.Reply(id=msg.id, ok=True, body=body))
         log.info("coordinator: rank %d (pid %d) is back after the leader change (epochs %s)",
                  msg.rank, msg.pid, msg.resume)
-        for name, seen in sorted(msg.resume.items()):
-            self._catch_up(self._groups[name], p, seen)
+        for name, (epoch, pending) in sorted(msg.resume.items()):
+            self._catch_up(self._groups[name], p, epoch, pending)
         return p
 
-    def _catch_up(self, g: Group, p: RankProc, seen: int) -> None:
-        """Bring the resumed member ``p`` of ``g``, which saw epoch ``seen``, into the
-        transition that decides the group's next epoch (if one is needed)."""
+    def _catch_up(self, g: Group, p: RankProc, epoch: int, pending: int) -> None:
+        """Bring the resumed member ``p`` of ``g``, whose committed epoch is ``epoch``
+        and which waits for ``pending`` to commit (0: for none), into the transition
+        that decides the group's next epoch, if one is needed."""
         slot = g.slot_of(p.rank)
         if slot not in g.active:
             return  # a joiner: it takes part from its admission on
+        seen = max(epoch, pending)
         g.max_epoch = max(g.max_epoch, seen)
         tr = g.transition
         if tr is not None and (g.name in self._takeover or seen >= tr.epoch):
             self._takeover.discard(g.name)
             log.info("coordinator: group %s: restarting the transition in flight", g.name)
             self._announce(g, tr.restart(g))
-        elif tr is None and seen != g.epoch:
-            log.warning("coordinator: group %s: rank %d saw epoch %d, the store holds %d; "
-                        "announcing a fresh epoch over the stored members %s", g.name,
-                        p.rank, seen, g.epoch, sorted(g.active))
+        elif tr is None and (epoch != g.epoch or pending):
+            # (a rank waiting for a commit the old leader never sent would wait forever)
+            log.warning("coordinator: group %s: rank %d is at epoch %d (waiting for %d), "
+                        "the store holds %d; announcing a fresh epoch over the stored "
+                        "members %s", g.name, p.rank, epoch, pending, g.epoch,
+                        sorted(g.active))
             g.max_epoch += 1
             self._announce(g, Transition(g.max_epoch, TransitionKind.CHANGE, set(g.active),
                                          set(g.active)))
