@@ -120,8 +120,7 @@ class CoordinatorProcess:
     """
 
     def __init__(self, proc: subprocess.Popen, address: str, store_port: int | None,
-                 on_exit: Callable[[int], None] | None,
-                 on_lead: Callable[[], None] | None = None) -> None:
+                 on_exit: Callable[[int], None] | None) -> None:
         self._proc = proc
         self._lines = _Lines(proc.stdout)
         self.address = address
@@ -131,7 +130,7 @@ class CoordinatorProcess:
         self._lock = threading.Lock()  # one lifeline exchange at a time
         threading.Thread(target=self._watch, daemon=True, name="coord-proc-watch").start()
         if store_port is None:  # a standby: it serves once elected
-            threading.Thread(target=self._await_lead, args=(on_lead,), daemon=True,
+            threading.Thread(target=self._await_lead, daemon=True,
                              name="coord-proc-standby").start()
 
     @property
@@ -146,7 +145,7 @@ class CoordinatorProcess:
               on_exit: Callable[[int], None] | None = None,
               membership_store: str | None = None,
               deployment_id: str | None = None, standby: bool = False,
-              on_lead: Callable[[], None] | None = None) -> CoordinatorProcess:
+              ) -> CoordinatorProcess:
         """Start the child and wait until it serves (a ``standby``: only until it runs).
 
         Args:
@@ -161,7 +160,7 @@ class CoordinatorProcess:
                 leader lease and commits the membership there after each change.
             standby: (etcd only) a replica that campaigns until elected, claims
                 nothing, and takes the state over from etcd once elected; this returns
-                at once, and ``on_lead`` runs (on a thread) once it serves.
+                at once (:attr:`leads` tells when it serves).
 
         Raises:
             OSError: ``host:port`` cannot be bound, or the child exited before it
@@ -185,7 +184,7 @@ class CoordinatorProcess:
             listener.close()  # the child holds its own copy
         if standby:
             log.info("coordinator replica pid %d at %s: standby", proc.pid, address)
-            return cls(proc, address, None, on_exit, on_lead)
+            return cls(proc, address, None, on_exit)
         try:
             line = _Lines(proc.stdout).next(ready_timeout_s)
             if line is None:
@@ -242,7 +241,7 @@ class CoordinatorProcess:
         _end(self._proc, timeout_s)
         self._proc.stdout.close()
 
-    def _await_lead(self, on_lead: Callable[[], None] | None) -> None:
+    def _await_lead(self) -> None:
         """A standby's ready line comes once it is elected and serves (read in short
         turns, so that :meth:`close` is never held up)."""
         while not self._closing:
@@ -256,8 +255,6 @@ class CoordinatorProcess:
             self.store_port = int(json.loads(line)["store_port"])
             log.warning("coordinator replica pid %d at %s leads now (store port %d)",
                         self._proc.pid, self.address, self.store_port)
-            if on_lead is not None:
-                on_lead()
             return
 
     def _watch(self) -> None:

@@ -77,8 +77,8 @@ class Takeover:
         """Take over ``state`` as a new leader, before any rank reconnects: groups,
         capacity and the deployment's config and target, and a placeholder for every
         rank the state holds a slot for, with the pid it names (see the module
-        docstring). A transition that
-        was in flight is restarted at a fresh epoch once its first member is back."""
+        docstring). A transition that was in flight is restarted at a fresh epoch once
+        its first member is back."""
         self._groups = {n: state.group(n) for n in state.groups}
         self._max_world_size = state.max_world_size
         self._deployment.config = state.config
