@@ -58,10 +58,15 @@ if want served_profile; then
         step "served_profile_c$c" 90 python3 -m bench.serving --launch $Q3 --random-input-len 256 \
             --random-output-len 256 --random-range-ratio 1 --max-concurrency $c --num-prompts $n \
             --serve-arg=--max-ep-size --serve-arg=2 --serve-arg=--log-stats-interval --serve-arg=1 \
+            ${SP_EXTRA:---serve-arg=--max-total-tokens --serve-arg=131296} \
             --log-dir /tmp/servelog$c >> "$OUT/served_profile.jsonl" 2> /tmp/sp$c.err
         tail -2 /tmp/sp$c.err
         cp /tmp/prof$c/rank0.json "$OUT/served_profile_c${c}_rank0.json" 2>/dev/null \
             || echo "no profile for c=$c"
+        # the chrome trace too (SP_TRACE=1): the summary names a gap, the trace's host
+        # events say what the host did in it
+        [[ ${SP_TRACE:-0} == 1 ]] && gzip -c /tmp/prof$c/rank0.trace.json \
+            > "$OUT/served_profile_c${c}_rank0.trace.json.gz" 2>/dev/null
         grep -h "steps in\|pieces each" /tmp/servelog$c/* 2>/dev/null | cut -c1-250 | tail -6
     done
 fi
@@ -80,12 +85,17 @@ if want host_profile; then  # where a served rank's host time goes: py-spy of ra
             sleep 1
         done
         sleep 4
-        worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
-        echo "== host_profile_c$c (worker $worker, at ${SECONDS}s)" >&2
+        # HP_WHO=frontend: the serve process (HTTP front-end, tokenizer, detokenizer)
+        if [[ ${HP_WHO:-rank} == frontend ]]; then
+            worker=$(pgrep -f "elasticep.entrypoints.cli serve" | head -1)
+        else
+            worker=$(pgrep -f "elasticep.elastic.worker" | head -1)
+        fi
+        echo "== host_profile_c$c (${HP_WHO:-rank} $worker, at ${SECONDS}s)" >&2
         # HP_NB=0: py-spy pauses the rank at each sample (slower, but whole stacks; a
         # non-blocking sample can tear a stack between frames)
         timeout 40 /tmp/site/bin/py-spy record -p "$worker" -d ${HP_S:-8} -r ${HP_RATE:-1000} \
-            --idle --threads -f raw -o "$OUT/host_profile_c$c.txt" \
+            --idle --threads -f raw -o "$OUT/host_profile_${HP_WHO:-rank}_c$c.txt" \
             $([[ ${HP_NB:-1} == 1 ]] && echo --nonblocking) 2>&1 | tail -1
         grep -h "ms/step in" /tmp/hplog$c/rank0.log | cut -c1-400 | tail -6 \
             >> "$OUT/host_profile_lines.log"
@@ -119,9 +129,9 @@ for l in open('$OUT/sweep.jsonl'):
     print(d['label'], d['max_concurrency'], 'tpot', d['median_tpot_ms'], e['median_tpot_ms'], 'itl', d['median_itl_ms'], e['median_itl_ms'], d['served_over_engine'])"
 fi
 
-if want fp8_kernels; then  # the FP8 expert kernels against their reference, then timed
-    step fp8_tests ${FP8T_S:-120} python3 -m pytest -v -p no:cacheprovider \
-        tests/test_fp8_rows_gpu.py > "$OUT/fp8_tests.log" 2>&1
+if want fp8_kernels; then  # the FP8 expert and dense kernels against their reference, then timed
+    step fp8_tests ${FP8T_S:-150} python3 -m pytest -v -p no:cacheprovider \
+        tests/test_fp8_rows_gpu.py tests/test_fp8_linear_gpu.py > "$OUT/fp8_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.log" | tail -12
     step fp8_experts ${FP8E_S:-90} python3 -m bench.fp8_experts --rows 1,8,64 \
         > "$OUT/fp8_experts.jsonl" 2> /tmp/fp8e.err
@@ -130,6 +140,13 @@ if want fp8_kernels; then  # the FP8 expert kernels against their reference, the
 import json
 for l in open('$OUT/fp8_experts.jsonl'):
     d=json.loads(l); print(d['hidden'], d['rows'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
+    step fp8_linear ${FP8L_S:-120} python3 -m bench.fp8_linear --m ${FP8L_M:-1,16,64,8192} \
+        > "$OUT/fp8_linear.jsonl" 2> /tmp/fp8l.err
+    tail -2 /tmp/fp8l.err | cut -c1-300
+    python3 -c "
+import json
+for l in open('$OUT/fp8_linear.jsonl'):
+    d=json.loads(l); print(d['shape'], d['m'], 'fp8', d['fp8_us'], 'bf16', d['bf16_us'], d['fp8_over_bf16'], 'x bound', d['fp8_x_bound'], d['bf16_x_bound'], 'err', d['fp8_rel_err_vs_reference'])"
 fi
 
 if want fp8_decode; then  # the decode step in FP8 and bf16 on one shape, one run each
@@ -262,7 +279,7 @@ fi
 # into one archive beside the main results. They are kept outside $OUT, so that several
 # runs of this script in one call (from other trees, say) add to one archive.
 KEEP=${EXTRAS_DIR:-/tmp/device_session_extras}
-(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
+(cd "$OUT" && extras=$(ls | grep -vE '^(gpu_tests.log|fp8_tests.log|fp8_experts.jsonl|fp8_linear.jsonl|fp8_decode.jsonl|exchange.jsonl|expert_forms.jsonl|decode_ab.jsonl|failover.jsonl|sweep.jsonl|prefill.jsonl|prefill_ds.jsonl|ttft.jsonl|host_profile_c1.txt|host_profile_c64.txt|extras.tgz)$') \
     && [[ -n $extras ]] && mkdir -p "$KEEP" && mv $extras "$KEEP"/ \
     && tar -czf extras.tgz -C "$KEEP" . && echo "extras.tgz: +" $extras)
 echo "done at ${SECONDS}s"

@@ -90,7 +90,7 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     and to one; and the router's top-k kernel followed by the dispatch send against the
     dispatch send that routes the token itself. Prints one JSON line."""
     from elasticep.models.fused_routing import fused_softmax_topk
-    from elasticep.moe.exchange.ipc_exchange import IpcExchange
+    from elasticep.moe.exchange.ipc_exchange import IpcExchange, IpcHandle
     from elasticep.moe.experts.small_batch_experts import gate_up_rows
     from elasticep.moe.fused_exchange import FusedForms
     from elasticep.moe.softmax_topk import SoftmaxTopk
@@ -111,18 +111,20 @@ def exchange_forms(H: int, inter: int, rows_per_source: int, group_size: int,
     own_rows, own_tags = rows[:C].contiguous(), tags[:C].contiguous()
     act = rows.new_empty(G * C, inter)
     out = rows.new_empty(G * C, H)
+    # the exchange's handle as the dispatch of layer 0 leaves it (its pairs' rows unused)
+    handle = IpcHandle(torch.arange(C, device=dev), C, dt, 0, experts)
 
     # every stage through the exchange's own calls, as layer 0 of its one MoE layer
     def plain(layer: int) -> None:
         gate_up_rows(w13[layer], rows, tags, act, tag_bound=(bound, C))
-        fex.send_combine_down(act, tags, w2[layer], C, 0, experts)
+        fex.send_combine_down(act, tags, w2[layer], handle)
 
     forms = {
         "engine": lambda layer: swiglu_rows(w13[layer], w2[layer], own_rows, own_tags),
         "plain": plain,
         "unfused": lambda layer: ex.send_combine(
             swiglu_rows(w13[layer], w2[layer], rows, tags, out=out, tag_bound=(bound, C)),
-            C, 0),
+            handle),
     }
     # the dispatch send of the token's pairs (the fused kernel at this size), into
     # exchanges of their own (it rewrites the receive rows), to G slots and to one

@@ -62,7 +62,7 @@ from elasticep.moe.exchange.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu, run_expert_rows
+from elasticep.moe.experts.expert_compute import grouped_swiglu, run_expert_rows
 from elasticep.moe.local_executor import run_slots
 from elasticep_testkit.prompts import gsm8k_questions
 
@@ -106,9 +106,9 @@ def _moe_problem(dev, dtype, G=2, S=64, H=2048, inter=768, k=8, T=128, seed=0):
 def _moe_layer(p, rank, dev, exchange, w13, w2, hidden, slots, weights):
     S, k, T = p["S"], p["k"], p["T"]
     cap = pair_capacity(T, k, S)
-    rows, tags, plan = padded_dispatch(hidden, slots, S, 2, cap, exchange)
-    back = padded_combine(grouped_swiglu(w13, w2, rows, tags), plan, exchange)
-    return combine_pairs(back, weights, torch.float32, rows=plan.position)
+    rows, tags, handle = padded_dispatch(hidden, slots, S, 2, cap, exchange)
+    return padded_combine(grouped_swiglu(w13, w2, rows, tags), handle, weights, exchange,
+                          dtype=torch.float32)
 
 
 @worker

@@ -120,12 +120,12 @@ def _rank(me: int, world: int, port: int, tokens: list[int], args, results) -> N
                 back = None
                 for layer in range(layers):
                     if args.static:
-                        position = fused.send_dispatch_static(hidden, slots, identity, S, C, layer)
+                        handle = fused.send_dispatch_static(hidden, slots, identity, S, C, layer)
                     else:
-                        position = ex.send_dispatch(hidden, slots, S, C, layer).position
-                    rows, _ = ex.recv_dispatch(C, layer, S)
-                    ex.send_combine(rows.contiguous(), C, layer)
-                    back = ex.recv_combine(C, layer)[position]
+                        handle = ex.send_dispatch(hidden, slots, S, C, layer)
+                    rows, _ = ex.recv_dispatch(handle)
+                    ex.send_combine(rows.contiguous(), handle)
+                    back = ex.recv_combine(handle)[handle.position]
                 return back
 
             _barrier(store, f"eager{T}", world)

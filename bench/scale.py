@@ -34,15 +34,18 @@ Sections (``--only``, comma-separated):
 The HBM bound of one decode step is the time to read, once, the bytes that step cannot
 avoid reading, at the bandwidth ``bw`` measured in the same run::
 
-    bytes = L_attn * (|W_q| + |W_k| + |W_v| + |W_o|)            attention weights
+    bytes = L_attn * (|W_q| + |W_k| + |W_v| + |W_o|) * s        attention weights
+          + (shared experts, dense MLP layers) * s                   dense MLPs
           + sum over MoE layers of n_touched(layer) * 3 * H * I * s   experts routed this step
           + L_moe * E * H * s                                        routers
           + L * sum over sequences of ctx_len * 2 * Hkv * D * s      KV cache read
           + V * H * s                                                LM head
     bound_s = bytes / bw
 
-with ``s`` the bytes of the dtype, ``n_touched`` the distinct experts the step's tokens
-were routed to (measured), and ``ctx_len`` each sequence's context at that step. Norms,
+with ``s`` the bytes of the dtype (for an FP8 model's FP8 weights, the experts and the
+dense projections, 1 byte plus 4 per 128 x 128 block's scale: ``bench/step_bytes.py``),
+``n_touched`` the distinct experts the step's tokens were routed to (measured), and
+``ctx_len`` each sequence's context at that step. Norms,
 embeddings of the new tokens and the writes of new K/V are under 0.1% and left out.
 For EP2 the bound is that of the busier rank: its sequences' KV, the whole attention and
 LM head (every rank holds them), and its half of the touched experts.
@@ -73,12 +76,11 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 
 from bench.prefill import section_prefill
+from bench.step_bytes import step_bytes
 from elasticep.elastic.step_profiler import DIR_ENV, STEPS_ENV, profiler_settings
-from elasticep.engine.limits import expert_bytes_per_slot
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.models import MoEModelConfig, load_model_config
-from elasticep.models.quantization import experts_packable
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.utils.profile_summary import summarize_profile
 
@@ -146,37 +148,6 @@ def reset_memory(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-def step_bytes(cfg: MoEModelConfig, elem: int, touched_per_layer: list[int],
-               ctx_lens: list[int]) -> dict[str, int]:
-    """The bytes one decode step must read (see the module docstring), by part.
-
-    An FP8 model (``cfg.quantization``) whose experts stay FP8 (packed with their block
-    scales) counts 1 byte a routed expert weight plus its scales; its other weights are
-    held dequantized in the model dtype and count ``elem`` bytes, as they are read."""
-    fp8 = cfg.quantization is not None and experts_packable(cfg.hidden_size,
-                                                            cfg.moe_intermediate_size)
-    n_moe = sum(cfg.moe_layers)
-    per_expert = (expert_bytes_per_slot(cfg, torch.bfloat16, fp8=True) // max(n_moe, 1) if fp8
-                  else 3 * cfg.hidden_size * cfg.moe_intermediate_size * elem)
-    H, D = cfg.hidden_size, cfg.head_dim
-    qkvo = (2 * cfg.num_attention_heads * D * H) + (2 * cfg.num_key_value_heads * D * H)
-    kv_per_token = 2 * cfg.num_key_value_heads * D
-    if cfg.mla is not None:  # MLA: its own projections; the cache holds one latent row
-        qkvo, kv_per_token = cfg.mla.weight_params(H), cfg.mla.cache_width
-    parts = {
-        "attention_weights": cfg.num_hidden_layers * qkvo * elem,
-        "experts": sum(touched_per_layer) * per_expert,
-        # shared experts on every MoE layer, dense MLPs on the others (DeepSeek, qwen2_moe)
-        "dense_mlps": (n_moe * cfg.shared_expert_intermediate_size
-                       + (cfg.num_hidden_layers - n_moe) * cfg.intermediate_size) * 3 * H * elem,
-        "routers": n_moe * cfg.num_experts * H * elem,
-        "kv_cache": cfg.num_hidden_layers * sum(ctx_lens) * kv_per_token * elem,
-        "lm_head": cfg.vocab_size * H * elem,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
 
 
 class RoutingRecorder(ExecutorDefaults):

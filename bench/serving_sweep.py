@@ -7,7 +7,10 @@ x C prompts, stops the server, then loads one ``LLMEngine`` (graphs up to the la
 and runs the same requests at each C. Prints one JSON line per C, in bench/serving.py's
 shape, with ``engine`` and ``served_over_engine`` filled in.
 
-Both sides get the same KV cache: the engine holds the largest C requests at once, and
+Both sides get the same step budget (a served rank's ``--chunked-prefill-size`` and
+``--max-num-batched-tokens``, defaults resolved as the ranks resolve them), so the
+engine's prefill steps are as large as the ranks' and the comparison is of the served
+path, not of two schedules. Both sides get the same KV cache: the engine holds the largest C requests at once, and
 unless a ``--serve-arg`` sets ``--max-total-tokens``, the server's ranks are given that
 many tokens too. Otherwise a rank sizes its cache from its share of the GPU, which with
 ``--max-ep-size 2`` on one GPU is half of it, and it may hold fewer sequences than the
@@ -32,6 +35,7 @@ from typing import Any
 
 from bench import serving
 from bench._commit import commit
+from elasticep.engine import limits
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.serving.engine_baseline import kv_tokens_for, load_engine, run_engine
 from elasticep_testkit.serving.metrics import summarize
@@ -54,6 +58,22 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], int]:
     if args.stub_engine_steps_per_s is not None:
         ap.error("the sweep measures a real engine: not with --stub-engine-steps-per-s")
     return args, cs, ours.prompts_per_concurrency
+
+
+def served_step_budget(flags: list[str], device: str) -> tuple[int | None, int]:
+    """(chunked_prefill_size, max_num_batched_tokens) that the served ranks run with,
+    from ``serve``'s flags, their defaults resolved as :mod:`elasticep.engine.limits`
+    resolves them (pure)."""
+    def flag(name: str) -> int | None:
+        return int(flags[flags.index(name) + 1]) if name in flags else None
+
+    chunk = flag("--chunked-prefill-size")
+    if chunk is None:
+        chunk = limits.DEFAULT_CHUNKED_PREFILL_SIZE if device == "cuda" else -1
+    resolved = limits.RankLimits(1, 1, 1, None if chunk == -1 else chunk,
+                                 flag("--max-num-batched-tokens"))
+    config = resolved.engine_config()
+    return config.chunked_prefill_size, config.max_batch_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,16 +107,19 @@ def main(argv: list[str] | None = None) -> int:
         serve.stop()  # the engine needs the device's memory
     cap = max(cs)
     t0 = time.perf_counter()
+    chunk, budget = served_step_budget(flags, args.device)
     engine = load_engine(args.model, device=args.device, dtype=args.dtype,
                          load_format=args.load_format, max_concurrency=cap,
-                         max_total_tokens=kv, enable_cuda_graph=not args.disable_cuda_graph)
+                         max_total_tokens=kv, enable_cuda_graph=not args.disable_cuda_graph,
+                         chunked_prefill_size=chunk, max_batch_tokens=budget)
     load_s = time.perf_counter() - t0
     failed = False
     for line, (a, requests) in zip(lines, runs, strict=True):
         warm = serving.warmup_requests(a, requests)
         run_engine(engine, warm, len(warm), True)
         results, duration = run_engine(engine, requests, a.max_concurrency, a.ignore_eos)
-        line["engine"] = {"max_total_tokens": kv, "load_s": round(load_s, 1),
+        line["engine"] = {"max_total_tokens": kv, "chunked_prefill_size": chunk,
+                          "max_num_batched_tokens": budget, "load_s": round(load_s, 1),
                           **summarize(results, duration)}
         line["served_over_engine"] = serving.ratios(line, line["engine"])
         text = json.dumps(line)

@@ -3,7 +3,8 @@
 For Qwen3-30B-A3B's expert shape (H 2048, moe_intermediate 768, 128 slots, bf16) and
 ``--rows`` (token, expert) rows routed at random (an 8192-token prefill step has 65,536),
 it times :func:`elasticep.moe.experts.tiled_experts.swiglu_tiled` under several tiles (and,
-as ``repeat``, at its default tile reading each token's row for its 8 pairs) and the
+as ``repeat``, at its default tile reading each token's row for its 8 pairs; as
+``in_place_wW``, reading rows in place with row stride W as the exchange hands them) and the
 sorted-rows kernels, and divides the SwiGLU FLOPs
 (``2 x N x 3 x H x I``) by the time, against an 8192^3 bf16 matmul measured in the same
 run. Prints one JSON line per (rows, variant). GPU only.
@@ -20,6 +21,7 @@ import torch
 
 from bench.gpu_run import _time_cuda
 from bench.prefill import matmul_rate
+from elasticep.moe.exchange.padded_exchange import row_width
 from elasticep.moe.experts.expert_compute import grouped_swiglu
 from elasticep.moe.experts.sorted_experts import swiglu_sorted
 from elasticep.moe.experts.tiled_experts import swiglu_tiled
@@ -57,6 +59,13 @@ def main() -> None:
         for name, (gu, dn) in TILES.items():
             variants[name] = (lambda r=rows, t=tags, gu=gu, dn=dn:
                               swiglu_tiled(w13, w2, r, t, gate_up_tile=gu, down_tile=dn))
+        # as the same-host exchange hands them over: read in place from its receive rows
+        # (row stride W), at the old width (values + tag, 16-byte rows) and the aligned one
+        for w in sorted({H + 8, row_width(H, rows.dtype)}):
+            buf = rows.new_zeros(n, w)
+            buf[:, :H] = rows
+            variants[f"in_place_w{w}"] = (lambda r=buf[:, :H], t=tags:
+                                          swiglu_tiled(w13, w2, r, t))
         tok = rows[::TOP_K]  # as the single-rank executor hands them over
         ref_tok = grouped_swiglu(w13, w2, tok.repeat_interleave(TOP_K, 0), tags,
                                  use_grouped=False).float()

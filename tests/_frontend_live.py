@@ -4,8 +4,6 @@ a model directory: what the front-end API tests share (not a test module)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.frontend.http_server import HttpServer, create_server
 from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
+from elasticep_testkit.chat_templates import demo_with_chat_template
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -27,16 +26,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% 
 
 def make_chat_model(dst: Path) -> Path:
     """The demo model plus a chat template (weights are symlinked, not copied)."""
-    dst.mkdir()
-    for f in DEMO.iterdir():
-        if f.suffix == ".safetensors":
-            (dst / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, dst / f.name)
-    cfg = json.loads((dst / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return dst
+    return demo_with_chat_template(dst, TEMPLATE)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -59,27 +49,37 @@ def engine_server(model_dir: Path, name: str, api_key: str | None = None,
     """
     engine = LLMEngine.from_pretrained(model_dir, progress=False,
                                        config=EngineConfig(max_total_tokens=1024))
+    prepared = prepare(engine)
+    with rank_server(model_dir, engine, name, api_key) as (server, frontend):
+        yield server, frontend, engine, prepared
+
+
+@contextlib.contextmanager
+def rank_server(model_dir: Path, engine: Any, name: str, api_key: str | None = None,
+                idle_poll_s: float = 0.05) -> Iterator[tuple[HttpServer, Any]]:
+    """The front-end of ``model_dir`` (served as ``name``) over one rank thread that runs
+    ``engine`` (any step engine of the rank loop); yields (server, frontend) once
+    /health answers 200, and stops both after."""
     channel = FrontendChannel()
     server, frontend = create_server(model_dir, channel,
                                      ConnectedWorkers(lambda: channel.connected),
                                      served_model_name=name, api_key=api_key)
-    prepared = prepare(engine)
     stop = threading.Event()
 
     def work() -> None:
         wc = WorkerChannel(channel.endpoints, rank=0)
         try:
-            run_engine_worker(engine, wc, 0, stop)
+            run_engine_worker(engine, wc, 0, stop, idle_poll_s=idle_poll_s)
         finally:
             wc.close()
 
-    worker = threading.Thread(target=work, name="engine-worker", daemon=True)
+    worker = threading.Thread(target=work, name="rank-worker", daemon=True)
     worker.start()
     server.start()
     try:
         wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 20,
                  "a healthy rank")
-        yield server, frontend, engine, prepared
+        yield server, frontend
     finally:
         server.stop()
         stop.set()

@@ -402,3 +402,15 @@ def test_run_as_a_script_it_says_to_run_it_as_a_module(pythonpath, tmp_path):
     assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stdout)
     assert "run it from the repository root as a module" in p.stderr, p.stderr
     assert "python -m bench.serving" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_sweeps_engine_gets_the_served_ranks_step_budget():
+    from bench.serving_sweep import served_step_budget
+    from elasticep.engine.limits import DEFAULT_CHUNKED_PREFILL_SIZE
+    # CUDA ranks chunk by default, and their budget is at least the chunk
+    assert served_step_budget([], "cuda") == (DEFAULT_CHUNKED_PREFILL_SIZE,
+                                              DEFAULT_CHUNKED_PREFILL_SIZE)
+    assert served_step_budget([], "cpu") == (None, 4096)
+    assert served_step_budget(["--chunked-prefill-size", "2048"], "cuda") == (2048, 4096)
+    assert served_step_budget(["--chunked-prefill-size", "-1", "--max-num-batched-tokens",
+                               "512"], "cuda") == (None, 512)

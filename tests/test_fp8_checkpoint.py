@@ -25,6 +25,7 @@ from _model_helpers import rel_err
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep.models import load_model
+from elasticep.models.linear import Fp8Weight, dense
 from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.expert_compute import dense_weights
@@ -168,11 +169,12 @@ def fp8_model(fp8_ckpt):
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
-    """Every weight as the forward pass sees it (packed FP8 experts dequantized)."""
+    """Every weight as the forward pass sees it (FP8 projections and packed FP8 experts
+    dequantized)."""
     out = {"embed": model.embed, "lm_head": model.lm_head}
     for i, layer in enumerate(model.layers):
-        out[f"{i}.qkv"] = layer.attn.qkv
-        out[f"{i}.o"] = layer.attn.o
+        out[f"{i}.qkv"] = dense(layer.attn.qkv, torch.float32)
+        out[f"{i}.o"] = dense(layer.attn.o, torch.float32)
         out[f"{i}.router"] = layer.moe.router
         out[f"{i}.w13"], out[f"{i}.w2"] = dense_weights(model.experts.w13[i],
                                                         model.experts.w2[i], torch.float32)
@@ -198,6 +200,12 @@ def test_loader_dequantizes_exactly(fp8_ckpt, fp8_model, dequantized_ckpt):
     assert "model.layers.1.self_attn.o_proj.weight_scale_inv" in stored
     assert "model.layers.0.mlp.gate.weight_scale_inv" not in stored
     orig = read_all(MODEL)
+    # the projections stay FP8 as stored, but the one modules_to_not_convert names
+    o1 = fp8_model.layers[1].attn.o
+    assert isinstance(o1, Fp8Weight) and isinstance(fp8_model.layers[0].attn.o, torch.Tensor)
+    assert torch.equal(o1.q.view(torch.uint8),
+                       stored["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))
+    assert torch.equal(o1.scale_inv, stored["model.layers.1.self_attn.o_proj.weight_scale_inv"])
     assert torch.equal(ours["0.o"], orig["model.layers.0.self_attn.o_proj.weight"].float())
     assert not torch.equal(ours["1.o"], orig["model.layers.1.self_attn.o_proj.weight"].float())
 

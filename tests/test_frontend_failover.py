@@ -271,3 +271,30 @@ def test_recovery_phases_in_metrics_match_the_event_log(cluster, tmp_path):
     state = {(s.labels["rank"], s.labels["state"]): s.value
              for s in families["elasticep_rank_state"].samples if s.value}
     assert state == {("0", "healthy"): 1.0, ("1", "healthy"): 1.0}
+
+
+def test_e2e_latency_is_observed_once_per_request_not_per_choice(cluster):
+    """``n`` choices and a batch of prompts are one HTTP request each: one end-to-end
+    latency each (it counted every sequence), as many as finished requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> tuple[float, float]:
+        fams = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(cluster["server"].url + "/metrics").text)}
+        e2e = next(s.value for s in fams["elasticep_e2e_request_latency_seconds"].samples
+                   if s.name.endswith("_count"))
+        done = sum(s.value for s in fams["elasticep_requests"].samples
+                   if s.name.endswith("_total") and s.labels["outcome"] == "finished")
+        return e2e, done
+
+    client, prompts = cluster["client"], list(TEXTS)
+    e2e0, done0 = counts()
+    out = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=8, n=2)
+    assert len(out.choices) == 2
+    chunks = list(client.completions.create(model=NAME, prompt=prompts[1], max_tokens=8,
+                                            n=2, stream=True))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    out = client.completions.create(model=NAME, prompt=prompts[:2], max_tokens=8)
+    assert len(out.choices) == 2
+    e2e, done = counts()
+    assert (e2e - e2e0, done - done0) == (3, 3)

@@ -29,6 +29,7 @@ from elasticep.frontend_link import (
     WorkerHello,
 )
 from elasticep.frontend_link.channels import _HELLO, _OUTPUTS, _TO_RANK
+from elasticep_testkit.serving.running_table import RunningTable
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -116,7 +117,7 @@ def test_garbage_frames_are_dropped_and_polls_time_out():
     asyncio.run(main())
 
 
-class FakeEngine:
+class FakeEngine(RunningTable):
     """Emits token 7 per step per request; refuses prompts longer than 3 tokens."""
 
     def __init__(self) -> None:
@@ -126,15 +127,6 @@ class FakeEngine:
         if len(req.prompt_token_ids) > 3:
             raise ValueError("prompt too long")
         self.running[req.request_id] = len(req.output_token_ids)
-
-    def abort(self, request_id: str) -> bool:
-        return self.running.pop(request_id, None) is not None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def request_ids(self) -> list[str]:
-        return list(self.running)
 
     def step(self) -> list[TokenOutput]:
         if "poison" in self.running:

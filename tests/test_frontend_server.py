@@ -644,11 +644,8 @@ def test_a_lone_surrogate_in_a_chat_message_is_a_400(live):
 
 
 def test_a_request_too_long_for_the_context_names_the_field_it_came_in():
-    from elasticep.frontend.openai_protocol import (
-        ChatCompletionRequest,
-        OpenAIError,
-        resolve_max_tokens,
-    )
+    from elasticep.frontend.api_errors import OpenAIError, resolve_max_tokens
+    from elasticep.frontend.openai_protocol import ChatCompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]
     for body, param in (({"max_completion_tokens": 60}, "max_completion_tokens"),

@@ -18,7 +18,7 @@ from elasticep.engine.request import SamplingParams
 from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend.membership_source import ConnectedWorkers
-from elasticep.frontend.openai_protocol import (
+from elasticep.frontend.openai_responses import (
     CompletionChoice,
     CompletionResponse,
     completion_chunk_renderer,

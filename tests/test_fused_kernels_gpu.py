@@ -194,7 +194,7 @@ def test_fused_softmax_topk_matches_route(dtype, E, k, norm):
 @pytest.mark.parametrize("T,k,H", [(1, 8, 2048), (5, 2, 300), (64, 8, 256), (0, 2, 64)])
 @pytest.mark.parametrize("gather", [False, True])
 def test_fused_combine_matches_torch_form(dtype, T, k, H, gather):
-    from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
+    from elasticep.moe.exchange.pair_combine import fused_combine, fused_combine_ok
 
     g = torch.Generator(device="cuda").manual_seed(T * k + H)
     n = 2 * T * k + 3 if gather else T * k

@@ -15,7 +15,7 @@ from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.elastic.exchange_watchdog import StepWatchdog
 from elasticep.engine.limits import max_step_tokens
 from elasticep.moe.exchange.ipc_buffers import buffer_bytes, capacity_rows
-from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, IpcHandle
 from elasticep.moe.exchange.padded_exchange import pack, pair_capacity, plan_padded, split_rows
 
 H, K, S, LAYERS = 24, 2, 4, 3
@@ -53,7 +53,7 @@ def test_dispatch_and_combine_match_the_padded_layout(G, live, flag_reset, monke
     inputs = {r: _inputs(G, T[r], 10 + r, live) for r in live}
     layer = 1
     plans = {r: exs[r].send_dispatch(*inputs[r], S, C, layer) for r in live}
-    received = {r: exs[r].recv_dispatch(C, layer, S) for r in live}
+    received = {r: exs[r].recv_dispatch(plans[r]) for r in live}
     for r in live:
         rows, tags = received[r]
         for s in range(G):
@@ -70,9 +70,9 @@ def test_dispatch_and_combine_match_the_padded_layout(G, live, flag_reset, monke
     # experts: row * tag, so each pair comes back as hidden * (local slot + 1)
     for r in live:
         rows, tags = received[r]
-        exs[r].send_combine((rows * tags.unsqueeze(1).float()).contiguous(), C, layer)
+        exs[r].send_combine((rows * tags.unsqueeze(1).float()).contiguous(), plans[r])
     for r in live:
-        back = exs[r].recv_combine(C, layer)
+        back = exs[r].recv_combine(plans[r])
         hidden, slots = inputs[r]
         got = back[plans[r].position]
         want = hidden.repeat_interleave(K, 0) * (slots.reshape(-1) % S + 1).unsqueeze(1).float()
@@ -88,6 +88,22 @@ def test_dispatch_and_combine_match_the_padded_layout(G, live, flag_reset, monke
         assert torch.equal(ex.flags, want)
 
 
+def test_the_one_call_forms_take_the_handle_and_sum_with_the_weights():
+    """``dispatch`` then ``combine`` on one live rank of two: the handle carries the
+    layout back, and each token's k outputs come back summed with its weights."""
+    ex = _world(2)[0]
+    ex.reset(torch.tensor([True, False]))
+    hidden, slots = _inputs(2, 5, 7, [0])
+    C = pair_capacity(5, K, S)
+    rows, tags, handle = ex.dispatch(hidden, slots, S, C, 1)
+    assert (handle.capacity, handle.layer, handle.slots_per_rank) == (C, 1, S)
+    weights = torch.rand(5, K, generator=torch.Generator().manual_seed(1))
+    got = ex.combine((rows * tags.unsqueeze(1).float()).contiguous(), handle, weights)
+    pairs = hidden.unsqueeze(1) * (slots % S + 1).unsqueeze(2).float()  # [T, k, H]
+    want = (pairs * weights.unsqueeze(2)).sum(1)
+    assert got.dtype == hidden.dtype and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def _steps(exs: list[IpcExchange], steps: int, T: int = 3,
            layers: list[int] | None = None) -> None:
     """``steps`` whole steps (each of ``layers``' dispatch and combine; default all
@@ -99,12 +115,12 @@ def _steps(exs: list[IpcExchange], steps: int, T: int = 3,
         inputs = [_inputs(G, T, 100 * step + r, list(range(G))) for r in range(G)]
         for layer in (range(LAYERS) if layers is None else layers):
             plans = [ex.send_dispatch(*inputs[r], S, C, layer) for r, ex in enumerate(exs)]
-            received = [ex.recv_dispatch(C, layer, S) for ex in exs]
-            for ex, (rows, tags) in zip(exs, received, strict=True):
-                ex.send_combine((rows * tags.unsqueeze(1).float()).contiguous(), C, layer)
+            received = [ex.recv_dispatch(plan) for ex, plan in zip(exs, plans, strict=True)]
+            for ex, (rows, tags), plan in zip(exs, received, plans, strict=True):
+                ex.send_combine((rows * tags.unsqueeze(1).float()).contiguous(), plan)
             for r, ex in enumerate(exs):
                 hidden, slots = inputs[r]
-                got = ex.recv_combine(C, layer)[plans[r].position]
+                got = ex.recv_combine(plans[r])[plans[r].position]
                 want = (hidden.repeat_interleave(K, 0)
                         * (slots.reshape(-1) % S + 1).unsqueeze(1).float())
                 assert torch.equal(got, want)
@@ -143,7 +159,7 @@ def test_dense_layers_leave_no_gap_in_the_flag_columns(monkeypatch):
         assert int(ex.flags[1 - ex.rank, -1]) == 1
         assert torch.all(ex.flags[:, :-1] == 0)
     with pytest.raises(ValueError, match="layer 2 does not exchange"):
-        exs[0].recv_dispatch(pair_capacity(3, K, S), 2, S)
+        exs[0].send_dispatch(*_inputs(2, 3, 0, [0, 1]), S, pair_capacity(3, K, S), 2)
 
 
 @pytest.mark.parametrize("moe_layers", [[], [2, 1], [0, 5]])
@@ -161,8 +177,10 @@ def test_a_lost_flag_reset_is_an_error_in_simulation(monkeypatch):
     # slot 2L-1 is still set on rank 1 (rank 0's last combine signal): a second combine
     # send of the last layer, with no exchange between to clear it, would pass early
     with pytest.raises(RuntimeError, match="lost reset"):
-        exs[0].send_combine(torch.zeros(2 * pair_capacity(3, K, S), H), pair_capacity(3, K, S),
-                            LAYERS - 1)
+        C = pair_capacity(3, K, S)
+        exs[0].send_combine(torch.zeros(2 * C, H),
+                            IpcHandle(torch.zeros(0, dtype=torch.long), C, torch.float32,
+                                      LAYERS - 1, S))
 
 
 def test_an_unknown_flag_reset_mode_is_refused(monkeypatch):
@@ -176,9 +194,9 @@ def test_a_wait_without_its_signal_is_an_error_in_simulation():
     for ex in exs:
         ex.reset(torch.ones(2, dtype=torch.bool))
     hidden, slots = _inputs(2, 4, 0, [0, 1])
-    exs[0].send_dispatch(hidden, slots, S, pair_capacity(4, K, S), 0)
+    handle = exs[0].send_dispatch(hidden, slots, S, pair_capacity(4, K, S), 0)
     with pytest.raises(RuntimeError, match="no signal from 1"):
-        exs[0].recv_dispatch(pair_capacity(4, K, S), 0, S)
+        exs[0].recv_dispatch(handle)
 
 
 def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
@@ -195,12 +213,12 @@ def test_the_solo_form_is_picked_from_the_membership_and_records_no_wait():
     assert not ex.solo
     # a wait for a peer that has not signalled: an error, except in the solo form
     C = pair_capacity(4, K, S)
-    ex.send_dispatch(*_inputs(2, 4, 0, [0, 1]), S, C, 0)
+    handle = ex.send_dispatch(*_inputs(2, 4, 0, [0, 1]), S, C, 0)
     with pytest.raises(RuntimeError, match="no signal from 1"):
-        ex.recv_dispatch(C, 0, S)
+        ex.recv_dispatch(handle)
     with PiecewiseCapture(bound=4, variant=SOLO):
         assert capture_variant() == SOLO
-        ex.recv_dispatch(C, 0, S)
+        ex.recv_dispatch(handle)
     assert capture_variant() is None
     ex.reset(torch.tensor([True, False]))
     assert ex.solo
@@ -264,8 +282,7 @@ def test_abort_releases_every_wait_and_reset_restores_the_membership():
     assert ex.active.tolist() == [1, 0, 0]
     C = pair_capacity(2, K, S)
     hidden, slots = _inputs(3, 2, 1, [0])  # the step goes on locally
-    ex.send_dispatch(hidden, slots, S, C, 2)
-    ex.recv_dispatch(C, 2, S)  # released: no peer signalled
+    ex.recv_dispatch(ex.send_dispatch(hidden, slots, S, C, 2))  # released: no peer signalled
     ex.abort()  # idempotent
     assert ex.aborts == 1
     ex.reset(full)
@@ -279,11 +296,10 @@ def test_tags_are_clamped_to_the_slot_range():
         ex.reset(torch.ones(2, dtype=torch.bool))
     C = pair_capacity(2, K, S)
     hidden, slots = _inputs(2, 2, 3, [0, 1])
-    for ex in exs:
-        ex.send_dispatch(hidden, slots, S, C, 0)
+    handles = [ex.send_dispatch(hidden, slots, S, C, 0) for ex in exs]
     # a stopped peer's late write of garbage into its own block
     split_rows(exs[0].recv0, H)[1][C:2 * C] = 1 << 20
-    _, tags = exs[0].recv_dispatch(C, 0, S)
+    _, tags = exs[0].recv_dispatch(handles[0])
     assert int(tags.max()) <= S
 
 
@@ -446,7 +462,7 @@ def _kernel_cases() -> dict:
         for w in (ref, fused, plain):
             for ex in w:
                 ex.reset(torch.ones(G, dtype=torch.bool))
-        ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
+        handle = ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
         fused[0].flags[:, 1] = 1  # the waits of exchange 1 left these set: reset_prev clears
         pos = fkern.fused_dispatch(hidden, ids, l2p, S, 0, C, fused[0].W, fused[0].table,
                                    fused[0].active, fused[0].counter, fused[0].flags, 2,
@@ -473,7 +489,7 @@ def _kernel_cases() -> dict:
         kern.combine_send(out, ref[0].recv0, 0, C, plain[0].table, plain[0].active,
                           plain[0].counter, plain[0].flags, 3, reset_prev=True)
         ok &= bool(torch.all(plain[0].flags[1:, 2] == 0)) and int(plain[0].flags[0, 2]) == 1
-        ref[0].send_combine(out, C, 1)
+        ref[0].send_combine(out, handle)
         for q in range(G):
             ok &= torch.equal(plain[q].recv1[:G * C], ref[q].recv1[:G * C])
         results[f"G{G}_T{T}_h{block_h}"] = bool(ok)
@@ -516,8 +532,9 @@ def _routed_cases() -> dict:
                                         plain[0].table, plain[0].active, plain[0].counter,
                                         plain[0].flags, 2, reset_prev=True)
         # the CPU exchange's path: the torch rule, then the reference send
-        ref_pos, ref_ids, ref_w = FusedForms(ref[0]).send_dispatch_routed(hidden, logits, rule,
-                                                                          l2p, S, C, 1)
+        ref_handle, ref_ids, ref_w = FusedForms(ref[0]).send_dispatch_routed(
+            hidden, logits, rule, l2p, S, C, 1)
+        ref_pos = ref_handle.position
         ok = (torch.equal(ids, want_ids) and torch.equal(weights, want_w)
               and torch.equal(pos, want_pos) and torch.equal(ids, ref_ids)
               and torch.equal(pos, ref_pos) and torch.allclose(weights, ref_w, rtol=1e-6, atol=0))
@@ -550,20 +567,22 @@ def _down_send_cases() -> dict:
         C = pair_capacity(T, K, S)
         mask = torch.tensor([q in live for q in range(G)])
         worlds = _world(G, C), _world(G, C)
+        handles = []
         for w in worlds:
             for ex in w:
                 ex.reset(mask)
             for r in live:
                 hidden, slots = _inputs(G, T, r, live)
-                w[r].send_dispatch(hidden, slots, S, C, 0)
+                handles.append(w[r].send_dispatch(hidden, slots, S, C, 0))
             split_rows(w[0].recv0, H)[1][live[-1] * C] = 9 * S  # a garbage tag, kept
             split_rows(w[0].recv0, H)[1][live[-1] * C + 1] = -5
         ref, fused = worlds
-        rows, tags = ref[0].recv_dispatch(C, 0, S, clamp=False)
+        handle = handles[0]  # rank 0's, the same layout in either world
+        rows, tags = ref[0].recv_dispatch(handle, clamp=False)
         cap = ref[0].tag_cap(S)
         out = grouped_swiglu(w13, w2, rows, tags, use_grouped=False, tag_bound=(cap, C))
-        ref[0].send_combine(out, C, 0)
-        rows, tags = fused[0].recv_dispatch(C, 0, S, clamp=False)
+        ref[0].send_combine(out, handle)
+        rows, tags = fused[0].recv_dispatch(handle, clamp=False)
         act = gate_up_rows(w13, rows, tags, rows.new_empty(G * C, inter),
                            tag_bound=(cap.view(-1), C))
         f = fused[0]

@@ -49,14 +49,14 @@ def _pair(device: str, dtype: torch.dtype, cap: int = 256) -> list[IpcExchange]:
 
 
 def _run(exs: list[IpcExchange], inputs, C: int, layer: int):
-    for ex, (h, s) in zip(exs, inputs, strict=True):
-        ex.send_dispatch(h, s, S, C, layer)
+    handles = [ex.send_dispatch(h, s, S, C, layer)
+               for ex, (h, s) in zip(exs, inputs, strict=True)]
     got = []
-    for ex in exs:
-        rows, tags = ex.recv_dispatch(C, layer, S)
+    for ex, handle in zip(exs, handles, strict=True):
+        rows, tags = ex.recv_dispatch(handle)
         got.append((rows.clone(), tags.clone()))
-        ex.send_combine((rows * tags.unsqueeze(1).to(rows.dtype)).contiguous(), C, layer)
-    backs = [ex.recv_combine(C, layer).clone() for ex in exs]
+        ex.send_combine((rows * tags.unsqueeze(1).to(rows.dtype)).contiguous(), handle)
+    backs = [ex.recv_combine(handle).clone() for ex, handle in zip(exs, handles, strict=True)]
     return got, backs
 
 
@@ -120,24 +120,24 @@ def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_
                 h = torch.randn(T, H, generator=gl).to(dtype).cuda()
                 s = torch.stack([torch.randperm(len(live) * S, generator=gl)[:K]
                                  for _ in range(T)]).cuda()
-                plans[r] = exs[r].send_dispatch(h, s, S, C, layer).position
+                plans[r] = exs[r].send_dispatch(h, s, S, C, layer)
             if live == [0]:
                 split_rows(exs[0].recv0, H)[1][C:2 * C] = 1 << 20
             for r in live:
                 ex = exs[r]
-                rows, tags = ex.recv_dispatch(C, layer, S, clamp=False)
+                rows, tags = ex.recv_dispatch(plans[r], clamp=False)
                 bound = (ex.tag_cap(S), C)
                 if fused:
                     act = gate_up_rows(w13[r], rows, tags,
                                        rows.new_empty(rows.shape[0], inter),
                                        tag_bound=(bound[0].view(-1), C))
-                    FusedForms(ex).send_combine_down(act, tags, w2[r], C, layer, S)
+                    FusedForms(ex).send_combine_down(act, tags, w2[r], plans[r])
                 else:
                     out = grouped_swiglu(w13[r], w2[r], rows, tags, tag_bound=bound)
-                    ex.send_combine(out, C, layer)
+                    ex.send_combine(out, plans[r])
             for r in live:
-                back = exs[r].recv_combine(C, layer)
-                got.append(back[plans[r]].clone())
+                back = exs[r].recv_combine(plans[r])
+                got.append(back[plans[r].position].clone())
         torch.cuda.synchronize()
         results[fused] = got
         flags = [ex.flags.clone() for ex in exs]
@@ -246,9 +246,9 @@ def test_a_silent_peer_blocks_the_graph_until_released(release, phase):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         plan = ex.send_dispatch(h, s, S, C, layer)
-        rows, tags = ex.recv_dispatch(C, layer, S)
-        ex.send_combine(rows.contiguous(), C, layer)
-        back = ex.recv_combine(C, layer)
+        rows, tags = ex.recv_dispatch(plan)
+        ex.send_combine(rows.contiguous(), plan)
+        back = ex.recv_combine(plan)
         mine = back[plan.position].float()
     graph.replay()
     done = torch.cuda.Event()
@@ -300,7 +300,8 @@ def test_fused_static_dispatch_matches_the_reference(tokens):
     ref = _pair("cpu", torch.bfloat16, cap=512)
     ref[0].send_dispatch(hidden, l2p[ids], S, C, 1)
     gpu = _pair("cuda", torch.bfloat16, cap=512)
-    pos = FusedForms(gpu[0]).send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C, 1)
+    pos = FusedForms(gpu[0]).send_dispatch_static(hidden.cuda(), ids.cuda(), l2p.cuda(), S, C,
+                                                  1).position
     torch.cuda.synchronize()
     from elasticep.moe.exchange.padded_exchange import plan_padded, split_rows
     assert torch.equal(pos.cpu(), plan_padded(l2p[ids], S, 2, C).position)
@@ -337,13 +338,13 @@ def test_routed_dispatch_equals_the_router_kernel_then_the_fused_dispatch(E, k, 
                 ex.map_local(dict(enumerate(w)))
                 ex.reset(torch.ones(2, dtype=torch.bool))
         assert FusedForms(got[0]).routes_in_dispatch(hidden, logits, k)
-        pos, ids, weights = FusedForms(got[0]).send_dispatch_routed(hidden, logits, rule, l2p,
-                                                                    Sq, C, 1)
+        handle, ids, weights = FusedForms(got[0]).send_dispatch_routed(hidden, logits, rule,
+                                                                       l2p, Sq, C, 1)
         want_ids, want_w = fused_softmax_topk(logits, k, norm, rule.routed_scaling_factor, dtype)
-        want_pos = FusedForms(want[0]).send_dispatch_static(hidden, want_ids, l2p, Sq, C, 1)
+        want_handle = FusedForms(want[0]).send_dispatch_static(hidden, want_ids, l2p, Sq, C, 1)
         torch.cuda.synchronize()
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), trial
-        assert torch.equal(pos, want_pos)
+        assert torch.equal(handle.position, want_handle.position)
         for q in range(2):
             assert torch.equal(got[q].recv0, want[q].recv0)
             assert torch.equal(got[q].flags, want[q].flags)

@@ -50,8 +50,8 @@ def _norm_rope_errors() -> dict[str, float]:
 
 
 def _combine_errors() -> dict[str, float]:
-    from elasticep.moe.experts import fused_combine as fc
-    from elasticep.moe.experts.expert_compute import combine_pairs
+    from elasticep.moe.exchange import pair_combine as fc
+    from elasticep.moe.exchange.pair_combine import combine_pairs
 
     g = torch.Generator().manual_seed(2)
     T, k, H = 5, 3, 40  # H below one block: the column mask

@@ -87,8 +87,9 @@ def test_the_check_resolves_relative_imports():
     assert "elasticep.membership.registry" in mods  # from .registry import ...
 
 
-# The rooms of `moe`: the exchange moves rows and computes nothing on them (it imports
-# nothing of moe outside itself: no expert kernel, no routing rule, no executor), and the
+# The rooms of `moe`: the exchange moves rows and runs no expert or router on them (it
+# imports nothing of moe outside itself: no expert kernel, no routing rule, no
+# executor; the weighted sum that ends its combine is its own), and the
 # expert kernels compute and move nothing, so they import no exchange. What fuses the two
 # (moe/fused_exchange*.py) and the executors sit in moe/ itself, above both.
 MOE = ROOT / "moe"

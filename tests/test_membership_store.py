@@ -53,7 +53,9 @@ def test_durable_state_round_trips_through_json_and_a_new_service():
     g = state.groups["world"]
     assert g["states"] == ["healthy", "healthy", "failed", "free"]
     assert g["transition"]["dead"] == [2] and g["transition"]["new_active"] == [0, 1]
-    assert state.target == {"ep_size": 3, "max_ep_size": 4, "up": [], "down": []}
+    assert state.target == {"ep_size": 3, "max_ep_size": 4, "up": [], "down": [],
+                            "members": [0, 1, 2], "retired": []}
+    assert state.limits == {"min_holding_ranks": 1, "scale_timeout_s": 600.0}
 
     fresh = MembershipService(store_port=1, clock=lambda: 0.0)
     fresh.restore(MembershipState.from_json(state.to_json()))

@@ -49,7 +49,7 @@ def test_replay_gives_the_config_transformers_gave(family, tmp_path, monkeypatch
     def no_transformers(_cfg):
         raise AssertionError("parsed with transformers again, not replayed")
 
-    monkeypatch.setattr(config, "_Recorder", no_transformers)
+    monkeypatch.setattr(config, "Recorder", no_transformers)
     assert load_model_config(model) == fresh
 
 

@@ -18,7 +18,8 @@ from elasticep.moe.exchange.padded_exchange import (
     row_width,
     split_rows,
 )
-from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.exchange.pair_combine import combine_pairs
+from elasticep.moe.experts.expert_compute import grouped_swiglu
 from elasticep.moe.local_executor import run_slots
 
 

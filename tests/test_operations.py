@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from elasticep.frontend.event_log import EventLog, read_events
-from elasticep.frontend.http_server import ApiKeyMiddleware
+from elasticep.frontend.http_guards import ApiKeyMiddleware
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.recovery_timeline import RecoveryTimeline
 from elasticep.membership.status import DeploymentStatus

@@ -25,7 +25,8 @@ from elasticep.engine.request import (
     TokenOutput,
 )
 from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
-from elasticep.frontend.openai_protocol import CompletionRequest, OpenAIError
+from elasticep.frontend.api_errors import OpenAIError
+from elasticep.frontend.openai_protocol import CompletionRequest
 from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, SendToRank
 
 pytestmark = pytest.mark.timeout(120)
@@ -235,7 +236,7 @@ def test_fuzzed_requests_are_refused_or_sample_cleanly():
 
     from pydantic import ValidationError
 
-    from elasticep.frontend.openai_protocol import resolve_max_tokens
+    from elasticep.frontend.api_errors import resolve_max_tokens
 
     rng = random.Random(30)
     logits = {dt: _logits(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}

@@ -3,6 +3,11 @@ membership service (no sockets): plans, refusals, operation ids and their states
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from elasticep.membership.control_wire import ControlMessage as Message
@@ -163,6 +168,20 @@ def _deployment(n: int, nodes: dict[int, int], min_holding: int = 1) -> Membersh
     return svc
 
 
+def _growable(n: int, capacity: int, min_holding: int = 1, scale_timeout_s: float = 600.0,
+              clock: Callable[[], float] = lambda: 0.0) -> MembershipService:
+    """``n`` healthy ranks of a WORLD of ``capacity`` slots (the rest free), published."""
+    svc = MembershipService(store_port=1, clock=clock)
+    for r in range(n):
+        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=n, max_world_size=capacity,
+                              is_extension=False, id=1))
+        _ok(svc, r, Register("world", list(range(capacity)), list(range(n)),
+                             OnFailure.COMPLETE, False, id=2))
+    _ok(svc, SUP, SupervisorHello(id=1))
+    _ok(svc, SUP, PublishDeployment("{}", n, capacity, min_holding, scale_timeout_s, id=2))
+    return svc
+
+
 def _remove_voted(svc: MembershipService, slots: list[int]) -> None:
     """The members vote the removal at a step boundary and report: it commits."""
     g = svc.group("world")
@@ -238,14 +257,7 @@ def test_a_grow_waiting_for_joiners_says_so_and_gives_up_after_the_scale_timeout
     waits for, and past --elastic-ep-scale-timeout the slots are freed (ep_size 4 again)
     and the operation reads timed_out."""
     clock = [0.0]
-    svc = MembershipService(store_port=1, clock=lambda: clock[0])
-    for r in range(4):
-        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=4, max_world_size=6,
-                              is_extension=False, id=1))
-        _ok(svc, r, Register("world", list(range(6)), list(range(4)), OnFailure.COMPLETE,
-                             False, id=2))
-    _ok(svc, SUP, SupervisorHello(id=1))
-    _ok(svc, SUP, PublishDeployment("{}", 4, 6, 1, 30.0, id=2))
+    svc = _growable(4, 6, scale_timeout_s=30.0, clock=lambda: clock[0])
     reply = _ok(svc, SUP, Scale(6, operation_id="grow", id=3))
     assert reply["scale_phase"] == "waiting_for_joiners" and reply["slots"] == [4, 5]
     st = _status(svc)
@@ -272,14 +284,7 @@ def test_a_grow_waiting_for_joiners_says_so_and_gives_up_after_the_scale_timeout
 def test_a_waiting_grow_replaced_by_a_later_operation_reads_superseded():
     """A grow 4 -> 6 still waiting for its joiners, then the target lowered back to 4:
     the grow's operation used to read waiting_for_joiners forever; it is superseded."""
-    svc = MembershipService(store_port=1, clock=lambda: 0.0)
-    for r in range(4):
-        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=4, max_world_size=6,
-                              is_extension=False, id=1))
-        _ok(svc, r, Register("world", list(range(6)), list(range(4)), OnFailure.COMPLETE,
-                             False, id=2))
-    _ok(svc, SUP, SupervisorHello(id=1))
-    _ok(svc, SUP, PublishDeployment("{}", 4, 6, 1, 30.0, id=2))
+    svc = _growable(4, 6, scale_timeout_s=30.0)
     _ok(svc, SUP, Scale(6, operation_id="grow", id=3))
     assert _ok(svc, SUP, GetOperation("grow", id=4))["operation"]["phase"] == \
         "waiting_for_joiners"
@@ -311,37 +316,38 @@ class ServiceMembership:
     def scale(self, new_ep_size: int, operation_id: str | None = None) -> dict:
         return self._call(Scale(new_ep_size, operation_id, id=1))
 
-    def retire(self, ranks=None, node=None, operation_id=None) -> dict:
-        return self._call(Retire(ranks, node, operation_id, id=1))
+    def retire(self, ranks=None, node=None, operation_id=None, keep_processes=False) -> dict:
+        return self._call(Retire(ranks, node, operation_id, keep_processes, id=1))
 
     def operation(self, operation_id: str) -> dict:
         return self._call(GetOperation(operation_id, id=1))["operation"]
 
 
-def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
-    from pathlib import Path
-
-    import httpx
-
+@contextlib.contextmanager
+def scale_routes(svc: MembershipService) -> Iterator[tuple[Any, Any]]:
+    """The HTTP server (started) and its front-end over ``svc`` (tiny model, no ranks)."""
     from elasticep.frontend.http_server import create_server
     from elasticep.frontend_link import FrontendChannel
 
-    svc = MembershipService(store_port=1, clock=lambda: 0.0)
-    for r in range(3):
-        _ok(svc, r, RankHello(rank=r, pid=100 + r, world_size=3, max_world_size=4,
-                              is_extension=False, id=1))
-        _ok(svc, r, Register("world", list(range(4)), list(range(3)), OnFailure.COMPLETE,
-                             False, id=2))
-    _ok(svc, SUP, SupervisorHello(id=1))
-    _ok(svc, SUP, PublishDeployment("{}", 3, 4, 2, id=2))
     channel = FrontendChannel()
     model = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
     server, frontend = create_server(model, channel, ServiceMembership(svc),
                                      served_model_name="tiny")
     frontend.coordinator_address = "10.0.0.1:29500"
     server.start()
-    url = server.url + "/scale_elastic_ep"
     try:
+        yield server, frontend
+    finally:
+        server.stop()
+        channel.close()
+
+
+def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
+    import httpx
+
+    svc = _growable(3, 4, min_holding=2)
+    with scale_routes(svc) as (server, _frontend):
+        url = server.url + "/scale_elastic_ep"
         r = httpx.post(url, json={"retire_ranks": [0, 1]})
         assert r.status_code == 409 and r.json()["error"]["code"] == "scale_refused"
         r = httpx.post(url, json={"drain_node": 0})
@@ -349,6 +355,8 @@ def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
         r = httpx.post(url, json={"retire_ranks": [3]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "retire_ranks"
         assert httpx.get(url + "/op-1").status_code == 404
+        r = httpx.post(url, json={"new_ep_size": 2, "keep_processes": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "keep_processes"
         r = httpx.post(url, json={"new_ep_size": 4, "operation_id": "g"})
         assert r.status_code == 200, r.text
         join = ("elasticep join --dist-init-addr 10.0.0.1:29500 --elastic-ep-join-mode scale "
@@ -368,6 +376,3 @@ def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
         assert op == {"operation_id": "g", "request": {"new_ep_size": 4},
                       "phase": "waiting_for_joiners",
                       "ranks": [{"rank": 3, "state": "joining"}]}
-    finally:
-        server.stop()
-        channel.close()

@@ -216,6 +216,40 @@ def test_scale_down_of_a_serve_rank_is_never_restarted(serve, reference):
     assert ok.complete(MAX_TOKENS) and ok.text == reference[0], ok
 
 
+def test_retire_with_keep_processes_leaves_the_worker_up_idle(serve, reference):
+    """Rank 3 was removed without keep_processes: its worker exited. Rank 2, retired
+    with it, stays up, idle and out of the group; the operation is done with it safe to
+    terminate, serve does not restart it, and SIGTERM ends it with status 0."""
+    assert serve.rank_state(3).pid is None  # removed by the test above: exited
+    kept = serve.rank_state(2)
+    url = f"{serve.url}/scale_elastic_ep"
+    body = {"retire_ranks": [2], "keep_processes": True, "operation_id": "keep-2"}
+    reply = httpx.post(url, json=body, timeout=30)
+    assert reply.status_code == 200 and reply.json()["keep_processes"] is True, reply.text
+    wait_until(lambda: httpx.get(f"{url}/keep-2", timeout=10).json()["phase"] == "done", 60,
+               "rank 2 out of the group", poll_s=0.1)
+    assert httpx.get(f"{url}/keep-2", timeout=10).json()["ranks"] == [
+        {"rank": 2, "state": "safe_to_terminate", "process_running": True}]
+    serve.wait_for(lambda s: s.healthy_ranks() == [0, 1] and s.scale_phase == ScalePhase.IDLE,
+                   30, "EP2 without rank 2")
+    time.sleep(1.5)  # several supervisor periods: no relaunch, and it does not exit
+    after = serve.rank_state(2)
+    assert after.state == SlotState.FREE and after.pid == kept.pid, after
+    assert pid_alive(kept.pid)
+    ok = stream(serve, PROMPTS[0], MAX_TOKENS)
+    assert ok.complete(MAX_TOKENS) and ok.text == reference[0], ok
+    os.kill(kept.pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(kept.pid), 15, "the kept worker to exit", poll_s=0.1)
+    wait_until(lambda: not httpx.get(f"{url}/keep-2", timeout=10).json()["ranks"][0][
+        "process_running"], 15, "the coordinator to see it gone", poll_s=0.1)
+    assert serve.rank_state(2).state == SlotState.FREE and serve.proc.poll() is None
+    log = serve.rank_log(2)
+    assert "staying up, idle, until stopped (keep_processes)" in log, log[-3000:]
+    assert "stopped while idle; exiting cleanly" in log, log[-3000:]
+    wait_until(lambda: f"rank 2 (pid {kept.pid}) left after a planned removal" in serve.tail(
+        20000), 10, "serve to log the kept worker's clean exit", poll_s=0.1)
+
+
 def test_killed_serve_leaves_no_orphans(serve):
     """SIGKILL on serve itself: its workers die with it (PR_SET_PDEATHSIG); the joined
     ranks lose the coordinator and exit, and so does their `join`."""

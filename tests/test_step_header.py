@@ -267,3 +267,16 @@ def test_a_failed_last_send_keeps_the_reason_the_loop_ended(monkeypatch):
     loop.channel.send_outputs = unreachable
     with pytest.raises(ed.RankEvictedError):  # not the send's error
         loop.run()
+
+
+def test_a_prefill_step_sends_the_last_steps_outputs_before_its_forward(monkeypatch):
+    # a prefill's eager forward holds the host until nearly its end: the decode step's
+    # outputs (first tokens, say) go out before it is launched, not beside it
+    loop, engine, _ = fake_loop(monkeypatch, 0, [[1, 1], [256, 1], [1, 1]], peer_tokens=0,
+                                defer_publish=True)
+    for _ in range(3):
+        loop.step()
+    ev = [e[:2] for e in engine.events]
+    assert ev == [("launched", 1), ("done", 1), ("commit", 1),
+                  ("send", ["out1"]), ("launched", 2), ("done", 2), ("commit", 2),
+                  ("launched", 3), ("send", ["out2"]), ("done", 3), ("commit", 3)], ev

@@ -6,21 +6,17 @@ itself), on the demo model with a Qwen3-style chat template."""
 from __future__ import annotations
 
 import json
-import threading
 
 import jsonschema
 import openai
 import pytest
-from _frontend_live import engine_server, wait_for
+from _frontend_live import engine_server, rank_server
 
-from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
-from elasticep.frontend.http_server import create_server
-from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend.tool_parsers import make_parser, parser_for_family
-from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep_testkit.chat_templates import demo_with_chat_template
 from elasticep_testkit.ep import tokenizer
+from elasticep_testkit.serving.running_table import RunningTable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +71,7 @@ def test_each_family_gets_its_templates_parser():
         make_parser("hermes2")
 
 
-class ScriptedEngine:
+class ScriptedEngine(RunningTable):
     """A rank that answers each request with a fixed text (its tokens, one per step,
     then EOS): a tool call, or the final answer once the prompt holds a tool response.
     Keeps the prompts it got, decoded."""
@@ -93,15 +89,6 @@ class ScriptedEngine:
         self.prompts.append(prompt)
         text = self.ANSWER if "<tool_response>" in prompt else self.CALL
         self.running[req.request_id] = (tokenizer().encode(text) + [0], 0)
-
-    def abort(self, request_id: str) -> bool:
-        return self.running.pop(request_id, None) is not None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def request_ids(self) -> list[str]:
-        return list(self.running)
 
     def step(self) -> list[TokenOutput]:
         outs = []
@@ -129,31 +116,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = demo_with_chat_template(tmp_path_factory.mktemp("m") / "tiny-tools")
-    channel = FrontendChannel()
-    server, _ = create_server(model, channel, ConnectedWorkers(lambda: channel.connected),
-                              served_model_name="tiny")
-    engine, stop = ScriptedEngine(), threading.Event()
-
-    def work() -> None:
-        wc = WorkerChannel(channel.endpoints, rank=0)
-        try:
-            run_engine_worker(engine, wc, 0, stop, idle_poll_s=0.02)
-        finally:
-            wc.close()
-
-    worker = threading.Thread(target=work, name="scripted-rank", daemon=True)
-    worker.start()
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        wait_for(lambda: client.with_options(timeout=2).models.list() is not None
-                 and channel.connected, 20, "the scripted rank")
-        yield client, engine
-    finally:
-        server.stop()
-        stop.set()
-        worker.join(10)
-        channel.close()
+    engine = ScriptedEngine()
+    with rank_server(model, engine, "tiny", idle_poll_s=0.02) as (server, _):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0), engine
 
 
 def test_round_trip_with_the_openai_client(served):

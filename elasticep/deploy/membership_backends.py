@@ -57,9 +57,11 @@ class CoordinatorMembership:
         return self._client.call(lambda c: c.scale(new_ep_size, operation_id))
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any]:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any]:
         """Retire chosen slots or a node's (see :meth:`CoordinatorClient.retire`)."""
-        return self._client.call(lambda c: c.retire(ranks, node, operation_id))
+        return self._client.call(lambda c: c.retire(ranks, node, operation_id,
+                                                    keep_processes))
 
     def operation(self, operation_id: str) -> dict[str, Any]:
         """An operation's phase and slot states (:meth:`CoordinatorClient.operation`)."""
@@ -115,7 +117,8 @@ class LaunchedRanks:
                                      "membership and cannot scale")
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any]:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any]:
         """Raises:
             ScaleNotSupportedError: always (HTTP 400).
         """

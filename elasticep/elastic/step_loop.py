@@ -24,8 +24,10 @@ Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
 streams a token twice. With the in-graph exchange on CUDA they go out while the next
 step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), so the
-hand-off to the front-end is off the step's critical path; an iteration that forwards
-nothing sends them first. Elsewhere the forward returns only when it is done (its
+hand-off to the front-end is off the step's critical path. Before a step that carries
+a prefill chunk they are sent first: its forward runs eagerly, and its launch keeps the
+host until nearly its end, which would hold the first tokens of the step before for a
+whole prefill. An iteration that forwards nothing sends them first too. Elsewhere the forward returns only when it is done (its
 exchanges are host collectives), so they are sent at once. On ``EpochChangedError``
 anywhere in 2-4 the step is abandoned, the placement is reconciled to the new
 membership (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2,
@@ -47,6 +49,7 @@ from elasticep.elastic.exchange_setup import sync_exchange
 from elasticep.elastic.exchange_watchdog import StepWatchdog, WatchedStep
 from elasticep.elastic.fault_injection import FaultInjector
 from elasticep.elastic.first_token_clock import FirstTokenClock
+from elasticep.elastic.group_view import GroupView
 from elasticep.elastic.log_context import RankContext
 from elasticep.elastic.serve_loop import apply_messages
 from elasticep.elastic.step_header import StepHeader, agreed_max_tokens, parse_header, step_header
@@ -57,7 +60,6 @@ from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.engine.step_rate import StepRateLog
 from elasticep.eplb import EPLBManager
 from elasticep.frontend_link import WorkerChannel
-from elasticep.membership.transitions import SlotState
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.exchange.ipc_exchange import IpcExchange
 from elasticep.moe.weight_transfer import CheckpointLoader
@@ -118,6 +120,7 @@ class LockstepLoop:
         # _refresh_peer_weights), and after every change
         self._peer_weights_stale = True
         self.M = ep.placement.max_ep_size
+        self.view = GroupView(group, fault_tolerant, self.M)
         self.pending: ScheduledBatch | None = None
         # the last committed step's outputs, its epoch and the first tokens' times among
         # them, not sent yet (see the module doc)
@@ -138,34 +141,10 @@ class LockstepLoop:
                 ed.add_change_listener(group, self.watchdog.notify)
 
     # ------------------------------------------------------------------ membership view
-    def _epoch(self) -> int:
-        return ed.get_current_epoch(self.group) if self.fault_tolerant else 0
-
-    def _local_mask(self) -> torch.Tensor:
-        if not self.fault_tolerant:
-            return torch.ones(self.M, dtype=torch.bool)
-        return ed.get_active_ranks(self.group).to(torch.bool)
-
     def _set_epoch(self) -> None:
-        epoch = self._epoch()
+        epoch = self.view.epoch()
         self.log_ctx.epoch = epoch
         self.channel.epoch = epoch
-
-    def _requests(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[M] int64 admission / removal votes of this rank (from the coordinator's push)."""
-        admit = torch.zeros(self.M, dtype=torch.int64)
-        remove = torch.zeros(self.M, dtype=torch.int64)
-        if self.fault_tolerant:
-            req = ed.get_pending_requests(self.group)
-            states = ed.get_slot_states(self.group)
-            for r in req.get("admit", []):
-                if states[r] == SlotState.READY:
-                    admit[r] = 1
-            active = self._local_mask()
-            for r in req.get("remove", []):
-                if bool(active[r]):
-                    remove[r] = 1
-        return admit, remove
 
     def step_request_ids(self) -> list[str]:
         """The requests a raising step may be blamed on: the pending batch's, or (the
@@ -242,7 +221,7 @@ class LockstepLoop:
             if self.engine.has_unfinished():
                 self.pending = self.engine.schedule()
         local_work = int(self.engine.has_unfinished() or self.pending is not None)
-        admit, remove = self._requests()
+        admit, remove = self.view.votes()
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
         timers.enter("header")
@@ -276,6 +255,11 @@ class LockstepLoop:
         if self.pending is None:  # no work here (checked above): an empty batch, 0 tokens
             self.pending = self.engine.schedule()
         self.first_tokens.scheduled(it.seq.request_id for it in self.pending.items)
+        if not self.pending.one_token_each:
+            # an eager forward (prefill) returns to the host only near its end: the last
+            # step's tokens, often new requests' first ones, would wait that long (an
+            # idle rank's empty batch sends its few leftovers here too, at no cost)
+            self._flush_outputs()
         self.faults.at_step(self.stats.steps)
         if self.faults.poison_seeds:
             self.faults.at_batch(it.seq.params.seed for it in self.pending.items)
@@ -303,7 +287,7 @@ class LockstepLoop:
             self._redo_aborted()
             return
         timers.enter("publish")
-        self.stats.last_commit_epoch, self.stats.last_commit_time = self._epoch(), time.time()
+        self.stats.last_commit_epoch, self.stats.last_commit_time = self.view.epoch(), time.time()
         outputs = self.engine.commit(self.pending, tokens)
         self.pending = None
         self.stats.steps += 1
@@ -329,7 +313,7 @@ class LockstepLoop:
         self.channel.send_stats(self.stats.steps, graphs.captures if graphs is not None else -1,
                                 graphs.replays if graphs is not None else -1,
                                 decode_replays=d.decode_replays, decode_eager=d.decode_eager,
-                                experts_held=_experts_held(self.ep.placement, self.rank))
+                                experts_held=self.ep.placement.experts_held(self.rank))
 
     # ------------------------------------------------------------------ changes
     def _redo_aborted(self) -> None:
@@ -339,7 +323,7 @@ class LockstepLoop:
         self.stats.redos += 1
         logger.warning("step %d abandoned: a rank's exchange passed its deadline; redoing it",
                        self.stats.steps)
-        self.exchange.reset(self._local_mask())
+        self.exchange.reset(self.view.active_mask())
 
     def _recover(self, exc: ed.EpochChangedError) -> None:
         """Survivors: reconcile the placement to the new membership; retried on new failures."""
@@ -348,12 +332,12 @@ class LockstepLoop:
         while True:
             self._set_epoch()
             logger.warning("step %d abandoned (%s); reconciling placement over ranks %s",
-                           self.stats.steps, exc, self._local_mask().nonzero().flatten().tolist())
+                           self.stats.steps, exc, self.view.active_mask().nonzero().flatten().tolist())
             try:
                 # first the hand-over again: a joiner admitted just before this change
                 # may not hold the placement yet (see join_as_new_rank)
                 placement_sync.share_placement(self.ep, True, self.group)
-                report = placement_sync.reconcile(self.ep, self._local_mask(), self.group,
+                report = placement_sync.reconcile(self.ep, self.view.active_mask(), self.group,
                                                   self.load_fn)
                 break
             except ed.RankEvictedError:
@@ -369,7 +353,7 @@ class LockstepLoop:
         self._peer_weights_stale = False
         peers = self.ep.peer_weights
         if peers is not None:
-            mapped = peers.refresh(self._local_mask().nonzero().flatten().tolist())
+            mapped = peers.refresh(self.view.active_mask().nonzero().flatten().tolist())
             if mapped:
                 logger.info("mapped the expert weights of ranks %s", mapped)
 
@@ -377,13 +361,13 @@ class LockstepLoop:
         self._peer_weights_stale = True
         self._set_epoch()
         if self.exchange is not None:
-            sync_exchange(self.exchange, self.exchange_store, self._local_mask())
+            sync_exchange(self.exchange, self.exchange_store, self.view.active_mask())
         self.stats.recoveries += 1
         self.stats.reloads += report.reloads
         self.stats.peer_copies += report.peer_copies
         self.stats.recovery_seconds.append(seconds)
         if self.eplb is not None:
-            self.eplb.reset_generator(self._epoch())
+            self.eplb.reset_generator(self.view.epoch())
         logger.info("placement reconciled in %.3fs: %d checkpoint reloads, %d copied from "
                     "departed ranks' memory, %d peer copies, %d slots per rank, active %s; %s",
                     seconds, report.reloads, report.departed_copies,
@@ -401,22 +385,17 @@ class LockstepLoop:
         self.faults.at_admit_start()
         placement_sync.share_placement(self.ep, True, self.group)
         self.faults.at_admit()
-        report = placement_sync.reconcile(self.ep, self._local_mask(), self.group, self.load_fn)
+        report = placement_sync.reconcile(self.ep, self.view.active_mask(), self.group, self.load_fn)
         self._after_change(report, time.perf_counter() - t0)
 
     def _remove(self, ranks: list[int]) -> None:
         t0 = time.perf_counter()
         logger.info("draining ranks %s", ranks)
+        # read with the removal request: the commit that applies it may clear it
+        keep = self.rank in ed.get_pending_requests(self.group).get("keep", [])
         report = placement_sync.drain(self.ep, ranks, self.group)
         ed.deactivate_ranks(self.group, ranks)
         if self.rank in ranks:
-            raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down")
+            raise ed.RankRemovedError(f"rank {self.rank} removed by a planned scale-down",
+                                      keep_process=keep)
         self._after_change(report, time.perf_counter() - t0)
-
-
-def _experts_held(placement, rank: int) -> int:
-    """Slots of ``rank`` that hold an expert, the most over MoE layers."""
-    local = placement.local(rank)
-    if local.numel() == 0:
-        return 0
-    return int((local != placement.empty).sum(dim=1).max())

@@ -23,15 +23,20 @@
 5. says hello to the front-end and runs :class:`~elasticep.elastic.step_loop.LockstepLoop`.
 
 Exit codes: 0 after a planned removal, 3 when the coordinator is lost or this rank was
-evicted, 1 on any other error. Fault injection: see :mod:`elasticep.elastic.fault_injection`.
+evicted, 1 on any other error. A rank retired with ``keep_processes`` does not exit: it
+drops its model and idles, out of every group, until SIGTERM or SIGINT (then 0) or its
+launcher's exit. Fault injection: see :mod:`elasticep.elastic.fault_injection`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from datetime import timedelta
 
@@ -202,8 +207,13 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
                         exchange_deadline_s=max(30.0, 4 * d.heartbeat_timeout_s))
 
 
-def run_worker(cfg: WorkerConfig) -> int:
-    """Run one rank until it is removed, evicted, or loses the coordinator; returns the exit code."""
+def run_worker(cfg: WorkerConfig) -> tuple[int, bool]:
+    """Run one rank until it is removed, evicted, or loses the coordinator.
+
+    Returns:
+        The exit code, and whether a removal asked this process to stay up
+        (``keep_processes``; see :func:`idle_until_stopped`).
+    """
     log_ctx = setup_worker_logging(cfg.rank)
     torch.set_num_threads(cfg.deployment.num_threads)
     logger.info("worker pid %d starting (join_mode=%s, backend=%s)", os.getpid(), cfg.join_mode,
@@ -212,18 +222,19 @@ def run_worker(cfg: WorkerConfig) -> int:
     try:
         loop = build_loop(cfg, log_ctx)
         loop.run()
-        return ExitCode.ERROR  # run() only returns by raising
+        return ExitCode.ERROR, False  # run() only returns by raising
     except ed.RankRemovedError as exc:  # before its base class, RankEvictedError
-        logger.info("%s; exiting cleanly", exc)
-        return ExitCode.REMOVED
+        logger.info("%s; %s", exc, "staying up, idle, until stopped (keep_processes)"
+                    if exc.keep_process else "exiting cleanly")
+        return ExitCode.REMOVED, exc.keep_process
     except (ed.CoordinatorLostError, ed.RankEvictedError) as exc:
         logger.error("stopping: %s: %s", type(exc).__name__, exc)
-        return ExitCode.LOST
+        return ExitCode.LOST, False
     except Exception as exc:  # noqa: BLE001 - report every failure with rank and epoch, then exit
         logger.error("worker failed:\n%s", traceback.format_exc())
         if loop is not None:
             report_step_failure(loop, exc)
-        return ExitCode.ERROR
+        return ExitCode.ERROR, False
     finally:
         if loop is not None:
             s = loop.stats
@@ -233,6 +244,26 @@ def run_worker(cfg: WorkerConfig) -> int:
             loop.channel.close()
         for h in logging.getLogger().handlers:
             h.flush()
+
+
+def idle_until_stopped() -> None:
+    """Stay up, idle, after a removal with ``keep_processes``: the model and its memory
+    are dropped (the caller's loop is gone), the control connection stays, so the
+    coordinator still sees this pid in the retired slot and refuses another worker there
+    until it is stopped. Returns on SIGTERM or SIGINT; the launcher's exit kills it
+    (``die_with_parent``)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    logger.info("retired: idle until SIGTERM (pid %d)", os.getpid())
+    for h in logging.getLogger().handlers:
+        h.flush()
+    while not stop.wait(1.0):  # a timed wait: the handler runs between waits
+        pass
+    logger.info("stopped while idle; exiting cleanly")
 
 
 def report_step_failure(loop: LockstepLoop, exc: BaseException) -> None:
@@ -252,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config-json", required=True, help="WorkerConfig.to_json()")
     args = ap.parse_args(argv)
     cfg = WorkerConfig.from_json(args.config_json)
-    code = run_worker(cfg)
+    code, keep = run_worker(cfg)
+    if keep:
+        idle_until_stopped()
     sys.stderr.flush()
     os._exit(code)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from elasticep import wire
 from elasticep.wire import Message
+from elasticep.wire import values as wire_values
 
 # The sampler scales logits in float32 whatever the model's dtype (engine/sampler.py), so
 # a temperature below float32's smallest normal (2**-126) would be 0 or lose its precision
@@ -240,7 +240,7 @@ _ROW_TYPES = ((str,), (int,), (int, type(None)), (str, type(None)), (str, type(N
 def _token_output_row(o: TokenOutput) -> list:
     row = [o.request_id, o.index, o.token_id, o.finish_reason, o.error]
     if o.logprobs is not None or o.prompt_logprobs is not None:
-        row += [wire.plain(o.logprobs), wire.plain(o.prompt_logprobs)]
+        row += [wire_values.plain(o.logprobs), wire_values.plain(o.prompt_logprobs)]
     return row
 
 
@@ -254,10 +254,10 @@ def _token_output_from_row(row: object) -> TokenOutput:
         raise TypeError("a token output row has a mistyped field")
     logprobs = prompt = None
     if len(row) == 7:
-        logprobs = wire.convert(row[5], TokenLogprobs | None, "logprobs", {})
-        prompt = wire.convert(row[6], tuple[TokenLogprobs, ...] | None, "prompt_logprobs", {})
+        logprobs = wire_values.convert(row[5], TokenLogprobs | None, "logprobs", {})
+        prompt = wire_values.convert(row[6], tuple[TokenLogprobs, ...] | None, "prompt_logprobs", {})
     return TokenOutput(row[0], row[1], row[2], row[3], row[4], logprobs, prompt)
 
 
-wire.register_codec(TokenOutput, _token_output_row, _token_output_from_row)
+wire_values.register_codec(TokenOutput, _token_output_row, _token_output_from_row)
 

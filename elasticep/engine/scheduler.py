@@ -54,6 +54,14 @@ class ScheduledBatch:
         """Tokens the forward pass processes."""
         return sum(it.end - it.start for it in self.items)
 
+    @property
+    def one_token_each(self) -> bool:
+        """True when the step computes one token of each of its (one or more) sequences:
+        a decode step, the only kind a captured CUDA graph can replay. A step with a
+        prefill chunk runs eagerly, and its forward keeps the host busy until it is
+        nearly done."""
+        return bool(self.items) and all(it.end - it.start == 1 for it in self.items)
+
     def __len__(self) -> int:
         return len(self.items)
 

@@ -135,6 +135,13 @@ class Placement:
         s = self.slots_per_rank
         return self.phy2log[:, rank * s : (rank + 1) * s]
 
+    def experts_held(self, rank: int) -> int:
+        """Slots of ``rank`` that hold an expert, the most over MoE layers."""
+        local = self.local(rank)
+        if local.numel() == 0:
+            return 0
+        return int((local != self.empty).sum(dim=1).max())
+
     def replica_counts(self) -> torch.Tensor:
         """[L, E] int64: the number of slots holding each logical expert."""
         L, E = self.num_layers, self.num_logical_experts

@@ -3,7 +3,9 @@ a dead rank's requests on survivors, and the membership view it routes by.
 
 - ``core``: :class:`Frontend`, the asyncio core (link pump, membership watcher, streams);
 - ``request_tracker``: pure routing and resume decisions (no I/O, injected clock);
-- ``http_server`` / ``openai_serving`` / ``openai_protocol``: FastAPI app and schemas;
+- ``http_server`` / ``openai_serving`` / ``openai_protocol`` (requests) /
+  ``openai_responses`` / ``api_errors`` (the error shape and shared checks): FastAPI app
+  and schemas;
 - ``incremental_text``: streamed detokenization; ``metrics``: Prometheus metrics;
 - ``membership_source``: the ``MembershipSource`` protocol it polls (the deployment supplies one).
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elasticep.engine.request import GrammarSpec, SamplingParams
-from elasticep.frontend.openai_protocol import ChatCompletionRequest, ChatDelta, OpenAIError
+from elasticep.frontend.api_errors import OpenAIError
+from elasticep.frontend.openai_protocol import ChatCompletionRequest
+from elasticep.frontend.openai_responses import ChatDelta
 from elasticep.frontend.openai_tools import FunctionCall, NamedToolChoice, ToolCallOut
 from elasticep.frontend.tool_parsers import (
     ToolCall,

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.frontend.logprobs_format import CompletionLogprobs, TokenText, completion_logprobs
-from elasticep.frontend.openai_protocol import CompletionChoice, CompletionRequest
+from elasticep.frontend.openai_protocol import CompletionRequest
+from elasticep.frontend.openai_responses import CompletionChoice
 from elasticep.frontend.request_tracker import RequestEvent
 
 T = TypeVar("T", bound=Any)  # a result with ``logprobs``

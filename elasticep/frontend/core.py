@@ -28,10 +28,11 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.incremental_text import Decode
+from elasticep.frontend.membership_metrics import SnapshotMetrics
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.recovery_timeline import Event, RecoveryTimeline
-from elasticep.frontend.request_stream import RequestStream
+from elasticep.frontend.request_stream import RequestStream, watch_stalls
 from elasticep.frontend.request_tracker import (
     DecodeWith,
     NoRankAvailableError,
@@ -104,9 +105,8 @@ class Frontend:
         self.event_log: EventLog | None = None
         self.first_token_trace = FirstTokenTrace(monotonic_us)
         self._status = DeploymentStatus()
-        self._states: dict[int, str] = {}
+        self._snapshots = SnapshotMetrics(self.metrics)
         self._unreachable: set[int] = set()
-        self._ever_failed: set[int] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake_membership = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}  # open streams, by request id
@@ -126,7 +126,8 @@ class Frontend:
         await self.refresh_membership()
         self._tasks = [asyncio.create_task(self._pump_outputs(), name="frontend-outputs"),
                        asyncio.create_task(self._watch_membership(), name="frontend-members"),
-                       asyncio.create_task(self._watch_stalls(), name="frontend-stalls")]
+                       asyncio.create_task(watch_stalls(self._streams, self.config.token_timeout_s),
+                                           name="frontend-stalls")]
 
     async def stop(self) -> None:
         """Cancel the background tasks (the channel stays open; its owner closes it).
@@ -247,17 +248,15 @@ class Frontend:
         transports = {r: h.moe_a2a_backend for r, h in hellos.items()}
         return self._status.with_running(self.tracker.running_per_rank(), limits, transports)
 
-    async def scale(self, new_ep_size: int) -> dict[str, Any] | None:
-        """Ask membership to scale; errors of ``MembershipSource.scale`` propagate."""
-        return await self.change_membership(lambda m: m.scale(new_ep_size))
-
     async def change_membership(self, change: Callable[[MembershipSource], Any],
-                                kind: str | None = None) -> Any:
+                                kind: Callable[[dict[str, Any]], str | None] | None = None,
+                                ) -> Any:
         """Run ``change(membership)`` (a scale or a retirement) in a worker thread;
         its errors propagate.
 
         Args:
-            kind: grow, shrink or retire: times the change (``elasticep_scale_seconds``,
+            kind: names the change from the coordinator's answer (grow, shrink or
+                retire; None: a no-op), which times it (``elasticep_scale_seconds``,
                 the event log) unless it repeats a recorded operation.
 
         The snapshot is refreshed before returning, so a client that reads
@@ -268,10 +267,11 @@ class Frontend:
         """
         result = await asyncio.wait_for(asyncio.to_thread(change, self.membership),
                                         self.config.status_timeout_s)
-        if kind is not None and not (result or {}).get("repeated"):
-            self._record(self.timeline.on_scale(time.monotonic(), kind, {
+        name = None if kind is None or (result or {}).get("repeated") else kind(result or {})
+        if name is not None:
+            self._record(self.timeline.on_scale(time.monotonic(), name, {
                 k: v for k, v in (result or {}).items()
-                if k in ("operation_id", "slots", "old_ep_size")}))
+                if k in ("operation_id", "slots", "old_ep_size", "superseded")}))
         await self.refresh_membership()
         self._wake_membership.set()
         return result
@@ -296,7 +296,6 @@ class Frontend:
 
     def _apply_status(self, status: DeploymentStatus) -> None:
         self._status = status
-        epoch = status.epoch
         states: dict[int, str] = {}
         for entry in status.ranks:
             rank, state, pid = entry.rank, entry.state, entry.pid
@@ -305,23 +304,10 @@ class Frontend:
             # A healthy rank whose worker we cannot reach yet is not routable.
             states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
                             else state.value)
-            self._count_transition(rank, state, epoch)
+        # before update_ranks moves the requests of ranks that stop taking them
+        self._snapshots.observe(status, states, self.tracker.running_per_rank())
         self._record(self.timeline.on_status(time.monotonic(), status))
-        self.metrics.ranks(status.ranks)
-        self.metrics.epoch.set(epoch)
-        for state in SlotState:
-            self.metrics.slots.labels(state.value).set(
-                sum(entry.state == state for entry in status.ranks))
-        self.metrics.active_ranks.set(sum(s == SlotState.HEALTHY for s in states.values()))
-        self.metrics.store_status(status.membership_store)
         before = self.tracker.resubmitted_total
-        # requests on ranks that stop taking them now resume on others (update_ranks)
-        for rank, n in self.tracker.running_per_rank().items():
-            state = states.get(rank)
-            if n and state != SlotState.HEALTHY:
-                cause = {SlotState.FAILED.value: "failure",
-                         "connecting": "unreachable"}.get(state, "drain")
-                self.metrics.requests_resumed.labels(cause).inc(n)
         # each rank's own limit, from its latest hello (engine.limits)
         self._dispatch(self.tracker.set_capacity(
             {r: h.max_running_requests for r, h in self.channel.connected.items()
@@ -331,19 +317,6 @@ class Frontend:
             self._ready = len(self.tracker.healthy_ranks()) >= status.ep_size
         self.metrics.resubmitted_requests.inc(self.tracker.resubmitted_total - before)
 
-    def _count_transition(self, rank: int, state: str, epoch: int) -> None:
-        old = self._states.get(rank)
-        if old == state:
-            return
-        self._states[rank] = state
-        logger.info("epoch %d: rank %d %s -> %s", epoch, rank, old or "unknown", state)
-        if state == SlotState.FAILED:
-            self.metrics.rank_failures.inc()
-            self._ever_failed.add(rank)
-        elif state == SlotState.HEALTHY and rank in self._ever_failed:
-            self._ever_failed.discard(rank)
-            self.metrics.rank_recoveries.inc()
-
     async def _watch_membership(self) -> None:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -351,20 +324,6 @@ class Frontend:
                                        self.config.membership_poll_s)
             self._wake_membership.clear()
             await self.refresh_membership()
-
-    async def _watch_stalls(self) -> None:
-        """End every stream that made no progress for ``token_timeout_s`` with an error
-        event. One sweep a while for all streams, not a timer per token: a timeout
-        around each token's wait cost a task and a timer handle per token, the largest
-        cost of a streamed token on the loop (cProfile of the stub-engine bench)."""
-        timeout = self.config.token_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
-            now = time.monotonic()
-            for stream in list(self._streams.values()):
-                if now - stream.last_progress > timeout:
-                    stream.put(RequestEvent(stream.request_id, (), "", "abort", 0,
-                                            error=f"no progress for {timeout} s"))
 
     # ---- link ----------------------------------------------------------------------
     async def _pump_outputs(self) -> None:

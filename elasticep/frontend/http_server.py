@@ -10,9 +10,7 @@ raises out of a handler.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
-import math
 import socket
 import threading
 import time
@@ -27,16 +25,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elasticep.engine.llm_engine import EngineConfig, max_sequence_len
+from elasticep.frontend.api_errors import OpenAIError, error_body, validation_message
 from elasticep.frontend.core import Frontend, FrontendConfig
+from elasticep.frontend.http_guards import ApiKeyMiddleware, BodyLimitMiddleware
 from elasticep.frontend.membership_source import (
     MembershipSource,
 )
-from elasticep.frontend.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    error_body,
-)
+from elasticep.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.scale_api import add_scale_routes
 from elasticep.frontend.sglang_api import add_sglang_routes
@@ -69,7 +64,7 @@ class ServerConfig:
         port: TCP port; 0 picks a free one.
         max_payload_size: largest request body in bytes; a larger one gets 413
             (``serve --max-payload-size``, the name of SGLang's router flag).
-        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`~elasticep.frontend.http_guards.ApiKeyMiddleware`).
         tool_call_parser: the model's tool-call format on chat completions (a key of
             :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: none.
     """
@@ -86,146 +81,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
 
 
-OPEN_PATHS = frozenset({"/health"})
 # metric label per routed path: the same names the finished requests use
 _ENDPOINT_LABELS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                     "/generate": "generate"}
-
-
-METRICS_PATH = "/metrics"
-
-
-class ApiKeyMiddleware:
-    """Pure-ASGI bearer-token check (no BaseHTTPMiddleware: it breaks stream cancellation).
-
-    ``/health`` is open. ``/metrics`` takes ``metrics_api_key`` where given (a scraper
-    then holds no API key), else the API key. Every other path takes the API key.
-
-    Args:
-        api_key: the API's key, or None (only ``/metrics`` is checked).
-        metrics_api_key: ``/metrics``' own key, or None.
-    """
-
-    def __init__(self, app: Any, api_key: str | None, metrics_api_key: str | None = None,
-                 ) -> None:
-        self.app = app
-        self._expected = None if api_key is None else api_key.encode()
-        self._metrics = None if metrics_api_key is None else metrics_api_key.encode()
-
-    def _key_for(self, scope: Any) -> bytes | None:
-        """The key this request needs, or None (open)."""
-        if scope.get("path") in OPEN_PATHS:
-            return None
-        if scope.get("path") == METRICS_PATH and self._metrics is not None:
-            return self._metrics
-        return self._expected
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # /health stays open: load balancers probe it without credentials (as vLLM's).
-        expected = self._key_for(scope) if scope["type"] == "http" else None
-        if expected is not None:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            # the scheme is case-insensitive (RFC 9110 section 11.1)
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                                      expected):
-                response = JSONResponse(
-                    error_body("Invalid or missing API key (use 'Authorization: Bearer <key>').",
-                               code="invalid_api_key"), status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """Pure-ASGI cap on request bodies: 413 for one over ``limit`` bytes, before any of
-    it is parsed (a declared Content-Length is refused at once; a chunked body is read
-    up to the limit, then replayed to the app)."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def _refuse(self, size: str, scope: Any, receive: Any, send: Any) -> None:
-        response = JSONResponse(
-            error_body(f"request body of {size} bytes exceeds --max-payload-size "
-                       f"({self.limit} bytes)", code="payload_too_large"), status_code=413)
-        await response(scope, receive, send)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            if declared.isdigit() and int(declared) > self.limit:
-                await self._refuse(declared.decode(), scope, receive, send)
-                return
-            await self.app(scope, receive, send)  # the server holds it to its length
-            return
-        messages, size = [], 0
-        while True:  # chunked: buffer up to the limit
-            message = await receive()
-            messages.append(message)
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._refuse(f"more than {self.limit}", scope, receive, send)
-                return
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-
-        async def replay() -> Any:
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
-
-
-_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
-
-
-def _non_finite(value: Any) -> bool:
-    """NaN or an infinity, as a JSON number or a string pydantic read as one."""
-    try:
-        return isinstance(value, float | str) and not math.isfinite(float(value))
-    except ValueError:
-        return False
-
-
-def _one_error(err: dict[str, Any], content_type: str) -> tuple[str, str | None]:
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
-        return f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
-    if param is None and err.get("type") == "model_attributes_type":
-        # FastAPI parses the body as JSON only when the Content-Type says so (curl -d
-        # sends a form type): name that, not pydantic's "valid dictionary" wording
-        hint = "" if "json" in content_type else (
-            f" (it came as Content-Type {content_type or 'none'!r}: send "
-            "'Content-Type: application/json')")
-        return f"The request body must be a JSON object{hint}", None
-    if err.get("type") == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    value = err.get("input")
-    if err.get("type") in _RANGE_ERRORS and _non_finite(value):
-        # NaN fails every range check: pydantic would call it out of range
-        return f"{param}: Input should be a finite number, got {value}", param
-    if err.get("type") == "int_parsing_size":
-        # pydantic says "Unable to parse input string" of a JSON number such as 1e300
-        return (f"{param}: Input should be an integer of at most 64 bits, got {value!r}",
-                param)
-    return (f"{param}: {err['msg']}" if param else str(err["msg"])), param
-
-
-def _validation_message(exc: RequestValidationError, content_type: str = "",
-                        ) -> tuple[str, str | None]:
-    """Every problem of the body in one line, unknown fields first (a misspelt field is
-    usually why a required one is missing); ``param`` names the first. ``content_type``:
-    the request's header, named when a JSON body was not parsed as JSON."""
-    errors = sorted(exc.errors(), key=lambda e: e.get("type") != "extra_forbidden")
-    if not errors:
-        return "invalid request", None
-    parts = [_one_error(e, content_type) for e in errors]
-    return "; ".join(dict.fromkeys(m for m, _ in parts)), parts[0][1]
 
 
 def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -267,7 +125,7 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         count_rejected(request, 400)
-        message, param = _validation_message(exc, request.headers.get("content-type", ""))
+        message, param = validation_message(exc, request.headers.get("content-type", ""))
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -371,7 +229,7 @@ def create_server(model_path: str | Path, channel: FrontendChannel,
         frontend_config: timing of the front-end core.
         max_payload_size: largest request body in bytes (413 above it).
         sock: the socket bound to ``host:port`` ahead of time, or None (see HttpServer).
-        metrics_api_key: ``/metrics``' own bearer token (see :class:`ApiKeyMiddleware`).
+        metrics_api_key: ``/metrics``' own bearer token (see :class:`~elasticep.frontend.http_guards.ApiKeyMiddleware`).
         tool_call_parser: the tool-call format (``serve --tool-call-parser``); None: the
             one the model family's chat template implies, if any.
 

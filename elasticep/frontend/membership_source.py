@@ -52,8 +52,10 @@ class MembershipSource(Protocol):
         ...
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any] | None:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any] | None:
         """Start retiring the slots ``ranks``, or every slot of ``node``; returns at once.
+        With ``keep_processes`` their workers stay up, idle, once out of the group.
 
         Raises:
             ScaleInProgressError: a change is already running.
@@ -97,7 +99,8 @@ class ConnectedWorkers:
         raise ScaleNotSupportedError("this deployment has no coordinator and cannot scale")
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any] | None:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any] | None:
         raise ScaleNotSupportedError("this deployment has no coordinator and cannot retire "
                                      "ranks")
 

@@ -41,6 +41,11 @@ class MergedStream:
         finally:
             self._queue.put_nowait(None)  # this member is done
 
+    @property
+    def started(self) -> float:
+        """When the first member was submitted (monotonic seconds)."""
+        return min(s.started for s in self.streams)
+
     def __aiter__(self) -> MergedStream:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._pump(s)) for s in self.streams]

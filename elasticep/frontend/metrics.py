@@ -106,7 +106,8 @@ class FrontendMetrics:
             registry=r)
         self.e2e_request_latency_seconds = Histogram(
             "elasticep_e2e_request_latency_seconds",
-            "From a request's arrival to its last token (seconds)",
+            "From an HTTP request's submission to its last token, once per request (all "
+            "its n choices and prompts) (seconds)",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.time_per_output_token_seconds = Histogram(
             "elasticep_time_per_output_token_seconds",
@@ -134,7 +135,9 @@ class FrontendMetrics:
         self.scale_seconds = Histogram(
             "elasticep_scale_seconds",
             "From an accepted scale request to its scale phase idle (seconds); kind = "
-            "grow, shrink or retire", ["kind"], buckets=_PHASE_BUCKETS, registry=r)
+            "grow, shrink or retire (a grow superseded or timed out while it waited, and "
+            "a request for the current size, are not observed)", ["kind"], buckets=_PHASE_BUCKETS,
+            registry=r)
         self.rank_state = Gauge("elasticep_rank_state",
                                 "1 for the state each rank (slot) is in, 0 for the others",
                                 ["rank", "state"], registry=r)

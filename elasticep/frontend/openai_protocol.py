@@ -1,71 +1,35 @@
-"""OpenAI-compatible request/response models (completions and chat completions).
+"""OpenAI-compatible request models (completions and chat completions).
 
 Requests are strict: an unknown field is a 400, and so is a known OpenAI field whose
 non-default value we do not implement (``suffix``, chat's ``n > 1``), so a client never silently gets something other than what it asked for.
 vLLM's sampling extensions (``repetition_penalty``, ``min_p``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``ignore_eos``, ``top_k``) are taken under vLLM's names. Errors use the
-OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+``ignore_eos``, ``top_k``) are taken under vLLM's names. Errors are
+:class:`~elasticep.frontend.api_errors.OpenAIError`; the responses are in
+:mod:`elasticep.frontend.openai_responses`.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    model_serializer,
     model_validator,
 )
 
-from elasticep.engine.grammar import check_grammar
 from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
-from elasticep.frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from elasticep.frontend.api_errors import OpenAIError, checked_grammar
 from elasticep.frontend.openai_tools import (
     NamedToolChoice,
     ResponseFormat,
     Tool,
     ToolCallIn,
-    ToolCallOut,
 )
 from elasticep.models.config import SamplingDefaults
-
-
-class OpenAIError(Exception):
-    """An error answered to the client as OpenAI error JSON with an HTTP status.
-
-    Args:
-        status: HTTP status code (4xx for client mistakes).
-        message: human readable explanation.
-        type: OpenAI error type, e.g. "invalid_request_error".
-        param: the offending request field, if any.
-        code: short machine readable code, if any.
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body to send."""
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class _Strict(BaseModel):
@@ -371,7 +335,8 @@ class ScaleRequest(_Strict):
     """POST /scale_elastic_ep: one of ``new_ep_size`` (grow or shrink from the top),
     ``retire_ranks`` (those slots leave) or ``drain_node`` (every slot of that node
     leaves), and an optional ``operation_id`` (a repeat with the same id changes
-    nothing). Strict: ``"3"`` or ``true`` is not a size."""
+    nothing); ``keep_processes`` leaves retired ranks' workers up, idle. Strict: ``"3"``
+    or ``true`` is not a size."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -379,6 +344,7 @@ class ScaleRequest(_Strict):
     retire_ranks: list[int] | None = Field(None, min_length=1)
     drain_node: int | None = Field(None, ge=0)
     operation_id: str | None = Field(None, min_length=1, max_length=128)
+    keep_processes: bool = False
 
     def which(self) -> str:
         """The one change field given.
@@ -392,148 +358,3 @@ class ScaleRequest(_Strict):
             raise OpenAIError(400, "give exactly one of new_ep_size, retire_ranks and "
                               f"drain_node (got {given or 'none'})")
         return given[0]
-
-
-def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:
-    """``spec`` once it parses (the ranks would refuse it later).
-
-    Raises:
-        OpenAIError: 400 naming ``param`` with the grammar library's reason.
-    """
-    try:
-        check_grammar(spec)
-    except ValueError as exc:
-        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
-    return spec
-
-
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
-                       param: str = "max_tokens") -> int:
-    """How many tokens to generate; None means "the rest of the context".
-
-    Args:
-        prompt_len: the prompt's tokens.
-        requested: the completion tokens the client asked for; None: the rest.
-        max_model_len: the model's context length, in tokens.
-        param: the request field ``requested`` came in, named in the error (e.g.
-            ``max_completion_tokens``, or ``/generate``'s ``sampling_params.max_new_tokens``).
-
-    Raises:
-        OpenAIError: 400 when prompt + ``requested`` does not fit ``max_model_len`` tokens.
-    """
-    if prompt_len >= max_model_len:
-        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
-                          f"tokens, but the prompt has {prompt_len} tokens.",
-                          param="prompt", code="context_length_exceeded")
-    if requested is None:
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
-        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} "
-                          f"tokens. However, you requested {prompt_len + requested} tokens "
-                          f"({prompt_len} in the prompt, {requested} for the completion).",
-                          param=param, code="context_length_exceeded")
-    return requested
-
-
-# ---- responses ------------------------------------------------------------------------
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class _Choice(BaseModel):
-    """Fields every choice shares."""
-
-    index: int = 0
-    finish_reason: str | None
-
-
-class _Response(BaseModel):
-    """Fields every response and stream chunk shares."""
-
-    id: str
-    created: int
-    model: str
-
-
-class CompletionChoice(_Choice):
-    text: str
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(_Response):
-    """A whole completion, or (with ``usage`` None) one SSE chunk of one."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-def completion_chunk_renderer(rid: str, created: int, model: str,
-                              ) -> Callable[[str, str | None], str]:
-    """``render(text, finish_reason)``: the JSON of one streamed :class:`CompletionResponse`
-    chunk, byte for byte what ``model_dump_json`` gives, without building the models
-    per token (that was a tenth of a streamed token's cost on the event loop).
-
-    The fixed parts come from one chunk pydantic renders with placeholder values;
-    each token then only JSON-encodes its text and finish reason.
-    """
-    mark = uuid.uuid4().hex
-    text_mark, finish_mark = f"text-{mark}", f"finish-{mark}"
-    ref = CompletionResponse(id=rid, created=created, model=model, choices=[
-        CompletionChoice(text=text_mark, finish_reason=finish_mark)]).model_dump_json()
-    head, rest = ref.split(json.dumps(finish_mark))
-    middle, tail = rest.split(json.dumps(text_mark))
-
-    def render(text: str, finish_reason: str | None) -> str:
-        return (f"{head}{json.dumps(finish_reason)}{middle}"
-                f"{json.dumps(text, ensure_ascii=False)}{tail}")
-
-    return render
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _no_null_calls(self, handler: Any) -> dict[str, Any]:
-        # a reply without tools keeps the shape it had before tool calls existed
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
-
-
-class ChatChoice(_Choice):
-    message: ChatDelta
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatStreamChoice(_Choice):
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-def new_id(prefix: str) -> str:
-    """A fresh OpenAI-style id such as ``cmpl-3f2a...``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    """Unix seconds, for the ``created`` fields."""
-    return int(time.time())

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from elasticep.engine.request import SamplingParams, TokenLogprobs
+from elasticep.frontend.api_errors import OpenAIError, resolve_max_tokens
 from elasticep.frontend.chat_tools import (
     call_deltas,
     finish_reason,
@@ -26,22 +27,19 @@ from elasticep.frontend.completion_choices import CompletionChoices, best_candid
 from elasticep.frontend.core import Frontend, RequestStream
 from elasticep.frontend.logprobs_format import ChatLogprobs, chat_logprobs
 from elasticep.frontend.merged_stream import MergedStream
-from elasticep.frontend.openai_protocol import (
+from elasticep.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+from elasticep.frontend.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    OpenAIError,
     Usage,
     completion_chunk_renderer,
     new_id,
     now,
-    resolve_max_tokens,
 )
 from elasticep.frontend.request_tracker import (
     DuplicateRequestError,

@@ -19,7 +19,11 @@ Phases (seconds; all measured on the front-end's monotonic clock):
   ``healthy``), ``pause`` (the gap in step outputs across the epoch change that
   admitted it);
 * a scale: from the accepted request to the scale phase ``idle`` again, by kind
-  (``grow``, ``shrink``, ``retire``).
+  (``grow``, ``shrink``, ``retire``). A grow that a later request replaced while it
+  waited for joiners (the coordinator's answer names it ``superseded``) never finishes:
+  it ends as ``scale_superseded``; one that gave up waiting (idle again below the size
+  it asked for: ``--elastic-ep-scale-timeout``) ends as ``scale_timed_out``. No
+  histogram observes either.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class Event:
     Attributes:
         t: when (monotonic seconds).
         name: ``rank_state``, ``epoch``, ``scale_requested``, or a phase's end:
-            ``death_<phase>``, ``rejoin_<phase>``, ``scale_done``.
+            ``death_<phase>``, ``rejoin_<phase>``, ``scale_done``,
+            ``scale_superseded``, ``scale_timed_out``.
         attrs: its details (rank, state, epoch, kind, ...), JSON-ready.
         seconds: the phase's duration, for a phase's end; None otherwise.
     """
@@ -69,6 +74,14 @@ class _Death:
     repaired: bool = False
 
 
+@dataclass(frozen=True)
+class _Scale:
+    t: float  # accepted at
+    kind: str
+    operation_id: str | None
+    size: int | None  # the ep_size a grow asked for
+
+
 @dataclass
 class RecoveryTimeline:
     """The open deaths, joins and scales, and what was last seen (see the module doc)."""
@@ -79,7 +92,7 @@ class RecoveryTimeline:
     joining_since: dict[int, float] = field(default_factory=dict)
     ready_since: dict[int, float] = field(default_factory=dict)
     admitted_at: dict[int, int] = field(default_factory=dict)  # rank -> its epoch
-    scales: list[tuple[float, str]] = field(default_factory=list)
+    scales: list[_Scale] = field(default_factory=list)
     last_output: dict[int, float] = field(default_factory=dict)  # rank -> time
     last_step: tuple[float, int] | None = None  # (time, epoch) of the latest output
 
@@ -107,8 +120,10 @@ class RecoveryTimeline:
                                               rank=d.rank, epoch=status.epoch))
         self.epoch = status.epoch if self.epoch is None else max(self.epoch, status.epoch)
         if self.scales and status.scale_phase == ScalePhase.IDLE:
-            for t, kind in self.scales:
-                events.append(self._phase(now, "scale_done", t, kind=kind,
+            for s in self.scales:
+                short = s.size is not None and status.ep_size < s.size
+                events.append(self._phase(now, "scale_timed_out" if short else "scale_done",
+                                          s.t, kind=s.kind, operation_id=s.operation_id,
                                           ep_size=status.ep_size))
             self.scales = []
         return events
@@ -163,9 +178,19 @@ class RecoveryTimeline:
         return events
 
     def on_scale(self, now: float, kind: str, attrs: Mapping[str, Any]) -> list[Event]:
-        """A scale of ``kind`` (grow, shrink, retire) was accepted at ``now``."""
-        self.scales.append((now, kind))
-        return [Event(now, "scale_requested", {"kind": kind, **attrs})]
+        """A scale of ``kind`` (grow, shrink, retire) was accepted at ``now``; ``attrs``
+        is the coordinator's answer (``operation_id``, and ``superseded``: the open
+        grows it replaced, which end here untimed)."""
+        events = [Event(now, "scale_requested", {"kind": kind, **attrs})]
+        gone = set(attrs.get("superseded", ()))
+        for s in [s for s in self.scales if s.operation_id in gone]:
+            self.scales.remove(s)
+            events.append(self._phase(now, "scale_superseded", s.t, kind=s.kind,
+                                      operation_id=s.operation_id))
+        size = (attrs.get("old_ep_size", 0) + len(attrs.get("slots", ()))
+                if kind == "grow" else None)
+        self.scales.append(_Scale(now, kind, attrs.get("operation_id"), size))
+        return events
 
     @staticmethod
     def _phase(now: float, name: str, since: float, **attrs: Any) -> Event:

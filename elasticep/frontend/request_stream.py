@@ -1,7 +1,9 @@
-"""One request's stream of events on the front-end: :class:`RequestStream`.
+"""One request's stream of events on the front-end (:class:`RequestStream`), and the
+watch that ends the streams that stall (:func:`watch_stalls`).
 
-It times the request for ``/metrics`` (time to first token, time per output token,
-end-to-end latency) and, when it ends early, aborts it on its rank through the
+It times the sequence for ``/metrics`` (time to first token, time per output token;
+the end-to-end latency is the whole HTTP request's, observed where it is answered, in
+``response_streams``) and, when it ends early, aborts it on its rank through the
 :class:`~elasticep.frontend.core.Frontend` that opened it.
 """
 
@@ -29,7 +31,8 @@ class RequestStream:
         self.open = False  # True once submitted, False once finished or closed
         self._frontend = frontend
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._start = self.last_progress = time.monotonic()
+        # monotonic seconds of its submission
+        self.started = self.last_progress = time.monotonic()
         self._first_token_at: float | None = None
         self._done = False
 
@@ -68,14 +71,13 @@ class RequestStream:
         now = time.monotonic()
         if event.num_generated == 1 and event.token_ids:
             self._first_token_at = now
-            metrics.time_to_first_token_seconds.observe(now - self._start)
+            metrics.time_to_first_token_seconds.observe(now - self.started)
         metrics.generation_tokens.inc(len(event.token_ids))
         if event.finish_reason is not None:
-            if event.error is None:
-                metrics.e2e_request_latency_seconds.observe(now - self._start)
-                if self._first_token_at is not None and event.num_generated > 1:
-                    metrics.time_per_output_token_seconds.observe(
-                        (now - self._first_token_at) / (event.num_generated - 1))
+            if (event.error is None and self._first_token_at is not None
+                    and event.num_generated > 1):
+                metrics.time_per_output_token_seconds.observe(
+                    (now - self._first_token_at) / (event.num_generated - 1))
             self._done = True
             # a request the tracker finished needs no abort; an error may (timeout)
             self._close_sync(abort=event.error is not None)
@@ -99,3 +101,20 @@ class RequestStream:
         self._frontend.metrics.requests_running.dec()
         if abort:
             self._frontend._dispatch(self._frontend.tracker.abort(self.request_id))
+
+
+async def watch_stalls(streams: dict[str, RequestStream], timeout_s: float) -> None:
+    """End every stream of ``streams`` (the open ones, by request id) that made no
+    progress for ``timeout_s`` seconds with an error event; runs until cancelled.
+
+    One sweep a while for all streams, not a timer per token: a timeout around each
+    token's wait cost a task and a timer handle per token, the largest cost of a
+    streamed token on the loop (cProfile of the stub-engine bench).
+    """
+    while True:
+        await asyncio.sleep(min(1.0, timeout_s / 4))
+        now = time.monotonic()
+        for stream in list(streams.values()):
+            if now - stream.last_progress > timeout_s:
+                stream.put(RequestEvent(stream.request_id, (), "", "abort", 0,
+                                        error=f"no progress for {timeout_s} s"))

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +20,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from elasticep.engine.request import TokenLogprobs
+from elasticep.frontend.api_errors import OpenAIError, error_body
 from elasticep.frontend.core import RequestStream
 from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.merged_stream import MergedStream
 from elasticep.frontend.metrics import FrontendMetrics
-from elasticep.frontend.openai_protocol import OpenAIError, error_body
 from elasticep.frontend.request_tracker import RequestEvent
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ def sse_response(stream: RequestStream | MergedStream, endpoint: str,
     """An SSE response: ``render(event)`` per token event (None: no chunk), an error
     chunk if a request fails, ``tail(tokens)`` (if not None; ``tokens`` summed over
     the requests of a merged stream) once every request finished, then ``[DONE]``.
-    ``endpoint`` labels the request metric in ``metrics``; ``trace`` (if given) is told
-    when each request's first token was written.
+    ``endpoint`` labels the request metric in ``metrics``, and a request whose every
+    member finished observes one end-to-end latency; ``trace`` (if given) is told when
+    each request's first token was written.
 
     One chunk per token event, but one write for every event queued by then
     (``stream.ready()``): each write costs the loop the whole ASGI send path, more than
@@ -132,6 +134,8 @@ def sse_response(stream: RequestStream | MergedStream, endpoint: str,
                     if outcome == "error":
                         break
             num_tokens = sum(generated.values())
+            if outcome == "finished":
+                metrics.e2e_request_latency_seconds.observe(time.monotonic() - stream.started)
             last = tail(num_tokens) if outcome == "finished" else None
             yield ("" if last is None else _sse_line(last)) + "data: [DONE]\n\n"
         finally:
@@ -144,7 +148,8 @@ def sse_response(stream: RequestStream | MergedStream, endpoint: str,
 async def collect_results(streams: list[RequestStream], raw: Request, endpoint: str,
                           metrics: FrontendMetrics) -> list[RequestResult]:
     """Gather every request's whole result, in order; all are aborted if the client
-    disconnects, and the others once one fails.
+    disconnects, and the others once one fails. All of them are one HTTP request: one
+    end-to-end latency in ``metrics`` once every one finished.
 
     Raises:
         OpenAIError: 499 (client gone), 400 (a request refused by its rank), 500 (a
@@ -179,6 +184,9 @@ async def collect_results(streams: list[RequestStream], raw: Request, endpoint: 
     results = task.result()
     failed = next((r for r in results if r.error), None)
     metrics.requests.labels(endpoint, "error" if failed else "finished").inc()
+    if failed is None:
+        metrics.e2e_request_latency_seconds.observe(
+            time.monotonic() - min(s.started for s in streams))
     if failed is not None and failed.refused:  # the engine's own check: the client's error
         raise OpenAIError(400, failed.error or "request refused")
     if failed is not None:

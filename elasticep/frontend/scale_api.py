@@ -3,7 +3,8 @@
 
 A POST names one change: ``{"new_ep_size": K}`` (grow, or shrink from the top, as
 SGLang's), ``{"retire_ranks": [r, ...]}`` or ``{"drain_node": n}`` (those slots drain:
-their experts and requests move to the others, then they leave and their workers exit).
+their experts and requests move to the others, then they leave and their workers exit,
+or stay up idle with ``"keep_processes": true``).
 Its answer carries an ``operation_id`` (the caller's, or a new one); the GET reads the
 operation's phase and each slot's state (``active | draining | retired |
 safe_to_terminate``, ``joining`` for a grow). The same POST again with the same
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from elasticep.frontend.api_errors import OpenAIError
 from elasticep.frontend.core import Frontend
 from elasticep.frontend.membership_source import (
     MembershipSource,
@@ -31,7 +33,7 @@ from elasticep.frontend.membership_source import (
     ScaleNotSupportedError,
     ScaleRefusedError,
 )
-from elasticep.frontend.openai_protocol import OpenAIError, ScaleRequest
+from elasticep.frontend.openai_protocol import ScaleRequest
 from elasticep.membership.errors import OperationConflictError, OperationNotFoundError
 
 
@@ -56,6 +58,17 @@ async def _answer(call: Callable[[], Awaitable[dict[str, Any] | None]], param: s
                           type="server_error") from exc
 
 
+def _kind(req: ScaleRequest, result: dict[str, Any]) -> str | None:
+    """What ``req`` was, from the coordinator's answer ``result`` (its size, not this
+    front-end's snapshot of it): grow, shrink or retire; None for the size it has."""
+    if req.new_ep_size is None:
+        return "retire"
+    old = result.get("old_ep_size", req.new_ep_size)
+    if req.new_ep_size == old:
+        return None
+    return "grow" if req.new_ep_size > old else "shrink"
+
+
 def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     """Register the scale routes on ``app`` (see the module doc)."""
 
@@ -63,9 +76,10 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
     async def scale(req: ScaleRequest) -> JSONResponse:
         which = req.which()
         op_id = req.operation_id
-        kind = "retire"
         if which == "new_ep_size":
-            kind = "grow" if req.new_ep_size > frontend.status().ep_size else "shrink"
+            if req.keep_processes:
+                raise OpenAIError(400, "keep_processes applies to retire_ranks and drain_node "
+                                  "(a shrink's workers always exit)", param="keep_processes")
             max_ep = frontend.status().max_ep_size
             if req.new_ep_size < 1 or (max_ep and req.new_ep_size > max_ep):
                 cap = f" (serve --max-ep-size {max_ep} caps growth)" if max_ep else ""
@@ -77,12 +91,19 @@ def add_scale_routes(app: FastAPI, frontend: Frontend) -> None:
         else:
             def change(m: MembershipSource) -> dict[str, Any] | None:
                 return m.retire(ranks=req.retire_ranks, node=req.drain_node,
-                                operation_id=op_id)
-        result = await _answer(lambda: frontend.change_membership(change, kind), which)
+                                operation_id=op_id, keep_processes=req.keep_processes)
+        result = await _answer(lambda: frontend.change_membership(
+            change, lambda answer: _kind(req, answer)), which)
         waiting = frontend.waiting_for_joiners()
         if result.get("scale_phase") == "waiting_for_joiners" and waiting is not None:
             result["waiting_for_joiners"] = waiting  # the grow needs `join`: say how
-        return JSONResponse({"status": "accepted", which: getattr(req, which), **result})
+        asked = {which: getattr(req, which)}
+        if req.keep_processes:
+            asked["keep_processes"] = True
+        if _kind(req, result) is None:  # the size it has: a no-op
+            return JSONResponse({"status": "unchanged", **asked, **result, "message":
+                                 f"ep_size is {req.new_ep_size} already: nothing to do"})
+        return JSONResponse({"status": "accepted", **asked, **result})
 
     @app.get("/scale_elastic_ep/{operation_id}")
     async def operation(operation_id: str) -> JSONResponse:

@@ -37,14 +37,10 @@ from pydantic import Field
 
 from elasticep import __version__
 from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams, TokenLogprobs
+from elasticep.frontend.api_errors import OpenAIError, checked_grammar, resolve_max_tokens
 from elasticep.frontend.logprobs_format import TokenText, sglang_logprobs
-from elasticep.frontend.openai_protocol import (
-    OpenAIError,
-    _Strict,
-    checked_grammar,
-    new_id,
-    resolve_max_tokens,
-)
+from elasticep.frontend.openai_protocol import _Strict
+from elasticep.frontend.openai_responses import new_id
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.request_tracker import RequestEvent
 from elasticep.membership.transitions import SlotState

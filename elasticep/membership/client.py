@@ -134,7 +134,8 @@ class CoordinatorClient:
 
         Returns:
             {"old_ep_size": int, "slots": [int], "scale_phase": str, "operation_id": str}
-            (and "repeated": true for a repeat).
+            (and "repeated": true for a repeat; "superseded": [str], the ids of the
+            waiting grows it replaced).
 
         Raises:
             ScaleInProgressError: a scale is running; OperationConflictError: the id
@@ -143,9 +144,11 @@ class CoordinatorClient:
         return self._operation_reply(self._call(m.Scale(int(new_ep_size), operation_id)))
 
     def retire(self, ranks: list[int] | None = None, node: int | None = None,
-               operation_id: str | None = None) -> dict[str, Any]:
+               operation_id: str | None = None, keep_processes: bool = False,
+               ) -> dict[str, Any]:
         """Retire the slots ``ranks``, or every slot of ``node`` (give one): they drain
-        (experts and requests move to the others), then leave. Returns at once.
+        (experts and requests move to the others), then leave; their workers exit, or
+        stay up idle with ``keep_processes``. Returns at once.
 
         Returns:
             As :meth:`scale`.
@@ -156,7 +159,8 @@ class CoordinatorClient:
             MembershipRequestError: as :meth:`scale`, or a slot not in the target.
         """
         return self._operation_reply(self._call(m.Retire(
-            None if ranks is None else [int(r) for r in ranks], node, operation_id)))
+            None if ranks is None else [int(r) for r in ranks], node, operation_id,
+            bool(keep_processes))))
 
     def operation(self, operation_id: str) -> dict[str, Any]:
         """The operation's phase and per-slot states (``operations.op_view``).
@@ -169,8 +173,9 @@ class CoordinatorClient:
     @staticmethod
     def _operation_reply(reply: m.Reply) -> dict[str, Any]:
         out = {k: reply[k] for k in ("old_ep_size", "slots", "scale_phase", "operation_id")}
-        if reply.body.get("repeated"):
-            out["repeated"] = True
+        for k in ("superseded", "repeated"):  # present only when they say something
+            if reply.body.get(k):
+                out[k] = reply.body[k]
         return out
 
     def record_launch(self, rank: int, node: int, pid: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from elasticep import wire as _wire
-from elasticep.wire import ProtocolError, convert, plain
+from elasticep.wire.values import ProtocolError, convert, plain, register_codec
 
 from .transitions import Decision
 
@@ -23,7 +23,7 @@ __all__ = ["ControlMessage", "ProtocolError", "convert", "decode_line", "from_wi
 _BY_TAG: dict[str, list[type[_wire.Message]]] = {}
 
 # A decision's donors are keyed by op number: JSON keys are strings, so it has its own form.
-_wire.register_codec(Decision, Decision.to_dict, Decision.from_dict)
+register_codec(Decision, Decision.to_dict, Decision.from_dict)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,15 @@ class RankEvictedError(ElasticError):
 
 
 class RankRemovedError(RankEvictedError):
-    """This rank was removed by a planned `deactivate_ranks`; its next op raises this."""
+    """This rank was removed by a planned `deactivate_ranks`; its next op raises this.
+
+    ``keep_process``: the removal asked its process to stay up, idle (a retirement with
+    ``keep_processes``), instead of exiting.
+    """
+
+    def __init__(self, message: str, keep_process: bool = False) -> None:
+        super().__init__(message)
+        self.keep_process = keep_process
 
 
 class CoordinatorLostError(ElasticError):

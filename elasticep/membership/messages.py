@@ -262,7 +262,8 @@ class GetDeploymentStatus(ControlMessage, tag="deployment_status"):
 class Scale(ControlMessage, tag="scale"):
     """Make ``new_ep_size`` the target. Answer: old_ep_size, slots, scale_phase,
     operation_id (``operation_id`` given again with the same size: the same operation,
-    nothing changes)."""
+    nothing changes), and superseded (the ids of the waiting grows it replaced), if
+    any."""
 
     new_ep_size: int
     operation_id: str | None = None
@@ -271,11 +272,13 @@ class Scale(ControlMessage, tag="scale"):
 @dataclass(frozen=True)
 class Retire(ControlMessage, tag="retire"):
     """Retire the slots ``ranks``, or every slot whose last launch was on ``node`` (one
-    of the two). Answer: as :class:`Scale`'s."""
+    of the two). Answer: as :class:`Scale`'s. ``keep_processes``: their workers stay up,
+    idle, once out of the group, instead of exiting."""
 
     ranks: list[int] | None = None
     node: int | None = None
     operation_id: str | None = None
+    keep_processes: bool = False
 
 
 @dataclass(frozen=True)

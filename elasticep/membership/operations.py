@@ -8,13 +8,14 @@ orchestrator acts on (:class:`RankOpState`). Asking again with the same id and t
 request changes nothing and answers the same operation, so a client that retries after
 a lost answer cannot retire twice; the same id with another request is refused.
 
-Nothing here is stored apart from the slot states: an operation's phase and rank states
-are derived from them each time it is read.
+An operation's phase and rank states are derived from the slot states each time it is
+read; the log itself (requests, slots, answers, which grows timed out or were
+superseded) is part of the coordinator's durable state (``durable_state.py``), so a
+coordinator that takes over answers the same ids.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,9 @@ class RankOpState(StrEnum):
     ACTIVE = "active"      # a member serving requests and holding experts
     DRAINING = "draining"  # its experts and requests are moving to the others
     RETIRED = "retired"    # out of the group, holds nothing; its process is still exiting
-    SAFE_TO_TERMINATE = "safe_to_terminate"  # out of the group, no process left: stop the pod
+    # out of the group and no process left, or (keep_processes) only an idle one that
+    # holds no request and no expert: stopping it or its pod loses nothing
+    SAFE_TO_TERMINATE = "safe_to_terminate"
 
 
 class OpPhase(StrEnum):
@@ -67,14 +70,22 @@ class Operation:
     leaving: bool
     reply: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def keeps_processes(self) -> bool:
+        """The retired slots' workers stay up, idle (``keep_processes``)."""
+        return bool(self.request.get("keep_processes"))
 
-def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankOpState:
+
+def rank_op_state(state: SlotState, leaving: bool, process_alive: bool,
+                  keep_process: bool = False) -> RankOpState:
     """The operation state of one slot it moves (pure).
 
     Args:
         state: the slot's state.
         leaving: the operation takes the slot out (else it brings it in).
         process_alive: a worker process of the slot still runs.
+        keep_process: the slot's worker stays up once out (``keep_processes``): a live
+            one is not exiting, it idles, and may be stopped at once.
     """
     if state == SlotState.HEALTHY:
         return RankOpState.ACTIVE
@@ -82,7 +93,9 @@ def rank_op_state(state: SlotState, leaving: bool, process_alive: bool) -> RankO
         return RankOpState.DRAINING
     if not leaving:
         return RankOpState.JOINING
-    return RankOpState.RETIRED if process_alive else RankOpState.SAFE_TO_TERMINATE
+    if process_alive and not keep_process:
+        return RankOpState.RETIRED
+    return RankOpState.SAFE_TO_TERMINATE
 
 
 def op_phase(op: Operation, ranks: Mapping[int, RankOpState], timed_out: bool = False,
@@ -122,12 +135,19 @@ def op_view(op: Operation, states: Sequence[SlotState], alive: Mapping[int, bool
         timed_out, superseded: see :func:`op_phase`.
 
     Returns:
-        ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``.
+        ``{"operation_id", "request", "phase", "ranks": [{"rank", "state"}]}``; with
+        ``keep_processes`` each rank also says ``process_running`` (its idle worker is
+        still up, for the orchestrator to stop).
     """
-    ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False)) for s in op.slots}
+    keep = op.keeps_processes
+    ranks = {s: rank_op_state(states[s], op.leaving, alive.get(s, False), keep)
+             for s in op.slots}
+    entries: list[dict[str, Any]] = [{"rank": s, "state": ranks[s].value} for s in op.slots]
+    if keep:
+        for e in entries:
+            e["process_running"] = alive.get(e["rank"], False)
     return {"operation_id": op.id, "request": dict(op.request),
-            "phase": op_phase(op, ranks, timed_out, superseded).value,
-            "ranks": [{"rank": s, "state": ranks[s].value} for s in op.slots]}
+            "phase": op_phase(op, ranks, timed_out, superseded).value, "ranks": entries}
 
 
 @dataclass
@@ -138,7 +158,7 @@ class OperationLog:
     ops: dict[str, Operation] = field(default_factory=dict)
     timed_out: set[str] = field(default_factory=set)  # grows that gave up
     superseded: set[str] = field(default_factory=set)  # grows a later operation replaced
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    next_id: int = 1  # of the next id made up (``op-N``)
 
     def repeat(self, op_id: str | None, request: Mapping[str, Any]) -> Operation | None:
         """The operation a repeated request names, or None for a new request.
@@ -157,19 +177,26 @@ class OperationLog:
     def new_id(self) -> str:
         """An id no operation has yet."""
         while True:
-            op_id = f"op-{next(self._ids)}"
+            op_id = f"op-{self.next_id}"
+            self.next_id += 1
             if op_id not in self.ops:
                 return op_id
 
+    def superseding(self, states: Sequence[SlotState]) -> list[str]:
+        """The grows a new operation would supersede, given ``states`` (the slot states
+        before it): those that still wait for a joiner (a slot not healthy), neither
+        timed out nor superseded already. The new operation sets a new target, so they
+        never finish as asked."""
+        return sorted(old.id for old in self.ops.values()
+                      if not old.leaving and old.id not in self.timed_out
+                      and old.id not in self.superseded
+                      and any(s < len(states) and states[s] != SlotState.HEALTHY
+                              for s in old.slots))
+
     def add(self, op: Operation, states: Sequence[SlotState] = ()) -> Operation:
-        """Record ``op`` (its id must be new). A grow that still waited for a joiner
-        (one of its slots not healthy in ``states``, the slot states before ``op``) is
-        superseded: ``op`` set a new target, so that grow never finishes as asked."""
-        for old in self.ops.values():
-            if (not old.leaving and old.id not in self.timed_out
-                    and any(s < len(states) and states[s] != SlotState.HEALTHY
-                            for s in old.slots)):
-                self.superseded.add(old.id)
+        """Record ``op`` (its id must be new); the grows it supersedes
+        (:meth:`superseding` of ``states``) read ``superseded`` from now on."""
+        self.superseded.update(self.superseding(states))
         self.ops[op.id] = op
         return op
 

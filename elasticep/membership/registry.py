@@ -143,6 +143,13 @@ class Group:
         self.requests[kind] = sorted(set(self.requests[kind]) | set(slots))
         self.requests[other] = [r for r in self.requests[other] if r not in slots]
 
+    def keep_processes(self, slots: list[int]) -> None:
+        """The workers of ``slots`` stay up, idle, once a removal takes them out
+        (``keep_processes``): the removed rank reads this with the removal request
+        itself, so it is set before that request is pushed. Cleared when the slot is
+        admitted again."""
+        self.requests["keep"] = sorted(set(self.requests.get("keep", [])) | set(slots))
+
     def bind_reserved_slot(self, rank: int, joiner_ranks: list[int]) -> None:
         """Give a joiner the reserved slot (global rank -1) at which its own list names
         it; unchanged if there is none (`slot_of` then refuses it)."""
@@ -174,8 +181,10 @@ class Group:
         # would fire again when the slot is next re-admitted (or removed).
         self.pending_remove -= tr.removed
         self.pending_admit -= tr.admitted
-        for key, done in (("admit", tr.admitted), ("remove", tr.removed)):
-            self.requests[key] = [r for r in self.requests[key] if r not in done]
+        for key, done in (("admit", tr.admitted), ("remove", tr.removed),
+                          ("keep", tr.admitted)):
+            if key in self.requests:
+                self.requests[key] = [r for r in self.requests[key] if r not in done]
         self.transition = None
 
     def status(self) -> dict:

@@ -354,6 +354,10 @@ def check_join(mode: str, want: Sequence[int], states: Sequence[SlotState],
         if state in (SlotState.JOINING, SlotState.READY) or shown[slot][0] == SlotState.JOINING:
             pid = pid if state in (SlotState.JOINING, SlotState.READY) else shown[slot][1]
             raise JoinRefusedError(f"rank {r} is already being joined (pid {pid})")
+        if state == SlotState.FREE and proc is not None and proc.alive and proc.in_world:
+            raise JoinRefusedError(f"rank {r} left the deployment but its worker (pid {pid}) "
+                                   "still runs (kept by keep_processes, or exiting); stop it "
+                                   "first")
         if mode == "recover" and r in target.retired and state == SlotState.FREE:
             continue  # a retired slot comes back in place
         if mode == "recover" and r not in target.members:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import messages as m
-from .durable_state import MembershipState, group_record, target_record
+from .durable_state import MembershipState, deployment_fields, group_record
 from .errors import MembershipRequestError
 from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
@@ -163,11 +163,10 @@ class MembershipService(Takeover, SupervisorRequests):
 
     def durable_state(self) -> MembershipState:
         """What a standby coordinator needs to take over (``durable_state.py``)."""
-        d = self._deployment
         return MembershipState({n: group_record(g) for n, g in self._groups.items()},
-                               self._max_world_size, d.config, target_record(d.target),
-                               {str(r): p.pid for r, p in self._procs.items()
-                                if p.alive and p.pid})
+                               self._max_world_size, **deployment_fields(self._deployment),
+                               pids={str(r): p.pid for r, p in self._procs.items()
+                                     if p.alive and p.pid})
 
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""

@@ -130,8 +130,10 @@ class SupervisorRequests:
     def _retire(self, sup, msg: m.Retire) -> dict:
         if (msg.ranks is None) == (msg.node is None):
             raise ValueError("give either retire_ranks or drain_node")
-        request = ({"retire_ranks": list(msg.ranks)} if msg.ranks is not None
-                   else {"drain_node": msg.node})
+        request: dict[str, Any] = ({"retire_ranks": list(msg.ranks)} if msg.ranks is not None
+                                   else {"drain_node": msg.node})
+        if msg.keep_processes:  # part of the request: a repeat without it is another one
+            request["keep_processes"] = True
 
         def plan(states: list[SlotState]) -> ScalePlan:
             target = self._target()
@@ -141,7 +143,10 @@ class SupervisorRequests:
                                if self._deployment.nodes.get(r, 0) == msg.node)
                 if not ranks:
                     raise ValueError(f"node {msg.node} runs no rank of the deployment")
-            return target.retire(ranks, states, self._deployment.min_holding_ranks)
+            plan = target.retire(ranks, states, self._deployment.min_holding_ranks)
+            if msg.keep_processes:  # pushed with the removal request that follows
+                self._groups[WORLD].keep_processes(list(plan.remove))
+            return plan
 
         return self._operation(msg.operation_id, request, plan)
 
@@ -165,6 +170,9 @@ class SupervisorRequests:
             self._request_deactivation(None, m.RequestDeactivation(WORLD, list(plan.remove)))
         op_id = op_id or ops.new_id()
         reply = {**plan.reply, "operation_id": op_id}
+        superseded = ops.superseding(states)
+        if superseded:  # grows that will never finish as asked: say so, not time them
+            reply["superseded"] = superseded
         ops.add(Operation(op_id, request, tuple(sorted(plan.reply["slots"])),
                           leaving=not plan.admit, reply=reply), states)
         log.info("coordinator: epoch %d: operation %s %s: ep_size %d: %s", epoch, op_id,

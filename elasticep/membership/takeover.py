@@ -75,15 +75,14 @@ class Takeover:
 
     def restore(self, state: MembershipState) -> None:
         """Take over ``state`` as a new leader, before any rank reconnects: groups,
-        capacity and the deployment's config and target, and a placeholder for every
-        rank the state holds a slot for, with the pid it names (see the module
-        docstring). A transition that was in flight is restarted at a fresh epoch once
-        its first member is back."""
+        capacity, the deployment's config, target, limits and operations (a waiting grow
+        gets a full scale timeout), and a placeholder for every rank the state holds a
+        slot for, with the pid it names (see the module docstring). A transition that
+        was in flight is restarted at a fresh epoch once its first member is back."""
+        now = self._clock()
         self._groups = {n: state.group(n) for n in state.groups}
         self._max_world_size = state.max_world_size
-        self._deployment.config = state.config
-        self._deployment.target = state.scale_target()
-        now = self._clock()
+        state.apply_deployment(self._deployment, now)
         for g in self._groups.values():
             for slot, rank in enumerate(g.ranks):
                 if rank < 0 or g.states[slot] not in HELD_STATES:

@@ -84,6 +84,14 @@ class Fp8BlockReader:
         scales (:func:`get_fp8`), not dequantized."""
         return self.quant.online or self.inner.has(key + SCALE_SUFFIX)
 
+    def is_fp8(self, key: str, shape: tuple[int, ...]) -> bool:
+        """Whether weight ``key`` of ``shape`` is block FP8 here: stored with its scales,
+        or (online) one the format quantizes. Such a dense projection is kept FP8
+        (:func:`get_fp8`)."""
+        if self.quant.online:
+            return self.quant.quantizes(key, shape)
+        return self.inner.has(key + SCALE_SUFFIX)
+
     def get_fp8(self, key: str, shape: tuple[int, int], device: torch.device | str,
                 row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``key`` (or row ``row`` of a stacked one) as block FP8: ``(q [shape]

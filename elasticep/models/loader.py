@@ -27,6 +27,7 @@ from elasticep.models.checkpoint import CheckpointReader
 from elasticep.models.config import MoEModelConfig, load_model_config, unsupported
 from elasticep.models.dummy_weights import DEFAULT_STD, DummyWeightReader
 from elasticep.models.fp8_reader import Fp8BlockReader
+from elasticep.models.linear import Fp8Weight, Weight, rows_stay_in_blocks
 from elasticep.models.mla import MLAWeights
 from elasticep.models.model import AttentionWeights, DecoderLayerWeights, MoECausalLM
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights
@@ -205,37 +206,63 @@ def experts_fp8(reader: WeightReader, cfg: MoEModelConfig) -> bool:
     return reader.expert_fp8(key)
 
 
+def _proj(reader: WeightReader, key: str, shape: tuple[int, int], dt, dev) -> Weight:
+    """A dense projection: block FP8 where the checkpoint holds it so (stored with its
+    scales, or quantized while loading), else read in ``dt``."""
+    if isinstance(reader, Fp8BlockReader) and reader.is_fp8(key, shape):
+        return Fp8Weight(*reader.get_fp8(key, shape, dev))
+    return reader.get(key, shape, dt, dev)
+
+
+def _deinterleaved(w: Weight, heads: int, head_dim: int, rope_start: int, dt) -> Weight:
+    """:func:`deinterleave_rows` of a plain or FP8 projection. An FP8 one keeps its scales
+    where each permuted row stays in its 128-row scale block (DeepSeek-V3's q_b and
+    kv_a rows do); otherwise it is dequantized exactly into ``dt`` first."""
+    if isinstance(w, Fp8Weight):
+        order = deinterleave_rows(torch.arange(w.shape[0]), heads, head_dim, rope_start)
+        if rows_stay_in_blocks(order):
+            return w.permute_rows(order)
+        w = w.dequantize(dt)
+    return deinterleave_rows(w, heads, head_dim, rope_start)
+
+
 def _dense(reader: WeightReader, p: str, hid: int, inter: int, dt, dev) -> DenseMLPWeights:
-    return DenseMLPWeights(
-        gate=reader.get(f"{p}.gate_proj.weight", (inter, hid), dt, dev),
-        up=reader.get(f"{p}.up_proj.weight", (inter, hid), dt, dev),
-        down=reader.get(f"{p}.down_proj.weight", (hid, inter), dt, dev),
+    w = DenseMLPWeights(
+        gate=_proj(reader, f"{p}.gate_proj.weight", (inter, hid), dt, dev),
+        up=_proj(reader, f"{p}.up_proj.weight", (inter, hid), dt, dev),
+        down=_proj(reader, f"{p}.down_proj.weight", (hid, inter), dt, dev),
     )
+    w.fuse_gate_up()
+    return w
 
 
 def _mla(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> MLAWeights:
-    """Read ``a``'s MLA projections; interleaved rotary rows are made half-split."""
+    """Read ``a``'s MLA projections; interleaved rotary rows are made half-split.
+    ``kv_b`` is always dequantized (see :class:`MLAWeights`)."""
     m, hid = cfg.mla, cfg.hidden_size
     q_rows = m.num_heads * m.qk_head_dim
 
-    def q_rows_split(t: torch.Tensor) -> torch.Tensor:
-        return deinterleave_rows(t, m.num_heads, m.qk_head_dim, m.qk_nope_head_dim) if m.rope_interleave else t
+    def q_rows_split(t: Weight) -> Weight:
+        if not m.rope_interleave:
+            return t
+        return _deinterleaved(t, m.num_heads, m.qk_head_dim, m.qk_nope_head_dim, dt)
 
     w = MLAWeights(
-        kv_a=reader.get(f"{a}.kv_a_proj_with_mqa.weight", (m.cache_width, hid), dt, dev),
+        kv_a=_proj(reader, f"{a}.kv_a_proj_with_mqa.weight", (m.cache_width, hid), dt, dev),
         kv_a_norm=reader.get(f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,), dt, dev),
         kv_b=reader.get(f"{a}.kv_b_proj.weight",
                         (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), dt, dev),
-        o=reader.get(f"{a}.o_proj.weight", (hid, m.num_heads * m.v_head_dim), dt, dev),
+        o=_proj(reader, f"{a}.o_proj.weight", (hid, m.num_heads * m.v_head_dim), dt, dev),
     )
     if m.rope_interleave:
-        w.kv_a = deinterleave_rows(w.kv_a, 1, m.cache_width, m.kv_lora_rank)
+        w.kv_a = _deinterleaved(w.kv_a, 1, m.cache_width, m.kv_lora_rank, dt)
     if m.q_lora_rank is None:
-        w.q = q_rows_split(reader.get(f"{a}.q_proj.weight", (q_rows, hid), dt, dev))
+        w.q = q_rows_split(_proj(reader, f"{a}.q_proj.weight", (q_rows, hid), dt, dev))
     else:
-        w.q_a = reader.get(f"{a}.q_a_proj.weight", (m.q_lora_rank, hid), dt, dev)
+        w.q_a = _proj(reader, f"{a}.q_a_proj.weight", (m.q_lora_rank, hid), dt, dev)
         w.q_a_norm = reader.get(f"{a}.q_a_layernorm.weight", (m.q_lora_rank,), dt, dev)
-        w.q_b = q_rows_split(reader.get(f"{a}.q_b_proj.weight", (q_rows, m.q_lora_rank), dt, dev))
+        w.q_b = q_rows_split(_proj(reader, f"{a}.q_b_proj.weight", (q_rows, m.q_lora_rank),
+                                   dt, dev))
     return w
 
 
@@ -247,10 +274,10 @@ def _gqa(reader: WeightReader, cfg: MoEModelConfig, a: str, dt, dev) -> Attentio
         return reader.get(f"{a}.{name}.bias", (n,), dt, dev) if on else None
 
     w = AttentionWeights(
-        q=reader.get(f"{a}.q_proj.weight", (qd, hid), dt, dev),
-        k=reader.get(f"{a}.k_proj.weight", (kvd, hid), dt, dev),
-        v=reader.get(f"{a}.v_proj.weight", (kvd, hid), dt, dev),
-        o=reader.get(f"{a}.o_proj.weight", (hid, qd), dt, dev),
+        q=_proj(reader, f"{a}.q_proj.weight", (qd, hid), dt, dev),
+        k=_proj(reader, f"{a}.k_proj.weight", (kvd, hid), dt, dev),
+        v=_proj(reader, f"{a}.v_proj.weight", (kvd, hid), dt, dev),
+        o=_proj(reader, f"{a}.o_proj.weight", (hid, qd), dt, dev),
         q_bias=bias("q_proj", qd, cfg.qkv_bias),
         k_bias=bias("k_proj", kvd, cfg.qkv_bias),
         v_bias=bias("v_proj", kvd, cfg.qkv_bias),
@@ -315,8 +342,11 @@ def load_model(
         quantization: None, or "fp8" to quantize an unquantized checkpoint to block FP8
             while loading (a block-FP8 checkpoint is read as such either way). FP8
             experts stay FP8, packed with their scales into their slots (where the
-            shape allows, :func:`fp8_experts_packable`); every other FP8 weight is
-            dequantized exactly into ``dtype``.
+            shape allows, :func:`fp8_experts_packable`); so do the dense projections
+            the checkpoint holds in FP8 (attention, MLA but ``kv_b``, shared experts,
+            dense MLPs: :class:`~elasticep.models.linear.Fp8Weight`). What it keeps
+            unquantized (embeddings, norms, router gates, the LM head,
+            ``modules_to_not_convert``) is read in ``dtype``.
 
     Returns:
         A :class:`MoECausalLM` whose executor is a :class:`LocalExpertExecutor` over the

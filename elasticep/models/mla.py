@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from elasticep.models.layers import AttentionMetadata, rms_norm
+from elasticep.models.linear import Weight, linear
 from elasticep.models.rope import apply_rope
 
 
@@ -59,13 +60,19 @@ class MLAConfig:
         """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def projection_shapes(self, hidden_size: int) -> dict[str, tuple[int, int]]:
+        """``[out, in]`` of each of one layer's MLA projections, by HF module name."""
+        q_out = self.num_heads * self.qk_head_dim
+        q = ({"q_proj": (q_out, hidden_size)} if self.q_lora_rank is None else
+             {"q_a_proj": (self.q_lora_rank, hidden_size), "q_b_proj": (q_out, self.q_lora_rank)})
+        return {**q, "kv_a_proj_with_mqa": (self.cache_width, hidden_size),
+                "kv_b_proj": (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                              self.kv_lora_rank),
+                "o_proj": (hidden_size, self.num_heads * self.v_head_dim)}
+
     def weight_params(self, hidden_size: int) -> int:
         """Parameters of one layer's MLA projections (the attention weights a step reads)."""
-        q_out = self.num_heads * self.qk_head_dim
-        q = hidden_size * q_out if self.q_lora_rank is None else self.q_lora_rank * (hidden_size + q_out)
-        kv = hidden_size * self.cache_width + self.kv_lora_rank * self.num_heads * (
-            self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + self.num_heads * self.v_head_dim * hidden_size
+        return sum(n * k for n, k in self.projection_shapes(hidden_size).values())
 
     def full_kv_width(self) -> int:
         """Values per token per layer that plain MHA with these heads would cache (K and V)."""
@@ -76,6 +83,11 @@ class MLAConfig:
 class MLAWeights:
     """One layer's MLA projections (HF names in brackets), rotary rows half-split.
 
+    Every projection but ``kv_b`` may be block FP8 (:class:`~elasticep.models.linear.Fp8Weight`).
+    ``kv_b`` is always a plain tensor: the absorbed decode reads it as the per-head
+    ``W_UK`` and ``W_UV`` matrices of batched matmuls, not as one linear (SGLang, too,
+    holds it dequantized for that form).
+
     Attributes:
         q: ``[Hn*(dn+dr), H]`` (``q_proj``), when there is no query LoRA.
         q_a: ``[rq, H]`` (``q_a_proj``), q_a_norm ``[rq]``, q_b ``[Hn*(dn+dr), rq]`` (``q_b_proj``).
@@ -85,22 +97,22 @@ class MLAWeights:
     """
 
     # the query side is either ``q`` alone or the ``q_a``/``q_a_norm``/``q_b`` LoRA
-    q: torch.Tensor | None = None
-    q_a: torch.Tensor | None = None
+    q: Weight | None = None
+    q_a: Weight | None = None
     q_a_norm: torch.Tensor | None = None
-    q_b: torch.Tensor | None = None
-    kv_a: torch.Tensor
+    q_b: Weight | None = None
+    kv_a: Weight
     kv_a_norm: torch.Tensor
     kv_b: torch.Tensor
-    o: torch.Tensor
+    o: Weight
 
 
 def _queries(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig, eps: float) -> torch.Tensor:
     """``x [T, H]`` -> ``[T, Hn, dn+dr]``."""
     if w.q is not None:
-        q = F.linear(x, w.q)
+        q = linear(x, w.q)
     else:
-        q = F.linear(rms_norm(F.linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
+        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
     return q.view(x.shape[0], cfg.num_heads, cfg.qk_head_dim)
 
 
@@ -257,12 +269,12 @@ def mla_attention(
     q = _queries(x, w, cfg, eps)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q = torch.cat((q_nope, apply_rope(q_pe, cos, sin)), dim=-1)
-    c_kv, k_pe = F.linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     latent = torch.cat((rms_norm(c_kv, w.kv_a_norm, eps), apply_rope(k_pe[:, None], cos, sin)[:, 0]), dim=-1)
     if cache is not None:
         cache.index_copy_(0, meta.slot_mapping, latent)
     if not meta.context_lens:  # empty step of an idle EP rank
-        return F.linear(q.new_zeros(0, cfg.num_heads * cfg.v_head_dim), w.o)
+        return linear(q.new_zeros(0, cfg.num_heads * cfg.v_head_dim), w.o)
     decode = cache is not None and len(meta.context_lens) == t
     if absorb and not decode:
         raise ValueError("the absorbed MLA form needs a decode step: one new token per sequence, with a cache")
@@ -283,4 +295,4 @@ def mla_attention(
                 0, meta.gather_slots[i])
             outs.append(_expanded(q[s:e], ctx, w, cfg, scale))
         out = torch.cat(outs, dim=0)
-    return F.linear(out, w.o)
+    return linear(out, w.o)

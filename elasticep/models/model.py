@@ -24,6 +24,7 @@ from elasticep.models.fused_norm_rope import (
     rms_norm,
 )
 from elasticep.models.layers import AttentionMetadata, flash_prefill, paged_attention
+from elasticep.models.linear import Fp8Weight, Weight, cat_rows, linear
 from elasticep.models.mla import MLAWeights, mla_attention
 from elasticep.models.moe_block import DenseMLPWeights, MoEBlockWeights, dense_mlp, moe_block
 from elasticep.models.rope import rope_cos_sin
@@ -35,28 +36,39 @@ from elasticep.moe.local_executor import ExpertSlots
 class AttentionWeights:
     """q ``[Hq*D, H]``, k/v ``[Hkv*D, H]``, o ``[H, Hq*D]``; optional biases and qk-norms ``[D]``.
 
-    After :meth:`fuse_qkv`, ``qkv`` ``[(Hq + 2*Hkv)*D, H]`` holds q, k and v (which become
-    views of it), so the three projections are one GEMM: at decode each is a small
-    matrix-vector product whose cost is its launch.
+    The projections are plain tensors or block FP8 (:class:`~elasticep.models.linear.Fp8Weight`,
+    an FP8 checkpoint's). After :meth:`fuse_qkv`, ``qkv`` ``[(Hq + 2*Hkv)*D, H]`` holds q,
+    k and v (which become views of it), so the three projections are one GEMM: at decode
+    each is a small matrix-vector product whose cost is its launch.
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    qkv: torch.Tensor | None = None
+    qkv: Weight | None = None
     qkv_bias: torch.Tensor | None = None
 
     def fuse_qkv(self) -> None:
-        """Concatenate q, k, v (and their biases) into :attr:`qkv`; q, k, v become views."""
-        sizes = [self.q.shape[0], self.k.shape[0], self.v.shape[0]]
-        self.qkv = torch.cat([self.q, self.k, self.v])
+        """Concatenate q, k, v (and their biases) into :attr:`qkv`; q, k, v become views.
+
+        FP8 projections fuse when q's and k's rows end on a scale block (so the scale
+        grids stack, true of every head_dim of 128), and all three are FP8; otherwise
+        they stay three projections."""
+        parts = [self.q, self.k, self.v]
+        sizes = [w.shape[0] for w in parts]
+        if all(isinstance(w, torch.Tensor) for w in parts):
+            self.qkv = torch.cat(parts)
+        elif all(isinstance(w, Fp8Weight) for w in parts):
+            self.qkv = cat_rows(parts)
+        if self.qkv is None:
+            return
         self.q, self.k, self.v = self.qkv.split(sizes)
         if self.q_bias is not None:
             self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
@@ -156,7 +168,7 @@ class MoECausalLM:
             return mla_attention(x, w, c.mla, cos, sin, cache, meta, scale, c.rms_norm_eps)
         t = x.shape[0]
         if w.qkv is not None:
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias)
             if (kv_cache is not None and meta.context_lens
                     and qkv_cache_ok(qkv, c.head_dim, cos, kv_cache[0])):
                 # a flash step attends to this step's own keys: the kernel keeps k (and
@@ -169,17 +181,17 @@ class MoECausalLM:
                                         kv_cache[1], meta.slot_mapping, k_out=k)
                 v = qkv[:, (c.num_attention_heads + hkv) * d:].view(t, hkv, d) if flash else None
                 o = paged_attention(q, k, v, kv_cache, meta, d**-0.5, written=True)
-                return F.linear(o, w.o, w.o_bias)
+                return linear(o, w.o, w.o_bias)
             q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]], dim=-1)
         else:
-            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+            q, k, v = linear(x, w.q, w.q_bias), linear(x, w.k, w.k_bias), linear(x, w.v, w.v_bias)
         q = q.view(t, c.num_attention_heads, c.head_dim)
         k = k.view(t, c.num_key_value_heads, c.head_dim)
         v = v.view(t, c.num_key_value_heads, c.head_dim)
         q = norm_rope(q, w.q_norm, c.rms_norm_eps, cos, sin)
         k = norm_rope(k, w.k_norm, c.rms_norm_eps, cos, sin)
         o = paged_attention(q, k, v, kv_cache, meta, c.head_dim**-0.5)
-        return F.linear(o, w.o, w.o_bias)
+        return linear(o, w.o, w.o_bias)
 
     @torch.inference_mode()
     def forward(

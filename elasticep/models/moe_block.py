@@ -12,17 +12,33 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from elasticep.models.linear import Fp8Weight, Weight, cat_rows, linear
 from elasticep.models.routing import RoutingConfig, fused_rule, route_logits, router_logits
 from elasticep.moe.executor import ExpertExecutor
 
 
 @dataclass
 class DenseMLPWeights:
-    """SwiGLU MLP: gate/up ``[I, H]``, down ``[H, I]``."""
+    """SwiGLU MLP: gate/up ``[I, H]``, down ``[H, I]``, plain or block FP8.
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    After :meth:`fuse_gate_up`, FP8 gate and up may be one ``gate_up [2I, H]`` weight
+    (gate and up become views of it).
+    """
+
+    gate: Weight
+    up: Weight
+    down: Weight
+    gate_up: Weight | None = None
+
+    def fuse_gate_up(self) -> None:
+        """Stack FP8 gate and up into :attr:`gate_up` when I ends on a scale block (so
+        their scale grids stack): one kernel then reads the input once for both, one
+        launch fewer a decode step. Plain weights stay two projections, so the bf16
+        path computes exactly what it did."""
+        if isinstance(self.gate, Fp8Weight) and isinstance(self.up, Fp8Weight):
+            self.gate_up = cat_rows([self.gate, self.up])
+            if self.gate_up is not None:
+                self.gate, self.up = self.gate_up.split([self.gate.shape[0], self.up.shape[0]])
 
 
 @dataclass
@@ -45,7 +61,11 @@ class MoEBlockWeights:
 
 def dense_mlp(x: torch.Tensor, w: DenseMLPWeights) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` for ``x [T, H]``."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    if w.gate_up is not None:
+        gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x, w.gate), linear(x, w.up)
+    return linear(F.silu(gate) * up, w.down)
 
 
 def moe_block(

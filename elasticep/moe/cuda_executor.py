@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
+from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange, IpcHandle
 from elasticep.moe.exchange.padded_exchange import (
     ExchangeBuffers,
     exchange_over,
@@ -32,7 +32,7 @@ from elasticep.moe.exchange.padded_exchange import (
     padded_dispatch,
     pair_capacity,
 )
-from elasticep.moe.experts.expert_compute import combine_pairs, grouped_swiglu
+from elasticep.moe.experts.expert_compute import grouped_swiglu
 from elasticep.moe.experts.small_batch_experts import gate_up_rows, small_batch_ok
 from elasticep.moe.fused_exchange import FusedForms
 from elasticep.moe.softmax_topk import SoftmaxTopk
@@ -85,14 +85,16 @@ class CudaEPMoEExecutor(EPMoEExecutor):
     uses_step_bound = True
 
     def __init__(self, *args, max_tokens: int | None = None, **kwargs) -> None:
+        # set before the base constructor, whose set_placement reads them
         self._shape_version = 0
+        self._placed = False  # a placement was set: graphs may point to its tensors
+        self._transport: IpcExchange | None = None
+        self._fused: FusedForms | None = None  # the transport's fused sends
         super().__init__(*args, **kwargs)
         self.step_max_tokens = max_tokens
         self.token_buckets: tuple[int, ...] | None = None
         self._exchange = exchange_over(self.group)
         self._buffers = ExchangeBuffers(capturing)
-        self._transport: IpcExchange | None = None
-        self._fused: FusedForms | None = None  # the transport's fused sends
         self._local_only = False
 
     @property
@@ -149,14 +151,17 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         The copy briefly holds both sets of expert weights (the new ones were fetched
         before this call).
         """
-        if getattr(self, "_transport", None) is not None:
+        if self._transport is not None:
             self._transport.tag_cap(metadata.num_local_physical_experts)
-        old = getattr(self, "metadata", None)
-        old13, old2 = getattr(self, "w13", None), getattr(self, "w2", None)
+        if not self._placed:  # the first placement: nothing to keep
+            super().set_placement(metadata, w13, w2)
+            self._placed = True
+            self._shape_version += 1
+            return
+        old, old13, old2 = self.metadata, self.w13, self.w2
         super().set_placement(metadata, w13, w2)
         fields = _device_fields(metadata)
-        if (old is None or old13 is None or old2 is None
-                or not _same_shapes(old13, self.w13) or not _same_shapes(old2, self.w2)
+        if (not _same_shapes(old13, self.w13) or not _same_shapes(old2, self.w2)
                 or not _same_shapes([getattr(old, f) for f in fields],
                                     [getattr(metadata, f) for f in fields])):
             self._shape_version += 1
@@ -225,12 +230,11 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         # an eager step allocates its own, so it never touches what a graph points to
         # (a capture may run in a background thread meanwhile).
         bufs = self._buffers if capturing() else fresh
-        rows, tags, plan = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
-                                           self._exchange_boundary, bufs)
+        rows, tags, handle = padded_dispatch(hidden_states, slots, S, meta.max_ep_size, cap,
+                                             self._exchange_boundary, bufs)
         expert_out = grouped_swiglu(self.w13[layer_idx], self.w2[layer_idx], rows, tags,
                                     sync_free=True, out=bufs("expert_out", rows.shape[0], rows))
-        back = padded_combine(expert_out, plan, self._exchange_boundary, bufs)
-        return combine_pairs(back, topk_weights, hidden_states.dtype, rows=plan.position)
+        return padded_combine(expert_out, handle, topk_weights, self._exchange_boundary, bufs)
 
     def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor,
                       logits: torch.Tensor, rule: SoftmaxTopk) -> torch.Tensor | None:
@@ -262,10 +266,9 @@ class CudaEPMoEExecutor(EPMoEExecutor):
             t.warm_routed_dispatch(logits, rule, l2p, S)
             return None
         cap = pair_capacity(self._checked_bound(layer_idx, 1), rule.top_k, S)
-        position, _, weights = t.send_dispatch_routed(hidden_states, logits, rule, l2p, S,
-                                                      cap, layer_idx)
-        return self._experts_and_combine(layer_idx, position, weights, hidden_states.dtype,
-                                         cap)
+        handle, _, weights = t.send_dispatch_routed(hidden_states, logits, rule, l2p, S, cap,
+                                                    layer_idx)
+        return self._experts_and_combine(layer_idx, handle, weights)
 
     def _via_transport(self, layer_idx: int, hidden_states: torch.Tensor,
                        topk_ids: torch.Tensor, topk_weights: torch.Tensor, cap: int,
@@ -277,36 +280,33 @@ class CudaEPMoEExecutor(EPMoEExecutor):
         t, S = self.transport, self.metadata.num_local_physical_experts
         if slots is None:
             l2p = self.metadata.logical_to_rank_dispatch_physical_map[layer_idx]
-            position = self._fused.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap,
-                                                        layer_idx)
+            handle = self._fused.send_dispatch_static(hidden_states, topk_ids, l2p, S, cap,
+                                                      layer_idx)
         else:
-            position = t.send_dispatch(hidden_states, slots, S, cap, layer_idx).position
-        return self._experts_and_combine(layer_idx, position, topk_weights,
-                                         hidden_states.dtype, cap)
+            handle = t.send_dispatch(hidden_states, slots, S, cap, layer_idx)
+        return self._experts_and_combine(layer_idx, handle, topk_weights)
 
-    def _experts_and_combine(self, layer_idx: int, position: torch.Tensor,
-                             topk_weights: torch.Tensor, dtype: torch.dtype,
-                             cap: int) -> torch.Tensor:
+    def _experts_and_combine(self, layer_idx: int, handle: IpcHandle,
+                             topk_weights: torch.Tensor) -> torch.Tensor:
         # after the dispatch send: the received rows through the local experts, back to
         # their sources, and this rank's pairs combined
-        t, S = self.transport, self.metadata.num_local_physical_experts
+        t = self.transport
         # the tags' clamp to the sources' bounds is left to the expert kernels
-        rows, tags = t.recv_dispatch(cap, layer_idx, S, clamp=False)
+        rows, tags = t.recv_dispatch(handle, clamp=False)
         w13, w2 = self.w13[layer_idx], self.w2[layer_idx]
-        bound = (t.tag_cap(S), cap)
+        bound = (t.tag_cap(handle.slots_per_rank), handle.capacity)
         if t.cuda and w2.is_contiguous() and small_batch_ok(rows, w13):
             # decode sizes: the down projection writes the sources' combine rows itself
             act = gate_up_rows(w13, rows, tags, rows.new_empty(rows.shape[0], w2.shape[2]),
                                tag_bound=bound)
-            self._fused.send_combine_down(act, tags, w2, cap, layer_idx, S)
+            self._fused.send_combine_down(act, tags, w2, handle)
         else:
             bufs = self._buffers if capturing() else fresh
             expert_out = grouped_swiglu(w13, w2, rows, tags, sync_free=True,
                                         out=bufs("expert_out", rows.shape[0], rows),
                                         tag_bound=bound)
-            t.send_combine(expert_out, cap, layer_idx)
-        back = t.recv_combine(cap, layer_idx)
-        return combine_pairs(back, topk_weights, dtype, rows=position)
+            t.send_combine(expert_out, handle)
+        return t.finish_combine(handle, topk_weights)
 
 
 def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:

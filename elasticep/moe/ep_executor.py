@@ -23,8 +23,8 @@ from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement
 from elasticep.moe.exchange.uneven_exchange import (
     choose_physical_slots,
-    dispatch_pairs,
-    return_pairs,
+    uneven_combine,
+    uneven_dispatch,
 )
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.experts.expert_compute import run_expert_rows
@@ -181,11 +181,8 @@ class EPMoEExecutor(ExecutorDefaults):
         if T and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
             raise ValueError(f"topk_ids outside [0, {E})")
         slots = choose_physical_slots(self.metadata, layer_idx, topk_ids, self.dispatch_algorithm)
-        rows, local, state = dispatch_pairs(
+        rows, local, handle = uneven_dispatch(
             hidden_states, slots, self.metadata.num_local_physical_experts, self.metadata.max_ep_size, self.group
         )
         expert_out = run_expert_rows(w13, w2, rows, local)
-        pairs = return_pairs(expert_out, state, T * k, self.group)
-        # Weighted sum in fp32, like the dense reference, then back to the model dtype.
-        out = (pairs.view(T, k, hidden_states.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1)
-        return out.to(hidden_states.dtype)
+        return uneven_combine(expert_out, handle, topk_weights, self.group)

@@ -30,7 +30,7 @@ import torch
 
 from elasticep.moe import fused_exchange_kernels as fused
 from elasticep.moe.exchange import ipc_kernels as kernels
-from elasticep.moe.exchange.ipc_exchange import IpcExchange
+from elasticep.moe.exchange.ipc_exchange import IpcExchange, IpcHandle
 from elasticep.moe.exchange.padded_exchange import split_rows
 from elasticep.moe.experts.small_batch_experts import MAX_ROWS, gate_up_rows
 from elasticep.moe.softmax_topk import SoftmaxTopk, softmax_topk_reference
@@ -135,7 +135,7 @@ class FusedForms:
     # ------------------------------------------------------------------ dispatch
     def send_dispatch_static(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                              logical_to_physical: torch.Tensor, slots_per_rank: int, C: int,
-                             layer: int) -> torch.Tensor:
+                             layer: int) -> IpcHandle:
         """The transport's ``send_dispatch`` for the static dispatch map: each pair goes
         to slot ``logical_to_physical[topk_ids]``. A decode-sized step on CUDA does the
         gather, the plan and the send in one kernel
@@ -148,20 +148,21 @@ class FusedForms:
                 on every rank); layer: decoder layer (a MoE one).
 
         Returns:
-            [T*k] int64, each pair's row in the ``[G*C]`` layout (for the combine).
+            The exchange's handle, as the transport's ``send_dispatch`` returns it.
 
         Raises:
-            ValueError: ``C`` exceeds the buffers.
+            ValueError: ``C`` exceeds the buffers, or ``layer`` does not exchange.
         """
         ex = self.exchange
         ex.check_capacity(C)
         if ex.cuda and self.fused_dispatch and fused.fused_dispatch_ok(hidden, topk_ids):
-            return fused.fused_dispatch(hidden, topk_ids, logical_to_physical,
-                                        slots_per_rank, ex.rank, C, ex.W, ex.table,
-                                        ex.active, ex.counter, ex.flags,
-                                        ex.flag_column(layer), ex.reset_in_kernel)
+            position = fused.fused_dispatch(hidden, topk_ids, logical_to_physical,
+                                            slots_per_rank, ex.rank, C, ex.W, ex.table,
+                                            ex.active, ex.counter, ex.flags,
+                                            ex.flag_column(layer), ex.reset_in_kernel)
+            return IpcHandle(position, C, hidden.dtype, layer, slots_per_rank)
         slots = logical_to_physical[topk_ids]
-        return ex.send_dispatch(hidden, slots, slots_per_rank, C, layer).position
+        return ex.send_dispatch(hidden, slots, slots_per_rank, C, layer)
 
     def routes_in_dispatch(self, hidden: torch.Tensor, logits: torch.Tensor,
                            top_k: int) -> bool:
@@ -173,7 +174,7 @@ class FusedForms:
     def send_dispatch_routed(self, hidden: torch.Tensor, logits: torch.Tensor,
                              rule: SoftmaxTopk, logical_to_physical: torch.Tensor,
                              slots_per_rank: int, C: int, layer: int
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             ) -> tuple[IpcHandle, torch.Tensor, torch.Tensor]:
         """Route the step's tokens by the softmax top-k ``rule`` and send them as
         :meth:`send_dispatch_static` does. Where :meth:`routes_in_dispatch` holds, one
         kernel does both (:func:`~elasticep.moe.fused_exchange_kernels.routed_dispatch`);
@@ -185,26 +186,27 @@ class FusedForms:
                 rule; the rest as :meth:`send_dispatch_static`.
 
         Returns:
-            ``position`` [T*k] int64 (as :meth:`send_dispatch_static`), ``topk_ids``
-            [T, k] int64 and ``topk_weights`` [T, k] float32.
+            the handle (as :meth:`send_dispatch_static`), ``topk_ids`` [T, k] int64 and
+            ``topk_weights`` [T, k] float32.
 
         Raises:
-            ValueError: ``C`` exceeds the buffers.
+            ValueError: ``C`` exceeds the buffers, or ``layer`` does not exchange.
         """
         ex = self.exchange
         ex.check_capacity(C)
         if self.routes_in_dispatch(hidden, logits, rule.top_k):
-            return fused.routed_dispatch(hidden, logits, rule, logical_to_physical,
-                                         slots_per_rank, ex.rank, C, ex.W, ex.table,
-                                         ex.active, ex.counter, ex.flags,
-                                         ex.flag_column(layer), ex.reset_in_kernel)
+            position, ids, weights = fused.routed_dispatch(
+                hidden, logits, rule, logical_to_physical, slots_per_rank, ex.rank, C, ex.W,
+                ex.table, ex.active, ex.counter, ex.flags, ex.flag_column(layer),
+                ex.reset_in_kernel)
+            return IpcHandle(position, C, hidden.dtype, layer, slots_per_rank), ids, weights
         ids, weights = softmax_topk_reference(logits, rule, hidden.dtype)
         return (self.send_dispatch_static(hidden, ids, logical_to_physical, slots_per_rank,
                                           C, layer), ids, weights)
 
     # ------------------------------------------------------------------ combine
     def send_combine_down(self, act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
-                          C: int, layer: int, slots_per_rank: int) -> None:
+                          handle: IpcHandle) -> None:
         """The transport's ``send_combine`` of the down projection of ``act``, computed in
         the send kernel itself (CUDA;
         :func:`~elasticep.moe.fused_exchange_kernels.down_combine_send`): for a
@@ -215,7 +217,7 @@ class FusedForms:
             act: [G*C, I] model dtype, contiguous: ``silu(gate x) * (up x)`` of the rows
                 the transport's ``recv_dispatch`` returned; tags: their raw tags
                 (``clamp=False``);
-            w2: [S, H, I] contiguous; C, layer, slots_per_rank: as in ``recv_dispatch``.
+            w2: [S, H, I] contiguous; handle: the exchange's (its dispatch's).
 
         Raises:
             RuntimeError: on the CPU simulation (it has the plain ``send_combine`` only).
@@ -223,6 +225,7 @@ class FusedForms:
         ex = self.exchange
         if not ex.cuda:
             raise RuntimeError("send_combine_down runs on CUDA only")
-        fused.down_combine_send(act, tags, ex.tag_cap(slots_per_rank).view(-1), w2,
-                                ex.rank, C, ex.table, ex.active, ex.counter, ex.flags,
-                                ex.flag_column(layer) + 1, ex.reset_in_kernel)
+        fused.down_combine_send(act, tags, ex.tag_cap(handle.slots_per_rank).view(-1), w2,
+                                ex.rank, handle.capacity, ex.table, ex.active, ex.counter,
+                                ex.flags, ex.flag_column(handle.layer) + 1,
+                                ex.reset_in_kernel)

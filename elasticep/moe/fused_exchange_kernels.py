@@ -32,10 +32,10 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 if triton is not None:
     from elasticep.moe.exchange.ipc_kernels import (
         _chunk_rows,
-        _col_range,
         _copy_rows,
         _release_own,
         _reset_prev,
+        _send_program,
         _signal,
     )
     from elasticep.moe.experts.small_batch_experts import DOWN_TILE, down_row_block, row_block
@@ -63,11 +63,8 @@ if triton is not None:
         # took ~100 us a layer at 300 pairs; this is a reduction plus one block's copy.
         # The third grid axis splits the columns of the block's rows, so a one-token
         # step's copy runs on several SMs instead of one program's serial loop.
-        q = tl.program_id(0)
-        c = tl.program_id(1)
-        part = tl.program_id(2)
-        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
-        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
+        q, c, part, h_lo, h_hi = _send_program(my_flags_ptr, me, n_slots, slot, split, H,
+                                               BLOCK_H, RESET_PREV)
         alive = tl.load(active_ptr + q) != 0
         dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
         dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from elasticep.moe.exchange.pair_combine import combine_pairs
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.experts.expert_compute import (
-    combine_pairs,
     grouped_ok,
     grouped_swiglu,
     run_expert_rows,
@@ -65,7 +65,7 @@ def run_slots(
 
     Returns:
         ``[T, H]`` model dtype: ``sum_j weights[t, j] * expert_{slot_ids[t, j]}(h_t)``,
-        summed in float32 (:func:`~elasticep.moe.experts.expert_compute.combine_pairs`).
+        summed in float32 (:func:`~elasticep.moe.exchange.pair_combine.combine_pairs`).
     """
     (T, k), H = slot_ids.shape, hidden_states.shape[1]
     # row t*k + j: token t, choice j; then the weighted sum over k (no index_add_, whose

@@ -42,11 +42,15 @@ def kv_tokens_for(requests: Sequence[BenchRequest], max_concurrency: int,
 
 def load_engine(model: str | Path, *, device: str, dtype: str, load_format: str,
                 max_concurrency: int, max_total_tokens: int,
-                enable_cuda_graph: bool = True) -> LLMEngine:
+                enable_cuda_graph: bool = True, chunked_prefill_size: int | None = None,
+                max_batch_tokens: int | None = None) -> LLMEngine:
     """The engine the baseline runs: every expert local, ``max_concurrency`` sequences
-    per step, ``max_total_tokens`` of KV cache."""
+    per step, ``max_total_tokens`` of KV cache, and the step budget given (a served
+    rank's, for a like-for-like comparison; None: :class:`EngineConfig`'s defaults)."""
+    budget = {} if max_batch_tokens is None else {"max_batch_tokens": max_batch_tokens}
     config = EngineConfig(max_total_tokens=max_total_tokens, max_num_seqs=max_concurrency,
-                          enable_cuda_graph=enable_cuda_graph)
+                          enable_cuda_graph=enable_cuda_graph,
+                          chunked_prefill_size=chunked_prefill_size, **budget)
     return LLMEngine.from_pretrained(model, dtype=getattr(torch, dtype), device=device,
                                      config=config, progress=False, load_format=load_format)
 

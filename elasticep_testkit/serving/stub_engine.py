@@ -30,6 +30,7 @@ from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
 from elasticep.frontend_link import LinkEndpoints, WorkerChannel
 from elasticep.utils.procs import die_with_parent
+from elasticep_testkit.serving.running_table import RunningTable
 
 STATS_EVERY_S = 1.0
 
@@ -40,7 +41,7 @@ class _Running:
     emitted: int
 
 
-class StubEngine:
+class StubEngine(RunningTable):
     """A :class:`~elasticep.elastic.serve_loop.StepEngine` that paces its steps.
 
     Args:
@@ -59,7 +60,7 @@ class StubEngine:
         self.period = 1.0 / steps_per_s
         self.stats_path = stats_path
         self._clock, self._sleep = clock, sleep
-        self._running: dict[str, _Running] = {}
+        self.running: dict[str, _Running] = {}
         self._next: float | None = None  # when the next step is due
         self.tokens = self.steps = self.late_steps = 0
         self.busy_s = 0.0  # wall seconds spent with requests: one period per step
@@ -68,19 +69,7 @@ class StubEngine:
 
     def add_request(self, req: GenerateRequest) -> None:
         """Start emitting for ``req`` (a resumed one continues at its index)."""
-        self._running[req.request_id] = _Running(req, len(req.output_token_ids))
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request; True if it was running."""
-        return self._running.pop(request_id, None) is not None
-
-    def has_unfinished(self) -> bool:
-        """True while any request runs."""
-        return bool(self._running)
-
-    def request_ids(self) -> list[str]:
-        """Ids of the running requests, in arrival order."""
-        return list(self._running)
+        self.running[req.request_id] = _Running(req, len(req.output_token_ids))
 
     def step(self) -> list[TokenOutput]:
         """Wait for the next tick, then one token per running request.
@@ -99,7 +88,7 @@ class StubEngine:
             self._sleep(self._next - now)
         self._next += self.period
         out = []
-        for rid, run in list(self._running.items()):
+        for rid, run in list(self.running.items()):
             req = run.request
             prompt = req.prompt_token_ids
             token = prompt[run.emitted % len(prompt)]
@@ -107,16 +96,16 @@ class StubEngine:
             done = run.emitted >= req.params.max_tokens
             out.append(TokenOutput(rid, run.emitted - 1, token, "length" if done else None))
             if done:
-                del self._running[rid]
+                del self.running[rid]
         self.steps += 1
         self.tokens += len(out)
         wall = time.time()
         # a busy period lasts from one period before its first step to its last step
         self.busy_s += self.period if from_idle else wall - self._last_wall
         self._last_wall = wall
-        if not self._running:
+        if not self.running:
             self._next = None  # idle: the next request starts a fresh schedule
-        if not self._running or wall - self._written >= STATS_EVERY_S:
+        if not self.running or wall - self._written >= STATS_EVERY_S:
             self.write_stats()
         return out
 

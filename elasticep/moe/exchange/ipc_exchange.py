@@ -57,6 +57,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -64,10 +65,12 @@ from elasticep.moe.exchange import ipc_kernels as kernels
 from elasticep.moe.exchange import stream_memops
 from elasticep.moe.exchange.ipc_buffers import IpcBuffers
 from elasticep.moe.exchange.padded_exchange import (
+    PaddedHandle,
     PaddedPlan,
     plan_padded,
     split_rows,
 )
+from elasticep.moe.exchange.pair_combine import combine_pairs
 from elasticep.utils import graph_boundary
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,20 @@ logger = logging.getLogger(__name__)
 # at one token is a share of the step worth a second capture.
 SOLO = "solo"
 RESET_ENV = "ELASTICEP_IPC_FLAG_RESET"
+
+
+@dataclass(frozen=True)
+class IpcHandle(PaddedHandle):
+    """The layout of one same-host dispatch (the padded one's), and which exchange of
+    the step it was: what its receive, its combine and the fused sends take.
+
+    Attributes:
+        layer: the decoder layer (a MoE one), which names the step's flag columns.
+        slots_per_rank: S, the bound of the received tags.
+    """
+
+    layer: int
+    slots_per_rank: int
 
 
 class IpcExchange(IpcBuffers):
@@ -255,8 +272,34 @@ class IpcExchange(IpcBuffers):
             else:
                 self.flags[q, slot] = 1
 
+    def dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
+                 C: int, layer: int, clamp: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, IpcHandle]:
+        """Send this rank's pairs of ``layer`` and wait for every peer's
+        (:meth:`send_dispatch`, then :meth:`recv_dispatch`).
+
+        The membership is not an argument (Mooncake EP's ``active_ranks``): it is the
+        ``active`` mask in device memory, which :meth:`reset` loads at agreed boundaries
+        and :meth:`abort` clears from another thread while a step runs.
+
+        Returns:
+            ``rows`` [G*C, H] (a strided view), ``tags`` [G*C] int32 and the handle for
+            :meth:`combine`.
+        """
+        handle = self.send_dispatch(hidden, slots, slots_per_rank, C, layer)
+        rows, tags = self.recv_dispatch(handle, clamp)
+        return rows, tags, handle
+
+    def combine(self, expert_out: torch.Tensor, handle: IpcHandle, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """Return ``expert_out`` ([G*C, H], rows as received) to their sources, wait for
+        this rank's own and sum each token's k of them (:meth:`send_combine`, then
+        :meth:`finish_combine`)."""
+        self.send_combine(expert_out, handle)
+        return self.finish_combine(handle, weights)
+
     def send_dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
-                      C: int, layer: int) -> PaddedPlan:
+                      C: int, layer: int) -> IpcHandle:
         """Write this rank's pairs of ``layer`` to their destinations and signal them.
 
         Args:
@@ -266,12 +309,13 @@ class IpcExchange(IpcBuffers):
                 ``2 * its position among the MoE layers``).
 
         Returns:
-            The plan, for :meth:`send_combine`'s caller to read the outputs back.
+            The handle of this exchange, for its receive and its combine.
 
         Raises:
-            ValueError: ``C`` exceeds the buffers.
+            ValueError: ``C`` exceeds the buffers, or ``layer`` does not exchange.
         """
         self.check_capacity(C)
+        column = self.flag_column(layer)
         if kernels.plan_ok(slots):
             position, tag, inv = kernels.fused_plan(slots, slots_per_rank, self.G, C)
             plan = PaddedPlan(position, tag, self.G, C)
@@ -281,35 +325,35 @@ class IpcExchange(IpcBuffers):
         if self.cuda:
             kernels.dispatch_send(hidden.contiguous(), inv, plan.tag, slots.shape[1], self.rank,
                                   C, self.W, self.table, self.active, self.counter,
-                                  self.flags, self.flag_column(layer), self.reset_in_kernel)
+                                  self.flags, column, self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
             dests = [self._peer_views.get(q, (None,))[0] for q in range(self.G)]
             kernels.dispatch_send_reference(hidden, inv, plan.tag, slots.shape[1], self.rank,
                                             C, dests, active)
-            self._signal_local(self.flag_column(layer))
-        return plan
+            self._signal_local(column)
+        return IpcHandle(plan.position, C, hidden.dtype, layer, slots_per_rank)
 
-    def recv_dispatch(self, C: int, layer: int, slots_per_rank: int, clamp: bool = True
+    def recv_dispatch(self, handle: IpcHandle, clamp: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for every peer's dispatch rows of ``layer``; returns ``rows`` [G*C, H] (a
-        strided view) and ``tags`` [G*C] int32, with inactive sources' tags zeroed and
-        every tag clamped to ``[0, slots_per_rank]`` (a stopped peer's late write is
-        never read as an index).
+        """Wait for every peer's dispatch rows of ``handle``'s exchange; returns ``rows``
+        [G*C, H] (a strided view) and ``tags`` [G*C] int32, with inactive sources' tags
+        zeroed and every tag clamped to ``[0, slots_per_rank]`` (a stopped peer's late
+        write is never read as an index).
 
         ``clamp=False`` leaves the tags as received: the caller then owes the clamp, by
         passing ``(tag_cap(slots_per_rank), C)`` as the expert compute's ``tag_bound``
         (one kernel a layer less). The combine send still reads the raw tags, which is
         safe: it writes only to active sources, and within their own row block."""
-        self._wait(self.flag_column(layer))
+        C = handle.capacity
+        self._wait(self.flag_column(handle.layer))
         rows, tags = split_rows(self.recv0[:self.G * C], self.H)
         if clamp:
-            cap = self.tag_cap(slots_per_rank)
+            cap = self.tag_cap(handle.slots_per_rank)
             # an inactive source's tags become 0 and no tag exceeds S (the kernels treat
             # a tag <= 0 as padding)
             torch.minimum(tags.view(self.G, C), cap, out=tags.view(self.G, C))
         return rows, tags
-
     def tag_cap(self, slots_per_rank: int) -> torch.Tensor:
         """The ``[G, 1]`` int32 bound of received tags for ``slots_per_rank`` (made on
         first use; the executor asks for it when a placement is set, outside any graph
@@ -324,11 +368,12 @@ class IpcExchange(IpcBuffers):
             cap = self._tag_caps[slots_per_rank] = (self.active * slots_per_rank).view(-1, 1)
         return cap
 
-    def send_combine(self, expert_out: torch.Tensor, C: int, layer: int) -> None:
+    def send_combine(self, expert_out: torch.Tensor, handle: IpcHandle) -> None:
         """Return ``expert_out`` ([G*C, H], rows as received) to their sources and signal."""
+        C, column = handle.capacity, self.flag_column(handle.layer) + 1
         if self.cuda:
             kernels.combine_send(expert_out.contiguous(), self.recv0, self.rank, C, self.table,
-                                 self.active, self.counter, self.flags, self.flag_column(layer) + 1,
+                                 self.active, self.counter, self.flags, column,
                                  self.reset_in_kernel)
         else:
             active = [bool(a) for a in self.active.tolist()]
@@ -336,10 +381,16 @@ class IpcExchange(IpcBuffers):
                      for q in range(self.G)]
             tags = split_rows(self.recv0[:self.G * C], self.H)[1]
             kernels.combine_send_reference(expert_out, tags, self.rank, C, dests, active)
-            self._signal_local(self.flag_column(layer) + 1)
+            self._signal_local(column)
 
-    def recv_combine(self, C: int, layer: int) -> torch.Tensor:
-        """Wait for every peer's combine rows of ``layer``; returns [G*C, H] in the send
-        layout (the output of flat pair ``i`` is row ``plan.position[i]``)."""
-        self._wait(self.flag_column(layer) + 1)
-        return self.recv1[:self.G * C]
+    def recv_combine(self, handle: IpcHandle) -> torch.Tensor:
+        """Wait for every peer's combine rows of ``handle``'s exchange; returns [G*C, H]
+        in the send layout (the output of flat pair ``i`` is row ``handle.position[i]``)."""
+        self._wait(self.flag_column(handle.layer) + 1)
+        return self.recv1[:self.G * handle.capacity]
+
+    def finish_combine(self, handle: IpcHandle, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`recv_combine`, then each token's k outputs weighted by ``weights``
+        ([T, k] float32) and summed in float32: [T, H] in ``handle.dtype``."""
+        back = self.recv_combine(handle)
+        return combine_pairs(back, weights, handle.dtype, rows=handle.position)

@@ -176,6 +176,19 @@ if triton is not None:
                 tl.store(my_flags_ptr + q * n_slots + (slot + n_slots - 1) % n_slots, 0)
 
     @triton.jit
+    def _send_program(my_flags_ptr, me, n_slots, slot, split, H, BLOCK_H: tl.constexpr,
+                      RESET_PREV: tl.constexpr):
+        # Program (q, c, part) of a send grid: destination q, chunk c of its rows, part
+        # ``part`` of their columns ([h_lo, h_hi)); it first clears the flag of the
+        # exchange before (_reset_prev).
+        q = tl.program_id(0)
+        c = tl.program_id(1)
+        part = tl.program_id(2)
+        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
+        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
+        return q, c, part, h_lo, h_hi
+
+    @triton.jit
     def _signal(table_ptr, counter_ptr, q, me, slot, n_slots, chunks):
         # the caller's row stores must be visible before the flag: a CTA barrier, an
         # acq_rel count of finished chunks, and a system-scope release by the last one
@@ -194,11 +207,8 @@ if triton is not None:
                               ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_H: tl.constexpr, RESET_PREV: tl.constexpr):
         # program (q, c, part): rows of chunk c bound for q, columns of part ``part``
-        q = tl.program_id(0)
-        c = tl.program_id(1)
-        part = tl.program_id(2)
-        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
-        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
+        q, c, part, h_lo, h_hi = _send_program(my_flags_ptr, me, n_slots, slot, split, H,
+                                               BLOCK_H, RESET_PREV)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q).to(tl.pointer_type(hidden_ptr.dtype.element_ty))
             dest32 = tl.load(table_ptr + 3 * q).to(tl.pointer_type(tl.int32))
@@ -225,11 +235,8 @@ if triton is not None:
                              my_flags_ptr, me, C, slot, n_slots, chunks, split, H: tl.constexpr,
                              ROW_WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_H: tl.constexpr, RESET_PREV: tl.constexpr):
-        q = tl.program_id(0)
-        c = tl.program_id(1)
-        part = tl.program_id(2)
-        _reset_prev(my_flags_ptr, q, me, n_slots, slot, c, part, RESET_PREV)
-        h_lo, h_hi = _col_range(H, split, part, BLOCK_H)
+        q, c, part, h_lo, h_hi = _send_program(my_flags_ptr, me, n_slots, slot, split, H,
+                                               BLOCK_H, RESET_PREV)
         if tl.load(active_ptr + q) != 0:
             dest = tl.load(table_ptr + 3 * q + 1).to(tl.pointer_type(out_ptr.dtype.element_ty))
             lo, hi = _chunk_rows(C, chunks, c)

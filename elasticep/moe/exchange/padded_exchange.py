@@ -11,7 +11,7 @@ stays on the device:
 * each row's first ``H`` columns are the token's hidden state and its last 4 bytes an
   int32 tag: ``local slot + 1`` for a real row, ``0`` for padding. Zero means "empty"
   on purpose: an elastic group zero-fills the rows of inactive ranks, which therefore
-  read as padding too. ``W`` (:func:`row_width`) pads the row to a multiple of 16 bytes.
+  read as padding too. ``W`` (:func:`row_width`) pads the row to a multiple of 16 elements.
 
 The tag rides in the row instead of a tensor of its own so that a dispatch is one
 all_to_all, not two: at decode batch sizes an all_to_all costs its latency (tens of
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import elasticep.distributed as ed
+from elasticep.moe.exchange.pair_combine import combine_pairs
 
 # Row blocks are rounded to this many rows (keeps each block 16-byte aligned for any
 # dtype and the grouped GEMM's inputs aligned).
@@ -156,11 +157,19 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     return PaddedPlan(position, tag, group_size, capacity)
 
 
+# A row's element count is a multiple of this. Triton specializes an integer argument
+# only when it is divisible by 16, and the expert kernels that read the received rows
+# in place (row stride W) can prove their loads aligned, and issue them as 16-byte
+# vectors, only then: W = 2056 (Qwen3's 2048 values and the tag, bf16) is not.
+ROW_ELEMS_ALIGN = 16
+
+
 def row_width(hidden_size: int, dtype: torch.dtype) -> int:
     """Columns of an exchanged row: ``hidden_size`` values, then room for the int32 tag,
-    rounded up so a row is a multiple of 16 bytes (aligned rows for the GEMMs)."""
+    rounded up to a multiple of :data:`ROW_ELEMS_ALIGN` elements (so also of 16 bytes)."""
     size = torch.empty((), dtype=dtype).element_size()
-    return -(-(hidden_size * size + 4) // 16) * 16 // size
+    values = hidden_size + -(-4 // size)  # the tag takes 4 bytes: 2 bf16 or 1 fp32 value
+    return -(-values // ROW_ELEMS_ALIGN) * ROW_ELEMS_ALIGN
 
 
 def split_rows(buf: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,10 +212,30 @@ def exchange_over(group: dist.ProcessGroup | None) -> Exchange:
     return run
 
 
+@dataclass(frozen=True)
+class PaddedHandle:
+    """The layout of one padded dispatch, which its combine takes back (the handle of
+    DeepEP's ``dispatch``/``combine`` pair; the same-host exchange's handle extends it).
+
+    Attributes:
+        position: [T*k] int64, each flat (token, choice) pair's row in the ``[G*C]``
+            layout; the combine reads the pair's output back from that row.
+        capacity: C, rows per rank block.
+        dtype: the dispatched hidden states' dtype, which the combine returns.
+    """
+
+    position: torch.Tensor
+    capacity: int
+    dtype: torch.dtype
+
+
 def padded_dispatch(hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: int,
                     group_size: int, capacity: int, exchange: Exchange, alloc: Alloc = fresh
-                    ) -> tuple[torch.Tensor, torch.Tensor, PaddedPlan]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, PaddedHandle]:
     """Send every pair to the rank owning its slot (one even all_to_all, no sync).
+
+    The membership is not an argument: an elastic group zero-fills the blocks of
+    inactive ranks, whose rows therefore read as padding.
 
     Args:
         hidden: [T, H]; slots: [T, k] int64 physical slots; others as in
@@ -215,28 +244,34 @@ def padded_dispatch(hidden: torch.Tensor, slots: torch.Tensor, slots_per_rank: i
 
     Returns:
         recv_rows: [G*C, H] (a strided view, row stride :func:`row_width`), block ``s``
-        from sender ``s``; recv_tags: [G*C] int32 (a strided view);
-        plan: for :func:`padded_combine`.
+        from sender ``s``; recv_tags: [G*C] int32 (a strided view, ``local slot + 1``,
+        0 for padding); handle: for :func:`padded_combine`.
     """
     plan = plan_padded(slots, slots_per_rank, group_size, capacity)
     send = pack(hidden, slots.shape[1], plan, alloc)
     recv = alloc("recv", send.shape[0], send)
     exchange(recv, send)
     recv_rows, recv_tags = split_rows(recv, hidden.shape[1])
-    return recv_rows, recv_tags, plan
+    return recv_rows, recv_tags, PaddedHandle(plan.position, capacity, hidden.dtype)
 
 
-def padded_combine(expert_out: torch.Tensor, plan: PaddedPlan, exchange: Exchange,
-                   alloc: Alloc = fresh) -> torch.Tensor:
-    """Return expert outputs ([G*C, H], same layout as received) to their senders.
+def padded_combine(expert_out: torch.Tensor, handle: PaddedHandle, weights: torch.Tensor,
+                   exchange: Exchange, alloc: Alloc = fresh,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Return expert outputs to their senders and sum each token's k of them.
 
-    ``alloc`` gives the receive buffer (``back``).
+    Args:
+        expert_out: [G*C, H], rows in the layout :func:`padded_dispatch` received.
+        handle: that dispatch's.
+        weights: [T, k] float32 combine weights of this rank's pairs.
+        exchange: the all_to_all; alloc: the receive buffer's source (``back``).
+        dtype: the result dtype (default: the dispatched states', ``handle.dtype``).
 
     Returns:
-        [G*C, H] in the send layout: the output of flat pair ``i`` is row
-        ``plan.position[i]``, which the combine reads in place
-        (:func:`elasticep.moe.experts.expert_compute.combine_pairs` with ``rows=plan.position``).
+        [T, H]: ``sum_j weights[t, j] * out(t, j)``, summed in float32
+        (:func:`~elasticep.moe.exchange.pair_combine.combine_pairs`, reading each pair's
+        row of the send layout in place).
     """
     back = alloc("back", expert_out.shape[0], expert_out)
     exchange(back, expert_out.contiguous())
-    return back
+    return combine_pairs(back, weights, dtype or handle.dtype, rows=handle.position)

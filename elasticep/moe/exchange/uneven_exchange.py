@@ -9,7 +9,8 @@ Each (token, choice) pair picks one physical slot of its logical expert:
 The pairs are then exchanged with ``all_to_all_single``: first the per-rank pair counts
 (int64, one entry per rank of the group), then the hidden rows and their local slot ids
 with those uneven splits. Ranks that host no chosen slot, inactive ones included, get
-zero splits. :func:`return_pairs` runs the reverse exchange.
+zero splits. :func:`uneven_combine` runs the reverse exchange, with the layout
+:func:`uneven_dispatch` returns in its handle, and sums each token's k outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from elasticep.config import DispatchAlgorithm
 from elasticep.eplb.metadata import ExpertLocationMetadata
+from elasticep.moe.exchange.pair_combine import combine_pairs
 
 
 def choose_physical_slots(
@@ -53,29 +55,34 @@ def choose_physical_slots(
     raise ValueError(f"unknown dispatch algorithm {algorithm!r}")
 
 
-@dataclass
-class DispatchState:
-    """What :func:`return_pairs` needs to undo :func:`dispatch_pairs`.
+@dataclass(frozen=True)
+class UnevenHandle:
+    """The layout of one :func:`uneven_dispatch`, which :func:`uneven_combine` takes back.
 
     Attributes:
         order: [N] int64, the flat (token, choice) index of each sent row.
         send_splits: rows sent to each rank of the group.
         recv_splits: rows received from each rank.
+        dtype: the dispatched hidden states' dtype, which the combine returns.
     """
 
     order: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    dtype: torch.dtype
 
 
-def dispatch_pairs(
+def uneven_dispatch(
     hidden_states: torch.Tensor,
     slots: torch.Tensor,
     slots_per_rank: int,
     group_size: int,
     group: dist.ProcessGroup | None,
-) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+) -> tuple[torch.Tensor, torch.Tensor, UnevenHandle]:
     """Send each (token, choice) row to the rank that owns its slot.
+
+    The membership is not an argument: inactive ranks host no chosen slot, so they get
+    zero splits.
 
     Args:
         hidden_states: [T, H] model dtype.
@@ -87,7 +94,7 @@ def dispatch_pairs(
     Returns:
         recv_hidden: [N_recv, H] rows this rank must run, grouped by sender.
         recv_local_slots: [N_recv] int64 local slot of each row.
-        state: for :func:`return_pairs`.
+        handle: for :func:`uneven_combine`.
     """
     k = slots.shape[1]
     flat = slots.reshape(-1)
@@ -106,25 +113,28 @@ def dispatch_pairs(
     local = sorted_slots - dest * slots_per_rank
     recv_local = torch.empty(n_recv, dtype=torch.int64)
     dist.all_to_all_single(recv_local, local, recv_splits, send_splits, group=group)
-    return recv_hidden, recv_local, DispatchState(order, send_splits, recv_splits)
+    handle = UnevenHandle(order, send_splits, recv_splits, hidden_states.dtype)
+    return recv_hidden, recv_local, handle
 
 
-def return_pairs(
-    expert_out: torch.Tensor, state: DispatchState, num_pairs: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Return expert outputs to their senders, in the senders' (token, choice) order.
+def uneven_combine(expert_out: torch.Tensor, handle: UnevenHandle, weights: torch.Tensor,
+                   group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Return expert outputs to their senders and sum each token's k of them.
 
     Args:
         expert_out: [N_recv, H] the expert output of every received row, same order.
-        state: from :func:`dispatch_pairs`.
-        num_pairs: T * k on this rank.
+        handle: from :func:`uneven_dispatch`.
+        weights: [T, k] float32 combine weights of this rank's pairs.
         group: the EP group.
 
     Returns:
-        [T * k, H] the output for each flat (token, choice) pair.
+        [T, H] in ``handle.dtype``: ``sum_j weights[t, j] * out(t, j)``, summed in
+        float32 like the dense reference
+        (:func:`~elasticep.moe.exchange.pair_combine.combine_pairs`).
     """
-    back = expert_out.new_empty(sum(state.send_splits), expert_out.shape[1])
-    dist.all_to_all_single(back, expert_out.contiguous(), state.send_splits, state.recv_splits, group=group)
-    out = expert_out.new_empty(num_pairs, expert_out.shape[1])
-    out[state.order] = back
-    return out
+    back = expert_out.new_empty(sum(handle.send_splits), expert_out.shape[1])
+    dist.all_to_all_single(back, expert_out.contiguous(), handle.send_splits,
+                           handle.recv_splits, group=group)
+    pairs = expert_out.new_empty(weights.numel(), expert_out.shape[1])
+    pairs[handle.order] = back
+    return combine_pairs(pairs, weights, handle.dtype)

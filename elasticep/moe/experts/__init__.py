@@ -2,9 +2,8 @@
 each beside its torch reference.
 
 - ``expert_compute``: the entry points every executor shares (``grouped_swiglu``,
-  ``run_expert_rows``, ``combine_pairs``) and the choice among the families below.
+  ``run_expert_rows``) and the choice among the families below.
 - ``small_batch_experts``: one matrix-vector product per (row, expert) pair.
 - ``sorted_experts``: rows sorted by slot, each expert read once.
 - ``tiled_experts``: the tiled grouped GEMM of prefill-sized batches.
-- ``fused_combine``: the weighted sum of each token's k expert outputs in one kernel.
 """

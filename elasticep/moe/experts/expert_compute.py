@@ -17,7 +17,6 @@ from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_rows import fp8_rows_ok, swiglu_rows_fp8
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
 from elasticep.moe.experts.fp8_sorted import triton as _fp8_triton
-from elasticep.moe.experts.fused_combine import fused_combine, fused_combine_ok
 from elasticep.moe.experts.small_batch_experts import small_batch_ok, swiglu_rows
 from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
 from elasticep.moe.experts.tiled_experts import swiglu_tiled, tiled_rows_ok
@@ -234,28 +233,3 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     out[order] = y
     return out
 
-
-def combine_pairs(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted sum of each token's k expert outputs.
-
-    On CUDA this is one kernel (:func:`elasticep.moe.experts.fused_combine.fused_combine`); the
-    torch form below is its reference.
-
-    Args:
-        pair_out: ``[T*k, H]``, row ``t*k + j`` is token t's j-th choice; or, with
-            ``rows``, ``[N, H]`` holding pair ``i`` at row ``rows[i]``.
-        weights: ``[T, k]`` float32 combine weights.
-        dtype: the result dtype (the model's).
-        rows: ``[T*k]`` int64 row of each flat pair, or None.
-
-    Returns:
-        ``[T, H]`` in ``dtype``, summed in float32.
-    """
-    if fused_combine_ok(pair_out):
-        return fused_combine(pair_out, weights, dtype, rows)
-    if rows is not None:
-        pair_out = pair_out[rows]
-    T, k = weights.shape
-    out = (pair_out.view(T, k, pair_out.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1)
-    return out.to(dtype)

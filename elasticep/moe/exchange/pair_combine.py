@@ -1,10 +1,13 @@
-"""The MoE combine in one Triton kernel: gather each token's k expert outputs, weight
-them and sum.
+"""The reduce that ends every combine: each token's k returned rows, weighted and summed.
 
-The torch form (:func:`elasticep.moe.experts.expert_compute.combine_pairs`) is a gather (on the
-EP path, the pair rows come back in the exchange's layout), a float32 cast, a multiply,
-a sum over k and a cast back: four or five kernels per MoE layer that each move a few
-kilobytes at decode. Here it is one. The products and the sum are in float32 like the
+As in DeepEP's ``combine(x, handle, topk_weights)``, the exchange's combine hands back
+one row per token, not one per pair, so the weighted sum is the exchange's last step
+(and the single-rank executor's, with no exchange before it).
+
+:func:`combine_pairs` is the torch form: a gather (on the EP path, the pair rows come
+back in the exchange's layout), a float32 cast, a multiply, a sum over k and a cast
+back, four or five kernels per MoE layer that each move a few kilobytes at decode. On
+CUDA :func:`fused_combine` does it in one Triton kernel. The products and the sum are in float32 like the
 reference; the k terms are added in order, which torch's reduction may not do, so the
 result can differ from it in the last bit.
 """
@@ -70,3 +73,29 @@ def fused_combine(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dt
         pair_out, pair_out.stride(0), rows if rows is not None else weights,
         weights.contiguous(), out, H, K=k, HAS_ROWS=rows is not None, BLOCK=block)
     return out
+
+
+def combine_pairs(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs.
+
+    On CUDA this is one kernel (:func:`fused_combine`); the torch form below is its
+    reference.
+
+    Args:
+        pair_out: ``[T*k, H]``, row ``t*k + j`` is token t's j-th choice; or, with
+            ``rows``, ``[N, H]`` holding pair ``i`` at row ``rows[i]``.
+        weights: ``[T, k]`` float32 combine weights.
+        dtype: the result dtype (the model's).
+        rows: ``[T*k]`` int64 row of each flat pair, or None.
+
+    Returns:
+        ``[T, H]`` in ``dtype``, summed in float32.
+    """
+    if fused_combine_ok(pair_out):
+        return fused_combine(pair_out, weights, dtype, rows)
+    if rows is not None:
+        pair_out = pair_out[rows]
+    T, k = weights.shape
+    out = (pair_out.view(T, k, pair_out.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1)
+    return out.to(dtype)

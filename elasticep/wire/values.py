@@ -1,25 +1,12 @@
-"""The one wire convention of elasticep's internal boundaries: the `Message` base and
-its checked decoding.
+"""The checked conversion of message field values to and from their JSON form: what
+:mod:`elasticep.wire`'s messages are made of.
 
-A message is a frozen dataclass sent as one JSON object: ``"t"`` names its type (the
-class's ``TAG``) and every other key is a field of the class, under the same name. Field
-values may be ints, floats, strs, bools, None, enums (sent as their values), lists,
+Values may be ints, floats, strs, bools, None, enums (sent as their values), lists,
 tuples (``tuple[X, ...]``, or of fixed length such as ``tuple[int, float]``; sent as
 lists), dicts with str keys, nested dataclasses (sent as objects of their fields) and
-the types given a codec with :func:`register_codec`.
-
-Decoding checks every field against the class's annotation (the fields drive it; no
-per-type code), so an unknown type, a missing or extra field or a value of the wrong
-type is one :class:`ProtocolError` line instead of a ``KeyError`` deep in a handler.
-The check of each annotation is compiled once into a small function (:func:`converter`),
-so decoding a message costs a few calls per field: the worker sends its tokens with it
-every step.
-
-Who uses it: the control messages (``membership/messages.py``: a family with its own
-registry of tags and a request ``id``) and the front-end/worker link
-(``frontend_link/messages.py`` and the request messages of ``engine/request.py``), and
-the configs a worker is started with or a node fetches (``config.py``). It imports only
-the standard library, so every layer may, ``config`` included.
+the types given a codec with :func:`register_codec`. The check of each annotation is
+compiled once into a small function (:func:`converter`), and so is each type's encoding
+(:func:`encoder`). It imports only the standard library.
 """
 
 from __future__ import annotations
@@ -31,9 +18,9 @@ import json
 import operator
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 # checks one JSON value against a type and returns it as that type:
 # conv(value, where, message) where `where` names the value in errors ("tag.field") and
@@ -57,110 +44,6 @@ class ProtocolError(ValueError):
         self.rid = rid
 
 
-class Message:
-    """Base of every message. A subclass is a frozen dataclass; ``tag=`` names its type.
-
-    Class attributes:
-        TAG: the wire name of the type (``"t"``).
-        MATCH: wire keys that tell apart the classes sharing one TAG.
-        REGISTRY: where tagged subclasses register themselves (a family base sets its
-            own dict; None: no registry, the receiver names the classes it takes).
-        OMIT_NONE: fields left off the wire while None (a request's ``id``).
-    """
-
-    TAG: ClassVar[str] = ""
-    MATCH: ClassVar[tuple[tuple[str, Any], ...]] = ()
-    REGISTRY: ClassVar[dict[str, list[type[Message]]] | None] = None
-    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()
-
-    def __init_subclass__(cls, tag: str | None = None, **kwargs: Any) -> None:
-        # ``class Ping(Message, tag="ping")`` names the type on the wire; untagged
-        # classes only share fields
-        super().__init_subclass__(**kwargs)
-        if tag is not None:
-            cls.TAG = tag
-            if cls.REGISTRY is not None:
-                cls.REGISTRY.setdefault(tag, []).append(cls)
-
-    def to_wire(self) -> dict[str, Any]:
-        """The JSON object of this message (``"t"`` first; see :func:`plain`)."""
-        out: dict[str, Any] = {"t": self.TAG}
-        for name, enc in _encoders(type(self)):
-            value = getattr(self, name)
-            if value is None:
-                if name not in self.OMIT_NONE:
-                    out[name] = None
-            else:
-                out[name] = value if enc is None else enc(value)
-        return out
-
-    @classmethod
-    def _from_fields(cls, d: dict[str, Any]) -> Message:
-        """The message of class ``cls`` from its decoded object ``d``. Raises
-        ProtocolError."""
-        spec, names = _spec(cls)
-        extra = d.keys() - names
-        if extra:
-            raise ProtocolError(f"{cls.TAG!r} message has unknown field(s) {sorted(extra)}",
-                                _rid(d))
-        kw = {}
-        for name, where, simple, conv, optional in spec:
-            if name in d:
-                v = d[name]
-                # a plain JSON value of the declared type needs no conversion
-                kw[name] = v if type(v) in simple else conv(v, where, d)
-            elif not optional:
-                raise ProtocolError(f"{cls.TAG!r} message lacks field {name!r}", _rid(d))
-        return cls(**kw)
-
-
-def by_tag(classes: Iterable[type[Message]]) -> dict[str, list[type[Message]]]:
-    """``{TAG: [classes]}`` of ``classes``: what :func:`decode` takes."""
-    out: dict[str, list[type[Message]]] = {}
-    for cls in classes:
-        out.setdefault(cls.TAG, []).append(cls)
-    return out
-
-
-def decode(d: Any, classes: Mapping[str, list[type[Message]]],
-           kind: str = "message") -> Message:
-    """Turn one decoded JSON value into its message, of one of ``classes``.
-
-    Args:
-        classes: the types the receiver takes, by tag (:func:`by_tag`, or a registry).
-        kind: names the boundary in errors ("control message", ...).
-    Raises:
-        ProtocolError: not an object, no ``"t"`` or one not in ``classes``, or a field
-            missing, unknown or of the wrong type.
-    """
-    if not isinstance(d, dict):
-        raise ProtocolError(f"{kind} must be a JSON object, got {type(d).__name__}")
-    tag = d.get("t")
-    candidates = classes.get(tag) if isinstance(tag, str) else None
-    if not candidates:
-        raise ProtocolError(f"unknown {kind} type {tag!r}", _rid(d))
-    for cls in sorted(candidates, key=lambda c: not c.MATCH):
-        if all(d.get(k) == v for k, v in cls.MATCH):
-            return cls._from_fields(d)
-    raise ProtocolError(f"no variant of {tag!r} matches {sorted(d)}", _rid(d))
-
-
-def encode_json(msg: Message) -> bytes:
-    """One message as compact UTF-8 JSON (no newline)."""
-    return json.dumps(msg.to_wire(), separators=(",", ":")).encode()
-
-
-def decode_json(data: bytes, classes: Mapping[str, list[type[Message]]],
-                kind: str = "message") -> Message:
-    """Parse one JSON text into its message (as :func:`decode`). Raises ProtocolError."""
-    try:
-        d = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"{kind} is not JSON: {data[:60]!r} ({e})") from None
-    return decode(d, classes, kind)
-
-
-# ---------------------------------------------------------------------- values
 _CODECS: dict[type, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {}
 
 
@@ -170,7 +53,7 @@ def register_codec(cls: type, to_plain: Callable[[Any], Any],
     ``from_plain`` (which raises KeyError, TypeError, ValueError or AttributeError on a
     bad value). For types whose JSON form is not their fields (int-keyed dicts, say)."""
     _CODECS[cls] = (to_plain, from_plain)
-    for cache in (converter, encoder, _spec, _encoders):  # compiled without the codec
+    for cache in (converter, encoder, message_spec, field_encoders):  # compiled without the codec
         cache.cache_clear()
 
 
@@ -225,7 +108,7 @@ def converter(hint: Any) -> Converter:
 
     def fail(value: Any, where: str, msg: dict) -> typing.NoReturn:
         raise ProtocolError(f"{where}: expected {name}, got {json.dumps(value)[:60]}",
-                            _rid(msg))
+                            request_id(msg))
 
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
@@ -321,14 +204,14 @@ def _nested(cls: type, fail: Callable) -> Converter:
         if not isinstance(v, dict):
             fail(v, w, m)
         if not v.keys() <= names:
-            raise ProtocolError(f"{w}: unknown field(s) {sorted(v.keys() - names)}", _rid(m))
+            raise ProtocolError(f"{w}: unknown field(s) {sorted(v.keys() - names)}", request_id(m))
         kw = {}
         for n, simple, conv, optional in spec:
             if n in v:
                 x = v[n]
                 kw[n] = x if type(x) in simple else conv(x, f"{w}.{n}", m)
             elif not optional:
-                raise ProtocolError(f"{w}: lacks field {n!r}", _rid(m))
+                raise ProtocolError(f"{w}: lacks field {n!r}", request_id(m))
         return cls(**kw)
     return nested
 
@@ -350,7 +233,7 @@ def _rows(cls: type, make: Callable, fail: Callable) -> Converter:
             if type(row) is not list or tuple(map(type, row)) not in allowed:
                 raise ProtocolError(f"{w}: expected rows of {cls.__name__} "
                                     f"{[n for n, _s in kinds]}, got {json.dumps(row)[:60]}",
-                                    _rid(m))
+                                    request_id(m))
             out.append(cls(*row))
         return make(out)
     return rows
@@ -360,6 +243,8 @@ def _flat(hint: Any) -> bool:
     """A dataclass (not a message) whose every field is a str, int, bool or None, or a
     union of those: a list of them travels as rows (floats are left out, since JSON
     may read a whole float back as an int)."""
+    from elasticep.wire import Message  # the base built on these values, imported late
+
     if not (isinstance(hint, type) and is_dataclass(hint)) or issubclass(hint, Message):
         return False
     hints = typing.get_type_hints(hint)
@@ -382,7 +267,7 @@ def _simple(hint: Any) -> frozenset[type]:
 
 
 @functools.cache
-def _spec(cls: type) -> tuple[list[tuple[str, str, frozenset, Converter, bool]],
+def message_spec(cls: type) -> tuple[list[tuple[str, str, frozenset, Converter, bool]],
                               frozenset[str]]:
     """Per field of message class ``cls``: (name, "tag.name", its simple JSON types,
     converter, has a default), and the keys its wire object may hold."""
@@ -427,7 +312,7 @@ def encoder(hint: Any) -> Encoder:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return operator.attrgetter("value")
     if isinstance(hint, type) and is_dataclass(hint):
-        encs = _encoders(hint)
+        encs = field_encoders(hint)
         names = tuple(n for n, _e in encs)
         if all(e is None for _n, e in encs):  # every field as it is: one C-level read
             get = operator.attrgetter(*names)
@@ -446,17 +331,17 @@ def encoder(hint: Any) -> Encoder:
 
 
 @functools.cache
-def _encoders(cls: type) -> tuple[tuple[str, Encoder], ...]:
+def field_encoders(cls: type) -> tuple[tuple[str, Encoder], ...]:
     """(field name, encoder) per field of dataclass ``cls``."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, encoder(hints[f.name])) for f in fields(cls))
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(n for n, _e in _encoders(cls))
+    return tuple(n for n, _e in field_encoders(cls))
 
 
-def _rid(d: dict) -> int | None:
+def request_id(d: dict) -> int | None:
     rid = d.get("id")
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
 
