@@ -193,6 +193,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             needs CUDA, one node and a bounded step (chunked prefill on).
         nnodes: nodes the launch cohort is split over (``serve --nnodes``), so that the
             other nodes can refuse a layout that disagrees with node 0's.
+        membership_store: serve's ``--membership-store``: ``embedded`` (the default), or
+            ``etcd://...``, with which a rank that loses its coordinator finds the new
+            leader there and resumes with it instead of exiting.
 
     Raises:
         ValueError: (at construction) a value out of range or an unknown mode, naming
@@ -230,6 +233,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     nnodes: int = 1
     moe_a2a_backend: A2ABackend = A2ABackend.AUTO
     coordinator_timeout_s: float = 60.0
+    membership_store: str = "embedded"
 
     def __post_init__(self) -> None:
         if self.max_ep_size is None:  # no scale-up reserve unless asked for

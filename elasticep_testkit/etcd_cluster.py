@@ -176,3 +176,17 @@ def spawn_leader(url: str, name: str, ttl_s: int) -> subprocess.Popen:
         _, err = proc.communicate(timeout=10)
         raise RuntimeError(f"leader process did not lead: {err[-2000:]}")
     return proc
+
+
+def leader_of(url: str) -> str | None:
+    """The ``leader`` key of ``url`` (``etcd://.../PREFIX``): the elected coordinator's
+    control address, or None while none leads."""
+    from elasticep.membership.etcd_store import EtcdMembershipStore
+    from elasticep.membership.store import parse_store_url
+
+    store = EtcdMembershipStore(parse_store_url(url))
+    try:
+        value, _, _ = store.kv.get(store.key("leader"))
+    finally:
+        store.close()
+    return None if value is None else value.decode()

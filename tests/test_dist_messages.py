@@ -18,7 +18,7 @@ _SAMPLES = {int: 5, str: "w", bool: True, float: 0.5, Decision: _DECISION,
             list[int]: [1, 2], list[SlotState]: [SlotState.HEALTHY, SlotState.FREE],
             dict[str, list[int]]: {"admit": [4], "remove": []}, dict[str, typing.Any]: {"x": 1},
             int | None: None, list[int] | None: [3], str | None: "why",
-            OnFailure: OnFailure.RAISE}
+            OnFailure: OnFailure.RAISE, dict[str, list[int]] | None: {"world": [3, 0]}}
 
 
 def _all_types() -> list[type[m.ControlMessage]]:

@@ -122,6 +122,27 @@ def test_a_leader_whose_lease_expired_campaigns_again(cluster):
     lease.resign()
 
 
+def test_a_leader_that_finds_a_successor_after_its_loss_steps_down(cluster):
+    """Its lease expired (revoked here) and another replica was elected meanwhile: the
+    campaign after the loss finds the successor and calls ``on_deposed`` once, so a
+    coordinator closes its ranks' connections instead of serving on deposed."""
+    prefix = _prefix()
+    deposed = []
+    a = LeaderLease(_store(cluster, prefix), "node-a", TTL_S, recampaign=True,
+                    on_deposed=deposed.append)
+    assert a.try_acquire()
+    b = LeaderLease(_store(cluster, prefix), "node-b", TTL_S)
+    b.store.kv.post("kv/lease/revoke", {"ID": a._lease})
+    assert b.try_acquire()
+    deadline = time.monotonic() + TTL_S + 2
+    while not deposed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert deposed == ["node-b"] and not a.is_leader and b.leader() == "node-b"
+    time.sleep(0.3)
+    assert deposed == ["node-b"]  # once; it campaigns no more
+    b.resign()
+
+
 def test_a_second_deployment_on_the_same_prefix_is_refused_while_the_first_runs(cluster):
     prefix = _prefix()
     first, replica, second = (_store(cluster, prefix) for _ in range(3))

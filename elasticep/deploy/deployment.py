@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from elasticep.config import Backend, DeploymentConfig, JoinMode
-from elasticep.deploy.launcher import RankExit, RankLauncher, fetch_config, publish_config
+from elasticep.deploy.coordinator_replica import CoordinatorReplica
+from elasticep.deploy.launcher import (
+    RankExit,
+    RankLauncher,
+    fetch_config,
+    leader_finder,
+    publish_config,
+)
 from elasticep.deploy.membership_backends import CoordinatorMembership, LaunchedRanks
 from elasticep.frontend_link import WorkerHello
 from elasticep.membership.process import CoordinatorProcess
@@ -56,6 +63,8 @@ class Deployment:
         config: the deployment's shared settings.
         node: this machine's node index.
         coordinator: the coordinator process this one started (node 0), stopped with it.
+        replica: this node's standby coordinator replica (other nodes, with etcd),
+            stopped with it.
         log_dir: worker ``r``'s output goes to ``log_dir/rank<r>.log``; None: stderr.
         env: extra environment for the workers.
         new_session: start each worker in its own session, so a terminal's Ctrl-C reaches
@@ -65,13 +74,15 @@ class Deployment:
     """
 
     def __init__(self, address: str, config: DeploymentConfig, *, node: int = 0,
-                 coordinator: CoordinatorProcess | None = None,
+                 coordinator: CoordinatorProcess | CoordinatorReplica | None = None,
+                 replica: CoordinatorReplica | None = None,
                  log_dir: str | Path | None = None, env: dict[str, str] | None = None,
                  new_session: bool = False, outlive: bool = False) -> None:
         self.address = address
         self.config = config
         self.node = node
         self.coordinator = coordinator
+        self.replica = replica
         self.launcher = RankLauncher(address, config, log_dir=log_dir, env=env,
                                      new_session=new_session, node=node,
                                      label=f"node {node}", outlive=outlive)
@@ -98,20 +109,27 @@ class Deployment:
             fault: fault-injection spec of the launch cohort (never of a relaunch).
             on_coordinator_exit: called with the coordinator process's exit status if it
                 dies before :meth:`stop` (from a watcher thread): the deployment cannot
-                go on without it, so the owner should stop.
+                go on without it, so the owner should stop. Not with etcd.
             membership_store, deployment_id: ``--membership-store`` (None: embedded)
-                and the id this deployment claims its prefix with.
+                and the id this deployment claims its prefix with. With etcd the
+                coordinator is this node's replica (``coordinator_replica.py``): when it
+                dies a standby replaces it, and the ranks resume with whichever leads.
             **kwargs: ``log_dir``, ``env``, ``new_session`` (see the class).
 
         Raises:
             OSError: the coordinator cannot bind ``host:port``, or its process failed.
             TimeoutError: its process did not come up.
         """
-        coordinator = CoordinatorProcess.start(host, port, hb_interval_s=hb_interval_s,
-                                               hb_timeout_s=config.heartbeat_timeout_s,
-                                               on_exit=on_coordinator_exit,
-                                               membership_store=membership_store,
-                                               deployment_id=deployment_id)
+        coordinator: CoordinatorProcess | CoordinatorReplica
+        if membership_store and membership_store.startswith("etcd://"):
+            # a dead replica is replaced by a standby: the ranks follow the leader
+            coordinator = CoordinatorReplica.leader(
+                host, port, membership_store, deployment_id or "elasticep",
+                hb_interval_s=hb_interval_s, hb_timeout_s=config.heartbeat_timeout_s)
+        else:
+            coordinator = CoordinatorProcess.start(host, port, hb_interval_s=hb_interval_s,
+                                                   hb_timeout_s=config.heartbeat_timeout_s,
+                                                   on_exit=on_coordinator_exit)
         try:
             config = replace(config, store_addr=f"{host}:{coordinator.store_port}")
             publish_config(coordinator.address, config)
@@ -227,7 +245,8 @@ class Deployment:
         front-end's hellos, makes a rank healthy only once it said hello)."""
         if self._membership is None:
             if self.fault_tolerant:
-                self._membership = CoordinatorMembership(self.address)
+                self._membership = CoordinatorMembership(
+                    self.address, find_leader=leader_finder(self.config, 5.0))
             else:
                 self._membership = LaunchedRanks(self.launcher, self.config.ep_size,
                                                  connected)
@@ -358,8 +377,9 @@ class Deployment:
             self.coordinator.begin_stop()
         kill_pids(handed, timeout_s)
         self.launcher.stop(timeout_s, keep)
-        if self.coordinator is not None:
-            self.coordinator.close()
+        for coordinator in (self.coordinator, self.replica):
+            if coordinator is not None:
+                coordinator.close()
 
     def __enter__(self) -> Deployment:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -112,6 +113,17 @@ class RankExit:
 CALL_TIMEOUT_S = 5.0  # bound of a (re)connect and of each call; a live coordinator: ms
 
 
+def leader_finder(config: DeploymentConfig, timeout_s: float) -> Callable[[], str] | None:
+    """With an etcd ``membership_store``: a function that returns the coordinator elected
+    now (waiting up to ``timeout_s`` seconds for one); None for the embedded one."""
+    url = config.membership_store
+    if not url.startswith("etcd://"):
+        return None
+    from elasticep.membership.etcd_store import find_coordinator  # etcd only if asked
+
+    return functools.partial(find_coordinator, url, timeout_s, quiet=True)
+
+
 class RankLauncher:
     """Starts worker processes for ranks and watches them, and records each launch (node,
     pid) with the coordinator; the records go when this launcher's connection closes.
@@ -128,6 +140,10 @@ class RankLauncher:
         node: this machine's node index (for the status' ``node`` field).
         outlive: a worker stops dying with this launcher once it is admitted
             (``$ELASTICEP_OUTLIVE_LAUNCHER``), so :meth:`stop` can leave members running.
+
+    With ``config.membership_store`` on etcd the launcher follows the elected leader
+    (its client looks it up on each reconnect) and records its live workers with each
+    new leader, which does not know them.
     """
 
     def __init__(self, coordinator: str, config: DeploymentConfig, *,
@@ -148,7 +164,9 @@ class RankLauncher:
         self._lock = threading.Lock()
         self._unreported = 0  # workers whose exit is not on `exits` yet (running or reporting)
         self._stopping = False
-        self._client = ReconnectingClient(coordinator, CALL_TIMEOUT_S, connect_now=True)
+        self._client = ReconnectingClient(coordinator, CALL_TIMEOUT_S, connect_now=True,
+                                          find_leader=leader_finder(config, CALL_TIMEOUT_S),
+                                          on_connect=self._record_live)
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ep-spawn")
         self._logs: list[IO] = []
         if self.log_dir is not None:
@@ -172,6 +190,11 @@ class RankLauncher:
         except (ValueError, OSError, TimeoutError) as exc:  # the coordinator went away
             logger.debug("%s: could not %s of rank %d: %s", self.label, what, rank, exc)
 
+    def _record_live(self, client: CoordinatorClient) -> None:
+        """Record every live worker on a new connection (a new leader knows none)."""
+        for rank, pid in self.pids(live_only=True).items():
+            client.record_launch(rank, self.node, pid)
+
     # ------------------------------------------------------------------ workers
     def spawn(self, rank: int, join_mode: JoinMode | None = None, fault: str | None = None
               ) -> int:
@@ -183,7 +206,10 @@ class RankLauncher:
             fault: fault-injection spec for this worker; None also drops an inherited
                 ``ELASTICEP_FAULT`` (a relaunch must not crash again).
         """
-        wc = WorkerConfig(self.config, rank, self.coordinator, join_mode=join_mode, fault=fault)
+        # the leader this launcher reached last (a worker with an etcd store looks the
+        # leader up itself if that one is gone)
+        wc = WorkerConfig(self.config, rank, self._client.address, join_mode=join_mode,
+                          fault=fault)
         cmd = [sys.executable, "-m", WORKER_MODULE, "--config-json", wc.to_json()]
         env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid()),
                OUTLIVE_PARENT_ENV: "1" if self.outlive else "0"}

@@ -30,10 +30,13 @@ class CoordinatorMembership:
     Args:
         address: the coordinator's ``"host:port"``.
         timeout_s: bound of each coordinator call (seconds).
+        find_leader: with standby coordinators, returns the elected one's address
+            (``launcher.leader_finder``): the client follows a leader change.
     """
 
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self._client = ReconnectingClient(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 5.0,
+                 find_leader: Callable[[], str] | None = None) -> None:
+        self._client = ReconnectingClient(address, timeout_s, find_leader=find_leader)
 
     def status(self) -> DeploymentStatus:
         """The ``/elastic_ep_status`` body (without ``running_requests``).

@@ -70,7 +70,7 @@ class BackendOptions:
 
 def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int | None = None,
             is_extension: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-            stall_grace_s: float = STALL_GRACE_S) -> None:
+            stall_grace_s: float = STALL_GRACE_S, membership_store: str | None = None) -> None:
     """Open this process's control connection to the coordinator, or keep the open one.
 
     A process holds one connection for life: a second call (WORLD destroyed and
@@ -85,6 +85,9 @@ def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int
         timeout_s: bound of every blocking call (seconds).
         stall_grace_s: longest wait on a stalled coordinator (seconds; see
             :func:`elasticep.distributed.control.stall_grace_s`).
+        membership_store: ``etcd://...`` of a deployment with standby coordinators: a
+            lost coordinator is then a leader change, found through etcd, and this
+            process resumes with the new leader (``control.py``). None: it is lost.
     Raises:
         ValueError: refused by the coordinator, or this process already holds another
             rank or coordinator.
@@ -98,7 +101,14 @@ def connect(coordinator: str, rank: int, max_world_size: int, *, world_size: int
                              f"{_ctl.address}; it cannot become rank {rank} of {coordinator}")
         return
     _ctl = RankControl(coordinator, rank, world_size or max_world_size, max_world_size,
-                       is_extension, timeout_s, stall_grace_s)
+                       is_extension, timeout_s, stall_grace_s, membership_store)
+    _store = _new_store()
+    _ctl.on_resumed.append(_follow_leader)
+
+
+def _follow_leader() -> None:
+    """After a leader change: groups registered from now on use the new leader's store."""
+    global _store
     _store = _new_store()
 
 
@@ -113,7 +123,8 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
                        max_world_size: int | None = None, is_extension: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S,
                        on_failure: OnFailure | str = OnFailure.COMPLETE,
-                       stall_grace_s: float = STALL_GRACE_S) -> ElasticProcessGroup:
+                       stall_grace_s: float = STALL_GRACE_S,
+                       membership_store: str | None = None) -> ElasticProcessGroup:
     """Connect to the coordinator and make the "elastic" WORLD group the default group.
 
     May be called again after ``torch.distributed.destroy_process_group()`` in the same
@@ -128,7 +139,7 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
             `join_group(WORLD)` when ready to be admitted.
         timeout_s: bound of every blocking call (seconds).
         on_failure: failure mode of WORLD ("complete" or "raise").
-        stall_grace_s: as :func:`connect`.
+        stall_grace_s, membership_store: as :func:`connect`.
     Returns:
         The default group (also available as torch.distributed.group.WORLD).
     Raises:
@@ -137,7 +148,8 @@ def init_process_group(coordinator: str, rank: int, world_size: int, *,
     """
     mws = max_world_size or world_size
     connect(coordinator, rank, mws, world_size=world_size, is_extension=is_extension,
-            timeout_s=timeout_s, stall_grace_s=stall_grace_s)
+            timeout_s=timeout_s, stall_grace_s=stall_grace_s,
+            membership_store=membership_store)
     mask = torch.zeros(mws, dtype=torch.int32)
     mask[:world_size] = 1
     opts = BackendOptions(mask, is_extension, mws, on_failure=on_failure, unique_name="world")

@@ -20,6 +20,14 @@ the rank waits, keeping its state, for up to :data:`STALL_GRACE_S`: its steps do
 commit (no fresh lease: :meth:`RankControl.confirm_membership` waits with them), and
 they go on once the coordinator answers again. TCP's own acknowledgements tell the two
 apart (``TCP_INFO``'s time since the last ACK): a cut or a dead host sends none.
+
+With a membership store (``--membership-store etcd://...``) a lost coordinator is a
+leader change, not the end: the rank looks the new leader up in etcd, says hello to it
+with ``resume`` (its groups and the epochs it saw in each) and goes on as the
+member it was, for up to :attr:`RankControl.stall_grace_s`. Requests waiting for an
+answer are sent again on the new connection; meanwhile no lease is fresh, so no step
+commits. The new leader runs its own rendezvous TCPStore: the hello's answer names its
+port, and :attr:`RankControl.on_resumed` callbacks move the store clients there.
 """
 
 from __future__ import annotations
@@ -31,11 +39,16 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from elasticep.membership import messages as m
-from elasticep.membership.errors import CoordinatorLostError, RankEvictedError
+from elasticep.membership.errors import (
+    CoordinatorLostError,
+    MembershipStoreError,
+    RankEvictedError,
+)
 from elasticep.membership.protocol import Connection, connect
 
 log = logging.getLogger(__name__)
@@ -44,6 +57,8 @@ log = logging.getLogger(__name__)
 # serve's default --coordinator-timeout, the time other nodes give a coordinator that
 # went away (a rank gets the deployment's own value, see stall_grace_s).
 STALL_GRACE_S = 60.0
+RESUME_CONNECT_S = 1.0  # one attempt to reach the leader etcd names (a live one: ms)
+RESUME_RETRY_S = 0.1  # between attempts (the old leader's key lives up to its TTL)
 
 
 def stall_grace_s(coordinator_timeout_s: float, heartbeat_timeout_s: float) -> float:
@@ -76,9 +91,15 @@ class RankControl:
 
     def __init__(self, address: str, rank: int, world_size: int, max_world_size: int,
                  is_extension: bool, timeout_s: float,
-                 stall_grace_s: float = STALL_GRACE_S) -> None:
+                 stall_grace_s: float = STALL_GRACE_S,
+                 membership_store: str | None = None) -> None:
         self.address, self.rank, self.timeout_s = address, rank, timeout_s
         self.stall_grace_s = stall_grace_s
+        self.world_size, self.max_world_size = world_size, max_world_size
+        # etcd://... : a lost coordinator is a leader change (see the module docstring)
+        self.membership_store = membership_store or None
+        self.resuming = False
+        self.on_resumed: list[Callable[[], None]] = []  # after a resume, reader thread
         self.conn: Connection = connect(address, timeout_s)
         # the address the kernel routes towards the coordinator: what peers on other
         # hosts can reach (the inner Gloo groups bind it; see gloo_device)
@@ -91,7 +112,8 @@ class RankControl:
         self.lost_reason = "control connection to the coordinator closed"
         self.last_ack = time.monotonic()
         self._ids = itertools.count(1)
-        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        # request id -> (its event, its answer box, the request: sent again after a resume)
+        self._replies: dict[int, tuple[threading.Event, list, m.ControlMessage]] = {}
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"elastic-ctl-r{rank}")
@@ -102,10 +124,7 @@ class RankControl:
         except BaseException:
             self.conn.close()  # ends the reader thread too
             raise
-        self.store_port: int = int(hello["store_port"])
-        self.hb_interval_s: float = float(hello["hb_interval_s"])
-        self.hb_timeout_s: float = float(hello["hb_timeout_s"])
-        self.join_hb_timeout_s: float = float(hello["join_hb_timeout_s"])
+        self._take_hello(hello)
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests
@@ -119,9 +138,15 @@ class RankControl:
         """
         rid = next(self._ids)
         ev, box = threading.Event(), []
-        with self._lock:
-            self._replies[rid] = (ev, box)
-        if not self.conn.send(replace(msg, id=rid)):
+        msg = replace(msg, id=rid)
+        with self._lock:  # a resume swaps the connection under it: sent once on either
+            lost, sent = self.lost, False  # (lost is set before the waiters are cleared)
+            if not lost:
+                self._replies[rid] = (ev, box, msg)
+                sent = self.conn.send(msg)
+        if lost or not (sent or self.membership_store):  # else: sent again on resume
+            with self._lock:
+                self._replies.pop(rid, None)
             raise CoordinatorLostError(f"rank {self.rank}: coordinator connection is closed")
         if not ev.wait(timeout_s or self.timeout_s):
             with self._lock:
@@ -176,7 +201,7 @@ class RankControl:
                 break
             except TimeoutError as e:
                 if (time.monotonic() - start < self.stall_grace_s and not self.evicted
-                        and peer_host_acks(self.conn.sock, 5.0)):
+                        and (self.resuming or peer_host_acks(self.conn.sock, 5.0))):
                     continue
                 raise RankEvictedError(f"rank {self.rank} cannot confirm membership: {e}") from e
             except CoordinatorLostError as e:
@@ -197,6 +222,10 @@ class RankControl:
         tick = time.monotonic()
         waiting = False  # on a stalled coordinator (logged once per stall)
         while not self.lost:
+            if self.resuming:  # the reader thread is finding the new leader
+                time.sleep(self.hb_interval_s)
+                tick = time.monotonic()
+                continue
             self.conn.send(m.Heartbeat())  # a send that fails shows up as silence below
             now = time.monotonic()
             if now - tick > 2 * self.hb_interval_s:
@@ -216,6 +245,12 @@ class RankControl:
             if silent_s > limit_s and not stalled and not (self.lost or self.evicted):
                 self.lost_reason = (f"coordinator at {self.address} unreachable: no answer "
                                     f"for {silent_s:.1f} s (heartbeat timeout {limit_s:g} s)")
+                if self.membership_store:  # the reader sees EOF and finds the new leader
+                    log.warning("rank %d: %s; looking for the leader", self.rank,
+                                self.lost_reason)
+                    self.resuming, self.last_ack = True, time.monotonic()
+                    self.conn.close()
+                    continue
                 log.error("rank %d: %s; stopping", self.rank, self.lost_reason)
                 self.conn.close()  # the reader sees EOF: every waiter wakes up lost
                 return
@@ -223,6 +258,20 @@ class RankControl:
             time.sleep(self.hb_interval_s)
 
     def _read_loop(self) -> None:
+        while True:
+            self._read_until_closed()
+            if not self._resume():
+                break
+        self.lost = True
+        with self._lock:
+            waiters, self._replies = list(self._replies.values()), {}
+        for ev, box, _msg in waiters:
+            box.append(None)
+            ev.set()
+        for gs in list(self.groups.values()):
+            gs.on_lost()
+
+    def _read_until_closed(self) -> None:
         while True:
             try:
                 msg = self.conn.recv()
@@ -246,14 +295,92 @@ class RankControl:
             else:
                 log.warning("rank %d: dropped a %r message (not for a rank)", self.rank,
                             msg.TAG)
-        self.lost = True
+
+    # ------------------------------------------------------------------ leader change
+    def _take_hello(self, hello: m.Reply) -> None:
+        self.store_port: int = int(hello["store_port"])
+        self.hb_interval_s: float = float(hello["hb_interval_s"])
+        self.hb_timeout_s: float = float(hello["hb_timeout_s"])
+        self.join_hb_timeout_s: float = float(hello["join_hb_timeout_s"])
+
+    def _seen_epochs(self) -> dict[str, list[int]]:
+        """group -> [its committed epoch here, the announced one awaiting a commit or 0]."""
         with self._lock:
-            waiters, self._replies = list(self._replies.values()), {}
-        for ev, box in waiters:
-            box.append(None)
-            ev.set()
-        for gs in list(self.groups.values()):
-            gs.on_lost()
+            groups = dict(self.groups)
+        return {name: [gs.epoch, gs.pending or 0] for name, gs in groups.items()
+                if not gs.closed}
+
+    def _resume(self) -> bool:
+        """After the connection closed: with a membership store, find the leader in
+        etcd and say hello to it as the member this rank is, retrying until
+        :attr:`stall_grace_s` has passed. Returns True once resumed (the connection,
+        address and store port are the new leader's); False: lost (or refused)."""
+        if not self.membership_store or self.evicted:
+            return False
+        from elasticep.membership.etcd_store import find_coordinator  # etcd only if asked
+
+        self.resuming = True
+        log.warning("rank %d: lost the coordinator at %s; finding the new leader through "
+                    "etcd (up to %g s)", self.rank, self.address, self.stall_grace_s)
+        started = time.monotonic()
+        deadline = started + self.stall_grace_s
+        while time.monotonic() < deadline:
+            try:
+                address = find_coordinator(self.membership_store,
+                                           max(deadline - time.monotonic(), 0.1), quiet=True)
+                conn = connect(address, RESUME_CONNECT_S)
+                hello = self._handshake(conn, m.RankHello(
+                    self.rank, os.getpid(), self.world_size, self.max_world_size, False,
+                    resume=self._seen_epochs(), id=next(self._ids)))
+            except (OSError, TimeoutError, ValueError, MembershipStoreError) as e:
+                log.debug("rank %d: resume attempt: %s", self.rank, e)
+                time.sleep(RESUME_RETRY_S)
+                continue
+            if not hello.ok:
+                conn.close()
+                self.evicted = f"the new leader at {address} refused it: {hello.error}"
+                log.error("rank %d: %s", self.rank, self.evicted)
+                self.resuming = False
+                return False
+            with self._lock:
+                self.conn, self.address = conn, address
+                self._take_hello(hello)
+                self.last_ack = time.monotonic()
+                for _ev, _box, msg in self._replies.values():
+                    conn.send(msg)
+            self.resuming = False
+            log.warning("rank %d: resumed with the coordinator at %s after %.2f s", self.rank,
+                        address, time.monotonic() - started)
+            with self._lock:
+                groups = list(self.groups.values())
+            for fn in [gs.on_resumed for gs in groups] + list(self.on_resumed):
+                try:
+                    fn()
+                except Exception:  # a listener's bug must not end the control plane
+                    log.exception("rank %d: a resume listener raised", self.rank)
+            return True
+        self.resuming = False
+        self.lost_reason = (f"no coordinator took this rank back within {self.stall_grace_s:g}"
+                            f" s after the one at {self.address} was lost")
+        return False
+
+    @staticmethod
+    def _handshake(conn: Connection, hello: m.RankHello) -> m.Reply:
+        """Send ``hello`` on the fresh ``conn`` and read its reply (nothing else comes
+        first). Raises TimeoutError / OSError / ProtocolError (a ValueError)."""
+        try:
+            conn.sock.settimeout(RESUME_CONNECT_S)
+            if not conn.send(hello):
+                raise OSError("the new leader closed the connection")
+            reply = conn.recv()
+            conn.sock.settimeout(None)
+        except BaseException:
+            conn.close()
+            raise
+        if not isinstance(reply, m.Reply) or reply.id != hello.id:
+            conn.close()
+            raise OSError("the new leader did not answer the hello")
+        return reply
 
     def _answer(self, reply: m.Reply) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -223,6 +223,12 @@ class PeerChannels:
         group.store.set(self.token_key(group.slot), self.token)
         self._channels: dict[int, _Channel] = {}
         self._lock = threading.Lock()
+
+    def rebase(self, store: object) -> None:
+        """Use ``store`` (a new leader's rendezvous store) from now on: this rank's
+        token is published there again, for channels built after a leader change."""
+        self.group = replace(self.group, store=store)
+        store.set(self.token_key(self.group.slot), self.token)
 
     def token_key(self, slot: int) -> str:
         return f"elastic/{self.group.name}/p2p-token/{slot}"

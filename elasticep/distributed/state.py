@@ -182,6 +182,16 @@ class GroupState(OpRun):
         with self.cond:
             self.cond.notify_all()
 
+    def on_resumed(self) -> None:
+        """The control connection moved to a new leader, whose rendezvous TCPStore is
+        another: keep results and p2p tokens there from now on (control thread). The
+        inner groups already built need no store; later epochs' use ``new_store``,
+        which follows the connection."""
+        store = self.new_store()
+        with self.cond:
+            self.store = store
+        self.peers.rebase(store)
+
     # ------------------------------------------------------------------ main thread
     # (one collective through `run`: see op_run.OpRun)
     def fast_all_to_all(self, output: torch.Tensor, input: torch.Tensor,

@@ -96,7 +96,9 @@ def init_world(cfg: WorkerConfig) -> dist.ProcessGroup:
         return ed.init_process_group(
             cfg.coordinator, cfg.rank, d.ep_size, max_world_size=d.max_ep_size,
             is_extension=cfg.join_mode is not None, on_failure=OnFailure.RAISE,
-            stall_grace_s=stall_grace_s(d.coordinator_timeout_s, d.heartbeat_timeout_s))
+            stall_grace_s=stall_grace_s(d.coordinator_timeout_s, d.heartbeat_timeout_s),
+            membership_store=d.membership_store if d.membership_store.startswith("etcd")
+            else None)
     if cfg.join_mode is not None:
         raise ValueError("the plain baseline group cannot take joiners")
     host, _, port = d.store_addr.rpartition(":")

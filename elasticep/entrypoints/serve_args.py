@@ -189,9 +189,6 @@ def validate(args: argparse.Namespace) -> ServeSettings:
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
     ])
-    if finds_coordinator and args.dist_init_addr:
-        warnings.append("--membership-store is not used on this node: --dist-init-addr "
-                        "names the coordinator (no standby coordinator runs on nodes 1.. yet)")
     check_device(args.device)
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
+from elasticep.deploy.coordinator_replica import CoordinatorReplica, local_address_towards
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.restart_policy import (
     Policy,
@@ -420,6 +421,10 @@ def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
     deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
                                    new_session=True)
     dep = deployment.config
+    if dep.membership_store.startswith("etcd://"):  # a standby coordinator on each node
+        deployment.replica = CoordinatorReplica.standby(
+            local_address_towards(address), dep.membership_store,
+            hb_timeout_s=dep.heartbeat_timeout_s)
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
     try:

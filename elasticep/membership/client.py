@@ -25,6 +25,7 @@ from . import messages as m
 from .errors import (
     JoinRefusedError,
     MembershipRequestError,
+    MembershipStoreError,
     OperationConflictError,
     OperationNotFoundError,
     ScaleInProgressError,
@@ -213,23 +214,49 @@ class ReconnectingClient:
     network partition that healed): a timed-out socket cannot be read again, so it is
     dropped and the next call connects afresh.
 
+    With standby coordinators (``--membership-store etcd://...``) ``find_leader`` names
+    the leader elected now, and each reconnect asks it first, so the client follows a
+    leader change; ``on_connect`` then runs on each new connection (a launcher records
+    its live workers with the new leader, who does not know them).
+
     Args:
-        address: the coordinator's ``"host:port"``.
+        address: the coordinator's ``"host:port"`` (the first to try).
         timeout_s: bound of a connect and of each call (seconds).
         connect_now: connect in the constructor (raising as below) instead of lazily.
+        find_leader: returns the elected coordinator's address (may raise
+            ``MembershipStoreError`` or TimeoutError, as an unreachable one does).
+        on_connect: called with each new client after its hello, before the request.
 
     Raises (constructor with ``connect_now``, and :meth:`call`):
         ConnectionError / TimeoutError / OSError: the coordinator is unreachable.
         ValueError: it refused the request (``MembershipRequestError``).
     """
 
-    def __init__(self, address: str, timeout_s: float = 5.0, connect_now: bool = False) -> None:
+    def __init__(self, address: str, timeout_s: float = 5.0, connect_now: bool = False,
+                 find_leader: Callable[[], str] | None = None,
+                 on_connect: Callable[[CoordinatorClient], None] | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
+        self._find_leader, self._on_connect = find_leader, on_connect
         self._client: CoordinatorClient | None = None
         self._closed = False
         self._lock = threading.Lock()
         if connect_now:
             self._client = CoordinatorClient(address, timeout_s)
+
+    def _connect(self) -> CoordinatorClient:
+        if self._find_leader is not None:
+            try:
+                self.address = self._find_leader()
+            except MembershipStoreError as e:  # etcd away: as unreachable as the leader
+                raise ConnectionError(f"cannot find the coordinator: {e}") from e
+        client = CoordinatorClient(self.address, self.timeout_s)
+        if self._on_connect is not None:
+            try:
+                self._on_connect(client)
+            except BaseException:
+                client.close()
+                raise
+        return client
 
     def call(self, request: Callable[[CoordinatorClient], T]) -> T:
         """``request(client)`` on a (re)connected client, e.g.
@@ -238,7 +265,7 @@ class ReconnectingClient:
             if self._client is None:
                 if self._closed:
                     raise ConnectionError(f"client of {self.address} was closed")
-                self._client = CoordinatorClient(self.address, self.timeout_s)
+                self._client = self._connect()
             try:
                 return request(self._client)
             except (ConnectionError, TimeoutError, OSError):

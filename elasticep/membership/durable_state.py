@@ -85,6 +85,9 @@ class MembershipState:
             the scale target, or None.
         operations: :func:`operations_record` of the operation log, or None (none yet).
         limits: ``{"min_holding_ranks", "scale_timeout_s"}`` node 0 published, or None.
+        pids: global rank (as text) -> pid of each live rank process: a new leader shows
+            them (and routes to them) while the ranks reconnect, and takes a rank back
+            only as that process. Absent from states written before it existed.
     """
 
     groups: dict[str, dict] = field(default_factory=dict)
@@ -93,13 +96,15 @@ class MembershipState:
     target: dict | None = None
     operations: dict | None = None
     limits: dict | None = None
+    pids: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys), so equal states give equal text."""
         return json.dumps({"format": FORMAT, "groups": self.groups,
                            "max_world_size": self.max_world_size, "config": self.config,
                            "target": self.target, "operations": self.operations,
-                           "limits": self.limits}, sort_keys=True, separators=(",", ":"))
+                           "limits": self.limits, "pids": self.pids},
+                          sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str | bytes) -> MembershipState:
@@ -113,9 +118,9 @@ class MembershipState:
             raise ValueError(f"membership state of unknown format "
                              f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}"
                              f" (this version reads format {FORMAT})")
-        # operations and limits came later within format 1: absent in an older text
+        # operations, limits and pids came later within format 1: absent in an older text
         return MembershipState(d["groups"], d["max_world_size"], d["config"], d["target"],
-                               d.get("operations"), d.get("limits"))
+                               d.get("operations"), d.get("limits"), d.get("pids") or {})
 
     def group(self, name: str) -> Group:
         """A fresh :class:`Group` built from the record of ``name`` (KeyError if none)."""

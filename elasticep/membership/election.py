@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
 log = logging.getLogger("elasticep.membership")
 
 POLL_S = 0.1  # a standby's retry period: failover costs at most this beyond the TTL
+STANDBY_CHECK_S = 0.5  # how often a campaigning standby checks it should still run
 
 
 def lease_ttl_s(heartbeat_timeout_s: float) -> int:
@@ -53,17 +54,23 @@ class LeaderLease:
             :meth:`resign` (a replica that lost its lease only to an etcd outage takes
             it back when etcd does; one that lost it to a successor stays a standby,
             and its commits are fenced).
+        on_deposed: called once, on that thread, with the successor's id if the
+            campaign after a loss finds another replica leading: the owner steps down
+            (a coordinator closes its connections, so its ranks move to the leader
+            instead of serving on with a deposed one). The campaign then stops.
         clock: monotonic seconds.
     """
 
     def __init__(self, store: EtcdMembershipStore, candidate: str, ttl_s: int,
                  on_lost: Callable[[], None] | None = None, recampaign: bool = False,
+                 on_deposed: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.candidate = candidate
         self.ttl_s = ttl_s
         self._on_lost = on_lost
         self._recampaign = recampaign
+        self._on_deposed = on_deposed
         self._clock = clock
         self._lease: int | None = None
         self._valid_until = 0.0
@@ -173,8 +180,57 @@ class LeaderLease:
             try:
                 if self.try_acquire():  # its own keep-alive thread takes over
                     return
+                holder = self.leader()  # our own key may outlive our clock: not deposed
             except MembershipStoreError as e:  # etcd still away: keep trying
                 log.debug("coordinator %s: campaign: %s", self.candidate, e)
+                continue
+            if holder not in (None, self.candidate) and self._on_deposed is not None:
+                log.error("coordinator %s: %s leads now; stepping down", self.candidate,
+                          holder)
+                self._on_deposed(holder)
+                return
+
+
+def campaign_for(url: str, deployment_id: str, hb_timeout_s: float, address: str,
+                 standby_until: Callable[[], bool] | None = None,
+                 on_deposed: Callable[[str], None] | None = None):
+    """Open the etcd store of ``url`` and win the leader lease as ``address`` (a
+    coordinator's control endpoint): what a coordinator process does before it serves.
+    Returns ``(store, lease)``, or ``(store, None)`` if ``standby_until`` said stop
+    first. The store's commits need the lease (``store.leader_id``).
+
+    The first replica (``standby_until`` None, node 0's at start) claims the prefix for
+    ``deployment_id`` and must win within the TTL and a margin (a lease still held is a
+    crashed predecessor's). A standby claims nothing (the prefix is its deployment's)
+    and campaigns until elected or ``standby_until()`` is true. ``on_deposed``: see
+    :class:`LeaderLease`.
+
+    Raises:
+        MembershipStoreError: etcd unreachable, or the prefix held by another deployment.
+        TimeoutError: the first replica was not elected in time.
+    """
+    from .etcd_store import EtcdMembershipStore, open_etcd_store  # etcd only if asked
+    from .store import parse_store_url
+
+    spec = parse_store_url(url)
+    store = (open_etcd_store(spec, deployment_id) if standby_until is None
+             else EtcdMembershipStore(spec))
+    store.leader_id = address
+    ttl = lease_ttl_s(hb_timeout_s)
+    lease = LeaderLease(store, address, ttl, recampaign=True, on_deposed=on_deposed,
+                        on_lost=lambda: log.error(
+                            "coordinator: lost the leader lease; campaigning again (a "
+                            "successor's commits would fence this one's)"))
+    if standby_until is None:
+        lease.campaign(timeout_s=ttl + 5)
+        return store, lease
+    while not standby_until():
+        try:
+            lease.campaign(timeout_s=STANDBY_CHECK_S)
+            return store, lease
+        except TimeoutError:
+            continue
+    return store, None
 
 
 def find_leader(store: EtcdMembershipStore, timeout_s: float) -> str:

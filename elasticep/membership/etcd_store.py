@@ -232,9 +232,10 @@ def open_etcd_store(spec: StoreSpec, deployment_id: str) -> EtcdMembershipStore:
     return store
 
 
-def find_coordinator(url: str, timeout_s: float) -> str:
+def find_coordinator(url: str, timeout_s: float, quiet: bool = False) -> str:
     """The address (``HOST:PORT``) of the coordinator elected under ``url``
     (``--membership-store etcd://...``), waiting up to ``timeout_s`` seconds for one.
+    ``quiet``: log the find at debug level (clients that look it up on each reconnect).
 
     Raises:
         StoreUnavailableError: etcd did not answer.
@@ -247,5 +248,6 @@ def find_coordinator(url: str, timeout_s: float) -> str:
         address = find_leader(store, timeout_s)
     finally:
         store.close()
-    log.info("coordinator %s found through etcd (%s)", address, store.root)
+    log.log(logging.DEBUG if quiet else logging.INFO, "coordinator %s found through etcd "
+            "(%s)", address, store.root)
     return address

@@ -62,13 +62,21 @@ class _Launch(ControlMessage):
 @dataclass(frozen=True)
 class RankHello(ControlMessage, tag="hello"):
     """A rank's first request: it takes global rank ``rank``. Answer: store_port,
-    hb_interval_s. ``is_extension``: a joiner (may only take a failed/free slot)."""
+    hb_interval_s. ``is_extension``: a joiner (may only take a failed/free slot).
 
+    ``resume``: set when a rank that lost its leader (``--membership-store``) says hello
+    to the new one: group name -> ``[committed epoch, announced epoch it still waits to
+    see committed, or 0]``. The new leader takes it back as the member it was
+    (``takeover.py``).
+    """
+
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"id", "resume"})
     rank: int
     pid: int
     world_size: int
     max_world_size: int
     is_extension: bool
+    resume: dict[str, list[int]] | None = None
 
 
 class Heartbeat(ControlMessage, tag="hb"):

@@ -32,10 +32,15 @@ closes the coordinator and ends the child. So does a change of its parent pid (i
 re-parented), in case another process holds a copy of the pipe. The child never
 outlives its parent.
 
-If the child dies, ``on_exit(code)`` runs on a watcher thread. The membership it held
-(epochs, slot states, the rendezvous store) died with it, and a new coordinator could
-not take the ranks back in the same epochs, so the owner stops the deployment with an
-error instead of restarting the coordinator.
+If the child dies, ``on_exit(code)`` runs on a watcher thread. With the embedded store
+the membership it held (epochs, slot states, the rendezvous store) died with it, and a
+new coordinator could not take the ranks back in the same epochs, so the owner stops
+the deployment with an error instead of restarting the coordinator.
+
+With ``--membership-store etcd://...`` every node runs a replica (``standby=True``: it
+campaigns for the leader lease until elected, then restores the state from etcd and
+serves; its ready line comes then). The ranks find the leader through etcd, so the
+owner replaces a dead replica with a fresh standby (``deploy/coordinator_replica.py``).
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class CoordinatorProcess:
         store_port: the port of its rendezvous TCPStore (on the same host).
     """
 
-    def __init__(self, proc: subprocess.Popen, address: str, store_port: int,
+    def __init__(self, proc: subprocess.Popen, address: str, store_port: int | None,
                  on_exit: Callable[[int], None] | None) -> None:
         self._proc = proc
         self._lines = _Lines(proc.stdout)
@@ -124,6 +129,14 @@ class CoordinatorProcess:
         self._closing = False
         self._lock = threading.Lock()  # one lifeline exchange at a time
         threading.Thread(target=self._watch, daemon=True, name="coord-proc-watch").start()
+        if store_port is None:  # a standby: it serves once elected
+            threading.Thread(target=self._await_lead, daemon=True,
+                             name="coord-proc-standby").start()
+
+    @property
+    def leads(self) -> bool:
+        """The child serves (it was elected, or it is the embedded coordinator)."""
+        return self.store_port is not None
 
     @classmethod
     def start(cls, host: str = "127.0.0.1", port: int = 0, *, hb_interval_s: float = 0.2,
@@ -131,8 +144,9 @@ class CoordinatorProcess:
               ready_timeout_s: float = READY_TIMEOUT_S,
               on_exit: Callable[[int], None] | None = None,
               membership_store: str | None = None,
-              deployment_id: str | None = None) -> CoordinatorProcess:
-        """Start the child and wait until it serves.
+              deployment_id: str | None = None, standby: bool = False,
+              ) -> CoordinatorProcess:
+        """Start the child and wait until it serves (a ``standby``: only until it runs).
 
         Args:
             host, port: the control endpoint (port 0: a free one), bound here.
@@ -144,6 +158,9 @@ class CoordinatorProcess:
             membership_store: ``--membership-store`` (``etcd://...``; None: embedded):
                 the child claims its prefix for ``deployment_id``, campaigns for the
                 leader lease and commits the membership there after each change.
+            standby: (etcd only) a replica that campaigns until elected, claims
+                nothing, and takes the state over from etcd once elected; this returns
+                at once (:attr:`leads` tells when it serves).
 
         Raises:
             OSError: ``host:port`` cannot be bound, or the child exited before it
@@ -159,11 +176,15 @@ class CoordinatorProcess:
         if membership_store and membership_store != "embedded":
             cmd += ["--membership-store", membership_store,
                     "--deployment-id", deployment_id or "elasticep"]
+            cmd += ["--standby"] if standby else []
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     pass_fds=(listener.fileno(),), start_new_session=True)
         finally:
             listener.close()  # the child holds its own copy
+        if standby:
+            log.info("coordinator replica pid %d at %s: standby", proc.pid, address)
+            return cls(proc, address, None, on_exit)
         try:
             line = _Lines(proc.stdout).next(ready_timeout_s)
             if line is None:
@@ -197,8 +218,8 @@ class CoordinatorProcess:
             within ``timeout_s`` seconds (the stop goes on without it).
         """
         with self._lock:
-            if self._proc.poll() is not None:
-                return False
+            if self._proc.poll() is not None or not self.leads:
+                return False  # a standby holds no ranks: nothing to tell it
             try:
                 self._proc.stdin.write(f"{Lifeline.BEGIN_STOP}\n".encode())
                 self._proc.stdin.flush()
@@ -220,12 +241,28 @@ class CoordinatorProcess:
         _end(self._proc, timeout_s)
         self._proc.stdout.close()
 
+    def _await_lead(self) -> None:
+        """A standby's ready line comes once it is elected and serves (read in short
+        turns, so that :meth:`close` is never held up)."""
+        while not self._closing:
+            with self._lock:
+                try:
+                    line = self._lines.next(0.2)
+                except (TimeoutError, ValueError, OSError):
+                    continue
+            if line is None:
+                return  # it exited: the watcher reports it
+            self.store_port = int(json.loads(line)["store_port"])
+            log.warning("coordinator replica pid %d at %s leads now (store port %d)",
+                        self._proc.pid, self.address, self.store_port)
+            return
+
     def _watch(self) -> None:
         code = self._proc.wait()
         if self._closing:
             return
-        log.error("coordinator process pid %d exited with %d: the deployment's membership "
-                  "is lost", self._proc.pid, code)
+        log.error("coordinator process pid %d exited with %d (%s)", self._proc.pid, code,
+                  "it led" if self.leads else "a standby")
         if self._on_exit is not None:
             self._on_exit(code)
 
@@ -273,36 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--join-hb-timeout-s", type=float, required=True)
     ap.add_argument("--membership-store", default=None)
     ap.add_argument("--deployment-id", default="elasticep")
+    ap.add_argument("--standby", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(levelname)s %(message)s")
     if os.getppid() != args.parent_pid:  # the parent died while we started
         return 1
+    from .election import campaign_for
     from .server import Coordinator  # imports torch (the TCPStore): after the checks
 
-    store = lease = None
-    if args.membership_store:
-        try:
-            port = socket.socket(fileno=os.dup(args.listen_fd))
-            address = f"{args.host}:{port.getsockname()[1]}"
-            port.close()
-            store, lease = _lead(args.membership_store, args.deployment_id,
-                                 args.hb_timeout_s, address)
-        except (MembershipStoreError, TimeoutError) as e:
-            print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
-            return 2
-    try:
-        coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
-                            hb_timeout_s=args.hb_timeout_s,
-                            join_hb_timeout_s=args.join_hb_timeout_s,
-                            listener=socket.socket(fileno=args.listen_fd),
-                            membership_store=store, lease=lease)
-    except MembershipStoreError as e:  # etcd went away between the claim and the load
-        print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
-        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    serving: list[Coordinator] = []
     out_lock = threading.Lock()
 
     def answer(line: str) -> None:
@@ -313,35 +333,50 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:  # the parent is gone; the lifeline's EOF follows
             pass
 
-    answer(json.dumps({"address": coord.address, "store_port": coord.store.port}))
-    threading.Thread(target=_read_lifeline, args=(coord.begin_stop, stop, answer),
+    def begin_stop() -> None:
+        if serving:
+            serving[0].begin_stop()
+
+    threading.Thread(target=_read_lifeline, args=(begin_stop, stop, answer),
                      daemon=True, name="coord-lifeline").start()
+
+    def gone() -> bool:
+        return stop.is_set() or os.getppid() != args.parent_pid
+
+    store = lease = None
+    if args.membership_store:
+        try:
+            port = socket.socket(fileno=os.dup(args.listen_fd))
+            address = f"{args.host}:{port.getsockname()[1]}"
+            port.close()
+            store, lease = campaign_for(args.membership_store, args.deployment_id,
+                                        args.hb_timeout_s, address,
+                                        gone if args.standby else None,
+                                        on_deposed=lambda _who: stop.set())
+        except (MembershipStoreError, TimeoutError) as e:
+            print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        if lease is None:
+            return 0  # a standby told to stop before it was elected
+    try:
+        coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
+                            hb_timeout_s=args.hb_timeout_s,
+                            join_hb_timeout_s=args.join_hb_timeout_s,
+                            listener=socket.socket(fileno=args.listen_fd),
+                            membership_store=store, lease=lease)
+    except MembershipStoreError as e:  # etcd went away between the claim and the load
+        print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    serving.append(coord)
+    answer(json.dumps({"address": coord.address, "store_port": coord.store.port}))
     while not stop.wait(PARENT_POLL_S):
         if os.getppid() != args.parent_pid:
             log.warning("coordinator: parent pid %d is gone; closing", args.parent_pid)
             break
-    coord.close()
+    coord.close()  # deposed: its ranks see EOF and resume with the leader
     if lease is not None:
         lease.resign()
     return 0
-
-
-def _lead(url: str, deployment_id: str, hb_timeout_s: float, address: str):
-    """Open the etcd store, claim its prefix and win the leader lease as ``address``
-    (the control endpoint; this is the only replica today, so a lease still held is a
-    crashed predecessor's: it expires within the TTL). Returns ``(store, lease)``."""
-    from .election import LeaderLease, lease_ttl_s
-    from .etcd_store import open_etcd_store
-    from .store import parse_store_url
-
-    store = open_etcd_store(parse_store_url(url), deployment_id)
-    store.leader_id = address  # its commits need its lease (see EtcdMembershipStore)
-    ttl = lease_ttl_s(hb_timeout_s)
-    lease = LeaderLease(store, address, ttl, recampaign=True, on_lost=lambda: log.error(
-        "coordinator: lost the leader lease; campaigning again (a successor's commits "
-        "would fence this one's)"))
-    lease.campaign(timeout_s=ttl + 5)
-    return store, lease
 
 
 if __name__ == "__main__":

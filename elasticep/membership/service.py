@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import messages as m
 from .durable_state import MembershipState, deployment_fields, group_record
@@ -26,6 +26,8 @@ from .errors import MembershipRequestError
 from .handlers import Role, dispatch, handler_table, handles
 from .registry import DeploymentRecords, Group, Transition
 from .supervisor_requests import SupervisorRequests
+from .takeover import RankProc as _Proc
+from .takeover import Takeover
 from .transitions import ACTIVE_STATES, Report, SlotState, decide, state_after_death
 
 log = logging.getLogger("elasticep.membership")
@@ -41,18 +43,6 @@ class SendOnConn:
     close: bool = False
 
 
-@dataclass
-class _Proc:
-    ROLE = Role.RANK
-
-    rank: int
-    pid: int
-    conn: int
-    alive: bool = True
-    last_hb: float = 0.0
-    groups: set[str] = field(default_factory=set)
-
-
 @dataclass(eq=False)
 class _Supervisor:
     """A supervisor connection (launcher, front-end, `join`): what it records (launches,
@@ -64,7 +54,7 @@ class _Supervisor:
     conn: int
 
 
-class MembershipService(SupervisorRequests):
+class MembershipService(Takeover, SupervisorRequests):
     """The coordinator's state machine; not thread-safe (the server holds one lock).
 
     Args:
@@ -93,6 +83,7 @@ class MembershipService(SupervisorRequests):
         self._handlers = handler_table(self)
         self._closed = False
         self._stopping = False  # the deployment is shutting down: exits are not failures
+        self._takeover: set[str] = set()  # restored groups whose transition awaits a restart
 
     # ------------------------------------------------------------------ events
     def handle(self, conn: int, msg: m.ControlMessage) -> list[SendOnConn]:
@@ -149,8 +140,9 @@ class MembershipService(SupervisorRequests):
             active = any(self._groups[g].is_active_rank(p.rank) for g in p.groups)
             limit = self.hb_timeout_s if active else self.join_hb_timeout_s
             if now - p.last_hb > limit:
-                log.warning("coordinator: rank %d silent %.2fs, evicting", p.rank,
-                            now - p.last_hb)
+                log.warning("coordinator: rank %d %s %.2fs, evicting", p.rank,
+                            "not back after the leader change for" if p.resuming
+                            else "silent", now - p.last_hb)
                 self._evict(p, "heartbeat timeout")
         self._expire_scale(now)
         return self._flush()
@@ -172,16 +164,9 @@ class MembershipService(SupervisorRequests):
     def durable_state(self) -> MembershipState:
         """What a standby coordinator needs to take over (``durable_state.py``)."""
         return MembershipState({n: group_record(g) for n, g in self._groups.items()},
-                               self._max_world_size, **deployment_fields(self._deployment))
-
-    def restore(self, state: MembershipState) -> None:
-        """Take over ``state`` as a new leader, before any rank reconnects: groups,
-        capacity and the deployment's config, target, limits and operations. A
-        transition that was in flight is restarted at a fresh epoch once the ranks are
-        back (its reports answered the old leader's announcement)."""
-        self._groups = {n: state.group(n) for n in state.groups}
-        self._max_world_size = state.max_world_size
-        state.apply_deployment(self._deployment, self._clock())
+                               self._max_world_size, **deployment_fields(self._deployment),
+                               pids={str(r): p.pid for r, p in self._procs.items()
+                                     if p.alive and p.pid})
 
     def rank_connections(self) -> list[int]:
         """The connection of every rank that said hello (alive or not)."""
@@ -225,6 +210,12 @@ class MembershipService(SupervisorRequests):
         if isinstance(msg, m.SupervisorHello):
             self._send(conn, m.Reply(id=msg.id, ok=True, body={"store_port": self.store_port}))
             return _Supervisor(next(self._supervisors), conn)
+        # the eviction limits go to the rank too: it stops on its side after the same
+        # silence (a partition cuts both ways, and the rank must not serve on alone)
+        body = {"store_port": self.store_port, "hb_interval_s": self.hb_interval_s,
+                "hb_timeout_s": self.hb_timeout_s, "join_hb_timeout_s": self.join_hb_timeout_s}
+        if msg.resume is not None:
+            return self._resume(conn, msg, body)
         rank, mws = msg.rank, msg.max_world_size
         err = None
         if self._max_world_size is None:
@@ -242,11 +233,7 @@ class MembershipService(SupervisorRequests):
             return None
         proc = _Proc(rank=rank, pid=msg.pid, conn=conn, last_hb=self._clock())
         self._procs[rank] = proc
-        # the eviction limits go to the rank too: it stops on its side after the same
-        # silence (a partition cuts both ways, and the rank must not serve on alone)
-        self._send(conn, m.Reply(id=msg.id, ok=True, body={
-            "store_port": self.store_port, "hb_interval_s": self.hb_interval_s,
-            "hb_timeout_s": self.hb_timeout_s, "join_hb_timeout_s": self.join_hb_timeout_s}))
+        self._send(conn, m.Reply(id=msg.id, ok=True, body=body))
         log.info("coordinator: rank %d (pid %d, extension=%s) connected", rank, proc.pid,
                  msg.is_extension)
         return proc

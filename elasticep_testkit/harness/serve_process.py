@@ -79,6 +79,20 @@ def descendant_pids(root: int) -> set[int]:
     return out
 
 
+def coordinator_pids(root: int) -> set[int]:
+    """The coordinator processes (``elasticep.membership.process``, a leader or a
+    standby replica) among the live descendants of ``root``."""
+    out = set()
+    for pid in descendant_pids(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"elasticep.membership.process" in f.read().split(b"\0"):
+                    out.add(pid)
+        except OSError:
+            continue  # exited while we looked
+    return out
+
+
 def _stop_with_us() -> None:
     # if this driver dies (even SIGKILL), serve/join get SIGTERM and stop their own
     # workers, so a killed bench or chaos run leaves no deployment behind
