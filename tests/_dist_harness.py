@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 import _dist_workers
 
+import elasticep.membership as em
 from elasticep.utils.wait import wait_until
 
 _CTX = None
@@ -90,3 +93,17 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             p.join(5)
+
+
+@contextlib.contextmanager
+def coordinated_cluster(hb_interval_s: float = 0.1, hb_timeout_s: float = 5.0,
+                        ) -> Iterator[tuple[em.Coordinator, Cluster]]:
+    """A coordinator (heartbeat interval and timeout in seconds) and a :class:`Cluster` on
+    it; on exit the workers are killed by pid, then the coordinator closes."""
+    coord = em.start_coordinator(hb_interval_s=hb_interval_s, hb_timeout_s=hb_timeout_s)
+    cl = Cluster(coord.address)
+    try:
+        yield coord, cl
+    finally:
+        cl.close()
+        coord.close()

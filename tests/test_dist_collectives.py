@@ -3,16 +3,12 @@ uneven all_to_all_single splits; then with a hole left by a departed rank, and w
 single member left (whose CPU ops skip the inner Gloo group: distributed/solo.py)."""
 
 import pytest
-from _dist_harness import Cluster
-
-import elasticep.membership as em
+from _dist_harness import coordinated_cluster
 
 
 @pytest.mark.timeout(90)
 def test_every_op_and_dtype_then_holes():
-    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
-    cl = Cluster(coord.address)
-    try:
+    with coordinated_cluster() as (_, cl):
         for r in range(4):
             cl.start(r, "collectives", 4, 5, leaver=3)  # capacity 5: slot 4 is a hole too
         cl.wait_for(lambda m: sum(x[1] == "holes" for x in m) == 3, 80, "both phases")
@@ -22,16 +18,11 @@ def test_every_op_and_dtype_then_holes():
         for r in range(3):
             bad, mask, _ = cl.of(r, "holes")[0]
             assert bad == [] and mask == [1, 1, 1, 0, 0]
-    finally:
-        cl.close()
-        coord.close()
 
 
 @pytest.mark.timeout(90)
 def test_every_op_with_one_member_left():
-    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
-    cl = Cluster(coord.address)
-    try:
+    with coordinated_cluster() as (_, cl):
         for r in range(2):
             cl.start(r, "collectives", 2, 2, leaver=1)
         cl.wait_for(lambda m: any(x[1] == "holes" for x in m), 80, "both phases")
@@ -41,6 +32,3 @@ def test_every_op_with_one_member_left():
         assert full["solo"] == 0
         # every op of the second phase went the one-member way
         assert alone["solo"] - full["solo"] == alone["run"] - full["run"] - 1 > 30
-    finally:
-        cl.close()
-        coord.close()

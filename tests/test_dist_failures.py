@@ -10,20 +10,15 @@ import signal
 import time
 
 import pytest
-from _dist_harness import Cluster
-
-import elasticep.membership as em
+from _dist_harness import coordinated_cluster
 
 HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for freezes
 
 
 @pytest.fixture
 def cluster():
-    coord = em.start_coordinator(**HB)
-    cl = Cluster(coord.address)
-    yield cl
-    cl.close()
-    coord.close()
+    with coordinated_cluster(**HB) as (_, cl):
+        yield cl
 
 
 def _sums(cl, rank):

@@ -4,7 +4,7 @@ slot."""
 
 
 import pytest
-from _dist_harness import Cluster
+from _dist_harness import coordinated_cluster
 
 import elasticep.membership as em
 from elasticep.distributed.control import RankControl
@@ -14,11 +14,8 @@ HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for f
 
 @pytest.fixture
 def env():
-    coord = em.start_coordinator(**HB)
-    cl = Cluster(coord.address)
-    yield coord, cl
-    cl.close()
-    coord.close()
+    with coordinated_cluster(**HB) as both:
+        yield both
 
 
 def _lose_slot_2(cl, n=4, die_in_recover=None, duration_s=4.0):

@@ -3,9 +3,8 @@ keep their order, and a dead peer fails only the transfers with it."""
 
 import pytest
 import torch
-from _dist_harness import Cluster
+from _dist_harness import coordinated_cluster
 
-import elasticep.membership as em
 from elasticep.distributed.epoch_log import EpochLog
 from elasticep.distributed.p2p import PeerChannels, PeerGroup
 from elasticep.membership.errors import RankFailureError
@@ -14,9 +13,7 @@ from elasticep.membership.transitions import SlotState
 
 @pytest.mark.timeout(60)
 def test_ring_order_and_dead_peer():
-    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
-    cl = Cluster(coord.address)
-    try:
+    with coordinated_cluster() as (_, cl):
         for r in range(3):
             cl.start(r, "p2p_async", 3)
         cl.wait_for(lambda m: sum(x[1] == "dead" for x in m) == 2, 50, "dead-peer round")
@@ -27,9 +24,6 @@ def test_ring_order_and_dead_peer():
             dead, got = cl.of(r, "dead")[0]
             assert dead == [[2], [2]]
             assert got == (1 - r) + 7.0
-    finally:
-        cl.close()
-        coord.close()
 
 
 class _Store:

@@ -2,16 +2,12 @@
 "slot already held"), and an op on a group this rank has not joined says so."""
 
 import pytest
-from _dist_harness import Cluster
-
-import elasticep.membership as em
+from _dist_harness import coordinated_cluster
 
 
 @pytest.mark.timeout(60)
 def test_destroy_and_reinit_world_then_unjoined_op():
-    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
-    cl = Cluster(coord.address)
-    try:
+    with coordinated_cluster() as (_, cl):
         for r in range(2):
             cl.start(r, "reinit_world", 2, 3)
         cl.wait_for(lambda m: sum(x[1] == "sums" for x in m) == 2, 50, "two inits")
@@ -20,6 +16,3 @@ def test_destroy_and_reinit_world_then_unjoined_op():
         cl.wait_for(lambda m: any(x[1] == "not_joined" for x in m), 30, "joiner's error")
         msg = cl.of(2, "not_joined")[0]
         assert "has not joined" in msg and "join_group" in msg
-    finally:
-        cl.close()
-        coord.close()

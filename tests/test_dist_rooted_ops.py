@@ -1,9 +1,7 @@
 """gather / scatter / reduce on the elastic backend, over a group with a hole."""
 
 import pytest
-from _dist_harness import Cluster
-
-import elasticep.membership as em
+from _dist_harness import coordinated_cluster
 
 
 # root_late_s: the root marks its reduce completed 1 s late, after the other ranks are
@@ -13,9 +11,7 @@ import elasticep.membership as em
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("root_late_s", [0.0, 1.0])
 def test_gather_scatter_reduce_with_hole(root_late_s):
-    coord = em.start_coordinator(hb_interval_s=0.1, hb_timeout_s=5.0)
-    cl = Cluster(coord.address)
-    try:
+    with coordinated_cluster() as (_, cl):
         for r in range(3):  # slot 3 is capacity nobody holds
             cl.start(r, "rooted_ops", 3, 4, root_late_s=root_late_s)
         cl.wait_for(lambda m: sum(x[1] == "rooted" for x in m) == 3, 50, "rooted ops")
@@ -27,6 +23,3 @@ def test_gather_scatter_reduce_with_hole(root_late_s):
                 assert red == 3.0
             else:
                 assert gathered is None and red == r + 1.0
-    finally:
-        cl.close()
-        coord.close()
