@@ -35,3 +35,16 @@ def run_batched(model, prompts: list[list[int]], split: int, num_blocks: int = 6
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max|ours - ref| / max|ref|."""
     return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def engine_prefill_logits(eng, lengths: list[int], max_token: int) -> torch.Tensor:
+    """``[sum(lengths), V]`` float32 logits (on CPU) of one prefill step of ``eng`` (an
+    ``LLMEngine``) over random whole prompts of ``lengths`` tokens, ids in
+    ``[10, max_token)`` drawn with a seed fixed by the lengths."""
+    gen = torch.Generator().manual_seed(sum(lengths))
+    seqs = [Sequence(f"p{i}", torch.randint(10, max_token, (n,), generator=gen).tolist(), [],
+                     SamplingParams(), -1) for i, n in enumerate(lengths)]
+    for s in seqs:
+        eng.blocks.grow(s.block_table, s.num_tokens)
+    batch = ScheduledBatch(tuple(ScheduledSeq(s, 0, s.num_tokens) for s in seqs))
+    return eng.runner.forward(batch, all_logits=True).float().cpu()

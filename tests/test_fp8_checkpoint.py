@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_copy import linked_checkpoint
 from _fp8_ckpt import read_all, write_dequantized, write_fp8_checkpoint
 from _model_helpers import rel_err
 
@@ -115,15 +116,8 @@ def test_unsupported_quantization_is_refused(qc, named):
 
 
 def _with_quant_config(tmp_path: Path, qc: dict) -> Path:
-    out = tmp_path / "ckpt"
-    out.mkdir()
-    for f in MODEL.iterdir():
-        (out / f.name).symlink_to(f)
-    (out / "config.json").unlink()
-    config = json.loads((MODEL / "config.json").read_text())
-    config["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return linked_checkpoint(MODEL, tmp_path / "ckpt", "config.json",
+                             lambda config: {**config, "quantization_config": qc})
 
 
 def test_serve_refuses_awq_in_one_line_before_loading(tmp_path):
@@ -139,14 +133,8 @@ def test_serve_refuses_awq_in_one_line_before_loading(tmp_path):
 
 
 def test_fp8_tensors_without_quantization_config_are_refused(fp8_ckpt, tmp_path):
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in fp8_ckpt.iterdir():
-        (bare / f.name).symlink_to(f)
-    (bare / "config.json").unlink()
-    config = json.loads((fp8_ckpt / "config.json").read_text())
-    del config["quantization_config"]
-    (bare / "config.json").write_text(json.dumps(config))
+    bare = linked_checkpoint(fp8_ckpt, tmp_path / "bare", "config.json", lambda config: {
+        k: v for k, v in config.items() if k != "quantization_config"})
     with pytest.raises(ValueError, match="stored as float8_e4m3fn"):
         load_model(bare, progress=False)
 

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from _graph_checks import graph_steps_match_eager, random_prompts
+from _model_helpers import engine_prefill_logits
 from test_fp8_dense import dequantized_copy
 from test_fp8_linear import make_case, rounding_bound
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-from elasticep.engine.request import SamplingParams
-from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
-from elasticep.engine.sequence import Sequence
 from elasticep.models import load_model
 from elasticep.models.fp8_linear import fp8_linear, fp8_linear_reference, fp8_linear_triton, plan
 from elasticep.models.linear import Fp8Weight, linear
@@ -80,13 +78,7 @@ def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:
     prompts (fixed seed) through ``model``."""
     eng = LLMEngine(model, EngineConfig(max_total_tokens=4096, max_num_seqs=16,
                                         enable_cuda_graph=False))
-    gen = torch.Generator().manual_seed(sum(lengths))
-    seqs = [Sequence(f"p{i}", torch.randint(10, 1000, (n,), generator=gen).tolist(), [],
-                     SamplingParams(), -1) for i, n in enumerate(lengths)]
-    for seq in seqs:
-        eng.blocks.grow(seq.block_table, seq.num_tokens)
-    batch = ScheduledBatch(tuple(ScheduledSeq(q, 0, q.num_tokens) for q in seqs))
-    return eng.runner.forward(batch, all_logits=True).float().cpu()
+    return engine_prefill_logits(eng, lengths, 1000)
 
 
 def test_fp8_demo_model_decodes_through_graphs_and_is_as_close_as_its_dequantized_copy():

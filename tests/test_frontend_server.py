@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from _ckpt_copy import linked_checkpoint
 from _frontend_live import engine_server, make_chat_model, wait_for
 from transformers import AutoTokenizer
 
@@ -36,13 +37,7 @@ CHAT = [{"role": "user", "content": "How many legs does a cat have?"}]
 def demo_with(dst: Path, name: str, **changes) -> Path:
     """The demo model in ``dst`` (files symlinked) with the JSON file ``name`` updated
     by ``changes``."""
-    dst.mkdir()
-    for f in DEMO.iterdir():
-        if f.name != name:
-            (dst / f.name).symlink_to(f)
-    data = json.loads((DEMO / name).read_text())
-    (dst / name).write_text(json.dumps({**data, **changes}))
-    return dst
+    return linked_checkpoint(DEMO, dst, name, lambda data: {**data, **changes})
 
 
 @pytest.fixture(scope="module")

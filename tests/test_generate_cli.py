@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ckpt_copy import linked_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,14 +70,8 @@ def test_eos_ids_of_generation_config_end_generation_as_in_transformers(tmp_path
     free_run = LLMEngine.from_pretrained(src, progress=False).generate(
         [ids], SamplingParams(max_tokens=12))[0]
     stop_at = next(i for i, t in enumerate(free_run) if t not in free_run[:i] and t != 0 and i >= 2)
-    model = tmp_path / "tiny"
-    model.mkdir()
-    for f in src.iterdir():
-        (model / f.name).symlink_to(f)
-    (model / "generation_config.json").unlink()
-    gen = json.loads((src / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(
-        json.dumps({**gen, "eos_token_id": [free_run[stop_at], 0]}))
+    model = linked_checkpoint(src, tmp_path / "tiny", "generation_config.json",
+                              lambda gen: {**gen, "eos_token_id": [free_run[stop_at], 0]})
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ckpt_copy import linked_checkpoint
 
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.generate_cmd import validate
@@ -133,10 +134,7 @@ def test_valid_flags(tmp_path):
 
 def _demo_copy(dst: Path) -> Path:
     """The demo model in ``dst``, files symlinked (the test replaces one)."""
-    dst.mkdir()
-    for f in (REPO / "models" / "tiny-qwen3-moe").iterdir():
-        (dst / f.name).symlink_to(f)
-    return dst
+    return linked_checkpoint(REPO / "models" / "tiny-qwen3-moe", dst)
 
 
 def test_cli_truncated_or_missing_checkpoint_shard_is_one_error_line(tmp_path):

@@ -15,16 +15,14 @@ token's row for its two pairs), mixed lengths (the paged kernel) and many short 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_copy import linked_checkpoint
+from _model_helpers import engine_prefill_logits
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-from elasticep.engine.request import SamplingParams
-from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
-from elasticep.engine.sequence import Sequence
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
@@ -36,14 +34,8 @@ CASES = {"equal_long": [1100] * 3, "mixed": [700, 300, 1500], "short": [128] * 1
 @pytest.fixture(scope="module")
 def demo_4k(tmp_path_factory) -> Path:
     """The demo checkpoint with a 4096-token context (its own is 1024), weights linked."""
-    root = tmp_path_factory.mktemp("demo4k")
-    for f in DEMO.iterdir():
-        if f.name != "config.json":
-            (root / f.name).symlink_to(f)
-    cfg = json.loads((DEMO / "config.json").read_text())
-    cfg["max_position_embeddings"] = 4096
-    (root / "config.json").write_text(json.dumps(cfg))
-    return root
+    return linked_checkpoint(DEMO, tmp_path_factory.mktemp("demo4k"), "config.json",
+                             lambda cfg: {**cfg, "max_position_embeddings": 4096})
 
 
 def step_logits(model_dir: Path, device: str, dtype: torch.dtype,
@@ -54,13 +46,7 @@ def step_logits(model_dir: Path, device: str, dtype: torch.dtype,
                                     config=EngineConfig(max_total_tokens=8192, max_num_seqs=32,
                                                         max_batch_tokens=8192,
                                                         enable_cuda_graph=False))
-    gen = torch.Generator().manual_seed(sum(lengths))
-    seqs = [Sequence(f"p{i}", torch.randint(10, 8000, (n,), generator=gen).tolist(), [],
-                     SamplingParams(), -1) for i, n in enumerate(lengths)]
-    for s in seqs:
-        eng.blocks.grow(s.block_table, s.num_tokens)
-    batch = ScheduledBatch(tuple(ScheduledSeq(s, 0, s.num_tokens) for s in seqs))
-    return eng.runner.forward(batch, all_logits=True).float().cpu()
+    return engine_prefill_logits(eng, lengths, 8000)
 
 
 @pytest.mark.parametrize("case", list(CASES))
