@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from elasticep.config import DeploymentConfig
-from elasticep.entrypoints.serve_cmd import layout_mismatch
+from elasticep.entrypoints.serve_node import layout_mismatch
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.errors import ScaleRefusedError

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from elasticep.models import load_model, reload_expert
-from elasticep.models.loader import open_weights
+from elasticep.models.weight_source import open_weights
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "models" / "tiny-qwen3-moe"

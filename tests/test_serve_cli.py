@@ -884,7 +884,7 @@ def test_a_node_run_again_takes_its_failed_or_drained_slots_back_in_place():
     restarts a pod): it was refused and told to use `join ... recover`. Now its failed
     and free slots are taken back in recover mode; slots never held (pid None) start as
     the launch cohort; a slot a live process holds is still refused."""
-    from elasticep.entrypoints.serve_cmd import ranks_in_use, rejoin_ranks
+    from elasticep.entrypoints.serve_node import ranks_in_use, rejoin_ranks
 
     fresh = DeploymentStatus.from_dict(
         {"epoch": 0, "ep_size": 4, "max_ep_size": 4, "scale_phase": "idle",

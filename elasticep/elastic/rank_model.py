@@ -18,7 +18,8 @@ import torch.distributed as dist
 from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.eplb import ExpertLocationMetadata, Placement
 from elasticep.models import MoECausalLM, load_expert_into_slot, load_model
-from elasticep.models.loader import alloc_expert_slots, experts_fp8, open_weights
+from elasticep.models.expert_loader import alloc_expert_slots, experts_fp8
+from elasticep.models.weight_source import open_weights
 from elasticep.moe.cuda_executor import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
@@ -39,7 +40,7 @@ class CheckpointExperts:
     Args:
         model: the rank's model (for its config, dtype and device).
         model_dir: the checkpoint directory.
-        load_format: as :func:`elasticep.models.loader.open_weights`; with "dummy" an
+        load_format: as :func:`elasticep.models.weight_source.open_weights`; with "dummy" an
             orphan is drawn again from ``seed``, bit-identical to its lost copy.
         seed: the dummy weights' seed.
         quantization: the deployment's ``--quantization`` (an orphan is rounded through
@@ -124,7 +125,7 @@ def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,
             NCCL communicators use.
         with_experts: False on a joiner: it loads no expert (see :func:`attach_ep_executor`).
         load_format, seed, quantization: where weights come from and how they are
-            quantized (:func:`elasticep.models.loader.open_weights`).
+            quantized (:func:`elasticep.models.weight_source.open_weights`).
 
     Raises:
         ValueError: bad checkpoint or placement.

@@ -3,7 +3,7 @@
 Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process, the
 coordinator (membership, rendezvous store) in a child process of its own, and its share
 of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
-only launch their ranks against node 0's coordinator. A progress bar shows ranks loading; then one
+only launch their ranks against node 0's coordinator (:mod:`.serve_node`). A progress bar shows ranks loading; then one
 "ready" line with the URL goes to stdout. Ctrl-C / SIGTERM stops every process this
 command started; workers also die with it through PR_SET_PDEATHSIG, and the coordinator
 when its lifeline pipe from this process closes.
@@ -24,31 +24,13 @@ from tqdm import tqdm
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
-from elasticep.deploy.coordinator_replica import CoordinatorReplica, local_address_towards
-from elasticep.deploy.probe import coordinator_lost, reach_coordinator
-from elasticep.deploy.restart_policy import (
-    Policy,
-    Until,
-    on_exit_for,
-    recover_command,
-    restart_budget,
-)
-from elasticep.deploy.supervisor import (
-    CoordinatorUnreachableError,
-    StopEvent,
-    exit_status,
-    stop_on_signals,
-    supervise,
-)
+from elasticep.deploy.restart_policy import Policy, on_exit_for, restart_budget
+from elasticep.deploy.supervisor import StopEvent, stop_on_signals, supervise
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
-from elasticep.elastic.exit_code import ExitCode
 from elasticep.engine.limits import known_max_total_tokens
 from elasticep.engine.memory_fit import deployment_fit_problem
-from elasticep.entrypoints.serve_args import (
-    ServeSettings,
-    add_serve_arguments,
-    validate,
-)
+from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
+from elasticep.entrypoints.serve_node import serve_node
 from elasticep.entrypoints.validate import (
     UsageError,
     env_fault,
@@ -59,11 +41,9 @@ from elasticep.entrypoints.validate import (
 from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
-from elasticep.membership.client import CoordinatorClient
-from elasticep.membership.errors import JoinRefusedError, MembershipStoreError
+from elasticep.membership.errors import MembershipStoreError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
-from elasticep.membership.transitions import SlotState
 from elasticep.utils.net import bind_tcp
 
 logger = logging.getLogger("elasticep.serve")
@@ -117,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if settings.node_rank == 0:
             return _serve_head(settings, args, stop, log_dir, fault, deployment_id)
-        return _serve_node(settings, stop, log_dir, fault)
+        return serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
         print(f"elasticep serve: error: {exc}", file=sys.stderr)
         return 1
@@ -343,142 +323,3 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
                 time.sleep(0.1)  # let the front-end's membership watcher route to them
                 return True
     return False
-
-
-def ranks_in_use(status: DeploymentStatus, ranks: list[int], address: str,
-                 node: int) -> str | None:
-    """Why this node cannot start ``ranks``, or None (pure).
-
-    A slot a live process holds (a member, or a joiner loading) is in use: started
-    again, a rank would be refused by the coordinator and die with a traceback, after
-    loading. Failed and free slots are not: a node's ``serve`` run again after the node
-    died (or was drained) takes them back in place (:func:`rejoin_ranks`).
-
-    Returns:
-        One line naming the slots in use, their states and pids.
-    """
-    held = [status.rank(r) for r in ranks if status.rank(r).pid is not None
-            and status.rank(r).state not in (SlotState.FAILED, SlotState.FREE)]
-    if not held:
-        return None
-    names = ", ".join(f"rank {r.rank} is {r.state.value} (pid {r.pid})" for r in held)
-    return (f"{names} in the running deployment at {address}; a node's serve run again "
-            "takes back only failed or retired slots (stop the process holding them first)")
-
-
-def rejoin_ranks(status: DeploymentStatus, ranks: list[int]) -> list[int]:
-    """The slots of ``ranks`` this node takes back in recover mode rather than start as
-    the launch cohort (pure): the failed ones (the node died) and the free ones (the
-    node was drained). An orchestrator restarting a node's pod runs the same ``serve``
-    again, and this makes that work as `join ... --elastic-ep-join-mode recover` would.
-    """
-    return [r for r in ranks if status.rank(r).state in (SlotState.FAILED, SlotState.FREE)]
-
-
-def _claim_for_recovery(address: str, ranks: list[int]) -> str | None:
-    """Check with the coordinator that ``ranks`` may be taken back in recover mode (a
-    retired slot comes back into the target); returns why not, or None. The launch
-    records of the relaunch then keep a second `join` off them."""
-    client = CoordinatorClient(address)
-    try:
-        client.reserve(ranks, "recover")
-    except JoinRefusedError as exc:
-        return str(exc)
-    finally:
-        client.close()
-    return None
-
-
-def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: str,
-                    ) -> str | None:
-    """Why this node's ``--nnodes`` / ``--ep-size`` cannot join node 0's launch, or None
-    (pure). A node with another split would launch ranks node 0 does not wait for (or
-    none of the ones it does), and node 0 would fail a minute later for an unrelated
-    reason ("inner group not built in time").
-
-    Returns:
-        One line naming both values of the first flag that differs.
-    """
-    for flag, field in (("--nnodes", "nnodes"), ("--ep-size", "ep_size")):
-        ours, theirs = getattr(mine, field), getattr(node0, field)
-        if ours != theirs:
-            return (f"{flag} {ours} disagrees with node 0's {flag} {theirs} (the deployment "
-                    f"at {address}); start every node with the same {flag}")
-    return None
-
-
-def _serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
-                fault: str | None) -> int:
-    """Nodes 1..: launch this node's share of ranks against node 0's coordinator
-    (``fault``: their fault-injection spec)."""
-    address = f"{settings.coordinator_host}:{settings.coordinator_port}"
-    if settings.coordinator_port == 0:  # no --dist-init-addr: the leader in etcd
-        from elasticep.membership.etcd_store import find_coordinator
-
-        address = find_coordinator(settings.membership_store, settings.coordinator_timeout_s)
-    if not reach_coordinator(address, settings.coordinator_timeout_s, stop=stop):
-        return stop.exit_status() or 1
-    deployment = Deployment.attach(address, node=settings.node_rank, log_dir=log_dir,
-                                   new_session=True)
-    dep = deployment.config
-    if dep.membership_store.startswith("etcd://"):  # a standby coordinator on each node
-        deployment.replica = CoordinatorReplica.standby(
-            local_address_towards(address), dep.membership_store,
-            hb_timeout_s=dep.heartbeat_timeout_s)
-    per_node = dep.ep_size // settings.nnodes
-    ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
-    try:
-        mismatch = layout_mismatch(settings.deployment, dep, address)
-        if mismatch:
-            print(f"elasticep serve: error: node {settings.node_rank}: {mismatch}",
-                  file=sys.stderr)
-            return 2
-        status = deployment.deployment_status()
-        taken = ranks_in_use(status, ranks, address, settings.node_rank)
-        if taken:
-            print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
-            return 2
-        rejoin = rejoin_ranks(status, ranks)
-        if rejoin:
-            refused = _claim_for_recovery(address, rejoin)
-            if refused:
-                print(f"elasticep serve: error: node {settings.node_rank}: {refused}",
-                      file=sys.stderr)
-                return 2
-            deployment.relaunch(*rejoin)  # recover mode, admitted at a step boundary
-        fresh = [r for r in ranks if r not in rejoin]
-        if fresh:
-            deployment.launch(fresh, fault=fault)
-        what = (f"launched ranks {fresh}" if not rejoin else
-                f"rejoins ranks {rejoin} in place (recover mode)"
-                + (f" and launched ranks {fresh}" if fresh else ""))
-        print(f"ready: node {settings.node_rank} {what} for coordinator {address}",
-              flush=True)
-        fatal = not deployment.fault_tolerant
-        try:
-            exits = supervise(deployment, stop, Policy(
-                on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
-                Until.ALL_EXITED, max_restarts=settings.max_restarts,
-                restart_window_s=settings.restart_window_s,
-                coordinator_timeout_s=settings.coordinator_timeout_s))
-        except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
-            print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
-                  f"{exc}; the ranks of this node stopped", file=sys.stderr)
-            return 1
-        if fatal and exits:
-            return 1
-        # ranks left alive at a stop are no loss; without a stop, every rank exited:
-        # if the coordinator is gone, or was for a while, that is why (a rank may see its
-        # peers die first and exit with an error, not with the lost-coordinator 3)
-        if not stop.is_set() and any(ex.code != ExitCode.REMOVED for ex in exits):
-            lost = sorted({ex.rank for ex in exits if ex.code != ExitCode.REMOVED})
-            hint = (f"relaunch them with `{recover_command(address, lost, settings.node_rank)}`"
-                    ", or run this node with --restart-failed-ranks")
-            reason = coordinator_lost(address, settings.coordinator_timeout_s, stop, hint)
-            if reason:
-                print(f"elasticep serve: error: node {settings.node_rank}: {reason}",
-                      file=sys.stderr)
-                return 1
-        return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
-    finally:
-        deployment.stop()

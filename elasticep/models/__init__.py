@@ -2,7 +2,8 @@
 forward pass, and the per-rank safetensors loader."""
 
 from elasticep.models.config import SUPPORTED_FAMILIES, MoEModelConfig, load_model_config
-from elasticep.models.loader import load_expert_into_slot, load_model, reload_expert
+from elasticep.models.expert_loader import load_expert_into_slot
+from elasticep.models.loader import load_model, reload_expert
 from elasticep.models.model import MoECausalLM
 
 __all__ = [
