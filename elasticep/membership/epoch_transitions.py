@@ -1,0 +1,104 @@
+"""Epoch transitions of a group: a rank's death, then announce -> collect the members'
+reports -> :func:`~elasticep.membership.transitions.decide` -> commit, and the ``Peer``
+pushes that tell members of a slot state change between epochs.
+
+A mixin of :class:`~elasticep.membership.service.MembershipService`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from . import messages as m
+from .registry import Group, Transition
+from .takeover import RankProc as _Proc
+from .transitions import SlotState, decide, state_after_death
+
+log = logging.getLogger("elasticep.membership")
+
+
+class EpochTransitions:
+    """The transition steps of :class:`~elasticep.membership.service.MembershipService`;
+    every one reads or changes its groups and queues messages with ``_send``."""
+
+    _groups: dict[str, Group]
+    _procs: dict[int, _Proc]
+    _send: Callable[..., None]
+    _admit_into_empty: Callable[[Group], None]
+
+    def _proc_dead(self, proc: _Proc, why: str) -> None:
+        if not proc.alive:
+            return
+        proc.alive = False
+        removed = bool(proc.groups) and all(
+            self._groups[n].states[self._groups[n].slot_of(proc.rank)] == SlotState.FREE
+            for n in proc.groups)  # a planned removal already took its slots: no failure
+        log.log(logging.INFO if removed else logging.WARNING,
+                "coordinator: rank %d (pid %d) %s: %s", proc.rank, proc.pid,
+                "left after its planned removal" if removed else "dead", why)
+        for name in proc.groups:
+            g = self._groups[name]
+            slot = g.slot_of(proc.rank)
+            leaving = g.leaving(slot)
+            member = slot in g.active or bool(g.transition and slot in g.transition.new_active)
+            if member:
+                g.pending_dead.add(slot)  # a leaving member leaves through a failure too
+            g.set_state(slot, state_after_death(g.states[slot], leaving, member,
+                                                g.joined_from.get(slot)))
+            g.pending_admit.discard(slot)
+            self._maybe_start(g)
+            if leaving:
+                # Its removal is done by the failure transition; a removal left queued (a
+                # restarted change transition re-queues it) would fire again when the slot
+                # is next admitted by a scale-up.
+                g.pending_remove.discard(slot)
+                g.requests["remove"] = [r for r in g.requests["remove"] if r != slot]
+            self._push_peer(g)
+
+    def _maybe_start(self, g: Group) -> None:
+        tr = g.transition
+        if tr is not None:
+            if g.pending_dead - tr.dead:
+                self._announce(g, tr.restart(g))
+            return
+        tr = Transition.begin(g)
+        if tr is not None:
+            self._announce(g, tr)
+
+    def _announce(self, g: Group, tr: Transition) -> None:
+        g.transition = tr
+        tr.waiting = {s for s in g.active if self._alive_slot(g, s)}
+        log.info("coordinator: group %s announce epoch %d kind=%s active=%s dead=%s",
+                 g.name, tr.epoch, tr.kind, sorted(tr.new_active), sorted(tr.dead))
+        for s in tr.waiting:
+            self._send(self._procs[g.ranks[s]].conn, m.Announce(g.name, tr.epoch))
+        self._maybe_commit(g)
+
+    def _maybe_commit(self, g: Group) -> None:
+        tr = g.transition
+        if tr is None or not tr.waiting <= set(tr.reports):
+            return
+        d = decide(tr.kind, tr.epoch, tr.new_active, tr.dead, tr.reports)
+        g.commit(tr)
+        log.info("coordinator: group %s commit epoch %d %s", g.name, d.epoch, d.to_dict())
+        # Requests travel with the commit: a rank must not act again on a removal or
+        # admission that this commit just applied (a later re-admission of the slot
+        # would otherwise be undone by the stale request).
+        msg = m.Commit(g.name, g.states, g.requests, decision=d)
+        for p in self._procs.values():
+            if p.alive and g.name in p.groups:
+                self._send(p.conn, msg)
+        self._maybe_start(g)
+        if g.transition is None:
+            self._admit_into_empty(g)  # the last member's death may have just committed
+
+    def _alive_slot(self, g: Group, slot: int) -> bool:
+        p = self._procs.get(g.ranks[slot])
+        return p is not None and p.alive
+
+    def _push_peer(self, g: Group) -> None:
+        msg = m.Peer(g.name, g.states, g.requests)
+        for p in self._procs.values():
+            if p.alive and g.name in p.groups:
+                self._send(p.conn, msg)
