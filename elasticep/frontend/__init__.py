@@ -1,7 +1,8 @@
 """The HTTP front-end: the OpenAI API, request routing over data-parallel ranks, resuming
 a dead rank's requests on survivors, and the membership view it routes by.
 
-- ``core``: :class:`Frontend`, the asyncio core (link pump, membership watcher, streams);
+- ``core``: :class:`Frontend`, the asyncio core (link pump, streams), with
+  ``membership_watch`` (the membership watcher);
 - ``request_tracker``: pure routing and resume decisions (no I/O, injected clock);
 - ``http_server`` / ``openai_serving`` / ``openai_protocol`` (requests) /
   ``openai_responses`` / ``api_errors`` (the error shape and shared checks): FastAPI app

@@ -5,8 +5,8 @@ Everything here runs on one asyncio loop (the HTTP server's), so the
 
 - the *output pump* waits on the link channel and hands token batches, request errors
   and hellos to the tracker;
-- the *membership watcher* polls :class:`MembershipSource` every ``membership_poll_s``
-  seconds (in a thread, with a timeout) and applies rank state changes, which moves
+- the *membership watcher* (:mod:`.membership_watch`) polls :class:`MembershipSource`
+  every ``membership_poll_s`` seconds and applies rank state changes, which moves
   requests off failed/draining/free slots.
 
 A rank counts as routable only when membership says ``healthy`` *and* its worker said
@@ -30,6 +30,7 @@ from elasticep.frontend.first_token_trace import FirstTokenTrace
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.membership_metrics import SnapshotMetrics
 from elasticep.frontend.membership_source import MembershipSource
+from elasticep.frontend.membership_watch import MembershipWatch, SnapshotOutage
 from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend.recovery_timeline import Event, RecoveryTimeline
 from elasticep.frontend.request_stream import RequestStream, watch_stalls
@@ -49,11 +50,9 @@ from elasticep.frontend_link import (
     RequestError,
     StepFailed,
     WorkerMessage,
-    is_routable,
     monotonic_us,
 )
 from elasticep.membership.status import DeploymentStatus
-from elasticep.membership.transitions import SlotState
 from elasticep.utils.wait import wait_until
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class FrontendConfig:
     token_timeout_s: float = 300.0
 
 
-class Frontend:
+class Frontend(MembershipWatch):
     """Routes requests to ranks and streams their tokens back.
 
     Args:
@@ -106,6 +105,7 @@ class Frontend:
         self.first_token_trace = FirstTokenTrace(monotonic_us)
         self._status = DeploymentStatus()
         self._snapshots = SnapshotMetrics(self.metrics)
+        self._outage = SnapshotOutage()
         self._unreachable: set[int] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake_membership = asyncio.Event()
@@ -282,48 +282,6 @@ class Frontend:
         return await asyncio.wait_for(
             asyncio.to_thread(self.membership.operation, operation_id),
             self.config.status_timeout_s)
-
-    # ---- membership ----------------------------------------------------------------
-    async def refresh_membership(self) -> None:
-        """Fetch a membership snapshot now and apply it (errors are logged, not raised)."""
-        try:
-            status = await asyncio.wait_for(asyncio.to_thread(self.membership.status),
-                                            self.config.status_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - keep serving on the last known view
-            logger.warning("epoch %s: membership snapshot failed: %r", self._status.epoch, exc)
-            return
-        self._apply_status(status)
-
-    def _apply_status(self, status: DeploymentStatus) -> None:
-        self._status = status
-        states: dict[int, str] = {}
-        for entry in status.ranks:
-            rank, state, pid = entry.rank, entry.state, entry.pid
-            routable = (is_routable(state, pid, self.channel.connected.get(rank))
-                        and rank not in self._unreachable)
-            # A healthy rank whose worker we cannot reach yet is not routable.
-            states[rank] = ("connecting" if state == SlotState.HEALTHY and not routable
-                            else state.value)
-        # before update_ranks moves the requests of ranks that stop taking them
-        self._snapshots.observe(status, states, self.tracker.running_per_rank())
-        self._record(self.timeline.on_status(time.monotonic(), status))
-        before = self.tracker.resubmitted_total
-        # each rank's own limit, from its latest hello (engine.limits)
-        self._dispatch(self.tracker.set_capacity(
-            {r: h.max_running_requests for r, h in self.channel.connected.items()
-             if h.max_running_requests is not None}))
-        self._dispatch(self.tracker.update_ranks(states))
-        if not self._ready and status.ep_size > 0:
-            self._ready = len(self.tracker.healthy_ranks()) >= status.ep_size
-        self.metrics.resubmitted_requests.inc(self.tracker.resubmitted_total - before)
-
-    async def _watch_membership(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_membership.wait(),
-                                       self.config.membership_poll_s)
-            self._wake_membership.clear()
-            await self.refresh_membership()
 
     # ---- link ----------------------------------------------------------------------
     async def _pump_outputs(self) -> None:
