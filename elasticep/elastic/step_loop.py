@@ -23,11 +23,10 @@ included (they run every MoE layer's dispatch with 0 tokens). One iteration
 Tokens are published only after the commit collective, which the elastic group
 returns on every survivor once any survivor completed it: a redone step never
 streams a token twice. With the in-graph exchange on CUDA they go out while the next
-step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), so the
-hand-off to the front-end is off the step's critical path. Before a step that carries
-a prefill chunk they are sent first: its forward runs eagerly, and its launch keeps the
-host until nearly its end, which would hold the first tokens of the step before for a
-whole prefill. An iteration that forwards nothing sends them first too. Elsewhere the forward returns only when it is done (its
+step's forward runs on the device (:meth:`LLMEngine.execute`'s ``while_running``), off
+the step's critical path; before a step that carries a prefill chunk (an eager forward,
+whose launch keeps the host until nearly its end) and before an iteration that forwards
+nothing, they are sent first. Elsewhere the forward returns only when it is done (its
 exchanges are host collectives), so they are sent at once. On ``EpochChangedError``
 anywhere in 2-4 the step is abandoned, the placement is reconciled to the new
 membership (:mod:`elasticep.elastic.placement_sync`), and the loop starts over at 2,
