@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
 
-from elasticep.distributed.control import peer_host_acks
+from elasticep.distributed.control import acks_fresh, peer_host_acks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,3 +55,17 @@ def test_a_paused_peer_process_still_acknowledges():
 def test_an_unconnected_socket_is_no_evidence():
     with socket.socket() as s:
         assert not peer_host_acks(s, 10.0)
+
+
+def test_acks_from_a_peer_that_cannot_hear_us_are_no_evidence():
+    """A one-way cut: the coordinator's host still retransmits to the rank (duplicate
+    ACKs keep tcpi_last_ack_recv fresh) while the rank's own heartbeats time out
+    unacknowledged (tcpi_retransmits > 0): not a stalled process, a cut."""
+    info = bytearray(104)
+    struct.pack_into("I", info, 56, 100)  # an ACK 100 ms ago
+    assert acks_fresh(bytes(info), 1.0)
+    info[2] = 1  # one retransmission timeout of ours not yet recovered
+    assert not acks_fresh(bytes(info), 1.0)
+    info[2] = 0
+    struct.pack_into("I", info, 56, 1500)
+    assert not acks_fresh(bytes(info), 1.0)

@@ -57,19 +57,34 @@ def stall_grace_s(coordinator_timeout_s: float, heartbeat_timeout_s: float) -> f
     ``--coordinator-timeout``, and never less than its heartbeat timeout (a shorter
     grace would end before the silence counts as one)."""
     return max(coordinator_timeout_s, heartbeat_timeout_s)
-_TCPI_LAST_ACK_RECV = 56  # byte offset of tcpi_last_ack_recv (ms) in Linux's tcp_info
+# byte offsets in Linux's struct tcp_info: tcpi_retransmits (u8: retransmission timeouts
+# not yet recovered by an ACK) and tcpi_last_ack_recv (u32, ms since the last ACK)
+_TCPI_RETRANSMITS = 2
+_TCPI_LAST_ACK_RECV = 56
+
+
+def acks_fresh(tcp_info: bytes, within_s: float) -> bool:
+    """Whether a socket's ``TCP_INFO`` bytes show its peer's kernel taking what this side
+    sends (pure): an ACK arrived within ``within_s`` seconds and none of this side's data
+    waits on a retransmission timeout. A fresh ACK alone is no evidence: a host that
+    cannot hear this side (a one-way cut) still sends it duplicate ACKs while it
+    retransmits its own unacknowledged data, for seconds after the cut.
+
+    Raises:
+        struct.error: fewer bytes than the fields read.
+    """
+    (last_ack_ms,) = struct.unpack_from("I", tcp_info, _TCPI_LAST_ACK_RECV)
+    return tcp_info[_TCPI_RETRANSMITS] == 0 and last_ack_ms / 1000.0 < within_s
 
 
 def peer_host_acks(sock: socket.socket, within_s: float) -> bool:
-    """True if the kernel at the other end of ``sock`` acknowledged data within
-    ``within_s`` seconds (Linux ``TCP_INFO``): the host is up and reachable even when
+    """True if the kernel at the other end of ``sock`` takes what this side sends
+    (:func:`acks_fresh` of Linux ``TCP_INFO``): the host is up and reachable even when
     the process there is not answering. False where that cannot be read."""
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        (last_ack_ms,) = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
+        return acks_fresh(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), within_s)
     except (OSError, AttributeError, struct.error):
         return False
-    return last_ack_ms / 1000.0 < within_s
 
 
 class RankControl(LeaderResume):
