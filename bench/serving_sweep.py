@@ -10,9 +10,9 @@ shape, with ``engine`` and ``served_over_engine`` filled in.
 Both sides get the same step budget (a served rank's ``--chunked-prefill-size`` and
 ``--max-num-batched-tokens``, defaults resolved as the ranks resolve them), so the
 engine's prefill steps are as large as the ranks' and the comparison is of the served
-path, not of two schedules. Both sides get the same KV cache: the engine holds the largest C requests at once, and
-unless a ``--serve-arg`` sets ``--max-total-tokens``, the server's ranks are given that
-many tokens too. Otherwise a rank sizes its cache from its share of the GPU, which with
+path, not of two schedules. Both sides get the same KV cache: the engine holds the
+largest C requests at once, and unless a ``--serve-arg`` sets ``--max-total-tokens``,
+the server's ranks are given that many tokens too. Otherwise a rank sizes its cache from its share of the GPU, which with
 ``--max-ep-size 2`` on one GPU is half of it, and it may hold fewer sequences than the
 engine (at the Qwen3-30B-A3B shape, fewer than 64 of 512 tokens): the comparison would
 then measure queueing, not the per-token speed of the served path.
@@ -67,10 +67,8 @@ def served_step_budget(flags: list[str], device: str) -> tuple[int | None, int]:
     def flag(name: str) -> int | None:
         return int(flags[flags.index(name) + 1]) if name in flags else None
 
-    chunk = flag("--chunked-prefill-size")
-    if chunk is None:
-        chunk = limits.DEFAULT_CHUNKED_PREFILL_SIZE if device == "cuda" else -1
-    resolved = limits.RankLimits(1, 1, 1, None if chunk == -1 else chunk,
+    resolved = limits.RankLimits(1, 1, 1, limits.resolve_chunk(flag("--chunked-prefill-size"),
+                                                               device),
                                  flag("--max-num-batched-tokens"))
     config = resolved.engine_config()
     return config.chunked_prefill_size, config.max_batch_tokens

@@ -196,12 +196,17 @@ def cuda_graph_max_bs(d: DeploymentConfig) -> int:
     return DEFAULT_CUDA_GRAPH_MAX_BS
 
 
+def resolve_chunk(flag: int | None, device: str) -> int | None:
+    """The engine's prefill chunk for a ``--chunked-prefill-size`` value (pure): -1 is
+    None (off); unset is :data:`DEFAULT_CHUNKED_PREFILL_SIZE` on CUDA and None on CPU."""
+    if flag is None:
+        return DEFAULT_CHUNKED_PREFILL_SIZE if device == "cuda" else None
+    return None if flag == -1 else flag
+
+
 def chunked_prefill_size(d: DeploymentConfig) -> int | None:
-    """The engine's prefill chunk (pure): ``--chunked-prefill-size`` (-1: None, off),
-    else :data:`DEFAULT_CHUNKED_PREFILL_SIZE` on CUDA and None on CPU."""
-    if d.chunked_prefill_size is None:
-        return DEFAULT_CHUNKED_PREFILL_SIZE if d.device == "cuda" else None
-    return None if d.chunked_prefill_size == -1 else d.chunked_prefill_size
+    """The engine's prefill chunk of a deployment (:func:`resolve_chunk`)."""
+    return resolve_chunk(d.chunked_prefill_size, d.device)
 
 
 def max_step_tokens(d: DeploymentConfig) -> int | None:
