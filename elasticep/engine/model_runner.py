@@ -125,8 +125,7 @@ class ModelRunner:
         token and samples it (a prefill chunk, even a 1-token one that samples nothing,
         is not a decode step). An idle EP rank's empty step is none (it may replay a
         graph all the same, counted in ``graphs.replays`` only)."""
-        return bool(batch.items) and all(
-            it.end - it.start == 1 and it.samples for it in batch.items)
+        return batch.one_token_each and all(it.samples for it in batch.items)
 
     def _replay(self, batch: ScheduledBatch, decode: bool) -> torch.Tensor | None:
         """The decode step through a captured graph, or None when it must run eagerly
