@@ -93,10 +93,9 @@ if triton is not None:
         ulp = ((exp - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
         v = y * ((257 - exp) << 23).to(tl.float32, bitcast=True)  # y / ulp, exact: |v| < 16
         r = (v + 12582912.0) - 12582912.0  # + 1.5 * 2^23 rounds to an integer, ties to even
-        r = r * ulp
-        # a value rounded to zero keeps its sign, as a float8 cast keeps it
-        r_bits = r.to(tl.int32, bitcast=True) | (bits & -2147483648)
-        return r_bits.to(tl.float32, bitcast=True)
+        r = tl.abs(r * ulp)
+        # a value rounded to zero keeps its sign (-0), as a float8 cast keeps it
+        return tl.where(bits < 0, -r, r)
 
     # M follows the prefill batch: one compiled kernel for every row count
     @triton.jit(do_not_specialize=["M", "M_pad"])
