@@ -81,8 +81,8 @@ def w8a8_fields(x: torch.Tensor, q: list, n: int, k: int, copies: int, copy_bw: 
     """The W8A8 product's record fields at ``x [m, k] x [n, k]^T`` (None where the probe
     found the recipe unusable or the shape is one it does not take)."""
     m = x.shape[0]
-    path = fp8_prefill.choose_path(max(m, fp8_prefill.W8A8_MIN_M), n, k, True, support)
-    rec = {"w8a8_path": fp8_prefill.choose_path(m, n, k, True, support)}
+    path = fp8_prefill.choose_path(max(m, fp8_prefill.W8A8_MIN_M), n, k, x.dtype, support)
+    rec = {"w8a8_path": fp8_prefill.choose_path(m, n, k, x.dtype, support)}
     if path != "w8a8":
         return {**rec, "w8a8_us": None, "w8a8_why_not": support.reason}
     ref = fp8_prefill.w8a8_reference(x, *q[0]).float()

@@ -155,33 +155,37 @@ def test_error_bound_passes_accumulation_error_and_fails_a_misplaced_scale():
     assert float(((lost - ref).abs() / bound).max()) > 10
 
 
-FULL = BlockwiseSupport(True, True, True, "test")
+FULL = BlockwiseSupport(True, True, True, True, "test")
 
 
 def test_choose_path_rule():
     m = W8A8_MIN_M
     # CPU (or a dtype the kernels do not take): the exact reference, at every size
-    assert choose_path(8192, 5120, 2048, False, FULL) == "reference"
+    bf16 = torch.bfloat16
+    assert choose_path(8192, 5120, 2048, None, FULL) == "reference"
     # decode sizes, and anything the probe has not vouched for: weight-only
-    assert choose_path(m - 1, 5120, 2048, True, FULL) == "weight_only"
-    assert choose_path(8192, 5120, 2048, True, NOT_PROBED) == "weight_only"
-    assert choose_path(8192, 5120, 2048, True,
-                       BlockwiseSupport(False, False, False, "refused")) == "weight_only"
+    assert choose_path(m - 1, 5120, 2048, bf16, FULL) == "weight_only"
+    assert choose_path(8192, 5120, 2048, bf16, NOT_PROBED) == "weight_only"
+    assert choose_path(8192, 5120, 2048, bf16,
+                       BlockwiseSupport(False, False, False, False, "refused")) == "weight_only"
     # Qwen3-30B-A3B's and DeepSeek-V3's projections at prefill sizes
     for n, k in ((5120, 2048), (2048, 4096), (1536, 7168), (24576, 1536), (576, 7168),
                  (7168, 16384), (18432, 7168)):
-        assert choose_path(m, n, k, True, FULL) == "w8a8", (n, k)
+        assert choose_path(m, n, k, bf16, FULL) == "w8a8", (n, k)
     # K must be whole 128-column groups; N a multiple of 16 (scaled_mm's check)
-    assert choose_path(m, 512, 300, True, FULL) == "weight_only"
-    assert choose_path(m, 200, 512, True, FULL) == "weight_only"
+    assert choose_path(m, 512, 300, bf16, FULL) == "weight_only"
+    assert choose_path(m, 200, 512, bf16, FULL) == "weight_only"
     # K/128 not a multiple of 4 (scale_b padded) and N not of 128 (a partial weight
     # block) go W8A8 only where the probe checked that case
-    aligned = BlockwiseSupport(True, False, False, "aligned only")
-    assert choose_path(m, 512, 256, True, FULL) == "w8a8"
-    assert choose_path(m, 512, 256, True, aligned) == "weight_only"
-    assert choose_path(m, 576, 7168, True, aligned) == "weight_only"
-    assert choose_path(m, 576, 7168, True, BlockwiseSupport(True, False, True, "")) == "w8a8"
-    assert choose_path(m, 512, 512, True, aligned) == "w8a8"
+    aligned = BlockwiseSupport(True, False, False, False, "aligned bf16 only")
+    assert choose_path(m, 512, 256, bf16, FULL) == "w8a8"
+    assert choose_path(m, 512, 256, bf16, aligned) == "weight_only"
+    assert choose_path(m, 576, 7168, bf16, aligned) == "weight_only"
+    assert choose_path(m, 576, 7168, bf16, BlockwiseSupport(True, False, True, False, "")) == "w8a8"
+    assert choose_path(m, 512, 512, bf16, aligned) == "w8a8"
+    # fp16 activations (and output) only where the probe checked fp16
+    assert choose_path(m, 512, 512, torch.float16, FULL) == "w8a8"
+    assert choose_path(m, 512, 512, torch.float16, aligned) == "weight_only"
 
 
 def test_weight_scales_in_scaled_mm_layout():
@@ -231,7 +235,7 @@ def _interpreted_results() -> dict:
     out["strided"] = torch.equal(q.view(torch.uint8), quantize_activations_reference(wide)[0]
                                  .view(torch.uint8))
     # the probe on a device without the recipe (the CPU): a one-line reason, no raise
-    out["probe_cpu"] = _probe_one(40, 256, 512, torch.device("cpu"))
+    out["probe_cpu"] = _probe_one(40, 256, 512, torch.bfloat16, torch.device("cpu"))
     return out
 
 

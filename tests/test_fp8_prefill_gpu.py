@@ -55,8 +55,8 @@ def test_probe_finds_the_blockwise_recipe_on_this_gpu():
     support = fp.blockwise_support(torch.device("cuda"))
     print(f"probe: {support}")
     assert support.usable, support.reason
-    # the demo model (K/128 = 2) and DeepSeek-V3's kv_a (576 rows) need these
-    assert support.padded_scales and support.partial_n, support
+    # the demo model (K/128 = 2), DeepSeek-V3's kv_a (576 rows) and fp16 models need these
+    assert support.padded_scales and support.partial_n and support.fp16, support
     assert fp.blockwise_support(torch.device("cuda")) is support  # cached
 
 
@@ -96,7 +96,7 @@ def test_w8a8_matches_its_reference(m, n, k, dtype):
     rel = float((got.float() - exact).norm() / exact.norm())
     assert 0.002 < rel < 0.05, rel
     # and the dispatch sends this shape there
-    assert fp.choose_path(m, n, k, True, fp.blockwise_support(x.device)) == "w8a8"
+    assert fp.choose_path(m, n, k, dtype, fp.blockwise_support(x.device)) == "w8a8"
 
 
 def test_w8a8_through_linear_eager_and_captured():
@@ -134,7 +134,7 @@ def test_demo_model_prefill_logits_stay_within_the_activation_rounding(monkeypat
     qkv = gpu.layers[0].attn.qkv
     assert isinstance(qkv, Fp8Weight)
     support = fp.blockwise_support(torch.device("cuda"))
-    assert fp.choose_path(sum(LENGTHS), *qkv.shape, True, support) == "w8a8", support
+    assert fp.choose_path(sum(LENGTHS), *qkv.shape, torch.bfloat16, support) == "w8a8", support
     w8a8 = _prefill_logits(gpu)
     # the float32 path: the FP8 weights dequantized exactly, activations not quantized
     ref = _prefill_logits(load_model(DEMO, progress=False, quantization="fp8"))

@@ -21,11 +21,13 @@ checks ask for (PyTorch's ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` and
 
 Which path a projection takes is :func:`choose_path`, a pure function of the shape and
 of what the probe found. :func:`blockwise_support` probes once per device at the first
-call that could use the W8A8 path: three tiny products (K a multiple of 512; K/128 not
-a multiple of 4, so ``scale_b`` is padded; N not a multiple of 128) checked against
+call that could use the W8A8 path: four tiny products (bf16 with K a multiple of 512;
+K/128 not a multiple of 4, so ``scale_b`` is padded; N not a multiple of 128; fp16, whose
+output cuBLASLt may not offer for this recipe) checked against
 :func:`w8a8_reference` within :func:`w8a8_error_bound`, and logs one line saying which
 path prefill uses and why. Any failure (an old torch, another GPU, a cuBLAS that refuses
-the recipe, a wrong result) leaves those shapes on the weight-only Triton kernel.
+the recipe, a wrong result) leaves those shapes (or dtypes) on the weight-only Triton
+kernel.
 
 Numerics (CUDA path): activations rounded to e4m3 per 128-column group (at most ``2^-4``
 relative, see :mod:`~elasticep.models.fp8_activations`); the tensor cores sum each
@@ -85,28 +87,32 @@ class BlockwiseSupport:
     """What the probe found ``scaled_mm``'s blockwise recipe does on one device.
 
     Attributes:
-        usable: the recipe runs and is right where K/128 is a multiple of 4 and N of 128.
+        usable: the recipe runs and is right with bf16 output where K/128 is a multiple
+            of 4 and N of 128.
         padded_scales: also where K/128 is not a multiple of 4 (scale_b padded).
         partial_n: also where N is not a multiple of 128 (a partial last weight block).
+        fp16: also with fp16 activations and output.
         reason: one line: what ran, or why not.
     """
 
     usable: bool
     padded_scales: bool
     partial_n: bool
+    fp16: bool
     reason: str
 
 
-NOT_PROBED = BlockwiseSupport(False, False, False, "not probed")
+NOT_PROBED = BlockwiseSupport(False, False, False, False, "not probed")
 
 
-def choose_path(m: int, n: int, k: int, cuda_half: bool, support: BlockwiseSupport) -> Path:
+def choose_path(m: int, n: int, k: int, half: torch.dtype | None,
+                support: BlockwiseSupport) -> Path:
     """The path of an ``[m, k] x [n, k]^T`` FP8 projection (pure).
 
     Args:
         m, n, k: rows, output features, input features.
-        cuda_half: the activations are bf16/fp16 on CUDA with Triton present
-            (:func:`~elasticep.models.fp8_linear.fp8_linear_ok`).
+        half: the activations' dtype where it is bf16/fp16 on CUDA with Triton present
+            (:func:`~elasticep.models.fp8_linear.fp8_linear_ok`), else None.
         support: the device's probe result (:data:`NOT_PROBED` where none ran).
 
     Returns:
@@ -114,11 +120,13 @@ def choose_path(m: int, n: int, k: int, cuda_half: bool, support: BlockwiseSuppo
         ``"weight_only"`` (the Triton kernel: decode sizes, and shapes the recipe does
         not take), or ``"w8a8"`` (:func:`fp8_linear_w8a8`): ``m >= W8A8_MIN_M``, the
         probe usable, K a multiple of 128, N of 16, and where K/128 is not a multiple
-        of 4 or N not of 128, the probe found that case right too.
+        of 4, N not of 128, or the activations fp16, the probe found that case right too.
     """
-    if not cuda_half:
+    if half is None:
         return "reference"
     if m < W8A8_MIN_M or not support.usable or k % GROUP or n % _K_ALIGN:
+        return "weight_only"
+    if half == torch.float16 and not support.fp16:
         return "weight_only"
     if (k // GROUP) % _SCALE_COLS and not support.padded_scales:
         return "weight_only"
@@ -229,12 +237,13 @@ def fp8_linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
 
 
 _support: dict[int, BlockwiseSupport] = {}
-# (m, n, k) of the probe's three products: K/128 = 4 and N = 2 blocks; K/128 = 5
-# (scale_b padded to 8); N = 1.5 blocks. m = 40 is padded to 48 rows.
-_PROBES = {"usable": (40, 256, 512), "padded_scales": (40, 256, 640), "partial_n": (40, 192, 512)}
+# (m, n, k, activation dtype) of the probe's products: K/128 = 4 and N = 2 blocks; K/128
+# = 5 (scale_b padded to 8); N = 1.5 blocks; fp16. m = 40 is padded to 48 rows.
+_PROBES = {"usable": (40, 256, 512, torch.bfloat16), "padded_scales": (40, 256, 640, torch.bfloat16),
+           "partial_n": (40, 192, 512, torch.bfloat16), "fp16": (40, 256, 512, torch.float16)}
 
 
-def _probe_one(m: int, n: int, k: int, device: torch.device) -> str | None:
+def _probe_one(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """None when ``fp8_linear_w8a8`` gives :func:`w8a8_reference`'s result within
     :func:`w8a8_error_bound` on one product of this shape, else why not (one line)."""
     gen = torch.Generator().manual_seed(m + n + k)
@@ -242,7 +251,7 @@ def _probe_one(m: int, n: int, k: int, device: torch.device) -> str | None:
     w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 0, k)[None, :]
     q, s = (t.to(device) for t in fp8_block.quantize(w))
     x = (torch.randn(m, k, generator=gen) * torch.logspace(0, -2, k)[None, :]).to(device)
-    x = x.bfloat16()
+    x = x.to(dtype)
     try:
         got = fp8_linear_w8a8(x, q, s).float()
     except Exception as e:  # noqa: BLE001 - any refusal means: not this path, never a crash
@@ -264,21 +273,21 @@ def blockwise_support(device: torch.device) -> BlockwiseSupport:
         return NOT_PROBED
     errs = {name: "not tried" for name in _PROBES}
     if scaled_mm is None:
-        found = BlockwiseSupport(False, False, False, f"torch {torch.__version__} has no "
-                                 "torch.nn.functional.scaled_mm")
+        found = BlockwiseSupport(False, False, False, False, f"torch {torch.__version__} has "
+                                 "no torch.nn.functional.scaled_mm")
     else:
         errs = {name: _probe_one(*shape, torch.device("cuda", index))
                 for name, shape in _PROBES.items()}
         usable = errs["usable"] is None
         found = BlockwiseSupport(
-            usable, usable and errs["padded_scales"] is None, usable and errs["partial_n"] is None,
+            usable, *(usable and errs[c] is None for c in ("padded_scales", "partial_n", "fp16")),
             "scaled_mm blockwise 1x128 x 128x128 checked on this device" if usable
             else f"scaled_mm blockwise 1x128 x 128x128 failed its probe: {errs['usable']}")
     _support[index] = found
     name = torch.cuda.get_device_name(index)
     if found.usable:
-        left = [f"{what} not taken ({errs[what]})" for what in ("padded_scales", "partial_n")
-                if errs[what] is not None]
+        left = [f"{what} not taken ({errs[what]})" for what in ("padded_scales", "partial_n",
+                                                                 "fp16") if errs[what] is not None]
         logger.info("FP8 prefill on %s: W8A8 on FP8 tensor cores for M >= %d (%s)%s", name,
                     W8A8_MIN_M, found.reason, "".join("; " + x for x in left))
     else:
@@ -294,10 +303,10 @@ def fp8_project(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
     Args and Returns: as :func:`~elasticep.models.fp8_linear.fp8_linear_reference`.
     """
     n, k = q.shape
-    cuda_half = fp8_linear_ok(x)
+    half = x.dtype if fp8_linear_ok(x) else None
     m = x.numel() // max(k, 1)
-    support = blockwise_support(x.device) if cuda_half and m >= W8A8_MIN_M else NOT_PROBED
-    path = choose_path(m, n, k, cuda_half, support)
+    support = blockwise_support(x.device) if half is not None and m >= W8A8_MIN_M else NOT_PROBED
+    path = choose_path(m, n, k, half, support)
     if path == "w8a8":
         return fp8_linear_w8a8(x, q, scale_inv, bias)
     if path == "weight_only":
