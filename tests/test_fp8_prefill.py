@@ -205,7 +205,32 @@ def test_cpu_projection_stays_the_exact_reference_at_prefill_sizes():
     assert torch.equal(linear(x, Fp8Weight(q, s), b), fp8_linear_reference(x, q, s, b))
 
 
+def _scaled_mm_as_documented(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+    """``scaled_mm``'s blockwise 1x128 x 128x128 product on the CPU, for the glue around
+    it: PyTorch's checks of that recipe (aten/src/ATen/native/cuda/ScaledBlas.cpp,
+    ``_scaled_block1x128_block128x128``, and the K/N multiples of 16), then each scale
+    read where cuBLASLt reads it: ``scale_a[m, l]`` for row m's K block l, ``scale_b[l,
+    j]`` for K block l of N block j."""
+    from torch.nn.functional import ScalingType
+
+    m, k = a.shape
+    n = b.shape[1]
+    blocks, nb = -(-k // 128), -(-n // 128)
+    l4 = -(-blocks // 4) * 4
+    assert (recipe_a, recipe_b) == (ScalingType.BlockWise1x128, ScalingType.BlockWise128x128)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and k % 16 == 0 and n % 16 == 0
+    assert a.stride(1) == 1 and b.stride(0) == 1  # row-major x column-major
+    assert scale_a.shape == (m, blocks) and scale_a.stride(0) == 1
+    assert scale_a.stride(1) == m or blocks == 1
+    assert scale_b.shape == (l4, nb) and scale_b.stride(0) == 1
+    assert scale_b.stride(1) == l4 or nb == 1
+    sa = scale_a.repeat_interleave(128, dim=1)[:, :k]
+    sb = scale_b[:blocks].repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+    return ((a.float() * sa) @ (b.float() * sb)).to(output_dtype)
+
+
 def _interpreted_results() -> dict:
+    from elasticep.models import fp8_prefill
     from elasticep.models.fp8_activations import quantize_activations
     from elasticep.models.fp8_prefill import _probe_one
 
@@ -236,6 +261,16 @@ def _interpreted_results() -> dict:
                                  .view(torch.uint8))
     # the probe on a device without the recipe (the CPU): a one-line reason, no raise
     out["probe_cpu"] = _probe_one(40, 256, 512, torch.bfloat16, torch.device("cpu"))
+    # the W8A8 glue (row padding, the weight as its transpose, scale_b padded, the output
+    # rows cut, the bias after) around a scaled_mm that checks the documented layout
+    fp8_prefill.scaled_mm = _scaled_mm_as_documented
+    for m, n, k, bias in ((37, 256, 512, True), (40, 192, 640, False), (3, 576, 1024, True)):
+        x, q, s, b = _case(m, n, k, torch.bfloat16, bias=bias, seed=m)
+        got = fp8_prefill.fp8_linear_w8a8(x.view(m, 1, k), q, s, b).view(m, n)
+        ref = w8a8_reference(x, q, s, b)
+        out[f"glue_{m}x{n}x{k}"] = float(((got.float() - ref.float()).abs()
+                                          / w8a8_error_bound(x, q, s, b)).max())
+    out["probe_documented"] = _probe_one(40, 192, 640, torch.bfloat16, torch.device("cpu"))
     return out
 
 
@@ -244,6 +279,9 @@ def test_quantizer_kernel_interpreted_matches_the_reference():
     probe = res.pop("probe_cpu")
     assert probe.startswith("ValueError: Invalid scaling configuration"), probe
     assert res.pop("strided") is True
+    glue = {key: res.pop(key) for key in list(res) if key.startswith("glue_")}
+    assert len(glue) == 3 and all(v <= 1 for v in glue.values()), glue
+    assert res.pop("probe_documented") is None
     assert len(res) == 8, res
     for key, r in res.items():
         pad = 16 if not key.startswith("random_k300") else 1
