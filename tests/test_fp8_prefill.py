@@ -232,6 +232,7 @@ def _scaled_mm_as_documented(a, b, scale_a, recipe_a, scale_b, recipe_b, output_
 def _interpreted_results() -> dict:
     from elasticep.models import fp8_prefill
     from elasticep.models.fp8_activations import quantize_activations
+    from elasticep.models.fp8_linear import fp8_linear_triton
     from elasticep.models.fp8_prefill import _probe_one
 
     out = {}
@@ -271,6 +272,21 @@ def _interpreted_results() -> dict:
         out[f"glue_{m}x{n}x{k}"] = float(((got.float() - ref.float()).abs()
                                           / w8a8_error_bound(x, q, s, b)).max())
     out["probe_documented"] = _probe_one(40, 192, 640, torch.bfloat16, torch.device("cpu"))
+    # a product scaled_mm refuses at run time: the weight-only kernel serves it, and that
+    # weight shape is not offered to scaled_mm again
+    calls = []
+
+    def refuses(*args, **kw):
+        calls.append(1)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    fp8_prefill.scaled_mm = refuses
+    x, q, s, b = _case(W8A8_MIN_M, 192, 512, torch.float32, bias=True, seed=9)
+    first = fp8_prefill.w8a8_or_weight_only(x, q, s, b)
+    again = fp8_prefill.w8a8_or_weight_only(x, q, s, b)
+    want = fp8_linear_triton(x, q, s, b)
+    out["refused"] = [len(calls), torch.equal(first, want), torch.equal(again, want),
+                      [list(key[:2]) for key in fp8_prefill._refused]]
     return out
 
 
@@ -282,6 +298,7 @@ def test_quantizer_kernel_interpreted_matches_the_reference():
     glue = {key: res.pop(key) for key in list(res) if key.startswith("glue_")}
     assert len(glue) == 3 and all(v <= 1 for v in glue.values()), glue
     assert res.pop("probe_documented") is None
+    assert res.pop("refused") == [1, True, True, [[192, 512]]]
     assert len(res) == 8, res
     for key, r in res.items():
         pad = 16 if not key.startswith("random_k300") else 1

@@ -295,10 +295,38 @@ def blockwise_support(device: torch.device) -> BlockwiseSupport:
     return found
 
 
+# (N, K, dtype) of weights whose W8A8 product scaled_mm refused at a size the probe did
+# not try: they run the weight-only kernel from then on (logged once each)
+_refused: set[tuple[int, int, torch.dtype]] = set()
+
+
+def w8a8_or_weight_only(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fp8_linear_w8a8`, or the weight-only kernel for a weight whose product
+    ``scaled_mm`` refused (an error raised at the call, as cuBLASLt's "no algorithm for
+    this shape"): that weight shape is then remembered, logged once, and served by
+    :func:`~elasticep.models.fp8_linear.fp8_linear_triton` for the rest of the process,
+    so a case the probe did not cover costs speed, never a failed request.
+
+    Args and Returns: as :func:`fp8_linear_w8a8`.
+    """
+    key = (*q.shape, x.dtype)
+    if key not in _refused:
+        try:
+            return fp8_linear_w8a8(x, q, scale_inv, bias)
+        except (RuntimeError, ValueError) as e:  # NotImplementedError is a RuntimeError
+            _refused.add(key)
+            logger.warning("FP8 prefill: scaled_mm refused [%d, %d] x [%d, %d]^T in %s (%s); "
+                           "this weight shape runs the weight-only kernel from now on",
+                           x.numel() // q.shape[1], q.shape[1], *q.shape, x.dtype,
+                           str(e).strip().splitlines()[0][:200])
+    return fp8_linear_triton(x, q, scale_inv, bias)
+
+
 def fp8_project(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """An FP8 projection by :func:`choose_path`: the exact reference (CPU, other dtypes),
-    the weight-only Triton kernel, or the W8A8 product.
+    the weight-only Triton kernel, or the W8A8 product (:func:`w8a8_or_weight_only`).
 
     Args and Returns: as :func:`~elasticep.models.fp8_linear.fp8_linear_reference`.
     """
@@ -308,7 +336,7 @@ def fp8_project(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
     support = blockwise_support(x.device) if half is not None and m >= W8A8_MIN_M else NOT_PROBED
     path = choose_path(m, n, k, half, support)
     if path == "w8a8":
-        return fp8_linear_w8a8(x, q, scale_inv, bias)
+        return w8a8_or_weight_only(x, q, scale_inv, bias)
     if path == "weight_only":
         return fp8_linear_triton(x, q, scale_inv, bias)
     return fp8_linear_reference(x, q, scale_inv, bias)
