@@ -17,7 +17,7 @@ picks for the shape (with the probe's answer and the current
 :data:`~elasticep.models.fp8_prefill.W8A8_MIN_M`); comparing ``w8a8_us`` with ``fp8_us``
 across M is how that threshold is chosen. At prefill sizes it also gives TFLOP/s.
 
-Both are timed as a CUDA graph of back-to-back calls (as decode runs them), each call
+All are timed as a CUDA graph of back-to-back calls (as decode runs them), each call
 on the next of several weight copies that together exceed the L2 cache, so every
 weight byte comes from HBM. ``--sweep`` also times a few other tiles of the kernel and
 reports the best one (for tuning :data:`~elasticep.models.fp8_linear.DECODE_TILE` and
@@ -84,7 +84,8 @@ def w8a8_fields(x: torch.Tensor, q: list, n: int, k: int, copies: int, copy_bw: 
     path = fp8_prefill.choose_path(max(m, fp8_prefill.W8A8_MIN_M), n, k, x.dtype, support)
     rec = {"w8a8_path": fp8_prefill.choose_path(m, n, k, x.dtype, support)}
     if path != "w8a8":
-        return {**rec, "w8a8_us": None, "w8a8_why_not": support.reason}
+        why = support.reason if not support.usable else "choose_path does not take this shape"
+        return {**rec, "w8a8_us": None, "w8a8_why_not": why}
     ref = fp8_prefill.w8a8_reference(x, *q[0]).float()
     got = fp8_prefill.fp8_linear_w8a8(x, *q[0]).float()
     w8a8_us = graph_us(lambda i: fp8_prefill.fp8_linear_w8a8(x, *q[i]), copies)
@@ -166,6 +167,7 @@ def main() -> int:
     copy_bw = copy_bandwidth(torch.device("cuda"))
     fp8_rate = fp8_matmul_rate("cuda")
     support = fp8_prefill.blockwise_support(torch.device("cuda"))
+    print(f"bench.fp8_linear: blockwise scaled_mm probe: {support}", file=sys.stderr)
     for name, (n, k) in shapes.items():
         for m in (int(v) for v in args.m.split(",")):
             print(json.dumps(measure(name, n, k, m, copy_bw, args.sweep, fp8_rate, support)),
