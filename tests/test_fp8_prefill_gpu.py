@@ -18,7 +18,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.models import fp8_prefill as fp
 from elasticep.models import load_model
 from elasticep.models.fp8_activations import quantize_activations, quantize_activations_reference
-from elasticep.models.fp8_linear import fp8_linear_reference
+from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton
 from elasticep.models.linear import Fp8Weight, linear
 from elasticep.moe.experts import fp8_block
 
@@ -104,6 +104,9 @@ def test_w8a8_through_linear_eager_and_captured():
     w = Fp8Weight(q, s)
     eager = linear(x, w, b)
     assert _worst(eager, x, q, s, b) <= 1
+    # the weight-only kernel (activations not quantized) lands outside that bound: so
+    # linear() took the W8A8 path
+    assert _worst(fp8_linear_triton(x, q, s, b), x, q, s, b) > 1
     # decode graphs capture up to batch 256: the W8A8 path must capture and replay
     static = x.clone()
     torch.cuda.synchronize()
