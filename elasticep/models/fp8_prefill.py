@@ -18,7 +18,8 @@ checks ask for (PyTorch's ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` and
   ``L4`` is ``K/128`` rounded up to a multiple of 4: ``scale_inv`` with its columns
   zero-padded to ``L4``, transposed (the layout since PyTorch's fix for silently wrong
   128x128 products where K/128 is not a multiple of 4, pytorch/pytorch#166752; a torch
-  with the older layout refuses the padded scales, and the probe notices);
+  with the older layout refuses the padded scales or misreads them, and the probe
+  notices either);
 - K and N multiples of 16, SM90 only, cuBLASLt 12.9 or newer.
 
 Which path a projection takes is :func:`choose_path`, a pure function of the shape and
