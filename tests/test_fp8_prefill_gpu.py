@@ -107,6 +107,9 @@ def test_w8a8_through_linear_eager_and_captured():
     # the weight-only kernel (activations not quantized) lands outside that bound: so
     # linear() took the W8A8 path
     assert _worst(fp8_linear_triton(x, q, s, b), x, q, s, b) > 1
+    # activations that are a column slice of a wider tensor (row stride 2057)
+    wide = torch.cat([x, x[:, :9]], dim=1)[:, :2048]
+    assert _worst(fp.fp8_linear_w8a8(wide, q, s, b), x, q, s, b) <= 1
     # decode graphs capture up to batch 256: the W8A8 path must capture and replay
     static = x.clone()
     torch.cuda.synchronize()
