@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_run import _time_cuda  # one CUDA-event median timer (milliseconds)
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.prefill_warmup import count_triton_compiles, warm_up_prefill
 from elasticep.engine.request import GenerateRequest, SamplingParams
@@ -107,22 +108,6 @@ def prefill_flops(cfg: MoEModelConfig, prompt_lens: list[int]) -> dict[str, floa
     return parts
 
 
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn()`` on the GPU over ``reps`` calls after 3 warm-ups, each
-    timed with CUDA events."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def matmul_rate(device: str, n: int = 8192, reps: int = 10) -> float:
     """FLOP/s of an ``n^3`` bf16 matmul on random data (median of ``reps`` after 3
     warm-ups, timed with CUDA events). On CPU a small fp32 product, to check the script."""
@@ -133,7 +118,7 @@ def matmul_rate(device: str, n: int = 8192, reps: int = 10) -> float:
             a @ a
         return 2 * 256**3 * reps / (time.perf_counter() - t0)
     ab = [torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    seconds = _median_s(lambda: ab[0] @ ab[1], reps)
+    seconds = _time_cuda(lambda: ab[0] @ ab[1], reps) / 1e3
     ab.clear()
     torch.cuda.empty_cache()
     return 2 * n**3 / seconds
@@ -148,7 +133,8 @@ def fp8_matmul_rate(device: str, n: int = 8192, reps: int = 10) -> float:
     ab = [torch.randn(n, n, device=device).to(torch.float8_e4m3fn),
           torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()]
     one = torch.ones((), device=device)
-    seconds = _median_s(lambda: torch._scaled_mm(*ab, one, one, out_dtype=torch.bfloat16), reps)
+    seconds = _time_cuda(lambda: torch._scaled_mm(*ab, one, one, out_dtype=torch.bfloat16),
+                         reps) / 1e3
     ab.clear()
     torch.cuda.empty_cache()
     return 2 * n**3 / seconds
