@@ -4,8 +4,12 @@
 The activation quantizer against a hand-computed case; its Triton kernel under
 ``TRITON_INTERPRET=1`` bit for bit against the torch reference, in ``scaled_mm``'s
 layout; the W8A8 reference against the exact reference within the error FP8 activations
-bring; the dispatch rule as a pure function; the weight scales' layout; and the CPU path
-unchanged. tests/test_fp8_prefill_gpu.py runs the CUDA path against these references.
+bring; the error bound the GPU test and the probe use (an emulated truncating 13-bit
+accumulator inside it, misplaced scales far outside); the dispatch rule as a pure
+function; the weight scales' layout; the glue around ``scaled_mm`` against a CPU stand-in
+that checks PyTorch's documented layout; the fallback when ``scaled_mm`` refuses a
+product; and the CPU path unchanged. tests/test_fp8_prefill_gpu.py runs the CUDA path
+against these references.
 """
 
 from __future__ import annotations
