@@ -21,6 +21,7 @@ from elasticep.deploy.supervisor import (
     supervise,
 )
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.entrypoints.node_api import STREAM_GRACE_S, start_node_api
 from elasticep.entrypoints.serve_args import ServeSettings
 from elasticep.membership.client import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError
@@ -110,6 +111,7 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
             hb_timeout_s=dep.heartbeat_timeout_s)
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
+    api = None
     try:
         mismatch = layout_mismatch(settings.deployment, dep, address)
         if mismatch:
@@ -121,6 +123,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         if taken:
             print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
             return 2
+        if deployment.replica is not None:  # etcd: this node serves the API too
+            api = start_node_api(settings, deployment, deployment.replica.host)
         rejoin = rejoin_ranks(status, ranks)
         if rejoin:
             refused = _claim_for_recovery(address, rejoin)
@@ -135,7 +139,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         what = (f"launched ranks {fresh}" if not rejoin else
                 f"rejoins ranks {rejoin} in place (recover mode)"
                 + (f" and launched ranks {fresh}" if fresh else ""))
-        print(f"ready: node {settings.node_rank} {what} for coordinator {address}",
+        serving = f"; API at {api.server.url}" if api is not None and api.server else ""
+        print(f"ready: node {settings.node_rank} {what} for coordinator {address}{serving}",
               flush=True)
         fatal = not deployment.fault_tolerant
         try:
@@ -164,4 +169,6 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 return 1
         return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
+        if api is not None:
+            api.stop("the server is shutting down", STREAM_GRACE_S)
         deployment.stop()
