@@ -38,7 +38,12 @@ from elasticep.membership.election import lease_ttl_s
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
 from elasticep_testkit.harness.load import Batch, RequestRecord
-from elasticep_testkit.harness.serve_process import ServeProcess, cli_command, coordinator_pids
+from elasticep_testkit.harness.serve_process import (
+    ServeProcess,
+    cli_command,
+    coordinator_pids,
+    free_port,
+)
 from elasticep_testkit.prompts import gsm8k_questions
 
 RESULTS_TIMEOUT_S = 180.0
@@ -126,7 +131,8 @@ def main() -> None:
         common = ["--ep-size", str(args.ep_size), "--nnodes", "2",
                   "--heartbeat-timeout", str(args.heartbeat_timeout),
                   "--coordinator-timeout", "30", "--membership-store", url]
-        node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1"),
+        node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1",
+                                             "--port", str(free_port())),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  start_new_session=True)
         serve = None

@@ -18,7 +18,7 @@ from _serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, burst, prompts, 
 from elasticep.membership.election import lease_ttl_s
 from elasticep.membership.transitions import SlotState
 from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
-from elasticep_testkit.harness.serve_process import cli_command, coordinator_pids
+from elasticep_testkit.harness.serve_process import cli_command, coordinator_pids, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -35,7 +35,8 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
                   "--heartbeat-timeout", str(HB_TIMEOUT_S), "--coordinator-timeout", "20",
                   "--membership-store", url)
         with open(tmp_path / "node1.log", "w") as log:  # finds the leader through etcd
-            node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1"),
+            node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1",
+                                                 "--port", str(free_port())),
                                      stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         serve = None

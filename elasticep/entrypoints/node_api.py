@@ -3,7 +3,7 @@
 point of failure for clients).
 
 Each front-end binds its own link (a ROUTER and a PULL, :class:`FrontendChannel`) and
-announces it in etcd under a lease (:mod:`elasticep.membership.frontend_registry`);
+announces it in etcd under a lease (:mod:`elasticep.membership.directory`);
 every rank keeps a link to each announced front-end
 (:mod:`elasticep.frontend_link.fanout`), so each front-end routes to every rank.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
@@ -23,9 +25,13 @@ from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import HttpServer, create_server
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend_link import FrontendChannel
+from elasticep.membership.directory import FRONTENDS, REPLICAS, Announcement, list_entries
 from elasticep.membership.election import lease_ttl_s
-from elasticep.membership.frontend_registry import FrontendRegistration
+from elasticep.membership.errors import MembershipStoreError
 from elasticep.utils.net import bind_tcp
+
+if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
+    from elasticep.membership.etcd_store import EtcdMembershipStore
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -74,7 +80,7 @@ def frontend_name(node: int) -> str:
 
 
 def announce(url: str, node: int, channel: FrontendChannel, api_url: str,
-             heartbeat_timeout_s: float) -> FrontendRegistration | None:
+             heartbeat_timeout_s: float) -> Announcement | None:
     """Put this node's front-end in the etcd directory of ``url`` (``etcd://...``) under
     a lease of ``lease_ttl_s(heartbeat_timeout_s)``; returns the registration (close it
     at stop), or None for the embedded store (one front-end, node 0's, no directory).
@@ -90,14 +96,57 @@ def announce(url: str, node: int, channel: FrontendChannel, api_url: str,
     store = EtcdMembershipStore(parse_store_url(url))
     info = {"request_addr": channel.endpoints.request_addr,
             "output_addr": channel.endpoints.output_addr, "url": api_url, "node": node}
-    reg = FrontendRegistration(store, frontend_name(node), info,
-                               lease_ttl_s(heartbeat_timeout_s))
+    reg = Announcement(store, FRONTENDS, frontend_name(node), info,
+                       lease_ttl_s(heartbeat_timeout_s))
     try:
         reg.start()
     except BaseException:
         store.close()
         raise
     return reg
+
+
+class DirectoryView:
+    """Shows the front-ends and coordinator replicas announced in etcd in
+    ``/elastic_ep_status`` (``frontends``: name -> ``url`` and ``node``;
+    ``coordinator_replicas``: their addresses) and ``/metrics``
+    (``elasticep_frontend``, ``elasticep_coordinator_replica``), read every
+    ``period_s`` seconds on a daemon thread; an unreachable etcd keeps the last view.
+
+    Args:
+        store: the deployment's etcd store (closed by :meth:`close`).
+        frontend: the front-end whose status and metrics show them.
+    """
+
+    def __init__(self, store: EtcdMembershipStore, frontend: Frontend,
+                 period_s: float = 1.0) -> None:
+        self.store, self.frontend = store, frontend
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True,
+                                        name="directory-view")
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while True:
+            try:
+                fronts = list_entries(self.store, FRONTENDS)
+                replicas = sorted(list_entries(self.store, REPLICAS))
+            except MembershipStoreError as e:
+                logger.debug("directory view: %s", e)
+            else:
+                shown = {n: {"url": v.get("url"), "node": v.get("node")}
+                         for n, v in sorted(fronts.items())}
+                self.frontend.set_status_extra("frontends", shown)
+                self.frontend.set_status_extra("coordinator_replicas", replicas)
+                self.frontend.metrics.directory(
+                    {n: str(v["url"]) for n, v in shown.items()}, replicas)
+            if self._stop.wait(period_s):
+                return
+
+    def close(self) -> None:
+        """Stop reading (the store is closed by its owner)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 @dataclass
@@ -107,13 +156,34 @@ class NodeApi:
     channel: FrontendChannel
     server: HttpServer | None = None
     frontend: Frontend | None = None
-    registration: FrontendRegistration | None = None  # under etcd only
+    registration: Announcement | None = None  # under etcd only
+    view: DirectoryView | None = None  # under etcd only
+
+    def announce(self, settings: ServeSettings, node: int, api_url: str,
+                 heartbeat_timeout_s: float) -> None:
+        """Under etcd: put this front-end in the directory (:func:`announce`) and,
+        once the front-end exists, show the directory in its status and metrics.
+
+        Raises:
+            MembershipStoreError: etcd did not take the announcement.
+        """
+        self.registration = announce(settings.membership_store, node, self.channel,
+                                     api_url, heartbeat_timeout_s)
+        self.show_directory()
+
+    def show_directory(self) -> None:
+        """Start the :class:`DirectoryView` if both the front-end and the
+        announcement exist and it does not run yet."""
+        if self.registration is not None and self.frontend is not None and self.view is None:
+            self.view = DirectoryView(self.registration.store, self.frontend)
 
     def stop(self, reason: str, grace_s: float) -> None:
         """End the open streams (``grace_s`` to finish, then an
         error event with ``reason``), leave the directory, stop the server and close the link."""
         if self.frontend is not None:
             self.frontend.shut_down(reason, grace_s)
+        if self.view is not None:
+            self.view.close()
         if self.registration is not None:  # after: the ranks abort a leaver's requests
             self.registration.close()
             self.registration.store.close()
@@ -139,9 +209,8 @@ def start_node_api(settings: ServeSettings, deployment: Deployment, host: str) -
                                             membership, sock)
         api.frontend.coordinator_address = deployment.address
         api.server.start()
-        api.registration = announce(settings.membership_store, settings.node_rank,
-                                    api.channel, api.server.url,
-                                    deployment.config.heartbeat_timeout_s)
+        api.announce(settings, settings.node_rank, api.server.url,
+                     deployment.config.heartbeat_timeout_s)
     except BaseException:
         api.stop("the node could not start its API", 0.0)
         raise

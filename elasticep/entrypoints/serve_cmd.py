@@ -32,7 +32,6 @@ from elasticep.engine.memory_fit import deployment_fit_problem
 from elasticep.entrypoints.node_api import (
     STREAM_GRACE_S,
     NodeApi,
-    announce,
     api_url,
     bind_api,
     open_api,
@@ -166,8 +165,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     try:
         http_sock = bind_api(settings)
         # listed before any rank starts: a rank drops the links the directory lacks
-        api.registration = announce(settings.membership_store, 0, channel,
-                                    api_url(settings, http_sock), dep.heartbeat_timeout_s)
+        api.announce(settings, 0, api_url(settings, http_sock), dep.heartbeat_timeout_s)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
         try:  # the local ranks first: they load while the front-end starts
@@ -186,6 +184,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         name = settings.served_model_name
         api.server, frontend = open_api(settings, dep, channel, membership, http_sock)
         api.frontend = frontend
+        api.show_directory()
         server = api.server
         frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()

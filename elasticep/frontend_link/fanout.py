@@ -5,7 +5,7 @@ Each front-end sends its own requests; the rank remembers which link a request c
 and sends its outputs, errors and step failures back on that link only. Hellos and
 counters go to every link. The set of front-ends comes from ``directory`` (a call that
 lists them; under ``--membership-store etcd://`` it reads the front-ends' leased keys,
-:mod:`elasticep.membership.frontend_registry`), re-read every ``refresh_s`` on a thread
+:mod:`elasticep.membership.directory`), re-read every ``refresh_s`` on a thread
 of its own, so a slow etcd never delays a step. A front-end that leaves the list (it
 died, its lease ran out) has its link closed without a flush and its requests aborted
 on this rank, which serves the other front-ends' requests on as before.
@@ -253,7 +253,7 @@ def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, ep
     if not membership_store.startswith("etcd://"):
         return WorkerChannel(endpoints, rank, epoch, limits=limits,
                              moe_a2a_backend=moe_a2a_backend)
-    from elasticep.membership.frontend_registry import directory_reader  # etcd if asked
+    from elasticep.membership.directory import directory_reader  # etcd if asked
 
     read = directory_reader(membership_store)
 

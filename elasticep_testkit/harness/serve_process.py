@@ -214,6 +214,15 @@ class ServeProcess:
         self.seen_pids |= set(status.pids().values())
         return status
 
+    def status_json(self) -> dict:
+        """``GET /elastic_ep_status`` as its raw JSON (with what serve adds to the typed
+        status: ``frontends``, ``coordinator_replicas``, ``restart_budget``).
+
+        Raises:
+            httpx.HTTPError: the API did not answer (10 s bound).
+        """
+        return self._http.get("/elastic_ep_status").raise_for_status().json()
+
     def rank_metric(self, name: str) -> dict[int, float]:
         """A per-rank ``/metrics`` gauge (e.g. ``elasticep_cuda_graph_captures``): rank ->
         value, for the ranks that reported it.

@@ -1,14 +1,17 @@
-"""The deployment's HTTP front-ends, announced in etcd (``--membership-store etcd://``).
+"""The deployment's HTTP front-ends and coordinator replicas, announced in etcd
+(``--membership-store etcd://``).
 
 Every node's ``serve`` runs a front-end; each one puts a key
 ``/elasticep/<prefix>/frontends/<name>`` (its link endpoints and URL, as JSON) under an
 etcd lease of its own. The ranks list these keys and keep one link per front-end; a
 front-end that dies stops renewing its lease, etcd deletes its key after the TTL, and
-the ranks drop its link. See docs/design/ha_membership.md ("A front-end on every node").
+the ranks drop its link. Each coordinator replica puts ``replicas/<address>`` the same
+way, so ``/elastic_ep_status`` can show the standbys too. See
+docs/design/ha_membership.md ("A front-end on every node").
 
-    reg = FrontendRegistration(store, "node1", {"request_addr": ..., ...}, ttl_s=2)
+    reg = Announcement(store, FRONTENDS, "node1", {"request_addr": ..., ...}, ttl_s=2)
     reg.start()                       # puts the key, then keeps its lease alive
-    list_frontends(store)             # {"node0": {...}, "node1": {...}}
+    list_entries(store, FRONTENDS)    # {"node0": {...}, "node1": {...}}
     reg.close()                       # revokes the lease: the key goes at once
 """
 
@@ -27,7 +30,8 @@ if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
 
 log = logging.getLogger("elasticep.membership")
 
-DIRECTORY = "frontends/"
+FRONTENDS = "frontends/"
+REPLICAS = "replicas/"
 
 
 def _prefix_end(prefix: str) -> str:
@@ -35,16 +39,17 @@ def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def list_frontends(store: EtcdMembershipStore) -> dict[str, dict[str, Any]]:
-    """Every front-end announced under ``store``'s prefix: name -> what it announced.
-    A value that is not a JSON object is skipped (logged).
+def list_entries(store: EtcdMembershipStore, directory: str) -> dict[str, dict[str, Any]]:
+    """Every entry of ``directory`` (:data:`FRONTENDS`, :data:`REPLICAS`) under
+    ``store``'s prefix: name -> what it announced. A value that is not a JSON object is
+    skipped (logged).
 
     Raises:
         StoreUnavailableError: no etcd member answered.
     """
     from .etcd_store import b64, unb64
 
-    prefix = store.key(DIRECTORY)
+    prefix = store.key(directory)
     out = store.kv.post("kv/range", {"key": b64(prefix), "range_end": b64(_prefix_end(prefix))})
     found: dict[str, dict[str, Any]] = {}
     for kv in out.get("kvs") or []:
@@ -54,46 +59,55 @@ def list_frontends(store: EtcdMembershipStore) -> dict[str, dict[str, Any]]:
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            log.warning("front-end directory: skipping %s (not a JSON object)", name)
+            log.warning("%s: skipping %s (not a JSON object)", prefix, name)
             continue
         found[name] = value
     return found
 
 
-class FrontendRegistration:
-    """One front-end's key in the directory, held by a lease this object keeps alive.
+class Announcement:
+    """One process's key in a directory, held by a lease this object keeps alive.
 
     If the lease is lost (etcd was out of reach longer than the TTL), the key is put
-    again under a fresh lease at the next keep-alive etcd answers: a front-end that
+    again under a fresh lease at the next keep-alive etcd answers: a process that
     lives is listed again once etcd is back.
 
     Args:
         store: the deployment's etcd store.
-        name: the front-end's name (``node<K>``), unique in the deployment.
-        info: what it announces (JSON-able): ``request_addr``, ``output_addr`` (its
-            link's zmq endpoints), ``url`` (its HTTP API) and ``node``.
+        directory: :data:`FRONTENDS` or :data:`REPLICAS`.
+        name: the entry's name, unique in the directory (``node<K>`` for a front-end,
+            the control address for a replica).
+        info: what it announces (JSON-able). A front-end: ``request_addr``,
+            ``output_addr`` (its link's zmq endpoints), ``url`` (its HTTP API) and
+            ``node``; a replica: ``address`` and ``pid``.
         ttl_s: lease TTL in whole seconds (``election.lease_ttl_s``).
     """
 
-    def __init__(self, store: EtcdMembershipStore, name: str, info: dict[str, Any],
-                 ttl_s: int) -> None:
+    def __init__(self, store: EtcdMembershipStore, directory: str, name: str,
+                 info: dict[str, Any], ttl_s: int) -> None:
         self.store, self.name, self.info, self.ttl_s = store, name, info, ttl_s
-        self._key = store.key(DIRECTORY + name)
+        self._key = store.key(directory + name)
         self._lease: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Put the key now, then keep it alive on a daemon thread.
+    def start(self, required: bool = True) -> None:
+        """Put the key now, then keep it alive on a daemon thread (which puts it, should
+        this first put fail with ``required`` False).
 
         Raises:
-            MembershipStoreError: etcd did not take the key.
+            MembershipStoreError: etcd did not take the key (``required`` only).
         """
-        self._put()
+        try:
+            self._put()
+        except MembershipStoreError as e:
+            if required:
+                raise
+            log.warning("%s not announced yet: %s", self._key, e)
         self._thread = threading.Thread(target=self._keep_alive, daemon=True,
-                                        name=f"frontend-lease-{self.name}")
+                                        name=f"lease-{self.name}")
         self._thread.start()
-        log.info("front-end %s announced under %s", self.name, self._key)
+        log.info("%s announced", self._key)
 
     def _put(self) -> None:
         from .etcd_store import b64
@@ -108,14 +122,13 @@ class FrontendRegistration:
             try:
                 if self._lease is None:
                     self._put()
-                    log.warning("front-end %s announced again (its lease had expired)",
-                                self.name)
+                    log.warning("%s announced again (its lease had expired)", self._key)
                     continue
                 out = self.store.kv.post("lease/keepalive", {"ID": self._lease})
                 if int(out.get("result", {}).get("TTL", -1)) <= 0:
                     self._lease = None  # expired: put again at the next period
             except MembershipStoreError as e:
-                log.debug("front-end %s: lease keep-alive: %s", self.name, e)
+                log.debug("%s: lease keep-alive: %s", self._key, e)
 
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (the key goes now, not a TTL later);
@@ -133,9 +146,9 @@ class FrontendRegistration:
 
 def directory_reader(url: str) -> Callable[[], dict[str, dict[str, Any]]]:
     """A call that lists the front-ends under ``url`` (``etcd://...``; see
-    :func:`list_frontends`), over one store kept open for the caller's lifetime."""
+    :func:`list_entries`), over one store kept open for the caller's lifetime."""
     from .etcd_store import EtcdMembershipStore
     from .store import parse_store_url
 
     store = EtcdMembershipStore(parse_store_url(url))
-    return lambda: list_frontends(store)
+    return lambda: list_entries(store, FRONTENDS)
