@@ -45,7 +45,7 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
                             "--log-dir", str(tmp_path)),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         node1 = ServeProcess(proc1, f"http://127.0.0.1:{port1}", "", log_path)
-        node0 = None
+        node0, tree = None, set()
         try:
             node0 = start_serve(*common, "--node-rank", "0", "--max-total-tokens", "2048")
             # node 1's API routes to every rank once each said hello to it
@@ -85,6 +85,8 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
                            10, "node 0's front-end gone from the directory")
             assert time.monotonic() - killed_at < 40
         finally:
-            if node0 is not None:
-                node0.stop()  # its pids are dead already, or this ends them
+            if node0 is not None and not tree:
+                node0.stop()
+            elif node0 is not None:  # SIGKILLed: its status names node 1's live ranks too,
+                node0.proc.wait(10)  # so its stop() would wait for them and kill them
             node1.stop()
