@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from test_frontend_link import collect, wait_poll
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 from elasticep.frontend_link import (
@@ -22,23 +23,7 @@ from elasticep.frontend_link.fanout import FrontendLinks
 
 pytestmark = pytest.mark.timeout(30)
 
-
-async def collect(channel: FrontendChannel, n: int, timeout_s: float = 5.0) -> list:
-    got: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < n:
-        assert time.monotonic() < deadline, f"got only {got}"
-        got += await channel.poll(0.05)
-    return got
-
-
-def poll_until(links: FrontendLinks, n: int, timeout_s: float = 5.0) -> list:
-    got: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < n:
-        assert time.monotonic() < deadline, f"got only {got}"
-        got += links.poll(0.05)
-    return got
+# the rank side's calls are WorkerChannel's, so that module's helpers drive it as well
 
 
 def test_each_front_end_gets_its_own_requests_back_and_a_leaver_is_aborted():
@@ -59,7 +44,7 @@ def test_each_front_end_gets_its_own_requests_back_and_a_leaver_is_aborted():
             a.send(2, ra)
             b.send(2, rb)
             b.send(2, GenerateRequest("ra", (4,)))  # ra's id is a's: refused on b
-            got = poll_until(links, 2)
+            got = wait_poll(links, 2)
             assert sorted(got, key=lambda m: m.prompt_token_ids) == [ra, rb]
             [refused] = await collect(b, 1)
             assert isinstance(refused, RequestError) and refused.request_id == "ra"
@@ -76,7 +61,7 @@ def test_each_front_end_gets_its_own_requests_back_and_a_leaver_is_aborted():
             time.sleep(0.1)
             assert links.poll(0.05) == [] and len(links.frontends) == 2
             listed.append(a.endpoints)  # b left (its lease ran out)
-            assert poll_until(links, 1) == [AbortRequest("rb")]
+            assert wait_poll(links, 1) == [AbortRequest("rb")]
             assert links.frontends == [a.endpoints.request_addr]
             links.send_outputs([TokenOutput("ra", 1, 9, finish_reason="length"),
                                 TokenOutput("rb", 1, 9)])  # rb's has nowhere to go

@@ -230,8 +230,15 @@ class ServeProcess:
         Raises:
             httpx.HTTPError: the API did not answer (10 s bound).
         """
-        text = self._http.get("/metrics").raise_for_status().text
-        return parse_rank_metric(text, name)
+        return parse_rank_metric(self.metrics(), name)
+
+    def metrics(self) -> str:
+        """``GET /metrics``: the Prometheus text exposition.
+
+        Raises:
+            httpx.HTTPError: the API did not answer (10 s bound).
+        """
+        return self._http.get("/metrics").raise_for_status().text
 
     def scale(self, new_ep_size: int) -> tuple[int, dict]:
         """``POST /scale_elastic_ep``; returns (HTTP status code, JSON body)."""
