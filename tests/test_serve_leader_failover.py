@@ -132,7 +132,7 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
                             "--log-dir", str(tmp_path)),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         node1 = ServeProcess(proc1, f"http://127.0.0.1:{port1}", "", log_path)
-        node0, tree = None, set()
+        node0, back, tree = None, None, set()
         try:
             node0 = start_serve(*common, "--node-rank", "0", "--max-total-tokens", "2048")
             # node 1's API routes to every rank once each said hello to it
@@ -164,17 +164,31 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
             assert_complete(results, MAX_TOKENS)
             assert [r.text for r in results] == reference
 
-            st = node1.wait_for(lambda s: s.healthy_ranks() == [2, 3]
-                                and s.rank(0).state == SlotState.FAILED, 20,
-                                "node 0's ranks failed on node 1's front-end")
-            assert leader_of(url) == st.membership_store.leader != node0.coordinator
+            after_kill = node1.wait_for(lambda s: s.healthy_ranks() == [2, 3]
+                                        and s.rank(0).state == SlotState.FAILED, 20,
+                                        "node 0's ranks failed on node 1's front-end")
+            leader = after_kill.membership_store.leader
+            assert leader_of(url) == leader != node0.coordinator
             after = burst(node1, PROMPTS, MAX_TOKENS).results(RESULTS_TIMEOUT_S)
             assert_complete(after, MAX_TOKENS)
             assert [r.text for r in after] == reference
             node1.wait_for(lambda s: sorted(node1.status_json()["frontends"]) == ["node1"],
                            10, "node 0's front-end gone from the directory")
             assert time.monotonic() - killed_at < 40
+
+            # node 0's serve run again takes its slots back in place, with its own API
+            back = start_serve(*common, "--node-rank", "0")
+            assert "this node 0 takes its slots back" in back.tail()
+            assert [r.text for r in burst(back, PROMPTS, MAX_TOKENS).results(
+                RESULTS_TIMEOUT_S)] == reference
+            st = node1.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3], 20,
+                                "node 0's ranks readmitted on node 1's front-end")
+            assert st.epoch > after_kill.epoch
+            assert [r.text for r in burst(node1, PROMPTS, MAX_TOKENS).results(
+                RESULTS_TIMEOUT_S)] == reference
         finally:
+            if back is not None:
+                back.stop()
             if node0 is not None and not tree:
                 node0.stop()
             elif node0 is not None:  # SIGKILLed: its status names node 1's live ranks too,

@@ -37,7 +37,7 @@ from elasticep.entrypoints.node_api import (
     open_api,
 )
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
-from elasticep.entrypoints.serve_node import serve_node
+from elasticep.entrypoints.serve_node import same_layout_running, serve_node
 from elasticep.entrypoints.validate import (
     UsageError,
     env_fault,
@@ -46,7 +46,7 @@ from elasticep.entrypoints.validate import (
     setup_logging,
 )
 from elasticep.frontend_link import FrontendChannel, is_routable
-from elasticep.membership.errors import MembershipStoreError
+from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
 
@@ -92,14 +92,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
     deployment_id = uuid.uuid4().hex
+    comes_back = False  # node 0 run again while its deployment serves on (etcd)
     try:  # before anything starts: a bad store costs nothing to find out
         check_membership_store(settings, deployment_id)
+    except PrefixInUseError as exc:
+        comes_back = same_layout_running(settings)
+        if not comes_back:
+            print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+            return 2
+        print("elasticep serve: node 0's deployment serves on under this --membership-store;"
+              " this node 0 takes its slots back", file=sys.stderr)
+        settings = replace(settings, coordinator_port=0)  # the leader, through etcd
     except MembershipStoreError as exc:
         print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
         return 2
     stop = stop_on_signals()
     try:
-        if settings.node_rank == 0:
+        if settings.node_rank == 0 and not comes_back:
             return _serve_head(settings, args, stop, log_dir, fault, deployment_id)
         return serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers

@@ -1,7 +1,9 @@
 """`elasticep serve` on nodes 1..: launch this node's share of ranks against node 0's
 coordinator, after checking that the node's layout agrees with node 0's and that its
 slots are not held; slots a dead or drained node left behind are taken back in recover
-mode.
+mode. Under ``--membership-store etcd://`` the node also serves the API (:mod:`.node_api`),
+and node 0's ``serve`` run again after node 0 died comes back this way too
+(:func:`same_layout_running`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,30 @@ def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: st
             return (f"{flag} {ours} disagrees with node 0's {flag} {theirs} (the deployment "
                     f"at {address}); start every node with the same {flag}")
     return None
+
+
+def same_layout_running(settings: ServeSettings) -> bool:
+    """Whether the deployment whose coordinator holds ``--membership-store``'s prefix
+    published the same ``--nnodes`` and ``--ep-size`` as these flags: node 0's ``serve``
+    run again after node 0 died then takes its slots back as another node's would
+    (:func:`serve_node`; a live node 0's slots are still refused there). A prefix held
+    by another deployment, or by one that published nothing yet, stays refused.
+
+    Raises:
+        StoreUnavailableError: etcd did not answer.
+    """
+    from elasticep.membership.etcd_store import EtcdMembershipStore  # etcd if asked
+    from elasticep.membership.store import parse_store_url
+
+    store = EtcdMembershipStore(parse_store_url(settings.membership_store))
+    try:
+        state, _ = store.load()
+    finally:
+        store.close()
+    if state is None or state.config is None:
+        return False
+    published = DeploymentConfig.from_json(state.config)
+    return layout_mismatch(settings.deployment, published, "") is None
 
 
 def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
