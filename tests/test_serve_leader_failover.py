@@ -187,10 +187,12 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
             assert [r.text for r in burst(node1, PROMPTS, MAX_TOKENS).results(
                 RESULTS_TIMEOUT_S)] == reference
         finally:
-            if back is not None:
-                back.stop()
-            if node0 is not None and not tree:
-                node0.stop()
-            elif node0 is not None:  # SIGKILLed: its status names node 1's live ranks too,
-                node0.proc.wait(10)  # so its stop() would wait for them and kill them
-            node1.stop()
+            # each node's status names the other's ranks, which its stop() waits for (and
+            # then kills): every serve is told to stop before any is waited for
+            live = [p for p in (node0, back, node1) if p is not None and p.proc.poll() is None]
+            for p in live:
+                p.proc.send_signal(signal.SIGINT)
+            for p in live:
+                p.stop()
+            if node0 is not None and tree:
+                node0.proc.wait(10)
