@@ -71,7 +71,8 @@ def open_api(settings: ServeSettings, dep: DeploymentConfig, channel: FrontendCh
 
 def api_url(settings: ServeSettings, sock: socket.socket) -> str:
     """The URL clients reach the API on, with the port ``sock`` is bound to."""
-    return f"http://{settings.host}:{sock.getsockname()[1]}"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{sock.getsockname()[1]}"
 
 
 def frontend_name(node: int) -> str:
