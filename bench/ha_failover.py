@@ -15,10 +15,17 @@ processes' descendants) while ``--concurrency`` streams run, and records:
 The dead replica's node starts a fresh standby; the next run waits for it, so the
 leadership alternates between the nodes.
 
-Usage: python -m bench.ha_failover [--runs 3] [--ep-size 4] [--concurrency 4]
-       [--max-tokens 48] [--heartbeat-timeout 2]
+``--kill node0`` kills every process of node 0 instead (its serve, front-end,
+coordinator replica and ranks: its whole process tree), with the streams going through
+node 1's front-end (every node serves the API under etcd). resumed_s is then the time
+until node 1's front-end shows node 0's ranks failed and its own healthy (the survivors
+serve degraded), and the other figures are as above, on node 1's front-end. One run:
+node 0 does not come back.
 
-Prints one JSON line: runs, ttl_s, failover_s / resumed_s / serving_gap_s (each the
+Usage: python -m bench.ha_failover [--kill leader|node0] [--runs 3] [--ep-size 4]
+       [--concurrency 4] [--max-tokens 48] [--heartbeat-timeout 2]
+
+Prints one JSON line: kill, runs, ttl_s, failover_s / resumed_s / serving_gap_s (each the
 median and max over runs), p50_gap_s (healthy inter-token gap), failed_requests,
 outputs_identical, commit, cpus. No GPU is needed.
 """
@@ -32,13 +39,20 @@ import signal
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 from bench._commit import commit
 from elasticep.membership.election import lease_ttl_s
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
 from elasticep_testkit.harness.load import Batch, RequestRecord
-from elasticep_testkit.harness.serve_process import ServeProcess, cli_command, coordinator_pids
+from elasticep_testkit.harness.serve_process import (
+    ServeProcess,
+    cli_command,
+    coordinator_pids,
+    descendant_pids,
+    free_port,
+)
 from elasticep_testkit.prompts import gsm8k_questions
 
 RESULTS_TIMEOUT_S = 180.0
@@ -107,40 +121,78 @@ def one_run(serve: ServeProcess, url: str, roots: list[int], prompts: list[str],
             "records": b.results(RESULTS_TIMEOUT_S)}
 
 
+def node0_run(node1: ServeProcess, node0: ServeProcess, url: str, prompts: list[str],
+              args: argparse.Namespace) -> dict:
+    """SIGKILL node 0's whole process tree under a burst through node 1's front-end; the
+    times (seconds from the kill), the kill's monotonic time and the burst's records."""
+    old = leader_of(url)
+    b = Batch(node1.client, node1.model_name(), prompts, args.max_tokens)
+    b.wait_tokens(args.concurrency * 4, 60)
+    for pid in {node0.proc.pid} | descendant_pids(node0.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def elected() -> str | None:
+        now = leader_of(url)
+        return None if now in (None, old) else now
+
+    wait_until(elected, 30, "a new leader", poll_s=0.02)
+    failover_s = time.monotonic() - killed
+    half = args.ep_size // 2
+    node1.wait_for(lambda s: s.healthy_ranks() == list(range(half, args.ep_size)), 60,
+                   "node 1's ranks serving without node 0's", poll_s=0.05)
+    resumed_s = time.monotonic() - killed
+    node0.proc.wait(10)
+    return {"failover_s": failover_s, "resumed_s": resumed_s, "killed": killed,
+            "records": b.results(RESULTS_TIMEOUT_S)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kill", choices=("leader", "node0"), default="leader",
+                    help="the leader replica's process, or node 0's whole process tree")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ep-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--heartbeat-timeout", type=float, default=2.0)
     args = ap.parse_args()
+    if args.kill == "node0":
+        args.runs = 1  # node 0 does not come back
     ttl = lease_ttl_s(args.heartbeat_timeout)
     prompts = gsm8k_questions(args.concurrency, 110)
-    out: dict = {"bench": "ha_failover", "runs": args.runs, "ttl_s": ttl,
+    out: dict = {"bench": "ha_failover", "kill": args.kill, "runs": args.runs, "ttl_s": ttl,
                  "ep_size": args.ep_size, "concurrency": args.concurrency}
     failover, resumed, gaps, healthy_gaps = [], [], [], []
     failed, identical = 0, True
     with EtcdCluster.start(3) as cluster:
         url = f"{cluster.url}/ha-bench"
         common = ["--ep-size", str(args.ep_size), "--nnodes", "2",
+                  "--min-ep-size", str(args.ep_size // 2),
                   "--heartbeat-timeout", str(args.heartbeat_timeout),
                   "--coordinator-timeout", "30", "--membership-store", url]
-        node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1"),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=True)
+        port1 = free_port()
+        node1 = ServeProcess(subprocess.Popen(
+            cli_command("serve", *common, "--node-rank", "1", "--port", str(port1)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
+            f"http://127.0.0.1:{port1}", "", Path(os.devnull))
         serve = None
         try:
             serve = ServeProcess.start([*common, "--node-rank", "0"], ready_timeout_s=300)
-            roots = [serve.proc.pid, node1.pid]
-            ref = Batch(serve.client, serve.model_name(), prompts, args.max_tokens).results(
-                RESULTS_TIMEOUT_S)
+            roots = [serve.proc.pid, node1.proc.pid]
+            # node 0's kill is seen on node 1's front-end
+            client = node1 if args.kill == "node0" else serve
+            client.wait_for(lambda s: len(s.healthy_ranks()) == args.ep_size, 60,
+                            "every rank routable from this front-end")
+            ref = Batch(client.client, client.model_name(), prompts,
+                        args.max_tokens).results(RESULTS_TIMEOUT_S)
             reference = [r.text for r in ref]
             for r in ref:
                 healthy_gaps += [b - a for a, b in zip(r.token_times, r.token_times[1:],
                                                        strict=False)]
             for _ in range(args.runs):
-                run = one_run(serve, url, roots, prompts, args)
+                run = (node0_run(node1, serve, url, prompts, args) if args.kill == "node0"
+                       else one_run(serve, url, roots, prompts, args))
                 failover.append(run["failover_s"])
                 resumed.append(run["resumed_s"])
                 failed += sum(not r.complete(args.max_tokens) for r in run["records"])
@@ -148,15 +200,11 @@ def main() -> None:
                 gaps.append(gap_across(run["records"], run["killed"],
                                        run["killed"] + run["resumed_s"] + 1.0))
         finally:
-            if node1.poll() is None:
-                node1.send_signal(signal.SIGINT)
-            if serve is not None:
+            if node1.proc.poll() is None:
+                node1.proc.send_signal(signal.SIGINT)
+            if serve is not None and serve.proc.poll() is None:
                 serve.stop()
-            try:
-                node1.wait(30)
-            except subprocess.TimeoutExpired:
-                node1.kill()
-                node1.wait(10)
+            node1.stop()
 
     def summary(xs: list[float]) -> dict:
         return {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3)}

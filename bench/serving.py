@@ -11,6 +11,7 @@ Run it from the repository root as a module (it imports ``elasticep_testkit``):
     python -m bench.serving --launch --num-prompts 64 --max-concurrency 16 \\
         --random-input-len 256 --random-output-len 256 --random-range-ratio 1 --ignore-eos
     python -m bench.serving --base-url http://127.0.0.1:30000 --model DIR ...
+    python -m bench.serving --base-url http://node0:30000 http://node1:30000 ...
 
 ``--engine-baseline`` runs the same requests through the in-process ``LLMEngine`` (same
 model, device, dtype, load format; the same concurrency cap) after the served run and
@@ -70,7 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.serving",
                                  description=__doc__.split("\n\n")[0])
     target = ap.add_mutually_exclusive_group(required=True)
-    target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
+    target.add_argument("--base-url", nargs="+", metavar="URL",
+                        help="a running server, e.g. http://127.0.0.1:30000; several: the "
+                        "front-ends of one deployment (requests spread over them, and one "
+                        "that loses its front-end is sent again to the next)")
     target.add_argument("--launch", action="store_true",
                         help="start `elasticep serve` on free loopback ports for the run")
     m = ap.add_argument_group("model (passed to serve with --launch; the baseline uses it)")
@@ -184,7 +188,8 @@ def served_model(base_url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
+def bench_served(args: argparse.Namespace, base_urls: list[str],
+                 requests: list[BenchRequest],
                  stub_dir: Path | None = None) -> dict[str, Any]:
     """The first request alone, warm up (:func:`warmup_requests`), then run every
     request; the summary fields (with ``stub_dir``, the stub ranks' log dir: the
@@ -196,12 +201,16 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
     ``median_ttft_ms`` (at concurrency 1, the steady TTFT): one request, so a noisy
     figure. ``differences_from_sglang`` lists where the metrics depart from
     bench_serving's (see :mod:`elasticep_testkit.serving.metrics`).
+
+    ``base_urls``: the server, or a deployment's front-ends (the model id and the
+    first-token trace are the first one's).
     """
+    base_url = base_urls[0]
     model = served_model(base_url)
     warm = warmup_requests(args, requests)
 
     def warm_up(batch: list[BenchRequest]) -> list[Any]:
-        res, _ = asyncio.run(run_requests(base_url, model, batch, request_rate=math.inf,
+        res, _ = asyncio.run(run_requests(base_urls, model, batch, request_rate=math.inf,
                                           max_concurrency=len(batch), ignore_eos=True,
                                           seed=0, timeout_s=args.request_timeout))
         if first_errors(res):
@@ -214,7 +223,7 @@ def bench_served(args: argparse.Namespace, base_url: str, requests: list[BenchRe
     ranks = stub_ranks(args)
     before = stub_engine.read_stats(stub_dir, ranks) if stub_dir else None
     results, duration = asyncio.run(run_requests(
-        base_url, model, requests, request_rate=args.request_rate,
+        base_urls, model, requests, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout_s=args.request_timeout))
     out: dict[str, Any] = {"model_id": model, **summarize(results, duration),
@@ -308,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
                 program = stub_engine.server_command(args.stub_engine_steps_per_s)
             serve = ServeProcess.start(serve_args(args), log_dir=args.log_dir,
                                        program=program)
-            base_url = serve.url
+            base_urls = [serve.url]
         else:
-            base_url = args.base_url.rstrip("/")
+            base_urls = [u.rstrip("/") for u in args.base_url]
         stub_dir = (serve.log_path.parent if args.stub_engine_steps_per_s is not None
                     else None)
-        line.update(bench_served(args, base_url, requests, stub_dir))
+        line.update(bench_served(args, base_urls, requests, stub_dir))
     except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench/serving.py: error: {exc}", file=sys.stderr)
         return 1

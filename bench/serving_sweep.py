@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                     "random_output_len": a.random_output_len, "device": a.device,
                     "serve_args": flags[flags.index("--load-format") + 2:],
                     "serve_start_s": round(start_s, 1),
-                    **serving.bench_served(a, serve.url, requests)}
+                    **serving.bench_served(a, [serve.url], requests)}
             print(json.dumps({"served": line}), file=sys.stderr, flush=True)
             lines.append(line)
     finally:

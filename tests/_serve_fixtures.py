@@ -38,6 +38,14 @@ def start_serve(*args: str, coordinator: str | None = None) -> ServeProcess:
                               coordinator=coordinator)
 
 
+def etcd_two_node_args(url: str, hb_timeout_s: float) -> tuple[str, ...]:
+    """The serve flags every node of a 2-node, 4-rank deployment with its membership in
+    etcd at ``url`` shares (it survives the loss of one node's ranks)."""
+    return ("--ep-size", "4", "--nnodes", "2", "--min-ep-size", "2",
+            "--heartbeat-timeout", str(hb_timeout_s), "--coordinator-timeout", "20",
+            "--membership-store", url)
+
+
 def serve_fixture(*args: str):
     """A module-scoped ``serve`` fixture: one ``start_serve(*args)`` deployment shared by
     every test of the module, stopped (:meth:`ServeProcess.stop`) after the last one.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -141,9 +142,11 @@ def test_request_timings_from_scripted_messages_are_exact():
     assert (none.ttft, none.itl, none.e2e) == (None, [], pytest.approx(0.3))
 
 
-async def _scripted_sse_server(script: list[tuple[float, str]]) -> asyncio.Server:
+async def _scripted_sse_server(script: list[tuple[float, str]],
+                               cut: bool = False) -> asyncio.Server:
     """A loopback HTTP server that answers every request with ``script``'s SSE messages,
-    chunked, each after its delay."""
+    chunked, each after its delay; ``cut``: then it closes the connection without
+    ending the body (a front-end that died mid-stream)."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         headers = {}
         await reader.readline()
@@ -158,8 +161,9 @@ async def _scripted_sse_server(script: list[tuple[float, str]]) -> asyncio.Serve
             body = f"data: {data}\n\n".encode()
             writer.write(f"{len(body):x}\r\n".encode() + body + b"\r\n")
             await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
+        if not cut:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
         writer.close()
 
     return await asyncio.start_server(handle, "127.0.0.1", 0)
@@ -187,6 +191,34 @@ def test_client_times_a_scripted_sse_server_to_its_script():
         assert r.e2e * 1000 == pytest.approx(E2E_MS, abs=40)
         assert r.tpot * 1000 == pytest.approx(TPOT_MS, abs=30)
     assert duration * 1000 == pytest.approx(E2E_MS, abs=60)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_that_loses_its_front_end_moves_to_the_next():
+    """Three endpoints: a dead port, a server that cuts every stream after two tokens,
+    and a whole one. Request 0 starts on the dead one, request 1 on the cutting one:
+    both end complete on the whole one; with the dead port alone, the error is kept."""
+    async def run() -> tuple[list[RequestResult], list[RequestResult]]:
+        whole = await _scripted_sse_server(SCRIPT)
+        cutting = await _scripted_sse_server(SCRIPT[:2], cut=True)
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        urls = [f"http://127.0.0.1:{s.getsockname()[1]}"
+                for s in (dead, cutting.sockets[0], whole.sockets[0])]
+        reqs = [BenchRequest([1, 2, 3, 4, 5], 5, 4, (1, 2, 3, 4, 5))] * 2
+        async with whole, cutting:
+            moved, _ = await run_requests(urls, "m", reqs, request_rate=float("inf"),
+                                          max_concurrency=2, ignore_eos=True, seed=0,
+                                          timeout_s=10)
+            lost, _ = await run_requests(urls[:1], "m", reqs[:1], request_rate=float("inf"),
+                                         max_concurrency=1, ignore_eos=True, seed=0,
+                                         timeout_s=10)
+        dead.close()
+        return moved, lost
+
+    moved, lost = asyncio.run(run())
+    assert [(r.error, r.output_tokens) for r in moved] == [(None, 4), (None, 4)]
+    assert lost[0].error is not None and "ConnectionRefused" in lost[0].error
 
 
 class SteppedFakeEngine:

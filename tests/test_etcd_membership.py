@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from elasticep.membership.directory import FRONTENDS, REPLICAS, Announcement, list_entries
 from elasticep.membership.durable_state import MembershipState
 from elasticep.membership.election import LeaderLease
 from elasticep.membership.errors import (
@@ -19,7 +20,7 @@ from elasticep.membership.errors import (
     PrefixInUseError,
     StoreUnavailableError,
 )
-from elasticep.membership.etcd_store import EtcdKV, EtcdMembershipStore
+from elasticep.membership.etcd_store import EtcdKV, EtcdMembershipStore, b64
 from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import SlotState
 from elasticep_testkit.etcd_cluster import EtcdCluster, spawn_leader
@@ -142,6 +143,29 @@ def test_a_leader_that_finds_a_successor_after_its_loss_steps_down(cluster):
     time.sleep(0.3)
     assert deposed == ["node-b"]  # once; it campaigns no more
     b.resign()
+
+
+def test_an_announcement_is_listed_while_it_lives_and_comes_back_after_its_lease(cluster):
+    """The front-end directory: an entry is listed once started, put again under a fresh
+    lease when its lease is gone (etcd lost it), and gone as soon as it is closed."""
+    store = _store(cluster, _prefix())
+    entry = Announcement(store, FRONTENDS, "node1", {"url": "http://h:1", "node": 1}, TTL_S)
+    entry.start()
+    try:
+        assert list_entries(store, FRONTENDS) == {"node1": {"url": "http://h:1", "node": 1}}
+        assert list_entries(store, REPLICAS) == {}
+        key = b64(store.key(FRONTENDS + "node1"))
+        lease = store.kv.post("kv/range", {"key": key})["kvs"][0]["lease"]
+        store.kv.post("kv/lease/revoke", {"ID": lease})  # as if it had expired
+        assert list_entries(store, FRONTENDS) == {}
+        deadline = time.monotonic() + 5 * TTL_S
+        while not list_entries(store, FRONTENDS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(list_entries(store, FRONTENDS)) == ["node1"]
+    finally:
+        entry.close()
+    assert list_entries(store, FRONTENDS) == {}
+    store.close()
 
 
 def test_a_second_deployment_on_the_same_prefix_is_refused_while_the_first_runs(cluster):

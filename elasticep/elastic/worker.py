@@ -77,7 +77,8 @@ from elasticep.engine.limits import measure_rank_limits
 from elasticep.engine.llm_engine import LLMEngine, grammar_compiler_for
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
-from elasticep.frontend_link import LinkEndpoints, WorkerChannel
+from elasticep.frontend_link import LinkEndpoints
+from elasticep.frontend_link.fanout import worker_link
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
@@ -195,10 +196,10 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool))
         logger.info("admitted: %d experts copied from peers, %d reloaded, %.3fs",
                     report.peer_copies, report.reloads, report.seconds)
-    channel = WorkerChannel(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
-                            cfg.rank, log_ctx.epoch,
-                            limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
-                            moe_a2a_backend=a2a.value)
+    channel = worker_link(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
+                          cfg.rank, d.membership_store, log_ctx.epoch,
+                          limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
+                          moe_a2a_backend=a2a.value)
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
                         log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,

@@ -65,7 +65,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "/v1/chat/completions (default: the one the model family's chat "
                         "template uses: qwen3 for Qwen2/Qwen3 MoE, deepseekv3 for DeepSeek)")
     h.add_argument("--host", default="127.0.0.1",
-                   help="interface of the OpenAI API (default: %(default)s)")
+                   help="interface of the OpenAI API, node 0's (every node's with an etcd "
+                        "--membership-store) (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000,
                    help="port of the OpenAI API; 0: any free one (default: %(default)s)")
     h.add_argument("--api-key", default=None,

@@ -3,7 +3,8 @@
 Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process, the
 coordinator (membership, rendezvous store) in a child process of its own, and its share
 of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
-only launch their ranks against node 0's coordinator (:mod:`.serve_node`). A progress bar shows ranks loading; then one
+launch their ranks against node 0's coordinator (:mod:`.serve_node`); under
+--membership-store etcd:// they also serve the API (:mod:`.node_api`). A progress bar shows ranks loading; then one
 "ready" line with the URL goes to stdout. Ctrl-C / SIGTERM stops every process this
 command started; workers also die with it through PR_SET_PDEATHSIG, and the coordinator
 when its lifeline pipe from this process closes.
@@ -27,10 +28,16 @@ from elasticep.deploy import Deployment
 from elasticep.deploy.restart_policy import Policy, on_exit_for, restart_budget
 from elasticep.deploy.supervisor import StopEvent, stop_on_signals, supervise
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
-from elasticep.engine.limits import known_max_total_tokens
 from elasticep.engine.memory_fit import deployment_fit_problem
+from elasticep.entrypoints.node_api import (
+    STREAM_GRACE_S,
+    NodeApi,
+    api_url,
+    bind_api,
+    open_api,
+)
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
-from elasticep.entrypoints.serve_node import serve_node
+from elasticep.entrypoints.serve_node import same_layout_running, serve_node
 from elasticep.entrypoints.validate import (
     UsageError,
     env_fault,
@@ -38,13 +45,10 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
-from elasticep.frontend.event_log import EventLog
-from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, is_routable
-from elasticep.membership.errors import MembershipStoreError
+from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
-from elasticep.utils.net import bind_tcp
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -88,14 +92,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"elasticep serve: warning: {warning}", file=sys.stderr)
 
     deployment_id = uuid.uuid4().hex
+    comes_back = False  # node 0 run again while its deployment serves on (etcd)
     try:  # before anything starts: a bad store costs nothing to find out
         check_membership_store(settings, deployment_id)
+    except PrefixInUseError as exc:
+        comes_back = same_layout_running(settings)
+        if not comes_back:
+            print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
+            return 2
+        print("elasticep serve: node 0's deployment serves on under this --membership-store;"
+              " this node 0 takes its slots back", file=sys.stderr)
+        settings = replace(settings, coordinator_port=0)  # the leader, through etcd
     except MembershipStoreError as exc:
         print(f"elasticep serve: error: --membership-store: {exc}", file=sys.stderr)
         return 2
     stop = stop_on_signals()
     try:
-        if settings.node_rank == 0:
+        if settings.node_rank == 0 and not comes_back:
             return _serve_head(settings, args, stop, log_dir, fault, deployment_id)
         return serve_node(settings, stop, log_dir, fault)
     except (OSError, TimeoutError, ValueError) as exc:  # bind failures, unreachable peers
@@ -149,8 +162,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     dep = settings.deployment
     where = f"{settings.coordinator_host}:{settings.coordinator_port}"
     # Workers of other nodes must reach the link sockets: bind where the coordinator is.
-    channel = FrontendChannel(host=settings.coordinator_host)
-    deployment = server = frontend = http_sock = None
+    api = NodeApi(FrontendChannel(host=settings.coordinator_host))
+    channel = api.channel
+    deployment = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died
 
     def coordinator_died(code: int) -> None:  # its watcher thread: stop everything
@@ -158,13 +172,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         stop.set()
 
     try:
-        # bound before any rank starts: a taken --port is refused at once, not after
-        # every rank has loaded, and nothing can take it meanwhile
-        try:
-            http_sock = bind_tcp(settings.host, settings.port)
-        except OSError as exc:
-            raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} "
-                          f"(--host/--port): {exc.strerror or exc}") from exc
+        http_sock = bind_api(settings)
+        # listed before any rank starts: a rank drops the links the directory lacks
+        api.announce(settings, 0, api_url(settings, http_sock), dep.heartbeat_timeout_s)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
         try:  # the local ranks first: they load while the front-end starts
@@ -181,16 +191,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
                     deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)
         membership = deployment.membership(lambda: channel.connected)
         name = settings.served_model_name
-        server, frontend = create_server(
-            dep.model, channel, membership, served_model_name=name,
-            api_key=settings.api_key, host=settings.host, port=settings.port,
-            max_total_tokens=known_max_total_tokens(dep),
-            max_payload_size=settings.max_payload_size, sock=http_sock,
-            metrics_api_key=settings.metrics_api_key,
-            tool_call_parser=settings.tool_call_parser)
+        api.server, frontend = open_api(settings, dep, channel, membership, http_sock)
+        api.frontend = frontend
+        api.show_directory()
+        server = api.server
         frontend.coordinator_address = deployment.address  # named in `join` hints
-        if settings.event_log is not None:
-            frontend.event_log = EventLog(settings.event_log)
         server.start()
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
@@ -214,16 +219,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
-        if frontend is not None:  # open streams end with an error event, not a cut
-            frontend.shut_down("the server is shutting down" + (
-                " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
-        if server is not None:
-            server.stop()  # closes http_sock too
-        elif http_sock is not None:
+        # open streams end with an error event, not a cut; the server closes http_sock
+        api.stop("the server is shutting down" + (
+            " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
+        if api.server is None and http_sock is not None:
             http_sock.close()
         if deployment is not None:
             deployment.stop()
-        channel.close()
 
 
 def coordinator_exit_message(pid: int, code: int) -> str:
@@ -254,9 +256,6 @@ def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
         return f"{head}; its log is empty"
     return f"{head}; its log ends with:\n{log_tail}"
 
-
-# How long open streams may still finish once serve is asked to stop (seconds).
-STREAM_GRACE_S = 5.0
 
 # Start-up has no deadline (a large checkpoint may load for many minutes), so a rank
 # that makes no progress is named on stderr after this long instead.

@@ -1,7 +1,9 @@
 """`elasticep serve` on nodes 1..: launch this node's share of ranks against node 0's
 coordinator, after checking that the node's layout agrees with node 0's and that its
 slots are not held; slots a dead or drained node left behind are taken back in recover
-mode.
+mode. Under ``--membership-store etcd://`` the node also serves the API (:mod:`.node_api`),
+and node 0's ``serve`` run again after node 0 died comes back this way too
+(:func:`same_layout_running`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from elasticep.deploy.supervisor import (
     supervise,
 )
 from elasticep.elastic.exit_code import ExitCode
+from elasticep.entrypoints.node_api import STREAM_GRACE_S, start_node_api
 from elasticep.entrypoints.serve_args import ServeSettings
 from elasticep.membership.client import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError
@@ -90,6 +93,30 @@ def layout_mismatch(mine: DeploymentConfig, node0: DeploymentConfig, address: st
     return None
 
 
+def same_layout_running(settings: ServeSettings) -> bool:
+    """Whether the deployment whose coordinator holds ``--membership-store``'s prefix
+    published the same ``--nnodes`` and ``--ep-size`` as these flags: node 0's ``serve``
+    run again after node 0 died then takes its slots back as another node's would
+    (:func:`serve_node`; a live node 0's slots are still refused there). A prefix held
+    by another deployment, or by one that published nothing yet, stays refused.
+
+    Raises:
+        StoreUnavailableError: etcd did not answer.
+    """
+    from elasticep.membership.etcd_store import EtcdMembershipStore  # etcd if asked
+    from elasticep.membership.store import parse_store_url
+
+    store = EtcdMembershipStore(parse_store_url(settings.membership_store))
+    try:
+        state, _ = store.load()
+    finally:
+        store.close()
+    if state is None or state.config is None:
+        return False
+    published = DeploymentConfig.from_json(state.config)
+    return layout_mismatch(settings.deployment, published, "") is None
+
+
 def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 fault: str | None) -> int:
     """Nodes 1..: launch this node's share of ranks against node 0's coordinator
@@ -110,6 +137,7 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
             hb_timeout_s=dep.heartbeat_timeout_s)
     per_node = dep.ep_size // settings.nnodes
     ranks = list(range(settings.node_rank * per_node, (settings.node_rank + 1) * per_node))
+    api = None
     try:
         mismatch = layout_mismatch(settings.deployment, dep, address)
         if mismatch:
@@ -121,6 +149,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         if taken:
             print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
             return 2
+        if deployment.replica is not None:  # etcd: this node serves the API too
+            api = start_node_api(settings, deployment, deployment.replica.host)
         rejoin = rejoin_ranks(status, ranks)
         if rejoin:
             refused = _claim_for_recovery(address, rejoin)
@@ -135,7 +165,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
         what = (f"launched ranks {fresh}" if not rejoin else
                 f"rejoins ranks {rejoin} in place (recover mode)"
                 + (f" and launched ranks {fresh}" if fresh else ""))
-        print(f"ready: node {settings.node_rank} {what} for coordinator {address}",
+        serving = f"; API at {api.server.url}" if api is not None and api.server else ""
+        print(f"ready: node {settings.node_rank} {what} for coordinator {address}{serving}",
               flush=True)
         fatal = not deployment.fault_tolerant
         try:
@@ -164,4 +195,6 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 return 1
         return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
+        if api is not None:
+            api.stop("the server is shutting down", STREAM_GRACE_S)
         deployment.stop()

@@ -69,6 +69,12 @@ class FrontendMetrics:
         self.coordinator_leader = Gauge(
             "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
             "leader lease (etcd)", ["replica"], registry=r)
+        self.coordinator_replicas = Gauge(
+            "elasticep_coordinator_replica", "1 for each coordinator replica, leader or "
+            "standby, announced in etcd", ["replica"], registry=r)
+        self.frontends = Gauge(
+            "elasticep_frontend", "1 for each front-end (a node's HTTP API) announced in "
+            "etcd; the ranks answer every one", ["frontend", "url"], registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",
                                      "Ranks seen entering state failed", registry=r)
         self.rank_recoveries = Counter("elasticep_rank_recoveries",
@@ -189,6 +195,16 @@ class FrontendMetrics:
         self.coordinator_leader.clear()
         if store.leader is not None:
             self.coordinator_leader.labels(store.leader).set(1)
+
+    def directory(self, frontends: dict[str, str], replicas: list[str]) -> None:
+        """Record the announced front-ends (name -> URL) and coordinator replicas
+        (their addresses), replacing the last ones."""
+        self.frontends.clear()
+        for name, url in frontends.items():
+            self.frontends.labels(name, url).set(1)
+        self.coordinator_replicas.clear()
+        for address in replicas:
+            self.coordinator_replicas.labels(address).set(1)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

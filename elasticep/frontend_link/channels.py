@@ -319,8 +319,16 @@ class WorkerChannel:
             raise FrontendUnreachableError(
                 f"rank {self.rank} epoch {self.epoch}: output queue full") from exc
 
-    def close(self) -> None:
-        """Close the sockets (outputs get up to 1 s to flush)."""
+    @property
+    def request_socket(self) -> zmq.Socket:
+        """The DEALER that requests arrive on, for a poller over several front-ends
+        (:class:`~elasticep.frontend_link.fanout.FrontendLinks`); read it with
+        :meth:`poll` only."""
+        return self._dealer
+
+    def close(self, flush: bool = True) -> None:
+        """Close the sockets; outputs get up to 1 s to flush (none with ``flush``
+        False: the front-end is gone, and waiting would stall the step loop)."""
         self._dealer.close(linger=0)
-        self._push.close()
+        self._push.close(linger=None if flush else 0)
         self._ctx.term()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -209,6 +210,7 @@ def campaign_for(url: str, deployment_id: str, hb_timeout_s: float, address: str
         MembershipStoreError: etcd unreachable, or the prefix held by another deployment.
         TimeoutError: the first replica was not elected in time.
     """
+    from .directory import REPLICAS, Announcement
     from .etcd_store import EtcdMembershipStore, open_etcd_store  # etcd only if asked
     from .store import parse_store_url
 
@@ -217,6 +219,9 @@ def campaign_for(url: str, deployment_id: str, hb_timeout_s: float, address: str
              else EtcdMembershipStore(spec))
     store.leader_id = address
     ttl = lease_ttl_s(hb_timeout_s)
+    # listed while this process lives, standby or leader (/elastic_ep_status shows them)
+    Announcement(store, REPLICAS, address, {"address": address, "pid": os.getpid()},
+                 ttl).start(required=False)
     lease = LeaderLease(store, address, ttl, recampaign=True, on_deposed=on_deposed,
                         on_lost=lambda: log.error(
                             "coordinator: lost the leader lease; campaigning again (a "

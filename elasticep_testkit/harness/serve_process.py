@@ -214,6 +214,15 @@ class ServeProcess:
         self.seen_pids |= set(status.pids().values())
         return status
 
+    def status_json(self) -> dict:
+        """``GET /elastic_ep_status`` as its raw JSON (with what serve adds to the typed
+        status: ``frontends``, ``coordinator_replicas``, ``restart_budget``).
+
+        Raises:
+            httpx.HTTPError: the API did not answer (10 s bound).
+        """
+        return self._http.get("/elastic_ep_status").raise_for_status().json()
+
     def rank_metric(self, name: str) -> dict[int, float]:
         """A per-rank ``/metrics`` gauge (e.g. ``elasticep_cuda_graph_captures``): rank ->
         value, for the ranks that reported it.
@@ -221,8 +230,15 @@ class ServeProcess:
         Raises:
             httpx.HTTPError: the API did not answer (10 s bound).
         """
-        text = self._http.get("/metrics").raise_for_status().text
-        return parse_rank_metric(text, name)
+        return parse_rank_metric(self.metrics(), name)
+
+    def metrics(self) -> str:
+        """``GET /metrics``: the Prometheus text exposition.
+
+        Raises:
+            httpx.HTTPError: the API did not answer (10 s bound).
+        """
+        return self._http.get("/metrics").raise_for_status().text
 
     def scale(self, new_ep_size: int) -> tuple[int, dict]:
         """``POST /scale_elastic_ep``; returns (HTTP status code, JSON body)."""

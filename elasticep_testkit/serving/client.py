@@ -44,11 +44,18 @@ class _HttpError(Exception):
     """A response the client could not use (status, framing)."""
 
 
+class _FrontendLost(Exception):
+    """The stream broke before its ``[DONE]``: the front-end is gone (or cut off)."""
+
+
 async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]):
     """Yield the body of a response in pieces (chunked, sized, or to EOF)."""
     if headers.get("transfer-encoding", "").lower() == "chunked":
         while True:
-            size = int((await reader.readline()).split(b";", 1)[0], 16)
+            line = await reader.readline()
+            if not line:  # closed before the last chunk: the server is gone
+                raise _FrontendLost("the connection closed inside the body")
+            size = int(line.split(b";", 1)[0], 16)
             if size == 0:
                 return
             yield await reader.readexactly(size)
@@ -87,41 +94,62 @@ async def _post_stream(host: str, port: int, path: str, body: dict):
         writer.close()
 
 
-async def stream_one(base: tuple[str, int], model: str, req: BenchRequest,
-                     ignore_eos: bool) -> RequestResult:
-    """Send one request to ``base`` (host, port) and time its events; errors are
-    recorded, never raised."""
+async def _stream_events(base: tuple[str, int], model: str, req: BenchRequest,
+                         ignore_eos: bool, messages: list[tuple[float, bool]],
+                         ) -> tuple[dict | None, str | None]:
+    """Stream one request from ``base``, appending its messages' times to ``messages``;
+    returns (usage, the server's error). Raises ``OSError``,
+    ``asyncio.IncompleteReadError`` or :class:`_FrontendLost` when the connection is
+    refused or breaks, ``ValueError`` or ``_HttpError`` for an answer it cannot read."""
+    usage = error = None
+    async for status, pieces in _post_stream(*base, "/v1/completions",
+                                             request_body(model, req, ignore_eos)):
+        if status != 200:
+            body = b"".join([p async for p in pieces]).decode(errors="replace")
+            return None, f"HTTP {status}: {body[:300]}"
+        buf, done = b"", False
+        async for piece in pieces:
+            now = time.perf_counter()  # every message of this piece arrived by now
+            buf += piece
+            *complete, buf = buf.split(b"\n\n")
+            for message in complete:
+                if not message.startswith(b"data: "):
+                    continue
+                data = message[6:]
+                if data == b"[DONE]":
+                    messages.append((now, False))
+                    done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = str(chunk["error"].get("message", chunk["error"]))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                messages.append((now, "error" not in chunk and bool(chunk.get("choices"))))
+        if not done and error is None:
+            raise _FrontendLost("the stream ended before [DONE]")
+    return usage, error
+
+
+async def stream_one(bases: Sequence[tuple[str, int]], model: str, req: BenchRequest,
+                     ignore_eos: bool, first: int = 0) -> RequestResult:
+    """Send one request to ``bases[first]`` (host, port) and time its events; errors are
+    recorded, never raised. A request that loses its front-end (connection refused or
+    broken before the stream's end) is sent again, whole, to the next endpoint, once
+    per endpoint: its times count from the first send, its events are the last try's."""
     start = time.perf_counter()
-    messages: list[tuple[float, bool]] = []  # (arrival, is a token event): see metrics
-    usage = None
-    error = None
-    try:
-        async for status, pieces in _post_stream(*base, "/v1/completions",
-                                                 request_body(model, req, ignore_eos)):
-            if status != 200:
-                body = b"".join([p async for p in pieces]).decode(errors="replace")
-                error = f"HTTP {status}: {body[:300]}"
-                break
-            buf = b""
-            async for piece in pieces:
-                now = time.perf_counter()  # every message of this piece arrived by now
-                buf += piece
-                *complete, buf = buf.split(b"\n\n")
-                for message in complete:
-                    if not message.startswith(b"data: "):
-                        continue
-                    data = message[6:]
-                    if data == b"[DONE]":
-                        messages.append((now, False))
-                        continue
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        error = str(chunk["error"].get("message", chunk["error"]))
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    messages.append((now, "error" not in chunk and bool(chunk.get("choices"))))
-    except (OSError, ValueError, asyncio.IncompleteReadError, _HttpError) as exc:
-        error = repr(exc)
+    for attempt in range(len(bases)):
+        messages: list[tuple[float, bool]] = []  # (arrival, is a token event): see metrics
+        usage = None
+        try:
+            usage, error = await _stream_events(bases[(first + attempt) % len(bases)],
+                                                model, req, ignore_eos, messages)
+            break
+        except (OSError, asyncio.IncompleteReadError, _FrontendLost) as exc:
+            error = repr(exc)  # the front-end is gone: the next one, if any
+        except (ValueError, _HttpError) as exc:
+            error = repr(exc)
+            break
     res = RequestResult.from_events(req.prompt_len, start, messages)
     res.error = error
     events = sum(is_token for _, is_token in messages)
@@ -150,13 +178,34 @@ def arrival_gaps(n: int, request_rate: float, seed: int) -> list[float]:
     return [float(x) for x in rng.exponential(1.0 / request_rate, size=n)]
 
 
-async def run_requests(base_url: str, model: str, requests: Sequence[BenchRequest], *,
+def parse_base_urls(base_urls: str | Sequence[str]) -> list[tuple[str, int]]:
+    """``http://HOST:PORT`` (one, or several: a deployment's front-ends) as (host, port).
+
+    Raises:
+        ValueError: one is not ``http://HOST:PORT``, or none is given.
+    """
+    urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+    if not urls:
+        raise ValueError("no base URL given")
+    out = []
+    for base_url in urls:
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"base URL must be http://HOST:PORT, got {base_url!r}")
+        out.append((url.hostname, url.port or 80))
+    return out
+
+
+async def run_requests(base_url: str | Sequence[str], model: str,
+                       requests: Sequence[BenchRequest], *,
                        request_rate: float, max_concurrency: int | None, ignore_eos: bool,
                        seed: int, timeout_s: float) -> tuple[list[RequestResult], float]:
     """Send every request; return their results (in request order) and the duration.
 
     Args:
-        base_url: ``http://HOST:PORT`` of the server.
+        base_url: ``http://HOST:PORT`` of the server, or of each of a deployment's
+            front-ends: request ``i`` goes to the ``i``-th (modulo their number) and
+            moves to the next one if it loses its own (:func:`stream_one`).
         model: the served model id.
         requests: what to send.
         request_rate: arrivals per second (``inf``: all at once).
@@ -173,25 +222,23 @@ async def run_requests(base_url: str, model: str, requests: Sequence[BenchReques
     """
     gaps = arrival_gaps(len(requests), request_rate, seed)
     cap = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-    url = urlsplit(base_url)
-    if url.scheme != "http" or not url.hostname:
-        raise ValueError(f"base URL must be http://HOST:PORT, got {base_url!r}")
-    base = (url.hostname, url.port or 80)
+    bases = parse_base_urls(base_url)
 
-    async def one(req: BenchRequest) -> RequestResult:
+    async def one(i: int, req: BenchRequest) -> RequestResult:
         async with cap:
             try:
-                return await asyncio.wait_for(stream_one(base, model, req, ignore_eos),
-                                              timeout_s)
+                return await asyncio.wait_for(
+                    stream_one(bases, model, req, ignore_eos, first=i % len(bases)),
+                    timeout_s)
             except asyncio.TimeoutError:
                 return RequestResult(req.prompt_len, error=f"no answer within {timeout_s} s")
 
     tasks = []
     t0 = time.perf_counter()
-    for gap, req in zip(gaps, requests, strict=True):
+    for i, (gap, req) in enumerate(zip(gaps, requests, strict=True)):
         if gap:
             await asyncio.sleep(gap)
-        tasks.append(asyncio.create_task(one(req)))
+        tasks.append(asyncio.create_task(one(i, req)))
     results = list(await asyncio.gather(*tasks))
     end = max((r.start + r.e2e for r in results), default=t0)
     return results, max(end - t0, 1e-9)

@@ -1,0 +1,218 @@
+"""The HTTP API of one node's ``serve``: node 0's always, every other node's under
+``--membership-store etcd://`` (a front-end on every node, so that node 0 is no single
+point of failure for clients).
+
+Each front-end binds its own link (a ROUTER and a PULL, :class:`FrontendChannel`) and
+announces it in etcd under a lease (:mod:`elasticep.membership.directory`);
+every rank keeps a link to each announced front-end
+(:mod:`elasticep.frontend_link.fanout`), so each front-end routes to every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elasticep.config import DeploymentConfig
+from elasticep.deploy import Deployment
+from elasticep.engine.limits import known_max_total_tokens
+from elasticep.entrypoints.serve_args import ServeSettings
+from elasticep.frontend.core import Frontend
+from elasticep.frontend.event_log import EventLog
+from elasticep.frontend.http_server import HttpServer, create_server
+from elasticep.frontend.membership_source import MembershipSource
+from elasticep.frontend_link import FrontendChannel
+from elasticep.membership.directory import FRONTENDS, REPLICAS, Announcement, list_entries
+from elasticep.membership.election import lease_ttl_s
+from elasticep.membership.errors import MembershipStoreError
+from elasticep.utils.net import bind_tcp
+
+if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
+    from elasticep.membership.etcd_store import EtcdMembershipStore
+
+logger = logging.getLogger("elasticep.serve")
+
+# How long open streams may still finish once serve is asked to stop (seconds).
+STREAM_GRACE_S = 5.0
+
+
+def bind_api(settings: ServeSettings) -> socket.socket:
+    """Bind ``--host``/``--port`` before any rank starts: a taken port is refused at
+    once, not after every rank has loaded, and nothing can take it meanwhile.
+
+    Raises:
+        OSError: the port cannot be bound (one line naming the flags).
+    """
+    try:
+        return bind_tcp(settings.host, settings.port)
+    except OSError as exc:
+        raise OSError(f"cannot serve HTTP on {settings.host}:{settings.port} "
+                      f"(--host/--port): {exc.strerror or exc}") from exc
+
+
+def open_api(settings: ServeSettings, dep: DeploymentConfig, channel: FrontendChannel,
+             membership: MembershipSource, sock: socket.socket,
+             ) -> tuple[HttpServer, Frontend]:
+    """The HTTP server and front-end over ``channel`` (not started), with serve's flags."""
+    server, frontend = create_server(
+        dep.model, channel, membership, served_model_name=settings.served_model_name,
+        api_key=settings.api_key, host=settings.host, port=settings.port,
+        max_total_tokens=known_max_total_tokens(dep),
+        max_payload_size=settings.max_payload_size, sock=sock,
+        metrics_api_key=settings.metrics_api_key,
+        tool_call_parser=settings.tool_call_parser)
+    if settings.event_log is not None:
+        frontend.event_log = EventLog(settings.event_log)
+    return server, frontend
+
+
+def api_url(settings: ServeSettings, sock: socket.socket) -> str:
+    """The URL clients reach the API on, with the port ``sock`` is bound to."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{sock.getsockname()[1]}"
+
+
+def frontend_name(node: int) -> str:
+    """A front-end's name in the directory and in ``/elastic_ep_status``."""
+    return f"node{node}"
+
+
+def announce(url: str, node: int, channel: FrontendChannel, api_url: str,
+             heartbeat_timeout_s: float) -> Announcement | None:
+    """Put this node's front-end in the etcd directory of ``url`` (``etcd://...``) under
+    a lease of ``lease_ttl_s(heartbeat_timeout_s)``; returns the registration (close it
+    at stop), or None for the embedded store (one front-end, node 0's, no directory).
+
+    Raises:
+        MembershipStoreError: etcd did not take the key.
+    """
+    if not url.startswith("etcd://"):
+        return None
+    from elasticep.membership.etcd_store import EtcdMembershipStore  # etcd if asked
+    from elasticep.membership.store import parse_store_url
+
+    store = EtcdMembershipStore(parse_store_url(url))
+    info = {"request_addr": channel.endpoints.request_addr,
+            "output_addr": channel.endpoints.output_addr, "url": api_url, "node": node}
+    reg = Announcement(store, FRONTENDS, frontend_name(node), info,
+                       lease_ttl_s(heartbeat_timeout_s))
+    try:
+        reg.start()
+    except BaseException:
+        store.close()
+        raise
+    return reg
+
+
+class DirectoryView:
+    """Shows the front-ends and coordinator replicas announced in etcd in
+    ``/elastic_ep_status`` (``frontends``: name -> ``url`` and ``node``;
+    ``coordinator_replicas``: their addresses) and ``/metrics``
+    (``elasticep_frontend``, ``elasticep_coordinator_replica``), read every
+    ``period_s`` seconds on a daemon thread; an unreachable etcd keeps the last view.
+
+    Args:
+        store: the deployment's etcd store (closed by :meth:`close`).
+        frontend: the front-end whose status and metrics show them.
+    """
+
+    def __init__(self, store: EtcdMembershipStore, frontend: Frontend,
+                 period_s: float = 1.0) -> None:
+        self.store, self.frontend = store, frontend
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True,
+                                        name="directory-view")
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while True:
+            try:
+                fronts = list_entries(self.store, FRONTENDS)
+                replicas = sorted(list_entries(self.store, REPLICAS))
+            except MembershipStoreError as e:
+                logger.debug("directory view: %s", e)
+            else:
+                shown = {n: {"url": v.get("url"), "node": v.get("node")}
+                         for n, v in sorted(fronts.items())}
+                self.frontend.set_status_extra("frontends", shown)
+                self.frontend.set_status_extra("coordinator_replicas", replicas)
+                self.frontend.metrics.directory(
+                    {n: str(v["url"]) for n, v in shown.items()}, replicas)
+            if self._stop.wait(period_s):
+                return
+
+    def close(self) -> None:
+        """Stop reading (the store is closed by its owner)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class NodeApi:
+    """A node's running API: its link, server, front-end and directory entry."""
+
+    channel: FrontendChannel
+    server: HttpServer | None = None
+    frontend: Frontend | None = None
+    registration: Announcement | None = None  # under etcd only
+    view: DirectoryView | None = None  # under etcd only
+
+    def announce(self, settings: ServeSettings, node: int, api_url: str,
+                 heartbeat_timeout_s: float) -> None:
+        """Under etcd: put this front-end in the directory (:func:`announce`) and,
+        once the front-end exists, show the directory in its status and metrics.
+
+        Raises:
+            MembershipStoreError: etcd did not take the announcement.
+        """
+        self.registration = announce(settings.membership_store, node, self.channel,
+                                     api_url, heartbeat_timeout_s)
+        self.show_directory()
+
+    def show_directory(self) -> None:
+        """Start the :class:`DirectoryView` if both the front-end and the
+        announcement exist and it does not run yet."""
+        if self.registration is not None and self.frontend is not None and self.view is None:
+            self.view = DirectoryView(self.registration.store, self.frontend)
+
+    def stop(self, reason: str, grace_s: float) -> None:
+        """End the open streams (``grace_s`` to finish, then an
+        error event with ``reason``), leave the directory, stop the server and close the link."""
+        if self.frontend is not None:
+            self.frontend.shut_down(reason, grace_s)
+        if self.view is not None:
+            self.view.close()
+        if self.registration is not None:  # after: the ranks abort a leaver's requests
+            self.registration.close()
+            self.registration.store.close()
+        if self.server is not None:
+            self.server.stop()
+        self.channel.close()
+
+
+def start_node_api(settings: ServeSettings, deployment: Deployment, host: str) -> NodeApi:
+    """Nodes 1.. under etcd: bind the link on ``host`` (reachable by every node's
+    ranks) and ``--port``, start the API over the deployment's membership (which follows
+    the leader through etcd) and announce it in the directory.
+
+    Raises:
+        OSError: ``--port`` cannot be bound.
+        MembershipStoreError: etcd did not take the announcement.
+    """
+    api = NodeApi(FrontendChannel(host=host))
+    try:
+        sock = bind_api(settings)
+        membership = deployment.membership(lambda: api.channel.connected)
+        api.server, api.frontend = open_api(settings, deployment.config, api.channel,
+                                            membership, sock)
+        api.frontend.coordinator_address = deployment.address
+        api.server.start()
+        api.announce(settings, settings.node_rank, api.server.url,
+                     deployment.config.heartbeat_timeout_s)
+    except BaseException:
+        api.stop("the node could not start its API", 0.0)
+        raise
+    return api

@@ -1,0 +1,265 @@
+"""A rank's links to several front-ends: one :class:`WorkerChannel` per front-end, with
+the same calls as one, so the step loops need not know how many there are.
+
+Each front-end sends its own requests; the rank remembers which link a request came on
+and sends its outputs, errors and step failures back on that link only. Hellos and
+counters go to every link. The set of front-ends comes from ``directory`` (a call that
+lists them; under ``--membership-store etcd://`` it reads the front-ends' leased keys,
+:mod:`elasticep.membership.directory`), re-read every ``refresh_s`` on a thread
+of its own, so a slow etcd never delays a step. A front-end that leaves the list (it
+died, its lease ran out) has its link closed without a flush and its requests aborted
+on this rank, which serves the other front-ends' requests on as before.
+
+Request ids are the front-ends' (random, ``uuid4``); a request whose id is already in
+flight here from another front-end is refused on its own link (``RequestError``), so
+ids never mix across front-ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+
+from . import messages as m
+from .channels import FrontendUnreachableError, WorkerChannel
+
+logger = logging.getLogger(__name__)
+
+# The front-ends now, or None while that is unknown (etcd out of reach).
+Directory = Callable[[], "Sequence[m.LinkEndpoints] | None"]
+
+
+class FrontendLinks:
+    """Worker side over every front-end of the deployment; see the module docstring.
+
+    Args:
+        first: the front-end named in the deployment config (node 0's), linked at once.
+        rank, epoch, send_timeout_s, limits, moe_a2a_backend: as for
+            :class:`WorkerChannel`, for every link.
+        directory: lists the front-ends; an empty list counts as unknown (links are
+            dropped only when the list names others).
+        refresh_s: how often ``directory`` is read (seconds).
+    """
+
+    def __init__(self, first: m.LinkEndpoints, rank: int, directory: Directory,
+                 epoch: int = 0, send_timeout_s: float = 5.0,
+                 limits: tuple[int, int] | None = None,
+                 moe_a2a_backend: str | None = None, refresh_s: float = 0.25) -> None:
+        self.rank = rank
+        self._epoch = epoch
+        self.limits = limits
+        self.moe_a2a_backend = moe_a2a_backend
+        self._send_timeout_s = send_timeout_s
+        self._links: dict[str, WorkerChannel] = {}  # by request address
+        self._origin: dict[str, str] = {}  # request id -> its link's request address
+        self._listed: list[m.LinkEndpoints] | None = None  # the thread's latest read
+        self._pending_aborts: list[AbortRequest] = []
+        self._open(first)
+        self._directory = directory
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(refresh_s,), daemon=True,
+                                        name="frontend-directory")
+        self._thread.start()
+
+    # ---- the set of links ------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The membership epoch outputs are tagged with (set by the step loop)."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch = value
+        for link in self._links.values():
+            link.epoch = value
+
+    @property
+    def frontends(self) -> list[str]:
+        """The request addresses of the front-ends this rank is linked to."""
+        return sorted(self._links)
+
+    def _open(self, endpoints: m.LinkEndpoints) -> WorkerChannel:
+        link = WorkerChannel(endpoints, self.rank, self._epoch, self._send_timeout_s,
+                             self.limits, self.moe_a2a_backend)
+        self._links[endpoints.request_addr] = link
+        return link
+
+    def _watch(self, refresh_s: float) -> None:
+        while not self._stop.wait(refresh_s):
+            try:
+                listed = self._directory()
+            except Exception as exc:  # noqa: BLE001 - an unreadable directory changes nothing
+                logger.debug("rank %d: front-end directory unreadable: %r", self.rank, exc)
+                continue
+            if listed:
+                self._listed = list(listed)
+
+    def _apply_directory(self) -> None:
+        """Link to new front-ends (with a hello) and drop the ones no longer listed;
+        runs on the step loop's thread, which owns the sockets."""
+        listed, self._listed = self._listed, None
+        if listed is None:
+            return
+        wanted = {e.request_addr: e for e in listed}
+        for addr in [a for a in self._links if a not in wanted]:
+            self._drop(addr, "it left the front-end directory")
+        for addr, endpoints in wanted.items():
+            if addr not in self._links:
+                logger.info("rank %d: linking to the front-end at %s", self.rank, addr)
+                try:
+                    self._open(endpoints).hello()
+                except FrontendUnreachableError as exc:
+                    logger.warning("rank %d: %s", self.rank, exc)
+
+    def _drop(self, addr: str, why: str) -> None:
+        """Close one link without a flush and abort its requests here."""
+        link = self._links.pop(addr)
+        link.close(flush=False)
+        mine = [rid for rid, a in self._origin.items() if a == addr]
+        for rid in mine:
+            del self._origin[rid]
+        self._pending_aborts += [AbortRequest(rid) for rid in mine]
+        logger.warning("rank %d: dropped the front-end at %s (%s); aborting its %d "
+                       "requests here", self.rank, addr, why, len(mine))
+
+    # ---- the WorkerChannel calls ------------------------------------------------------
+    def hello(self) -> None:
+        """Announce this rank on every link (see :meth:`WorkerChannel.hello`).
+
+        Raises:
+            FrontendUnreachableError: no link took the hello.
+        """
+        errors = []
+        for link in self._links.values():
+            try:
+                link.hello()
+            except FrontendUnreachableError as exc:
+                errors.append(exc)
+        if errors and len(errors) == len(self._links):
+            raise errors[0]
+
+    def poll(self, timeout_s: float) -> list[m.RankMessage]:
+        """Wait up to ``timeout_s`` seconds for requests and aborts on any link; also
+        returns an abort for each request of a front-end dropped since the last call."""
+        self._apply_directory()
+        out: list[m.RankMessage] = list(self._pending_aborts)
+        self._pending_aborts = []
+        poller = zmq.Poller()
+        for link in self._links.values():
+            poller.register(link.request_socket, zmq.POLLIN)
+        if not poller.poll(timeout=0 if out else max(0, int(timeout_s * 1000))):
+            return out
+        for addr, link in list(self._links.items()):
+            for msg in link.poll(0):
+                if self._accept(addr, link, msg):
+                    out.append(msg)
+        return out
+
+    def _accept(self, addr: str, link: WorkerChannel, msg: m.RankMessage) -> bool:
+        """Record where ``msg`` came from; False if it is refused here."""
+        rid = msg.request_id
+        if isinstance(msg, AbortRequest):
+            if self._origin.get(rid) == addr:  # the front-end is done with it
+                del self._origin[rid]
+                return True
+            return False  # another front-end's request: not this one's to abort
+        if isinstance(msg, GenerateRequest):
+            held = self._origin.get(rid)
+            if held is not None and held != addr:
+                link.send_error(rid, f"request id {rid} is in flight from another front-end")
+                return False
+            self._origin[rid] = addr
+        return True
+
+    def _link_of(self, request_id: str, final: bool) -> tuple[str, WorkerChannel] | None:
+        addr = self._origin.pop(request_id, None) if final else self._origin.get(request_id)
+        if addr is None or addr not in self._links:
+            return None
+        return addr, self._links[addr]
+
+    def _send(self, addr: str, send: Callable[[WorkerChannel], None]) -> None:
+        """``send`` on one link; a link that cannot take it is dropped if others are
+        left (a front-end gone before its lease ran out), else the error propagates."""
+        link = self._links.get(addr)
+        if link is None:
+            return
+        try:
+            send(link)
+        except FrontendUnreachableError as exc:
+            if len(self._links) == 1:
+                raise
+            self._drop(addr, str(exc))
+
+    def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None,
+                     first_tokens: Sequence[m.FirstTokenTimes] = ()) -> None:
+        """:meth:`WorkerChannel.send_outputs`, each output on its request's link;
+        outputs of requests with no link (their front-end was dropped) are dropped."""
+        by_link: dict[str, list[TokenOutput]] = {}
+        for out in outputs:
+            found = self._link_of(out.request_id, final=out.finish_reason is not None)
+            if found is not None:
+                by_link.setdefault(found[0], []).append(out)
+        firsts: dict[str, list[m.FirstTokenTimes]] = {}
+        for times in first_tokens:
+            addr = next((a for a, outs in by_link.items()
+                         if any(o.request_id == times.request_id for o in outs)), None)
+            if addr is not None:
+                firsts.setdefault(addr, []).append(times)
+        for addr, outs in by_link.items():
+            self._send(addr, lambda link, outs=outs, addr=addr: link.send_outputs(
+                outs, epoch, firsts.get(addr, ())))
+
+    def send_stats(self, *args: int, **kwargs: int) -> None:
+        """:meth:`WorkerChannel.send_stats` on every link."""
+        for addr in list(self._links):
+            self._send(addr, lambda link: link.send_stats(*args, **kwargs))
+
+    def send_error(self, request_id: str, message: str) -> None:
+        """:meth:`WorkerChannel.send_error` on the request's link."""
+        found = self._link_of(request_id, final=True)
+        if found is not None:
+            self._send(found[0], lambda link: link.send_error(request_id, message))
+
+    def send_step_failed(self, request_ids: Sequence[str], message: str) -> None:
+        """:meth:`WorkerChannel.send_step_failed`, each link told of its requests."""
+        by_link: dict[str, list[str]] = {}
+        for rid in request_ids:
+            found = self._link_of(rid, final=False)
+            if found is not None:
+                by_link.setdefault(found[0], []).append(rid)
+        for addr, rids in by_link.items():
+            self._send(addr, lambda link, rids=rids: link.send_step_failed(rids, message))
+
+    def close(self) -> None:
+        """Stop reading the directory and close every link (outputs get up to 1 s each
+        to flush)."""
+        self._stop.set()
+        for link in self._links.values():
+            link.close()
+        self._links = {}
+
+
+def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, epoch: int = 0,
+                limits: tuple[int, int] | None = None,
+                moe_a2a_backend: str | None = None) -> WorkerChannel | FrontendLinks:
+    """A rank's link to the front-ends: with an etcd ``membership_store`` (every node
+    serves the API) one link per announced front-end (:class:`FrontendLinks`), else the
+    one link to ``endpoints`` (node 0's front-end)."""
+    if not membership_store.startswith("etcd://"):
+        return WorkerChannel(endpoints, rank, epoch, limits=limits,
+                             moe_a2a_backend=moe_a2a_backend)
+    from elasticep.membership.directory import directory_reader  # etcd if asked
+
+    read = directory_reader(membership_store)
+
+    def directory() -> list[m.LinkEndpoints]:
+        return [m.LinkEndpoints(str(v["request_addr"]), str(v["output_addr"]))
+                for v in read().values() if "request_addr" in v and "output_addr" in v]
+
+    return FrontendLinks(endpoints, rank, directory, epoch, limits=limits,
+                         moe_a2a_backend=moe_a2a_backend)

@@ -1,0 +1,154 @@
+"""The deployment's HTTP front-ends and coordinator replicas, announced in etcd
+(``--membership-store etcd://``).
+
+Every node's ``serve`` runs a front-end; each one puts a key
+``/elasticep/<prefix>/frontends/<name>`` (its link endpoints and URL, as JSON) under an
+etcd lease of its own. The ranks list these keys and keep one link per front-end; a
+front-end that dies stops renewing its lease, etcd deletes its key after the TTL, and
+the ranks drop its link. Each coordinator replica puts ``replicas/<address>`` the same
+way, so ``/elastic_ep_status`` can show the standbys too. See
+docs/design/ha_membership.md ("A front-end on every node").
+
+    reg = Announcement(store, FRONTENDS, "node1", {"request_addr": ..., ...}, ttl_s=2)
+    reg.start()                       # puts the key, then keeps its lease alive
+    list_entries(store, FRONTENDS)    # {"node0": {...}, "node1": {...}}
+    reg.close()                       # revokes the lease: the key goes at once
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import MembershipStoreError
+
+if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
+    from .etcd_store import EtcdMembershipStore
+
+log = logging.getLogger("elasticep.membership")
+
+FRONTENDS = "frontends/"
+REPLICAS = "replicas/"
+
+
+def _prefix_end(prefix: str) -> str:
+    """etcd's ``range_end`` for every key starting with ``prefix`` (its last byte + 1)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def list_entries(store: EtcdMembershipStore, directory: str) -> dict[str, dict[str, Any]]:
+    """Every entry of ``directory`` (:data:`FRONTENDS`, :data:`REPLICAS`) under
+    ``store``'s prefix: name -> what it announced. A value that is not a JSON object is
+    skipped (logged).
+
+    Raises:
+        StoreUnavailableError: no etcd member answered.
+    """
+    from .etcd_store import b64, unb64
+
+    prefix = store.key(directory)
+    out = store.kv.post("kv/range", {"key": b64(prefix), "range_end": b64(_prefix_end(prefix))})
+    found: dict[str, dict[str, Any]] = {}
+    for kv in out.get("kvs") or []:
+        name = unb64(kv["key"]).decode()[len(prefix):]
+        try:
+            value = json.loads(unb64(kv.get("value", "")))
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            log.warning("%s: skipping %s (not a JSON object)", prefix, name)
+            continue
+        found[name] = value
+    return found
+
+
+class Announcement:
+    """One process's key in a directory, held by a lease this object keeps alive.
+
+    If the lease is lost (etcd was out of reach longer than the TTL), the key is put
+    again under a fresh lease at the next keep-alive etcd answers: a process that
+    lives is listed again once etcd is back.
+
+    Args:
+        store: the deployment's etcd store.
+        directory: :data:`FRONTENDS` or :data:`REPLICAS`.
+        name: the entry's name, unique in the directory (``node<K>`` for a front-end,
+            the control address for a replica).
+        info: what it announces (JSON-able). A front-end: ``request_addr``,
+            ``output_addr`` (its link's zmq endpoints), ``url`` (its HTTP API) and
+            ``node``; a replica: ``address`` and ``pid``.
+        ttl_s: lease TTL in whole seconds (``election.lease_ttl_s``).
+    """
+
+    def __init__(self, store: EtcdMembershipStore, directory: str, name: str,
+                 info: dict[str, Any], ttl_s: int) -> None:
+        self.store, self.name, self.info, self.ttl_s = store, name, info, ttl_s
+        self._key = store.key(directory + name)
+        self._lease: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, required: bool = True) -> None:
+        """Put the key now, then keep it alive on a daemon thread (which puts it, should
+        this first put fail with ``required`` False).
+
+        Raises:
+            MembershipStoreError: etcd did not take the key (``required`` only).
+        """
+        try:
+            self._put()
+        except MembershipStoreError as e:
+            if required:
+                raise
+            log.warning("%s not announced yet: %s", self._key, e)
+        self._thread = threading.Thread(target=self._keep_alive, daemon=True,
+                                        name=f"lease-{self.name}")
+        self._thread.start()
+        log.info("%s announced", self._key)
+
+    def _put(self) -> None:
+        from .etcd_store import b64
+
+        lease = int(self.store.kv.post("lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])
+        self.store.kv.post("kv/put", {"key": b64(self._key),
+                                      "value": b64(json.dumps(self.info)), "lease": lease})
+        self._lease = lease
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self._lease is None:
+                    self._put()
+                    log.warning("%s announced again (its lease had expired)", self._key)
+                    continue
+                out = self.store.kv.post("lease/keepalive", {"ID": self._lease})
+                if int(out.get("result", {}).get("TTL", -1)) <= 0:
+                    self._lease = None  # expired: put again at the next period
+            except MembershipStoreError as e:
+                log.debug("%s: lease keep-alive: %s", self._key, e)
+
+    def close(self) -> None:
+        """Stop the keep-alive and revoke the lease (the key goes now, not a TTL later);
+        best effort: an unreachable etcd lets it expire on its own."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self.store.kv.post("kv/lease/revoke", {"ID": lease})
+            except MembershipStoreError:
+                pass
+
+
+def directory_reader(url: str) -> Callable[[], dict[str, dict[str, Any]]]:
+    """A call that lists the front-ends under ``url`` (``etcd://...``; see
+    :func:`list_entries`), over one store kept open for the caller's lifetime."""
+    from .etcd_store import EtcdMembershipStore
+    from .store import parse_store_url
+
+    store = EtcdMembershipStore(parse_store_url(url))
+    return lambda: list_entries(store, FRONTENDS)

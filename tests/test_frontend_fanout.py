@@ -1,0 +1,82 @@
+"""A rank's links to several front-ends (`frontend_link.fanout`), over real zmq sockets:
+each front-end gets the outputs of its own requests only, every one gets the hellos and
+counters, an id in flight from another front-end is refused, and a front-end that leaves
+the directory has its requests aborted on the rank while the others' go on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from test_frontend_link import collect, wait_poll
+
+from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.frontend_link import (
+    FrontendChannel,
+    OutputBatch,
+    RankStats,
+    RequestError,
+    WorkerHello,
+)
+from elasticep.frontend_link.fanout import FrontendLinks
+
+pytestmark = pytest.mark.timeout(30)
+
+# the rank side's calls are WorkerChannel's, so that module's helpers drive it as well
+
+
+def test_each_front_end_gets_its_own_requests_back_and_a_leaver_is_aborted():
+    async def main() -> None:
+        a, b = FrontendChannel(), FrontendChannel()
+        listed = [a.endpoints, b.endpoints]
+        links = FrontendLinks(a.endpoints, rank=2, directory=lambda: list(listed), epoch=5,
+                              refresh_s=0.02)
+        try:
+            links.hello()
+            [hello_a] = await collect(a, 1)
+            assert isinstance(hello_a, WorkerHello) and hello_a.rank == 2
+            poll_until_linked(links, 2)
+            [hello_b] = await collect(b, 1)  # said on linking, without being asked
+            assert isinstance(hello_b, WorkerHello) and hello_b.epoch == 5
+
+            ra, rb = GenerateRequest("ra", (1, 2)), GenerateRequest("rb", (3,))
+            a.send(2, ra)
+            b.send(2, rb)
+            b.send(2, GenerateRequest("ra", (4,)))  # ra's id is a's: refused on b
+            got = wait_poll(links, 2)
+            assert sorted(got, key=lambda m: m.prompt_token_ids) == [ra, rb]
+            [refused] = await collect(b, 1)
+            assert isinstance(refused, RequestError) and refused.request_id == "ra"
+
+            links.send_outputs([TokenOutput("ra", 0, 7), TokenOutput("rb", 0, 8)])
+            links.send_stats(10, 0, 0)
+            [out_a, stats_a] = await collect(a, 2)
+            [out_b, stats_b] = await collect(b, 2)
+            assert isinstance(out_a, OutputBatch) and out_a.outputs == (TokenOutput("ra", 0, 7),)
+            assert isinstance(out_b, OutputBatch) and out_b.outputs == (TokenOutput("rb", 0, 8),)
+            assert stats_a == stats_b == RankStats(2, 5, 10, 0, 0)
+
+            listed.clear()  # an empty directory is unknown: nothing is dropped
+            time.sleep(0.1)
+            assert links.poll(0.05) == [] and len(links.frontends) == 2
+            listed.append(a.endpoints)  # b left (its lease ran out)
+            assert wait_poll(links, 1) == [AbortRequest("rb")]
+            assert links.frontends == [a.endpoints.request_addr]
+            links.send_outputs([TokenOutput("ra", 1, 9, finish_reason="length"),
+                                TokenOutput("rb", 1, 9)])  # rb's has nowhere to go
+            [last] = await collect(a, 1)
+            assert last.outputs == (TokenOutput("ra", 1, 9, finish_reason="length"),)
+        finally:
+            links.close()
+            a.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def poll_until_linked(links: FrontendLinks, n: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(links.frontends) < n:
+        assert time.monotonic() < deadline, links.frontends
+        links.poll(0.02)
