@@ -243,7 +243,14 @@ def test_one_member_down_changes_nothing_and_quorum_loss_commits_nothing(cluster
     state, now = store.load()
     assert (state, now) == (MembershipState(max_world_size=2), rev) or (
         state == MembershipState(max_world_size=3) and now > rev)
-    store.commit(MembershipState(max_world_size=4), now)
+    try:
+        store.commit(MembershipState(max_world_size=4), now)
+    except FencedCommitError:
+        # the logged proposal was applied after that read (seen once in a full run):
+        # then the store holds it, and a commit naming its revision goes through
+        state, now = store.load()
+        assert state == MembershipState(max_world_size=3) and now > rev
+        store.commit(MembershipState(max_world_size=4), now)
     assert store.load()[0] == MembershipState(max_world_size=4)
 
 
