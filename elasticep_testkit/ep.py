@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny-qwen3-moe"
 NEAR_TIE = 1e-3
 NUM_PROMPTS = 16
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -28,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
 @functools.cache
@@ -39,7 +38,7 @@ def prompts() -> tuple[tuple[int, ...], ...]:
 
 def reference() -> tuple[list[list[int]], list[list[float]]]:
     """ep_size=1 greedy outputs of :func:`prompts` and the top-2 margin at each token."""
-    return reference_for(str(MODEL), prompts())
+    return reference_for(str(DEMO_MODEL), prompts())
 
 
 @functools.cache
@@ -120,7 +119,7 @@ def launch(tmp_path_factory, **overrides):
     log_dir = tmp_path_factory.mktemp("ep-logs")
     fault = overrides.pop("fault", None)
     ep_size = overrides.pop("ep_size", 4)
-    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=ep_size,
+    cfg = DeploymentConfig(model=str(overrides.pop("model", DEMO_MODEL)), ep_size=ep_size,
                            max_ep_size=overrides.pop("max_ep_size", ep_size),
                            heartbeat_timeout_s=10.0, **overrides)
     driver = BatchDriver.launch(cfg, tokenizer().decode, fault=fault, log_dir=str(log_dir),
