@@ -34,7 +34,6 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
               pytest.mark.timeout(300)]
 
 
-
 @pytest.fixture(scope="module")
 def nccl_world():
     with socket.socket() as s:

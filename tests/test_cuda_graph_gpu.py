@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
               pytest.mark.timeout(300)]
 
 
-
 def _engine(tmp_path: Path, graphs: bool, chunk: int | None = None,
             dtype: torch.dtype = torch.bfloat16) -> LLMEngine:
     shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")

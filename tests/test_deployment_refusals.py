@@ -26,7 +26,6 @@ from elasticep_testkit.paths import DEMO_MODEL
 pytestmark = pytest.mark.timeout(60)
 
 
-
 def _states(*names: str) -> list[SlotState]:
     return [SlotState(n) for n in names]
 

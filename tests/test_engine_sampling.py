@@ -13,7 +13,6 @@ from elasticep_testkit.paths import DEMO_MODEL
 pytestmark = pytest.mark.timeout(60)
 
 
-
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer

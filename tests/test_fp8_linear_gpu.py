@@ -69,8 +69,6 @@ def test_cuda_graph_replay_equals_eager_calls():
         assert not torch.equal(out, fp8_linear(x, q, s, b))
 
 
-
-
 def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:
     """``[sum(lengths), V]`` float32 logits (CPU) of one prefill step of random whole
     prompts (fixed seed) through ``model``."""

@@ -23,7 +23,6 @@ from elasticep_testkit.paths import DEMO_MODEL
 pytestmark = pytest.mark.timeout(120)
 
 
-
 def test_a_giant_prompt_holds_one_pool_thread_only():
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     tok.model_max_length = 1 << 62

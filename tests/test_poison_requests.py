@@ -32,7 +32,6 @@ from elasticep_testkit.paths import DEMO_MODEL
 pytestmark = pytest.mark.timeout(120)
 
 
-
 def _logits(dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     return (torch.randn(3, 100, generator=g) * 5).to(dtype)
