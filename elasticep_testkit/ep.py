@@ -17,6 +17,7 @@ import torch
 from elasticep.engine.request import SamplingParams
 from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
+from elasticep_testkit.torch_threads import one_torch_thread
 
 NEAR_TIE = 1e-3
 NUM_PROMPTS = 16
@@ -46,11 +47,7 @@ def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[
     """ep_size=1 greedy outputs of ``prompt_ids`` on ``model`` and the top-2 margin at each token."""
     from elasticep.engine.llm_engine import LLMEngine
 
-    # One intra-op thread: with other processes on the 2 cores, OpenMP's spinning
-    # threads make this ~30x slower (99 s instead of 3 s, measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         engine = LLMEngine.from_pretrained(model, dtype=torch.float32, progress=False)
         outs = engine.generate([list(p) for p in prompt_ids], GREEDY)
         margins = []
@@ -58,8 +55,6 @@ def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[
             logits = engine.prompt_logits(list(p) + out[:-1])[len(p) - 1:]
             top2 = torch.topk(logits, 2, dim=-1).values
             margins.append((top2[:, 0] - top2[:, 1]).tolist())
-    finally:
-        torch.set_num_threads(threads)
     return outs, margins
 
 

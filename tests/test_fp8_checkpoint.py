@@ -32,6 +32,7 @@ from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.expert_compute import dense_weights
 from elasticep_testkit.ep import assert_equal_under_near_tie_rule, prompts
 from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,12 +44,8 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # with other processes on the 2 cores, OpenMP's spinning threads slow these
-    # small matrices by an order of magnitude
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 # --- the torch reference ---------------------------------------------------------------

@@ -33,6 +33,7 @@ from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.experts import fp8_block
 from elasticep_testkit.ep import prompts
 from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,10 +44,8 @@ MLP = ("gate", "up", "down")
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # OpenMP spinning on 2 busy cores slows these tiny matmuls
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def projections(model) -> dict[str, object]:

@@ -21,6 +21,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, GrammarSpec, SamplingParams
 from elasticep_testkit.ep import prompts, tokenizer
 from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,11 +35,9 @@ EOS = 0
 
 @pytest.fixture(scope="module")
 def engine():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine.from_pretrained(DEMO_MODEL, progress=False,
-                                    config=EngineConfig(max_total_tokens=2048))
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield LLMEngine.from_pretrained(DEMO_MODEL, progress=False,
+                                        config=EngineConfig(max_total_tokens=2048))
 
 
 def run(engine: LLMEngine, rid: str, prompt, params: SamplingParams, resumed=()) -> list[int]:
