@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_run import _time_cuda  # one CUDA-event median timer (milliseconds)
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.prefill_warmup import count_triton_compiles, warm_up_prefill
 from elasticep.engine.request import GenerateRequest, SamplingParams
@@ -116,21 +117,27 @@ def matmul_rate(device: str, n: int = 8192, reps: int = 10) -> float:
         for _ in range(reps):
             a @ a
         return 2 * 256**3 * reps / (time.perf_counter() - t0)
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
+    ab = [torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    seconds = _time_cuda(lambda: ab[0] @ ab[1], reps) / 1e3
+    ab.clear()
     torch.cuda.empty_cache()
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / seconds
+
+
+def fp8_matmul_rate(device: str, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of an ``n^3`` float8_e4m3fn product on the FP8 tensor cores, timed as
+    :func:`matmul_rate`: ``torch._scaled_mm`` with one scale per operand (the plainest
+    FP8 GEMM cuBLAS runs), float32 accumulation without fast accumulation (as the
+    blockwise W8A8 products accumulate), bf16 out, random data. CUDA only."""
+    # the right operand column-major, as cuBLASLt's FP8 products take it on Hopper
+    ab = [torch.randn(n, n, device=device).to(torch.float8_e4m3fn),
+          torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()]
+    one = torch.ones((), device=device)
+    seconds = _time_cuda(lambda: torch._scaled_mm(*ab, one, one, out_dtype=torch.bfloat16),
+                         reps) / 1e3
+    ab.clear()
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds
 
 
 def _sync(device: str) -> None:

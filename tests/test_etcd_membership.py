@@ -21,6 +21,7 @@ from elasticep.membership.errors import (
 )
 from elasticep.membership.etcd_store import EtcdKV, EtcdMembershipStore
 from elasticep.membership.store import parse_store_url
+from elasticep.membership.transitions import SlotState
 from elasticep_testkit.etcd_cluster import EtcdCluster, spawn_leader
 from elasticep_testkit.harness.serve_process import cli_command, free_port
 
@@ -357,10 +358,16 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
         metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
         assert 'elasticep_membership_store_ok{store="etcd"} 1.0' in metrics
         assert f'elasticep_coordinator_leader{{replica="{store.leader}"}} 1.0' in metrics
+        epoch0 = s.status().epoch
         cluster.kill(0)
         cluster.kill(1)
         try:
-            # a change while etcd has no quorum: serving goes on, the store says why
+            # past the lease TTL without etcd, it stops counting itself the leader
+            s.wait_for(lambda st: st.membership_store.leader is None, 10,
+                       "the leader to give up its lease on its own clock")
+            # a change asked for while etcd has no quorum: accepted, but it does not
+            # begin (its commit could not be stored, and an announced epoch would hold
+            # every rank at the boundary): serving goes on, the store says why
             code, body = s.scale(1)
             assert code == 200, body
             deadline = time.monotonic() + 15
@@ -374,17 +381,21 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
             assert health["status"] == "ok" and health["degraded"]
             metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
             assert 'elasticep_membership_store_ok{store="etcd"} 0.0' in metrics
-            assert complete()
-            # past the lease TTL without etcd, it stops counting itself the leader
-            s.wait_for(lambda st: st.membership_store.leader is None, 10,
-                       "the leader to give up its lease on its own clock")
+            assert complete() == before  # both ranks still serve
+            st = s.status()  # rank 1 drains (the scale's intent), but no epoch commits
+            assert st.epoch == epoch0 and st.state_of(1) == SlotState.DRAINING, st
         finally:
             cluster.restart(0)
             cluster.restart(1)
         s.wait_for(lambda st: st.membership_store.ok, 20, "the store to catch up")
         s.wait_for(lambda st: st.membership_store.leader == s.coordinator, 10,
                    "the coordinator to lead again")
-        assert _store(cluster, prefix).load()[0].target["ep_size"] == 1
+        # then the change begins, and its epoch commits once etcd has it
+        s.wait_for(lambda st: st.healthy_ranks() == [0] and st.epoch > epoch0, 30,
+                   "the scale-down")
+        state = _store(cluster, prefix).load()[0]
+        assert state.target["ep_size"] == 1 and state.groups["world"]["active"] == [0]
+        assert complete() == before
 
 
 def test_another_node_finds_the_coordinator_through_etcd_or_says_why(cluster):

@@ -290,6 +290,33 @@ def test_fused_plan_matches_the_torch_plan(G, T, k, S):
     assert torch.equal(inv, inverse_positions(want.position, G * C))
 
 
+def test_warm_kernels_compile_every_send_form_a_step_takes():
+    # A served rank's first large prefill step once compiled the dispatch send on the
+    # request path: warm_kernels had compiled another form (one pair a token, and
+    # Triton specializes an integer equal to 1). After warm_kernels, sends of any token
+    # count, top-k and layer must find their compiled form.
+    from elasticep.moe.exchange import ipc_kernels
+    Hw = 384  # a width no other test of this file uses: these forms are this test's own
+    exs = [IpcExchange(r, 2, 4096, Hw, torch.bfloat16, 4, "cuda") for r in range(2)]
+    for ex in exs:
+        ex.map_local(dict(enumerate(exs)))
+        ex.reset(torch.ones(2, dtype=torch.bool))
+        ex.warm_kernels()
+    dev = torch.cuda.current_device()
+    caches = [k.device_caches[dev][0] for k in (ipc_kernels._dispatch_send_kernel,
+                                                 ipc_kernels._combine_send_kernel)]
+    warmed = [len(c) for c in caches]
+    assert min(warmed) >= 1
+    g = torch.Generator().manual_seed(0)
+    for layer, (T, k) in enumerate([(1, 8), (255, 8), (300, 6), (17, 1)]):
+        inputs = [(torch.randn(T, Hw, generator=g).to(torch.bfloat16).cuda(),
+                   torch.stack([torch.randperm(2 * S, generator=g)[:k]
+                                for _ in range(T)]).cuda()) for _ in exs]
+        _run(exs, inputs, pair_capacity(T, k, S), layer)
+    torch.cuda.synchronize()
+    assert [len(c) for c in caches] == warmed
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 256])
 def test_fused_static_dispatch_matches_the_reference(tokens):
     g = torch.Generator().manual_seed(tokens)

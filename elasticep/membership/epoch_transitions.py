@@ -26,6 +26,8 @@ class EpochTransitions:
     _procs: dict[int, _Proc]
     _send: Callable[..., None]
     _admit_into_empty: Callable[[Group], None]
+    changes_allowed: Callable[[], bool]
+    _deferred: bool
 
     def _proc_dead(self, proc: _Proc, why: str) -> None:
         if not proc.alive:
@@ -62,6 +64,12 @@ class EpochTransitions:
             if g.pending_dead - tr.dead:
                 self._announce(g, tr.restart(g))
             return
+        if not (g.pending_dead & g.active) and not self.changes_allowed():
+            # A planned change waits while its commit could not be stored: announced,
+            # it would hold every member at the boundary until the store came back. A
+            # death cannot wait: the group is stuck anyway.
+            self._deferred = True
+            return
         tr = Transition.begin(g)
         if tr is not None:
             self._announce(g, tr)
@@ -85,7 +93,7 @@ class EpochTransitions:
         # Requests travel with the commit: a rank must not act again on a removal or
         # admission that this commit just applied (a later re-admission of the slot
         # would otherwise be undone by the stale request).
-        msg = m.Commit(g.name, g.states, g.requests, decision=d)
+        msg = m.Commit(g.name, g.states, self._requests_view(g), decision=d)
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 self._send(p.conn, msg)
@@ -98,7 +106,17 @@ class EpochTransitions:
         return p is not None and p.alive
 
     def _push_peer(self, g: Group) -> None:
-        msg = m.Peer(g.name, g.states, g.requests)
+        msg = m.Peer(g.name, g.states, self._requests_view(g))
         for p in self._procs.values():
             if p.alive and g.name in p.groups:
                 self._send(p.conn, msg)
+
+    def _requests_view(self, g: Group) -> dict[str, list[int]]:
+        """The requests the members see. While a planned change may not begin
+        (``changes_allowed``), admissions and removals stay with the coordinator: a
+        member that saw one would drain and then wait at the boundary for a commit the
+        store cannot take, and serving would stop; they are pushed once it may."""
+        if self.changes_allowed() or not (g.requests.get("admit") or g.requests.get("remove")):
+            return g.requests
+        self._deferred = True
+        return {**g.requests, "admit": [], "remove": []}

@@ -52,12 +52,16 @@ class StatePersister:
         snapshot: returns the current durable state; called on the persister's thread,
             so it must take the coordinator's lock itself.
         revision: the revision the caller last read (``store.load()[1]``).
+        on_committed: called on the persister's thread with each state the store is
+            known to hold from now on (after a commit, or an adopted late write).
     """
 
     def __init__(self, store: MembershipStore, snapshot: Callable[[], MembershipState],
-                 revision: int) -> None:
+                 revision: int,
+                 on_committed: Callable[[MembershipState], None] | None = None) -> None:
         self._store = store
         self._snapshot = snapshot
+        self._on_committed = on_committed
         self._revision = revision
         self._committed: MembershipState | None = None
         # states sent since the last confirmed commit: a commit that timed out may still
@@ -102,6 +106,8 @@ class StatePersister:
             if state == self._committed:
                 if not self._health.ok:  # a late write of ours was found to be it
                     self._set(StoreHealth(True, None, self._revision))
+                if self._on_committed is not None:  # unchanged since: held too
+                    self._on_committed(state)
                 continue
             self._unconfirmed.append(state)
             try:
@@ -129,6 +135,8 @@ class StatePersister:
                          self._revision)
             self._committed = state
             self._set(StoreHealth(True, None, self._revision))
+            if self._on_committed is not None:
+                self._on_committed(state)
 
     def _adopt_own_write(self) -> bool:
         """After a commit of unknown outcome, or a fenced one: read what is there. If it
@@ -144,6 +152,8 @@ class StatePersister:
         log.info("coordinator: a commit of unknown outcome went through (revision %d)", rev)
         self._revision, self._committed = rev, stored
         self._unconfirmed.clear()
+        if self._on_committed is not None:
+            self._on_committed(stored)
         return True
 
     def _set(self, health: StoreHealth) -> None:

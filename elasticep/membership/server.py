@@ -25,6 +25,8 @@ import time
 import torch.distributed as dist
 
 from . import messages as m
+from .commit_gate import CommitGate
+from .durable_state import MembershipState
 from .election import LeaderLease
 from .persister import StatePersister, StoreHealth
 from .protocol import Connection
@@ -64,13 +66,20 @@ class Coordinator:
                                          join_hb_timeout_s)
         self._lock = threading.RLock()
         self._persister: StatePersister | None = None
+        # with a store: epoch commits wait until it holds them (commit_gate.py); the
+        # events are numbered, and each snapshot the persister takes keeps its number
+        self._gate: CommitGate | None = None
+        self._change = 0
+        self._snapshots: list[tuple[MembershipState, int]] = []
         if membership_store is not None:
             state, revision = membership_store.load()
             if state is not None:
                 self.service.restore(state)
+            self._gate = CommitGate()
             self._persister = StatePersister(membership_store, self._durable_state,
-                                             revision)
+                                             revision, on_committed=self._committed)
             self.service.store_status = self._store_status
+            self.service.changes_allowed = self._changes_allowed
         self._lease = lease
         if listener is None:
             listener = socket.create_server((host, port))
@@ -109,9 +118,27 @@ class Coordinator:
         leader = lease.candidate if lease is not None and lease.is_leader else None
         return StoreStatus("etcd", h.ok, h.reason, h.revision, leader)
 
-    def _durable_state(self):
+    def _changes_allowed(self) -> bool:
+        # while the store takes commits and this replica leads (it may be cut off from
+        # the store's majority before a commit has failed: the lease runs out first)
+        assert self._persister is not None
+        return self._persister.health().ok and (self._lease is None or self._lease.is_leader)
+
+    def _durable_state(self) -> MembershipState:
         with self._lock:
-            return self.service.durable_state()
+            state = self.service.durable_state()
+            self._snapshots = [*self._snapshots[-15:], (state, self._change)]
+            return state
+
+    def _committed(self, state: MembershipState) -> None:
+        """The store holds ``state`` (the persister's thread): release the commits it
+        contains."""
+        with self._lock:
+            done = [c for s, c in self._snapshots if s == state]
+            if not done or self._gate is None:
+                return
+            self._snapshots = [(s, c) for s, c in self._snapshots if c > max(done)]
+            self._send(self._gate.confirm(max(done)))
 
     def close(self) -> None:
         """Stop serving: close the listener and every connection (ranks see EOF)."""
@@ -131,9 +158,16 @@ class Coordinator:
 
     def _deliver(self, sends: list[SendOnConn], changed: bool = True) -> None:
         """Send the service's commands in order (the caller holds the lock), and have
-        the state committed if the event may have ``changed`` it."""
+        the state committed if the event may have ``changed`` it; with a store, an
+        epoch commit and what follows it on its connection wait for the store."""
         if changed and self._persister is not None:
+            self._change += 1
             self._persister.changed()
+        if self._gate is not None:
+            sends = self._gate.route(sends, self._change)
+        self._send(sends)
+
+    def _send(self, sends: list[SendOnConn]) -> None:
         for s in sends:
             conn = self._conns.get(s.conn)
             if conn is None:
@@ -170,6 +204,8 @@ class Coordinator:
         with self._lock:
             self._deliver(self.service.closed(cid))
             del self._conns[cid]
+            if self._gate is not None:
+                self._gate.drop(cid)
 
     def _monitor_loop(self) -> None:
         svc = self.service

@@ -85,6 +85,10 @@ class MembershipService(Takeover, SupervisorRequests, EpochTransitions):
         self._closed = False
         self._stopping = False  # the deployment is shutting down: exits are not failures
         self._takeover: set[str] = set()  # restored groups whose transition awaits a restart
+        # whether a planned change (admission, removal) may begin now: the coordinator
+        # with a membership store says no while the store cannot take its commit
+        self.changes_allowed: Callable[[], bool] = lambda: True
+        self._deferred = False  # a planned change waited for that: look again at ticks
 
     # ------------------------------------------------------------------ events
     def handle(self, conn: int, msg: m.ControlMessage) -> list[SendOnConn]:
@@ -145,6 +149,11 @@ class MembershipService(Takeover, SupervisorRequests, EpochTransitions):
                             "not back after the leader change for" if p.resuming
                             else "silent", now - p.last_hb)
                 self._evict(p, "heartbeat timeout")
+        if self._deferred and self.changes_allowed():
+            self._deferred = False
+            for g in self._groups.values():
+                self._maybe_start(g)
+                self._push_peer(g)  # the admissions and removals held back
         self._expire_scale(now)
         return self._flush()
 

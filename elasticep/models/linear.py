@@ -4,7 +4,8 @@
 The model code holds its projections (attention, MLA, shared experts, dense MLPs) as
 ``Weight`` and calls :func:`linear` where it called ``F.linear``; an FP8 checkpoint's
 projections then stay FP8 in memory, 1 byte a weight plus one float32 scale per
-128 x 128 block, and are read at that size by :mod:`elasticep.models.fp8_linear`.
+128 x 128 block, and are read at that size by :mod:`elasticep.models.fp8_linear` (decode
+sizes) or multiplied on FP8 tensor cores by :mod:`elasticep.models.fp8_prefill` (prefill).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from elasticep.models.fp8_linear import check_fp8_weight, fp8_linear
+from elasticep.models.fp8_linear import check_fp8_weight
+from elasticep.models.fp8_prefill import fp8_project
 from elasticep.moe.experts import fp8_block
 
 _BLOCK_ROWS = fp8_block.BLOCK[0]
@@ -106,15 +108,16 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     Args:
         x: ``[..., K]`` activations.
         w: ``[N, K]`` tensor (``F.linear``), or :class:`Fp8Weight`
-            (:func:`~elasticep.models.fp8_linear.fp8_linear`: the Triton kernel on CUDA,
-            the float32 reference elsewhere).
+            (:func:`~elasticep.models.fp8_prefill.fp8_project`: on CUDA the weight-only
+            Triton kernel, or at prefill sizes the W8A8 product on FP8 tensor cores; the
+            exact float32 reference elsewhere).
         bias: ``[N]`` or None.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.
     """
     if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w.q, w.scale_inv, bias)
+        return fp8_project(x, w.q, w.scale_inv, bias)
     return F.linear(x, w, bias)
 
 

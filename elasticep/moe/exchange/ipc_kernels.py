@@ -200,7 +200,10 @@ if triton is not None:
                 flags = tl.load(table_ptr + 3 * q + 2).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(flags + me * n_slots + slot, 1, sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split"])
+    # top_k too: warm_kernels compiles with one pair a token, and a model's top-k of 1
+    # against 8 is another compiled form (Triton specializes an integer equal to 1),
+    # which a served rank's first prefill step compiled on the request path (0.48 s).
+    @triton.jit(do_not_specialize=["me", "C", "slot", "chunks", "split", "top_k"])
     def _dispatch_send_kernel(hidden_ptr, stride_hidden, inv_ptr, tag_ptr, table_ptr,
                               active_ptr, counter_ptr, my_flags_ptr, me, C, slot, n_slots,
                               chunks, split, top_k, H: tl.constexpr, ROW_ELEMS: tl.constexpr,

@@ -144,7 +144,8 @@ def plan_padded(slots: torch.Tensor, slots_per_rank: int, group_size: int,
     """
     flat = slots.reshape(-1)
     dest = torch.div(flat, slots_per_rank, rounding_mode="floor")
-    order = torch.argsort(dest, stable=True)
+    # a radix sort takes a pass per key byte: rank ids fit int16 (2 passes, not 8)
+    order = torch.argsort(dest.to(torch.int16) if group_size < 2**15 else dest, stable=True)
     # bincount would read the largest rank id on the host (a sync); scatter_add does not
     counts = torch.zeros(group_size, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, dest, torch.ones_like(dest))

@@ -44,6 +44,7 @@ def fp8_rows_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from elasticep.moe.experts.sorted_experts import swiglu_store
 
     @triton.jit
     def _fp8_gate_up_kernel(x_ptr, x_stride, tag_ptr, w13_ptr, w_slot, s13_ptr, s_slot, act_ptr,
@@ -74,11 +75,7 @@ if triton is not None:
             su = tl.load(s_up + c, mask=live, other=0.0)
             gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1) * sg
             up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1) * su
-        dt = act_ptr.dtype.element_ty
-        g = gate.to(dt).to(tl.float32)
-        u = up.to(dt).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)
+        swiglu_store(act_ptr + r * inter + offs_i, gate, up, mask_i)
 
     @triton.jit
     def _fp8_down_kernel(act_ptr, tag_ptr, w2_ptr, w_slot, s2_ptr, s_slot, out_ptr, H, inter,

@@ -27,7 +27,12 @@ from elasticep.moe.experts.sorted_experts import triton
 if triton is not None:
     import triton.language as tl
 
-    from elasticep.moe.experts.sorted_experts import _slot_rows, swiglu_store
+    from elasticep.moe.experts.sorted_experts import (
+        _slot_rows,
+        down_tiles,
+        gate_up_tiles,
+        swiglu_store,
+    )
 
     @triton.jit
     def _fp8_sorted_gate_up_kernel(x_ptr, x_stride, order_ptr, starts_ptr, counts_ptr,
@@ -48,14 +53,8 @@ if triton is not None:
             gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             for h0 in range(0, H, CHUNK):
-                offs_h = h0 + tl.arange(0, CHUNK)
-                h_ok = offs_h < H
-                x = tl.load(x_ptr + row.to(tl.int64)[:, None] * x_stride + offs_h[None, :],
-                            mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-                w_mask = i_ok[:, None] & h_ok[None, :]
-                wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=w_mask, other=0.0)
-                wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=w_mask,
-                             other=0.0)
+                x, wg, wu = gate_up_tiles(x_ptr, x_stride, row, m_ok, base, offs_i, i_ok, h0,
+                                          H, inter, CHUNK)
                 c = h0 // CHUNK
                 sg = tl.load(s_gate + c, mask=i_ok, other=0.0)
                 su = tl.load(s_up + c, mask=i_ok, other=0.0)
@@ -80,12 +79,7 @@ if triton is not None:
             pos, row, m_ok = _slot_rows(order_ptr, starts_ptr, counts_ptr, s, m0, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
             for k0 in range(0, inter, CHUNK):
-                offs_k = k0 + tl.arange(0, CHUNK)
-                k_ok = offs_k < inter
-                a = tl.load(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
-                            mask=o_ok[:, None] & k_ok[None, :], other=0.0)
+                a, w = down_tiles(act_ptr, pos, m_ok, base, offs_o, o_ok, k0, inter, CHUNK)
                 sc = tl.load(s_row + k0 // CHUNK, mask=o_ok, other=0.0)
                 acc += tl.dot(a, tl.trans(w.to(tl.float32).to(dt))) * sc[None, :]
             tl.store(out_ptr + row.to(tl.int64)[:, None] * H + offs_o[None, :],

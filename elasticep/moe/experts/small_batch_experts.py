@@ -33,6 +33,7 @@ def small_batch_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from elasticep.moe.experts.sorted_experts import swiglu_store
 
     @triton.jit
     def row_block(tag_ptr, tag_stride, bound_ptr, block_rows, w_ptr, n_out, expert_numel,
@@ -71,11 +72,7 @@ if triton is not None:
             wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=m, other=0.0)
             gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
             up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-        dt = act_ptr.dtype.element_ty
-        g = gate.to(dt).to(tl.float32)
-        u = up.to(dt).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(act_ptr + r * inter + offs_i, (silu * u).to(dt), mask=mask_i)  # 0 where padding
+        swiglu_store(act_ptr + r * inter + offs_i, gate, up, mask_i)  # 0 where padding
 
     @triton.jit
     def down_row_block(act_ptr, r, real, offs_o, live, base, inter, BLOCK_O: tl.constexpr,

@@ -37,10 +37,10 @@ if triton is not None:
 
     @triton.jit
     def swiglu_store(ptrs, gate, up, mask):
-        """The SwiGLU epilogue of both gate/up kernels (sorted rows and tiled): round the
-        float32 gate and up to the element type of ``ptrs`` as the torch form does, SiLU
-        of the rounded gate rounded again, and store their product (rounded) at ``ptrs``
-        where ``mask``."""
+        """The SwiGLU epilogue of every gate/up kernel (per row, sorted rows, tiled):
+        round the float32 gate and up to the element type of ``ptrs`` as the torch form
+        does, SiLU of the rounded gate rounded again, and store their product (rounded)
+        at ``ptrs`` where ``mask``."""
         dt = ptrs.dtype.element_ty
         g = gate.to(dt).to(tl.float32)
         u = up.to(dt).to(tl.float32)
@@ -59,6 +59,33 @@ if triton is not None:
         return pos, row, m_ok
 
     @triton.jit
+    def gate_up_tiles(x_ptr, x_stride, row, m_ok, base, offs_i, i_ok, h0, H, inter,
+                       BLOCK_H: tl.constexpr):
+        # the rows' x over columns [h0, h0 + BLOCK_H), and the gate and up weight tiles of
+        # output features offs_i over them (of the expert at base); zeros where masked
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        x = tl.load(x_ptr + row.to(tl.int64)[:, None] * x_stride + offs_h[None, :],
+                    mask=m_ok[:, None] & h_ok[None, :], other=0.0)
+        w_mask = i_ok[:, None] & h_ok[None, :]
+        wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=w_mask,
+                     other=0.0)
+        return x, wg, wu
+
+    @triton.jit
+    def down_tiles(act_ptr, pos, m_ok, base, offs_o, o_ok, k0, inter, BLOCK_K: tl.constexpr):
+        # the rows' activations over columns [k0, k0 + BLOCK_K), and the down weight tile
+        # of output features offs_o over them (of the expert at base); zeros where masked
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < inter
+        a = tl.load(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
+                    mask=o_ok[:, None] & k_ok[None, :], other=0.0)
+        return a, w
+
+    @triton.jit
     def _sorted_gate_up_kernel(x_ptr, x_stride, order_ptr, starts_ptr, counts_ptr, w13_ptr,
                                act_ptr, H, inter, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                                BLOCK_H: tl.constexpr):
@@ -72,14 +99,8 @@ if triton is not None:
             gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                h_ok = offs_h < H
-                x = tl.load(x_ptr + row.to(tl.int64)[:, None] * x_stride + offs_h[None, :],
-                            mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-                w_mask = i_ok[:, None] & h_ok[None, :]
-                wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=w_mask, other=0.0)
-                wu = tl.load(base + (inter + offs_i[:, None]) * H + offs_h[None, :], mask=w_mask,
-                             other=0.0)
+                x, wg, wu = gate_up_tiles(x_ptr, x_stride, row, m_ok, base, offs_i, i_ok, h0,
+                                          H, inter, BLOCK_H)
                 gate += tl.dot(x, tl.trans(wg))
                 up += tl.dot(x, tl.trans(wu))
             swiglu_store(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_i[None, :],
@@ -98,12 +119,7 @@ if triton is not None:
             pos, row, m_ok = _slot_rows(order_ptr, starts_ptr, counts_ptr, s, m0, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < inter
-                a = tl.load(act_ptr + pos.to(tl.int64)[:, None] * inter + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(base + offs_o[:, None] * inter + offs_k[None, :],
-                            mask=o_ok[:, None] & k_ok[None, :], other=0.0)
+                a, w = down_tiles(act_ptr, pos, m_ok, base, offs_o, o_ok, k0, inter, BLOCK_K)
                 acc += tl.dot(a, tl.trans(w))
             tl.store(out_ptr + row.to(tl.int64)[:, None] * H + offs_o[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
