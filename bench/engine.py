@@ -24,9 +24,8 @@ import torch
 from bench._commit import commit
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
@@ -35,7 +34,7 @@ def _prompts(tok, n: int) -> list[list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "models" / "tiny-qwen3-moe"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -37,11 +37,8 @@ from bench._commit import commit
 from elasticep.config import DeploymentConfig
 from elasticep.engine.request import SamplingParams
 from elasticep.entrypoints.batch_driver import BatchDriver
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
-
-REPO = Path(__file__).resolve().parents[1]
-
-MODEL = REPO / "models" / "tiny-qwen3-moe"
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
@@ -106,7 +103,7 @@ def _eplb_imbalance(tok, num_prompts: int, max_tokens: int) -> tuple[float, floa
         rebalance_placement,
     )
 
-    engine = LLMEngine.from_pretrained(MODEL, progress=False)
+    engine = LLMEngine.from_pretrained(DEMO_MODEL, progress=False)
     cfg = engine.model.config
     mgr = EPLBManager(cfg.num_hidden_layers, cfg.num_experts, EPLBConfig(window_size=4096))
     inner = engine.model.executor
@@ -135,10 +132,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     prompts = _prompts(tok, args.num_prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    base = DeploymentConfig(model=str(MODEL), ep_size=4, max_ep_size=4, ep_num_redundant_experts=0)
+    base = DeploymentConfig(model=str(DEMO_MODEL), ep_size=4, max_ep_size=4, ep_num_redundant_experts=0)
     log_dir = tempfile.mkdtemp(prefix="bench-ep-")
     result: dict = {"bench": "ep", "ep_size": 4, "device": "cpu", "num_prompts": len(prompts),
                     "max_tokens": args.max_tokens, "ep_num_redundant_experts": 0}

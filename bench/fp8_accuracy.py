@@ -30,14 +30,13 @@ import torch
 from bench._commit import commit
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
-
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(DEMO))
+    p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--prompts", type=int, default=32, help="GSM8K prompts (at most 64)")
     p.add_argument("--tokens", type=int, default=32, help="greedy continuation per prompt")
     args = p.parse_args()

@@ -55,8 +55,6 @@ from elasticep_testkit.ep import (  # the tests' launch, reference and near-tie 
     worker_log,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 class _TmpDirs:
     """The one method of pytest's ``tmp_path_factory`` that :func:`launch` uses."""

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from elasticep_testkit.ep import MODEL
+from elasticep_testkit.paths import DEMO_MODEL
 
 QWEN3_STYLE = """\
 {%- if tools -%}
@@ -60,7 +60,7 @@ def demo_with_chat_template(dst: Path, template: str = QWEN3_STYLE) -> Path:
     """A copy of the demo model in ``dst`` (weights symlinked) whose tokenizer carries
     ``template``."""
     dst.mkdir(parents=True)
-    for f in MODEL.iterdir():
+    for f in DEMO_MODEL.iterdir():
         if f.suffix == ".safetensors":
             (dst / f.name).symlink_to(f)
         else:

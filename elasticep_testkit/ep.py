@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_prompts
+from elasticep_testkit.torch_threads import one_torch_thread
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny-qwen3-moe"
 NEAR_TIE = 1e-3
 NUM_PROMPTS = 16
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
 @functools.cache
@@ -39,7 +39,7 @@ def prompts() -> tuple[tuple[int, ...], ...]:
 
 def reference() -> tuple[list[list[int]], list[list[float]]]:
     """ep_size=1 greedy outputs of :func:`prompts` and the top-2 margin at each token."""
-    return reference_for(str(MODEL), prompts())
+    return reference_for(str(DEMO_MODEL), prompts())
 
 
 @functools.cache
@@ -47,11 +47,7 @@ def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[
     """ep_size=1 greedy outputs of ``prompt_ids`` on ``model`` and the top-2 margin at each token."""
     from elasticep.engine.llm_engine import LLMEngine
 
-    # One intra-op thread: with other processes on the 2 cores, OpenMP's spinning
-    # threads make this ~30x slower (99 s instead of 3 s, measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         engine = LLMEngine.from_pretrained(model, dtype=torch.float32, progress=False)
         outs = engine.generate([list(p) for p in prompt_ids], GREEDY)
         margins = []
@@ -59,8 +55,6 @@ def reference_for(model: str, prompt_ids: tuple[tuple[int, ...], ...]) -> tuple[
             logits = engine.prompt_logits(list(p) + out[:-1])[len(p) - 1:]
             top2 = torch.topk(logits, 2, dim=-1).values
             margins.append((top2[:, 0] - top2[:, 1]).tolist())
-    finally:
-        torch.set_num_threads(threads)
     return outs, margins
 
 
@@ -120,7 +114,7 @@ def launch(tmp_path_factory, **overrides):
     log_dir = tmp_path_factory.mktemp("ep-logs")
     fault = overrides.pop("fault", None)
     ep_size = overrides.pop("ep_size", 4)
-    cfg = DeploymentConfig(model=str(overrides.pop("model", MODEL)), ep_size=ep_size,
+    cfg = DeploymentConfig(model=str(overrides.pop("model", DEMO_MODEL)), ep_size=ep_size,
                            max_ep_size=overrides.pop("max_ep_size", ep_size),
                            heartbeat_timeout_s=10.0, **overrides)
     driver = BatchDriver.launch(cfg, tokenizer().decode, fault=fault, log_dir=str(log_dir),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from elasticep_testkit.paths import REPO
+
 GSM8K_SAMPLE = REPO / "data" / "gsm8k" / "test_head64.jsonl"
 
 

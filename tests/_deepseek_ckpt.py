@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 COMMON = dict(
     vocab_size=8192, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -63,5 +62,5 @@ def build(variant: str, out: Path, seed: int = 0, **overrides):
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / f, out / f)
+        shutil.copy(DEMO_MODEL / f, out / f)
     return model

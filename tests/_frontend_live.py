@@ -19,7 +19,6 @@ from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep_testkit.chat_templates import demo_with_chat_template
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 

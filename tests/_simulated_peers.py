@@ -34,8 +34,8 @@ from elasticep.models.config import load_model_config
 from elasticep.moe.cuda_executor import CudaEPMoEExecutor
 from elasticep.moe.exchange.padded_exchange import split_rows
 from elasticep.moe.experts.expert_compute import grouped_swiglu
+from elasticep_testkit.paths import DEMO_MODEL
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 EP_SIZE, MAX_EP_SIZE, MIN_EP_SIZE, VICTIM = 3, 4, 2, 1
 
 
@@ -262,7 +262,7 @@ def rank0(tmp_path: Path, dtype: torch.dtype, device: str, redundant: int,
     import torch.distributed as dist
     if dist.is_initialized():
         raise RuntimeError("needs no process group (an earlier test left one)")
-    shutil.copy(DEMO / "config.json", tmp_path / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")
     cfg = load_model_config(tmp_path)
     placements = membership_placements(cfg.num_hidden_layers, cfg.num_experts, redundant)
     launch = placements[0][1]

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from bench.serving import ratios
 from elasticep.engine.request import GenerateRequest, SamplingParams, TokenOutput
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.serving.client import arrival_gaps, run_requests
 from elasticep_testkit.serving.datasets import (
     BenchRequest,
@@ -29,7 +30,6 @@ from elasticep_testkit.serving.metrics import RequestResult, summarize
 from elasticep_testkit.serving.stub_engine import StubEngine, report
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "models" / "tiny-qwen3-moe"
 RUN_TIMEOUT_S = 100  # one bench run: serve start-up on 2 cores, then a few seconds of load
 
 
@@ -66,7 +66,7 @@ def test_random_prompts_are_ids_without_a_tokenizer_and_text_of_that_length_with
                for r in ids_only)
     assert [r.output_len for r in ids_only] == [9] * 6
     assert random_requests(6, 40, 9, 1.0, 3, None, 100) == ids_only  # seeded
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     texts = random_requests(6, 40, 9, 1.0, seed=3, tokenizer=tok, vocab_size=len(tok))
     assert all(isinstance(r.prompt, str) for r in texts)
     for r in texts:  # what the server will count

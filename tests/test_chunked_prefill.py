@@ -3,8 +3,6 @@ share, and the engine's tokens equal unchunked generation (demo model, greedy, f
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from elasticep.engine.kv_cache import BlockManager
@@ -12,10 +10,10 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import ScheduledBatch, Scheduler
 from elasticep.engine.sequence import Sequence
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 P = SamplingParams(max_tokens=12, ignore_eos=True)
 SHORT = [[100 + i + j for j in range(10 + 3 * i)] for i in range(4)]
 LONG = [(7 * j) % 8000 + 5 for j in range(300)]  # 300 tokens: five chunks of 64
@@ -112,11 +110,11 @@ def test_chunked_prefill_size_must_be_positive():
 @pytest.fixture(scope="module")
 def reference():
     prompts = [SHORT[0], SHORT[1], LONG, SHORT[2], SHORT[3]]
-    return prompts, LLMEngine.from_pretrained(MODEL, progress=False).generate(prompts, P)
+    return prompts, LLMEngine.from_pretrained(DEMO_MODEL, progress=False).generate(prompts, P)
 
 
 def _engine(**kw) -> LLMEngine:
-    return LLMEngine.from_pretrained(MODEL, config=EngineConfig(**kw), progress=False)
+    return LLMEngine.from_pretrained(DEMO_MODEL, config=EngineConfig(**kw), progress=False)
 
 
 @pytest.mark.parametrize("chunk", [16, 64])

@@ -6,13 +6,13 @@ import queue
 import threading
 import time
 
+from _store_fakes import DownStore
+
 from elasticep.membership import messages as m
 from elasticep.membership import start_coordinator
 from elasticep.membership.commit_gate import CommitGate
-from elasticep.membership.errors import StoreUnavailableError
 from elasticep.membership.protocol import connect
 from elasticep.membership.service import MembershipService, SendOnConn
-from elasticep.membership.store import MemoryStore
 from elasticep.membership.transitions import OnFailure, SlotState, decide
 
 
@@ -88,19 +88,6 @@ def test_a_death_does_not_wait_for_the_store():
     assert svc.group("world").transition.dead == {1}
 
 
-class _DownStore(MemoryStore):
-    """A memory store that answers like etcd without quorum while ``down`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    def commit(self, state, expected_revision):
-        if self.down:
-            raise StoreUnavailableError("no etcd member answered (test)")
-        return super().commit(state, expected_revision)
-
-
 def _reader(conn) -> queue.Queue:
     got: queue.Queue = queue.Queue()
 
@@ -127,7 +114,7 @@ def test_the_coordinator_sends_an_epoch_commit_only_once_the_store_has_it():
     """A rank dies while the store cannot commit: the survivor gets the announcement
     and reports, but the commit reaches it only after the store took the new state
     (a leader cut off from etcd's majority commits no epoch its successor never sees)."""
-    store = _DownStore()
+    store = DownStore()
     coord = start_coordinator(membership_store=store, hb_timeout_s=30.0)
     conns, inbox = [], []
     try:

@@ -28,11 +28,10 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import ScheduledBatch
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.models.config import load_model_config
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
-
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def nccl_world():
 
 
 def _ep_engine(tmp_path: Path, dtype: torch.dtype):
-    shutil.copy(DEMO / "config.json", tmp_path / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")
     cfg = load_model_config(tmp_path)
     placement = initial_placement(cfg.num_hidden_layers, cfg.num_experts, 0, 1, 1)
     model = load_rank_weights(tmp_path, placement, 0, dtype, "cuda", load_format="dummy")

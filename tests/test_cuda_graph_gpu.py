@@ -18,16 +18,15 @@ from _graph_checks import assert_greedy_tokens_match, graph_steps_match_eager, r
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-
 
 def _engine(tmp_path: Path, graphs: bool, chunk: int | None = None,
             dtype: torch.dtype = torch.bfloat16) -> LLMEngine:
-    shutil.copy(DEMO / "config.json", tmp_path / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")
     return LLMEngine.from_pretrained(tmp_path, dtype=dtype, device="cuda",
                                      load_format="dummy", progress=False,
                                      config=EngineConfig(max_total_tokens=4096, max_num_seqs=8,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +17,11 @@ from elasticep.frontend.metrics import FrontendMetrics
 from elasticep.frontend_link import RankStats
 from elasticep.frontend_link.channels import _OUTPUTS
 from elasticep_testkit.harness.serve_process import parse_rank_metric
-
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 
 def test_a_cpu_runner_counts_every_decode_step_as_eager_and_no_prefill():
-    eng = LLMEngine.from_pretrained(DEMO, dtype=torch.float32, progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, dtype=torch.float32, progress=False)
     r = eng.runner
     assert (r.decode_replays, r.decode_eager, r.graph_captures) == (0, 0, None)
     decode = prefill = 0

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,10 +21,9 @@ from elasticep.membership.scaling import ScaleTarget
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
 from elasticep_testkit.harness.serve_process import cli_command, free_port
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
-
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 def _states(*names: str) -> list[SlotState]:
@@ -68,7 +66,7 @@ class TargetMembership:
 def test_http_answers_409_with_one_line():
     channel = FrontendChannel()
     membership = TargetMembership()
-    server, _ = create_server(DEMO, channel, membership, served_model_name="tiny")
+    server, _ = create_server(DEMO_MODEL, channel, membership, served_model_name="tiny")
     server.start()
     try:
         r = httpx.post(server.url + "/scale_elastic_ep", json={"new_ep_size": 1})

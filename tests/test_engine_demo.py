@@ -8,7 +8,6 @@ logit margin is below 1e-3, in at most one prompt of eight; such cases are repor
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +15,11 @@ import torch
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import SamplingParams
 from elasticep_testkit.ep import assert_equal_under_near_tie_rule
+from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.prompts import gsm8k_items
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny-qwen3-moe"
 GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
@@ -29,19 +27,19 @@ GREEDY32 = SamplingParams(max_tokens=32, ignore_eos=True)
 def tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_pretrained(MODEL, dtype=torch.float32, progress=False)
+    return LLMEngine.from_pretrained(DEMO_MODEL, dtype=torch.float32, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +120,7 @@ def test_bf16_runs_close(engine, ppl_texts, prompts):
     texts = ppl_texts[:5]
     n = sum(len(ids) - 1 for ids in texts)
     fp32 = math.exp(sum(_nll(engine.prompt_logits(ids), ids) for ids in texts) / n)
-    bf16 = LLMEngine.from_pretrained(MODEL, dtype=torch.bfloat16, progress=False)
+    bf16 = LLMEngine.from_pretrained(DEMO_MODEL, dtype=torch.bfloat16, progress=False)
     ppl = math.exp(sum(_nll(bf16.prompt_logits(ids), ids) for ids in texts) / n)
     print(f"perplexity on {len(texts)} texts: bf16 {ppl:.4f}, fp32 {fp32:.4f}")
     assert abs(ppl - fp32) / fp32 <= 0.01, (ppl, fp32)
@@ -133,10 +131,10 @@ def test_bf16_runs_close(engine, ppl_texts, prompts):
 def test_prompt_longer_than_cache_or_context_is_rejected(prompts):
     from elasticep.engine.request import GenerateRequest
 
-    small = LLMEngine.from_pretrained(MODEL, config=EngineConfig(max_total_tokens=32), progress=False)
+    small = LLMEngine.from_pretrained(DEMO_MODEL, config=EngineConfig(max_total_tokens=32), progress=False)
     with pytest.raises(ValueError, match="does not fit"):
         small.add_request(GenerateRequest("long", tuple(range(40))))
-    big = LLMEngine.from_pretrained(MODEL, config=EngineConfig(max_total_tokens=4096), progress=False)
+    big = LLMEngine.from_pretrained(DEMO_MODEL, config=EngineConfig(max_total_tokens=4096), progress=False)
     with pytest.raises(ValueError, match="context 1024"):
         big.add_request(GenerateRequest("ctx", tuple([5] * 1500)))
     assert not small.has_unfinished() and not big.has_unfinished()

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.sampler import filter_logits, sample_batch, uniform_noise
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
-
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    return LLMEngine.from_pretrained(MODEL, progress=False, detokenize=tok.decode)
+    return LLMEngine.from_pretrained(DEMO_MODEL, progress=False, detokenize=tok.decode)
 
 
 @pytest.fixture(scope="module")

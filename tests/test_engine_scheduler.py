@@ -3,8 +3,6 @@ continuous batching, abort, and redoing a step before commit."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from elasticep.engine.kv_cache import BlockManager
@@ -13,17 +11,17 @@ from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.engine.scheduler import Scheduler
 from elasticep.engine.sequence import Sequence
 from elasticep.moe.executor import ExecutorDefaults
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 PROMPTS = [[100 + i + j for j in range(10 + 3 * i)] for i in range(6)]
 P = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    eng = LLMEngine.from_pretrained(MODEL, progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, progress=False)
     return eng.generate(PROMPTS, P)
 
 
@@ -59,7 +57,7 @@ def test_scheduler_waits_when_full_and_preempts_newest():
 def test_full_kv_cache_queues_requests(reference):
     # 64 tokens of KV for 6 requests of up to 37 tokens each: most must wait or be preempted
     eng = LLMEngine.from_pretrained(
-        MODEL, config=EngineConfig(max_total_tokens=64, block_size=8), progress=False
+        DEMO_MODEL, config=EngineConfig(max_total_tokens=64, block_size=8), progress=False
     )
     outs = eng.generate(PROMPTS, P)
     assert outs == reference
@@ -68,7 +66,7 @@ def test_full_kv_cache_queues_requests(reference):
 
 
 def test_continuous_batching_join_leave_and_abort(reference):
-    eng = LLMEngine.from_pretrained(MODEL, progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, progress=False)
     got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     eng.add_request(GenerateRequest("a", tuple(PROMPTS[0]), P))
     eng.add_request(GenerateRequest("c", tuple(PROMPTS[2]), P))
@@ -90,7 +88,7 @@ def test_continuous_batching_join_leave_and_abort(reference):
 
 
 def test_redo_step_before_commit_is_identical(reference):
-    eng = LLMEngine.from_pretrained(MODEL, progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, progress=False)
     for i, p in enumerate(PROMPTS[:3]):
         eng.add_request(GenerateRequest(f"r{i}", tuple(p), P))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
@@ -105,7 +103,7 @@ def test_redo_step_before_commit_is_identical(reference):
 
 
 def test_empty_batch_still_runs_every_moe_layer():
-    eng = LLMEngine.from_pretrained(MODEL, config=EngineConfig(forward_empty_batches=True), progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, config=EngineConfig(forward_empty_batches=True), progress=False)
     calls = []
     inner = eng.model.executor
 

@@ -5,20 +5,17 @@ table and kill the rank, or, negative, silently read the table's last rows."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from elasticep.engine.llm_engine import LLMEngine
 from elasticep.engine.request import GenerateRequest, SamplingParams
-
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_pretrained(MODEL, dtype=torch.float32, progress=False)
+    return LLMEngine.from_pretrained(DEMO_MODEL, dtype=torch.float32, progress=False)
 
 
 @pytest.mark.parametrize("prompt, output", [([8192], []), ([-1, 5], []), ([5, 6], [9000])])

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from elasticep_testkit.ep import MODEL, REPO, reference, tokenizer
+from elasticep_testkit.ep import reference, tokenizer
+from elasticep_testkit.paths import DEMO_MODEL, REPO
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ def test_generate_ep2_matches_reference(tmp_path, backend, limits):
     texts = [tokenizer().decode(list(p)) for p in prompts()[:3]]
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
-    cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(MODEL),
+    cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(DEMO_MODEL),
            "--prompts-file", str(f), "--max-tokens", "8", "--ep-size", "2",
            "--ep-num-redundant-experts", "2", "--elastic-ep-backend", backend, *limits]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -31,11 +31,12 @@ from elasticep.models.quantization import UnsupportedQuantizationError, parse_qu
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.expert_compute import dense_weights
 from elasticep_testkit.ep import assert_equal_under_near_tie_rule, prompts
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny-qwen3-moe"
 # layer 0's o_proj stays bf16, as modules_to_not_convert can ask
 NOT_CONVERTED = ("lm_head", "model.layers.0.self_attn.o_proj")
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -43,12 +44,8 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # with other processes on the 2 cores, OpenMP's spinning threads slow these
-    # small matrices by an order of magnitude
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 # --- the torch reference ---------------------------------------------------------------
@@ -116,7 +113,7 @@ def test_unsupported_quantization_is_refused(qc, named):
 
 
 def _with_quant_config(tmp_path: Path, qc: dict) -> Path:
-    return linked_checkpoint(MODEL, tmp_path / "ckpt", "config.json",
+    return linked_checkpoint(DEMO_MODEL, tmp_path / "ckpt", "config.json",
                              lambda config: {**config, "quantization_config": qc})
 
 
@@ -143,7 +140,7 @@ def test_fp8_tensors_without_quantization_config_are_refused(fp8_ckpt, tmp_path)
 
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
-    return write_fp8_checkpoint(MODEL, tmp_path_factory.mktemp("fp8"), NOT_CONVERTED)
+    return write_fp8_checkpoint(DEMO_MODEL, tmp_path_factory.mktemp("fp8"), NOT_CONVERTED)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +184,7 @@ def test_loader_dequantizes_exactly(fp8_ckpt, fp8_model, dequantized_ckpt):
     assert "model.layers.0.self_attn.o_proj.weight_scale_inv" not in stored
     assert "model.layers.1.self_attn.o_proj.weight_scale_inv" in stored
     assert "model.layers.0.mlp.gate.weight_scale_inv" not in stored
-    orig = read_all(MODEL)
+    orig = read_all(DEMO_MODEL)
     # the projections stay FP8 as stored, but the one modules_to_not_convert names
     o1 = fp8_model.layers[1].attn.o
     assert isinstance(o1, Fp8Weight) and isinstance(fp8_model.layers[0].attn.o, torch.Tensor)
@@ -199,7 +196,7 @@ def test_loader_dequantizes_exactly(fp8_ckpt, fp8_model, dequantized_ckpt):
 
 
 def test_fused_expert_layout_loads_the_same_experts(fp8_ckpt, tmp_path):
-    fused = write_fp8_checkpoint(MODEL, tmp_path / "fused", NOT_CONVERTED, shards=2, fused=True)
+    fused = write_fp8_checkpoint(DEMO_MODEL, tmp_path / "fused", NOT_CONVERTED, shards=2, fused=True)
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in read_all(fused)
     a = load_model(fused, progress=False, slot_to_logical=torch.tensor([[3, 15, 0]] * 6))
     b = load_model(fp8_ckpt, progress=False, slot_to_logical=torch.tensor([[3, 15, 0]] * 6))
@@ -209,9 +206,9 @@ def test_fused_expert_layout_loads_the_same_experts(fp8_ckpt, tmp_path):
 
 
 def test_online_quantization_is_bit_identical_to_the_checkpoint(fp8_model):
-    online = _weights(load_model(MODEL, progress=False, quantization="fp8"))
+    online = _weights(load_model(DEMO_MODEL, progress=False, quantization="fp8"))
     offline = _weights(fp8_model)
-    plain = _weights(load_model(MODEL, progress=False))
+    plain = _weights(load_model(DEMO_MODEL, progress=False))
     for name, w in offline.items():
         if name == "0.o":  # not converted in the checkpoint; --quantization converts it
             assert not torch.equal(online[name], w)
@@ -224,7 +221,7 @@ def test_online_quantization_is_bit_identical_to_the_checkpoint(fp8_model):
 def test_dummy_weights_of_an_fp8_config_are_fp8_values(tmp_path):
     only = tmp_path / "cfg"
     only.mkdir()
-    config = json.loads((MODEL / "config.json").read_text())
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
@@ -261,7 +258,7 @@ def test_fp8_greedy_matches_transformers_on_dequantized_weights(fp8_model, hf_re
     assert_equal_under_near_tie_rule(outs, refs, margins, "fp8 engine vs transformers")
     # the FP8 text is not the unquantized model's: the test would see a loader that
     # ignored the scales (the unquantized reference differs on these prompts)
-    plain = LLMEngine.from_pretrained(MODEL, dtype=torch.float32, progress=False)
+    plain = LLMEngine.from_pretrained(DEMO_MODEL, dtype=torch.float32, progress=False)
     assert plain.generate([list(p) for p in prompts()[:6]], GREEDY) != refs
 
 
@@ -331,11 +328,11 @@ def test_orphan_reload_and_joiner_read_are_bit_identical(fp8_ckpt, fp8_model):
     w13, w2 = CheckpointExperts(part, fp8_ckpt)(2, 7)
     assert torch.equal(w13, fp8_model.experts.w13[2][7]) and torch.equal(w2, fp8_model.experts.w2[2][7])
     # online: a reload rounds through FP8 exactly as the launch did
-    online = load_model(MODEL, progress=False, quantization="fp8",
+    online = load_model(DEMO_MODEL, progress=False, quantization="fp8",
                         slot_to_logical=torch.tensor([[5]] * 6))
-    w13, _ = CheckpointExperts(online, MODEL, quantization="fp8")(3, 5)
+    w13, _ = CheckpointExperts(online, DEMO_MODEL, quantization="fp8")(3, 5)
     assert torch.equal(w13, online.experts.w13[3][0])
-    plain, _ = CheckpointExperts(online, MODEL)(3, 5)
+    plain, _ = CheckpointExperts(online, DEMO_MODEL)(3, 5)
     assert not torch.equal(plain, w13)
 
 

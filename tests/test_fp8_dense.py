@@ -32,10 +32,11 @@ from elasticep.models.mla import MLAWeights
 from elasticep.models.rope import deinterleave_rows
 from elasticep.moe.experts import fp8_block
 from elasticep_testkit.ep import prompts
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 ATTN = ("q", "k", "v", "o", "qkv", "q_a", "q_b", "kv_a", "kv_b")
 MLP = ("gate", "up", "down")
@@ -43,10 +44,8 @@ MLP = ("gate", "up", "down")
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # OpenMP spinning on 2 busy cores slows these tiny matmuls
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def projections(model) -> dict[str, object]:
@@ -88,8 +87,8 @@ def dequantized_copy(path: Path, **load) -> object:
 
 
 def test_demo_model_fp8_projections_compute_the_dequantized_model():
-    fp8 = load_model(MODEL, progress=False, quantization="fp8")
-    old = dequantized_copy(MODEL, quantization="fp8")
+    fp8 = load_model(DEMO_MODEL, progress=False, quantization="fp8")
+    old = dequantized_copy(DEMO_MODEL, quantization="fp8")
     ps = projections(fp8)
     assert sorted(ps) == sorted(f"{i}.{n}" for i in range(6) for n in ("qkv", "o"))
     assert all(isinstance(w, Fp8Weight) for w in ps.values())
@@ -110,7 +109,7 @@ def test_demo_model_fp8_projections_compute_the_dequantized_model():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert LLMEngine(fp8).generate(ids[:2], GREEDY) == LLMEngine(old).generate(ids[:2], GREEDY)
     # and they are FP8's logits, not the unquantized model's
-    plain = run_batched(load_model(MODEL, progress=False), ids[:1], split=1)[0]
+    plain = run_batched(load_model(DEMO_MODEL, progress=False), ids[:1], split=1)[0]
     assert rel_err(logits[0], plain) > 1e-3
 
 
@@ -146,7 +145,7 @@ def test_deepseek_fp8_checkpoint_computes_its_dequantized_weights(variant, tmp_p
 
 
 def test_step_bytes_counts_the_fp8_projections_a_model_holds(tmp_path):
-    config = json.loads((MODEL / "config.json").read_text())
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
@@ -158,7 +157,7 @@ def test_step_bytes_counts_the_fp8_projections_a_model_holds(tmp_path):
     parts = step_bytes(model.config, 2, [0] * 6, [])
     assert parts["attention_weights"] == sum(map(weight_bytes, ps.values()))
     assert parts["dense_mlps"] == 0
-    plain = step_bytes(load_model_config(MODEL), 2, [0] * 6, [])
+    plain = step_bytes(load_model_config(DEMO_MODEL), 2, [0] * 6, [])
     assert plain["attention_weights"] == 6 * 2 * (512 + 256) * 256
 
 

@@ -11,7 +11,6 @@ fault-free FP8 run's.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from _fp8_ckpt import write_fp8_checkpoint
@@ -24,16 +23,16 @@ from elasticep_testkit.ep import (
     reference_for,
     worker_log,
 )
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 PROMPTS = prompts()[:4]
 
 
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
-    return write_fp8_checkpoint(MODEL, tmp_path_factory.mktemp("fp8"), ("lm_head",))
+    return write_fp8_checkpoint(DEMO_MODEL, tmp_path_factory.mktemp("fp8"), ("lm_head",))
 
 
 @pytest.fixture(scope="module")

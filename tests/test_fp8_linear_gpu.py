@@ -5,8 +5,6 @@ demo model with FP8 projections decoding through the engine's graphs in bf16."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from _graph_checks import graph_steps_match_eager, random_prompts
@@ -18,6 +16,7 @@ from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.models import load_model
 from elasticep.models.fp8_linear import fp8_linear, fp8_linear_reference, fp8_linear_triton, plan
 from elasticep.models.linear import Fp8Weight, linear
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
@@ -70,9 +69,6 @@ def test_cuda_graph_replay_equals_eager_calls():
         assert not torch.equal(out, fp8_linear(x, q, s, b))
 
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-
-
 def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:
     """``[sum(lengths), V]`` float32 logits (CPU) of one prefill step of random whole
     prompts (fixed seed) through ``model``."""
@@ -84,7 +80,7 @@ def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:
 def test_fp8_demo_model_decodes_through_graphs_and_is_as_close_as_its_dequantized_copy():
     cfg = EngineConfig(max_total_tokens=4096, max_num_seqs=8, enable_cuda_graph=True)
     load = dict(dtype=torch.bfloat16, device="cuda", quantization="fp8")
-    eng = LLMEngine(load_model(DEMO, progress=False, **load), cfg)
+    eng = LLMEngine(load_model(DEMO_MODEL, progress=False, **load), cfg)
     assert isinstance(eng.model.layers[0].attn.qkv, Fp8Weight)
     assert eng.runner.graphs is not None
     # the graphs replay the FP8 kernels as the eager forward runs them
@@ -95,9 +91,9 @@ def test_fp8_demo_model_decodes_through_graphs_and_is_as_close_as_its_dequantize
     # every weight). Greedy text is no yardstick between these two: on this small model
     # bf16 margins are thin, and the two roundings part early (seen on an H100).
     lengths = [7, 40, 3, 128]
-    ref = _prefill_logits(load_model(DEMO, progress=False, quantization="fp8"), lengths)
+    ref = _prefill_logits(load_model(DEMO_MODEL, progress=False, quantization="fp8"), lengths)
     fp8 = _prefill_logits(eng.model, lengths)
-    old = _prefill_logits(dequantized_copy(DEMO, **load), lengths)
+    old = _prefill_logits(dequantized_copy(DEMO_MODEL, **load), lengths)
     err_fp8 = float((fp8 - ref).norm() / ref.norm())
     err_old = float((old - ref).norm() / ref.norm())
     agree = float((fp8.argmax(-1) == ref.argmax(-1)).float().mean())

@@ -7,8 +7,6 @@ path. Written for an H100 (SM90; the recipe is SM90-only in PyTorch)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from _model_helpers import engine_prefill_logits
@@ -21,6 +19,7 @@ from elasticep.models.fp8_activations import quantize_activations, quantize_acti
 from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton
 from elasticep.models.linear import Fp8Weight, linear
 from elasticep.moe.experts import fp8_block
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
@@ -131,7 +130,6 @@ def test_w8a8_through_linear_eager_and_captured():
     assert not torch.equal(out, eager)
 
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 LENGTHS = [300, 200, 37]  # one prefill step of 537 rows: the W8A8 path
 
 
@@ -142,7 +140,7 @@ def _prefill_logits(model) -> torch.Tensor:
 
 
 def test_demo_model_prefill_logits_stay_within_the_activation_rounding(monkeypatch):
-    gpu = load_model(DEMO, progress=False, dtype=torch.bfloat16, device="cuda",
+    gpu = load_model(DEMO_MODEL, progress=False, dtype=torch.bfloat16, device="cuda",
                      quantization="fp8")
     qkv = gpu.layers[0].attn.qkv
     assert isinstance(qkv, Fp8Weight)
@@ -150,12 +148,12 @@ def test_demo_model_prefill_logits_stay_within_the_activation_rounding(monkeypat
     assert fp.choose_path(sum(LENGTHS), *qkv.shape, torch.bfloat16, support) == "w8a8", support
     w8a8 = _prefill_logits(gpu)
     # the float32 path: the FP8 weights dequantized exactly, activations not quantized
-    ref = _prefill_logits(load_model(DEMO, progress=False, quantization="fp8"))
+    ref = _prefill_logits(load_model(DEMO_MODEL, progress=False, quantization="fp8"))
     # the W8A8 numerics emulated on the CPU in float32 (w8a8_reference per projection):
     # on this model its logits are 5.34e-2 (norm) from the float32 path's, with 0.931
     # argmax agreement (run on the CPU); the bf16 weight-only path's (CPU) are 2.03e-2
     monkeypatch.setattr(linear_mod, "fp8_project", fp.w8a8_reference)
-    emu = _prefill_logits(load_model(DEMO, progress=False, quantization="fp8"))
+    emu = _prefill_logits(load_model(DEMO_MODEL, progress=False, quantization="fp8"))
     monkeypatch.undo()
     monkeypatch.setattr(fp, "W8A8_MIN_M", 1 << 30)  # this process: weight-only everywhere
     weight_only = _prefill_logits(gpu)

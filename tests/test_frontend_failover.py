@@ -11,7 +11,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,10 +22,10 @@ from elasticep.frontend.core import FrontendConfig
 from elasticep.frontend.http_server import create_server
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 NAME = "tiny"
 STEP_S = 0.03
 TEXTS = {f"prompt {i}": f" answer {i}: one two three four five six seven eight nine ten"
@@ -96,11 +95,11 @@ class FakeRank:
 
 @pytest.fixture(scope="module")
 def cluster():
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     scripts = {tuple(tok.encode(p)): tok.encode(t) for p, t in TEXTS.items()}
     channel = FrontendChannel()
     membership = ScriptedMembership()
-    server, frontend = create_server(DEMO, channel, membership, served_model_name=NAME,
+    server, frontend = create_server(DEMO_MODEL, channel, membership, served_model_name=NAME,
                                      frontend_config=FrontendConfig(membership_poll_s=0.02))
     ranks = {r: FakeRank(channel.endpoints, r, scripts) for r in (0, 1)}
     server.start()

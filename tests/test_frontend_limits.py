@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,14 +18,13 @@ from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE, create_serv
 from elasticep.frontend.tokenizer import TokenizerPool
 from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.status import DeploymentStatus
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(120)
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-
 
 def test_a_giant_prompt_holds_one_pool_thread_only():
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     tok.model_max_length = 1 << 62
     pool = TokenizerPool(tok, 2)
     giant = "the cat sat on the mat. " * 40_000  # ~1 MB: seconds of encoding here
@@ -68,7 +66,7 @@ class NoRanks:
 
 def test_bodies_over_the_cap_get_413_before_parsing():
     channel = FrontendChannel()
-    server, _ = create_server(DEMO, channel, NoRanks(), served_model_name="tiny",
+    server, _ = create_server(DEMO_MODEL, channel, NoRanks(), served_model_name="tiny",
                               max_payload_size=2000)
     server.start()
     try:
@@ -129,7 +127,7 @@ def test_a_tokenizer_that_cannot_be_copied_gets_one_thread():
 
 
 def test_a_short_call_runs_on_the_loop_with_its_own_copy_and_a_long_one_on_the_pool():
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     pool = TokenizerPool(tok, 2)
 
     def where(t, p):

@@ -23,10 +23,10 @@ from elasticep.frontend.incremental_text import IncrementalText
 from elasticep.frontend.membership_source import ScaleInProgressError
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
 from elasticep.membership.status import DeploymentStatus
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(90)
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 API_KEY = "sk-test-elasticep"
 NAME = "tiny"
 MAX_TOKENS = 10
@@ -37,7 +37,7 @@ CHAT = [{"role": "user", "content": "How many legs does a cat have?"}]
 def demo_with(dst: Path, name: str, **changes) -> Path:
     """The demo model in ``dst`` (files symlinked) with the JSON file ``name`` updated
     by ``changes``."""
-    return linked_checkpoint(DEMO, dst, name, lambda data: {**data, **changes})
+    return linked_checkpoint(DEMO_MODEL, dst, name, lambda data: {**data, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_non_streaming_client_disconnect_aborts_request(live):
 
 
 def test_incremental_detokenization_matches_full_decode():
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     for text in ["héllo wörld, naïve café", "数学 题目 🙂 ok", "a\n\n  b\tc ---> 3.14"]:
         ids = tok.encode(text)
         inc = IncrementalText(lambda t: tok.decode(t, skip_special_tokens=True))
@@ -265,7 +265,7 @@ class FakeMembership:
 
 def test_workerless_server_answers_chat_400_health_503_scale_409():
     channel = FrontendChannel()
-    server, _ = create_server(DEMO, channel, FakeMembership(), served_model_name=NAME)
+    server, _ = create_server(DEMO_MODEL, channel, FakeMembership(), served_model_name=NAME)
     server.start()
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -308,7 +308,7 @@ class RecordingMembership:
 def recording_server():
     channel = FrontendChannel()
     membership = RecordingMembership()
-    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    server, _ = create_server(DEMO_MODEL, channel, membership, served_model_name=NAME)
     server.start()
     try:
         yield server.url, membership
@@ -372,7 +372,7 @@ class ScriptedMembership:
 def test_health_is_503_until_every_rank_is_ready_then_degraded_semantics():
     channel = FrontendChannel()
     membership = ScriptedMembership()
-    server, _ = create_server(DEMO, channel, membership, served_model_name=NAME)
+    server, _ = create_server(DEMO_MODEL, channel, membership, served_model_name=NAME)
     workers = [WorkerChannel(channel.endpoints, rank=r) for r in range(4)]
     server.start()
     try:
@@ -461,7 +461,7 @@ class HalfFree(ScriptedMembership):
 
 def test_unused_capacity_is_free_in_status_and_metrics():
     channel = FrontendChannel()
-    server, _ = create_server(DEMO, channel, HalfFree(), served_model_name=NAME)
+    server, _ = create_server(DEMO_MODEL, channel, HalfFree(), served_model_name=NAME)
     server.start()
     try:
         status = httpx.get(server.url + "/elastic_ep_status").json()
@@ -522,7 +522,7 @@ def test_generation_config_sampling_defaults_fill_what_the_request_leaves_unset(
     assert (hf.temperature, hf.top_p, hf.top_k) == (0.6, 0.95, 20)
 
     # the demo model's file sets none of them: OpenAI's defaults
-    demo = load_model_config(DEMO).sampling_defaults
+    demo = load_model_config(DEMO_MODEL).sampling_defaults
     assert (demo.temperature, demo.top_p, demo.top_k) == (None, None, None)
     bad = demo_with(tmp_path / "bad", "generation_config.json", **{**sampled, "top_p": 1.5})
     with pytest.raises(ValueError, match=r"generation_config.json: top_p must be a number "
@@ -538,7 +538,7 @@ class GatedTokenizer:
     long prompt's tokenization, without the seconds)."""
 
     def __init__(self) -> None:
-        self.tok = AutoTokenizer.from_pretrained(DEMO)
+        self.tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
         self.entered, self.go = threading.Event(), threading.Event()
 
     def __getattr__(self, name: str):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,10 +23,10 @@ from elasticep.frontend.openai_responses import (
     completion_chunk_renderer,
 )
 from elasticep.frontend_link import FrontendChannel, WorkerChannel
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(90)
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 NAME = "tiny"
 PROMPT = "The quick brown fox"
 N = 12
@@ -35,13 +34,13 @@ N = 12
 
 @pytest.fixture(scope="module")
 def live():
-    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     ids = tok.encode(PROMPT)
 
     def reference(engine):
         return engine.generate([ids], SamplingParams(max_tokens=N, ignore_eos=True))[0]
 
-    with engine_server(DEMO, NAME, prepare=reference) as (server, _, _, ref):
+    with engine_server(DEMO_MODEL, NAME, prepare=reference) as (server, _, _, ref):
         with httpx.Client(base_url=server.url, timeout=60) as http:
             yield {"http": http, "ids": ids, "ref": ref,
                    "ref_text": tok.decode(ref, skip_special_tokens=True)}
@@ -151,7 +150,7 @@ def test_generate_refuses_what_it_does_not_implement_naming_the_field(live):
 
 def test_server_and_model_info_in_sglangs_shape(live):
     info = live["http"].get("/get_server_info").json()
-    assert info["model_path"] == str(DEMO) and info["served_model_name"] == NAME
+    assert info["model_path"] == str(DEMO_MODEL) and info["served_model_name"] == NAME
     assert info["context_length"] == 1024  # min(context 1024, KV cache 1024)
     assert (info["ep_size"], info["tp_size"], info["dp_size"]) == (1, 1, 1)
     # one state per rank, as SGLang's one per scheduler (its clients read entry 0;
@@ -159,7 +158,7 @@ def test_server_and_model_info_in_sglangs_shape(live):
     [state] = info["internal_states"]
     assert (state["rank"], state["state"], state["running_requests"]) == (0, "healthy", 0)
     model = live["http"].get("/get_model_info").json()
-    assert model["model_path"] == str(DEMO) and model["is_generation"] is True
+    assert model["model_path"] == str(DEMO_MODEL) and model["is_generation"] is True
 
 
 def test_completions_accept_best_of_one_as_bench_serving_sends_it(live):
@@ -186,7 +185,7 @@ def test_a_stream_without_progress_ends_with_an_error_after_the_token_timeout():
     """The stall watch (one sweep for all streams) ends a request whose rank never
     answers after ``token_timeout_s``, within a sweep, with an error chunk."""
     channel = FrontendChannel()
-    server, frontend = create_server(DEMO, channel, ConnectedWorkers(lambda: channel.connected),
+    server, frontend = create_server(DEMO_MODEL, channel, ConnectedWorkers(lambda: channel.connected),
                                      served_model_name=NAME,
                                      frontend_config=FrontendConfig(token_timeout_s=0.4))
     worker = WorkerChannel(channel.endpoints, rank=0)  # says hello, never answers

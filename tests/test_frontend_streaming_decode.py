@@ -3,16 +3,13 @@ decode gives transformers' text, special tokens skipped, on the demo tokenizer."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from elasticep.frontend.incremental_text import IncrementalText
 from elasticep.frontend.tokenizer import load_tokenizer, streaming_decode
-
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 
 def test_streaming_decode_matches_transformers_decode_with_special_tokens_skipped():
-    tok = load_tokenizer(DEMO)
+    tok = load_tokenizer(DEMO_MODEL)
     decode = streaming_decode(tok)
     assert decode is not None and tok.clean_up_tokenization_spaces is False
     text = "Hello, wörld! 你好 🙂 a  b\n\tc"

@@ -24,6 +24,7 @@ from elasticep.models.layers import rms_norm as rms_norm_reference
 from elasticep.models.rope import apply_rope
 from elasticep.moe.experts.expert_compute import grouped_swiglu
 from elasticep.moe.experts.small_batch_experts import MAX_ROWS, small_batch_ok, swiglu_rows
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -279,12 +280,11 @@ def test_flash_prefill_with_kept_keys_equals_the_unfused_path(tmp_path, monkeypa
     and the keys it cached equal those of the unfused path (norm_rope, then the cache
     writes), to bf16 rounding."""
     import json
-    from pathlib import Path
 
     from elasticep.engine.llm_engine import EngineConfig, LLMEngine
     from elasticep.models.fused_norm_rope import DISABLE_ENV
 
-    demo = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+    demo = DEMO_MODEL
     cfg = json.loads((demo / "config.json").read_text())
     cfg["max_position_embeddings"] = 4096
     (tmp_path / "config.json").write_text(json.dumps(cfg))

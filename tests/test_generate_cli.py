@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from _ckpt_copy import linked_checkpoint
 
+from elasticep_testkit.paths import DEMO_MODEL
+
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +29,7 @@ def test_generate_prompt_and_prompts_file(tmp_path):
     from elasticep.engine.llm_engine import LLMEngine
     from elasticep.engine.request import SamplingParams
 
-    model = REPO / "models" / "tiny-qwen3-moe"  # also the default --model
+    model = DEMO_MODEL  # also the default --model
     tok = AutoTokenizer.from_pretrained(model)
     expected = LLMEngine.from_pretrained(model, progress=False).generate(
         [tok(PROMPT).input_ids], SamplingParams(max_tokens=12)
@@ -64,7 +66,7 @@ def test_eos_ids_of_generation_config_end_generation_as_in_transformers(tmp_path
     from elasticep.engine.llm_engine import LLMEngine
     from elasticep.engine.request import SamplingParams
 
-    src = REPO / "models" / "tiny-qwen3-moe"
+    src = DEMO_MODEL
     tok = AutoTokenizer.from_pretrained(src)
     ids = tok(PROMPT).input_ids
     free_run = LLMEngine.from_pretrained(src, progress=False).generate(

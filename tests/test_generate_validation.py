@@ -14,6 +14,7 @@ from _ckpt_copy import linked_checkpoint
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.generate_cmd import validate
 from elasticep.entrypoints.validate import UsageError
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,7 +135,7 @@ def test_valid_flags(tmp_path):
 
 def _demo_copy(dst: Path) -> Path:
     """The demo model in ``dst``, files symlinked (the test replaces one)."""
-    return linked_checkpoint(REPO / "models" / "tiny-qwen3-moe", dst)
+    return linked_checkpoint(DEMO_MODEL, dst)
 
 
 def test_cli_truncated_or_missing_checkpoint_shard_is_one_error_line(tmp_path):

@@ -31,12 +31,12 @@ from elasticep.moe.exchange.ipc_buffers import capacity_rows
 from elasticep.moe.exchange.ipc_exchange import SOLO, IpcExchange
 from elasticep.moe.exchange.padded_exchange import pair_capacity, split_rows
 from elasticep.moe.fused_exchange import FusedForms
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not stream_memops.available(),
                                  reason="needs CUDA and cuda-bindings"),
               pytest.mark.timeout(300)]
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 H, K, S = 256, 2, 4
 
 
@@ -150,7 +150,7 @@ def test_the_fused_down_projection_sends_what_the_combine_send_sends(live, flag_
 
 
 def _engine(tmp_path: Path, transport: bool):
-    shutil.copy(DEMO / "config.json", tmp_path / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")
     cfg = load_model_config(tmp_path)
     placement = initial_placement(cfg.num_hidden_layers, cfg.num_experts, 0, 1, 2)
     model = load_rank_weights(tmp_path, placement, 0, torch.float32, "cuda",

@@ -17,12 +17,12 @@ from elasticep.utils.procs import pid_alive
 from elasticep_testkit.chat_templates import QWEN3_STYLE
 from elasticep_testkit.ep import (
     GREEDY,
-    MODEL,
     assert_matches_reference,
     prompts,
     reference_for,
     tokenizer,
 )
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -37,7 +37,7 @@ def llm(tmp_path_factory):
     from elasticep import LLM
 
     # rank 1 SIGKILLs itself at the 6th working step: mid-stream for every prompt
-    engine = LLM(model=str(MODEL), ep_size=2, fault="kill:rank=1:step=6",
+    engine = LLM(model=str(DEMO_MODEL), ep_size=2, fault="kill:rank=1:step=6",
                  log_dir=str(tmp_path_factory.mktemp("llm-logs")), heartbeat_timeout=10.0)
     yield engine
     engine.shutdown()
@@ -62,7 +62,7 @@ def test_generate_returns_every_output_through_a_rank_kill(llm):
     assert [o.prompt for o in outs] == texts
     assert [o.prompt_token_ids for o in outs] == [list(p) for p in ids]
     got = [o.outputs[0].token_ids for o in outs]
-    ref = reference_for(str(MODEL), ids)
+    ref = reference_for(str(DEMO_MODEL), ids)
     assert_matches_reference(got, "LLM.generate EP2, rank 1 killed at step 6", ref)
     for o in outs:
         (c,) = o.outputs
@@ -108,7 +108,7 @@ def test_logprobs_in_vllm_shape_match_the_engine(llm):
     out = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2,
                                              prompt_logprobs=1), use_tqdm=False)[0]
     gen = out.outputs[0]
-    ref = torch.log_softmax(LLMEngine.from_pretrained(MODEL, progress=False).prompt_logits(
+    ref = torch.log_softmax(LLMEngine.from_pretrained(DEMO_MODEL, progress=False).prompt_logits(
         ids + gen.token_ids[:-1]).float(), -1)
     assert len(gen.logprobs) == 4 and out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(ids)
@@ -163,6 +163,6 @@ def test_settings_take_flag_names_and_default_the_capacity():
 def test_a_config_only_directory_is_refused_before_anything_starts(tmp_path):
     from elasticep import LLM
 
-    (tmp_path / "config.json").write_text((MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text((DEMO_MODEL / "config.json").read_text())
     with pytest.raises(UsageError, match="--load-format dummy"):
         LLM(model=str(tmp_path))

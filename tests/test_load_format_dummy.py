@@ -17,9 +17,9 @@ import torch
 
 from elasticep.models import load_model, reload_expert
 from elasticep.models.weight_source import open_weights
+from elasticep_testkit.paths import DEMO_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "models" / "tiny-qwen3-moe"
 PROMPTS = [[5, 17, 300, 12], [900, 1, 2, 3, 4, 5], [4000, 4001], [77] * 9]
 MAX_TOKENS = 12
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def config_only(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("dummy-model")
-    shutil.copy(DEMO / "config.json", d / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", d / "config.json")
     return d
 
 

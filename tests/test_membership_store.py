@@ -3,6 +3,7 @@
 and claim, and the parsing of ``--membership-store``."""
 
 import pytest
+from _store_fakes import DownStore
 
 from elasticep.membership.durable_state import MembershipState
 from elasticep.membership.errors import FencedCommitError, PrefixInUseError
@@ -104,26 +105,10 @@ def test_parse_store_url_refuses_in_one_line(url):
     assert "\n" not in str(e.value)
 
 
-class _FlakyStore(MemoryStore):
-    """The embedded store, but its commits fail as an unreachable etcd's do while
-    ``down`` is set (a fake of the MembershipStore protocol, not of etcd)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    def commit(self, state, expected_revision):
-        if self.down:
-            from elasticep.membership.errors import StoreUnavailableError
-
-            raise StoreUnavailableError("no etcd member answered (test)")
-        return super().commit(state, expected_revision)
-
-
 def test_the_persister_reports_an_unavailable_store_and_catches_up_when_it_is_back():
     from elasticep.membership.persister import StatePersister
 
-    store = _FlakyStore()
+    store = DownStore()
     current = [MembershipState(max_world_size=1)]
     p = StatePersister(store, lambda: current[0], revision=0)
     try:

@@ -15,9 +15,9 @@ import pytest
 
 from elasticep.models import config
 from elasticep.models.config import SUPPORTED_FAMILIES, load_model_config
+from elasticep_testkit.paths import DEMO_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "models" / "tiny-qwen3-moe"
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -58,7 +58,7 @@ def test_a_read_beyond_the_record_parses_afresh(tmp_path, monkeypatch):
     eos_token_id; once that file is gone it must, and gets transformers' value."""
     model = tmp_path / "m"
     model.mkdir()
-    shutil.copy(DEMO / "config.json", model / "config.json")
+    shutil.copy(DEMO_MODEL / "config.json", model / "config.json")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 0]}))
     monkeypatch.setenv("ELASTICEP_CONFIG_CACHE", str(tmp_path / "cache"))
     assert load_model_config(model).eos_token_ids == (7, 0)
@@ -66,13 +66,13 @@ def test_a_read_beyond_the_record_parses_afresh(tmp_path, monkeypatch):
     replayed = load_model_config(model)
     monkeypatch.setenv("ELASTICEP_CONFIG_CACHE", str(tmp_path / "empty"))
     assert replayed == load_model_config(model)
-    assert replayed.eos_token_ids == (json.loads((DEMO / "config.json").read_text())
+    assert replayed.eos_token_ids == (json.loads((DEMO_MODEL / "config.json").read_text())
                                       ["eos_token_id"],)
 
 
 def test_a_recorded_parse_imports_no_transformers(tmp_path):
     code = ("import sys; from elasticep.models.config import load_model_config; "
-            f"c = load_model_config({str(DEMO)!r}); print(c.num_experts, "
+            f"c = load_model_config({str(DEMO_MODEL)!r}); print(c.num_experts, "
             "'transformers' in sys.modules)")
     env = {"ELASTICEP_CONFIG_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

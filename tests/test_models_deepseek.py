@@ -24,6 +24,7 @@ from elasticep.models.mla import mla_attention, padded_prefill_ok
 from elasticep.models.paged_attention import PagedAttentionMetadata
 from elasticep.models.rope import rope_cos_sin
 from elasticep.models.routing import RoutingConfig, route
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,12 +34,8 @@ NEAR_TIE = 1e-3
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    # OpenMP threads spinning against the other processes on 2 cores make these tiny
-    # matmuls ~30x slower (13.8 s instead of 0.2 s for the greedy run, measured)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ import httpx
 import openai
 import pytest
 import torch
-from _frontend_live import DEMO, engine_server, make_chat_model
+from _frontend_live import engine_server, make_chat_model
 from transformers import AutoTokenizer
 
 from elasticep.engine.request import SamplingParams
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,7 +57,7 @@ def hf_logprobs():
     """``f(ids) -> [len(ids), V]`` transformers' float32 log-softmax at every position."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
 
     def run(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -8,7 +8,6 @@ test_serve_poison.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +27,9 @@ from elasticep.engine.sampler import RowTokens, SamplingFailure, sample_batch
 from elasticep.frontend.api_errors import OpenAIError
 from elasticep.frontend.openai_protocol import CompletionRequest
 from elasticep.frontend.request_tracker import POISON_CRASHES, RequestTracker, SendToRank
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(120)
-
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 
 
 def _logits(dtype: torch.dtype) -> torch.Tensor:
@@ -119,8 +117,8 @@ def test_a_row_whose_sampling_raises_fails_alone():
 def engine():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    return LLMEngine.from_pretrained(MODEL, progress=False, detokenize=tok.decode), tok
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    return LLMEngine.from_pretrained(DEMO_MODEL, progress=False, detokenize=tok.decode), tok
 
 
 def test_engine_fails_the_request_and_serves_the_batch(engine):

@@ -23,18 +23,18 @@ from _ckpt_copy import linked_checkpoint
 from _model_helpers import engine_prefill_logits
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(300)]
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 CASES = {"equal_long": [1100] * 3, "mixed": [700, 300, 1500], "short": [128] * 16}
 
 
 @pytest.fixture(scope="module")
 def demo_4k(tmp_path_factory) -> Path:
     """The demo checkpoint with a 4096-token context (its own is 1024), weights linked."""
-    return linked_checkpoint(DEMO, tmp_path_factory.mktemp("demo4k"), "config.json",
+    return linked_checkpoint(DEMO_MODEL, tmp_path_factory.mktemp("demo4k"), "config.json",
                              lambda cfg: {**cfg, "max_position_embeddings": 4096})
 
 

@@ -6,7 +6,6 @@ GPU test (no Triton compile after it) is test_prefill_warmup_gpu.py."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,8 +28,7 @@ from elasticep.engine.prefill_warmup import (
 )
 from elasticep.engine.request import SamplingParams
 from elasticep.models.layers import FLASH_PREFILL_MIN_SEQ_TOKENS
-
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 
 def test_token_buckets_are_powers_of_two_then_the_budget():
@@ -194,12 +192,12 @@ def test_real_warmup_through_the_demo_model_leaves_generation_unchanged():
     the GPU path runs, with other kernels); afterwards the cache is all free and greedy
     tokens equal those of an engine that never warmed."""
     cfg = EngineConfig(max_total_tokens=2048, chunked_prefill_size=32, max_num_seqs=16)
-    eng = LLMEngine.from_pretrained(MODEL, config=cfg, progress=False)
+    eng = LLMEngine.from_pretrained(DEMO_MODEL, config=cfg, progress=False)
     plan = engine_plan(eng)
     assert {s.kind for s in plan} == {"one", "mixed"} and max(s.num_tokens for s in plan) == 32
     report = run_warmup(eng, plan)
     assert report.steps == len(plan) and eng.blocks.num_free_blocks == eng.blocks.num_blocks
     prompts = [[5, 6, 7, 8, 9] * 3, list(range(40, 80))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    fresh = LLMEngine.from_pretrained(MODEL, config=cfg, progress=False)
+    fresh = LLMEngine.from_pretrained(DEMO_MODEL, config=cfg, progress=False)
     assert eng.generate(prompts, params) == fresh.generate(prompts, params)

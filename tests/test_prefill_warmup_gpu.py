@@ -25,17 +25,17 @@ from elasticep.engine.prefill_warmup import count_triton_compiles, engine_plan, 
 from elasticep.engine.request import GenerateRequest, SamplingParams
 from elasticep.eplb.placement import initial_placement
 from elasticep.models.config import load_model_config
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(600)]
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 CHUNK = 2048
 _ids = itertools.count()
 
 
 def _rank_engine(tmp_path: Path):
-    cfg = json.loads((DEMO / "config.json").read_text())
+    cfg = json.loads((DEMO_MODEL / "config.json").read_text())
     cfg["max_position_embeddings"] = 8192  # whole prompts >= 1024 tokens take SDPA flash
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     mcfg = load_model_config(tmp_path)

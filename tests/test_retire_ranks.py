@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +38,7 @@ from elasticep.membership.scaling import ScaleTarget, check_join
 from elasticep.membership.service import MembershipService
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import OnFailure, SlotState
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -330,7 +330,7 @@ def scale_routes(svc: MembershipService) -> Iterator[tuple[Any, Any]]:
     from elasticep.frontend_link import FrontendChannel
 
     channel = FrontendChannel()
-    model = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+    model = DEMO_MODEL
     server, frontend = create_server(model, channel, ServiceMembership(svc),
                                      served_model_name="tiny")
     frontend.coordinator_address = "10.0.0.1:29500"

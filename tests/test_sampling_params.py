@@ -6,7 +6,6 @@ identically; logprobs (sampled and prompt) against transformers on the demo mode
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from elasticep.engine.logits_processing import process_logits
 from elasticep.engine.logprobs import token_logprobs
 from elasticep.engine.request import GenerateRequest, SamplingParamError, SamplingParams
 from elasticep.engine.sampler import RowTokens, rng_key, sample_batch, uniform_noise
+from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 V = 40
 EOS = 3
 
@@ -131,12 +130,12 @@ def test_logprobs_are_the_raw_log_softmax():
 def tok():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_pretrained(MODEL, progress=False)
+    return LLMEngine.from_pretrained(DEMO_MODEL, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +183,7 @@ def test_stop_token_ids_and_min_tokens(engine, prompt):
 def test_logprobs_match_transformers(engine, prompt):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
     p = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     outs = _run(engine, GenerateRequest("lp", tuple(prompt), p))
     seq = list(prompt) + [o.token_id for o in outs]

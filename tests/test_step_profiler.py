@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,9 +43,7 @@ from elasticep.utils.profile_summary import (
     summarize_profile,
     summarize_spans,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny-qwen3-moe"
+from elasticep_testkit.paths import DEMO_MODEL
 
 
 # ---------------------------------------------------------------------- the summary
@@ -252,7 +249,7 @@ def test_ep2_deployment_writes_one_file_per_rank(tmp_path):
     from elasticep.entrypoints.batch_driver import BatchDriver
 
     out = tmp_path / "prof"
-    cfg = DeploymentConfig(model=str(MODEL), ep_size=2, max_ep_size=2,
+    cfg = DeploymentConfig(model=str(DEMO_MODEL), ep_size=2, max_ep_size=2,
                            elastic_ep_backend="none", max_total_tokens=512)
     env = {DIR_ENV: str(out), STEPS_ENV: "2:3"}
     with BatchDriver.launch(cfg, lambda ids: "", env=env, ready_timeout_s=90) as driver:

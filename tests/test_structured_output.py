@@ -19,7 +19,9 @@ from _frontend_live import engine_server
 from elasticep.engine.grammar import Grammars, check_grammar
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.engine.request import GenerateRequest, GrammarSpec, SamplingParams
-from elasticep_testkit.ep import MODEL, prompts, tokenizer
+from elasticep_testkit.ep import prompts, tokenizer
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,11 +35,9 @@ EOS = 0
 
 @pytest.fixture(scope="module")
 def engine():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine.from_pretrained(MODEL, progress=False,
-                                    config=EngineConfig(max_total_tokens=2048))
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield LLMEngine.from_pretrained(DEMO_MODEL, progress=False,
+                                        config=EngineConfig(max_total_tokens=2048))
 
 
 def run(engine: LLMEngine, rid: str, prompt, params: SamplingParams, resumed=()) -> list[int]:
@@ -118,7 +118,7 @@ def test_masking_changes_no_state_and_foreign_tokens_are_refused(engine):
 
 @pytest.fixture(scope="module")
 def live():
-    with engine_server(MODEL, "tiny") as (server, *_):
+    with engine_server(DEMO_MODEL, "tiny") as (server, *_):
         yield (openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0),
                httpx.Client(base_url=server.url, timeout=30))
 

@@ -119,26 +119,21 @@ class Reduce(AllReduce):
             self.tensor.copy_(result[0])
 
 
-class ReduceScatter:
+class ReduceScatter(AllReduce):
     """reduce_scatter_tensor: input [max_size * n, ...] -> output [n, ...] of our slot.
 
-    Implemented as an all_reduce of the whole input, which makes it fetchable.
+    An all_reduce of the whole input (fetchable, redoable, its dtype and op checked the
+    same way) of which each rank keeps its slot's rows.
     """
 
-    kind, fetchable = "reduce_scatter", True
+    kind = "reduce_scatter"
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, op, slot: int, size: int):
         if input.shape[0] != output.shape[0] * size:
             raise ValueError(f"reduce_scatter input dim0 {input.shape[0]} != "
                              f"{size} x output dim0 {output.shape[0]}")
-        self.output, self.input, self.name, self.slot = output, input, reduce_name(op), slot
-
-    def redoable(self, active) -> bool:
-        return True
-
-    def start(self, pg, active):
-        work, fin = reduce_work(pg, self.input, self.name, len(active))
-        return work, lambda: [fin()]
+        super().__init__(input, op)
+        self.output, self.slot = output, slot
 
     def apply(self, result) -> None:
         n = self.output.shape[0]
