@@ -70,15 +70,8 @@ def test_quantizer_compiled_is_the_reference_bit_for_bit():
         q, s = quantize_activations(xt, fp.ROW_MULTIPLE)
         qr, sr = quantize_activations_reference(xt)
         assert q.shape == (1008, 7168) and s.stride() == (1, 1008), dtype
+        assert torch.equal(q[:1000].view(torch.uint8), qr.view(torch.uint8)), dtype
         assert torch.equal(s[:1000], sr), dtype
-        # Bit for bit under the interpreter; compiled on an H100 (bf16 input) some bytes
-        # differed, cause not found yet. Allowed: rare, and one e4m3 step apart (the
-        # neighbours of a same-sign value in its byte encoding).
-        step = (q[:1000].view(torch.uint8).int() - qr.view(torch.uint8).int()).abs()
-        differ = int((step > 0).sum())
-        print(f"{dtype}: {differ} of {qr.numel()} bytes differ, by at most "
-              f"{int(step.max())} step(s)")
-        assert int(step.max()) <= 1 and differ <= qr.numel() * 1e-4, (dtype, differ)
         assert not q[1000:].float().any(), dtype
 
 

@@ -66,7 +66,9 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     padded = torch.zeros(m, groups * GROUP, dtype=torch.float32, device=x.device)
     padded[:, :k] = xf
     amax = padded.view(m, groups, GROUP).abs().amax(dim=-1).clamp_min(MIN_AMAX)
-    scale = amax / FP8_MAX
+    # a tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal,
+    # which differs from the division in the last bit for some amax (seen on an H100)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     each = scale.repeat_interleave(GROUP, dim=1)[:, :k]
     q = (xf / each).clamp(-FP8_MAX, FP8_MAX).to(fp8_block.FP8_DTYPE)
     return q, scale
