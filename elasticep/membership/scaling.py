@@ -287,7 +287,8 @@ def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],
     weights before they register. A member being scaled away is also alive in a free
     slot, but it is in the group: it stays free. Once that process has exited, a free
     slot shows no pid: it holds no rank, and its old pid may be another process's by
-    now (a ``failed`` slot keeps the dead pid: it names the rank that failed).
+    now (a ``failed`` slot keeps the dead pid: it names the rank that failed), and is
+    shown free even before its launcher has recorded the exit.
     """
     shown = []
     for slot, state in enumerate(states):
@@ -300,7 +301,10 @@ def shown_slots(states: Sequence[SlotState], ranks: Sequence[int],
                                    or proc is None):
             registered_joiner = (proc is not None and launch.pid == pid and proc.alive
                                  and not proc.in_world)
-            if launch.pid != pid or registered_joiner:
+            # the launch is the process that just left (its launcher has not recorded
+            # the exit yet): nothing joins
+            left = proc is not None and not proc.alive and launch.pid == proc.pid
+            if not left and (launch.pid != pid or registered_joiner):
                 state, pid = SlotState.JOINING, launch.pid
         shown.append((state, pid))
     return shown
