@@ -71,8 +71,8 @@ def test_quantizer_compiled_is_the_reference_bit_for_bit():
         qr, sr = quantize_activations_reference(xt)
         assert q.shape == (1008, 7168) and s.stride() == (1, 1008), dtype
         # Values, not bytes: where a negative value rounds to zero the kernel writes +0
-        # and the reference -0 (Triton negates a float as 0 - x); seen on an H100, where
-        # every other byte matched in the rows looked at
+        # and the reference -0 (how the kernel's negation treats a zero: not looked
+        # into); so it was on an H100 in every differing byte printed
         assert torch.equal(q[:1000].float(), qr.float()), dtype
         assert torch.equal(s[:1000], sr), dtype
         assert not q[1000:].float().any(), dtype
