@@ -14,7 +14,7 @@ from test_fp8_linear import make_case, rounding_bound
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.models import load_model
-from elasticep.models.fp8_linear import fp8_linear, fp8_linear_reference, fp8_linear_triton, plan
+from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton, plan
 from elasticep.models.linear import Fp8Weight, linear
 from elasticep_testkit.paths import DEMO_MODEL
 
@@ -64,9 +64,9 @@ def test_cuda_graph_replay_equals_eager_calls():
         fresh = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).cuda()
         static.copy_(fresh.bfloat16())
         graph.replay()
-        eager = fp8_linear(static, q, s, b)
+        eager = fp8_linear_triton(static, q, s, b)
         assert torch.equal(out, eager), seed  # the same sum order: bit for bit
-        assert not torch.equal(out, fp8_linear(x, q, s, b))
+        assert not torch.equal(out, fp8_linear_triton(x, q, s, b))
 
 
 def _prefill_logits(model, lengths: list[int]) -> torch.Tensor:

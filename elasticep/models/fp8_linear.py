@@ -94,19 +94,9 @@ def fp8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tens
 
 
 def fp8_linear_ok(x: torch.Tensor) -> bool:
-    """True when :func:`fp8_linear` runs the Triton kernel for ``x``: CUDA, bf16/fp16."""
+    """True when the Triton kernel can run for ``x``: CUDA, bf16/fp16 (else the reference;
+    :func:`elasticep.models.fp8_prefill.fp8_project` decides)."""
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-
-
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel where it runs (:func:`fp8_linear_ok`), else the reference.
-
-    Args and Returns: as :func:`fp8_linear_reference`.
-    """
-    if fp8_linear_ok(x):
-        return fp8_linear_triton(x, q, scale_inv, bias)
-    return fp8_linear_reference(x, q, scale_inv, bias)
 
 
 if triton is not None:
