@@ -133,12 +133,13 @@ class Coordinator:
     def _committed(self, state: MembershipState) -> None:
         """The store holds ``state`` (the persister's thread): release the commits it
         contains."""
+        assert self._gate is not None  # the persister that calls this comes with it
         with self._lock:
-            done = [c for s, c in self._snapshots if s == state]
-            if not done or self._gate is None:
+            done = max((c for s, c in self._snapshots if s == state), default=None)
+            if done is None:
                 return
-            self._snapshots = [(s, c) for s, c in self._snapshots if c > max(done)]
-            self._send(self._gate.confirm(max(done)))
+            self._snapshots = [(s, c) for s, c in self._snapshots if c > done]
+            self._send(self._gate.confirm(done))
 
     def close(self) -> None:
         """Stop serving: close the listener and every connection (ranks see EOF)."""
