@@ -12,9 +12,11 @@ from elasticep_testkit.ep import assert_equal_under_near_tie_rule
 
 def graph_steps_match_eager(eng: LLMEngine, prompts: list[list[int]], max_tokens: int,
                             tol: float = 2e-2) -> int:
-    """Generate greedily; at every decode step compare the logits of the graph replay with
-    the eager forward of the same batch (relative max error below ``tol``: the same
-    kernels, but a batch padded to its bucket may take other GEMM tilings, bf16 noise).
+    """Generate greedily; at every step compare the logits of the runner's forward (a
+    graph replay where the step fits a bucket: decode steps, and prefill or mixed steps
+    as one row a token) with the eager forward of the same batch (relative max error
+    below ``tol``: the same math, but a batch padded to its bucket may take other GEMM
+    tilings and the decode attention kernel, bf16 noise).
 
     Returns:
         the number of decode steps compared.
@@ -22,21 +24,24 @@ def graph_steps_match_eager(eng: LLMEngine, prompts: list[list[int]], max_tokens
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(GenerateRequest(f"r{i}", tuple(p), params))
-    steps, worst = 0, 0.0
+    steps, prefill, worst = 0, 0, 0.0
     while eng.has_unfinished():
         batch = eng.schedule()
-        if all(it.end - it.start == 1 for it in batch.items):
-            graph_logits = eng.runner.forward(batch).clone()
-            graphs, eng.runner.graphs = eng.runner.graphs, None
-            eager_logits = eng.runner.forward(batch)
-            eng.runner.graphs = graphs
-            steps += 1
+        decode = all(it.end - it.start == 1 for it in batch.items)
+        graph_logits = eng.runner.forward(batch).clone()
+        graphs, eng.runner.graphs = eng.runner.graphs, None
+        eager_logits = eng.runner.forward(batch)
+        eng.runner.graphs = graphs
+        steps, prefill = steps + decode, prefill + (not decode)
+        if eager_logits.numel():
             err = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
-            assert err < tol, (steps, float(err))
+            assert err < tol, (steps, prefill, float(err))
             worst = max(worst, float(err))
         eng.commit(batch, eng.execute(batch))
     # the observed error, in the log of a GPU run (-v -s): what tol could be tightened to
-    print(f"graph vs eager: {steps} decode steps, worst relative max error {worst:.2e}")
+    print(f"graph vs eager: {steps} decode and {prefill} prefill steps "
+          f"({eng.runner.prefill_replays} replayed as rows so far), worst relative max "
+          f"error {worst:.2e}")
     return steps
 
 

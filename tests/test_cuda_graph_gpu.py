@@ -25,13 +25,14 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def _engine(tmp_path: Path, graphs: bool, chunk: int | None = None,
-            dtype: torch.dtype = torch.bfloat16) -> LLMEngine:
+            dtype: torch.dtype = torch.bfloat16, graph_max_bs: int | None = None) -> LLMEngine:
     shutil.copy(DEMO_MODEL / "config.json", tmp_path / "config.json")
     return LLMEngine.from_pretrained(tmp_path, dtype=dtype, device="cuda",
                                      load_format="dummy", progress=False,
                                      config=EngineConfig(max_total_tokens=4096, max_num_seqs=8,
                                                          enable_cuda_graph=graphs,
-                                                         chunked_prefill_size=chunk))
+                                                         chunked_prefill_size=chunk,
+                                                         cuda_graph_max_bs=graph_max_bs))
 
 
 def test_graph_replay_equals_eager_step_by_step(tmp_path):
@@ -56,13 +57,18 @@ def test_greedy_tokens_equal_with_and_without_graphs(tmp_path, dtype, near_ties)
                                near_ties)
 
 
-def test_chunked_prefill_steps_run_eagerly_and_decode_steps_replay(tmp_path):
+def test_chunked_prefill_and_mixed_steps_replay_as_token_rows(tmp_path):
     """A 100-token prompt in 16-token chunks shares steps with decodes: those mixed steps
-    run eagerly, decode-only steps replay, and greedy tokens match unchunked generation."""
+    replay a graph with one row a token (logits equal to the eager forward's, step by
+    step), decode-only steps replay, and greedy tokens match unchunked generation."""
     prompts = random_prompts((5, 100, 17, 64, 2), seed=2)
-    eng = _engine(tmp_path, graphs=True, chunk=16)
+    # buckets up to 32 rows: a chunk of 16 beside 5 decodes fits
+    eng = _engine(tmp_path, graphs=True, chunk=16, graph_max_bs=32)
     steps = graph_steps_match_eager(eng, prompts, 12)
     assert steps >= 8 and eng.runner.graphs.replays >= 1
+    # every step holds at most 16 prefill tokens and 5 decodes: 188 prompt tokens take
+    # at least 12 such steps
+    assert eng.runner.prefill_replays >= 12, eng.runner.prefill_replays
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     on = _engine(tmp_path, graphs=True, chunk=16).generate(prompts, params)
     unchunked = _engine(tmp_path, graphs=True)

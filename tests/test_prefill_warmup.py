@@ -78,6 +78,7 @@ def _fake_engine(num_blocks: int = 64, block_size: int = 16, chunk: int | None =
 
     def execute(batch):
         seen.append(batch)
+        assert not eng.runner.replay_enabled  # warm-up steps run eagerly, never a graph
         if fail_at is not None and len(seen) == fail_at:
             raise RuntimeError("boom")
         for it in batch.items:  # every token of the sequence has a cache slot
@@ -90,7 +91,8 @@ def _fake_engine(num_blocks: int = 64, block_size: int = 16, chunk: int | None =
                               device=torch.device("cpu")),
         config=EngineConfig(max_total_tokens=num_blocks * block_size, block_size=block_size,
                             chunked_prefill_size=chunk, max_batch_tokens=max_batch_tokens),
-        max_seq_len=num_blocks * block_size, execute=execute)
+        max_seq_len=num_blocks * block_size, execute=execute,
+        runner=SimpleNamespace(replay_enabled=True))
     return eng, seen
 
 
@@ -113,11 +115,13 @@ def test_run_warmup_executes_each_step_and_gives_the_blocks_back():
             (c, c + n) for n, c in zip(step.new, step.cached, strict=True)]
         assert all(0 <= t < 1000 for it in batch.items for t in it.seq.prompt_token_ids)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
-    # a failing step still gives its blocks back
+    assert eng.runner.replay_enabled  # graphs replay again after the warm-up
+    # a failing step still gives its blocks back, and graphs their replays
     eng, _ = _fake_engine(fail_at=3)
     with pytest.raises(RuntimeError, match="boom"):
         run_warmup(eng, engine_plan(eng))
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert eng.runner.replay_enabled
 
 
 def test_step_budget_follows_the_scheduler():

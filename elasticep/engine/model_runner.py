@@ -2,6 +2,15 @@
 
 ``forward`` reads request state but never mutates it; its only side effect is writing
 K/V to the slots of the scheduled positions, which a redo rewrites identically.
+
+A step of few tokens replays a decode CUDA graph even when it carries prefill: every
+token becomes a row of its own, with its sequence's block table and a context that
+ends at its own position. The graph writes the step's K/V to the cache before its
+attention reads it (as the eager forward does), so row ``i`` of a chunk sees rows
+``0..i`` of the same chunk, which is causal prefill. Such a step run eagerly is bound
+by the host (about 90 kernels a layer, launched one by one), which is most of a short
+prompt's first token; vLLM's unified attention takes every query token as a row the
+same way.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _HostLists:
+class HostLists:
     """A batch's per-token and per-sequence ints, gathered on the host in one pass.
 
     ids, positions, slots: [T] token id, position and KV-cache slot of each scheduled
@@ -39,7 +48,7 @@ class _HostLists:
     tables: list[list[int]]
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, block_size: int) -> _HostLists:
+    def of(cls, batch: ScheduledBatch, block_size: int) -> HostLists:
         h = cls([], [], [], [0], [], [])
         bs = block_size
         for it in batch.items:
@@ -61,6 +70,27 @@ class _HostLists:
             h.ctx_lens.append(it.end)
             h.tables.append(table)
         return h
+
+
+def token_rows(h: HostLists, samples: list[bool]
+               ) -> tuple[list[list[int]], list[int], list[int]]:
+    """A step as one decode row a token (pure).
+
+    Args:
+        h: the step's host lists.
+        samples: per sequence, whether it samples a token this step.
+
+    Returns:
+        ``(tables, lens, sampled)``: per token, its sequence's block table and its
+        context length (its position + 1: it attends to the cache up to itself); and
+        the token index of each sampling sequence's last token, in batch order.
+    """
+    tables: list[list[int]] = []
+    for table, a, z in zip(h.tables, h.starts, h.starts[1:], strict=False):
+        tables.extend([table] * (z - a))
+    lens = [p + 1 for p in h.positions]
+    sampled = [z - 1 for z, s in zip(h.starts[1:], samples, strict=True) if s]
+    return tables, lens, sampled
 
 
 class ModelRunner:
@@ -85,6 +115,11 @@ class ModelRunner:
         # capture running), a batch or context past the captured sizes, or all logits
         self.decode_replays = 0
         self.decode_eager = 0
+        # steps with prefill tokens replayed as one row a token (see the module doc)
+        self.prefill_replays = 0
+        # False: no step replays a graph (a warm-up, whose steps run on this rank's own
+        # schedule and must compile the eager kernels)
+        self.replay_enabled = True
 
     @property
     def graph_captures(self) -> int | None:
@@ -128,25 +163,40 @@ class ModelRunner:
         return batch.one_token_each and all(it.samples for it in batch.items)
 
     def _replay(self, batch: ScheduledBatch, decode: bool) -> torch.Tensor | None:
-        """The decode step through a captured graph, or None when it must run eagerly
-        (``decode``: :meth:`_decode_step` of ``batch``)."""
+        """The step through a captured graph, or None when it must run eagerly
+        (``decode``: :meth:`_decode_step` of ``batch``).
+
+        A decode step replays one row a sequence; a step with prefill tokens, when its
+        tokens fit a bucket, one row a token (the module doc), returning the rows of
+        the sequences that sample, in batch order."""
         g = self.graphs
         # An EP step's bucket follows the largest batch of any rank (agreed in the step
         # header), so an idle rank replays too; a single rank has no such bound.
         agreed = executor_of(self.model).step_max_tokens or 0
-        if (g is None or not (batch.items or agreed) or not graph_safe(self.model)
-                or (batch.items and not decode)):
+        if (g is None or not self.replay_enabled or not (batch.items or agreed)
+                or not graph_safe(self.model)):
             return None
-        b = g.bucket(max(len(batch.items), agreed))
+        h = HostLists.of(batch, self.kv_cache.block_size)
+        b = g.bucket(max(len(h.ids), agreed))
         if b is None:
             return None
         if g.stale(b):
             g.capture_in_background()  # never wait on a capture: this step runs eagerly
             return None
-        h = _HostLists.of(batch, self.kv_cache.block_size)
-        if max(h.ctx_lens, default=0) > g.max_seq_len:
+        if decode or not batch.items:
+            if max(h.ctx_lens, default=0) > g.max_seq_len:
+                return None
+            return g.replay(h.ids, h.positions, h.slots, h.tables, h.ctx_lens,
+                            min_bucket=agreed)
+        tables, lens, sampled = token_rows(h, [it.samples for it in batch.items])
+        if max(lens) > g.max_seq_len:
             return None
-        return g.replay(h.ids, h.positions, h.slots, h.tables, h.ctx_lens, min_bucket=agreed)
+        logits = g.replay(h.ids, h.positions, h.slots, tables, lens, min_bucket=agreed)
+        self.prefill_replays += 1
+        rows = torch.tensor(sampled, dtype=torch.long)
+        if rows.device != logits.device:
+            rows = rows.pin_memory().to(logits.device, non_blocking=True)
+        return logits.index_select(0, rows)
 
     def prepare(
         self, batch: ScheduledBatch
@@ -164,7 +214,7 @@ class ModelRunner:
             empty = torch.zeros(0, dtype=torch.long, device=dev)
             return empty, empty, AttentionMetadata([0], [], empty), empty
         bs = self.kv_cache.block_size
-        h = _HostLists.of(batch, bs)
+        h = HostLists.of(batch, bs)
         T = len(h.ids)
         last = [s - 1 for it, s in zip(batch.items, h.starts[1:], strict=True) if it.samples]
         host = torch.tensor(h.ids + h.positions + h.slots + last, dtype=torch.long)

@@ -209,18 +209,26 @@ def run_warmup(engine: LLMEngine, steps: list[WarmupStep],
     report = WarmupReport(token_counts=sorted({s.num_tokens for s in steps}))
     vocab = engine.model.config.vocab_size
     t0 = time.perf_counter()
-    with count_triton_compiles() as compiles:
-        for step in steps:
-            batch = _batch(engine, step, vocab)
-            try:
-                with around(step.num_tokens) if around else contextlib.nullcontext():
-                    engine.execute(batch)
-            finally:
-                for it in batch.items:
-                    engine.blocks.free(it.seq.block_table)
-            report.steps += 1
-        if engine.model.device.type == "cuda":
-            torch.cuda.synchronize(engine.model.device)
+    # every step eager: a short one would otherwise replay a decode graph, which warms
+    # nothing for the steps that run eagerly (while graphs are captured again), and
+    # whose exchange would wait on peers that are not in this rank's warm-up
+    runner = engine.runner
+    replay, runner.replay_enabled = runner.replay_enabled, False
+    try:
+        with count_triton_compiles() as compiles:
+            for step in steps:
+                batch = _batch(engine, step, vocab)
+                try:
+                    with around(step.num_tokens) if around else contextlib.nullcontext():
+                        engine.execute(batch)
+                finally:
+                    for it in batch.items:
+                        engine.blocks.free(it.seq.block_table)
+                report.steps += 1
+            if engine.model.device.type == "cuda":
+                torch.cuda.synchronize(engine.model.device)
+    finally:
+        runner.replay_enabled = replay
     report.seconds = time.perf_counter() - t0
     report.triton_compiles = compiles.count
     return report
