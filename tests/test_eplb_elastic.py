@@ -7,17 +7,19 @@ import random
 import pytest
 import torch
 
-from elasticep.eplb.elastic import (
+from elasticep.eplb import (
+    Placement,
+    compute_imbalance,
+    initial_placement,
     plan_expert_loads,
+    rank_loads,
+    rebalance_placement,
     reconcile_placement,
     repair_and_plan,
     repair_placement,
     scale_down_placement,
     scale_up_placement,
 )
-from elasticep.eplb.manager import compute_imbalance, rank_loads
-from elasticep.eplb.placement import Placement, initial_placement
-from elasticep.eplb.rebalance import rebalance_placement
 from elasticep.moe.weight_transfer import move_expert_weights
 
 

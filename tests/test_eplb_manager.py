@@ -51,6 +51,7 @@ def test_rebalance_reduces_imbalance_and_logs(caplog):
     assert "rank 1" in caplog.text and "->" in caplog.text
 
 
-def test_bad_config_raises():
-    with pytest.raises(ValueError):
-        EPLBManager(1, 4, EPLBConfig(window_size=0))
+@pytest.mark.parametrize("fields", [{"window_size": 0}, {"rebalance_num_iterations": 0}])
+def test_bad_config_raises(fields):
+    with pytest.raises(ValueError, match="must be positive"):
+        EPLBConfig(**fields)

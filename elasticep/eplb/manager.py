@@ -69,11 +69,20 @@ class EPLBConfig:
         enabled: rebalance periodically.
         rebalance_num_iterations: steps between rebalances.
         window_size: steps of counts kept (the sliding window).
+
+    Raises:
+        ValueError: (at construction) ``rebalance_num_iterations`` or ``window_size``
+            below 1.
     """
 
     enabled: bool = False
     rebalance_num_iterations: int = 1000
     window_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.window_size <= 0 or self.rebalance_num_iterations <= 0:
+            raise ValueError("window_size and rebalance_num_iterations must be positive, got "
+                             f"{self.window_size} and {self.rebalance_num_iterations}")
 
 
 @dataclass(frozen=True)
@@ -91,8 +100,6 @@ class EPLBManager:
     def __init__(
         self, num_layers: int, num_logical_experts: int, config: EPLBConfig, rank: int = 0, epoch: int = 0
     ) -> None:
-        if config.window_size <= 0 or config.rebalance_num_iterations <= 0:
-            raise ValueError("window_size and rebalance_num_iterations must be positive")
         self.config = config
         self.num_layers = num_layers
         self.num_logical_experts = num_logical_experts

@@ -14,14 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, model_validator
 
-from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from elasticep.engine.request import GrammarSpec, SamplingParams
 from elasticep.frontend.api_errors import OpenAIError, checked_grammar
 from elasticep.frontend.openai_tools import (
     NamedToolChoice,
@@ -29,45 +24,29 @@ from elasticep.frontend.openai_tools import (
     Tool,
     ToolCallIn,
 )
+from elasticep.frontend.sampling_fields import SharedSamplingFields, Strict, validated
 from elasticep.models.config import SamplingDefaults
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(SharedSamplingFields):
     """Fields shared by both endpoints; unsupported ones accept only their default."""
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables it")
     # OpenAI's own bound on n: more would let one request occupy every rank's slots
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
-    # structured output: OpenAI's response_format, SGLang's regex and ebnf extensions
+    # structured output: OpenAI's own form (regex and ebnf are SGLang's extensions)
     response_format: ResponseFormat | None = None
-    regex: str | None = None
-    ebnf: str | None = None
 
     # field -> the only value we implement; anything else is a 400 naming the field
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
@@ -129,29 +108,12 @@ class _SamplingFields(_Strict):
         name, spec = asked[0]
         return checked_grammar(spec, name)
 
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """``(logprobs, prompt_logprobs)`` of the engine's params (None: not asked)."""
         return None, None
-
-    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` as ``(token id, bias)`` pairs.
-
-        Raises:
-            OpenAIError: 400 naming ``logit_bias`` for a key that is not a token id.
-        """
-        try:
-            return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
-        except ValueError:
-            raise OpenAIError(400, "logit_bias keys must be token ids (integers as strings)",
-                              param="logit_bias") from None
 
     def to_sampling_params(self, max_tokens: int,
                            defaults: SamplingDefaults = SamplingDefaults(),
@@ -168,32 +130,15 @@ class _SamplingFields(_Strict):
         Raises:
             OpenAIError: 400 when a value is out of the engine's range.
         """
-        def pick(name: str) -> Any:
-            model_value = getattr(defaults, name)
-            if name in self.model_fields_set or model_value is None:
-                return getattr(self, name)
-            return model_value
-
         logprobs, prompt_logprobs = self.logprob_counts()
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
-            top_k=max(pick("top_k"), 0),
+        return validated(SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.model_default("temperature", defaults),
+            top_k=max(self.model_default("top_k", defaults), 0),
             seed=None if self.seed is None else self.seed + seed_offset,
-            stop=self.stop_strings(), ignore_eos=self.ignore_eos,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-            min_tokens=self.min_tokens,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            logit_bias=self.logit_bias_pairs(), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            grammar=self.grammar_spec())
-        try:
-            params.validate()
-        except SamplingParamError as exc:
-            raise OpenAIError(400, str(exc), param=self.PARAM_NAMES.get(exc.param, exc.param)
-                              ) from exc
-        return params
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **self.shared_params(defaults), grammar=self.grammar_spec(),
+        ), lambda param: self.PARAM_NAMES.get(param, param))
 
 
 class CompletionRequest(_SamplingFields):
@@ -262,12 +207,12 @@ class CompletionRequest(_SamplingFields):
         return batch
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -331,7 +276,7 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
-class ScaleRequest(_Strict):
+class ScaleRequest(Strict):
     """POST /scale_elastic_ep: one of ``new_ep_size`` (grow or shrink from the top),
     ``retire_ranks`` (those slots leave) or ``drain_node`` (every slot of that node
     leaves), and an optional ``operation_id`` (a repeat with the same id changes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -65,10 +66,11 @@ TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
 INLINE_PROMPT_CHARS = 1024
 
 
+@dataclass(eq=False)
 class OpenAIServing:
     """Serves /v1/completions and /v1/chat/completions on a :class:`Frontend`.
 
-    Args:
+    Attributes:
         frontend: routes and streams requests.
         tokenizer: a transformers tokenizer (``encode``, ``decode``,
             ``apply_chat_template``, ``chat_template``).
@@ -79,22 +81,22 @@ class OpenAIServing:
         tool_call_parser: the format of the model's tool calls (a key of
             :data:`~elasticep.frontend.tool_parsers.TOOL_CALL_PARSERS`); None: requests
             with ``tools`` get a 400.
+        tokenizers: the pool that runs ``tokenizer`` (built from it).
     """
 
-    def __init__(self, frontend: Frontend, tokenizer: Any, model_name: str,
-                 max_model_len: int,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults(),
-                 tool_call_parser: str | None = None) -> None:
-        self.frontend = frontend
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.sampling_defaults = sampling_defaults
-        self.tool_call_parser = tool_call_parser
+    frontend: Frontend
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
+    tool_call_parser: str | None = None
+    tokenizers: TokenizerPool = field(init=False)
+
+    def __post_init__(self) -> None:
         # Tokenizing a long prompt (or rendering a chat template) can take seconds: it
         # runs off the event loop, so that the other requests' streams, their checks and
         # /health go on meanwhile, and on a pool, so that it holds up one thread only.
-        self.tokenizers = TokenizerPool(tokenizer, TOKENIZER_THREADS)
+        self.tokenizers = TokenizerPool(self.tokenizer, TOKENIZER_THREADS)
 
     # ---- request preparation -------------------------------------------------------
     def check_model(self, model: str) -> None:

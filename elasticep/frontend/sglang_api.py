@@ -36,20 +36,21 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from elasticep import __version__
-from elasticep.engine.request import GrammarSpec, SamplingParamError, SamplingParams, TokenLogprobs
+from elasticep.engine.request import GrammarSpec, SamplingParams, TokenLogprobs
 from elasticep.frontend.api_errors import OpenAIError, checked_grammar, resolve_max_tokens
 from elasticep.frontend.logprobs_format import TokenText, sglang_logprobs
-from elasticep.frontend.openai_protocol import _Strict
 from elasticep.frontend.openai_responses import new_id
 from elasticep.frontend.openai_serving import OpenAIServing
 from elasticep.frontend.request_tracker import RequestEvent
+from elasticep.frontend.sampling_fields import SharedSamplingFields, Strict, validated
 from elasticep.membership.transitions import SlotState
+from elasticep.models.config import SamplingDefaults
 
 if TYPE_CHECKING:  # http_server imports this module
     from elasticep.frontend.http_server import ServerConfig
 
 
-def _reject_non_defaults(model: _Strict, prefix: str = "") -> None:
+def _reject_non_defaults(model: Strict, prefix: str = "") -> None:
     """Raises:
         OpenAIError: 400 naming the first of ``model.UNSUPPORTED`` whose value is not
             its field's default (the only value we implement).
@@ -61,30 +62,17 @@ def _reject_non_defaults(model: _Strict, prefix: str = "") -> None:
                               f"{default!r})", param=f"{prefix}{name}")
 
 
-class SglangSamplingParams(_Strict):
+class SglangSamplingParams(SharedSamplingFields):
     """``sampling_params`` of ``/generate``, named as SGLang's."""
 
     max_new_tokens: int | None = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
     sampling_seed: int | None = None
-    min_p: float = 0.0
     min_new_tokens: int = 0
     n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     # SGLang's fields we do not implement: only their default value is accepted
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
@@ -108,7 +96,7 @@ class SglangSamplingParams(_Strict):
                                f"sampling_params.{asked[0]}")
 
 
-class SglangGenerateRequest(_Strict):
+class SglangGenerateRequest(Strict):
     """``POST /generate``: one prompt, as ``text`` or ``input_ids``."""
 
     text: str | list[str] | None = None
@@ -144,7 +132,7 @@ class SglangGenerateRequest(_Strict):
         return prompt, param
 
     def to_sampling_params(self, prompt_len: int, max_model_len: int,
-                           defaults: Any) -> SamplingParams:
+                           defaults: SamplingDefaults) -> SamplingParams:
         """Engine sampling params; the model's generation_config fills unsent fields.
 
         Raises:
@@ -153,45 +141,22 @@ class SglangGenerateRequest(_Strict):
         _reject_non_defaults(self)
         sp = self.sampling_params
         _reject_non_defaults(sp, "sampling_params.")
-
-        def pick(name: str) -> Any:
-            model_value = getattr(defaults, name)
-            if name in sp.model_fields_set or model_value is None:
-                return getattr(sp, name)
-            return model_value
-
-        stop = () if sp.stop is None else (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
-        try:
-            bias = tuple((int(k), float(v)) for k, v in (sp.logit_bias or {}).items())
-        except ValueError:
-            raise OpenAIError(400, "sampling_params.logit_bias keys must be token ids",
-                              param="sampling_params.logit_bias") from None
+        shared = sp.shared_params(defaults, "sampling_params.")
         if self.logprob_start_len >= prompt_len:
             raise OpenAIError(400, f"logprob_start_len must be below the prompt's {prompt_len} "
                               "tokens", param="logprob_start_len")
         top = self.top_logprobs_num if self.return_logprob else None
-        params = SamplingParams(
+        return validated(SamplingParams(
             max_tokens=resolve_max_tokens(prompt_len, sp.max_new_tokens, max_model_len,
                                           "sampling_params.max_new_tokens"),
-            temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
-            seed=sp.sampling_seed, stop=stop, ignore_eos=sp.ignore_eos,
-            min_p=sp.min_p, min_tokens=sp.min_new_tokens,
-            frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            stop_token_ids=tuple(sp.stop_token_ids or ()), logit_bias=bias,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            logprobs=top,
+            temperature=sp.model_default("temperature", defaults),
+            top_k=max(sp.model_default("top_k", defaults), 0),
+            seed=sp.sampling_seed, min_tokens=sp.min_new_tokens, **shared, logprobs=top,
             prompt_logprobs=top if top is not None and self.logprob_start_len >= 0 else None,
-            grammar=sp.grammar_spec())
-        try:
-            params.validate()
-        except SamplingParamError as exc:
-            param = {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num",
-                     "min_tokens": "sampling_params.min_new_tokens"}.get(
-                exc.param, f"sampling_params.{exc.param}")
-            raise OpenAIError(400, str(exc), param=param) from exc
-        return params
+            grammar=sp.grammar_spec(),
+        ), lambda param: {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num",
+                          "min_tokens": "sampling_params.min_new_tokens"}.get(
+            param, f"sampling_params.{param}"))
 
     def logprobs_meta(self, token_text: TokenText, output: Sequence[TokenLogprobs],
                       prompt_ids: Sequence[int],

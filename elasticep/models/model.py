@@ -98,10 +98,12 @@ def kv_cache_shapes(c: MoEModelConfig) -> tuple[tuple[int, ...], ...]:
     return ((c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim))
 
 
+# identity equality and the default repr: a model is one object, and its weights are huge
+@dataclass(eq=False, repr=False)
 class MoECausalLM:
     """A loaded MoE causal LM; call :meth:`forward` with a flat batch of tokens.
 
-    Args:
+    Attributes:
         config: parsed model config.
         embed: ``[V, H]``; final_norm ``[H]``; lm_head ``[V, H]`` (may alias ``embed``).
         layers: per decoder layer weights.
@@ -109,23 +111,13 @@ class MoECausalLM:
         executor: the expert executor the MoE blocks call (swap it for EP).
     """
 
-    def __init__(
-        self,
-        config: MoEModelConfig,
-        embed: torch.Tensor,
-        layers: list[DecoderLayerWeights],
-        final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
-        experts: ExpertSlots,
-        executor: ExpertExecutor,
-    ) -> None:
-        self.config = config
-        self.embed = embed
-        self.layers = layers
-        self.final_norm = final_norm
-        self.lm_head = lm_head
-        self.experts = experts
-        self.executor = executor
+    config: MoEModelConfig
+    embed: torch.Tensor
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    experts: ExpertSlots
+    executor: ExpertExecutor
 
     @property
     def dtype(self) -> torch.dtype:
