@@ -9,8 +9,7 @@ ends at its own position. The graph writes the step's K/V to the cache before it
 attention reads it (as the eager forward does), so row ``i`` of a chunk sees rows
 ``0..i`` of the same chunk, which is causal prefill. Such a step run eagerly is bound
 by the host (about 90 kernels a layer, launched one by one), which is most of a short
-prompt's first token; vLLM's unified attention takes every query token as a row the
-same way.
+prompt's first token.
 """
 
 from __future__ import annotations
