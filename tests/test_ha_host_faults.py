@@ -25,6 +25,7 @@ applies (``epoch E rank R group world: commit KIND active=[...]``, with its time
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -166,6 +167,13 @@ def hosts(tmp_path_factory):
                     p.proc.send_signal(signal.SIGINT)
                 for p in live:
                     p.stop(timeout_s=15)
+                # whatever still runs in our namespaces is ours (a dead incarnation's
+                # stray): killed by pid before the namespaces go
+                for k in range(len(net.hosts)):
+                    for pid in namespace_pids(net, k) - {m.proc.pid for m in etcd.members
+                                                         if m.proc is not None}:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
 
 
 def namespace_pids(net: TestNet, host: int) -> set[int]:
