@@ -160,6 +160,8 @@ def hosts(tmp_path_factory):
                 c.reference = [r.text for r in first]
                 yield c
             finally:
+                for h in net.hosts:  # a failed partition test may have left one cut
+                    net.heal(h)
                 # each node's status names the other's ranks, which its stop() waits
                 # for: every serve is told to stop before any is waited for
                 live = [p for p in c.nodes.values() if p.proc.poll() is None]
