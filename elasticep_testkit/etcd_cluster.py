@@ -6,6 +6,11 @@ a temp dir, every member killed by its own pid.
         cluster.kill(0)      # SIGKILL one member (quorum kept with 3)
         cluster.restart(0)   # the same member back, on its own data dir and ports
 
+Members may live elsewhere than loopback: ``EtcdCluster.start(3, hosts=[...],
+wraps=[...])`` binds member i on ``hosts[i]`` and runs it under the command prefix
+``wraps[i]`` (``ip netns exec NS`` for a test host of ``tests/netns.py``, where every
+port is free, so ports are then fixed rather than probed).
+
 The binary is Debian's ``etcd-server`` (``/usr/bin/etcd``), which ``make install``
 installs; a missing binary is an error, not a skip. Elections are tuned short
 (50 ms heartbeat, 500 ms election timeout) so that a member kill costs the tests under
@@ -28,14 +33,19 @@ ETCD_BIN = "etcd"
 START_TIMEOUT_S = 30.0
 
 
+NETNS_CLIENT_PORT, NETNS_PEER_PORT = 2379, 2380  # etcd's own; + the member's index
+
+
 @dataclass
 class _Member:
     name: str
+    host: str
     client_port: int
     peer_port: int
     data_dir: str
     log_path: str
     proc: subprocess.Popen | None = None
+    wrap: tuple[str, ...] = ()
 
 
 @dataclass
@@ -49,7 +59,7 @@ class EtcdCluster:
     @property
     def endpoints(self) -> list[str]:
         """``host:port`` of every member's client URL, member order."""
-        return [f"127.0.0.1:{m.client_port}" for m in self.members]
+        return [f"{m.host}:{m.client_port}" for m in self.members]
 
     @property
     def url(self) -> str:
@@ -57,8 +67,14 @@ class EtcdCluster:
         return "etcd://" + ",".join(self.endpoints)
 
     @staticmethod
-    def start(n: int = 3) -> EtcdCluster:
+    def start(n: int = 3, hosts: list[str] | None = None,
+              wraps: list[tuple[str, ...]] | None = None) -> EtcdCluster:
         """Start ``n`` members and wait until the cluster answers a write.
+
+        Args:
+            hosts: member i's address (default: every member on 127.0.0.1, on probed
+                free ports); with hosts, member i uses ports 2379 + 2i and 2380 + 2i.
+            wraps: member i's command prefix (default: none).
 
         Raises:
             FileNotFoundError: no ``etcd`` binary on PATH (``make install`` installs it).
@@ -68,10 +84,14 @@ class EtcdCluster:
             raise FileNotFoundError("no etcd binary on PATH: `make install` installs "
                                     "Debian's etcd-server (apt-get install etcd-server)")
         root = tempfile.mkdtemp(prefix="elasticep-etcd-")
-        members = [_Member(f"m{i}", free_port(), free_port(), os.path.join(root, f"m{i}"),
-                           os.path.join(root, f"m{i}.log")) for i in range(n)]
+        wraps = wraps or [()] * n
+        members = [_Member(f"m{i}", hosts[i] if hosts else "127.0.0.1",
+                           NETNS_CLIENT_PORT + 2 * i if hosts else free_port(),
+                           NETNS_PEER_PORT + 2 * i if hosts else free_port(),
+                           os.path.join(root, f"m{i}"), os.path.join(root, f"m{i}.log"),
+                           wrap=tuple(wraps[i])) for i in range(n)]
         c = EtcdCluster(members, root)
-        c._initial_cluster = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}"
+        c._initial_cluster = ",".join(f"{m.name}=http://{m.host}:{m.peer_port}"
                                       for m in members)
         try:
             for i in range(n):
@@ -84,9 +104,9 @@ class EtcdCluster:
 
     def _spawn(self, i: int) -> None:
         m = self.members[i]
-        client = f"http://127.0.0.1:{m.client_port}"
-        peer = f"http://127.0.0.1:{m.peer_port}"
-        cmd = [ETCD_BIN, "--name", m.name, "--data-dir", m.data_dir,
+        client = f"http://{m.host}:{m.client_port}"
+        peer = f"http://{m.host}:{m.peer_port}"
+        cmd = [*m.wrap, ETCD_BIN, "--name", m.name, "--data-dir", m.data_dir,
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", self._initial_cluster,
@@ -111,7 +131,7 @@ class EtcdCluster:
                 if m.proc is None or m.proc.poll() is not None:
                     continue
                 try:
-                    etcd3gw.client(host="127.0.0.1", port=m.client_port,
+                    etcd3gw.client(host=m.host, port=m.client_port,
                                    timeout=1.0).put("/elasticep-test/ping", str(i))
                     return
                 except Exception as e:  # not up, or no leader yet

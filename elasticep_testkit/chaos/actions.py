@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from elasticep.membership.election import lease_ttl_s
 from elasticep.membership.transitions import ACTIVE_STATES, ScalePhase, SlotState
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.chaos.schedule import Fault
+from elasticep_testkit.chaos.two_nodes import TwoNodes
 from elasticep_testkit.harness.faults import resume, signal_ranks, wait_in, wait_out
 from elasticep_testkit.harness.serve_process import ServeProcess, Status, descendant_pids
 from elasticep_testkit.harness.status_watch import StatusWatch
@@ -39,6 +41,7 @@ class Target:
         ep_size: the baseline number of healthy ranks (slots 0..ep_size-1).
         heartbeat_timeout_s: the deployment's heartbeat timeout.
         notes: remarks that are not violations (a refused scale, an early admission).
+        nodes: the 2-node etcd deployment (``serve`` is then its node 1), or None.
     """
 
     serve: ServeProcess
@@ -46,6 +49,17 @@ class Target:
     ep_size: int
     heartbeat_timeout_s: float
     notes: list[str] = field(default_factory=list)
+    nodes: TwoNodes | None = None
+
+    def two_nodes(self, kind: str) -> TwoNodes:
+        """The 2-node deployment ``kind`` needs.
+
+        Raises:
+            RuntimeError: this is a single-node deployment.
+        """
+        if self.nodes is None:
+            raise RuntimeError(f"{kind} needs the 2-node deployment (--nnodes 2)")
+        return self.nodes
 
     def state(self, rank: int, status: Status | None = None) -> SlotState:
         return self.serve.rank_state(rank, status).state
@@ -172,6 +186,50 @@ def occupied_join(t: Target, f: Fault) -> list[str]:
     return out
 
 
+def leader_kill(t: Target, f: Fault) -> list[str]:
+    """SIGKILL the leading replica: a standby must lead within ``DETECT_BOUND_S``, and
+    the ranks resume with it in place: the same epoch, the same healthy ranks in the
+    same processes. A new leader later than the issue's target (the lease TTL and a
+    second) is a note: on a loaded machine etcd's lease expiry runs late too."""
+    nodes = t.two_nodes(f.kind)
+    old, pid = nodes.leader_pid()
+    before, pids = t.watch.latest(), t.serve.status().pids()
+    target = lease_ttl_s(t.heartbeat_timeout_s) + 1.0
+    _signal(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: nodes.leader() not in (None, old), DETECT_BOUND_S,
+               "a new leader after the leader kill", poll_s=0.05)
+    took = time.monotonic() - killed_at
+    if took > target:
+        t.notes.append(f"leader-kill: a new leader after {took:.2f} s (target: lease TTL "
+                       f"+ 1 s = {target:g} s)")
+    st = t.serve.wait_for(lambda st: st.membership_store is not None
+                          and st.membership_store.leader not in (None, old)
+                          and st.healthy_ranks() == list(before.active), DETECT_BOUND_S,
+                          "the ranks to resume with the new leader", poll_s=0.1)
+    out = []
+    if t.watch.latest().epoch != before.epoch:
+        out.append(f"leader-kill: epoch {before.epoch} -> {t.watch.latest().epoch} (the "
+                   "ranks should resume in place)")
+    if st.pids() != pids:
+        out.append(f"leader-kill: rank processes changed: {pids} -> {st.pids()}")
+    return out
+
+
+def node0_host_kill(t: Target, f: Fault) -> list[str]:
+    """SIGKILL every process of node 0; the survivors commit an epoch without node 0's
+    ranks; then node 0's `serve` is started again and its ranks are readmitted."""
+    nodes = t.two_nodes(f.kind)
+    since = time.monotonic()
+    nodes.kill_node0()
+    t.wait_out(f.ranks, since)
+    back = nodes.restart_node0()
+    out = [] if "this node 0 takes its slots back" in back.tail() else [
+        f"node-0-host-kill: node 0's serve did not take its slots back: {back.tail()[-300:]!r}"]
+    wait_in(t.watch, list(f.ranks), since, JOIN_BOUND_S)
+    return out
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -183,6 +241,7 @@ ACTIONS: dict[str, Callable[[Target, Fault], list[str]]] = {
     "kill": kill, "freeze": freeze, "double-kill": double_kill,
     "kill-during-recovery": kill_during_recovery, "joiner-dies": joiner_dies,
     "scale-while-failing": scale_while_failing, "occupied-join": occupied_join,
+    "leader-kill": leader_kill, "node-0-host-kill": node0_host_kill,
 }
 
 

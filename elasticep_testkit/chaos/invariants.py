@@ -15,7 +15,10 @@
 
 Worker views come from the worker logs (``rank<r>.log``), whose lines carry
 ``rank=R epoch=E`` and, on every placement reconciliation, ``active [..]``; the
-coordinator's commits come from serve's log.
+coordinator's commits come from serve's log. A 2-node deployment with standby
+coordinators has several of each (one log directory and one serve log per node and
+incarnation: whichever replica leads logs its commits in its own node's log); the
+readers take them all.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pathlib import Path
 from elasticep_testkit.harness.load import RequestRecord
 
 _VIEW = re.compile(r"rank=(\d+) epoch=(\d+) .*placement reconciled.* active \[([\d, ]*)\]")
-_COMMIT = re.compile(r"group world commit epoch (\d+) .*'active': \[([\d, ]*)\]")
+_COMMIT = re.compile(r"^(\S+ \S+) .*group world commit epoch (\d+) .*'active': \[([\d, ]*)\]",
+                     re.M)
 _ANNOUNCE = re.compile(r"group world announce epoch (\d+) ")
 # client errors that mean the server never answered clearly
 _UNCLEAR = ("APITimeoutError", "ReadTimeout", "APIConnectionError", "RemoteProtocolError")
@@ -36,26 +40,35 @@ def _ranks(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
 
 
-def worker_views(log_dir: Path) -> dict[int, dict[int, set[tuple[int, ...]]]]:
-    """epoch -> rank -> the active sets that rank logged at that epoch."""
+def worker_views(*log_dirs: Path) -> dict[int, dict[int, set[tuple[int, ...]]]]:
+    """epoch -> rank -> the active sets that rank logged at that epoch, over the
+    ``rank*.log`` files of every directory given."""
     views: dict[int, dict[int, set[tuple[int, ...]]]] = {}
-    for path in sorted(log_dir.glob("rank*.log")):
-        for m in _VIEW.finditer(path.read_text(errors="replace")):
-            rank, epoch = int(m.group(1)), int(m.group(2))
-            views.setdefault(epoch, {}).setdefault(rank, set()).add(_ranks(m.group(3)))
+    for log_dir in log_dirs:
+        for path in sorted(log_dir.glob("rank*.log")):
+            for m in _VIEW.finditer(path.read_text(errors="replace")):
+                rank, epoch = int(m.group(1)), int(m.group(2))
+                views.setdefault(epoch, {}).setdefault(rank, set()).add(_ranks(m.group(3)))
     return views
 
 
-def coordinator_commits(serve_log: Path) -> dict[int, tuple[int, ...]]:
-    """epoch -> the active set the coordinator committed (WORLD group)."""
-    text = serve_log.read_text(errors="replace")
-    return {int(m.group(1)): _ranks(m.group(2)) for m in _COMMIT.finditer(text)}
+def coordinator_commits(*serve_logs: Path) -> dict[int, tuple[int, ...]]:
+    """epoch -> the active set the coordinator committed (WORLD group).
+
+    Over several logs the latest line of an epoch wins: a leader logs its decision
+    before the store confirms it, so a leader killed in between may have logged a
+    commit that never went out, and its successor commits that epoch again.
+    """
+    lines = sorted((m.group(1), int(m.group(2)), _ranks(m.group(3)))
+                   for log in serve_logs
+                   for m in _COMMIT.finditer(log.read_text(errors="replace")))
+    return {epoch: active for _, epoch, active in lines}
 
 
-def announced_epochs(serve_log: Path) -> set[int]:
-    """Epochs the coordinator announced for WORLD (committed or not)."""
-    text = serve_log.read_text(errors="replace")
-    return {int(m.group(1)) for m in _ANNOUNCE.finditer(text)}
+def announced_epochs(*serve_logs: Path) -> set[int]:
+    """Epochs a coordinator announced for WORLD (committed or not), in any log given."""
+    return {int(m.group(1)) for log in serve_logs
+            for m in _ANNOUNCE.finditer(log.read_text(errors="replace"))}
 
 
 def check_membership(views: dict[int, dict[int, set[tuple[int, ...]]]],

@@ -13,11 +13,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from elasticep.utils.procs import pid_alive
 from elasticep_testkit.chaos import invariants
 from elasticep_testkit.chaos.actions import ACTIONS, Target, restore
 from elasticep_testkit.chaos.schedule import KINDS, Schedule, make_schedule
+from elasticep_testkit.chaos.two_nodes import TwoNodes
 from elasticep_testkit.harness.load import SteadyLoad, make_client, run_batch
 from elasticep_testkit.harness.serve_process import ServeProcess, healthy_ranks
 from elasticep_testkit.harness.status_watch import StatusWatch
@@ -43,6 +45,8 @@ class ChaosConfig:
         concurrency, max_tokens, num_prompts: the load.
         kinds, max_faults: what schedules draw from.
         settle_s: load kept after the restore, before the checks (seconds).
+        nnodes: 1 (one embedded-coordinator `serve`), or 2 (two nodes with their
+            membership in etcd: ``two_nodes.TwoNodes``; schedules draw the host kinds).
     """
 
     trials: int
@@ -59,9 +63,12 @@ class ChaosConfig:
     kinds: tuple[str, ...] = KINDS
     max_faults: int = 2
     settle_s: float = 1.0
+    nnodes: int = 1
 
     def serve_args(self) -> list[str]:
-        return ["--ep-size", str(self.ep_size), "--max-ep-size", str(self.ep_size + 1),
+        # two nodes reserve no slot for a scale (no scale kind is drawn there)
+        spare = 1 if self.nnodes == 1 else 0
+        return ["--ep-size", str(self.ep_size), "--max-ep-size", str(self.ep_size + spare),
                 "--ep-num-redundant-experts", str(self.redundant), "--heartbeat-timeout",
                 str(self.heartbeat_timeout_s), "--device", self.device]
 
@@ -70,7 +77,7 @@ class ChaosConfig:
         that replays the whole sequence (earlier trials shaped the deployment's state)."""
         common = (f"--ep-size {self.ep_size} --heartbeat-timeout {self.heartbeat_timeout_s} "
                   f"--device {self.device} --kinds {','.join(self.kinds)} "
-                  f"--max-faults {self.max_faults}")
+                  f"--max-faults {self.max_faults} --nnodes {self.nnodes}")
         return (f"python -m elasticep_testkit.chaos --trials 1 {common} --schedule "
                 f"'{schedule.describe()}'   # in sequence: python -m elasticep_testkit.chaos "
                 f"--seed {self.seed} --first-trial {self.first_trial} "
@@ -92,12 +99,23 @@ class TrialResult:
 
 
 class Deployment:
-    """The deployment, its watch and the pids of every worker it ever reported."""
+    """The deployment, its watch and the pids of every worker it ever reported.
+
+    ``serve`` is the `serve` whose front-end carries the load and answers the status:
+    the only one, or node 1's in the 2-node deployment (``nodes``).
+    """
 
     def __init__(self, cfg: ChaosConfig) -> None:
-        self.serve = ServeProcess.start(cfg.serve_args())
-        self.watch = StatusWatch(self.serve.coordinator)
-        self.target = Target(self.serve, self.watch, cfg.ep_size, cfg.heartbeat_timeout_s)
+        self.nodes: TwoNodes | None = None
+        if cfg.nnodes == 1:
+            self.serve = ServeProcess.start(cfg.serve_args())
+            self.watch = StatusWatch(self.serve.coordinator)
+        else:
+            self.nodes = TwoNodes.start(cfg.serve_args())
+            self.serve = self.nodes.front
+            self.watch = StatusWatch("", find_leader=self.nodes.leader)
+        self.target = Target(self.serve, self.watch, cfg.ep_size, cfg.heartbeat_timeout_s,
+                             nodes=self.nodes)
         self.worker_pids: set[int] = set()
         self.sample_pids()
 
@@ -107,10 +125,18 @@ class Deployment:
         self.worker_pids |= now
         return now
 
+    def serve_logs(self) -> list[Path]:
+        """Every serve log holding coordinator commits (see ``invariants``)."""
+        return [self.serve.log_path] if self.nodes is None else self.nodes.serve_logs()
+
+    def log_dirs(self) -> list[Path]:
+        """Every directory holding worker logs."""
+        return [self.serve.log_path.parent] if self.nodes is None else self.nodes.log_dirs()
+
     def stop(self) -> list[int]:
         """Stop everything; returns the orphans (see ``ServeProcess.stop``)."""
         self.watch.stop()
-        return self.serve.stop()
+        return self.serve.stop() if self.nodes is None else self.nodes.stop()
 
 
 def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
@@ -161,9 +187,9 @@ def run_trial(cfg: ChaosConfig, dep: Deployment, trial: int, schedule: Schedule,
     # the logs hold the views even when the deployment broke
     e1 = dep.watch.latest().epoch
     res.violations += invariants.check_membership(
-        invariants.worker_views(dep.serve.log_path.parent),
-        invariants.coordinator_commits(dep.serve.log_path), range(e0, e1 + 1),
-        invariants.announced_epochs(dep.serve.log_path))
+        invariants.worker_views(*dep.log_dirs()),
+        invariants.coordinator_commits(*dep.serve_logs()), range(e0, e1 + 1),
+        invariants.announced_epochs(*dep.serve_logs()))
     if usable:
         res.violations += _status_agrees(dep)
         current = dep.sample_pids()
@@ -205,7 +231,7 @@ def run(cfg: ChaosConfig, emit: Callable[[str], None] = print) -> list[TrialResu
         for trial in range(cfg.first_trial, cfg.first_trial + cfg.trials):
             schedule = (Schedule.parse(cfg.schedule) if cfg.schedule else make_schedule(
                 cfg.seed, trial, cfg.ep_size, cfg.heartbeat_timeout_s, cfg.kinds,
-                cfg.max_faults))
+                cfg.max_faults, nnodes=cfg.nnodes))
             last = trial == cfg.first_trial + cfg.trials - 1
             res, usable = run_trial(cfg, dep, trial, schedule, prompts, reference,
                                     restore_after=not last)

@@ -18,6 +18,16 @@ Fault kinds (``ranks`` are the slots they hit; ``param_s`` as noted):
 * ``scale-while-failing``: a scale joiner for the first free slot gets ready, a rank is
   SIGKILLed, ``param_s`` later ``POST /scale_elastic_ep`` asks for one more rank;
 * ``occupied-join``: `join recover` for a healthy rank: must be refused with a clear error.
+
+Kinds of a 2-node deployment with its membership in etcd (``--nnodes 2``, whose
+schedules draw from :data:`HOST_KINDS` only):
+
+* ``leader-kill``: SIGKILL the coordinator replica that leads (no rank: ``ranks=``
+  is empty); a standby must lead within the lease TTL and a second, the ranks resume
+  with it in place;
+* ``node-0-host-kill``: SIGKILL every process of node 0 (serve, front-end, replica,
+  ranks: ``ranks`` are node 0's), wait until the survivors committed an epoch without
+  them, then start node 0's `serve` again, which must take its slots back.
 """
 
 from __future__ import annotations
@@ -28,8 +38,11 @@ from dataclasses import dataclass
 KINDS = ("kill", "freeze", "double-kill", "kill-during-recovery", "joiner-dies",
          "scale-while-failing", "occupied-join")
 # victims each kind takes out of the membership (occupied-join takes none)
+HOST_KINDS = ("leader-kill", "node-0-host-kill")  # with --nnodes 2 (etcd) only
+ALL_KINDS = KINDS + HOST_KINDS
 _VICTIMS = {"kill": 1, "freeze": 1, "double-kill": 2, "kill-during-recovery": 2,
-            "joiner-dies": 1, "scale-while-failing": 1, "occupied-join": 1}
+            "joiner-dies": 1, "scale-while-failing": 1, "occupied-join": 1,
+            "leader-kill": 0}
 _KILLS = {"occupied-join": 0}
 
 
@@ -38,7 +51,7 @@ class Fault:
     """One fault of a schedule.
 
     Attributes:
-        kind: one of :data:`KINDS`.
+        kind: one of :data:`ALL_KINDS`.
         ranks: the slots it hits.
         at_s: seconds after the previous fault (or the load start) it begins.
         param_s: the kind's timing parameter (see the module docstring), seconds.
@@ -63,14 +76,14 @@ class Fault:
         """
         try:
             kind, ranks, at, p = text.strip().split(":")
-            if kind not in KINDS or not ranks.startswith("ranks=") or not at.startswith("at=") \
-                    or not p.startswith("p="):
+            if kind not in ALL_KINDS or not ranks.startswith("ranks=") \
+                    or not at.startswith("at=") or not p.startswith("p="):
                 raise ValueError
-            return cls(kind, tuple(int(r) for r in ranks[6:].split("+")), float(at[3:]),
+            return cls(kind, tuple(int(r) for r in ranks[6:].split("+") if r), float(at[3:]),
                        float(p[2:]))
         except ValueError:
             raise ValueError(f"bad fault {text!r}; expected KIND:ranks=R[+R]:at=S:p=S "
-                             f"with KIND in {KINDS}") from None
+                             f"with KIND in {ALL_KINDS}") from None
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ class Schedule:
 
 def make_schedule(seed: int, trial: int, ep_size: int, heartbeat_timeout_s: float,
                   kinds: tuple[str, ...] = KINDS, max_faults: int = 2,
-                  can_scale: bool = True) -> Schedule:
+                  can_scale: bool = True, nnodes: int = 1) -> Schedule:
     """A random schedule for trial ``trial`` of run ``seed`` (pure, deterministic).
 
     At least two ranks always survive the whole trial (every victim is distinct), so
@@ -116,13 +129,17 @@ def make_schedule(seed: int, trial: int, ep_size: int, heartbeat_timeout_s: floa
         kinds: fault kinds to draw from.
         max_faults: most faults in one trial (at least one).
         can_scale: False when the deployment has no free slot (no scale faults).
+        nnodes: 1, or 2 for the 2-node etcd deployment, which takes only
+            :data:`HOST_KINDS` (node 0 holds slots ``0..ep_size/2-1``).
 
     Raises:
         ValueError: ``ep_size`` < 3, or no usable kind.
     """
     if ep_size < 3:
         raise ValueError(f"chaos needs ep_size >= 3 (two survivors), got {ep_size}")
-    usable = [k for k in kinds if k in KINDS and (can_scale or k != "scale-while-failing")]
+    allowed = HOST_KINDS if nnodes > 1 else KINDS
+    usable = [k for k in kinds if k in allowed and (can_scale or k != "scale-while-failing")]
+    node0 = tuple(range(ep_size // max(1, nnodes)))
     if not usable:
         raise ValueError(f"no usable fault kind among {kinds}")
     rng = random.Random(f"{seed}:{trial}")
@@ -130,12 +147,13 @@ def make_schedule(seed: int, trial: int, ep_size: int, heartbeat_timeout_s: floa
     used: set[int] = set()
     faults: list[Fault] = []
     for _ in range(rng.randint(1, max_faults)):
-        fits = [k for k in usable if _KILLS.get(k, _VICTIMS[k]) <= budget]
+        fits = [k for k in usable if _KILLS.get(k, _VICTIMS.get(k, len(node0))) <= budget
+                and not (k == "node-0-host-kill" and used & set(node0))]
         if not fits:
             break
         kind = rng.choice(fits)
         pool = sorted(set(range(ep_size)) - used)
-        ranks = tuple(rng.sample(pool, _VICTIMS[kind]))
+        ranks = node0 if kind == "node-0-host-kill" else tuple(rng.sample(pool, _VICTIMS[kind]))
         if kind == "freeze":
             param = heartbeat_timeout_s * rng.choice((0.3, 2.0))  # hiccup or eviction
         elif kind in ("double-kill", "scale-while-failing"):

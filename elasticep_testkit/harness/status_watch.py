@@ -2,7 +2,9 @@
 slot state appear.
 
 It talks to the coordinator directly (as a supervisor, read only), so its timestamps do
-not depend on the HTTP front-end being responsive during a failover.
+not depend on the HTTP front-end being responsive during a failover. With standby
+coordinators (``--membership-store etcd://...``) it follows the leader: each reconnect
+asks ``find_leader`` where the coordinator is now.
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ class StatusWatch:
         coordinator: ``"host:port"``.
         poll_s: poll interval in seconds.
         timeout_s: bound of each coordinator call (a failed call is retried next poll).
+        find_leader: where the coordinator is now (``"host:port"``, or None while none
+            leads), asked before each connection; default: always ``coordinator``.
     """
 
-    def __init__(self, coordinator: str, poll_s: float = 0.05, timeout_s: float = 2.0) -> None:
+    def __init__(self, coordinator: str, poll_s: float = 0.05, timeout_s: float = 2.0,
+                 find_leader: Callable[[], str | None] | None = None) -> None:
         self.history: list[Snapshot] = []
         self.errors = 0
-        self._address, self._poll_s, self._timeout_s = coordinator, poll_s, timeout_s
+        self._poll_s, self._timeout_s = poll_s, timeout_s
+        self._find_leader = find_leader or (lambda: coordinator)
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="status-watch", daemon=True)
@@ -56,7 +62,11 @@ class StatusWatch:
         client: CoordinatorClient | None = None
         while not self._stop.is_set():
             try:
-                client = client or CoordinatorClient(self._address, self._timeout_s)
+                if client is None:
+                    address = self._find_leader()
+                    if address is None:
+                        raise ConnectionError("no coordinator leads")
+                    client = CoordinatorClient(address, self._timeout_s)
                 world = client.status()["groups"].get(WORLD)
             except (ConnectionError, TimeoutError, OSError, ValueError):
                 self.errors += 1
