@@ -10,7 +10,8 @@
   (node 0's included) before any fault; then every process of node 0 (its serve,
   front-end, coordinator replica and ranks: the whole process tree) is SIGKILLed while
   greedy streams run through node 1's front-end: every stream completes with the
-  fault-free text, node 1's replica leads, and node 1's ranks serve on, degraded."""
+  fault-free text, node 1's replica leads, node 0's ranks fail at the takeover (their
+  etcd keys are gone) and node 1's ranks serve on, degraded."""
 
 from __future__ import annotations
 
@@ -169,6 +170,11 @@ def test_node1_front_end_serves_through_node0_host_death(tmp_path):
                                         "node 0's ranks failed on node 1's front-end")
             leader = after_kill.membership_store.leader
             assert leader_of(url) == leader != node0.coordinator
+            # failed at the takeover, as their etcd keys went (takeover.py), not after
+            # a heartbeat timeout on top of the lease TTL
+            coordinator_log = log_path.read_text()
+            assert coordinator_log.count("dead: its process left etcd's list of ranks") == 2
+            assert "not back after the leader change" not in coordinator_log
             after = burst(node1, PROMPTS, MAX_TOKENS).results(RESULTS_TIMEOUT_S)
             assert_complete(after, MAX_TOKENS)
             assert [r.text for r in after] == reference
