@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         from .etcd_store import EtcdMembershipStore
         from .store import parse_store_url
 
-        # a store of its own: its reads never queue behind the lease's keep-alive
+        # a client of its own: the lease and the persister use theirs from other threads
         ranks_store = EtcdMembershipStore(parse_store_url(args.membership_store))
         listed = functools.partial(rank_processes, ranks_store)
     try:

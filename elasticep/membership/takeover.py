@@ -12,8 +12,8 @@ hello, so that
 - but a rank whose process etcd no longer lists (its ``ranks/<rank>`` key,
   ``directory.announce_rank``, expired with the lease that process kept alive, or names
   another pid) is failed at once, in the new leader's first epoch (:meth:`vanished`):
-  its host died, with the old leader's as often as not, and waiting a heartbeat timeout
-  for it would only lengthen the serving gap;
+  its process is gone (its host often died with the old leader), and a heartbeat
+  timeout spent waiting for it would only lengthen the survivors' pause;
 - a rank that lost its leader and says hello again with ``resume``
   (:class:`~elasticep.membership.messages.RankHello`) is taken back as the member it
   was: same slot, same groups, same epochs, no new epoch for it.
