@@ -216,6 +216,11 @@ def test_node0_host_killed_under_load(hosts: Hosts):
                                 "node 0's ranks failed on node 1's front-end")
     assert after_kill.membership_store.leader == leader_of(c.majority_url(0))
     assert c.leading_node() == 1
+    # failed at the takeover, as their etcd keys went (membership/takeover.py), not
+    # after a heartbeat timeout on top of the lease TTL
+    coordinator_log = (c.logs / "node1" / "serve.log").read_text(errors="replace")
+    assert coordinator_log.count("dead: its process left etcd's list of ranks") == 2
+    assert "not back after the leader change" not in coordinator_log
     c.check_burst(1)
     node1.wait_for(lambda s: sorted(node1.status_json()["frontends"]) == ["node1"], 10,
                    "node 0's front-end gone from the directory")

@@ -1,9 +1,19 @@
-"""A new leader taking the ranks back (``membership/takeover.py``), without a network:
-the service restored from the old leader's durable state takes resuming ranks back in
-their slots and epochs, restarts each heartbeat deadline at the takeover, evicts a rank
-that never comes back through the usual failure transition, and restarts a transition
-that was in flight."""
+"""A new leader taking the ranks back (``membership/takeover.py``): the service restored
+from the old leader's durable state takes resuming ranks back in their slots and epochs,
+restarts each heartbeat deadline at the takeover, evicts a rank that never comes back
+through the usual failure transition, and restarts a transition that was in flight
+(without a network). Against a real 3-member etcd on 127.0.0.1: a member whose
+``ranks/<rank>`` key is gone fails in the new leader's first epoch, one still listed
+keeps its placeholder, and the coordinator keeps looking until each member is back or
+failed."""
 
+import uuid
+from functools import partial
+
+import pytest
+
+from elasticep.membership.directory import RANKS, Announcement, rank_processes
+from elasticep.membership.etcd_store import EtcdMembershipStore
 from elasticep.membership.messages import (
     Announce,
     Commit,
@@ -13,8 +23,12 @@ from elasticep.membership.messages import (
     Register,
     Reply,
 )
+from elasticep.membership.server import start_coordinator
 from elasticep.membership.service import MembershipService
+from elasticep.membership.store import parse_store_url
 from elasticep.membership.transitions import OnFailure, SlotState
+from elasticep.utils.wait import wait_until
+from elasticep_testkit.etcd_cluster import EtcdCluster
 
 HB_S = 2.0
 
@@ -151,3 +165,79 @@ def test_a_second_hello_for_a_taken_back_slot_is_refused():
     assert not reply.ok and "max_world_size 4" in reply.error
     evicted = [s for s in svc.tick(100.0) if isinstance(s.msg, Evicted)]
     assert 10 in {s.conn for s in evicted}  # a resumed rank is timed like any other
+
+
+@pytest.fixture(scope="module")
+def etcd_url():
+    with EtcdCluster.start(3) as c:
+        yield c.url
+
+
+def _rank_keys(store, pids: dict[int, int]) -> list[Announcement]:
+    """``ranks/<rank>`` keys as live rank processes keep them (here with made-up pids)."""
+    keys = [Announcement(store, RANKS, str(r), {"rank": r, "pid": pid}, 2)
+            for r, pid in pids.items()]
+    for k in keys:
+        k.start()
+    return keys
+
+
+@pytest.mark.timeout(30)
+def test_a_new_leader_fails_at_once_the_ranks_etcd_no_longer_lists(etcd_url):
+    """Rank 2 has no key (its lease ran out with its host), rank 1's names another
+    process: both fail in the new leader's first epoch. Rank 0, listed as the process
+    the state names, keeps its placeholder and a deadline counted from the takeover."""
+    store = EtcdMembershipStore(parse_store_url(f"{etcd_url}/t-{uuid.uuid4().hex[:8]}"))
+    keys = _rank_keys(store, {0: 100, 1: 999})
+    try:
+        clock = Clock()
+        clock.now = 50.0  # long after the ranks' last heartbeat to the old leader
+        svc = _new_leader(_old_leader(), clock)
+        assert rank_processes(store) == {0: 100, 1: 999}
+        sends = svc.vanished(rank_processes(store))
+        assert [s for s in sends if s.conn > 0] == []  # nobody is connected yet
+        tr = svc.group("world").transition
+        assert tr.epoch == 1 and tr.dead == {1, 2} and tr.new_active == {0}
+        assert svc.awaiting_resume
+        assert svc.tick(50 + HB_S - 0.1) == []  # rank 0 kept: its deadline restarted
+        assert _announced(_resume(svc, 10, 0, 0)) == {10: 1}
+        sends = _ok(svc, 10, EpochReport("world", 1, 5, 5, []))
+        (commit,) = [s.msg for s in sends if isinstance(s.msg, Commit)]
+        assert commit.decision.active == (0,) and commit.decision.dead == (1, 2)
+        assert not svc.awaiting_resume
+        (reply,) = [s.msg for s in _resume(svc, 11, 1, 0, pid=999)]
+        assert not reply.ok and "holds no member" in reply.error
+    finally:
+        for k in keys:
+            k.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_coordinator_taking_over_fails_a_rank_when_its_key_goes(etcd_url):
+    """The coordinator (its server, not only the service) reads etcd's list after the
+    takeover until every member is back or failed: rank 2, never listed, fails at once;
+    rank 1, whose key goes only after the takeover (its lease outlived the old
+    leader's), fails then; rank 0 is still awaited, well within its heartbeat timeout."""
+    url = f"{etcd_url}/t-{uuid.uuid4().hex[:8]}"
+    store = EtcdMembershipStore(parse_store_url(url))
+    store.commit(_old_leader().durable_state(), 0)
+    keys = _rank_keys(store, {0: 100, 1: 101})
+    coord = start_coordinator(membership_store=EtcdMembershipStore(parse_store_url(url)),
+                              hb_timeout_s=30.0,
+                              rank_processes=partial(rank_processes, store))
+    try:
+        def dead() -> set[int]:
+            tr = coord.service.group("world").transition
+            return set() if tr is None else tr.dead
+
+        wait_until(lambda: dead() == {2}, 3, "rank 2 failed", poll_s=0.02)
+        keys[1].close()  # as if its lease had expired just after the takeover
+        wait_until(lambda: dead() == {1, 2}, 3, "rank 1 failed", poll_s=0.02)
+        assert coord.service.awaiting_resume  # rank 0's placeholder
+        assert coord.service.group("world").states[0] == SlotState.HEALTHY
+    finally:
+        coord.close()
+        for k in keys:
+            k.close()
+        store.close()

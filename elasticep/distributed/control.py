@@ -131,6 +131,13 @@ class RankControl(LeaderResume):
             self.conn.close()  # ends the reader thread too
             raise
         self._take_hello(hello)
+        if self.membership_store:
+            # listed in etcd while this process lives, so that a leader taking over
+            # fails at once a rank that died with the old one (membership/takeover.py)
+            from elasticep.membership.directory import announce_rank  # etcd only if asked
+            from elasticep.membership.election import lease_ttl_s
+
+            announce_rank(self.membership_store, rank, lease_ttl_s(self.hb_timeout_s))
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests

@@ -1,13 +1,15 @@
-"""The deployment's HTTP front-ends and coordinator replicas, announced in etcd
-(``--membership-store etcd://``).
+"""The deployment's HTTP front-ends, coordinator replicas and rank processes, announced
+in etcd (``--membership-store etcd://``).
 
 Every node's ``serve`` runs a front-end; each one puts a key
 ``/elasticep/<prefix>/frontends/<name>`` (its link endpoints and URL, as JSON) under an
 etcd lease of its own. The ranks list these keys and keep one link per front-end; a
 front-end that dies stops renewing its lease, etcd deletes its key after the TTL, and
 the ranks drop its link. Each coordinator replica puts ``replicas/<address>`` the same
-way, so ``/elastic_ep_status`` can show the standbys too. See
-docs/design/ha_membership.md ("A front-end on every node").
+way, so ``/elastic_ep_status`` can show the standbys too, and each rank process puts
+``ranks/<rank>`` (its pid), so that a new leader fails at once the members whose process
+is gone (``takeover.py``). See docs/design/ha_membership.md ("A front-end on every node",
+"Standby coordinators and failover").
 
     reg = Announcement(store, FRONTENDS, "node1", {"request_addr": ..., ...}, ttl_s=2)
     reg.start()                       # puts the key, then keeps its lease alive
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +35,7 @@ log = logging.getLogger("elasticep.membership")
 
 FRONTENDS = "frontends/"
 REPLICAS = "replicas/"
+RANKS = "ranks/"
 
 
 def _prefix_end(prefix: str) -> str:
@@ -40,7 +44,7 @@ def _prefix_end(prefix: str) -> str:
 
 
 def list_entries(store: EtcdMembershipStore, directory: str) -> dict[str, dict[str, Any]]:
-    """Every entry of ``directory`` (:data:`FRONTENDS`, :data:`REPLICAS`) under
+    """Every entry of ``directory`` (:data:`FRONTENDS`, :data:`REPLICAS`, :data:`RANKS`) under
     ``store``'s prefix: name -> what it announced. A value that is not a JSON object is
     skipped (logged).
 
@@ -74,12 +78,12 @@ class Announcement:
 
     Args:
         store: the deployment's etcd store.
-        directory: :data:`FRONTENDS` or :data:`REPLICAS`.
+        directory: :data:`FRONTENDS`, :data:`REPLICAS` or :data:`RANKS`.
         name: the entry's name, unique in the directory (``node<K>`` for a front-end,
-            the control address for a replica).
+            the control address for a replica, the global rank for a rank).
         info: what it announces (JSON-able). A front-end: ``request_addr``,
             ``output_addr`` (its link's zmq endpoints), ``url`` (its HTTP API) and
-            ``node``; a replica: ``address`` and ``pid``.
+            ``node``; a replica: ``address`` and ``pid``; a rank: ``rank`` and ``pid``.
         ttl_s: lease TTL in whole seconds (``election.lease_ttl_s``).
     """
 
@@ -152,3 +156,35 @@ def directory_reader(url: str) -> Callable[[], dict[str, dict[str, Any]]]:
 
     store = EtcdMembershipStore(parse_store_url(url))
     return lambda: list_entries(store, FRONTENDS)
+
+
+def announce_rank(url: str, rank: int, ttl_s: int) -> Announcement:
+    """Put ``ranks/<rank>`` (this process's pid) under ``url`` (``etcd://...``) with a
+    lease of ``ttl_s`` whole seconds that this process keeps alive while it lives: a
+    leader that takes over fails at once a member whose key is gone
+    (``membership/takeover.py``). An etcd that does not answer now is not fatal: the key
+    is put at the first keep-alive it answers."""
+    from .etcd_store import EtcdMembershipStore
+    from .store import parse_store_url
+
+    entry = Announcement(EtcdMembershipStore(parse_store_url(url)), RANKS, str(rank),
+                         {"rank": rank, "pid": os.getpid()}, ttl_s)
+    entry.start(required=False)
+    return entry
+
+
+def rank_processes(store: EtcdMembershipStore) -> dict[int, int]:
+    """Global rank -> pid of every rank process whose key (:func:`announce_rank`) is in
+    etcd under ``store``'s prefix: the ranks whose lease is still kept alive. An entry
+    without an integer ``rank`` and ``pid`` is skipped (logged).
+
+    Raises:
+        StoreUnavailableError: no etcd member answered.
+    """
+    out: dict[int, int] = {}
+    for name, info in list_entries(store, RANKS).items():
+        try:
+            out[int(info["rank"])] = int(info["pid"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("%s%s: skipping %r (no integer rank and pid)", RANKS, name, info)
+    return out

@@ -29,7 +29,10 @@ class EpochTransitions:
     changes_allowed: Callable[[], bool]
     _deferred: bool
 
-    def _proc_dead(self, proc: _Proc, why: str) -> None:
+    def _proc_dead(self, proc: _Proc, why: str, start: bool = True) -> None:
+        """``proc`` died; ``start``: begin its groups' failure transition now (False: the
+        caller does, once it has recorded every death it knows of, so that they share
+        one epoch)."""
         if not proc.alive:
             return
         proc.alive = False
@@ -49,7 +52,8 @@ class EpochTransitions:
             g.set_state(slot, state_after_death(g.states[slot], leaving, member,
                                                 g.joined_from.get(slot)))
             g.pending_admit.discard(slot)
-            self._maybe_start(g)
+            if start:
+                self._maybe_start(g)
             if leaving:
                 # Its removal is done by the failure transition; a removal left queued (a
                 # restarted change transition re-queues it) would fire again when the slot

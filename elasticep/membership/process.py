@@ -46,6 +46,7 @@ owner replaces a dead replica with a fresh standby (``deploy/coordinator_replica
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -358,12 +359,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if lease is None:
             return 0  # a standby told to stop before it was elected
+    listed = None
+    if args.membership_store:
+        from .directory import rank_processes
+        from .etcd_store import EtcdMembershipStore
+        from .store import parse_store_url
+
+        # a client of its own: the lease and the persister use theirs from other threads
+        ranks_store = EtcdMembershipStore(parse_store_url(args.membership_store))
+        listed = functools.partial(rank_processes, ranks_store)
     try:
         coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
                             hb_timeout_s=args.hb_timeout_s,
                             join_hb_timeout_s=args.join_hb_timeout_s,
                             listener=socket.socket(fileno=args.listen_fd),
-                            membership_store=store, lease=lease)
+                            membership_store=store, lease=lease, rank_processes=listed)
     except MembershipStoreError as e:  # etcd went away between the claim and the load
         print(f"elasticep coordinator: error: {e}", file=sys.stderr, flush=True)
         return 2

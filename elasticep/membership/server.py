@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ from . import messages as m
 from .commit_gate import CommitGate
 from .durable_state import MembershipState
 from .election import LeaderLease
+from .errors import MembershipStoreError
 from .persister import StatePersister, StoreHealth
 from .protocol import Connection
 from .service import MembershipService, SendOnConn
@@ -35,6 +37,8 @@ from .status import StoreStatus
 from .store import MembershipStore
 
 log = logging.getLogger("elasticep.membership")
+
+VANISHED_POLL_S = 0.1  # after a takeover: how often etcd's list of rank processes is read
 
 
 class Coordinator:
@@ -54,13 +58,19 @@ class Coordinator:
             (``store.py``; claimed by the caller). Its committed state, if any, is
             taken over first. None: memory only (the embedded default).
         lease: this replica's leader lease, shown in the status while it holds it.
+        rank_processes: with a store, global rank -> pid of the rank processes etcd
+            lists (``directory.rank_processes``; raises ``MembershipStoreError`` when
+            etcd does not answer). After a takeover, a member not back yet is failed
+            as soon as its process is not listed (``takeover.py``); None: every member
+            gets its heartbeat timeout.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
                  hb_timeout_s: float = 2.0, join_hb_timeout_s: float = 30.0,
                  listener: socket.socket | None = None,
                  membership_store: MembershipStore | None = None,
-                 lease: LeaderLease | None = None) -> None:
+                 lease: LeaderLease | None = None,
+                 rank_processes: Callable[[], dict[int, int]] | None = None) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
@@ -92,6 +102,9 @@ class Coordinator:
         self._closed = False
         for target in (self._accept_loop, self._monitor_loop):
             threading.Thread(target=target, daemon=True, name=f"coord-{target.__name__}").start()
+        if rank_processes is not None and self.service.awaiting_resume:
+            threading.Thread(target=self._fail_vanished, args=(rank_processes,), daemon=True,
+                             name="coord-vanished").start()
         log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
 
     def begin_stop(self) -> None:
@@ -207,6 +220,24 @@ class Coordinator:
             del self._conns[cid]
             if self._gate is not None:
                 self._gate.drop(cid)
+
+    def _fail_vanished(self, rank_processes: Callable[[], dict[int, int]]) -> None:
+        """After a takeover, until every member is back or failed: fail those whose
+        process etcd stopped listing. Their keys' leases run out about when the old
+        leader's did, some just after this replica won it, hence a poll, not one look."""
+        while not self._closed:
+            try:
+                live = rank_processes()
+            except MembershipStoreError as e:  # nothing known: the deadlines still run
+                log.debug("coordinator: cannot list the rank processes: %s", e)
+                live = None
+            with self._lock:
+                if live is not None:
+                    sends = self.service.vanished(live)
+                    self._deliver(sends, changed=bool(sends))
+                if not self.service.awaiting_resume:
+                    return
+            time.sleep(VANISHED_POLL_S)
 
     def _monitor_loop(self) -> None:
         svc = self.service

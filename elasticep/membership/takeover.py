@@ -9,6 +9,11 @@ hello, so that
 - its heartbeat deadline starts at the leader change (no rank is evicted for the
   leader's own absence), and one that never comes back is evicted after the usual
   heartbeat timeout, through the usual failure transition;
+- but a rank whose process etcd no longer lists (its ``ranks/<rank>`` key,
+  ``directory.announce_rank``, expired with the lease that process kept alive, or names
+  another pid) is failed at once, in the new leader's first epoch (:meth:`vanished`):
+  its process is gone (its host often died with the old leader), and a heartbeat
+  timeout spent waiting for it would only lengthen the survivors' pause;
 - a rank that lost its leader and says hello again with ``resume``
   (:class:`~elasticep.membership.messages.RankHello`) is taken back as the member it
   was: same slot, same groups, same epochs, no new epoch for it.
@@ -72,6 +77,9 @@ class Takeover:
     _send: Callable[..., None]
     _announce: Callable[[Group, Transition], None]
     _takeover: set[str]
+    _proc_dead: Callable[..., None]
+    _maybe_start: Callable[[Group], None]
+    _flush: Callable[[], list[Any]]
 
     def restore(self, state: MembershipState) -> None:
         """Take over ``state`` as a new leader, before any rank reconnects: groups,
@@ -94,6 +102,27 @@ class Takeover:
                                                      resuming=True)
                 p.groups.add(g.name)
         self._takeover = {n for n, g in self._groups.items() if g.transition is not None}
+
+    @property
+    def awaiting_resume(self) -> bool:
+        """Some member of the restored state is alive here but has not said hello yet."""
+        return any(p.resuming and p.alive for p in self._procs.values())
+
+    def vanished(self, live: dict[int, int]) -> list[Any]:
+        """Fail every member not back yet whose process is not in ``live`` (global rank
+        -> pid of the rank processes etcd lists, ``directory.rank_processes``), through
+        the usual failure transition; members still listed keep their placeholder and
+        its deadline. Returns the messages to send (``SendOnConn``), in order."""
+        def listed(p: RankProc) -> bool:  # (a state without the pid: any process)
+            return p.rank in live and (not p.pid or live[p.rank] == p.pid)
+
+        gone = [p for p in self._procs.values() if p.resuming and p.alive and not listed(p)]
+        for p in gone:
+            self._proc_dead(p, "its process left etcd's list of ranks (its lease expired) "
+                            "before it came back after the leader change", start=False)
+        for name in sorted({n for p in gone for n in p.groups}):
+            self._maybe_start(self._groups[name])  # one epoch for every death seen here
+        return self._flush()
 
     def _resume_refusal(self, msg: m.RankHello) -> str | None:
         """Why the resuming hello ``msg`` cannot be taken back (None: it can)."""
