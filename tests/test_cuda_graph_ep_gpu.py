@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elasticep.elastic.placement_sync import commit_placement
 from elasticep.elastic.rank_model import CheckpointExperts, attach_ep_executor, load_rank_weights
 from elasticep.elastic.step_header import agreed_max_tokens
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
@@ -96,18 +97,16 @@ def test_ep_decode_graphs_equal_eager_through_placement_changes(tmp_path, nccl_w
                 version, capture_s = ep.version, g.capture_s
                 L, P = ep.placement.phy2log.shape
                 perm = torch.stack([torch.randperm(P, generator=gen) for _ in range(L)])
-                ep.apply_placement(Placement(ep.placement.phy2log.gather(1, perm),
-                                             ep.placement.num_logical_experts,
-                                             ep.placement.slots_per_rank,
-                                             ep.placement.active_ranks), load_fn,
-                                   commit=lambda: None)  # one rank: no peer to agree with
+                commit_placement(ep, Placement(ep.placement.phy2log.gather(1, perm),
+                                               ep.placement.num_logical_experts,
+                                               ep.placement.slots_per_rank,
+                                               ep.placement.active_ranks), None, load_fn)
                 assert ep.version == version and g.capture_s == capture_s
                 phase = 1
             elif checked == 8:  # more slots per rank: captured again, in the background
                 cfg = load_model_config(tmp_path)
-                ep.apply_placement(initial_placement(cfg.num_hidden_layers, cfg.num_experts,
-                                                     4, 1, 1), load_fn,
-                                   commit=lambda: None)
+                commit_placement(ep, initial_placement(cfg.num_hidden_layers, cfg.num_experts,
+                                                       4, 1, 1), None, load_fn)
                 assert ep.version != version and all(g.stale(b) for b in g.buckets)
                 phase, replays, captures = 2, g.replays, g.captures
             elif checked == 9:  # the first step after it ran eagerly, a capture runs

@@ -210,7 +210,7 @@ def test_repair_and_plan_and_missing_checkpoint_loader():
     w13 = [torch.zeros(2, 4, 3)] * 2
     w2 = [torch.zeros(2, 3, 2)] * 2
     with pytest.raises(ValueError, match="checkpoint"):  # raised before any collective
-        move_expert_weights(p, q, target, w13, w2, group=None, load_fn=None)
+        move_expert_weights(loads, p, q, target, w13, w2, group=None, load_fn=None)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -244,7 +244,7 @@ def test_move_keeps_the_tensors_of_layers_where_nothing_lands():
     w13 = [torch.arange(E, dtype=torch.float32).view(E, 1, 1).expand(E, 4, 3).clone()
            for _ in range(2)]
     w2 = [t[:, :3, :2].clone() for t in w13]
-    new13, new2, _ = move_expert_weights(p, q, 0, w13, w2, group=None, load_fn=None)
+    new13, new2 = move_expert_weights(plan_expert_loads(p, q), p, q, 0, w13, w2, group=None)
     assert new13[0] is w13[0] and new2[0] is w2[0]
     assert new13[1] is not w13[1]
     assert new13[1][:, 0, 0].tolist() == [3.0, 2.0, 1.0, 0.0]

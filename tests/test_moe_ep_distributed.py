@@ -6,6 +6,8 @@ test then checks one scenario's saved outputs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,12 +63,14 @@ def _checkpoint(layer: int, expert: int):
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
+    from elasticep.elastic.placement_sync import commit_placement
     from elasticep.eplb import (
         EPLBConfig,
         EPLBManager,
         ExpertLocationMetadata,
         broadcast_global_expert_location_metadata,
         initial_placement,
+        plan_expert_loads,
         rebalance_placement,
         repair_placement,
         scale_down_placement,
@@ -100,27 +104,28 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     run("hole_r4_dynamic", fresh(repair_placement(p4, hole), "dynamic"))
     run("bf16_r4_dynamic", fresh(p4, "dynamic", torch.bfloat16), torch.bfloat16)
 
-    # Weights move through apply_placement: orphan reload, scale-up from peers, rebalance.
-    def commit() -> None:  # as placement_sync.commit_placement's: every rank got its weights
-        torch.distributed.all_reduce(torch.ones(1, dtype=torch.int64))
+    # Weights move through placement_sync.commit_placement (plan, move, commit, swap):
+    # orphan reload, scale-up from peers, rebalance, drain.
+    def change(ex, new, name, load_fn=None, source_ranks=None):
+        plan = plan_expert_loads(ex.placement, new, source_ranks)
+        results[name + "_loads"] = [(x.rank, x.source_rank) for x in plan
+                                    if x.layer in MOE_LAYERS]
+        report = commit_placement(ex, new, None, load_fn, source_ranks)
+        results[name + "_report"] = dataclasses.astuple(report)  # plain data for torch.load
 
     ex = fresh(p0, "static")
-    loads = ex.apply_placement(repair_placement(p0, hole), load_fn=_checkpoint, commit=commit)
-    results["repair_loads"] = [(x.rank, x.source_rank) for x in loads]
+    change(ex, repair_placement(p0, hole), "repair", load_fn=_checkpoint)
     results["repair_spr"] = ex.placement.slots_per_rank
     run("repaired_r0", ex)
-    loads = ex.apply_placement(scale_up_placement(ex.placement, torch.ones(WORLD, dtype=torch.bool)),
-                              commit=commit)
-    results["scale_up_sources"] = [x.source_rank for x in loads]
+    change(ex, scale_up_placement(ex.placement, torch.ones(WORLD, dtype=torch.bool)), "scale_up")
     run("scaled_up", ex)
     skew = torch.arange(E, dtype=torch.float64).pow(3).expand(LAYERS, E).contiguous()
     ex.dispatch_algorithm = "dynamic"
-    ex.apply_placement(rebalance_placement(skew, ex.placement), commit=commit)
+    change(ex, rebalance_placement(skew, ex.placement), "rebalance")
     run("rebalanced", ex)
     # Planned scale-down: rank 3 drains; it is still alive, so peers copy from it.
-    loads = ex.apply_placement(scale_down_placement(ex.placement, [3]),
-                              source_ranks=ex.placement.active_ranks, commit=commit)
-    results["scale_down_sources"] = [x.source_rank for x in loads]
+    change(ex, scale_down_placement(ex.placement, [3]), "scale_down",
+           source_ranks=ex.placement.active_ranks)
     run("scaled_down", ex)
 
     # EPLB: each rank counts its own tokens; summed over the group, all agree.
@@ -166,21 +171,45 @@ def test_ep_matches_dense_reference(outputs, name):
             torch.testing.assert_close(out.float(), _reference(layer, hidden, ids, w), rtol=tol, atol=tol)
 
 
+def _reports(outputs, name):
+    from elasticep.elastic.placement_sync import ChangeReport
+
+    return [ChangeReport(*outputs[r][name + "_report"]) for r in range(WORLD)]
+
+
 def test_repair_without_redundancy_reloads_orphans_and_grows(outputs):
     loads = outputs[0]["repair_loads"]
     # Rank 2 held 2 experts in each of 2 MoE layers; all four are checkpoint reloads.
     assert len(loads) == 4 and all(src is None and dst != 2 for dst, src in loads)
     assert outputs[0]["repair_spr"] == 3  # 3 survivors x 2 slots cannot hold 8 experts
+    reports = _reports(outputs, "repair")
+    assert [r.reloads for r in reports] == [sum(d == r for d, _ in loads) for r in range(WORLD)]
+    assert all(r.changed and r.peer_copies == 0 and r.departed_copies == 0
+               and r.slots_per_rank == 3 for r in reports)
 
 
 def test_scale_up_copies_from_peers(outputs):
-    sources = outputs[0]["scale_up_sources"]
-    assert sources and all(s is not None for s in sources)
+    loads = outputs[0]["scale_up_loads"]
+    assert loads and all(s is not None for _, s in loads)
+    assert [r.peer_copies for r in _reports(outputs, "scale_up")] == [
+        sum(d == r and s != r for d, s in loads) for r in range(WORLD)]
+    assert all(r.reloads == 0 for r in _reports(outputs, "scale_up"))
+
+
+def test_rebalance_reports_its_moves(outputs):
+    loads = outputs[0]["rebalance_loads"]
+    reports = _reports(outputs, "rebalance")
+    assert sum(r.peer_copies for r in reports) == sum(s != d for d, s in loads) > 0
+    assert all(r.changed and r.reloads == 0 for r in reports)
 
 
 def test_scale_down_copies_from_leaving_rank(outputs):
-    sources = outputs[0]["scale_down_sources"]
-    assert sources and 3 in sources and None not in sources
+    loads = outputs[0]["scale_down_loads"]
+    assert loads and 3 in (s for _, s in loads) and None not in (s for _, s in loads)
+    reports = _reports(outputs, "scale_down")
+    assert [r.peer_copies for r in reports] == [
+        sum(d == r and s != r for d, s in loads) for r in range(WORLD)]
+    assert reports[3].peer_copies == 0 and all(r.reloads == 0 for r in reports)
 
 
 def test_eplb_rebalance_is_the_global_loads_on_every_rank(outputs):

@@ -16,7 +16,12 @@ import random
 import pytest
 import torch
 
-from elasticep.eplb.elastic import repair_placement, scale_down_placement, scale_up_placement
+from elasticep.eplb.elastic import (
+    plan_expert_loads,
+    repair_placement,
+    scale_down_placement,
+    scale_up_placement,
+)
 from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
 from elasticep.moe.peer_weights import PeerWeights
@@ -54,14 +59,15 @@ def _move_all(old: Placement, new: Placement, source_ranks: torch.Tensor | None 
     """Every rank active in ``new`` moves with peers = the other ranks' old tensors (a
     dead rank's too where ``dead_mapped``). Returns ``{rank: (w13, w2, loads, peers)}``."""
     weights = {r: _weights(old, r) for r in old.live_ranks()}
+    plan = plan_expert_loads(old, new, source_ranks)
     out = {}
     for r in new.live_ranks():
         w13, w2 = weights.get(r) or _weights(_nothing(old), r)
         peers = PeerWeights(r)
         peers.map_local({q: w for q, w in weights.items()
                          if q != r and (dead_mapped or bool(new.active_ranks[q]))})
-        out[r] = (*move_expert_weights(old, new, r, w13, w2, group=None, load_fn=_checkpoint,
-                                       source_ranks=source_ranks, peers=peers), peers)
+        out[r] = (*move_expert_weights(plan, old, new, r, w13, w2, group=None,
+                                       load_fn=_checkpoint, peers=peers), plan, peers)
     return out
 
 
@@ -127,8 +133,9 @@ def test_an_unreadable_source_leaves_only_its_own_slots_empty(caplog):
     w13, w2 = _weights(_nothing(old), 2)
     peers = _Flaky(2, gone=1)
     peers.map_local(weights)
+    loads = plan_expert_loads(old, new)
     with caplog.at_level("WARNING"):
-        n13, n2, loads = move_expert_weights(old, new, 2, w13, w2, group=None, peers=peers)
+        n13, n2 = move_expert_weights(loads, old, new, 2, w13, w2, group=None, peers=peers)
     from_gone = {(x.layer, x.local_slot) for x in loads if x.rank == 2 and x.source_rank == 1}
     assert from_gone and any(x.rank == 2 and x.source_rank == 0 for x in loads)
     _check(new, 2, n13, n2, skip=from_gone)

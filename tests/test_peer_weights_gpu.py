@@ -77,13 +77,13 @@ def _wrong_slot(new, rank: int, n13, n2) -> str | None:
 
 
 def _leaving(rank: int, port: int) -> str:
-    from elasticep.eplb.elastic import scale_down_placement
+    from elasticep.eplb.elastic import plan_expert_loads, scale_down_placement
     from elasticep.moe.weight_transfer import move_expert_weights
 
     store, old, w13, w2, peers = _setup(rank, port)
     new = scale_down_placement(old, [1])
-    n13, n2, _loads = move_expert_weights(old, new, rank, w13, w2, group=None,
-                                          source_ranks=old.active_ranks, peers=peers)
+    plan = plan_expert_loads(old, new, source_ranks=old.active_ranks)
+    n13, n2 = move_expert_weights(plan, old, new, rank, w13, w2, group=None, peers=peers)
     peers.end_change()
     if rank == 0 and (wrong := _wrong_slot(new, 0, n13, n2)):
         return wrong
@@ -113,7 +113,7 @@ def _killed(rank: int, port: int) -> str:
     import signal
     import time
 
-    from elasticep.eplb.elastic import repair_placement
+    from elasticep.eplb.elastic import plan_expert_loads, repair_placement
     from elasticep.moe.weight_transfer import move_expert_weights
 
     store, old, w13, w2, peers = _setup(rank, port)
@@ -143,9 +143,10 @@ def _killed(rank: int, port: int) -> str:
     def no_checkpoint(layer: int, expert: int):
         raise AssertionError(f"checkpoint read for layer {layer} expert {expert}")
 
-    n13, n2, loads = move_expert_weights(old, new, 0, w13, w2, group=None,
-                                         load_fn=no_checkpoint, peers=peers)
-    orphans = sum(x.rank == 0 and x.source_rank is None for x in loads)
+    plan = plan_expert_loads(old, new)
+    n13, n2 = move_expert_weights(plan, old, new, 0, w13, w2, group=None,
+                                  load_fn=no_checkpoint, peers=peers)
+    orphans = sum(x.rank == 0 and x.source_rank is None for x in plan)
     if orphans == 0 or peers.departed_copies != orphans:
         return f"{peers.departed_copies} of {orphans} orphans copied from rank 1's memory"
     if wrong := _wrong_slot(new, 0, n13, n2):

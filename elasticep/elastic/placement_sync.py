@@ -7,9 +7,10 @@ different placements:
    any survivor saw die is out for everyone);
 2. compute the target placement, a pure function of (agreed mask, current placement)
    from :mod:`elasticep.eplb`, identical on every rank with no messages;
-3. fetch weights (peers over ``all_to_all_single``, orphans from the checkpoint) into
-   new tensors, leaving the executor untouched;
-4. a "commit" all_reduce, then swap the executor to the new placement.
+3. :func:`commit_placement`: plan (which slots need which expert from where, again pure
+   and identical everywhere), move (weights from peers over ``all_to_all_single``,
+   orphans from the checkpoint, into new tensors, leaving the executor untouched),
+   commit (an all_reduce), swap (the executor to the new placement and tensors).
 
 If a rank dies before the commit, every survivor raises (the exchange cannot be
 redone), none has swapped, and the caller runs the change again on the new membership.
@@ -27,14 +28,16 @@ import torch
 import torch.distributed as dist
 
 from elasticep.eplb import (
+    ExpertLocationMetadata,
     Placement,
     broadcast_global_expert_location_metadata,
     initial_placement,
+    plan_expert_loads,
     reconcile_placement,
     scale_down_placement,
 )
 from elasticep.moe.ep_executor import EPMoEExecutor
-from elasticep.moe.weight_transfer import CheckpointLoader
+from elasticep.moe.weight_transfer import CheckpointLoader, move_expert_weights
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class ChangeReport:
         reloads: expert slots filled from the checkpoint (orphans) by this rank.
         departed_copies: orphans this rank copied from a dead rank's still-mapped
             memory instead (ranks of one host, :class:`~elasticep.moe.peer_weights.PeerWeights`).
-        seconds: wall time of steps 1-4.
+        seconds: wall time of step 3 (plan, move, commit, swap).
         slots_per_rank: after the change.
     """
 
@@ -80,40 +83,68 @@ def commit_placement(ep: EPMoEExecutor, new: Placement, group: dist.ProcessGroup
                      load_fn: CheckpointLoader | None,
                      source_ranks: torch.Tensor | None = None,
                      weights_from: Placement | None = None) -> ChangeReport:
-    """Steps 3-4: fetch weights for ``new``, commit all_reduce, swap. Collective.
-
-    The only caller of :meth:`EPMoEExecutor.apply_placement` in the serving path: it
-    supplies the commit point that the executor leaves to its caller.
+    """Step 3: plan, move, commit, swap ``ep`` to ``new``. Collective: every live member
+    of the group calls it with the same arguments but ``load_fn``.
 
     Args:
+        ep: this rank's executor; its weights are laid out in ``ep.placement``.
+        new: the target placement (from repair / scale / rebalance).
         group: the EP group, which carries the commit; it must be the executor's
             (``ep.group``), which carries the weight exchange.
+        load_fn: checkpoint reader for the orphans this rank must host.
+        source_ranks: [max_ep_size] bool, ranks that may send (default: active in both
+            placements); a drain passes the old active ranks, so leaving ranks send.
+        weights_from: the placement the current weights are laid out in, where it is not
+            ``ep.placement`` (an all-EMPTY one: every weight is read anew).
 
     Raises:
         EpochChangedError (and subclasses): membership changed before the commit; the
             executor is unchanged.
+        ValueError: this rank must read an orphan and has no ``load_fn`` (before any
+            collective).
     """
     t0 = time.perf_counter()
-    old = ep.placement
-
-    def commit() -> None:
-        flag = torch.ones(1, dtype=torch.int64)
-        dist.all_reduce(flag, group=group)  # the commit point (see module docstring)
-
+    old = weights_from or ep.placement
+    changed = new != ep.placement
+    plan = plan_expert_loads(old, new, source_ranks)
     peers = ep.peer_weights
     departed0 = peers.departed_copies if peers is not None else 0
-    loads = ep.apply_placement(new, load_fn, source_ranks, commit=commit,
-                               weights_from=weights_from)
-    mine = [x for x in loads if x.rank == ep.rank]
+    try:
+        w13, w2 = move_expert_weights(plan, old, new, ep.rank, ep.w13, ep.w2, ep.group,
+                                      load_fn, peers)
+        _commit(group)
+    finally:
+        if peers is not None:  # committed or not: the next change checks generations again
+            peers.end_change()
+    _swap(ep, new, w13, w2)
+    mine = [x for x in plan if x.rank == ep.rank and w13[x.layer] is not None]
     departed = (peers.departed_copies if peers is not None else 0) - departed0
     return ChangeReport(
-        changed=new != old,
+        changed=changed,
         peer_copies=sum(x.source_rank not in (None, ep.rank) for x in mine),
         reloads=sum(x.source_rank is None for x in mine) - departed,
         seconds=time.perf_counter() - t0,
         slots_per_rank=new.slots_per_rank,
         departed_copies=departed,
     )
+
+
+def _commit(group: dist.ProcessGroup | None) -> None:
+    """The commit point: every rank's weights arrived. A rank that died before it makes
+    the all_reduce raise on every survivor, none of which has swapped (module docstring)."""
+    flag = torch.ones(1, dtype=torch.int64)
+    dist.all_reduce(flag, group=group)
+
+
+def _swap(ep: EPMoEExecutor, new: Placement, w13: list[torch.Tensor | None],
+          w2: list[torch.Tensor | None]) -> None:
+    """Swap ``ep`` to ``new`` and the moved tensors, then publish its tensors to the host
+    peers that map them, before this rank's next collective, so the next change maps
+    the tensors now in use."""
+    device = ep.metadata.physical_to_logical_map.device
+    ep.set_placement(ExpertLocationMetadata.from_placement(new, ep.rank, device), w13, w2)
+    if ep.peer_weights is not None:
+        ep.peer_weights.publish(ep.w13, ep.w2)
 
 
 def reconcile(ep: EPMoEExecutor, local_mask: torch.Tensor, group: dist.ProcessGroup | None,

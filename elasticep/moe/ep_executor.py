@@ -12,13 +12,10 @@ Placement layers are decoder layers; the weights of dense layers are None.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from elasticep.config import DispatchAlgorithm
-from elasticep.eplb.elastic import ExpertLoad
 from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.placement import Placement
 from elasticep.moe.exchange.uneven_exchange import (
@@ -29,7 +26,6 @@ from elasticep.moe.exchange.uneven_exchange import (
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.experts.expert_compute import run_expert_rows
 from elasticep.moe.peer_weights import PeerWeights
-from elasticep.moe.weight_transfer import CheckpointLoader, move_expert_weights
 
 
 class EPMoEExecutor(ExecutorDefaults):
@@ -67,8 +63,8 @@ class EPMoEExecutor(ExecutorDefaults):
         self.group = group
         self.dispatch_algorithm = dispatch_algorithm
         # other ranks' expert tensors, mapped (ranks of one host with the cuda_ipc
-        # transport): placement changes then copy device to device, and this rank
-        # publishes its tensors again after each change
+        # transport): placement changes (elastic.placement_sync) then copy device to
+        # device, and this rank publishes its tensors again after each change
         self.peer_weights: PeerWeights | None = None
         self.set_placement(metadata, w13, w2)
 
@@ -101,55 +97,6 @@ class EPMoEExecutor(ExecutorDefaults):
             if a is not None and (a.shape[0] != S or b.shape[0] != S):
                 raise ValueError(f"layer {layer}: {a.shape[0]} / {b.shape[0]} local slots, want {S}")
         self.metadata, self.w13, self.w2 = metadata, list(w13), list(w2)
-
-    def apply_placement(
-        self,
-        new: Placement,
-        load_fn: CheckpointLoader | None = None,
-        source_ranks: torch.Tensor | None = None,
-        *,
-        commit: Callable[[], None],
-        weights_from: Placement | None = None,
-    ) -> list[ExpertLoad]:
-        """Move to ``new``: fetch weights from peers or the checkpoint, agree, then swap.
-
-        Collective: every live member of the group calls it with the same ``new``.
-
-        ``commit`` is the point at which the ranks agree that every fetch completed:
-        a rank that dies mid-exchange must leave every survivor unswapped, so there is
-        no form without it. The serving path goes through
-        :func:`elasticep.elastic.placement_sync.commit_placement`, whose commit is an
-        all_reduce over the group.
-
-        Args:
-            new: the target placement (from repair / scale / rebalance).
-            load_fn: checkpoint reader for orphans this rank must host.
-            source_ranks: ranks that may send, see :func:`move_expert_weights`.
-            commit: called after every weight of this rank arrived and before the swap
-                (a commit all_reduce; with one rank and no peer, a no-op); if it
-                raises, the executor is unchanged.
-            weights_from: the placement the current weights are laid out in, where it
-                is not the executor's (an all-EMPTY one: every weight is fetched anew).
-
-        Returns:
-            The load plan that was carried out.
-        """
-        peers = self.peer_weights
-        try:
-            w13, w2, loads = move_expert_weights(
-                weights_from or self.placement, new, self.rank, self.w13, self.w2, self.group,
-                load_fn, source_ranks, peers=peers
-            )
-            commit()
-        finally:
-            if peers is not None:
-                peers.end_change()
-        device = self.metadata.physical_to_logical_map.device
-        self.set_placement(ExpertLocationMetadata.from_placement(new, self.rank, device), w13, w2)
-        if peers is not None:
-            # before this rank's next collective, so the next change maps these tensors
-            peers.publish(self.w13, self.w2)
-        return loads
 
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:

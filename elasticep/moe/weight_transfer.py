@@ -1,11 +1,11 @@
-"""Move expert weights between ranks after a placement change.
+"""Move expert weights between ranks after a placement change, as a plan says.
 
-Every calling rank derives the same load list with :func:`plan_expert_loads`, so the
-exchange needs no negotiation: per layer, one ``all_to_all_single`` whose split sizes
-every rank already knows (ranks that neither send nor receive get zero splits, which
-is also what an elastic group gives its holes). Local copies and checkpoint reloads
-(orphans) need no communication. All ``all_to_all_single`` calls use the weights'
-dtype on CPU.
+The caller passes the load plan (:func:`elasticep.eplb.elastic.plan_expert_loads`, a
+pure function of the placements, so every rank holds the same one), and the exchange
+needs no negotiation: per layer, one ``all_to_all_single`` whose split sizes every rank
+already knows (ranks that neither send nor receive get zero splits, which is also what
+an elastic group gives its holes). Local copies and checkpoint reloads (orphans) need
+no communication. All ``all_to_all_single`` calls use the weights' dtype on CPU.
 
 Ranks of one host that map each other's memory (``peers``, e.g.
 :class:`elasticep.moe.peer_weights.PeerWeights`) skip the collective: each receiver
@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from elasticep.eplb.elastic import ExpertLoad, plan_expert_loads
+from elasticep.eplb.elastic import ExpertLoad
 from elasticep.eplb.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class PeerExperts(Protocol):
 
 
 def move_expert_weights(
+    plan: list[ExpertLoad],
     old: Placement,
     new: Placement,
     rank: int,
@@ -72,14 +73,17 @@ def move_expert_weights(
     w2: list[torch.Tensor | None],
     group: dist.ProcessGroup | None,
     load_fn: CheckpointLoader | None = None,
-    source_ranks: torch.Tensor | None = None,
     peers: PeerExperts | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[ExpertLoad]]:
-    """Lay this rank's expert weights out for ``new``, fetching what it lacks.
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Lay this rank's expert weights out for ``new`` in new tensors, carrying out
+    ``plan``; the inputs are left as they are.
 
-    Every live member of ``group`` must call this with the same placements.
+    Every live member of ``group`` must call this with the same plan and placements.
 
     Args:
+        plan: the loads of the change, ``plan_expert_loads(old, new, source_ranks)``
+            (a scale-down passes ``old.active_ranks`` there so leaving ranks still send);
+            loads of dense layers are skipped.
         old: the placement ``w13``/``w2`` are laid out in.
         new: the target placement.
         rank: this rank (its index in ``group``).
@@ -89,31 +93,32 @@ def move_expert_weights(
         w2: per layer, [S_old, H, I] or None.
         group: the EP process group (Gloo or elastic); None is the default group.
         load_fn: reads an expert from the checkpoint; needed when this rank receives an
-            orphan (no live rank holds it).
-        source_ranks: [max_ep_size] bool, ranks that may send (default: active in both);
-            for a scale-down pass ``old.active_ranks`` so leaving ranks still send.
+            orphan (a load with no source).
         peers: the sources' tensors, mapped: a receiver copies from them and no rank
-            sends (every rank must pass one, or none). An orphan whose departed holder
-            is still mapped is copied from there too, before falling back to ``load_fn``. Returns once the copies are done,
-            so a source may free its old tensors after the caller's commit. A source
-            that cannot be read is skipped (logged): its slots keep zeros, and the
-            caller's commit, a collective that needs the missing source, fails.
+            sends (every rank must pass one, or none). An orphan that a rank of ``old``
+            still holds in mapped memory (the plan found no source for it, so that rank
+            is gone) is copied from there, before falling back to ``load_fn``. Returns
+            once the copies are done, so a source may free its old tensors after the
+            caller's commit. A source that cannot be read is skipped (logged): its slots
+            keep zeros, and the caller's commit, a collective that needs the missing
+            source, fails.
 
     Returns:
-        new_w13: per layer [new.slots_per_rank, 2*I, H]; EMPTY slots hold zeros or
-            stale data (never routed to). A layer where nothing lands on this rank (same
-            slot count, no expert received, moved or reloaded) is returned as the same
-            tensor, so the move holds a second copy only of the layers that change.
-        new_w2: per layer [new.slots_per_rank, H, I].
-        loads: the whole plan over the MoE layers (for logging: moved or reloaded).
+        new_w13: per layer [new.slots_per_rank, 2*I, H], None for a dense layer; EMPTY
+            slots hold zeros or stale data (never routed to). A layer where nothing
+            lands on this rank (same slot count, no expert received, moved or reloaded)
+            is returned as the same tensor, so the move holds a second copy only of the
+            layers that change.
+        new_w2: per layer [new.slots_per_rank, H, I] or None.
 
     Raises:
-        ValueError: on mismatched lists, or an orphan for this rank without ``load_fn``.
+        ValueError: on mismatched lists, or an orphan for this rank without ``load_fn``
+            (before any collective).
     """
     L = new.num_layers
     if len(w13) != L or len(w2) != L:
         raise ValueError(f"need weights for {L} MoE layers, got {len(w13)} / {len(w2)}")
-    loads = [x for x in plan_expert_loads(old, new, source_ranks) if w13[x.layer] is not None]
+    loads = [x for x in plan if w13[x.layer] is not None]
     if load_fn is None and any(x.rank == rank and x.source_rank is None for x in loads):
         raise ValueError(f"rank {rank} must reload an orphan but has no checkpoint loader")
     S_old, S = old.slots_per_rank, new.slots_per_rank
@@ -125,7 +130,7 @@ def move_expert_weights(
     out2: list[torch.Tensor | None] = []
     pulled: set[torch.device] = set()  # devices with queued peer copies
     missing: set[int] = set()
-    departed = _departed_holders(old, new, source_ranks) if peers is not None else {}
+    departed = _old_holders(old) if peers is not None else {}
     for layer in range(L):
         a, b = w13[layer], w2[layer]
         if a is None or b is None:
@@ -178,21 +183,20 @@ def move_expert_weights(
                        sorted(missing))
     for device in pulled:  # the sources may free their tensors once the caller commits
         torch.cuda.synchronize(device)
-    return out13, out2, loads
+    return out13, out2
 
 
-def _departed_holders(old: Placement, new: Placement, source_ranks: torch.Tensor | None
-                      ) -> dict[int, torch.Tensor]:
-    """Ranks active in ``old`` that are no sources of this change (they died), with their
-    old slots: ``{rank: [L, S_old] int64 logical experts}``."""
-    sources = (old.active_ranks & new.active_ranks) if source_ranks is None else source_ranks
-    gone = old.active_ranks & ~sources.to(torch.bool)
-    return {int(d): old.local(int(d)) for d in gone.nonzero().flatten().tolist()}
+def _old_holders(old: Placement) -> dict[int, torch.Tensor]:
+    """The ranks active in ``old`` with their old slots: ``{rank: [L, S_old] int64
+    logical experts}``. Only an orphan is looked up here, and the plan gives an orphan
+    no source only when no source rank holds it, so every hit is a rank that left."""
+    return {int(d): old.local(int(d)) for d in old.active_ranks.nonzero().flatten().tolist()}
 
 
 def _copy_departed(peers: PeerExperts | None, departed: dict[int, torch.Tensor],
                    x: ExpertLoad, new_a: torch.Tensor, new_b: torch.Tensor) -> bool:
-    """Copy orphan ``x`` from a departed holder's mapped tensors; False if none can."""
+    """Copy orphan ``x`` from a departed holder's mapped tensors (``departed``: from
+    :func:`_old_holders`); False if none can."""
     if peers is None:
         return False
     for d, local in departed.items():
