@@ -63,11 +63,10 @@ _REPAIR_NOW = [
     "elastic/placement_sync.py:reconcile",
     "eplb/elastic.py:reconcile_placement",
     "elastic/placement_sync.py:commit_placement",
-    "moe/ep_executor.py:EPMoEExecutor.apply_placement",
-    "moe/weight_transfer.py:move_expert_weights",
-    "eplb/elastic.py:plan_expert_loads",
-    "elastic/placement_sync.py:commit_placement.commit",
-    "eplb/metadata.py:ExpertLocationMetadata.from_placement",
+    "eplb/elastic.py:plan_expert_loads",  # plan
+    "moe/weight_transfer.py:move_expert_weights",  # move
+    "elastic/placement_sync.py:_commit",  # commit: the all_reduce (back from the move)
+    "eplb/metadata.py:ExpertLocationMetadata.from_placement",  # swap: from _swap
     "moe/ep_executor.py:EPMoEExecutor.set_placement",
 ]
 
