@@ -1,6 +1,10 @@
 """Placement changes that copy experts from the peers' mapped tensors (``peers`` of
 :func:`elasticep.moe.weight_transfer.move_expert_weights`), simulated in one process.
 
+Also the order :func:`elasticep.elastic.placement_sync.commit_placement` keeps around
+the peers: a change that fails in its move or its commit ends the peers' change and
+leaves the executor as it was; one that commits ends it, swaps, then publishes.
+
 Every rank of a deployment is a pair of per-layer tensors whose slots carry the id of
 the expert they hold; after a death, a scale-down, a scale-up and a rebalance, each
 rank's new slots must hold exactly the experts the new placement puts there, with no
@@ -16,6 +20,7 @@ import random
 import pytest
 import torch
 
+from elasticep.elastic import placement_sync
 from elasticep.eplb.elastic import (
     plan_expert_loads,
     repair_placement,
@@ -23,7 +28,10 @@ from elasticep.eplb.elastic import (
     scale_up_placement,
 )
 from elasticep.eplb.placement import Placement, initial_placement
+from elasticep.eplb.metadata import ExpertLocationMetadata
 from elasticep.eplb.rebalance import rebalance_placement
+from elasticep.membership.errors import RankFailureError
+from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.peer_weights import PeerWeights
 from elasticep.moe.weight_transfer import PeerUnavailable, move_expert_weights
 
@@ -160,3 +168,49 @@ def test_publish_without_a_store_is_a_no_op():
     assert p.publish([torch.zeros(1)], [torch.zeros(1)]) == 0
     with pytest.raises(PeerUnavailable, match="not mapped"):
         p.experts(1, 0)
+
+
+class _Recording(PeerWeights):
+    """A peer view that records the change's calls into it."""
+
+    def __init__(self, rank: int, events: list[str]) -> None:
+        super().__init__(rank)
+        self.events = events
+
+    def end_change(self) -> None:
+        self.events.append("end_change")
+        super().end_change()
+
+    def publish(self, w13, w2) -> int:
+        self.events.append(f"publish {w13[0][0, 0, 0]:.0f}")
+        return super().publish(w13, w2)
+
+
+@pytest.mark.parametrize("fails", [None, "move", "commit"])
+def test_commit_placement_ends_the_change_then_swaps_then_publishes(monkeypatch, fails):
+    old = initial_placement(1, 4, 0, 1)
+    new = Placement(old.phy2log.flip(1), 4, old.slots_per_rank, old.active_ranks)
+    w13, w2 = _weights(old, 0)
+    ep = EPMoEExecutor(ExpertLocationMetadata.from_placement(old, 0), w13, w2, group=None)
+    events: list[str] = []
+    ep.peer_weights = _Recording(0, events)
+
+    def commit(group) -> None:  # one rank: no collective to agree in
+        if fails == "commit":
+            raise RankFailureError([1], epoch=2)  # a peer died before the commit
+        events.append("commit")
+
+    monkeypatch.setattr(placement_sync, "_commit", commit)
+    if fails is None:
+        report = placement_sync.commit_placement(ep, new, None, None)
+        assert events == ["commit", "end_change", "publish 4"]  # the new slot 0: expert 3
+        assert ep.placement == new
+        _check(new, 0, ep.w13, ep.w2)
+        assert (report.changed, report.peer_copies, report.reloads) == (True, 0, 0)
+        return
+    # the move fails before any collective: every expert is an orphan, and no loader
+    nothing = _nothing(old) if fails == "move" else None
+    with pytest.raises(ValueError if fails == "move" else RankFailureError):
+        placement_sync.commit_placement(ep, new, None, None, weights_from=nothing)
+    assert events == ["end_change"]
+    assert ep.placement == old and ep.w13[0] is w13[0] and ep.w2[0] is w2[0]
