@@ -27,8 +27,8 @@ from elasticep.eplb.elastic import (
     scale_down_placement,
     scale_up_placement,
 )
-from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.metadata import ExpertLocationMetadata
+from elasticep.eplb.placement import Placement, initial_placement
 from elasticep.eplb.rebalance import rebalance_placement
 from elasticep.membership.errors import RankFailureError
 from elasticep.moe.ep_executor import EPMoEExecutor
