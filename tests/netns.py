@@ -23,6 +23,7 @@ the reason, unless ``ELASTICEP_REQUIRE_NETNS=1`` (set by ``.ci/run``) makes it f
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import shutil
@@ -39,6 +40,7 @@ REQUIRE_ENV = "ELASTICEP_REQUIRE_NETNS"
 PREFIX = "eep"  # every name made here starts with it, then the pid of the test process
 CANDIDATE_SUBNETS = [f"10.213.{i}.0/24" for i in range(0, 250, 7)]
 IP_TIMEOUT_S = 10.0
+SUBNET_LOCK = "/tmp/elasticep-test-netns.lock"
 
 
 class NetnsUnavailable(RuntimeError):
@@ -187,6 +189,14 @@ def make_test_net(n_hosts: int = 2) -> TestNet:
     """
     if shutil.which("ip") is None:
         raise NetnsUnavailable("the `ip` command (iproute2) is not installed")
+    # Test processes running side by side (pytest-xdist workers) would otherwise pick
+    # the same free subnet: the pick and the bridge address that takes it are one step.
+    with open(SUBNET_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_test_net(n_hosts)
+
+
+def _make_test_net(n_hosts: int) -> TestNet:
     try:
         remove_stale()
         subnet = pick_subnet()

@@ -424,7 +424,14 @@ def test_serve_keeps_its_membership_in_etcd_and_serves_through_a_quorum_loss(clu
         # then the change begins, and its epoch commits once etcd has it
         s.wait_for(lambda st: st.healthy_ranks() == [0] and st.epoch > epoch0, 30,
                    "the scale-down")
-        state = _store(cluster, prefix).load()[0]
+        # the commit reached the ranks once a snapshot holding its epoch was stored; the
+        # group's active set there follows with the next snapshot, a tick later
+        deadline = time.monotonic() + 10
+        while True:
+            state = _store(cluster, prefix).load()[0]
+            if state.groups["world"]["active"] == [0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert state.target["ep_size"] == 1 and state.groups["world"]["active"] == [0]
         assert complete() == before
 
