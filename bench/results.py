@@ -132,7 +132,7 @@ def render(failover: dict[str, tuple], overhead: tuple | None, chaos: tuple | No
         ".venv/bin/python -m bench.overhead --repeats 5",
         ".venv/bin/python -m elasticep_testkit.chaos --trials 50 --seed 1     # the long chaos run",
         ".venv/bin/python -m elasticep_testkit.chaos --trials 10 --seed 0 --nnodes 2  "
-        "# leader-kill, node-0-host-kill (etcd; not in CI)",
+        "# leader-kill, node-0-host-kill (etcd; 2 trials in CI)",
         ".venv/bin/pytest -q tests/test_chaos_short.py                # 2 trials, CI",
         "```",
         "",

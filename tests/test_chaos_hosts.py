@@ -2,9 +2,9 @@
 schedules draw them, the command line that asks for them, and the invariant readers
 over several nodes' logs. Pure: no deployment.
 
-The run itself (two `serve` nodes and a 3-member etcd, about a minute for two trials
-on 2 cores) is outside CI: `python -m elasticep_testkit.chaos --trials 2 --seed 0
---nnodes 2` draws one of each kind.
+The run itself (two `serve` nodes and a 3-member etcd): `python -m
+elasticep_testkit.chaos --trials 2 --seed 0 --nnodes 2` draws one of each kind; CI runs
+it in ``tests/test_chaos_two_nodes.py``.
 """
 
 from __future__ import annotations
