@@ -199,3 +199,33 @@ def test_generate_ends_its_batch_when_the_coordinator_dies(tmp_path_factory):
                    for o in outs), [o.error for o in outs]
     finally:
         driver.close()
+
+
+# A process that waits on the lifeline in a daemon thread, as the coordinator does, and
+# exits while its parent (this test) still holds the pipe open: a coordinator deposed
+# after a partition heals steps down exactly so.
+STEPS_DOWN = textwrap.dedent("""
+    import sys, threading, time
+    from elasticep.membership.process import _read_lifeline
+    stop = threading.Event()
+    threading.Thread(target=_read_lifeline, args=(lambda: None, stop, lambda _a: None),
+                     daemon=True).start()
+    time.sleep(0.3)
+    sys.exit(0)
+""")
+
+
+def test_a_coordinator_that_steps_down_with_its_lifeline_open_exits_cleanly():
+    """Exit status 0, not SIGABRT: a buffered stdin read blocked in the lifeline thread
+    held the buffer's lock, on which the exiting interpreter aborted."""
+    proc = subprocess.Popen([sys.executable, "-c", STEPS_DOWN], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:  # the pipe stays open (no communicate(), which would close it) until it exits
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("the process did not exit")
+    finally:
+        proc.stdin.close()
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]

@@ -288,14 +288,20 @@ def _end(proc: subprocess.Popen, timeout_s: float) -> None:
 # ---------------------------------------------------------------------- the child
 def _read_lifeline(begin_stop: Callable[[], None], stop: threading.Event,
                    answer: Callable[[str], None]) -> None:
-    """Serve the parent's commands until EOF on stdin (the parent closed it or died)."""
-    for raw in sys.stdin.buffer:
-        word = raw.decode(errors="replace").strip()
-        if word == Lifeline.BEGIN_STOP:
-            begin_stop()
-            answer(Lifeline.STOPPING)
-        elif word:
-            log.warning("coordinator: unknown lifeline command %r ignored", word)
+    """Serve the parent's commands until EOF on stdin (the parent closed it or died).
+
+    Reads stdin unbuffered: a daemon thread blocked in a buffered read holds the
+    buffer's lock, and the interpreter, exiting while this thread still waits (a
+    deposed coordinator steps down with its parent alive), aborts on that lock
+    (SIGABRT, "could not acquire lock ... at interpreter shutdown")."""
+    with os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0) as lifeline:
+        for raw in iter(lifeline.readline, b""):
+            word = raw.decode(errors="replace").strip()
+            if word == Lifeline.BEGIN_STOP:
+                begin_stop()
+                answer(Lifeline.STOPPING)
+            elif word:
+                log.warning("coordinator: unknown lifeline command %r ignored", word)
     stop.set()
 
 
