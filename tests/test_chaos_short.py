@@ -14,18 +14,13 @@ deployment. The 50-trial run is `python -m elasticep_testkit.chaos --trials 50 -
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _chaos_run import run_chaos_trials
 
 from elasticep_testkit.chaos import invariants
 from elasticep_testkit.chaos.schedule import KINDS, Schedule, make_schedule
 from elasticep_testkit.harness.load import RequestRecord
 
-ROOT = Path(__file__).resolve().parents[1]
 SHORT_SEED, SHORT_TRIALS = 18314, 4
 SHORT = ["--trials", str(SHORT_TRIALS), "--seed", str(SHORT_SEED), "--max-tokens", "24",
          "--concurrency", "4"]
@@ -112,19 +107,4 @@ def test_membership_check_compares_and_is_never_vacuous():
 @pytest.mark.slow
 @pytest.mark.timeout(270)
 def test_the_short_chaos_trials_keep_every_invariant():
-    proc = subprocess.Popen([sys.executable, "-m", "elasticep_testkit.chaos", *SHORT], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=210)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the runner stops its deployment on the way out
-        out, err = proc.communicate(timeout=45)
-        pytest.fail(f"chaos run took over 210 s:\n{out}\n{err[-3000:]}")
-    assert proc.returncode == 0, out + err[-3000:]
-    assert f"{SHORT_TRIALS} trials, 0 with violations, 0 violations" in out, out
-    trials = [ln for ln in out.splitlines() if ln.startswith("trial ")]
-    assert len(trials) == SHORT_TRIALS and all("0 clear errors" in t for t in trials), out
-    # "trial N: KIND:ranks=..;KIND:ranks=.. | ...": the kinds that ran
-    ran = {f.kind for t in trials
-           for f in Schedule.parse(t.split(": ", 1)[1].split(" | ")[0]).faults}
-    assert ran == set(KINDS), out
+    assert run_chaos_trials(SHORT, SHORT_TRIALS, 210) == set(KINDS)

@@ -9,16 +9,11 @@ schedules and the log readers are tested without a deployment in
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _chaos_run import run_chaos_trials
 
-from elasticep_testkit.chaos.schedule import HOST_KINDS, Schedule
+from elasticep_testkit.chaos.schedule import HOST_KINDS
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED, TRIALS = 0, 2
 ARGS = ["--nnodes", "2", "--trials", str(TRIALS), "--seed", str(SEED), "--max-tokens", "24",
         "--concurrency", "4"]
@@ -27,18 +22,4 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_two_node_chaos_trials_keep_every_invariant():
-    proc = subprocess.Popen([sys.executable, "-m", "elasticep_testkit.chaos", *ARGS], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the runner stops its deployment on the way out
-        out, err = proc.communicate(timeout=45)
-        pytest.fail(f"2-node chaos run took over 240 s:\n{out}\n{err[-3000:]}")
-    assert proc.returncode == 0, out + err[-3000:]
-    assert f"{TRIALS} trials, 0 with violations, 0 violations" in out, out
-    trials = [ln for ln in out.splitlines() if ln.startswith("trial ")]
-    assert len(trials) == TRIALS and all("0 clear errors" in t for t in trials), out
-    ran = {f.kind for t in trials
-           for f in Schedule.parse(t.split(": ", 1)[1].split(" | ")[0]).faults}
-    assert ran == set(HOST_KINDS), out
+    assert run_chaos_trials(ARGS, TRIALS, 240) == set(HOST_KINDS)
