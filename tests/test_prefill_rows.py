@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
-from elasticep.engine.model_runner import HostLists, token_rows
+from elasticep.engine.model_runner import HostLists, rows_replay_pays, token_rows
 from elasticep.engine.request import SamplingParams
 from elasticep.engine.scheduler import ScheduledBatch, ScheduledSeq
 from elasticep.engine.sequence import Sequence
@@ -77,3 +77,11 @@ def test_a_mixed_step_as_token_rows_equals_the_eager_forward():
     off = eng.model.forward(torch.tensor(h.ids), torch.tensor(h.positions), meta,
                             eng.runner.kv_cache.layers, torch.tensor(sampled))
     assert float((off - eager).abs().max() / eager.abs().max()) > 1e-3
+
+
+def test_a_rows_replay_is_taken_only_while_its_per_token_table_stays_small():
+    short, long = [1] * 16, [1] * 525  # 256- and 8400-token contexts at block size 16
+    assert rows_replay_pays(256, [short, short])
+    assert rows_replay_pays(62, [long])  # 32,550 entries
+    assert not rows_replay_pays(200, [long, short])  # the widest table counts
+    assert rows_replay_pays(0, [])

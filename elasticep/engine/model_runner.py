@@ -71,6 +71,19 @@ class HostLists:
         return h
 
 
+# Past this many block-table entries (tokens x the step's widest table), the table of a
+# rows replay, built on the host one row a token, costs more than the eager step's
+# launches it would save (a 200-token chunk after an 8192-token prefix, about 100,000
+# entries, took about 12 ms to build on a 2-core host).
+ROW_TABLE_ENTRIES_MAX = 32768
+
+
+def rows_replay_pays(num_tokens: int, tables: list[list[int]]) -> bool:
+    """True when a step of ``num_tokens`` tokens over sequences with block ``tables``
+    should replay as one row a token (pure): its per-token table stays small."""
+    return num_tokens * max((len(t) for t in tables), default=0) <= ROW_TABLE_ENTRIES_MAX
+
+
 def token_rows(h: HostLists, samples: list[bool]
                ) -> tuple[list[list[int]], list[int], list[int]]:
     """A step as one decode row a token (pure).
@@ -175,18 +188,22 @@ class ModelRunner:
         if (g is None or not self.replay_enabled or not (batch.items or agreed)
                 or not graph_safe(self.model)):
             return None
-        h = HostLists.of(batch, self.kv_cache.block_size)
-        b = g.bucket(max(len(h.ids), agreed))
+        # the bucket first: a step past the largest one builds its host lists once, in
+        # prepare()
+        b = g.bucket(max(batch.num_tokens, agreed))
         if b is None:
             return None
         if g.stale(b):
             g.capture_in_background()  # never wait on a capture: this step runs eagerly
             return None
+        h = HostLists.of(batch, self.kv_cache.block_size)
         if decode or not batch.items:
             if max(h.ctx_lens, default=0) > g.max_seq_len:
                 return None
             return g.replay(h.ids, h.positions, h.slots, h.tables, h.ctx_lens,
                             min_bucket=agreed)
+        if not rows_replay_pays(len(h.ids), h.tables):
+            return None
         tables, lens, sampled = token_rows(h, [it.samples for it in batch.items])
         if max(lens) > g.max_seq_len:
             return None

@@ -57,9 +57,9 @@ class ScheduledBatch:
     @property
     def one_token_each(self) -> bool:
         """True when the step computes one token of each of its (one or more) sequences:
-        a decode step, the only kind a captured CUDA graph can replay. A step with a
-        prefill chunk runs eagerly, and its forward keeps the host busy until it is
-        nearly done."""
+        a decode step. A step with a prefill chunk runs eagerly (its forward keeps the
+        host busy until it is nearly done) unless its tokens fit a captured graph's
+        bucket (:mod:`elasticep.engine.model_runner`: one row a token)."""
         return bool(self.items) and all(it.end - it.start == 1 for it in self.items)
 
     def __len__(self) -> int:
