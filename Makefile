@@ -36,12 +36,12 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # Two pytest workers, one test file each at a time (most tests wait on the processes
-# they started, so two files share the two cores); then the network-namespace tests
-# alone (run beside another file, their deployments timed out in setup).
+# they started, so two files share the two cores); then the tests marked serial, alone
+# (the network-namespace ones timed out in setup beside another file).
 test: $(STAMP) etcd
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not netns" tests
-	$(BIN)/python -m pytest -q --durations=5 -m netns tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not serial" tests
+	$(BIN)/python -m pytest -q --durations=5 -m serial tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples

@@ -9,6 +9,11 @@ from _dist_harness import coordinated_cluster
 import elasticep.membership as em
 from elasticep.distributed.control import RankControl
 
+# alone (make test's serial part): a rank here dies a few ms into recover_ranks, and a
+# run beside another test file once left a survivor's header all_reduce waiting out
+# its 20 s op timeout (not reproduced alone or under two busy loops; not explained)
+pytestmark = pytest.mark.serial
+
 HB = {"hb_interval_s": 0.1, "hb_timeout_s": 2.0}  # EOF detects kills; 2 s for freezes
 
 

@@ -46,7 +46,7 @@ from elasticep.utils.wait import wait_until
 from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
 from elasticep_testkit.harness.serve_process import ServeProcess, cli_command
 
-pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 HB_TIMEOUT_S = 2.0
 TTL_S = lease_ttl_s(HB_TIMEOUT_S)

@@ -33,7 +33,7 @@ from elasticep_testkit.harness.load import Batch, make_client
 from elasticep_testkit.harness.serve_process import ServeProcess, cli_command
 from elasticep_testkit.prompts import gsm8k_questions
 
-pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(240)]
 
 HB_TIMEOUT_S = 3.0  # --heartbeat-timeout (a 2-core machine shared by other work)
 EVICT_BOUND_S = HB_TIMEOUT_S + 1.0  # the bound: heartbeat timeout + 1 s
