@@ -37,7 +37,7 @@ demo: $(STAMP)
 
 # Two pytest workers, one test file each at a time (most tests wait on the processes
 # they started, so two files share the two cores); then the tests marked serial, alone
-# (the network-namespace ones timed out in setup beside another file).
+# (the network-namespace ones failed in setup beside another file).
 test: $(STAMP) etcd
 	$(BIN)/ruff check elasticep elasticep_testkit tests bench examples
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not serial" tests
