@@ -26,10 +26,10 @@ from elasticep_testkit.paths import DEMO_MODEL
 def test_token_rows_gives_each_token_its_table_and_its_own_context():
     h = HostLists(ids=[7, 8, 9, 5, 6], positions=[4, 5, 6, 9, 0], slots=[0] * 5,
                   starts=[0, 3, 4, 5], ctx_lens=[7, 10, 1], tables=[[3, 4], [1, 2, 6], [5]])
-    tables, lens, sampled = token_rows(h, [True, True, False])
+    tables, lens = token_rows(h)
     assert tables == [[3, 4], [3, 4], [3, 4], [1, 2, 6], [5]]
     assert lens == [5, 6, 7, 10, 1]
-    assert sampled == [2, 3]  # the last token of each sequence that samples
+    assert h.last_rows([True, True, False]) == [2, 3]  # each sampling sequence's last
 
 
 def _row_form_logits(eng: LLMEngine, batch: ScheduledBatch) -> torch.Tensor:
@@ -38,7 +38,8 @@ def _row_form_logits(eng: LLMEngine, batch: ScheduledBatch) -> torch.Tensor:
     runner = eng.runner
     bs = runner.kv_cache.block_size
     h = HostLists.of(batch, bs)
-    tables, lens, sampled = token_rows(h, [it.samples for it in batch.items])
+    tables, lens = token_rows(h)
+    sampled = h.last_rows([it.samples for it in batch.items])
     T = len(h.ids)
     paged = PagedAttentionMetadata.from_lists(tables, lens, [1] * T, bs)
     meta = AttentionMetadata(list(range(T + 1)), [1] * T,
@@ -70,7 +71,8 @@ def test_a_mixed_step_as_token_rows_equals_the_eager_forward():
     assert err < 1e-5, err
     # and the rows see the chunk causally: a wrong context length changes the logits
     h = HostLists.of(batch, 4)
-    tables, lens, sampled = token_rows(h, [True, True, False])
+    tables, lens = token_rows(h)
+    sampled = h.last_rows([True, True, False])
     wrong = PagedAttentionMetadata.from_lists(tables, [n + 1 for n in lens], [1] * len(lens), 4)
     meta = AttentionMetadata(list(range(len(lens) + 1)), [1] * len(lens),
                              torch.tensor(h.slots, dtype=torch.long), wrong)

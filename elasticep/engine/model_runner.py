@@ -70,6 +70,11 @@ class HostLists:
             h.tables.append(table)
         return h
 
+    def last_rows(self, samples: list[bool]) -> list[int]:
+        """The token index of the last token of each sequence whose ``samples`` entry
+        (one per sequence, batch order) is true: the rows whose logits are sampled."""
+        return [z - 1 for z, s in zip(self.starts[1:], samples, strict=True) if s]
+
 
 # Past this many block-table entries (tokens x the step's widest table), the table of a
 # rows replay, built on the host one row a token, costs more than the eager step's
@@ -84,25 +89,17 @@ def rows_replay_pays(num_tokens: int, tables: list[list[int]]) -> bool:
     return num_tokens * max((len(t) for t in tables), default=0) <= ROW_TABLE_ENTRIES_MAX
 
 
-def token_rows(h: HostLists, samples: list[bool]
-               ) -> tuple[list[list[int]], list[int], list[int]]:
+def token_rows(h: HostLists) -> tuple[list[list[int]], list[int]]:
     """A step as one decode row a token (pure).
 
-    Args:
-        h: the step's host lists.
-        samples: per sequence, whether it samples a token this step.
-
     Returns:
-        ``(tables, lens, sampled)``: per token, its sequence's block table and its
-        context length (its position + 1: it attends to the cache up to itself); and
-        the token index of each sampling sequence's last token, in batch order.
+        ``(tables, lens)``: per token of ``h``, its sequence's block table and its
+        context length (its position + 1: it attends to the cache up to itself).
     """
     tables: list[list[int]] = []
     for table, a, z in zip(h.tables, h.starts, h.starts[1:], strict=False):
         tables.extend([table] * (z - a))
-    lens = [p + 1 for p in h.positions]
-    sampled = [z - 1 for z, s in zip(h.starts[1:], samples, strict=True) if s]
-    return tables, lens, sampled
+    return tables, [p + 1 for p in h.positions]
 
 
 class ModelRunner:
@@ -204,12 +201,12 @@ class ModelRunner:
                             min_bucket=agreed)
         if not rows_replay_pays(len(h.ids), h.tables):
             return None
-        tables, lens, sampled = token_rows(h, [it.samples for it in batch.items])
+        tables, lens = token_rows(h)
         if max(lens) > g.max_seq_len:
             return None
         logits = g.replay(h.ids, h.positions, h.slots, tables, lens, min_bucket=agreed)
         self.prefill_replays += 1
-        rows = torch.tensor(sampled, dtype=torch.long)
+        rows = torch.tensor(h.last_rows([it.samples for it in batch.items]), dtype=torch.long)
         if rows.device != logits.device:
             rows = rows.pin_memory().to(logits.device, non_blocking=True)
         return logits.index_select(0, rows)
@@ -232,7 +229,7 @@ class ModelRunner:
         bs = self.kv_cache.block_size
         h = HostLists.of(batch, bs)
         T = len(h.ids)
-        last = [s - 1 for it, s in zip(batch.items, h.starts[1:], strict=True) if it.samples]
+        last = h.last_rows([it.samples for it in batch.items])
         host = torch.tensor(h.ids + h.positions + h.slots + last, dtype=torch.long)
         if dev.type == "cuda":
             host = host.pin_memory()
