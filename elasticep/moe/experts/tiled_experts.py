@@ -153,6 +153,35 @@ def block_layout(counts: torch.Tensor, n_rows: int, block_m: int
     return block_slot, ends - per_slot, grid_blocks
 
 
+def sort_pairs(tags: torch.Tensor, slots: int, block_m: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          int]:
+    """The pairs sorted by slot and cut into row blocks on the device (no host sync): the
+    launch layout of the tiled kernels here and in
+    :mod:`elasticep.moe.experts.fp8_tiled`.
+
+    Args:
+        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row.
+        slots: S.
+        block_m: rows per block.
+
+    Returns:
+        ``(order, starts, counts, block_slot, block_first, grid_blocks)``: ``order`` [N]
+        the pair ids in slot order (padding last, as a slot S of its own, whose block
+        group the down kernels fill with zeros); ``starts``, ``counts`` [S + 1] int64,
+        each slot's first position in that order and its pairs; the rest as
+        :func:`block_layout`.
+    """
+    key = torch.where(tags > 0, tags.long() - 1, slots)  # padding sorts after every slot
+    # a radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64 (whose
+    # passes took some 50 us a layer at 65,536 pairs in an H200 profile)
+    order = torch.argsort(key.to(torch.int16) if slots < 2**15 - 1 else key, stable=True)
+    counts = torch.zeros(slots + 1, dtype=torch.long, device=tags.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
+    starts = torch.cumsum(counts, 0) - counts
+    return (order, starts, counts, *block_layout(counts, tags.shape[0], block_m))
+
+
 def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
                  out: torch.Tensor | None = None,
                  gate_up_tile: tuple[int, int, int, int, int] | None = None,
@@ -191,16 +220,7 @@ def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: 
     out = rows.new_empty(N, H) if out is None else out
     if N == 0:
         return out
-    key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
-    # a radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64 (whose
-    # passes took some 50 us a layer at 65,536 pairs in an H200 profile)
-    order = torch.argsort(key.to(torch.int16) if S < 2**15 - 1 else key, stable=True)
-    counts = torch.zeros(S + 1, dtype=torch.long, device=rows.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
-    starts = torch.cumsum(counts, 0) - counts
-    # the padding rows are a block group of their own (slot S), which the down kernel
-    # fills with zeros
-    block_slot, block_first, grid_blocks = block_layout(counts, N, bm)
+    order, starts, counts, block_slot, block_first, grid_blocks = sort_pairs(tags, S, bm)
     act = rows.new_empty(N, inter)
     # the output-feature blocks of one row block are neighbours in launch order, so its
     # rows come from HBM once and then from L2; row blocks first, the down kernel would

@@ -1,5 +1,7 @@
 """Activations quantized to FP8 per token per 128 columns: the left operand of the
-prefill projections on FP8 tensor cores (:mod:`elasticep.models.fp8_prefill`).
+prefill matmuls on FP8 tensor cores, the dense projections'
+(:mod:`elasticep.models.fp8_prefill`) and the experts'
+(:mod:`elasticep.moe.experts.fp8_tiled`). It sits with the experts, the lower layer.
 
 The recipe is the DeepSeek-V3 report's (section 3.3, "fine-grained quantization"): each
 token's row ``x [K]`` is cut into groups of 128 columns, and each group gets its own
