@@ -51,12 +51,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from elasticep.moe.experts.fp8_activations import (
-    GROUP,
-    dequantize_activations,
-    quantize_activations,
-    quantize_activations_reference,
-)
 from elasticep.models.fp8_linear import (
     check_fp8_weight,
     fp8_linear_ok,
@@ -64,6 +58,12 @@ from elasticep.models.fp8_linear import (
     fp8_linear_triton,
 )
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_activations import (
+    GROUP,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 
 try:
     from torch.nn.functional import ScalingType, scaled_mm
