@@ -169,13 +169,13 @@ def test_kernels_interpreted_match_the_reference():
 def test_rule_sends_prefill_sized_batches_on_hopper():
     slots = 128
     big = MIN_ROWS_PER_SLOT * slots
-    assert w8a8_experts_ok(big, slots, torch.bfloat16, MIN_CAPABILITY)
-    assert w8a8_experts_ok(big, slots, torch.float16, (10, 0))
-    assert not w8a8_experts_ok(big - 1, slots, torch.bfloat16, MIN_CAPABILITY)  # too few
-    assert not w8a8_experts_ok(big, slots, torch.bfloat16, (8, 9))  # no SM90 FP8 dot
-    assert not w8a8_experts_ok(big, slots, torch.bfloat16, None)  # not CUDA
-    assert not w8a8_experts_ok(big, slots, torch.float32, MIN_CAPABILITY)
-    assert not w8a8_experts_ok(big, slots, torch.bfloat16, MIN_CAPABILITY, enabled=False)
+    assert w8a8_experts_ok(big, slots, torch.bfloat16, MIN_CAPABILITY, True)
+    assert w8a8_experts_ok(big, slots, torch.float16, (10, 0), True)
+    assert not w8a8_experts_ok(big - 1, slots, torch.bfloat16, MIN_CAPABILITY, True)  # few
+    assert not w8a8_experts_ok(big, slots, torch.bfloat16, (8, 9), True)  # no SM90 FP8 dot
+    assert not w8a8_experts_ok(big, slots, torch.bfloat16, None, True)  # not CUDA
+    assert not w8a8_experts_ok(big, slots, torch.float32, MIN_CAPABILITY, True)
+    assert not w8a8_experts_ok(big, slots, torch.bfloat16, MIN_CAPABILITY, False)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts import fp8_block, fp8_tiled
 from elasticep.moe.experts.fp8_rows import fp8_rows_ok, swiglu_rows_fp8
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
 from elasticep.moe.experts.fp8_sorted import triton as _fp8_triton
-from elasticep.moe.experts.fp8_tiled import swiglu_tiled_fp8, w8a8_experts_ok
 from elasticep.moe.experts.small_batch_experts import small_batch_ok, swiglu_rows
 from elasticep.moe.experts.sorted_experts import sorted_rows_ok, swiglu_sorted
 from elasticep.moe.experts.tiled_experts import swiglu_tiled, tiled_rows_ok
@@ -116,8 +115,10 @@ def _swiglu_fp8(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: t
     q13, s13 = fp8_block.unpack(w13, 2 * inter)
     q2, s2 = fp8_block.unpack(w2, hidden)
     cap = torch.cuda.get_device_capability(rows.device)  # cached by torch: no sync
-    if w8a8_experts_ok(tags.shape[0], w13.shape[0], rows.dtype, cap) and rows.stride(1) == 1:
-        return swiglu_tiled_fp8(q13, s13, q2, s2, rows, tags, out, row_repeat=row_repeat)
+    if (fp8_tiled.w8a8_experts_ok(tags.shape[0], w13.shape[0], rows.dtype, cap,
+                                  fp8_tiled.ENABLED) and rows.stride(1) == 1):
+        return fp8_tiled.swiglu_tiled_fp8(q13, s13, q2, s2, rows, tags, out,
+                                          row_repeat=row_repeat)
     if row_repeat > 1:
         rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
     if fp8_rows_ok(rows, q13):

@@ -152,7 +152,7 @@ if triton is not None:
 
 
 def w8a8_experts_ok(pairs: int, slots: int, dtype: torch.dtype,
-                    capability: tuple[int, int] | None, enabled: bool = ENABLED) -> bool:
+                    capability: tuple[int, int] | None, enabled: bool) -> bool:
     """Whether a batch of packed FP8 slots on CUDA runs :func:`swiglu_tiled_fp8` (pure).
 
     Args:
@@ -160,7 +160,7 @@ def w8a8_experts_ok(pairs: int, slots: int, dtype: torch.dtype,
         slots: S, the slots held.
         dtype: the activations' dtype.
         capability: the GPU's compute capability, None off CUDA.
-        enabled: the switch (:data:`ENABLED`).
+        enabled: the switch (:data:`ENABLED`, read by the caller at each call).
 
     Returns:
         True for bf16/fp16 activations on a GPU of at least :data:`MIN_CAPABILITY` with
