@@ -52,12 +52,11 @@ _experts: dict[str, tuple] = {}
 
 
 @pytest.fixture(autouse=True)
-def _float32_references():
-    # the references' float32 products must not run in TF32
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+def _no_tf32():
+    # the references' and the bounds' float32 products must be float32, not TF32
+    was, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+    torch.backends.cuda.matmul.allow_tf32 = was
 
 
 def experts(shape: str) -> tuple[torch.Tensor, ...]:

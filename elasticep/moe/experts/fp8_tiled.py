@@ -65,10 +65,25 @@ if triton is not None:
 
     from elasticep.moe.experts.fp8_activations import _round_to_e4m3
     from elasticep.moe.experts.sorted_experts import swiglu_round
-    from elasticep.moe.experts.tiled_experts import _block_rows
+    from elasticep.moe.experts.tiled_experts import _block_rows, down_block
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
                   torch.float32: tl.float32}
+
+    @triton.jit
+    def _act_step(ptr, stride, rows, m_ok, scale_ptrs, scale_col, offs_k, k_ok, c):
+        # the rows' FP8 values over one K group, and each row's scale of group c
+        a = tl.load(ptr + rows[:, None] * stride + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        return a, tl.load(scale_ptrs + c * scale_col, mask=m_ok, other=0.0)
+
+    @triton.jit
+    def _weight_step(ptr, K, feats, n_ok, scale_ptrs, offs_k, k_ok, c):
+        # the [K group, features] FP8 tile of a [features, K] weight, and each feature's
+        # block scale for group c
+        w = tl.load(ptr + feats[None, :] * K + offs_k[:, None],
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        return w, tl.load(scale_ptrs + c, mask=n_ok, other=0.0)
 
     @triton.jit
     def _w8a8_gate_up_kernel(xq_ptr, xq_stride, xs_ptr, xs_row, xs_col, order_ptr,
@@ -94,16 +109,10 @@ if triton is not None:
                 offs_k = k0 + tl.arange(0, G)
                 k_ok = offs_k < H
                 c = k0 // G
-                x = tl.load(xq_ptr + src[:, None] * xq_stride + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                xs = tl.load(xs_ptr + src * xs_row + c * xs_col, mask=m_ok, other=0.0)
-                w_mask = n_ok[None, :] & k_ok[:, None]
-                wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=w_mask,
-                             other=0.0)
-                wu = tl.load(base + (inter + offs_n[None, :]) * H + offs_k[:, None],
-                             mask=w_mask, other=0.0)
-                sg = tl.load(s_gate + c, mask=n_ok, other=0.0)
-                su = tl.load(s_up + c, mask=n_ok, other=0.0)
+                x, xs = _act_step(xq_ptr, xq_stride, src, m_ok, xs_ptr + src * xs_row, xs_col,
+                                  offs_k, k_ok, c)
+                wg, sg = _weight_step(base, H, offs_n, n_ok, s_gate, offs_k, k_ok, c)
+                wu, su = _weight_step(base, H, inter + offs_n, n_ok, s_up, offs_k, k_ok, c)
                 gate += tl.dot(x, wg) * (xs[:, None] * sg[None, :])
                 up += tl.dot(x, wu) * (xs[:, None] * su[None, :])
             # masked features have gate = up = 0, so a = 0 there and the amax is the group's
@@ -123,14 +132,9 @@ if triton is not None:
                           starts_ptr, counts_ptr, w2_ptr, w_slot, s2_ptr, s_slot, s_cols,
                           out_ptr, S, H, inter, n_groups, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, G: tl.constexpr):
-        s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
-                                              starts_ptr, counts_ptr, S, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        if live & (s == S):  # padding rows: zeros, so the output needs no fill first
-            tl.store(out_ptr + row[:, None] * H + offs_n[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+        s, pos, row, m_ok, live, offs_n, n_ok = down_block(
+            out_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S, H,
+            BLOCK_M, BLOCK_N)
         if live & (s < S):
             base = w2_ptr + s * w_slot
             s_row = s2_ptr + s * s_slot + (offs_n // G) * s_cols
@@ -140,12 +144,9 @@ if triton is not None:
                 offs_k = k0 + tl.arange(0, G)
                 k_ok = offs_k < inter
                 c = k0 // G
-                a = tl.load(aq_ptr + pos64[:, None] * inter + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a_s = tl.load(as_ptr + pos64 * n_groups + c, mask=m_ok, other=0.0)
-                w = tl.load(base + offs_n[None, :] * inter + offs_k[:, None],
-                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                ws = tl.load(s_row + c, mask=n_ok, other=0.0)
+                a, a_s = _act_step(aq_ptr, inter, pos64, m_ok, as_ptr + pos64 * n_groups, 1,
+                                   offs_k, k_ok, c)
+                w, ws = _weight_step(base, inter, offs_n, n_ok, s_row, offs_k, k_ok, c)
                 acc += tl.dot(a, w) * (a_s[:, None] * ws[None, :])
             tl.store(out_ptr + row[:, None] * H + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -103,17 +103,28 @@ if triton is not None:
                          gate, up, m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
-                           counts_ptr, w2_ptr, out_ptr, S, H, inter, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def down_block(out_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
+                   counts_ptr, S, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A down kernel's program: :func:`_block_rows` and its output features
+        ``offs_n`` (``n_ok`` inside H); a block of padding rows is written as zeros here,
+        so the output needs no fill first."""
         s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
                                               starts_ptr, counts_ptr, S, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
-        if live & (s == S):  # padding rows: zeros, so the output needs no fill first
+        if live & (s == S):
             tl.store(out_ptr + row[:, None] * H + offs_n[None, :],
                      tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
+        return s, pos, row, m_ok, live, offs_n, n_ok
+
+    @triton.jit
+    def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
+                           counts_ptr, w2_ptr, out_ptr, S, H, inter, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        s, pos, row, m_ok, live, offs_n, n_ok = down_block(
+            out_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S, H,
+            BLOCK_M, BLOCK_N)
         if live & (s < S):
             base = w2_ptr + s * H * inter
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
