@@ -72,11 +72,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def measure(name: str, tokens: int, rate: float, sweep: bool) -> dict:
-    """One JSON record: the three paths at ``tokens`` tokens of the ``name`` shape."""
+def measure(name: str, weights: tuple, tokens: int, rate: float, sweep: bool) -> dict:
+    """One JSON record: the three paths at ``tokens`` tokens of the ``name`` shape, on
+    ``weights`` (:func:`_experts`)."""
     hidden, inter, slots, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    w13, q13, s13, w2, q2, s2 = _experts(hidden, inter, slots, gen)
+    w13, q13, s13, w2, q2, s2 = weights
     rows = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     tags = (torch.rand(tokens, slots, device="cuda", generator=gen).topk(k, dim=1).indices
             .flatten() + 1)
@@ -129,9 +130,12 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products
     rate = fp8_matmul_rate("cuda")
     for name in args.shape or list(SHAPES):
+        hidden, inter, slots, _ = SHAPES[name]
+        weights = _experts(hidden, inter, slots, torch.Generator(device="cuda").manual_seed(0))
         for tokens in (int(v) for v in args.tokens.split(",")):
-            print(json.dumps(measure(name, tokens, rate, args.sweep)), flush=True)
-            torch.cuda.empty_cache()
+            print(json.dumps(measure(name, weights, tokens, rate, args.sweep)), flush=True)
+        del weights
+        torch.cuda.empty_cache()
     return 0
 
 
