@@ -63,7 +63,7 @@ _TL_DTYPES = {}
 if triton is not None:
     import triton.language as tl
 
-    from elasticep.moe.experts.fp8_activations import _round_to_e4m3
+    from elasticep.moe.experts.fp8_activations import quantize_groups
     from elasticep.moe.experts.sorted_experts import swiglu_round
     from elasticep.moe.experts.tiled_experts import _block_rows, down_block
 
@@ -117,11 +117,7 @@ if triton is not None:
                 up += tl.dot(x, wu) * (xs[:, None] * su[None, :])
             # masked features have gate = up = 0, so a = 0 there and the amax is the group's
             a = swiglu_round(gate, up, DT).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(a), axis=1), AMAX_MIN)
-            # the quantizer's arithmetic (fp8_activations), so the reference matches it
-            scale = tl.math.div_rn(amax, tl.full([BLOCK_M], QMAX, tl.float32))
-            y = tl.math.div_rn(a, scale[:, None])
-            y = _round_to_e4m3(tl.minimum(tl.maximum(y, -QMAX), QMAX))
+            y, scale = quantize_groups(a, BLOCK_M, AMAX_MIN, QMAX)  # the quantizer's own
             pos64 = pos.to(tl.int64)
             tl.store(aq_ptr + pos64[:, None] * inter + offs_n[None, :],
                      y.to(aq_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
