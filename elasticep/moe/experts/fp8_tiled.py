@@ -26,7 +26,10 @@ block), no host sync, padding rows a group of their own that the down kernel zer
 :func:`swiglu_w8a8_reference` is the same math in torch on any device: both operands
 dequantized exactly to float32, the products in float32, the same roundings and the same
 quantization of the intermediate. The kernels differ from it by how the tensor cores sum
-a K step (see ``tests/_fp8_expert_bounds.py`` for the bound the tests derive).
+a K step, by float32 order (they scale each step's sum of FP8 products, the reference
+sums products of dequantized values), and so, now and then, by which way an e4m3
+rounding of the intermediate goes (``tests/_fp8_expert_bounds.py`` derives the bounds
+the tests use).
 :func:`w8a8_experts_ok` (pure) is the rule that sends a batch here.
 """
 
@@ -51,7 +54,8 @@ from elasticep.moe.experts.tiled_experts import MIN_ROWS_PER_SLOT, sort_pairs, t
 # on; if tests/test_fp8_expert_prefill_gpu.py fails on the GPU, set this False (the
 # sorted FP8 kernels then serve those batches, as before this module).
 ENABLED = True
-# The compute capability whose FP8 tl.dot (wgmma) the GPU test covers: Hopper.
+# The least compute capability taken: Hopper's, the first with FP8 wgmma behind tl.dot
+# that the GPU test covers (it runs on this one and later ones).
 MIN_CAPABILITY = (9, 0)
 # (BLOCK_M, warps, stages) of the gate/up kernel (its output block is one 128-column
 # group) and (BLOCK_M, BLOCK_N, warps, stages) of the down kernel; K steps are 128.
