@@ -5,6 +5,7 @@ planned change waits while the store cannot take its commit (the service's
 import queue
 import threading
 import time
+from contextlib import contextmanager
 
 from _store_fakes import DownStore
 
@@ -15,6 +16,7 @@ from elasticep.membership.protocol import connect
 from elasticep.membership.service import MembershipService, SendOnConn
 from elasticep.membership.store import MemoryStore
 from elasticep.membership.transitions import OnFailure, SlotState, decide
+from elasticep.utils.wait import wait_until
 
 
 def _commit(epoch: int) -> m.Commit:
@@ -144,11 +146,10 @@ def _two_members(coord) -> tuple[list, list[queue.Queue]]:
     return conns, inbox
 
 
-def test_the_coordinator_sends_an_epoch_commit_only_once_the_store_has_it(caplog):
-    """A rank dies while the store cannot commit: the survivor gets the announcement
-    and reports, but the commit reaches it only after the store took the new state
-    (a leader cut off from etcd's majority commits no epoch its successor never sees),
-    and the coordinator logs the epoch as committed only then."""
+@contextmanager
+def _epoch_decided_while_the_store_is_down(caplog):
+    """A coordinator over a store that is down when rank 1 of 2 dies and rank 0
+    reports: epoch 1 is decided; yields (store, coordinator, rank 0's inbox)."""
     caplog.set_level("INFO", logger="elasticep.membership")
     store = DownStore()
     coord = start_coordinator(membership_store=store, hb_timeout_s=30.0)
@@ -156,12 +157,24 @@ def test_the_coordinator_sends_an_epoch_commit_only_once_the_store_has_it(caplog
     try:
         conns, inbox = _two_members(coord)
         assert coord.wait_committed(5)
-        got = inbox[0]
         store.down = True
         conns[1].close()  # rank 1 dies
-        announce = _next(got, m.Announce, 5)
+        announce = _next(inbox[0], m.Announce, 5)
         assert announce is not None and announce.epoch == 1
         conns[0].send(m.EpochReport("world", 1, 3, 3, []))
+        yield store, coord, inbox[0]
+    finally:
+        for c in conns:
+            c.close()
+        coord.close()
+
+
+def test_the_coordinator_sends_an_epoch_commit_only_once_the_store_has_it(caplog):
+    """A rank dies while the store cannot commit: the survivor gets the announcement
+    and reports, but the commit reaches it only after the store took the new state
+    (a leader cut off from etcd's majority commits no epoch its successor never sees),
+    and the coordinator logs the epoch as committed only then."""
+    with _epoch_decided_while_the_store_is_down(caplog) as (store, coord, got):
         assert _next(got, m.Commit, 1.5) is None  # held: the store has not got it
         assert not coord.store_health().ok
         assert _commit_lines(caplog, 1) == []  # decided, not committed
@@ -170,43 +183,22 @@ def test_the_coordinator_sends_an_epoch_commit_only_once_the_store_has_it(caplog
         assert commit is not None and commit.epoch == 1
         state, _ = store.load()
         assert state.groups["world"]["epoch"] == 1 and state.groups["world"]["active"] == [0]
-        assert len(_commit_lines(caplog, 1)) == 1 and "'active': [0]" in _commit_lines(
-            caplog, 1)[0]
-    finally:
-        for c in conns:
-            c.close()
-        coord.close()
+        (line,) = _commit_lines(caplog, 1)
+        assert "'active': [0]" in line
 
 
 def test_a_deposed_coordinator_logs_its_held_epoch_as_refused_not_committed(caplog):
     """The store is out of reach when an epoch is decided, and another coordinator
     commits meanwhile: once the store answers, this one's commit is fenced, the epoch
     is logged as refused, and no commit line or Commit message is ever produced."""
-    caplog.set_level("INFO", logger="elasticep.membership")
-    store = DownStore()
-    coord = start_coordinator(membership_store=store, hb_timeout_s=30.0)
-    conns: list = []
-    try:
-        conns, inbox = _two_members(coord)
-        assert coord.wait_committed(5)
-        store.down = True
-        conns[1].close()
-        assert _next(inbox[0], m.Announce, 5).epoch == 1
-        conns[0].send(m.EpochReport("world", 1, 3, 3, []))
+    with _epoch_decided_while_the_store_is_down(caplog) as (store, coord, got):
         time.sleep(0.3)
         state, rev = MemoryStore.load(store)
         MemoryStore.commit(store, state, rev)  # a successor's commit
         store.down = False
-        deadline = time.monotonic() + 5
-        while not coord.store_health().deposed and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert coord.store_health().deposed
-        assert _next(inbox[0], m.Commit, 1.0) is None
+        wait_until(lambda: coord.store_health().deposed, 5, "the coordinator deposed")
+        assert _next(got, m.Commit, 1.0) is None
         assert _commit_lines(caplog, 1) == []
         refused = [r.getMessage() for r in caplog.records
                    if "group world epoch 1 refused, never sent" in r.getMessage()]
         assert len(refused) == 1, refused
-    finally:
-        for c in conns:
-            c.close()
-        coord.close()

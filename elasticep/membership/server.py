@@ -157,9 +157,10 @@ class Coordinator:
             if done is None:
                 return
             self._snapshots = [(s, c) for s, c in self._snapshots if c > done]
-            self._send(self._gate.confirm(done))
-            for group, d in self._gate.take_committed():
+            sends = self._gate.confirm(done)
+            for group, d in self._gate.take_committed():  # logged before any rank has it
                 log_commit(group, d)
+            self._send(sends)
 
     def _refuse_held(self, reason: str) -> None:
         """Nothing commits from now on (deposed, or closing): say which decided epochs
