@@ -184,7 +184,7 @@ class FrontendMetrics:
             label = str(e.rank)
             for state in SlotState:
                 self.rank_state.labels(label, state.value).set(float(e.state == state))
-            self.rank_node.labels(label).set(e.node)
+            self.rank_node.labels(label).set(-1 if e.node is None else e.node)
 
     def store_status(self, store: StoreStatus | None) -> None:
         """Record the membership store's state (None, the embedded default: nothing)."""
