@@ -61,9 +61,14 @@ from elasticep.utils.text import unicode_problem
 logger = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
-# text prompts up to this many characters are encoded on the loop (under a
-# millisecond), longer ones on the pool (TokenizerPool.run's inline)
-INLINE_PROMPT_CHARS = 1024
+# Text prompts up to this many characters (about 800 tokens of the demo tokenizer, about
+# a millisecond of CPU) are encoded on the loop, longer ones on the pool
+# (TokenizerPool.run's inline). A pool thread's encode gives up the GIL and takes it
+# back several times; while the loop thread is busy (a burst of arrivals) each retake
+# waits for the loop to yield it, so a 256-token prompt (0.3 ms of CPU alone) took
+# 2-6 ms on the pool next to a busy thread, and its result then queued behind the
+# loop's callbacks (see tokenizer.py's TokenizerPool).
+INLINE_PROMPT_CHARS = 4096
 
 
 @dataclass(eq=False)
