@@ -65,8 +65,8 @@ TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
 # a millisecond of CPU) are encoded on the loop, longer ones on the pool
 # (TokenizerPool.run's inline). A pool thread's encode gives up the GIL and takes it
 # back several times; while the loop thread is busy (a burst of arrivals) each retake
-# waits for the loop to yield it, so a 256-token prompt (0.3 ms of CPU alone) took
-# 2-6 ms on the pool next to a busy thread, and its result then queued behind the
+# waits for the loop to yield it, so a 256-token prompt (0.3-0.5 ms of CPU) took
+# several ms on the pool beside a busy thread, and its result then queued behind the
 # loop's callbacks (see tokenizer.py's TokenizerPool).
 INLINE_PROMPT_CHARS = 4096
 
