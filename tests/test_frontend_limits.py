@@ -15,12 +15,14 @@ from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.serve_args import validate
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE, create_server
+from elasticep.frontend.openai_protocol import ChatCompletionRequest
 from elasticep.frontend.openai_serving import INLINE_PROMPT_CHARS, OpenAIServing
 from elasticep.frontend.tokenizer import TokenizerPool
 from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.status import DeploymentStatus
 from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.serving.datasets import random_requests
+from tests._frontend_live import make_chat_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,6 +171,13 @@ class _WhereTok:
     def __len__(self) -> int:
         return len(self.tok)
 
+    @property
+    def chat_template(self) -> str | None:
+        return self.tok.chat_template
+
+    def apply_chat_template(self, *args, **kw):
+        return self.tok.apply_chat_template(*args, **kw)
+
 
 def test_a_benchmark_sized_prompt_is_encoded_on_the_loop_and_a_long_one_on_the_pool():
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
@@ -184,3 +193,21 @@ def test_a_benchmark_sized_prompt_is_encoded_on_the_loop_and_a_long_one_on_the_p
         serving.tokenizers.close()
     assert _WhereTok.on_loop == [True, False]
     assert ids == [tok.encode(prompt), tok.encode(long)] and len(ids[0]) >= 250
+
+
+def test_a_short_chat_is_rendered_on_the_loop_and_a_long_one_on_the_pool(tmp_path):
+    tok = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "chat"))
+    serving = OpenAIServing(None, _WhereTok(tok), "m", 1 << 20)
+    short = "How many pets does Ann have? " * 40  # about 1.2k characters
+    long = short * (INLINE_PROMPT_CHARS // len(short) + 1)
+    _WhereTok.on_loop.clear()
+    try:
+        ids = [asyncio.run(serving._chat_inputs(ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": text}])))[0]
+            for text in (short, long)]
+    finally:
+        serving.tokenizers.close()
+    assert _WhereTok.on_loop == [True, False]
+    text = tok.apply_chat_template([{"role": "user", "content": short}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert short in text and ids[0] == tok.encode(text, add_special_tokens=False)

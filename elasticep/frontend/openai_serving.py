@@ -180,7 +180,11 @@ class OpenAIServing:
         messages = [m.for_template() for m in req.messages]
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
-        ids = list(await self.tokenizers.run(_chat_ids, messages, req.tools_for_template()))
+        tools = req.tools_for_template()
+        # a short chat without tools renders and encodes on the loop, as a short prompt
+        # does (INLINE_PROMPT_CHARS); tool schemas make the template's work open-ended
+        inline = tools is None and sum(len(m["content"]) for m in messages) <= INLINE_PROMPT_CHARS
+        ids = list(await self.tokenizers.run(_chat_ids, messages, tools, inline=inline))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len, req.max_tokens_param())
         return ids, self.check_token_ids(req.to_sampling_params(max_tokens,
