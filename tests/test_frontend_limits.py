@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from _frontend_live import make_chat_model
 from transformers import AutoTokenizer
 
 from elasticep.entrypoints.cli import build_parser
@@ -22,7 +23,6 @@ from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.status import DeploymentStatus
 from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.serving.datasets import random_requests
-from tests._frontend_live import make_chat_model
 
 pytestmark = pytest.mark.timeout(120)
 
