@@ -8,12 +8,12 @@ keeps its placeholder, and the coordinator keeps looking until each member is ba
 failed."""
 
 import uuid
-from functools import partial
 
 import pytest
 
 from elasticep.membership.directory import RANKS, Announcement, rank_processes
 from elasticep.membership.etcd_store import EtcdMembershipStore
+from elasticep.membership.lease_watch import LiveRanks
 from elasticep.membership.messages import (
     Announce,
     Commit,
@@ -225,7 +225,7 @@ def test_a_coordinator_taking_over_fails_a_rank_when_its_key_goes(etcd_url):
     keys = _rank_keys(store, {0: 100, 1: 101})
     coord = start_coordinator(membership_store=EtcdMembershipStore(parse_store_url(url)),
                               hb_timeout_s=30.0,
-                              rank_processes=partial(rank_processes, store))
+                              rank_processes=LiveRanks(store, "new-leader:1").start())
     try:
         def dead() -> set[int]:
             tr = coord.service.group("world").transition
