@@ -113,7 +113,7 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
             left = node1_api.wait_for(lambda s: s.rank(0).state == SlotState.FREE
                                       and s.healthy_ranks() == [2, 3], 10,
                                       "node 0's slots retired")
-            assert left.rank(1).state == SlotState.FREE  # a failed slot retired too
+            assert left.rank(1).state == SlotState.FAILED  # its death was a failure
             log1 = (tmp_path / "node1.log").read_text(errors="replace")
             assert f"rank 0 (pid {rank0}) left after its planned removal" in log1
             assert f"rank 0 (pid {rank0}) dead" not in log1

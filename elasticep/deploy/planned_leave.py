@@ -3,8 +3,8 @@
 When one node's ``serve`` is stopped on purpose (Ctrl-C, SIGTERM) and another node's
 coordinator replica leads, the leader would see that node's ranks exit and fail them:
 a failure epoch, ``failed`` slots, warnings, as if the node had crashed. The node
-instead retires its own slots first, as a planned scale-down does
-(``CoordinatorClient.retire(node=K)``): its ranks drain (their requests and experts
+instead retires the slots of its live ranks first, as a planned scale-down does
+(``CoordinatorClient.retire``): its ranks drain (their requests and experts
 move to the other nodes' ranks), leave at a step boundary and exit 0, the leader logs
 each as "left after its planned removal", and the slots become free (retired), so no
 launcher relaunches them. Run again with the same flags, the node takes them back in
@@ -32,7 +32,9 @@ _LOOK_S = 0.5  # how often the deployment's status is asked while waiting, secon
 
 
 def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
-    """Retire the slots of ``deployment``'s node through the leader and wait up to
+    """Retire the slots of the live ranks ``deployment`` started through the leader
+    (named by rank: a leader that took over may not know every rank's node yet) and
+    wait up to
     ``timeout_s`` seconds for every worker started here to exit (see the module
     docstring). Call before :meth:`Deployment.stop`, which kills what is left.
 
@@ -40,11 +42,12 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
         True when no worker started here is left running; False when the leader
         refused or could not be asked (the reason is logged), or time ran out.
     """
-    if not deployment.pids(live_only=True):
+    ranks = sorted(deployment.pids(live_only=True))
+    if not ranks:
         return True
     node = deployment.node
     try:
-        op = deployment.launcher.call(lambda c: c.retire(node=node))
+        op = deployment.launcher.call(lambda c: c.retire(ranks=ranks))
     except (ValueError, ConnectionError, TimeoutError, OSError) as exc:
         logger.info("node %d: stopping without retiring its slots first: %s", node, exc)
         return False
@@ -59,7 +62,7 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
                            sorted(deployment.pids(live_only=True)), timeout_s)
             return False
         if time.monotonic() >= next_look:
-            why = _cannot_finish(deployment)
+            why = _cannot_finish(deployment, ranks)
             if why:
                 logger.info("node %d: stopping before its ranks left: %s", node, why)
                 return False
@@ -69,14 +72,14 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
     return True
 
 
-def _cannot_finish(deployment: Deployment) -> str | None:
-    """Why the retirement cannot finish (the other nodes are stopping too, or the leader
-    does not answer), or None."""
+def _cannot_finish(deployment: Deployment, leaving: list[int]) -> str | None:
+    """Why the retirement of ``leaving`` cannot finish (the other nodes are stopping
+    too, or the leader does not answer), or None."""
     try:
         status = deployment.deployment_status()
     except (ValueError, ConnectionError, TimeoutError, OSError) as exc:
         return f"the coordinator does not answer ({exc})"
-    if not any(r.node != deployment.node and r.state == SlotState.HEALTHY
+    if not any(r.rank not in leaving and r.state == SlotState.HEALTHY
                for r in status.ranks):
-        return "no other node has a healthy rank left (the deployment is stopping)"
+        return "no other rank is healthy (the other nodes are stopping too)"
     return None
