@@ -19,7 +19,9 @@ too while it waits (every node told to stop at once) or the leader stops answeri
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import Any
 
 from elasticep.deploy.deployment import Deployment
 from elasticep.membership.transitions import SlotState
@@ -32,11 +34,10 @@ _LOOK_S = 0.5  # how often the deployment's status is asked while waiting, secon
 
 
 def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
-    """Retire the slots of the live ranks ``deployment`` started through the leader
-    (named by rank: a leader that took over may not know every rank's node yet) and
-    wait up to
-    ``timeout_s`` seconds for every worker started here to exit (see the module
-    docstring). Call before :meth:`Deployment.stop`, which kills what is left.
+    """Retire the slots of the live ranks ``deployment`` started, through the leader,
+    and wait up to ``timeout_s`` seconds for every worker started here to exit (see
+    the module docstring). Call before :meth:`Deployment.stop`, which kills what is
+    left.
 
     Returns:
         True when no worker started here is left running; False when the leader
@@ -46,10 +47,9 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
     if not ranks:
         return True
     node = deployment.node
-    try:
-        op = deployment.launcher.call(lambda c: c.retire(ranks=ranks))
-    except (ValueError, ConnectionError, TimeoutError, OSError) as exc:
-        logger.info("node %d: stopping without retiring its slots first: %s", node, exc)
+    op, why = _ask_retirement(deployment, ranks)
+    if op is None:
+        logger.info("node %d: stopping without retiring its slots first: %s", node, why)
         return False
     logger.info("node %d: a planned stop: retiring slots %s (operation %s) before its "
                 "ranks stop", node, op.get("slots"), op.get("operation_id"))
@@ -70,6 +70,27 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
         time.sleep(_POLL_S)
     logger.info("node %d: its ranks left after their planned removal", node)
     return True
+
+
+def _ask_retirement(deployment: Deployment,
+                    ranks: list[int]) -> tuple[dict[str, Any] | None, str]:
+    """Ask the leader to retire ``ranks`` (named by rank: a leader that took over may not
+    know every rank's node yet); (its answer, "") or (None, why not)."""
+    # one id for both tries: a repeat of a retirement that did reach the leader is
+    # answered again, not refused
+    op_id = f"stop-node{deployment.node}-{os.getpid()}"
+    why = ""
+    for _ in range(2):
+        try:
+            return deployment.launcher.call(
+                lambda c: c.retire(ranks=ranks, operation_id=op_id)), ""
+        except ValueError as exc:  # refused
+            return None, str(exc)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            # a connection to a leader that has gone fails once; the next call finds
+            # the new leader
+            why = str(exc)
+    return None, why
 
 
 def _cannot_finish(deployment: Deployment, leaving: list[int]) -> str | None:
