@@ -43,9 +43,9 @@ from bench.fp8_experts import versus_bound
 from bench.prefill import fp8_matmul_rate
 from bench.spike_stream_wait import replay_ms
 from elasticep.models import fp8_prefill
-from elasticep.models.fp8_activations import quantize_activations
 from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton, plan, sm_count
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_activations import quantize_activations
 
 SHAPES = {
     "qwen3-30b-a3b.qkv": (5120, 2048), "qwen3-30b-a3b.o": (2048, 4096),

@@ -229,3 +229,41 @@ def test_a_coordinator_that_steps_down_with_its_lifeline_open_exits_cleanly():
     finally:
         proc.stdin.close()
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+# A standby replica's child with torch made unimportable and the campaign replaced by
+# one that reports and ends the standby: it must reach its campaign all the same.
+NO_TORCH_REPLICA = textwrap.dedent("""
+    import importlib.abc, os, socket, sys
+
+    class NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is not importable here")
+            return None
+
+    sys.meta_path.insert(0, NoTorch())
+    from elasticep.membership import election, process
+
+    def campaign_for(*args, **kwargs):
+        print("campaigning; torch imported:", "torch" in sys.modules, flush=True)
+        return None, None  # as a standby told to stop before it was elected
+
+    election.campaign_for = campaign_for
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sys.exit(process.main(["--host", "127.0.0.1", "--listen-fd", str(sock.fileno()),
+                           "--parent-pid", str(os.getppid()), "--hb-interval-s", "0.2",
+                           "--hb-timeout-s", "2", "--join-hb-timeout-s", "30",
+                           "--membership-store", "etcd://127.0.0.1:9", "--standby"]))
+""")
+
+
+def test_a_standby_replica_campaigns_before_torch_is_loaded():
+    """torch (the rendezvous TCPStore) loads beside the campaign (membership/candidacy.py),
+    so a replica that replaces a dead one is a candidate at once: here torch cannot be
+    imported at all, and the child still campaigns, with torch not in sys.modules."""
+    out = subprocess.run([sys.executable, "-c", NO_TORCH_REPLICA], capture_output=True,
+                         text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["campaigning; torch imported: False"], out.stderr[-3000:]

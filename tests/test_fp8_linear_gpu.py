@@ -105,3 +105,16 @@ def test_fp8_demo_model_decodes_through_graphs_and_is_as_close_as_its_dequantize
     # a 24M-parameter model amplifies either: an H100 gave 0.040 against 0.030. A wrong
     # scale block or row order is far outside this (the CPU tests break those on purpose).
     assert err_fp8 <= 1.5 * err_old, (err_fp8, err_old)
+
+
+def test_fp8_demo_model_prefill_replays_as_token_rows_equal_to_eager():
+    """The FP8 projections inside a prefill or mixed step replayed as decode-graph rows
+    (16-token chunks beside decodes, 32-row buckets): every step's logits equal the eager
+    forward's, whose prompt rows take the same FP8 kernels at other row counts."""
+    cfg = EngineConfig(max_total_tokens=4096, max_num_seqs=8, enable_cuda_graph=True,
+                       chunked_prefill_size=16, cuda_graph_max_bs=32)
+    eng = LLMEngine(load_model(DEMO_MODEL, progress=False, dtype=torch.bfloat16, device="cuda",
+                               quantization="fp8"), cfg)
+    assert graph_steps_match_eager(eng, random_prompts((5, 100, 17, 64, 2), seed=2), 8) >= 6
+    # 188 prompt tokens, at most 16 a step: at least 12 steps replayed as rows
+    assert eng.runner.prefill_replays >= 12, eng.runner.prefill_replays

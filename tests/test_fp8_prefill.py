@@ -1,4 +1,4 @@
-"""The FP8 prefill path (:mod:`elasticep.models.fp8_activations`,
+"""The FP8 prefill path (:mod:`elasticep.moe.experts.fp8_activations`,
 :mod:`elasticep.models.fp8_prefill`) on the CPU.
 
 The activation quantizer against a hand-computed case; its Triton kernel under
@@ -20,11 +20,6 @@ import pytest
 import torch
 from _interpreted import run_interpreted
 
-from elasticep.models.fp8_activations import (
-    MIN_AMAX,
-    dequantize_activations,
-    quantize_activations_reference,
-)
 from elasticep.models.fp8_linear import fp8_linear_reference
 from elasticep.models.fp8_prefill import (
     ACCUMULATION_ERROR,
@@ -38,6 +33,11 @@ from elasticep.models.fp8_prefill import (
 )
 from elasticep.models.linear import Fp8Weight, linear
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_activations import (
+    MIN_AMAX,
+    dequantize_activations,
+    quantize_activations_reference,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -266,9 +266,9 @@ def _scaled_mm_as_documented(a, b, scale_a, recipe_a, scale_b, recipe_b, output_
 
 def _interpreted_results() -> dict:
     from elasticep.models import fp8_prefill
-    from elasticep.models.fp8_activations import quantize_activations
     from elasticep.models.fp8_linear import fp8_linear_triton
     from elasticep.models.fp8_prefill import _probe_one
+    from elasticep.moe.experts.fp8_activations import quantize_activations
 
     out = {}
     base = _hand_case()

@@ -15,10 +15,13 @@ import elasticep.models.linear as linear_mod
 from elasticep.engine.llm_engine import EngineConfig, LLMEngine
 from elasticep.models import fp8_prefill as fp
 from elasticep.models import load_model
-from elasticep.models.fp8_activations import quantize_activations, quantize_activations_reference
 from elasticep.models.fp8_linear import fp8_linear_reference, fp8_linear_triton
 from elasticep.models.linear import Fp8Weight, linear
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_activations import (
+    quantize_activations,
+    quantize_activations_reference,
+)
 from elasticep_testkit.paths import DEMO_MODEL
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

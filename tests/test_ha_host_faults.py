@@ -16,8 +16,10 @@ the front-end of the node that is not hit. In the module's order:
 2. the host of whichever replica leads then is cut off (its link down) under load: the
    majority side elects a leader and serves every stream with the fault-free text; the
    cut-off replica announces the failure of the other node's ranks yet none of its
-   ranks applies a commit after the cut; after the heal its ranks, declared dead, exit,
-   and no epoch was ever applied by two ranks with different active sets.
+   ranks applies a commit while cut off; after the heal its ranks, declared dead, exit
+   and their node relaunches them into their slots (the membership failed them; no
+   --restart-failed-ranks needed), and no epoch was ever applied by two ranks with
+   different active sets.
 
 The ranks' own logs are the record of what was used: each rank logs every commit it
 applies (``epoch E rank R group world: commit KIND active=[...]``, with its time).
@@ -273,14 +275,20 @@ def test_leader_host_cut_off_from_the_etcd_majority(hosts: Hosts):
     wait_until(lambda: any(t > t_cut and dead == RANKS[other]
                            for t, dead in announced(cut_serve.log_path)), 10,
                "the cut-off replica to announce the failure of the other node's ranks")
+    t_heal = time.time()
     c.net.heal(c.net.hosts[cut])
     c.check_burst(other)
     # healed, the cut-off replica finds the other leading and steps down; its ranks try
-    # to resume with that leader, which declared them dead: they exit
+    # to resume with that leader, which declared them dead: they exit, and their node's
+    # serve relaunches them (no --restart-failed-ranks: the membership failed them, they
+    # did not crash), so they rejoin their slots
     wait_until(lambda: not any(pid_alive(p) for p in cut_pids), 30,
                "the cut-off node's ranks to exit after the heal")
+    back = front.wait_for(lambda s: s.healthy_ranks() == [0, 1, 2, 3], 90,
+                          "the cut-off node's ranks to rejoin after the heal")
+    assert not {back.rank(r).pid for r in RANKS[cut]} & set(cut_pids)
     commits = rank_commits(c.logs)
-    late = [x for x in commits if x[0] > t_cut and x[2] in RANKS[cut]]
-    assert late == [], f"the cut-off node's ranks applied commits after the cut: {late}"
+    late = [x for x in commits if t_cut < x[0] < t_heal and x[2] in RANKS[cut]]
+    assert late == [], f"the cut-off node's ranks applied commits while cut off: {late}"
     assert any(e > before.epoch and a == RANKS[other] for _, e, _, a in commits), commits
     assert split_brain(commits) == {}, split_brain(commits)

@@ -97,3 +97,24 @@ def test_expanded_prefill_matches_fp32_masked_form(n):
     assert got.shape == want.shape
     err = float((got.float().cpu() - want).norm() / want.norm())
     assert err < 1e-2, err
+
+
+def test_deepseek_prefill_and_mixed_steps_replay_as_token_rows(tmp_path):
+    """MLA's prompt tokens through the decode graphs, one row a token (the absorbed
+    decode form over the rows' own contexts): 16-token chunks beside decodes fit the
+    32-row buckets, and every such step's logits equal the eager forward's (which takes
+    MLA's expanded prefill form)."""
+    from _deepseek_ckpt import build
+    from _graph_checks import graph_steps_match_eager, random_prompts
+
+    from elasticep.engine.llm_engine import EngineConfig, LLMEngine
+
+    build("v2_lite", tmp_path, kv_lora_rank=64, qk_rope_head_dim=16)
+    eng = LLMEngine.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda", progress=False,
+                                    config=EngineConfig(max_total_tokens=2048, max_num_seqs=4,
+                                                        enable_cuda_graph=True,
+                                                        chunked_prefill_size=16,
+                                                        cuda_graph_max_bs=32))
+    steps = graph_steps_match_eager(eng, random_prompts((5, 40, 17)), 8)
+    # 62 prompt tokens in chunks of at most 16: at least 4 steps replayed as rows
+    assert steps >= 6 and eng.runner.prefill_replays >= 4, eng.runner.prefill_replays

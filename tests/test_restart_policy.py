@@ -121,7 +121,7 @@ def test_the_restart_budget_is_a_rate():
     actions, ledger = look(20.0, ledger, crash)  # third within the window: it waits
     assert actions == [] and ledger.waiting == (1,)
     assert restart_budget(policy, ledger, 20.0) == {
-        "max_restarts": 2, "restart_window_s": 100.0, "enabled": True,
+        "max_restarts": 2, "restart_window_s": 100.0, "enabled": True, "rejoin_lost": False,
         "recent_restarts": {"1": 2}, "waiting_for_budget": [1]}
     actions, ledger = look(99.0, ledger)
     assert actions == []
@@ -159,3 +159,27 @@ def test_an_exit_after_admission_is_never_called_one_before_it(caplog, capsys):
         "epoch 7: rank 5 (pid 15) exited with -9 before it was admitted; its slot is free "
         "capacity again"]
     assert ledger.admitted == {}
+
+
+def test_with_standby_coordinators_a_rank_the_membership_failed_rejoins_its_slot():
+    """Without --restart-failed-ranks, under etcd (``rejoin_lost``): an exit with 3 (the
+    membership failed the rank while it lived: its node was cut off) is relaunched in
+    recover mode, within the budget; a crash is still only logged. One that exits while
+    no coordinator answers waits for one, with no time limit (quorum comes back when
+    the partition heals); the embedded default is unchanged."""
+    policy = Policy(OnExit.LOG, Until.ALL_EXITED, max_restarts=1, coordinator_timeout_s=30,
+                    rejoin_lost=True)
+    view = _view({0: "failed", 1: "failed"})
+    actions, ledger = decide(view, [RankExit(0, 10, 3), RankExit(1, 11, 1)], policy, Ledger())
+    assert _kinds(actions) == [("relaunch", 0)] and "membership" in actions[0].why
+    assert decide(view, [RankExit(0, 10, 3)], Policy(OnExit.LOG), Ledger())[0] == []
+    # over the budget: it waits for it, as a relaunched crash does
+    actions, ledger = decide(view, [RankExit(0, 12, 3)], policy, ledger)
+    assert actions == [] and ledger.waiting == (0,)
+    assert restart_budget(policy, ledger, 0.0)["rejoin_lost"] is True
+    # the exit seen while the node is cut off: relaunched once a coordinator answers
+    actions, ledger = decide(_view(None), [RankExit(1, 13, 3)], policy, Ledger())
+    assert actions == [] and ledger.deferred == (1,)
+    assert ending(policy, ledger, idle=lambda: True, unreachable_for_s=3600) is None
+    actions, ledger = decide(_view({1: "failed"}), [], policy, ledger)
+    assert _kinds(actions) == [("relaunch", 1)] and ledger.deferred == ()

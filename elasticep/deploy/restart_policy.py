@@ -21,7 +21,13 @@ The rules (``--restart-failed-ranks`` is :attr:`OnExit.RELAUNCH`):
 * a failed rank of this node that another launcher started (a `join`) is relaunched too;
 * with :attr:`OnExit.LOG` exits are only logged (with the `join` command that
   relaunches them); with :attr:`OnExit.STOP` (``--elastic-ep-backend none``) the first
-  exit stops the deployment.
+  exit stops the deployment;
+* with a membership store (:attr:`Policy.rejoin_lost`, ``--membership-store etcd://``)
+  a rank that exits with :attr:`ExitCode.LOST` is relaunched as with RELAUNCH, even
+  under LOG: the membership failed it while its process was sound (its node was cut
+  off from the leader and etcd's majority, or it lost every coordinator for its stall
+  grace), so once the node is back in quorum it rejoins its slot, within the same
+  budget; a crash is still only logged.
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class Policy:
         restart_window_s: the window of that budget (seconds; ``--restart-window``).
         coordinator_timeout_s: with RELAUNCH, how long ranks that exited while the
             coordinator was unreachable wait for it (seconds; ``--coordinator-timeout``).
+        rejoin_lost: relaunch ranks that exit with :attr:`ExitCode.LOST` under LOG too
+            (a deployment with standby coordinators: see the module docstring).
     """
 
     on_exit: OnExit = OnExit.LOG
@@ -104,6 +112,12 @@ class Policy:
     max_restarts: int = 5
     restart_window_s: float = 600.0
     coordinator_timeout_s: float = 60.0
+    rejoin_lost: bool = False
+
+    def relaunches(self, code: int) -> bool:
+        """Whether an exit with ``code`` is relaunched."""
+        return self.on_exit == OnExit.RELAUNCH or (
+            self.rejoin_lost and self.on_exit == OnExit.LOG and code == ExitCode.LOST)
 
     def budget(self) -> dict[str, float]:
         """The budget as ``/elastic_ep_status`` shows it."""
@@ -174,6 +188,7 @@ def restart_budget(policy: Policy, ledger: Ledger, now: float) -> dict:
     """The restart budget as ``/elastic_ep_status`` shows it: the flags, and per rank
     the relaunches inside the window and whether it waits for the budget."""
     return {**policy.budget(), "enabled": policy.on_exit == OnExit.RELAUNCH,
+            "rejoin_lost": policy.rejoin_lost and policy.on_exit == OnExit.LOG,
             "recent_restarts": {str(r): n for r, n in
                                 sorted(ledger.recent(now, policy.restart_window_s).items())},
             "waiting_for_budget": sorted(ledger.waiting)}
@@ -226,21 +241,24 @@ def decide(view: View, exits: Sequence[RankExit], policy: Policy,
                          ex.code)
             plan.actions.append(Action(ActionKind.STOP, ex.rank))
             return plan.actions, plan.ledger(deferred)
-        if world is None and relaunching and ex.code != ExitCode.REMOVED:
+        if world is None and policy.relaunches(ex.code) and ex.code != ExitCode.REMOVED:
             logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
-                           "unreachable; relaunching it when the coordinator answers "
-                           "(up to %g s, --coordinator-timeout)", ex.rank, ex.pid,
-                           ex.code, policy.coordinator_timeout_s)
+                           "unreachable; relaunching it when the coordinator answers (%s)",
+                           ex.rank, ex.pid, ex.code,
+                           f"up to {policy.coordinator_timeout_s:g} s, --coordinator-timeout"
+                           if relaunching else "this node is cut off from the leader and "
+                           "etcd's majority: whenever it is back in quorum")
             deferred.append(ex.rank)
             continue
         plan.on_exit(ex)
     if relaunching:
         plan.kill_frozen()
-        if world is not None:
-            for rank in deferred:
-                plan.relaunch(rank, "lost the coordinator")
-            deferred.clear()
-            plan.retry_waiting()
+    if world is not None:
+        for rank in deferred:
+            plan.relaunch(rank, "lost the coordinator")
+        deferred.clear()
+        plan.retry_waiting()
+        if relaunching:
             plan.adopt_failed()
     return plan.actions, plan.ledger(deferred)
 
@@ -256,12 +274,14 @@ def ending(policy: Policy, ledger: Ledger, idle: Callable[[], bool],
             if it answered at the last look.
 
     Returns:
-        GIVE_UP: ranks wait for a coordinator unreachable past the timeout; DONE: the
-        policy returns once all exited and they have; None: go on.
+        GIVE_UP: with RELAUNCH, ranks wait for a coordinator unreachable past the
+        timeout; DONE: the policy returns once all exited and they have; None: go on.
     """
     idle = (bool(ledger.deferred) or policy.until == Until.ALL_EXITED) and idle()
+    # ranks the membership failed (rejoin_lost) wait for quorum however long it takes
     if (ledger.deferred and idle and unreachable_for_s is not None
-            and unreachable_for_s > policy.coordinator_timeout_s):
+            and unreachable_for_s > policy.coordinator_timeout_s
+            and policy.on_exit == OnExit.RELAUNCH):
         return End.GIVE_UP
     if policy.until == Until.ALL_EXITED and idle and not ledger.deferred:
         return End.DONE
@@ -345,10 +365,15 @@ class _Plan:
             logger.warning("rank %d (pid %d) exited with %d while the coordinator is "
                            "unreachable", ex.rank, ex.pid, ex.code)
             return
-        if self.policy.on_exit != OnExit.RELAUNCH:
+        if not self.policy.relaunches(ex.code):
             logger.warning("epoch %d: rank %d (pid %d) exited with %d; relaunch it with `%s`",
                            epoch, ex.rank, ex.pid, ex.code,
                            recover_command(self.view.address, ex.rank, self.view.node))
+            return
+        if self.policy.on_exit != OnExit.RELAUNCH:
+            self.relaunch(ex.rank, f"(pid {ex.pid}) was failed by the membership while it "
+                          f"lived (exit {ex.code}: evicted, say after its node was cut off, "
+                          "or it lost the coordinator); it rejoins its slot")
             return
         self.relaunch(ex.rank, f"(pid {ex.pid}) exited with {ex.code}")
 

@@ -84,6 +84,7 @@ from .api import (
     BackendOptions,
     _create_backend,
     add_change_listener,
+    add_leader_listener,
     all_to_all_single,
     deactivate_ranks,
     get_active_ranks,
@@ -98,6 +99,7 @@ from .api import (
     recover_ranks,
     store_client,
 )
+from .leader_store import LeaderStore
 from .process_group import ElasticProcessGroup
 
 if "elastic" not in _dist.Backend.backend_list:
@@ -105,10 +107,10 @@ if "elastic" not in _dist.Backend.backend_list:
                                    devices=["cpu"])
 
 __all__ = [
-    "BackendOptions", "add_change_listener", "all_to_all_single", "CoordinatorLostError",
+    "BackendOptions", "add_change_listener", "add_leader_listener", "all_to_all_single", "CoordinatorLostError",
     "ElasticError", "ElasticProcessGroup", "EpochChangedError", "RankEvictedError",
     "RankFailureError", "RankRemovedError", "deactivate_ranks", "get_active_ranks",
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",
-    "group_diagnostics", "store_client",
+    "group_diagnostics", "LeaderStore", "store_client",
     "has_pending_change", "init_process_group", "join_group", "recover_ranks",
 ]

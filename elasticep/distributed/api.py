@@ -112,6 +112,19 @@ def _follow_leader() -> None:
     _store = _new_store()
 
 
+def add_leader_listener(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after each coordinator leader change this process resumed through
+    (``--membership-store etcd://...``), once :func:`store_client` names the new
+    leader's store. It runs on the control thread: it must be quick (mark, not move).
+
+    Raises:
+        RuntimeError: no control connection yet (:func:`connect`).
+    """
+    if _ctl is None:
+        raise RuntimeError("call elasticep.distributed.init_process_group first")
+    _ctl.on_resumed.append(fn)
+
+
 def control_address() -> str | None:
     """Coordinator address of this process's live control connection (None: none yet)."""
     if _ctl is None or _ctl.lost or _ctl.evicted:

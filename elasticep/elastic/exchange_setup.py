@@ -20,7 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elasticep.config import A2ABackend, DeploymentConfig
+import elasticep.distributed as ed
+from elasticep.config import A2ABackend, Backend, DeploymentConfig
 from elasticep.engine.limits import max_step_tokens
 from elasticep.models.config import MoEModelConfig
 from elasticep.moe.exchange import stream_memops
@@ -78,15 +79,26 @@ def build_exchange(d: DeploymentConfig, model_config: MoEModelConfig, rank: int,
     return ex
 
 
-def exchange_store(d: DeploymentConfig, timeout_s: float) -> dist.Store:
-    """A client of the deployment's rendezvous TCPStore, under this module's prefix."""
+def exchange_store(d: DeploymentConfig, timeout_s: float) -> dist.Store | ed.LeaderStore:
+    """A client of the deployment's rendezvous TCPStore, under this module's prefix.
+
+    With standby coordinators (``--membership-store etcd://...``, elastic backend) that
+    is the current leader's store, followed to each new leader
+    (:class:`~elasticep.distributed.LeaderStore`; the caller adds what it publishes to
+    its ``republish``): ``d.store_addr`` names the first leader's, gone with it. Needs
+    the rank's control connection (``init_process_group``) then.
+    """
+    if d.elastic_ep_backend == Backend.ELASTIC and d.membership_store.startswith("etcd"):
+        store = ed.LeaderStore(lambda: dist.PrefixStore(STORE_PREFIX, ed.store_client()))
+        ed.add_leader_listener(store.follow)
+        return store
     host, _, port = d.store_addr.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
-def sync_exchange(ex: IpcExchange, store: dist.Store, active: torch.Tensor,
+def sync_exchange(ex: IpcExchange, store: dist.Store | ed.LeaderStore, active: torch.Tensor,
                   timeout_s: float = 60.0) -> None:
     """Bring the exchange to the membership ``active`` ([max_ep_size] bool): map members
     not mapped yet (or relaunched since), unmap ranks that left, then

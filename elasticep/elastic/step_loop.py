@@ -93,7 +93,8 @@ class LockstepLoop:
             when the membership changes or the step passes ``exchange_deadline_s``; the
             commit then carries an "aborted" vote, and any vote redoes the step.
         exchange_store: the store its peers' buffers are published in (for remapping
-            after membership changes).
+            after membership changes); a ``LeaderStore`` moves to a new leader's store
+            at the next step.
         exchange_deadline_s: the longest a step may wait on its peers (seconds).
         defer_publish: send a step's outputs while the next forward runs (see the module
             doc); None: when ``exchange`` runs on CUDA.
@@ -106,7 +107,8 @@ class LockstepLoop:
                  idle_wait_s: float = 0.002, max_idle_wait_s: float = 0.05,
                  log_stats_interval_s: float = 10.0,
                  profiler: StepProfiler | None = None,
-                 exchange: IpcExchange | None = None, exchange_store: dist.Store | None = None,
+                 exchange: IpcExchange | None = None,
+                 exchange_store: dist.Store | ed.LeaderStore | None = None,
                  exchange_deadline_s: float = 30.0,
                  defer_publish: bool | None = None) -> None:
         self.engine, self.ep, self.channel, self.group = engine, ep, channel, group
@@ -221,6 +223,8 @@ class LockstepLoop:
                 self.pending = self.engine.schedule()
         local_work = int(self.engine.has_unfinished() or self.pending is not None)
         admit, remove = self.view.votes()
+        if isinstance(self.exchange_store, ed.LeaderStore):  # marked before the new
+            self.exchange_store.try_catch_up()  # leader's requests: before any admission
         num_tokens = self.pending.num_tokens if self.pending is not None else 0
         header = step_header(local_work, admit, remove, self.rank, num_tokens)
         timers.enter("header")

@@ -169,6 +169,8 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
         # no NCCL communicator is built for the group (ranks may share a GPU): expert
         # weights move as device copies from the peers' mapped tensors
         ep.peer_weights = PeerWeights(cfg.rank, store)
+        if isinstance(store, ed.LeaderStore):  # a new leader's store starts empty
+            store.republish += [exchange.republish, ep.peer_weights.republish]
         if not joining:  # a joiner publishes once admitted (it holds nothing before)
             ep.peer_weights.publish(ep.w13, ep.w2)
             sync_exchange(exchange, store, ed.get_active_ranks(group).to(torch.bool)

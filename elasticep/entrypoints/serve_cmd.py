@@ -206,7 +206,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         fatal = not deployment.fault_tolerant  # backend none: any exit stops all
         policy = Policy(on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
                         max_restarts=settings.max_restarts,
-                        restart_window_s=settings.restart_window_s)
+                        restart_window_s=settings.restart_window_s,
+                        rejoin_lost=dep.membership_store.startswith("etcd://"))
         exits = supervise(deployment, stop, policy,
                           on_look=lambda ledger, now: frontend.set_status_extra(
                               "restart_budget", restart_budget(policy, ledger, now)))

@@ -175,7 +175,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 on_exit_for(settings.restart_failed_ranks, deployment.fault_tolerant),
                 Until.ALL_EXITED, max_restarts=settings.max_restarts,
                 restart_window_s=settings.restart_window_s,
-                coordinator_timeout_s=settings.coordinator_timeout_s))
+                coordinator_timeout_s=settings.coordinator_timeout_s,
+                rejoin_lost=dep.membership_store.startswith("etcd://")))
         except CoordinatorUnreachableError as exc:  # --restart-failed-ranks waited in vain
             print(f"elasticep serve: error: node {settings.node_rank}: lost the coordinator: "
                   f"{exc}; the ranks of this node stopped", file=sys.stderr)

@@ -15,11 +15,17 @@ state and a rank that hears nothing for its stall timeout would give the coordin
 up: while the store is unreachable, serving goes on with the committed membership and
 no change commits. The gate is pure: the caller numbers the changes and says which
 number the store has confirmed.
+
+The decisions themselves wait here too (:meth:`CommitGate.decided`), with or without a
+member to send them to, so that the coordinator logs an epoch as committed only once
+the store has it, and a deposed or closing leader can name the decisions that never
+went out (:meth:`CommitGate.refuse`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from . import messages as m
 from .service import SendOnConn
@@ -32,6 +38,30 @@ class CommitGate:
         # conn -> [(change number the send waits for, send)], in send order
         self._held: dict[int, deque[tuple[int, SendOnConn]]] = {}
         self.durable = 0  # the newest change number the store has confirmed
+        # (change number, decision) decided but not confirmed yet, in decision order
+        self._decisions: deque[tuple[int, Any]] = deque()
+        self._released: list[Any] = []  # confirmed since the last take_committed()
+
+    def decided(self, decision: Any, change: int) -> bool:
+        """An epoch decision made by the event numbered ``change``. Returns True if the
+        store already has that change (it is committed now); else it is held until
+        :meth:`confirm` releases it (:meth:`take_committed`)."""
+        if change <= self.durable and not self._decisions:
+            return True
+        self._decisions.append((change, decision))
+        return False
+
+    def take_committed(self) -> list[Any]:
+        """The decisions :meth:`confirm` released since the last call, in order."""
+        out, self._released = self._released, []
+        return out
+
+    def refuse(self) -> list[Any]:
+        """The coordinator commits no more (deposed, or closing): the decisions still
+        held, in order, which no member will ever receive."""
+        out = [d for _c, d in self._decisions]
+        self._decisions.clear()
+        return out
 
     def route(self, sends: list[SendOnConn], change: int) -> list[SendOnConn]:
         """The sends of the event numbered ``change`` that may go now, in order; the
@@ -54,6 +84,8 @@ class CommitGate:
         """The store has every change up to ``change``: the held sends that may go now,
         in order per connection."""
         self.durable = max(self.durable, change)
+        while self._decisions and self._decisions[0][0] <= self.durable:
+            self._released.append(self._decisions.popleft()[1])
         out = []
         for conn in list(self._held):
             queue = self._held[conn]

@@ -13,9 +13,15 @@ from collections.abc import Callable
 from . import messages as m
 from .registry import Group, Transition
 from .takeover import RankProc as _Proc
-from .transitions import SlotState, decide, state_after_death
+from .transitions import Decision, SlotState, decide, state_after_death
 
 log = logging.getLogger("elasticep.membership")
+
+
+def log_commit(group: str, d: Decision) -> None:
+    """The line that says epoch ``d.epoch`` of ``group`` is committed (the chaos
+    invariants read it: ``elasticep_testkit.chaos.invariants``)."""
+    log.info("coordinator: group %s commit epoch %d %s", group, d.epoch, d.to_dict())
 
 
 class EpochTransitions:
@@ -27,6 +33,7 @@ class EpochTransitions:
     _send: Callable[..., None]
     _admit_into_empty: Callable[[Group], None]
     changes_allowed: Callable[[], bool]
+    on_decided: Callable[[str, Decision], None] | None
     _deferred: bool
 
     def _proc_dead(self, proc: _Proc, why: str, start: bool = True) -> None:
@@ -93,7 +100,12 @@ class EpochTransitions:
             return
         d = decide(tr.kind, tr.epoch, tr.new_active, tr.dead, tr.reports)
         g.commit(tr)
-        log.info("coordinator: group %s commit epoch %d %s", g.name, d.epoch, d.to_dict())
+        if self.on_decided is None:
+            log_commit(g.name, d)
+        else:  # committed once the store has it: the server logs it then
+            log.info("coordinator: group %s decided epoch %d (sent once the membership "
+                     "store has it)", g.name, d.epoch)
+            self.on_decided(g.name, d)
         # Requests travel with the commit: a rank must not act again on a removal or
         # admission that this commit just applied (a later re-admission of the slot
         # would otherwise be undone by the stale request).

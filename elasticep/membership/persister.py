@@ -54,14 +54,18 @@ class StatePersister:
         revision: the revision the caller last read (``store.load()[1]``).
         on_committed: called on the persister's thread with each state the store is
             known to hold from now on (after a commit, or an adopted late write).
+        on_fenced: called once on the persister's thread, with the reason, when a
+            commit is fenced (another coordinator committed): nothing commits from then.
     """
 
     def __init__(self, store: MembershipStore, snapshot: Callable[[], MembershipState],
                  revision: int,
-                 on_committed: Callable[[MembershipState], None] | None = None) -> None:
+                 on_committed: Callable[[MembershipState], None] | None = None,
+                 on_fenced: Callable[[str], None] | None = None) -> None:
         self._store = store
         self._snapshot = snapshot
         self._on_committed = on_committed
+        self._on_fenced = on_fenced
         self._revision = revision
         self._committed: MembershipState | None = None
         # states sent since the last confirmed commit: a commit that timed out may still
@@ -118,6 +122,8 @@ class StatePersister:
                     continue
                 log.error("coordinator: %s; committing no more", e)
                 self._set(StoreHealth(False, str(e), self._revision, deposed=True))
+                if self._on_fenced is not None:
+                    self._on_fenced(str(e))
                 return
             except MembershipStoreError as e:
                 if self._health.ok:

@@ -39,7 +39,8 @@ the deployment with an error instead of restarting the coordinator.
 
 With ``--membership-store etcd://...`` every node runs a replica (``standby=True``: it
 campaigns for the leader lease until elected, then restores the state from etcd and
-serves; its ready line comes then). The ranks find the leader through etcd, so the
+serves; its ready line comes then). It campaigns while torch, which only the
+rendezvous store needs, still loads (``candidacy.py``). The ranks find the leader through etcd, so the
 owner replaces a dead replica with a fresh standby (``deploy/coordinator_replica.py``).
 """
 
@@ -57,18 +58,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from elasticep.enums import StrEnum
 from elasticep.utils.net import bind_tcp
 
+from .candidacy import BackgroundImport, defer_while_loading
 from .errors import MembershipStoreError
+
+if TYPE_CHECKING:  # imported on a thread of its own (torch): see main()
+    from .server import Coordinator
 
 log = logging.getLogger("elasticep.membership")
 
 MODULE = "elasticep.membership.process"
 
-# A fresh interpreter imports torch (the TCPStore) first: seconds on a loaded 2-core host.
+# A fresh interpreter imports torch (the TCPStore): seconds on a loaded 2-core host.
 READY_TIMEOUT_S = 120.0
 # How often the child checks that its parent is still the process that started it.
 PARENT_POLL_S = 0.5
@@ -322,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s: %(levelname)s %(message)s")
     if os.getppid() != args.parent_pid:  # the parent died while we started
         return 1
-    from .election import campaign_for
-    from .server import Coordinator  # imports torch (the TCPStore): after the checks
+    from .election import campaign_for  # etcd's client, not torch
+    # torch (the rendezvous TCPStore) loads beside the campaign: seconds on a loaded
+    # host, which a replica replacing a dead one would otherwise spend as no candidate
+    server = BackgroundImport("elasticep.membership.server")
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -363,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             # leader's (a client of its own: the lease and the persister use theirs)
             listed = LiveRanks(EtcdMembershipStore(parse_store_url(args.membership_store)),
                                address).start()
+            if args.standby:
+                defer_while_loading(args.membership_store, server.done, gone)
             store, lease = campaign_for(args.membership_store, args.deployment_id,
                                         args.hb_timeout_s, address,
                                         gone if args.standby else None,
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if lease is None:
             return 0  # a standby told to stop before it was elected
     try:
-        coord = Coordinator(args.host, hb_interval_s=args.hb_interval_s,
+        coord = server.module().Coordinator(args.host, hb_interval_s=args.hb_interval_s,
                             hb_timeout_s=args.hb_timeout_s,
                             join_hb_timeout_s=args.join_hb_timeout_s,
                             listener=socket.socket(fileno=args.listen_fd),

@@ -28,6 +28,7 @@ from . import messages as m
 from .commit_gate import CommitGate
 from .durable_state import MembershipState
 from .election import LeaderLease
+from .epoch_transitions import log_commit
 from .errors import MembershipStoreError
 from .lease_watch import LiveRanks
 from .persister import StatePersister, StoreHealth
@@ -35,6 +36,7 @@ from .protocol import Connection
 from .service import MembershipService, SendOnConn
 from .status import StoreStatus
 from .store import MembershipStore
+from .transitions import Decision
 
 log = logging.getLogger("elasticep.membership")
 
@@ -81,15 +83,18 @@ class Coordinator:
         self._gate: CommitGate | None = None
         self._change = 0
         self._snapshots: list[tuple[MembershipState, int]] = []
+        self._decided: list[tuple[str, Decision]] = []  # by the event being handled
         if membership_store is not None:
             state, revision = membership_store.load()
             if state is not None:
                 self.service.restore(state)
             self._gate = CommitGate()
             self._persister = StatePersister(membership_store, self._durable_state,
-                                             revision, on_committed=self._committed)
+                                             revision, on_committed=self._committed,
+                                             on_fenced=self._refuse_held)
             self.service.store_status = self._store_status
             self.service.changes_allowed = self._changes_allowed
+            self.service.on_decided = lambda group, d: self._decided.append((group, d))
         self._lease = lease
         if listener is None:
             listener = socket.create_server((host, port))
@@ -154,12 +159,25 @@ class Coordinator:
             if done is None:
                 return
             self._snapshots = [(s, c) for s, c in self._snapshots if c > done]
-            self._send(self._gate.confirm(done))
+            sends = self._gate.confirm(done)
+            for group, d in self._gate.take_committed():  # logged before any rank has it
+                log_commit(group, d)
+            self._send(sends)
+
+    def _refuse_held(self, reason: str) -> None:
+        """Nothing commits from now on (deposed, or closing): say which decided epochs
+        no rank received."""
+        with self._lock:
+            refused = [] if self._gate is None else self._gate.refuse()
+        for group, d in refused:
+            log.warning("coordinator: group %s epoch %d refused, never sent: %s", group,
+                        d.epoch, reason)
 
     def close(self) -> None:
         """Stop serving: close the listener and every connection (ranks see EOF)."""
         if self._persister is not None:
             self._persister.close()
+            self._refuse_held("the coordinator closed before the membership store had it")
         with self._lock:
             self._closed = True
             self.service.close()
@@ -181,6 +199,10 @@ class Coordinator:
             self._persister.changed()
         if self._gate is not None:
             sends = self._gate.route(sends, self._change)
+            decided, self._decided = self._decided, []
+            for group, d in decided:
+                if self._gate.decided((group, d), self._change):
+                    log_commit(group, d)
         self._send(sends)
 
     def _send(self, sends: list[SendOnConn]) -> None:

@@ -29,7 +29,7 @@ from .registry import DeploymentRecords, Group
 from .supervisor_requests import SupervisorRequests
 from .takeover import RankProc as _Proc
 from .takeover import Takeover
-from .transitions import ACTIVE_STATES, Report, SlotState
+from .transitions import ACTIVE_STATES, Decision, Report, SlotState
 
 log = logging.getLogger("elasticep.membership")
 
@@ -88,6 +88,9 @@ class MembershipService(Takeover, SupervisorRequests, EpochTransitions):
         # whether a planned change (admission, removal) may begin now: the coordinator
         # with a membership store says no while the store cannot take its commit
         self.changes_allowed: Callable[[], bool] = lambda: True
+        # with a membership store: told of each epoch decision, which it logs as
+        # committed once the store has it (None: logged as committed when decided)
+        self.on_decided: Callable[[str, Decision], None] | None = None
         self._deferred = False  # a planned change waited for that: look again at ticks
 
     # ------------------------------------------------------------------ events

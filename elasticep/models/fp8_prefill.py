@@ -2,7 +2,7 @@
 at prefill sizes, with the activations quantized too.
 
 DeepSeek-V3's recipe (report section 3.3): the activations ``x [M, K]`` quantized per
-token per 128 columns (:mod:`elasticep.models.fp8_activations`), the weight ``W [N, K]``
+token per 128 columns (:mod:`elasticep.moe.experts.fp8_activations`), the weight ``W [N, K]``
 as stored, float8_e4m3fn in 128 x 128 blocks with float32 ``scale_inv``, and the
 product on FP8 tensor cores with each 128-wide K step's partial sum scaled by one
 activation scale and one weight scale. The GEMM is PyTorch's
@@ -33,7 +33,7 @@ the recipe, a wrong result) leaves those shapes (or dtypes) on the weight-only T
 kernel.
 
 Numerics (CUDA path): activations rounded to e4m3 per 128-column group (at most ``2^-4``
-relative, see :mod:`~elasticep.models.fp8_activations`); the tensor cores sum each
+relative, see :mod:`~elasticep.moe.experts.fp8_activations`); the tensor cores sum each
 128-product K step with fewer bits than float32 before it is promoted, scaled and added
 to a float32 accumulator (the DeepSeek-V3 report measured about 14 bits on Hopper); one
 rounding to the activation dtype; the bias added after, in that dtype (one more
@@ -51,12 +51,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from elasticep.models.fp8_activations import (
-    GROUP,
-    dequantize_activations,
-    quantize_activations,
-    quantize_activations_reference,
-)
 from elasticep.models.fp8_linear import (
     check_fp8_weight,
     fp8_linear_ok,
@@ -64,6 +58,12 @@ from elasticep.models.fp8_linear import (
     fp8_linear_triton,
 )
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_activations import (
+    GROUP,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 
 try:
     from torch.nn.functional import ScalingType, scaled_mm
@@ -147,7 +147,7 @@ def choose_path(m: int, n: int, k: int, half: torch.dtype | None,
 def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 product's numerics in float32: ``x`` quantized per token per 128 columns
-    (:func:`~elasticep.models.fp8_activations.quantize_activations_reference`), both
+    (:func:`~elasticep.moe.experts.fp8_activations.quantize_activations_reference`), both
     operands dequantized exactly, the product in float32, rounded once to ``x``'s dtype,
     then the bias added in that dtype (as :func:`fp8_linear_w8a8` adds it).
 

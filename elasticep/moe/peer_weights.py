@@ -70,6 +70,7 @@ class PeerWeights:
         # keeps its share; the share of one that left is given back (cuda_ipc.release)
         self._shares: list[tuple[weakref.ref, bytes]] = []
         self.departed_copies = 0  # orphans copied from a departed rank's memory
+        self._published: tuple[int, bytes] | None = None  # (generation, pickled handles)
 
     def publish(self, w13: list[torch.Tensor | None], w2: list[torch.Tensor | None]) -> int:
         """Publish the handles of this rank's current per-layer tensors (None: a dense
@@ -97,8 +98,20 @@ class PeerWeights:
         self._shares = kept
         torch.cuda.ipc_collect()  # frees those of them this rank already dropped
         gen = self.store.add(GEN_KEY.format(rank=self.rank), 1)
-        self.store.set(HANDLES_KEY.format(rank=self.rank, gen=gen), pickle.dumps(handles))
+        blob = pickle.dumps(handles)
+        self.store.set(HANDLES_KEY.format(rank=self.rank, gen=gen), blob)
+        self._published = (gen, blob)
         return gen
+
+    def republish(self, store) -> None:
+        """Put the last :meth:`publish` again, same generation and handles, in ``store``
+        (a new coordinator leader's, which has none of it), handles first. The shares
+        are the same, so a peer's mapping of that generation stays valid."""
+        if self._published is None:
+            return
+        gen, blob = self._published
+        store.set(HANDLES_KEY.format(rank=self.rank, gen=gen), blob)
+        store.set(GEN_KEY.format(rank=self.rank), str(gen))
 
     def map_local(self, peers: dict[int, Layers]) -> None:
         """One-process simulation (tests): rank ``q``'s tensors are ``peers[q]``, live or

@@ -55,9 +55,10 @@ def worker_views(*log_dirs: Path) -> dict[int, dict[int, set[tuple[int, ...]]]]:
 def coordinator_commits(*serve_logs: Path) -> dict[int, tuple[int, ...]]:
     """epoch -> the active set the coordinator committed (WORLD group).
 
-    Over several logs the latest line of an epoch wins: a leader logs its decision
-    before the store confirms it, so a leader killed in between may have logged a
-    commit that never went out, and its successor commits that epoch again.
+    Over several logs the latest line of an epoch wins. With a membership store a
+    leader logs the commit line only once the store has the epoch (a decision still
+    held is logged as ``decided``, and as ``refused`` if it never goes out), so a line
+    here is a commit the successor leaders also see.
     """
     lines = sorted((m.group(1), int(m.group(2)), _ranks(m.group(3)))
                    for log in serve_logs

@@ -71,6 +71,7 @@ class IpcBuffers:
         self.peers: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (generation, arena)
         self._peer_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._set_row(rank, self.arena)  # this rank's own row of views and pointers
+        self._published: tuple[int, bytes] | None = None  # (generation, handle)
 
     def _carve(self, arena: torch.Tensor) -> tuple[torch.Tensor, ...]:
         G, C, H, W = self.G, self.cap_rows, self.H, self.W
@@ -97,8 +98,20 @@ class IpcBuffers:
         Store) under a new generation of its slot; returns the generation. A relaunched
         rank publishes anew, so survivors map the new process's memory, not the old."""
         gen = store.add(GEN_KEY.format(rank=self.rank), 1)
-        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), cuda_ipc.share(self.arena))
+        handle = cuda_ipc.share(self.arena)
+        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), handle)
+        self._published = (gen, handle)
         return gen
+
+    def republish(self, store) -> None:
+        """Put the last :meth:`publish` again, same generation and handle, in ``store``
+        (a new coordinator leader's, which has none of it): the handle first, so that a
+        peer that sees the generation finds it. Peers that mapped it keep their mapping."""
+        if self._published is None:
+            return
+        gen, handle = self._published
+        store.set(HANDLE_KEY.format(rank=self.rank, gen=gen), handle)
+        store.set(GEN_KEY.format(rank=self.rank), str(gen))
 
     def map_peers(self, store, ranks: list[int]) -> list[int]:
         """Map the newest published buffers of ``ranks`` (others than this one) whose

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts import fp8_block, fp8_tiled
 from elasticep.moe.experts.fp8_rows import fp8_rows_ok, swiglu_rows_fp8
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
 from elasticep.moe.experts.fp8_sorted import triton as _fp8_triton
@@ -108,11 +108,19 @@ def _bounded_tags(tags: torch.Tensor, tag_bound: tuple[torch.Tensor, int]) -> to
 
 
 def _swiglu_fp8(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
-                out: torch.Tensor | None) -> torch.Tensor:
-    # packed FP8 slots on the device: weights dequantized in registers
+                out: torch.Tensor | None, row_repeat: int) -> torch.Tensor:
+    # packed FP8 slots on the device: prefill-sized batches on FP8 tensor cores (W8A8),
+    # others with the weights dequantized in registers
     inter, hidden = w2.shape[2], w13.shape[2]
     q13, s13 = fp8_block.unpack(w13, 2 * inter)
     q2, s2 = fp8_block.unpack(w2, hidden)
+    cap = torch.cuda.get_device_capability(rows.device)  # cached by torch: no sync
+    if (fp8_tiled.w8a8_experts_ok(tags.shape[0], w13.shape[0], rows.dtype, cap,
+                                  fp8_tiled.ENABLED) and rows.stride(1) == 1):
+        return fp8_tiled.swiglu_tiled_fp8(q13, s13, q2, s2, rows, tags, out,
+                                          row_repeat=row_repeat)
+    if row_repeat > 1:
+        rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
     if fp8_rows_ok(rows, q13):
         return swiglu_rows_fp8(q13, s13, q2, s2, rows, tags.contiguous(), out)
     return swiglu_sorted_fp8(q13, s13, q2, s2, rows, tags, out)
@@ -139,8 +147,11 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     Args:
         w13: [S, 2*I, H] gate rows then up rows (model dtype, rows' device), or packed
             FP8 slots (uint8, :mod:`elasticep.moe.experts.fp8_block`): on CUDA the FP8
-            kernels (:mod:`~elasticep.moe.experts.fp8_rows` up to their row bound,
-            :mod:`~elasticep.moe.experts.fp8_sorted` above) read them, elsewhere they are
+            kernels read them (prefill-sized batches on an SM90 GPU the W8A8 ones of
+            :mod:`~elasticep.moe.experts.fp8_tiled`, by its
+            :func:`~elasticep.moe.experts.fp8_tiled.w8a8_experts_ok`; else
+            :mod:`~elasticep.moe.experts.fp8_rows` up to their row bound,
+            :mod:`~elasticep.moe.experts.fp8_sorted` above), elsewhere they are
             dequantized exactly and take the paths below.
         w2: [S, H, I], packed too when ``w13`` is.
         rows: [N, H] model dtype.
@@ -176,10 +187,10 @@ def grouped_swiglu(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
     if fp8_block.is_packed(w13):
         if tag_bound is not None:
             tags = _bounded_tags(tags, tag_bound)
+        if rows.is_cuda and use_grouped is not False and FP8_KERNELS:
+            return _swiglu_fp8(w13, w2, rows, tags, out, row_repeat)
         if row_repeat > 1:
             rows = rows.unsqueeze(1).expand(-1, row_repeat, -1).reshape(-1, rows.shape[1])
-        if rows.is_cuda and use_grouped is not False and FP8_KERNELS:
-            return _swiglu_fp8(w13, w2, rows, tags, out)
         w13, w2 = dense_weights(w13, w2, rows.dtype)
         row_repeat, tag_bound = 1, None
     if tag_bound is not None:

@@ -36,16 +36,21 @@ def sorted_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
 if triton is not None:
 
     @triton.jit
-    def swiglu_store(ptrs, gate, up, mask):
-        """The SwiGLU epilogue of every gate/up kernel (per row, sorted rows, tiled):
-        round the float32 gate and up to the element type of ``ptrs`` as the torch form
-        does, SiLU of the rounded gate rounded again, and store their product (rounded)
-        at ``ptrs`` where ``mask``."""
-        dt = ptrs.dtype.element_ty
+    def swiglu_round(gate, up, dt: tl.constexpr):
+        """The SwiGLU of float32 ``gate`` and ``up`` rounded where the torch form rounds:
+        each to ``dt``, SiLU of the rounded gate rounded again, and their product (in
+        ``dt``)."""
         g = gate.to(dt).to(tl.float32)
         u = up.to(dt).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(ptrs, (silu * u).to(dt), mask=mask)
+        return (silu * u).to(dt)
+
+    @triton.jit
+    def swiglu_store(ptrs, gate, up, mask):
+        """The SwiGLU epilogue of every gate/up kernel (per row, sorted rows, tiled):
+        :func:`swiglu_round` in the element type of ``ptrs``, stored there where
+        ``mask``."""
+        tl.store(ptrs, swiglu_round(gate, up, ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _slot_rows(order_ptr, starts_ptr, counts_ptr, s, m0, BLOCK_M: tl.constexpr):

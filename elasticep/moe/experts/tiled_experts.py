@@ -103,17 +103,28 @@ if triton is not None:
                          gate, up, m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
-                           counts_ptr, w2_ptr, out_ptr, S, H, inter, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def down_block(out_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
+                   counts_ptr, S, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A down kernel's program: :func:`_block_rows` and its output features
+        ``offs_n`` (``n_ok`` inside H); a block of padding rows is written as zeros here,
+        so the output needs no fill first."""
         s, pos, row, m_ok, live = _block_rows(order_ptr, block_slot_ptr, block_first_ptr,
                                               starts_ptr, counts_ptr, S, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
-        if live & (s == S):  # padding rows: zeros, so the output needs no fill first
+        if live & (s == S):
             tl.store(out_ptr + row[:, None] * H + offs_n[None, :],
                      tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
+        return s, pos, row, m_ok, live, offs_n, n_ok
+
+    @triton.jit
+    def _tiled_down_kernel(act_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr,
+                           counts_ptr, w2_ptr, out_ptr, S, H, inter, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        s, pos, row, m_ok, live, offs_n, n_ok = down_block(
+            out_ptr, order_ptr, block_slot_ptr, block_first_ptr, starts_ptr, counts_ptr, S, H,
+            BLOCK_M, BLOCK_N)
         if live & (s < S):
             base = w2_ptr + s * H * inter
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -151,6 +162,35 @@ def block_layout(counts: torch.Tensor, n_rows: int, block_m: int
     ids = torch.arange(grid_blocks, device=counts.device)
     block_slot = torch.searchsorted(ends, ids, right=True)
     return block_slot, ends - per_slot, grid_blocks
+
+
+def sort_pairs(tags: torch.Tensor, slots: int, block_m: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          int]:
+    """The pairs sorted by slot and cut into row blocks on the device (no host sync): the
+    launch layout of the tiled kernels here and in
+    :mod:`elasticep.moe.experts.fp8_tiled`.
+
+    Args:
+        tags: [N] int32/int64, ``slot + 1``, 0 for a padding row.
+        slots: S.
+        block_m: rows per block.
+
+    Returns:
+        ``(order, starts, counts, block_slot, block_first, grid_blocks)``: ``order`` [N]
+        the pair ids in slot order (padding last, as a slot S of its own, whose block
+        group the down kernels fill with zeros); ``starts``, ``counts`` [S + 1] int64,
+        each slot's first position in that order and its pairs; the rest as
+        :func:`block_layout`.
+    """
+    key = torch.where(tags > 0, tags.long() - 1, slots)  # padding sorts after every slot
+    # a radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64 (whose
+    # passes took some 50 us a layer at 65,536 pairs in an H200 profile)
+    order = torch.argsort(key.to(torch.int16) if slots < 2**15 - 1 else key, stable=True)
+    counts = torch.zeros(slots + 1, dtype=torch.long, device=tags.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
+    starts = torch.cumsum(counts, 0) - counts
+    return (order, starts, counts, *block_layout(counts, tags.shape[0], block_m))
 
 
 def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
@@ -191,16 +231,7 @@ def swiglu_tiled(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags: 
     out = rows.new_empty(N, H) if out is None else out
     if N == 0:
         return out
-    key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
-    # a radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64 (whose
-    # passes took some 50 us a layer at 65,536 pairs in an H200 profile)
-    order = torch.argsort(key.to(torch.int16) if S < 2**15 - 1 else key, stable=True)
-    counts = torch.zeros(S + 1, dtype=torch.long, device=rows.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
-    starts = torch.cumsum(counts, 0) - counts
-    # the padding rows are a block group of their own (slot S), which the down kernel
-    # fills with zeros
-    block_slot, block_first, grid_blocks = block_layout(counts, N, bm)
+    order, starts, counts, block_slot, block_first, grid_blocks = sort_pairs(tags, S, bm)
     act = rows.new_empty(N, inter)
     # the output-feature blocks of one row block are neighbours in launch order, so its
     # rows come from HBM once and then from L2; row blocks first, the down kernel would

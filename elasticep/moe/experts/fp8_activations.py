@@ -1,5 +1,7 @@
 """Activations quantized to FP8 per token per 128 columns: the left operand of the
-prefill projections on FP8 tensor cores (:mod:`elasticep.models.fp8_prefill`).
+prefill matmuls on FP8 tensor cores, the dense projections'
+(:mod:`elasticep.models.fp8_prefill`) and the experts'
+(:mod:`elasticep.moe.experts.fp8_tiled`). It sits with the experts, the lower layer.
 
 The recipe is the DeepSeek-V3 report's (section 3.3, "fine-grained quantization"): each
 token's row ``x [K]`` is cut into groups of 128 columns, and each group gets its own
@@ -99,6 +101,17 @@ if triton is not None:
         # a value rounded to zero keeps its sign (-0), as a float8 cast keeps it
         return tl.where(bits < 0, -r, r)
 
+    @triton.jit
+    def quantize_groups(x, ROWS: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr):
+        """``x [ROWS, GROUP]`` float32, a group per row (masked columns zero), quantized
+        as :func:`quantize_activations_reference` does it: ``(q, scale)``, ``q`` the
+        e4m3 values still in float32 (:func:`_round_to_e4m3`), ``scale [ROWS]``."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_MIN)
+        # IEEE division (div_rn) in both places: the reference's torch ops round so
+        scale = tl.math.div_rn(amax, tl.full([ROWS], QMAX, tl.float32))
+        y = tl.math.div_rn(x, scale[:, None])
+        return _round_to_e4m3(tl.minimum(tl.maximum(y, -QMAX), QMAX)), scale
+
     # M follows the prefill batch: one compiled kernel for every row count
     @triton.jit(do_not_specialize=["M", "M_pad"])
     def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, M, M_pad, K,
@@ -110,11 +123,7 @@ if triton is not None:
         col_ok = cols < K
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :],
                     mask=(rows < M)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_MIN)
-        # IEEE division (div_rn) in both places: the reference's torch ops round so
-        scale = tl.math.div_rn(amax, tl.full([ROWS], QMAX, tl.float32))
-        y = tl.math.div_rn(x, scale[:, None])
-        y = _round_to_e4m3(tl.minimum(tl.maximum(y, -QMAX), QMAX))
+        y, scale = quantize_groups(x, ROWS, AMAX_MIN, QMAX)
         pad_ok = rows < M_pad
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
                  y.to(q_ptr.dtype.element_ty), mask=pad_ok[:, None] & col_ok[None, :])
