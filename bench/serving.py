@@ -3,8 +3,10 @@ against a running `elasticep serve` (``--base-url``) or one it starts (``--launc
 one JSON line of throughput and latency (TTFT, TPOT, ITL, E2E: mean, median, p99 in ms),
 and the TTFT of the first request, sent alone before the warm-up (``ttft_first_ms``,
 ``ttft_first_over_median``: a fresh ``--launch`` server's cold start on the request path),
-and where the measured run's first tokens spent their time (``first_token_trace``: per
-stage p50/p99 from the server's ``/debug/first_token_trace``).
+where the measured run's first tokens spent their time (``first_token_trace``: per
+stage p50/p99 from the server's ``/debug/first_token_trace``), and the client's own CPU
+over the measured run (``client_cpu_s``, and ``client_cpu_share`` of its duration: near 1,
+the client, not the server, set the pace).
 
 Run it from the repository root as a module (it imports ``elasticep_testkit``):
 
@@ -222,12 +224,16 @@ def bench_served(args: argparse.Namespace, base_urls: list[str],
     first_token_trace(base_url, reset=True)  # the measured run's requests only
     ranks = stub_ranks(args)
     before = stub_engine.read_stats(stub_dir, ranks) if stub_dir else None
+    cpu0 = time.process_time()
     results, duration = asyncio.run(run_requests(
         base_urls, model, requests, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout_s=args.request_timeout))
+    client_cpu = time.process_time() - cpu0
     out: dict[str, Any] = {"model_id": model, **summarize(results, duration),
-                           "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG)}
+                           "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG),
+                           "client_cpu_s": round(client_cpu, 3),
+                           "client_cpu_share": round(client_cpu / duration, 3)}
     out["first_token_trace"] = first_token_trace(base_url)
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)

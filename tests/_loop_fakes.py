@@ -29,6 +29,7 @@ class FakeRunner:
 
     decode_replays = 0
     decode_eager = 0
+    prefill_replays = 0
     graphs = None
     graph_captures = None
 
@@ -86,8 +87,9 @@ class FakeChannel:
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
                    decode_replays: int = 0, decode_eager: int = 0,
-                   experts_held: int = -1) -> None:
-        self.stats = (steps, graph_captures, graph_replays, decode_replays, decode_eager)
+                   experts_held: int = -1, prefill_replays: int = 0) -> None:
+        self.stats = (steps, graph_captures, graph_replays, decode_replays, decode_eager,
+                      prefill_replays)
 
 
 def fake_loop(monkeypatch, rank: int, batches: list[list[int]], peer_tokens: int, *,

@@ -380,6 +380,8 @@ def test_stub_engine_mode_streams_every_token_at_the_stubs_rate():
     assert 0.95 * 25 < line["median_tpot_ms"] < 2 * 25, line["median_tpot_ms"]
     assert 0.3 < stub["served_over_nominal"] <= 1.05, stub
     assert 0.5 * steps_per_s * n < stub["emitted_tok_s"] <= 1.2 * steps_per_s * n, stub
+    # the client parsed every event, on one thread: some CPU, at most the whole run
+    assert 0 < line["client_cpu_s"] and 0 < line["client_cpu_share"] <= 1.05, line
     # the first-token trace, in steps: every request's first token came from the rank's
     # next step after it took the request (the stub admits at once), and the
     # front-end's own stages (HTTP, tokenizer, routing, delivery, SSE write) added less

@@ -18,6 +18,7 @@ from elasticep.frontend_link import RankStats
 from elasticep.frontend_link.channels import _OUTPUTS
 from elasticep_testkit.harness.serve_process import parse_rank_metric
 from elasticep_testkit.paths import DEMO_MODEL
+from tests._loop_fakes import fake_loop
 
 
 def test_a_cpu_runner_counts_every_decode_step_as_eager_and_no_prefill():
@@ -46,19 +47,34 @@ def test_a_cpu_runner_counts_every_decode_step_as_eager_and_no_prefill():
 
 def test_decode_counts_become_metrics_series_for_ranks_with_and_without_graphs():
     m = FrontendMetrics()
-    m.rank_stats(2, steps=40, captures=1, replays=38, decode_replays=35, decode_eager=1)
+    m.rank_stats(2, steps=40, captures=1, replays=38, decode_replays=35, decode_eager=1,
+                 prefill_replays=2)
     m.rank_stats(3, steps=12, captures=-1, replays=-1, decode_replays=0, decode_eager=10)
     text = m.render()[0].decode()
     assert parse_rank_metric(text, "elasticep_decode_replays") == {2: 35.0, 3: 0.0}
+    assert parse_rank_metric(text, "elasticep_prefill_replays") == {2: 2.0, 3: 0.0}
     assert parse_rank_metric(text, "elasticep_decode_eager") == {2: 1.0, 3: 10.0}
     assert parse_rank_metric(text, "elasticep_cuda_graph_replays") == {2: 38.0}
 
 
 def test_rank_stats_carry_the_decode_counts_on_the_wire():
-    msg = RankStats(1, 3, 10, 1, 9, decode_replays=8, decode_eager=1)
+    msg = RankStats(1, 3, 10, 1, 9, decode_replays=8, decode_eager=1, prefill_replays=4)
     back = wire.decode_json(wire.encode_json(msg), _OUTPUTS)
     assert back == msg and (back.decode_replays, back.decode_eager) == (8, 1)
+    assert back.prefill_replays == 4
     assert RankStats(1, 3, 10, 1, 9).decode_eager == 0  # an older sender's message
+
+
+def test_a_ranks_stats_carry_its_runners_prefill_replays_to_the_metric(monkeypatch):
+    loop, engine, _ = fake_loop(monkeypatch, 0, [[1]], 0)
+    engine.runner.prefill_replays, engine.runner.decode_replays = 6, 9
+    engine.ep.placement.experts_held = lambda rank: 3
+    loop._send_stats()
+    assert loop.channel.stats[3:] == (9, 0, 6)
+    m = FrontendMetrics()
+    steps, captures, replays, decode, eager, prefill = loop.channel.stats
+    m.rank_stats(0, steps, captures, replays, decode, eager, prefill)
+    assert parse_rank_metric(m.render()[0].decode(), "elasticep_prefill_replays") == {0: 6.0}
 
 
 def _line(t_wall: float, rank: int, steps: int, dt: float, replays: int, eager: int,

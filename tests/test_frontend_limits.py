@@ -9,16 +9,20 @@ import time
 
 import httpx
 import pytest
+from _frontend_live import make_chat_model
 from transformers import AutoTokenizer
 
 from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.serve_args import validate
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE, create_server
+from elasticep.frontend.openai_protocol import ChatCompletionRequest
+from elasticep.frontend.openai_serving import INLINE_PROMPT_CHARS, OpenAIServing
 from elasticep.frontend.tokenizer import TokenizerPool
 from elasticep.frontend_link import FrontendChannel
 from elasticep.membership.status import DeploymentStatus
 from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.serving.datasets import random_requests
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,3 +153,61 @@ def test_a_short_call_runs_on_the_loop_with_its_own_copy_and_a_long_one_on_the_p
                                       is threading.main_thread(), "x", inline=True)) is False
     finally:
         single.close()
+
+
+class _WhereTok:
+    """A tokenizer that notes whether each encode ran on the main thread (the test's
+    event loop); its copies (the pool's and the loop's) note into the same list."""
+
+    on_loop: list[bool] = []
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def encode(self, text: str, **kw) -> list[int]:
+        _WhereTok.on_loop.append(threading.current_thread() is threading.main_thread())
+        return self.tok.encode(text, **kw)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tok.chat_template
+
+    def apply_chat_template(self, *args, **kw):
+        return self.tok.apply_chat_template(*args, **kw)
+
+
+def test_a_benchmark_sized_prompt_is_encoded_on_the_loop_and_a_long_one_on_the_pool():
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    tok.model_max_length = 1 << 62
+    # the serving benchmark's 256-token prompts (1.2-1.4k characters)
+    prompt = random_requests(1, 256, 1, 1.0, 1, tok, len(tok))[0].prompt
+    long = (prompt + " ") * (INLINE_PROMPT_CHARS // len(prompt) + 1)
+    serving = OpenAIServing(None, _WhereTok(tok), "m", 1 << 20)
+    _WhereTok.on_loop.clear()
+    try:
+        ids = [asyncio.run(serving.encode_prompt(p, "prompt")) for p in (prompt, long)]
+    finally:
+        serving.tokenizers.close()
+    assert _WhereTok.on_loop == [True, False]
+    assert ids == [tok.encode(prompt), tok.encode(long)] and len(ids[0]) >= 250
+
+
+def test_a_short_chat_is_rendered_on_the_loop_and_a_long_one_on_the_pool(tmp_path):
+    tok = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "chat"))
+    serving = OpenAIServing(None, _WhereTok(tok), "m", 1 << 20)
+    short = "How many pets does Ann have? " * 40  # about 1.2k characters
+    long = short * (INLINE_PROMPT_CHARS // len(short) + 1)
+    _WhereTok.on_loop.clear()
+    try:
+        ids = [asyncio.run(serving._chat_inputs(ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": text}])))[0]
+            for text in (short, long)]
+    finally:
+        serving.tokenizers.close()
+    assert _WhereTok.on_loop == [True, False]
+    text = tok.apply_chat_template([{"role": "user", "content": short}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert short in text and ids[0] == tok.encode(text, add_special_tokens=False)

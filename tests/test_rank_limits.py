@@ -119,8 +119,8 @@ def test_a_scale_joiner_gets_the_launch_ranks_exchange_and_its_own_kv_share(qwen
 
 
 def test_status_shows_each_ranks_reported_limits():
-    status = DeploymentStatus(3, 2, 2, ranks=(RankStatus(0, SlotState.HEALTHY, 11),
-                                              RankStatus(1, SlotState.HEALTHY, 12)))
+    status = DeploymentStatus(3, 2, 2, ranks=(RankStatus(0, SlotState.HEALTHY, 11, 0),
+                                              RankStatus(1, SlotState.HEALTHY, 12, 0)))
     shown = status.with_running({0: 5}, {0: (324_064, 1024)})
     body = shown.to_dict()["ranks"]
     assert body[0] == {"rank": 0, "state": "healthy", "pid": 11, "node": 0,

@@ -179,6 +179,8 @@ def _growable(n: int, capacity: int, min_holding: int = 1, scale_timeout_s: floa
                              OnFailure.COMPLETE, False, id=2))
     _ok(svc, SUP, SupervisorHello(id=1))
     _ok(svc, SUP, PublishDeployment("{}", n, capacity, min_holding, scale_timeout_s, id=2))
+    for r in range(n):  # launched on node 0 (a rank with no launch is on no node)
+        _ok(svc, SUP, RecordLaunch(r, 100 + r, node=0, id=3))
     return svc
 
 
@@ -376,3 +378,13 @@ def test_scale_routes_answer_operations_refusals_and_the_join_a_grow_needs():
         assert op == {"operation_id": "g", "request": {"new_ep_size": 4},
                       "phase": "waiting_for_joiners",
                       "ranks": [{"rank": 3, "state": "joining"}]}
+
+
+def test_a_rank_with_no_recorded_launch_is_on_no_node():
+    """A new leader knows a rank's node only from a launch recorded with it: until then
+    the status shows no node (not node 0, where node 0's launcher would match the
+    rank's pid against its own processes) and draining node 0 does not pick it."""
+    svc = _deployment(2, {0: 0})  # rank 1 registered, its launch never recorded
+    ranks = {r.rank: r.node for r in _status(svc).ranks}
+    assert ranks == {0: 0, 1: None}
+    assert _refused(svc, Retire(node=1, id=10)).error.endswith("runs no rank of the deployment")

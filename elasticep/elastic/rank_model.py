@@ -24,7 +24,7 @@ from elasticep.moe.cuda_executor import make_ep_executor
 from elasticep.moe.ep_executor import EPMoEExecutor
 from elasticep.moe.executor import ExecutorDefaults
 from elasticep.moe.softmax_topk import SoftmaxTopk
-from elasticep.utils.graph_boundary import eager_boundary
+from elasticep.utils.graph_boundary import eager_boundary, replay_rows
 
 # hook(layer_idx, topk_ids [T, k] int64) called before each MoE layer's dispatch
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -75,7 +75,10 @@ class HookedExecutor(ExecutorDefaults):
 
     Hooks are Python (a fault injector, EPLB's counters), so each runs at an eager
     boundary: in a captured decode graph it still runs at every replay, with the layer's
-    ``topk_ids`` of that step, and never at capture time.
+    ``topk_ids`` of that step, and never at capture time. At a replay a hook sees the
+    step's rows only, not the rows that pad the batch to its bucket
+    (:func:`~elasticep.utils.graph_boundary.replay_rows`): those route too, and EPLB
+    would count them as expert load.
 
     Args:
         inner: the EP executor doing the work.
@@ -89,7 +92,7 @@ class HookedExecutor(ExecutorDefaults):
     def __call__(self, layer_idx: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         for hook in self.hooks:
-            eager_boundary(lambda hook=hook: hook(layer_idx, topk_ids))
+            eager_boundary(lambda hook=hook: hook(layer_idx, _step_rows(topk_ids)))
         return self.inner(layer_idx, hidden_states, topk_ids, topk_weights)
 
     def route_and_run(self, layer_idx: int, hidden_states: torch.Tensor, logits: torch.Tensor,
@@ -104,6 +107,12 @@ class HookedExecutor(ExecutorDefaults):
     @property
     def graph_safe(self) -> bool:
         return self.inner.graph_safe
+
+
+def _step_rows(per_token: torch.Tensor) -> torch.Tensor:
+    """``per_token``'s rows that hold the step's tokens (all of them outside a replay)."""
+    rows = replay_rows()
+    return per_token if rows is None else per_token[:rows]
 
 
 def load_rank_weights(model_dir: str | Path, placement: Placement, rank: int,

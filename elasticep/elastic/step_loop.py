@@ -316,6 +316,7 @@ class LockstepLoop:
         self.channel.send_stats(self.stats.steps, graphs.captures if graphs is not None else -1,
                                 graphs.replays if graphs is not None else -1,
                                 decode_replays=d.decode_replays, decode_eager=d.decode_eager,
+                                prefill_replays=d.prefill_replays,
                                 experts_held=self.ep.placement.experts_held(self.rank))
 
     # ------------------------------------------------------------------ changes

@@ -297,6 +297,6 @@ class DecodeGraphs:
         if key[1] != self._last_variant:  # a membership change: say which form runs now
             logger.info("decode CUDA graphs: replaying the %s form", key[1] or "plain")
             self._last_variant = key[1]
-        self._graphs[key].replay()
+        self._graphs[key].replay(live_rows=B)  # the rest pad the bucket
         self.replays += 1
         return self._logits[key][:B]

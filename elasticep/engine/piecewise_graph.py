@@ -44,12 +44,22 @@ class PiecewiseGraph:
     def num_pieces(self) -> int:
         return len(self.graphs)
 
-    def replay(self) -> None:
-        """Replay every piece on the current stream, running the eager ops between."""
-        for i, graph in enumerate(self.graphs):
-            graph.replay()
-            if i < len(self.ops):
-                self.ops[i]()
+    def replay(self, live_rows: int | None = None) -> None:
+        """Replay every piece on the current stream, running the eager ops between.
+
+        Args:
+            live_rows: how many of the captured rows hold this step's tokens (the
+                others pad the bucket); the eager ops read it through
+                :func:`~elasticep.utils.graph_boundary.replay_rows`. None: unknown.
+        """
+        graph_boundary.set_replay_rows(live_rows)
+        try:
+            for i, graph in enumerate(self.graphs):
+                graph.replay()
+                if i < len(self.ops):
+                    self.ops[i]()
+        finally:
+            graph_boundary.set_replay_rows(None)
 
 
 class PiecewiseCapture:

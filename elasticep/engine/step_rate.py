@@ -8,8 +8,8 @@ them from this line, which reads::
 
     rank 0 epoch 1: 90 steps in 1.0 s (11.10 ms/step), 700.2 generated tokens/s,
     7.8 tokens/step; decode CUDA graph replays: 88 of 89 decode steps (1 eager);
-    graph captures: 1 since start (+0); ms/step in header 0.05, execute 10.80,
-    commit 0.04, publish 0.12
+    prefill steps replayed as rows: 1; graph captures: 1 since start (+0); ms/step in
+    header 0.05, execute 10.80, commit 0.04, publish 0.12
 
 on one line; a rank without graphs has ``no CUDA graphs`` there, and the timed parts
 of a step (:meth:`StepRateLog.timed`, wall seconds a step spent in each, averaged over
@@ -36,11 +36,14 @@ class DecodeCounters(Protocol):
     Attributes:
         decode_replays: decode steps replayed from a captured graph since start.
         decode_eager: decode steps run eagerly since start.
+        prefill_replays: steps with prefill tokens replayed from a decode graph, one
+            row a token, since start.
         graph_captures: complete decode-graph captures since start; None: no graphs.
     """
 
     decode_replays: int
     decode_eager: int
+    prefill_replays: int
 
     @property
     def graph_captures(self) -> int | None: ...
@@ -67,9 +70,10 @@ class StepRateLog:
         self._parts: dict[str, float] = {}
         d = self.decode
         if d is None:
-            self._replays0 = self._eager0 = self._captures0 = 0
+            self._replays0 = self._eager0 = self._prefill0 = self._captures0 = 0
         else:
             self._replays0, self._eager0 = d.decode_replays, d.decode_eager
+            self._prefill0 = d.prefill_replays
             self._captures0 = d.graph_captures or 0
 
     def timed(self, part: str, seconds: float) -> None:
@@ -96,7 +100,8 @@ class StepRateLog:
         if d is not None:
             replays, eager = d.decode_replays - self._replays0, d.decode_eager - self._eager0
             line += (f"; decode CUDA graph replays: {replays} of {replays + eager} decode "
-                     f"steps ({eager} eager); ")
+                     f"steps ({eager} eager); prefill steps replayed as rows: "
+                     f"{d.prefill_replays - self._prefill0}; ")
             captures = d.graph_captures
             line += ("no CUDA graphs" if captures is None else
                      f"graph captures: {captures} since start (+{captures - self._captures0})")

@@ -322,7 +322,7 @@ class Frontend(MembershipWatch):
             self._dispatch(self.tracker.on_step_failed(msg.rank, msg.request_ids, msg.message))
         elif isinstance(msg, RankStats):
             self.metrics.rank_stats(msg.rank, msg.steps, msg.graph_captures, msg.graph_replays,
-                                    msg.decode_replays, msg.decode_eager)
+                                    msg.decode_replays, msg.decode_eager, msg.prefill_replays)
             if msg.experts_held >= 0:
                 self.metrics.rank_experts_held.labels(str(msg.rank)).set(msg.experts_held)
         else:  # a (re)connected worker: it may make a healthy rank routable

@@ -105,6 +105,10 @@ class FrontendMetrics:
             "elasticep_decode_eager",
             "Decode steps a rank ran eagerly (no graph, a stale or too small one) since it "
             "started")
+        self.prefill_replays = rank_gauge(
+            "elasticep_prefill_replays",
+            "Steps with prefill tokens a rank replayed from a decode CUDA graph, one row a "
+            "token, since it started")
         self.rank_steps = rank_gauge("elasticep_rank_steps",
                                      "Committed steps of a rank since it started")
         self.time_to_first_token_seconds = Histogram(
@@ -155,13 +159,15 @@ class FrontendMetrics:
             "last reported", ["rank"], registry=r)
 
     def rank_stats(self, rank: int, steps: int, captures: int, replays: int,
-                   decode_replays: int = 0, decode_eager: int = 0) -> None:
+                   decode_replays: int = 0, decode_eager: int = 0,
+                   prefill_replays: int = 0) -> None:
         """Record a rank's counters (a :class:`~elasticep.frontend_link.RankStats`); a
         rank without graphs (-1) exports no graph series, its decode steps all the same."""
         label = str(rank)
         self.rank_steps.labels(rank=label).set(steps)
         self.decode_replays.labels(rank=label).set(decode_replays)
         self.decode_eager.labels(rank=label).set(decode_eager)
+        self.prefill_replays.labels(rank=label).set(prefill_replays)
         if captures >= 0:
             self.cuda_graph_captures.labels(rank=label).set(captures)
             self.cuda_graph_replays.labels(rank=label).set(replays)
@@ -184,7 +190,7 @@ class FrontendMetrics:
             label = str(e.rank)
             for state in SlotState:
                 self.rank_state.labels(label, state.value).set(float(e.state == state))
-            self.rank_node.labels(label).set(e.node)
+            self.rank_node.labels(label).set(-1 if e.node is None else e.node)
 
     def store_status(self, store: StoreStatus | None) -> None:
         """Record the membership store's state (None, the embedded default: nothing)."""

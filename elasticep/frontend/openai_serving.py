@@ -61,9 +61,14 @@ from elasticep.utils.text import unicode_problem
 logger = logging.getLogger(__name__)
 
 TOKENIZER_THREADS = 4  # a giant prompt holds one of these; the others go on
-# text prompts up to this many characters are encoded on the loop (under a
-# millisecond), longer ones on the pool (TokenizerPool.run's inline)
-INLINE_PROMPT_CHARS = 1024
+# Text prompts up to this many characters (about 800 tokens of the demo tokenizer, about
+# a millisecond of CPU) are encoded on the loop, longer ones on the pool
+# (TokenizerPool.run's inline). A pool thread's encode gives up the GIL and takes it
+# back several times; while the loop thread is busy (a burst of arrivals) each retake
+# waits for the loop to yield it, so a 256-token prompt (0.3-0.5 ms of CPU) took
+# several ms on the pool beside a busy thread, and its result then queued behind the
+# loop's callbacks (see tokenizer.py's TokenizerPool).
+INLINE_PROMPT_CHARS = 4096
 
 
 @dataclass(eq=False)
@@ -175,7 +180,11 @@ class OpenAIServing:
         messages = [m.for_template() for m in req.messages]
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages.{i}.content")
-        ids = list(await self.tokenizers.run(_chat_ids, messages, req.tools_for_template()))
+        tools = req.tools_for_template()
+        # a short chat without tools renders and encodes on the loop, as a short prompt
+        # does (INLINE_PROMPT_CHARS); tool schemas make the template's work open-ended
+        inline = tools is None and sum(len(m["content"]) for m in messages) <= INLINE_PROMPT_CHARS
+        ids = list(await self.tokenizers.run(_chat_ids, messages, tools, inline=inline))
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(),
                                         self.max_model_len, req.max_tokens_param())
         return ids, self.check_token_ids(req.to_sampling_params(max_tokens,

@@ -110,7 +110,11 @@ class TokenizerPool:
     A short call may run on the event loop itself instead (:meth:`run` with ``inline``),
     with a copy of its own: under load, the hop to a pool thread and back (the result
     waits behind every callback the loop has queued) cost a short prompt tens of ms
-    before routing, far more than encoding it (about 0.1 ms for 256 characters).
+    before routing, far more than encoding it (about 0.3 ms of CPU for 256 tokens).
+    The pool threads also contend with the loop for the GIL: an encode releases and
+    retakes it several times, and each retake waits for the loop thread to let go
+    (over ten times longer than alone, next to a spinning thread here), while every GIL
+    release of the loop's own (a socket send, ``os.urandom``) may wait on the pool.
 
     Args:
         tokenizer: a transformers tokenizer (or :class:`TokenIdsOnlyTokenizer`); each

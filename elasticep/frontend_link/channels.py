@@ -293,14 +293,15 @@ class WorkerChannel:
 
     def send_stats(self, steps: int, graph_captures: int, graph_replays: int,
                    decode_replays: int = 0, decode_eager: int = 0,
-                   experts_held: int = -1) -> None:
+                   experts_held: int = -1, prefill_replays: int = 0) -> None:
         """Publish this rank's counters (:class:`RankStats`; the arguments are its fields).
 
         Raises:
             FrontendUnreachableError: the queue stayed full for ``send_timeout_s``.
         """
         self._push_msg(m.RankStats(self.rank, self.epoch, steps, graph_captures, graph_replays,
-                                   decode_replays, decode_eager, experts_held))
+                                   decode_replays, decode_eager, experts_held,
+                                   prefill_replays))
 
     def send_error(self, request_id: str, message: str) -> None:
         """Tell the front-end that this rank cannot serve ``request_id``."""

@@ -132,6 +132,8 @@ class RankStats(Message, tag="rank_stats"):
         decode_replays, decode_eager: decode steps (every sequence of the rank's batch
             decodes one token) since start that replayed a graph / ran eagerly
             (:class:`~elasticep.engine.model_runner.ModelRunner`).
+        prefill_replays: steps with prefill tokens since start that replayed a decode
+            graph as one row a token.
         experts_held: its expert slots that hold an expert (the most over MoE layers),
             or -1 where not known.
     """
@@ -144,6 +146,7 @@ class RankStats(Message, tag="rank_stats"):
     decode_replays: int = 0
     decode_eager: int = 0
     experts_held: int = -1
+    prefill_replays: int = 0
 
 
 # Messages a worker sends to the front-end.

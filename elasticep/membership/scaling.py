@@ -325,7 +325,9 @@ def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Seq
         target: the target size and the scale in progress.
         procs: rank -> registered process.
         launches: rank -> live launched worker.
-        nodes: rank -> node of its last launch (0 if never recorded).
+        nodes: rank -> node of its last launch (shown as None if never recorded: a new
+            leader learns it from the node's next launch, and a guess would point a node
+            at another node's pid).
     """
     if states is None:
         states = ([SlotState.JOINING] * target.ep_size
@@ -333,7 +335,7 @@ def deployment_status(epoch: int, states: Sequence[SlotState] | None, ranks: Seq
     phase = target.phase(states)
     shown = shown_slots(states, ranks, procs, launches)
     return DeploymentStatus(epoch, target.ep_size, target.max_ep_size, phase, tuple(
-        RankStatus(ranks[s], st, pid, nodes.get(ranks[s], 0))
+        RankStatus(ranks[s], st, pid, nodes.get(ranks[s]))
         for s, (st, pid) in enumerate(shown)), tuple(target.waiting_slots(states)))
 
 

@@ -21,7 +21,8 @@ class RankStatus:
         rank: global slot id.
         state: its state (a worker still loading shows ``JOINING``).
         pid: the worker process holding (or last holding) the slot; None if never started.
-        node: the node its launcher runs on.
+        node: the node its launcher runs on; None where the coordinator has not
+            recorded a launch for it (a new leader, before that node launches again).
         running_requests: requests the front-end has on it (None where not known).
         max_total_tokens: its KV-cache capacity in tokens, as it reported (None where
             not known).
@@ -33,7 +34,7 @@ class RankStatus:
     rank: int
     state: SlotState
     pid: int | None = None
-    node: int = 0
+    node: int | None = None
     running_requests: int | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
@@ -54,7 +55,8 @@ class RankStatus:
         pid = d.get("pid")
         backend = d.get("moe_a2a_backend")
         return RankStatus(int(d["rank"]), SlotState(d["state"]),
-                          None if pid is None else int(pid), int(d.get("node", 0)),
+                          None if pid is None else int(pid),
+                          None if d.get("node") is None else int(d["node"]),
                           **{n: int(d[n]) for n in _OPTIONAL if d.get(n) is not None},
                           moe_a2a_backend=None if backend is None else str(backend))
 

@@ -140,7 +140,7 @@ class SupervisorRequests:
             ranks = msg.ranks
             if ranks is None:
                 ranks = sorted(r for r in target.members
-                               if self._deployment.nodes.get(r, 0) == msg.node)
+                               if self._deployment.nodes.get(r) == msg.node)
                 if not ranks:
                     raise ValueError(f"node {msg.node} runs no rank of the deployment")
             plan = target.retire(ranks, states, self._deployment.min_holding_ranks)

@@ -80,3 +80,20 @@ def capture_variant() -> str | None:
     this to know which form it is recording."""
     capture = getattr(_state, "capture", None)
     return None if capture is None else capture.variant
+
+
+def replay_rows() -> int | None:
+    """The rows of the graph being replayed on this thread that hold the step's tokens
+    (a replay pads its batch up to the bucket's rows; the rest are padding), or None
+    outside a replay (an eager forward's tensors hold its tokens only).
+
+    An eager op that reads a per-token tensor for what it says about the step (EPLB's
+    routed-token counts) keeps its first ``replay_rows()`` rows; the padding rows route
+    too, to whatever experts their dummy inputs pick.
+    """
+    return getattr(_state, "replay_rows", None)
+
+
+def set_replay_rows(rows: int | None) -> None:
+    """Set what :func:`replay_rows` returns on this thread (None: no replay running)."""
+    _state.replay_rows = rows
