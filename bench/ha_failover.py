@@ -23,11 +23,13 @@ serve degraded), and the other figures are as above, on node 1's front-end. One 
 node 0 does not come back.
 
 Usage: python -m bench.ha_failover [--kill leader|node0] [--runs 3] [--ep-size 4]
-       [--concurrency 4] [--max-tokens 48] [--heartbeat-timeout 2]
+       [--concurrency 4] [--max-tokens 48] [--heartbeat-timeout 2] [--log-dir DIR]
 
 Prints one JSON line: kill, runs, ttl_s, failover_s / resumed_s / serving_gap_s (each the
 median and max over runs), p50_gap_s (healthy inter-token gap), failed_requests,
-outputs_identical, commit, cpus. No GPU is needed.
+outputs_identical, commit, cpus. No GPU is needed. ``--log-dir``: keep each node's serve
+and worker logs under DIR/node0 and DIR/node1, and add ``killed_at`` (the kills' wall-clock
+times, Unix seconds, to read the logs' timestamps against).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def one_run(serve: ServeProcess, url: str, roots: list[int], prompts: list[str],
     b = Batch(serve.client, serve.model_name(), prompts, args.max_tokens)
     b.wait_tokens(args.concurrency * 4, 60)
     os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
 
     def elected() -> str | None:
         now = leader_of(url)
@@ -118,7 +120,7 @@ def one_run(serve: ServeProcess, url: str, roots: list[int], prompts: list[str],
                    "the ranks back under the new leader", poll_s=0.05)
     resumed_s = time.monotonic() - killed
     return {"failover_s": failover_s, "resumed_s": resumed_s, "killed": killed,
-            "records": b.results(RESULTS_TIMEOUT_S)}
+            "killed_at": killed_at, "records": b.results(RESULTS_TIMEOUT_S)}
 
 
 def node0_run(node1: ServeProcess, node0: ServeProcess, url: str, prompts: list[str],
@@ -130,7 +132,7 @@ def node0_run(node1: ServeProcess, node0: ServeProcess, url: str, prompts: list[
     b.wait_tokens(args.concurrency * 4, 60)
     for pid in {node0.proc.pid} | descendant_pids(node0.proc.pid):
         os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
 
     def elected() -> str | None:
         now = leader_of(url)
@@ -144,7 +146,7 @@ def node0_run(node1: ServeProcess, node0: ServeProcess, url: str, prompts: list[
     resumed_s = time.monotonic() - killed
     node0.proc.wait(10)
     return {"failover_s": failover_s, "resumed_s": resumed_s, "killed": killed,
-            "records": b.results(RESULTS_TIMEOUT_S)}
+            "killed_at": killed_at, "records": b.results(RESULTS_TIMEOUT_S)}
 
 
 def main() -> None:
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    ap.add_argument("--log-dir", help="keep the nodes' logs under DIR/node0 and DIR/node1")
     args = ap.parse_args()
     if args.kill == "node0":
         args.runs = 1  # node 0 does not come back
@@ -164,7 +167,10 @@ def main() -> None:
     out: dict = {"bench": "ha_failover", "kill": args.kill, "runs": args.runs, "ttl_s": ttl,
                  "ep_size": args.ep_size, "concurrency": args.concurrency}
     failover, resumed, gaps, healthy_gaps = [], [], [], []
-    failed, identical = 0, True
+    failed, identical, killed_at = 0, True, []
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir is not None:
+        (log_dir / "node1").mkdir(parents=True, exist_ok=True)
     with EtcdCluster.start(3) as cluster:
         url = f"{cluster.url}/ha-bench"
         common = ["--ep-size", str(args.ep_size), "--nnodes", "2",
@@ -172,13 +178,19 @@ def main() -> None:
                   "--heartbeat-timeout", str(args.heartbeat_timeout),
                   "--coordinator-timeout", "30", "--membership-store", url]
         port1 = free_port()
-        node1 = ServeProcess(subprocess.Popen(
-            cli_command("serve", *common, "--node-rank", "1", "--port", str(port1)),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
-            f"http://127.0.0.1:{port1}", "", Path(os.devnull))
+        node1_log = Path(os.devnull) if log_dir is None else log_dir / "node1" / "serve.log"
+        node1_args = [] if log_dir is None else ["--log-dir", str(node1_log.parent)]
+        with open(node1_log, "w") as out1:
+            node1 = ServeProcess(subprocess.Popen(
+                cli_command("serve", *common, "--node-rank", "1", "--port", str(port1),
+                            *node1_args),
+                stdout=out1, stderr=subprocess.STDOUT, start_new_session=True),
+                f"http://127.0.0.1:{port1}", "", node1_log)
         serve = None
         try:
-            serve = ServeProcess.start([*common, "--node-rank", "0"], ready_timeout_s=300)
+            serve = ServeProcess.start([*common, "--node-rank", "0"], ready_timeout_s=300,
+                                       log_dir=None if log_dir is None
+                                       else str(log_dir / "node0"))
             roots = [serve.proc.pid, node1.proc.pid]
             # node 0's kill is seen on node 1's front-end
             client = node1 if args.kill == "node0" else serve
@@ -194,6 +206,7 @@ def main() -> None:
                 run = (node0_run(node1, serve, url, prompts, args) if args.kill == "node0"
                        else one_run(serve, url, roots, prompts, args))
                 failover.append(run["failover_s"])
+                killed_at.append(round(run["killed_at"], 3))
                 resumed.append(run["resumed_s"])
                 failed += sum(not r.complete(args.max_tokens) for r in run["records"])
                 identical &= [r.text for r in run["records"]] == reference
@@ -214,6 +227,8 @@ def main() -> None:
                p50_gap_s=round(statistics.median(healthy_gaps), 4),
                failed_requests=failed, outputs_identical=identical, commit=commit(),
                cpus=os.cpu_count())
+    if log_dir is not None:
+        out["killed_at"] = killed_at
     print(json.dumps(out), flush=True)
 
 

@@ -207,6 +207,28 @@ def test_a_new_leader_within_ttl_plus_1s_of_a_sigkilled_one(cluster):
         proc.wait(timeout=10)
 
 
+def test_a_standby_takes_a_dead_leaders_lease_when_it_runs_out_not_at_etcds_sweep(cluster):
+    """A 2 s lease (the watch needs 2 s or more), renewed once and then no more: the
+    campaigning standby revokes it at its expiry, within two of its readings, rather than
+    whenever etcd's half-second sweep comes (up to 2.5 s plus a poll); etcd then refuses
+    the old owner's keep-alive, as it would after its own sweep."""
+    prefix = _prefix()
+    store = _store(cluster, prefix)
+    lease = int(store.kv.post("lease/grant", {"TTL": 2, "ID": 0})["ID"])
+    assert store.txn_create(store.key("leader"), "dead", lease)[0]
+    standby = LeaderLease(_store(cluster, prefix), "standby", 2)
+    sent = time.monotonic()
+    store.kv.post("lease/keepalive", {"ID": lease})
+    answered = time.monotonic()
+    standby.campaign(timeout_s=5)
+    took = time.monotonic()
+    assert standby.leader() == "standby"
+    assert sent + 2.0 <= took <= answered + 2.35, (took - sent, answered - sent)
+    out = store.kv.post("lease/keepalive", {"ID": lease})
+    assert int(out.get("result", {}).get("TTL", -1)) <= 0
+    standby.resign()
+
+
 def test_etcd_unreachable_is_one_clear_error():
     kv = EtcdKV([("127.0.0.1", free_port()), ("127.0.0.1", free_port())])
     t0 = time.monotonic()

@@ -8,20 +8,24 @@ keeps its placeholder, and the coordinator keeps looking until each member is ba
 failed."""
 
 import uuid
-from functools import partial
 
 import pytest
 
 from elasticep.membership.directory import RANKS, Announcement, rank_processes
 from elasticep.membership.etcd_store import EtcdMembershipStore
+from elasticep.membership.lease_watch import LiveRanks
 from elasticep.membership.messages import (
     Announce,
     Commit,
     EpochReport,
     Evicted,
+    GetDeploymentStatus,
+    PublishDeployment,
     RankHello,
+    RecordLaunch,
     Register,
     Reply,
+    SupervisorHello,
 )
 from elasticep.membership.server import start_coordinator
 from elasticep.membership.service import MembershipService
@@ -87,6 +91,20 @@ def test_resuming_ranks_are_taken_back_in_place_with_the_new_store_port():
     g = svc.group("world")
     assert g.epoch == 0 and g.active == {0, 1, 2} and g.transition is None
     assert svc.tick(clock.now + HB_S / 2) == []  # nobody evicted: deadlines restarted
+
+
+def test_a_new_leader_knows_the_node_of_each_rank_before_any_launcher_is_back():
+    """The launch records' nodes are durable: a new leader's status (and a node's
+    retirement, and a stopping node's search for members handed over to it) does not
+    take every rank for node 0's while the launchers have not reconnected yet."""
+    old = _old_leader()
+    _ok(old, 20, SupervisorHello(id=1))
+    _ok(old, 20, PublishDeployment("{}", 3, 3, id=9))
+    for rank, node in ((0, 0), (1, 0), (2, 1)):
+        _ok(old, 20, RecordLaunch(rank, 100 + rank, node, id=2 + rank))
+    svc = _new_leader(old, Clock())
+    (reply,) = [s.msg for s in _ok(svc, 30, GetDeploymentStatus(id=1))]
+    assert {r["rank"]: r["node"] for r in reply["status"]["ranks"]} == {0: 0, 1: 0, 2: 1}
 
 
 def test_a_rank_not_back_within_the_heartbeat_timeout_fails_and_the_rest_go_on():
@@ -225,7 +243,7 @@ def test_a_coordinator_taking_over_fails_a_rank_when_its_key_goes(etcd_url):
     keys = _rank_keys(store, {0: 100, 1: 101})
     coord = start_coordinator(membership_store=EtcdMembershipStore(parse_store_url(url)),
                               hb_timeout_s=30.0,
-                              rank_processes=partial(rank_processes, store))
+                              rank_processes=LiveRanks(store, "new-leader:1").start())
     try:
         def dead() -> set[int]:
             tr = coord.service.group("world").transition

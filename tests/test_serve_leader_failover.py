@@ -3,7 +3,9 @@ in a real 3-member etcd. The leader coordinator process (node 0's) is SIGKILLed 
 greedy streams run: every stream completes with the fault-free text, node 1's standby
 replica leads within the lease TTL + 1 s, the ranks resume with it in place (same pids,
 no new epoch), and a rank kill afterwards is still survived (its new epoch rendezvouses
-on the new leader's store).
+on the new leader's store). Then node 0's serve is stopped on purpose (Ctrl-C) under
+node 1's leader: its ranks leave as a planned removal (no death at the leader, slots
+retired, not failed) and node 1 serves on alone with the fault-free texts.
 
 Whole-host faults (node 0's host killed, the leader's host partitioned) are in
 ``tests/test_ha_host_faults.py``, on network-namespace hosts."""
@@ -29,6 +31,7 @@ from elasticep.membership.election import lease_ttl_s
 from elasticep.membership.transitions import SlotState
 from elasticep_testkit.etcd_cluster import EtcdCluster, leader_of
 from elasticep_testkit.harness.serve_process import (
+    ServeProcess,
     cli_command,
     coordinator_pids,
     free_port,
@@ -46,9 +49,10 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
     with EtcdCluster.start(3) as cluster:
         url = f"{cluster.url}/failover"
         common = etcd_two_node_args(url, HB_TIMEOUT_S)
+        port1 = free_port()
         with open(tmp_path / "node1.log", "w") as log:  # finds the leader through etcd
             node1 = subprocess.Popen(cli_command("serve", *common, "--node-rank", "1",
-                                                 "--port", str(free_port())),
+                                                 "--port", str(port1)),
                                      stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         serve = None
@@ -89,16 +93,33 @@ def test_the_leader_coordinator_dies_under_load_and_nothing_fails(tmp_path):
                            "node 0's replacement replica")
 
             # a rank kill after the failover is survived as before
-            victim = serve.rank_state(3)
+            victim = serve.rank_state(1)
             b = burst(serve, PROMPTS, MAX_TOKENS)
             assert b.wait_tokens(8, 60), f"only {b.tokens()} tokens arrived"
             os.kill(victim.pid, signal.SIGKILL)
             results = b.results(RESULTS_TIMEOUT_S)
             assert_complete(results, MAX_TOKENS)
             assert [r.text for r in results] == reference
-            st = serve.wait_for(lambda s: s.rank(3).state == SlotState.FAILED, 10,
-                                "rank 3 failed")
-            assert st.epoch > after.epoch and st.healthy_ranks() == [0, 1, 2]
+            st = serve.wait_for(lambda s: s.rank(1).state == SlotState.FAILED, 10,
+                                "rank 1 failed")
+            assert st.epoch > after.epoch and st.healthy_ranks() == [0, 2, 3]
+
+            # node 0 stopped on purpose under node 1's leader: a planned departure
+            rank0 = st.rank(0).pid
+            assert serve.interrupt() == 130
+            assert "its ranks left after their planned removal" in serve.tail()
+            node1_api = ServeProcess(node1, f"http://127.0.0.1:{port1}", "",
+                                     tmp_path / "node1.log")
+            left = node1_api.wait_for(lambda s: s.rank(0).state == SlotState.FREE
+                                      and s.healthy_ranks() == [2, 3], 10,
+                                      "node 0's slots retired")
+            assert left.rank(1).state == SlotState.FAILED  # its death was a failure
+            log1 = (tmp_path / "node1.log").read_text(errors="replace")
+            assert f"rank 0 (pid {rank0}) left after its planned removal" in log1
+            assert f"rank 0 (pid {rank0}) dead" not in log1
+            results = burst(node1_api, PROMPTS, MAX_TOKENS).results(RESULTS_TIMEOUT_S)
+            assert_complete(results, MAX_TOKENS)
+            assert [r.text for r in results] == reference
         finally:
             # node 1 first: the leader is its replica now, and its ranks serve on after
             # node 0 stops (serve.stop waits for every rank pid it saw)

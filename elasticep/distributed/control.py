@@ -137,7 +137,8 @@ class RankControl(LeaderResume):
             from elasticep.membership.directory import announce_rank  # etcd only if asked
             from elasticep.membership.election import lease_ttl_s
 
-            announce_rank(self.membership_store, rank, lease_ttl_s(self.hb_timeout_s))
+            announce_rank(self.membership_store, rank, lease_ttl_s(self.hb_timeout_s),
+                          self.conn.sock.getsockname()[0])
         threading.Thread(target=self._hb_loop, daemon=True, name=f"elastic-hb-r{rank}").start()
 
     # ------------------------------------------------------------------ requests

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
+from elasticep.deploy.planned_leave import leave_on_purpose
 from elasticep.deploy.restart_policy import Policy, on_exit_for, restart_budget
 from elasticep.deploy.supervisor import StopEvent, stop_on_signals, supervise
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
@@ -220,6 +221,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         return stop.exit_status() or 0
     finally:
         logger.info("stopping: HTTP server, workers, coordinator")
+        if (deployment is not None and stop.is_set() and not died and settings.nnodes > 1
+                and settings.membership_store.startswith("etcd://")):
+            leave_on_purpose(deployment)  # the other nodes serve on: not a failure there
         # open streams end with an error event, not a cut; the server closes http_sock
         api.stop("the server is shutting down" + (
             " (its coordinator process died)" if died else ""), STREAM_GRACE_S)

@@ -14,6 +14,7 @@ from pathlib import Path
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.coordinator_replica import CoordinatorReplica, local_address_towards
+from elasticep.deploy.planned_leave import leave_on_purpose
 from elasticep.deploy.probe import coordinator_lost, reach_coordinator
 from elasticep.deploy.restart_policy import Policy, Until, on_exit_for, recover_command
 from elasticep.deploy.supervisor import (
@@ -196,6 +197,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 return 1
         return stop.exit_status() or exit_status(len(ranks), len(ranks), exits, stop)
     finally:
+        if stop.is_set() and deployment.replica is not None:
+            leave_on_purpose(deployment)  # the other nodes serve on: not a failure there
         if api is not None:
             api.stop("the server is shutting down", STREAM_GRACE_S)
         deployment.stop()

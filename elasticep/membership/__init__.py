@@ -18,7 +18,9 @@ Layout:
 - ``client`` — `CoordinatorClient`, the supervisors' (launcher, front-end, join) calls.
 - ``durable_state`` / ``store`` / ``etcd_store`` / ``election`` / ``persister`` — the
   coordinator's durable state as JSON, the store seam (``--membership-store``), etcd's
-  fenced commits and prefix claim, the leader lease, and the write-behind committer.
+  fenced commits and prefix claim, the leader lease, and the write-behind committer;
+  ``directory`` the front-ends, replicas and rank processes announced in etcd, and
+  ``lease_watch`` seeing their leases run out before etcd's sweep deletes their keys.
 - ``errors`` — the typed errors of membership events and refusals.
 
 It imports no other elasticep package; the rank-side torch backend

@@ -51,11 +51,18 @@ def list_entries(store: EtcdMembershipStore, directory: str) -> dict[str, dict[s
     Raises:
         StoreUnavailableError: no etcd member answered.
     """
+    return {name: info for name, (info, _lease) in list_leased(store, directory).items()}
+
+
+def list_leased(store: EtcdMembershipStore,
+                directory: str) -> dict[str, tuple[dict[str, Any], int]]:
+    """As :func:`list_entries`, with the id of the lease each entry's key is under
+    (0: none): name -> (what it announced, lease)."""
     from .etcd_store import b64, unb64
 
     prefix = store.key(directory)
     out = store.kv.post("kv/range", {"key": b64(prefix), "range_end": b64(_prefix_end(prefix))})
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, tuple[dict[str, Any], int]] = {}
     for kv in out.get("kvs") or []:
         name = unb64(kv["key"]).decode()[len(prefix):]
         try:
@@ -65,7 +72,7 @@ def list_entries(store: EtcdMembershipStore, directory: str) -> dict[str, dict[s
         if not isinstance(value, dict):
             log.warning("%s: skipping %s (not a JSON object)", prefix, name)
             continue
-        found[name] = value
+        found[name] = (value, int(kv.get("lease", 0)))
     return found
 
 
@@ -83,7 +90,8 @@ class Announcement:
             the control address for a replica, the global rank for a rank).
         info: what it announces (JSON-able). A front-end: ``request_addr``,
             ``output_addr`` (its link's zmq endpoints), ``url`` (its HTTP API) and
-            ``node``; a replica: ``address`` and ``pid``; a rank: ``rank`` and ``pid``.
+            ``node``; a replica: ``address`` and ``pid``; a rank: ``rank``, ``pid`` and
+            ``host`` (the address it reaches the coordinator from).
         ttl_s: lease TTL in whole seconds (``election.lease_ttl_s``).
     """
 
@@ -158,17 +166,18 @@ def directory_reader(url: str) -> Callable[[], dict[str, dict[str, Any]]]:
     return lambda: list_entries(store, FRONTENDS)
 
 
-def announce_rank(url: str, rank: int, ttl_s: int) -> Announcement:
-    """Put ``ranks/<rank>`` (this process's pid) under ``url`` (``etcd://...``) with a
-    lease of ``ttl_s`` whole seconds that this process keeps alive while it lives: a
-    leader that takes over fails at once a member whose key is gone
-    (``membership/takeover.py``). An etcd that does not answer now is not fatal: the key
-    is put at the first keep-alive it answers."""
+def announce_rank(url: str, rank: int, ttl_s: int, host: str) -> Announcement:
+    """Put ``ranks/<rank>`` (this process's pid, and ``host``, the address it reaches the
+    coordinator from) under ``url`` (``etcd://...``) with a lease of ``ttl_s`` whole
+    seconds that this process keeps alive while it lives: a leader that takes over fails
+    at once a member whose key is gone or whose lease ran out
+    (``membership/takeover.py``, ``lease_watch.LiveRanks``). An etcd that does not answer
+    now is not fatal: the key is put at the first keep-alive it answers."""
     from .etcd_store import EtcdMembershipStore
     from .store import parse_store_url
 
     entry = Announcement(EtcdMembershipStore(parse_store_url(url)), RANKS, str(rank),
-                         {"rank": rank, "pid": os.getpid()}, ttl_s)
+                         {"rank": rank, "pid": os.getpid(), "host": host}, ttl_s)
     entry.start(required=False)
     return entry
 
@@ -181,10 +190,18 @@ def rank_processes(store: EtcdMembershipStore) -> dict[int, int]:
     Raises:
         StoreUnavailableError: no etcd member answered.
     """
-    out: dict[int, int] = {}
-    for name, info in list_entries(store, RANKS).items():
+    return {rank: pid for rank, (pid, _lease, _host) in rank_entries(store).items()}
+
+
+def rank_entries(store: EtcdMembershipStore) -> dict[int, tuple[int, int, str | None]]:
+    """As :func:`rank_processes`: global rank -> (pid, the id of its key's lease, the
+    host it announced or None)."""
+    out: dict[int, tuple[int, int, str | None]] = {}
+    for name, (info, lease) in list_leased(store, RANKS).items():
         try:
-            out[int(info["rank"])] = int(info["pid"])
+            host = info.get("host")
+            out[int(info["rank"])] = (int(info["pid"]), lease,
+                                      host if isinstance(host, str) else None)
         except (KeyError, TypeError, ValueError):
             log.warning("%s%s: skipping %r (no integer rank and pid)", RANKS, name, info)
     return out

@@ -88,6 +88,9 @@ class MembershipState:
         pids: global rank (as text) -> pid of each live rank process: a new leader shows
             them (and routes to them) while the ranks reconnect, and takes a rank back
             only as that process. Absent from states written before it existed.
+        nodes: global rank (as text) -> the node of its last launch: a new leader shows
+            them, and a node's retirement and its handed-over members are found by
+            them, before every launcher has reconnected. Absent from older states.
     """
 
     groups: dict[str, dict] = field(default_factory=dict)
@@ -97,13 +100,14 @@ class MembershipState:
     operations: dict | None = None
     limits: dict | None = None
     pids: dict[str, int] = field(default_factory=dict)
+    nodes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys), so equal states give equal text."""
         return json.dumps({"format": FORMAT, "groups": self.groups,
                            "max_world_size": self.max_world_size, "config": self.config,
                            "target": self.target, "operations": self.operations,
-                           "limits": self.limits, "pids": self.pids},
+                           "limits": self.limits, "pids": self.pids, "nodes": self.nodes},
                           sort_keys=True, separators=(",", ":"))
 
     @staticmethod
@@ -118,9 +122,11 @@ class MembershipState:
             raise ValueError(f"membership state of unknown format "
                              f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}"
                              f" (this version reads format {FORMAT})")
-        # operations, limits and pids came later within format 1: absent in an older text
+        # operations, limits, pids and nodes came later within format 1: absent in an
+        # older text
         return MembershipState(d["groups"], d["max_world_size"], d["config"], d["target"],
-                               d.get("operations"), d.get("limits"), d.get("pids") or {})
+                               d.get("operations"), d.get("limits"), d.get("pids") or {},
+                               d.get("nodes") or {})
 
     def group(self, name: str) -> Group:
         """A fresh :class:`Group` built from the record of ``name`` (KeyError if none)."""
@@ -140,6 +146,7 @@ class MembershipState:
         (a new leader's records); a grow still waiting for joiners gets a full scale
         timeout from ``now`` (clock seconds of the new leader)."""
         d.config = self.config
+        d.nodes.update({int(r): node for r, node in self.nodes.items()})
         d.target = self.scale_target()
         d.operations = self.operation_log()
         if self.limits is not None:
@@ -181,8 +188,10 @@ def operations_record(log: OperationLog) -> dict | None:
 
 def deployment_fields(d: DeploymentRecords) -> dict:
     """The :class:`MembershipState` fields of the deployment's records: ``config``,
-    ``target``, ``operations`` and ``limits`` (None before node 0 published them)."""
+    ``target``, ``operations`` and ``limits`` (None before node 0 published them), and
+    ``nodes``."""
     limits = None if d.target is None else {"min_holding_ranks": d.min_holding_ranks,
                                             "scale_timeout_s": d.scale_timeout_s}
     return {"config": d.config, "target": target_record(d.target),
-            "operations": operations_record(d.operations), "limits": limits}
+            "operations": operations_record(d.operations), "limits": limits,
+            "nodes": {str(r): node for r, node in sorted(d.nodes.items())}}

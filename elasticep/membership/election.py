@@ -3,7 +3,9 @@
 Each replica campaigns by creating the ``leader`` key with a lease of ``ttl_s``; the one
 whose create succeeds leads, and keeps the lease alive every ``ttl_s / 3``. If it dies
 (or is cut off from the etcd majority) its lease expires after ``ttl_s`` and etcd
-deletes the key, so a standby's next try succeeds.
+deletes the key, so a standby's next try succeeds. A standby watches the leader's lease
+(``lease_watch.py``) and revokes it as soon as it has run out on etcd's clock, instead
+of waiting up to half a second more for etcd's sweep to delete the key.
 
 A leader also stops counting itself as one on its own clock: once ``ttl_s`` has passed
 since its last keep-alive that etcd answered, :attr:`LeaderLease.is_leader` is False,
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import MembershipStoreError, StoreUnavailableError
+from .lease_watch import ExpiryWatch, time_to_live
 
 if TYPE_CHECKING:  # etcd's client is imported only where etcd is asked for
     from .etcd_store import EtcdMembershipStore
@@ -77,6 +80,7 @@ class LeaderLease:
         self._valid_until = 0.0
         self._stop = threading.Event()
         self._key = store.key("leader")
+        self._holder_watch: tuple[int, ExpiryWatch] | None = None  # (lease, its readings)
 
     @property
     def is_leader(self) -> bool:
@@ -124,7 +128,7 @@ class LeaderLease:
         deadline = self._clock() + timeout_s
         while True:
             try:
-                if self.try_acquire():
+                if self._attempt()[0]:
                     return
             except StoreUnavailableError as e:
                 log.warning("coordinator %s: cannot campaign: %s", self.candidate, e)
@@ -140,6 +144,41 @@ class LeaderLease:
         self._stop.set()
         if lease is not None:
             self._revoke(lease)
+
+    def _attempt(self) -> tuple[bool, str | None]:
+        """One campaign step: lead if no replica does, or if the leader's lease has run
+        out on etcd's clock (it is revoked first: etcd refuses it any keep-alive, so
+        this only spares the wait for etcd's sweep). Returns (this replica leads now,
+        the id the ``leader`` key names otherwise: another replica's, or this one's
+        while its own expired lease still holds the key; None if none).
+
+        Raises:
+            StoreUnavailableError: etcd did not answer.
+        """
+        from .etcd_store import b64, unb64
+
+        if self.is_leader:
+            return True, None
+        kvs = self.store.kv.post("kv/range", {"key": b64(self._key)}).get("kvs") or []
+        if kvs:
+            holder, lease = unb64(kvs[0].get("value", "")).decode(), int(kvs[0].get("lease", 0))
+            if not lease or not self._ran_out(lease):
+                return False, holder
+            log.info("coordinator %s: the lease of leader %s ran out; revoking it",
+                     self.candidate, holder)
+            self._revoke(lease)
+        self._holder_watch = None
+        if self.try_acquire():
+            return True, None
+        return False, self.leader()  # another replica was quicker
+
+    def _ran_out(self, lease: int) -> bool:
+        """One reading of the leader's ``lease``: has it expired (``lease_watch.py``)?"""
+        if self._holder_watch is None or self._holder_watch[0] != lease:
+            self._holder_watch = (lease, ExpiryWatch())
+        sent = self._clock()
+        ttl, granted = time_to_live(self.store.kv, lease)
+        return self._holder_watch[1].observe(sent, self._clock(), ttl, granted)
 
     def _leader_or_unknown(self) -> str:
         try:
@@ -179,9 +218,10 @@ class LeaderLease:
             self._on_lost()
         while self._recampaign and not self._stop.wait(POLL_S):
             try:
-                if self.try_acquire():  # its own keep-alive thread takes over
+                # our own key may outlive our clock: not deposed
+                led, holder = self._attempt()
+                if led:  # its own keep-alive thread takes over
                     return
-                holder = self.leader()  # our own key may outlive our clock: not deposed
             except MembershipStoreError as e:  # etcd still away: keep trying
                 log.debug("coordinator %s: campaign: %s", self.candidate, e)
                 continue

@@ -47,7 +47,6 @@ owner replaces a dead replica with a fresh standby (``deploy/coordinator_replica
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -357,12 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     def gone() -> bool:
         return stop.is_set() or os.getppid() != args.parent_pid
 
-    store = lease = None
+    store = lease = listed = None
     if args.membership_store:
+        from .etcd_store import EtcdMembershipStore
+        from .lease_watch import LiveRanks
+        from .store import parse_store_url
+
         try:
             port = socket.socket(fileno=os.dup(args.listen_fd))
             address = f"{args.host}:{port.getsockname()[1]}"
             port.close()
+            # watching from now on: a standby sees the ranks' leases run out with the
+            # leader's (a client of its own: the lease and the persister use theirs)
+            listed = LiveRanks(EtcdMembershipStore(parse_store_url(args.membership_store)),
+                               address).start()
             if args.standby:
                 defer_while_loading(args.membership_store, server.done, gone)
             store, lease = campaign_for(args.membership_store, args.deployment_id,
@@ -374,15 +381,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if lease is None:
             return 0  # a standby told to stop before it was elected
-    listed = None
-    if args.membership_store:
-        from .directory import rank_processes
-        from .etcd_store import EtcdMembershipStore
-        from .store import parse_store_url
-
-        # a client of its own: the lease and the persister use theirs from other threads
-        ranks_store = EtcdMembershipStore(parse_store_url(args.membership_store))
-        listed = functools.partial(rank_processes, ranks_store)
     try:
         coord = server.module().Coordinator(args.host, hb_interval_s=args.hb_interval_s,
                             hb_timeout_s=args.hb_timeout_s,

@@ -21,7 +21,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -31,6 +30,7 @@ from .durable_state import MembershipState
 from .election import LeaderLease
 from .epoch_transitions import log_commit
 from .errors import MembershipStoreError
+from .lease_watch import LiveRanks
 from .persister import StatePersister, StoreHealth
 from .protocol import Connection
 from .service import MembershipService, SendOnConn
@@ -40,7 +40,7 @@ from .transitions import Decision
 
 log = logging.getLogger("elasticep.membership")
 
-VANISHED_POLL_S = 0.1  # after a takeover: how often etcd's list of rank processes is read
+VANISHED_POLL_S = 0.05  # after a takeover: how often etcd's list of rank processes is read
 
 
 class Coordinator:
@@ -60,11 +60,11 @@ class Coordinator:
             (``store.py``; claimed by the caller). Its committed state, if any, is
             taken over first. None: memory only (the embedded default).
         lease: this replica's leader lease, shown in the status while it holds it.
-        rank_processes: with a store, global rank -> pid of the rank processes etcd
-            lists (``directory.rank_processes``; raises ``MembershipStoreError`` when
-            etcd does not answer). After a takeover, a member not back yet is failed
-            as soon as its process is not listed (``takeover.py``); None: every member
-            gets its heartbeat timeout.
+        rank_processes: with a store, the rank processes etcd lists whose lease has not
+            run out (``lease_watch.LiveRanks``, started: it watched the old leader's
+            host before this replica led; closed here once no member is awaited). After
+            a takeover, a member not back yet is failed as soon as its process is not
+            listed (``takeover.py``); None: every member gets its heartbeat timeout.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hb_interval_s: float = 0.2,
@@ -72,7 +72,7 @@ class Coordinator:
                  listener: socket.socket | None = None,
                  membership_store: MembershipStore | None = None,
                  lease: LeaderLease | None = None,
-                 rank_processes: Callable[[], dict[int, int]] | None = None) -> None:
+                 rank_processes: LiveRanks | None = None) -> None:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.service = MembershipService(self.store.port, hb_interval_s, hb_timeout_s,
                                          join_hb_timeout_s)
@@ -110,6 +110,8 @@ class Coordinator:
         if rank_processes is not None and self.service.awaiting_resume:
             threading.Thread(target=self._fail_vanished, args=(rank_processes,), daemon=True,
                              name="coord-vanished").start()
+        elif rank_processes is not None:
+            rank_processes.close()
         log.info("coordinator up at %s (store port %d)", self.address, self.store.port)
 
     def begin_stop(self) -> None:
@@ -243,10 +245,17 @@ class Coordinator:
             if self._gate is not None:
                 self._gate.drop(cid)
 
-    def _fail_vanished(self, rank_processes: Callable[[], dict[int, int]]) -> None:
+    def _fail_vanished(self, rank_processes: LiveRanks) -> None:
         """After a takeover, until every member is back or failed: fail those whose
-        process etcd stopped listing. Their keys' leases run out about when the old
-        leader's did, some just after this replica won it, hence a poll, not one look."""
+        process etcd stopped listing or whose lease ran out. Their keys' leases run out
+        about when the old leader's did, some just after this replica won it, hence a
+        poll, not one look."""
+        try:
+            self._poll_vanished(rank_processes)
+        finally:
+            rank_processes.close()
+
+    def _poll_vanished(self, rank_processes: LiveRanks) -> None:
         while not self._closed:
             try:
                 live = rank_processes()

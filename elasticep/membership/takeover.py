@@ -110,7 +110,8 @@ class Takeover:
 
     def vanished(self, live: dict[int, int]) -> list[Any]:
         """Fail every member not back yet whose process is not in ``live`` (global rank
-        -> pid of the rank processes etcd lists, ``directory.rank_processes``), through
+        -> pid of the rank processes etcd lists with a lease that has not run out,
+        ``lease_watch.LiveRanks``), through
         the usual failure transition; members still listed keep their placeholder and
         its deadline. Returns the messages to send (``SendOnConn``), in order."""
         def listed(p: RankProc) -> bool:  # (a state without the pid: any process)
@@ -118,7 +119,7 @@ class Takeover:
 
         gone = [p for p in self._procs.values() if p.resuming and p.alive and not listed(p)]
         for p in gone:
-            self._proc_dead(p, "its process left etcd's list of ranks (its lease expired) "
+            self._proc_dead(p, "its process left etcd's list of ranks (its lease ran out) "
                             "before it came back after the leader change", start=False)
         for name in sorted({n for p in gone for n in p.groups}):
             self._maybe_start(self._groups[name])  # one epoch for every death seen here
