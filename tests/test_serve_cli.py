@@ -355,8 +355,9 @@ def test_pending_grow_can_be_lowered():
 
 
 def _status(states: dict[int, str], pids: dict[int, int], epoch: int = 5) -> DeploymentStatus:
+    # every rank launched on node 0, the fake launchers' node
     return DeploymentStatus(epoch, len(states), len(states), ranks=tuple(
-        RankStatus(r, SlotState(st), pids.get(r)) for r, st in sorted(states.items())))
+        RankStatus(r, SlotState(st), pids.get(r), 0) for r, st in sorted(states.items())))
 
 
 class FakeLauncher:
