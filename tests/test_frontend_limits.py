@@ -16,7 +16,7 @@ from elasticep.entrypoints.cli import build_parser
 from elasticep.entrypoints.serve_args import validate
 from elasticep.entrypoints.validate import UsageError
 from elasticep.frontend.http_server import DEFAULT_MAX_PAYLOAD_SIZE, create_server
-from elasticep.frontend.openai_protocol import ChatCompletionRequest
+from elasticep.frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 from elasticep.frontend.openai_serving import INLINE_PROMPT_CHARS, OpenAIServing
 from elasticep.frontend.tokenizer import TokenizerPool
 from elasticep.frontend_link import FrontendChannel
@@ -193,6 +193,24 @@ def test_a_benchmark_sized_prompt_is_encoded_on_the_loop_and_a_long_one_on_the_p
         serving.tokenizers.close()
     assert _WhereTok.on_loop == [True, False]
     assert ids == [tok.encode(prompt), tok.encode(long)] and len(ids[0]) >= 250
+
+
+def test_a_batch_encodes_on_the_loop_only_as_much_text_as_one_prompt_may():
+    """Each prompt of a batch under the limit, their sum over it: all go to the pool (on
+    the loop they would stall every stream for the whole batch); a small batch stays."""
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    serving = OpenAIServing(None, _WhereTok(tok), "m", 1 << 20)
+    part = "How many pets does Ann have? " * 40  # about 1.2k characters
+    big = [part] * (INLINE_PROMPT_CHARS // len(part) + 1)
+    _WhereTok.on_loop.clear()
+    try:
+        for prompts in ([part, part], big):
+            out = asyncio.run(serving._completion_inputs(CompletionRequest(
+                model="m", prompt=prompts, max_tokens=1)))
+            assert [ids for ids, _ in out] == [tok.encode(p) for p in prompts]
+    finally:
+        serving.tokenizers.close()
+    assert _WhereTok.on_loop == [True, True] + [False] * len(big)
 
 
 def test_a_short_chat_is_rendered_on_the_loop_and_a_long_one_on_the_pool(tmp_path):

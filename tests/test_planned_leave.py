@@ -34,9 +34,10 @@ class Launcher:
 class Node:
     """This node's deployment: ranks 0 and 1 (their processes), node 0."""
 
-    def __init__(self, launcher: Launcher, others_healthy: bool = True) -> None:
+    def __init__(self, launcher: Launcher, others_healthy: bool = True,
+                 ours: SlotState = SlotState.DRAINING) -> None:
         self.node, self.launcher, self.live = 0, launcher, {0: 100, 1: 101}
-        self.others_healthy = others_healthy
+        self.others_healthy, self.ours = others_healthy, ours
 
     def pids(self, live_only: bool = False) -> dict[int, int]:
         return dict(self.live)
@@ -44,7 +45,7 @@ class Node:
     def deployment_status(self) -> DeploymentStatus:
         other = SlotState.HEALTHY if self.others_healthy else SlotState.FAILED
         return DeploymentStatus(1, 4, 4, ranks=(
-            RankStatus(0, SlotState.DRAINING), RankStatus(1, SlotState.DRAINING),
+            RankStatus(0, self.ours), RankStatus(1, SlotState.DRAINING),
             RankStatus(2, other), RankStatus(3, other)))
 
 
@@ -64,3 +65,11 @@ def test_a_refusal_or_the_others_stopping_too_ends_the_wait():
     started = time.monotonic()
     assert not leave_on_purpose(node, timeout_s=30)
     assert time.monotonic() - started < 5  # within a look at the status, not 30 s
+
+
+def test_a_node_whose_ranks_are_still_joining_stops_without_a_retirement():
+    """Ctrl-C while the node's relaunched ranks rejoin: no retirement is asked (it would
+    race their admission and shrink the deployment under them)."""
+    node = Node(Launcher([{"slots": [0, 1]}]), ours=SlotState.JOINING)
+    assert not leave_on_purpose(node, timeout_s=2)
+    assert node.launcher.retires == []

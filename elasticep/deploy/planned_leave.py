@@ -47,6 +47,13 @@ def leave_on_purpose(deployment: Deployment, timeout_s: float = LEAVE_TIMEOUT_S)
     if not ranks:
         return True
     node = deployment.node
+    joining = _joining(deployment, ranks)
+    if joining:
+        # a retirement races their admission: admitted after it began, they would be
+        # stopped as failures with the deployment shrunk under them
+        logger.info("node %d: stopping without retiring its slots first: ranks %s are "
+                    "still joining", node, joining)
+        return False
     op, why = _ask_retirement(deployment, ranks)
     if op is None:
         logger.info("node %d: stopping without retiring its slots first: %s", node, why)
@@ -91,6 +98,16 @@ def _ask_retirement(deployment: Deployment,
             # the new leader
             why = str(exc)
     return None, why
+
+
+def _joining(deployment: Deployment, ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` the coordinator shows joining ([] if it does not answer: the
+    retirement's own call then says why)."""
+    try:
+        status = deployment.deployment_status()
+    except (ValueError, ConnectionError, TimeoutError, OSError):
+        return []
+    return [r.rank for r in status.ranks if r.rank in ranks and r.state == SlotState.JOINING]
 
 
 def _cannot_finish(deployment: Deployment, leaving: list[int]) -> str | None:

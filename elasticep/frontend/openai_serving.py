@@ -120,8 +120,12 @@ class OpenAIServing:
         self.check_model(req.model)
         req.check_supported()
         out = []
-        for prompt in req.prompts():
-            ids = await self.encode_prompt(prompt, "prompt")
+        prompts = req.prompts()
+        # a batch encodes on the loop only as much text as one prompt may: a list of
+        # many prompts each under the limit would hold the loop for all of them
+        may_inline = sum(len(p) for p in prompts if isinstance(p, str)) <= INLINE_PROMPT_CHARS
+        for prompt in prompts:
+            ids = await self.encode_prompt(prompt, "prompt", may_inline)
             max_tokens = resolve_max_tokens(len(ids), req.max_tokens or (
                 None if req.max_tokens is None else 1), self.max_model_len)
             out.append((ids, [self.check_token_ids(
@@ -144,9 +148,12 @@ class OpenAIServing:
                                   param=f"{prefix}{name}")
         return params
 
-    async def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
-        """The token ids of a text prompt (tokenized off the event loop) or of an id list
-        (checked against the vocabulary).
+    async def encode_prompt(self, prompt: str | list[int], param: str,
+                            may_inline: bool = True) -> list[int]:
+        """The token ids of a text prompt or of an id list (checked against the
+        vocabulary). A text prompt of at most ``INLINE_PROMPT_CHARS`` characters is
+        encoded on the event loop where ``may_inline``, a longer one in the tokenizer
+        pool.
 
         Raises:
             OpenAIError: 400 naming ``param`` for invalid Unicode, a text prompt to a
@@ -156,7 +163,7 @@ class OpenAIServing:
             _check_unicode(prompt, param)
             try:
                 ids = list(await self.tokenizers.run(
-                    _encode, prompt, inline=len(prompt) <= INLINE_PROMPT_CHARS))
+                    _encode, prompt, inline=may_inline and len(prompt) <= INLINE_PROMPT_CHARS))
             except NoTokenizerError as exc:
                 raise OpenAIError(400, str(exc), param=param) from None
         else:
