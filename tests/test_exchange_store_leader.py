@@ -23,7 +23,9 @@ from elasticep.moe.exchange.ipc_buffers import GEN_KEY, HANDLE_KEY
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.etcd_cluster import EtcdCluster
 
-pytestmark = pytest.mark.timeout(60)
+# alone (make test's serial part): beside another file on the 2 CI cores the rank once
+# did not reach the new leader within 20 s (passes alone; not explained)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.serial]
 
 RANK = textwrap.dedent("""
     import sys, time
