@@ -98,6 +98,7 @@ REFUSED = [
     ({"quant_method": "mxfp4"}, "'mxfp4'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor scales"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size \\[64, 64\\]"),
+    ({"quant_method": "fp8", "weight_block_size": "128"}, "weight_block_size '128' "),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "static"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
@@ -134,6 +135,18 @@ def test_fp8_tensors_without_quantization_config_are_refused(fp8_ckpt, tmp_path)
         k: v for k, v in config.items() if k != "quantization_config"})
     with pytest.raises(ValueError, match="stored as float8_e4m3fn"):
         load_model(bare, progress=False)
+    # and the commands refuse it in one line before any rank starts (it was a rank's
+    # traceback), with the config's key removed or set to null
+    nulled = linked_checkpoint(fp8_ckpt, tmp_path / "nulled", "config.json", lambda config: {
+        **config, "quantization_config": None})
+    for ckpt in (bare, nulled):
+        run = subprocess.run([sys.executable, "-m", "elasticep.entrypoints.cli", "serve",
+                              "--model", str(ckpt), "--ep-size", "1", "--device", "cpu"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.strip().count("\n") == 0, run.stderr
+        assert "is stored as F8_E4M3, but config.json declares no quantization_config" \
+            in run.stderr
 
 
 # --- the loader ------------------------------------------------------------------------

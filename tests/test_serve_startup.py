@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,11 @@ def test_a_rank_that_died_before_writing_its_log_is_said_so():
     assert loading_exit_message(2, 1, "ValueError: x") == (
         "elasticep serve: error: rank 2 exited with 1 while loading; its log ends with:\n"
         "ValueError: x")
+    tail = ("  File \"/x/loader.py\", line 42, in _proj\n    return reader.get(key)\n"
+            "           ^^^^^^^^^^^^^^^\nValueError: tensor 'w' is stored as float8_e4m3fn\n")
+    assert loading_exit_message(0, 1, tail, Path("/logs")) == (
+        "elasticep serve: error: rank 0 exited with 1 while loading: ValueError: tensor 'w' "
+        "is stored as float8_e4m3fn (traceback in rank0.log in /logs)")
 
 
 def test_a_taken_port_is_refused_before_any_rank_starts(tmp_path):

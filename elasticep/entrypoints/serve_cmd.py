@@ -252,14 +252,31 @@ def _coordinator_died(deployment: Deployment, died: list[int]) -> int:
     return 1
 
 
-def loading_exit_message(rank: int, code: int, log_tail: str) -> str:
+def loading_exit_message(rank: int, code: int, log_tail: str,
+                         log_dir: Path | None = None) -> str:
     """serve's error when a rank exits while loading at start-up, with its log's last
     lines; a rank killed before it wrote anything (SIGKILL) gets "its log is empty",
-    not a colon followed by nothing (pure)."""
+    not a colon followed by nothing. A log that ends in a Python traceback gives only
+    the exception's line and where the whole traceback is (pure)."""
     head = f"elasticep serve: error: rank {rank} exited with {code} while loading"
     if not log_tail.strip():
         return f"{head}; its log is empty"
+    error = _traceback_error(log_tail)
+    if error is not None:
+        where = f"rank{rank}.log in {log_dir}" if log_dir is not None else "its log"
+        return f"{head}: {error} (traceback in {where})"
     return f"{head}; its log ends with:\n{log_tail}"
+
+
+def _traceback_error(log_tail: str) -> str | None:
+    """The exception line that ends the last traceback of ``log_tail``, or None when
+    the tail does not end in one (a frame line is indented; the exception is not)."""
+    lines = log_tail.rstrip().splitlines()
+    if not any(line.startswith("  File ") for line in lines):
+        return None
+    last_frame = max(i for i, line in enumerate(lines) if line.startswith("  File "))
+    rest = [line for line in lines[last_frame + 1:] if line and not line[0].isspace()]
+    return " ".join(rest) if rest else None
 
 
 # Start-up has no deadline (a large checkpoint may load for many minutes), so a rank
@@ -304,7 +321,8 @@ def _wait_ready(membership, channel, deployment, ep_size: int, stop: threading.E
             if not deployment.exits.empty():
                 ex = deployment.exits.get()
                 bar.close()
-                print(loading_exit_message(ex.rank, ex.code, deployment.log_tail(ex.rank)),
+                print(loading_exit_message(ex.rank, ex.code, deployment.log_tail(ex.rank),
+                                           deployment.log_dir),
                       file=sys.stderr)
                 return False
             try:

@@ -204,16 +204,29 @@ def check_quantization(model_dir: str, quantization: str | None) -> None:
     """The checkpoint's ``quantization_config`` (and ``--quantization``) is one we load.
 
     Raises:
-        UsageError: an unsupported method or FP8 variant, in one line that names it and
-            what is supported.
+        UsageError: an unsupported method or FP8 variant, or weights stored quantized
+            (FP8, int8, packed int4) under a config that declares no quantization, in one
+            line that names it and what is supported.
     """
+    from elasticep.models.checkpoint import first_quantized_tensor
     from elasticep.models.quantization import UnsupportedQuantizationError, parse_quantization
 
     path = Path(model_dir) / "config.json"
     try:
-        parse_quantization(json.loads(path.read_text()), quantization, where=f"--model {model_dir}")
+        quant = parse_quantization(json.loads(path.read_text()), quantization,
+                                   where=f"--model {model_dir}")
     except UnsupportedQuantizationError as exc:
         raise UsageError(str(exc)) from None
+    if quant is None or quant.online:
+        # weights stored quantized under a config that declares nothing would be read as
+        # plain floats: refuse before any rank loads, not in a rank's traceback
+        stored = first_quantized_tensor(model_dir)
+        if stored is not None:
+            raise UsageError(
+                f"--model {model_dir}: tensor {stored[0]!r} is stored as {stored[1]}, but "
+                "config.json declares no quantization_config; supported: block-scaled FP8 "
+                "(quant_method fp8, weight_block_size [128, 128]) with its "
+                "'<name>_scale_inv' scales, declared in config.json")
 
 
 def has_weights(model_dir: Path) -> bool:

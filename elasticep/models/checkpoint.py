@@ -8,6 +8,7 @@ that names the problem and the supported families.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,28 @@ def _check_plain(key: str, dtype: torch.dtype, model_dir: Path) -> None:
 def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if got != want:
         raise unsupported(f"tensor {key!r} has shape {list(got)}, expected {list(want)}")
+
+
+# Storage dtypes (safetensors header names) of quantized formats: FP8, int8, and the
+# int32/uint8 words that GPTQ/AWQ/bitsandbytes pack 4-bit values into.
+_QUANTIZED_STORAGE = ("F8_E4M3", "F8_E5M2", "I8", "U8", "I32")
+
+
+def first_quantized_tensor(model_dir: str | Path) -> tuple[str, str] | None:
+    """The first tensor (name, safetensors dtype) of ``model_dir`` stored in a quantized
+    dtype (:data:`_QUANTIZED_STORAGE`), or None; reads only each shard's JSON header
+    (the safetensors format: an 8-byte little-endian length, then that many bytes of
+    JSON), so it is cheap for any checkpoint size. A directory without shards, or a
+    shard whose header cannot be read, gives None: the loader reports those itself.
+    """
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length))
+        except (OSError, ValueError, struct.error):
+            continue
+        for key, info in header.items():
+            if isinstance(info, dict) and info.get("dtype") in _QUANTIZED_STORAGE:
+                return key, str(info["dtype"])
+    return None

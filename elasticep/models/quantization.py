@@ -108,8 +108,8 @@ def parse_quantization(raw: dict, requested: str | None = None,
     block = qc.get("weight_block_size")
     if block is None:
         raise refuse("no weight_block_size (per-tensor scales)")
-    if list(block) != list(BLOCK):
-        raise refuse(f"weight_block_size {list(block)}")
+    if not isinstance(block, list) or list(block) != list(BLOCK):
+        raise refuse(f"weight_block_size {block!r}")
     skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise refuse("a modules_to_not_convert that is not a list of module names")
