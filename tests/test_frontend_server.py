@@ -626,6 +626,13 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400_not_a_500(recording_server):
     assert resp.json()["error"] == {
         "message": "prompt is not valid Unicode: surrogates not allowed at character 2",
         "type": "invalid_request_error", "param": "prompt", "code": None}
+    # in a batch, the error names the prompt that has it
+    batch = json.dumps({"model": NAME, "prompt": ["fine", "ab\ud800 c"], "max_tokens": 2})
+    resp = httpx.post(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                      content=batch)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == (
+        "prompt.1 is not valid Unicode: surrogates not allowed at character 2")
 
 
 def test_a_lone_surrogate_in_a_chat_message_is_a_400(live):

@@ -124,8 +124,9 @@ class OpenAIServing:
         # a batch encodes on the loop only as much text as one prompt may: a list of
         # many prompts each under the limit would hold the loop for all of them
         may_inline = sum(len(p) for p in prompts if isinstance(p, str)) <= INLINE_PROMPT_CHARS
-        for prompt in prompts:
-            ids = await self.encode_prompt(prompt, "prompt", may_inline)
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            ids = await self.encode_prompt(prompt, where, may_inline)
             max_tokens = resolve_max_tokens(len(ids), req.max_tokens or (
                 None if req.max_tokens is None else 1), self.max_model_len)
             out.append((ids, [self.check_token_ids(
