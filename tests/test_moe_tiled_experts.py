@@ -11,7 +11,22 @@ import json
 import torch
 from _interpreted import run_interpreted
 
+from elasticep.moe.experts.sorted_experts import slot_order
 from elasticep.moe.experts.tiled_experts import block_layout
+
+
+def test_slot_order_is_the_stable_order_of_the_pairs_slots():
+    """The int16 sort key gives the int64 key's stable order (pairs of a slot keep their
+    order, padding last), with each slot's start and count; wide slot counts keep int64."""
+    gen = torch.Generator().manual_seed(3)
+    for slots, n in ((16, 1), (128, 512), (300, 4096), (2**15, 777)):
+        tags = torch.randint(0, slots + 1, (n,), generator=gen)  # 0: padding
+        order, starts, counts = slot_order(tags, slots)
+        key = torch.where(tags > 0, tags - 1, slots)
+        assert torch.equal(order, torch.sort(key, stable=True).indices)
+        assert torch.equal(counts, torch.bincount(key, minlength=slots + 1))
+        assert torch.equal(starts, torch.cumsum(counts, 0) - counts)
+        assert torch.equal(key[order], torch.sort(key).values)
 
 
 def test_block_layout_maps_every_row_block_to_its_slot():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.sorted_experts import triton
+from elasticep.moe.experts.sorted_experts import slot_order, triton
 
 if triton is not None:
     import triton.language as tl
@@ -119,11 +119,7 @@ def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tens
         rows = rows.contiguous()
     out = rows.new_empty(N, H) if out is None else out
     out.zero_()  # padding rows are never written by the kernels
-    key = torch.where(tags > 0, tags.long() - 1, S)
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(S + 1, dtype=torch.long, device=rows.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(counts, 0) - counts
+    order, starts, counts = slot_order(tags, S)
     act = rows.new_empty(N, inter)
     bm, bi, wa = GATE_UP_TILE
     bm2, bo, wb = DOWN_TILE

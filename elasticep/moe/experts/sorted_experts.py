@@ -25,6 +25,30 @@ except ImportError:  # CPU-only installs may lack triton; grouped_swiglu's paths
     triton = None
 
 
+def slot_order(tags: torch.Tensor, slots: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (row, expert) pairs grouped by slot on the device, with no host sync.
+
+    Args:
+        tags: ``[N]`` int32/int64, ``slot + 1``, 0 for a padding pair.
+        slots: S.
+
+    Returns:
+        ``(order, starts, counts)``: ``order`` ``[N]`` int64, the pair ids in slot order
+        (a stable sort: pairs of one slot keep their order; padding last, as a slot S of
+        its own); ``starts`` and ``counts`` ``[S + 1]`` int64, each slot's first position
+        in that order and its pair count.
+    """
+    key = torch.where(tags > 0, tags.long() - 1, slots)  # padding sorts after every slot
+    # a GPU radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64
+    # (the int64 sort was 27 us a layer at 512 pairs on an H100, 50 us at 65,536 on an
+    # H200); the order is the same, as the sort is stable and the values equal
+    order = torch.argsort(key.to(torch.int16) if slots < 2**15 - 1 else key, stable=True)
+    counts = torch.zeros(slots + 1, dtype=torch.long, device=tags.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
+    return order, torch.cumsum(counts, 0) - counts, counts
+
+
 def sorted_rows_ok(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """True when :func:`swiglu_sorted` takes these inputs (CUDA, Triton, bf16/fp16,
     contiguous weights, unit column stride)."""
@@ -165,11 +189,7 @@ def swiglu_sorted(w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, tags:
     S, inter = w13.shape[0], w2.shape[2]
     out = rows.new_empty(N, H) if out is None else out
     out.zero_()  # padding rows are never written by the kernels
-    key = torch.where(tags > 0, tags.long() - 1, S)  # padding sorts after every slot
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(S + 1, dtype=torch.long, device=rows.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
-    starts = torch.cumsum(counts, 0) - counts
+    order, starts, counts = slot_order(tags, S)
     act = rows.new_empty(N, inter)
     dense = N >= ROWS_PER_SLOT_DENSE * S
     bm, bi, bh, wa = gate_up_tile or (DENSE_TILE if dense else GATE_UP_TILE)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from elasticep.moe.experts.sorted_experts import slot_order
+
 try:
     import triton
     import triton.language as tl
@@ -183,13 +185,7 @@ def sort_pairs(tags: torch.Tensor, slots: int, block_m: int
         each slot's first position in that order and its pairs; the rest as
         :func:`block_layout`.
     """
-    key = torch.where(tags > 0, tags.long() - 1, slots)  # padding sorts after every slot
-    # a radix sort takes a pass per key byte: 2 for int16 keys against 8 for int64 (whose
-    # passes took some 50 us a layer at 65,536 pairs in an H200 profile)
-    order = torch.argsort(key.to(torch.int16) if slots < 2**15 - 1 else key, stable=True)
-    counts = torch.zeros(slots + 1, dtype=torch.long, device=tags.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on its length
-    starts = torch.cumsum(counts, 0) - counts
+    order, starts, counts = slot_order(tags, slots)
     return (order, starts, counts, *block_layout(counts, tags.shape[0], block_m))
 
 
