@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_decode_tiles import Tile, launch_tiles
 
 try:
     import triton
@@ -29,10 +30,10 @@ except ImportError:  # CPU-only installs may lack triton: the reference serves t
     triton = None
 
 MAX_ROWS = 64
-# (BLOCK_I, warps) of the gate/up kernel and (BLOCK_O, warps) of the down kernel. The
-# reduction chunk is one scale block (128 columns) so a chunk has one scale per row.
-GATE_UP_TILE = (8, 4)
-DOWN_TILE = (32, 4)
+# The reduction chunk is one scale block (128 columns) so a chunk has one scale per row;
+# the tiles (BLOCK_I of gate/up, BLOCK_O of down, warps, stages) come from
+# fp8_decode_tiles.
+KERNELS = ("fp8_rows_gate_up", "fp8_rows_down")
 _CHUNK = fp8_block.BLOCK[1]
 
 
@@ -110,9 +111,33 @@ def _check(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Ten
                              f"{s.dtype} {list(s.shape)}")
 
 
+def gate_up_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, rows: torch.Tensor,
+                     tags: torch.Tensor, act: torch.Tensor, tile: Tile) -> None:
+    """The gate/up kernel of :func:`swiglu_rows_fp8` alone: ``act [N, I]`` (contiguous,
+    the rows' dtype) gets each row's SwiGLU intermediate, launched with ``tile``. Other
+    args as :func:`swiglu_rows_fp8`'s (``rows`` with unit column stride)."""
+    N, H = rows.shape
+    inter = act.shape[1]
+    _fp8_gate_up_kernel[(N, triton.cdiv(inter, tile.block))](
+        rows, rows.stride(0), tags, w13, w13.stride(0), w13_scale, w13_scale.stride(0), act, H,
+        inter, w13_scale.shape[2], BLOCK_I=tile.block, CHUNK=_CHUNK, **tile.launch_options())
+
+
+def down_rows_fp8(act: torch.Tensor, tags: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, out: torch.Tensor, tile: Tile) -> None:
+    """The down kernel of :func:`swiglu_rows_fp8` alone: ``out [N, H]`` (contiguous)
+    gets ``w2 @ act`` of each row's slot, launched with ``tile``."""
+    N, inter = act.shape
+    H = out.shape[1]
+    _fp8_down_kernel[(N, triton.cdiv(H, tile.block))](
+        act, tags, w2, w2.stride(0), w2_scale, w2_scale.stride(0), out, H, inter,
+        w2_scale.shape[2], BLOCK_O=tile.block, CHUNK=_CHUNK, **tile.launch_options())
+
+
 def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                     w2_scale: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
     """Unweighted SwiGLU of each row with its own slot's FP8 expert (two Triton kernels).
 
     Args:
@@ -126,12 +151,15 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
         tags: ``[N]`` contiguous int32/int64, ``slot + 1``, 0 for a padding row. Not
             range-checked (a check would sync the host): a tag above S reads out of bounds.
         out: ``[N, H]`` contiguous result buffer in the rows' dtype, or None.
+        tiles: ``(gate/up, down)`` launch tiles; None picks them for the shape, the row
+            count and the device (:func:`~elasticep.moe.experts.fp8_decode_tiles.launch_tiles`).
 
     Returns:
         ``[N, H]`` in the rows' dtype; zeros for padding rows.
 
     Raises:
         ValueError: weights not FP8, or scales of the wrong shape or dtype.
+        TileTableError: the device's shipped tile table is malformed.
     """
     _check(w13, w13_scale, w2, w2_scale)
     N, H = rows.shape
@@ -140,14 +168,9 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
         rows = rows.contiguous()
     act = rows.new_empty(N, inter)
     out = rows.new_empty(N, H) if out is None else out
-    bi, wa = GATE_UP_TILE
-    bo, wb = DOWN_TILE
-    _fp8_gate_up_kernel[(N, triton.cdiv(inter, bi))](
-        rows, rows.stride(0), tags, w13, w13.stride(0), w13_scale, w13_scale.stride(0), act, H,
-        inter, w13_scale.shape[2], BLOCK_I=bi, CHUNK=_CHUNK, num_warps=wa)
-    _fp8_down_kernel[(N, triton.cdiv(H, bo))](
-        act, tags, w2, w2.stride(0), w2_scale, w2_scale.stride(0), out, H, inter,
-        w2_scale.shape[2], BLOCK_O=bo, CHUNK=_CHUNK, num_warps=wb)
+    gu, dn = tiles or launch_tiles(KERNELS, H, inter, N, w13.shape[0], rows.device)
+    gate_up_rows_fp8(w13, w13_scale, rows, tags, act, gu)
+    down_rows_fp8(act, tags, w2, w2_scale, out, dn)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
+from elasticep.moe.experts.fp8_decode_tiles import Tile, launch_tiles
 from elasticep.moe.experts.sorted_experts import slot_order, triton
 
 if triton is not None:
@@ -86,10 +87,10 @@ if triton is not None:
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
 
 
-# (BLOCK_M, BLOCK_I, warps) of gate/up and (BLOCK_M, BLOCK_O, warps) of down; the
-# reduction chunk is one scale block. The bf16 kernels' tiles, not yet tuned for FP8.
-GATE_UP_TILE = (16, 64, 4)
-DOWN_TILE = (16, 64, 4)
+# The tiles (BLOCK_M and BLOCK_I of gate/up, BLOCK_M and BLOCK_O of down, warps,
+# stages) come from fp8_decode_tiles; the reduction chunk is one scale block.
+KERNELS = ("fp8_sorted_gate_up", "fp8_sorted_down")
+_CHUNK = fp8_block.BLOCK[1]
 
 
 def fp8_sorted_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
@@ -99,9 +100,39 @@ def fp8_sorted_ok(rows: torch.Tensor, w13: torch.Tensor) -> bool:
             and (rows.dtype in (torch.bfloat16, torch.float16) or not rows.is_cuda))
 
 
+def gate_up_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, rows: torch.Tensor,
+                       grouping: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       act: torch.Tensor, tile: Tile) -> None:
+    """The gate/up kernel of :func:`swiglu_sorted_fp8` alone: ``act [N, I]`` (in slot
+    order, contiguous) gets the rows' SwiGLU intermediates, launched with ``tile``;
+    ``grouping`` is
+    :func:`~elasticep.moe.experts.sorted_experts.slot_order`'s result."""
+    order, starts, counts = grouping
+    H, inter, S = rows.shape[1], act.shape[1], w13.shape[0]
+    _fp8_sorted_gate_up_kernel[(S, triton.cdiv(inter, tile.block))](
+        rows, rows.stride(0), order, starts, counts, w13, w13.stride(0), w13_scale,
+        w13_scale.stride(0), act, H, inter, w13_scale.shape[2], BLOCK_M=tile.block_m,
+        BLOCK_I=tile.block, CHUNK=_CHUNK, **tile.launch_options())
+
+
+def down_sorted_fp8(act: torch.Tensor, grouping: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    w2: torch.Tensor, w2_scale: torch.Tensor, out: torch.Tensor,
+                    tile: Tile) -> None:
+    """The down kernel of :func:`swiglu_sorted_fp8` alone: each row of ``out [N, H]``
+    (contiguous) that is not padding gets its slot's ``w2 @ act``, launched with
+    ``tile``."""
+    order, starts, counts = grouping
+    H, inter, S = out.shape[1], act.shape[1], w2.shape[0]
+    _fp8_sorted_down_kernel[(S, triton.cdiv(H, tile.block))](
+        act, order, starts, counts, w2, w2.stride(0), w2_scale, w2_scale.stride(0), out, H,
+        inter, w2_scale.shape[2], BLOCK_M=tile.block_m, BLOCK_O=tile.block, CHUNK=_CHUNK,
+        **tile.launch_options())
+
+
 def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, rows: torch.Tensor, tags: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None,
+                      tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
     """Unweighted SwiGLU of each row with its own slot's FP8 expert, rows grouped by slot.
 
     Args:
@@ -109,9 +140,14 @@ def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tens
         rows: ``[N, H]`` activations, unit column stride, any row stride.
         tags: ``[N]`` int32/int64, ``slot + 1``, 0 for a padding row (not range-checked).
         out: ``[N, H]`` contiguous buffer for the result, or None.
+        tiles: ``(gate/up, down)`` launch tiles; None picks them for the shape, the rows
+            per slot and the device (:func:`~elasticep.moe.experts.fp8_decode_tiles.launch_tiles`).
 
     Returns:
         ``[N, H]`` in the rows' dtype; zeros for padding rows.
+
+    Raises:
+        TileTableError: the device's shipped tile table is malformed.
     """
     N, H = rows.shape
     S, inter = w13.shape[0], w2.shape[2]
@@ -119,16 +155,9 @@ def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tens
         rows = rows.contiguous()
     out = rows.new_empty(N, H) if out is None else out
     out.zero_()  # padding rows are never written by the kernels
-    order, starts, counts = slot_order(tags, S)
+    grouping = slot_order(tags, S)
     act = rows.new_empty(N, inter)
-    bm, bi, wa = GATE_UP_TILE
-    bm2, bo, wb = DOWN_TILE
-    chunk = fp8_block.BLOCK[1]
-    _fp8_sorted_gate_up_kernel[(S, triton.cdiv(inter, bi))](
-        rows, rows.stride(0), order, starts, counts, w13, w13.stride(0), w13_scale,
-        w13_scale.stride(0), act, H, inter, w13_scale.shape[2], BLOCK_M=bm, BLOCK_I=bi,
-        CHUNK=chunk, num_warps=wa)
-    _fp8_sorted_down_kernel[(S, triton.cdiv(H, bo))](
-        act, order, starts, counts, w2, w2.stride(0), w2_scale, w2_scale.stride(0), out, H,
-        inter, w2_scale.shape[2], BLOCK_M=bm2, BLOCK_O=bo, CHUNK=chunk, num_warps=wb)
+    gu, dn = tiles or launch_tiles(KERNELS, H, inter, N, S, rows.device)
+    gate_up_sorted_fp8(w13, w13_scale, rows, grouping, act, gu)
+    down_sorted_fp8(act, grouping, w2, w2_scale, out, dn)
     return out
