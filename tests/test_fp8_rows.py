@@ -17,6 +17,7 @@ from _interpreted import run_interpreted
 
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_rows import swiglu_rows_fp8_reference
+from elasticep_testkit.fp8_expert_check import rounding_bound
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -43,27 +44,6 @@ def test_reference_is_swiglu_on_dequantized_weights():
         gate, up = (w_13 @ rows[n]).chunk(2)
         want = fp8_block.dequantize(w2[t - 1], s2[t - 1]) @ (torch.nn.functional.silu(gate) * up)
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6)
-
-
-def rounding_bound(w13, s13, w2, s2, rows, tags) -> torch.Tensor:
-    """Per output element, how far a kernel that rounds where the reference rounds may
-    land from it in the rows' dtype: each act element may move by up to 4 units of that
-    dtype (one each from gate, up, SiLU and the product, 2^-p relative apiece, p the
-    mantissa bits), which moves an output by ``4 * 2^-p * (|w2| @ |act|)``, and the
-    output's own rounding adds ``2^-p * |y|``."""
-    unit = torch.finfo(rows.dtype).eps / 2  # half an ulp at 1: 2^-p relative
-    inter = w2.shape[2]
-    bound = torch.full(rows.shape, 1e-6)  # padding rows: exact zeros
-    for n, t in enumerate(tags.tolist()):
-        if t == 0:
-            continue
-        w_13 = fp8_block.dequantize(w13[t - 1], s13[t - 1])
-        w_2 = fp8_block.dequantize(w2[t - 1], s2[t - 1])
-        gate, up = (w_13 @ rows[n].float()).split(inter)
-        act = torch.nn.functional.silu(gate) * up
-        y = w_2 @ act
-        bound[n] = 4 * unit * (w_2.abs() @ act.abs()) + unit * y.abs() + 1e-6
-    return bound
 
 
 def packed_case(slots: int, hidden: int, inter: int, n: int, dtype: torch.dtype, seed: int):
