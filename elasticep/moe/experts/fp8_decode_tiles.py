@@ -211,7 +211,7 @@ def table_json(device_name: str, entries: list[Entry], source: str,
     return json.dumps({"device": device_name, "source": source, "entries": rows}, indent=1) + "\n"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(path: Path) -> tuple[Entry, ...]:
     """The entries of the table file at ``path`` (read once); () when there is none.
 
@@ -223,7 +223,7 @@ def load_table(path: Path) -> tuple[Entry, ...]:
     return tuple(parse_table(path.read_text(), str(path)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 

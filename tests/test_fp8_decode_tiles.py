@@ -1,0 +1,193 @@
+"""The FP8 decode kernels' tile tables (:mod:`elasticep.moe.experts.fp8_decode_tiles`):
+the lookup and its fallback, refusals of malformed files, the kernels under
+``TRITON_INTERPRET=1`` with tiles read from a table, and the sweep's dry run
+(``bench/fp8_decode_sweep.py --device cpu``) whose written table the lookup reads back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from _interpreted import run_interpreted
+
+from elasticep.moe.experts import fp8_decode_tiles as tiles
+from elasticep.moe.experts.fp8_decode_tiles import (
+    DEFAULTS,
+    Entry,
+    Tile,
+    TileTableError,
+    decode_tile,
+    parse_table,
+    table_json,
+    table_path,
+)
+
+pytestmark = pytest.mark.timeout(200)
+DEVICE = "Fake GPU 80GB"
+
+
+def _entry(kernel="fp8_rows_gate_up", hidden=2048, inter=768, bucket=8, **kw) -> dict:
+    raw = {"kernel": kernel, "hidden": hidden, "inter": inter, "bucket": bucket,
+           "block": 16, "num_warps": 2}
+    if kernel.startswith("fp8_sorted"):
+        raw["block_m"] = 32
+    return {**raw, **kw}
+
+
+def _write(table_dir: Path, entries: list[dict], device: str = DEVICE) -> Path:
+    path = table_path(device, table_dir)
+    path.write_text(json.dumps({"device": device, "source": "test", "entries": entries}))
+    return path
+
+
+def test_fallback_is_the_first_guess_tiles_exactly(tmp_path):
+    # the tiles the kernels launched with before any table: (BLOCK, warps), Triton's
+    # default stages, and the sorted kernels' 16-row dot tiles
+    assert DEFAULTS == {"fp8_rows_gate_up": Tile(8, 4), "fp8_rows_down": Tile(32, 4),
+                        "fp8_sorted_gate_up": Tile(64, 4, block_m=16),
+                        "fp8_sorted_down": Tile(64, 4, block_m=16)}
+    assert DEFAULTS["fp8_rows_gate_up"].launch_options() == {"num_warps": 4}
+    for kernel in tiles.KERNELS:
+        assert decode_tile(kernel, 2048, 768, 8.0, None) == DEFAULTS[kernel]  # CPU
+        assert decode_tile(kernel, 2048, 768, 8.0, DEVICE, tmp_path) == DEFAULTS[kernel]
+    assert Tile(8, 4, num_stages=2).launch_options() == {"num_warps": 4, "num_stages": 2}
+
+
+def test_an_entry_is_picked_by_shape_bucket_and_device(tmp_path):
+    _write(tmp_path, [_entry(bucket=8, block=16), _entry(bucket=64, block=32),
+                      _entry(kernel="fp8_sorted_down", bucket=0.5, block=128, num_stages=3),
+                      _entry(hidden=7168, inter=2048, bucket=64, block=4, num_warps=8)])
+    assert table_path(DEVICE, tmp_path).name == "fake_gpu_80gb.json"
+
+    def pick(kernel, value, hidden=2048, inter=768, device=DEVICE):
+        return decode_tile(kernel, hidden, inter, value, device, tmp_path)
+
+    assert pick("fp8_rows_gate_up", 1) == Tile(16, 2)  # smallest bucket >= 1
+    assert pick("fp8_rows_gate_up", 8) == Tile(16, 2)
+    assert pick("fp8_rows_gate_up", 9) == Tile(32, 2)
+    assert pick("fp8_rows_gate_up", 65) == DEFAULTS["fp8_rows_gate_up"]  # above every bucket
+    assert pick("fp8_rows_gate_up", 8, 7168, 2048) == Tile(4, 8)
+    assert pick("fp8_rows_gate_up", 8, 4096, 1536) == DEFAULTS["fp8_rows_gate_up"]
+    assert pick("fp8_rows_down", 8) == DEFAULTS["fp8_rows_down"]  # no entry for it
+    assert pick("fp8_rows_gate_up", 8, device="Other GPU") == DEFAULTS["fp8_rows_gate_up"]
+    assert pick("fp8_sorted_down", 128 / 256) == Tile(128, 2, block_m=32, num_stages=3)
+    assert pick("fp8_sorted_down", 1.0) == DEFAULTS["fp8_sorted_down"]
+    assert tiles.bucket_value("fp8_sorted_down", 128, 256) == 0.5
+    assert tiles.bucket_value("fp8_rows_down", 8, 256) == 8
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "not JSON"),
+    (json.dumps([]), "'entries' list"),
+    (json.dumps({"entries": [{**_entry(), "colour": 1}]}), "unknown keys ['colour']"),
+    (json.dumps({"entries": [{k: v for k, v in _entry().items() if k != "block"}]}),
+     "missing keys ['block']"),
+    (json.dumps({"entries": [_entry(kernel="fp8_tiled")]}), "kernel 'fp8_tiled'"),
+    (json.dumps({"entries": [_entry(block=12)]}), "block must be a power of two"),
+    (json.dumps({"entries": [_entry(num_warps=True)]}), "num_warps must be a power of two"),
+    (json.dumps({"entries": [_entry(bucket=0)]}), "bucket must be a positive number"),
+    (json.dumps({"entries": [_entry(block_m=16)]}), "block_m is required for the sorted"),
+    (json.dumps({"entries": [_entry(kernel="fp8_sorted_gate_up", block_m=8)]}),
+     "block_m must be at least 16"),
+    (json.dumps({"entries": [_entry(), _entry(block=32)]}), "two entries for"),
+])
+def test_a_malformed_table_is_refused_naming_the_file(tmp_path, text, says):
+    path = table_path(DEVICE, tmp_path)
+    path.write_text(text)
+    with pytest.raises(TileTableError, match=str(path).replace(".", r"\.")) as e:
+        decode_tile("fp8_rows_gate_up", 2048, 768, 8.0, DEVICE, tmp_path)
+    assert says in str(e.value)
+
+
+def test_the_table_writer_round_trips():
+    entries = [Entry("fp8_rows_down", 2048, 768, 16.0, Tile(64, 8, num_stages=1)),
+               Entry("fp8_sorted_gate_up", 7168, 2048, 0.5, Tile(32, 4, 16)),
+               Entry("fp8_sorted_gate_up", 7168, 2048, 8.0, Tile(128, 8, 32, 4))]
+    measured = {("fp8_rows_down", 2048, 768, 16.0): {"us": 3.5}}
+    text = table_json(DEVICE, entries, "test", measured)
+    back = parse_table(text, "round trip")
+    assert sorted(back, key=repr) == sorted(entries, key=repr)
+    assert json.loads(text)["entries"][0]["measured"] == {"us": 3.5}
+
+
+def test_the_package_ships_the_tables():
+    # a wheel carries the tables only if pyproject names them as package data
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    rel = tiles.TABLE_DIR.relative_to(tiles.TABLE_DIR.parent)
+    assert f'"elasticep.moe.experts" = ["{rel}/*.json"]' in text
+
+
+def _interpreted() -> dict:
+    """Under TRITON_INTERPRET=1: the kernels with non-default tiles read from a table
+    against the reference, then the sweep's dry run and the table it wrote."""
+    from test_fp8_rows import packed_case
+
+    from bench import fp8_decode_sweep
+    from elasticep.moe.experts.fp8_rows import swiglu_rows_fp8, swiglu_rows_fp8_reference
+    from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
+    from elasticep_testkit.fp8_expert_check import rounding_bound, worst_ratio
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        _write(Path(d), [_entry(hidden=160, inter=128, bucket=64, block=4, num_warps=2),
+                         _entry("fp8_rows_down", 160, 128, 64, block=64, num_warps=8),
+                         _entry("fp8_sorted_gate_up", 160, 128, 8, block=32, block_m=32),
+                         _entry("fp8_sorted_down", 160, 128, 8, block=16, block_m=16)])
+        case = packed_case(4, 160, 128, 20, torch.float32, seed=3)
+        bound = rounding_bound(*case)
+        ref = swiglu_rows_fp8_reference(*case)
+        for name, fn, kernels, slots_for_bucket in (
+                ("rows", swiglu_rows_fp8, ("fp8_rows_gate_up", "fp8_rows_down"), 1),
+                ("sorted", swiglu_sorted_fp8, ("fp8_sorted_gate_up", "fp8_sorted_down"), 4)):
+            picked = tuple(decode_tile(k, 160, 128, tiles.bucket_value(k, 20, slots_for_bucket),
+                                       DEVICE, Path(d)) for k in kernels)
+            out[name + "_tiles"] = [repr(t) for t in picked]
+            out[name] = worst_ratio(fn(*case, tiles=picked), ref, bound)
+    with tempfile.TemporaryDirectory() as d:
+        table = Path(d) / "table.json"
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            rc = fp8_decode_sweep.main(
+                ["--device", "cpu", "--grid", "tiny", "--shape", "256x128:4", "--rows", "2",
+                 "--sorted-rows", "8", "--stages", "1", "--write-table", str(table)])
+        out["sweep_rc"] = rc
+        out["sweep_lines"] = [json.loads(line) for line in log.getvalue().splitlines()]
+        out["table"] = table.read_text()
+    return out
+
+
+def test_kernels_and_sweep_interpreted():
+    res = run_interpreted(__file__, timeout_s=180)
+    # the tiles the table gives, not the defaults
+    assert res["rows_tiles"] == [repr(Tile(4, 2)), repr(Tile(64, 8))]
+    assert res["sorted_tiles"] == [repr(Tile(32, 2, 32)), repr(Tile(16, 2, 16))]
+    assert res["rows"] <= 1 and res["sorted"] <= 1, res  # within the rounding bound
+    assert res["sweep_rc"] == 0
+    lines = res["sweep_lines"]
+    configs = [r for r in lines if r["bench"] == "fp8_decode_sweep"]
+    summary = lines[-1]
+    assert summary["bench"] == "fp8_decode_sweep_summary"
+    # per kernel: the default, one other tile, and the fastest at num_stages 1
+    assert len(configs) == summary["configs"] == 12 and summary["failed"] == 0
+    assert all(r["ok"] and r["worst_over_bound"] <= 1 and r["bound_us"] > 0 for r in configs)
+    # the written table holds each kernel's fastest config, and the lookup reads it back
+    entries = parse_table(res["table"], "sweep table")
+    assert len(entries) == 4
+    for e in entries:
+        timed = [r for r in configs if r["kernel"] == e.kernel]
+        fastest = min(timed, key=lambda r: r["us"])
+        assert e.tile == Tile(fastest["block"], fastest["num_warps"], fastest["block_m"],
+                              fastest["num_stages"])
+        assert tiles.select(entries, e.kernel, 256, 128, fastest["bucket"]) == e.tile
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    print(json.dumps(_interpreted()))
