@@ -124,6 +124,21 @@ def test_the_package_ships_the_tables():
     assert f'"elasticep.moe.experts" = ["{rel}/*.json"]' in text
 
 
+def test_the_sweep_ships_a_tile_only_past_the_noise():
+    from bench.fp8_decode_sweep import choose
+
+    def rec(us, default=False, ok=True):
+        return {"us": us, "default": default, "ok": ok}
+
+    base, staged, other = DEFAULTS["fp8_rows_down"], Tile(32, 4, num_stages=2), Tile(64, 8)
+    assert choose([(base, rec(10.0, True)), (other, rec(9.8))], 0.03) == (base, rec(10.0, True))
+    assert choose([(base, rec(10.0, True)), (other, rec(9.0))], 0.03) == (other, rec(9.0))
+    assert choose([(base, rec(10.0, True)), (other, rec(9.0)), (staged, rec(8.9))],
+                  0.03) == (other, rec(9.0))
+    assert choose([(base, rec(10.0, True)), (staged, rec(8.0))], 0.03) == (staged, rec(8.0))
+    assert choose([(base, rec(1.0, True, ok=False))], 0.03) is None
+
+
 def _interpreted() -> dict:
     """Under TRITON_INTERPRET=1: the kernels with non-default tiles read from a table
     against the reference, then the sweep's dry run and the table it wrote."""
@@ -156,7 +171,8 @@ def _interpreted() -> dict:
         with contextlib.redirect_stdout(log):
             rc = fp8_decode_sweep.main(
                 ["--device", "cpu", "--grid", "tiny", "--shape", "256x128:4", "--rows", "2",
-                 "--sorted-rows", "8", "--stages", "1", "--write-table", str(table)])
+                 "--sorted-rows", "8", "--stages", "1", "--min-gain", "0",
+                 "--write-table", str(table)])
         out["sweep_rc"] = rc
         out["sweep_lines"] = [json.loads(line) for line in log.getvalue().splitlines()]
         out["table"] = table.read_text()
