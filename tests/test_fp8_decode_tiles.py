@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -205,5 +204,4 @@ def test_kernels_and_sweep_interpreted():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     print(json.dumps(_interpreted()))
