@@ -30,8 +30,9 @@ with num_stages 1 to 4: these loops are not software-pipelined. Phase 2 checks w
 the device's Triton does otherwise.)
 
 The best passing tile per (kernel, shape, bucket) is written with ``--write-table`` in
-the format :mod:`elasticep.moe.experts.fp8_decode_tiles` reads; copy it to
-``elasticep/moe/experts/tile_configs/<device slug>.json`` to ship it. The last line is
+the format :mod:`elasticep.moe.experts.fp8_decode_tiles` reads; given the package's
+``elasticep/moe/experts/tile_configs`` directory, it lands where the kernels look for it
+(``<device slug>.json``). The last line is
 a summary. ``--device cpu`` runs the same code under ``TRITON_INTERPRET=1`` (a dry run
 for the tests: float32 rows, wall-clock timing, no graphs).
 
@@ -333,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny: the default and one other tile per kernel (the dry run)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run under TRITON_INTERPRET=1 (float32 rows)")
-    p.add_argument("--write-table", type=Path, default=None, metavar="PATH",
-                   help="write the best passing tile per (kernel, shape, bucket) here")
+    p.add_argument("--write-table", type=Path, action="append", default=[], metavar="PATH",
+                   help="write the best passing tile per (kernel, shape, bucket) to this "
+                        ".json file, or as <device slug>.json into this directory (made "
+                        "if missing; repeatable)")
     p.add_argument("--min-gain", type=float, default=0.03,
                    help="a tile must beat the default (or a staged one its unstaged "
                         "twin) by this fraction to be chosen")
@@ -389,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
                 del case
         del experts
     entries = [Entry(k, h, i, b, tile) for (k, h, i, b), (tile, _) in best.items()]
-    if args.write_table is not None:
-        source = f"python -m bench.fp8_decode_sweep at {tag['commit']}"
-        measured = {key: rec for key, (_, rec) in best.items()}
-        args.write_table.write_text(table_json(name, entries, source, measured))
+    text = table_json(name, entries, f"python -m bench.fp8_decode_sweep at {tag['commit']}",
+                      {key: rec for key, (_, rec) in best.items()})
+    for path in args.write_table:
+        if path.suffix != ".json":  # a directory, made if missing
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / f"{device_slug(name)}.json"
+        path.write_text(text)
     emit({"bench": "fp8_decode_sweep_summary", "configs": total,
           "passed": total - len(failed), "failed": len(failed),
           "failed_configs": [{k: r[k] for k in ("kernel", "hidden", "rows", "block_m",

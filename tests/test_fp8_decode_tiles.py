@@ -171,10 +171,11 @@ def _interpreted() -> dict:
             rc = fp8_decode_sweep.main(
                 ["--device", "cpu", "--grid", "tiny", "--shape", "256x128:4", "--rows", "2",
                  "--sorted-rows", "8", "--stages", "1", "--min-gain", "0",
-                 "--write-table", str(table)])
+                 "--write-table", str(table), "--write-table", f"{d}/tiles"])
         out["sweep_rc"] = rc
         out["sweep_lines"] = [json.loads(line) for line in log.getvalue().splitlines()]
         out["table"] = table.read_text()
+        out["table_in_dir"] = (Path(d) / "tiles" / "cpu.json").read_text()
     return out
 
 
@@ -193,6 +194,7 @@ def test_kernels_and_sweep_interpreted():
     assert len(configs) == summary["configs"] == 12 and summary["failed"] == 0
     assert all(r["ok"] and r["worst_over_bound"] <= 1 and r["bound_us"] > 0 for r in configs)
     # the written table holds each kernel's fastest config, and the lookup reads it back
+    assert res["table_in_dir"] == res["table"]  # a directory (made) gets <device slug>.json
     entries = parse_table(res["table"], "sweep table")
     assert len(entries) == 4
     for e in entries:
