@@ -150,8 +150,8 @@ def measure(kernel: str, case: Case, experts: tuple, tile: Tile, copy_bw: float,
 
 
 def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, read and write counted (the median
-    of 10 after 3)."""
+    """Bytes per second of a device-to-device copy of ``nbytes``, read and write counted
+    (:func:`time_us`)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     if dev.type != "cuda":
