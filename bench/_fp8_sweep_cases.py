@@ -16,7 +16,8 @@ from elasticep.moe.experts.fp8_rows import (
     gate_up_rows_fp8,
     swiglu_rows_fp8_reference,
 )
-from elasticep.moe.experts.fp8_sorted import down_sorted_fp8, gate_up_sorted_fp8, sort_by_slot
+from elasticep.moe.experts.fp8_sorted import down_sorted_fp8, gate_up_sorted_fp8
+from elasticep.moe.experts.sorted_experts import slot_order
 from elasticep_testkit.fp8_expert_check import rounding_bound
 
 TOP_K = 8
@@ -94,7 +95,7 @@ def make_case(family: str, experts: tuple, n: int, dtype: torch.dtype,
     per_launch = touched * (slot_bytes(w13, s13) + slot_bytes(w2, s2)) / 2
     sets = [first] + [topk_tags(n, slots, gen, dev)
                       for _ in range(launch_sets(per_launch, dev) - 1)]
-    groupings = [sort_by_slot(t, slots) for t in sets] if family == "sorted" else []
+    groupings = [slot_order(t, slots) for t in sets] if family == "sorted" else []
     ref = swiglu_rows_fp8_reference(w13, s13, w2, s2, rows, first.long())
     bound = rounding_bound(w13, s13, w2, s2, rows, first)
     case = Case(family, hidden, inter, slots, rows, sets, groupings, ref, bound,
