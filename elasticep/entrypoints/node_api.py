@@ -13,18 +13,21 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
+from elasticep.deploy.launcher import leader_finder
+from elasticep.deploy.membership_backends import CoordinatorMembership
 from elasticep.engine.limits import known_max_total_tokens
 from elasticep.entrypoints.serve_args import ServeSettings
 from elasticep.frontend.core import Frontend
 from elasticep.frontend.event_log import EventLog
 from elasticep.frontend.http_server import HttpServer, create_server
 from elasticep.frontend.membership_source import MembershipSource
-from elasticep.frontend_link import FrontendChannel
+from elasticep.frontend_link import FrontendChannel, WorkerHello
 from elasticep.membership.directory import FRONTENDS, REPLICAS, Announcement, list_entries
 from elasticep.membership.election import lease_ttl_s
 from elasticep.membership.errors import MembershipStoreError
@@ -53,17 +56,32 @@ def bind_api(settings: ServeSettings) -> socket.socket:
                       f"(--host/--port): {exc.strerror or exc}") from exc
 
 
+def server_kwargs(settings: ServeSettings, dep: DeploymentConfig) -> dict[str, Any]:
+    """:func:`create_server`'s keyword arguments from serve's flags (every front-end
+    process of the node gets the same)."""
+    return {"served_model_name": settings.served_model_name, "api_key": settings.api_key,
+            "host": settings.host, "port": settings.port,
+            "max_total_tokens": known_max_total_tokens(dep),
+            "max_payload_size": settings.max_payload_size,
+            "metrics_api_key": settings.metrics_api_key,
+            "tool_call_parser": settings.tool_call_parser}
+
+
+def coordinator_view(address: str, dep: DeploymentConfig,
+                     connected: Callable[[], Mapping[int, WorkerHello]],
+                     ) -> CoordinatorMembership:
+    """The membership source of an extra front-end process (``--api-server-count``):
+    the coordinator's view, as :meth:`Deployment.membership` gives the node's own
+    front-end under the elastic backend (``connected`` is not needed there)."""
+    return CoordinatorMembership(address, find_leader=leader_finder(dep, 5.0))
+
+
 def open_api(settings: ServeSettings, dep: DeploymentConfig, channel: FrontendChannel,
              membership: MembershipSource, sock: socket.socket,
              ) -> tuple[HttpServer, Frontend]:
     """The HTTP server and front-end over ``channel`` (not started), with serve's flags."""
-    server, frontend = create_server(
-        dep.model, channel, membership, served_model_name=settings.served_model_name,
-        api_key=settings.api_key, host=settings.host, port=settings.port,
-        max_total_tokens=known_max_total_tokens(dep),
-        max_payload_size=settings.max_payload_size, sock=sock,
-        metrics_api_key=settings.metrics_api_key,
-        tool_call_parser=settings.tool_call_parser)
+    server, frontend = create_server(dep.model, channel, membership, sock=sock,
+                                     **server_kwargs(settings, dep))
     if settings.event_log is not None:
         frontend.event_log = EventLog(settings.event_log)
     return server, frontend

@@ -1,6 +1,7 @@
 """`elasticep serve`: one command that starts a whole elastic EP deployment.
 
-Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process, the
+Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process (and
+--api-server-count - 1 more front-end processes on the same port), the
 coordinator (membership, rendezvous store) in a child process of its own, and its share
 of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
 launch their ranks against node 0's coordinator (:mod:`.serve_node`); under
@@ -19,6 +20,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,7 +37,9 @@ from elasticep.entrypoints.node_api import (
     NodeApi,
     api_url,
     bind_api,
+    coordinator_view,
     open_api,
+    server_kwargs,
 )
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
 from elasticep.entrypoints.serve_node import same_layout_running, serve_node
@@ -46,6 +50,8 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
+from elasticep.frontend.api_server_pool import ApiServerPool
+from elasticep.frontend.api_server_proc import ApiServerSpec
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
@@ -165,8 +171,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     # Workers of other nodes must reach the link sockets: bind where the coordinator is.
     api = NodeApi(FrontendChannel(host=settings.coordinator_host))
     channel = api.channel
-    deployment = frontend = http_sock = None
+    deployment = frontend = http_sock = pool = None
     died: list[int] = []  # the coordinator process's exit status, if it died
+    gave_up: list[str] = []  # why an extra front-end process was not relaunched
+
+    def pool_gave_up(why: str) -> None:  # the pool's watcher thread: stop everything
+        gave_up.append(why)
+        stop.set()
 
     def coordinator_died(code: int) -> None:  # its watcher thread: stop everything
         died.append(code)
@@ -178,6 +189,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         api.announce(settings, 0, api_url(settings, http_sock), dep.heartbeat_timeout_s)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
+        if settings.api_server_count > 1:  # their links known before any rank starts
+            pool = ApiServerPool(settings.api_server_count - 1, settings.coordinator_host,
+                                 http_sock, STREAM_GRACE_S, on_give_up=pool_gave_up)
+            extra = pool.start()
+            dep = replace(dep, frontend_extra_request_addrs=tuple(e.request_addr for e in extra),
+                          frontend_extra_output_addrs=tuple(e.output_addr for e in extra))
         try:  # the local ranks first: they load while the front-end starts
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
@@ -198,6 +215,10 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         server = api.server
         frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()
+        if pool is not None:
+            pool.serve(ApiServerSpec(dep.model, partial(coordinator_view, deployment.address,
+                                                        dep),
+                                     server_kwargs(settings, dep), deployment.address))
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
@@ -213,6 +234,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
                               "restart_budget", restart_budget(policy, ledger, now)))
         if died:
             return _coordinator_died(deployment, died)
+        if gave_up:
+            print(f"elasticep serve: error: {gave_up[0]}; serve stops", file=sys.stderr)
+            return 1
         if fatal and exits:
             ex = exits[-1]
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "
@@ -224,9 +248,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         if (deployment is not None and stop.is_set() and not died and settings.nnodes > 1
                 and settings.membership_store.startswith("etcd://")):
             leave_on_purpose(deployment)  # the other nodes serve on: not a failure there
+        if pool is not None:  # they wind down beside the node's own front-end
+            pool.signal_stop()
         # open streams end with an error event, not a cut; the server closes http_sock
         api.stop("the server is shutting down" + (
             " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
+        if pool is not None:
+            pool.stop()
         if api.server is None and http_sock is not None:
             http_sock.close()
         if deployment is not None:

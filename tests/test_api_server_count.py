@@ -1,0 +1,98 @@
+"""``--api-server-count``: several HTTP front-end processes on one port.
+
+End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
+rate): every request of a concurrent load is served with the same tokens whichever
+process took it, both processes serve, a SIGKILLed extra process is relaunched and the
+node serves on, and ``/metrics`` counts each request once across the processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.serving.stub_engine import server_command
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS_PER_S = 200.0
+MAX_TOKENS = 12
+
+
+async def _complete_all(url: str, prompts: list[str]) -> list[str]:
+    """Every prompt at once, each on a connection of its own; their completions."""
+
+    async def one(prompt: str) -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+            r = await client.post("/v1/completions", json={
+                "model": str(DEMO_MODEL), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0})
+            r.raise_for_status()
+            body = r.json()
+            assert body["usage"]["completion_tokens"] == MAX_TOKENS
+            return body["choices"][0]["text"]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _served_total(metrics: str) -> float:
+    return sum(float(v) for v in re.findall(
+        r'^elasticep_requests_total\{endpoint="completions",outcome="[a-z_]+"\} (\S+)$',
+        metrics, re.M))
+
+
+def _child_pids(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"api server 1 \(pid (\d+)\) serving", log)]
+
+
+def _wait_log(serve: ServeProcess, pred, what: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = serve.tail(1 << 22)
+        if pred(log):
+            return log
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not logged in {timeout_s} s:\n{serve.tail(4000)}")
+
+
+def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
+    prompts = [f"request {i} says the weather is {'fine' if i % 2 else 'cold'}"
+               for i in range(48)]
+    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2"],
+                            ready_timeout_s=90,
+                            program=server_command(STEPS_PER_S)) as serve:
+        log = _wait_log(serve, _child_pids, "the extra front-end serving")
+        first = _child_pids(log)[0]
+        texts = asyncio.run(_complete_all(serve.url, prompts))
+        # the stub's tokens depend on the prompt only: the same prompt gives the same
+        # text whichever process served it
+        by_prompt = dict(zip(prompts, texts, strict=True))
+        assert all(texts)
+        again = asyncio.run(_complete_all(serve.url, prompts[:8]))
+        assert again == [by_prompt[p] for p in prompts[:8]]
+        for _ in range(4):  # any process answers a scrape with the node's total
+            assert _served_total(serve.metrics()) == 56
+
+        os.kill(first, signal.SIGKILL)
+        log = _wait_log(serve, lambda text: len(_child_pids(text)) == 2,
+                        "the relaunched front-end serving")
+        assert f"api server 1 (pid {first}) exited with -9" in log
+        relaunched = _child_pids(log)[1]
+        assert relaunched != first
+        texts = asyncio.run(_complete_all(serve.url, prompts))
+        assert texts == [by_prompt[p] for p in prompts]  # the node serves on, the same
+        assert _served_total(serve.metrics()) == 104  # the dead process's count stays
+        assert serve.stop() == []  # no process left behind
+        log = serve.tail(1 << 22)
+    # the relaunched process served part of the last load, the node's own the rest
+    served = re.findall(rf"api server 1 \(pid {relaunched}\): stopping after (\d+) requests",
+                        log)
+    assert served and 0 < int(served[0]) < 48, log[-3000:]
