@@ -1,6 +1,7 @@
 """``--api-server-count``: several HTTP front-end processes on one port.
 
-End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
+`elasticep serve` of the demo model streams the same greedy tokens with two front-end
+processes as with one. End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
 rate): every request of a concurrent load is served with the same tokens whichever
 process took it, both processes serve, a SIGKILLed extra process is relaunched and the
 node serves on, and ``/metrics`` counts each request once across the processes.
@@ -17,9 +18,11 @@ import time
 import httpx
 import pytest
 
+from elasticep_testkit.harness.load import run_batch
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.paths import DEMO_MODEL
 from elasticep_testkit.serving.stub_engine import server_command
+from tests._serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, prompts, start_serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +99,21 @@ def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
     served = re.findall(rf"api server 1 \(pid {relaunched}\): stopping after (\d+) requests",
                         log)
     assert served and 0 < int(served[0]) < 48, log[-3000:]
+
+
+def _greedy_texts(count: str, texts: list[str]) -> tuple[list[str], str]:
+    """The greedy completions of ``texts``, all at once, and serve's log."""
+    with start_serve("--ep-size", "1", "--api-server-count", count) as serve:
+        records = run_batch(serve.client, serve.model_name(), texts, 16, RESULTS_TIMEOUT_S)
+        assert serve.stop() == []
+        log = serve.tail(1 << 22)
+    assert_complete(records, 16)
+    return [r.text for r in records], log
+
+
+def test_serve_streams_the_same_greedy_tokens_with_two_front_end_processes():
+    texts = prompts(12)
+    two, log = _greedy_texts("2", texts)
+    assert two == _greedy_texts("1", texts)[0]
+    served = re.findall(r"api server 1 \(pid \d+\): stopping after (\d+) requests", log)
+    assert served and 0 < int(served[0]) < len(texts), served  # both processes served

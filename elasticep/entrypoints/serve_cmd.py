@@ -221,6 +221,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
                                      server_kwargs(settings, dep), deployment.address))
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
+        if pool is not None:
+            pool.wait_serving()
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)

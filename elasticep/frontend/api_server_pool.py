@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from elasticep.frontend.api_server_proc import ApiServerSpec, api_server_main
 from elasticep.frontend.metrics import enable_multiprocess, process_died
@@ -104,6 +105,16 @@ class ApiServerPool:
                                          name="api-server-pool")
         self._watcher.start()
 
+    def wait_serving(self) -> None:
+        """Wait until every process accepts on the socket (after :meth:`serve`).
+
+        Raises:
+            OSError: a process exited or stayed silent for :data:`START_TIMEOUT_S`.
+        """
+        with self._relaunching:
+            for i in range(self.count):
+                self._from_child(i, "start serving")
+
     def _spawn(self, i: int, ports: tuple[int, int]) -> None:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
@@ -115,6 +126,14 @@ class ApiServerPool:
         self._procs[i], self._conns[i] = proc, parent
 
     def _endpoints_of(self, i: int) -> LinkEndpoints:
+        return self._from_child(i, "bind its link")
+
+    def _from_child(self, i: int, what: str) -> Any:
+        """The next message of process ``i``.
+
+        Raises:
+            OSError: it exited or sent nothing for :data:`START_TIMEOUT_S`.
+        """
         conn, proc = self._conns[i], self._procs[i]
         assert conn is not None and proc is not None
         try:
@@ -122,8 +141,8 @@ class ApiServerPool:
                 return conn.recv()
         except EOFError:
             pass
-        raise OSError(f"api server {i + 1} (pid {proc.pid}) did not bind its link "
-                           f"within {START_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
+        raise OSError(f"api server {i + 1} (pid {proc.pid}) did not {what} within "
+                      f"{START_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
 
     def _watch(self) -> None:
         try:

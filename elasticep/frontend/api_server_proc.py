@@ -70,7 +70,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         link_host, ports: where its link binds (ports 0: free ones; a relaunch passes
             the ports its predecessor had, which the ranks still connect to).
         sock: the node's listening HTTP socket.
-        conn: the pipe to the pool: endpoints go up, the spec comes down.
+        conn: the pipe to the pool: endpoints go up, the spec comes down, then the
+            pid goes up once the server accepts.
         metrics_dir: the node's prometheus-client multiprocess directory.
         parent_pid: ``serve``'s pid.
         grace_s: seconds open streams get at a stop.
@@ -97,6 +98,7 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         frontend.coordinator_address = spec.coordinator_address
         server.start()
         logger.info("api server %d (pid %d) serving", index, os.getpid())
+        conn.send(os.getpid())
         stop.wait()
         logger.info("api server %d (pid %d): stopping after %d requests", index,
                     os.getpid(), requests_served(frontend))

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
         wait_until(lambda: len(channel.connected) >= args.ep_size or stop.is_set(),
                    READY_TIMEOUT_S, "the stub ranks to connect", poll_s=0.05)
+        if pool is not None:
+            pool.wait_serving()
         if not stop.is_set():
             print(f"ready: {server.url} (stub engine, {args.ep_size} ranks at "
                   f"{args.stub_engine_steps_per_s:g} steps/s)", flush=True)
