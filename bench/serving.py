@@ -235,6 +235,12 @@ def bench_served(args: argparse.Namespace, base_urls: list[str],
                            "client_cpu_s": round(client_cpu, 3),
                            "client_cpu_share": round(client_cpu / duration, 3)}
     out["first_token_trace"] = first_token_trace(base_url)
+    if serve_int_flag(args, "--api-server-count") > 1:
+        # each front-end process traces its own requests; the reset and the read above
+        # each reached whichever process accepted them
+        out["first_token_trace_scope"] = (
+            "one front-end process of several (--api-server-count): its own requests "
+            "only, the warm-up ones included if another process took the reset")
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)
     out["ttft_first_over_median"] = (round(out["ttft_first_ms"] / out["median_ttft_ms"], 3)
@@ -260,13 +266,19 @@ def first_token_trace(base_url: str, reset: bool = False) -> dict[str, Any] | No
     return r.json() if r.status_code == 200 else None
 
 
-def stub_ranks(args: argparse.Namespace) -> int:
-    """The stub server's rank count: its --ep-size among --serve-arg (default 1)."""
+def serve_int_flag(args: argparse.Namespace, name: str) -> int:
+    """An integer serve flag among --serve-arg (default 1): ``--ep-size`` is the stub
+    server's rank count, ``--api-server-count`` its front-end processes."""
     flags = [a for arg in args.serve_arg for a in arg.split("=", 1)]
     for flag, value in zip(flags, flags[1:], strict=False):
-        if flag == "--ep-size":
+        if flag == name:
             return int(value)
     return 1
+
+
+def stub_ranks(args: argparse.Namespace) -> int:
+    """The stub server's rank count: its --ep-size among --serve-arg (default 1)."""
+    return serve_int_flag(args, "--ep-size")
 
 
 def bench_engine(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
