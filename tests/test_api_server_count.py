@@ -1,7 +1,7 @@
 """``--api-server-count``: several HTTP front-end processes on one port.
 
 `elasticep serve` of the demo model streams the same greedy tokens with two front-end
-processes as with one. End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
+processes (membership in etcd) as with one (embedded store). End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
 rate): every request of a concurrent load is served with the same tokens whichever
 process took it, both processes serve, a SIGKILLed extra process is relaunched and the
 node serves on, and ``/metrics`` counts each request once across the processes.
@@ -14,10 +14,12 @@ import os
 import re
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
 
+from elasticep_testkit.etcd_cluster import EtcdCluster
 from elasticep_testkit.harness.load import run_batch
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.paths import DEMO_MODEL
@@ -108,19 +110,29 @@ def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
     assert served and 0 < int(served[0]) < 48, log[-3000:]
 
 
-def _greedy_texts(count: str, texts: list[str]) -> tuple[list[str], str]:
-    """The greedy completions of ``texts``, all at once, and serve's log."""
-    with start_serve("--ep-size", "1", "--api-server-count", count) as serve:
+def _greedy_texts(texts: list[str], *args: str) -> tuple[list[str], str]:
+    """The greedy completions of ``texts`` by `serve --ep-size 1 ARGS`, all at once, and
+    serve's log."""
+    with start_serve("--ep-size", "1", *args) as serve:
         records = run_batch(serve.client, serve.model_name(), texts, 16, RESULTS_TIMEOUT_S)
+        if "--membership-store" in args:  # both processes are in the directory, and
+            for _ in range(6):  # each shows it
+                body = httpx.get(f"{serve.url}/elastic_ep_status", timeout=10.0).json()
+                assert sorted(body["frontends"]) == ["node0", "node0-api1"], body
         assert serve.stop() == []
         log = serve.tail(1 << 22)
     assert_complete(records, 16)
     return [r.text for r in records], log
 
 
-def test_serve_streams_the_same_greedy_tokens_with_two_front_end_processes():
+def test_serve_streams_the_same_greedy_tokens_with_two_front_end_processes_under_etcd():
+    """Two front-end processes with the membership in etcd (the extra one announces
+    itself and the rank links to it through the directory) stream the same greedy
+    tokens as one process with the embedded store."""
     texts = prompts(12)
-    two, log = _greedy_texts("2", texts)
-    assert two == _greedy_texts("1", texts)[0]
+    with EtcdCluster.start(1) as cluster:
+        two, log = _greedy_texts(texts, "--api-server-count", "2", "--membership-store",
+                                 f"{cluster.url}/t-{uuid.uuid4().hex[:8]}")
+    assert two == _greedy_texts(texts)[0]
     served = re.findall(r"api server 1 \(pid \d+\): stopping after (\d+) requests", log)
     assert served and 0 < int(served[0]) < len(texts), served  # both processes served

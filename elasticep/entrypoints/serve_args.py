@@ -172,10 +172,9 @@ def api_server_checks(args: argparse.Namespace, deployment: DeploymentConfig,
     return [
         (1 <= n <= MAX_API_SERVER_COUNT,
          f"--api-server-count must be in [1, {MAX_API_SERVER_COUNT}], got {n}"),
-        (n == 1 or args.node_rank == 0,
-         "--api-server-count > 1 applies to node 0, the node that serves the API"),
-        (n == 1 or store_kind != "etcd",
-         "--api-server-count > 1 is not supported with --membership-store etcd:// yet"),
+        (n == 1 or args.node_rank == 0 or store_kind == "etcd",
+         "--api-server-count > 1 applies to a node that serves the API: node 0, or "
+         "any node with --membership-store etcd://"),
         (n == 1 or deployment.elastic_ep_backend == Backend.ELASTIC,
          "--api-server-count > 1 needs --elastic-ep-backend elastic (the other front-end "
          "processes follow the coordinator's membership)"),

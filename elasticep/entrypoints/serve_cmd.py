@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,11 +34,11 @@ from elasticep.engine.memory_fit import deployment_fit_problem
 from elasticep.entrypoints.node_api import (
     STREAM_GRACE_S,
     NodeApi,
+    api_server_spec,
     api_url,
     bind_api,
-    coordinator_view,
     open_api,
-    server_kwargs,
+    start_api_servers,
 )
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
 from elasticep.entrypoints.serve_node import same_layout_running, serve_node
@@ -50,8 +49,6 @@ from elasticep.entrypoints.validate import (
     make_log_dir,
     setup_logging,
 )
-from elasticep.frontend.api_server_pool import ApiServerPool
-from elasticep.frontend.api_server_proc import ApiServerSpec
 from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
@@ -171,7 +168,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     # Workers of other nodes must reach the link sockets: bind where the coordinator is.
     api = NodeApi(FrontendChannel(host=settings.coordinator_host))
     channel = api.channel
-    deployment = frontend = http_sock = pool = None
+    deployment = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died
     gave_up: list[str] = []  # why an extra front-end process was not relaunched
 
@@ -189,10 +186,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         api.announce(settings, 0, api_url(settings, http_sock), dep.heartbeat_timeout_s)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
-        if settings.api_server_count > 1:  # their links known before any rank starts
-            pool = ApiServerPool(settings.api_server_count - 1, settings.coordinator_host,
-                                 http_sock, STREAM_GRACE_S, on_give_up=pool_gave_up)
-            extra = pool.start()
+        # their links known before any rank starts
+        api.pool = start_api_servers(settings, settings.coordinator_host, http_sock,
+                                     pool_gave_up)
+        if api.pool is not None:
+            extra = api.pool.endpoints
             dep = replace(dep, frontend_extra_request_addrs=tuple(e.request_addr for e in extra),
                           frontend_extra_output_addrs=tuple(e.output_addr for e in extra))
         try:  # the local ranks first: they load while the front-end starts
@@ -215,14 +213,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         server = api.server
         frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()
-        if pool is not None:
-            pool.serve(ApiServerSpec(dep.model, partial(coordinator_view, deployment.address,
-                                                        dep),
-                                     server_kwargs(settings, dep), deployment.address))
+        if api.pool is not None:
+            api.pool.serve(api_server_spec(settings, dep, deployment.address, dep.ep_size))
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
-        if pool is not None:
-            pool.wait_serving()
+        if api.pool is not None:
+            api.pool.wait_serving()
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
@@ -250,13 +246,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         if (deployment is not None and stop.is_set() and not died and settings.nnodes > 1
                 and settings.membership_store.startswith("etcd://")):
             leave_on_purpose(deployment)  # the other nodes serve on: not a failure there
-        if pool is not None:  # they wind down beside the node's own front-end
-            pool.signal_stop()
         # open streams end with an error event, not a cut; the server closes http_sock
         api.stop("the server is shutting down" + (
             " (its coordinator process died)" if died else ""), STREAM_GRACE_S)
-        if pool is not None:
-            pool.stop()
         if api.server is None and http_sock is not None:
             http_sock.close()
         if deployment is not None:

@@ -20,18 +20,26 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import enable_multiprocess
-from elasticep.frontend_link import FrontendChannel, WorkerHello
+from elasticep.frontend_link import FrontendChannel, LinkEndpoints, WorkerHello
 from elasticep.utils.procs import die_with_parent
+from elasticep.utils.wait import wait_until
+
+if TYPE_CHECKING:  # the process imports the front-end once its link is bound
+    from elasticep.frontend.core import Frontend
 
 logger = logging.getLogger("elasticep.serve")
+
+# How long a process waits for the ranks' hellos before it reports that it serves.
+RANKS_TIMEOUT_S = 60.0
 
 # Builds a process's membership source from its link's hellos (``channel.connected``);
 # a top-level function or a partial of one, so that it pickles.
 MembershipFactory = Callable[[Callable[[], Mapping[int, WorkerHello]]], MembershipSource]
+OnServing = Callable[[int, "Frontend", LinkEndpoints, str], Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -44,12 +52,20 @@ class ApiServerSpec:
         server_kwargs: :func:`~elasticep.frontend.http_server.create_server`'s keyword
             arguments but ``sock`` (the node's own front-end gets the same).
         coordinator_address: named in ``join`` hints; None: none.
+        on_serving: called in the process once it accepts, with its index, front-end,
+            link endpoints and URL (under etcd: its directory entry); returns what to
+            call at its stop. None: nothing.
+        ranks: how many ranks must have said hello on the process's link before it
+            reports that it serves (so that the node is ready in every process);
+            0: none.
     """
 
     model: str
     membership: MembershipFactory
     server_kwargs: dict[str, Any] = field(default_factory=dict)
     coordinator_address: str | None = None
+    on_serving: OnServing | None = None
+    ranks: int = 0
 
 
 def requests_served(frontend: Any) -> int:
@@ -85,7 +101,7 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
                                "%(levelname)s %(message)s")
     enable_multiprocess(metrics_dir)
     channel = FrontendChannel(host=link_host, request_port=ports[0], output_port=ports[1])
-    server = frontend = None
+    server = frontend = leave = None
     try:
         conn.send(channel.endpoints)
         spec: ApiServerSpec = conn.recv()
@@ -97,6 +113,14 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
                                          sock=sock, **spec.server_kwargs)
         frontend.coordinator_address = spec.coordinator_address
         server.start()
+        if spec.on_serving is not None:
+            leave = spec.on_serving(index, frontend, channel.endpoints, server.url)
+        try:
+            wait_until(lambda: len(channel.connected) >= spec.ranks or stop.is_set(),
+                       RANKS_TIMEOUT_S, "the ranks' hellos")
+        except TimeoutError:  # a rank died meanwhile: the node's start says so
+            logger.warning("api server %d: %d of %d ranks linked after %.0f s", index,
+                           len(channel.connected), spec.ranks, RANKS_TIMEOUT_S)
         logger.info("api server %d (pid %d) serving", index, os.getpid())
         conn.send(os.getpid())
         stop.wait()
@@ -107,6 +131,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
     finally:
         if frontend is not None:
             frontend.shut_down("the server is shutting down", grace_s)
+        if leave is not None:  # after: the ranks abort a leaver's requests
+            leave()
         if server is not None:
             server.stop()
         channel.close()

@@ -82,6 +82,7 @@ class FrontendMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._series: dict[int, set[tuple[str, ...]]] = {}  # id(gauge) -> labels set
         r = self.registry
         self.requests = Counter("elasticep_requests", "Finished HTTP generation requests",
                                 ["endpoint", "outcome"], registry=r)
@@ -235,19 +236,29 @@ class FrontendMetrics:
             return
         self.membership_store_ok.labels(store.kind).set(int(store.ok))
         self.membership_store_revision.labels(store.kind).set(store.revision)
-        self.coordinator_leader.clear()
-        if store.leader is not None:
-            self.coordinator_leader.labels(store.leader).set(1)
+        self._replace(self.coordinator_leader,
+                      {(store.leader,): 1.0} if store.leader is not None else {})
 
     def directory(self, frontends: dict[str, str], replicas: list[str]) -> None:
         """Record the announced front-ends (name -> URL) and coordinator replicas
         (their addresses), replacing the last ones."""
-        self.frontends.clear()
-        for name, url in frontends.items():
-            self.frontends.labels(name, url).set(1)
-        self.coordinator_replicas.clear()
-        for address in replicas:
-            self.coordinator_replicas.labels(address).set(1)
+        self._replace(self.frontends,
+                      {(name, url): 1.0 for name, url in frontends.items()})
+        self._replace(self.coordinator_replicas, {(address,): 1.0 for address in replicas})
+
+    def _replace(self, gauge: Gauge, series: dict[tuple[str, ...], float]) -> None:
+        """Make ``series`` (label values -> value) the labelled gauge's only series. In
+        multiprocess mode a series cannot be removed (its last value stays in the
+        process's file), so one no longer listed is set to 0 there instead."""
+        shown = self._series.get(id(gauge), set())
+        for labels in shown - set(series):
+            if _multiproc_dir is None:
+                gauge.remove(*labels)
+            else:
+                gauge.labels(*labels).set(0)
+        for labels, value in series.items():
+            gauge.labels(*labels).set(value)
+        self._series[id(gauge)] = set(series)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

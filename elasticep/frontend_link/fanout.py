@@ -259,7 +259,7 @@ class FrontendLinks:
         self._links = {}
 
 
-# How often a rank says hello again to a fixed set of front-end processes (seconds).
+# How often a rank says hello again on each of its links (seconds).
 STATIC_HELLO_EVERY_S = 1.0
 
 
@@ -284,8 +284,10 @@ def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, ep
         return [m.LinkEndpoints(str(v["request_addr"]), str(v["output_addr"]))
                 for v in read().values() if "request_addr" in v and "output_addr" in v]
 
+    # a front-end process relaunched on its old link addresses stays listed: only a
+    # hello tells it of this rank
     return FrontendLinks(endpoints, rank, directory, epoch, limits=limits,
-                         moe_a2a_backend=moe_a2a_backend)
+                         moe_a2a_backend=moe_a2a_backend, hello_every_s=STATIC_HELLO_EVERY_S)
 
 
 def static_links(endpoints: Sequence[m.LinkEndpoints], rank: int, epoch: int = 0,

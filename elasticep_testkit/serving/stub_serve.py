@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
              for r in range(args.ep_size)]
     server.start()
     if pool is not None:
-        pool.serve(ApiServerSpec(args.model, partial(stub_membership, args.ep_size), kwargs))
+        pool.serve(ApiServerSpec(args.model, partial(stub_membership, args.ep_size), kwargs,
+                                 ranks=args.ep_size))
     try:
         for p in ranks:
             p.start()
