@@ -68,7 +68,7 @@ class ApiServerSpec:
     ranks: int = 0
 
 
-def requests_served(frontend: Any) -> int:
+def requests_served(frontend: Frontend) -> int:
     """The finished generation requests this process counted (every outcome), read
     from its own counter, not the node's sum."""
     return int(sum(s.value for metric in frontend.metrics.requests.collect()
