@@ -76,11 +76,6 @@ class ApiServerPool:
         self._joined = threading.Event()  # set once stop() has waited for the processes
         self._relaunching = threading.Lock()
 
-    @property
-    def pids(self) -> list[int | None]:
-        """The processes' pids now (None: not running)."""
-        return [p.pid if p is not None else None for p in self._procs]
-
     def start(self) -> list[LinkEndpoints]:
         """Spawn every process and wait until each bound its link.
 
