@@ -221,7 +221,8 @@ def bench_served(args: argparse.Namespace, base_urls: list[str],
 
     first = warm_up(warm[:1])
     warm_up(warm)
-    first_token_trace(base_url, reset=True)  # the measured run's requests only
+    processes = serve_int_flag(args, "--api-server-count")
+    first_token_traces(base_url, processes, reset=True)  # the measured run's requests only
     ranks = stub_ranks(args)
     before = stub_engine.read_stats(stub_dir, ranks) if stub_dir else None
     cpu0 = time.process_time()
@@ -234,7 +235,11 @@ def bench_served(args: argparse.Namespace, base_urls: list[str],
                            "differences_from_sglang": list(DIFFERENCES_FROM_SGLANG),
                            "client_cpu_s": round(client_cpu, 3),
                            "client_cpu_share": round(client_cpu / duration, 3)}
-    out["first_token_trace"] = first_token_trace(base_url)
+    traces = first_token_traces(base_url, processes)
+    out["first_token_trace"] = traces[0] if traces else None
+    if processes > 1:
+        # percentiles of parts do not add up to the whole's: each process's own
+        out["first_token_trace_per_process"] = traces
     ttft = first[0].ttft
     out["ttft_first_ms"] = None if ttft is None else round(ttft * 1000.0, 3)
     out["ttft_first_over_median"] = (round(out["ttft_first_ms"] / out["median_ttft_ms"], 3)
@@ -260,13 +265,45 @@ def first_token_trace(base_url: str, reset: bool = False) -> dict[str, Any] | No
     return r.json() if r.status_code == 200 else None
 
 
-def stub_ranks(args: argparse.Namespace) -> int:
-    """The stub server's rank count: its --ep-size among --serve-arg (default 1)."""
+# fresh connections tried to reach every front-end process of the server
+TRACE_TRIES = 200
+
+
+def first_token_traces(base_url: str, processes: int,
+                       reset: bool = False) -> list[dict[str, Any]]:
+    """:func:`first_token_trace` of each of the server's ``processes`` front-end
+    processes (``--api-server-count``; told apart by their ``pid``), each reached on
+    connections of its own: whichever process accepts one answers it. Empty from a
+    server without the trace.
+
+    Raises:
+        RuntimeError: fewer processes answered within :data:`TRACE_TRIES` connections.
+    """
+    seen: dict[Any, dict[str, Any]] = {}
+    for _ in range(TRACE_TRIES if processes > 1 else 1):
+        trace = first_token_trace(base_url, reset=reset)
+        if trace is None:
+            return []
+        seen.setdefault(trace.get("pid"), trace)
+        if len(seen) >= processes:
+            return list(seen.values())
+    raise RuntimeError(f"{len(seen)} of {processes} front-end processes answered "
+                       f"/debug/first_token_trace in {TRACE_TRIES} connections")
+
+
+def serve_int_flag(args: argparse.Namespace, name: str) -> int:
+    """An integer serve flag among --serve-arg (default 1): ``--ep-size`` is the stub
+    server's rank count, ``--api-server-count`` its front-end processes."""
     flags = [a for arg in args.serve_arg for a in arg.split("=", 1)]
     for flag, value in zip(flags, flags[1:], strict=False):
-        if flag == "--ep-size":
+        if flag == name:
             return int(value)
     return 1
+
+
+def stub_ranks(args: argparse.Namespace) -> int:
+    """The stub server's rank count: its --ep-size among --serve-arg (default 1)."""
+    return serve_int_flag(args, "--ep-size")
 
 
 def bench_engine(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:

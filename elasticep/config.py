@@ -166,6 +166,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             the chunk.
         frontend_request_addr: zmq address of the front-end's ROUTER (requests).
         frontend_output_addr: zmq address of the front-end's PULL (outputs).
+        frontend_extra_request_addrs, frontend_extra_output_addrs: the links of the
+            node's other front-end processes (``serve --api-server-count``), pairwise;
+            every rank links to each of them too, for the deployment's life.
         heartbeat_timeout_s: seconds without heartbeat before a rank is evicted.
         elastic_ep_scale_timeout_s: how long a grow waits for its joiners before it
             gives up and frees their slots (seconds; SGLang's ``--elastic-ep-scale-timeout``).
@@ -221,6 +224,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     max_num_batched_tokens: int | None = None
     frontend_request_addr: str = ""
     frontend_output_addr: str = ""
+    frontend_extra_request_addrs: tuple[str, ...] = ()
+    frontend_extra_output_addrs: tuple[str, ...] = ()
     heartbeat_timeout_s: float = 2.0
     elastic_ep_scale_timeout_s: float = 600.0
     num_threads: int = 1

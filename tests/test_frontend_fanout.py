@@ -19,7 +19,7 @@ from elasticep.frontend_link import (
     RequestError,
     WorkerHello,
 )
-from elasticep.frontend_link.fanout import FrontendLinks
+from elasticep.frontend_link.fanout import FrontendLinks, static_links
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -88,3 +88,39 @@ def poll_until_linked(links: FrontendLinks, n: int, timeout_s: float = 5.0) -> N
     while len(links.frontends) < n:
         assert time.monotonic() < deadline, links.frontends
         links.poll(0.02)
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def test_a_front_end_relaunched_on_its_ports_hears_the_rank_again():
+    """A fixed set of front-end processes (``--api-server-count``): one that dies and
+    binds the same link ports again is told of the rank by its periodic hello, without
+    the rank having noticed anything."""
+
+    async def main() -> None:
+        a, b = FrontendChannel(), FrontendChannel()
+        old = b.endpoints
+        links = static_links([a.endpoints, b.endpoints], rank=1)
+        b2 = None
+        try:
+            poll_until_linked(links, 2)
+            await collect(b, 1)  # said on linking
+            b.close()  # the process died
+            b2 = FrontendChannel(request_port=_port(old.request_addr),
+                                 output_port=_port(old.output_addr))
+            deadline = time.monotonic() + 5.0
+            while 1 not in b2.connected:
+                assert time.monotonic() < deadline, "the relaunched front-end never heard"
+                links.poll(0.02)
+                await b2.poll(0.02)
+            b2.send(1, GenerateRequest("r", (1,)))
+            assert wait_poll(links, 1) == [GenerateRequest("r", (1,))]
+        finally:
+            links.close()
+            a.close()
+            if b2 is not None:
+                b2.close()
+
+    asyncio.run(main())

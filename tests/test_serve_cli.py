@@ -70,6 +70,12 @@ def _join(*argv: str) -> argparse.Namespace:
      "--max-running-requests must be in .1, 65536., got 100000"),
     (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be >= 1, got 0"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1, or -1 .off., got 0"),
+    (["--api-server-count", "0"], "--api-server-count must be in .1, 64., got 0"),
+    (["--api-server-count", "1000"], "--api-server-count must be in .1, 64., got 1000"),
+    (["--api-server-count", "2", "--elastic-ep-backend", "none"],
+     "--api-server-count > 1 needs --elastic-ep-backend elastic"),
+    (["--api-server-count", "2", "--nnodes", "2", "--node-rank", "1", "--ep-size", "2",
+      "--dist-init-addr", "h:1"], "--api-server-count > 1 applies to a node that serves"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-")):
@@ -155,6 +161,8 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback():
      "elasticep serve: error: --dist-init-addr 99999 is not a TCP port (must be in [0, 65535])"),
     ("serve", ["--port", "70000"],
      "elasticep serve: error: --port 70000 is not a TCP port (must be in [0, 65535])"),
+    ("serve", ["--api-server-count", "-1"],
+     "elasticep serve: error: --api-server-count must be in [1, 64], got -1"),
     ("join", ["--dist-init-addr", "127.0.0.1:99999", "--elastic-ep-rejoin", "--ranks", "1"],
      "elasticep join: error: --dist-init-addr 99999 is not a TCP port (must be in [1, 65535])"),
     # a URL used to pass as host "http://127.0.0.1" and be tried for 60 s

@@ -78,7 +78,7 @@ from elasticep.engine.llm_engine import LLMEngine, grammar_compiler_for
 from elasticep.engine.prefill_warmup import warm_up_prefill
 from elasticep.eplb import EPLBConfig, EPLBManager, initial_placement
 from elasticep.frontend_link import LinkEndpoints
-from elasticep.frontend_link.fanout import worker_link
+from elasticep.frontend_link.fanout import extra_endpoints, worker_link
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
@@ -201,7 +201,9 @@ def build_loop(cfg: WorkerConfig, log_ctx: RankContext) -> LockstepLoop:
     channel = worker_link(LinkEndpoints(d.frontend_request_addr, d.frontend_output_addr),
                           cfg.rank, d.membership_store, log_ctx.epoch,
                           limits=(engine.blocks.capacity_tokens, limits.max_running_requests),
-                          moe_a2a_backend=a2a.value)
+                          moe_a2a_backend=a2a.value,
+                          extra=extra_endpoints(d.frontend_extra_request_addrs,
+                                                d.frontend_extra_output_addrs))
     channel.hello()
     return LockstepLoop(engine, ep, channel, group, cfg.rank, elastic, load_fn, faults,
                         log_ctx, eplb, log_stats_interval_s=d.log_stats_interval_s,

@@ -82,6 +82,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="BYTES",
                    help="largest request body in bytes; larger ones get 413 (default: "
                         f"{DEFAULT_MAX_PAYLOAD_SIZE} = {_human_bytes(DEFAULT_MAX_PAYLOAD_SIZE)})")
+    h.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes on this node, sharing --port (vLLM's "
+                        "flag; default 1): more of them keep up with more clients")
     n = p.add_argument_group("multi-node")
     n.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     n.add_argument("--node-rank", type=int, default=0,
@@ -118,6 +121,7 @@ class ServeSettings:
         metrics_api_key: ``/metrics``' own key; event_log: the ``--event-log`` file.
         warnings: non-fatal remarks to print.
         tool_call_parser: ``--tool-call-parser``; None: the family's.
+        api_server_count: the node's front-end processes (``--api-server-count``).
         served_model_name: the ``model`` clients send: ``--served-model-name``, else
             ``--model`` exactly as given (not the resolved directory).
     """
@@ -141,6 +145,7 @@ class ServeSettings:
     served_model_name: str = ""
     tool_call_parser: str | None = None
     membership_store: str = "embedded"
+    api_server_count: int = 1
 
     @property
     def local_ranks(self) -> list[int]:
@@ -154,6 +159,26 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+# Past this many front-end processes a node spends more on them than they save.
+MAX_API_SERVER_COUNT = 64
+
+
+def api_server_checks(args: argparse.Namespace, deployment: DeploymentConfig,
+                      store_kind: str) -> list[tuple[bool, str]]:
+    """``--api-server-count``'s checks, for :func:`raise_first_failure` (pure)."""
+    n = args.api_server_count
+    return [
+        (1 <= n <= MAX_API_SERVER_COUNT,
+         f"--api-server-count must be in [1, {MAX_API_SERVER_COUNT}], got {n}"),
+        (n == 1 or args.node_rank == 0 or store_kind == "etcd",
+         "--api-server-count > 1 applies to a node that serves the API: node 0, or "
+         "any node with --membership-store etcd://"),
+        (n == 1 or deployment.elastic_ep_backend == Backend.ELASTIC,
+         "--api-server-count > 1 needs --elastic-ep-backend elastic (the other front-end "
+         "processes follow the coordinator's membership)"),
+    ]
 
 
 def validate(args: argparse.Namespace) -> ServeSettings:
@@ -186,6 +211,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         (args.nnodes == 1 or args.dist_init_addr or finds_coordinator,
          "--nnodes > 1 needs --dist-init-addr HOST:PORT (the coordinator on node 0; "
          "nodes 1.. may find it with --membership-store etcd://...)"),
+        *api_server_checks(args, deployment, store.kind),
         (deployment.elastic_ep_backend == Backend.ELASTIC or not args.restart_failed_ranks,
          "--elastic-ep-backend none cannot take back a failed rank: drop "
          "--restart-failed-ranks"),
@@ -214,4 +240,4 @@ def validate(args: argparse.Namespace) -> ServeSettings:
         # as given: clients send what they typed, and SGLang's bench_serving loads its
         # tokenizer from this name
         served_model_name=args.served_model_name or args.model,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, api_server_count=args.api_server_count)

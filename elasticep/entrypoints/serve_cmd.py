@@ -1,6 +1,7 @@
 """`elasticep serve`: one command that starts a whole elastic EP deployment.
 
-Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process, the
+Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process (and
+--api-server-count - 1 more front-end processes on the same port), the
 coordinator (membership, rendezvous store) in a child process of its own, and its share
 of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
 launch their ranks against node 0's coordinator (:mod:`.serve_node`); under
@@ -33,9 +34,11 @@ from elasticep.engine.memory_fit import deployment_fit_problem
 from elasticep.entrypoints.node_api import (
     STREAM_GRACE_S,
     NodeApi,
+    api_server_spec,
     api_url,
     bind_api,
     open_api,
+    start_api_servers,
 )
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
 from elasticep.entrypoints.serve_node import same_layout_running, serve_node
@@ -167,6 +170,11 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
     channel = api.channel
     deployment = frontend = http_sock = None
     died: list[int] = []  # the coordinator process's exit status, if it died
+    gave_up: list[str] = []  # why an extra front-end process was not relaunched
+
+    def pool_gave_up(why: str) -> None:  # the pool's watcher thread: stop everything
+        gave_up.append(why)
+        stop.set()
 
     def coordinator_died(code: int) -> None:  # its watcher thread: stop everything
         died.append(code)
@@ -178,6 +186,13 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         api.announce(settings, 0, api_url(settings, http_sock), dep.heartbeat_timeout_s)
         dep = replace(dep, frontend_request_addr=channel.endpoints.request_addr,
                       frontend_output_addr=channel.endpoints.output_addr)
+        # their links known before any rank starts
+        api.pool = start_api_servers(settings, settings.coordinator_host, http_sock,
+                                     pool_gave_up)
+        if api.pool is not None:
+            extra = api.pool.endpoints
+            dep = replace(dep, frontend_extra_request_addrs=tuple(e.request_addr for e in extra),
+                          frontend_extra_output_addrs=tuple(e.output_addr for e in extra))
         try:  # the local ranks first: they load while the front-end starts
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
@@ -198,8 +213,12 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         server = api.server
         frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()
+        if api.pool is not None:
+            api.pool.serve(api_server_spec(settings, dep, deployment.address, dep.ep_size))
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
+        if api.pool is not None:
+            api.pool.wait_serving()
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)
@@ -213,6 +232,9 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
                               "restart_budget", restart_budget(policy, ledger, now)))
         if died:
             return _coordinator_died(deployment, died)
+        if gave_up:
+            print(f"elasticep serve: error: {gave_up[0]}; serve stops", file=sys.stderr)
+            return 1
         if fatal and exits:
             ex = exits[-1]
             frontend.fail_all(f"rank {ex.rank} exited with {ex.code}; --elastic-ep-backend "

@@ -151,7 +151,8 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
             print(f"elasticep serve: error: node {settings.node_rank}: {taken}", file=sys.stderr)
             return 2
         if deployment.replica is not None:  # etcd: this node serves the API too
-            api = start_node_api(settings, deployment, deployment.replica.host)
+            api = start_node_api(settings, deployment, deployment.replica.host,
+                                 on_give_up=lambda _: stop.set())  # the pool said why
         rejoin = rejoin_ranks(status, ranks)
         if rejoin:
             refused = _claim_for_recovery(address, rejoin)

@@ -8,7 +8,9 @@ a dead rank's requests on survivors, and the membership view it routes by.
   ``openai_responses`` / ``api_errors`` (the error shape and shared checks): FastAPI app
   and schemas;
 - ``incremental_text``: streamed detokenization; ``metrics``: Prometheus metrics;
-- ``membership_source``: the ``MembershipSource`` protocol it polls (the deployment supplies one).
+- ``membership_source``: the ``MembershipSource`` protocol it polls (the deployment supplies one);
+- ``api_server_pool`` / ``api_server_proc``: a node's extra front-end processes on one
+  listening socket (``serve --api-server-count``).
 
 It knows nothing of how ranks are started (``elasticep.deploy``) or of the CLI.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -195,8 +196,9 @@ def build_app(frontend: Frontend, tokenizer: Any, config: ServerConfig) -> FastA
     @app.get("/debug/first_token_trace")
     async def first_token_trace(reset: bool = False) -> dict[str, Any]:
         # where first tokens spent their time (frontend/first_token_trace.py); the
-        # benchmark resets it before its measured run and reads it after
-        return frontend.first_token_trace.summary(reset=reset)
+        # benchmark resets it before its measured run and reads it after. The pid tells
+        # the node's front-end processes apart (--api-server-count): each traces its own
+        return {**frontend.first_token_trace.summary(reset=reset), "pid": os.getpid()}
 
     @app.get("/elastic_ep_status")
     async def elastic_ep_status() -> dict[str, Any]:

@@ -5,10 +5,19 @@ one process without clashing on metric names. Names follow Prometheus' conventio
 durations in ``_seconds`` histograms, counters exposed as ``_total``. The phases of a
 death, a rejoin and a scale come from ``recovery_timeline`` events (:meth:`observe`), the
 same events ``--event-log`` writes.
+
+Under ``serve --api-server-count N`` (N > 1) the node's front-end processes share their
+values through prometheus-client's multiprocess mode (:func:`enable_multiprocess`, one
+directory per ``serve``): counters and histograms add up over every process, the node's
+ones included that died since; ``elasticep_requests_running`` and
+``elasticep_num_queue_reqs`` add up over the live processes; every other gauge (each
+process sees the same membership) shows the most recent value a live process set.
 """
 
 from __future__ import annotations
 
+import os
+from functools import partial
 from typing import Any
 
 from prometheus_client import (
@@ -18,7 +27,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    values,
 )
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from elasticep.membership.status import StoreStatus
 from elasticep.membership.transitions import SlotState
@@ -40,39 +51,66 @@ _PHASES = {"death_detected": ("death_phase_seconds", "detected"),
            "rejoin_pause": ("rejoin_phase_seconds", "pause")}
 
 
+# Gauges every process sets alike, and those a process sets for its own requests
+_gauge = partial(Gauge, multiprocess_mode="livemostrecent")
+_gauge_sum = partial(Gauge, multiprocess_mode="livesum")
+
+# The directory of this process's multiprocess values, or None (one process: the default).
+_multiproc_dir: str | None = None
+
+
+def enable_multiprocess(directory: str) -> None:
+    """Keep the values of every metric created from now on in ``directory`` (shared by
+    the node's front-end processes; :class:`FrontendMetrics` then renders their sum).
+    Call it in each process before its :class:`FrontendMetrics` exists."""
+    global _multiproc_dir
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    # read once at import by prometheus-client: made again now that the directory is set
+    values.ValueClass = values.get_value_class()
+    _multiproc_dir = directory
+
+
+def process_died(pid: int) -> None:
+    """Drop the live gauges of a dead front-end process (its counters stay: they are
+    part of the node's totals)."""
+    if _multiproc_dir is not None:
+        mark_process_dead(pid, _multiproc_dir)
+
+
 class FrontendMetrics:
     """All front-end metrics, registered in a private registry."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._series: dict[int, set[tuple[str, ...]]] = {}  # id(gauge) -> labels set
         r = self.registry
         self.requests = Counter("elasticep_requests", "Finished HTTP generation requests",
                                 ["endpoint", "outcome"], registry=r)
-        self.requests_running = Gauge("elasticep_requests_running",
+        self.requests_running = _gauge_sum("elasticep_requests_running",
                                       "Generation requests in flight", registry=r)
         self.prompt_tokens = Counter("elasticep_prompt_tokens", "Prompt tokens received",
                                      registry=r)
         self.generation_tokens = Counter("elasticep_generation_tokens",
                                          "Generated tokens delivered to clients", registry=r)
-        self.epoch = Gauge("elasticep_epoch", "Membership epoch", registry=r)
-        self.slots = Gauge("elasticep_slots", "Slots of the capacity (--max-ep-size) per "
+        self.epoch = _gauge("elasticep_epoch", "Membership epoch", registry=r)
+        self.slots = _gauge("elasticep_slots", "Slots of the capacity (--max-ep-size) per "
                            "state; free = unused capacity", ["state"], registry=r)
-        self.active_ranks = Gauge("elasticep_active_ranks", "Ranks in state healthy",
+        self.active_ranks = _gauge("elasticep_active_ranks", "Ranks in state healthy",
                                   registry=r)
-        self.membership_store_ok = Gauge(
+        self.membership_store_ok = _gauge(
             "elasticep_membership_store_ok", "1 while the newest membership is committed "
             "to --membership-store (etcd), 0 while it cannot be; absent when embedded "
             "(a labelled gauge has no sample until it is set)", ["store"], registry=r)
-        self.membership_store_revision = Gauge(
+        self.membership_store_revision = _gauge(
             "elasticep_membership_store_revision",
             "Store revision of the coordinator's last commit (etcd)", ["store"], registry=r)
-        self.coordinator_leader = Gauge(
+        self.coordinator_leader = _gauge(
             "elasticep_coordinator_leader", "1 for the coordinator replica that holds the "
             "leader lease (etcd)", ["replica"], registry=r)
-        self.coordinator_replicas = Gauge(
+        self.coordinator_replicas = _gauge(
             "elasticep_coordinator_replica", "1 for each coordinator replica, leader or "
             "standby, announced in etcd", ["replica"], registry=r)
-        self.frontends = Gauge(
+        self.frontends = _gauge(
             "elasticep_frontend", "1 for each front-end (a node's HTTP API) announced in "
             "etcd; the ranks answer every one", ["frontend", "url"], registry=r)
         self.rank_failures = Counter("elasticep_rank_failures",
@@ -87,7 +125,7 @@ class FrontendMetrics:
             buckets=_GAP_BUCKETS, registry=r)
 
         def rank_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["rank"], registry=r)
+            return _gauge(name, doc, ["rank"], registry=r)
 
         self.cuda_graph_captures = rank_gauge(
             "elasticep_cuda_graph_captures",
@@ -123,7 +161,7 @@ class FrontendMetrics:
             "elasticep_time_per_output_token_seconds",
             "A request's time per output token after its first (seconds)",
             buckets=_TPOT_BUCKETS, registry=r)
-        self.num_queue_reqs = Gauge("elasticep_num_queue_reqs",
+        self.num_queue_reqs = _gauge_sum("elasticep_num_queue_reqs",
                                     "Requests waiting for a rank with room", registry=r)
         self.requests_resumed = Counter(
             "elasticep_requests_resumed",
@@ -148,12 +186,12 @@ class FrontendMetrics:
             "grow, shrink or retire (a grow superseded or timed out while it waited, and "
             "a request for the current size, are not observed)", ["kind"], buckets=_PHASE_BUCKETS,
             registry=r)
-        self.rank_state = Gauge("elasticep_rank_state",
+        self.rank_state = _gauge("elasticep_rank_state",
                                 "1 for the state each rank (slot) is in, 0 for the others",
                                 ["rank", "state"], registry=r)
-        self.rank_node = Gauge("elasticep_rank_node", "The node of each rank's last launch",
+        self.rank_node = _gauge("elasticep_rank_node", "The node of each rank's last launch",
                                ["rank"], registry=r)
-        self.rank_experts_held = Gauge(
+        self.rank_experts_held = _gauge(
             "elasticep_rank_experts_held",
             "Expert slots of a rank that hold an expert (the most over MoE layers), as it "
             "last reported", ["rank"], registry=r)
@@ -198,20 +236,34 @@ class FrontendMetrics:
             return
         self.membership_store_ok.labels(store.kind).set(int(store.ok))
         self.membership_store_revision.labels(store.kind).set(store.revision)
-        self.coordinator_leader.clear()
-        if store.leader is not None:
-            self.coordinator_leader.labels(store.leader).set(1)
+        self._replace(self.coordinator_leader,
+                      {(store.leader,): 1.0} if store.leader is not None else {})
 
     def directory(self, frontends: dict[str, str], replicas: list[str]) -> None:
         """Record the announced front-ends (name -> URL) and coordinator replicas
         (their addresses), replacing the last ones."""
-        self.frontends.clear()
-        for name, url in frontends.items():
-            self.frontends.labels(name, url).set(1)
-        self.coordinator_replicas.clear()
-        for address in replicas:
-            self.coordinator_replicas.labels(address).set(1)
+        self._replace(self.frontends,
+                      {(name, url): 1.0 for name, url in frontends.items()})
+        self._replace(self.coordinator_replicas, {(address,): 1.0 for address in replicas})
+
+    def _replace(self, gauge: Gauge, series: dict[tuple[str, ...], float]) -> None:
+        """Make ``series`` (label values -> value) the labelled gauge's only series. In
+        multiprocess mode a series cannot be removed (its last value stays in the
+        process's file), so one no longer listed is set to 0 there instead."""
+        shown = self._series.get(id(gauge), set())
+        for labels in shown - set(series):
+            if _multiproc_dir is None:
+                gauge.remove(*labels)
+            else:
+                gauge.labels(*labels).set(0)
+        for labels, value in series.items():
+            gauge.labels(*labels).set(value)
+        self._series[id(gauge)] = set(series)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if _multiproc_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        node = CollectorRegistry()
+        MultiProcessCollector(node, path=_multiproc_dir)
+        return generate_latest(node), CONTENT_TYPE_LATEST

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -44,13 +45,20 @@ class FrontendLinks:
         directory: lists the front-ends; an empty list counts as unknown (links are
             dropped only when the list names others).
         refresh_s: how often ``directory`` is read (seconds).
+        hello_every_s: say hello on every link this often (seconds; None: only at
+            start and on a new link). A front-end process relaunched on the same link
+            addresses reconnects without the rank noticing; only a hello lets it route
+            to the rank again.
     """
 
     def __init__(self, first: m.LinkEndpoints, rank: int, directory: Directory,
                  epoch: int = 0, send_timeout_s: float = 5.0,
                  limits: tuple[int, int] | None = None,
-                 moe_a2a_backend: str | None = None, refresh_s: float = 0.25) -> None:
+                 moe_a2a_backend: str | None = None, refresh_s: float = 0.25,
+                 hello_every_s: float | None = None) -> None:
         self.rank = rank
+        self._hello_every_s = hello_every_s
+        self._last_hello = time.monotonic()
         self._epoch = epoch
         self.limits = limits
         self.moe_a2a_backend = moe_a2a_backend
@@ -140,6 +148,7 @@ class FrontendLinks:
                 link.hello()
             except FrontendUnreachableError as exc:
                 errors.append(exc)
+        self._last_hello = time.monotonic()
         if errors and len(errors) == len(self._links):
             raise errors[0]
 
@@ -147,6 +156,12 @@ class FrontendLinks:
         """Wait up to ``timeout_s`` seconds for requests and aborts on any link; also
         returns an abort for each request of a front-end dropped since the last call."""
         self._apply_directory()
+        if (self._hello_every_s is not None
+                and time.monotonic() - self._last_hello >= self._hello_every_s):
+            try:
+                self.hello()
+            except FrontendUnreachableError as exc:  # every queue full: next time
+                logger.debug("rank %d: %s", self.rank, exc)
         out: list[m.RankMessage] = list(self._pending_aborts)
         self._pending_aborts = []
         poller = zmq.Poller()
@@ -244,15 +259,23 @@ class FrontendLinks:
         self._links = {}
 
 
+# How often a rank says hello again on each of its links (seconds).
+STATIC_HELLO_EVERY_S = 1.0
+
+
 def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, epoch: int = 0,
                 limits: tuple[int, int] | None = None,
-                moe_a2a_backend: str | None = None) -> WorkerChannel | FrontendLinks:
+                moe_a2a_backend: str | None = None,
+                extra: Sequence[m.LinkEndpoints] = ()) -> WorkerChannel | FrontendLinks:
     """A rank's link to the front-ends: with an etcd ``membership_store`` (every node
-    serves the API) one link per announced front-end (:class:`FrontendLinks`), else the
-    one link to ``endpoints`` (node 0's front-end)."""
+    serves the API) one link per announced front-end (:class:`FrontendLinks`); else the
+    link to ``endpoints`` (node 0's front-end) and to each of ``extra`` (its other
+    front-end processes, ``serve --api-server-count``), a fixed set."""
     if not membership_store.startswith("etcd://"):
-        return WorkerChannel(endpoints, rank, epoch, limits=limits,
-                             moe_a2a_backend=moe_a2a_backend)
+        if not extra:
+            return WorkerChannel(endpoints, rank, epoch, limits=limits,
+                                 moe_a2a_backend=moe_a2a_backend)
+        return static_links([endpoints, *extra], rank, epoch, limits, moe_a2a_backend)
     from elasticep.membership.directory import directory_reader  # etcd if asked
 
     read = directory_reader(membership_store)
@@ -261,5 +284,32 @@ def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, ep
         return [m.LinkEndpoints(str(v["request_addr"]), str(v["output_addr"]))
                 for v in read().values() if "request_addr" in v and "output_addr" in v]
 
+    # a front-end process relaunched on its old link addresses stays listed: only a
+    # hello tells it of this rank
     return FrontendLinks(endpoints, rank, directory, epoch, limits=limits,
-                         moe_a2a_backend=moe_a2a_backend)
+                         moe_a2a_backend=moe_a2a_backend, hello_every_s=STATIC_HELLO_EVERY_S)
+
+
+def static_links(endpoints: Sequence[m.LinkEndpoints], rank: int, epoch: int = 0,
+                 limits: tuple[int, int] | None = None,
+                 moe_a2a_backend: str | None = None) -> FrontendLinks:
+    """Links to a fixed set of front-ends (one node's front-end processes), with a
+    hello every :data:`STATIC_HELLO_EVERY_S` so that a process relaunched on its old
+    link addresses is told of this rank again."""
+    fixed = list(endpoints)
+    return FrontendLinks(fixed[0], rank, lambda: fixed, epoch, limits=limits,
+                         moe_a2a_backend=moe_a2a_backend,
+                         hello_every_s=STATIC_HELLO_EVERY_S)
+
+
+def extra_endpoints(request_addrs: Sequence[str],
+                    output_addrs: Sequence[str]) -> list[m.LinkEndpoints]:
+    """The deployment config's extra front-end links, paired.
+
+    Raises:
+        ValueError: the two lists differ in length.
+    """
+    if len(request_addrs) != len(output_addrs):
+        raise ValueError(f"{len(request_addrs)} extra front-end request addresses but "
+                         f"{len(output_addrs)} output addresses")
+    return [m.LinkEndpoints(r, o) for r, o in zip(request_addrs, output_addrs, strict=True)]

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
 from elasticep.frontend_link import LinkEndpoints, WorkerChannel
+from elasticep.frontend_link.fanout import static_links
 from elasticep.utils.procs import die_with_parent
 from elasticep_testkit.serving.running_table import RunningTable
 
@@ -129,17 +131,19 @@ def stats_path(log_dir: Path, rank: int) -> Path:
     return Path(log_dir) / f"stub_rank{rank}.json"
 
 
-def rank_main(rank: int, endpoints: LinkEndpoints, steps_per_s: float, log_dir: str,
-              parent_pid: int) -> None:
+def rank_main(rank: int, endpoints: Sequence[LinkEndpoints], steps_per_s: float,
+              log_dir: str, parent_pid: int) -> None:
     """One stub rank process: serve a :class:`StubEngine` until SIGTERM or the parent's
-    exit (it dies with the server process)."""
+    exit (it dies with the server process), linked to every front-end process of
+    ``endpoints`` (the first is the server's own), as a real rank is."""
     die_with_parent(parent_pid)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us, not the terminal
     engine = StubEngine(steps_per_s, stats_path(Path(log_dir), rank))
     engine.write_stats()  # a rank that never gets a request still reports
-    channel = WorkerChannel(endpoints, rank=rank)
+    channel = (WorkerChannel(endpoints[0], rank=rank) if len(endpoints) == 1 else
+               static_links(endpoints, rank))
     try:
         run_engine_worker(engine, channel, rank, stop)
     finally:

@@ -1,0 +1,214 @@
+"""A node's extra HTTP front-end processes (``serve --api-server-count N``, vLLM's
+flag): N-1 processes (:mod:`.api_server_proc`) beside the node's own front-end, all
+accepting on the one listening socket.
+
+The processes inherit the socket serve bound (its file descriptor, passed at spawn),
+not a port each with ``SO_REUSEPORT``: ``--port 0`` keeps working, no other program
+can bind the port alongside, and connections wait in one accept queue, so those queued
+when a process dies are taken by the others instead of being reset with it; a busy
+process's loop accepts less often, which spreads the load on its own.
+
+A process that dies is named in one log line and started again on the same socket and
+link ports (the ranks' links reconnect; their periodic hello tells the new process of
+them); its streams fail, the other processes' go on. After :data:`MAX_RESTARTS` deaths
+of one process the pool gives up and says so through ``on_give_up``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from elasticep.frontend.api_server_proc import ApiServerSpec, api_server_main
+from elasticep.frontend.metrics import enable_multiprocess, process_died
+from elasticep.frontend_link import LinkEndpoints
+
+logger = logging.getLogger("elasticep.serve")
+
+MAX_RESTARTS = 3  # deaths of one process relaunched before the pool gives up
+START_TIMEOUT_S = 120.0  # for a process to bind its link (its imports included)
+_WATCH_S = 0.2
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+class ApiServerPool:
+    """Starts, watches and stops ``count`` extra front-end processes.
+
+    Args:
+        count: how many (the node's own front-end not included; >= 1).
+        link_host: where their links bind (reachable by every rank).
+        sock: the node's bound listening HTTP socket (serve keeps it open throughout).
+        grace_s: seconds open streams get at a stop, as the node's own front-end's.
+        on_give_up: told one line when a process died more than :data:`MAX_RESTARTS`
+            times (serve then stops).
+
+    Creating the pool makes the node's metrics directory and switches this process's
+    metrics to it (:func:`~elasticep.frontend.metrics.enable_multiprocess`): create it
+    before the node's own front-end. :meth:`stop` removes the directory.
+    """
+
+    def __init__(self, count: int, link_host: str, sock: socket.socket, grace_s: float,
+                 on_give_up: Callable[[str], None] | None = None) -> None:
+        self.count, self.link_host, self.sock, self.grace_s = count, link_host, sock, grace_s
+        self.on_give_up = on_give_up
+        self.metrics_dir = tempfile.mkdtemp(prefix="elasticep-metrics-")
+        enable_multiprocess(self.metrics_dir)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: list[BaseProcess | None] = [None] * count
+        self._conns: list[Connection | None] = [None] * count
+        self.endpoints: list[LinkEndpoints] = []
+        self.restarts = [0] * count
+        self._spec: ApiServerSpec | None = None
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._joined = threading.Event()  # set once stop() has waited for the processes
+        self._relaunching = threading.Lock()
+
+    def start(self) -> list[LinkEndpoints]:
+        """Spawn every process and wait until each bound its link.
+
+        Returns:
+            Their link endpoints, for the ranks (the deployment config).
+
+        Raises:
+            OSError: a process exited or stayed silent for :data:`START_TIMEOUT_S`.
+        """
+        for i in range(self.count):
+            self._spawn(i, (0, 0))
+        self.endpoints = [self._endpoints_of(i) for i in range(self.count)]
+        return list(self.endpoints)
+
+    def serve(self, spec: ApiServerSpec) -> None:
+        """Let every process serve ``spec`` and start watching them."""
+        self._spec = spec
+        for conn in self._conns:
+            assert conn is not None
+            conn.send(spec)
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name="api-server-pool")
+        self._watcher.start()
+
+    def wait_serving(self) -> None:
+        """Wait until every process accepts on the socket (after :meth:`serve`).
+
+        Raises:
+            OSError: a process exited or stayed silent for :data:`START_TIMEOUT_S`.
+        """
+        with self._relaunching:
+            for i in range(self.count):
+                self._from_child(i, "start serving")
+
+    def _spawn(self, i: int, ports: tuple[int, int]) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=api_server_main, name=f"api-server-{i + 1}",
+            args=(i + 1, self.link_host, ports, self.sock, child, self.metrics_dir,
+                  os.getpid(), self.grace_s))
+        proc.start()
+        child.close()
+        self._procs[i], self._conns[i] = proc, parent
+
+    def _endpoints_of(self, i: int) -> LinkEndpoints:
+        return self._from_child(i, "bind its link")
+
+    def _from_child(self, i: int, what: str) -> Any:
+        """The next message of process ``i``.
+
+        Raises:
+            OSError: it exited or sent nothing for :data:`START_TIMEOUT_S`.
+        """
+        conn, proc = self._conns[i], self._procs[i]
+        assert conn is not None and proc is not None
+        try:
+            if conn.poll(START_TIMEOUT_S):
+                return conn.recv()
+        except EOFError:
+            pass
+        raise OSError(f"api server {i + 1} (pid {proc.pid}) did not {what} within "
+                      f"{START_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
+
+    def _watch(self) -> None:
+        try:
+            while not self._stopping.wait(_WATCH_S):
+                for i, proc in enumerate(self._procs):
+                    if proc is None or proc.is_alive() or self._stopping.is_set():
+                        continue
+                    with self._relaunching:
+                        if self._stopping.is_set():
+                            return
+                        if not self._relaunch(i, proc):
+                            return
+        finally:
+            # a process relaunched here dies with this thread (PR_SET_PDEATHSIG follows
+            # the thread that forked it): keep the thread until the processes are gone
+            self._joined.wait()
+
+    def _relaunch(self, i: int, dead: BaseProcess) -> bool:
+        """Start process ``i`` again after ``dead`` exited; False once it gave up."""
+        process_died(dead.pid or 0)
+        self.restarts[i] += 1
+        if self.restarts[i] > MAX_RESTARTS:
+            self._procs[i] = None
+            msg = (f"api server {i + 1} (pid {dead.pid}) exited with {dead.exitcode}, "
+                   f"its {MAX_RESTARTS + 1}th death: not relaunched again")
+            logger.error("%s", msg)
+            if self.on_give_up is not None:
+                self.on_give_up(msg)
+            return False
+        logger.warning("api server %d (pid %d) exited with %s; its streams failed; "
+                       "relaunching it on the same socket (%d of %d)", i + 1, dead.pid,
+                       dead.exitcode, self.restarts[i], MAX_RESTARTS)
+        old = self.endpoints[i]
+        try:
+            self._spawn(i, (_port(old.request_addr), _port(old.output_addr)))
+            self.endpoints[i] = self._endpoints_of(i)
+            conn = self._conns[i]
+            assert conn is not None and self._spec is not None
+            conn.send(self._spec)
+        except OSError as exc:
+            logger.error("api server %d: relaunch failed: %s", i + 1, exc)
+        return True
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop every process by pid (SIGTERM: streams get ``grace_s``), wait up to
+        ``timeout_s`` for each (default ``grace_s`` + 5 s), SIGKILL what is left, and
+        remove the metrics directory. Idempotent."""
+        self.signal_stop()
+        with self._relaunching:  # one the watcher relaunches now gets its SIGTERM too
+            self.signal_stop()
+        wait_s = self.grace_s + 5.0 if timeout_s is None else timeout_s
+        for proc in self._procs:
+            if proc is not None:
+                proc.join(wait_s)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        self._joined.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        self._procs = [None] * self.count
+        self._conns = [None] * self.count
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def signal_stop(self) -> None:
+        """Send SIGTERM to every process (no wait), so they wind down while the node's
+        own front-end does."""
+        self._stopping.set()
+        for proc in self._procs:
+            if proc is not None and proc.is_alive():
+                proc.terminate()

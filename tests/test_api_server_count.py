@@ -1,0 +1,138 @@
+"""``--api-server-count``: several HTTP front-end processes on one port.
+
+`elasticep serve` of the demo model streams the same greedy tokens with two front-end
+processes (membership in etcd) as with one (embedded store). End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
+rate): every request of a concurrent load is served with the same tokens whichever
+process took it, both processes serve, a SIGKILLed extra process is relaunched and the
+node serves on, and ``/metrics`` counts each request once across the processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from elasticep_testkit.etcd_cluster import EtcdCluster
+from elasticep_testkit.harness.load import run_batch
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.serving.stub_engine import server_command
+from tests._serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, prompts, start_serve
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS_PER_S = 200.0
+MAX_TOKENS = 12
+
+
+async def _complete_all(url: str, prompts: list[str]) -> list[str]:
+    """Every prompt at once, each on a connection of its own; their completions."""
+
+    async def one(prompt: str) -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+            r = await client.post("/v1/completions", json={
+                "model": str(DEMO_MODEL), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0})
+            r.raise_for_status()
+            body = r.json()
+            assert body["usage"]["completion_tokens"] == MAX_TOKENS
+            return body["choices"][0]["text"]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _served_total(metrics: str) -> float:
+    return sum(float(v) for v in re.findall(
+        r'^elasticep_requests_total\{endpoint="completions",outcome="[a-z_]+"\} (\S+)$',
+        metrics, re.M))
+
+
+def _scrape(url: str) -> str:
+    """``GET /metrics`` on a connection of its own."""
+    return httpx.get(f"{url}/metrics", timeout=10.0).raise_for_status().text
+
+
+def _child_pids(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"api server 1 \(pid (\d+)\) serving", log)]
+
+
+def _wait_log(serve: ServeProcess, pred, what: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = serve.tail(1 << 22)
+        if pred(log):
+            return log
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not logged in {timeout_s} s:\n{serve.tail(4000)}")
+
+
+def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
+    prompts = [f"request {i} says the weather is {'fine' if i % 2 else 'cold'}"
+               for i in range(48)]
+    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2"],
+                            ready_timeout_s=90,
+                            program=server_command(STEPS_PER_S)) as serve:
+        log = _wait_log(serve, _child_pids, "the extra front-end serving")
+        first = _child_pids(log)[0]
+        texts = asyncio.run(_complete_all(serve.url, prompts))
+        # the stub's tokens depend on the prompt only: the same prompt gives the same
+        # text whichever process served it
+        by_prompt = dict(zip(prompts, texts, strict=True))
+        assert all(texts)
+        again = asyncio.run(_complete_all(serve.url, prompts[:8]))
+        assert again == [by_prompt[p] for p in prompts[:8]]
+        # any process answers a scrape with the node's total: fresh connections, so
+        # that the scrapes are spread over the processes
+        assert [_served_total(_scrape(serve.url)) for _ in range(10)] == [56] * 10
+
+        os.kill(first, signal.SIGKILL)
+        log = _wait_log(serve, lambda text: len(_child_pids(text)) == 2,
+                        "the relaunched front-end serving")
+        assert f"api server 1 (pid {first}) exited with -9" in log
+        relaunched = _child_pids(log)[1]
+        assert relaunched != first
+        texts = asyncio.run(_complete_all(serve.url, prompts))
+        assert texts == [by_prompt[p] for p in prompts]  # the node serves on, the same
+        # the dead process's count stays
+        assert [_served_total(_scrape(serve.url)) for _ in range(10)] == [104] * 10
+        assert serve.stop() == []  # no process left behind
+        log = serve.tail(1 << 22)
+    # the relaunched process served part of the last load, the node's own the rest
+    served = re.findall(rf"api server 1 \(pid {relaunched}\): stopping after (\d+) requests",
+                        log)
+    assert served and 0 < int(served[0]) < 48, log[-3000:]
+
+
+def _greedy_texts(texts: list[str], *args: str) -> tuple[list[str], str]:
+    """The greedy completions of ``texts`` by `serve --ep-size 1 ARGS`, all at once, and
+    serve's log."""
+    with start_serve("--ep-size", "1", *args) as serve:
+        records = run_batch(serve.client, serve.model_name(), texts, 16, RESULTS_TIMEOUT_S)
+        if "--membership-store" in args:  # both processes are in the directory, and
+            for _ in range(6):  # each shows it
+                body = httpx.get(f"{serve.url}/elastic_ep_status", timeout=10.0).json()
+                assert sorted(body["frontends"]) == ["node0", "node0-api1"], body
+        assert serve.stop() == []
+        log = serve.tail(1 << 22)
+    assert_complete(records, 16)
+    return [r.text for r in records], log
+
+
+def test_serve_streams_the_same_greedy_tokens_with_two_front_end_processes_under_etcd():
+    """Two front-end processes with the membership in etcd (the extra one announces
+    itself and the rank links to it through the directory) stream the same greedy
+    tokens as one process with the embedded store."""
+    texts = prompts(12)
+    with EtcdCluster.start(1) as cluster:
+        two, log = _greedy_texts(texts, "--api-server-count", "2", "--membership-store",
+                                 f"{cluster.url}/t-{uuid.uuid4().hex[:8]}")
+    assert two == _greedy_texts(texts)[0]
+    served = re.findall(r"api server 1 \(pid \d+\): stopping after (\d+) requests", log)
+    assert served and 0 < int(served[0]) < len(texts), served  # both processes served
