@@ -121,6 +121,13 @@ def test_the_package_ships_the_tables():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     rel = tiles.TABLE_DIR.relative_to(tiles.TABLE_DIR.parent)
     assert f'"elasticep.moe.experts" = ["{rel}/*.json"]' in text
+    # every shipped table parses, is named for its device, and has entries
+    shipped = sorted(tiles.TABLE_DIR.glob("*.json"))
+    assert shipped, "no measured table is shipped"
+    for path in shipped:
+        device = json.loads(path.read_text())["device"]
+        assert path == tiles.table_path(device), path
+        assert tiles.load_table(path), path
 
 
 def test_the_sweep_ships_a_tile_only_past_the_noise():
