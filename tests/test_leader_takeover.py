@@ -93,6 +93,23 @@ def test_resuming_ranks_are_taken_back_in_place_with_the_new_store_port():
     assert svc.tick(clock.now + HB_S / 2) == []  # nobody evicted: deadlines restarted
 
 
+def test_a_live_member_reconnecting_to_its_own_coordinator_is_taken_back():
+    """A rank whose connection dropped while the coordinator still held it (a stopping
+    leader, whose key in etcd the rank read before it was gone) comes back on a new
+    connection with its own pid: taken back, and the old connection's close, seen
+    later, fails nobody. Another pid for a held slot is still refused. (It was refused
+    as 'already held by live pid' with its own pid, and the rank exited.)"""
+    svc = _old_leader()
+    (reply,) = [s.msg for s in _resume(svc, 10, 1, 0)]
+    assert reply.ok, reply
+    assert svc.closed(1) == [] and svc.group("world").transition is None
+    assert svc.group("world").states[1] == SlotState.HEALTHY
+    (reply,) = [s.msg for s in _resume(svc, 11, 2, 0, pid=999)]
+    assert not reply.ok and reply.error == "slot 2 is already held by live pid 102"
+    sends = svc.closed(10)  # the new connection's close is the rank's death again
+    assert svc.group("world").transition is not None, sends
+
+
 def test_a_new_leader_knows_the_node_of_each_rank_before_any_launcher_is_back():
     """The launch records' nodes are durable: a new leader's status (and a node's
     retirement, and a stopping node's search for members handed over to it) does not

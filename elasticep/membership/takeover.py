@@ -134,8 +134,11 @@ class Takeover:
         if p is None or not p.alive:
             return (f"slot {msg.rank} holds no member in the membership this coordinator "
                     "took over (declared dead meanwhile?)")
-        if not p.resuming:
+        if not p.resuming and msg.pid != p.pid:
             return f"slot {msg.rank} is already held by live pid {p.pid}"
+        # (the member's own pid, not resuming: it lost its connection to this
+        # coordinator, which had not seen it close yet, and comes back on a new one; as
+        # when a stopping leader's ranks reconnect before its key in etcd is gone)
         if p.pid and msg.pid != p.pid:
             return f"slot {msg.rank} was held by pid {p.pid}, not {msg.pid}"
         for name in msg.resume:
@@ -153,10 +156,11 @@ class Takeover:
             self._send(conn, m.Reply(id=msg.id, ok=False, error=why))
             return None
         p = self._procs[msg.rank]
+        why_back = "after the leader change" if p.resuming else "on a new connection"
         p.pid, p.conn, p.last_hb, p.resuming = msg.pid, conn, self._clock(), False
         self._send(conn, m.Reply(id=msg.id, ok=True, body=body))
-        log.info("coordinator: rank %d (pid %d) is back after the leader change (epochs %s)",
-                 msg.rank, msg.pid, msg.resume)
+        log.info("coordinator: rank %d (pid %d) is back %s (epochs %s)",
+                 msg.rank, msg.pid, why_back, msg.resume)
         for name, (epoch, pending) in sorted(msg.resume.items()):
             self._catch_up(self._groups[name], p, epoch, pending)
         return p
