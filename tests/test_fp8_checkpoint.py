@@ -96,6 +96,7 @@ REFUSED = [
     ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    ({}, "names no quant_method"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor scales"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size \\[64, 64\\]"),
     ({"quant_method": "fp8", "weight_block_size": "128"}, "weight_block_size '128' "),
@@ -105,7 +106,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("qc, named", REFUSED, ids=[q["quant_method"] + str(i)
+@pytest.mark.parametrize("qc, named", REFUSED, ids=[q.get("quant_method", "none") + str(i)
                                                     for i, (q, _) in enumerate(REFUSED)])
 def test_unsupported_quantization_is_refused(qc, named):
     with pytest.raises(UnsupportedQuantizationError, match=named) as exc:
@@ -147,6 +148,22 @@ def test_fp8_tensors_without_quantization_config_are_refused(fp8_ckpt, tmp_path)
         assert run.stderr.strip().count("\n") == 0, run.stderr
         assert "is stored as F8_E4M3, but config.json declares no quantization_config" \
             in run.stderr
+
+
+def test_an_fp8_weight_without_its_scales_is_named_so(fp8_ckpt, tmp_path):
+    """A declared block-FP8 checkpoint missing one weight's scales: the error names the
+    missing scales (it said the config declared no quantization)."""
+    key = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
+
+    def drop(index: dict) -> dict:
+        assert key in index["weight_map"]
+        return {**index, "weight_map": {k: v for k, v in index["weight_map"].items()
+                                        if k != key}}
+
+    ckpt = linked_checkpoint(fp8_ckpt, tmp_path / "noscale", "model.safetensors.index.json",
+                             drop)
+    with pytest.raises(ValueError, match=f"its block scales '{key}' are missing"):
+        load_model(ckpt, progress=False)
 
 
 # --- the loader ------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Node 0 (the default) runs the HTTP front-end (OpenAI API) in this process (and
 --api-server-count - 1 more front-end processes on the same port), the
 coordinator (membership, rendezvous store) in a child process of its own, and its share
 of worker ranks as child processes. Nodes 1.. (--node-rank k --dist-init-addr HOST:PORT)
-launch their ranks against node 0's coordinator (:mod:`.serve_node`); under
---membership-store etcd:// they also serve the API (:mod:`.node_api`). A progress bar shows ranks loading; then one
+launch their ranks against node 0's coordinator; under --membership-store etcd://
+they also serve the API. A progress bar shows ranks loading; then one
 "ready" line with the URL goes to stdout. Ctrl-C / SIGTERM stops every process this
 command started; workers also die with it through PR_SET_PDEATHSIG, and the coordinator
 when its lifeline pipe from this process closes.

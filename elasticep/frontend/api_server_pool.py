@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -93,9 +94,17 @@ class ApiServerPool:
     def serve(self, spec: ApiServerSpec) -> None:
         """Let every process serve ``spec`` and start watching them."""
         self._spec = spec
-        for conn in self._conns:
+        for i, conn in enumerate(self._conns):
             assert conn is not None
-            conn.send(spec)
+            try:
+                conn.send(spec)
+            except (OSError, EOFError):  # it died since it bound its link: start it again
+                proc = self._procs[i]
+                assert proc is not None
+                proc.join(1.0)
+                with self._relaunching:
+                    if not self._relaunch(i, proc):
+                        return
         self._watcher = threading.Thread(target=self._watch, daemon=True,
                                          name="api-server-pool")
         self._watcher.start()
@@ -136,8 +145,12 @@ class ApiServerPool:
                 return conn.recv()
         except EOFError:
             pass
+        proc.join(0.5)
+        if proc.exitcode is not None:
+            raise OSError(f"api server {i + 1} (pid {proc.pid}) exited with {proc.exitcode} "
+                          f"before it could {what}")
         raise OSError(f"api server {i + 1} (pid {proc.pid}) did not {what} within "
-                      f"{START_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
+                      f"{START_TIMEOUT_S:.0f} s")
 
     def _watch(self) -> None:
         try:
@@ -178,7 +191,10 @@ class ApiServerPool:
             assert conn is not None and self._spec is not None
             conn.send(self._spec)
         except OSError as exc:
-            logger.error("api server %d: relaunch failed: %s", i + 1, exc)
+            if self._stopping.is_set():  # the stop's own SIGTERM ended the new process
+                logger.info("api server %d: relaunch cut short by the stop", i + 1)
+            else:
+                logger.error("api server %d: relaunch failed: %s", i + 1, exc)
         return True
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -189,12 +205,18 @@ class ApiServerPool:
         with self._relaunching:  # one the watcher relaunches now gets its SIGTERM too
             self.signal_stop()
         wait_s = self.grace_s + 5.0 if timeout_s is None else timeout_s
+        # one deadline for all: waiting for each in turn made a stop during start-up
+        # (processes still importing) take up to N times as long
+        deadline = time.monotonic() + wait_s
         for proc in self._procs:
             if proc is not None:
-                proc.join(wait_s)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc is not None and proc.is_alive():
+                logger.warning("api server (pid %d) still running %.0f s after its stop; "
+                               "killing it", proc.pid, wait_s)
+                proc.kill()
+                proc.join(5)
         self._joined.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)

@@ -203,7 +203,7 @@ class CompletionRequest(_SamplingFields):
         for i, p in enumerate(batch):
             if len(p) == 0:
                 where = "prompt" if len(batch) == 1 else f"prompt.{i}"
-                raise OpenAIError(400, f"{where} must not be empty", param="prompt")
+                raise OpenAIError(400, f"{where} must not be empty", param=where)
         return batch
 
 

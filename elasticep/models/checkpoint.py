@@ -155,8 +155,9 @@ def _check_plain(key: str, dtype: torch.dtype, model_dir: Path) -> None:
     if dtype not in _PLAIN_DTYPES:
         raise ValueError(
             f"tensor {key!r} in {model_dir} is stored as {str(dtype).removeprefix('torch.')}, "
-            "which is not a plain float weight, and config.json declares no quantization we "
-            "read for it (supported: block-scaled FP8 with its '<name>_scale_inv' scales)")
+            f"which is not a plain float weight, and is read as one: its block scales "
+            f"{key + '_scale_inv'!r} are missing, or config.json declares no quantization "
+            "(supported: block-scaled FP8 with its '<name>_scale_inv' scales)")
 
 
 def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

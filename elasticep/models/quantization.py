@@ -93,6 +93,9 @@ def parse_quantization(raw: dict, requested: str | None = None,
         raise UnsupportedQuantizationError(f"{where}: quantization_config must be an object, "
                                            f"got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method is None:
+        raise UnsupportedQuantizationError(
+            f"{where}: quantization_config names no quant_method; supported: {SUPPORTED}")
     if method != "fp8":
         raise UnsupportedQuantizationError(
             f"{where}: quantization method {method!r} is not supported; supported: {SUPPORTED}")
