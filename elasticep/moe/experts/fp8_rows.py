@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.fp8_decode_tiles import Tile, launch_tiles
+from elasticep.moe.experts.fp8_decode_tiles import ROWS_KERNELS, Tile, launch_tiles
 
 try:
     import triton
@@ -33,7 +33,6 @@ MAX_ROWS = 64
 # The reduction chunk is one scale block (128 columns) so a chunk has one scale per row;
 # the tiles (BLOCK_I of gate/up, BLOCK_O of down, warps, stages) come from
 # fp8_decode_tiles.
-KERNELS = ("fp8_rows_gate_up", "fp8_rows_down")
 _CHUNK = fp8_block.BLOCK[1]
 
 
@@ -168,7 +167,7 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
         rows = rows.contiguous()
     act = rows.new_empty(N, inter)
     out = rows.new_empty(N, H) if out is None else out
-    gu, dn = tiles or launch_tiles(KERNELS, H, inter, N, w13.shape[0], rows.device)
+    gu, dn = tiles or launch_tiles(ROWS_KERNELS, H, inter, N, w13.shape[0], rows.device)
     gate_up_rows_fp8(w13, w13_scale, rows, tags, act, gu)
     down_rows_fp8(act, tags, w2, w2_scale, out, dn)
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.fp8_decode_tiles import Tile, launch_tiles
+from elasticep.moe.experts.fp8_decode_tiles import SORTED_KERNELS, Tile, launch_tiles
 from elasticep.moe.experts.sorted_experts import slot_order, triton
 
 if triton is not None:
@@ -89,7 +89,6 @@ if triton is not None:
 
 # The tiles (BLOCK_M and BLOCK_I of gate/up, BLOCK_M and BLOCK_O of down, warps,
 # stages) come from fp8_decode_tiles; the reduction chunk is one scale block.
-KERNELS = ("fp8_sorted_gate_up", "fp8_sorted_down")
 _CHUNK = fp8_block.BLOCK[1]
 
 
@@ -157,7 +156,7 @@ def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tens
     out.zero_()  # padding rows are never written by the kernels
     grouping = slot_order(tags, S)
     act = rows.new_empty(N, inter)
-    gu, dn = tiles or launch_tiles(KERNELS, H, inter, N, S, rows.device)
+    gu, dn = tiles or launch_tiles(SORTED_KERNELS, H, inter, N, S, rows.device)
     gate_up_sorted_fp8(w13, w13_scale, rows, grouping, act, gu)
     down_sorted_fp8(act, grouping, w2, w2_scale, out, dn)
     return out
