@@ -8,7 +8,6 @@ that names the problem and the supported families.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -172,19 +171,21 @@ _QUANTIZED_STORAGE = ("F8_E4M3", "F8_E5M2", "I8", "U8", "I32")
 
 def first_quantized_tensor(model_dir: str | Path) -> tuple[str, str] | None:
     """The first tensor (name, safetensors dtype) of ``model_dir`` stored in a quantized
-    dtype (:data:`_QUANTIZED_STORAGE`), or None; reads only each shard's JSON header
-    (the safetensors format: an 8-byte little-endian length, then that many bytes of
-    JSON), so it is cheap for any checkpoint size. A directory without shards, or a
-    shard whose header cannot be read, gives None: the loader reports those itself.
+    dtype (:data:`_QUANTIZED_STORAGE`), or None; reads only each shard's header (dtypes
+    through ``get_slice``, no tensor data), so it is cheap for any checkpoint size. A
+    directory without shards, or a shard that cannot be opened, gives None: the loader
+    reports those itself.
     """
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         try:
-            with open(f, "rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(length))
-        except (OSError, ValueError, struct.error):
+            handle = _open(f)
+        except ValueError:
             continue
-        for key, info in header.items():
-            if isinstance(info, dict) and info.get("dtype") in _QUANTIZED_STORAGE:
-                return key, str(info["dtype"])
+        try:
+            for key in handle.keys():
+                dtype = handle.get_slice(key).get_dtype()
+                if dtype in _QUANTIZED_STORAGE:
+                    return key, dtype
+        finally:
+            handle.__exit__(None, None, None)
     return None
