@@ -124,9 +124,9 @@ class MembershipService(Takeover, SupervisorRequests, EpochTransitions):
         """Connection ``conn`` reached EOF: a rank's death (unless stopping), or a
         supervisor's records going away."""
         peer = self._peers.pop(conn, None)
-        if isinstance(peer, _Proc) and peer.conn != conn:
-            pass  # a connection the rank has replaced by a newer one (a reconnect)
-        elif isinstance(peer, _Proc) and not (self._stopping or self._closed):
+        # (a connection the rank has since replaced by a newer one, a reconnect, is no death)
+        if (isinstance(peer, _Proc) and peer.conn == conn
+                and not (self._stopping or self._closed)):
             self._proc_dead(peer, "control connection closed")
         elif isinstance(peer, _Supervisor):
             self._deployment.drop_owner(peer.id)
