@@ -29,8 +29,8 @@ from typing import Any
 
 from elasticep.elastic.serve_loop import run_engine_worker
 from elasticep.engine.request import GenerateRequest, TokenOutput
-from elasticep.frontend_link import LinkEndpoints, WorkerChannel
-from elasticep.frontend_link.fanout import static_links
+from elasticep.frontend_link import LinkEndpoints
+from elasticep.frontend_link.fanout import worker_link
 from elasticep.utils.procs import die_with_parent
 from elasticep_testkit.serving.running_table import RunningTable
 
@@ -142,8 +142,7 @@ def rank_main(rank: int, endpoints: Sequence[LinkEndpoints], steps_per_s: float,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us, not the terminal
     engine = StubEngine(steps_per_s, stats_path(Path(log_dir), rank))
     engine.write_stats()  # a rank that never gets a request still reports
-    channel = (WorkerChannel(endpoints[0], rank=rank) if len(endpoints) == 1 else
-               static_links(endpoints, rank))
+    channel = worker_link(endpoints[0], rank, "embedded", extra=endpoints[1:])
     try:
         run_engine_worker(engine, channel, rank, stop)
     finally:
