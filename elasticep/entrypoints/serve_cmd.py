@@ -294,10 +294,10 @@ def _traceback_error(log_tail: str) -> str | None:
     """The exception line that ends the last traceback of ``log_tail``, or None when
     the tail does not end in one (a frame line is indented; the exception is not)."""
     lines = log_tail.rstrip().splitlines()
-    if not any(line.startswith("  File ") for line in lines):
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
         return None
-    last_frame = max(i for i, line in enumerate(lines) if line.startswith("  File "))
-    rest = [line for line in lines[last_frame + 1:] if line and not line[0].isspace()]
+    rest = [line for line in lines[frames[-1] + 1:] if line and not line[0].isspace()]
     return " ".join(rest) if rest else None
 
 
