@@ -260,7 +260,7 @@ class FrontendLinks:
 
 
 # How often a rank says hello again on each of its links (seconds).
-STATIC_HELLO_EVERY_S = 1.0
+HELLO_EVERY_S = 1.0
 
 
 def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, epoch: int = 0,
@@ -287,19 +287,19 @@ def worker_link(endpoints: m.LinkEndpoints, rank: int, membership_store: str, ep
     # a front-end process relaunched on its old link addresses stays listed: only a
     # hello tells it of this rank
     return FrontendLinks(endpoints, rank, directory, epoch, limits=limits,
-                         moe_a2a_backend=moe_a2a_backend, hello_every_s=STATIC_HELLO_EVERY_S)
+                         moe_a2a_backend=moe_a2a_backend, hello_every_s=HELLO_EVERY_S)
 
 
 def static_links(endpoints: Sequence[m.LinkEndpoints], rank: int, epoch: int = 0,
                  limits: tuple[int, int] | None = None,
                  moe_a2a_backend: str | None = None) -> FrontendLinks:
     """Links to a fixed set of front-ends (one node's front-end processes), with a
-    hello every :data:`STATIC_HELLO_EVERY_S` so that a process relaunched on its old
+    hello every :data:`HELLO_EVERY_S` so that a process relaunched on its old
     link addresses is told of this rank again."""
     fixed = list(endpoints)
     return FrontendLinks(fixed[0], rank, lambda: fixed, epoch, limits=limits,
                          moe_a2a_backend=moe_a2a_backend,
-                         hello_every_s=STATIC_HELLO_EVERY_S)
+                         hello_every_s=HELLO_EVERY_S)
 
 
 def extra_endpoints(request_addrs: Sequence[str],
