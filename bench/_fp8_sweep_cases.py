@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.fp8_decode_tiles import DEFAULTS, Tile
 from elasticep.moe.experts.fp8_rows import (
     down_rows_fp8,
     gate_up_rows_fp8,
     swiglu_rows_fp8_reference,
 )
 from elasticep.moe.experts.fp8_sorted import down_sorted_fp8, gate_up_sorted_fp8
+from elasticep.moe.experts.fp8_tiles import DEFAULTS, Tile
 from elasticep.moe.experts.sorted_experts import slot_order
 from elasticep_testkit.fp8_expert_check import rounding_bound
 

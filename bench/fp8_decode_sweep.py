@@ -30,7 +30,8 @@ with num_stages 1 to 4: these loops are not software-pipelined. Phase 2 checks w
 the device's Triton does otherwise.)
 
 The best passing tile per (kernel, shape, bucket) is written with ``--write-table`` in
-the format :mod:`elasticep.moe.experts.fp8_decode_tiles` reads; given the package's
+the format :mod:`elasticep.moe.experts.fp8_tiles` reads (merged into the file there:
+the other kernels' entries, the W8A8 prefill ones, kept); given the package's
 ``elasticep/moe/experts/tile_configs`` directory, it lands where the kernels look for it
 (``<device slug>.json``). The last line is
 a summary. ``--device cpu`` runs the same code under ``TRITON_INTERPRET=1`` (a dry run
@@ -55,13 +56,15 @@ import torch
 
 from bench._commit import commit
 from bench._fp8_sweep_cases import Case, down, expert_slots, gate_up, make_case, slot_bytes
-from elasticep.moe.experts.fp8_decode_tiles import (
+from elasticep.moe.experts.fp8_tiles import (
     DEFAULTS,
+    ROWS_KERNELS,
+    SORTED_KERNELS,
     Entry,
     Tile,
     bucket_value,
     device_slug,
-    table_json,
+    write_merged,
 )
 from elasticep_testkit.fp8_expert_check import worst_ratio
 
@@ -76,7 +79,7 @@ GRIDS = {
 }
 # the dry run's grid: the default and one other tile per kernel
 TINY_GRIDS = {k: [DEFAULTS[k], Tile(DEFAULTS[k].block // 2, 2, DEFAULTS[k].block_m)]
-              for k in DEFAULTS}
+              for k in ROWS_KERNELS + SORTED_KERNELS}
 
 
 def check(kernel: str, case: Case, experts: tuple, tile: Tile) -> float:
@@ -286,13 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 del case
         del experts
     entries = [Entry(k, h, i, b, tile) for (k, h, i, b), (tile, _) in best.items()]
-    text = table_json(name, entries, f"python -m bench.fp8_decode_sweep at {tag['commit']}",
-                      {key: rec for key, (_, rec) in best.items()})
     for path in args.write_table:
-        if path.suffix != ".json":  # a directory, made if missing
-            path.mkdir(parents=True, exist_ok=True)
-            path = path / f"{device_slug(name)}.json"
-        path.write_text(text)
+        write_merged(path, name, entries, f"python -m bench.fp8_decode_sweep at {tag['commit']}",
+                     {key: rec for key, (_, rec) in best.items()})
     emit({"bench": "fp8_decode_sweep_summary", "configs": total,
           "passed": total - len(failed), "failed": len(failed),
           "failed_configs": [{k: r[k] for k in ("kernel", "hidden", "rows", "block_m",

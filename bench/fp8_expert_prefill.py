@@ -20,12 +20,29 @@ The bound is the SwiGLU FLOPs (``2 x pairs x 3 x H x I``) over the FP8 dense rat
 measured in the same run (:func:`bench.prefill.fp8_matmul_rate`, an ``8192^3``
 ``torch._scaled_mm``); ``w8a8_x_bound`` is the W8A8 time over it (the issue's target is
 at most 1.5). Each record also gives the W8A8 output's relative error (norm) against its
-torch reference and against the FP8 path with bf16 activations. ``--sweep`` times a few
-other W8A8 tiles as well.
+torch reference and against the FP8 path with bf16 activations. ``w8a8_ms`` runs the
+tiles the package's table gives this device (the first guesses where it has none);
+``w8a8_default_ms`` the first guesses.
 
-Prints one JSON line per (shape, tokens). GPU only.
+``--sweep`` tunes the W8A8 tiles, as ``bench.fp8_decode_sweep`` does the decode
+kernels': at each (shape, tokens) every gate/up tile of :data:`GRID_GATE_UP` (the down
+kernel at its first guess) and every down tile of :data:`GRID_DOWN` (the gate/up kernel
+at its first guess) is checked, the whole output against the W8A8 reference within the
+GPU test's derived bound (``elasticep_testkit.fp8_w8a8_bounds``, the tensor cores'
+K-step sum allowed ``ACCUMULATION_ERROR``), and its own kernel timed (one JSON line a
+tile, ``ok: false`` with the error where it fails to compile, launch or the check). The
+fastest passing tile of each kernel (within ``--min-gain`` of it the first guess, as the
+decode sweep chooses) is that bucket's (pairs a slot) entry; ``--write-table`` merges
+them into the device's table (a ``.json`` path, or a directory for ``<device
+slug>.json``; the file's other kernels' entries kept), which the kernels read from
+``elasticep/moe/experts/tile_configs`` (:mod:`elasticep.moe.experts.fp8_tiles`).
+The record then also times the chosen tiles (``w8a8_swept_ms``).
 
-    python -m bench.fp8_expert_prefill [--tokens 8192] [--shape qwen3-30b-a3b] [--sweep]
+Prints one JSON line per (shape, tokens), and with ``--sweep`` one a tile and a summary.
+GPU only.
+
+    python -m bench.fp8_expert_prefill [--tokens 2048,8192] [--shape qwen3-30b-a3b]
+        [--sweep --write-table elasticep/moe/experts/tile_configs]
 """
 
 from __future__ import annotations
@@ -33,27 +50,53 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 import torch
 
 from bench._commit import commit
+from bench.fp8_decode_sweep import choose
 from bench.gpu_run import _time_cuda as cuda_ms  # one CUDA-event median timer
 from bench.prefill import fp8_matmul_rate
+from elasticep.models.fp8_prefill import ACCUMULATION_ERROR
 from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_activations import quantize_activations
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
-from elasticep.moe.experts.fp8_tiled import swiglu_tiled_fp8, swiglu_w8a8_reference
+from elasticep.moe.experts.fp8_tiled import (
+    swiglu_tiled_fp8,
+    swiglu_w8a8_reference,
+    w8a8_down,
+    w8a8_gate_up,
+)
+from elasticep.moe.experts.fp8_tiles import (
+    DEFAULTS,
+    W8A8_GATE_UP_BLOCK,
+    Entry,
+    Tile,
+    device_slug,
+    write_merged,
+)
 from elasticep.moe.experts.tiled_experts import swiglu_tiled
+from elasticep_testkit.fp8_w8a8_bounds import expert_bounds
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
-# (gate/up (BLOCK_M, warps, stages), down (BLOCK_M, BLOCK_N, warps, stages)) for --sweep
-SWEEP = {
-    "m64": ((64, 4, 3), (64, 128, 4, 3)),
-    "m64s4": ((64, 4, 4), (64, 128, 4, 4)),
-    "m128s4": ((128, 8, 4), (128, 128, 8, 4)),
-    "m128dn256": ((128, 8, 3), (128, 256, 8, 3)),
-}
+# --sweep's candidates (the first guesses are among them)
+GRID_GATE_UP = [Tile(W8A8_GATE_UP_BLOCK, w, m, st) for m in (32, 64, 128) for w in (4, 8)
+                for st in (2, 3, 4)]
+GRID_DOWN = [Tile(n, w, m, st) for m in (32, 64, 128) for n in (64, 128, 256) for w in (4, 8)
+             for st in (2, 3, 4)]
 REPS = 10
+
+
+def gate_up_tile(t: Tile) -> tuple[int, int, int]:
+    """A table tile as ``w8a8_gate_up``'s ``tile`` argument."""
+    return t.block_m, t.num_warps, t.num_stages or 3
+
+
+def down_tile(t: Tile) -> tuple[int, int, int, int]:
+    """A table tile as ``w8a8_down``'s ``tile`` argument."""
+    return t.block_m, t.block, t.num_warps, t.num_stages or 3
 
 
 def _experts(hidden: int, inter: int, slots: int, gen: torch.Generator):
@@ -72,9 +115,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def measure(name: str, weights: tuple, tokens: int, rate: float, sweep: bool) -> dict:
+def _case(name: str, tokens: int, hidden: int, slots: int, k: int):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    rows = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    tags = (torch.rand(tokens, slots, device="cuda", generator=gen).topk(k, dim=1).indices
+            .flatten() + 1)
+    return rows, tags
+
+
+def measure(name: str, weights: tuple, tokens: int, rate: float,
+            swept: tuple[Tile, Tile] | None) -> dict:
     """One JSON record: the three paths at ``tokens`` tokens of the ``name`` shape, on
-    ``weights`` (:func:`_experts`)."""
+    ``weights`` (:func:`_experts`); ``swept``: the sweep's (gate/up, down) tiles, timed
+    as well."""
     hidden, inter, slots, k = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     w13, q13, s13, w2, q2, s2 = weights
@@ -92,14 +145,15 @@ def measure(name: str, weights: tuple, tokens: int, rate: float, sweep: bool) ->
         "bf16_tiled_ms": cuda_ms(lambda: swiglu_tiled(w13, w2, rows, tags, row_repeat=k), REPS),
         "quantize_ms": cuda_ms(lambda: quantize_activations(rows), REPS),
     }
-    if sweep:
-        for tile, (gu, dn) in SWEEP.items():
-            try:
-                times[f"w8a8_{tile}_ms"] = cuda_ms(
-                    lambda gu=gu, dn=dn: swiglu_tiled_fp8(*fp8, rows, tags, row_repeat=k,
-                                                          gate_up_tile=gu, down_tile=dn), REPS)
-            except Exception as e:  # noqa: BLE001 - a tile out of resources, not the run
-                times[f"w8a8_{tile}_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+    first = (gate_up_tile(DEFAULTS["w8a8_gate_up"]), down_tile(DEFAULTS["w8a8_down"]))
+    times["w8a8_default_ms"] = cuda_ms(
+        lambda: swiglu_tiled_fp8(*fp8, rows, tags, row_repeat=k, gate_up_tile=first[0],
+                                 down_tile=first[1]), REPS)
+    if swept is not None:
+        tiles = (gate_up_tile(swept[0]), down_tile(swept[1]))
+        times["w8a8_swept_ms"] = cuda_ms(
+            lambda: swiglu_tiled_fp8(*fp8, rows, tags, row_repeat=k, gate_up_tile=tiles[0],
+                                     down_tile=tiles[1]), REPS)
     flops = 2.0 * tokens * k * 3 * hidden * inter
     bound_ms = flops / rate * 1e3
     return {
@@ -117,25 +171,126 @@ def measure(name: str, weights: tuple, tokens: int, rate: float, sweep: bool) ->
     }
 
 
+def _check_and_time(kernel: str, tile: Tile, case: dict) -> dict:
+    """One tile of ``kernel`` (the other kernel at its first guess): the whole output
+    against the reference within its bound, then this kernel alone timed (us)."""
+    gu = gate_up_tile(tile if kernel == "w8a8_gate_up" else DEFAULTS["w8a8_gate_up"])
+    dn = down_tile(tile if kernel == "w8a8_down" else DEFAULTS["w8a8_down"])
+    fp8, rows, tags, k, out = case["fp8"], case["rows"], case["tags"], case["k"], case["out"]
+    out.fill_(float("nan"))
+    got = swiglu_tiled_fp8(*fp8, rows, tags, out=out, row_repeat=k, gate_up_tile=gu,
+                           down_tile=dn)
+    diff = (got.float() - case["ref"]).abs()
+    worst = float("nan") if bool(torch.isnan(diff).any()) else float(
+        (diff / case["bound"]).max())
+    if kernel == "w8a8_gate_up":
+        def launch():
+            w8a8_gate_up(fp8[0], fp8[1], rows, tags, k, gu)
+    else:
+        def launch():
+            w8a8_down(case["act"], fp8[2], fp8[3], out, dn)
+    return {"ok": worst <= 1, "worst_over_bound": round(worst, 4),
+            "us": round(cuda_ms(launch, REPS) * 1e3, 2)}
+
+
+def sweep(name: str, weights: tuple, tokens: int, min_gain: float, emit
+          ) -> tuple[dict[str, tuple[Tile, dict]], int, int]:
+    """--sweep at one (shape, tokens): every tile of :data:`GRID_GATE_UP` and
+    :data:`GRID_DOWN` checked and timed (a record each, through ``emit``). Returns
+    (the chosen (tile, record) per kernel, configs, configs that failed)."""
+    hidden, inter, slots, k = SHAPES[name]
+    _, q13, s13, _, q2, s2 = weights
+    rows, tags = _case(name, tokens, hidden, slots, k)
+    fp8 = (q13, s13, q2, s2)
+    case = {"fp8": fp8, "rows": rows, "tags": tags, "k": k,
+            "out": rows.new_empty(tags.shape[0], hidden),
+            "ref": swiglu_w8a8_reference(*fp8, rows, tags, row_repeat=k).float(),
+            "bound": expert_bounds(*fp8, rows, tags, k, x_rounded=False,
+                                   acc=ACCUMULATION_ERROR, sides=2)["out"],
+            "act": w8a8_gate_up(q13, s13, rows, tags, k,
+                                gate_up_tile(DEFAULTS["w8a8_gate_up"]))}
+    head = {"bench": "fp8_expert_prefill_sweep", "shape": name, "hidden": hidden,
+            "inter": inter, "slots": slots, "tokens": tokens, "bucket": tokens * k / slots}
+    chosen, total, failed = {}, 0, 0
+    for kernel, grid in (("w8a8_gate_up", GRID_GATE_UP), ("w8a8_down", GRID_DOWN)):
+        results = []
+        for tile in grid:
+            rec = {**head, "kernel": kernel, "block_m": tile.block_m, "block": tile.block,
+                   "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+                   "default": tile == DEFAULTS[kernel]}
+            try:
+                rec.update(_check_and_time(kernel, tile, case))
+            except Exception as e:  # noqa: BLE001 - a tile out of resources, not the run
+                rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+            emit(rec)
+            results.append((tile, rec))
+        total += len(results)
+        failed += sum(not r["ok"] for _, r in results)
+        pick = choose(results, min_gain)
+        if pick is not None:
+            default_us = next((r["us"] for _, r in results if r["default"] and r["ok"]), None)
+            chosen[kernel] = (pick[0], {**pick[1], "default_us": default_us})
+    return chosen, total, failed
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="8192", help="comma-separated token counts")
     p.add_argument("--shape", action="append", choices=list(SHAPES), default=None,
                    help="expert shape (repeatable; default both)")
-    p.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles")
+    p.add_argument("--sweep", action="store_true",
+                   help="check and time every tile of GRID_GATE_UP and GRID_DOWN")
+    p.add_argument("--min-gain", type=float, default=0.03,
+                   help="--sweep: a tile must beat the first guess by this fraction")
+    p.add_argument("--write-table", type=Path, action="append", default=[], metavar="PATH",
+                   help="--sweep: merge the chosen tiles into this .json table, or into "
+                        "<device slug>.json in this directory (repeatable)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench.fp8_expert_prefill needs CUDA", file=sys.stderr)
         return 2
+    if args.write_table and not args.sweep:
+        print("--write-table needs --sweep", file=sys.stderr)
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products
+    t_start, tag = time.time(), {"commit": commit(), "device": torch.cuda.get_device_name()}
+
+    def emit(rec: dict) -> None:
+        print(json.dumps({**rec, **tag}), flush=True)
+
     rate = fp8_matmul_rate("cuda")
+    entries, measured, total, failed = [], {}, 0, 0
     for name in args.shape or list(SHAPES):
-        hidden, inter, slots, _ = SHAPES[name]
+        hidden, inter, slots, k = SHAPES[name]
         weights = _experts(hidden, inter, slots, torch.Generator(device="cuda").manual_seed(0))
         for tokens in (int(v) for v in args.tokens.split(",")):
-            print(json.dumps(measure(name, weights, tokens, rate, args.sweep)), flush=True)
+            swept = None
+            if args.sweep:
+                chosen, n, bad = sweep(name, weights, tokens, args.min_gain, emit)
+                total, failed = total + n, failed + bad
+                for kernel, (tile, rec) in chosen.items():
+                    entries.append(Entry(kernel, hidden, inter, rec["bucket"], tile))
+                    measured[(kernel, hidden, inter, rec["bucket"])] = {
+                        "tokens": tokens, "slots": slots, "us": rec["us"],
+                        "default_us": rec["default_us"]}
+                if len(chosen) == 2:
+                    swept = (chosen["w8a8_gate_up"][0], chosen["w8a8_down"][0])
+            print(json.dumps(measure(name, weights, tokens, rate, swept)), flush=True)
         del weights
         torch.cuda.empty_cache()
+    for path in args.write_table:
+        write_merged(path, tag["device"], entries,
+                     f"python -m bench.fp8_expert_prefill --sweep at {tag['commit']}", measured)
+    if args.sweep:
+        emit({"bench": "fp8_expert_prefill_sweep_summary", "configs": total,
+              "passed": total - failed, "failed": failed,
+              "best": [{"kernel": e.kernel, "hidden": e.hidden, "inter": e.inter,
+                        "bucket": e.bucket, "block_m": e.tile.block_m, "block": e.tile.block,
+                        "num_warps": e.tile.num_warps, "num_stages": e.tile.num_stages,
+                        **measured[(e.kernel, e.hidden, e.inter, e.bucket)]}
+                       for e in entries],
+              "table_slug": device_slug(tag["device"]),
+              "seconds": round(time.time() - t_start, 1)})
     return 0
 
 

@@ -3,7 +3,7 @@ on the CPU.
 
 The W8A8 torch reference against hand-computed blocks and against the FP8 experts that
 keep bf16 activations (within the activations' e4m3 rounding, bound derived in
-tests/_fp8_expert_bounds.py); the Triton kernels under ``TRITON_INTERPRET=1`` against
+elasticep_testkit/fp8_w8a8_bounds.py); the Triton kernels under ``TRITON_INTERPRET=1`` against
 the reference, stage by stage; and the rule that sends a batch to them. The GPU test
 (tests/test_fp8_expert_prefill_gpu.py) runs the compiled kernels at real shapes.
 """
@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from _fp8_expert_bounds import down_bound, expert_bounds, unsort, worst
 from _interpreted import run_interpreted
 
 from elasticep.moe.experts import fp8_block
@@ -31,6 +30,7 @@ from elasticep.moe.experts.fp8_tiled import (
     w8a8_intermediate_reference,
 )
 from elasticep.moe.experts.tiled_experts import MIN_ROWS_PER_SLOT
+from elasticep_testkit.fp8_w8a8_bounds import down_bound, expert_bounds, unsort, worst
 
 pytestmark = pytest.mark.timeout(200)
 F8 = fp8_block.FP8_DTYPE
@@ -108,7 +108,7 @@ def test_reference_against_the_fp8_experts_within_the_activation_rounding():
     live = tags > 0
     # the bound: the rows and the intermediate each rounded to e4m3 (2^-4 relative, or
     # 2^-10 of the group scale if subnormal) on one side only, carried through the
-    # SwiGLU and the down projection (tests/_fp8_expert_bounds.py)
+    # SwiGLU and the down projection (elasticep_testkit/fp8_w8a8_bounds.py)
     bound = expert_bounds(*case, 2, x_rounded=True, acc=0.0, sides=1)["out"]
     assert worst(got - exact, bound, live) <= 1
     assert not got[~live].any()
@@ -132,7 +132,9 @@ def _interpreted_errors() -> dict[str, float]:
     live = tags > 0
     bounds = expert_bounds(*case, 2, x_rounded=False, acc=0.0, sides=2)
     ref = swiglu_w8a8_reference(*case, row_repeat=2)
-    for name, gu, dn in (("small", (16, 4, 1), (16, 32, 4, 1)), ("default", None, None)):
+    # "split": the down kernel cuts the sorted rows into other blocks than gate/up's
+    for name, gu, dn in (("small", (16, 4, 1), (16, 32, 4, 1)), ("default", None, None),
+                         ("split", (32, 4, 1), (16, 32, 4, 1))):
         act = w8a8_gate_up(q13, t13, rows, tags, 2, gu)
         order = act.layout[0]
         q, s = unsort(act.q.view(torch.uint8), order).view(F8), unsort(act.scale, order)
@@ -149,21 +151,23 @@ def _interpreted_errors() -> dict[str, float]:
         out[name + "_padding_max"] = float(got[~live].abs().max())
         out[name + "_rel"] = float((got - ref).norm() / ref.norm())
     out["whole_equals_stages"] = float(
-        (swiglu_tiled_fp8(*case, row_repeat=2) - got).abs().max())
+        (swiglu_tiled_fp8(*case, row_repeat=2, gate_up_tile=(32, 4, 1),
+                          down_tile=(16, 32, 4, 1)) - got).abs().max())
     return out
 
 
 def test_kernels_interpreted_match_the_reference():
     errs = run_interpreted(__file__, timeout_s=180)
     assert errs.pop("whole_equals_stages") == 0, errs
-    assert all(errs.pop(k) == 0 for k in ("small_padding_max", "default_padding_max")), errs
+    tiles = ("small", "default", "split")
+    assert all(errs.pop(f"{k}_padding_max") == 0 for k in tiles), errs
     # in float32 the kernels and the reference share every rounding but the summation
     # order (float32 ulps), save where an e4m3 rounding of the intermediate then lands
     # the other way (rare): far under 2^-10 in norm, where one side without the
     # intermediate's quantization would be some 2^-5 off
-    assert all(errs.pop(k) < 2.0 ** -10 for k in ("small_rel", "default_rel")), errs
+    assert all(errs.pop(f"{k}_rel") < 2.0 ** -10 for k in tiles), errs
     # each the largest difference over its derived bound: at most 1
-    assert len(errs) == 6 and all(v <= 1 for v in errs.values()), errs
+    assert len(errs) == 9 and all(v <= 1 for v in errs.values()), errs
 
 
 def test_rule_sends_prefill_sized_batches_on_hopper():

@@ -6,7 +6,7 @@ pairs; and ``grouped_swiglu`` on packed FP8 slots taking them at prefill sizes. 
 for an H100/H200 (SM90: the FP8 ``tl.dot``).
 
 Each stage is checked within a bound derived from where it rounds
-(tests/_fp8_expert_bounds.py), the tensor cores' K-step sum allowed
+(elasticep_testkit/fp8_w8a8_bounds.py), the tensor cores' K-step sum allowed
 :data:`~elasticep.models.fp8_prefill.ACCUMULATION_ERROR` of ``|x| @ |W|`` (what the
 dense W8A8 path allows, measured on an H100):
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fp8_expert_bounds import down_bound, expert_bounds, unsort, worst
 
 from elasticep.models.fp8_prefill import ACCUMULATION_ERROR
 from elasticep.moe.experts import fp8_block, fp8_tiled
@@ -40,6 +39,7 @@ from elasticep.moe.experts.fp8_tiled import (
     w8a8_gate_up,
     w8a8_intermediate_reference,
 )
+from elasticep_testkit.fp8_w8a8_bounds import down_bound, expert_bounds, unsort, worst
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available()
                                  or torch.cuda.get_device_capability() < MIN_CAPABILITY,

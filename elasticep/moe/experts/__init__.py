@@ -8,7 +8,7 @@ each beside its torch reference.
 - ``tiled_experts``: the tiled grouped GEMM of prefill-sized batches.
 - ``fp8_block``, ``fp8_activations``: block-FP8 weights and per-token FP8 activations.
 - ``fp8_rows``, ``fp8_sorted``: the FP8-weight twins of the per-row and sorted kernels.
-- ``fp8_decode_tiles``: their launch tiles, from measured tables per device
+- ``fp8_tiles``: their launch tiles, from measured tables per device
   (``tile_configs/``), or first guesses.
 - ``fp8_tiled``: prefill-sized FP8 batches on FP8 tensor cores (W8A8).
 """

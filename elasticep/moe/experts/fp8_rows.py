@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.fp8_decode_tiles import ROWS_KERNELS, Tile, launch_tiles
+from elasticep.moe.experts.fp8_tiles import ROWS_KERNELS, Tile, launch_tiles
 
 try:
     import triton
@@ -32,7 +32,7 @@ except ImportError:  # CPU-only installs may lack triton: the reference serves t
 MAX_ROWS = 64
 # The reduction chunk is one scale block (128 columns) so a chunk has one scale per row;
 # the tiles (BLOCK_I of gate/up, BLOCK_O of down, warps, stages) come from
-# fp8_decode_tiles.
+# fp8_tiles.
 _CHUNK = fp8_block.BLOCK[1]
 
 
@@ -151,7 +151,7 @@ def swiglu_rows_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
             range-checked (a check would sync the host): a tag above S reads out of bounds.
         out: ``[N, H]`` contiguous result buffer in the rows' dtype, or None.
         tiles: ``(gate/up, down)`` launch tiles; None picks them for the shape, the row
-            count and the device (:func:`~elasticep.moe.experts.fp8_decode_tiles.launch_tiles`).
+            count and the device (:func:`~elasticep.moe.experts.fp8_tiles.launch_tiles`).
 
     Returns:
         ``[N, H]`` in the rows' dtype; zeros for padding rows.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts.fp8_decode_tiles import SORTED_KERNELS, Tile, launch_tiles
+from elasticep.moe.experts.fp8_tiles import SORTED_KERNELS, Tile, launch_tiles
 from elasticep.moe.experts.sorted_experts import slot_order, triton
 
 if triton is not None:
@@ -88,7 +88,7 @@ if triton is not None:
 
 
 # The tiles (BLOCK_M and BLOCK_I of gate/up, BLOCK_M and BLOCK_O of down, warps,
-# stages) come from fp8_decode_tiles; the reduction chunk is one scale block.
+# stages) come from fp8_tiles; the reduction chunk is one scale block.
 _CHUNK = fp8_block.BLOCK[1]
 
 
@@ -140,7 +140,7 @@ def swiglu_sorted_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tens
         tags: ``[N]`` int32/int64, ``slot + 1``, 0 for a padding row (not range-checked).
         out: ``[N, H]`` contiguous buffer for the result, or None.
         tiles: ``(gate/up, down)`` launch tiles; None picks them for the shape, the rows
-            per slot and the device (:func:`~elasticep.moe.experts.fp8_decode_tiles.launch_tiles`).
+            per slot and the device (:func:`~elasticep.moe.experts.fp8_tiles.launch_tiles`).
 
     Returns:
         ``[N, H]`` in the rows' dtype; zeros for padding rows.

@@ -28,7 +28,7 @@ dequantized exactly to float32, the products in float32, the same roundings and 
 quantization of the intermediate. The kernels differ from it by how the tensor cores sum
 a K step, by float32 order (they scale each step's sum of FP8 products, the reference
 sums products of dequantized values), and so, now and then, by which way an e4m3
-rounding of the intermediate goes (``tests/_fp8_expert_bounds.py`` derives the bounds
+rounding of the intermediate goes (``elasticep_testkit/fp8_w8a8_bounds.py`` derives the bounds
 the tests use).
 :func:`w8a8_experts_ok` (pure) is the rule that sends a batch here.
 """
@@ -48,7 +48,39 @@ from elasticep.moe.experts.fp8_activations import (
     quantize_activations,
     quantize_activations_reference,
 )
-from elasticep.moe.experts.tiled_experts import MIN_ROWS_PER_SLOT, sort_pairs, triton
+from elasticep.moe.experts.fp8_tiles import Tile, decode_tile, device_name_of
+from elasticep.moe.experts.tiled_experts import (
+    MIN_ROWS_PER_SLOT,
+    block_layout,
+    sort_pairs,
+    triton,
+)
+
+
+def _as_gate_up(t: Tile) -> tuple[int, int, int]:
+    return t.block_m, t.num_warps, t.num_stages or 3
+
+
+def _as_down(t: Tile) -> tuple[int, int, int, int]:
+    return t.block_m, t.block, t.num_warps, t.num_stages or 3
+
+
+def table_tiles(hidden: int, inter: int, pairs: int, slots: int, device: torch.device
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+    """``(BLOCK_M, warps, stages)`` of the gate/up kernel (its output block is one
+    128-column group) and ``(BLOCK_M, BLOCK_N, warps, stages)`` of the down kernel (K
+    steps are 128) for a launch of ``pairs`` pairs over ``slots`` FP8
+    slots of shape ``(hidden, inter)`` on ``device``: the device's measured table
+    (:func:`~elasticep.moe.experts.fp8_tiles.decode_tile`, bucketed by pairs a slot),
+    else the first guesses. Host only, from shapes (no sync).
+
+    Raises:
+        TileTableError: the device's table file is malformed.
+    """
+    name, per_slot = device_name_of(device), pairs / max(slots, 1)
+    return (_as_gate_up(decode_tile("w8a8_gate_up", hidden, inter, per_slot, name)),
+            _as_down(decode_tile("w8a8_down", hidden, inter, per_slot, name)))
+
 
 # Whether grouped_swiglu sends prefill-sized FP8 batches here on an SM90 GPU. The rule is
 # on; if tests/test_fp8_expert_prefill_gpu.py fails on the GPU, set this False (the
@@ -57,11 +89,6 @@ ENABLED = True
 # The least compute capability taken: Hopper's, the first with FP8 wgmma behind tl.dot
 # that the GPU test covers (it runs on this one and later ones).
 MIN_CAPABILITY = (9, 0)
-# (BLOCK_M, warps, stages) of the gate/up kernel (its output block is one 128-column
-# group) and (BLOCK_M, BLOCK_N, warps, stages) of the down kernel; K steps are 128.
-# A first choice, not yet timed: bench/fp8_expert_prefill.py is there to tune it.
-GATE_UP_TILE = (128, 8, 3)
-DOWN_TILE = (128, 128, 8, 3)
 
 _TL_DTYPES = {}
 if triton is not None:
@@ -215,7 +242,7 @@ def w8a8_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, rows: torch.Tensor,
         tags: ``[N]`` int32/int64, ``slot + 1``, 0 for a padding row. Not range-checked
             (a check would sync): a tag above S reads out of bounds.
         row_repeat: pair ``n`` reads row ``n // row_repeat``.
-        tile: ``(BLOCK_M, warps, stages)``, default :data:`GATE_UP_TILE`.
+        tile: ``(BLOCK_M, warps, stages)``; None: :func:`table_tiles`'s.
 
     Returns:
         :class:`Intermediate`.
@@ -229,7 +256,7 @@ def w8a8_gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, rows: torch.Tensor,
     if n != rows.shape[0] * row_repeat:
         raise ValueError(f"{n} tags for {rows.shape[0]} rows of {row_repeat} pairs each")
     S, inter = w13.shape[0], w13.shape[1] // 2
-    bm, warps, stages = tile or GATE_UP_TILE
+    bm, warps, stages = tile or table_tiles(hidden, inter, n, S, rows.device)[0]
     layout = sort_pairs(tags, S, bm)
     order, starts, counts, block_slot, block_first, grid_blocks = layout
     groups = -(-inter // GROUP)
@@ -252,25 +279,26 @@ def w8a8_down(act: Intermediate, w2: torch.Tensor, w2_scale: torch.Tensor,
     zeroed.
 
     Args:
-        act: :func:`w8a8_gate_up`'s result, made with the same BLOCK_M as ``tile``'s.
+        act: :func:`w8a8_gate_up`'s result (its rows are cut into ``tile``'s BLOCK_M
+            afresh when that differs from the gate/up kernel's).
         w2: ``[S, H, I]`` float8_e4m3fn; ``w2_scale`` ``[S, ceil(H/128), ceil(I/128)]``
             float32 (layouts as :func:`w8a8_gate_up`'s weights).
         out: ``[N, H]`` contiguous, the activation dtype; written in full.
-        tile: ``(BLOCK_M, BLOCK_N, warps, stages)``, default :data:`DOWN_TILE`.
+        tile: ``(BLOCK_M, BLOCK_N, warps, stages)``; None: :func:`table_tiles`'s.
 
     Returns:
         ``out``.
 
     Raises:
-        ValueError: as :func:`w8a8_gate_up`, or a tile whose BLOCK_M is not the layout's.
+        ValueError: as :func:`w8a8_gate_up`.
     """
     _check(w2, w2_scale, "w2")
     order, starts, counts, block_slot, block_first, grid_blocks = act.layout
-    bm, bn, warps, stages = tile or DOWN_TILE
     n, inter = act.q.shape
-    if bm != act.block_m:
-        raise ValueError(f"the down tile's BLOCK_M {bm} is not the gate/up tile's {act.block_m}")
     S, hidden = w2.shape[0], w2.shape[1]
+    bm, bn, warps, stages = tile or table_tiles(hidden, inter, n, S, out.device)[1]
+    if bm != act.block_m:  # the same slot order, cut into other row blocks
+        block_slot, block_first, grid_blocks = block_layout(counts, n, bm)
     if n:
         _w8a8_down_kernel[(triton.cdiv(hidden, bn), grid_blocks)](
             act.q, act.scale, order, block_slot, block_first, starts, counts, w2,
@@ -293,7 +321,7 @@ def swiglu_tiled_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tenso
         w2, w2_scale: as :func:`w8a8_down`.
         out: ``[N, H]`` contiguous result buffer in the rows' dtype, or None.
         gate_up_tile, down_tile: as :func:`w8a8_gate_up`'s and :func:`w8a8_down`'s
-            ``tile``; they must share BLOCK_M.
+            ``tile`` (None: :func:`table_tiles`'s).
 
     Returns:
         ``[N, H]`` in the rows' dtype; zeros for padding rows.

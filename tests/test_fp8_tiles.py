@@ -1,7 +1,8 @@
-"""The FP8 decode kernels' tile tables (:mod:`elasticep.moe.experts.fp8_decode_tiles`):
-the lookup and its fallback, refusals of malformed files, the kernels under
-``TRITON_INTERPRET=1`` with tiles read from a table, and the sweep's dry run
-(``bench/fp8_decode_sweep.py --device cpu``) whose written table the lookup reads back.
+"""The FP8 expert kernels' tile tables (:mod:`elasticep.moe.experts.fp8_tiles`):
+the lookup and its fallback, refusals of malformed files, a sweep's merge into a file
+that holds other kernels' rows, the kernels under ``TRITON_INTERPRET=1`` with tiles
+read from a table, and the decode sweep's dry run (``bench/fp8_decode_sweep.py --device
+cpu``) whose written table the lookup reads back.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 import torch
 from _interpreted import run_interpreted
 
-from elasticep.moe.experts import fp8_decode_tiles as tiles
-from elasticep.moe.experts.fp8_decode_tiles import (
+from elasticep.moe.experts import fp8_tiles as tiles
+from elasticep.moe.experts.fp8_tiles import (
     DEFAULTS,
     Entry,
     Tile,
@@ -35,8 +36,10 @@ DEVICE = "Fake GPU 80GB"
 def _entry(kernel="fp8_rows_gate_up", hidden=2048, inter=768, bucket=8, **kw) -> dict:
     raw = {"kernel": kernel, "hidden": hidden, "inter": inter, "bucket": bucket,
            "block": 16, "num_warps": 2}
-    if kernel.startswith("fp8_sorted"):
+    if kernel.startswith(("fp8_sorted", "w8a8")):
         raw["block_m"] = 32
+    if kernel == "w8a8_gate_up":
+        raw["block"] = 128
     return {**raw, **kw}
 
 
@@ -48,10 +51,13 @@ def _write(table_dir: Path, entries: list[dict], device: str = DEVICE) -> Path:
 
 def test_fallback_is_the_first_guess_tiles_exactly(tmp_path):
     # the tiles the kernels launched with before any table: (BLOCK, warps), Triton's
-    # default stages, and the sorted kernels' 16-row dot tiles
+    # default stages, and the sorted kernels' 16-row dot tiles; the W8A8 prefill kernels'
+    # (BLOCK_M 128, 8 warps, 3 stages; down's 128 output features)
     assert DEFAULTS == {"fp8_rows_gate_up": Tile(8, 4), "fp8_rows_down": Tile(32, 4),
                         "fp8_sorted_gate_up": Tile(64, 4, block_m=16),
-                        "fp8_sorted_down": Tile(64, 4, block_m=16)}
+                        "fp8_sorted_down": Tile(64, 4, block_m=16),
+                        "w8a8_gate_up": Tile(128, 8, block_m=128, num_stages=3),
+                        "w8a8_down": Tile(128, 8, block_m=128, num_stages=3)}
     assert DEFAULTS["fp8_rows_gate_up"].launch_options() == {"num_warps": 4}
     for kernel in tiles.KERNELS:
         assert decode_tile(kernel, 2048, 768, 8.0, None) == DEFAULTS[kernel]  # CPU
@@ -96,6 +102,10 @@ def test_an_entry_is_picked_by_shape_bucket_and_device(tmp_path):
     (json.dumps({"entries": [_entry(kernel="fp8_sorted_gate_up", block_m=8)]}),
      "block_m must be at least 16"),
     (json.dumps({"entries": [_entry(), _entry(block=32)]}), "two entries for"),
+    (json.dumps({"entries": [_entry(kernel="w8a8_gate_up", block=64)]}),
+     "w8a8_gate_up's block is one scale group, 128"),
+    (json.dumps({"entries": [{k: v for k, v in _entry(kernel="w8a8_down").items()
+                              if k != "block_m"}]}), "block_m is required for the sorted"),
 ])
 def test_a_malformed_table_is_refused_naming_the_file(tmp_path, text, says):
     path = table_path(DEVICE, tmp_path)
@@ -114,6 +124,52 @@ def test_the_table_writer_round_trips():
     back = parse_table(text, "round trip")
     assert sorted(back, key=repr) == sorted(entries, key=repr)
     assert json.loads(text)["entries"][0]["measured"] == {"us": 3.5}
+
+
+def test_a_w8a8_launch_past_the_largest_bucket_takes_it(tmp_path):
+    # a larger grouped GEMM has more tiles of the same shape: the largest measured
+    # bucket's tile, where the decode kernels fall back to their defaults
+    _write(tmp_path, [_entry(kernel="w8a8_down", bucket=128, block=64, num_stages=4),
+                      _entry(kernel="w8a8_down", bucket=512, block=256, num_warps=8)])
+
+    def pick(value, kernel="w8a8_down"):
+        return decode_tile(kernel, 2048, 768, value, DEVICE, tmp_path)
+
+    assert pick(64) == Tile(64, 2, block_m=32, num_stages=4)
+    assert pick(128) == Tile(64, 2, block_m=32, num_stages=4)
+    assert pick(129) == Tile(256, 8, block_m=32)
+    assert pick(4096) == Tile(256, 8, block_m=32)  # past 512
+    assert pick(64, "w8a8_gate_up") == DEFAULTS["w8a8_gate_up"]  # no entry for it
+
+
+def test_a_sweep_merges_into_a_file_keeping_the_other_kernels(tmp_path):
+    path = _write(tmp_path, [{**_entry(bucket=8, block=16), "measured": {"us": 5.0}},
+                             _entry(kernel="w8a8_down", bucket=512, block=64)])
+    new = [Entry("w8a8_down", 2048, 768, 128.0, Tile(256, 8, 64, 3)),
+           Entry("w8a8_gate_up", 2048, 768, 128.0, Tile(128, 4, 64, 2))]
+    written = tiles.write_merged(tmp_path, DEVICE, new, "prefill sweep",
+                                 {("w8a8_down", 2048, 768, 128.0): {"us": 9.0}})
+    assert written == path
+    doc = json.loads(path.read_text())
+    back = parse_table(path.read_text(), "merged")
+    # the decode row and its record kept; the swept kernel's old row replaced
+    assert sorted(back, key=repr) == sorted(
+        [Entry("fp8_rows_gate_up", 2048, 768, 8.0, Tile(16, 2)), *new], key=repr)
+    measured = {e["kernel"]: e.get("measured") for e in doc["entries"]}
+    assert measured == {"fp8_rows_gate_up": {"us": 5.0}, "w8a8_down": {"us": 9.0},
+                        "w8a8_gate_up": None}
+    assert doc["source"] == "test; prefill sweep"
+    # a fresh directory gets the device's file with only the new rows
+    fresh = tiles.write_merged(tmp_path / "new", DEVICE, new, "prefill sweep", {})
+    assert fresh.name == "fake_gpu_80gb.json"
+    assert sorted(tiles.load_table(fresh), key=repr) == sorted(new, key=repr)
+
+
+def test_the_prefill_sweep_grids_hold_the_first_guesses():
+    from bench.fp8_expert_prefill import GRID_DOWN, GRID_GATE_UP
+    assert DEFAULTS["w8a8_gate_up"] in GRID_GATE_UP and DEFAULTS["w8a8_down"] in GRID_DOWN
+    for tile in GRID_GATE_UP:  # every candidate is a tile the table accepts
+        parse_table(tiles.table_json(DEVICE, [Entry("w8a8_gate_up", 1, 1, 1.0, tile)], "t"), "g")
 
 
 def test_the_package_ships_the_tables():

@@ -1,4 +1,4 @@
-"""Tile choices of the FP8 decode expert kernels, from measured tables shipped per device.
+"""Tile choices of the FP8 expert kernels, from measured tables shipped per device.
 
 The FP8 decode kernels (:mod:`elasticep.moe.experts.fp8_rows`, a GEMV per row, and
 :mod:`elasticep.moe.experts.fp8_sorted`, rows grouped by slot on tensor cores) read the
@@ -13,6 +13,14 @@ shape, every kernel keeps its first-guess tile (:data:`DEFAULTS`).
 The choice is made on the host from shapes alone (no autotuning, no sync): the kernels
 run inside CUDA graphs captured at start, so a launch must take the same tile every
 time it is replayed.
+
+The prefill kernels of :mod:`elasticep.moe.experts.fp8_tiled` (W8A8 grouped GEMMs on
+FP8 tensor cores) take theirs from the same tables (``python -m bench.fp8_expert_prefill
+--sweep --write-table``): ``w8a8_gate_up`` (its output block is one 128-column scale
+group, so ``block`` is 128) and ``w8a8_down`` (``block`` is its output features a
+program), each with its own ``block_m`` (rows of one slot a program). A grouped GEMM
+larger than the largest measured bucket only has more tiles of the same shape, so it
+takes that bucket's entry (the decode kernels fall back to their defaults there).
 
 A table file is ``{"device": name, "source": text, "entries": [entry, ...]}``; an entry
 is ``{"kernel", "hidden", "inter", "bucket", "block", "num_warps"}`` plus
@@ -37,7 +45,12 @@ import torch
 TABLE_DIR = Path(__file__).with_name("tile_configs")
 ROWS_KERNELS = ("fp8_rows_gate_up", "fp8_rows_down")
 SORTED_KERNELS = ("fp8_sorted_gate_up", "fp8_sorted_down")
-KERNELS = ROWS_KERNELS + SORTED_KERNELS
+W8A8_KERNELS = ("w8a8_gate_up", "w8a8_down")
+KERNELS = ROWS_KERNELS + SORTED_KERNELS + W8A8_KERNELS
+# rows per dot tile: the sorted and W8A8 kernels take one, the per-row ones none
+_BLOCK_M_KERNELS = SORTED_KERNELS + W8A8_KERNELS
+# the W8A8 gate/up kernel's output block: one 128-column group of the intermediate
+W8A8_GATE_UP_BLOCK = 128
 _REQUIRED = {"kernel", "hidden", "inter", "bucket", "block", "num_warps"}
 _OPTIONAL = {"block_m", "num_stages", "measured"}
 
@@ -52,9 +65,9 @@ class Tile:
 
     Attributes:
         block: output features a program computes (``BLOCK_I`` of gate/up, ``BLOCK_O``
-            of down).
+            of down, ``BLOCK_N`` of the W8A8 down kernel).
         num_warps: warps a program.
-        block_m: rows per ``tl.dot`` tile (sorted kernels only, else None).
+        block_m: rows per ``tl.dot`` tile (sorted and W8A8 kernels only, else None).
         num_stages: Triton's software-pipelining depth, or None for Triton's default.
     """
 
@@ -80,6 +93,9 @@ DEFAULTS = {
     "fp8_rows_down": Tile(32, 4),
     "fp8_sorted_gate_up": Tile(64, 4, block_m=16),
     "fp8_sorted_down": Tile(64, 4, block_m=16),
+    # fp8_tiled's first tiles, kept where no table applies
+    "w8a8_gate_up": Tile(W8A8_GATE_UP_BLOCK, 8, block_m=128, num_stages=3),
+    "w8a8_down": Tile(128, 8, block_m=128, num_stages=3),
 }
 
 
@@ -108,7 +124,7 @@ def table_path(device_name: str, table_dir: Path = TABLE_DIR) -> Path:
 
 def bucket_value(kernel: str, rows: int, slots: int) -> float:
     """The value a launch is bucketed by: ``rows`` for the per-row kernels, ``rows /
-    slots`` for the sorted ones."""
+    slots`` (pairs a slot) for the sorted and W8A8 ones."""
     return float(rows) if kernel in ROWS_KERNELS else rows / max(slots, 1)
 
 
@@ -134,10 +150,10 @@ def _entry(raw: object, where: str) -> Entry:
     bucket = raw["bucket"]
     if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
         raise TileTableError(f"{where}: bucket must be a positive number, got {bucket!r}")
-    sorted_kernel = kernel in SORTED_KERNELS
+    sorted_kernel = kernel in _BLOCK_M_KERNELS
     if sorted_kernel != (raw.get("block_m") is not None):
-        raise TileTableError(f"{where}: block_m is required for the sorted kernels and "
-                             f"refused for the per-row ones ({kernel})")
+        raise TileTableError(f"{where}: block_m is required for the sorted and W8A8 "
+                             f"kernels and refused for the per-row ones ({kernel})")
     stages = raw.get("num_stages")
     tile = Tile(_positive_int(raw, "block", where, True),
                 _positive_int(raw, "num_warps", where, True),
@@ -146,6 +162,9 @@ def _entry(raw: object, where: str) -> Entry:
     if sorted_kernel and tile.block_m < 16:
         raise TileTableError(f"{where}: block_m must be at least 16 (tl.dot), got "
                              f"{tile.block_m}")
+    if kernel == "w8a8_gate_up" and tile.block != W8A8_GATE_UP_BLOCK:
+        raise TileTableError(f"{where}: w8a8_gate_up's block is one scale group, "
+                             f"{W8A8_GATE_UP_BLOCK}, got {tile.block}")
     return Entry(kernel, _positive_int(raw, "hidden", where),
                  _positive_int(raw, "inter", where), float(bucket), tile)
 
@@ -178,10 +197,18 @@ def parse_table(text: str, source: str) -> list[Entry]:
 def select(entries: list[Entry], kernel: str, hidden: int, inter: int,
            value: float) -> Tile | None:
     """The tile of the entry with the smallest bucket ``>= value`` among those of
-    ``kernel`` at ``(hidden, inter)``; None when none is that large."""
-    fits = [e for e in entries if (e.kernel, e.hidden, e.inter) == (kernel, hidden, inter)
-            and e.bucket >= value]
-    return min(fits, key=lambda e: e.bucket).tile if fits else None
+    ``kernel`` at ``(hidden, inter)``; past the largest bucket, a W8A8 kernel takes
+    that one's and the others None (as with no entry)."""
+    mine = [e for e in entries if (e.kernel, e.hidden, e.inter) == (kernel, hidden, inter)]
+    fits = [e for e in mine if e.bucket >= value]
+    if fits:
+        return min(fits, key=lambda e: e.bucket).tile
+    if mine and kernel in W8A8_KERNELS:
+        return max(mine, key=lambda e: e.bucket).tile
+    return None
+
+
+
 
 
 def table_json(device_name: str, entries: list[Entry], source: str,
@@ -209,6 +236,46 @@ def table_json(device_name: str, entries: list[Entry], source: str,
             raw["measured"] = rec
         rows.append(raw)
     return json.dumps({"device": device_name, "source": source, "entries": rows}, indent=1) + "\n"
+
+
+def write_merged(path: Path, device_name: str, entries: list[Entry], source: str,
+                 measured: dict[tuple[str, int, int, float], dict]) -> Path:
+    """Write a sweep's ``entries`` into a table file, keeping the entries (and their
+    ``measured`` records) of every kernel the sweep did not cover, so a prefill sweep
+    keeps the decode kernels' rows and the other way round.
+
+    Args:
+        path: a ``.json`` file, or a directory (made if missing) to hold
+            ``<device slug>.json``.
+        device_name, source, measured: as :func:`table_json`'s (``source`` is joined
+            to the file's own where it keeps entries).
+
+    Returns:
+        The file written.
+
+    Raises:
+        TileTableError: the file there is malformed.
+    """
+    if path.suffix != ".json":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / f"{device_slug(device_name)}.json"
+    swept = {e.kernel for e in entries}
+    kept: list[Entry] = []
+    measured = dict(measured)
+    if path.is_file():
+        text = path.read_text()
+        entries_there = parse_table(text, str(path))  # validates before json.loads
+        doc = json.loads(text)
+        for e, raw in zip(entries_there, doc["entries"], strict=True):
+            if e.kernel in swept:
+                continue
+            kept.append(e)
+            if "measured" in raw:
+                measured[(e.kernel, e.hidden, e.inter, e.bucket)] = raw["measured"]
+        if kept and doc.get("source") and doc["source"] != source:
+            source = f"{doc['source']}; {source}"
+    path.write_text(table_json(device_name, kept + list(entries), source, measured))
+    return path
 
 
 @functools.cache

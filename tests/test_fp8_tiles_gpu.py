@@ -1,5 +1,5 @@
 """The FP8 decode kernels compiled on the GPU with the tiles this device's shipped table
-gives (:mod:`elasticep.moe.experts.fp8_decode_tiles`; the defaults where it has none),
+gives (:mod:`elasticep.moe.experts.fp8_tiles`; the defaults where it has none),
 against their torch reference at Qwen3-30B-A3B's and DeepSeek-V3's expert shapes: what
 ships is what is checked."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elasticep.moe.experts import fp8_block
-from elasticep.moe.experts import fp8_decode_tiles as tiles
+from elasticep.moe.experts import fp8_tiles as tiles
 from elasticep.moe.experts.fp8_rows import swiglu_rows_fp8, swiglu_rows_fp8_reference
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
 from elasticep_testkit.fp8_expert_check import rounding_bound, worst_ratio

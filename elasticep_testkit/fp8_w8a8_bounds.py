@@ -1,5 +1,6 @@
 """Error bounds of the FP8 experts' prefill (:mod:`elasticep.moe.experts.fp8_tiled`),
-derived from where the computations round, shared by its CPU and GPU tests.
+derived from where the computations round, shared by its CPU and GPU tests and the
+tile sweep (``bench/fp8_expert_prefill.py --sweep``).
 
 Notation: ``unit = 2^-p`` is half an ulp at 1 of the activation dtype (a rounding to it
 moves a value by at most ``unit`` of itself); a value rounded to nearest e4m3 within
