@@ -9,6 +9,12 @@ same GPU, measured in the same run (an ``8192^3`` bf16 ``torch.matmul`` on rando
     lm_head = 2 x V x H per sequence (only its last position's logits are computed)
     bound_s = (linear + attn + lm_head) / matmul_rate
 
+For a block-FP8 checkpoint the rows add ``fp8_bound_s = linear / fp8_rate + (attn +
+lm_head) / matmul_rate`` (its projections and experts run W8A8 on the FP8 tensor cores,
+:func:`fp8_matmul_rate` measured in the same run; attention and the unconverted LM head
+stay bf16; the routers, about 0.5% of ``linear``, are counted at the FP8 rate) and
+``x_fp8_bound``.
+
 ``active_params_per_token`` counts every weight a token passes through: the attention
 projections of every layer (MHA/GQA: q, k, v, o; MLA: its down/up projections,
 :meth:`elasticep.models.mla.MLAConfig.weight_params`), ``top_k`` routed experts of
@@ -203,7 +209,10 @@ def section_prefill(args, emit: Callable[[dict], None], mdir: Path) -> list[dict
     dtype = getattr(torch, args.dtype)
     cfg = load_model_config(mdir)
     rate = matmul_rate(args.device)
-    emit({"section": "matmul", "bf16_tflop_per_s": round(rate / 1e12, 1)})
+    fp8_rate = (fp8_matmul_rate(args.device) if cfg.quantization is not None
+                and args.device.startswith("cuda") else None)
+    emit({"section": "matmul", "bf16_tflop_per_s": round(rate / 1e12, 1),
+          "fp8_tflop_per_s": None if fp8_rate is None else round(fp8_rate / 1e12, 1)})
     rows = []
 
     def one(engine: LLMEngine, section: str, budget: int, n: int, length: int) -> dict:
@@ -223,6 +232,11 @@ def section_prefill(args, emit: Callable[[dict], None], mdir: Path) -> list[dict
                "compute_bound_s": round(bound, 4), "x_compute_bound": round(res["warm_s"] / bound, 2),
                "tflop": round(flops["total"] / 1e12, 2),
                "achieved_tflop_per_s": round(flops["total"] / res["warm_s"] / 1e12, 1)}
+        if fp8_rate is not None:
+            fp8_bound = (flops["linear"] / fp8_rate
+                         + (flops["attention"] + flops["lm_head"]) / rate)
+            row.update(fp8_bound_s=round(fp8_bound, 4),
+                       x_fp8_bound=round(res["warm_s"] / fp8_bound, 2))
         emit(row)
         rows.append(row)
         return row
