@@ -1,7 +1,9 @@
 """A rank's links to several front-ends (`frontend_link.fanout`), over real zmq sockets:
 each front-end gets the outputs of its own requests only, every one gets the hellos and
-counters, an id in flight from another front-end is refused, and a front-end that leaves
-the directory has its requests aborted on the rank while the others' go on."""
+counters, an id in flight from another front-end is refused, a front-end that leaves
+the directory has its requests aborted on the rank while the others' go on, and so has
+a dead front-end process named by an ``AbortOrigin``, not its relaunch on the same
+ports."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from test_frontend_link import collect, wait_poll
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 from elasticep.frontend_link import (
+    AbortOrigin,
     FrontendChannel,
     OutputBatch,
     RankStats,
@@ -117,6 +120,54 @@ def test_a_front_end_relaunched_on_its_ports_hears_the_rank_again():
                 await b2.poll(0.02)
             b2.send(1, GenerateRequest("r", (1,)))
             assert wait_poll(links, 1) == [GenerateRequest("r", (1,))]
+        finally:
+            links.close()
+            a.close()
+            if b2 is not None:
+                b2.close()
+
+    asyncio.run(main())
+
+
+def test_an_abort_origin_aborts_the_dead_process_requests_not_its_relaunch():
+    """``--api-server-count``: process b dies and is relaunched on its ports (b2) before
+    serve's own front-end (a) names b dead; only b's request is aborted, not b2's nor
+    a's; once a process is named dead, its requests still on the way are refused."""
+
+    async def main() -> None:
+        a, b = FrontendChannel(), FrontendChannel()
+        links = static_links([a.endpoints, b.endpoints], rank=1)
+        b2 = None
+        try:
+            poll_until_linked(links, 2)
+            await collect(b, 1)
+            ra, rb = GenerateRequest("ra", (1,)), GenerateRequest("rb", (2,))
+            a.send(1, ra)
+            b.send(1, rb)
+            assert sorted(wait_poll(links, 2), key=lambda r: r.request_id) == [ra, rb]
+            b.close()  # the process died; its successor binds the same ports
+            b2 = FrontendChannel(request_port=_port(b.endpoints.request_addr),
+                                 output_port=_port(b.endpoints.output_addr))
+            assert b2.origin_id != b.origin_id
+            deadline = time.monotonic() + 5.0
+            while 1 not in b2.connected:
+                assert time.monotonic() < deadline, "the relaunched front-end never heard"
+                links.poll(0.02)
+                await b2.poll(0.02)
+            rb2 = GenerateRequest("rb2", (3,))
+            b2.send(1, rb2)
+            assert wait_poll(links, 1) == [rb2]
+            a.send(1, AbortOrigin(b.origin_id))  # late: b2 already sent on b's link
+            assert wait_poll(links, 1) == [AbortRequest("rb")]
+
+            a.send(1, AbortOrigin(b2.origin_id))
+            assert wait_poll(links, 1) == [AbortRequest("rb2")]
+            # b2's next request came after its AbortOrigin: refused. Its AbortOrigin of
+            # a right behind it on the same socket shows that the rank read it
+            b2.send(1, GenerateRequest("late", (4,)))
+            b2.send(1, AbortOrigin(a.origin_id))
+            assert wait_poll(links, 1) == [AbortRequest("ra")]
+            assert links.poll(0.05) == []
         finally:
             links.close()
             a.close()
