@@ -29,8 +29,8 @@ from .messages import (
 )
 
 __all__ = [
-    "AbortOrigin", "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError",
-    "OutputBatch",
+    "AbortOrigin", "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError",
+    "LinkEndpoints", "LinkError", "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
     "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable", "monotonic_us",
 ]

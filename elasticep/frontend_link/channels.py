@@ -10,7 +10,7 @@ message from an identity it can route to it, so "hello received" means "sendable
 A relaunched rank reuses its identity; ``ROUTER_HANDOVER`` lets the new connection
 take the identity over from a dead one that the ROUTER has not noticed yet.
 
-Each message is one frame of :mod:`.messages` (or a request of `engine.request`) as
+Each message of :mod:`.messages` (or request of `engine.request`) is one frame of
 JSON, the wire form of :mod:`elasticep.wire`: read back, every field is checked against
 its annotation, and a frame that is not a message this socket takes is dropped with one
 log line. Toward a rank each message travels behind one more frame, the sending
