@@ -4,26 +4,32 @@
 processes (membership in etcd) as with one (embedded store). End to end over stub ranks (the real front-end, link and rank loop; tokens at a set
 rate): every request of a concurrent load is served with the same tokens whichever
 process took it, both processes serve, a SIGKILLed extra process is relaunched and the
-node serves on, and ``/metrics`` counts each request once across the processes.
+node serves on, ``/metrics`` counts each request once across the processes, and the
+ranks abort the requests of a process SIGKILLed with its streams open (only those). The
+pool's restart budget as a pure function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
+from elasticep.frontend.api_server_pool import MAX_RESTARTS, RESTART_WINDOW_S, count_death
 from elasticep_testkit.etcd_cluster import EtcdCluster
 from elasticep_testkit.harness.load import run_batch
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.paths import DEMO_MODEL
-from elasticep_testkit.serving.stub_engine import server_command
+from elasticep_testkit.serving.stub_engine import server_command, stats_path
 from tests._serve_fixtures import RESULTS_TIMEOUT_S, assert_complete, prompts, start_serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,3 +146,106 @@ def test_serve_streams_the_same_greedy_tokens_with_two_front_end_processes_under
     # is asserted (the kernel picks who accepts; one process can take all 12 under load)
     served = re.findall(r"api server 1 \(pid \d+\): stopping after (\d+) requests", log)
     assert served and 0 <= int(served[0]) <= len(texts), served
+
+
+def test_the_restart_budget_counts_deaths_within_the_window_only():
+    assert MAX_RESTARTS == 3
+    deaths: tuple[float, ...] = ()
+    for t in (0.0, 10.0, 20.0):  # relaunched up to the budget
+        deaths, relaunched = count_death(deaths, t)
+        assert relaunched
+    assert count_death(deaths, 30.0) == ((0.0, 10.0, 20.0, 30.0), False)  # a crash loop
+    deaths = ()  # deaths spread out: the old ones leave the window, relaunched for ever
+    for t in (0.0, 200.0, 400.0, 600.0, 800.0, 10_000.0):
+        deaths, relaunched = count_death(deaths, t)
+        assert relaunched, (t, deaths)
+    assert deaths == (10_000.0,)
+    # a death RESTART_WINDOW_S ago has left the window
+    assert count_death((0.0, 1.0, 2.0), RESTART_WINDOW_S) == ((1.0, 2.0, RESTART_WINDOW_S),
+                                                               True)
+
+
+SLOW_STEPS_PER_S = 40.0  # the streams below outlast the test (their max_tokens take 20 s)
+LONG_TOKENS = 800
+
+
+class _Stream:
+    """One long streamed completion on a connection of its own, read in a task: its
+    token chunks so far, and whether its connection was cut."""
+
+    def __init__(self, url: str, prompt: str) -> None:
+        self.chunks, self.cut = 0, False
+        self.first = asyncio.Event()
+        self.task = asyncio.create_task(self._read(url, prompt))
+
+    async def _read(self, url: str, prompt: str) -> None:
+        body = {"model": str(DEMO_MODEL), "prompt": prompt, "max_tokens": LONG_TOKENS,
+                "temperature": 0, "stream": True}
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30.0) as client, \
+                    client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        self.chunks += 1
+                        self.first.set()
+        except httpx.TransportError:  # its process died
+            self.cut = True
+
+
+async def _open_streams(url: str, n: int, elsewhere: int) -> list[_Stream]:
+    """``n`` streams, each running on the ranks (its first token came), served by the
+    node's processes other than pid ``elsewhere``: the kernel picks which process
+    accepts, so ``elsewhere`` is stopped (SIGSTOP) until they are accepted."""
+    os.kill(elsewhere, signal.SIGSTOP)
+    try:
+        streams = [_Stream(url, f"stream {i} of {elsewhere}") for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 20.0)
+    finally:
+        os.kill(elsewhere, signal.SIGCONT)
+    return streams
+
+
+def _rank_running(log_dir: Path) -> int:
+    return json.loads(stats_path(log_dir, 0).read_text())["running"]
+
+
+async def _wait_running(log_dir: Path, want: int, timeout_s: float = 10.0) -> None:
+    """Until stub rank 0 reports ``want`` running requests (it writes every second)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := _rank_running(log_dir)) != want:
+        assert time.monotonic() < deadline, f"rank runs {got} requests, not {want}"
+        await asyncio.sleep(0.1)
+
+
+def test_the_ranks_abort_the_requests_of_a_killed_front_end_process_only():
+    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2"],
+                            ready_timeout_s=90,
+                            program=server_command(SLOW_STEPS_PER_S)) as serve:
+        child = _child_pids(_wait_log(serve, _child_pids, "the extra front-end serving"))[0]
+        log_dir = serve.log_path.parent
+
+        async def scenario() -> None:
+            doomed = await _open_streams(serve.url, 3, elsewhere=serve.proc.pid)
+            kept = await _open_streams(serve.url, 2, elsewhere=child)
+            try:
+                await _wait_running(log_dir, 5)
+                os.kill(child, signal.SIGKILL)
+                await asyncio.wait_for(asyncio.gather(*(s.task for s in doomed)), 10.0)
+                assert all(s.cut for s in doomed)
+                await _wait_running(log_dir, 2)  # the survivors' requests only
+                before = [s.chunks for s in kept]
+                await asyncio.sleep(0.3)
+                assert all(not s.cut and s.chunks > n for s, n in zip(kept, before, strict=True))
+            finally:
+                for s in kept:
+                    s.task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await s.task
+
+        asyncio.run(scenario())
+        _wait_log(serve, lambda text: f"api server 1 (pid {child}) exited with -9; its "
+                  "streams failed and the ranks abort its requests; relaunching it on the "
+                  "same socket (relaunch 1 of at most 3 within 300 s)" in text,
+                  "the relaunch")
+        assert serve.stop() == []

@@ -1,18 +1,22 @@
 """A rank's links to several front-ends (`frontend_link.fanout`), over real zmq sockets:
 each front-end gets the outputs of its own requests only, every one gets the hellos and
-counters, an id in flight from another front-end is refused, and a front-end that leaves
-the directory has its requests aborted on the rank while the others' go on."""
+counters, an id in flight from another front-end is refused, a front-end that leaves
+the directory has its requests aborted on the rank while the others' go on, and so has
+a dead front-end process named by an ``AbortOrigin``, not its relaunch on the same
+ports."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 from test_frontend_link import collect, wait_poll
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
 from elasticep.frontend_link import (
+    AbortOrigin,
     FrontendChannel,
     OutputBatch,
     RankStats,
@@ -94,33 +98,89 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
+async def relaunched(b: FrontendChannel, links: FrontendLinks) -> FrontendChannel:
+    """Close ``b`` (its process died) and bind a channel on its ports (its relaunch);
+    returned once rank 1 of ``links`` said hello on it."""
+    b.close()
+    b2 = FrontendChannel(request_port=_port(b.endpoints.request_addr),
+                         output_port=_port(b.endpoints.output_addr))
+    deadline = time.monotonic() + 5.0
+    while 1 not in b2.connected:
+        if time.monotonic() > deadline:
+            b2.close()
+            raise AssertionError("the relaunched front-end never heard")
+        links.poll(0.02)
+        await b2.poll(0.02)
+    return b2
+
+
+TwoLinks = Callable[[FrontendChannel, FrontendChannel, FrontendLinks,
+                     list[FrontendChannel]], Awaitable[None]]
+
+
+def run_with_two_front_ends(body: TwoLinks) -> None:
+    """``body(a, b, links, more)``: rank 1's static links to front-end channels a and b,
+    b's hello read; a, b, the links and every channel ``body`` puts in ``more`` are
+    closed after."""
+
+    async def main() -> None:
+        a, b = FrontendChannel(), FrontendChannel()
+        links = static_links([a.endpoints, b.endpoints], rank=1)
+        more: list[FrontendChannel] = []
+        try:
+            poll_until_linked(links, 2)
+            await collect(b, 1)  # said on linking
+            await body(a, b, links, more)
+        finally:
+            links.close()
+            for channel in (a, b, *more):
+                channel.close()
+
+    asyncio.run(main())
+
+
 def test_a_front_end_relaunched_on_its_ports_hears_the_rank_again():
     """A fixed set of front-end processes (``--api-server-count``): one that dies and
     binds the same link ports again is told of the rank by its periodic hello, without
     the rank having noticed anything."""
 
-    async def main() -> None:
-        a, b = FrontendChannel(), FrontendChannel()
-        old = b.endpoints
-        links = static_links([a.endpoints, b.endpoints], rank=1)
-        b2 = None
-        try:
-            poll_until_linked(links, 2)
-            await collect(b, 1)  # said on linking
-            b.close()  # the process died
-            b2 = FrontendChannel(request_port=_port(old.request_addr),
-                                 output_port=_port(old.output_addr))
-            deadline = time.monotonic() + 5.0
-            while 1 not in b2.connected:
-                assert time.monotonic() < deadline, "the relaunched front-end never heard"
-                links.poll(0.02)
-                await b2.poll(0.02)
-            b2.send(1, GenerateRequest("r", (1,)))
-            assert wait_poll(links, 1) == [GenerateRequest("r", (1,))]
-        finally:
-            links.close()
-            a.close()
-            if b2 is not None:
-                b2.close()
+    async def body(a: FrontendChannel, b: FrontendChannel, links: FrontendLinks,
+                   more: list[FrontendChannel]) -> None:
+        b2 = await relaunched(b, links)
+        more.append(b2)
+        b2.send(1, GenerateRequest("r", (1,)))
+        assert wait_poll(links, 1) == [GenerateRequest("r", (1,))]
 
-    asyncio.run(main())
+    run_with_two_front_ends(body)
+
+
+def test_an_abort_origin_aborts_the_dead_process_requests_not_its_relaunch():
+    """``--api-server-count``: process b dies and is relaunched on its ports (b2) before
+    serve's own front-end (a) names b dead; only b's request is aborted, not b2's nor
+    a's; once a process is named dead, its requests still on the way are refused."""
+
+    async def body(a: FrontendChannel, b: FrontendChannel, links: FrontendLinks,
+                   more: list[FrontendChannel]) -> None:
+        ra, rb = GenerateRequest("ra", (1,)), GenerateRequest("rb", (2,))
+        a.send(1, ra)
+        b.send(1, rb)
+        assert sorted(wait_poll(links, 2), key=lambda r: r.request_id) == [ra, rb]
+        b2 = await relaunched(b, links)
+        more.append(b2)
+        assert b2.origin_id != b.origin_id
+        rb2 = GenerateRequest("rb2", (3,))
+        b2.send(1, rb2)
+        assert wait_poll(links, 1) == [rb2]
+        a.send(1, AbortOrigin(b.origin_id))  # late: b2 already sent on b's link
+        assert wait_poll(links, 1) == [AbortRequest("rb")]
+
+        a.send(1, AbortOrigin(b2.origin_id))
+        assert wait_poll(links, 1) == [AbortRequest("rb2")]
+        # b2's next request came after its AbortOrigin: refused. Its AbortOrigin of a
+        # right behind it on the same socket shows that the rank read it
+        b2.send(1, GenerateRequest("late", (4,)))
+        b2.send(1, AbortOrigin(a.origin_id))
+        assert wait_poll(links, 1) == [AbortRequest("ra")]
+        assert links.poll(0.05) == []
+
+    run_with_two_front_ends(body)

@@ -304,7 +304,8 @@ def start_node_api(settings: ServeSettings, deployment: Deployment, host: str,
         api.announce(settings, settings.node_rank, api.server.url,
                      deployment.config.heartbeat_timeout_s)
         if api.pool is not None:
-            api.pool.serve(api_server_spec(settings, deployment.config, deployment.address))
+            api.pool.serve(api_server_spec(settings, deployment.config, deployment.address),
+                           on_death=api.frontend.abort_origin)
             api.pool.wait_serving()
     except BaseException:
         api.stop("the node could not start its API", 0.0)

@@ -214,7 +214,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         frontend.coordinator_address = deployment.address  # named in `join` hints
         server.start()
         if api.pool is not None:
-            api.pool.serve(api_server_spec(settings, dep, deployment.address, dep.ep_size))
+            api.pool.serve(api_server_spec(settings, dep, deployment.address, dep.ep_size),
+                           on_death=frontend.abort_origin)
         if not _wait_ready(membership, channel, deployment, dep.ep_size, stop):
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
         if api.pool is not None:

@@ -10,8 +10,15 @@ process's loop accepts less often, which spreads the load on its own.
 
 A process that dies is named in one log line and started again on the same socket and
 link ports (the ranks' links reconnect; their periodic hello tells the new process of
-them); its streams fail, the other processes' go on. After :data:`MAX_RESTARTS` deaths
-of one process the pool gives up and says so through ``on_give_up``.
+them); its streams fail, the other processes' go on. Each incarnation gets its own
+link origin id, and the pool hands a dead one's to ``on_death``: serve's own front-end
+then tells every rank to abort that process's requests
+(:class:`~elasticep.frontend_link.AbortOrigin`), which would otherwise decode for
+nobody until their ``max_tokens``; the successor's requests carry a new id, so no
+late cleanup can touch them. A process that dies more than :data:`MAX_RESTARTS` times
+within :data:`RESTART_WINDOW_S` is not relaunched again (a rate, as systemd's
+``StartLimitBurst`` within ``StartLimitIntervalSec``: a process that dies once a day is
+always relaunched), and the pool says so through ``on_give_up``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -35,13 +43,32 @@ from elasticep.frontend_link import LinkEndpoints
 
 logger = logging.getLogger("elasticep.serve")
 
-MAX_RESTARTS = 3  # deaths of one process relaunched before the pool gives up
+MAX_RESTARTS = 3  # relaunches of one process within RESTART_WINDOW_S
+RESTART_WINDOW_S = 300.0  # seconds
 START_TIMEOUT_S = 120.0  # for a process to bind its link (its imports included)
 _WATCH_S = 0.2
 
 
 def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
+
+
+def count_death(deaths: tuple[float, ...], now: float, max_restarts: int = MAX_RESTARTS,
+                window_s: float = RESTART_WINDOW_S) -> tuple[tuple[float, ...], bool]:
+    """Count one more death of a process at ``now`` (pure).
+
+    Args:
+        deaths: the times of its earlier deaths that were still in the window at the
+            last count (seconds of a monotonic clock, oldest first).
+        now: the time of this death, same clock.
+        max_restarts, window_s: the budget: relaunches within any ``window_s`` seconds.
+
+    Returns:
+        The deaths within ``window_s`` before ``now``, this one included, and whether
+        the process is relaunched (at most ``max_restarts`` of them).
+    """
+    recent = (*(t for t in deaths if now - t < window_s), now)
+    return recent, len(recent) <= max_restarts
 
 
 class ApiServerPool:
@@ -53,7 +80,7 @@ class ApiServerPool:
         sock: the node's bound listening HTTP socket (serve keeps it open throughout).
         grace_s: seconds open streams get at a stop, as the node's own front-end's.
         on_give_up: told one line when a process died more than :data:`MAX_RESTARTS`
-            times (serve then stops).
+            times within :data:`RESTART_WINDOW_S` (serve then stops).
 
     Creating the pool makes the node's metrics directory and switches this process's
     metrics to it (:func:`~elasticep.frontend.metrics.enable_multiprocess`): create it
@@ -70,7 +97,9 @@ class ApiServerPool:
         self._procs: list[BaseProcess | None] = [None] * count
         self._conns: list[Connection | None] = [None] * count
         self.endpoints: list[LinkEndpoints] = []
-        self.restarts = [0] * count
+        self.deaths: list[tuple[float, ...]] = [()] * count  # within the window
+        self.origins: list[str] = [""] * count  # each live incarnation's link origin id
+        self.on_death: Callable[[str], None] | None = None
         self._spec: ApiServerSpec | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -91,9 +120,13 @@ class ApiServerPool:
         self.endpoints = [self._endpoints_of(i) for i in range(self.count)]
         return list(self.endpoints)
 
-    def serve(self, spec: ApiServerSpec) -> None:
-        """Let every process serve ``spec`` and start watching them."""
-        self._spec = spec
+    def serve(self, spec: ApiServerSpec,
+              on_death: Callable[[str], None] | None = None) -> None:
+        """Let every process serve ``spec`` and start watching them; each one that dies
+        from now on has its link origin id handed to ``on_death`` (in the pool's
+        thread, before its relaunch), to abort its requests on the ranks
+        (:meth:`~elasticep.frontend.core.Frontend.abort_origin`)."""
+        self._spec, self.on_death = spec, on_death
         for i, conn in enumerate(self._conns):
             assert conn is not None
             try:
@@ -121,10 +154,11 @@ class ApiServerPool:
 
     def _spawn(self, i: int, ports: tuple[int, int]) -> None:
         parent, child = self._ctx.Pipe()
+        self.origins[i] = f"api{i + 1}-{uuid.uuid4().hex[:12]}"
         proc = self._ctx.Process(
             target=api_server_main, name=f"api-server-{i + 1}",
             args=(i + 1, self.link_host, ports, self.sock, child, self.metrics_dir,
-                  os.getpid(), self.grace_s))
+                  os.getpid(), self.grace_s, self.origins[i]))
         proc.start()
         child.close()
         self._procs[i], self._conns[i] = proc, parent
@@ -171,18 +205,22 @@ class ApiServerPool:
     def _relaunch(self, i: int, dead: BaseProcess) -> bool:
         """Start process ``i`` again after ``dead`` exited; False once it gave up."""
         process_died(dead.pid or 0)
-        self.restarts[i] += 1
-        if self.restarts[i] > MAX_RESTARTS:
+        if self.on_death is not None:
+            self.on_death(self.origins[i])
+        self.deaths[i], relaunch = count_death(self.deaths[i], time.monotonic())
+        if not relaunch:
             self._procs[i] = None
             msg = (f"api server {i + 1} (pid {dead.pid}) exited with {dead.exitcode}, "
-                   f"its {MAX_RESTARTS + 1}th death: not relaunched again")
+                   f"its {len(self.deaths[i])}th death within {RESTART_WINDOW_S:.0f} s: "
+                   f"not relaunched again (at most {MAX_RESTARTS} relaunches in that window)")
             logger.error("%s", msg)
             if self.on_give_up is not None:
                 self.on_give_up(msg)
             return False
-        logger.warning("api server %d (pid %d) exited with %s; its streams failed; "
-                       "relaunching it on the same socket (%d of %d)", i + 1, dead.pid,
-                       dead.exitcode, self.restarts[i], MAX_RESTARTS)
+        logger.warning("api server %d (pid %d) exited with %s; its streams failed and the "
+                       "ranks abort its requests; relaunching it on the same socket "
+                       "(relaunch %d of at most %d within %.0f s)", i + 1, dead.pid,
+                       dead.exitcode, len(self.deaths[i]), MAX_RESTARTS, RESTART_WINDOW_S)
         old = self.endpoints[i]
         try:
             self._spawn(i, (_port(old.request_addr), _port(old.output_addr)))

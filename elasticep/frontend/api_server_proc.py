@@ -77,7 +77,7 @@ def requests_served(frontend: Frontend) -> int:
 
 def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: socket.socket,
                     conn: Connection, metrics_dir: str, parent_pid: int,
-                    grace_s: float) -> None:
+                    grace_s: float, origin_id: str | None = None) -> None:
     """The process's body: serve until SIGTERM (open streams get ``grace_s`` seconds,
     then an error event, as the node's own front-end's), or die with the parent.
 
@@ -91,6 +91,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         metrics_dir: the node's prometheus-client multiprocess directory.
         parent_pid: ``serve``'s pid.
         grace_s: seconds open streams get at a stop.
+        origin_id: its link's origin id (the ranks tag its requests with it; a
+            relaunch gets a new one); None: a random one.
     """
     die_with_parent(parent_pid)
     stop = threading.Event()
@@ -100,7 +102,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
                         format=f"%(asctime)s api-server-{index} %(name)s: "
                                "%(levelname)s %(message)s")
     enable_multiprocess(metrics_dir)
-    channel = FrontendChannel(host=link_host, request_port=ports[0], output_port=ports[1])
+    channel = FrontendChannel(host=link_host, request_port=ports[0], output_port=ports[1],
+                              origin_id=origin_id)
     server = frontend = leave = None
     try:
         conn.send(channel.endpoints)

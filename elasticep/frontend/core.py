@@ -42,6 +42,7 @@ from elasticep.frontend.request_tracker import (
     SendToRank,
 )
 from elasticep.frontend_link import (
+    AbortOrigin,
     FrontendChannel,
     LinkError,
     OutputBatch,
@@ -180,6 +181,27 @@ class Frontend(MembershipWatch):
                 stream.put(RequestEvent(request_id, (), "", "abort", 0, error=reason))
         if self._streams:
             logger.warning("failed %d in-flight requests: %s", len(self._streams), reason)
+
+    def abort_origin(self, origin_id: str) -> None:
+        """Tell every rank linked here that the front-end process whose link id is
+        ``origin_id`` is gone (:class:`~elasticep.frontend_link.AbortOrigin`): each
+        aborts that process's requests. For the supervisor of the node's other
+        front-end processes; thread-safe; nothing is sent before :meth:`start`."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._send_abort_origin, origin_id)
+        except RuntimeError:  # the loop closed meanwhile: the ranks stop with serve
+            pass
+
+    def _send_abort_origin(self, origin_id: str) -> None:
+        for rank in sorted(self.channel.connected):
+            try:
+                self.channel.send(rank, AbortOrigin(origin_id))
+            except LinkError as exc:  # a dead rank held none; a full queue keeps them
+                logger.warning("cannot tell rank %d to abort front-end %s's requests: %s",
+                               rank, origin_id, exc)
 
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],

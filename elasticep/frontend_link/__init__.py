@@ -14,6 +14,7 @@ from .channels import (
     WorkerChannel,
 )
 from .messages import (
+    AbortOrigin,
     FirstTokenTimes,
     LinkEndpoints,
     OutputBatch,
@@ -28,8 +29,8 @@ from .messages import (
 )
 
 __all__ = [
-    "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError", "LinkEndpoints", "LinkError",
-    "OutputBatch",
+    "AbortOrigin", "FirstTokenTimes", "FrontendChannel", "FrontendUnreachableError",
+    "LinkEndpoints", "LinkError", "OutputBatch",
     "RankMessage", "RankStats", "RankUnreachableError", "RequestError", "StepFailed",
     "WorkerChannel", "WorkerHello", "WorkerMessage", "is_routable", "monotonic_us",
 ]

@@ -10,10 +10,13 @@ message from an identity it can route to it, so "hello received" means "sendable
 A relaunched rank reuses its identity; ``ROUTER_HANDOVER`` lets the new connection
 take the identity over from a dead one that the ROUTER has not noticed yet.
 
-Each frame is one message of :mod:`.messages` (or a request of `engine.request`) as
+Each message of :mod:`.messages` (or request of `engine.request`) is one frame of
 JSON, the wire form of :mod:`elasticep.wire`: read back, every field is checked against
 its annotation, and a frame that is not a message this socket takes is dropped with one
-log line. The ports carry no authentication: never expose them publicly.
+log line. Toward a rank each message travels behind one more frame, the sending
+channel's :attr:`FrontendChannel.origin_id`, so that a rank knows which front-end
+process sent each request (a process relaunched on the same ports has another id).
+The ports carry no authentication: never expose them publicly.
 
 The front-end side is asyncio (it lives in the HTTP server's event loop); the worker
 side is synchronous (it lives in a plain step loop). Every call is non-blocking or
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 
 import zmq
@@ -37,7 +41,7 @@ from . import messages as m
 logger = logging.getLogger(__name__)
 
 # What each socket takes, by tag; anything else arriving on it is logged and dropped.
-_TO_RANK = wire.by_tag((GenerateRequest, AbortRequest))
+_TO_RANK = wire.by_tag((GenerateRequest, AbortRequest, m.AbortOrigin))
 _HELLO = wire.by_tag((m.WorkerHello,))
 _OUTPUTS = wire.by_tag((m.OutputBatch, m.RequestError, m.StepFailed, m.RankStats))
 
@@ -98,6 +102,24 @@ def _recv_ready(sock: zmq.Socket, kinds: Mapping[str, list[type[wire.Message]]],
             out.append(msg)
 
 
+def _recv_to_rank(sock: zmq.Socket, where: str) -> list[tuple[str, m.ToRank]]:
+    """Every ``(origin id, message)`` already queued on a rank's DEALER (never blocks);
+    a message without its origin frame, or not one a rank takes, is logged and dropped."""
+    out: list[tuple[str, m.ToRank]] = []
+    while True:
+        try:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        if len(frames) != 2:
+            logger.warning("%s: dropping a message of %d frames (want origin, body)", where,
+                           len(frames))
+            continue
+        msg = _decode(frames[1], _TO_RANK, where)
+        if msg is not None:
+            out.append((frames[0].decode(errors="replace"), msg))
+
+
 class FrontendChannel:
     """Front-end side: a ROUTER for requests and a PULL for outputs, bound on ``host``.
 
@@ -107,9 +129,15 @@ class FrontendChannel:
         host: interface to bind; ports are chosen by the OS (no hard-coded ports).
         request_port: 0 for a random free port, else a fixed one.
         output_port: 0 for a random free port, else a fixed one.
+        origin_id: this channel's id, sent with every message to a rank (the rank
+            tags the requests with it; :class:`~.messages.AbortOrigin` names it); None:
+            a fresh random one. Give each process its own, a relaunched one a new one.
     """
 
-    def __init__(self, host: str = "127.0.0.1", request_port: int = 0, output_port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", request_port: int = 0, output_port: int = 0,
+                 origin_id: str | None = None):
+        self.origin_id = origin_id or uuid.uuid4().hex
+        self._origin_frame = self.origin_id.encode()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         # Raise EHOSTUNREACH instead of silently dropping messages to unknown ranks.
@@ -141,7 +169,7 @@ class FrontendChannel:
             sock.bind(f"tcp://{host}:{port}")
         return f"tcp://{host}:{port}"
 
-    def send(self, rank: int, message: m.RankMessage) -> None:
+    def send(self, rank: int, message: m.ToRank) -> None:
         """Queue ``message`` for ``rank`` without blocking.
 
         Raises:
@@ -151,7 +179,7 @@ class FrontendChannel:
         """
         if self._closed:
             raise LinkError("front-end channel is closed")
-        frames = [_identity(rank), wire.encode_json(message)]
+        frames = [_identity(rank), self._origin_frame, wire.encode_json(message)]
         try:
             self._router.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -268,10 +296,24 @@ class WorkerChannel:
             raise FrontendUnreachableError(f"rank {self.rank}: hello not queued") from exc
 
     def poll(self, timeout_s: float) -> list[m.RankMessage]:
-        """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived."""
+        """Wait up to ``timeout_s`` seconds for requests/aborts; return all that arrived.
+        An :class:`~.messages.AbortOrigin` is dropped with one log line: a lone link has
+        no other front-end process (:class:`~.fanout.FrontendLinks` acts on them)."""
+        out: list[m.RankMessage] = []
+        for origin_id, msg in self.receive(timeout_s):
+            if isinstance(msg, m.AbortOrigin):
+                logger.warning("rank %d: ignoring an abort of front-end %s from %s (one "
+                               "front-end link)", self.rank, msg.origin_id, origin_id)
+            else:
+                out.append(msg)
+        return out
+
+    def receive(self, timeout_s: float) -> list[tuple[str, m.ToRank]]:
+        """:meth:`poll`, each message with the origin id of the channel that sent it,
+        and link control messages kept."""
         if not self._poller.poll(timeout=max(0, int(timeout_s * 1000))):
             return []
-        return _recv_ready(self._dealer, _TO_RANK, f"rank {self.rank} epoch {self.epoch}")
+        return _recv_to_rank(self._dealer, f"rank {self.rank} epoch {self.epoch}")
 
     def send_outputs(self, outputs: Sequence[TokenOutput], epoch: int | None = None,
                      first_tokens: Sequence[m.FirstTokenTimes] = ()) -> None:
@@ -324,7 +366,7 @@ class WorkerChannel:
     def request_socket(self) -> zmq.Socket:
         """The DEALER that requests arrive on, for a poller over several front-ends
         (:class:`~elasticep.frontend_link.fanout.FrontendLinks`); read it with
-        :meth:`poll` only."""
+        :meth:`poll` or :meth:`receive` only."""
         return self._dealer
 
     def close(self, flush: bool = True) -> None:

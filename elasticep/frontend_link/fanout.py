@@ -13,6 +13,14 @@ on this rank, which serves the other front-ends' requests on as before.
 Request ids are the front-ends' (random, ``uuid4``); a request whose id is already in
 flight here from another front-end is refused on its own link (``RequestError``), so
 ids never mix across front-ends.
+
+A front-end process that dies may be relaunched on the same link addresses before the
+directory notices (``serve --api-server-count``), so the link alone does not tell its
+requests from its successor's: each request is also tagged with the origin id of the
+channel that sent it (one per process incarnation, :class:`~.channels.FrontendChannel`).
+An :class:`~.messages.AbortOrigin` on any link aborts that origin's requests here and
+refuses the ones still on their way, whichever link they arrive on; the successor's
+requests carry another id and are never touched.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import zmq
 
-from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.engine.request import AbortRequest, TokenOutput
 
 from . import messages as m
 from .channels import FrontendUnreachableError, WorkerChannel
@@ -33,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 # The front-ends now, or None while that is unknown (etcd out of reach).
 Directory = Callable[[], "Sequence[m.LinkEndpoints] | None"]
+
+# Dead origins remembered, to refuse their requests still on the way; only the last few
+# deaths can have any (a dead process sends nothing new).
+DEAD_ORIGINS_KEPT = 64
 
 
 class FrontendLinks:
@@ -64,7 +77,9 @@ class FrontendLinks:
         self.moe_a2a_backend = moe_a2a_backend
         self._send_timeout_s = send_timeout_s
         self._links: dict[str, WorkerChannel] = {}  # by request address
-        self._origin: dict[str, str] = {}  # request id -> its link's request address
+        # request id -> (its link's request address, its sender's origin id)
+        self._origin: dict[str, tuple[str, str]] = {}
+        self._dead: OrderedDict[str, None] = OrderedDict()  # aborted origin ids, oldest first
         self._listed: list[m.LinkEndpoints] | None = None  # the thread's latest read
         self._pending_aborts: list[AbortRequest] = []
         self._open(first)
@@ -128,12 +143,27 @@ class FrontendLinks:
         """Close one link without a flush and abort its requests here."""
         link = self._links.pop(addr)
         link.close(flush=False)
-        mine = [rid for rid, a in self._origin.items() if a == addr]
+        mine = self._forget(lambda a, _: a == addr)
+        logger.warning("rank %d: dropped the front-end at %s (%s); aborting its %d "
+                       "requests here", self.rank, addr, why, len(mine))
+
+    def _forget(self, which: Callable[[str, str], bool]) -> list[str]:
+        """Abort (at the next :meth:`poll`) every request whose (link address, origin
+        id) ``which`` picks; returns their ids."""
+        mine = [rid for rid, (addr, origin) in self._origin.items() if which(addr, origin)]
         for rid in mine:
             del self._origin[rid]
         self._pending_aborts += [AbortRequest(rid) for rid in mine]
-        logger.warning("rank %d: dropped the front-end at %s (%s); aborting its %d "
-                       "requests here", self.rank, addr, why, len(mine))
+        return mine
+
+    def _abort_origin(self, origin_id: str) -> None:
+        """A front-end process is gone: abort its requests and refuse its late ones."""
+        self._dead[origin_id] = None
+        while len(self._dead) > DEAD_ORIGINS_KEPT:
+            self._dead.popitem(last=False)
+        mine = self._forget(lambda _, origin: origin == origin_id)
+        logger.warning("rank %d: front-end process %s is gone; aborting its %d requests "
+                       "here", self.rank, origin_id, len(mine))
 
     # ---- the WorkerChannel calls ------------------------------------------------------
     def hello(self) -> None:
@@ -154,7 +184,8 @@ class FrontendLinks:
 
     def poll(self, timeout_s: float) -> list[m.RankMessage]:
         """Wait up to ``timeout_s`` seconds for requests and aborts on any link; also
-        returns an abort for each request of a front-end dropped since the last call."""
+        returns an abort for each request of a front-end dropped (or named by an
+        :class:`~.messages.AbortOrigin`) since the last call."""
         self._apply_directory()
         if (self._hello_every_s is not None
                 and time.monotonic() - self._last_hello >= self._hello_every_s):
@@ -170,32 +201,42 @@ class FrontendLinks:
         if not poller.poll(timeout=0 if out else max(0, int(timeout_s * 1000))):
             return out
         for addr, link in list(self._links.items()):
-            for msg in link.poll(0):
-                if self._accept(addr, link, msg):
+            for origin_id, msg in link.receive(0):
+                if isinstance(msg, m.AbortOrigin):
+                    self._abort_origin(msg.origin_id)
+                elif self._accept(addr, origin_id, link, msg):
                     out.append(msg)
+        # after the requests read with them: an origin's request read before its
+        # AbortOrigin is added, then aborted
+        out += self._pending_aborts
+        self._pending_aborts = []
         return out
 
-    def _accept(self, addr: str, link: WorkerChannel, msg: m.RankMessage) -> bool:
+    def _accept(self, addr: str, origin_id: str, link: WorkerChannel,
+                msg: m.RankMessage) -> bool:
         """Record where ``msg`` came from; False if it is refused here."""
         rid = msg.request_id
         if isinstance(msg, AbortRequest):
-            if self._origin.get(rid) == addr:  # the front-end is done with it
+            if self._origin.get(rid) == (addr, origin_id):  # the front-end is done with it
                 del self._origin[rid]
                 return True
             return False  # another front-end's request: not this one's to abort
-        if isinstance(msg, GenerateRequest):
-            held = self._origin.get(rid)
-            if held is not None and held != addr:
-                link.send_error(rid, f"request id {rid} is in flight from another front-end")
-                return False
-            self._origin[rid] = addr
+        if origin_id in self._dead:  # sent just before its process died
+            logger.info("rank %d: dropping request %s of the gone front-end process %s",
+                        self.rank, rid, origin_id)
+            return False
+        held = self._origin.get(rid)
+        if held is not None and held[0] != addr:
+            link.send_error(rid, f"request id {rid} is in flight from another front-end")
+            return False
+        self._origin[rid] = (addr, origin_id)
         return True
 
     def _link_of(self, request_id: str, final: bool) -> tuple[str, WorkerChannel] | None:
-        addr = self._origin.pop(request_id, None) if final else self._origin.get(request_id)
-        if addr is None or addr not in self._links:
+        held = self._origin.pop(request_id, None) if final else self._origin.get(request_id)
+        if held is None or held[0] not in self._links:
             return None
-        return addr, self._links[addr]
+        return held[0], self._links[held[0]]
 
     def _send(self, addr: str, send: Callable[[WorkerChannel], None]) -> None:
         """``send`` on one link; a link that cannot take it is dropped if others are

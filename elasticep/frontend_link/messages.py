@@ -19,6 +19,24 @@ RankMessage = GenerateRequest | AbortRequest
 
 
 @dataclass(frozen=True)
+class AbortOrigin(Message, tag="abort_origin"):
+    """The front-end process whose link carried ``origin_id`` is gone (it died, or its
+    supervisor gave it up): abort every request it sent to this rank, and any of its
+    requests that arrive later. Sent by the node's own front-end for the supervisor of
+    its extra processes (``serve --api-server-count``); never names a live process.
+
+    Attributes:
+        origin_id: the dead process's link id (:attr:`FrontendChannel.origin_id`).
+    """
+
+    origin_id: str
+
+
+# What a front-end may send a rank: requests, and the link's own control.
+ToRank = RankMessage | AbortOrigin
+
+
+@dataclass(frozen=True)
 class WorkerHello(Message, tag="hello"):
     """A worker rank announces itself (at start, after a relaunch, or a new epoch).
 

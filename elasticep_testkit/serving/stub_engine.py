@@ -9,8 +9,8 @@ as a real rank sends them. :func:`rank_main` is one such rank process; the serve
 program is ``python -m elasticep_testkit.serving.stub_serve``.
 
 Each rank writes ``stub_rank<r>.json`` in the log dir (tokens, steps, seconds busy,
-steps that started late) at start, whenever its last request finishes and every
-second while busy; :func:`read_stats` sums them and :func:`report` turns two readings
+steps that started late, requests running) at start, whenever its last request
+finishes or is aborted and every second while busy; :func:`read_stats` sums them and :func:`report` turns two readings
 into the benchmark's ``stub`` fields.
 """
 
@@ -73,6 +73,14 @@ class StubEngine(RunningTable):
         """Start emitting for ``req`` (a resumed one continues at its index)."""
         self.running[req.request_id] = _Running(req, len(req.output_token_ids))
 
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; True if it was running. Writes the counters when that
+        leaves none running (no step follows to write them)."""
+        found = super().abort(request_id)
+        if found and not self.running:
+            self.write_stats()
+        return found
+
     def step(self) -> list[TokenOutput]:
         """Wait for the next tick, then one token per running request.
 
@@ -112,9 +120,11 @@ class StubEngine(RunningTable):
         return out
 
     def stats(self) -> dict[str, Any]:
-        """The counters: tokens, steps, late_steps, busy_s (seconds with requests)."""
+        """The counters: tokens, steps, late_steps, busy_s (seconds with requests), and
+        running (requests running now)."""
         return {"tokens": self.tokens, "steps": self.steps, "late_steps": self.late_steps,
-                "busy_s": round(self.busy_s, 6), "period_s": self.period}
+                "busy_s": round(self.busy_s, 6), "period_s": self.period,
+                "running": len(self.running)}
 
     def write_stats(self) -> None:
         """Replace ``stats_path`` with :meth:`stats` (atomically)."""

@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_server_count > 1:  # before the front-end: its metrics go multiprocess
         pool = ApiServerPool(args.api_server_count - 1, args.host, sock, 5.0)
         links += pool.start()
-    server, _ = create_server(args.model, channel,
-                              stub_membership(args.ep_size, lambda: channel.connected),
-                              sock=sock, **kwargs)
+    server, frontend = create_server(
+        args.model, channel, stub_membership(args.ep_size, lambda: channel.connected),
+        sock=sock, **kwargs)
     ctx = multiprocessing.get_context("spawn")
     ranks = [ctx.Process(target=rank_main, name=f"stub-rank{r}",
                          args=(r, links, args.stub_engine_steps_per_s,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     if pool is not None:
         pool.serve(ApiServerSpec(args.model, partial(stub_membership, args.ep_size), kwargs,
-                                 ranks=args.ep_size))
+                                 ranks=args.ep_size), on_death=frontend.abort_origin)
     try:
         for p in ranks:
             p.start()
