@@ -84,7 +84,7 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256,
 # --sweep's candidates (the first guesses are among them)
 GRID_GATE_UP = [Tile(W8A8_GATE_UP_BLOCK, w, m, st) for m in (32, 64, 128) for w in (4, 8)
                 for st in (3, 4)]
-GRID_DOWN = [Tile(n, w, m, st) for m in (32, 64, 128) for n in (64, 128, 256) for w in (4, 8)
+GRID_DOWN = [Tile(n, w, m, st) for m in (64, 128) for n in (64, 128, 256) for w in (4, 8)
              for st in (3, 4)]
 REPS = 10
 DEVICE = "cuda"
