@@ -159,6 +159,9 @@ def test_a_sweep_merges_into_a_file_keeping_the_other_kernels(tmp_path):
     assert measured == {"fp8_rows_gate_up": {"us": 5.0}, "w8a8_down": {"us": 9.0},
                         "w8a8_gate_up": None}
     assert doc["source"] == "test; prefill sweep"
+    # a sweep writes after each case: its source is named once
+    tiles.write_merged(tmp_path, DEVICE, new, "prefill sweep", {})
+    assert json.loads(path.read_text())["source"] == "test; prefill sweep"
     # a fresh directory gets the device's file with only the new rows
     fresh = tiles.write_merged(tmp_path / "new", DEVICE, new, "prefill sweep", {})
     assert fresh.name == "fake_gpu_80gb.json"

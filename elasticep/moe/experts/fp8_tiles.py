@@ -272,8 +272,11 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
             kept.append(e)
             if "measured" in raw:
                 measured[(e.kernel, e.hidden, e.inter, e.bucket)] = raw["measured"]
-        if kept and doc.get("source") and doc["source"] != source:
-            source = f"{doc['source']}; {source}"
+        earlier = doc.get("source") or ""
+        if kept and earlier and source not in earlier.split("; "):
+            source = f"{earlier}; {source}"
+        elif kept and earlier:  # a sweep writing after each case: its source once
+            source = earlier
     path.write_text(table_json(device_name, kept + list(entries), source, measured))
     return path
 
