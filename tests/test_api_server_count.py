@@ -116,6 +116,10 @@ def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
     served = re.findall(rf"api server 1 \(pid {relaunched}\): stopping after (\d+) requests",
                         log)
     assert served and 0 <= int(served[0]) <= 48, log[-3000:]
+    # serve's front-end, the extra process and its relaunch each froze its start-up
+    # heap (its imports: torch, the tokenizer) before serving
+    frozen = [int(n) for n in re.findall(r"froze (\d+) start-up objects", log)]
+    assert len(frozen) == 3 and min(frozen) > 50_000, frozen
 
 
 def _greedy_texts(texts: list[str], *args: str) -> tuple[list[str], str]:

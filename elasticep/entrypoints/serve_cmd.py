@@ -53,6 +53,7 @@ from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
+from elasticep.utils.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger("elasticep.serve")
 
@@ -220,6 +221,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             return _coordinator_died(deployment, died) or stop.exit_status() or 1
         if api.pool is not None:
             api.pool.wait_serving()
+        freeze_startup_heap()  # this process's front-end: no start-up heap in GC pauses
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)

@@ -26,6 +26,7 @@ from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import enable_multiprocess
 from elasticep.frontend_link import FrontendChannel, LinkEndpoints, WorkerHello
 from elasticep.utils.procs import die_with_parent
+from elasticep.utils.startup_heap import freeze_startup_heap
 from elasticep.utils.wait import wait_until
 
 if TYPE_CHECKING:  # the process imports the front-end once its link is bound
@@ -124,6 +125,7 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         except TimeoutError:  # a rank died meanwhile: the node's start says so
             logger.warning("api server %d: %d of %d ranks linked after %.0f s", index,
                            len(channel.connected), spec.ranks, RANKS_TIMEOUT_S)
+        freeze_startup_heap()
         logger.info("api server %d (pid %d) serving", index, os.getpid())
         conn.send(os.getpid())
         stop.wait()

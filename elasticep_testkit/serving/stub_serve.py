@@ -28,6 +28,7 @@ from pathlib import Path
 from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerHello
 from elasticep.utils.net import bind_tcp
+from elasticep.utils.startup_heap import freeze_startup_heap
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.serving.stub_engine import rank_main
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if pool is not None:
             pool.wait_serving()
         if not stop.is_set():
+            freeze_startup_heap()  # as serve's front-end does
             print(f"ready: {server.url} (stub engine, {args.ep_size} ranks at "
                   f"{args.stub_engine_steps_per_s:g} steps/s)", flush=True)
         stop.wait()
