@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _ckpt_copy import linked_checkpoint
+from _ckpt_copy import checkpoint_without
 
 from elasticep_testkit.ep import reference, tokenizer
 from elasticep_testkit.paths import DEMO_MODEL, REPO
@@ -60,14 +61,7 @@ def test_a_rank_dying_while_loading_is_one_error_line(tmp_path):
     generate exits 2 with one line naming the rank, its exception and the log that
     holds the traceback; no rank traceback reaches its stderr."""
     key = "model.layers.0.self_attn.o_proj.weight"
-
-    def drop(index: dict) -> dict:
-        assert key in index["weight_map"]
-        return {**index, "weight_map": {k: v for k, v in index["weight_map"].items()
-                                        if k != key}}
-
-    ckpt = linked_checkpoint(DEMO_MODEL, tmp_path / "ckpt", "model.safetensors.index.json",
-                             drop)
+    ckpt = checkpoint_without(DEMO_MODEL, tmp_path / "ckpt", key)
     cmd = [sys.executable, "-m", "elasticep.entrypoints.cli", "generate", "--model", str(ckpt),
            "--prompt", "hi", "--max-tokens", "2", "--ep-size", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -83,6 +77,7 @@ def test_a_rank_dying_while_loading_is_one_error_line(tmp_path):
     # the one info line names the temporary directory the rank logs went to
     assert f"worker logs in {log_dir}" in run.stderr, run.stderr[-3000:]
     log = (Path(log_dir) / log_name).read_text()
+    shutil.rmtree(log_dir)  # made for this run
     assert "Traceback (most recent call last)" in log and log.rstrip().endswith(exc), log[-3000:]
 
 
