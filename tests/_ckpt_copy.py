@@ -21,3 +21,15 @@ def linked_checkpoint(src: Path, dst: Path, json_name: str | None = None,
         data = json.loads((src / json_name).read_text())
         (dst / json_name).write_text(json.dumps(edit(data) if edit else data))
     return dst
+
+
+def checkpoint_without(src: Path, dst: Path, key: str) -> Path:
+    """:func:`linked_checkpoint` of ``src`` whose index no longer lists the tensor
+    ``key`` (which it must list): a loader asked for it fails. Returns ``dst``."""
+
+    def drop(index: dict[str, Any]) -> dict[str, Any]:
+        assert key in index["weight_map"], key
+        return {**index, "weight_map": {k: v for k, v in index["weight_map"].items()
+                                        if k != key}}
+
+    return linked_checkpoint(src, dst, "model.safetensors.index.json", drop)

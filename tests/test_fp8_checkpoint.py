@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_copy import linked_checkpoint
+from _ckpt_copy import checkpoint_without, linked_checkpoint
 from _fp8_ckpt import read_all, write_dequantized, write_fp8_checkpoint
 from _model_helpers import rel_err
 
@@ -154,14 +154,7 @@ def test_an_fp8_weight_without_its_scales_is_named_so(fp8_ckpt, tmp_path):
     """A declared block-FP8 checkpoint missing one weight's scales: the error names the
     missing scales (it said the config declared no quantization)."""
     key = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"
-
-    def drop(index: dict) -> dict:
-        assert key in index["weight_map"]
-        return {**index, "weight_map": {k: v for k, v in index["weight_map"].items()
-                                        if k != key}}
-
-    ckpt = linked_checkpoint(fp8_ckpt, tmp_path / "noscale", "model.safetensors.index.json",
-                             drop)
+    ckpt = checkpoint_without(fp8_ckpt, tmp_path / "noscale", key)
     with pytest.raises(ValueError, match=f"its block scales '{key}' are missing"):
         load_model(ckpt, progress=False)
 

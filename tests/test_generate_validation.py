@@ -39,6 +39,8 @@ def _assert_refused(run: subprocess.CompletedProcess, message: str) -> None:
     (["--model", "/nonexistent/path"],
      "--model /nonexistent/path: no such model directory (config.json not found)"),
     (["--fault", "garbage"], "--fault: fault spec 'garbage': only 'kill' and 'raise' are supported"),
+    (["--ep-size", "2", "--log-dir", "/proc/no-such-dir/logs"],
+     "--log-dir /proc/no-such-dir/logs: cannot create it (No such file or directory)"),
 ])
 def test_cli_bad_flags_exit_2_with_one_line(argv, message):
     _assert_refused(_generate("--prompt", "hi", "--max-tokens", "4", *argv), message)

@@ -5,9 +5,14 @@ One deployment for the module (about 20 s to start on 2 cores)."""
 from __future__ import annotations
 
 import json
+import logging
+import re
+import shutil
+from pathlib import Path
 
 import jsonschema
 import pytest
+from _ckpt_copy import checkpoint_without
 
 from elasticep.config import DeploymentConfig
 from elasticep.engine.request import GrammarSpec
@@ -166,3 +171,26 @@ def test_a_config_only_directory_is_refused_before_anything_starts(tmp_path):
     (tmp_path / "config.json").write_text((DEMO_MODEL / "config.json").read_text())
     with pytest.raises(UsageError, match="--load-format dummy"):
         LLM(model=str(tmp_path))
+
+
+def test_a_rank_dying_while_loading_raises_one_line(tmp_path, caplog):
+    """LLM's ranks log to a temporary directory named in one log line; a rank that dies
+    while loading raises a RuntimeError of one line: the rank, its exception and the log
+    file that holds the traceback."""
+    from elasticep import LLM
+
+    key = "model.layers.0.self_attn.o_proj.weight"
+    ckpt = checkpoint_without(DEMO_MODEL, tmp_path / "ckpt", key)
+    with caplog.at_level(logging.INFO, logger="elasticep.entrypoints.batch_driver"), \
+            pytest.raises(RuntimeError) as raised:
+        LLM(model=str(ckpt), ep_size=2)
+    named = [r.getMessage() for r in caplog.records if r.name.endswith("batch_driver")]
+    assert len(named) == 1 and named[0].startswith("worker logs in "), named
+    log_dir = named[0].removeprefix("worker logs in ")
+    found = re.fullmatch(r"rank (\d) exited with 1 while loading: (ValueError: .*) "
+                         rf"\(traceback in rank\d\.log in {re.escape(log_dir)}\)",
+                         str(raised.value))
+    assert found and key in found[2], str(raised.value)
+    log = (Path(log_dir) / f"rank{found[1]}.log").read_text()
+    shutil.rmtree(log_dir)  # made for this test
+    assert "Traceback (most recent call last)" in log and found[2] in log

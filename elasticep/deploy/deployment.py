@@ -41,6 +41,7 @@ from elasticep.deploy.launcher import (
     publish_config,
 )
 from elasticep.deploy.membership_backends import CoordinatorMembership, LaunchedRanks
+from elasticep.deploy.startup_error import RankStartupError, loading_failure
 from elasticep.frontend_link import WorkerHello
 from elasticep.membership.process import CoordinatorProcess
 from elasticep.membership.status import DeploymentStatus
@@ -48,7 +49,7 @@ from elasticep.membership.transitions import ACTIVE_STATES, SlotState
 from elasticep.utils.procs import kill_pids, pid_alive
 from elasticep.utils.wait import wait_until
 
-__all__ = ["Deployment", "RankExit"]
+__all__ = ["Deployment", "RankExit", "RankStartupError"]
 
 logger = logging.getLogger(__name__)
 
@@ -269,14 +270,22 @@ class Deployment:
         """Block until ``ranks`` (default: the launch cohort) are healthy.
 
         Raises:
-            TimeoutError: not within ``timeout_s``; RuntimeError: one of them exited.
+            TimeoutError: not within ``timeout_s``.
+            RankStartupError: one of them exited (the lowest such rank, in one line
+                with its log's last exception; see :func:`loading_failure`).
         """
         want = set(range(self.config.ep_size) if ranks is None else ranks)
 
         def healthy() -> bool:
-            dead = [r for r in want if r in self.procs and self.procs[r].poll() is not None]
+            dead = sorted(r for r in want if r in self.procs
+                          and self.procs[r].poll() is not None)
             if dead:
-                raise RuntimeError(f"ranks {dead} exited during startup: {self.exit_codes}")
+                rank, code = dead[0], self.procs[dead[0]].returncode
+                if self.log_dir is None:  # its output went to this process's stderr
+                    raise RankStartupError(rank, code, f"rank {rank} exited with {code} "
+                                           "while loading (its output is above)")
+                raise RankStartupError(rank, code, loading_failure(
+                    rank, code, self.log_tail(rank), self.log_dir))
             states = self.status().states()
             return all(states.get(r) == SlotState.HEALTHY for r in want)
 

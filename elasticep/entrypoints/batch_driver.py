@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -23,10 +24,13 @@ from dataclasses import dataclass, replace
 from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.engine.request import SamplingParams, TokenLogprobs
+from elasticep.entrypoints.validate import make_log_dir
 from elasticep.frontend.core import Frontend, FrontendConfig
 from elasticep.frontend.incremental_text import Decode
 from elasticep.frontend.request_tracker import RequestEvent
 from elasticep.frontend_link import FrontendChannel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,19 @@ class BatchDriver:
         """Bind a channel, start the deployment with its addresses, wait until every
         launch rank is healthy and connected.
 
+        Args:
+            log_dir: where worker ``r``'s output goes (``rank<r>.log``); None: a new
+                temporary directory, named in one log line.
+
         Raises:
+            RankStartupError: a launch rank exited while loading (a RuntimeError whose
+                message is one line: the rank, its exit status, its last exception and
+                the log file that holds the whole traceback).
             TimeoutError / RuntimeError: the ranks did not come up.
         """
+        if log_dir is None:  # rank tracebacks belong in files, not in the caller's stderr
+            log_dir = str(make_log_dir(None, "elasticep-logs-"))
+            logger.info("worker logs in %s", log_dir)
         channel = FrontendChannel(host="127.0.0.1")
         config = replace(config, frontend_request_addr=channel.endpoints.request_addr,
                          frontend_output_addr=channel.endpoints.output_addr)

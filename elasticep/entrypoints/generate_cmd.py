@@ -55,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--fault", default=None,
         help="fault injection (tests): e.g. kill:rank=2:step=10[:layer=3]; the "
              "ELASTICEP_FAULT environment variable works too")
+    groups["logging and metrics"].add_argument(
+        "--log-dir", default=None, help=checks.LOG_DIR_HELP)
     return p
 
 
@@ -193,14 +195,16 @@ def check_fits(prompts: list[list[int]], max_tokens: int, limit: int) -> None:
 
 
 def _generate_ep(cfg: DeploymentConfig, fault: str | None, ids: list[list[int]], params,
-                 decode) -> list[list[int]]:
+                 decode, log_dir: str | None) -> list[list[int]]:
     """Launch ``cfg.ep_size`` rank processes (one GPU each with --device cuda), spread the
-    prompts over them, return generated ids.
+    prompts over them, return generated ids. The ranks log to ``log_dir`` (None: a new
+    temporary directory).
 
     Raises:
-        RuntimeError: a request failed (its message names the rank and the reason).
+        RuntimeError: a rank exited while loading, or a request failed (its message
+            names the rank and the reason, in one line).
     """
-    with BatchDriver.launch(cfg, decode, fault=fault) as driver:
+    with BatchDriver.launch(cfg, decode, fault=fault, log_dir=log_dir) as driver:
         outs = driver.generate(ids, params)
     failed = [f"prompt {i}: {o.error}" for i, o in enumerate(outs) if o.error]
     if failed:
@@ -213,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:
         dep, prompts, params = validate(args)
+        if args.log_dir is not None and dep.ep_size > 1:  # before any rank starts
+            checks.make_log_dir(args.log_dir, "elasticep-logs-")
     except UsageError as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
@@ -224,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             load_model_config(dep.model), None if kv is None else EngineConfig(kv)))
         log.info("generating %d prompt(s), max_tokens=%d", len(ids), args.max_tokens)
         if dep.ep_size > 1:
-            outs = _generate_ep(dep, args.fault, ids, params, tok.decode)
+            outs = _generate_ep(dep, args.fault, ids, params, tok.decode, args.log_dir)
         else:
             model = load_model(dep.model, dtype=getattr(torch, dep.dtype), device=dep.device,
                                load_format=dep.load_format, quantization=dep.quantization)

@@ -32,6 +32,7 @@ from elasticep.deploy.restart_policy import OnExit, Policy, Until
 from elasticep.deploy.supervisor import exit_status, stop_on_signals, supervise
 from elasticep.elastic.exit_code import ExitCode
 from elasticep.entrypoints.validate import (
+    LOG_DIR_HELP,
     UsageError,
     add_coordinator_timeout_argument,
     add_gloo_ifname_argument,
@@ -90,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's node index, shown in /elastic_ep_status")
     p.add_argument("--log-dir", default=None,
-                   help="where worker logs go (default: a new temporary directory)")
+                   help=LOG_DIR_HELP)
     on_exit = p.add_mutually_exclusive_group()
     on_exit.add_argument("--detach", action="store_true",
                          help="return once the ranks are members (healthy), leaving them "

@@ -145,7 +145,8 @@ class LLM:
         tokenizer: a directory to load the tokenizer from; default: ``model``'s.
         fault: a fault-injection spec of the launch cohort, as ``generate --fault``
             (e.g. ``"kill:rank=1:step=10"``); default: ``$ELASTICEP_FAULT``.
-        log_dir: where worker logs go (``rank<r>.log``); None: this process's stderr.
+        log_dir: where worker logs go (``rank<r>.log``); None: a new temporary
+            directory, named in one log line (``elasticep.entrypoints.batch_driver``).
         ready_timeout_s: longest wait for every rank to load and be routable (seconds).
         **kwargs: deployment settings by field name (see :func:`deployment_settings`).
 

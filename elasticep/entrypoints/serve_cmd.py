@@ -28,6 +28,7 @@ from elasticep.config import DeploymentConfig
 from elasticep.deploy import Deployment
 from elasticep.deploy.planned_leave import leave_on_purpose
 from elasticep.deploy.restart_policy import Policy, on_exit_for, restart_budget
+from elasticep.deploy.startup_error import loading_failure
 from elasticep.deploy.supervisor import StopEvent, stop_on_signals, supervise
 from elasticep.elastic.exchange_setup import resolve_a2a_backend
 from elasticep.engine.memory_fit import deployment_fit_problem
@@ -43,6 +44,7 @@ from elasticep.entrypoints.node_api import (
 from elasticep.entrypoints.serve_args import ServeSettings, add_serve_arguments, validate
 from elasticep.entrypoints.serve_node import same_layout_running, serve_node
 from elasticep.entrypoints.validate import (
+    LOG_DIR_HELP,
     UsageError,
     env_fault,
     env_profiler,
@@ -75,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(p)
     p.add_argument("--log-dir", default=None,
-                   help="where worker logs go (default: a new temporary directory)")
+                   help=LOG_DIR_HELP)
     return p
 
 
@@ -279,29 +281,9 @@ def _coordinator_died(deployment: Deployment, died: list[int]) -> int:
 
 def loading_exit_message(rank: int, code: int, log_tail: str,
                          log_dir: Path | None = None) -> str:
-    """serve's error when a rank exits while loading at start-up, with its log's last
-    lines; a rank killed before it wrote anything (SIGKILL) gets "its log is empty",
-    not a colon followed by nothing. A log that ends in a Python traceback gives only
-    the exception's line and where the whole traceback is (pure)."""
-    head = f"elasticep serve: error: rank {rank} exited with {code} while loading"
-    if not log_tail.strip():
-        return f"{head}; its log is empty"
-    error = _traceback_error(log_tail)
-    if error is not None:
-        where = f"rank{rank}.log in {log_dir}" if log_dir is not None else "its log"
-        return f"{head}: {error} (traceback in {where})"
-    return f"{head}; its log ends with:\n{log_tail}"
-
-
-def _traceback_error(log_tail: str) -> str | None:
-    """The exception line that ends the last traceback of ``log_tail``, or None when
-    the tail does not end in one (a frame line is indented; the exception is not)."""
-    lines = log_tail.rstrip().splitlines()
-    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
-    if not frames:
-        return None
-    rest = [line for line in lines[frames[-1] + 1:] if line and not line[0].isspace()]
-    return " ".join(rest) if rest else None
+    """serve's error when a rank exits while loading at start-up
+    (:func:`~elasticep.deploy.startup_error.loading_failure`'s line; pure)."""
+    return f"elasticep serve: error: {loading_failure(rank, code, log_tail, log_dir)}"
 
 
 # Start-up has no deadline (a large checkpoint may load for many minutes), so a rank

@@ -241,6 +241,9 @@ def setup_logging() -> None:
                         format="%(asctime)s %(name)s: %(levelname)s %(message)s")
 
 
+LOG_DIR_HELP = "where worker logs go (default: a new temporary directory)"
+
+
 def make_log_dir(value: str | None, prefix: str) -> Path:
     """The directory for worker logs: ``--log-dir`` (created if missing), else a new
     temporary directory named ``prefix...``.
