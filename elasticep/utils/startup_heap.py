@@ -5,8 +5,8 @@ millions of objects that live as long as the process. CPython's oldest-generatio
 collection walks every tracked object, so under load one such collection paused a
 front-end's event loop for 140-165 ms on a 2-core machine (every stream's tokens and
 every new request waiting; ``docs/results/cpu-i50t/``). :func:`gc.freeze` (CPython 3.7+)
-moves every object alive now into a permanent generation that collections skip; vLLM's
-and SGLang's API servers do the same once they have started. Objects made later are
+moves every object alive now into a permanent generation that collections skip (vLLM and
+SGLang freeze their processes' heaps after start-up likewise). Objects made later are
 collected as before, and a frozen object whose last reference goes is still freed.
 Only reference cycles among the frozen objects are never collected, so this is for
 processes whose start-up state lives until exit (not for the ranks, whose CUDA graphs
