@@ -6,7 +6,8 @@ rate): every request of a concurrent load is served with the same tokens whichev
 process took it, both processes serve, a SIGKILLed extra process is relaunched and the
 node serves on, ``/metrics`` counts each request once across the processes, and the
 ranks abort the requests of a process SIGKILLed with its streams open (only those). The
-pool's restart budget as a pure function.
+pool's restart budget as a pure function; a process that dies after its settings but
+before it serves is relaunched (stand-in processes).
 """
 
 from __future__ import annotations
@@ -17,14 +18,23 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 import uuid
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
 import pytest
 
-from elasticep.frontend.api_server_pool import MAX_RESTARTS, RESTART_WINDOW_S, count_death
+from elasticep.frontend import api_server_pool
+from elasticep.frontend.api_server_pool import (
+    MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    ApiServerPool,
+    count_death,
+)
+from elasticep.frontend_link import LinkEndpoints
 from elasticep_testkit.etcd_cluster import EtcdCluster
 from elasticep_testkit.harness.load import run_batch
 from elasticep_testkit.harness.serve_process import ServeProcess
@@ -253,3 +263,44 @@ def test_the_ranks_abort_the_requests_of_a_killed_front_end_process_only():
                   "same socket (relaunch 1 of at most 3 within 300 s)" in text,
                   "the relaunch")
         assert serve.stop() == []
+
+
+def _dies_once_before_serving(index: int, link_host: str, ports: tuple[int, int],
+                              sock: socket.socket, conn: Connection, metrics_dir: str, parent_pid: int,
+                              grace_s: float, origin_id: str) -> None:
+    """A stand-in for ``api_server_main``: binds nothing, takes its settings, and the
+    first incarnation is SIGKILLed before it reports serving; the next one serves
+    (sleeps until the pool's SIGTERM)."""
+    conn.send(LinkEndpoints(f"tcp://{link_host}:{ports[0] or 5}",
+                            f"tcp://{link_host}:{ports[1] or 6}"))
+    conn.recv()
+    marker = Path(metrics_dir) / "died"
+    if not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    conn.send(os.getpid())
+    time.sleep(60)
+
+
+def test_a_process_that_dies_before_it_serves_is_relaunched_once(monkeypatch):
+    # serve exited 1 ("exited with -9 before it could start serving") when an extra
+    # process died in that window; the watcher, which saw the same death, must not
+    # relaunch it a second time (nor name the relaunch's origin to the ranks)
+    monkeypatch.setattr(api_server_pool, "enable_multiprocess", lambda _dir: None)
+    monkeypatch.setattr(api_server_pool, "api_server_main", _dies_once_before_serving)
+    dead: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        pool = ApiServerPool(1, "127.0.0.1", sock, 1.0, on_give_up=dead.append)
+        try:
+            pool.start()
+            first = pool.origins[0]
+            pool.serve("settings", on_death=dead.append)  # type: ignore[arg-type]
+            pool.wait_serving()
+            proc = pool._procs[0]
+            time.sleep(0.6)  # the watcher's next looks
+            assert dead == [first]
+            assert len(pool.deaths[0]) == 1
+            assert pool._procs[0] is proc and proc is not None and proc.is_alive()
+            assert pool.origins[0] != first
+        finally:
+            pool.stop(5.0)

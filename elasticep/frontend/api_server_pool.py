@@ -143,14 +143,27 @@ class ApiServerPool:
         self._watcher.start()
 
     def wait_serving(self) -> None:
-        """Wait until every process accepts on the socket (after :meth:`serve`).
+        """Wait until every process accepts on the socket (after :meth:`serve`); one
+        that dies meanwhile is relaunched (within its budget) and waited for, as one that
+        dies later is by the watcher.
 
         Raises:
-            OSError: a process exited or stayed silent for :data:`START_TIMEOUT_S`.
+            OSError: a process stayed silent for :data:`START_TIMEOUT_S`, or died more
+                often than its budget allows (``on_give_up`` was told), or the pool is
+                stopping.
         """
         with self._relaunching:
             for i in range(self.count):
-                self._from_child(i, "start serving")
+                while True:
+                    proc = self._procs[i]
+                    try:
+                        self._from_child(i, "start serving")
+                        break
+                    except OSError:
+                        if proc is None or proc.is_alive() or self._stopping.is_set():
+                            raise
+                        if not self._relaunch(i, proc):
+                            raise
 
     def _spawn(self, i: int, ports: tuple[int, int]) -> None:
         parent, child = self._ctx.Pipe()
@@ -195,6 +208,8 @@ class ApiServerPool:
                     with self._relaunching:
                         if self._stopping.is_set():
                             return
+                        if self._procs[i] is not proc:  # wait_serving relaunched it
+                            continue
                         if not self._relaunch(i, proc):
                             return
         finally:
