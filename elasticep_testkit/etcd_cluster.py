@@ -22,18 +22,32 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-
-from elasticep_testkit.harness.serve_process import free_port
 
 ETCD_BIN = "etcd"
 START_TIMEOUT_S = 30.0
 
 
 NETNS_CLIENT_PORT, NETNS_PEER_PORT = 2379, 2380  # etcd's own; + the member's index
+
+
+def distinct_free_ports(k: int) -> list[int]:
+    """``k`` different TCP ports on 127.0.0.1, free a moment ago. All are bound at once
+    before any is released: ports probed one at a time can repeat (the kernel may hand
+    a just-released port out again), and two members on one client port leave the
+    cluster a member short."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -85,9 +99,10 @@ class EtcdCluster:
                                     "Debian's etcd-server (apt-get install etcd-server)")
         root = tempfile.mkdtemp(prefix="elasticep-etcd-")
         wraps = wraps or [()] * n
+        ports = [] if hosts else distinct_free_ports(2 * n)
         members = [_Member(f"m{i}", hosts[i] if hosts else "127.0.0.1",
-                           NETNS_CLIENT_PORT + 2 * i if hosts else free_port(),
-                           NETNS_PEER_PORT + 2 * i if hosts else free_port(),
+                           NETNS_CLIENT_PORT + 2 * i if hosts else ports[2 * i],
+                           NETNS_PEER_PORT + 2 * i if hosts else ports[2 * i + 1],
                            os.path.join(root, f"m{i}"), os.path.join(root, f"m{i}.log"),
                            wrap=tuple(wraps[i])) for i in range(n)]
         c = EtcdCluster(members, root)

@@ -255,3 +255,15 @@ def test_every_request_type_has_one_handler_and_its_role():
     c, _g = _service(2)
     sends = c.handle(SUP, Register("world", [0, 1], [0, 1], OnFailure.COMPLETE, False, id=9))
     assert [(s.conn, s.msg.ok, s.msg.code) for s in sends] == [(SUP, False, "malformed")]
+
+
+def test_a_removed_rank_waits_for_its_own_copy_of_the_removal():
+    # A step header carries the first member's copy of the requests; the removed rank
+    # reads whether to stay up (keep_processes) from its own copy, which may lag: it
+    # waits until that copy has the removal (requested, with keep, or committed).
+    from elasticep.distributed.api import removal_known
+    assert not removal_known({"admit": [], "remove": []}, (0, 1, 2), 2)  # not pushed yet
+    assert removal_known({"admit": [], "remove": [2]}, (0, 1, 2), 2)
+    assert removal_known({"admit": [], "remove": [], "keep": [2]}, (0, 1, 2), 2)  # committed
+    assert removal_known({"admit": [], "remove": []}, (0, 1), 2)  # committed, not kept
+    assert not removal_known({"admit": [], "remove": [1], "keep": [1]}, (0, 1, 2), 2)

@@ -470,3 +470,10 @@ def test_another_node_finds_the_coordinator_through_etcd_or_says_why(cluster):
     assert node1.stderr.strip().splitlines()[-1] == (
         f"elasticep serve: error: no coordinator leads under /elasticep/{prefix}/ (waited "
         "0.5 s): is serve running with this --membership-store?"), node1.stderr[-3000:]
+
+
+def test_a_cluster_gets_distinct_ports():
+    # probed one at a time, two members once got one client port: the cluster started a
+    # member short, and one member down then lost the quorum
+    from elasticep_testkit.etcd_cluster import distinct_free_ports
+    assert len(set(distinct_free_ports(64))) == 64

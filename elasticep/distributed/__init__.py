@@ -98,6 +98,7 @@ from .api import (
     join_group,
     recover_ranks,
     store_client,
+    wait_removal_known,
 )
 from .leader_store import LeaderStore
 from .process_group import ElasticProcessGroup
@@ -113,4 +114,5 @@ __all__ = [
     "get_current_epoch", "get_peer_state", "get_pending_requests", "get_slot_states",
     "group_diagnostics", "LeaderStore", "store_client",
     "has_pending_change", "init_process_group", "join_group", "recover_ranks",
+    "wait_removal_known",
 ]

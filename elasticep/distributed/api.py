@@ -339,6 +339,38 @@ def get_pending_requests(group=None) -> dict[str, list[int]]:
     return {k: list(v) for k, v in _gs(group).requests.items()}
 
 
+def removal_known(requests: dict[str, list[int]], active: tuple[int, ...] | list[int],
+                  slot: int) -> bool:
+    """Whether a process's copy of the coordinator's state (its pending ``requests`` and
+    committed ``active`` slots) knows of a removal of ``slot``: requested (``remove``,
+    or ``keep``, which the coordinator sets before the request), or committed (pure)."""
+    return (slot in requests.get("remove", ()) or slot in requests.get("keep", ())
+            or slot not in active)
+
+
+def wait_removal_known(group, slot: int, timeout_s: float) -> bool:
+    """Block until this process's copy of the coordinator's state has caught up with a
+    removal of ``slot`` that a step header announced: the removal request pushed here
+    (with its ``keep`` list, which the coordinator sets first), or the removal committed.
+    A step header carries what the first member read of its own copy; this process's
+    pushes may still be on the way, and a removed rank reads whether to stay up from
+    its own copy.
+
+    Returns:
+        True once known; False after ``timeout_s`` seconds (the copy stays as it is).
+
+    Raises:
+        RankEvictedError / CoordinatorLostError: as the group's waits.
+    """
+    gs = _gs(group)
+    try:
+        gs.wait_until(lambda: removal_known(gs.requests, gs.active, slot), timeout_s,
+                      f"the removal request of slot {slot}")
+    except TimeoutError:
+        return False
+    return True
+
+
 def recover_ranks(group, ranks: list[int], timeout_s: float | None = None) -> list[int]:
     """Admit the given ready slots into the next epoch; returns the slots admitted.
 

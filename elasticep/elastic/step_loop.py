@@ -65,6 +65,9 @@ from elasticep.moe.weight_transfer import CheckpointLoader
 
 logger = logging.getLogger(__name__)
 
+# how long a removed rank waits for its own copy of the removal request (seconds)
+REMOVAL_READ_TIMEOUT_S = 5.0
+
 
 class LockstepLoop:
     """Runs one rank's steps in lockstep with the other active ranks.
@@ -395,7 +398,14 @@ class LockstepLoop:
     def _remove(self, ranks: list[int]) -> None:
         t0 = time.perf_counter()
         logger.info("draining ranks %s", ranks)
-        # read with the removal request: the commit that applies it may clear it
+        # read with the removal request: the commit that applies it may clear it; and
+        # only once this rank's own copy has the request (the header came from another
+        # member's copy: read early, a kept rank exited)
+        if self.rank in ranks and not ed.wait_removal_known(self.group, self.rank,
+                                                             REMOVAL_READ_TIMEOUT_S):
+            logger.warning("rank %d: the removal request did not reach this rank within "
+                           "%.0f s; exiting, not staying up", self.rank,
+                           REMOVAL_READ_TIMEOUT_S)
         keep = self.rank in ed.get_pending_requests(self.group).get("keep", [])
         report = placement_sync.drain(self.ep, ranks, self.group)
         ed.deactivate_ranks(self.group, ranks)
