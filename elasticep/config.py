@@ -70,10 +70,12 @@ DEVICES = ("cpu", "cuda")
 # field -> the flag that sets it, where the names differ beyond "_" -> "-"
 _FLAG = {"heartbeat_timeout_s": "--heartbeat-timeout",
          "log_stats_interval_s": "--log-stats-interval",
+         "gc_warning_threshold_s": "--gc-warning-threshold-secs",
          "elastic_ep_scale_timeout_s": "--elastic-ep-scale-timeout"}
 # field -> the argparse dest that sets it (DeploymentConfig.from_args)
 _DEST = {"heartbeat_timeout_s": "heartbeat_timeout",
          "log_stats_interval_s": "log_stats_interval",
+         "gc_warning_threshold_s": "gc_warning_threshold_secs",
          "coordinator_timeout_s": "coordinator_timeout",
          "elastic_ep_scale_timeout_s": "elastic_ep_scale_timeout"}
 
@@ -189,6 +191,9 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
             they are ready, :mod:`elasticep.engine.prefill_warmup`).
         log_stats_interval_s: seconds between a rank's throughput lines (steps, tokens/s,
             CUDA graph replays; :mod:`elasticep.engine.step_rate`); 0 turns them off.
+        gc_warning_threshold_s: a rank or front-end process logs a warning for every
+            garbage collection longer than this (seconds, :mod:`elasticep.utils.gc_pauses`,
+            SGLang's ``--gc-warning-threshold-secs``); 0 turns it off.
         coordinator_timeout_s: serve's ``--coordinator-timeout`` (seconds): also the
             longest a rank waits on a coordinator whose host still acknowledges (a
             stalled ``serve``), keeping its state, before it gives up.
@@ -235,6 +240,7 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
     disable_cuda_graph: bool = False
     skip_server_warmup: bool = False
     log_stats_interval_s: float = 10.0
+    gc_warning_threshold_s: float = 0.0
     nnodes: int = 1
     moe_a2a_backend: A2ABackend = A2ABackend.AUTO
     coordinator_timeout_s: float = 60.0
@@ -285,6 +291,8 @@ class DeploymentConfig(_JsonConfig, tag="deployment_config"):
              "--elastic-ep-scale-timeout must be a finite number of seconds > 0"),
             (0 <= self.log_stats_interval_s < math.inf,
              "--log-stats-interval must be a finite number of seconds >= 0 (0: off)"),
+            (0 <= self.gc_warning_threshold_s < math.inf,
+             "--gc-warning-threshold-secs must be a finite number of seconds >= 0 (0: off)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (0 < self.coordinator_timeout_s < math.inf,
              "--coordinator-timeout must be a finite number of seconds > 0"),

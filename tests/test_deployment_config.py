@@ -55,6 +55,7 @@ def test_json_round_trip_keeps_modes_as_enums_and_strings():
     ({"max_total_tokens": 8}, "--max-total-tokens must be >= 16"),
     ({"heartbeat_timeout_s": float("inf")}, "--heartbeat-timeout must be a finite"),
     ({"log_stats_interval_s": -1.0}, "--log-stats-interval must be a finite"),
+    ({"gc_warning_threshold_s": -1.0}, "--gc-warning-threshold-secs must be a finite"),
     ({"elastic_ep_backend": "none", "ep_size": 2, "max_ep_size": 3},
      "--elastic-ep-backend none cannot scale"),
     ({"elastic_ep_backend": "nccl"}, "--elastic-ep-backend must be one of elastic, none, got "

@@ -64,6 +64,7 @@ def _join(*argv: str) -> argparse.Namespace:
     (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite"),
     (["--log-stats-interval", "inf"], "--log-stats-interval must be a finite"),
     (["--log-stats-interval", "-1"], "--log-stats-interval must be a finite"),
+    (["--gc-warning-threshold-secs", "inf"], "--gc-warning-threshold-secs must be a finite"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in .0, 1., got 1.5"),
     (["--max-running-requests", "0"], "--max-running-requests must be in .1, 65536., got 0"),
     (["--max-running-requests", "100000"],

@@ -82,6 +82,7 @@ from elasticep.frontend_link.fanout import extra_endpoints, worker_link
 from elasticep.membership.transitions import OnFailure
 from elasticep.models import load_model_config
 from elasticep.moe.peer_weights import PeerWeights
+from elasticep.utils.gc_pauses import warn_long_collections
 
 logger = logging.getLogger("elasticep.worker")
 
@@ -220,6 +221,7 @@ def run_worker(cfg: WorkerConfig) -> tuple[int, bool]:
         (``keep_processes``; see :func:`idle_until_stopped`).
     """
     log_ctx = setup_worker_logging(cfg.rank)
+    warn_long_collections(cfg.deployment.gc_warning_threshold_s)
     torch.set_num_threads(cfg.deployment.num_threads)
     logger.info("worker pid %d starting (join_mode=%s, backend=%s)", os.getpid(), cfg.join_mode,
                 cfg.deployment.elastic_ep_backend)

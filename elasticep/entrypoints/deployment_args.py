@@ -142,6 +142,9 @@ def add_deployment_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._
          "generated tokens/s, decode steps replayed from CUDA graphs and run eagerly); 0 turns "
          "it off (default: %(default)s)",
          type=float, metavar="S")
+    _add(g, "--gc-warning-threshold-secs", "log a warning for every garbage collection of a "
+         "rank or front-end process longer than this many seconds (SGLang's flag); 0 turns "
+         "it off (default: %(default)s)", type=float, metavar="S")
     return {"model": m, "memory and scheduling": k, "expert parallelism": e,
             "fault tolerance": f, "logging and metrics": g}
 

@@ -102,7 +102,7 @@ def api_server_spec(settings: ServeSettings, dep: DeploymentConfig, address: str
         dep.model, partial(coordinator_view, address, dep), server_kwargs(settings, dep),
         address, on_serving=partial(join_directory, settings.membership_store,
                                     settings.node_rank, dep.heartbeat_timeout_s)
-        if etcd else None, ranks=ranks)
+        if etcd else None, ranks=ranks, gc_warning_threshold_s=dep.gc_warning_threshold_s)
 
 
 def join_directory(url: str, node: int, heartbeat_timeout_s: float, index: int,

@@ -55,6 +55,7 @@ from elasticep.frontend_link import FrontendChannel, is_routable
 from elasticep.membership.errors import MembershipStoreError, PrefixInUseError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.store import parse_store_url
+from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger("elasticep.serve")
@@ -224,6 +225,7 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         if api.pool is not None:
             api.pool.wait_serving()
         freeze_startup_heap()  # this process's front-end: no start-up heap in GC pauses
+        warn_long_collections(dep.gc_warning_threshold_s)
         print(f"ready: {server.url} (model {name}, ep_size {dep.ep_size}, max_ep_size "
               f"{dep.max_ep_size}, moe_a2a_backend {resolve_a2a_backend(dep).value}, "
               f"coordinator {deployment.address})", flush=True)

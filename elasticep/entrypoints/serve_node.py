@@ -30,6 +30,7 @@ from elasticep.membership.client import CoordinatorClient
 from elasticep.membership.errors import JoinRefusedError
 from elasticep.membership.status import DeploymentStatus
 from elasticep.membership.transitions import SlotState
+from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.startup_heap import freeze_startup_heap
 
 
@@ -170,6 +171,7 @@ def serve_node(settings: ServeSettings, stop: StopEvent, log_dir: Path,
                 + (f" and launched ranks {fresh}" if fresh else ""))
         serving = f"; API at {api.server.url}" if api is not None and api.server else ""
         freeze_startup_heap()  # a node's front-end and supervisor: no start-up heap in GC
+        warn_long_collections(dep.gc_warning_threshold_s)
         print(f"ready: node {settings.node_rank} {what} for coordinator {address}{serving}",
               flush=True)
         fatal = not deployment.fault_tolerant

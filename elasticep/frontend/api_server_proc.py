@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import enable_multiprocess
 from elasticep.frontend_link import FrontendChannel, LinkEndpoints, WorkerHello
+from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.procs import die_with_parent
 from elasticep.utils.startup_heap import freeze_startup_heap
 from elasticep.utils.wait import wait_until
@@ -59,6 +60,7 @@ class ApiServerSpec:
         ranks: how many ranks must have said hello on the process's link before it
             reports that it serves (so that the node is ready in every process);
             0: none.
+        gc_warning_threshold_s: ``--gc-warning-threshold-secs`` (0: off).
     """
 
     model: str
@@ -67,6 +69,7 @@ class ApiServerSpec:
     coordinator_address: str | None = None
     on_serving: OnServing | None = None
     ranks: int = 0
+    gc_warning_threshold_s: float = 0.0
 
 
 def requests_served(frontend: Frontend) -> int:
@@ -126,6 +129,7 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
             logger.warning("api server %d: %d of %d ranks linked after %.0f s", index,
                            len(channel.connected), spec.ranks, RANKS_TIMEOUT_S)
         freeze_startup_heap()
+        warn_long_collections(spec.gc_warning_threshold_s)
         logger.info("api server %d (pid %d) serving", index, os.getpid())
         conn.send(os.getpid())
         stop.wait()
