@@ -155,8 +155,10 @@ def test_shutdown_stops_every_process_it_started(llm):
 
 
 def test_settings_take_flag_names_and_default_the_capacity():
-    cfg = deployment_settings("/m", {"ep_size": 2, "heartbeat_timeout": 3.0})
+    cfg = deployment_settings("/m", {"ep_size": 2, "heartbeat_timeout": 3.0,
+                                     "gc_warning_threshold_secs": 0.5})
     assert (cfg.ep_size, cfg.max_ep_size, cfg.heartbeat_timeout_s) == (2, 2, 3.0)
+    assert cfg.gc_warning_threshold_s == 0.5  # SGLang's keyword
     assert DeploymentConfig(model="/m", ep_size=3).max_ep_size == 3  # no reserve unless asked
     assert DeploymentConfig(model="/m", ep_size=2, max_ep_size=4).max_ep_size == 4
     with pytest.raises(TypeError, match="'ep_sise'"):

@@ -48,6 +48,7 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "GenerationError"]
 # whose names carry a unit
 _FLAG_NAMES = {"heartbeat_timeout": "heartbeat_timeout_s",
                "log_stats_interval": "log_stats_interval_s",
+               "gc_warning_threshold_secs": "gc_warning_threshold_s",
                "coordinator_timeout": "coordinator_timeout_s"}
 # set by the LLM itself, not by a caller
 _INTERNAL = {"model", "frontend_request_addr", "frontend_output_addr", "store_addr"}
