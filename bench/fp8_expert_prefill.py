@@ -64,6 +64,8 @@ from elasticep.moe.experts import fp8_block
 from elasticep.moe.experts.fp8_activations import quantize_activations
 from elasticep.moe.experts.fp8_sorted import swiglu_sorted_fp8
 from elasticep.moe.experts.fp8_tiled import (
+    down_tile_of,
+    gate_up_tile_of,
     swiglu_tiled_fp8,
     swiglu_w8a8_reference,
     w8a8_down,
@@ -88,16 +90,6 @@ GRID_DOWN = [Tile(n, w, m, st) for m in (64, 128) for n in (64, 128, 256) for w 
              for st in (3, 4)]
 REPS = 10
 DEVICE = "cuda"
-
-
-def gate_up_tile(t: Tile) -> tuple[int, int, int]:
-    """A table tile as ``w8a8_gate_up``'s ``tile`` argument."""
-    return t.block_m, t.num_warps, t.num_stages or 3
-
-
-def down_tile(t: Tile) -> tuple[int, int, int, int]:
-    """A table tile as ``w8a8_down``'s ``tile`` argument."""
-    return t.block_m, t.block, t.num_warps, t.num_stages or 3
 
 
 def _experts(hidden: int, inter: int, slots: int, gen: torch.Generator):
@@ -145,12 +137,12 @@ def measure(name: str, weights: tuple, tokens: int, rate: float,
         "bf16_tiled_ms": cuda_ms(lambda: swiglu_tiled(w13, w2, rows, tags, row_repeat=k), REPS),
         "quantize_ms": cuda_ms(lambda: quantize_activations(rows), REPS),
     }
-    first = (gate_up_tile(DEFAULTS["w8a8_gate_up"]), down_tile(DEFAULTS["w8a8_down"]))
+    first = (gate_up_tile_of(DEFAULTS["w8a8_gate_up"]), down_tile_of(DEFAULTS["w8a8_down"]))
     times["w8a8_default_ms"] = cuda_ms(
         lambda: swiglu_tiled_fp8(*fp8, rows, tags, row_repeat=k, gate_up_tile=first[0],
                                  down_tile=first[1]), REPS)
     if swept is not None:
-        tiles = (gate_up_tile(swept[0]), down_tile(swept[1]))
+        tiles = (gate_up_tile_of(swept[0]), down_tile_of(swept[1]))
         times["w8a8_swept_ms"] = cuda_ms(
             lambda: swiglu_tiled_fp8(*fp8, rows, tags, row_repeat=k, gate_up_tile=tiles[0],
                                      down_tile=tiles[1]), REPS)
@@ -174,8 +166,8 @@ def measure(name: str, weights: tuple, tokens: int, rate: float,
 def _check_and_time(kernel: str, tile: Tile, case: dict) -> dict:
     """One tile of ``kernel`` (the other kernel at its first guess): the whole output
     against the reference within its bound, then this kernel alone timed (us)."""
-    gu = gate_up_tile(tile if kernel == "w8a8_gate_up" else DEFAULTS["w8a8_gate_up"])
-    dn = down_tile(tile if kernel == "w8a8_down" else DEFAULTS["w8a8_down"])
+    gu = gate_up_tile_of(tile if kernel == "w8a8_gate_up" else DEFAULTS["w8a8_gate_up"])
+    dn = down_tile_of(tile if kernel == "w8a8_down" else DEFAULTS["w8a8_down"])
     fp8, rows, tags, k, out = case["fp8"], case["rows"], case["tags"], case["k"], case["out"]
     out.fill_(float("nan"))
     got = swiglu_tiled_fp8(*fp8, rows, tags, out=out, row_repeat=k, gate_up_tile=gu,
@@ -208,7 +200,7 @@ def sweep(name: str, weights: tuple, tokens: int, min_gain: float, emit
             "bound": expert_bounds(*fp8, rows, tags, k, x_rounded=False,
                                    acc=ACCUMULATION_ERROR, sides=2)["out"],
             "act": w8a8_gate_up(q13, s13, rows, tags, k,
-                                gate_up_tile(DEFAULTS["w8a8_gate_up"]))}
+                                gate_up_tile_of(DEFAULTS["w8a8_gate_up"]))}
     head = {"bench": "fp8_expert_prefill_sweep", "shape": name, "hidden": hidden,
             "inter": inter, "slots": slots, "tokens": tokens, "bucket": tokens * k / slots}
     chosen, total, failed = {}, 0, 0

@@ -57,11 +57,13 @@ from elasticep.moe.experts.tiled_experts import (
 )
 
 
-def _as_gate_up(t: Tile) -> tuple[int, int, int]:
+def gate_up_tile_of(t: Tile) -> tuple[int, int, int]:
+    """A table tile as :func:`w8a8_gate_up`'s ``tile``: ``(BLOCK_M, warps, stages)``."""
     return t.block_m, t.num_warps, t.num_stages or 3
 
 
-def _as_down(t: Tile) -> tuple[int, int, int, int]:
+def down_tile_of(t: Tile) -> tuple[int, int, int, int]:
+    """A table tile as :func:`w8a8_down`'s ``tile``: ``(BLOCK_M, BLOCK_N, warps, stages)``."""
     return t.block_m, t.block, t.num_warps, t.num_stages or 3
 
 
@@ -78,8 +80,8 @@ def table_tiles(hidden: int, inter: int, pairs: int, slots: int, device: torch.d
         TileTableError: the device's table file is malformed.
     """
     name, per_slot = device_name_of(device), pairs / max(slots, 1)
-    return (_as_gate_up(decode_tile("w8a8_gate_up", hidden, inter, per_slot, name)),
-            _as_down(decode_tile("w8a8_down", hidden, inter, per_slot, name)))
+    return (gate_up_tile_of(decode_tile("w8a8_gate_up", hidden, inter, per_slot, name)),
+            down_tile_of(decode_tile("w8a8_down", hidden, inter, per_slot, name)))
 
 
 # Whether grouped_swiglu sends prefill-sized FP8 batches here on an SM90 GPU. The rule is
@@ -330,6 +332,10 @@ def swiglu_tiled_fp8(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tenso
         ValueError: as :func:`w8a8_gate_up` and :func:`w8a8_down`.
     """
     out = rows.new_empty(tags.shape[0], rows.shape[1]) if out is None else out
+    if gate_up_tile is None or down_tile is None:  # one table lookup for the pair
+        table = table_tiles(rows.shape[1], w13.shape[1] // 2, tags.shape[0], w13.shape[0],
+                            rows.device)
+        gate_up_tile, down_tile = gate_up_tile or table[0], down_tile or table[1]
     act = w8a8_gate_up(w13, w13_scale, rows, tags, row_repeat, gate_up_tile)
     return w8a8_down(act, w2, w2_scale, out, down_tile)
 
