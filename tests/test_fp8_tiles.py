@@ -143,8 +143,9 @@ def test_a_w8a8_launch_past_the_largest_bucket_takes_it(tmp_path):
 
 
 def test_a_sweep_merges_into_a_file_keeping_the_other_kernels(tmp_path):
+    dsv3 = _entry(kernel="w8a8_down", hidden=7168, inter=2048, bucket=256, block=128)
     path = _write(tmp_path, [{**_entry(bucket=8, block=16), "measured": {"us": 5.0}},
-                             _entry(kernel="w8a8_down", bucket=512, block=64)])
+                             _entry(kernel="w8a8_down", bucket=512, block=64), dsv3])
     new = [Entry("w8a8_down", 2048, 768, 128.0, Tile(256, 8, 64, 3)),
            Entry("w8a8_gate_up", 2048, 768, 128.0, Tile(128, 4, 64, 2))]
     written = tiles.write_merged(tmp_path, DEVICE, new, "prefill sweep",
@@ -152,12 +153,15 @@ def test_a_sweep_merges_into_a_file_keeping_the_other_kernels(tmp_path):
     assert written == path
     doc = json.loads(path.read_text())
     back = parse_table(path.read_text(), "merged")
-    # the decode row and its record kept; the swept kernel's old row replaced
+    # the decode row and its record kept, and the swept kernel's row of another shape;
+    # the swept kernel's old row of the swept shape replaced
     assert sorted(back, key=repr) == sorted(
-        [Entry("fp8_rows_gate_up", 2048, 768, 8.0, Tile(16, 2)), *new], key=repr)
-    measured = {e["kernel"]: e.get("measured") for e in doc["entries"]}
-    assert measured == {"fp8_rows_gate_up": {"us": 5.0}, "w8a8_down": {"us": 9.0},
-                        "w8a8_gate_up": None}
+        [Entry("fp8_rows_gate_up", 2048, 768, 8.0, Tile(16, 2)),
+         Entry("w8a8_down", 7168, 2048, 256.0, Tile(128, 2, 32)), *new], key=repr)
+    measured = {(e["kernel"], e["hidden"]): e.get("measured") for e in doc["entries"]}
+    assert measured == {("fp8_rows_gate_up", 2048): {"us": 5.0},
+                        ("w8a8_down", 2048): {"us": 9.0}, ("w8a8_down", 7168): None,
+                        ("w8a8_gate_up", 2048): None}
     assert doc["source"] == "test; prefill sweep"
     # a sweep writes after each case: its source is named once
     tiles.write_merged(tmp_path, DEVICE, new, "prefill sweep", {})

@@ -241,8 +241,9 @@ def table_json(device_name: str, entries: list[Entry], source: str,
 def write_merged(path: Path, device_name: str, entries: list[Entry], source: str,
                  measured: dict[tuple[str, int, int, float], dict]) -> Path:
     """Write a sweep's ``entries`` into a table file, keeping the entries (and their
-    ``measured`` records) of every kernel the sweep did not cover, so a prefill sweep
-    keeps the decode kernels' rows and the other way round.
+    ``measured`` records) of every (kernel, expert shape) the sweep did not cover, so a
+    prefill sweep keeps the decode kernels' rows and the other way round, and a sweep of
+    one shape keeps another shape's.
 
     Args:
         path: a ``.json`` file, or a directory (made if missing) to hold
@@ -259,7 +260,7 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
     if path.suffix != ".json":
         path.mkdir(parents=True, exist_ok=True)
         path = path / f"{device_slug(device_name)}.json"
-    swept = {e.kernel for e in entries}
+    swept = {(e.kernel, e.hidden, e.inter) for e in entries}
     kept: list[Entry] = []
     measured = dict(measured)
     if path.is_file():
@@ -267,7 +268,7 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
         entries_there = parse_table(text, str(path))  # validates before json.loads
         doc = json.loads(text)
         for e, raw in zip(entries_there, doc["entries"], strict=True):
-            if e.kernel in swept:
+            if (e.kernel, e.hidden, e.inter) in swept:
                 continue
             kept.append(e)
             if "measured" in raw:
