@@ -237,6 +237,36 @@ def test_etcd_unreachable_is_one_clear_error():
     assert time.monotonic() - t0 < 5 and "\n" not in str(e.value)
 
 
+def test_a_call_tries_every_member_once_while_another_thread_moves_the_start():
+    """A lease keep-alive thread shares the EtcdKV: one of its answers moving the start
+    member mid-call must not send the call back to a member it already tried (it once
+    retried the dead member and never asked the live one)."""
+    import etcd3gw.exceptions as etcd_errors
+
+    kv = EtcdKV([("127.0.0.1", free_port()) for _ in range(3)])
+    tried = []
+
+    class _Member:
+        def __init__(self, i, outcome):
+            self.host, self.port, self.i, self.outcome = "127.0.0.1", 1000 + i, i, outcome
+
+        def get_url(self, path):
+            return path
+
+        def post(self, url, json):
+            tried.append(self.i)
+            if self.i == 1:
+                kv._current = 1  # the keep-alive thread's answer came from member 1
+            if self.outcome is None:
+                return {"member": self.i}
+            raise self.outcome
+
+    kv._clients = [_Member(0, etcd_errors.ConnectionFailedError()),
+                   _Member(1, etcd_errors.ConnectionTimeoutError()), _Member(2, None)]
+    assert kv.post("kv/range", {}) == {"member": 2}
+    assert tried == [0, 1, 2]
+
+
 def test_one_member_down_changes_nothing_and_quorum_loss_commits_nothing(cluster):
     store = _store(cluster, _prefix())
     lease = LeaderLease(store, "leader", TTL_S)

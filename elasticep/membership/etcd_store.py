@@ -74,8 +74,11 @@ class EtcdKV:
         """
         errors = []
         n = len(self._clients)
+        # read once: a lease keep-alive thread shares this object, and a start it moves
+        # mid-loop would send this call back to a member it already tried and skip one
+        start = self._current
         for i in range(n):
-            k = (self._current + i) % n
+            k = (start + i) % n
             c = self._clients[k]
             try:
                 out = c.post(c.get_url(path), json=body)
