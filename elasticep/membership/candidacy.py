@@ -31,6 +31,10 @@ DEFER_POLL_S = 0.05
 class BackgroundImport:
     """``importlib.import_module(name)`` on a daemon thread of its own, started now.
 
+    Import what the calling thread needs before starting one: two threads importing
+    the same package at once (torch and etcd3gw both import multiprocessing) can give
+    one of them the package half-initialized.
+
     Attributes:
         done: set once the import ended (imported or failed).
     """

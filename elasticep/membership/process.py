@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent_pid:  # the parent died while we started
         return 1
     from .election import campaign_for  # etcd's client, not torch
+    if args.membership_store:
+        # before torch's import starts in its thread: two threads importing one package
+        # (etcd3gw's and torch's both reach multiprocessing) can hand one of them the
+        # package half-initialized, and the coordinator then died with an AttributeError
+        from . import directory, etcd_store, lease_watch, store  # noqa: F401
     # torch (the rendezvous TCPStore) loads beside the campaign: seconds on a loaded
     # host, which a replica replacing a dead one would otherwise spend as no candidate
     server = BackgroundImport("elasticep.membership.server")
