@@ -1,0 +1,105 @@
+"""Lab probe (not product code): the front-end process's CPU time per streamed token
+under a burst, over the stub ranks (`elasticep_testkit.serving.stub_serve`).
+
+C streaming completions at a time, N in all, each of a 300-token prompt and M tokens,
+on fresh connections. The stub ranks step S times a second, fast enough that the
+front-end's thread, not the ranks, sets the pace. Prints one JSON line: the front-end
+process's CPU seconds (utime + stime from /proc) during the measured burst, per token
+event, the burst's wall time, tok/s, and first-token and status-line p50/p99.
+
+    PYTHONPATH=$PWD python docs/results/cpu-i50u/frontend_cpu.py C N M S LABEL
+"""
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+import httpx
+
+from elasticep_testkit.harness.serve_process import ServeProcess
+from elasticep_testkit.paths import DEMO_MODEL
+from elasticep_testkit.serving import stub_engine
+
+C, N, M, S, LABEL = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                     float(sys.argv[4]), sys.argv[5])
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one(host, port, model, res):
+    t0 = time.perf_counter()
+    r, w = await asyncio.open_connection(host, port)
+    body = json.dumps({"model": model, "prompt": "hello world " * 100, "max_tokens": M,
+                       "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await w.drain()
+    await r.readline()
+    t_status = time.perf_counter()
+    t_first, n_events, tail = None, 0, b""
+    while True:
+        d = await r.read(65536)
+        if not d:
+            break
+        if t_first is None and b'"text"' in d:
+            t_first = time.perf_counter()
+        n_events += (tail + d).count(b"data: {")
+        tail = d[-8:]
+    w.close()
+    res.append((t_status - t0, t_first - t0, n_events))
+
+
+async def burst(url, model, n):
+    host, port = url.split("//")[1].split(":")
+    res, sem = [], asyncio.Semaphore(C)
+
+    async def gated():
+        async with sem:
+            await one(host, int(port), model, res)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(gated() for _ in range(n)))
+    return res, time.perf_counter() - t0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+serve = ServeProcess.start(["--model", str(DEMO_MODEL), "--device", "cpu", "--dtype",
+                            "float32", "--load-format", "auto", "--ep-size", "1"],
+                           program=stub_engine.server_command(S))
+try:
+    model = httpx.get(serve.url + "/v1/models").json()["data"][0]["id"]
+    asyncio.run(burst(serve.url, model, C))  # warm-up
+    c0 = cpu_s(serve.proc.pid)
+    res, wall = asyncio.run(burst(serve.url, model, N))
+    used = cpu_s(serve.proc.pid) - c0
+finally:
+    serve.stop()
+events = sum(r[2] for r in res)
+
+try:
+    import uvloop  # noqa: F401
+    loop = "uvloop"
+except ImportError:
+    loop = "asyncio"
+try:
+    import httptools  # noqa: F401
+    http = "httptools"
+except ImportError:
+    http = "h11"
+print(json.dumps({"label": LABEL, "loop": loop, "http": http, "C": C, "N": N,
+                  "max_tokens": M, "stub_steps_per_s": S, "events": events,
+                  "frontend_cpu_s": round(used, 3),
+                  "cpu_us_per_event": round(1e6 * used / max(events, 1), 1),
+                  "wall_s": round(wall, 3), "tok_per_s": round(events / wall, 1),
+                  "status_p50_ms": round(1e3 * statistics.median(r[0] for r in res), 1),
+                  "first_token_p50_ms": round(1e3 * statistics.median(r[1] for r in res), 1),
+                  "first_token_p99_ms": round(1e3 * pct([r[1] for r in res], 0.99), 1)}))
