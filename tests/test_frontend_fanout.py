@@ -15,11 +15,13 @@ import pytest
 from test_frontend_link import collect, wait_poll
 
 from elasticep.engine.request import AbortRequest, GenerateRequest, TokenOutput
+from elasticep.frontend.origin_abort import abort_origin_everywhere
 from elasticep.frontend_link import (
     AbortOrigin,
     FrontendChannel,
     OutputBatch,
     RankStats,
+    RankUnreachableError,
     RequestError,
     WorkerHello,
 )
@@ -182,5 +184,39 @@ def test_an_abort_origin_aborts_the_dead_process_requests_not_its_relaunch():
         b2.send(1, AbortOrigin(a.origin_id))
         assert wait_poll(links, 1) == [AbortRequest("ra")]
         assert links.poll(0.05) == []
+
+    run_with_two_front_ends(body)
+
+
+def test_an_abort_origin_waits_out_a_full_queue():
+    """The rank's queue from serve's own front-end (a) is full when process b dies: the
+    abort of b's requests is tried again until the rank has read enough to take it (it
+    was dropped at the first full queue, and b's request decoded for nobody)."""
+
+    async def body(a: FrontendChannel, b: FrontendChannel, links: FrontendLinks,
+                   more: list[FrontendChannel]) -> None:
+        deadline = time.monotonic() + 5.0
+        while 1 not in a.connected:  # the rank's periodic hello reaches a too
+            assert time.monotonic() < deadline, "a never heard rank 1"
+            links.poll(0.02)
+            await a.poll(0.02)
+        b.send(1, GenerateRequest("rb", (2,)))
+        assert wait_poll(links, 1) == [GenerateRequest("rb", (2,))]
+        queued = 0
+        with pytest.raises(RankUnreachableError, match="rank 1 unreachable"):
+            while queued < 1_000_000:  # the rank reads nothing meanwhile
+                a.send(1, GenerateRequest(f"ra{queued}", (1,)))
+                queued += 1
+        task = asyncio.create_task(abort_origin_everywhere(a, b.origin_id, retry_s=0.01))
+        await asyncio.sleep(0.2)
+        assert not task.done(), "the abort went through a full queue"
+        seen: list = []
+        deadline = time.monotonic() + 20.0
+        while AbortRequest("rb") not in seen:
+            assert time.monotonic() < deadline, f"no abort of rb after {len(seen)} messages"
+            seen += links.poll(0.01)
+            await asyncio.sleep(0)  # the retrying task runs between the rank's reads
+        assert await task == {1}
+        assert len(seen) == queued + 1 and seen[-1] == AbortRequest("rb")
 
     run_with_two_front_ends(body)

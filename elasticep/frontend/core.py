@@ -32,6 +32,7 @@ from elasticep.frontend.membership_metrics import SnapshotMetrics
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.membership_watch import MembershipWatch, SnapshotOutage
 from elasticep.frontend.metrics import FrontendMetrics
+from elasticep.frontend.origin_abort import abort_origin_everywhere
 from elasticep.frontend.recovery_timeline import Event, RecoveryTimeline
 from elasticep.frontend.request_stream import RequestStream, watch_stalls
 from elasticep.frontend.request_tracker import (
@@ -42,7 +43,6 @@ from elasticep.frontend.request_tracker import (
     SendToRank,
 )
 from elasticep.frontend_link import (
-    AbortOrigin,
     FrontendChannel,
     LinkError,
     OutputBatch,
@@ -196,12 +196,9 @@ class Frontend(MembershipWatch):
             pass
 
     def _send_abort_origin(self, origin_id: str) -> None:
-        for rank in sorted(self.channel.connected):
-            try:
-                self.channel.send(rank, AbortOrigin(origin_id))
-            except LinkError as exc:  # a dead rank held none; a full queue keeps them
-                logger.warning("cannot tell rank %d to abort front-end %s's requests: %s",
-                               rank, origin_id, exc)
+        task = asyncio.get_running_loop().create_task(
+            abort_origin_everywhere(self.channel, origin_id), name=f"abort-origin-{origin_id}")
+        self._tasks.append(task)  # cancelled with the others at stop
 
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
