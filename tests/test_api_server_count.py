@@ -5,15 +5,18 @@ processes (membership in etcd) as with one (embedded store). End to end over stu
 rate): every request of a concurrent load is served with the same tokens whichever
 process took it, both processes serve, a SIGKILLed extra process is relaunched and the
 node serves on, ``/metrics`` counts each request once across the processes, and the
-ranks abort the requests of a process SIGKILLed with its streams open (only those). The
-pool's restart budget as a pure function; a process that dies after its settings but
-before it serves is relaunched (stand-in processes).
+ranks abort the requests of a process SIGKILLed with its streams open (only those),
+and a process whose loop stalls (SIGSTOP) is killed after the stall timeout, its
+requests aborted and a new process serving the same tokens. The pool's restart budget
+and stall check as pure functions, the beat as a loop callback; a process that dies
+after its settings but before it serves is relaunched (stand-in processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -21,6 +24,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from elasticep.frontend.api_server_pool import (
     ApiServerPool,
     count_death,
 )
+from elasticep.frontend.loop_beats import STALL_TIMEOUT_S, BeatsSeen, beat, stall_check
 from elasticep.frontend_link import LinkEndpoints
 from elasticep_testkit.etcd_cluster import EtcdCluster
 from elasticep_testkit.harness.load import run_batch
@@ -89,14 +94,19 @@ def _wait_log(serve: ServeProcess, pred, what: str, timeout_s: float = 60.0) -> 
     raise TimeoutError(f"{what} not logged in {timeout_s} s:\n{serve.tail(4000)}")
 
 
+@contextlib.contextmanager
+def _two_front_ends(steps_per_s: float, *flags: str) -> Iterator[tuple[ServeProcess, int]]:
+    """The stub server with two front-end processes, and the extra one's pid once it
+    serves."""
+    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2", *flags],
+                            ready_timeout_s=90, program=server_command(steps_per_s)) as serve:
+        yield serve, _child_pids(_wait_log(serve, _child_pids, "the extra front-end serving"))[0]
+
+
 def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
     prompts = [f"request {i} says the weather is {'fine' if i % 2 else 'cold'}"
                for i in range(48)]
-    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2"],
-                            ready_timeout_s=90,
-                            program=server_command(STEPS_PER_S)) as serve:
-        log = _wait_log(serve, _child_pids, "the extra front-end serving")
-        first = _child_pids(log)[0]
+    with _two_front_ends(STEPS_PER_S) as (serve, first):
         texts = asyncio.run(_complete_all(serve.url, prompts))
         # the stub's tokens depend on the prompt only: the same prompt gives the same
         # text whichever process served it
@@ -179,6 +189,40 @@ def test_the_restart_budget_counts_deaths_within_the_window_only():
                                                                True)
 
 
+def test_the_stall_check_counts_a_silent_loop_of_a_serving_process_only():
+    timeout = STALL_TIMEOUT_S
+    spawned = BeatsSeen(0, 100.0)
+    # starting: no beat yet, however long it takes
+    assert stall_check(spawned, 0, 100.0 + 10 * timeout, False) == (spawned, None)
+    seen, silent = stall_check(spawned, 1, 105.0, False)  # its first beat: it serves
+    assert (seen, silent) == (BeatsSeen(1, 105.0), None)
+    for k in range(2, 40):  # beats keep it alive however long it runs
+        seen, silent = stall_check(seen, k, 105.0 + k * timeout / 2, False)
+        assert silent is None
+    last = seen.since
+    assert stall_check(seen, 39, last + timeout, False) == (seen, None)
+    assert stall_check(seen, 39, last + timeout + 1.5, False) == (seen, timeout + 1.5)
+    assert stall_check(seen, 39, last + 3 * timeout, True) == (seen, None)  # stopping
+    # a watcher held up for longer than the timeout finds the counter moved: alive
+    assert stall_check(seen, 45, last + 3 * timeout, False) == (BeatsSeen(45, last + 3 * timeout),
+                                                                  None)
+    assert stall_check(seen, 39, last + 2.0, False, timeout_s=1.0) == (seen, 2.0)
+
+
+def test_the_beat_is_a_loop_callback_that_a_held_loop_stops():
+    beats = ctypes.c_uint64(0)
+
+    async def run() -> tuple[int, int]:
+        asyncio.get_running_loop().call_soon(beat, beats, 0.01)
+        await asyncio.sleep(0.2)
+        running = beats.value
+        time.sleep(0.2)  # a call that holds the loop: its process lives on, no beat
+        return running, beats.value
+
+    running, held = asyncio.run(run())
+    assert running >= 3 and held == running, (running, held)
+
+
 SLOW_STEPS_PER_S = 40.0  # the streams below outlast the test (their max_tokens take 20 s)
 LONG_TOKENS = 800
 
@@ -207,17 +251,36 @@ class _Stream:
             self.cut = True
 
 
+async def _start_streams(url: str, n: int, tag: str) -> list[_Stream]:
+    """``n`` streams, once each runs on the ranks (its first token came)."""
+    streams = [_Stream(url, f"stream {i} of {tag}") for i in range(n)]
+    await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 20.0)
+    return streams
+
+
 async def _open_streams(url: str, n: int, elsewhere: int) -> list[_Stream]:
-    """``n`` streams, each running on the ranks (its first token came), served by the
-    node's processes other than pid ``elsewhere``: the kernel picks which process
-    accepts, so ``elsewhere`` is stopped (SIGSTOP) until they are accepted."""
+    """``n`` running streams (:func:`_start_streams`) served by the node's processes
+    other than pid ``elsewhere``: the kernel picks which process accepts, so
+    ``elsewhere`` is stopped (SIGSTOP) until they are accepted."""
     os.kill(elsewhere, signal.SIGSTOP)
     try:
-        streams = [_Stream(url, f"stream {i} of {elsewhere}") for i in range(n)]
-        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 20.0)
+        return await _start_streams(url, n, str(elsewhere))
     finally:
         os.kill(elsewhere, signal.SIGCONT)
-    return streams
+
+
+async def _assert_flowing(streams: list[_Stream]) -> None:
+    """Each of ``streams`` gets more tokens and keeps its connection."""
+    before = [s.chunks for s in streams]
+    await asyncio.sleep(0.3)
+    assert all(not s.cut and s.chunks > n for s, n in zip(streams, before, strict=True))
+
+
+async def _close(streams: list[_Stream]) -> None:
+    for s in streams:
+        s.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await s.task
 
 
 def _rank_running(log_dir: Path) -> int:
@@ -233,10 +296,7 @@ async def _wait_running(log_dir: Path, want: int, timeout_s: float = 10.0) -> No
 
 
 def test_the_ranks_abort_the_requests_of_a_killed_front_end_process_only():
-    with ServeProcess.start(["--model", str(DEMO_MODEL), "--api-server-count", "2"],
-                            ready_timeout_s=90,
-                            program=server_command(SLOW_STEPS_PER_S)) as serve:
-        child = _child_pids(_wait_log(serve, _child_pids, "the extra front-end serving"))[0]
+    with _two_front_ends(SLOW_STEPS_PER_S) as (serve, child):
         log_dir = serve.log_path.parent
 
         async def scenario() -> None:
@@ -248,14 +308,9 @@ def test_the_ranks_abort_the_requests_of_a_killed_front_end_process_only():
                 await asyncio.wait_for(asyncio.gather(*(s.task for s in doomed)), 10.0)
                 assert all(s.cut for s in doomed)
                 await _wait_running(log_dir, 2)  # the survivors' requests only
-                before = [s.chunks for s in kept]
-                await asyncio.sleep(0.3)
-                assert all(not s.cut and s.chunks > n for s, n in zip(kept, before, strict=True))
+                await _assert_flowing(kept)
             finally:
-                for s in kept:
-                    s.task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await s.task
+                await _close(kept)
 
         asyncio.run(scenario())
         _wait_log(serve, lambda text: f"api server 1 (pid {child}) exited with -9; its "
@@ -265,12 +320,69 @@ def test_the_ranks_abort_the_requests_of_a_killed_front_end_process_only():
         assert serve.stop() == []
 
 
+TEST_STALL_S = 2.0  # the stall timeout the stub server gets below
+
+
+def test_a_stalled_front_end_process_is_killed_its_requests_aborted_and_replaced():
+    short = [f"short {i}, a stub's tokens depend on its prompt only" for i in range(4)]
+    with _two_front_ends(SLOW_STEPS_PER_S, "--api-server-stall-timeout-s",
+                         str(TEST_STALL_S)) as (serve, child):
+        log_dir = serve.log_path.parent
+
+        async def scenario() -> None:
+            doomed = await _open_streams(serve.url, 3, elsewhere=serve.proc.pid)
+            await _wait_running(log_dir, 3)
+            os.kill(child, signal.SIGSTOP)  # alive, its loop runs no more
+            stopped, kept = time.monotonic(), []
+            try:
+                # accepted by serve's own process: the stopped one accepts nothing
+                kept = await _start_streams(serve.url, 2, "serve's own process")
+                texts = await _complete_all(serve.url, short)
+                await asyncio.wait_for(asyncio.gather(*(s.task for s in doomed)),
+                                       TEST_STALL_S + 15.0)
+                assert all(s.cut for s in doomed)  # an error, not a hang
+                # not before its time (its last beat came up to a beat period before the
+                # stop, later on a busy machine)
+                assert time.monotonic() - stopped > TEST_STALL_S / 2
+                await _wait_running(log_dir, 2)  # the stalled process's requests aborted
+                await _assert_flowing(kept)
+                await asyncio.to_thread(_wait_log, serve, lambda t: len(_child_pids(t)) == 2,
+                                        "the relaunched front-end serving")
+                # the new process serves, the same tokens as serve's own process
+                assert await _complete_on_extra(serve, short) == texts
+            finally:
+                if not all(s.cut for s in doomed):  # not killed: let the stop end it
+                    os.kill(child, signal.SIGCONT)
+                await _close(kept)
+
+        asyncio.run(scenario())
+        log = serve.tail(1 << 22)
+        assert re.search(rf"api server 1 \(pid {child}\) stalled: its event loop has not "
+                         rf"beaten for [\d.]+ s \(stall timeout {TEST_STALL_S:g} s\); "
+                         "killing it", log), log[-3000:]
+        assert (f"api server 1 (pid {child}) exited with -9; its streams failed and the "
+                "ranks abort its requests; relaunching it") in log
+        with pytest.raises(ProcessLookupError):  # SIGKILLed and reaped
+            os.kill(child, 0)
+        assert serve.stop() == []
+
+
+async def _complete_on_extra(serve: ServeProcess, texts: list[str]) -> list[str]:
+    """:func:`_complete_all` served by the extra process (serve's own stopped meanwhile)."""
+    os.kill(serve.proc.pid, signal.SIGSTOP)
+    try:
+        return await _complete_all(serve.url, texts)
+    finally:
+        os.kill(serve.proc.pid, signal.SIGCONT)
+
+
 def _dies_once_before_serving(index: int, link_host: str, ports: tuple[int, int],
                               sock: socket.socket, conn: Connection, metrics_dir: str, parent_pid: int,
-                              grace_s: float, origin_id: str) -> None:
+                              grace_s: float, origin_id: str, beats: ctypes.c_uint64) -> None:
     """A stand-in for ``api_server_main``: binds nothing, takes its settings, and the
     first incarnation is SIGKILLed before it reports serving; the next one serves
-    (sleeps until the pool's SIGTERM)."""
+    (sleeps until the pool's SIGTERM; it never beats, which the pool takes for a
+    process still starting)."""
     conn.send(LinkEndpoints(f"tcp://{link_host}:{ports[0] or 5}",
                             f"tcp://{link_host}:{ports[1] or 6}"))
     conn.recv()

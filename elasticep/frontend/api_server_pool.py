@@ -19,10 +19,21 @@ late cleanup can touch them. A process that dies more than :data:`MAX_RESTARTS` 
 within :data:`RESTART_WINDOW_S` is not relaunched again (a rate, as systemd's
 ``StartLimitBurst`` within ``StartLimitIntervalSec``: a process that dies once a day is
 always relaunched), and the pool says so through ``on_give_up``.
+
+A process that lives on but no longer serves (stopped by a signal, or its event loop
+stuck in a call that never returns) would hold its accepted connections open for ever,
+their clients getting neither a token nor an error, while the ranks decode its requests
+for nobody. So each process's loop, once it serves, beats on a counter in shared memory
+(:mod:`.loop_beats`), and the watcher counts a process whose counter has not moved for
+``stall_timeout_s`` (default :data:`~elasticep.frontend.loop_beats.STALL_TIMEOUT_S`) as
+dead: it logs one line, SIGKILLs the process by pid, and the death path above runs (its
+origin aborted, a relaunch within the budget). No stall is counted before a process's
+first beat (its start-up) nor once the pool stops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -38,6 +49,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from elasticep.frontend.api_server_proc import ApiServerSpec, api_server_main
+from elasticep.frontend.loop_beats import BEAT_S, STALL_TIMEOUT_S, BeatsSeen, stall_check
 from elasticep.frontend.metrics import enable_multiprocess, process_died
 from elasticep.frontend_link import LinkEndpoints
 
@@ -81,6 +93,12 @@ class ApiServerPool:
         grace_s: seconds open streams get at a stop, as the node's own front-end's.
         on_give_up: told one line when a process died more than :data:`MAX_RESTARTS`
             times within :data:`RESTART_WINDOW_S` (serve then stops).
+        stall_timeout_s: seconds a serving process's loop may go without a beat before
+            the process is killed and relaunched.
+
+    Raises:
+        ValueError: ``stall_timeout_s`` is not above the beat period
+            (:data:`~elasticep.frontend.loop_beats.BEAT_S`).
 
     Creating the pool makes the node's metrics directory and switches this process's
     metrics to it (:func:`~elasticep.frontend.metrics.enable_multiprocess`): create it
@@ -88,14 +106,25 @@ class ApiServerPool:
     """
 
     def __init__(self, count: int, link_host: str, sock: socket.socket, grace_s: float,
-                 on_give_up: Callable[[str], None] | None = None) -> None:
+                 on_give_up: Callable[[str], None] | None = None,
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+        if not stall_timeout_s > BEAT_S:
+            raise ValueError(f"the stall timeout must be above the beat period of "
+                             f"{BEAT_S} s, got {stall_timeout_s}")
         self.count, self.link_host, self.sock, self.grace_s = count, link_host, sock, grace_s
+        self.stall_timeout_s = stall_timeout_s
         self.on_give_up = on_give_up
         self.metrics_dir = tempfile.mkdtemp(prefix="elasticep-metrics-")
         enable_multiprocess(self.metrics_dir)
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * count
         self._conns: list[Connection | None] = [None] * count
+        # each incarnation's beat counter: shared memory rather than messages on its
+        # pipe, so that a beat never blocks the process's loop on a pool that reads
+        # late (the watcher may spend a start timeout relaunching another process), and
+        # the start-up messages on the pipe stay as they are
+        self._beats: list[ctypes.c_uint64 | None] = [None] * count
+        self._seen: list[BeatsSeen] = [BeatsSeen()] * count
         self.endpoints: list[LinkEndpoints] = []
         self.deaths: list[tuple[float, ...]] = [()] * count  # within the window
         self.origins: list[str] = [""] * count  # each live incarnation's link origin id
@@ -168,10 +197,12 @@ class ApiServerPool:
     def _spawn(self, i: int, ports: tuple[int, int]) -> None:
         parent, child = self._ctx.Pipe()
         self.origins[i] = f"api{i + 1}-{uuid.uuid4().hex[:12]}"
+        self._beats[i] = self._ctx.RawValue(ctypes.c_uint64, 0)
+        self._seen[i] = BeatsSeen(0, time.monotonic())
         proc = self._ctx.Process(
             target=api_server_main, name=f"api-server-{i + 1}",
             args=(i + 1, self.link_host, ports, self.sock, child, self.metrics_dir,
-                  os.getpid(), self.grace_s, self.origins[i]))
+                  os.getpid(), self.grace_s, self.origins[i], self._beats[i]))
         proc.start()
         child.close()
         self._procs[i], self._conns[i] = proc, parent
@@ -203,19 +234,41 @@ class ApiServerPool:
         try:
             while not self._stopping.wait(_WATCH_S):
                 for i, proc in enumerate(self._procs):
-                    if proc is None or proc.is_alive() or self._stopping.is_set():
+                    if proc is None or self._stopping.is_set():
+                        continue
+                    if proc.is_alive() and self._silent_s(i) is None:
                         continue
                     with self._relaunching:
                         if self._stopping.is_set():
                             return
                         if self._procs[i] is not proc:  # wait_serving relaunched it
                             continue
+                        if proc.is_alive():  # stalled; looked at again, as it may have
+                            silent = self._silent_s(i)  # beaten while the lock was held
+                            if silent is None:
+                                continue
+                            self._kill_stalled(i, proc, silent)
                         if not self._relaunch(i, proc):
                             return
         finally:
             # a process relaunched here dies with this thread (PR_SET_PDEATHSIG follows
             # the thread that forked it): keep the thread until the processes are gone
             self._joined.wait()
+
+    def _silent_s(self, i: int) -> float | None:
+        """How long process ``i``'s loop has been silent if it is stalled, else None."""
+        beats = self._beats[i]
+        assert beats is not None
+        self._seen[i], silent = stall_check(self._seen[i], beats.value, time.monotonic(),
+                                            self._stopping.is_set(), self.stall_timeout_s)
+        return silent
+
+    def _kill_stalled(self, i: int, proc: BaseProcess, silent: float) -> None:
+        logger.warning("api server %d (pid %d) stalled: its event loop has not beaten for "
+                       "%.1f s (stall timeout %g s); killing it", i + 1, proc.pid, silent,
+                       self.stall_timeout_s)
+        proc.kill()
+        proc.join(5)
 
     def _relaunch(self, i: int, dead: BaseProcess) -> bool:
         """Start process ``i`` again after ``dead`` exited; False once it gave up."""

@@ -7,10 +7,15 @@ front-end processes. :mod:`.api_server_pool` starts and supervises these process
 The start has two steps, because the ranks must know every link before they start and
 the front-end needs the coordinator, which starts with them: the process binds its link
 and sends the endpoints up its pipe, then waits for the :class:`ApiServerSpec`.
+
+Once it serves, its event loop beats on a counter in shared memory
+(:mod:`.loop_beats`), which the pool reads to find a process whose loop has stalled
+while the process lives on.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from elasticep.frontend.loop_beats import beat
 from elasticep.frontend.membership_source import MembershipSource
 from elasticep.frontend.metrics import enable_multiprocess
 from elasticep.frontend_link import FrontendChannel, LinkEndpoints, WorkerHello
@@ -81,7 +87,8 @@ def requests_served(frontend: Frontend) -> int:
 
 def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: socket.socket,
                     conn: Connection, metrics_dir: str, parent_pid: int,
-                    grace_s: float, origin_id: str | None = None) -> None:
+                    grace_s: float, origin_id: str | None = None,
+                    beats: ctypes.c_uint64 | None = None) -> None:
     """The process's body: serve until SIGTERM (open streams get ``grace_s`` seconds,
     then an error event, as the node's own front-end's), or die with the parent.
 
@@ -97,6 +104,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         grace_s: seconds open streams get at a stop.
         origin_id: its link's origin id (the ranks tag its requests with it; a
             relaunch gets a new one); None: a random one.
+        beats: the shared counter its loop beats on once it serves
+            (:func:`~elasticep.frontend.loop_beats.beat`); None: no beats.
     """
     die_with_parent(parent_pid)
     stop = threading.Event()
@@ -132,6 +141,8 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         warn_long_collections(spec.gc_warning_threshold_s)
         logger.info("api server %d (pid %d) serving", index, os.getpid())
         conn.send(os.getpid())
+        if beats is not None and not frontend.call_soon(beat, beats):
+            logger.warning("api server %d: its loop has closed; no beats", index)
         stop.wait()
         logger.info("api server %d (pid %d): stopping after %d requests", index,
                     os.getpid(), requests_served(frontend))

@@ -151,13 +151,7 @@ class Frontend(MembershipWatch):
         none``): end every in-flight request with an error event carrying ``reason`` and
         refuse new ones (HTTP 503). Thread-safe; idempotent."""
         self.closed_reason = self.closed_reason or reason
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._fail_open_streams)
-        except RuntimeError:  # the loop closed meanwhile: no stream is left to fail
-            pass
+        self.call_soon(self._fail_open_streams)  # no loop: no stream is left to fail
 
     def shut_down(self, reason: str, grace_s: float) -> None:
         """Stop serving (Ctrl-C of serve): refuse new requests now (HTTP 503), give the
@@ -187,13 +181,23 @@ class Frontend(MembershipWatch):
         ``origin_id`` is gone (:class:`~elasticep.frontend_link.AbortOrigin`): each
         aborts that process's requests. For the supervisor of the node's other
         front-end processes; thread-safe; nothing is sent before :meth:`start`."""
+        self.call_soon(self._send_abort_origin, origin_id)  # no loop: the ranks stop with serve
+
+    def call_soon(self, callback: Callable[..., object], *args: Any) -> bool:
+        """Run ``callback(*args)`` on the front-end's loop, from any thread.
+
+        Returns:
+            False, running nothing, when the loop has not started (:meth:`start`) or
+            has closed.
+        """
         loop = self._loop
         if loop is None or loop.is_closed():
-            return
+            return False
         try:
-            loop.call_soon_threadsafe(self._send_abort_origin, origin_id)
-        except RuntimeError:  # the loop closed meanwhile: the ranks stop with serve
-            pass
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed since the look above
+            return False
+        return True
 
     def _send_abort_origin(self, origin_id: str) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -8,7 +8,9 @@ It takes serve's --model, --host, --port, --log-dir, --api-server-count and --ep
 and --disable-cuda-graph without using them (no model is loaded: only the tokenizer),
 so that ``ServeProcess.start(..., program=stub_engine.server_command(S))`` drives it as
 it drives serve. It prints the same ``ready: URL`` line and stops on SIGINT/SIGTERM,
-ending its rank processes.
+ending its rank processes. ``--api-server-stall-timeout-s`` sets the extra front-end
+processes' stall timeout (serve keeps the pool's default), so that a test of a stalled
+process need not wait that long.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 
+from elasticep.frontend.loop_beats import BEAT_S, STALL_TIMEOUT_S
 from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerHello
 from elasticep.utils.net import bind_tcp
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the API's context limit, as serve's")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="HTTP front-end processes sharing --port, as serve's")
+    ap.add_argument("--api-server-stall-timeout-s", type=float, default=STALL_TIMEOUT_S,
+                    help="seconds an extra front-end process's event loop may go without "
+                         "a beat before it is killed and relaunched")
     for unused in ("--dist-init-addr", "--device", "--dtype", "--load-format"):
         ap.add_argument(unused, default=None, help="accepted for serve's sake; unused")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="unused")
@@ -61,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--ep-size must be >= 1")
     if args.api_server_count < 1:
         ap.error("--api-server-count must be >= 1")
+    if not args.api_server_stall_timeout_s > BEAT_S:
+        ap.error(f"--api-server-stall-timeout-s must be > {BEAT_S}")
     return args
 
 
@@ -92,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = bind_tcp(args.host, args.port)
     pool, links = None, [channel.endpoints]
     if args.api_server_count > 1:  # before the front-end: its metrics go multiprocess
-        pool = ApiServerPool(args.api_server_count - 1, args.host, sock, 5.0)
+        pool = ApiServerPool(args.api_server_count - 1, args.host, sock, 5.0,
+                             stall_timeout_s=args.api_server_stall_timeout_s)
         links += pool.start()
     server, frontend = create_server(
         args.model, channel, stub_membership(args.ep_size, lambda: channel.connected),
