@@ -10,7 +10,8 @@ a dead rank's requests on survivors, and the membership view it routes by.
 - ``incremental_text``: streamed detokenization; ``metrics``: Prometheus metrics;
 - ``membership_source``: the ``MembershipSource`` protocol it polls (the deployment supplies one);
 - ``api_server_pool`` / ``api_server_proc``: a node's extra front-end processes on one
-  listening socket (``serve --api-server-count``).
+  listening socket (``serve --api-server-count``), with ``loop_beats`` (the liveness
+  of each one's event loop).
 
 It knows nothing of how ranks are started (``elasticep.deploy``) or of the CLI.
 """
