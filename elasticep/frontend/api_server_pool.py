@@ -259,7 +259,10 @@ class ApiServerPool:
         """How long process ``i``'s loop has been silent if it is stalled, else None."""
         beats = self._beats[i]
         assert beats is not None
-        self._seen[i], silent = stall_check(self._seen[i], beats.value, time.monotonic(),
+        # the time before the counter: a watcher held up between the two reads (its
+        # process stopped) then reads a moved counter, not a silence of its own making
+        now = time.monotonic()
+        self._seen[i], silent = stall_check(self._seen[i], beats.value, now,
                                             self._stopping.is_set(), self.stall_timeout_s)
         return silent
 
