@@ -204,8 +204,8 @@ def test_the_stall_check_counts_a_silent_loop_of_a_serving_process_only():
     assert stall_check(seen, 39, last + timeout + 1.5, False) == (seen, timeout + 1.5)
     assert stall_check(seen, 39, last + 3 * timeout, True) == (seen, None)  # stopping
     # a watcher held up for longer than the timeout finds the counter moved: alive
-    assert stall_check(seen, 45, last + 3 * timeout, False) == (BeatsSeen(45, last + 3 * timeout),
-                                                                  None)
+    later = last + 3 * timeout
+    assert stall_check(seen, 45, later, False) == (BeatsSeen(45, later), None)
     assert stall_check(seen, 39, last + 2.0, False, timeout_s=1.0) == (seen, 2.0)
 
 
