@@ -178,22 +178,31 @@ def check_model_dir(model: str, load_format: str | LoadFormat = LoadFormat.AUTO)
             (or their index) beside ``config.json``.
 
     Raises:
-        UsageError: missing directory/config.json, an unsupported ``model_type``, or a
-            config-only directory without ``--load-format dummy`` (the rank would die
-            reading weights otherwise, long after start).
+        UsageError: missing directory/config.json, an unsupported ``model_type``, a
+            config.json that does not parse into a model config, or a config-only
+            directory without ``--load-format dummy`` (the rank would die reading
+            weights otherwise, long after start).
     """
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {model}: no such model directory (config.json not found)")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"--model {model}: unreadable config.json ({exc})") from None
-    from elasticep.models.config import SUPPORTED_FAMILIES  # imports torch
+    if not isinstance(raw, dict):
+        raise UsageError(f"--model {model}: config.json is not a JSON object (a "
+                         f"{type(raw).__name__})")
+    from elasticep.models.config import SUPPORTED_FAMILIES, load_model_config  # imports torch
 
+    model_type = raw.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+    try:  # every rank parses it; a bad field must stop the command here, not them
+        load_model_config(path)
+    except Exception as exc:  # noqa: BLE001 - transformers' field checks raise their own types
+        raise UsageError(f"--model {model}: config.json: {' '.join(str(exc).split())}") from None
     if LoadFormat(load_format) != LoadFormat.DUMMY and not has_weights(path):
         raise UsageError(f"--model {model}: no *.safetensors files, only config.json; add "
                          "--load-format dummy to run this shape with random weights")
