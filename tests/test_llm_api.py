@@ -196,3 +196,19 @@ def test_a_rank_dying_while_loading_raises_one_line(tmp_path, caplog):
     log = (Path(log_dir) / f"rank{found[1]}.log").read_text()
     shutil.rmtree(log_dir)  # made for this test
     assert "Traceback (most recent call last)" in log and found[2] in log
+
+
+@pytest.mark.parametrize("bad", ["file", ""])
+def test_a_bad_log_dir_is_refused_before_anything_starts(tmp_path, bad):
+    """A log_dir that is a file used to raise FileExistsError from the launcher after the
+    coordinator had started; an empty one put the rank logs in the working directory."""
+    from elasticep import LLM
+
+    log_dir = str(tmp_path / "f") if bad else ""
+    if bad:
+        Path(log_dir).write_text("")
+    message = (f"--log-dir {log_dir}: cannot create it (File exists)" if bad
+               else "--log-dir must not be empty")
+    with pytest.raises(UsageError) as err:
+        LLM(model=str(DEMO_MODEL), ep_size=2, log_dir=log_dir)
+    assert str(err.value) == message

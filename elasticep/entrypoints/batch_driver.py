@@ -88,13 +88,17 @@ class BatchDriver:
                 temporary directory, named in one log line.
 
         Raises:
+            UsageError: ``log_dir`` cannot be made or written.
             RankStartupError: a launch rank exited while loading (a RuntimeError whose
                 message is one line: the rank, its exit status, its last exception and
                 the log file that holds the whole traceback).
             TimeoutError / RuntimeError: the ranks did not come up.
         """
-        if log_dir is None:  # rank tracebacks belong in files, not in the caller's stderr
-            log_dir = str(make_log_dir(None, "elasticep-logs-"))
+        # rank tracebacks belong in files, not in the caller's stderr; a given directory
+        # is checked here, before the coordinator or any rank starts
+        named = log_dir is not None
+        log_dir = str(make_log_dir(log_dir, "elasticep-logs-"))
+        if not named:
             logger.info("worker logs in %s", log_dir)
         channel = FrontendChannel(host="127.0.0.1")
         config = replace(config, frontend_request_addr=channel.endpoints.request_addr,

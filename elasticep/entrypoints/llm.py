@@ -152,7 +152,8 @@ class LLM:
         **kwargs: deployment settings by field name (see :func:`deployment_settings`).
 
     Raises:
-        UsageError: a model directory that cannot serve (the message names the fix).
+        UsageError: a model directory that cannot serve (the message names the fix), or
+            a ``log_dir`` that cannot be made or written.
         TypeError / ValueError: a bad deployment setting.
         TimeoutError / RuntimeError: the ranks did not come up.
     """

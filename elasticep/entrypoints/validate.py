@@ -258,12 +258,14 @@ def make_log_dir(value: str | None, prefix: str) -> Path:
     temporary directory named ``prefix...``.
 
     Raises:
-        UsageError: ``--log-dir`` cannot be created or is not a writable directory
+        UsageError: ``--log-dir`` is empty, cannot be created or is not a writable directory
             (checked before anything starts: a failure later was reported as the
             coordinator's).
     """
     if value is None:
         return Path(tempfile.mkdtemp(prefix=prefix))
+    if not value.strip():  # Path("") is the working directory
+        raise UsageError("--log-dir must not be empty")
     path = Path(value).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
