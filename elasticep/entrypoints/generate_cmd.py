@@ -28,6 +28,7 @@ from elasticep.frontend.incremental_text import cut_at_stop
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
 from elasticep.models.loader import load_model
+from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
+    # this process runs the model (one rank) or the batch's front-end (more)
+    warn_long_collections(dep.gc_warning_threshold_s)
     try:
         tok = load_tokenizer(dep.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]
