@@ -168,6 +168,7 @@ def validate(args: argparse.Namespace
     checks.check_device(args.device)
     deployment = replace(deployment, model=checks.check_model_dir(args.model, args.load_format))
     checks.check_quantization(deployment.model, deployment.quantization)
+    checks.check_model_config(deployment.model)
     if args.prompt is not None:
         problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
         if problem:

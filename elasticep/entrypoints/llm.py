@@ -34,6 +34,7 @@ from elasticep.deploy import Deployment
 from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import (
+    check_model_config,
     check_model_dir,
     check_quantization,
     default_model_dir,
@@ -167,6 +168,7 @@ class LLM:
         config = deployment_settings(check_model_dir(model, kwargs.get(
             "load_format", "auto")), {"ep_size": ep_size, **kwargs})
         check_quantization(config.model, config.quantization)  # before any rank starts
+        check_model_config(config.model)
         self.tokenizer = load_tokenizer(tokenizer or config.model)
         self._lock = threading.Lock()  # one batch at a time: the driver owns one loop
         self._driver: BatchDriver | None = BatchDriver.launch(

@@ -178,10 +178,10 @@ def check_model_dir(model: str, load_format: str | LoadFormat = LoadFormat.AUTO)
             (or their index) beside ``config.json``.
 
     Raises:
-        UsageError: missing directory/config.json, an unsupported ``model_type``, a
-            config.json that does not parse into a model config, or a config-only
-            directory without ``--load-format dummy`` (the rank would die reading
-            weights otherwise, long after start).
+        UsageError: missing directory/config.json, a config.json that is not an object,
+            an unsupported ``model_type``, or a config-only directory without
+            ``--load-format dummy`` (the rank would die reading weights otherwise, long
+            after start).
     """
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
@@ -193,16 +193,12 @@ def check_model_dir(model: str, load_format: str | LoadFormat = LoadFormat.AUTO)
     if not isinstance(raw, dict):
         raise UsageError(f"--model {model}: config.json is not a JSON object (a "
                          f"{type(raw).__name__})")
-    from elasticep.models.config import SUPPORTED_FAMILIES, load_model_config  # imports torch
+    from elasticep.models.config import SUPPORTED_FAMILIES  # imports torch
 
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-    try:  # every rank parses it; a bad field must stop the command here, not them
-        load_model_config(path)
-    except Exception as exc:  # noqa: BLE001 - transformers' field checks raise their own types
-        raise UsageError(f"--model {model}: config.json: {' '.join(str(exc).split())}") from None
     if LoadFormat(load_format) != LoadFormat.DUMMY and not has_weights(path):
         raise UsageError(f"--model {model}: no *.safetensors files, only config.json; add "
                          "--load-format dummy to run this shape with random weights")
@@ -236,6 +232,24 @@ def check_quantization(model_dir: str, quantization: str | None) -> None:
                 "config.json declares no quantization_config; supported: block-scaled FP8 "
                 "(quant_method fp8, weight_block_size [128, 128]) with its "
                 "'<name>_scale_inv' scales, declared in config.json")
+
+
+def check_model_config(model_dir: str) -> None:
+    """``model_dir``'s config.json parses into a model config (every rank parses it: a
+    bad field must stop the command, not each rank); call after
+    :func:`check_quantization`, whose message names a bad ``quantization_config`` better.
+
+    Raises:
+        UsageError: the parse failed (transformers' field checks raise their own error
+            types), in one line.
+    """
+    from elasticep.models.config import load_model_config
+
+    try:
+        load_model_config(model_dir)
+    except Exception as exc:  # noqa: BLE001 - see Raises
+        raise UsageError(f"--model {model_dir}: config.json: "
+                         f"{' '.join(str(exc).split())}") from None
 
 
 def has_weights(model_dir: Path) -> bool:
