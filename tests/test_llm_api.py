@@ -127,6 +127,29 @@ def test_logprobs_in_vllm_shape_match_the_engine(llm):
         assert abs(out.prompt_logprobs[pos][ids[pos]] - float(ref[pos - 1, ids[pos]])) < 1e-3
 
 
+def test_an_interrupted_batch_ends_its_requests_and_the_next_batch_runs(llm):
+    """Ctrl-C in the middle of a batch (a KeyboardInterrupt out of the driver's loop, here
+    raised at the first token) used to leave every request of it pending on the loop:
+    still running on the ranks, and at exit one "Event loop is closed" traceback each."""
+    from elasticep import SamplingParams
+
+    driver = llm._running()
+    ids = [list(p) for p in prompts()[:N]]
+
+    fired = []
+
+    def interrupt(_i, _event):  # one Ctrl-C
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.generate(ids, SamplingParams(max_tokens=64, ignore_eos=True), on_event=interrupt)
+    assert driver.frontend.tracker.num_running == 0
+    outs = llm.generate(ids[:1], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+
+
 def test_chat_renders_the_template_and_answers(llm):
     from elasticep import SamplingParams
 
