@@ -186,6 +186,13 @@ def test_settings_take_flag_names_and_default_the_capacity():
     assert DeploymentConfig(model="/m", ep_size=2, max_ep_size=4).max_ep_size == 4
     with pytest.raises(TypeError, match="'ep_sise'"):
         deployment_settings("/m", {"ep_sise": 2})
+    # a bool passed the range check here and killed every rank, whose config decoder
+    # wants a float; a string failed with "'<=' not supported between ..."
+    with pytest.raises(TypeError) as err:
+        deployment_settings("/m", {"gc_warning_threshold_secs": True})
+    assert str(err.value) == "LLM() keyword gc_warning_threshold_secs: expected float, got true"
+    with pytest.raises(TypeError, match='^LLM\\(\\) keyword heartbeat_timeout: expected float, got "2"$'):
+        deployment_settings("/m", {"heartbeat_timeout": "2"})
     with pytest.raises(ValueError, match="--max-ep-size"):
         deployment_settings("/m", {"ep_size": 2, "max_ep_size": 1})
 

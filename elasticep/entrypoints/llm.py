@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -41,6 +42,7 @@ from elasticep.entrypoints.validate import (
     env_fault,
 )
 from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.wire.values import ProtocolError, convert, plain
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "GenerationError"]
 
@@ -53,6 +55,7 @@ _FLAG_NAMES = {"heartbeat_timeout": "heartbeat_timeout_s",
                "coordinator_timeout": "coordinator_timeout_s"}
 # set by the LLM itself, not by a caller
 _INTERNAL = {"model", "frontend_request_addr", "frontend_output_addr", "store_addr"}
+_FIELD_TYPES = typing.get_type_hints(DeploymentConfig)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -124,7 +127,8 @@ def deployment_settings(model: str, kwargs: Mapping[str, Any]) -> DeploymentConf
             (``heartbeat_timeout`` for ``heartbeat_timeout_s``).
 
     Raises:
-        TypeError: a keyword that is no deployment setting.
+        TypeError: a keyword that is no deployment setting, or a value of another type
+            than the setting's (``True`` for seconds, say).
         ValueError: a value out of range, naming its flag (the config's check).
     """
     known = {f.name for f in fields(DeploymentConfig)} - _INTERNAL
@@ -134,6 +138,10 @@ def deployment_settings(model: str, kwargs: Mapping[str, Any]) -> DeploymentConf
         if name not in known:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r} (deployment "
                             f"settings: {', '.join(sorted(known))})")
+        try:  # the type each rank decodes it as: a wrong one killed every rank at start
+            convert(plain(value), _FIELD_TYPES[name], key, {})
+        except ProtocolError as exc:
+            raise TypeError(f"LLM() keyword {exc}") from None
         values[name] = value
     return DeploymentConfig(model=model, **values)
 
