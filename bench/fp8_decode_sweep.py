@@ -62,7 +62,9 @@ from elasticep.moe.experts.fp8_tiles import (
     SORTED_KERNELS,
     Entry,
     Tile,
+    TileTableError,
     bucket_value,
+    check_table_targets,
     device_slug,
     write_merged,
 )
@@ -249,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t_start = time.time()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    try:  # before the sweep's minutes: write_merged refuses a bad table only at the end
+        check_table_targets(args.write_table, name)
+    except (TileTableError, OSError) as e:
+        print(f"bench.fp8_decode_sweep: error: --write-table: {e}", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     grids = GRIDS if args.grid == "full" else TINY_GRIDS
     stages = [int(v) for v in args.stages.split(",") if v]

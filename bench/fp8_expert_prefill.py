@@ -76,6 +76,8 @@ from elasticep.moe.experts.fp8_tiles import (
     W8A8_GATE_UP_BLOCK,
     Entry,
     Tile,
+    TileTableError,
+    check_table_targets,
     device_slug,
     write_merged,
 )
@@ -238,6 +240,11 @@ def main() -> int:
                    help="--sweep: merge the chosen tiles into this .json table, or into "
                         "<device slug>.json in this directory (repeatable)")
     args = p.parse_args()
+    try:  # a sweep takes minutes: refuse a table it could not merge into before it
+        check_table_targets(args.write_table, None)
+    except (TileTableError, OSError) as e:
+        print(f"bench.fp8_expert_prefill: error: --write-table: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench.fp8_expert_prefill needs CUDA", file=sys.stderr)
         return 2
@@ -246,6 +253,11 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 products
     t_start, tag = time.time(), {"commit": commit(), "device": torch.cuda.get_device_name()}
+    try:
+        check_table_targets(args.write_table, tag["device"])
+    except (TileTableError, OSError) as e:
+        print(f"bench.fp8_expert_prefill: error: --write-table: {e}", file=sys.stderr)
+        return 2
 
     def emit(rec: dict) -> None:
         print(json.dumps({**rec, **tag}), flush=True)

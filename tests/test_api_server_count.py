@@ -140,6 +140,9 @@ def test_two_front_end_processes_serve_share_metrics_and_survive_a_kill():
     # heap (its imports: torch, the tokenizer) before serving
     frozen = [int(n) for n in re.findall(r"froze (\d+) start-up objects", log)]
     assert len(frozen) == 3 and min(frozen) > 50_000, frozen
+    # an extra process's exit left its frozen heap uncollected, and nanobind (triton's
+    # bindings) printed a report of hundreds of "leaked" objects at every stop
+    assert "leaked" not in log, log[-3000:]
 
 
 def _greedy_texts(texts: list[str], *args: str) -> tuple[list[str], str]:

@@ -267,3 +267,25 @@ def test_a_standby_replica_campaigns_before_torch_is_loaded():
                          text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["campaigning; torch imported: False"], out.stderr[-3000:]
+
+
+def test_a_start_given_up_ends_the_child_at_once(monkeypatch, caplog):
+    """A start that gives up before the child serves (its timeout here; Ctrl-C of serve or
+    generate likewise) used to wait 5 s for a child whose lifeline was still open, then
+    warn "still runs 5 s after its lifeline closed; killing it"."""
+    import elasticep.membership.process as process
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def record(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(process.subprocess, "Popen", record)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        CoordinatorProcess.start(ready_timeout_s=0.05)
+    assert time.monotonic() - t0 < 2.0
+    assert started and started[0].poll() is not None
+    assert "killing it" not in caplog.text

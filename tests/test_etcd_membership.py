@@ -237,6 +237,37 @@ def test_etcd_unreachable_is_one_clear_error():
     assert time.monotonic() - t0 < 5 and "\n" not in str(e.value)
 
 
+def test_a_port_that_answers_but_is_not_etcd_is_one_clear_error():
+    """A client URL that reaches some other HTTP server (a wrong port) ended serve with
+    requests' JSONDecodeError traceback (exit 1); it counts as a member that did not
+    answer, so the call moves on to the next."""
+    import http.server
+    import threading
+
+    class _NotEtcd(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), _NotEtcd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        kv = EtcdKV([("127.0.0.1", port)])
+        with pytest.raises(StoreUnavailableError) as e:
+            kv.status()
+        assert str(e.value) == (f"no etcd member answered (127.0.0.1:{port}: not an etcd "
+                                "gateway: its answer is not a JSON object)")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_call_tries_every_member_once_while_another_thread_moves_the_start():
     """A lease keep-alive thread shares the EtcdKV: one of its answers moving the start
     member mid-call must not send the call back to a member it already tried (it once

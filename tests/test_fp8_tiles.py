@@ -98,6 +98,11 @@ def test_an_entry_is_picked_by_shape_bucket_and_device(tmp_path):
     (json.dumps({"entries": [_entry(block=12)]}), "block must be a power of two"),
     (json.dumps({"entries": [_entry(num_warps=True)]}), "num_warps must be a power of two"),
     (json.dumps({"entries": [_entry(bucket=0)]}), "bucket must be a positive number"),
+    (json.dumps({"entries": [_entry(bucket=float("inf"))]}),  # JSON's "Infinity"
+     "bucket must be a positive number, got inf"),
+    (json.dumps({"entries": [_entry(num_warps=64)]}),  # 2048 threads: no launch takes it
+     "num_warps must be a power of two at most 32, got 64"),
+    ("\udcff{}", "not UTF-8 text"),  # written as the byte 0xff below
     (json.dumps({"entries": [_entry(block_m=16)]}), "block_m is required for the sorted"),
     (json.dumps({"entries": [_entry(kernel="fp8_sorted_gate_up", block_m=8)]}),
      "block_m must be at least 16"),
@@ -109,7 +114,7 @@ def test_an_entry_is_picked_by_shape_bucket_and_device(tmp_path):
 ])
 def test_a_malformed_table_is_refused_naming_the_file(tmp_path, text, says):
     path = table_path(DEVICE, tmp_path)
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(TileTableError, match=str(path).replace(".", r"\.")) as e:
         decode_tile("fp8_rows_gate_up", 2048, 768, 8.0, DEVICE, tmp_path)
     assert says in str(e.value)
@@ -277,3 +282,20 @@ def test_kernels_and_sweep_interpreted():
 
 if __name__ == "__main__":
     print(json.dumps(_interpreted()))
+
+
+def test_the_prefill_sweep_refuses_a_table_it_cannot_merge_into_before_it_runs(
+        tmp_path, monkeypatch, capsys):
+    """write_merged refused a malformed --write-table file with a traceback, and only
+    after the sweep's minutes on the GPU; the check comes first (on CPU too)."""
+    import sys
+
+    from bench.fp8_expert_prefill import main
+
+    bad = _write(tmp_path, [_entry(kernel="w8a8_gate_up", block=64)])
+    monkeypatch.setattr(sys, "argv", ["fp8_expert_prefill", "--sweep", "--write-table",
+                                      str(bad)])
+    assert main() == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"bench.fp8_expert_prefill: error: --write-table: {bad} entry 0: w8a8_gate_up's "
+        "block is one scale group, 128, got 64"]

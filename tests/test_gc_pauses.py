@@ -38,3 +38,25 @@ def test_a_collection_longer_than_the_threshold_is_logged_once_and_none_when_off
     assert len(full) == 1 and full[0].startswith("WARNING garbage collection"), lines
     assert _collections_logged(0.0) == []  # off
     assert _collections_logged(60.0) == []  # none that long
+
+
+def test_generate_of_one_rank_warns_in_its_own_process(caplog, capsys):
+    """generate --ep-size 1 runs the model in its own process: the flag used to be
+    accepted and ignored there; and a short collection was logged as "took 0.000 s
+    (over 1e-06 s)"."""
+    import re
+
+    from elasticep.entrypoints.cli import build_parser
+    from elasticep.entrypoints.generate_cmd import run
+    from elasticep.utils.gc_pauses import warn_long_collections
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "2",
+                                      "--gc-warning-threshold-secs", "1e-6"])
+    try:
+        assert run(args) == 0
+    finally:
+        warn_long_collections(0.0)  # the hook is process-wide
+    took = [float(m[1]) for r in caplog.records
+            if (m := re.match(r"garbage collection of generation \d took (\S+) s",
+                              r.getMessage()))]
+    assert took and min(took) > 1e-6, caplog.text[-2000:]

@@ -186,3 +186,34 @@ def test_bad_prompt_flag(prompt, message):
     with pytest.raises(UsageError) as err:
         _validate("--prompt", prompt)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: [c], "config.json is not a JSON object (a list)"),
+    # transformers' own validation error (not a ValueError) ended serve and generate
+    # with its traceback, before any rank started
+    (lambda c: {**c, "num_experts": "many"}, "config.json: Validation error for field "
+     "'num_experts': TypeError: Field 'num_experts' expected int, got str (value: 'many')"),
+])
+def test_malformed_config_is_one_usage_error(tmp_path, edit, message):
+    model = linked_checkpoint(DEMO_MODEL, tmp_path / "m", "config.json", edit)
+    with pytest.raises(UsageError) as err:
+        _validate("--prompt", "hi", "--model", str(model))
+    assert str(err.value) == f"--model {model}: {message}"
+
+
+def test_index_naming_a_shard_without_the_tensor_is_one_line(tmp_path):
+    """The index lists the tensor in a shard that lacks it: safetensors' own error used to
+    end a single-rank generate with a traceback (exit 1)."""
+    from elasticep.models.checkpoint import CheckpointReader
+
+    key = "model.layers.0.input_layernorm.weight"
+    index = "model.safetensors.index.json"
+    model = linked_checkpoint(DEMO_MODEL, tmp_path / "m", index, lambda i: {
+        **i, "weight_map": {**i["weight_map"], key: "model-00004-of-00004.safetensors"}})
+    with CheckpointReader(model) as reader, pytest.raises(ValueError) as err:
+        reader.get_stored(key)
+    assert str(err.value) == (
+        f"tensor {key!r} is not in {model / 'model-00004-of-00004.safetensors'}, where "
+        f"{model / index} says it is (supported model families: qwen3_moe, qwen2_moe, "
+        "mixtral, deepseek_v2, deepseek_v3)")

@@ -127,6 +127,29 @@ def test_logprobs_in_vllm_shape_match_the_engine(llm):
         assert abs(out.prompt_logprobs[pos][ids[pos]] - float(ref[pos - 1, ids[pos]])) < 1e-3
 
 
+def test_an_interrupted_batch_ends_its_requests_and_the_next_batch_runs(llm):
+    """Ctrl-C in the middle of a batch (a KeyboardInterrupt out of the driver's loop, here
+    raised at the first token) used to leave every request of it pending on the loop:
+    still running on the ranks, and at exit one "Event loop is closed" traceback each."""
+    from elasticep import SamplingParams
+
+    driver = llm._running()
+    ids = [list(p) for p in prompts()[:N]]
+
+    fired = []
+
+    def interrupt(_i, _event):  # one Ctrl-C
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        driver.generate(ids, SamplingParams(max_tokens=64, ignore_eos=True), on_event=interrupt)
+    assert driver.frontend.tracker.num_running == 0
+    outs = llm.generate(ids[:1], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+
+
 def test_chat_renders_the_template_and_answers(llm):
     from elasticep import SamplingParams
 
@@ -163,6 +186,13 @@ def test_settings_take_flag_names_and_default_the_capacity():
     assert DeploymentConfig(model="/m", ep_size=2, max_ep_size=4).max_ep_size == 4
     with pytest.raises(TypeError, match="'ep_sise'"):
         deployment_settings("/m", {"ep_sise": 2})
+    # a bool passed the range check here and killed every rank, whose config decoder
+    # wants a float; a string failed with "'<=' not supported between ..."
+    with pytest.raises(TypeError) as err:
+        deployment_settings("/m", {"gc_warning_threshold_secs": True})
+    assert str(err.value) == "LLM() keyword gc_warning_threshold_secs: expected float, got true"
+    with pytest.raises(TypeError, match='^LLM\\(\\) keyword heartbeat_timeout: expected float, got "2"$'):
+        deployment_settings("/m", {"heartbeat_timeout": "2"})
     with pytest.raises(ValueError, match="--max-ep-size"):
         deployment_settings("/m", {"ep_size": 2, "max_ep_size": 1})
 
@@ -196,3 +226,19 @@ def test_a_rank_dying_while_loading_raises_one_line(tmp_path, caplog):
     log = (Path(log_dir) / f"rank{found[1]}.log").read_text()
     shutil.rmtree(log_dir)  # made for this test
     assert "Traceback (most recent call last)" in log and found[2] in log
+
+
+@pytest.mark.parametrize("bad", ["file", ""])
+def test_a_bad_log_dir_is_refused_before_anything_starts(tmp_path, bad):
+    """A log_dir that is a file used to raise FileExistsError from the launcher after the
+    coordinator had started; an empty one put the rank logs in the working directory."""
+    from elasticep import LLM
+
+    log_dir = str(tmp_path / "f") if bad else ""
+    if bad:
+        Path(log_dir).write_text("")
+    message = (f"--log-dir {log_dir}: cannot create it (File exists)" if bad
+               else "--log-dir must not be empty")
+    with pytest.raises(UsageError) as err:
+        LLM(model=str(DEMO_MODEL), ep_size=2, log_dir=log_dir)
+    assert str(err.value) == message

@@ -33,7 +33,9 @@ def test_a_rank_dying_while_loading_ends_serve_with_its_status_and_line(tmp_path
     assert "terminate called" not in serve.stderr, serve.stderr[-3000:]
     assert serve.returncode == 1, serve.stderr[-3000:]
     assert [line for line in serve.stderr.splitlines() if "error:" in line] == [
-        "elasticep serve: error: rank 1 exited with -9 while loading; its log ends with:"]
+        # the log file named: its tail printed below is not the whole log
+        f"elasticep serve: error: rank 1 exited with -9 while loading; its log (rank1.log in "
+        f"{tmp_path}) ends with:"]
     assert "fault injection: rank 1 SIGKILLs itself at loading" in serve.stderr
     assert serve.stdout == ""  # never ready
     pids = [int(p) for p in re.findall(r"rank \d started \(pid (\d+)", serve.stderr)]
@@ -49,6 +51,9 @@ def test_a_rank_that_died_before_writing_its_log_is_said_so():
     assert loading_exit_message(2, 1, "ValueError: x") == (
         "elasticep serve: error: rank 2 exited with 1 while loading; its log ends with:\n"
         "ValueError: x")
+    assert loading_exit_message(2, -9, "loading layer 3\n", Path("/logs")) == (
+        "elasticep serve: error: rank 2 exited with -9 while loading; its log (rank2.log in "
+        "/logs) ends with:\nloading layer 3\n")
     tail = ("  File \"/x/loader.py\", line 42, in _proj\n    return reader.get(key)\n"
             "           ^^^^^^^^^^^^^^^\nValueError: tensor 'w' is stored as float8_e4m3fn\n")
     assert loading_exit_message(0, 1, tail, Path("/logs")) == (

@@ -25,8 +25,8 @@ def loading_failure(rank: int, code: int, log_tail: str, log_dir: Path | None = 
     """Why ``rank`` did not come up, from its log's last lines (pure). A rank killed
     before it wrote anything (SIGKILL) gets "its log is empty", not a colon followed by
     nothing; a log that ends in a Python traceback gives only the exception's line and
-    where the whole traceback is (``rank<r>.log`` in ``log_dir``); any other log, its
-    last lines."""
+    where the whole traceback is (``rank<r>.log`` in ``log_dir``); any other log (a
+    rank killed by a signal midway), its last lines after a line naming that file."""
     head = f"rank {rank} exited with {code} while loading"
     if not log_tail.strip():
         return f"{head}; its log is empty"
@@ -34,7 +34,8 @@ def loading_failure(rank: int, code: int, log_tail: str, log_dir: Path | None = 
     if error is not None:
         where = f"rank{rank}.log in {log_dir}" if log_dir is not None else "its log"
         return f"{head}: {error} (traceback in {where})"
-    return f"{head}; its log ends with:\n{log_tail}"
+    log = "its log" if log_dir is None else f"its log (rank{rank}.log in {log_dir})"
+    return f"{head}; {log} ends with:\n{log_tail}"
 
 
 def traceback_error(log_tail: str) -> str | None:

@@ -88,13 +88,17 @@ class BatchDriver:
                 temporary directory, named in one log line.
 
         Raises:
+            UsageError: ``log_dir`` cannot be made or written.
             RankStartupError: a launch rank exited while loading (a RuntimeError whose
                 message is one line: the rank, its exit status, its last exception and
                 the log file that holds the whole traceback).
             TimeoutError / RuntimeError: the ranks did not come up.
         """
-        if log_dir is None:  # rank tracebacks belong in files, not in the caller's stderr
-            log_dir = str(make_log_dir(None, "elasticep-logs-"))
+        # rank tracebacks belong in files, not in the caller's stderr; a given directory
+        # is checked here, before the coordinator or any rank starts
+        named = log_dir is not None
+        log_dir = str(make_log_dir(log_dir, "elasticep-logs-"))
+        if not named:
             logger.info("worker logs in %s", log_dir)
         channel = FrontendChannel(host="127.0.0.1")
         config = replace(config, frontend_request_addr=channel.endpoints.request_addr,
@@ -189,11 +193,30 @@ class BatchDriver:
                     finish, error = ev.finish_reason, ev.error
             return Completion(tokens, text, finish, error, tuple(lps), prompt_lps)
 
-        async def run() -> list[Completion]:
-            return await asyncio.wait_for(
-                asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), timeout_s)
+        tasks = [self.loop.create_task(one(i, p)) for i, p in enumerate(prompts)]
 
-        return self.loop.run_until_complete(run())
+        async def run() -> list[Completion]:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending:
+                raise TimeoutError(f"the batch did not finish within {timeout_s:g} s")
+            return [task.result() for task in tasks]
+
+        batch = self.loop.create_task(run())
+        try:
+            return self.loop.run_until_complete(batch)
+        except BaseException:
+            # Ctrl-C (KeyboardInterrupt) stops the loop with the batch's requests still
+            # pending on it, as a timeout or an error leaves them: cancel them, so that
+            # their streams close and the ranks abort them, before the error goes up
+            everything = [batch, *tasks]
+            for task in everything:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(asyncio.wait(everything))
+            for task in everything:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: it goes up from here
+            raise
 
     def close(self) -> None:
         """Stop the front-end tasks, the deployment (by pid) and the channel."""

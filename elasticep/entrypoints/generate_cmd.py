@@ -28,6 +28,7 @@ from elasticep.frontend.incremental_text import cut_at_stop
 from elasticep.frontend.tokenizer import load_tokenizer
 from elasticep.models import load_model_config
 from elasticep.models.loader import load_model
+from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.text import unicode_problem
 
 log = logging.getLogger("elasticep.generate")
@@ -167,6 +168,7 @@ def validate(args: argparse.Namespace
     checks.check_device(args.device)
     deployment = replace(deployment, model=checks.check_model_dir(args.model, args.load_format))
     checks.check_quantization(deployment.model, deployment.quantization)
+    checks.check_model_config(deployment.model)
     if args.prompt is not None:
         problem = "must not be empty" if not args.prompt else unicode_problem(args.prompt)
         if problem:
@@ -222,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"elasticep generate: error: {exc}", file=sys.stderr)
         return 2
+    # this process runs the model (one rank) or the batch's front-end (more)
+    warn_long_collections(dep.gc_warning_threshold_s)
     try:
         tok = load_tokenizer(dep.model)
         ids = [p if isinstance(p, list) else tok(p).input_ids for p in prompts]

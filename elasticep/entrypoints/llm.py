@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -34,12 +35,14 @@ from elasticep.deploy import Deployment
 from elasticep.engine.request import SamplingParams, TokenLogprobs
 from elasticep.entrypoints.batch_driver import BatchDriver
 from elasticep.entrypoints.validate import (
+    check_model_config,
     check_model_dir,
     check_quantization,
     default_model_dir,
     env_fault,
 )
 from elasticep.frontend.tokenizer import load_tokenizer
+from elasticep.wire.values import ProtocolError, convert, plain
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "GenerationError"]
 
@@ -52,6 +55,7 @@ _FLAG_NAMES = {"heartbeat_timeout": "heartbeat_timeout_s",
                "coordinator_timeout": "coordinator_timeout_s"}
 # set by the LLM itself, not by a caller
 _INTERNAL = {"model", "frontend_request_addr", "frontend_output_addr", "store_addr"}
+_FIELD_TYPES = typing.get_type_hints(DeploymentConfig)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -123,7 +127,8 @@ def deployment_settings(model: str, kwargs: Mapping[str, Any]) -> DeploymentConf
             (``heartbeat_timeout`` for ``heartbeat_timeout_s``).
 
     Raises:
-        TypeError: a keyword that is no deployment setting.
+        TypeError: a keyword that is no deployment setting, or a value of another type
+            than the setting's (``True`` for seconds, say).
         ValueError: a value out of range, naming its flag (the config's check).
     """
     known = {f.name for f in fields(DeploymentConfig)} - _INTERNAL
@@ -133,6 +138,10 @@ def deployment_settings(model: str, kwargs: Mapping[str, Any]) -> DeploymentConf
         if name not in known:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r} (deployment "
                             f"settings: {', '.join(sorted(known))})")
+        try:  # the type each rank decodes it as: a wrong one killed every rank at start
+            convert(plain(value), _FIELD_TYPES[name], key, {})
+        except ProtocolError as exc:
+            raise TypeError(f"LLM() keyword {exc}") from None
         values[name] = value
     return DeploymentConfig(model=model, **values)
 
@@ -152,7 +161,8 @@ class LLM:
         **kwargs: deployment settings by field name (see :func:`deployment_settings`).
 
     Raises:
-        UsageError: a model directory that cannot serve (the message names the fix).
+        UsageError: a model directory that cannot serve (the message names the fix), or
+            a ``log_dir`` that cannot be made or written.
         TypeError / ValueError: a bad deployment setting.
         TimeoutError / RuntimeError: the ranks did not come up.
     """
@@ -166,6 +176,7 @@ class LLM:
         config = deployment_settings(check_model_dir(model, kwargs.get(
             "load_format", "auto")), {"ep_size": ep_size, **kwargs})
         check_quantization(config.model, config.quantization)  # before any rank starts
+        check_model_config(config.model)
         self.tokenizer = load_tokenizer(tokenizer or config.model)
         self._lock = threading.Lock()  # one batch at a time: the driver owns one loop
         self._driver: BatchDriver | None = BatchDriver.launch(

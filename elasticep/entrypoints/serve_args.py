@@ -21,6 +21,7 @@ from elasticep.entrypoints.validate import (
     apply_gloo_ifname,
     check_address,
     check_device,
+    check_model_config,
     check_model_dir,
     check_quantization,
     coordinator_timeout_check,
@@ -220,6 +221,7 @@ def validate(args: argparse.Namespace) -> ServeSettings:
     apply_gloo_ifname(args)
     deployment = replace(deployment, model=check_model_dir(args.model, args.load_format))
     check_quantization(deployment.model, deployment.quantization)
+    check_model_config(deployment.model)
     coord_host, coord_port = "127.0.0.1", 0
     if args.dist_init_addr:
         # node 0 may bind port 0 (any free port); other nodes must name the real one

@@ -178,19 +178,24 @@ def check_model_dir(model: str, load_format: str | LoadFormat = LoadFormat.AUTO)
             (or their index) beside ``config.json``.
 
     Raises:
-        UsageError: missing directory/config.json, an unsupported ``model_type``, or a
-            config-only directory without ``--load-format dummy`` (the rank would die
-            reading weights otherwise, long after start).
+        UsageError: missing directory/config.json, a config.json that is not an object,
+            an unsupported ``model_type``, or a config-only directory without
+            ``--load-format dummy`` (the rank would die reading weights otherwise, long
+            after start).
     """
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {model}: no such model directory (config.json not found)")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"--model {model}: unreadable config.json ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"--model {model}: config.json is not a JSON object (a "
+                         f"{type(raw).__name__})")
     from elasticep.models.config import SUPPORTED_FAMILIES  # imports torch
 
+    model_type = raw.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise UsageError(f"--model {model}: unsupported model family {model_type!r} "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -229,6 +234,24 @@ def check_quantization(model_dir: str, quantization: str | None) -> None:
                 "'<name>_scale_inv' scales, declared in config.json")
 
 
+def check_model_config(model_dir: str) -> None:
+    """``model_dir``'s config.json parses into a model config (every rank parses it: a
+    bad field must stop the command, not each rank); call after
+    :func:`check_quantization`, whose message names a bad ``quantization_config`` better.
+
+    Raises:
+        UsageError: the parse failed (transformers' field checks raise their own error
+            types), in one line.
+    """
+    from elasticep.models.config import load_model_config
+
+    try:
+        load_model_config(model_dir)
+    except Exception as exc:  # noqa: BLE001 - see Raises
+        raise UsageError(f"--model {model_dir}: config.json: "
+                         f"{' '.join(str(exc).split())}") from None
+
+
 def has_weights(model_dir: Path) -> bool:
     """True when ``model_dir`` holds a safetensors checkpoint (files or their index)."""
     return ((model_dir / "model.safetensors.index.json").is_file()
@@ -249,12 +272,14 @@ def make_log_dir(value: str | None, prefix: str) -> Path:
     temporary directory named ``prefix...``.
 
     Raises:
-        UsageError: ``--log-dir`` cannot be created or is not a writable directory
+        UsageError: ``--log-dir`` is empty, cannot be created or is not a writable directory
             (checked before anything starts: a failure later was reported as the
             coordinator's).
     """
     if value is None:
         return Path(tempfile.mkdtemp(prefix=prefix))
+    if not value.strip():  # Path("") is the working directory
+        raise UsageError("--log-dir must not be empty")
     path = Path(value).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from elasticep.frontend.metrics import enable_multiprocess
 from elasticep.frontend_link import FrontendChannel, LinkEndpoints, WorkerHello
 from elasticep.utils.gc_pauses import warn_long_collections
 from elasticep.utils.procs import die_with_parent
-from elasticep.utils.startup_heap import freeze_startup_heap
+from elasticep.utils.startup_heap import freeze_startup_heap, thaw_startup_heap
 from elasticep.utils.wait import wait_until
 
 if TYPE_CHECKING:  # the process imports the front-end once its link is bound
@@ -156,3 +156,4 @@ def api_server_main(index: int, link_host: str, ports: tuple[int, int], sock: so
         if server is not None:
             server.stop()
         channel.close()
+        thaw_startup_heap()  # multiprocessing ends this process with a normal exit

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import etcd3gw
+import requests
 from etcd3gw import exceptions as etcd_errors
 
 from .durable_state import MembershipState
@@ -68,7 +69,8 @@ class EtcdKV:
         answers, starting with the one that answered last.
 
         Raises:
-            StoreUnavailableError: no member answered (all down, or no quorum).
+            StoreUnavailableError: no member answered (all down, no quorum, or not etcd:
+                an answer that is not a JSON object).
             MembershipStoreError: a member answered with an error (a lease it does not
                 know, a malformed request).
         """
@@ -82,13 +84,20 @@ class EtcdKV:
             c = self._clients[k]
             try:
                 out = c.post(c.get_url(path), json=body)
+            except ValueError:  # requests' JSONDecodeError: another server on that port
+                out = None
             except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
-                    etcd_errors.InternalServerError) as e:
+                    etcd_errors.InternalServerError,
+                    requests.RequestException) as e:  # a reply cut short, say
                 errors.append(f"{c.host}:{c.port}: {type(e).__name__}")
                 continue
             except etcd_errors.Etcd3Exception as e:
                 raise MembershipStoreError(f"etcd at {c.host}:{c.port} refused {path}: "
                                            f"{' '.join(str(e).split())[:200]}") from None
+            if not isinstance(out, dict):
+                errors.append(f"{c.host}:{c.port}: not an etcd gateway: its answer is not "
+                              "a JSON object")
+                continue
             self._current = k
             return out
         raise StoreUnavailableError("no etcd member answered (" + "; ".join(errors) + ")")

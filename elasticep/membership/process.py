@@ -197,7 +197,9 @@ class CoordinatorProcess:
                               "it served")
             store_port = int(json.loads(line)["store_port"])
         except BaseException:
-            _end(proc, 5.0)
+            # it has not served, so nothing depends on it; and a child still importing
+            # acts on neither the lifeline's EOF nor SIGTERM until its imports end
+            _kill(proc)
             raise
         log.info("coordinator process pid %d serves at %s (store port %d)", proc.pid,
                  address, store_port)
@@ -273,14 +275,19 @@ class CoordinatorProcess:
 
 
 def _end(proc: subprocess.Popen, timeout_s: float) -> None:
-    """Wait ``timeout_s`` seconds for our child ``proc`` to exit, then kill it (SIGCONT
-    first: a stopped process keeps a SIGKILL pending until it runs)."""
+    """Wait ``timeout_s`` seconds for our child ``proc`` to exit, then kill it."""
     try:
         proc.wait(timeout_s)
         return
     except subprocess.TimeoutExpired:
         log.warning("coordinator process pid %d still runs %g s after its lifeline "
                     "closed; killing it", proc.pid, timeout_s)
+    _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL our child ``proc`` and reap it (SIGCONT first: a stopped process keeps a
+    SIGKILL pending until it runs)."""
     proc.send_signal(signal.SIGCONT)
     proc.kill()
     try:

@@ -95,7 +95,17 @@ class CheckpointReader:
 
     def get_stored(self, key: str) -> torch.Tensor:
         """``key`` as stored: its own dtype, on the CPU, no shape check."""
-        return self._handle(key).get_tensor(key)
+        handle = self._handle(key)
+        try:
+            return handle.get_tensor(key)
+        except SafetensorError:
+            raise self._not_in_shard(key) from None
+
+    def _not_in_shard(self, key: str) -> ValueError:
+        """The index sends ``key`` to a shard that does not hold it (an index left from
+        another save, or a shard replaced); safetensors' own error is a bare traceback."""
+        return unsupported(f"tensor {key!r} is not in {self.key_to_file[key]}, where "
+                           f"{self.model_dir / 'model.safetensors.index.json'} says it is")
 
     def get_row_stored(self, key: str, row: int) -> torch.Tensor:
         """``key[row]`` of a stacked tensor as stored (its own dtype, on the CPU).
@@ -103,7 +113,11 @@ class CheckpointReader:
         Raises:
             ValueError: ``row`` is outside the stack.
         """
-        sl = self._handle(key).get_slice(key)
+        handle = self._handle(key)
+        try:
+            sl = handle.get_slice(key)
+        except SafetensorError:
+            raise self._not_in_shard(key) from None
         n = sl.get_shape()[0]
         if not 0 <= row < n:
             raise unsupported(f"tensor {key!r} has {n} experts, expert {row} requested")

@@ -39,7 +39,7 @@ def warn_long_collections(threshold_s: float) -> bool:
             return
         took = time.perf_counter() - started[0]
         if took > threshold_s:
-            logger.warning("garbage collection of generation %d took %.3f s (over %g s; "
+            logger.warning("garbage collection of generation %d took %.3g s (over %g s; "
                            "%d objects collected)", info["generation"], took, threshold_s,
                            info["collected"])
 

@@ -33,3 +33,12 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d start-up objects out of the garbage collector's scans", frozen)
     return frozen
+
+
+def thaw_startup_heap() -> None:
+    """Undo :func:`freeze_startup_heap` (:func:`gc.unfreeze`); call before a process that
+    froze its heap ends through a normal interpreter exit. That exit skips the permanent
+    generation, so extension objects frozen there are never freed, and nanobind's
+    bindings (triton's) then print a report of hundreds of "leaked" objects on stderr. A
+    process that ends with ``os._exit`` needs none of it."""
+    gc.unfreeze()

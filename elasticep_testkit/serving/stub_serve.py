@@ -31,7 +31,7 @@ from elasticep.frontend.loop_beats import BEAT_S, STALL_TIMEOUT_S
 from elasticep.frontend.membership_source import ConnectedWorkers
 from elasticep.frontend_link import FrontendChannel, WorkerHello
 from elasticep.utils.net import bind_tcp
-from elasticep.utils.startup_heap import freeze_startup_heap
+from elasticep.utils.startup_heap import freeze_startup_heap, thaw_startup_heap
 from elasticep.utils.wait import wait_until
 from elasticep_testkit.serving.stub_engine import rank_main
 
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill()
                 p.join(5)
         channel.close()
+        thaw_startup_heap()  # this process ends with a normal interpreter exit
 
 
 if __name__ == "__main__":

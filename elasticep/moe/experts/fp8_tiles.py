@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,11 +129,17 @@ def bucket_value(kernel: str, rows: int, slots: int) -> float:
     return float(rows) if kernel in ROWS_KERNELS else rows / max(slots, 1)
 
 
-def _positive_int(entry: dict, key: str, where: str, power_of_two: bool = False) -> int:
+# a program is at most 1024 threads (CUDA's block limit), so 32 warps of 32
+MAX_NUM_WARPS = 32
+
+
+def _positive_int(entry: dict, key: str, where: str, power_of_two: bool = False,
+                  most: int | None = None) -> int:
     v = entry[key]
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or (
-            power_of_two and v & (v - 1)):
+            power_of_two and v & (v - 1)) or (most is not None and v > most):
         kind = "a power of two" if power_of_two else "a positive integer"
+        kind += "" if most is None else f" at most {most}"
         raise TileTableError(f"{where}: {key} must be {kind}, got {v!r}")
     return v
 
@@ -148,7 +155,8 @@ def _entry(raw: object, where: str) -> Entry:
     if kernel not in KERNELS:
         raise TileTableError(f"{where}: kernel {kernel!r} is not one of {list(KERNELS)}")
     bucket = raw["bucket"]
-    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not (
+            0 < bucket < math.inf):  # Python's json reads "Infinity"
         raise TileTableError(f"{where}: bucket must be a positive number, got {bucket!r}")
     sorted_kernel = kernel in _BLOCK_M_KERNELS
     if sorted_kernel != (raw.get("block_m") is not None):
@@ -156,7 +164,7 @@ def _entry(raw: object, where: str) -> Entry:
                              f"kernels and refused for the per-row ones ({kernel})")
     stages = raw.get("num_stages")
     tile = Tile(_positive_int(raw, "block", where, True),
-                _positive_int(raw, "num_warps", where, True),
+                _positive_int(raw, "num_warps", where, True, MAX_NUM_WARPS),
                 _positive_int(raw, "block_m", where, True) if sorted_kernel else None,
                 None if stages is None else _positive_int(raw, "num_stages", where))
     if sorted_kernel and tile.block_m < 16:
@@ -255,7 +263,7 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
         The file written.
 
     Raises:
-        TileTableError: the file there is malformed.
+        TileTableError: the file there is not UTF-8 or is malformed.
     """
     if path.suffix != ".json":
         path.mkdir(parents=True, exist_ok=True)
@@ -264,7 +272,7 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
     kept: list[Entry] = []
     measured = dict(measured)
     if path.is_file():
-        text = path.read_text()
+        text = _read_text(path)
         entries_there = parse_table(text, str(path))  # validates before json.loads
         doc = json.loads(text)
         for e, raw in zip(entries_there, doc["entries"], strict=True):
@@ -282,16 +290,60 @@ def write_merged(path: Path, device_name: str, entries: list[Entry], source: str
     return path
 
 
+def check_table_targets(paths: list[Path], device_name: str | None) -> None:
+    """Each path can take :func:`write_merged`'s entries: a ``.json`` file that is
+    absent or a valid table, or a directory (or none yet) whose ``<device slug>.json``
+    is; for a sweep to check before its minutes of measuring, since
+    :func:`write_merged` refuses a malformed file only when it writes.
+
+    Args:
+        paths: ``--write-table`` values.
+        device_name: the device's name, or None before it is known (directories are
+            then skipped).
+
+    Raises:
+        TileTableError: a table there is not UTF-8 or is malformed.
+        OSError: a path that is neither a ``.json`` file nor a directory.
+    """
+    for path in paths:
+        if path.suffix != ".json":
+            if path.exists() and not path.is_dir():
+                raise NotADirectoryError(f"{path}: neither a .json file nor a directory")
+            if device_name is None:
+                continue
+            path = table_path(device_name, path)
+        if path.exists():
+            read_table(path)
+
+
 @functools.cache
 def load_table(path: Path) -> tuple[Entry, ...]:
     """The entries of the table file at ``path`` (read once); () when there is none.
 
     Raises:
-        TileTableError: the file exists but is malformed (:func:`parse_table`).
+        TileTableError: the file exists but is not UTF-8 or is malformed
+            (:func:`parse_table`).
     """
     if not path.is_file():
         return ()
-    return tuple(parse_table(path.read_text(), str(path)))
+    return tuple(read_table(path))
+
+
+def read_table(path: Path) -> list[Entry]:
+    """The entries of the table file at ``path``, read now (uncached).
+
+    Raises:
+        OSError: no file there.
+        TileTableError: not UTF-8, or malformed (:func:`parse_table`).
+    """
+    return parse_table(_read_text(path), str(path))
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TileTableError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 @functools.cache
