@@ -14,9 +14,9 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import httpx
+from burst_client import burst
 
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.paths import DEMO_MODEL
@@ -32,41 +32,6 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one(host, port, model, res):
-    t0 = time.perf_counter()
-    r, w = await asyncio.open_connection(host, port)
-    body = json.dumps({"model": model, "prompt": "hello world " * 100, "max_tokens": M,
-                       "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
-    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    await w.drain()
-    await r.readline()
-    t_status = time.perf_counter()
-    t_first, n_events, tail = None, 0, b""
-    while True:
-        d = await r.read(65536)
-        if not d:
-            break
-        if t_first is None and b'"text"' in d:
-            t_first = time.perf_counter()
-        n_events += (tail + d).count(b"data: {")
-        tail = d[-8:]
-    w.close()
-    res.append((t_status - t0, t_first - t0, n_events))
-
-
-async def burst(url, model, n):
-    host, port = url.split("//")[1].split(":")
-    res, sem = [], asyncio.Semaphore(C)
-
-    async def gated():
-        async with sem:
-            await one(host, int(port), model, res)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(gated() for _ in range(n)))
-    return res, time.perf_counter() - t0
-
-
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -77,9 +42,9 @@ serve = ServeProcess.start(["--model", str(DEMO_MODEL), "--device", "cpu", "--dt
                            program=stub_engine.server_command(S))
 try:
     model = httpx.get(serve.url + "/v1/models").json()["data"][0]["id"]
-    asyncio.run(burst(serve.url, model, C))  # warm-up
+    asyncio.run(burst(serve.url, model, C, C, M))  # warm-up
     c0 = cpu_s(serve.proc.pid)
-    res, wall = asyncio.run(burst(serve.url, model, N))
+    res, wall = asyncio.run(burst(serve.url, model, C, N, M))
     used = cpu_s(serve.proc.pid) - c0
 finally:
     serve.stop()

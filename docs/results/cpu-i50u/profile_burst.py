@@ -10,13 +10,13 @@ stacks to OUT_PREFIX.raw and summarizes them; the second only summarizes.
 """
 import asyncio
 import collections
-import json
 import statistics
 import subprocess
 import sys
 import time
 
 import httpx
+from burst_client import burst
 
 from elasticep_testkit.harness.serve_process import ServeProcess
 from elasticep_testkit.paths import DEMO_MODEL
@@ -29,39 +29,6 @@ else:
     C, N, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 
 
-async def one(host, port, model, res):
-    t0 = time.perf_counter()
-    r, w = await asyncio.open_connection(host, port)
-    body = json.dumps({"model": model, "prompt": "hello world " * 100, "max_tokens": 64,
-                       "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
-    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-    await w.drain()
-    await r.readline()
-    t_status = time.perf_counter()
-    t_first = None
-    while True:
-        d = await r.read(65536)
-        if not d:
-            break
-        if t_first is None and b'"text"' in d:
-            t_first = time.perf_counter()
-    w.close()
-    res.append((t_status - t0, t_first - t0))
-
-
-async def burst(url, model):
-    host, port = url.split("//")[1].split(":")
-    res, sem = [], asyncio.Semaphore(C)
-
-    async def gated():
-        async with sem:
-            await one(host, int(port), model, res)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(gated() for _ in range(N)))
-    return res, time.perf_counter() - t0
-
-
 def record():
     steps_per_s = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
     serve = ServeProcess.start(["--model", str(DEMO_MODEL), "--device", "cpu", "--dtype",
@@ -69,13 +36,13 @@ def record():
                                program=stub_engine.server_command(steps_per_s))
     try:
         model = httpx.get(serve.url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(burst(serve.url, model))  # warm-up
+        asyncio.run(burst(serve.url, model, C, N))  # warm-up
         spy = subprocess.Popen([sys.executable.replace("python", "py-spy"), "record",
                                 "--pid", str(serve.proc.pid), "--rate", "250", "--format",
                                 "raw", "-o", OUT + ".raw", "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
-        res, wall = asyncio.run(burst(serve.url, model))
+        res, wall = asyncio.run(burst(serve.url, model, C, N))
         spy.send_signal(2)
         spy.wait(30)
         print(f"C={C} N={N} stub steps/s {steps_per_s:g} wall {wall:.2f} s; status p50 "
