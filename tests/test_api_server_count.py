@@ -421,3 +421,20 @@ def test_a_process_that_dies_before_it_serves_is_relaunched_once(monkeypatch):
             assert pool.origins[0] != first
         finally:
             pool.stop(5.0)
+
+
+def test_a_stop_before_the_processes_serve_does_not_wait_for_their_start_up(monkeypatch):
+    # Ctrl-C of serve while it started: an extra process waiting for its spec acts on
+    # its SIGTERM only once its start-up ends, and the stop waited out grace_s + 5 s
+    # before it killed it; one that has not served holds no stream and is killed at once
+    monkeypatch.setattr(api_server_pool, "enable_multiprocess", lambda _dir: None)
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        pool = ApiServerPool(1, "127.0.0.1", sock, 30.0)
+        pool.start()  # bound its link; now it waits for the spec, as serve's start runs
+        proc = pool._procs[0]
+        assert proc is not None and proc.is_alive()
+        t0 = time.monotonic()
+        pool.stop()
+        took = time.monotonic() - t0
+    assert not proc.is_alive() and proc.exitcode == -signal.SIGKILL
+    assert took < 10.0, f"the stop took {took:.1f} s (it waited out the grace)"

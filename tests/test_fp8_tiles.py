@@ -280,9 +280,6 @@ def test_kernels_and_sweep_interpreted():
         assert tiles.select(entries, e.kernel, 256, 128, fastest["bucket"]) == e.tile
 
 
-if __name__ == "__main__":
-    print(json.dumps(_interpreted()))
-
 
 def test_the_prefill_sweep_refuses_a_table_it_cannot_merge_into_before_it_runs(
         tmp_path, monkeypatch, capsys):
@@ -299,3 +296,7 @@ def test_the_prefill_sweep_refuses_a_table_it_cannot_merge_into_before_it_runs(
     assert capsys.readouterr().err.splitlines() == [
         f"bench.fp8_expert_prefill: error: --write-table: {bad} entry 0: w8a8_gate_up's "
         "block is one scale group, 128, got 64"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreted()))

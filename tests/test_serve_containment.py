@@ -80,20 +80,20 @@ def _silence_lines(serve) -> int:
 
 @pytest.fixture(scope="module")
 def stall_reference(serve) -> list[str]:
-    """The fault-free texts of the stall tests' burst, computed once for the three."""
+    """The fault-free texts of the stall tests' burst, computed once for both."""
     records = burst(serve, PROMPTS[:4], MAX_TOKENS).results(120)
     assert [r.error for r in records] == [None] * 4
     return [r.text for r in records]
 
 
-@pytest.mark.parametrize("stall_s", [1.0, 5.0, 20.0])
+@pytest.mark.parametrize("stall_s", [1.0, 8.0])
 def test_a_stall_of_serve_costs_no_request_and_no_rank(serve, stall_reference, stall_s):
-    """SIGSTOP of serve (the front-end) mid-stream for 1, 5 and 20 s (the heartbeat
-    timeout is 2 s): with the coordinator inside serve every rank used to exit. The
-    coordinator is serve's child process now, so it keeps heartbeating meanwhile: it
-    answers calls within a fraction of the timeout, no rank sees it silent and it never
-    stalls itself. After SIGCONT every stream ends with its fault-free text, and the
-    same rank processes serve on in the same epoch."""
+    """SIGSTOP of serve (the front-end) mid-stream for 1 and 8 s (the heartbeat timeout
+    is 2 s): with the coordinator inside serve every rank used to exit. The coordinator
+    is serve's child process now, so it keeps heartbeating meanwhile: it answers calls
+    within a fraction of the timeout, no rank sees it silent and it never stalls
+    itself. After SIGCONT every stream ends with its fault-free text, and the same rank
+    processes serve on in the same epoch."""
     reference = stall_reference
     before = serve.status()
     coordinator = serve.coordinator_pid()

@@ -197,6 +197,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
             extra = api.pool.endpoints
             dep = replace(dep, frontend_extra_request_addrs=tuple(e.request_addr for e in extra),
                           frontend_extra_output_addrs=tuple(e.output_addr for e in extra))
+        if stop.is_set():  # Ctrl-C during the start: start no coordinator and no rank
+            return stop.exit_status() or 1
         try:  # the local ranks first: they load while the front-end starts
             deployment = Deployment.start(
                 dep, host=settings.coordinator_host, port=settings.coordinator_port,
@@ -206,6 +208,8 @@ def _serve_head(settings: ServeSettings, args: argparse.Namespace, stop: StopEve
         except OSError as exc:
             raise OSError(f"cannot start the coordinator at {where} (--dist-init-addr): "
                           f"{exc.strerror or exc}") from exc
+        if stop.is_set():
+            return stop.exit_status() or 1
         dep = deployment.config
         logger.info("coordinator %s; %d of %d ranks on this node; worker logs in %s",
                     deployment.address, len(settings.local_ranks), dep.ep_size, log_dir)

@@ -255,6 +255,11 @@ class ApiServerPool:
             # the thread that forked it): keep the thread until the processes are gone
             self._joined.wait()
 
+    def _has_served(self, i: int) -> bool:
+        """Process ``i``'s loop has beaten: it serves, or served."""
+        beats = self._beats[i]
+        return beats is not None and beats.value > 0
+
     def _silent_s(self, i: int) -> float | None:
         """How long process ``i``'s loop has been silent if it is stalled, else None."""
         beats = self._beats[i]
@@ -307,12 +312,18 @@ class ApiServerPool:
         return True
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Stop every process by pid (SIGTERM: streams get ``grace_s``), wait up to
-        ``timeout_s`` for each (default ``grace_s`` + 5 s), SIGKILL what is left, and
-        remove the metrics directory. Idempotent."""
+        """Stop every process by pid (SIGTERM: streams get ``grace_s``; SIGKILL for one
+        that has not served yet), wait up to ``timeout_s`` for each (default ``grace_s``
+        + 5 s), SIGKILL what is left, and remove the metrics directory. Idempotent."""
         self.signal_stop()
         with self._relaunching:  # one the watcher relaunches now gets its SIGTERM too
             self.signal_stop()
+        for i, proc in enumerate(self._procs):
+            # one that has not served yet holds no stream, and it acts on its SIGTERM
+            # only once its start-up ends (it waits for the spec, imports the server):
+            # a stop during serve's start-up would wait for that for nothing
+            if proc is not None and proc.is_alive() and not self._has_served(i):
+                proc.kill()
         wait_s = self.grace_s + 5.0 if timeout_s is None else timeout_s
         # one deadline for all: waiting for each in turn made a stop during start-up
         # (processes still importing) take up to N times as long
