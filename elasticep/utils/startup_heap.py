@@ -3,7 +3,7 @@
 A front-end process imports torch, transformers and the tokenizer before it serves:
 millions of objects that live as long as the process. CPython's oldest-generation
 collection walks every tracked object, so under load one such collection paused a
-front-end's event loop for 140-165 ms on a 2-core machine (every stream's tokens and
+front-end's event loop for about 140 ms on a 2-core machine (every stream's tokens and
 every new request waiting; ``docs/results/cpu-i50t/``). :func:`gc.freeze` (CPython 3.7+)
 moves every object alive now into a permanent generation that collections skip (vLLM and
 SGLang freeze their processes' heaps after start-up likewise). Objects made later are
